@@ -1,0 +1,141 @@
+"""Aspect-ratio buckets with sd-scripts' semantics (train_util.BucketManager,
+model_util.make_bucket_resolutions).
+
+All sizes are (w, h). ``select_bucket`` returns the bucket, the size the image is resized to
+before the crop, and the aspect-ratio error, exactly as sd-scripts computes them. Without
+bucketing there is one bucket, ``resolution``: the image is scaled so that it covers it (the
+short side relative to the bucket fits) and is then center-cropped, as sd-scripts' fixed path.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from library.data import DataError, ImageItem
+
+logger = logging.getLogger(__name__)
+
+
+def make_bucket_resolutions(max_reso: tuple[int, int], min_size: int = 256, max_size: int = 1024,
+                            divisible: int = 64) -> list[tuple[int, int]]:
+    """sd-scripts' bucket list: the square of the same area, then for each width from
+    ``min_size`` to ``max_size`` in ``divisible`` steps the largest height (a multiple of
+    ``divisible``, at most ``max_size``) within the area, and its transpose. Sorted."""
+    max_area = max_reso[0] * max_reso[1]
+    resos = set()
+    side = int(math.sqrt(max_area) // divisible) * divisible
+    resos.add((side, side))
+    width = min_size
+    while width <= max_size:
+        height = min(max_size, int((max_area // width) // divisible) * divisible)
+        if height >= min_size:
+            resos.add((width, height))
+            resos.add((height, width))
+        width += divisible
+    return sorted(resos)
+
+
+def _check_multiple_of_8(option: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0 or value % 8:
+        raise DataError(f"--{option} must be a positive multiple of 8 (the VAE downsamples by 8), got {value!r}")
+
+
+class BucketManager:
+    def __init__(self, resolution: tuple[int, int], enable_bucket: bool, min_size: int = 256,
+                 max_size: int = 1024, reso_steps: int = 64, no_upscale: bool = False,
+                 log: logging.Logger = logger):
+        if len(resolution) != 2:
+            raise DataError(f"--resolution must be W or W,H, got {resolution!r}")
+        for v in resolution:
+            _check_multiple_of_8("resolution", v)
+        self.resolution = (int(resolution[0]), int(resolution[1]))
+        self.enable_bucket = enable_bucket
+        self.no_upscale = bool(no_upscale) and enable_bucket
+        self.max_area = self.resolution[0] * self.resolution[1]
+
+        if not enable_bucket:
+            self.reso_steps = None
+            self.resos = [self.resolution]
+        else:
+            _check_multiple_of_8("bucket_reso_steps", reso_steps)
+            if reso_steps % 64:
+                log.warning(f"--bucket_reso_steps {reso_steps} is not a multiple of 64: some models "
+                            "may produce artifacts at such bucket sizes")
+            self.reso_steps = reso_steps
+            if self.no_upscale:
+                # sd-scripts: buckets then come from each image's size, min/max are not used
+                log.warning("--min_bucket_reso and --max_bucket_reso are ignored with --bucket_no_upscale")
+                self.resos = []
+            else:
+                _check_multiple_of_8("min_bucket_reso", min_size)
+                _check_multiple_of_8("max_bucket_reso", max_size)
+                if min_size > max_size:
+                    raise DataError(f"--min_bucket_reso ({min_size}) must not exceed --max_bucket_reso ({max_size})")
+                if min(self.resolution) < min_size:
+                    raise DataError(f"--min_bucket_reso ({min_size}) must not exceed the resolution's "
+                                    f"short side ({min(self.resolution)})")
+                if max(self.resolution) > max_size:
+                    raise DataError(f"--max_bucket_reso ({max_size}) must be at least the resolution's "
+                                    f"long side ({max(self.resolution)})")
+                self.resos = make_bucket_resolutions(self.resolution, min_size, max_size, reso_steps)
+        self._reso_set = set(self.resos)
+        self._aspects = [w / h for w, h in self.resos]
+
+    def _round_to_steps(self, x: float) -> int:
+        x = int(x + 0.5)
+        return x - x % self.reso_steps
+
+    def select_bucket(self, image_width: int, image_height: int
+                      ) -> tuple[tuple[int, int], tuple[int, int], float]:
+        """(bucket, resized_size, ar_error) for an image of this size, as sd-scripts."""
+        aspect = image_width / image_height
+        if not self.no_upscale:
+            reso = (image_width, image_height)
+            if reso not in self._reso_set:
+                # closest aspect ratio; ties go to the first (smallest) bucket, as np.argmin
+                best = min(range(len(self.resos)), key=lambda i: abs(self._aspects[i] - aspect))
+                reso = self.resos[best]
+            # scale so the image covers the bucket: match the side that is relatively shorter
+            if aspect > reso[0] / reso[1]:
+                scale = reso[1] / image_height
+            else:
+                scale = reso[0] / image_width
+            resized = (int(image_width * scale + 0.5), int(image_height * scale + 0.5))
+        else:
+            if image_width * image_height > self.max_area:
+                # shrink to the max area keeping the aspect; round the side whose rounding
+                # keeps the aspect closer (sd-scripts' logic)
+                rw = math.sqrt(self.max_area * aspect)
+                rh = self.max_area / rw
+                bw = self._round_to_steps(rw)
+                bh_in_w = self._round_to_steps(bw / aspect)
+                bh = self._round_to_steps(rh)
+                bw_in_h = self._round_to_steps(bh * aspect)
+                ar_w = bw / bh_in_w if bh_in_w else math.inf
+                ar_h = bw_in_h / bh if bh else math.inf
+                if abs(ar_w - aspect) < abs(ar_h - aspect):
+                    resized = (bw, int(bw / aspect + 0.5))
+                else:
+                    resized = (int(bh * aspect + 0.5), bh)
+            else:
+                resized = (image_width, image_height)
+            # bucket = resized size rounded down to steps: crop, never pad
+            reso = (resized[0] - resized[0] % self.reso_steps, resized[1] - resized[1] % self.reso_steps)
+            if reso[0] < 8 or reso[1] < 8:
+                raise DataError(f"image of {image_width}x{image_height} is smaller than one bucket step "
+                                f"({self.reso_steps}) with --bucket_no_upscale")
+        ar_error = reso[0] / reso[1] - aspect
+        return reso, resized, ar_error
+
+    def assign(self, items: list[ImageItem], log: logging.Logger = logger) -> list[ImageItem]:
+        """Set ``bucket`` and ``resized_size`` on each item; items that fit no bucket are
+        skipped with one warning line naming the file. Returns the kept items."""
+        kept = []
+        for it in items:
+            try:
+                it.bucket, it.resized_size, _ = self.select_bucket(*it.size)
+            except DataError as e:
+                log.warning(f"skipping image {it.path}: {e}")
+                continue
+            kept.append(it)
+        return kept

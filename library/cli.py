@@ -1,0 +1,25 @@
+"""Entry-point glue: parse options, run, and turn user errors into one line without traceback."""
+from __future__ import annotations
+
+import sys
+
+from library.errors import UserError
+
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth"}
+
+
+def main(script: str, argv: list[str] | None = None) -> int:
+    from library.config import parse_args
+
+    try:
+        opts = parse_args(script, sys.argv[1:] if argv is None else argv)
+        from library import trainer
+
+        trainer.run(opts, METHOD_OF_SCRIPT[script])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,89 @@
+"""Training metadata written into saved files: sd-scripts' ``ss_*`` keys and SAI ``modelspec.*``.
+
+All values are strings (safetensors metadata is str -> str).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections import Counter
+
+ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}
+BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
+IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
+IMPL_DIFFUSERS = "diffusers"
+
+
+def modelspec_architecture(family: str, v_parameterization: bool, adapter: str | None) -> str:
+    if family == "sd2":
+        arch = "stable-diffusion-v2-768-v" if v_parameterization else "stable-diffusion-v2-512"
+    else:
+        arch = ARCH[family]
+    return f"{arch}/{adapter}" if adapter else arch
+
+
+def tag_frequency(items) -> dict:
+    """{folder name: {tag: count}} over the unique training images, as sd-scripts records it."""
+    freq: dict[str, Counter] = {}
+    for it in items:
+        folder = os.path.basename(os.path.dirname(it.path))
+        c = freq.setdefault(folder, Counter())
+        for tag in (t.strip() for t in it.caption.split(",")):
+            if tag:
+                c[tag] += 1
+    return {k: dict(v) for k, v in freq.items()}
+
+
+def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str | None,
+                   num_train_images: int, num_reg_images: int, train_items, started_at: float,
+                   network_info: dict | None = None) -> dict:
+    """Static metadata for every save; ``step_metadata`` adds the per-save values."""
+    w, h = opts.resolution
+    md = {
+        "ss_training_started_at": str(started_at),
+        "ss_output_name": opts.output_name,
+        "ss_learning_rate": str(opts.learning_rate),
+        "ss_unet_lr": str(getattr(opts, "unet_lr", None)),
+        "ss_text_encoder_lr": str(getattr(opts, "text_encoder_lr", None)),
+        "ss_num_train_images": str(num_train_images),
+        "ss_num_reg_images": str(num_reg_images),
+        "ss_max_train_steps": str(getattr(opts, "max_train_steps", None)),
+        "ss_lr_warmup_steps": str(getattr(opts, "lr_warmup_steps", None)),
+        "ss_lr_scheduler": str(opts.lr_scheduler),
+        "ss_optimizer": str(opts.optimizer_type) + (
+            "(" + ",".join(f"{k}={v}" for k, v in opts.optimizer_args.items()) + ")"
+            if opts.optimizer_args else ""),
+        "ss_mixed_precision": str(opts.mixed_precision),
+        "ss_seed": str(opts.seed),
+        "ss_gradient_checkpointing": str(bool(opts.gradient_checkpointing)),
+        "ss_gradient_accumulation_steps": str(opts.gradient_accumulation_steps),
+        "ss_max_grad_norm": str(opts.max_grad_norm),
+        "ss_clip_skip": str(opts.clip_skip),
+        "ss_resolution": str((w, h)),
+        "ss_v2": str(family == "sd2"),
+        "ss_base_model_version": BASE_MODEL_VERSION[family],
+        "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
+        "ss_tag_frequency": json.dumps(tag_frequency(train_items)),
+        "ss_caption_extension": str(opts.caption_extension),
+        "ss_enable_bucket": str(bool(opts.enable_bucket)),
+        "ss_prior_loss_weight": str(opts.prior_loss_weight),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
+        "modelspec.implementation": IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS,
+        "modelspec.title": opts.output_name,
+        "modelspec.resolution": f"{w}x{h}",
+        "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
+        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
+    }
+    if network_info:
+        md.update({k: str(v) for k, v in network_info.items()})
+    return md
+
+
+def step_metadata(base: dict, *, epoch: int, step: int, finished_at: float) -> dict:
+    md = dict(base)
+    md["ss_epoch"] = str(epoch)
+    md["ss_steps"] = str(step)
+    md["ss_training_finished_at"] = str(finished_at)
+    return md

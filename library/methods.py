@@ -1,0 +1,162 @@
+"""What a run trains: a network (LoRA and any kohya-interface module) or the model's own weights.
+
+The training loop is the same for both; a method says which parameters train, with which learning
+rates, whether the text encoders need gradients, and how a save is written.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+
+logger = logging.getLogger("sdtk")
+
+
+class MethodError(ValueError):
+    pass
+
+
+def _dtype(name):
+    import torch
+
+    return {None: None, "float": torch.float32, "fp32": torch.float32, "fp16": torch.float16,
+            "bf16": torch.bfloat16}[name]
+
+
+class NetworkMethod:
+    """Train an adapter network through the kohya network-module interface."""
+
+    adapter = "lora"
+
+    def __init__(self, opts, bundle):
+        self.opts = opts
+        self.bundle = bundle
+        self.train_unet = not opts.network_train_text_encoder_only
+        self.train_text_encoder = not opts.network_train_unet_only
+        try:
+            self.module = importlib.import_module(opts.network_module)
+        except ImportError as e:
+            raise MethodError(f"network_module: cannot import {opts.network_module!r} ({e})") from None
+        for fn in ("create_network",):
+            if not hasattr(self.module, fn):
+                raise MethodError(f"network_module {opts.network_module} has no {fn}(); "
+                                  "it must follow the kohya network interface")
+        if opts.network_module != "networks.lora":
+            self.adapter = "lora"  # modelspec knows only lora/textual-inversion adapters
+
+    def _te_arg(self):
+        tes = self.bundle.text_encoders
+        return tes if len(tes) > 1 else tes[0]
+
+    def setup(self):
+        opts, b = self.opts, self.bundle
+        for m in [b.unet, *b.text_encoders, b.vae]:
+            m.requires_grad_(False)
+        kwargs = dict(opts.network_args or {})
+        try:
+            network = self.module.create_network(
+                opts.network_multiplier, opts.network_dim, opts.network_alpha, b.vae,
+                self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
+        except (TypeError, ValueError, KeyError) as e:
+            raise MethodError(f"network_args for {opts.network_module}: {e}") from None
+        if network is None:
+            raise MethodError(f"network_module {opts.network_module}: create_network returned None")
+        network.apply_to(self._te_arg(), b.unet, self.train_text_encoder, self.train_unet)
+        if opts.network_weights:
+            info = network.load_weights(opts.network_weights)
+            logger.info(f"loaded network weights from {opts.network_weights}: {info}")
+        if opts.gradient_checkpointing and hasattr(network, "enable_gradient_checkpointing"):
+            network.enable_gradient_checkpointing()
+        if hasattr(network, "prepare_grad_etc"):
+            network.prepare_grad_etc(self._te_arg(), b.unet)
+        self.network = network
+        te_lr = opts.text_encoder_lr
+        groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
+        if isinstance(groups, tuple):  # current sd-scripts returns (groups, descriptions)
+            groups = groups[0]
+        self.param_groups = groups
+        self.info = {
+            "ss_network_module": opts.network_module,
+            "ss_network_dim": opts.network_dim,
+            "ss_network_alpha": opts.network_alpha,
+            "ss_network_dropout": opts.network_dropout,
+            "ss_network_args": json.dumps({k: str(v) for k, v in kwargs.items()}),
+            "ss_network_train_unet_only": opts.network_train_unet_only,
+            "ss_network_train_text_encoder_only": opts.network_train_text_encoder_only,
+        }
+        return groups
+
+    def trainable_parameters(self):
+        return [p for p in self.network.parameters() if p.requires_grad]
+
+    def set_train(self, epoch: int):
+        self.network.train()
+        if hasattr(self.network, "on_epoch_start"):
+            self.network.on_epoch_start(self._te_arg(), self.bundle.unet)
+
+    def save(self, path: str, dtype_name, metadata: dict):
+        dtype = _dtype(dtype_name)
+        md = metadata if path.endswith(".safetensors") else None
+        self.network.save_weights(path, dtype, md)
+
+    def extension(self):
+        from library.saving import EXTENSIONS
+
+        fmt = self.opts.save_model_as or "safetensors"
+        if fmt not in EXTENSIONS:
+            raise MethodError(f"save_model_as {fmt!r} is not available for a network; "
+                              f"use one of {', '.join(EXTENSIONS)}")
+        return EXTENSIONS[fmt]
+
+
+class FullMethod:
+    """Train the U-Net (and optionally the text encoders) themselves: DreamBooth, fine-tuning."""
+
+    adapter = None
+
+    def __init__(self, opts, bundle):
+        self.opts = opts
+        self.bundle = bundle
+        self.train_unet = True
+        self.train_text_encoder = bool(getattr(opts, "train_text_encoder", False))
+
+    def setup(self):
+        opts, b = self.opts, self.bundle
+        b.vae.requires_grad_(False)
+        b.unet.requires_grad_(True)
+        groups = [{"params": list(b.unet.parameters()), "lr": opts.learning_rate}]
+        for te in b.text_encoders:
+            te.requires_grad_(self.train_text_encoder)
+            if self.train_text_encoder:
+                lr = getattr(opts, "learning_rate_te", None) or opts.learning_rate
+                groups.append({"params": list(te.parameters()), "lr": lr})
+        self.param_groups = groups
+        self.info = {"ss_train_text_encoder": self.train_text_encoder}
+        return groups
+
+    def trainable_parameters(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def set_train(self, epoch: int):
+        pass
+
+    def extension(self):
+        fmt = self.opts.save_model_as or "safetensors"
+        return {"safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": "",
+                "diffusers_safetensors": ""}.get(fmt) if fmt in (
+            "safetensors", "ckpt", "diffusers", "diffusers_safetensors") else self._bad(fmt)
+
+    def _bad(self, fmt):
+        raise MethodError(f"save_model_as {fmt!r}: use safetensors, ckpt, diffusers or diffusers_safetensors")
+
+    def save(self, path: str, dtype_name, metadata: dict):
+        from library import sd_checkpoint
+
+        dtype = _dtype(dtype_name)
+        comps = self.bundle.components()
+        fmt = self.opts.save_model_as or "safetensors"
+        if fmt.startswith("diffusers"):
+            sd_checkpoint.save_diffusers(comps, self.bundle.family, path, dtype=dtype)
+        else:
+            sd_checkpoint.save_single_file(comps, self.bundle.family, path, dtype=dtype,
+                                           metadata=metadata)

@@ -1,0 +1,85 @@
+import logging
+
+import pytest
+
+from library.buckets import BucketManager, make_bucket_resolutions
+from library.data import DataError, ImageItem
+
+# Worked out by hand from sd-scripts' make_bucket_resolutions((512, 512), 256, 1024, 64):
+# the 512 square, then for widths 256..1024 step 64 the height (262144 // w) // 64 * 64 capped
+# at 1024, and the transposes.
+EXPECTED_512 = [(256, 832), (256, 896), (256, 960), (256, 1024), (320, 704), (320, 768),
+                (384, 640), (448, 576), (512, 512), (576, 448), (640, 384), (704, 320),
+                (768, 320), (832, 256), (896, 256), (960, 256), (1024, 256)]
+
+
+def test_bucket_resolutions_match_sd_scripts():
+    assert make_bucket_resolutions((512, 512), 256, 1024, 64) == EXPECTED_512
+    bm = BucketManager((512, 512), True, 256, 1024, 64, False)
+    assert bm.resos == EXPECTED_512
+
+
+@pytest.mark.parametrize("size, bucket, resized", [
+    ((1000, 600), (640, 384), (640, 384)),   # exact 5:3 bucket, downscale
+    ((300, 500), (384, 640), (384, 640)),    # exact 3:5 bucket, upscale
+    ((1024, 1024), (512, 512), (512, 512)),
+    ((800, 400), (704, 320), (704, 352)),    # 2.2 is closest to 2.0; cover -> crop 32 rows
+    ((512, 512), (512, 512), (512, 512)),    # an image already of a bucket size is kept
+])
+def test_select_bucket_known_sizes(size, bucket, resized):
+    bm = BucketManager((512, 512), True, 256, 1024, 64, False)
+    reso, rs, err = bm.select_bucket(*size)
+    assert reso == bucket and rs == resized
+    assert err == pytest.approx(bucket[0] / bucket[1] - size[0] / size[1])
+    assert rs[0] >= reso[0] and rs[1] >= reso[1]  # resized always covers the bucket
+
+
+def test_no_upscale_buckets():
+    bm = BucketManager((512, 512), True, 256, 1024, 64, True)
+    # small image: kept at its size, bucket rounded down to the step
+    assert bm.select_bucket(300, 200)[:2] == ((256, 192), (300, 200))
+    # large 2:1 image: shrunk to the max area; rounding the height keeps 2:1 exactly
+    assert bm.select_bucket(2000, 1000)[:2] == ((640, 320), (640, 320))
+
+
+def test_fixed_resolution_covers_then_center_crops():
+    bm = BucketManager((64, 64), False)
+    assert bm.resos == [(64, 64)]
+    assert bm.select_bucket(100, 50)[:2] == ((64, 64), (128, 64))
+    assert bm.select_bucket(50, 100)[:2] == ((64, 64), (64, 128))
+    assert bm.select_bucket(64, 64)[:2] == ((64, 64), (64, 64))
+    assert bm.select_bucket(32, 32)[:2] == ((64, 64), (64, 64))  # upscaled
+    bm = BucketManager((96, 64), False)
+    assert bm.select_bucket(300, 100)[:2] == ((96, 64), (192, 64))
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(resolution=(500, 512), enable_bucket=False), "--resolution"),
+    (dict(resolution=(512, 512), enable_bucket=True, reso_steps=60), "--bucket_reso_steps"),
+    (dict(resolution=(512, 512), enable_bucket=True, min_size=300), "--min_bucket_reso"),
+    (dict(resolution=(512, 512), enable_bucket=True, min_size=512, max_size=256), "--min_bucket_reso"),
+    (dict(resolution=(512, 512), enable_bucket=True, min_size=640), "--min_bucket_reso"),
+    (dict(resolution=(512, 1024), enable_bucket=True, max_size=768), "--max_bucket_reso"),
+])
+def test_invalid_bucket_options_name_the_option(kwargs, option):
+    with pytest.raises(DataError) as e:
+        BucketManager(**kwargs)
+    assert option in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reso_steps_not_multiple_of_64_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="library.buckets"):
+        bm = BucketManager((512, 512), True, 256, 1024, 32)
+    assert any("bucket_reso_steps" in r.getMessage() for r in caplog.records)
+    assert all(w % 32 == 0 and h % 32 == 0 for w, h in bm.resos)
+
+
+def test_assign_sets_buckets_and_skips_too_small(caplog):
+    items = [ImageItem(path=p, caption="", num_repeats=1, is_reg=False, class_tokens=None, size=s)
+             for p, s in (("big.png", (800, 400)), ("tiny.png", (40, 40)))]
+    bm = BucketManager((512, 512), True, 256, 1024, 64, True)
+    with caplog.at_level(logging.WARNING, logger="library.buckets"):
+        kept = bm.assign(items)
+    assert [i.path for i in kept] == ["big.png"]
+    assert kept[0].bucket == (640, 320) and kept[0].resized_size == (640, 320)  # area 320000 > 512*512
+    assert sum("tiny.png" in r.getMessage() for r in caplog.records) == 1
