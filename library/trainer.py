@@ -15,9 +15,17 @@ from library.training_data import build_training_set
 logger = logging.getLogger("sdtk")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and wrappers replace it)."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging():
     if not logger.handlers:
-        h = logging.StreamHandler(sys.stderr)
+        h = _StderrHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(h)
         logger.setLevel(logging.INFO)
@@ -97,6 +105,11 @@ class Run:
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
         self.method = NetworkMethod(opts, b) if self.method_name == "lora" else FullMethod(opts, b)
         groups = self.method.setup()
+        if not any(p.requires_grad for g in groups for p in g["params"]):
+            from library.errors import UserError
+
+            raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
+                            "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
         trained_dtype = torch.float32
         frozen_dtype = self.weight_dtype
         unet_dtype = trained_dtype if self.method_name != "lora" else frozen_dtype
@@ -271,6 +284,7 @@ class Run:
         acc = self.accelerator
         acc.wait_for_everyone()
         if acc.is_main_process:
+            os.makedirs(self.opts.output_dir, exist_ok=True)
             path = output_file(self.opts.output_dir, self.opts.output_name,
                                self.method.extension(), epoch=epoch, step=step)
             meta = md.step_metadata(self.base_metadata, epoch=epoch or getattr(self, "epoch", 0),

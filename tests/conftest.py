@@ -43,3 +43,32 @@ def run_script(capsys):
         return rc, out, err
 
     return _run
+
+
+def count_sd_scripts_modules(components, conv=False):
+    """LoRA modules per prefix by sd-scripts' rule, counted independently by walking the models:
+    every Linear and 1x1 Conv2d below a Transformer2DModel (U-Net) or a CLIP attention/MLP (text
+    encoders); with conv_dim also every Conv2d/Linear below ResnetBlock2D, Downsample2D and
+    Upsample2D."""
+    import torch
+
+    def count(root, classes, any_conv):
+        n = 0
+        for module in root.modules():
+            if type(module).__name__ in classes:
+                for child in module.modules():
+                    if isinstance(child, torch.nn.Linear):
+                        n += 1
+                    elif isinstance(child, torch.nn.Conv2d):
+                        n += 1 if (any_conv or child.kernel_size == (1, 1)) else 0
+        return n
+
+    unet_classes = {"Transformer2DModel"}
+    n_unet = count(components["unet"], unet_classes, False)
+    if conv:
+        n_unet += count(components["unet"], {"ResnetBlock2D", "Downsample2D", "Upsample2D"}, True)
+    te_classes = {"CLIPAttention", "CLIPSdpaAttention", "CLIPMLP"}
+    if "text_encoder_2" in components:
+        return {"unet": n_unet, "te1": count(components["text_encoder"], te_classes, False),
+                "te2": count(components["text_encoder_2"], te_classes, False)}
+    return {"unet": n_unet, "te": count(components["text_encoder"], te_classes, False)}

@@ -1,0 +1,510 @@
+"""Kohya-format LoRA network (the ``network_module`` interface of kohya-ss/sd-scripts).
+
+A trainer imports a network module and calls ``create_network(...)`` or
+``create_network_from_weights(...)``; the returned network hooks the forward of the model's own
+Linear / Conv2d modules (their weights stay where they are) and adds ``up(down(x)) * scale *
+multiplier``. Module selection, naming, initialisation, dropout and the file format are those of
+sd-scripts' ``networks/lora.py`` so that files load in A1111, Forge, ComfyUI and diffusers.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import tempfile
+from io import BytesIO
+from typing import Any, Optional
+
+import torch
+
+from library.errors import UserError
+from networks import lora_names as names
+
+UNET_TARGET_MODULES = ("Transformer2DModel",)  # LoRA-LierLa
+UNET_TARGET_MODULES_CONV3X3 = ("ResnetBlock2D", "Downsample2D", "Upsample2D")  # + LoRA-C3Lier
+# transformers 5 has only CLIPAttention; older versions had CLIPSdpaAttention / CLIPFlashAttention2.
+TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP")
+
+# network_args keys this module understands (values arrive as strings).
+KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout",
+                      "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
+
+
+class LoRAError(UserError, ValueError):
+    """Bad LoRA input (option, file or model); the message is one line naming the culprit."""
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+def _parse_number(key: str, value: Any, kind: type, low: float, high: float | None = None,
+                  low_inclusive: bool = True) -> Any:
+    """Parse a network option (strings from network_args, or numbers) and check its range."""
+    try:
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            number = int(value.strip()) if isinstance(value, str) else int(value)
+        else:
+            number = float(value)
+    except (TypeError, ValueError):
+        raise LoRAError(f"{key}={value!r} is not a{'n integer' if kind is int else ' number'}") from None
+    too_low = number < low if low_inclusive else number <= low
+    if too_low or (high is not None and number >= high):
+        bound = f"{'>=' if low_inclusive else '>'} {low}" + (f" and < {high}" if high is not None else "")
+        raise LoRAError(f"{key}={value!r} must be {bound}")
+    return number
+
+
+def _parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(k for k in kwargs if k not in KNOWN_NETWORK_ARGS)
+    if unknown:
+        raise LoRAError(f"network_args: unknown key {unknown[0]!r} for networks.lora; "
+                        f"known keys: {', '.join(KNOWN_NETWORK_ARGS)}")
+    out: dict[str, Any] = {}
+    if kwargs.get("conv_dim") is not None:
+        out["conv_dim"] = _parse_number("network_args: conv_dim", kwargs["conv_dim"], int, 1)
+        # sd-scripts: conv_alpha defaults to 1.0 when conv_dim is given
+        out["conv_alpha"] = (_parse_number("network_args: conv_alpha", kwargs["conv_alpha"], float, 0)
+                             if kwargs.get("conv_alpha") is not None else 1.0)
+    elif kwargs.get("conv_alpha") is not None:
+        raise LoRAError("network_args: conv_alpha is given without conv_dim")
+    for key in ("rank_dropout", "module_dropout"):
+        if kwargs.get(key) is not None:
+            out[key] = _parse_number("network_args: " + key, kwargs[key], float, 0.0, 1.0)
+    for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if kwargs.get(key) is not None:
+            out[key] = _parse_number("network_args: " + key, kwargs[key], float, 0.0, low_inclusive=False)
+    return out
+
+
+def lora_delta(down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
+    """The weight delta ``up @ down * scale`` in the original weight's shape (float32)."""
+    down, up = down.float(), up.float()
+    if down.dim() == 2:
+        delta = up @ down
+    elif down.shape[2:] == (1, 1):
+        delta = (up.flatten(1) @ down.flatten(1)).unsqueeze(2).unsqueeze(3)
+    else:
+        # 3x3 down followed by 1x1 up == a 3x3 conv whose kernel is up composed with down
+        delta = torch.nn.functional.conv2d(down.permute(1, 0, 2, 3), up).permute(1, 0, 2, 3)
+    return delta * scale
+
+
+def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
+    if not os.path.isfile(file):
+        raise LoRAError(f"LoRA weights file not found: {file}")
+    try:
+        if os.path.splitext(file)[1].lower() == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(file)
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt or foreign file
+        raise LoRAError(f"cannot read LoRA weights file {file}: {type(e).__name__}: {e}".splitlines()[0]) from e
+
+
+# --- hashes exactly as sd-scripts' train_util (sd-webui-additional-networks' model hashes) ------
+
+def addnet_hash_safetensors(b: BytesIO) -> str:
+    """SHA-256 of everything after the safetensors header."""
+    h = hashlib.sha256()
+    b.seek(0)
+    n = int.from_bytes(b.read(8), "little")
+    b.seek(n + 8)
+    for chunk in iter(lambda: b.read(1024 * 1024), b""):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def addnet_hash_legacy(b: BytesIO) -> str:
+    """First 8 hex digits of the SHA-256 of the 64 KiB at offset 1 MiB."""
+    h = hashlib.sha256()
+    b.seek(0x100000)
+    h.update(b.read(0x10000))
+    return h.hexdigest()[0:8]
+
+
+def precalculate_safetensors_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
+    # Only the immutable training metadata (ss_*) enters the hash, as in sd-scripts.
+    from safetensors.torch import save
+    b = BytesIO(save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")}))
+    return addnet_hash_safetensors(b), addnet_hash_legacy(b)
+
+
+def _atomic_save(file: str, write) -> None:
+    directory = os.path.dirname(os.path.abspath(file))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(file) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, file)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# --- modules ----------------------------------------------------------------------------------
+
+class LoRAModule(torch.nn.Module):
+    """LoRA for one Linear or Conv2d: hooks the original module's forward (no weight copied)."""
+
+    def __init__(self, lora_name: str, org_module: torch.nn.Module, multiplier: float = 1.0,
+                 lora_dim: int = 4, alpha: float | torch.Tensor | None = 1.0, dropout: float | None = None,
+                 rank_dropout: float | None = None, module_dropout: float | None = None):
+        super().__init__()
+        self.lora_name = lora_name
+        self.lora_dim = int(lora_dim)
+        if isinstance(org_module, torch.nn.Conv2d):
+            in_dim, out_dim = org_module.in_channels, org_module.out_channels
+            self.lora_down = torch.nn.Conv2d(in_dim, self.lora_dim, org_module.kernel_size, org_module.stride,
+                                             org_module.padding, bias=False)
+            self.lora_up = torch.nn.Conv2d(self.lora_dim, out_dim, (1, 1), (1, 1), bias=False)
+        else:
+            self.lora_down = torch.nn.Linear(org_module.in_features, self.lora_dim, bias=False)
+            self.lora_up = torch.nn.Linear(self.lora_dim, org_module.out_features, bias=False)
+
+        if isinstance(alpha, torch.Tensor):
+            alpha = float(alpha.detach().float())
+        alpha = float(self.lora_dim if alpha is None or alpha == 0 else alpha)  # 0/None: no scaling
+        self.scale = alpha / self.lora_dim
+        self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32))  # saved as 0-dim .alpha
+
+        # same as Microsoft's LoRA and sd-scripts: the network starts as an exact no-op
+        torch.nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        torch.nn.init.zeros_(self.lora_up.weight)
+
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+        # In a list so that the original module is not registered as our child (not saved/trained).
+        self.org_module_ref = [org_module]
+        self.org_forward = None
+
+    @property
+    def org_module(self) -> torch.nn.Module:
+        return self.org_module_ref[0]
+
+    def apply_to(self) -> None:
+        if self.org_forward is not None:
+            return
+        self.org_forward = self.org_module.forward
+        self.org_module.forward = self.forward
+
+    def restore(self) -> None:
+        """Undo apply_to: the original module's forward is its own again."""
+        if self.org_forward is not None:
+            del self.org_module.forward  # drops the instance attribute set by apply_to
+            self.org_forward = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        org_forwarded = self.org_forward(x)
+        if self.module_dropout is not None and self.training and torch.rand(1) < self.module_dropout:
+            return org_forwarded
+
+        lx = self.lora_down(x.to(self.lora_down.weight.dtype))
+        if self.dropout is not None and self.training:
+            lx = torch.nn.functional.dropout(lx, p=self.dropout)
+
+        scale = self.scale
+        if self.rank_dropout is not None and self.training:
+            mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
+            if lx.dim() == 3:
+                mask = mask.unsqueeze(1)  # text encoder: (batch, tokens, rank)
+            elif lx.dim() == 4:
+                mask = mask.unsqueeze(-1).unsqueeze(-1)  # conv: (batch, rank, h, w)
+            lx = lx * mask
+            scale = self.scale / (1.0 - self.rank_dropout)  # as if the rank were reduced
+
+        lx = self.lora_up(lx)
+        return org_forwarded + (lx * (self.multiplier * scale)).to(org_forwarded.dtype)
+
+    def merge_to(self, sd: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        """Add ``multiplier * up @ down * scale`` (from sd, or our own weights) to the original weight."""
+        down = sd.get("lora_down.weight", self.lora_down.weight)
+        up = sd.get("lora_up.weight", self.lora_up.weight)
+        weight = self.org_module.weight
+        device = device or weight.device
+        delta = lora_delta(down.to(device), up.to(device), self.scale) * self.multiplier
+        merged = weight.detach().to(device, torch.float32) + delta
+        with torch.no_grad():
+            weight.data = merged.to(dtype or weight.dtype)
+
+
+class LoRANetwork(torch.nn.Module):
+    UNET_TARGET_REPLACE_MODULE = list(UNET_TARGET_MODULES)
+    UNET_TARGET_REPLACE_MODULE_CONV2D_3X3 = list(UNET_TARGET_MODULES_CONV3X3)
+    TEXT_ENCODER_TARGET_REPLACE_MODULE = list(TEXT_ENCODER_TARGET_MODULES)
+    LORA_PREFIX_UNET = names.PREFIX_UNET
+    LORA_PREFIX_TEXT_ENCODER = names.PREFIX_TE
+    LORA_PREFIX_TEXT_ENCODER1 = names.PREFIX_TE1
+    LORA_PREFIX_TEXT_ENCODER2 = names.PREFIX_TE2
+
+    def __init__(self, text_encoder, unet, multiplier: float = 1.0, lora_dim: int = 4, alpha: float = 1.0,
+                 dropout: float | None = None, rank_dropout: float | None = None,
+                 module_dropout: float | None = None, conv_lora_dim: int | None = None,
+                 conv_alpha: float | None = None, modules_dim: dict[str, int] | None = None,
+                 modules_alpha: dict[str, Any] | None = None, is_sdxl: bool | None = None):
+        """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
+        modules_alpha per kohya name (from a file; then 3x3 convs are included when named)."""
+        super().__init__()
+        self.multiplier = multiplier
+        self.lora_dim, self.alpha = lora_dim, alpha
+        self.conv_lora_dim, self.conv_alpha = conv_lora_dim, conv_alpha
+        self.dropout, self.rank_dropout, self.module_dropout = dropout, rank_dropout, module_dropout
+        self.loraplus_lr_ratio = self.loraplus_unet_lr_ratio = self.loraplus_text_encoder_lr_ratio = None
+
+        text_encoders = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder])
+                         if te is not None]
+        self.is_sdxl = bool(is_sdxl) if is_sdxl is not None else (
+            len(text_encoders) == 2 or (unet is not None and names.is_sdxl_unet(unet)))
+
+        def dims_for(lora_name: str, is_small: bool):
+            if modules_dim is not None:
+                if lora_name in modules_dim:
+                    return modules_dim[lora_name], modules_alpha[lora_name]
+                return None, None
+            if is_small:
+                return self.lora_dim, self.alpha
+            if self.conv_lora_dim is not None:
+                return self.conv_lora_dim, self.conv_alpha
+            return None, None
+
+        def create_modules(prefix: str, root: torch.nn.Module, targets, name_of) -> list[LoRAModule]:
+            loras = []
+            for name, module in root.named_modules():
+                if module.__class__.__name__ not in targets:
+                    continue
+                for child_name, child in module.named_modules():
+                    is_linear = child.__class__.__name__ == "Linear"
+                    is_conv2d = child.__class__.__name__ == "Conv2d"
+                    if not (is_linear or is_conv2d):
+                        continue
+                    lora_name = names.kohya_name(prefix, name_of(name + "." + child_name))
+                    dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1))
+                    if not dim:
+                        continue
+                    loras.append(LoRAModule(lora_name, child, self.multiplier, dim, alpha, dropout=dropout,
+                                            rank_dropout=rank_dropout, module_dropout=module_dropout))
+            return loras
+
+        self.text_encoder_loras: list[LoRAModule] = []
+        for i, te in enumerate(text_encoders):
+            prefix = names.text_encoder_prefix(i, len(text_encoders))
+            self.text_encoder_loras += create_modules(prefix, te, TEXT_ENCODER_TARGET_MODULES,
+                                                      names.text_encoder_path)
+
+        self.unet_loras: list[LoRAModule] = []
+        if unet is not None:
+            targets = UNET_TARGET_MODULES
+            if modules_dim is not None or self.conv_lora_dim is not None:
+                targets = targets + UNET_TARGET_MODULES_CONV3X3
+            if self.is_sdxl:
+                block_map = names.sdxl_block_map(unet)
+                name_of = lambda path: names.sdxl_module_path(path, block_map)  # noqa: E731
+            else:
+                name_of = lambda path: path  # noqa: E731
+            self.unet_loras = create_modules(names.PREFIX_UNET, unet, targets, name_of)
+
+        if modules_dim is not None:
+            found = {lora.lora_name for lora in self.text_encoder_loras + self.unet_loras}
+            missing = sorted(set(modules_dim) - found)
+            if missing:
+                raise LoRAError(f"LoRA weights: {len(missing)} module(s) do not exist in this model "
+                                f"(wrong base model?), e.g. {missing[0]}")
+
+        seen: set[str] = set()
+        for lora in self.text_encoder_loras + self.unet_loras:
+            if lora.lora_name in seen:  # two paths mapping to one name would corrupt the file
+                raise LoRAError(f"duplicated LoRA name {lora.lora_name}")
+            seen.add(lora.lora_name)
+            self.add_module(lora.lora_name, lora)
+
+    # --- kohya network interface ---------------------------------------------------------------
+
+    def set_multiplier(self, multiplier: float) -> None:
+        self.multiplier = multiplier
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.multiplier = multiplier
+
+    def set_enabled(self, is_enabled: bool) -> None:
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.multiplier = self.multiplier if is_enabled else 0.0
+
+    def load_weights(self, file: str):
+        weights_sd = load_state_dict_file(file)
+        try:
+            info = self.load_state_dict(weights_sd, strict=False)
+        except RuntimeError as e:  # shape mismatch: another dim or another base model
+            raise LoRAError(f"LoRA weights {file} do not fit this network: {str(e).splitlines()[-1].strip()}") from e
+        if info.unexpected_keys:
+            raise LoRAError(f"LoRA weights {file}: {len(info.unexpected_keys)} key(s) match no module of this "
+                            f"network (other base model or module set?), e.g. {info.unexpected_keys[0]}")
+        return info
+
+    def apply_to(self, text_encoder=None, unet=None, apply_text_encoder: bool = True, apply_unet: bool = True) -> None:
+        # Modules not applied are dropped, so they are neither trained nor saved (sd-scripts).
+        if not apply_text_encoder:
+            self._drop(self.text_encoder_loras)
+            self.text_encoder_loras = []
+        if not apply_unet:
+            self._drop(self.unet_loras)
+            self.unet_loras = []
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.apply_to()
+
+    def _drop(self, loras: list[LoRAModule]) -> None:
+        for lora in loras:
+            lora.restore()
+            del self._modules[lora.lora_name]
+
+    def remove_from(self) -> None:
+        """Restore every hooked module's own forward (the network can be applied again)."""
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.restore()
+
+    def is_mergeable(self) -> bool:
+        return True
+
+    def merge_to(self, text_encoder, unet, weights_sd: dict[str, torch.Tensor], dtype=None, device=None) -> None:
+        """Merge the weights of weights_sd (kohya keys) times the multiplier into the original modules."""
+        prefixes = {k.split(".", 1)[0] for k in weights_sd}
+        for lora in self.text_encoder_loras + self.unet_loras:
+            if lora.lora_name not in prefixes:
+                continue
+            sd = {k[len(lora.lora_name) + 1:]: v for k, v in weights_sd.items()
+                  if k.startswith(lora.lora_name + ".")}
+            lora.merge_to(sd, dtype, device)
+
+    def set_loraplus_lr_ratio(self, loraplus_lr_ratio, loraplus_unet_lr_ratio, loraplus_text_encoder_lr_ratio):
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        self.loraplus_unet_lr_ratio = loraplus_unet_lr_ratio
+        self.loraplus_text_encoder_lr_ratio = loraplus_text_encoder_lr_ratio
+
+    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
+        """-> (param_groups, descriptions), as sd-scripts.
+
+        text_encoder_lr: float, None (-> default_lr) or a list (one per text encoder; a shorter
+        list repeats its first value). A group whose lr ends up 0 or None is left out (frozen).
+        LoRA+ puts lora_up weights in a separate "plus" group with lr * ratio.
+        """
+        self.requires_grad_(True)
+        all_params, descriptions = [], []
+
+        def assemble(loras, lr, ratio, label):
+            groups: dict[str, list] = {"lora": [], "plus": []}
+            for lora in loras:
+                for pname, param in lora.named_parameters():
+                    groups["plus" if ratio is not None and "lora_up" in pname else "lora"].append(param)
+            for key, params in groups.items():
+                if not params:
+                    continue
+                group_lr = None if lr is None else (lr * ratio if key == "plus" else lr)
+                if not group_lr:
+                    continue
+                all_params.append({"params": params, "lr": group_lr})
+                descriptions.append(label + (" plus" if key == "plus" else ""))
+
+        if self.text_encoder_loras:
+            te_ratio = self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio
+            if isinstance(text_encoder_lr, (list, tuple)):
+                lrs = list(text_encoder_lr) or [default_lr]
+            else:
+                lrs = [text_encoder_lr if text_encoder_lr is not None else default_lr]
+            by_te: dict[str, list[LoRAModule]] = {}
+            for lora in self.text_encoder_loras:
+                by_te.setdefault(lora.lora_name.split("_text_model_", 1)[0], []).append(lora)
+            for i, (prefix, loras) in enumerate(by_te.items()):
+                lr = lrs[i] if i < len(lrs) else lrs[0]
+                if lr is None:
+                    lr = default_lr
+                label = "textencoder" if len(by_te) == 1 else f"textencoder {prefix[len(names.PREFIX_TE):]}"
+                assemble(loras, lr, te_ratio, label)
+
+        if self.unet_loras:
+            assemble(self.unet_loras, unet_lr if unet_lr is not None else default_lr,
+                     self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio, "unet")
+        return all_params, descriptions
+
+    def enable_gradient_checkpointing(self) -> None:
+        pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
+
+    def prepare_grad_etc(self, text_encoder, unet) -> None:
+        self.requires_grad_(True)
+
+    def on_epoch_start(self, text_encoder, unet) -> None:
+        self.train()
+
+    def get_trainable_params(self):
+        return self.parameters()
+
+    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
+        """Write the network atomically: .safetensors (with metadata and sshs_* hashes) or torch.save."""
+        state_dict = {k: v.detach().clone().to("cpu") for k, v in self.state_dict().items()}
+        if dtype is not None:
+            state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+        if os.path.splitext(file)[1].lower() == ".safetensors":
+            from safetensors.torch import save_file
+            metadata = dict(metadata or {})
+            metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = precalculate_safetensors_hashes(state_dict, metadata)
+            _atomic_save(file, lambda tmp: save_file(state_dict, tmp, metadata))
+        else:
+            _atomic_save(file, lambda tmp: torch.save(state_dict, tmp))
+
+
+# --- module-level entry points (the network_module interface) ----------------------------------
+
+def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
+                   text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs) -> LoRANetwork:
+    args = _parse_network_args(kwargs)
+    network_dim = 4 if network_dim is None else _parse_number("network_dim", network_dim, int, 1)
+    network_alpha = 1.0 if network_alpha is None else _parse_number("network_alpha", network_alpha, float, 0)
+    if neuron_dropout is not None:
+        neuron_dropout = _parse_number("network_dropout", neuron_dropout, float, 0.0, 1.0)
+    network = LoRANetwork(text_encoder, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
+                          dropout=neuron_dropout, rank_dropout=args.get("rank_dropout"),
+                          module_dropout=args.get("module_dropout"), conv_lora_dim=args.get("conv_dim"),
+                          conv_alpha=args.get("conv_alpha"))
+    if any(k.startswith("loraplus") for k in args):
+        network.set_loraplus_lr_ratio(args.get("loraplus_lr_ratio"), args.get("loraplus_unet_lr_ratio"),
+                                      args.get("loraplus_text_encoder_lr_ratio"))
+    return network
+
+
+def dims_from_weights(weights_sd: dict[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, Any]]:
+    """Per kohya name: rank (rows of lora_down) and alpha (rank when the file has none)."""
+    modules_dim: dict[str, int] = {}
+    modules_alpha: dict[str, Any] = {}
+    for key, value in weights_sd.items():
+        if "." not in key:
+            continue
+        lora_name = key.split(".")[0]
+        if key.endswith(".alpha"):
+            modules_alpha[lora_name] = value
+        elif "lora_down" in key:
+            modules_dim[lora_name] = value.size()[0]
+    for lora_name, dim in modules_dim.items():
+        modules_alpha.setdefault(lora_name, dim)  # old files without alpha: no scaling
+    return modules_dim, modules_alpha
+
+
+def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet,
+                                weights_sd: Optional[dict[str, torch.Tensor]] = None, for_inference: bool = False,
+                                **kwargs) -> tuple[LoRANetwork, dict[str, torch.Tensor]]:
+    """Network shaped like the file (dims and alphas per module, 3x3 convs included); weights are
+    not loaded here (call load_weights / load_state_dict, or merge_to)."""
+    args = _parse_network_args(kwargs)
+    if weights_sd is None:
+        weights_sd = load_state_dict_file(file)
+    modules_dim, modules_alpha = dims_from_weights(weights_sd)
+    if not modules_dim:
+        raise LoRAError(f"LoRA weights {file or '(state dict)'}: no '*.lora_down.weight' keys, not a kohya LoRA file")
+    network = LoRANetwork(text_encoder, unet, multiplier=multiplier, modules_dim=modules_dim,
+                          modules_alpha=modules_alpha)
+    if any(k.startswith("loraplus") for k in args):
+        network.set_loraplus_lr_ratio(args.get("loraplus_lr_ratio"), args.get("loraplus_unet_lr_ratio"),
+                                      args.get("loraplus_text_encoder_lr_ratio"))
+    return network, weights_sd
