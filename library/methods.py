@@ -9,10 +9,12 @@ import importlib
 import json
 import logging
 
+from library.errors import UserError
+
 logger = logging.getLogger("sdtk")
 
 
-class MethodError(ValueError):
+class MethodError(UserError, ValueError):
     pass
 
 
@@ -41,8 +43,9 @@ class NetworkMethod:
             if not hasattr(self.module, fn):
                 raise MethodError(f"network_module {opts.network_module} has no {fn}(); "
                                   "it must follow the kohya network interface")
-        if opts.network_module != "networks.lora":
-            self.adapter = "lora"  # modelspec knows only lora/textual-inversion adapters
+        check = getattr(self.module, "check_network_args", None)
+        if check is not None:  # our extension of the interface: fail before loading weights
+            check(dict(opts.network_args or {}))
 
     def _te_arg(self):
         tes = self.bundle.text_encoders
@@ -57,6 +60,8 @@ class NetworkMethod:
             network = self.module.create_network(
                 opts.network_multiplier, opts.network_dim, opts.network_alpha, b.vae,
                 self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
+        except UserError:
+            raise
         except (TypeError, ValueError, KeyError) as e:
             raise MethodError(f"network_args for {opts.network_module}: {e}") from None
         if network is None:

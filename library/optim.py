@@ -7,10 +7,12 @@ import inspect
 import logging
 import math
 
+from library.errors import UserError
+
 logger = logging.getLogger("sdtk")
 
 
-class OptimizerError(ValueError):
+class OptimizerError(UserError, ValueError):
     """A bad optimizer_type / optimizer_args / lr_scheduler, with a one-line message."""
 
 
@@ -70,7 +72,9 @@ def resolve_optimizer_class(optimizer_type: str):
     return cls, dict(fixed)
 
 
-def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, learning_rate: float):
+def check_optimizer(optimizer_type: str, optimizer_args: dict):
+    """Resolve the class and check the arguments against its signature; no parameters needed,
+    so this runs before any weight is loaded. Returns (class, fixed kwargs, parsed args)."""
     cls, kwargs = resolve_optimizer_class(optimizer_type)
     args = {k: parse_literal(v) for k, v in (optimizer_args or {}).items()}
     params = inspect.signature(cls.__init__).parameters
@@ -80,6 +84,13 @@ def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, lea
             valid = sorted(p for p in params if p not in ("self", "params"))
             raise OptimizerError(f"optimizer_args: {cls.__name__} has no argument {k!r}; "
                                  f"valid: {', '.join(valid)}")
+    return cls, kwargs, args
+
+
+def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, learning_rate: float):
+    cls, kwargs, args = check_optimizer(optimizer_type, optimizer_args)
+    params = inspect.signature(cls.__init__).parameters
+    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     kwargs.update(args)
     if "lr" in params or accepts_any:
         kwargs.setdefault("lr", learning_rate)

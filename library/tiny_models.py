@@ -163,9 +163,9 @@ def build_tiny_components(arch: str) -> dict[str, Any]:
             out["text_encoder" if i == 0 else "text_encoder_2"] = cls(config).eval()
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer(tmp)
-        tok = CLIPTokenizer.from_pretrained(tmp)
-    out["tokenizer"] = tok
-    if arch == "sdxl":
-        out["tokenizer_2"] = tok
+        out["tokenizer"] = CLIPTokenizer.from_pretrained(tmp)
+        if arch == "sdxl":
+            # As the real SDXL: the second (OpenCLIP) tokenizer pads with "!".
+            out["tokenizer_2"] = CLIPTokenizer.from_pretrained(tmp, pad_token="!")
     out["scheduler"] = DDPMScheduler(**scheduler_config(arch))
     return out

@@ -63,6 +63,15 @@ class Run:
         self.method_name = method_name
 
     # -- stages -------------------------------------------------------------------------------
+    def validate(self):
+        """Checks that need imports but no weights: optimizer, scheduler, network module."""
+        from library.methods import NetworkMethod
+        from library.optim import check_optimizer
+
+        check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args)
+        if self.method_name == "lora":
+            NetworkMethod(self.opts, None)
+
     def load(self):
         import torch
         from accelerate.utils import set_seed
@@ -306,6 +315,7 @@ def run(opts, method_name: str) -> Run | None:
         print_plan(r.plan, main)
         return None
     started = time.time()
+    r.validate()
     r.load()
     print_plan(r.plan, r.accelerator.is_main_process)
     r.setup_method()

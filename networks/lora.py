@@ -77,6 +77,11 @@ def _parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_network_args(kwargs: dict[str, Any]) -> None:
+    """Validate network_args before any weight is loaded (called by the trainer when present)."""
+    _parse_network_args(dict(kwargs))
+
+
 def lora_delta(down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
     """The weight delta ``up @ down * scale`` in the original weight's shape (float32)."""
     down, up = down.float(), up.float()

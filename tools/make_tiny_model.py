@@ -1,0 +1,45 @@
+"""Write a built-in tiny model as a diffusers folder and as a single file.
+
+    python tools/make_tiny_model.py --arch sd15|sd2|sdxl --out DIR
+
+creates DIR/diffusers/ (model_index.json, unet, vae, text encoder(s), tokenizer(s), scheduler) and
+DIR/<arch>.safetensors (original SD/SDXL key layout). The single file carries its architecture
+configs and tokenizer in its metadata, so the loader rebuilds it without network access.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def make_tiny_model(arch: str, out: str) -> tuple[str, str]:
+    """Write both forms; return (diffusers folder, single-file path)."""
+    from library import sd_checkpoint, tiny_models
+
+    comps = tiny_models.build_tiny_components(arch)
+    family = tiny_models.FAMILY_OF_ARCH[arch]
+    folder = os.path.join(out, "diffusers")
+    single = os.path.join(out, f"{arch}.safetensors")
+    sd_checkpoint.save_diffusers(comps, family, folder)
+    sd_checkpoint.save_single_file(comps, family, single, metadata={"sdtk.builtin": f"tiny-{arch}"})
+    return folder, single
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write a built-in tiny model as a diffusers folder and a single file.")
+    ap.add_argument("--arch", required=True, choices=["sd15", "sd2", "sdxl"])
+    ap.add_argument("--out", required=True, help="output folder (created)")
+    args = ap.parse_args(argv)
+    folder, single = make_tiny_model(args.arch, args.out)
+    print(f"wrote {folder}")
+    print(f"wrote {single}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
