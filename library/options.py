@@ -98,8 +98,8 @@ OPTIONS: tuple[Option, ...] = (
     O("dataset_config", "path", None, "Dataset configuration TOML ([general], [[datasets]], "
       "[[datasets.subsets]]), as sd-scripts' --dataset_config. Alternatively put those tables in the "
       "run configuration.", "config"),
-    O("dry_run", "bool", False, "Print the step plan (and memory estimate) and exit without loading "
-      "any weights.", "config"),
+    O("dry_run", "bool", False, "Print the step plan and exit without loading any weights (no model "
+      "code is imported).", "config"),
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
       ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "

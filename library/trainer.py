@@ -24,12 +24,23 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging():
+    # Noise from dependencies that says nothing about this run: bitsandbytes' optional 4-bit CPU
+    # kernels, and diffusers' float32-modules notice on .to() when the list is empty.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("diffusers.models.modeling_utils").addFilter(
+        lambda r: "should be kept in float32: []" not in r.getMessage())
     if not logger.handlers:
         h = _StderrHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(h)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def seconds_since_process_start() -> float:
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def plan_run(opts, processes: int):
@@ -269,6 +280,8 @@ class Run:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
+                if self.global_step == 1:
+                    logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
                 step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
                 self.loss_log.append(step_loss)
                 bar.update(1)

@@ -36,6 +36,10 @@ class TrainingSet:
 
 
 def build_training_set(opts, log) -> TrainingSet:
+    if getattr(opts, "dataset_config", None):
+        where = getattr(opts, "dataset_config_path", None) or "the run config"
+        raise data.DataError(f"{where}: the dataset config ([general] / [[datasets]]) is not "
+                             "supported yet; use train_data_dir (and reg_data_dir) for now")
     train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
                                    log=log, option="train_data_dir")
     reg = []
