@@ -1,7 +1,26 @@
-"""Process-group helpers: world size before torch is imported, and bucketed gradient sums."""
+"""Process-group helpers: world size before torch is imported, the Accelerator, bucketed gradient sums.
+
+The training loop does not wrap the model in DDP. Each process backpropagates its share of the
+global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the
+gradients of all processes in flat buckets, so every process holds the one-process gradient of
+the whole global batch and takes the same optimizer step. Every process calls ``sum_gradients``
+and ``all_reduce_sum`` once per step, whatever its share (an empty share contributes zeros).
+
+If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
+the process group's timeout bounds the wait of a process whose peer hangs without exiting.
+"""
 from __future__ import annotations
 
 import os
+
+from library.errors import UserError
+
+# Seconds a collective may wait for a peer before it fails (torch's own default for gloo).
+DEFAULT_TIMEOUT_S = 1800
+
+
+class DistributedError(UserError, RuntimeError):
+    pass
 
 
 def launched_world_size() -> int:
@@ -12,34 +31,73 @@ def launched_world_size() -> int:
         return 1
 
 
-def make_accelerator(mixed_precision: str):
-    """An Accelerator that joins CPU processes into one gloo job when CUDA is absent."""
+def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
+    """An Accelerator that joins CPU processes into one gloo job when CUDA is absent.
+
+    A plain ``Accelerator()`` on a machine without CUDA ignores the launcher and runs N
+    independent single-process jobs; ``cpu=True`` makes Accelerate read the launcher's
+    environment and initialise a gloo process group. A launch whose processes did not join
+    into one job of the launched size is an error, never N silent copies of the run.
+    """
     import torch
     from accelerate import Accelerator
 
     cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=1)
+    launched = launched_world_size()
+    handlers = []
+    if launched > 1:
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        kw = {"timeout": timedelta(seconds=float(timeout_s or DEFAULT_TIMEOUT_S))}
+        if cpu:
+            kw["backend"] = "gloo"  # not MPI, even where torch was built with it
+        handlers.append(InitProcessGroupKwargs(**kw))
+    acc = Accelerator(cpu=cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=1,
+                      kwargs_handlers=handlers)
+    if launched > 1 and acc.num_processes != launched:
+        raise DistributedError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but they did not join one "
+            f"distributed job (Accelerate sees {acc.num_processes}); check the launch command")
+    return acc
+
+
+def _is_multi_process() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
     """All-reduce (sum) the gradients of ``params`` across processes in flat buckets.
 
-    One collective per ~25 MB bucket, as DDP does, instead of one per tensor. A parameter that
+    One collective per ~25 MB bucket, as DDP does, instead of one per tensor, plus one small
+    collective that says which parameters received a gradient in any process. A parameter that
     received no gradient in this process (an empty share of the global batch) counts as zeros,
-    so every process takes part in every collective.
+    so every process takes part in every collective; a parameter that received none in any
+    process keeps ``grad = None`` afterwards, exactly as in a one-process run (optimizers skip
+    such parameters: no weight decay, no moment update).
     """
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _is_multi_process():
         return
     params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                            device=device)
+    dist.all_reduce(had_grad, op=dist.ReduceOp.SUM)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     by_dtype: dict = {}
     for p in params:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    # Same order in every process: params come in the same order, dicts keep insertion order.
     for group in by_dtype.values():
         bucket, size = [], 0
         for p in group + [None]:
@@ -55,13 +113,16 @@ def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
                     q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
                     offset += n
                 bucket, size = [], 0
+    for p, n in zip(params, had_grad.tolist()):
+        if n == 0:
+            p.grad = None
 
 
 def all_reduce_sum(value: float, device) -> float:
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _is_multi_process():
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -115,25 +115,60 @@ class NetworkMethod:
 
 
 class FullMethod:
-    """Train the U-Net (and optionally the text encoders) themselves: DreamBooth, fine-tuning."""
+    """Train the U-Net (and optionally the text encoders) themselves: DreamBooth, fine-tuning.
+
+    Learning rates: the U-Net trains at ``learning_rate``; with ``train_text_encoder`` each text
+    encoder trains at ``text_encoder_lr`` (alias ``learning_rate_te``): one value for all, or one
+    per text encoder (SDXL: [te1, te2]); unset = ``learning_rate``. A part whose learning rate is 0
+    is frozen (no gradient, not in the optimizer), as the network method does.
+    """
 
     adapter = None
 
     def __init__(self, opts, bundle):
         self.opts = opts
         self.bundle = bundle
-        self.train_unet = True
-        self.train_text_encoder = bool(getattr(opts, "train_text_encoder", False))
+        self.train_unet = bool(opts.learning_rate)
+        wants_te = bool(getattr(opts, "train_text_encoder", False))
+        te_lrs = self._te_lr_values()
+        self.train_text_encoder = wants_te and any(te_lrs)
+        if not self.train_unet and not self.train_text_encoder:
+            if not wants_te:
+                why = "learning_rate is 0 and train_text_encoder is off"
+            else:
+                why = "learning_rate is 0 and text_encoder_lr is 0 or unset"
+            raise MethodError(f"nothing to train: {why}; set a learning_rate above 0")
+
+    def _te_lr_values(self) -> list:
+        """The text-encoder learning rates as given (one or two values; unset -> learning_rate)."""
+        lr = getattr(self.opts, "text_encoder_lr", None)
+        if lr is None:
+            return [self.opts.learning_rate]
+        return list(lr) if isinstance(lr, (list, tuple)) else [lr]
+
+    def text_encoder_lrs(self) -> list:
+        """One learning rate per text encoder of the loaded model (0 when it does not train)."""
+        n = len(self.bundle.text_encoders)
+        if not getattr(self.opts, "train_text_encoder", False):
+            return [0.0] * n
+        lrs = self._te_lr_values()
+        if len(lrs) > n:
+            raise MethodError(f"text_encoder_lr: {len(lrs)} values given but this "
+                              f"{self.bundle.family} model has {n} text encoder(s)")
+        return [lrs[i] if i < len(lrs) else lrs[0] for i in range(n)]
 
     def setup(self):
         opts, b = self.opts, self.bundle
+        if getattr(opts, "text_encoder_lr", None) is not None and not opts.train_text_encoder:
+            logger.warning("text_encoder_lr has no effect without train_text_encoder")
         b.vae.requires_grad_(False)
-        b.unet.requires_grad_(True)
-        groups = [{"params": list(b.unet.parameters()), "lr": opts.learning_rate}]
-        for te in b.text_encoders:
-            te.requires_grad_(self.train_text_encoder)
-            if self.train_text_encoder:
-                lr = getattr(opts, "learning_rate_te", None) or opts.learning_rate
+        b.unet.requires_grad_(self.train_unet)
+        groups = []
+        if self.train_unet:
+            groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
+        for te, lr in zip(b.text_encoders, self.text_encoder_lrs()):
+            te.requires_grad_(bool(lr))
+            if lr:
                 groups.append({"params": list(te.parameters()), "lr": lr})
         self.param_groups = groups
         self.info = {"ss_train_text_encoder": self.train_text_encoder}
@@ -145,14 +180,14 @@ class FullMethod:
     def set_train(self, epoch: int):
         pass
 
+    FORMATS = {"safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": "",
+               "diffusers_safetensors": ""}
+
     def extension(self):
         fmt = self.opts.save_model_as or "safetensors"
-        return {"safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": "",
-                "diffusers_safetensors": ""}.get(fmt) if fmt in (
-            "safetensors", "ckpt", "diffusers", "diffusers_safetensors") else self._bad(fmt)
-
-    def _bad(self, fmt):
-        raise MethodError(f"save_model_as {fmt!r}: use safetensors, ckpt, diffusers or diffusers_safetensors")
+        if fmt not in self.FORMATS:
+            raise MethodError(f"save_model_as {fmt!r}: use one of {', '.join(self.FORMATS)}")
+        return self.FORMATS[fmt]
 
     def save(self, path: str, dtype_name, metadata: dict):
         from library import sd_checkpoint

@@ -193,7 +193,8 @@ OPTIONS: tuple[Option, ...] = (
     O("gradient_accumulation_steps", "int", 1, "Micro-batches per optimizer step.", "training", min=1),
     O("gradient_checkpointing", "bool", False, "Recompute activations in the backward pass to save "
       "memory.", "training"),
-    O("mixed_precision", "str", "no", "Autocast precision.", "training", choices=("no", "fp16", "bf16")),
+    O("mixed_precision", "str", "no", "Autocast precision; fp16 (with loss scaling) needs a CUDA GPU, "
+      "bf16 also runs on the CPU.", "training", choices=("no", "fp16", "bf16")),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),

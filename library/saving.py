@@ -7,6 +7,12 @@ import shutil
 import tempfile
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary path in the same folder; on success it replaces ``path`` in one rename.
@@ -19,6 +25,9 @@ def atomic_path(path: str):
     os.close(fd)
     try:
         yield tmp
+        # mkstemp creates 0600; give the file the mode a plain open() would (UIs under another
+        # account must be able to read a model).
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -34,6 +43,7 @@ def atomic_dir(path: str):
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=parent)
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
         old = None
         if os.path.exists(path):
             old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=parent)

@@ -14,11 +14,11 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 from typing import Any
 
 from library.models import ModelError, quiet_progress
+from library.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 
@@ -260,13 +260,6 @@ def _cast(sd: dict, dtype) -> dict:
     return out
 
 
-def _temp_path(path: str) -> str:
-    d = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    os.close(fd)
-    return tmp
-
-
 def save_single_file(components: dict, family: str, path: str, dtype=None, metadata: dict | None = None,
                      embed_config: bool = True) -> None:
     """Save the model as one file in the original layout (.safetensors, or .ckpt/.pt as {"state_dict": ...}).
@@ -283,42 +276,20 @@ def save_single_file(components: dict, family: str, path: str, dtype=None, metad
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     if embed_config:
         meta.setdefault(META_CONFIG_KEY, json.dumps(architecture_record(components, family)))
-    tmp = _temp_path(path)
-    try:
+    with atomic_path(path) as tmp:
         if path.endswith(".safetensors"):
             save_file(sd, tmp, metadata=meta)
         else:
             # Plain strings keep the file loadable with weights_only=True.
             torch.save({"state_dict": sd, "sdtk_metadata": meta}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def save_diffusers(components: dict, family: str, out_dir: str, dtype=None) -> None:
     """Save a diffusers folder; built in a temporary sibling folder, swapped in at the end."""
     if family not in ARCH_OF_FAMILY:
         raise ModelError(f"family: unknown model family {family!r}; expected sd1, sd2 or sdxl")
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out_dir) + ".", suffix=".tmp", dir=parent)
-    old = None
-    try:
-        with quiet_progress():
-            _write_diffusers(components, family, tmp, dtype)
-        if os.path.exists(out_dir):
-            old = out_dir + ".old-" + os.path.basename(tmp)
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old and not os.path.exists(out_dir):
-            os.rename(old, out_dir)
-        raise
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out_dir) as tmp, quiet_progress():
+        _write_diffusers(components, family, tmp, dtype)
 
 
 def _write_diffusers(components: dict, family: str, tmp: str, dtype) -> None:

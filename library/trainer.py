@@ -38,9 +38,10 @@ def setup_logging():
 
 
 def seconds_since_process_start() -> float:
-    import psutil
+    """Seconds since the entry script imported ``library`` (its first import)."""
+    import library
 
-    return time.time() - psutil.Process().create_time()
+    return time.time() - library.STARTED
 
 
 def plan_run(opts, processes: int):
@@ -76,12 +77,14 @@ class Run:
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
         """Checks that need imports but no weights: optimizer, scheduler, network module."""
-        from library.methods import NetworkMethod
+        from library.methods import FullMethod, NetworkMethod
         from library.optim import check_optimizer
 
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args)
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
+        else:
+            FullMethod(self.opts, None)  # e.g. nothing to train: fail before loading weights
 
     def load(self):
         import torch
@@ -107,14 +110,25 @@ class Run:
         device = acc.device
         b.vae.to(device, dtype=torch.float32 if opts.no_half_vae else self.weight_dtype)
         b.vae.eval()
+        self.set_attention()
+
+    def set_attention(self):
+        """SDPA (default), xformers, or with --sdpa=false the plain math attention."""
+        opts, b = self.opts, self.bundle
         if opts.xformers:
             try:
                 b.unet.enable_xformers_memory_efficient_attention()
             except Exception as e:  # noqa: BLE001 - diffusers raises several kinds here
-                from library.config import ConfigError
+                from library.errors import UserError
 
-                raise ConfigError(f"xformers: cannot enable xformers attention ({e}); "
-                                  "install the xformers extra or drop --xformers") from None
+                raise UserError(f"xformers: cannot enable xformers attention ({e}); "
+                                "install the xformers extra or drop --xformers") from None
+        elif not opts.sdpa:
+            from diffusers.models.attention_processor import AttnProcessor
+
+            b.unet.set_attn_processor(AttnProcessor())
+            for te in b.text_encoders:
+                te.set_attn_implementation("eager")
 
     def setup_method(self):
         import torch
@@ -143,7 +157,8 @@ class Run:
             b.unet.enable_gradient_checkpointing()
             if self.method.train_text_encoder:
                 for te in b.text_encoders:
-                    te.gradient_checkpointing_enable()
+                    (getattr(te, "activation_checkpointing_enable", None)
+                     or te.gradient_checkpointing_enable)()  # transformers 5 renamed it
         b.unet.train()
         for te in b.text_encoders:
             te.train(self.method.train_text_encoder)
@@ -247,7 +262,8 @@ class Run:
         P, rank = acc.num_processes, acc.process_index
         bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
         self.global_step = 0
-        self.loss_log: list[float] = []
+        self.loss_log: list[float] = []   # per step: the global batch's mean loss (all processes)
+        self.lr_log: list[float] = []     # per step: the learning rate of the first param group
         bar = tqdm(total=plan.total_steps, disable=not acc.is_main_process, desc="steps",
                    dynamic_ncols=True)
         done = False
@@ -269,23 +285,29 @@ class Run:
                     images = next(loader) if loader is not None else None
                     k += 1
                     if not idx:
-                        continue  # an empty share: zeros join the gradient sum below
+                        # An empty share of a partial global batch: no forward; this process
+                        # contributes zeros to the gradient sum below (which it still joins).
+                        continue
                     loss = self.micro_step_loss(epoch, idx, images, len(gb.indices))
                     acc.backward(loss)
                     loss_sum += float(loss.detach())
+                # Every process, every step: sum, then clip the global batch's gradient (after
+                # accumulation and summation, so any split of the global batch clips alike).
                 distributed.sum_gradients(self.params)
                 if opts.max_grad_norm and opts.max_grad_norm > 0:
                     acc.clip_grad_norm_(self.params, opts.max_grad_norm)
+                step_lr = self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
-                self.scheduler.step()
+                self.scheduler.step()  # once per optimizer step, never per micro-step or process
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
                 if self.global_step == 1:
                     logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
                 step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
                 self.loss_log.append(step_loss)
+                self.lr_log.append(step_lr)
                 bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
                 if opts.save_every_n_steps and self.global_step % opts.save_every_n_steps == 0 \
                         and self.global_step < plan.total_steps:
                     self.save(epoch=None, step=self.global_step)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import tempfile
 from io import BytesIO
 from typing import Any, Optional
 
 import torch
 
 from library.errors import UserError
+from library.saving import atomic_path
 from networks import lora_names as names
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)  # LoRA-LierLa
@@ -136,17 +136,8 @@ def precalculate_safetensors_hashes(tensors: dict[str, torch.Tensor], metadata: 
 
 
 def _atomic_save(file: str, write) -> None:
-    directory = os.path.dirname(os.path.abspath(file))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(file) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
+    with atomic_path(file) as tmp:
         write(tmp)
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # --- modules ----------------------------------------------------------------------------------

@@ -12,6 +12,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """One intra-op thread: the CPU backward is then bit-reproducible (with several threads its
+    reductions vary run to run in the last bits, which AdamW's first step amplifies), and on a
+    shared 2-core machine it is faster. Subprocess tests set OMP_NUM_THREADS=1 likewise."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def dataset(tmp_path):
     """Two 64 px images in ``2_sks shape`` (4 samples per epoch)."""
@@ -45,6 +58,38 @@ def run_script(capsys):
     return _run
 
 
+@pytest.fixture
+def train(run_script, monkeypatch):
+    """``train(script, args) -> (rc, stdout, stderr, run)``: like run_script, keeping the trainer's
+    Run (its in-memory model) for comparison with what was saved."""
+    from library import trainer
+
+    runs = []
+    real_run = trainer.run
+
+    def spy(opts, method_name):
+        r = real_run(opts, method_name)
+        runs.append(r)
+        return r
+
+    monkeypatch.setattr(trainer, "run", spy)
+
+    def _train(script, args):
+        runs.clear()
+        rc, out, err = run_script(script, args)
+        return rc, out, err, (runs[0] if runs else None)
+
+    return _train
+
+
+def read(path):
+    """(tensors, metadata) of a safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
 def count_sd_scripts_modules(components, conv=False):
     """LoRA modules per prefix by sd-scripts' rule, counted independently by walking the models:
     every Linear and 1x1 Conv2d below a Transformer2DModel (U-Net) or a CLIP attention/MLP (text
@@ -72,3 +117,10 @@ def count_sd_scripts_modules(components, conv=False):
         return {"unet": n_unet, "te1": count(components["text_encoder"], te_classes, False),
                 "te2": count(components["text_encoder_2"], te_classes, False)}
     return {"unet": n_unet, "te": count(components["text_encoder"], te_classes, False)}
+
+
+def rel_diff(a, b, zero=1e-8):
+    """||a-b|| / ||b|| per tensor; absolute ||a-b|| where b is (numerically) zero."""
+    d = float((a.float() - b.float()).norm())
+    n = float(b.float().norm())
+    return d / n if n > zero else d
