@@ -240,17 +240,12 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
         comps = tiny_models.build_tiny_components(arch)
         sched = tiny_models.scheduler_config(arch)
         seed = tiny_models.SEED
-        if tokenizer_path:
-            tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
-            toks = _load_tokenizers(family, tes, src.location, folder=None, tokenizer_path=tokenizer_path,
-                                    record=None, record_dir=None)
-            comps["tokenizer"] = toks[0]
-            if family == "sdxl":
-                comps["tokenizer_2"] = toks[1]
     else:
         comps = _build_arch(arch)
         sched = _read_json(os.path.join(SHIPPED_CONFIGS, arch, "scheduler", "scheduler_config.json"))
         seed = ARCH_SEED
+    # Tiny models carry their own small vocabulary; the full-size ones take CLIP's shipped files.
+    if tokenizer_path or src.location not in TINY_BUILTINS:
         tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
         toks = _load_tokenizers(family, tes, src.location, folder=None, tokenizer_path=tokenizer_path,
                                 record=None, record_dir=None)

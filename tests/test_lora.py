@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from library.tiny_models import build_tiny_components  # noqa: E402
+from tests.conftest import count_sd_scripts_modules  # noqa: E402
 from networks import lora  # noqa: E402
 
 
@@ -36,20 +37,6 @@ def tes(c):
 
 def names_by_prefix(keys):
     return Counter(k.split(".")[0].split("_")[1] for k in keys if k.endswith(".lora_down.weight"))
-
-
-def count_targets(root, classes, with_conv3x3):
-    """sd-scripts' rule, by walking the model: every Linear / Conv2d below a module of a target
-    class, 3x3 (non-1x1) convs only when conv_dim is given."""
-    n = 0
-    for module in root.modules():
-        if type(module).__name__ in classes:
-            for child in module.modules():
-                if isinstance(child, torch.nn.Linear):
-                    n += 1
-                elif isinstance(child, torch.nn.Conv2d):
-                    n += 1 if child.kernel_size == (1, 1) or with_conv3x3 else 0
-    return n
 
 
 def unet_and_te_inputs(c, seed=0):
@@ -93,9 +80,7 @@ def test_sd12_names_and_counts(tiny, arch, conv):
     assert "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight" in sd
     assert "lora_te_text_model_encoder_layers_3_mlp_fc2.alpha" in sd
     counts = names_by_prefix(sd)
-    unet_classes = lora.UNET_TARGET_MODULES + (lora.UNET_TARGET_MODULES_CONV3X3 if conv else ())
-    assert counts["unet"] == count_targets(c["unet"], unet_classes, conv)
-    assert counts["te"] == count_targets(c["text_encoder"], lora.TEXT_ENCODER_TARGET_MODULES, False)
+    assert counts == count_sd_scripts_modules(c, conv=conv)
     # The SD1.5 topology: 16 transformers x (proj_in, proj_out, 2 x 4 attention, 2 ff) = 192;
     # 4 text-encoder layers x (q, k, v, out, fc1, fc2) = 24.
     if not conv:
@@ -130,10 +115,7 @@ def test_sdxl_names_and_counts(tiny, conv):
         assert key in sd, key
     assert not any("down_blocks" in k or "up_blocks" in k or "mid_block_" in k for k in sd)
     counts = names_by_prefix(sd)
-    unet_classes = lora.UNET_TARGET_MODULES + (lora.UNET_TARGET_MODULES_CONV3X3 if conv else ())
-    assert counts["unet"] == count_targets(c["unet"], unet_classes, conv)
-    assert counts["te1"] == count_targets(c["text_encoder"], lora.TEXT_ENCODER_TARGET_MODULES, False)
-    assert counts["te2"] == count_targets(c["text_encoder_2"], lora.TEXT_ENCODER_TARGET_MODULES, False)
+    assert counts == count_sd_scripts_modules(c, conv=conv)
     if not conv:
         # SDXL's transformer depths (2x1 + 2x2... = 70 blocks x 10) + 11 transformers x proj_in/out
         assert counts["unet"] == 722
