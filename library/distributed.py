@@ -1,4 +1,4 @@
-"""Process-group helpers: world size before torch is imported, the Accelerator, bucketed gradient sums.
+"""Processes: world size before torch is imported, the Accelerator, bucketed gradient sums.
 
 The training loop does not wrap the model in DDP. Each process backpropagates its share of the
 global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the

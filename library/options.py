@@ -195,6 +195,8 @@ OPTIONS: tuple[Option, ...] = (
       "memory.", "training"),
     O("mixed_precision", "str", "no", "Autocast precision; fp16 (with loss scaling) needs a CUDA GPU, "
       "bf16 also runs on the CPU.", "training", choices=("no", "fp16", "bf16")),
+    O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
+      "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
@@ -387,7 +389,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("base_weights", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
     _n("base_weights_multiplier", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
     # distributed (accelerate does DDP; deepspeed is not supported)
-    _n("ddp_timeout", "value", _IGN, "accelerate's default timeout is used"),
     _n("ddp_gradient_as_bucket_view", "flag", _IGN, "DDP performance setting"),
     _n("ddp_static_graph", "flag", _IGN, "DDP performance setting"),
     _n("deepspeed", "flag", _REJ, "DeepSpeed is not supported"),

@@ -33,7 +33,8 @@ def setup_logging():
         h = _StderrHandler(sys.stderr)
         h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(h)
-        logger.setLevel(logging.INFO)
+        # One voice per job: other ranks report only problems.
+        logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
         logger.propagate = False
 
 
@@ -93,7 +94,8 @@ class Run:
         from library import family, models
 
         opts = self.opts
-        self.accelerator = distributed.make_accelerator(opts.mixed_precision)
+        self.accelerator = distributed.make_accelerator(
+            opts.mixed_precision, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
         acc = self.accelerator
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
@@ -252,7 +254,6 @@ class Run:
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self):
-        import torch
         from torch.utils.data import DataLoader
         from tqdm.auto import tqdm
 

@@ -212,3 +212,18 @@ def test_plain_attention_matches_sdpa(dataset, tmp_path, run_script):
     flat_b = torch.cat([b[k].flatten() for k in keys])
     assert rel_diff(flat_b, flat_a) < 1e-4  # the kernels differ only in summation order
     assert not torch.equal(flat_a, flat_b)  # ... but they do differ: the flag took effect
+
+
+def test_uncached_loading_with_workers_matches_cached(dataset, tmp_path, run_script):
+    """Without --cache_latents images are decoded per step (here in a DataLoader worker) and
+    encoded with the VAE's posterior mean, so the result equals the cached run's."""
+    sgd = ["--optimizer_type", "torch.optim.SGD", "--learning_rate", "0.1"]
+    rc, _, err = run_script("train_lora", base_args("tiny-sd15", dataset, tmp_path / "a", *sgd))
+    assert rc == 0, err
+    args = [a for a in base_args("tiny-sd15", dataset, tmp_path / "b", *sgd) if a != "--cache_latents"]
+    rc, _, err = run_script("train_lora", args + ["--max_data_loader_n_workers", "1"])
+    assert rc == 0, err
+    a, _ = read(str(tmp_path / "a" / "last.safetensors"))
+    b, _ = read(str(tmp_path / "b" / "last.safetensors"))
+    for k in a:
+        assert rel_diff(b[k], a[k]) < 1e-5, k
