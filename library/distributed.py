@@ -43,6 +43,10 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     from accelerate import Accelerator
 
     cpu = not torch.cuda.is_available()
+    if cpu and mixed_precision == "fp16":
+        # Accelerate accepts it on the CPU but applies neither fp16 autocast nor loss scaling.
+        raise UserError("mixed_precision: fp16 needs a CUDA GPU (on CPU Accelerate applies neither "
+                        "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
     launched = launched_world_size()
     handlers = []
     if launched > 1:
