@@ -176,6 +176,10 @@ class Run:
                                          num_cycles=opts.lr_scheduler_num_cycles,
                                          power=opts.lr_scheduler_power)
         self.params = self.method.trainable_parameters()
+        from library.stepper import PlainStepper
+
+        self.stepper = PlainStepper(acc, self.optimizer, self.scheduler, self.params,
+                                    opts.max_grad_norm)
 
     def cache(self):
         self.latents = None
@@ -290,17 +294,10 @@ class Run:
                         # contributes zeros to the gradient sum below (which it still joins).
                         continue
                     loss = self.micro_step_loss(epoch, idx, images, len(gb.indices))
-                    acc.backward(loss)
+                    self.stepper.backward(loss)
                     loss_sum += float(loss.detach())
-                # Every process, every step: sum, then clip the global batch's gradient (after
-                # accumulation and summation, so any split of the global batch clips alike).
-                distributed.sum_gradients(self.params)
-                if opts.max_grad_norm and opts.max_grad_norm > 0:
-                    acc.clip_grad_norm_(self.params, opts.max_grad_norm)
-                step_lr = self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
-                self.scheduler.step()  # once per optimizer step, never per micro-step or process
-                self.optimizer.zero_grad(set_to_none=True)
+                step_lr = self.stepper.current_lr()
+                self.stepper.step()  # every process, every step: it joins the gradient sum
                 self.global_step += 1
                 if self.global_step == 1:
                     logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
