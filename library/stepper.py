@@ -26,6 +26,14 @@ class PlainStepper:
     def backward(self, loss) -> None:
         self.accelerator.backward(loss)
 
+    def state_dict(self) -> dict:
+        """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler)."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
     def step(self) -> None:
         # Sum, then clip the global batch's gradient (after accumulation and summation, so any
         # split of the global batch clips alike).
