@@ -127,15 +127,27 @@ class BucketManager:
         ar_error = reso[0] / reso[1] - aspect
         return reso, resized, ar_error
 
-    def assign(self, items: list[ImageItem], log: logging.Logger = logger) -> list[ImageItem]:
+    def assign(self, items: list[ImageItem], log: logging.Logger = logger,
+               stats=None) -> list[ImageItem]:
         """Set ``bucket`` and ``resized_size`` on each item; items that fit no bucket are
-        skipped with one warning line naming the file. Returns the kept items."""
-        kept = []
+        skipped with one warning line naming the file (and counted in ``stats``, a
+        ``data.ScanStats``). Images smaller than their bucket on both sides are upscaled, as
+        sd-scripts does, announced in one line with the count. Returns the kept items."""
+        kept, upscaled = [], []
         for it in items:
             try:
                 it.bucket, it.resized_size, _ = self.select_bucket(*it.size)
             except DataError as e:
                 log.warning(f"skipping image {it.path}: {e}")
+                if stats is not None:
+                    stats.too_small.append(it.path)
                 continue
+            if it.size[0] < it.bucket[0] and it.size[1] < it.bucket[1]:
+                upscaled.append(it)
             kept.append(it)
+        if upscaled:
+            smallest = min(upscaled, key=lambda it: it.size[0] * it.size[1])
+            log.warning(f"{len(upscaled)} image(s) are smaller than their bucket and are upscaled "
+                        f"(smallest: {smallest.path}, {smallest.size[0]}x{smallest.size[1]}); "
+                        "bucket_no_upscale keeps them at their size instead")
         return kept

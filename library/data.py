@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from PIL import Image
 
@@ -48,6 +48,89 @@ class ImageItem:
     bucket: tuple[int, int] | None = None  # (w, h), set by BucketManager.assign
     resized_size: tuple[int, int] | None = None  # (w, h) before the crop, set with bucket
     image_dir: str = ""  # the concept folder; for tag frequency metadata and disk caches
+    # per-subset settings (dataset config or the run options of the same names)
+    captions: "CaptionOptions | None" = None  # None: the caption is used as it is
+    flip_aug: bool = False
+    random_crop: bool = False
+    cache_dir: str | None = None  # None: <image_dir>/.sdcache
+
+
+@dataclass(frozen=True)
+class CaptionOptions:
+    """sd-scripts' caption processing settings of one subset (train_util.BaseSubset)."""
+    shuffle_caption: bool = False
+    caption_separator: str = ","
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+
+    @property
+    def is_identity(self) -> bool:
+        return self == CaptionOptions(caption_separator=self.caption_separator,
+                                      keep_tokens=self.keep_tokens,
+                                      keep_tokens_separator=self.keep_tokens_separator)
+
+
+def process_caption(caption: str, o: CaptionOptions, epoch: int, rng) -> str:
+    """sd-scripts' ``BaseDataset.process_caption`` (without wildcards and token warmup).
+
+    ``rng`` is a ``random.Random`` keyed to the sample and epoch, so the result does not depend
+    on the process count. Draw order as sd-scripts: the dropout draw (only when the rate is > 0),
+    then the shuffle, then one draw per flexible tag for tag dropout. Tags are re-joined with
+    ``", "`` as sd-scripts does, whatever the separator.
+    """
+    if o.caption_prefix:
+        caption = o.caption_prefix + " " + caption
+    if o.caption_suffix:
+        caption = caption + " " + o.caption_suffix
+    drop = o.caption_dropout_rate > 0 and rng.random() < o.caption_dropout_rate
+    drop = drop or (o.caption_dropout_every_n_epochs > 0
+                    and epoch % o.caption_dropout_every_n_epochs == 0)
+    if drop:
+        return ""
+    if not (o.shuffle_caption or o.caption_tag_dropout_rate > 0):
+        return caption
+    sep = o.caption_separator
+    fixed, flex, fixed_suffix = [], [], []
+    if o.keep_tokens_separator and o.keep_tokens_separator in caption:
+        fixed_part, flex_part = caption.split(o.keep_tokens_separator, 1)
+        if o.keep_tokens_separator in flex_part:
+            flex_part, suffix_part = flex_part.split(o.keep_tokens_separator, 1)
+            fixed_suffix = [t.strip() for t in suffix_part.split(sep) if t.strip()]
+        fixed = [t.strip() for t in fixed_part.split(sep) if t.strip()]
+        flex = [t.strip() for t in flex_part.split(sep) if t.strip()]
+    else:
+        tokens = [t.strip() for t in caption.strip().split(sep)]
+        flex = tokens[:]
+        if o.keep_tokens > 0:
+            fixed, flex = flex[:o.keep_tokens], tokens[o.keep_tokens:]
+    if o.shuffle_caption:
+        rng.shuffle(flex)
+    if o.caption_tag_dropout_rate > 0:
+        flex = [t for t in flex if rng.random() >= o.caption_tag_dropout_rate]
+    return ", ".join(fixed + flex + fixed_suffix)
+
+
+@dataclass
+class ScanStats:
+    """Files skipped while building the training set, reported once at the end."""
+    unreadable: list = field(default_factory=list)
+    too_small: list = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return len(self.unreadable) + len(self.too_small)
+
+    def summary(self) -> str | None:
+        if not self.total:
+            return None
+        parts = [f"{len(self.unreadable)} unreadable" if self.unreadable else "",
+                 f"{len(self.too_small)} too small for any bucket" if self.too_small else ""]
+        return f"skipped {self.total} image file(s) in total: " + ", ".join(p for p in parts if p)
 
 
 def image_size(path: str) -> tuple[int, int]:
@@ -99,14 +182,16 @@ def parse_concept_dir_name(name: str) -> tuple[int, str | None] | None:
 def read_caption(image_path: str, caption_extension: str) -> str | None:
     """The first line of ``<stem><caption_extension>``, stripped (sd-scripts without wildcards).
 
-    Returns None when the file does not exist or holds only whitespace. A file that is not
-    UTF-8 is an error naming it (sd-scripts raises too).
+    Returns None when the file does not exist or holds only whitespace. A UTF-8 byte-order mark
+    is dropped. A file that is not UTF-8 is an error naming it, raised while the dataset is
+    scanned, before any weight loads (sd-scripts raises too; guessing an encoding would train on
+    mojibake).
     """
     cap_path = os.path.splitext(image_path)[0] + caption_extension
     if not os.path.isfile(cap_path):
         return None
     try:
-        with open(cap_path, encoding="utf-8") as f:
+        with open(cap_path, encoding="utf-8-sig") as f:
             lines = f.readlines()
     except UnicodeDecodeError:
         raise DataError(f"caption file {cap_path} is not UTF-8 text") from None
@@ -120,9 +205,58 @@ def _list_images(folder: str) -> list[str]:
     return [os.path.join(folder, n) for n in sorted(names) if os.path.isfile(os.path.join(folder, n))]
 
 
+def scan_image_folder(folder: str, *, num_repeats: int, class_tokens: str | None,
+                      caption_extension: str = ".caption", is_reg: bool = False,
+                      log: logging.Logger = logger, check_decode: bool = True,
+                      stats: ScanStats | None = None, **item_fields) -> list[ImageItem]:
+    """The images directly in ``folder`` (one sd-scripts subset) as ImageItems, sorted by name.
+
+    Unreadable images are skipped with one warning line each (and counted in ``stats``); a
+    missing or empty caption falls back to ``class_tokens`` (one line per folder with the
+    count); images sharing a stem (``a.png``, ``a.jpg``) are all used and share the caption
+    file, announced in one line. ``item_fields`` are set on every item (captions, flip_aug, ...).
+    """
+    stats = stats if stats is not None else ScanStats()
+    items: list[ImageItem] = []
+    paths = _list_images(folder)
+    stems: dict[str, list[str]] = {}
+    for path in paths:
+        stems.setdefault(os.path.splitext(path)[0], []).append(os.path.basename(path))
+    for stem, names in stems.items():
+        if len(names) > 1:
+            log.warning(f"images {', '.join(names)} in {folder} share the stem "
+                        f"{os.path.basename(stem)!r}: all are used, with the one caption file "
+                        f"{os.path.basename(stem)}{caption_extension}")
+    missing = 0
+    for path in paths:
+        try:
+            size = check_image(path) if check_decode else image_size(path)
+        except DataError as e:
+            log.warning(f"skipping image: {e}")
+            stats.unreadable.append(path)
+            continue
+        except Exception as e:  # header-only read with check_decode=False
+            log.warning(f"skipping image: cannot read {path}: {e}")
+            stats.unreadable.append(path)
+            continue
+        caption = read_caption(path, caption_extension)
+        if caption is None:
+            missing += 1
+            caption = class_tokens or ""
+        items.append(ImageItem(path=path, caption=caption, num_repeats=num_repeats, is_reg=is_reg,
+                               class_tokens=class_tokens, size=size, image_dir=folder,
+                               **item_fields))
+    if missing:
+        fallback = f"the class tokens {class_tokens!r}" if class_tokens else "an empty caption"
+        log.warning(f"{missing} image(s) in {folder} have no (or an empty) {caption_extension} "
+                    f"caption file: using {fallback}")
+    return items
+
+
 def scan_concept_dirs(root: str, caption_extension: str = ".caption", is_reg: bool = False,
                       log: logging.Logger = logger, option: str | None = None,
-                      check_decode: bool = True) -> list[ImageItem]:
+                      check_decode: bool = True, stats: ScanStats | None = None,
+                      **item_fields) -> list[ImageItem]:
     """Scan ``root``'s ``N_concept`` folders into ImageItems, sorted by folder then file name.
 
     ``option`` names the run option in error messages (default ``train_data_dir``, or
@@ -134,10 +268,11 @@ def scan_concept_dirs(root: str, caption_extension: str = ".caption", is_reg: bo
     option = option or ("reg_data_dir" if is_reg else "train_data_dir")
     if not root or not os.path.isdir(root):
         raise DataError(f"{option} {root!r} does not exist or is not a directory")
+    stats = stats if stats is not None else ScanStats()
+    skipped_before = len(stats.unreadable)
 
     items: list[ImageItem] = []
     valid_folders = 0
-    skipped_images = 0
     for name in sorted(os.listdir(root)):
         folder = os.path.join(root, name)
         if name.startswith(".") or not os.path.isdir(folder):
@@ -148,33 +283,14 @@ def scan_concept_dirs(root: str, caption_extension: str = ".caption", is_reg: bo
             continue
         valid_folders += 1
         repeats, class_tokens = parsed
-        paths = _list_images(folder)
-        if not paths:
+        if not _list_images(folder):
             log.warning(f"ignoring folder {folder}: no images ({', '.join(IMAGE_EXTENSIONS)})")
             continue
-        missing = 0
-        for path in paths:
-            try:
-                size = check_image(path) if check_decode else image_size(path)
-            except DataError as e:
-                log.warning(f"skipping image: {e}")
-                skipped_images += 1
-                continue
-            except Exception as e:  # header-only read with check_decode=False
-                log.warning(f"skipping image: cannot read {path}: {e}")
-                skipped_images += 1
-                continue
-            caption = read_caption(path, caption_extension)
-            if caption is None:
-                missing += 1
-                caption = class_tokens or ""
-            items.append(ImageItem(path=path, caption=caption, num_repeats=repeats, is_reg=is_reg,
-                                   class_tokens=class_tokens, size=size, image_dir=folder))
-        if missing:
-            fallback = f"the class tokens {class_tokens!r}" if class_tokens else "an empty caption"
-            log.warning(f"{missing} image(s) in {folder} have no {caption_extension} caption file: "
-                        f"using {fallback}")
+        items += scan_image_folder(folder, num_repeats=repeats, class_tokens=class_tokens,
+                                   caption_extension=caption_extension, is_reg=is_reg, log=log,
+                                   check_decode=check_decode, stats=stats, **item_fields)
 
+    skipped_images = len(stats.unreadable) - skipped_before
     if valid_folders == 0:
         raise DataError(f"{option} {root} has no N_concept folders (e.g. 10_sks dog)")
     if not items:

@@ -1,4 +1,4 @@
-"""In-memory latent cache (``cache_latents``), keyed by content so a disk cache can reuse the keys.
+"""The latent cache, in memory (``cache_latents``) and on disk (``cache_latents_to_disk``), keyed by content.
 
 Decisions (one place each):
 - Latents are the posterior **mean** (``latent_dist.mode()``), not ``latent_dist.sample()`` as
@@ -11,6 +11,11 @@ Decisions (one place each):
 - The key is sha256 over the image file's bytes, the bucket, the resize, the crop mode, the
   flip, the VAE identity, the dtype and a format version: an edited image, another bucket or
   resolution, a flip, another VAE or dtype never hits a stale entry.
+- On disk an entry is ``<image_dir>/.sdcache/<key>.safetensors`` (or ``cache_dir``): the latents
+  plus the key and the size conditioning in the metadata. Reading checks the stored key, the
+  shape and finiteness; anything else (truncated, garbled, renamed) is recomputed with a
+  warning. Writes go through ``saving.atomic_path``. The file name is the key, so no stale file
+  can be picked up and two images with the same stem never collide.
 """
 from __future__ import annotations
 
@@ -111,49 +116,150 @@ def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     return latents * vae.config.scaling_factor
 
 
+def cache_folder(item: ImageItem) -> str:
+    """Where ``item``'s disk cache entries live: its ``cache_dir`` or ``<image_dir>/.sdcache``."""
+    if item.cache_dir:
+        return item.cache_dir
+    return os.path.join(item.image_dir or os.path.dirname(os.path.abspath(item.path)), ".sdcache")
+
+
+def entry_path(item: ImageItem, key: str) -> str:
+    return os.path.join(cache_folder(item), key + ".safetensors")
+
+
+def save_entry(path: str, key: str, entry: LatentEntry) -> None:
+    """Write one entry atomically (a crash never leaves a half-written file under the key)."""
+    from safetensors.torch import save_file
+
+    from library.saving import atomic_path
+
+    meta = {"sdtk.latent_key": key, "sdtk.format": str(CACHE_FORMAT_VERSION),
+            "original_size": json.dumps(list(entry.original_size)),
+            "crop_top_left": json.dumps(list(entry.crop_top_left)),
+            "target_size": json.dumps(list(entry.target_size))}
+    with atomic_path(path) as tmp:
+        save_file({"latents": entry.latents.contiguous()}, tmp, metadata=meta)
+
+
+class CorruptEntry(Exception):
+    pass
+
+
+def load_entry(path: str, key: str, shape: tuple[int, int, int]) -> LatentEntry:
+    """Read and check one entry: the key it was written under, the latent shape, finite values.
+    Raises FileNotFoundError when absent, CorruptEntry (with the reason) when unusable."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            latents = f.get_tensor("latents")
+        entry = LatentEntry(latents=latents.float(),
+                            original_size=tuple(json.loads(meta["original_size"])),
+                            crop_top_left=tuple(json.loads(meta["crop_top_left"])),
+                            target_size=tuple(json.loads(meta["target_size"])))
+    except Exception as e:  # safetensors raises several types for truncated or garbled files
+        raise CorruptEntry(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if meta.get("sdtk.latent_key") != key:
+        raise CorruptEntry("it was written for another key")
+    if tuple(entry.latents.shape) != tuple(shape):
+        raise CorruptEntry(f"latent shape {tuple(entry.latents.shape)}, expected {tuple(shape)}")
+    if not torch.isfinite(entry.latents).all():
+        raise CorruptEntry("non-finite values")
+    return entry
+
+
 def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dtype | str,
                    device: torch.device | str, flip: bool = False, log: logging.Logger = logger,
-                   vae_identity: str | None = None) -> dict[str, LatentEntry]:
+                   vae_identity: str | None = None, to_disk: bool = False,
+                   process_index: int = 0, num_processes: int = 1,
+                   barrier=None) -> dict[str, LatentEntry]:
     """Encode every distinct item (center crop) into a dict keyed by ``cache_key``.
 
     Items must have ``bucket``/``resized_size`` set. Batches hold images of one bucket only.
-    With ``flip`` the mirrored variant of each image is cached too (under its own key). The VAE
-    is moved to ``device``/``dtype`` and runs under ``torch.no_grad()``. ``vae_identity``
-    defaults to ``vae_fingerprint(vae)`` taken after the dtype cast.
+    The mirrored variant is cached too (under its own key) with ``flip`` or for items with
+    ``flip_aug``. The VAE is moved to ``device``/``dtype`` and runs under ``torch.no_grad()``.
+    ``vae_identity`` defaults to ``vae_fingerprint(vae)`` taken after the dtype cast.
+
+    ``to_disk``: entries are read from ``entry_path`` (``<image_dir>/.sdcache/<key>.safetensors``
+    or ``cache_dir``) when present and valid, without running the VAE; missing ones are encoded
+    and written atomically; an unreadable, truncated or mismatched file is recomputed with a
+    warning naming it. With several processes (``barrier`` = a function all of them call) the
+    missing entries are split across processes, each encodes and writes its share, then all
+    read the others' files.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if vae.dtype != dtype or vae.device != torch.device(device):
         vae.to(device=device, dtype=dtype)  # only when needed: diffusers warns on every cast
     identity = vae_identity if vae_identity is not None else vae_fingerprint(vae)
+    channels = int(getattr(vae.config, "latent_channels", 4))
 
-    # group distinct images by bucket; sorted for a deterministic batch composition
-    by_bucket: dict[tuple, dict[str, ImageItem]] = {}
+    wanted: dict[str, tuple[ImageItem, bool]] = {}
     for it in items:
-        key = item_cache_key(it, False, identity, dtype)
-        by_bucket.setdefault((tuple(it.bucket), tuple(it.resized_size)), {}).setdefault(key, it)
+        for flipped in ((False, True) if (flip or it.flip_aug) else (False,)):
+            wanted.setdefault(item_cache_key(it, flipped, identity, dtype), (it, flipped))
+
+    def shape_of(it):
+        return (channels, it.bucket[1] // 8, it.bucket[0] // 8)
 
     out: dict[str, LatentEntry] = {}
-    n_images = sum(len(v) for v in by_bucket.values())
-    log.info(f"caching latents of {n_images} image(s) in {len(by_bucket)} bucket(s)"
-             + (" with flipped variants" if flip else ""))
-    for (bucket, resized), keyed in sorted(by_bucket.items()):
-        entries = list(keyed.items())
+
+    def try_load(key) -> bool:
+        it, _ = wanted[key]
+        path = entry_path(it, key)
+        try:
+            out[key] = load_entry(path, key, shape_of(it))
+            return True
+        except FileNotFoundError:
+            return False
+        except CorruptEntry as e:
+            log.warning(f"latent cache entry {path} for {it.path} is unusable ({e}): recomputing")
+            return False
+
+    missing = [k for k in wanted if not (to_disk and try_load(k))]
+    loaded = len(wanted) - len(missing)
+    split = to_disk and num_processes > 1 and barrier is not None
+    if split:
+        barrier()  # every process has listed the missing entries before any is written
+        mine = missing[process_index::num_processes]
+    else:
+        mine = missing
+    n_images = len({wanted[k][0].path for k in mine})
+    log.info(f"latent cache: {len(wanted)} entr{'y' if len(wanted) == 1 else 'ies'}"
+             + (f", {loaded} loaded from disk" if to_disk else "")
+             + f", encoding {len(mine)} ({n_images} image(s))"
+             + (f" on this process of {num_processes}" if split else ""))
+    _encode(vae, [(k, *wanted[k]) for k in mine], batch_size, out, to_disk)
+    if split:
+        barrier()  # every share is on disk
+        rest = [k for k in missing if k not in out and not try_load(k)]
+        if rest:
+            log.warning(f"latent cache: {len(rest)} entr{'y' if len(rest) == 1 else 'ies'} written "
+                        "by other processes could not be read: encoding them here")
+            _encode(vae, [(k, *wanted[k]) for k in rest], batch_size, out, False)
+    return out
+
+
+def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
+    """Encode ``todo`` = [(key, item, flipped)] in batches of one bucket and flip into ``out``."""
+    groups: dict[tuple, list] = {}
+    for key, it, flipped in todo:
+        groups.setdefault((tuple(it.bucket), tuple(it.resized_size), flipped), []).append((key, it))
+    for (bucket, resized, flipped), entries in sorted(groups.items()):
         for start in range(0, len(entries), batch_size):
             chunk = entries[start:start + batch_size]
-            prepared = [prepare_image(load_image(it.path), bucket, resized) for _, it in chunk]
-            pixels = torch.stack([p.pixels for p in prepared])
-            variants = [(False, pixels)] + ([(True, torch.flip(pixels, dims=[3]))] if flip else [])
-            for flipped, batch in variants:
-                latents = encode_pixels(vae, batch).float().cpu()
-                if not torch.isfinite(latents).all():
-                    raise RuntimeError(f"non-finite latents from the VAE for {chunk[0][1].path} "
-                                       f"(batch of {len(chunk)}); try --no_half_vae")
-                for (key, it), prep, lat in zip(chunk, prepared, latents):
-                    top, left = prep.crop_top_left
-                    if flipped:
-                        left = resized[0] - left - bucket[0]
-                        key = item_cache_key(it, True, identity, dtype)
-                    out[key] = LatentEntry(latents=lat.clone(), original_size=prep.original_size,
-                                           crop_top_left=(top, left), target_size=prep.target_size)
-    return out
+            prepared = [prepare_image(load_image(it.path), bucket, resized, flip=flipped)
+                        for _, it in chunk]
+            latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
+            if not torch.isfinite(latents).all():
+                raise RuntimeError(f"non-finite latents from the VAE for {chunk[0][1].path} "
+                                   f"(batch of {len(chunk)}); try --no_half_vae")
+            for (key, it), prep, lat in zip(chunk, prepared, latents):
+                entry = LatentEntry(latents=lat.clone(), original_size=prep.original_size,
+                                    crop_top_left=prep.crop_top_left, target_size=prep.target_size)
+                out[key] = entry
+                if to_disk:
+                    save_entry(entry_path(it, key), key, entry)

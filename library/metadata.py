@@ -76,6 +76,20 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
     }
+    # sd-scripts records the noise and loss settings under these names.
+    for key, name in (("ss_noise_offset", "noise_offset"),
+                      ("ss_noise_offset_random_strength", "noise_offset_random_strength"),
+                      ("ss_adaptive_noise_scale", "adaptive_noise_scale"),
+                      ("ss_multires_noise_iterations", "multires_noise_iterations"),
+                      ("ss_multires_noise_discount", "multires_noise_discount"),
+                      ("ss_ip_noise_gamma", "ip_noise_gamma"),
+                      ("ss_ip_noise_gamma_random_strength", "ip_noise_gamma_random_strength"),
+                      ("ss_zero_terminal_snr", "zero_terminal_snr"),
+                      ("ss_min_snr_gamma", "min_snr_gamma"),
+                      ("ss_debiased_estimation", "debiased_estimation_loss"),
+                      ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
+                      ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
+        md[key] = str(getattr(opts, name, None))
     if network_info:
         md.update({k: str(v) for k, v in network_info.items()})
     return md

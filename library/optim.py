@@ -23,13 +23,18 @@ _OPTIMIZERS = {
     "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit", "bitsandbytes", {}),
     "lion8bit": ("bitsandbytes.optim", "Lion8bit", "bitsandbytes", {}),
     "lion": ("lion_pytorch", "Lion", "lion-pytorch", {}),
-    "sgdnesterov": ("torch.optim", "SGD", "torch", {"nesterov": True}),
-    "sgdnesterov8bit": ("bitsandbytes.optim", "SGD8bit", "bitsandbytes", {"nesterov": True}),
+    # momentum 0.9 unless optimizer_args set it (sd-scripts' default; Nesterov needs momentum > 0)
+    "sgdnesterov": ("torch.optim", "SGD", "torch", {"nesterov": True, "momentum": 0.9}),
+    "sgdnesterov8bit": ("bitsandbytes.optim", "SGD8bit", "bitsandbytes",
+                        {"nesterov": True, "momentum": 0.9}),
     "adafactor": ("transformers.optimization", "Adafactor", "transformers", {}),
     "prodigy": ("prodigyopt", "Prodigy", "prodigyopt", {}),
     "adamwschedulefree": ("schedulefree", "AdamWScheduleFree", "schedulefree", {}),
     "radamschedulefree": ("schedulefree", "RAdamScheduleFree", "schedulefree", {}),
 }
+
+# optional packages of the `optimizers` extra in pyproject.toml
+_EXTRA_PACKAGES = {"lion-pytorch", "prodigyopt", "schedulefree"}
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
               "polynomial")
@@ -64,17 +69,23 @@ def resolve_optimizer_class(optimizer_type: str):
     try:
         mod = importlib.import_module(module)
     except ImportError:
+        extra = " or the optimizers extra: pip install 'sdtk[optimizers]'" \
+            if package in _EXTRA_PACKAGES else ""
         raise OptimizerError(f"optimizer_type {optimizer_type}: module {module} is not installed "
-                             f"(pip install {package})") from None
+                             f"(pip install {package}{extra})") from None
     cls = getattr(mod, attr, None)
     if cls is None:
         raise OptimizerError(f"optimizer_type {optimizer_type}: {module} has no {attr}")
     return cls, dict(fixed)
 
 
-def check_optimizer(optimizer_type: str, optimizer_args: dict):
+def check_optimizer(optimizer_type: str, optimizer_args: dict, probe: bool = False,
+                    learning_rate: float = 1e-4):
     """Resolve the class and check the arguments against its signature; no parameters needed,
-    so this runs before any weight is loaded. Returns (class, fixed kwargs, parsed args)."""
+    so this runs before any weight is loaded. Returns (class, fixed kwargs, parsed args).
+    With ``probe`` and some ``optimizer_args`` the optimizer is also built over one dummy
+    parameter, so that bad values (``betas=oops``, ``lr=-1``) fail here too, before the weights
+    load."""
     cls, kwargs = resolve_optimizer_class(optimizer_type)
     args = {k: parse_literal(v) for k, v in (optimizer_args or {}).items()}
     params = inspect.signature(cls.__init__).parameters
@@ -84,11 +95,22 @@ def check_optimizer(optimizer_type: str, optimizer_args: dict):
             valid = sorted(p for p in params if p not in ("self", "params"))
             raise OptimizerError(f"optimizer_args: {cls.__name__} has no argument {k!r}; "
                                  f"valid: {', '.join(valid)}")
+    if probe and args:  # only values the user gave can be wrong here
+        import torch
+
+        _construct(cls, dict(kwargs), args, [torch.nn.Parameter(torch.zeros(4))], learning_rate,
+                   warn=False)
     return cls, kwargs, args
 
 
-def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, learning_rate: float):
+def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, learning_rate: float,
+                    warn: bool = True):
+    """The optimizer over ``param_groups``; ``warn=False`` for the 2nd..Nth fused optimizer."""
     cls, kwargs, args = check_optimizer(optimizer_type, optimizer_args)
+    return _construct(cls, kwargs, args, param_groups, learning_rate, warn=warn)
+
+
+def _construct(cls, kwargs, args, param_groups, learning_rate, warn=True):
     params = inspect.signature(cls.__init__).parameters
     accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     kwargs.update(args)
@@ -103,11 +125,14 @@ def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, lea
             kwargs.setdefault("warmup_init", False)
         else:
             kwargs["lr"] = None
-            logger.warning("Adafactor with relative_step=True: learning_rate is ignored")
+            if warn:
+                logger.warning("Adafactor with relative_step=True: learning_rate is ignored")
     try:
         return cls(param_groups, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise OptimizerError(f"optimizer_args for {cls.__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - constructors fail on bad values in many ways
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items()) or "none"
+        raise OptimizerError(f"optimizer_args for {cls.__name__} (given: {given}): "
+                             f"{type(e).__name__}: {e}") from None
 
 
 def build_scheduler(name: str, optimizer, *, warmup_steps: int, total_steps: int,

@@ -32,9 +32,11 @@ SECTIONS = {
     "network": "Network (LoRA)",
     "optimizer": "Optimizer and learning rate",
     "training": "Training",
+    "loss": "Noise, timesteps and loss",
     "saving": "Saving",
 }
 
+LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
                  "polynomial")
 
@@ -130,6 +132,40 @@ OPTIONS: tuple[Option, ...] = (
       "int or [w, h]); multiples of 8. Required unless the dataset config sets it.", "dataset"),
     O("cache_latents", "bool", False, "Encode every image with the VAE once, before training, and keep "
       "the latents in memory.", "dataset"),
+    O("cache_latents_to_disk", "bool", False, "Also keep the cached latents on disk (safetensors files "
+      "named by a hash of the image bytes, bucket, resize, flip, VAE and dtype), so later runs load "
+      "them instead of running the VAE; implies cache_latents.", "dataset"),
+    O("cache_dir", "path", None, "Folder for the disk caches; unset = <image folder>/.sdcache.",
+      "dataset"),
+    O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
+      "with the text encoder(s) once, before training; the text encoders are then not trained "
+      "(LoRA: needs network_train_unet_only).", "dataset"),
+    O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
+      "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
+      "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset"),
+    O("text_encoder_cache_variants", "int", 4, "With cached text-encoder outputs and shuffle_caption or "
+      "caption_tag_dropout_rate: augmented variants cached per caption, one picked per sample and "
+      "epoch (caption dropout uses one cached empty caption).", "dataset", min=1),
+    O("flip_aug", "bool", False, "Mirror each sample horizontally with probability 1/2 (drawn per "
+      "sample and epoch). With cached latents both variants are cached.", "dataset"),
+    O("random_crop", "bool", False, "Crop at a random offset (per sample and epoch) instead of the "
+      "center; cannot be combined with cache_latents.", "dataset"),
+    O("shuffle_caption", "bool", False, "Shuffle the caption's comma-separated tags each epoch "
+      "(after the first keep_tokens).", "dataset"),
+    O("caption_separator", "str", ",", "Separator of caption tags for shuffling and tag dropout.",
+      "dataset"),
+    O("keep_tokens", "int", 0, "Tags at the start of the caption kept in place by shuffle_caption "
+      "and caption_tag_dropout_rate.", "dataset", min=0),
+    O("keep_tokens_separator", "str", "", "Tags before this separator (and after a second one) are "
+      "kept in place; overrides keep_tokens when the caption contains it.", "dataset"),
+    O("caption_prefix", "str", None, "Text put before every caption (joined with a space).", "dataset"),
+    O("caption_suffix", "str", None, "Text put after every caption (joined with a space).", "dataset"),
+    O("caption_dropout_rate", "float", 0.0, "Probability that a sample's caption is replaced by the "
+      "empty caption.", "dataset", min=0, max=1),
+    O("caption_dropout_every_n_epochs", "int", 0, "Use empty captions for every sample in every N-th "
+      "epoch; 0 = never.", "dataset", min=0),
+    O("caption_tag_dropout_rate", "float", 0.0, "Probability that each (not kept) caption tag is "
+      "dropped.", "dataset", min=0, max=1),
     O("enable_bucket", "bool", False, "Aspect-ratio buckets: batch images of similar aspect ratio at "
       "their own resolution instead of center-cropping to a square.", "dataset"),
     O("min_bucket_reso", "int", 256, "Smallest bucket side; a multiple of bucket_reso_steps.", "dataset",
@@ -184,6 +220,15 @@ OPTIONS: tuple[Option, ...] = (
     O("lr_scheduler_power", "float", 1.0, "Power of the polynomial schedule.", "optimizer", min=0),
     O("max_grad_norm", "float", 1.0, "Clip the global gradient norm to this; 0 = no clipping.",
       "optimizer", min=0),
+    O("fused_backward_pass", "bool", False, "Step each parameter inside the backward pass as soon as "
+      "its gradient is complete, then free that gradient (saves the memory of all gradients; with "
+      "gradient_accumulation_steps > 1 only in the last micro-step). Any optimizer without global "
+      "state; max_grad_norm then clips each parameter's gradient separately. Not with fp16.",
+      "optimizer"),
+    O("fused_optimizer_groups", "int", None, "Split the trainable parameters into N contiguous groups "
+      "(in backward order), each with its own optimizer stepped as soon as the group's gradients are "
+      "complete; unset or 0 = off. max_grad_norm then clips each group separately. Not with fp16 "
+      "or fused_backward_pass.", "optimizer", min=0),
     # --- training ---
     O("train_batch_size", "int", 1, "Batch size per process.", "training", min=1),
     O("max_train_steps", "int", None, "Training length in optimizer steps. Give this or "
@@ -202,6 +247,45 @@ OPTIONS: tuple[Option, ...] = (
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
     O("prior_loss_weight", "float", 1.0, "Loss weight of regularisation images.", "training",
       scripts=DB_LORA, min=0),
+    # --- noise, timesteps and loss (sd-scripts' names and formulas; library/losses.py) ---
+    O("noise_offset", "float", None, "Add noise_offset x N(0,1) per image and channel to the noise "
+      "(brighter darks and darker brights; 0.1 is usual); unset or 0 = off.", "loss", min=0),
+    O("noise_offset_random_strength", "bool", False, "Scale noise_offset by a uniform random factor "
+      "in [0, 1), drawn per sample.", "loss"),
+    O("adaptive_noise_scale", "float", None, "Add adaptive_noise_scale x |mean of the latent channel| "
+      "to noise_offset (the sum clamped at 0). Needs noise_offset.", "loss"),
+    O("multires_noise_iterations", "int", None, "Multi-resolution (pyramid) noise: add noise at this "
+      "many ever coarser scales (6-10 is usual); unset or 0 = off.", "loss", min=0),
+    O("multires_noise_discount", "float", 0.3, "Weight decay per scale of the multi-resolution noise "
+      "(level i is weighted discount^i).", "loss", min=0),
+    O("ip_noise_gamma", "float", None, "Input perturbation: add ip_noise_gamma x N(0,1) to the noise "
+      "put into the latents, not to the target (0.1 is usual); unset or 0 = off.", "loss", min=0),
+    O("ip_noise_gamma_random_strength", "bool", False, "Scale ip_noise_gamma by a uniform random factor "
+      "in [0, 1), drawn per sample.", "loss"),
+    O("zero_terminal_snr", "bool", False, "Rescale the noise schedule so the last timestep has zero "
+      "SNR (Lin et al. 2023); meant for v-prediction models.", "loss"),
+    O("min_timestep", "int", None, "Smallest training timestep (inclusive); unset = 0.", "loss", min=0),
+    O("max_timestep", "int", None, "Largest training timestep (exclusive); unset = the model's "
+      "training timesteps (1000). Equal to min_timestep: train at that one timestep.", "loss", min=1),
+    O("loss_type", "str", "l2", "Loss between prediction and target: l2 (MSE), l1, huber (pseudo-Huber, "
+      "2c(sqrt(d^2+c^2)-c)) or smooth_l1 (2(sqrt(d^2+c^2)-c)).", "loss", choices=LOSS_TYPES),
+    O("huber_schedule", "str", "snr", "Threshold c of the huber/smooth_l1 loss per timestep t: constant "
+      "(huber_c x huber_scale), exponential (huber_c^(t/T) x huber_scale) or snr ((1-huber_c)/"
+      "(1+sigma_t)^2 + huber_c, sigma_t = sqrt((1-alphabar_t)/alphabar_t); huber_scale unused).",
+      "loss", choices=("constant", "exponential", "snr")),
+    O("huber_c", "float", 0.1, "Huber threshold parameter of loss_type huber/smooth_l1.", "loss", min=0,
+      min_exclusive=True),
+    O("huber_scale", "float", 1.0, "Scale of the huber threshold (constant and exponential "
+      "schedules).", "loss", min=0, min_exclusive=True),
+    O("min_snr_gamma", "float", None, "Min-SNR weighting (Hang et al. 2023): weight each sample by "
+      "min(SNR, gamma)/SNR (v-prediction: /(SNR+1)); 5 is the paper's value; unset or 0 = off.", "loss",
+      min=0),
+    O("scale_v_pred_loss_like_noise_pred", "bool", False, "Weight a v-prediction loss by SNR/(SNR+1) "
+      "so it scales like a noise-prediction loss. v-prediction models only.", "loss"),
+    O("v_pred_like_loss", "float", None, "Add this multiple of a v-prediction-like loss, "
+      "loss x (SNR+1)/SNR. Epsilon-prediction models only; unset or 0 = off.", "loss", min=0),
+    O("debiased_estimation_loss", "bool", False, "Debiased estimation (Yu et al. 2024): weight by "
+      "1/sqrt(SNR) (v-prediction: 1/(SNR+1)), SNR capped at 1000.", "loss"),
     # --- saving ---
     O("output_dir", "path", None, "Folder for the trained files. Required (except with --dry_run).",
       "saving"),
@@ -218,6 +302,24 @@ OPTIONS: tuple[Option, ...] = (
       "saving", choices=("float", "fp16", "bf16")),
     O("save_every_n_epochs", "int", None, "Also save every N epochs.", "saving", min=1),
     O("save_every_n_steps", "int", None, "Also save every N steps.", "saving", min=1),
+    O("save_last_n_epochs", "int", None, "Keep only the last N epoch saves (sd-scripts: the save "
+      "of epoch E removes that of epoch E - N x save_every_n_epochs).", "saving", min=1),
+    O("save_last_n_steps", "int", None, "Keep only the step saves of the last N steps (sd-scripts: "
+      "a number of steps, not of files).", "saving", min=1),
+    O("save_state", "bool", False, "Write a training state folder next to each model save: "
+      "<output_name>-000001-state, <output_name>-step00000100-state, <output_name>-state at the "
+      "end (weights, optimizer, scheduler, data position, generators, counters, config); resume "
+      "continues from it exactly.", "saving"),
+    O("save_state_on_train_end", "bool", False, "Write only the final training state "
+      "(<output_name>-state).", "saving"),
+    O("save_last_n_epochs_state", "int", None, "Keep only the last N epoch states; unset = "
+      "save_last_n_epochs.", "saving", min=1),
+    O("save_last_n_steps_state", "int", None, "Keep only the step states of the last N steps; unset "
+      "= save_last_n_steps.", "saving", min=1),
+    O("resume", "str", None, "Continue from a training state folder, or 'latest' (the state with "
+      "the highest step in output_dir). The run may be made longer, and the process count changed "
+      "if the global batch stays the same; any other change is an error naming it. SIGINT/SIGTERM "
+      "write <output_name>-step<N>-state after the current step and exit with 130/143.", "config"),
 )
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -287,30 +389,16 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # dataset (train_util.add_dataset_arguments)
     _n("cache_info", "flag", _IGN, "speeds up dataset scanning only"),
     _n("skip_cache_check", "flag", _IGN, "cache speed only"),
-    _n("caption_separator", "value", _IGN, "only used by caption shuffling and dropout", off=(None, ",")),
-    _n("shuffle_caption", "flag", _REJ, "caption shuffling changes the captions"),
-    _n("keep_tokens", "value", _REJ, "caption shuffling changes the captions", off=(None, 0)),
-    _n("keep_tokens_separator", "value", _REJ, "changes the captions", off=(None, "")),
     _n("secondary_separator", "value", _REJ, "changes the captions", off=(None, "")),
     _n("enable_wildcard", "flag", _REJ, "changes the captions"),
-    _n("caption_prefix", "value", _REJ, "changes the captions", off=(None, "")),
-    _n("caption_suffix", "value", _REJ, "changes the captions", off=(None, "")),
-    _n("caption_dropout_rate", "value", _REJ, "caption dropout changes the captions", off=(None, 0)),
-    _n("caption_dropout_every_n_epochs", "value", _REJ, "caption dropout changes the captions", off=(None, 0)),
-    _n("caption_tag_dropout_rate", "value", _REJ, "caption dropout changes the captions", off=(None, 0)),
     _n("token_warmup_min", "value", _REJ, "token warmup changes the captions", off=(None, 1)),
     _n("token_warmup_step", "value", _REJ, "token warmup changes the captions", off=(None, 0)),
     _n("color_aug", "flag", _REJ, "augmentation changes the images"),
-    _n("flip_aug", "flag", _REJ, "augmentation changes the images"),
     _n("face_crop_aug_range", "value", _REJ, "augmentation changes the images"),
-    _n("random_crop", "flag", _REJ, "augmentation changes the images"),
     _n("resize_interpolation", "value", _REJ, "changes the images"),
     _n("alpha_mask", "flag", _REJ, "masked loss changes the loss"),
     _n("masked_loss", "flag", _REJ, "masked loss changes the loss"),
     _n("conditioning_data_dir", "value", _REJ, "masked loss changes the loss"),
-    _n("cache_latents_to_disk", "flag", _REJ, "the disk latent cache comes with the data pipeline; use cache_latents"),
-    _n("cache_text_encoder_outputs", "flag", _REJ, "text encoder output caching is not implemented yet"),
-    _n("cache_text_encoder_outputs_to_disk", "flag", _REJ, "text encoder output caching is not implemented yet"),
     _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
     _n("in_json", "value", _REJ, "fine-tuning metadata JSON is not implemented yet"),
@@ -330,14 +418,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("resume_from_huggingface", "flag", _IGN, "hub upload is not supported"),
     _n("async_upload", "flag", _IGN, "hub upload is not supported"),
     # saving and resuming
-    _n("save_state", "flag", _REJ, "training state saving is not implemented yet"),
-    _n("save_state_on_train_end", "flag", _REJ, "training state saving is not implemented yet"),
-    _n("resume", "value", _REJ, "resuming is not implemented yet"),
     _n("save_n_epoch_ratio", "value", _REJ, "the files it asks for would not be written; use save_every_n_epochs"),
-    _n("save_last_n_epochs", "value", _IGN, "older checkpoints are kept"),
-    _n("save_last_n_epochs_state", "value", _IGN, "older checkpoints are kept"),
-    _n("save_last_n_steps", "value", _IGN, "older checkpoints are kept"),
-    _n("save_last_n_steps_state", "value", _IGN, "older checkpoints are kept"),
     _n("use_safetensors", "flag", _IGN, "safetensors is already the default of save_model_as"),
     _n("output_config", "flag", _REJ, "writing the arguments to a config and exiting is not implemented"),
     _n("skip_until_initial_step", "flag", _REJ, "changes which steps are trained"),
@@ -348,25 +429,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
       for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_prompts")),
     _n("sample_sampler", "value", _IGN, "sample images are not generated yet", off=(None, "ddim")),
     _n("sample_at_first", "flag", _IGN, "sample images are not generated yet"),
-    # noise, timesteps and loss (train_util + custom_train_functions)
-    _n("noise_offset", "value", _REJ, "changes the noise", off=(None, 0)),
-    _n("noise_offset_random_strength", "flag", _REJ, "changes the noise"),
-    _n("adaptive_noise_scale", "value", _REJ, "changes the noise", off=(None, 0)),
-    _n("multires_noise_iterations", "value", _REJ, "changes the noise", off=(None, 0)),
-    _n("multires_noise_discount", "value", _IGN, "only used with multires_noise_iterations", off=(None, 0.3)),
-    _n("ip_noise_gamma", "value", _REJ, "changes the noise", off=(None, 0)),
-    _n("ip_noise_gamma_random_strength", "flag", _REJ, "changes the noise"),
-    _n("zero_terminal_snr", "flag", _REJ, "changes the noise schedule"),
-    _n("min_timestep", "value", _REJ, "changes the timestep range", off=(None, 0)),
-    _n("max_timestep", "value", _REJ, "changes the timestep range", off=(None, 1000)),
-    _n("loss_type", "value", _REJ, "only the l2 (MSE) loss is implemented", off=(None, "l2")),
-    _n("huber_schedule", "value", _IGN, "only used with loss_type huber/smooth_l1", off=(None, "snr")),
-    _n("huber_c", "value", _IGN, "only used with loss_type huber/smooth_l1", off=(None, 0.1)),
-    _n("huber_scale", "value", _IGN, "only used with loss_type huber/smooth_l1", off=(None, 1.0)),
-    _n("min_snr_gamma", "value", _REJ, "changes the loss weighting", off=(None, 0)),
-    _n("scale_v_pred_loss_like_noise_pred", "flag", _REJ, "changes the loss weighting"),
-    _n("v_pred_like_loss", "value", _REJ, "changes the loss", off=(None, 0)),
-    _n("debiased_estimation_loss", "flag", _REJ, "changes the loss weighting"),
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
@@ -379,8 +441,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("learning_rate_te2", "value", _REJ, "use text_encoder_lr = [te1, te2]"),
     _n("block_lr", "value", _REJ, "per-block learning rates are not implemented"),
     _n("stop_text_encoder_training", "value", _REJ, "changes what is trained"),
-    _n("fused_backward_pass", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
-    _n("fused_optimizer_groups", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
     _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
     _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
     # network (train_network.py)

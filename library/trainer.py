@@ -47,6 +47,23 @@ def seconds_since_process_start() -> float:
 
 def plan_run(opts, processes: int):
     tset = build_training_set(opts, logger)
+    if tset.batch_size is not None and tset.batch_size != opts.train_batch_size:
+        # The dataset config's batch_size (dataset -> [general] -> train_batch_size) is the
+        # per-process batch, as sd-scripts; every dataset has the same one (checked).
+        logger.info(f"train_batch_size {tset.batch_size} from the dataset config "
+                    f"(run option: {opts.train_batch_size})")
+        opts.train_batch_size = tset.batch_size
+    if opts.resolution is None:
+        opts.resolution = tset.resolution  # set by the dataset config; recorded in the metadata
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        from library.errors import UserError
+
+        if opts.script == "train_lora" and not opts.network_train_unet_only:
+            raise UserError("cache_text_encoder_outputs: the LoRA would train the text encoder "
+                            "too; add network_train_unet_only (as sd-scripts requires)")
+        if opts.script != "train_lora" and opts.train_text_encoder:
+            raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
+                            "a trained text encoder's outputs change every step")
     plan = step_plan.make_plan(
         bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),
         repeats_total=tset.repeats_total, reg_images=len(tset.reg_items),
@@ -81,7 +98,14 @@ class Run:
         from library.methods import FullMethod, NetworkMethod
         from library.optim import check_optimizer
 
-        check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args)
+        check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
+                        learning_rate=self.opts.learning_rate)
+        from library.stepper import check_stepper_options
+
+        check_stepper_options(self.opts)  # fused_backward_pass / fused_optimizer_groups combinations
+        from library.losses import check_options as check_loss_options
+
+        check_loss_options(self.opts)  # noise / loss variant combinations
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
@@ -113,6 +137,9 @@ class Run:
         b.vae.to(device, dtype=torch.float32 if opts.no_half_vae else self.weight_dtype)
         b.vae.eval()
         self.set_attention()
+        from library import losses
+
+        losses.for_run(self)  # model-dependent loss-option errors now, before caching
 
     def set_attention(self):
         """SDPA (default), xformers, or with --sdpa=false the plain math attention."""
@@ -164,41 +191,87 @@ class Run:
         b.unet.train()
         for te in b.text_encoders:
             te.train(self.method.train_text_encoder)
-        from library.optim import build_optimizer, build_scheduler
+        from library.stepper import make_stepper
 
-        self.optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args, groups,
-                                         opts.learning_rate)
-        self.optimizer = acc.prepare(self.optimizer)
-        self.scheduler = build_scheduler(opts.lr_scheduler, self.optimizer.optimizer
-                                         if hasattr(self.optimizer, "optimizer") else self.optimizer,
-                                         warmup_steps=self.plan.warmup_steps,
-                                         total_steps=self.plan.total_steps,
-                                         num_cycles=opts.lr_scheduler_num_cycles,
-                                         power=opts.lr_scheduler_power)
         self.params = self.method.trainable_parameters()
-        from library.stepper import PlainStepper
-
-        self.stepper = PlainStepper(acc, self.optimizer, self.scheduler, self.params,
-                                    opts.max_grad_norm)
+        # plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s)
+        self.stepper = make_stepper(acc, opts, groups, self.params,
+                                    warmup_steps=self.plan.warmup_steps,
+                                    total_steps=self.plan.total_steps)
+        self.optimizer, self.scheduler = self.stepper.optimizer, self.stepper.scheduler
 
     def cache(self):
+        """Latents of every image (and its mirror under flip_aug) in memory, and with
+        cache_latents_to_disk also on disk: unchanged entries are loaded without the VAE, and the
+        missing ones are split across processes. Then, with cache_text_encoder_outputs, the
+        text-encoder outputs of every caption variant (library/text_cache.py)."""
         self.latents = None
-        if not self.opts.cache_latents:
-            return
+        self.text_cache = None
+        opts = self.opts
+        if opts.cache_latents or opts.cache_latents_to_disk:
+            self._cache_latents()
+        if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+            self._cache_text()
+
+    def _cache_latents(self):
         from library import latent_cache
 
+        opts, acc = self.opts, self.accelerator
         items = self.tset.train_items + self.tset.reg_items
         vae = self.bundle.vae
         self.latents = latent_cache.encode_latents(
-            vae, items, batch_size=max(1, self.opts.vae_batch_size), dtype=vae.dtype,
-            device=self.accelerator.device, vae_identity=self.bundle.vae_identity, log=logger)
-        # Keys hash the image bytes: compute each once, not per step.
-        self.latent_key = {it.path: latent_cache.item_cache_key(it, False, self.bundle.vae_identity,
-                                                                vae.dtype) for it in items}
+            vae, items, batch_size=max(1, opts.vae_batch_size), dtype=vae.dtype,
+            device=acc.device, vae_identity=self.bundle.vae_identity, log=logger,
+            to_disk=opts.cache_latents_to_disk, process_index=acc.process_index,
+            num_processes=acc.num_processes, barrier=acc.wait_for_everyone)
+        # Keys hash the image bytes: compute each once, not per step. Looked up by what tells
+        # two items apart (one image may be in two datasets at different sizes) and the flip.
+        self.latent_key = {
+            self._latent_slot(it, flipped): latent_cache.item_cache_key(
+                it, flipped, self.bundle.vae_identity, vae.dtype)
+            for it in items for flipped in ((False, True) if it.flip_aug else (False,))}
+
+    def _cache_text(self):
+        from library import latent_cache, text_cache
+
+        opts, acc = self.opts, self.accelerator
+        wanted: dict = {}
+        for it in self.tset.train_items + self.tset.reg_items:
+            folder = latent_cache.cache_folder(it)
+            for c in self.tset.caption_variants(it) + ([""] if self.tset.uses_empty_caption(it) else []):
+                wanted.setdefault(c, folder)
+        te_dtype = next(self.bundle.text_encoders[0].parameters()).dtype
+        identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip)
+        self.text_cache = text_cache.encode_captions(
+            self.adapter, wanted, identity, clip_skip=opts.clip_skip,
+            batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
+            to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)
+
+    def _text_conditioning(self, idx: list[int], epoch: int):
+        """The text conditioning of this process's samples (called under autocast): from the
+        text-encoder cache, or encoded now (with gradients when the text encoders train)."""
+        import torch
+
+        from library import text_cache
+
+        if getattr(self, "text_cache", None) is not None:
+            return text_cache.stack([self.text_cache[self.tset.cached_caption(i, epoch)] for i in idx],
+                                    self.accelerator.device)
+        captions = [self.tset.caption(i, epoch) for i in idx]  # sample-keyed augmentation
+        tokens = [t.to(self.accelerator.device) for t in self.adapter.tokenize(captions)]
+        if self.method.train_text_encoder:
+            return self.adapter.encode(tokens, self.opts.clip_skip)
+        with torch.no_grad():
+            return self.adapter.encode(tokens, self.opts.clip_skip)
+
+    @staticmethod
+    def _latent_slot(item, flipped: bool) -> tuple:
+        return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped))
 
     # -- per-step work ------------------------------------------------------------------------
-    def _sample_latents(self, idx: list[int], loaded_images):
-        """Latents (B,C,h,w) and SDXL size conditioning (B,6) for this process's samples."""
+    def _sample_latents(self, idx: list[int], loaded_images, epoch: int):
+        """Latents (B,C,h,w) and SDXL size conditioning (B,6) for this process's samples; with
+        cached latents the sample's flip for this epoch picks the variant."""
         import torch
 
         from library import latent_cache
@@ -207,7 +280,8 @@ class Run:
         lat, size = [], []
         if self.latents is not None:
             for i in idx:
-                e = self.latents[self.latent_key[self.tset.samples[i].path]]
+                slot = self._latent_slot(self.tset.samples[i], self.tset.flip(i, epoch))
+                e = self.latents[self.latent_key[slot]]
                 lat.append(e.latents)
                 size.append((*e.original_size, *e.crop_top_left, *e.target_size))
             latents = torch.stack(lat).to(acc.device, dtype=torch.float32)
@@ -219,36 +293,25 @@ class Run:
         return latents, torch.tensor(size, dtype=torch.float32, device=acc.device)
 
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int):
-        """Sum over this process's samples of weight * MSE, divided by the global batch size."""
+        """Sum over this process's samples of weight * loss, divided by the global batch size."""
         import torch
 
+        from library import losses
 
         opts, b, acc = self.opts, self.bundle, self.accelerator
-        latents, size_cond = self._sample_latents(idx, loaded_images)
-        sched = b.noise_scheduler
-        noise, timesteps = [], []
-        for i in idx:
-            # Sample-keyed randomness: the same sample gets the same noise and timestep whatever
-            # the process count, batch split or resume point.
-            g = torch.Generator().manual_seed(step_plan.derive_seed("sample", opts.seed, epoch, i))
-            noise.append(torch.randn(latents.shape[1:], generator=g))
-            timesteps.append(int(torch.randint(0, sched.config.num_train_timesteps, (1,), generator=g)))
-        noise = torch.stack(noise).to(acc.device)
-        timesteps = torch.tensor(timesteps, device=acc.device, dtype=torch.long)
-        noisy = sched.add_noise(latents, noise, timesteps)
-        captions = [self.tset.samples[i].caption for i in idx]
-        tokens = [t.to(acc.device) for t in self.adapter.tokenize(captions)]
+        latents, size_cond = self._sample_latents(idx, loaded_images, epoch)
+        lossf = losses.for_run(self)
+        # Sample-keyed randomness: every draw for a sample (noise, timestep, noise variants) comes
+        # from its own generator, whatever the process count, batch split or resume point.
+        d = lossf.draw(latents, [torch.Generator().manual_seed(
+            step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
+        timesteps = d.timesteps
+        noisy = lossf.noisy_latents(latents, d)
         with acc.autocast():
-            if self.method.train_text_encoder:
-                cond = self.adapter.encode(tokens, opts.clip_skip)
-            else:
-                with torch.no_grad():
-                    cond = self.adapter.encode(tokens, opts.clip_skip)
+            cond = self._text_conditioning(idx, epoch)  # cached, or encoded now
             pred = self.adapter.unet_forward(noisy.to(self._unet_dtype()), timesteps, cond,
                                              size_cond if b.family == "sdxl" else None)
-        target = sched.get_velocity(latents, noise, timesteps) if b.v_parameterization else noise
-        per_sample = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none")
-        per_sample = per_sample.mean(dim=(1, 2, 3))
+        per_sample = lossf.per_sample_loss(pred, latents, d)  # loss_type, SNR weights (losses.py)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=acc.device)
         return (per_sample * weights).sum() / n_global
@@ -266,39 +329,59 @@ class Run:
         opts, acc, plan = self.opts, self.accelerator, self.plan
         P, rank = acc.num_processes, acc.process_index
         bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
-        self.global_step = 0
-        self.loss_log: list[float] = []   # per step: the global batch's mean loss (all processes)
-        self.lr_log: list[float] = []     # per step: the learning rate of the first param group
-        bar = tqdm(total=plan.total_steps, disable=not acc.is_main_process, desc="steps",
-                   dynamic_ncols=True)
-        done = False
-        for epoch in range(1, plan.epochs + 1):
+        if getattr(self, "position", None) is None:  # a fresh run; a resume restored these
+            self.global_step, self.epoch, self.samples_seen = 0, 0, 0
+            self.loss_log: list[float] = []   # per step: the global batch's mean loss (all processes)
+            self.lr_log: list[float] = []     # per step: the learning rate of the first param group
+            self.position = (1, 0)            # (epoch, index of the next global batch in it)
+        signals = getattr(self, "stop_signals", None)
+        start_epoch, start_batch = self.position
+        bar = tqdm(total=plan.total_steps, initial=self.global_step,
+                   disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
+        done, stop = False, 0
+        for epoch in range(start_epoch, plan.epochs + 1):
             self.method.set_train(epoch)
             batches = step_plan.epoch_batches(self.tset.bucket_of, opts.seed, epoch, plan.global_batch)
+            # A resume inside this epoch: the order is keyed by (seed, epoch); skip what was trained.
+            skip, n_batches = (start_batch if epoch == start_epoch else 0), len(batches)
+            batches = batches[skip:]
             # This process's micro-batches, in order: for each global batch, A micro-steps.
             mine = [gb.micro_batch(a, rank, bs, P) for gb in batches for a in range(A)]
             loader = None
             if self.latents is None:
-                loader = iter(DataLoader(MicroBatchImages(self.tset.samples, mine), batch_size=None,
+                loader = iter(DataLoader(MicroBatchImages(self.tset, mine, epoch), batch_size=None,
                                          num_workers=opts.max_data_loader_n_workers,
                                          collate_fn=lambda x: x))
             k = 0
-            for gb in batches:
+            for j, gb in enumerate(batches, start=skip):
                 loss_sum = 0.0
                 for a in range(A):
                     idx = list(mine[k])
                     images = next(loader) if loader is not None else None
                     k += 1
+                    last = a == A - 1
+                    zero_weight = False
                     if not idx:
-                        # An empty share of a partial global batch: no forward; this process
-                        # contributes zeros to the gradient sum below (which it still joins).
-                        continue
+                        if not (last and getattr(self.stepper, "steps_in_backward", False)):
+                            # An empty share of a partial global batch: no forward; this process
+                            # contributes zeros to the gradient sum below (which it still joins).
+                            continue
+                        # The stepper steps inside backward hooks, which fire only in a backward:
+                        # a zero-weight backward of one sample of the global batch makes them fire
+                        # for the same parameters in the same order as in the other processes.
+                        idx, zero_weight = [gb.indices[0]], True
+                        if loader is not None:
+                            images = MicroBatchImages(self.tset, [idx], epoch)[0]
                     loss = self.micro_step_loss(epoch, idx, images, len(gb.indices))
-                    self.stepper.backward(loss)
+                    if zero_weight:
+                        loss = loss * 0.0
+                    self.stepper.backward(loss, last_micro_step=last)
                     loss_sum += float(loss.detach())
                 step_lr = self.stepper.current_lr()
                 self.stepper.step()  # every process, every step: it joins the gradient sum
                 self.global_step += 1
+                self.samples_seen += len(gb.indices)
+                self.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
                 if self.global_step == 1:
                     logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
                 step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
@@ -309,17 +392,91 @@ class Run:
                 if opts.save_every_n_steps and self.global_step % opts.save_every_n_steps == 0 \
                         and self.global_step < plan.total_steps:
                     self.save(epoch=None, step=self.global_step)
+                # SIGINT/SIGTERM in any process: every process stops after this same step.
+                stop = signals.agreed(acc.device) if signals is not None else 0
                 if self.global_step >= plan.total_steps:
                     done = True
                     break
+                if stop and j + 1 < n_batches:
+                    bar.close()
+                    self.interrupt(stop)
             self.epoch = epoch
             if done:
                 break
             if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
                 self.save(epoch=epoch, step=None)
+            if stop:  # the signal came in the epoch's last step: after the epoch's saves
+                bar.close()
+                self.interrupt(stop)
         bar.close()
 
+    def interrupt(self, signum: int):
+        """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
+        from library import train_state
+
+        path = train_state.state_dir(self.opts.output_dir, self.opts.output_name,
+                                     step=self.global_step)
+        if getattr(self, "last_state", None) != (path, self.global_step):
+            train_state.write_state(self, path, logger)
+        raise train_state.TrainingInterrupted(signum, path, self.global_step)
+
     def save(self, *, epoch=None, step=None, final=False):
+        # Schedule-free optimizers save their eval iterate; every process switches, so ranks agree.
+        with self.stepper.eval_mode():
+            self._save(epoch=epoch, step=step, final=final)
+        # The training state holds the training iterate (outside eval_mode).
+        self.save_states(epoch=epoch, step=step, final=final)
+
+    def save_states(self, *, epoch=None, step=None, final=False):
+        """``save_state``: a state next to each model save; ``save_state_on_train_end``: the
+        final one. Then sd-scripts' rotation of old models and states."""
+        from library import train_state
+
+        opts = self.opts
+        if opts.save_state or (final and opts.save_state_on_train_end):
+            path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
+            train_state.write_state(self, path, logger)
+            self.last_state = (path, self.global_step)
+        if self.accelerator.is_main_process and not final:
+            self._rotate(epoch=epoch, step=step)
+        self.accelerator.wait_for_everyone()
+
+    def _rotate(self, *, epoch=None, step=None):
+        """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
+        than n steps (steps) before this one."""
+        import shutil
+
+        from library import train_state
+        from library.saving import output_file
+
+        opts = self.opts
+        n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
+        n_state = (opts.save_last_n_epochs_state if epoch is not None
+                   else opts.save_last_n_steps_state) or n_model
+        for n, kind in ((n_model, "model"), (n_state, "state")):
+            if not n or (kind == "state" and not opts.save_state):
+                continue
+            if epoch is not None:
+                old = {"epoch": epoch - opts.save_every_n_epochs * n}
+            else:
+                no = step - n - 1
+                old = {"step": no - no % opts.save_every_n_steps}
+            if next(iter(old.values())) <= 0:
+                continue
+            if kind == "state":
+                train_state.remove_state(train_state.state_dir(opts.output_dir, opts.output_name,
+                                                               **old), logger)
+                continue
+            path = output_file(opts.output_dir, opts.output_name, self.method.extension(), **old)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.isfile(path):
+                os.remove(path)
+            else:
+                continue
+            logger.info(f"removed old model {path}")
+
+    def _save(self, *, epoch=None, step=None, final=False):
         from library import metadata as md
         from library.saving import output_file
 
@@ -337,6 +494,21 @@ class Run:
         acc.wait_for_everyone()
 
 
+def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
+    """The state ``resume`` names, checked against this run (before weights load)."""
+    from library import train_state
+
+    opts, plan = r.opts, r.plan
+    path = train_state.resolve(opts.resume, opts.output_dir)
+    info = train_state.read_info(path)
+    train_state.check_resumable(info, path, opts, plan, r.tset)
+    if announce and int(os.environ.get("RANK", "0")) == 0:
+        print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
+              f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
+              flush=True)
+    return path, info
+
+
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging()
@@ -344,6 +516,9 @@ def run(opts, method_name: str) -> Run | None:
     r = Run(opts, method_name)
     r.tset, r.plan = plan_run(opts, processes)
     main = int(os.environ.get("RANK", "0")) == 0
+    resume = None
+    if opts.resume:  # checked before any weight loads
+        resume = _check_resume(r)
     if opts.dry_run:
         print_plan(r.plan, main)
         return None
@@ -353,6 +528,11 @@ def run(opts, method_name: str) -> Run | None:
     print_plan(r.plan, r.accelerator.is_main_process)
     r.setup_method()
     r.cache()
+    if resume:
+        from library import train_state
+
+        resume = _check_resume(r, announce=False)  # again: the joined job's plan may differ from the launcher's
+        train_state.load_state(r, *resume, logger)
     from library import metadata as md
 
     r.base_metadata = md.build_metadata(
@@ -361,7 +541,11 @@ def run(opts, method_name: str) -> Run | None:
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
         network_info=r.method.info)
     r.saved = []
-    r.train()
+    from library.train_state import StopSignals
+
+    with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
+        r.train()
+    r.stop_signals = None
     r.save(final=True)
     if r.loss_log and r.accelerator.is_main_process:
         first = sum(r.loss_log[:3]) / min(3, len(r.loss_log))

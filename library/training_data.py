@@ -1,13 +1,23 @@
 """The training set of a run: the epoch's global sample list and the loading of micro-batches.
 
-Glue between the data modules (scan, buckets, images, latent cache) and the training loop.
-Building the set reads image headers only, so the step plan is known before any weight loads.
+Glue between the data modules (scan, dataset config, buckets, images, latent cache) and the
+training loop. Building the set reads image headers (and decodes each image once to skip broken
+files), so the step plan is known before any weight loads.
+
+Augmentation is keyed to the sample, not to the process (DESIGN.md "Randomness is keyed to the
+sample"): sample ``i`` of epoch ``e`` draws its caption processing, flip and random crop from
+generators seeded by ``derive_seed(kind, seed, e, i)``, so 1 process x batch 2 and 2 processes x
+batch 1 see the same captions and pixels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import os
+import random
+from dataclasses import dataclass, field
 
 from library import buckets, data
+from library.step_plan import derive_seed
 
 
 @dataclass
@@ -15,6 +25,11 @@ class TrainingSet:
     train_items: list          # unique training images, bucket assigned
     reg_items: list            # unique regularisation images, bucket assigned
     samples: list              # the epoch's global list (repeats and reg balancing applied)
+    seed: int = 0
+    batch_size: int | None = None  # set when the dataset config fixes the per-process batch size
+    resolution: tuple | None = None  # the (first) dataset's resolution, for the metadata
+    text_variants: int = 4  # text_encoder_cache_variants
+    stats: data.ScanStats = field(default_factory=data.ScanStats)
 
     @property
     def bucket_of(self) -> list:
@@ -34,46 +49,200 @@ class TrainingSet:
     def reg_samples(self) -> int:
         return sum(1 for s in self.samples if s.is_reg)
 
+    # -- per-sample augmentation (keyed by seed, epoch, sample index) ---------------------------
+    def caption(self, i: int, epoch: int) -> str:
+        s = self.samples[i]
+        if s.captions is None:
+            return s.caption
+        rng = random.Random(derive_seed("caption", self.seed, epoch, i))
+        return data.process_caption(s.caption, s.captions, epoch, rng)
+
+    def caption_variants(self, item) -> list[str]:
+        """The processed captions the text-encoder cache holds for ``item`` (dropout aside): one
+        when nothing random applies, else ``text_variants`` draws of the shuffle / tag dropout,
+        each from a generator keyed by (seed, image path, variant)."""
+        o = item.captions
+        if o is None:
+            return [item.caption]
+        nodrop = dataclasses.replace(o, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0)
+        n = self.text_variants if (o.shuffle_caption or o.caption_tag_dropout_rate > 0) else 1
+        return [data.process_caption(item.caption, nodrop, 0,
+                                     random.Random(derive_seed("te-variant", self.seed, item.path, v)))
+                for v in range(n)]
+
+    @staticmethod
+    def uses_empty_caption(item) -> bool:
+        o = item.captions
+        return o is not None and (o.caption_dropout_rate > 0 or o.caption_dropout_every_n_epochs > 0)
+
+    def cached_caption(self, i: int, epoch: int) -> str:
+        """Sample ``i``'s caption for ``epoch`` among the cached ones: the empty caption when
+        caption dropout draws it (the same draw as ``caption``), else one variant picked by a
+        generator keyed by (seed, epoch, sample)."""
+        s = self.samples[i]
+        o = s.captions
+        if o is not None:
+            rng = random.Random(derive_seed("caption", self.seed, epoch, i))
+            drop = o.caption_dropout_rate > 0 and rng.random() < o.caption_dropout_rate
+            if drop or (o.caption_dropout_every_n_epochs > 0 and epoch % o.caption_dropout_every_n_epochs == 0):
+                return ""
+        memo = self.__dict__.setdefault("_variants", {})
+        key = (s.path, s.captions, s.caption)
+        if key not in memo:
+            memo[key] = self.caption_variants(s)
+        variants = memo[key]
+        if len(variants) == 1:
+            return variants[0]
+        return variants[random.Random(derive_seed("te-pick", self.seed, epoch, i)).randrange(len(variants))]
+
+    def flip(self, i: int, epoch: int) -> bool:
+        if not self.samples[i].flip_aug:
+            return False
+        return random.Random(derive_seed("flip", self.seed, epoch, i)).random() < 0.5
+
+    def prepare(self, i: int, epoch: int):
+        """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
+        flip (when flip_aug draws it)."""
+        import torch
+
+        from library import images
+
+        s = self.samples[i]
+        g = None
+        if s.random_crop:
+            g = torch.Generator().manual_seed(derive_seed("crop", self.seed, epoch, i))
+        return images.prepare_image(images.load_image(s.path), s.bucket, s.resized_size,
+                                    flip=self.flip(i, epoch), random_crop=s.random_crop, generator=g)
+
+
+def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
+    try:
+        return buckets.BucketManager(resolution=tuple(resolution), enable_bucket=enable_bucket,
+                                     min_size=min_reso, max_size=max_reso, reso_steps=steps,
+                                     no_upscale=no_upscale)
+    except data.DataError as e:
+        if where is None:
+            raise
+        raise data.DataError(f"{where}: {e}") from None
+
 
 def build_training_set(opts, log) -> TrainingSet:
+    """Scan the images (dataset config or train_data_dir/reg_data_dir), assign buckets, balance
+    the reg images per dataset (sd-scripts' rule) and expand repeats into the epoch's list."""
+    stats = data.ScanStats()
+    batch_size = None
+    resolution = getattr(opts, "resolution", None)
     if getattr(opts, "dataset_config", None):
-        where = getattr(opts, "dataset_config_path", None) or "the run config"
-        raise data.DataError(f"{where}: the dataset config ([general] / [[datasets]]) is not "
-                             "supported yet; use train_data_dir (and reg_data_dir) for now")
+        train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats)
+    else:
+        train, reg, samples = _from_folders(opts, log, stats)
+    cache = getattr(opts, "cache_latents", False) or getattr(opts, "cache_latents_to_disk", False)
+    if cache:
+        crop = next((it for it in train + reg if it.random_crop), None)
+        if crop is not None:
+            raise data.DataError(f"random_crop cannot be combined with cache_latents (set for "
+                                 f"{crop.image_dir}): a random crop differs per sample and epoch, "
+                                 "so its latents cannot be cached; turn one of them off")
+    summary = stats.summary()
+    if summary:
+        log.warning(summary)
+    return TrainingSet(train_items=train, reg_items=reg, samples=samples,
+                       seed=getattr(opts, "seed", 0), batch_size=batch_size,
+                       resolution=resolution,
+                       text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats)
+
+
+def _item_fields(opts) -> dict:
+    from library.dataset_config import run_caption_options
+
+    captions = run_caption_options(opts)
+    return dict(captions=None if captions.is_identity else captions,
+                flip_aug=bool(getattr(opts, "flip_aug", False)),
+                random_crop=bool(getattr(opts, "random_crop", False)),
+                cache_dir=getattr(opts, "cache_dir", None))
+
+
+def _from_folders(opts, log, stats):
+    fields = _item_fields(opts)
     train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
-                                   log=log, option="train_data_dir")
+                                   log=log, option="train_data_dir", stats=stats, **fields)
     reg = []
     if getattr(opts, "reg_data_dir", None):
         reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
-                                     log=log, option="reg_data_dir")
-    bm = buckets.BucketManager(resolution=tuple(opts.resolution), enable_bucket=opts.enable_bucket,
-                               min_size=opts.min_bucket_reso, max_size=opts.max_bucket_reso,
-                               reso_steps=opts.bucket_reso_steps, no_upscale=opts.bucket_no_upscale)
-    train = bm.assign(train, log)
-    reg = bm.assign(reg, log)
+                                     log=log, option="reg_data_dir", stats=stats, **fields)
+    bm = _bucket_manager(opts.resolution, opts.enable_bucket, opts.min_bucket_reso,
+                         opts.max_bucket_reso, opts.bucket_reso_steps, opts.bucket_no_upscale)
+    train = bm.assign(train, log, stats)
+    reg = bm.assign(reg, log, stats)
     if not train:
         raise data.DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
     reg_used = data.balance_regularization(train, reg)
     samples = data.expand_repeats(train) + data.expand_repeats(reg_used)
-    return TrainingSet(train_items=train, reg_items=reg, samples=samples)
+    return train, reg, samples
+
+
+def _from_dataset_config(opts, log, stats):
+    from library.dataset_config import resolve_dataset_config
+
+    path = opts.dataset_config_path or "the run config"
+    datasets = resolve_dataset_config(opts.dataset_config, path, opts)
+    for name in ("train_data_dir", "reg_data_dir"):
+        if getattr(opts, name, None):
+            log.warning(f"{name} is ignored: the dataset config in {path} lists the images")
+    sizes = {ds.batch_size for ds in datasets}
+    if len(sizes) > 1:
+        detail = ", ".join(f"{ds.where}: {ds.batch_size}" for ds in datasets)
+        raise data.DataError(
+            f"{path}: datasets have different batch_size ({detail}); a step is one global batch "
+            "from one bucket (train_batch_size x processes x accumulation), so per-dataset batch "
+            "sizes cannot be honoured exactly: give every dataset the same batch_size")
+    train, reg, samples = [], [], []
+    for ds in datasets:
+        bm = _bucket_manager(ds.resolution, ds.enable_bucket, ds.min_bucket_reso, ds.max_bucket_reso,
+                             ds.bucket_reso_steps, ds.bucket_no_upscale, where=f"{path}: {ds.where}")
+        ds_train, ds_reg = [], []
+        for sub in ds.subsets:
+            caps = sub.captions
+            items = data.scan_image_folder(
+                sub.image_dir, num_repeats=sub.num_repeats, class_tokens=sub.class_tokens,
+                caption_extension=sub.caption_extension, is_reg=sub.is_reg, log=log, stats=stats,
+                captions=None if caps.is_identity else caps,
+                flip_aug=sub.flip_aug, random_crop=sub.random_crop,
+                cache_dir=getattr(opts, "cache_dir", None))
+            if not items:
+                concept = [n for n in sorted(os.listdir(sub.image_dir))
+                           if data.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
+                if concept:
+                    raise data.DataError(
+                        f"{path}: {sub.where}.image_dir: {sub.image_dir} holds N_concept folders "
+                        f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
+                        "the images themselves (one subset per folder, with num_repeats and "
+                        "class_tokens), or use train_data_dir")
+                log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
+            (ds_reg if sub.is_reg else ds_train).extend(items)
+        ds_train = bm.assign(ds_train, log, stats)
+        ds_reg = bm.assign(ds_reg, log, stats)
+        if not ds_train:
+            raise data.DataError(f"{path}: {ds.where}: no usable training image (subsets with "
+                                 "is_reg = false)")
+        reg_used = data.balance_regularization(ds_train, ds_reg)
+        train += ds_train
+        reg += ds_reg
+        samples += data.expand_repeats(ds_train) + data.expand_repeats(reg_used)
+    return train, reg, samples, sizes.pop(), datasets[0].resolution
 
 
 class MicroBatchImages:
-    """Map-style dataset: element k is the prepared images of one micro-batch (for a DataLoader)."""
+    """Map-style dataset: element k is the prepared images of one micro-batch of ``epoch`` (for a
+    DataLoader), with the sample-keyed flip and random crop."""
 
-    def __init__(self, samples: list, batches: list):
-        self.samples = samples
+    def __init__(self, tset: TrainingSet, batches: list, epoch: int):
+        self.tset = tset
         self.batches = batches
+        self.epoch = epoch
 
     def __len__(self):
         return len(self.batches)
 
     def __getitem__(self, k):
-        from library import images
-
-        out = []
-        for i in self.batches[k]:
-            s = self.samples[i]
-            img = images.load_image(s.path)
-            out.append(images.prepare_image(img, s.bucket, s.resized_size))
-        return out
+        return [self.tset.prepare(i, self.epoch) for i in self.batches[k]]

@@ -82,6 +82,26 @@ def train(run_script, monkeypatch):
     return _train
 
 
+class FakeAccelerator:
+    """The Accelerator calls a stepper makes, for a plain model without Accelerate."""
+
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm_(self, params, max_norm):
+        import torch
+
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def prepare(self, optimizer):
+        return optimizer
+
+
 def read(path):
     """(tensors, metadata) of a safetensors file."""
     from safetensors import safe_open

@@ -100,15 +100,3 @@ def test_dry_run_imports_no_model_code(dataset, tmp_path):
                        cwd=root, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "heavy: []" in p.stdout and "total_steps: 1" in p.stdout
-
-
-def test_dataset_config_is_rejected_until_supported(dataset, tmp_path, run_script):
-    cfg = tmp_path / "ds.toml"
-    cfg.write_text(f'[general]\nresolution = 64\n[[datasets]]\n[[datasets.subsets]]\n'
-                   f'image_dir = "{dataset}"\n')
-    rc, _, err = run_script("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15",
-                                           "--dataset_config", cfg, "--output_dir", tmp_path / "o",
-                                           "--max_train_steps", "1"])
-    assert rc == 2
-    line = one_error_line(err)
-    assert "ds.toml" in line and "not supported yet" in line

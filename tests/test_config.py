@@ -312,10 +312,10 @@ def test_no_effect_name_warns_once(write, caplog):
         assert sum(m.startswith(f"option {name} has no effect in this toolkit") for m in warned) == 1
 
 
-@pytest.mark.parametrize("line", ["resume = \"state\"", "full_bf16 = true", "fused_backward_pass = true",
-                                  "noise_offset = 0.05", "min_snr_gamma = 5", "shuffle_caption = true",
-                                  "cache_latents_to_disk = true", "flip_aug = true", "keep_tokens = 1",
-                                  "save_state = true", "deepspeed = true", "v_pred_like_loss = 0.2"])
+@pytest.mark.parametrize("line", ["initial_step = 3", "full_bf16 = true", "cpu_offload_checkpointing = true",
+                                  "alpha_mask = true", "max_token_length = 150", "color_aug = true",
+                                  "token_warmup_step = 5", "enable_wildcard = true",
+                                  "masked_loss = true", "deepspeed = true", "lowram = true"])
 def test_dangerous_not_yet_options_are_rejected(write, line):
     name = line.split(" =")[0]
     path = write(f"[training_arguments]\n{line}\n")

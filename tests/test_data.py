@@ -214,3 +214,114 @@ def test_data_module_imports_no_torch():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ---- bad input: each case handled deliberately -------------------------------------------------
+
+def _opts_for(root, *extra):
+    from library.config import parse_args
+
+    return parse_args("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir",
+                                     str(root), "--resolution", "64", "--max_train_steps", "1",
+                                     "--dry_run", *map(str, extra)])
+
+
+def test_image_modes_and_exif_rotation_are_converted(tmp_path):
+    """CMYK, 16-bit grey, palette, RGBA and an EXIF-rotated JPEG are all used, as RGB, and the
+    rotated one is bucketed by its displayed (rotated) size."""
+    import numpy as np
+    import torch
+
+    from library.training_data import build_training_set
+
+    folder = tmp_path / "train" / "1_x"
+    os.makedirs(folder)
+    Image.new("CMYK", (64, 64), (0, 255, 255, 0)).save(folder / "cmyk.jpg", quality=100)
+    Image.fromarray(np.full((64, 64), 40000, dtype=np.uint16)).save(folder / "grey16.png")
+    pal = Image.new("P", (64, 64), 1)
+    pal.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    pal.save(folder / "palette.png")
+    Image.new("RGBA", (64, 64), (255, 0, 0, 128)).save(folder / "rgba.png")
+    _img(str(folder / "rotated.jpg"), size=(128, 64), fmt="JPEG", exif_orientation=6)
+    ts = build_training_set(_opts_for(tmp_path / "train", "--enable_bucket", "--min_bucket_reso", "32",
+                                      "--max_bucket_reso", "128", "--bucket_reso_steps", "32"),
+                            logging.getLogger(LOG))
+    by_name = {os.path.basename(s.path): i for i, s in enumerate(ts.samples)}
+    assert sorted(by_name) == ["cmyk.jpg", "grey16.png", "palette.png", "rgba.png", "rotated.jpg"]
+    rot = ts.samples[by_name["rotated.jpg"]]
+    assert rot.size == (64, 128) and rot.bucket[0] < rot.bucket[1]  # portrait after rotation
+    for name, i in by_name.items():
+        p = ts.prepare(i, 1)
+        w, h = ts.samples[i].bucket
+        assert p.pixels.shape == (3, h, w) and torch.isfinite(p.pixels).all(), name
+    px = lambda name: tuple(int(round((float(v) + 1) * 127.5)) for v in ts.prepare(by_name[name], 1).pixels[:, 8, 8])
+    r, g, b = px("cmyk.jpg")
+    assert r > 200 and g < 60 and b < 60
+    assert px("palette.png") == (10, 200, 30)
+    assert abs(px("grey16.png")[0] - round(40000 / 65535 * 255)) <= 1
+    r, g, b = px("rgba.png")  # half-transparent red over white
+    assert r == 255 and abs(g - 127) <= 1 and abs(b - 127) <= 1
+
+
+def test_small_images_are_upscaled_or_skipped_and_skips_are_counted(tmp_path, caplog):
+    from library.training_data import build_training_set
+
+    folder = tmp_path / "train" / "1_x"
+    _img(str(folder / "big.png"), size=(128, 128))
+    _img(str(folder / "tiny.png"), size=(16, 16))
+    (folder / "zero.png").write_bytes(b"")
+    log = logging.getLogger(LOG)
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        ts = build_training_set(_opts_for(tmp_path / "train", "--enable_bucket", "--min_bucket_reso", "64",
+                                          "--max_bucket_reso", "128"), log)
+    assert len(ts.train_items) == 2  # the tiny one is upscaled to its bucket, as sd-scripts
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("1 image(s) are smaller than their bucket and are upscaled" in m and "tiny.png" in m for m in msgs)
+    assert msgs[-1] == "skipped 1 image file(s) in total: 1 unreadable"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        ts = build_training_set(_opts_for(tmp_path / "train", "--enable_bucket", "--bucket_no_upscale",
+                                          "--bucket_reso_steps", "32"), log)
+    assert [os.path.basename(it.path) for it in ts.train_items] == ["big.png"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("tiny.png" in m and "smaller than one bucket step" in m for m in msgs)
+    assert msgs[-1] == "skipped 2 image file(s) in total: 1 unreadable, 1 too small for any bucket"
+
+
+def test_same_stem_images_both_used_with_one_warning(tmp_path, caplog):
+    folder = tmp_path / "train" / "1_x"
+    _img(str(folder / "a.png"))
+    _img(str(folder / "a.jpg"), fmt="JPEG")
+    _cap(str(folder / "a.caption"), "shared")
+    with caplog.at_level(logging.WARNING, logger=LOG):
+        items = scan_concept_dirs(str(tmp_path / "train"))
+    assert [os.path.basename(i.path) for i in items] == ["a.jpg", "a.png"]
+    assert [i.caption for i in items] == ["shared", "shared"]
+    warned = [r.getMessage() for r in caplog.records if "share the stem" in r.getMessage()]
+    assert len(warned) == 1 and "a.jpg, a.png" in warned[0] and "a.caption" in warned[0]
+
+
+def test_caption_bom_and_empty_caption(tmp_path):
+    folder = tmp_path / "train" / "1_sks"
+    _img(str(folder / "a.png"))
+    _img(str(folder / "b.png"))
+    (folder / "a.caption").write_bytes("\ufeffbom caption".encode("utf-8"))
+    (folder / "b.caption").write_bytes(b"")
+    items = scan_concept_dirs(str(tmp_path / "train"))
+    assert [i.caption for i in items] == ["bom caption", "sks"]  # empty -> class tokens
+
+
+def test_bad_files_never_give_a_traceback(tmp_path, run_script):
+    folder = tmp_path / "train" / "2_x"
+    _img(str(folder / "ok.png"), size=(64, 64))
+    _img(str(folder / "ok2.jpg"), size=(64, 64), fmt="JPEG")
+    data = (folder / "ok2.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(data[: len(data) // 3])
+    (folder / "zero.webp").write_bytes(b"")
+    rc, out, err = run_script("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15",
+                                             "--train_data_dir", tmp_path / "train", "--resolution", "64",
+                                             "--max_train_steps", "1", "--dry_run"])
+    assert rc == 0 and "Traceback" not in err
+    assert "images: 2" in out
+    assert "cut.jpg" in err and "zero.webp" in err
+    assert "skipped 2 image file(s) in total: 2 unreadable" in err

@@ -1,0 +1,163 @@
+"""Per-parameter optimizer steps for the fused backward pass and optimizer groups.
+
+``fused_backward_pass`` steps every trainable parameter inside its
+``Tensor.register_post_accumulate_grad_hook``, so one parameter's update must not depend on any
+other parameter: the optimizer may keep only per-parameter state. Such an optimizer stepped on a
+one-parameter instance does exactly what it does on that parameter inside a many-parameter
+instance, so the fused run is the unfused run. Optimizers that adapt from global statistics
+(Prodigy's and D-Adaptation's step-size estimates over all parameters, schedule-free's averaged
+iterates that need train/eval switching of all parameters at once) are rejected instead.
+
+Adafactor (transformers) is stepped by ``adafactor_step_param``, the same math as
+``transformers.optimization.Adafactor.step`` for one parameter, except that a bf16 weight is
+written back with stochastic rounding (unbiased: the expected stored value is the float32
+result), as sd-scripts' fused Adafactor does, instead of round-to-nearest, which drops updates
+smaller than half a bf16 ulp.
+"""
+from __future__ import annotations
+
+import math
+
+from library.errors import UserError
+
+
+class FusedOptionError(UserError, ValueError):
+    """A combination that the fused backward pass / optimizer groups cannot run."""
+
+
+# Optimizer families whose update depends on state shared by all parameters.
+_GLOBAL_STATE = {
+    "prodigyopt": "Prodigy estimates one step size from all parameters together",
+    "dadaptation": "D-Adaptation estimates one step size from all parameters together",
+    "schedulefree": "schedule-free optimizers switch all parameters between train and eval "
+                    "iterates together",
+}
+
+
+def global_state_reason(cls) -> str | None:
+    """Why optimizer class ``cls`` cannot be stepped one parameter (or group) at a time, or None."""
+    module = (getattr(cls, "__module__", "") or "").split(".")[0].lower()
+    name = cls.__name__.lower()
+    if module in _GLOBAL_STATE:
+        return _GLOBAL_STATE[module]
+    if "prodigy" in name:
+        return _GLOBAL_STATE["prodigyopt"]
+    if name.startswith("dadapt"):
+        return _GLOBAL_STATE["dadaptation"]
+    if "schedulefree" in name:
+        return _GLOBAL_STATE["schedulefree"]
+    return None
+
+
+def stochastic_round_generator(device):
+    """The generator of the rounding noise: its own stream, so that rounding does not shift the
+    run's other random draws (noise, dropout)."""
+    import torch
+
+    g = torch.Generator(device=device)
+    g.manual_seed(0x5EED)
+    return g
+
+
+def copy_stochastic_(target, source, generator=None) -> None:
+    """``target`` (bf16) := ``source`` (float32) rounded stochastically: up with probability equal
+    to the distance from the lower bf16 neighbour, in units of the bf16 spacing. bf16 is the upper
+    16 bits of float32, so adding uniform 16-bit noise to the low bits and truncating does it."""
+    import torch
+
+    source = source.to(torch.float32).contiguous()
+    noise = torch.randint(0, 1 << 16, source.shape, dtype=torch.int32, device=source.device,
+                          generator=generator)
+    bits = noise.add_(source.view(torch.int32)).bitwise_and_(-65536)
+    target.copy_(bits.view(torch.float32))
+
+
+def adafactor_step_param(optimizer, p, group, generator=None) -> None:
+    """One Adafactor update of parameter ``p`` (in ``group`` of transformers' ``optimizer``),
+    with stochastic rounding when ``p`` is bf16. The float32 path is transformers' ``step``."""
+    import torch
+
+    if p.grad is None:
+        return
+    with torch.no_grad():
+        grad = p.grad
+        if grad.dtype in {torch.float16, torch.bfloat16}:
+            grad = grad.float()
+        state = optimizer.state[p]
+        grad_shape = grad.shape
+        factored, use_first_moment = optimizer._get_options(group, grad_shape)
+        if len(state) == 0:
+            state["step"] = 0
+            if use_first_moment:
+                state["exp_avg"] = torch.zeros_like(grad)
+            if factored:
+                state["exp_avg_sq_row"] = torch.zeros(grad_shape[:-1]).to(grad)
+                state["exp_avg_sq_col"] = torch.zeros(grad_shape[:-2] + grad_shape[-1:]).to(grad)
+            else:
+                state["exp_avg_sq"] = torch.zeros_like(grad)
+            state["RMS"] = 0
+        else:
+            if use_first_moment:
+                state["exp_avg"] = state["exp_avg"].to(grad)
+            if factored:
+                state["exp_avg_sq_row"] = state["exp_avg_sq_row"].to(grad)
+                state["exp_avg_sq_col"] = state["exp_avg_sq_col"].to(grad)
+            else:
+                state["exp_avg_sq"] = state["exp_avg_sq"].to(grad)
+
+        p_data_fp32 = p
+        if p.dtype in {torch.float16, torch.bfloat16}:
+            p_data_fp32 = p_data_fp32.float()
+
+        state["step"] += 1
+        state["RMS"] = optimizer._rms(p_data_fp32)
+        lr = optimizer._get_lr(group, state)
+
+        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
+        update = (grad**2) + group["eps"][0]
+        if factored:
+            exp_avg_sq_row = state["exp_avg_sq_row"]
+            exp_avg_sq_col = state["exp_avg_sq_col"]
+            exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
+            exp_avg_sq_col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
+            update = optimizer._approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col)
+            update.mul_(grad)
+        else:
+            exp_avg_sq = state["exp_avg_sq"]
+            exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+            update = exp_avg_sq.rsqrt().mul_(grad)
+
+        update.div_((optimizer._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+        update.mul_(lr)
+
+        if use_first_moment:
+            exp_avg = state["exp_avg"]
+            exp_avg.mul_(group["beta1"]).add_(update, alpha=(1 - group["beta1"]))
+            update = exp_avg
+
+        if group["weight_decay"] != 0:
+            p_data_fp32.add_(p_data_fp32, alpha=(-group["weight_decay"] * lr))
+
+        p_data_fp32.add_(-update)
+
+        if p.dtype == torch.bfloat16:
+            copy_stochastic_(p, p_data_fp32, generator)
+        elif p.dtype == torch.float16:
+            p.copy_(p_data_fp32)
+
+
+def is_transformers_adafactor(optimizer) -> bool:
+    cls = type(optimizer)
+    return cls.__name__ == "Adafactor" and cls.__module__.startswith("transformers")
+
+
+def step_optimizer(optimizer, generator=None) -> None:
+    """Step ``optimizer`` (one parameter's or one group's): Adafactor through
+    ``adafactor_step_param`` (stochastic rounding of bf16 weights), any other optimizer through
+    its own ``step``."""
+    if is_transformers_adafactor(optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                adafactor_step_param(optimizer, p, group, generator)
+    else:
+        optimizer.step()

@@ -1,0 +1,464 @@
+"""Training states: what ``save_state`` writes and ``resume`` reads, so that a run continues exactly.
+
+A state is a folder next to the model files (sd-scripts' names): ``<output_name>-000001-state``
+per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGINT/SIGTERM),
+``<output_name>-state`` at the end. It holds
+
+- ``state.json``: format version, counters (global step, epochs done, samples seen), the data
+  position (epoch and index of the next global batch in that epoch's global order), the step plan
+  it was made under (global batch, steps per epoch), the resolved config (``opts.to_dict()``), a
+  fingerprint of the data (one entry per image) and the per-step loss and learning-rate logs;
+- ``trainable.safetensors``: every trainable parameter, by name;
+- ``stepper.pt``: the stepper's ``state_dict()`` (optimizer(s) and scheduler(s));
+- ``rng.pt``: the global generators of every process (torch CPU and CUDA, Python, NumPy). The
+  noise, timesteps, order and augmentation are keyed by (seed, epoch, sample) and need none;
+  network dropout (neuron, rank, module) draws from torch's global generator, which is why it
+  is kept.
+
+The folder is written under a temporary name and renamed into place (``saving.atomic_dir``): a
+save that fails leaves the previous state of that name intact.
+
+A resume may lengthen the run (``max_train_steps`` / ``max_train_epochs``; a schedule that depends
+on the total length then continues with the new length's curve from the resume point), change the
+saving options, speed and memory options, and the process count or the split of the global batch
+(``train_batch_size`` x processes x ``gradient_accumulation_steps``) as long as the global batch
+stays the same. Anything else that differs from the state is an error naming it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+
+from library.errors import UserError
+
+STATE_VERSION = 1
+INFO_FILE = "state.json"
+WEIGHTS_FILE = "trainable.safetensors"
+STEPPER_FILE = "stepper.pt"
+RNG_FILE = "rng.pt"
+
+# Options a resume may change, and why that cannot change what the continued run computes
+# (beyond float rounding for the speed/memory ones). Everything else must match the state.
+RESUMABLE_CHANGES = {
+    "max_train_steps": "the run may be lengthened",
+    "max_train_epochs": "the run may be lengthened",
+    "resume": "the state to resume from",
+    "dry_run": "run control",
+    "config": "where the options come from",
+    "dataset_config": "where the dataset options come from (the data itself is compared)",
+    "output_dir": "where files are written",
+    "output_name": "how files are named",
+    "save_model_as": "file format", "save_precision": "file precision",
+    "save_every_n_epochs": "save interval", "save_every_n_steps": "save interval",
+    "save_state": "state saving", "save_state_on_train_end": "state saving",
+    "save_last_n_epochs": "rotation", "save_last_n_steps": "rotation",
+    "save_last_n_epochs_state": "rotation", "save_last_n_steps_state": "rotation",
+    "train_batch_size": "split of the global batch (checked: the global batch must stay the same)",
+    "gradient_accumulation_steps": "split of the global batch (checked likewise)",
+    "max_data_loader_n_workers": "speed", "ddp_timeout": "failure detection",
+    "ddp_gradient_as_bucket_view": "speed", "ddp_static_graph": "speed",
+    "gradient_checkpointing": "memory", "sdpa": "speed", "xformers": "speed",
+    "vae_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
+    "cache_dir": "speed", "cache_text_encoder_outputs": "speed (frozen text encoders only)",
+    "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",
+}
+
+_STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")
+
+
+class ResumeError(UserError, ValueError):
+    """A state that cannot be resumed by this run (missing, corrupt, or another run's)."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT/SIGTERM stopped training after a complete step; its state was written."""
+
+    def __init__(self, signum: int, state_dir: str, step: int):
+        self.signum, self.state_dir, self.step = signum, state_dir, step
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        super().__init__(f"{name}: stopped after step {step}; training state written to {state_dir} "
+                         f"(continue with --resume {state_dir})")
+
+
+# -- names, discovery, rotation -------------------------------------------------------------------
+def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
+              step: int | None = None) -> str:
+    """sd-scripts' state folder names, next to the model files of the same save."""
+    if epoch is not None:
+        name = f"{output_name}-{epoch:06d}-state"
+    elif step is not None:
+        name = f"{output_name}-step{step:08d}-state"
+    else:
+        name = f"{output_name}-state"
+    return os.path.join(output_dir, name)
+
+
+def read_info(path: str) -> dict:
+    f = os.path.join(path, INFO_FILE)
+    if not os.path.isdir(path):
+        raise ResumeError(f"resume: {path} is not a folder (give a training state folder such as "
+                          "<output_name>-state, or latest)")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            info = json.load(fh)
+    except FileNotFoundError:
+        raise ResumeError(f"resume: {path} has no {INFO_FILE}; it is not a training state") from None
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"resume: {f} cannot be read ({e})") from None
+    if info.get("version") != STATE_VERSION:
+        raise ResumeError(f"resume: {f}: state format {info.get('version')!r} is not "
+                          f"{STATE_VERSION} (written by another version of this toolkit)")
+    for name in (WEIGHTS_FILE, STEPPER_FILE, RNG_FILE):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ResumeError(f"resume: {path} is incomplete: {name} is missing")
+    return info
+
+
+def list_states(output_dir: str) -> list[tuple[int, float, str]]:
+    """(global step, mtime, path) of every complete state folder in ``output_dir``."""
+    out = []
+    if not os.path.isdir(output_dir):
+        return out
+    for entry in os.listdir(output_dir):
+        path = os.path.join(output_dir, entry)
+        if entry.startswith(".") or not _STATE_NAME.match(entry) or not os.path.isdir(path):
+            continue
+        try:
+            info = read_info(path)
+        except ResumeError:
+            continue
+        out.append((int(info["global_step"]), os.path.getmtime(os.path.join(path, INFO_FILE)), path))
+    return out
+
+
+def resolve(resume: str, output_dir: str | None) -> str:
+    """The state folder ``resume`` names: a path, or ``latest`` = the highest step in output_dir."""
+    if resume == "latest":
+        states = list_states(output_dir or ".")
+        if not states:
+            raise ResumeError(f"resume latest: no training state in output_dir {output_dir} "
+                              "(states are written with save_state or on SIGINT/SIGTERM)")
+        return max(states)[2]  # highest step; among equal steps the newest
+    return resume
+
+
+def remove_state(path: str, log) -> None:
+    if os.path.isdir(path) and _STATE_NAME.match(os.path.basename(path)):
+        shutil.rmtree(path)
+        log.info(f"removed old state {path}")
+
+
+# -- what must match ------------------------------------------------------------------------------
+def data_fingerprint(tset) -> list[list]:
+    """One entry per image of the run: path, size in bytes, caption, repeats, bucket, reg flag."""
+    out = []
+    for it in list(tset.train_items) + list(tset.reg_items):
+        try:
+            size = os.path.getsize(it.path)
+        except OSError:
+            size = -1
+        out.append([str(it.path), size, it.caption, int(it.num_repeats),
+                    list(it.bucket) if it.bucket else None, bool(it.is_reg)])
+    return out
+
+
+def _json(v):
+    return json.loads(json.dumps(v))
+
+
+def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
+    """Raise ResumeError naming the first thing that differs between the state and this run."""
+    saved, now = info["config"], _json(opts.to_dict())
+    for key in sorted(set(saved) | set(now)):
+        if key in RESUMABLE_CHANGES:
+            continue
+        if saved.get(key) != now.get(key):
+            raise ResumeError(
+                f"resume: {key} changed since the state in {path} was saved (was "
+                f"{_show(saved.get(key))}, now {_show(now.get(key))}); a resume continues the same "
+                "run: use the saved value or start a new run")
+    if plan.global_batch != info["global_batch"]:
+        raise ResumeError(
+            f"resume: the global batch changed since the state in {path} was saved (was "
+            f"{info['global_batch']} = train_batch_size {info['train_batch_size']} x "
+            f"{info['processes']} process(es) x gradient_accumulation_steps "
+            f"{info['gradient_accumulation_steps']}, now {plan.global_batch} = "
+            f"{plan.train_batch_size} x {plan.processes} x {plan.gradient_accumulation_steps}); "
+            "set train_batch_size so that the global batch stays the same")
+    fp_saved, fp_now = info["data"], _json(data_fingerprint(tset))
+    if fp_saved != fp_now:
+        raise ResumeError(f"resume: the training data changed since the state in {path} was saved "
+                          f"({_data_diff(fp_saved, fp_now)})")
+    if plan.steps_per_epoch != info["steps_per_epoch"]:  # same data and batch: cannot happen
+        raise ResumeError(f"resume: steps per epoch changed ({info['steps_per_epoch']} -> "
+                          f"{plan.steps_per_epoch}) since the state in {path} was saved")
+    if plan.total_steps <= info["global_step"]:
+        length = "max_train_epochs" if opts.max_train_epochs else "max_train_steps"
+        raise ResumeError(
+            f"resume: the state in {path} is at step {info['global_step']} but this run has "
+            f"{plan.total_steps} steps; raise {length} to train further")
+
+
+def _show(v) -> str:
+    return "unset" if v is None else repr(v)
+
+
+def _data_diff(a: list, b: list) -> str:
+    fields = ("path", "file size", "caption", "repeats", "bucket", "regularisation flag")
+    if len(a) != len(b):
+        return f"{len(a)} images then, {len(b)} now"
+    for x, y in zip(a, b):
+        if x != y:
+            what = next(f for f, u, v in zip(fields, x, y) if u != v)
+            return f"{what} of {y[0]}: was {_show(x[fields.index(what)])}, now " \
+                   f"{_show(y[fields.index(what)])}"
+    return "unknown difference"
+
+
+# -- trainable parameters by name -----------------------------------------------------------------
+def named_trainable(run) -> list[tuple[str, object]]:
+    """(name, parameter) for every trainable parameter, in ``trainable_parameters()`` order."""
+    method, b = run.method, run.bundle
+    roots = []
+    if getattr(method, "network", None) is not None:
+        roots.append(("network", method.network))
+    roots.append(("unet", b.unet))
+    for i, te in enumerate(b.text_encoders):
+        roots.append(("text_encoder" if i == 0 else f"text_encoder_{i + 1}", te))
+    names = {}
+    for prefix, module in roots:
+        for n, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), f"{prefix}.{n}")
+    out = []
+    for i, p in enumerate(method.trainable_parameters()):
+        out.append((names.get(id(p), f"param.{i}"), p))
+    return out
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+    import torch
+
+    st = {"torch": torch.get_rng_state(), "python": _plain_tuple(random.getstate())}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    st["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(st["torch"])
+    random.setstate(_tuple(st["python"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    n = st["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["gauss"]))
+
+
+def _plain_tuple(v):
+    return [_plain_tuple(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+def _tuple(v):
+    return tuple(_tuple(x) for x in v) if isinstance(v, list) else v
+
+
+# -- write and load -------------------------------------------------------------------------------
+def write_state(run, path: str, log) -> None:
+    """Write the state of ``run`` (after its last completed step) to ``path``. Every process calls
+    this; the main process writes the folder, atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    from library import distributed
+    from library.saving import atomic_dir
+
+    acc = run.accelerator
+    stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
+    rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
+    if acc.is_main_process:
+        plan, opts = run.plan, run.opts
+        epoch, batch = run.position
+        info = {
+            "version": STATE_VERSION,
+            "global_step": run.global_step,
+            "epoch": epoch, "batch": batch,        # the next global batch to train
+            "epochs_done": getattr(run, "epoch", 0),
+            "samples_seen": run.samples_seen,
+            "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch,
+            "processes": plan.processes, "train_batch_size": plan.train_batch_size,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+            "total_steps": plan.total_steps,
+            "method": run.method_name,
+            "saved_at": time.time(),
+            "config": _json(opts.to_dict()),
+            "data": _json(data_fingerprint(run.tset)),
+            "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
+        }
+        with atomic_dir(path) as tmp:
+            weights = {n: p.detach().to("cpu", copy=True).contiguous()
+                       for n, p in named_trainable(run)}
+            save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
+            torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
+            torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
+            with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
+                json.dump(info, f)
+        log.info(f"saved training state {path} (step {run.global_step})")
+    acc.wait_for_everyone()
+
+
+def load_state(run, path: str, info: dict, log) -> None:
+    """Put the state's weights, optimizer/scheduler, generators and counters into ``run``."""
+    import torch
+    from safetensors.torch import load_file
+
+    acc = run.accelerator
+    weights = load_file(os.path.join(path, WEIGHTS_FILE))
+    named = named_trainable(run)
+    missing = [n for n, _ in named if n not in weights]
+    extra = sorted(set(weights) - {n for n, _ in named})
+    if missing or extra:
+        raise ResumeError(f"resume: {path}: the trainable parameters differ from this run's "
+                          f"(e.g. {(missing or extra)[0]}); the state belongs to another model")
+    with torch.no_grad():
+        for n, p in named:
+            w = weights[n]
+            if w.shape != p.shape:
+                raise ResumeError(f"resume: {path}: {n} has shape {tuple(w.shape)} in the state, "
+                                  f"{tuple(p.shape)} in this run")
+            p.copy_(w.to(p.device, p.dtype))
+    try:
+        st = torch.load(os.path.join(path, STEPPER_FILE), map_location=acc.device, weights_only=True)
+        rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
+        raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
+    try:
+        run.stepper.load_state_dict(st)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
+                          f"({e})") from None
+    resync_lr(run.stepper)
+    ranks = rng["ranks"]
+    rank = acc.process_index
+    set_rng_state(ranks[rank] if len(ranks) == acc.num_processes else ranks[0])
+    if len(ranks) != acc.num_processes and run.opts.network_dropout:
+        log.warning("resume: the state was saved by %d process(es), this run has %d: network "
+                    "dropout draws from each process's generator and does not continue exactly",
+                    len(ranks), acc.num_processes)
+    run.global_step = int(info["global_step"])
+    run.epoch = int(info["epochs_done"])
+    run.samples_seen = int(info["samples_seen"])
+    run.loss_log = list(info["loss_log"])
+    run.lr_log = list(info["lr_log"])
+    run.position = (int(info["epoch"]), int(info["batch"]))
+
+
+def resync_lr(stepper) -> None:
+    """Recompute the learning rates of the next step from each scheduler's own curve.
+
+    A resumed LambdaLR keeps the learning rate the saving run computed for its next step; when
+    the resume lengthened the run, the curve (cosine, linear, polynomial) is the new one's. Same
+    length: the same values, bit for bit (LambdaLR computes base_lr * lambda(last_epoch))."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scheds = []
+    for attr in ("scheduler", "schedulers"):
+        v = getattr(stepper, attr, None)
+        if isinstance(v, (list, tuple)):
+            scheds.extend(v)
+        elif isinstance(v, dict):
+            scheds.extend(v.values())
+        elif v is not None:
+            scheds.append(v)
+    for s in scheds:
+        if not isinstance(s, LambdaLR):
+            continue
+        lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
+        for g, lr in zip(s.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        s._last_lr = lrs
+
+
+def _to_cpu(v):
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu()
+    if isinstance(v, dict):
+        return {k: _to_cpu(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_cpu(x) for x in v)
+    return v
+
+
+def _gather_objects(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# -- SIGINT / SIGTERM -----------------------------------------------------------------------------
+class StopSignals:
+    """While active, SIGINT and SIGTERM ask training to stop after the current step.
+
+    A second signal stops at once (KeyboardInterrupt / exit 143). ``agreed(device)`` is called by
+    every process after every step: one small all-reduce, so that all processes stop after the
+    same step even when the signal reached only one of them.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.signum:  # second signal: stop now
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.signum = signum
+
+    def agreed(self, device) -> int:
+        from library import distributed
+
+        if not distributed._is_multi_process():
+            return self.signum
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
