@@ -6,7 +6,7 @@ import sys
 from library.errors import UserError
 from library.train_state import TrainingInterrupted
 
-METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth"}
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune"}
 
 
 def main(script: str, argv: list[str] | None = None) -> int:

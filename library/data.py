@@ -340,3 +340,115 @@ def expand_repeats(items: list[ImageItem]) -> list[ImageItem]:
     The same object appears several times; the trainer keys randomness by list position.
     """
     return [it for it in items for _ in range(it.num_repeats)]
+
+
+# -- fine-tuning metadata files (in_json, a subset's metadata_file) -----------------------------
+def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
+    """(image key, entry) of a metadata file: JSON ``{key: {"caption", "tags"}}`` (sd-scripts'
+    format) or JSONL, one ``{"image_path", "caption", "tags"}`` object per line."""
+    import json
+
+    if not os.path.isfile(path):
+        raise DataError(f"{option} {path!r} does not exist or is not a file")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise DataError(f"{option} {path}: not UTF-8 text") from None
+    if path.lower().endswith(".jsonl"):
+        out = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{option} {path}: line {n} is not JSON ({e})") from None
+            if not isinstance(entry, dict) or not isinstance(entry.get("image_path"), str):
+                raise DataError(f"{option} {path}: line {n} is not an object with an image_path")
+            out.append((entry["image_path"], entry))
+        return out
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{option} {path} is not JSON ({e}); JSON Lines files end in .jsonl") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{option} {path}: expected an object {{image: {{\"caption\": ..., "
+                        "\"tags\": ...}}}}")
+    return list(doc.items())
+
+
+def _find_image(key: str, image_dir: str | None, base: str) -> str | None:
+    """sd-scripts' lookup: the key as a path, else in image_dir (by name, or a stem with any image
+    extension). Relative keys are also tried next to the metadata file."""
+    candidates = [key] if os.path.isabs(key) else [os.path.join(d, key) for d in (image_dir, base) if d]
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    if image_dir and os.path.isdir(image_dir):
+        for ext in IMAGE_EXTENSIONS:
+            for e in (ext, ext.upper()):
+                c = os.path.join(image_dir, key + e)
+                if os.path.isfile(c):
+                    return c
+    return None
+
+
+def metadata_caption(entry) -> str | None:
+    """sd-scripts' fine-tuning caption: the caption, then ``", "`` and the tags when there are
+    tags; only tags when there is no caption; None when neither is there."""
+    if not isinstance(entry, dict):
+        return None
+    caption, tags = entry.get("caption"), entry.get("tags")
+    caption = caption.strip() if isinstance(caption, str) and caption.strip() else None
+    tags = tags.strip() if isinstance(tags, str) and tags.strip() else None
+    if caption is None:
+        return tags
+    return caption + ", " + tags if tags else caption
+
+
+def scan_metadata(path: str, image_dir: str | None, *, num_repeats: int, is_reg: bool = False,
+                  option: str = "in_json", log: logging.Logger = logger,
+                  stats: ScanStats | None = None, **item_fields) -> list[ImageItem]:
+    """The images a metadata file lists, with their captions, in the file's order.
+
+    Entries whose image cannot be found and entries without caption and tags are skipped, each
+    kind reported in one warning line naming the file and the first keys; unreadable images are
+    skipped as in folder scans. No usable entry at all is an error."""
+    stats = stats if stats is not None else ScanStats()
+    base = os.path.dirname(os.path.abspath(path))
+    no_image, no_caption, items = [], [], []
+    for key, entry in _metadata_entries(path, option):
+        img = _find_image(str(key), image_dir, base)
+        if img is None:
+            no_image.append(str(key))
+            continue
+        caption = metadata_caption(entry)
+        if caption is None:
+            no_caption.append(str(key))
+            continue
+        try:
+            size = check_image(img)
+        except DataError as e:
+            log.warning(f"skipping image: {e}")
+            stats.unreadable.append(img)
+            continue
+        items.append(ImageItem(path=img, caption=caption, num_repeats=num_repeats, is_reg=is_reg,
+                               class_tokens=None, size=size, image_dir=os.path.dirname(img),
+                               **item_fields))
+
+    def show(keys):
+        n = f"{len(keys)} entr{'y' if len(keys) == 1 else 'ies'}"
+        return n, ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+    if no_image:
+        where = f" in {image_dir}" if image_dir else ""
+        n, keys = show(no_image)
+        log.warning(f"{option} {path}: skipping {n} whose image is not found{where}: {keys}")
+    if no_caption:
+        n, keys = show(no_caption)
+        log.warning(f"{option} {path}: skipping {n} without a caption or tags: {keys}")
+    if not items:
+        raise DataError(f"{option} {path}: no usable entry (an image that exists and a caption or "
+                        "tags)")
+    return items

@@ -8,7 +8,12 @@ separate ``dataset_config`` file); this module validates them and resolves every
 - a dataset key (``resolution``, ``batch_size``, bucket settings): dataset -> ``[general]`` ->
   the run option (``batch_size`` falls back to ``train_batch_size``) -> the default.
 
-Subset keys may therefore appear at any level except ``image_dir`` and ``is_reg`` (subset only),
+A subset with ``metadata_file`` (sd-scripts' fine-tuning subset) takes its images and captions from
+that JSON/JSONL file (``library.data.scan_metadata``); its ``image_dir`` is then optional (where
+the file's keys are looked up).
+
+Subset keys may therefore appear at any level except ``image_dir``, ``is_reg`` and
+``metadata_file`` (subset only),
 dataset keys not in a subset (as sd-scripts' voluptuous schema). Errors are one line naming the file, the table (``datasets[0].subsets[1]``)
 and the key, with a close match for an unknown key.
 
@@ -26,6 +31,7 @@ from library.data import CaptionOptions, DataError
 # key -> (type, default when no level and no run option sets it)
 SUBSET_KEYS: dict[str, tuple[str, object]] = {
     "image_dir": ("str", None),
+    "metadata_file": ("str", None),
     "num_repeats": ("int", 1),
     "caption_extension": ("str", ".caption"),
     "class_tokens": ("str", None),
@@ -52,7 +58,7 @@ DATASET_KEYS: dict[str, tuple[str, object]] = {
     "bucket_no_upscale": ("bool", False),
 }
 ALIASES = {"caption_extention": "caption_extension"}  # sd-scripts' old spelling
-SUBSET_ONLY = ("image_dir", "is_reg")  # sd-scripts' "distinct" subset keys: not inherited
+SUBSET_ONLY = ("image_dir", "is_reg", "metadata_file")  # sd-scripts' "distinct" subset keys: not inherited
 RUN_OPTION = {"batch_size": "train_batch_size"}  # dataset key -> run option, where the names differ
 # keys with a lower bound (the rates are checked by their type)
 MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs": 0, "batch_size": 1,
@@ -60,8 +66,6 @@ MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs":
 
 # sd-scripts dataset keys this toolkit does not implement: accepted only at their "off" value
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "metadata_file": ("fine-tuning subsets with a metadata file are not supported yet; use "
-                      "image_dir with caption files", (None, "")),
     "color_aug": ("color augmentation is not supported yet", (False,)),
     "face_crop_aug_range": ("face crop augmentation is not supported yet", (None,)),
     "token_warmup_min": ("token warmup is not supported yet", (1,)),
@@ -99,6 +103,7 @@ class SubsetConfig:
     flip_aug: bool
     random_crop: bool
     captions: CaptionOptions
+    metadata_file: str | None = None  # a fine-tuning subset: images and captions from this file
 
 
 @dataclass
@@ -236,16 +241,21 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
             swhere = f"{dwhere}.subsets[{si}]"
             svals = r.check_table(sub, swhere, set(SUBSET_KEYS), level="subset")
             v = {k: r.resolve(k, svals, dvals, general) for k in SUBSET_KEYS}
-            if "image_dir" not in svals:
+            if svals.get("metadata_file"):
+                if not os.path.isfile(svals["metadata_file"]):
+                    raise r.error(swhere, "metadata_file", f"file {svals['metadata_file']!r} does "
+                                  "not exist")
+            elif "image_dir" not in svals:
                 raise r.error(swhere, "image_dir", "is required (the folder of this subset's images)")
-            if not os.path.isdir(v["image_dir"]):
+            if v["image_dir"] is not None and not os.path.isdir(v["image_dir"]):
                 raise r.error(swhere, "image_dir", f"folder {v['image_dir']!r} does not exist or is "
                               "not a directory")
             subs.append(SubsetConfig(
                 where=swhere, image_dir=v["image_dir"], num_repeats=v["num_repeats"],
                 caption_extension=v["caption_extension"], class_tokens=v["class_tokens"],
                 is_reg=v["is_reg"], flip_aug=v["flip_aug"], random_crop=v["random_crop"],
-                captions=CaptionOptions(**{k: v[k] for k in CAPTION_FIELDS})))
+                captions=CaptionOptions(**{k: v[k] for k in CAPTION_FIELDS}),
+                metadata_file=v["metadata_file"]))
         out.append(DatasetConfig(where=dwhere, subsets=subs, **res))
     return out
 

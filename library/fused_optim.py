@@ -13,6 +13,11 @@ Adafactor (transformers) is stepped by ``adafactor_step_param``, the same math a
 written back with stochastic rounding (unbiased: the expected stored value is the float32
 result), as sd-scripts' fused Adafactor does, instead of round-to-nearest, which drops updates
 smaller than half a bf16 ulp.
+
+``full_bf16`` / ``full_fp16`` weights are stepped by ``step_low_precision`` (any optimizer without
+global state, one parameter at a time in float32, float32 state, written back with stochastic
+rounding for bf16), from the plain stepper as from the fused ones; ``grad_factor`` carries the
+loss-scale removal and the clipping factor onto the float32 gradient.
 """
 from __future__ import annotations
 
@@ -72,9 +77,11 @@ def copy_stochastic_(target, source, generator=None) -> None:
     target.copy_(bits.view(torch.float32))
 
 
-def adafactor_step_param(optimizer, p, group, generator=None) -> None:
+def adafactor_step_param(optimizer, p, group, generator=None, grad_factor: float = 1.0) -> None:
     """One Adafactor update of parameter ``p`` (in ``group`` of transformers' ``optimizer``),
-    with stochastic rounding when ``p`` is bf16. The float32 path is transformers' ``step``."""
+    with stochastic rounding when ``p`` is bf16. The float32 path is transformers' ``step``.
+    ``grad_factor`` multiplies the gradient first, in float32 (loss-scale removal and clipping of
+    low-precision gradients)."""
     import torch
 
     if p.grad is None:
@@ -83,6 +90,8 @@ def adafactor_step_param(optimizer, p, group, generator=None) -> None:
         grad = p.grad
         if grad.dtype in {torch.float16, torch.bfloat16}:
             grad = grad.float()
+        if grad_factor != 1.0:
+            grad = grad * grad_factor
         state = optimizer.state[p]
         grad_shape = grad.shape
         factored, use_first_moment = optimizer._get_options(group, grad_shape)
@@ -151,13 +160,98 @@ def is_transformers_adafactor(optimizer) -> bool:
     return cls.__name__ == "Adafactor" and cls.__module__.startswith("transformers")
 
 
-def step_optimizer(optimizer, generator=None) -> None:
-    """Step ``optimizer`` (one parameter's or one group's): Adafactor through
-    ``adafactor_step_param`` (stochastic rounding of bf16 weights), any other optimizer through
-    its own ``step``."""
+def _is_low_precision(p) -> bool:
+    import torch
+
+    return p.dtype in (torch.bfloat16, torch.float16)
+
+
+def step_optimizer(optimizer, generator=None, grad_factor: float = 1.0) -> None:
+    """Step ``optimizer`` (the whole run's, one parameter's or one group's): Adafactor through
+    ``adafactor_step_param`` (stochastic rounding of bf16 weights), an optimizer with bf16/fp16
+    weights (``full_bf16``/``full_fp16``) through ``step_low_precision``, any other through its
+    own ``step``. ``grad_factor`` (loss-scale removal, clipping) is applied in float32."""
     if is_transformers_adafactor(optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
-                adafactor_step_param(optimizer, p, group, generator)
+                adafactor_step_param(optimizer, p, group, generator, grad_factor)
+    elif any(_is_low_precision(p) for g in optimizer.param_groups for p in g["params"]):
+        step_low_precision(optimizer, generator, grad_factor)
     else:
+        if grad_factor != 1.0:
+            import torch
+
+            with torch.no_grad():
+                for g in optimizer.param_groups:
+                    for p in g["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(grad_factor)
         optimizer.step()
+
+
+def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> None:
+    """Step any optimizer without global state over bf16/fp16 weights, one parameter at a time,
+    in float32: the parameter and its gradient are copied to float32, the optimizer steps that
+    copy (its state, created on the copy, stays float32: no bf16 moments, no fp16 underflow of
+    Adam's second moment), and the result is written back to the weight, stochastically rounded
+    for bf16 (unbiased: the expected stored value is the float32 result) and rounded to nearest
+    for fp16. Only one parameter's float32 copy exists at a time, so the weights never exist
+    twice in full. The update of each parameter is exactly the float32 optimizer's update of the
+    stored value (with ``grad_factor`` applied to the float32 gradient).
+
+    The optimizer keeps its own param groups and state keys (``state_dict`` is the usual one): for
+    each step the group's parameter list holds the float32 copy alone and its state moves to it.
+    That is why optimizers whose update of one parameter depends on the others (Prodigy,
+    D-Adaptation, schedule-free) are rejected with full_bf16/full_fp16 (``global_state_reason``).
+    """
+    import torch
+
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        with torch.no_grad():
+            for g in groups:
+                g["params"] = []
+            for gi, params in enumerate(saved):
+                for p in params:
+                    if p.grad is None:
+                        continue
+                    q = p.detach().to(torch.float32, copy=True)
+                    q.grad = p.grad.to(torch.float32, copy=True)
+                    if grad_factor != 1.0:
+                        q.grad.mul_(grad_factor)
+                    if p in optimizer.state:
+                        optimizer.state[q] = optimizer.state.pop(p)
+                    groups[gi]["params"] = [q]
+                    try:
+                        optimizer.step()
+                    finally:
+                        groups[gi]["params"] = []
+                        if q in optimizer.state:
+                            optimizer.state[p] = optimizer.state.pop(q)
+                    if p.dtype == torch.bfloat16:
+                        copy_stochastic_(p, q, generator)
+                    else:
+                        p.copy_(q)
+                    del q
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"] = params
+
+
+def restore_float_state(optimizer, saved: dict) -> None:
+    """After ``optimizer.load_state_dict(saved)``: torch (and bitsandbytes) cast floating state to
+    the parameter's dtype on load, which would round the float32 state of bf16/fp16 weights (see
+    ``step_low_precision``) to their precision. Put the saved float32 tensors back."""
+    import torch
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        entry = saved.get("state", {}).get(i)
+        if not entry or p not in optimizer.state:
+            continue
+        st = optimizer.state[p]
+        for k, v in entry.items():
+            if torch.is_tensor(v) and v.is_floating_point() and k in st and torch.is_tensor(st[k]) \
+                    and st[k].dtype != v.dtype:
+                st[k] = v.to(st[k].device)

@@ -77,8 +77,9 @@ class NetworkMethod:
         self.network = network
         te_lr = opts.text_encoder_lr
         groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
+        self.group_names = None  # the groups' descriptions, when the module gives them
         if isinstance(groups, tuple):  # current sd-scripts returns (groups, descriptions)
-            groups = groups[0]
+            groups, self.group_names = groups[0], list(groups[1])
         self.param_groups = groups
         self.info = {
             "ss_network_module": opts.network_module,
@@ -93,6 +94,9 @@ class NetworkMethod:
 
     def trainable_parameters(self):
         return [p for p in self.network.parameters() if p.requires_grad]
+
+    def before_step(self, global_step: int) -> None:
+        pass
 
     def set_train(self, epoch: int):
         self.network.train()
@@ -119,8 +123,16 @@ class FullMethod:
 
     Learning rates: the U-Net trains at ``learning_rate``; with ``train_text_encoder`` each text
     encoder trains at ``text_encoder_lr`` (alias ``learning_rate_te``): one value for all, or one
-    per text encoder (SDXL: [te1, te2]); unset = ``learning_rate``. A part whose learning rate is 0
-    is frozen (no gradient, not in the optimizer), as the network method does.
+    per text encoder (SDXL: [te1, te2]); unset = ``learning_rate``. SDXL also takes sd-scripts'
+    ``learning_rate_te1`` / ``learning_rate_te2``, which override the value for that encoder. A
+    part whose learning rate is 0 is frozen (no gradient, not in the optimizer), as the network
+    method does.
+
+    ``stop_text_encoder_training = N``: the text encoders train in the first N optimizer steps
+    (sd-scripts: frozen when global_step reaches N); from step N + 1 on they get no gradient, so
+    the optimizer skips them (their optimizer state stays as it was), and their outputs are
+    computed without autograd. ``before_step`` applies it from the step counter alone, so a
+    resume past N freezes them the same way.
     """
 
     adapter = None
@@ -130,7 +142,13 @@ class FullMethod:
         self.bundle = bundle
         self.train_unet = bool(opts.learning_rate)
         wants_te = bool(getattr(opts, "train_text_encoder", False))
-        te_lrs = self._te_lr_values()
+        te_lrs = self._te_lr_values() + [v for v in (getattr(opts, "learning_rate_te1", None),
+                                                     getattr(opts, "learning_rate_te2", None))
+                                         if v is not None]
+        self.stop_te_at = getattr(opts, "stop_text_encoder_training", None)
+        if self.stop_te_at is not None and not wants_te:
+            raise MethodError("stop_text_encoder_training needs train_text_encoder (the text "
+                              "encoders do not train without it)")
         self.train_text_encoder = wants_te and any(te_lrs)
         if not self.train_unet and not self.train_text_encoder:
             if not wants_te:
@@ -155,12 +173,34 @@ class FullMethod:
         if len(lrs) > n:
             raise MethodError(f"text_encoder_lr: {len(lrs)} values given but this "
                               f"{self.bundle.family} model has {n} text encoder(s)")
-        return [lrs[i] if i < len(lrs) else lrs[0] for i in range(n)]
+        out = [lrs[i] if i < len(lrs) else lrs[0] for i in range(n)]
+        for i, name in enumerate(("learning_rate_te1", "learning_rate_te2")):
+            v = getattr(self.opts, name, None)
+            if v is None:
+                continue
+            if n < 2:
+                raise MethodError(f"{name} is for SDXL's two text encoders; this "
+                                  f"{self.bundle.family} model has one: use text_encoder_lr")
+            out[i] = v
+        return out
+
+    def before_step(self, global_step: int) -> None:
+        """Called before each optimizer step with the number of steps done."""
+        if self.stop_te_at is None or not self.train_text_encoder or global_step < self.stop_te_at:
+            return
+        for te in self.bundle.text_encoders:
+            te.requires_grad_(False)
+            te.train(False)
+            for p in te.parameters():
+                p.grad = None
+        self.train_text_encoder = False
+        logger.info(f"stop_text_encoder_training: text encoder(s) frozen after step {global_step}")
 
     def setup(self):
         opts, b = self.opts, self.bundle
-        if getattr(opts, "text_encoder_lr", None) is not None and not opts.train_text_encoder:
-            logger.warning("text_encoder_lr has no effect without train_text_encoder")
+        for name in ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2"):
+            if getattr(opts, name, None) is not None and not opts.train_text_encoder:
+                logger.warning(f"{name} has no effect without train_text_encoder")
         b.vae.requires_grad_(False)
         b.unet.requires_grad_(self.train_unet)
         groups = []
@@ -172,6 +212,11 @@ class FullMethod:
                 groups.append({"params": list(te.parameters()), "lr": lr})
         self.param_groups = groups
         self.info = {"ss_train_text_encoder": self.train_text_encoder}
+        if getattr(opts, "learning_rate_te1", None) is not None or \
+                getattr(opts, "learning_rate_te2", None) is not None:
+            self.info["ss_text_encoder_lr"] = [float(v) for v in self.text_encoder_lrs()]
+        if self.stop_te_at is not None:
+            self.info["ss_stop_text_encoder_training"] = self.stop_te_at
         return groups
 
     def trainable_parameters(self):

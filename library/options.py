@@ -34,6 +34,7 @@ SECTIONS = {
     "training": "Training",
     "loss": "Noise, timesteps and loss",
     "saving": "Saving",
+    "logging": "Logging, validation and sample images",
 }
 
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
@@ -126,6 +127,11 @@ OPTIONS: tuple[Option, ...] = (
       "tokens). Required unless a dataset config is given.", "dataset"),
     O("reg_data_dir", "path", None, "Folder of N_concept subfolders of regularisation images (prior "
       "preservation).", "dataset", scripts=DB_LORA),
+    O("in_json", "path", None, "Fine-tuning metadata instead of N_concept folders (sd-scripts' "
+      "fine_tune.py): a JSON file {image: {\"caption\": ..., \"tags\": ...}} or a .jsonl file with "
+      "one {\"image_path\", \"caption\", \"tags\"} per line; images are looked up in train_data_dir "
+      "(by path, or by stem). The caption is caption + ', ' + tags.", "dataset"),
+    O("dataset_repeats", "int", 1, "Repeats of every image listed by in_json.", "dataset", min=1),
     O("caption_extension", "str", ".caption", "Extension of caption files next to the images.",
       "dataset", aliases=("caption_extention",)),
     O("resolution", "resolution", None, "Training resolution: 'size' or 'width,height' (TOML: also an "
@@ -212,6 +218,10 @@ OPTIONS: tuple[Option, ...] = (
     O("text_encoder_lr", "float_or_list", None, "Learning rate of the text encoder(s); one value, or "
       "one per text encoder (SDXL: two). Unset = learning_rate.", "optimizer", min=0,
       aliases=("learning_rate_te",)),
+    O("learning_rate_te1", "float", None, "SDXL: learning rate of text encoder 1 (sd-scripts' name); "
+      "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
+    O("learning_rate_te2", "float", None, "SDXL: learning rate of text encoder 2 (sd-scripts' name); "
+      "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
     O("lr_scheduler", "str", "constant", "Learning-rate schedule.", "optimizer", choices=LR_SCHEDULERS),
     O("lr_warmup_steps", "steps_or_fraction", 0, "Warmup length: a number of optimizer steps, or a "
       "float below 1 (or 'N%') for that fraction of all steps.", "optimizer", min=0),
@@ -240,11 +250,28 @@ OPTIONS: tuple[Option, ...] = (
       "memory.", "training"),
     O("mixed_precision", "str", "no", "Autocast precision; fp16 (with loss scaling) needs a CUDA GPU, "
       "bf16 also runs on the CPU.", "training", choices=("no", "fp16", "bf16")),
+    O("full_bf16", "bool", False, "Train the weights themselves in bf16 (U-Net/text encoders, or the "
+      "network): bf16 weights and gradients, float32 optimizer state, each update computed in "
+      "float32 and written back with stochastic rounding (unbiased). Needs mixed_precision bf16; "
+      "not with Prodigy, D-Adaptation or schedule-free optimizers.", "training"),
+    O("full_fp16", "bool", False, "Train the weights themselves in fp16: fp16 weights and gradients, "
+      "float32 optimizer state, dynamic loss scaling (a step whose gradients overflow is skipped "
+      "and the scale halved). Needs mixed_precision fp16 (on a CPU: fp16 computation without "
+      "autocast); not with fused_backward_pass or fused_optimizer_groups.", "training"),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
+    O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
+      "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
+      "Unset = for the whole run.", "training", scripts=FULL, min=1),
+    O("ema_decay", "float", None, "Keep an exponential moving average of the trained weights: after "
+      "each optimizer step ema = d x ema + (1 - d) x weights, starting from the initial weights; saved "
+      "beside every model as <name>-ema (and in the training state). Unset = off.", "training",
+      min=0, max=1, max_exclusive=True),
+    O("ema_device", "str", "same", "Where the EMA weights live: 'same' (the trained weights' device) "
+      "or 'cpu' (off the accelerator).", "training", choices=("same", "cpu")),
     O("prior_loss_weight", "float", 1.0, "Loss weight of regularisation images.", "training",
       scripts=DB_LORA, min=0),
     # --- noise, timesteps and loss (sd-scripts' names and formulas; library/losses.py) ---
@@ -320,6 +347,40 @@ OPTIONS: tuple[Option, ...] = (
       "the highest step in output_dir). The run may be made longer, and the process count changed "
       "if the global batch stays the same; any other change is an error naming it. SIGINT/SIGTERM "
       "write <output_name>-step<N>-state after the current step and exit with 130/143.", "config"),
+    # --- logging and validation (library/tracking.py, library/validation.py) ---
+    O("logging_dir", "path", None, "Write TensorBoard logs to <logging_dir>/<log_prefix><timestamp>/: "
+      "loss/current, loss/average (mean of the last steps-per-epoch steps), loss/epoch, "
+      "loss/validation and lr/<group>; losses are global-batch means over all processes. Needs the "
+      "tensorboard extra.", "logging"),
+    O("log_with", "str", None, "Tracker: tensorboard (the default when logging_dir is set); wandb "
+      "is not supported yet.", "logging", choices=("tensorboard", "wandb", "all")),
+    O("log_prefix", "str", None, "Prefix of the run folder name under logging_dir.", "logging"),
+    O("validation_split", "float", 0.0, "Fraction of the training images held out for the "
+      "validation loss (chosen from validation_seed, per dataset; at least one image each way); "
+      "0 = no validation.", "logging", min=0, max=1, max_exclusive=True),
+    O("validation_seed", "int", None, "Seed of the validation split and of the validation noise; "
+      "unset = seed.", "logging", min=0),
+    O("validate_every_n_steps", "int", None, "Also compute the validation loss every N steps.",
+      "logging", min=1),
+    O("validate_every_n_epochs", "int", None, "Compute the validation loss every N epochs; unset = "
+      "every epoch (when validation_split is set).", "logging", min=1),
+    O("sample_prompts", "path", None, "Prompt file for sample images: .txt, one prompt per line with "
+      "optional --n negative prompt, --w width, --h height, --d seed, --s steps, --l CFG scale, "
+      "--ss sampler (defaults 512, 512, seed + prompt index, 30, 7.5, sample_sampler); or .toml "
+      "([prompt] defaults + [[prompt.subset]]) / .json (a list) with the keys prompt, "
+      "negative_prompt, width, height, seed, sample_steps, scale, sample_sampler. Images: "
+      "<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png.", "logging"),
+    O("sample_every_n_steps", "int", None, "Generate the sample images every N steps.", "logging",
+      min=1),
+    O("sample_every_n_epochs", "int", None, "Generate the sample images every N epochs.", "logging",
+      min=1),
+    O("sample_at_first", "bool", False, "Also generate the sample images before training.",
+      "logging"),
+    O("sample_sampler", "str", "ddim", "Sampler of the sample images (a prompt's --ss overrides it): "
+      "ddim, pndm, lms, euler, euler_a, heun, dpm_2, dpm_2_a, dpmsolver, dpmsolver++, dpmsingle "
+      "(k_ names accepted).", "logging",
+      choices=("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
+               "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")),
 )
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -355,14 +416,11 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("console_log_level", "value", _IGN, "console logging is not configurable here"),
     _n("console_log_file", "value", _IGN, "console logging is not configurable here"),
     _n("console_log_simple", "flag", _IGN, "console logging is not configurable here"),
-    _n("log_with", "value", _IGN, "trackers are not supported yet"),
-    _n("logging_dir", "value", _IGN, "TensorBoard logging is not implemented yet"),
-    _n("log_prefix", "value", _IGN, "log folder naming"),
-    _n("log_tracker_name", "value", _IGN, "trackers are not supported"),
-    _n("log_tracker_config", "value", _IGN, "trackers are not supported"),
+    _n("log_tracker_name", "value", _IGN, "TensorBoard events go straight into <logging_dir>/<log_prefix><timestamp>"),
+    _n("log_tracker_config", "value", _IGN, "only TensorBoard is supported; it takes no tracker settings"),
     _n("wandb_run_name", "value", _IGN, "wandb is not supported"),
     _n("wandb_api_key", "value", _IGN, "wandb is not supported"),
-    _n("log_config", "flag", _IGN, "trackers are not supported"),
+    _n("log_config", "flag", _IGN, "the options are not written to the TensorBoard log"),
     # model
     _n("tokenizer_cache_dir", "value", _IGN, "tokenizers are shipped; see tokenizer_path"),
     _n("disable_mmap_load_safetensors", "flag", _IGN, "loading speed only"),
@@ -374,8 +432,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
     _n("fp8_base", "flag", _REJ, "fp8 base weights change the computation"),
     _n("fp8_base_unet", "flag", _REJ, "fp8 base weights change the computation"),
-    _n("full_fp16", "flag", _REJ, "fp16 weights and gradients change the computation"),
-    _n("full_bf16", "flag", _REJ, "bf16 weights and gradients change the computation"),
     _n("max_token_length", "value", _REJ, "long prompts (150/225 tokens) change the text conditioning",
        off=(None, 75)),
     _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
@@ -401,15 +457,9 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("conditioning_data_dir", "value", _REJ, "masked loss changes the loss"),
     _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
-    _n("in_json", "value", _REJ, "fine-tuning metadata JSON is not implemented yet"),
-    _n("dataset_repeats", "value", _REJ, "fine-tuning metadata JSON is not implemented yet", off=(None, 1)),
     _n("persistent_data_loader_workers", "flag", _IGN, "speed only"),
     # validation (train_network.py)
-    _n("validation_split", "value", _REJ, "a validation split removes images from training", off=(None, 0)),
-    _n("validation_seed", "value", _IGN, "validation is not implemented yet"),
-    _n("validate_every_n_steps", "value", _IGN, "validation is not implemented yet"),
-    _n("validate_every_n_epochs", "value", _IGN, "validation is not implemented yet"),
-    _n("max_validation_steps", "value", _IGN, "validation is not implemented yet"),
+    _n("max_validation_steps", "value", _IGN, "every held-out image is evaluated at fixed timesteps"),
     # hub
     *(_n(k, "value", _IGN, "hub upload is not supported")
       for k in ("huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo",
@@ -424,11 +474,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("skip_until_initial_step", "flag", _REJ, "changes which steps are trained"),
     _n("initial_epoch", "value", _REJ, "changes which steps are trained"),
     _n("initial_step", "value", _REJ, "changes which steps are trained"),
-    # sampling
-    *(_n(k, "value", _IGN, "sample images are not generated yet")
-      for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_prompts")),
-    _n("sample_sampler", "value", _IGN, "sample images are not generated yet", off=(None, "ddim")),
-    _n("sample_at_first", "flag", _IGN, "sample images are not generated yet"),
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
@@ -437,10 +482,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("lr_decay_steps", "value", _REJ, "changes the schedule", off=(None, 0)),
     _n("lr_scheduler_timescale", "value", _REJ, "changes the schedule"),
     _n("lr_scheduler_min_lr_ratio", "value", _REJ, "changes the schedule"),
-    _n("learning_rate_te1", "value", _REJ, "use text_encoder_lr = [te1, te2]"),
-    _n("learning_rate_te2", "value", _REJ, "use text_encoder_lr = [te1, te2]"),
     _n("block_lr", "value", _REJ, "per-block learning rates are not implemented"),
-    _n("stop_text_encoder_training", "value", _REJ, "changes what is trained"),
     _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
     _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
     # network (train_network.py)

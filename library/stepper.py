@@ -13,6 +13,11 @@ an empty share). ``make_stepper`` picks the stepper from the options:
 - ``GroupedStepper`` (``fused_optimizer_groups = N``) does the same per group of parameters,
   contiguous in backward order: a group is stepped as soon as all its gradients are complete.
 
+With ``full_bf16`` / ``full_fp16`` the trained weights are bf16 / fp16: every stepper steps them
+through ``fused_optim.step_optimizer`` (float32 per-parameter update, float32 state, bf16 written
+back with stochastic rounding); ``full_fp16`` (plain stepper only) scales the loss with
+``LossScaler`` and skips a step whose summed gradients overflow.
+
 Steppers that step inside the backward pass (``steps_in_backward``) need a backward in the last
 micro-step of every process: a process with an empty share there runs a zero-weight backward
 (the trainer does it), so that every process's hooks fire for the same parameters in the same
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 from library import distributed
 
@@ -35,10 +41,59 @@ def _is_schedule_free(optimizer) -> bool:
         and "train_mode" in optimizer.param_groups[0]
 
 
+class LossScaler:
+    """Dynamic loss scaling for ``full_fp16`` (torch's GradScaler rule, for fp16 gradients, which
+    GradScaler refuses to unscale): the loss is multiplied by ``scale`` before backward; a step
+    whose gradients hold an inf or NaN is skipped and the scale multiplied by ``backoff_factor``;
+    after ``growth_interval`` steps in a row without overflow the scale is multiplied by
+    ``growth_factor``. Every process sees the same summed gradients, so all decide alike."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0      # steps without overflow since the last change of scale
+        self.skipped = 0         # steps skipped in this run
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+
+
+def grad_norm_fp32(params) -> float:
+    """The global L2 norm of the gradients, accumulated in float32 (inf or NaN when a gradient
+    holds one): fp16/bf16 norms of scaled gradients would overflow or lose digits."""
+    import torch
+
+    total = None
+    for p in params:
+        if p.grad is not None:
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            total = sq if total is None else total + sq.to(total.device)
+    return 0.0 if total is None else float(total.sqrt())  # one device sync
+
+
 class PlainStepper:
     steps_in_backward = False
 
-    def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float):
+    def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
+                 precision: str = "float32", loss_scaler: LossScaler | None = None):
         self.accelerator = accelerator
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -48,21 +103,50 @@ class PlainStepper:
         self._schedule_free = inner if _is_schedule_free(inner) else None
         if self._schedule_free is not None:
             self._schedule_free.train()  # schedule-free: train iterates while stepping
+        # full_bf16 / full_fp16: the weights are bf16/fp16, stepped in float32 one parameter at a
+        # time (fused_optim.step_optimizer), bf16 with stochastic rounding; fp16 with loss scaling.
+        self.precision = precision
+        self.loss_scaler = loss_scaler
+        self._generator = None
+        if precision != "float32":
+            from library import fused_optim
+
+            self._generator = fused_optim.stochastic_round_generator(params[0].device)
 
     def current_lr(self) -> float:
         """The learning rate the next step uses (first param group)."""
         return self.scheduler.get_last_lr()[0]
 
     def backward(self, loss, last_micro_step: bool = True) -> None:
-        self.accelerator.backward(loss)
+        if self.loss_scaler is not None:
+            # our scaler, not Accelerate's (whose GradScaler cannot unscale fp16 gradients)
+            (loss * self.loss_scaler.scale).backward()
+        else:
+            self.accelerator.backward(loss)
 
     def state_dict(self) -> dict:
-        """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
+        with full_bf16/full_fp16 the rounding generator and the loss scale)."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self._generator is not None:
+            state["rounding_generator"] = self._generator.get_state()
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.precision != "float32":
+            from library import fused_optim
+
+            fused_optim.restore_float_state(getattr(self.optimizer, "optimizer", self.optimizer),
+                                            state["optimizer"])
+            if "rounding_generator" not in state:
+                raise ValueError("the saved state was not trained with full_bf16/full_fp16")
+            self._generator.set_state(state["rounding_generator"].cpu())
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     @contextlib.contextmanager
     def eval_mode(self):
@@ -82,11 +166,37 @@ class PlainStepper:
         # Sum, then clip the global batch's gradient (after accumulation and summation, so any
         # split of the global batch clips alike).
         distributed.sum_gradients(self.params)
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
+        if self.precision != "float32":
+            self._step_low_precision()
+        else:
+            if self.max_grad_norm and self.max_grad_norm > 0:
+                self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.optimizer.step()
         self.scheduler.step()  # once per optimizer step, never per micro-step or process
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _step_low_precision(self) -> None:
+        """bf16/fp16 gradients: the norm (and fp16's overflow check) in float32; the loss scale
+        and the clipping factor are applied to each float32 gradient copy, not to the
+        low-precision gradients, so neither loses digits."""
+        from library import fused_optim
+
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
+        norm = grad_norm_fp32(self.params) if (clip or self.loss_scaler is not None) else 0.0
+        if self.loss_scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                logger.warning(f"full_fp16: gradient overflow at loss scale {scale:g}: step "
+                               f"skipped, loss scale now {self.loss_scaler.scale:g}")
+                return
+        factor = 1.0 / scale
+        if clip:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, on the unscaled norm
+            factor *= min(1.0, self.max_grad_norm / (norm / scale + 1e-6))
+        fused_optim.step_optimizer(getattr(self.optimizer, "optimizer", self.optimizer),
+                                   self._generator, factor)
 
 
 class _HookStepper:
@@ -184,9 +294,17 @@ class _HookStepper:
         self._pending = [0] * len(self.units)
         self._stepped = [False] * len(self.units)
 
+    def _low_precision(self) -> bool:
+        import torch
+
+        return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
+
     def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers]}
+        state = {"optimizers": [o.state_dict() for o in self.optimizers],
+                 "schedulers": [s.state_dict() for s in self.schedulers]}
+        if self._low_precision():  # full_bf16: stochastic rounding continues exactly
+            state["rounding_generator"] = self._generator.get_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         opts, scheds = state["optimizers"], state["schedulers"]
@@ -198,6 +316,14 @@ class _HookStepper:
             o.load_state_dict(s)
         for sc, s in zip(self.schedulers, scheds):
             sc.load_state_dict(s)
+        if self._low_precision():
+            from library import fused_optim
+
+            for o, s in zip(self.optimizers, opts):
+                fused_optim.restore_float_state(o, s)
+            if "rounding_generator" not in state:
+                raise ValueError("the saved state was not trained with full_bf16")
+            self._generator.set_state(state["rounding_generator"].cpu())
 
     @contextlib.contextmanager
     def eval_mode(self):
@@ -236,6 +362,7 @@ def check_stepper_options(opts) -> None:
     from library.fused_optim import FusedOptionError, global_state_reason
     from library.optim import check_optimizer
 
+    check_precision_options(opts)
     mode = fused_mode(opts)
     if mode is None:
         return
@@ -251,6 +378,40 @@ def check_stepper_options(opts) -> None:
         raise FusedOptionError(f"{mode} cannot be used with optimizer_type {opts.optimizer_type}: "
                                f"{reason}; use an optimizer without global state (AdamW, "
                                "Adafactor, Lion, SGDNesterov, 8-bit ones) or drop the option")
+
+
+def trained_precision(opts) -> str:
+    """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
+    "float32"."""
+    if getattr(opts, "full_bf16", False):
+        return "bfloat16"
+    if getattr(opts, "full_fp16", False):
+        return "float16"
+    return "float32"
+
+
+def check_precision_options(opts) -> None:
+    """full_bf16 / full_fp16 combinations, before any weight is loaded."""
+    from library.fused_optim import FusedOptionError, global_state_reason
+    from library.optim import check_optimizer
+
+    bf16, fp16 = bool(getattr(opts, "full_bf16", False)), bool(getattr(opts, "full_fp16", False))
+    if bf16 and fp16:
+        raise FusedOptionError("full_bf16 and full_fp16 cannot be combined: choose one weight dtype")
+    if not (bf16 or fp16):
+        return
+    name, want = ("full_bf16", "bf16") if bf16 else ("full_fp16", "fp16")
+    if opts.mixed_precision != want:
+        raise FusedOptionError(f"{name} needs mixed_precision {want} (the frozen weights and the "
+                               f"computation in {want}, as sd-scripts requires); got "
+                               f"{opts.mixed_precision}")
+    cls, _, _ = check_optimizer(opts.optimizer_type, opts.optimizer_args)
+    reason = global_state_reason(cls)
+    if reason:
+        raise FusedOptionError(f"{name} cannot be used with optimizer_type {opts.optimizer_type}: "
+                               f"{want} weights are stepped in float32 one parameter at a time, "
+                               f"and {reason}; use AdamW, Adafactor, Lion, SGDNesterov or an "
+                               "8-bit one, or drop the option")
 
 
 def _split_contiguous(params, n: int) -> list[list]:
@@ -280,11 +441,25 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
 
     mode = fused_mode(opts)
     if mode is None:
+        check_precision_options(opts)
         optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args, param_groups,
                                     opts.learning_rate)
-        optimizer = accelerator.prepare(optimizer)
+        precision = trained_precision(opts)
+        if precision == "float16":
+            # Accelerate's wrapper would route the step through its GradScaler, which refuses fp16
+            # gradients: full_fp16 steps the optimizer itself, with its own LossScaler.
+            loss_scaler = LossScaler()
+            logger.info(f"full_fp16: fp16 weights, float32 optimizer state, dynamic loss scale "
+                        f"from {loss_scaler.scale:g} (a step whose gradients overflow is skipped)")
+        else:
+            loss_scaler = None
+            optimizer = accelerator.prepare(optimizer)
+            if precision == "bfloat16":
+                logger.info("full_bf16: bf16 weights and gradients, float32 optimizer state, "
+                            "updates written back with stochastic rounding")
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
-        return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm)
+        return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
+                            precision=precision, loss_scaler=loss_scaler)
     check_stepper_options(opts)
     trainable = {id(p) for p in params if p.requires_grad}
     group_of = {}
@@ -329,6 +504,9 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         logger.info(f"{mode}: with gradient_accumulation_steps {opts.gradient_accumulation_steps} "
                     "parameters are stepped in the last micro-step only; gradient memory is saved "
                     "only in that micro-step")
+    if trained_precision(opts) == "bfloat16":
+        logger.info(f"full_bf16 with {mode}: bf16 weights and gradients, float32 optimizer state, "
+                    "updates written back with stochastic rounding")
     cls = FusedStepper if mode == "fused_backward_pass" else GroupedStepper
     logger.info(f"{mode}: {len(units)} optimizer{'s' if len(units) != 1 else ''} stepped inside "
                 "the backward pass")

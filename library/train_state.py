@@ -10,6 +10,8 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
   fingerprint of the data (one entry per image) and the per-step loss and learning-rate logs;
 - ``trainable.safetensors``: every trainable parameter, by name;
 - ``stepper.pt``: the stepper's ``state_dict()`` (optimizer(s) and scheduler(s));
+- ``ema.safetensors`` (with ``ema_decay``): the moving average of every trainable parameter,
+  by the same names (``library/ema.py``);
 - ``rng.pt``: the global generators of every process (torch CPU and CUDA, Python, NumPy). The
   noise, timesteps, order and augmentation are keyed by (seed, epoch, sample) and need none;
   network dropout (neuron, rank, module) draws from torch's global generator, which is why it
@@ -63,8 +65,13 @@ RESUMABLE_CHANGES = {
     "ddp_gradient_as_bucket_view": "speed", "ddp_static_graph": "speed",
     "gradient_checkpointing": "memory", "sdpa": "speed", "xformers": "speed",
     "vae_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
-    "cache_dir": "speed", "cache_text_encoder_outputs": "speed (frozen text encoders only)",
+    "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
+    "cache_text_encoder_outputs": "speed (frozen text encoders only)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",
+    "logging_dir": "reporting", "log_with": "reporting", "log_prefix": "reporting",
+    "validate_every_n_steps": "reporting", "validate_every_n_epochs": "reporting",
+    "sample_prompts": "reporting", "sample_every_n_steps": "reporting",
+    "sample_every_n_epochs": "reporting", "sample_at_first": "reporting", "sample_sampler": "reporting",
 }
 
 _STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")
@@ -315,6 +322,11 @@ def write_state(run, path: str, log) -> None:
             weights = {n: p.detach().to("cpu", copy=True).contiguous()
                        for n, p in named_trainable(run)}
             save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
+            if getattr(run, "ema", None) is not None:
+                from library.ema import STATE_FILE
+
+                save_file(run.ema.state_tensors([n for n, _ in named_trainable(run)]),
+                          os.path.join(tmp, STATE_FILE))
             torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
             torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
             with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
@@ -343,6 +355,13 @@ def load_state(run, path: str, info: dict, log) -> None:
                 raise ResumeError(f"resume: {path}: {n} has shape {tuple(w.shape)} in the state, "
                                   f"{tuple(p.shape)} in this run")
             p.copy_(w.to(p.device, p.dtype))
+    if getattr(run, "ema", None) is not None:
+        from library.ema import STATE_FILE
+
+        f = os.path.join(path, STATE_FILE)
+        if not os.path.isfile(f):
+            raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
+        run.ema.load_tensors(load_file(f), [n for n, _ in named], path)
     try:
         st = torch.load(os.path.join(path, STEPPER_FILE), map_location=acc.device, weights_only=True)
         rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)

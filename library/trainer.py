@@ -106,6 +106,9 @@ class Run:
         from library.losses import check_options as check_loss_options
 
         check_loss_options(self.opts)  # noise / loss variant combinations
+        from library import tracking
+
+        tracking.check_options(self.opts)  # logging_dir / log_with, validation and sample options
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
@@ -118,8 +121,13 @@ class Run:
         from library import family, models
 
         opts = self.opts
+        mixed = opts.mixed_precision
+        if getattr(opts, "full_fp16", False) and not torch.cuda.is_available():
+            # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
+            # the CPU lacks for fp16); the stepper scales the loss itself
+            mixed = "no"
         self.accelerator = distributed.make_accelerator(
-            opts.mixed_precision, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
+            mixed, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
         acc = self.accelerator
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
@@ -173,7 +181,11 @@ class Run:
 
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        trained_dtype = torch.float32
+        from library.stepper import trained_precision
+
+        # float32 master weights, or with full_bf16 / full_fp16 the trained weights themselves in
+        # bf16 / fp16 (the stepper updates them in float32 and rounds back)
+        trained_dtype = getattr(torch, trained_precision(opts))
         frozen_dtype = self.weight_dtype
         unet_dtype = trained_dtype if self.method_name != "lora" else frozen_dtype
         b.unet.to(acc.device, dtype=unet_dtype)
@@ -181,7 +193,7 @@ class Run:
             te_dtype = trained_dtype if (self.method_name != "lora" and self.method.train_text_encoder) else frozen_dtype
             te.to(acc.device, dtype=te_dtype)
         if self.method_name == "lora":
-            self.method.network.to(acc.device, dtype=torch.float32)
+            self.method.network.to(acc.device, dtype=trained_dtype)
         if opts.gradient_checkpointing:
             b.unet.enable_gradient_checkpointing()
             if self.method.train_text_encoder:
@@ -199,6 +211,9 @@ class Run:
                                     warmup_steps=self.plan.warmup_steps,
                                     total_steps=self.plan.total_steps)
         self.optimizer, self.scheduler = self.stepper.optimizer, self.stepper.scheduler
+        from library import ema
+
+        self.ema = ema.for_run(self)  # ema_decay: from the initial weights (None when off)
 
     def cache(self):
         """Latents of every image (and its mirror under flip_aug) in memory, and with
@@ -324,6 +339,7 @@ class Run:
         from torch.utils.data import DataLoader
         from tqdm.auto import tqdm
 
+        from library import tracking
         from library.training_data import MicroBatchImages
 
         opts, acc, plan = self.opts, self.accelerator, self.plan
@@ -336,6 +352,7 @@ class Run:
             self.position = (1, 0)            # (epoch, index of the next global batch in it)
         signals = getattr(self, "stop_signals", None)
         start_epoch, start_batch = self.position
+        tracking.before_training(self)  # validation images held out; sample_at_first
         bar = tqdm(total=plan.total_steps, initial=self.global_step,
                    disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
         done, stop = False, 0
@@ -354,6 +371,7 @@ class Run:
                                          collate_fn=lambda x: x))
             k = 0
             for j, gb in enumerate(batches, start=skip):
+                self.method.before_step(self.global_step)  # e.g. stop_text_encoder_training
                 loss_sum = 0.0
                 for a in range(A):
                     idx = list(mine[k])
@@ -379,6 +397,8 @@ class Run:
                     loss_sum += float(loss.detach())
                 step_lr = self.stepper.current_lr()
                 self.stepper.step()  # every process, every step: it joins the gradient sum
+                if getattr(self, "ema", None) is not None:
+                    self.ema.update()
                 self.global_step += 1
                 self.samples_seen += len(gb.indices)
                 self.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
@@ -389,6 +409,7 @@ class Run:
                 self.lr_log.append(step_lr)
                 bar.update(1)
                 bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
+                tracking.after_step(self, epoch)  # validation and samples when due, TensorBoard scalars
                 if opts.save_every_n_steps and self.global_step % opts.save_every_n_steps == 0 \
                         and self.global_step < plan.total_steps:
                     self.save(epoch=None, step=self.global_step)
@@ -401,6 +422,7 @@ class Run:
                     bar.close()
                     self.interrupt(stop)
             self.epoch = epoch
+            tracking.after_epoch(self, epoch)  # validation and samples when due, loss/epoch
             if done:
                 break
             if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
@@ -467,14 +489,18 @@ class Run:
                 train_state.remove_state(train_state.state_dir(opts.output_dir, opts.output_name,
                                                                **old), logger)
                 continue
-            path = output_file(opts.output_dir, opts.output_name, self.method.extension(), **old)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.isfile(path):
-                os.remove(path)
-            else:
-                continue
-            logger.info(f"removed old model {path}")
+            names = [opts.output_name]
+            if getattr(self, "ema", None) is not None:
+                names.append(opts.output_name + "-ema")  # the EMA saves rotate with the models
+            for name in names:
+                path = output_file(opts.output_dir, name, self.method.extension(), **old)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.isfile(path):
+                    os.remove(path)
+                else:
+                    continue
+                logger.info(f"removed old model {path}")
 
     def _save(self, *, epoch=None, step=None, final=False):
         from library import metadata as md
@@ -491,6 +517,8 @@ class Run:
             self.method.save(path, self.opts.save_precision, meta)
             logger.info(f"saved {path}")
             self.saved.append(path)
+            if getattr(self, "ema", None) is not None:
+                self.ema.save(self, epoch=epoch, step=step, metadata=meta)
         acc.wait_for_everyone()
 
 
@@ -547,6 +575,9 @@ def run(opts, method_name: str) -> Run | None:
         r.train()
     r.stop_signals = None
     r.save(final=True)
+    from library import tracking
+
+    tracking.finish(r)  # close the TensorBoard log
     if r.loss_log and r.accelerator.is_main_process:
         first = sum(r.loss_log[:3]) / min(3, len(r.loss_log))
         last = sum(r.loss_log[-3:]) / min(3, len(r.loss_log))

@@ -30,6 +30,7 @@ class TrainingSet:
     resolution: tuple | None = None  # the (first) dataset's resolution, for the metadata
     text_variants: int = 4  # text_encoder_cache_variants
     stats: data.ScanStats = field(default_factory=data.ScanStats)
+    val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
 
     @property
     def bucket_of(self) -> list:
@@ -131,11 +132,12 @@ def build_training_set(opts, log) -> TrainingSet:
     the reg images per dataset (sd-scripts' rule) and expand repeats into the epoch's list."""
     stats = data.ScanStats()
     batch_size = None
+    held_out: list = []  # validation_split: training images held out (each dataset's own share)
     resolution = getattr(opts, "resolution", None)
     if getattr(opts, "dataset_config", None):
-        train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats)
+        train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats, held_out)
     else:
-        train, reg, samples = _from_folders(opts, log, stats)
+        train, reg, samples = _from_folders(opts, log, stats, held_out)
     cache = getattr(opts, "cache_latents", False) or getattr(opts, "cache_latents_to_disk", False)
     if cache:
         crop = next((it for it in train + reg if it.random_crop), None)
@@ -149,7 +151,8 @@ def build_training_set(opts, log) -> TrainingSet:
     return TrainingSet(train_items=train, reg_items=reg, samples=samples,
                        seed=getattr(opts, "seed", 0), batch_size=batch_size,
                        resolution=resolution,
-                       text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats)
+                       text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats,
+                       val_items=held_out)
 
 
 def _item_fields(opts) -> dict:
@@ -162,10 +165,17 @@ def _item_fields(opts) -> dict:
                 cache_dir=getattr(opts, "cache_dir", None))
 
 
-def _from_folders(opts, log, stats):
+def _from_folders(opts, log, stats, held_out):
     fields = _item_fields(opts)
-    train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
-                                   log=log, option="train_data_dir", stats=stats, **fields)
+    if getattr(opts, "in_json", None):  # fine-tuning metadata; train_data_dir is the image folder
+        train = data.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
+                                   option="in_json", log=log, stats=stats, **fields)
+    else:
+        if getattr(opts, "dataset_repeats", 1) != 1:
+            raise data.DataError("dataset_repeats applies to in_json metadata only; N_concept "
+                                 "folders give their repeats in the folder name")
+        train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
+                                       log=log, option="train_data_dir", stats=stats, **fields)
     reg = []
     if getattr(opts, "reg_data_dir", None):
         reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
@@ -176,12 +186,13 @@ def _from_folders(opts, log, stats):
     reg = bm.assign(reg, log, stats)
     if not train:
         raise data.DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
+    train = _hold_out(train, opts, held_out, "train_data_dir")
     reg_used = data.balance_regularization(train, reg)
     samples = data.expand_repeats(train) + data.expand_repeats(reg_used)
     return train, reg, samples
 
 
-def _from_dataset_config(opts, log, stats):
+def _from_dataset_config(opts, log, stats, held_out):
     from library.dataset_config import resolve_dataset_config
 
     path = opts.dataset_config_path or "the run config"
@@ -203,12 +214,18 @@ def _from_dataset_config(opts, log, stats):
         ds_train, ds_reg = [], []
         for sub in ds.subsets:
             caps = sub.captions
-            items = data.scan_image_folder(
-                sub.image_dir, num_repeats=sub.num_repeats, class_tokens=sub.class_tokens,
-                caption_extension=sub.caption_extension, is_reg=sub.is_reg, log=log, stats=stats,
-                captions=None if caps.is_identity else caps,
-                flip_aug=sub.flip_aug, random_crop=sub.random_crop,
-                cache_dir=getattr(opts, "cache_dir", None))
+            sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
+                              random_crop=sub.random_crop, cache_dir=getattr(opts, "cache_dir", None))
+            if getattr(sub, "metadata_file", None):  # a fine-tuning subset
+                items = data.scan_metadata(sub.metadata_file, sub.image_dir,
+                                           num_repeats=sub.num_repeats, is_reg=sub.is_reg,
+                                           option=f"{path}: {sub.where}.metadata_file", log=log,
+                                           stats=stats, **sub_fields)
+            else:
+                items = data.scan_image_folder(
+                    sub.image_dir, num_repeats=sub.num_repeats, class_tokens=sub.class_tokens,
+                    caption_extension=sub.caption_extension, is_reg=sub.is_reg, log=log,
+                    stats=stats, **sub_fields)
             if not items:
                 concept = [n for n in sorted(os.listdir(sub.image_dir))
                            if data.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
@@ -225,11 +242,28 @@ def _from_dataset_config(opts, log, stats):
         if not ds_train:
             raise data.DataError(f"{path}: {ds.where}: no usable training image (subsets with "
                                  "is_reg = false)")
+        ds_train = _hold_out(ds_train, opts, held_out, f"{path}: {ds.where}")
         reg_used = data.balance_regularization(ds_train, ds_reg)
         train += ds_train
         reg += ds_reg
         samples += data.expand_repeats(ds_train) + data.expand_repeats(reg_used)
     return train, reg, samples, sizes.pop(), datasets[0].resolution
+
+
+def _hold_out(items: list, opts, held_out: list, where: str) -> list:
+    """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
+    if not getattr(opts, "validation_split", 0):
+        return items
+    from library.validation import split_items
+
+    train, val = split_items(items, opts.validation_split, _validation_seed(opts), where)
+    held_out.extend(val)
+    return train
+
+
+def _validation_seed(opts) -> int:
+    v = getattr(opts, "validation_seed", None)
+    return getattr(opts, "seed", 0) if v is None else v
 
 
 class MicroBatchImages:

@@ -102,6 +102,39 @@ class FakeAccelerator:
         return optimizer
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_process_command(target: str, args: list, **env_extra):
+    """(cmd, env) of ``accelerate launch --multi_gpu --num_processes 2 target *args`` on the CPU:
+    a free port, offline, one thread per process, and no launcher variables inherited."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(port), target, *[str(a) for a in args]]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return cmd, env
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    """Fails the test if model weights are loaded (for checks that must come before loading)."""
+    from library import models
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the options were checked")
+
+    monkeypatch.setattr(models, "load_model_bundle", refuse)
+
+
 def read(path):
     """(tensors, metadata) of a safetensors file."""
     from safetensors import safe_open

@@ -298,21 +298,22 @@ def test_sd_scripts_shaped_config_loads(write, caplog):
     assert opts.network_args == {"conv_dim": "4", "conv_alpha": "2"}
     assert (opts.optimizer_type, opts.lr_scheduler, opts.lr_warmup_steps, opts.reg_data_dir) == ("AdamW8bit", "cosine", 50, None)
     assert (opts.max_train_epochs, opts.max_train_steps, opts.mixed_precision) == (10, None, "bf16")
-    assert opts.ignored == {"persistent_data_loader_workers": True, "log_with": "tensorboard"}
+    assert opts.ignored == {"persistent_data_loader_workers": True}
+    assert opts.log_with == "tensorboard"
     warned = warnings_of(caplog)
-    assert "option log_with has no effect in this toolkit (trackers are not supported yet)" in warned
+    assert "option persistent_data_loader_workers has no effect in this toolkit (speed only)" in warned
     assert not any("full_bf16" in m or "noise_offset" in m for m in warned)  # off values: silent
 
 
 def test_no_effect_name_warns_once(write, caplog):
-    path = write("[t]\npersistent_data_loader_workers = true\nsample_every_n_epochs = 1\n")
+    path = write("[t]\npersistent_data_loader_workers = true\nmax_validation_steps = 1\n")
     parse(*BASE, *STEPS, "--config", path, "--persistent_data_loader_workers", "--mem_eff_attn")
     warned = warnings_of(caplog)
-    for name in ("persistent_data_loader_workers", "sample_every_n_epochs", "mem_eff_attn"):
+    for name in ("persistent_data_loader_workers", "max_validation_steps", "mem_eff_attn"):
         assert sum(m.startswith(f"option {name} has no effect in this toolkit") for m in warned) == 1
 
 
-@pytest.mark.parametrize("line", ["initial_step = 3", "full_bf16 = true", "cpu_offload_checkpointing = true",
+@pytest.mark.parametrize("line", ["initial_step = 3", "fp8_base = true", "cpu_offload_checkpointing = true",
                                   "alpha_mask = true", "max_token_length = 150", "color_aug = true",
                                   "token_warmup_step = 5", "enable_wildcard = true",
                                   "masked_loss = true", "deepspeed = true", "lowram = true"])
@@ -477,4 +478,4 @@ def test_help_is_fast_and_imports_no_torch():
     assert exit_code in ("0", "None") and torch_imported == "False"
     assert wall < 1.0, f"--help took {wall:.2f} s"
     assert "--network_dim" in help_text and "Network (LoRA):" in help_text and "--config_file" in help_text
-    assert "--full_bf16" not in help_text  # sd-scripts-only names are hidden from --help
+    assert "--fp8_base" not in help_text  # sd-scripts-only names are hidden from --help

@@ -67,7 +67,8 @@ def _subset_value(sub, key):
 
 
 def test_every_subset_key_is_covered():
-    assert set(SUBSET_CASES) | {"image_dir", "is_reg"} == set(dc.SUBSET_KEYS)
+    # metadata_file (fine-tuning subsets): tests/test_finetune_e2e.py
+    assert set(SUBSET_CASES) | {"image_dir", "is_reg", "metadata_file"} == set(dc.SUBSET_KEYS)
 
 
 def test_subset_only_keys(tmp_path):
@@ -189,7 +190,9 @@ def test_errors_name_file_table_and_key(tmp_path):
     assert _error(tmp_path, "[[datasets]]\nresolution = 64\n") == \
         "datasets[0]: has no [[datasets.subsets]] table (each subset names an image_dir)"
     msg = _error(tmp_path, head + "metadata_file = \"meta.json\"\n")
-    assert msg.startswith("datasets[0].subsets[0].metadata_file: not supported yet (fine-tuning")
+    assert msg == "datasets[0].subsets[0].metadata_file: file 'meta.json' does not exist"
+    assert _error(tmp_path, "[general]\nmetadata_file = \"meta.json\"\n" + head).startswith(
+        "general.metadata_file: is a subset key")
     assert _error(tmp_path, head + "color_aug = true\n").startswith(
         "datasets[0].subsets[0].color_aug: not supported yet")
     _opts(tmp_path, head + "color_aug = false\n")  # the off value is accepted

@@ -240,16 +240,6 @@ def test_adafactor_step_param_is_transformers_math_in_float32():
 
 
 # -- rejected combinations ----------------------------------------------------------------------
-@pytest.fixture
-def no_weight_loading(monkeypatch):
-    from library import models
-
-    def refuse(*a, **k):
-        raise AssertionError("weights were loaded before the options were checked")
-
-    monkeypatch.setattr(models, "load_model_bundle", refuse)
-
-
 @pytest.mark.parametrize("extra,message", [
     (["--fused_backward_pass", "--fused_optimizer_groups", "2"],
      "fused_backward_pass and fused_optimizer_groups cannot be combined"),

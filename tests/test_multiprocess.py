@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -83,30 +82,14 @@ if __name__ == "__main__":
 # -- the test (imports below are for pytest only) ------------------------------------------------
 import pytest  # noqa: E402
 
+from tests.conftest import free_port, two_process_command  # noqa: E402
 from tests.test_equivalence import (CLIP, TOL, make_two_bucket_dataset, max_rel_diff,  # noqa: E402
                                     plan_values, read_file, train_args, train_in_process)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launcher() -> list[str]:
-    # the venv's accelerate CLI, run by this interpreter
-    return [sys.executable, "-m", "accelerate.commands.launch"]
-
-
 def launch_two_processes(report_dir: str, args: list[str], **env_extra):
     """``accelerate launch --multi_gpu --num_processes 2`` of this file's worker."""
-    cmd = [*_launcher(), "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), os.path.abspath(__file__), report_dir, *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    cmd, env = two_process_command(os.path.abspath(__file__), [report_dir, *args], **env_extra)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -254,7 +237,7 @@ def test_sum_gradients_across_two_processes():
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_sum_gradients_worker, args=(r, port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()

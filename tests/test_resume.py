@@ -330,20 +330,15 @@ def test_two_process_state_resumed_on_one_process(tmp_path_factory):
     and ends as the uninterrupted 1-process run (within float summation noise: SGD at 128 px,
     as in tests/test_equivalence.py)."""
     from tests.test_equivalence import TOL, make_two_bucket_dataset, max_rel_diff, train_args
-    from tests.test_multiprocess import _free_port, _launcher
+    from tests.conftest import two_process_command
 
     data = make_two_bucket_dataset(str(tmp_path_factory.mktemp("twobuckets")))
     whole, parts = str(tmp_path_factory.mktemp("mp_whole")), str(tmp_path_factory.mktemp("mp_parts"))
     report = str(tmp_path_factory.mktemp("mp_report"))
     common = ["--max_train_epochs", "2", "--max_grad_norm", "0"]  # 3 steps per epoch
-    cmd = [*_launcher(), "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           str(_free_port()), os.path.abspath(__file__), report,
-           *train_args(data, parts, "--train_batch_size", "1", *common)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", SDTK_TEST_SIGNAL_WAIT="1:2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    cmd, env = two_process_command(
+        os.path.abspath(__file__), [report, *train_args(data, parts, "--train_batch_size", "1", *common)],
+        SDTK_TEST_SIGNAL_WAIT="1:2")
     log = open(os.path.join(report, "launcher.log"), "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -267,3 +267,86 @@ def test_reg_images_with_prior_loss_weight(dataset, tmp_path, train):
         trained[w] = state(run.bundle.unet)
     # The weight of the reg samples' loss reaches the update.
     assert changed(trained["0.5"], trained["1.0"], tol=1e-4)
+
+
+def test_sdxl_learning_rate_te1_te2(dataset, tmp_path, train):
+    """sd-scripts' learning_rate_te1 / learning_rate_te2: one rate per SDXL text encoder (0 freezes
+    it), overriding text_encoder_lr for that encoder; SD1 rejects them with one line."""
+    base = base_bundle("sdxl")
+    rc, _, err, run = train("train_dreambooth", base_args(
+        "tiny-sdxl", dataset, tmp_path / "a", "--train_text_encoder", "--text_encoder_lr", "1e-3",
+        "--learning_rate_te2", "0"))
+    assert rc == 0, err
+    te1, te2 = run.bundle.text_encoders
+    assert changed(state(te1), state(base.text_encoders[0]))
+    assert_equal_states(state(te2), state(base.text_encoders[1]), "text encoder 2")
+    lrs = sorted(g["lr"] for g in run.stepper.optimizer.param_groups)
+    assert lrs == [1e-3, 1e-3]  # U-Net and text encoder 1; text encoder 2 is not in the optimizer
+    _, md = read(str(tmp_path / "a" / "last.safetensors"))
+    assert md["ss_text_encoder_lr"] == str([1e-3, 0.0])
+
+    rc, _, err, run = train("train_dreambooth", base_args(
+        "tiny-sdxl", dataset, tmp_path / "b", "--train_text_encoder", "--learning_rate_te1", "2e-4",
+        "--learning_rate_te2", "3e-4"))
+    assert rc == 0, err
+    assert sorted(g["lr"] for g in run.stepper.optimizer.param_groups) == [2e-4, 3e-4, 1e-3]
+
+    rc, _, err, _ = train("train_dreambooth", base_args(
+        "tiny-sd15", dataset, tmp_path / "c", "--train_text_encoder", "--learning_rate_te2", "1e-4"))
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: learning_rate_te2 is for SDXL's two text "
+                                            "encoders; this sd1 model has one: use text_encoder_lr")
+
+
+def test_stop_text_encoder_training(dataset, tmp_path, train):
+    """The text encoder trains in the first N steps only: after 3 steps with N = 1 it equals the
+    text encoder of a 1-step run, its optimizer state has 1 step, and the U-Net trained all 3; a
+    resume from before and from after the stop gives the same weights bit for bit."""
+    stop = ["--train_text_encoder", "--stop_text_encoder_training", "1", "--max_train_steps", "3"]
+    base = base_bundle("sd15")
+    rc, _, err, one = train("train_dreambooth", base_args(
+        "tiny-sd15", dataset, tmp_path / "one", "--train_text_encoder", "--max_train_steps", "1"))
+    assert rc == 0, err
+    out = tmp_path / "full"
+    rc, _, err, full = train("train_dreambooth", base_args(
+        "tiny-sd15", dataset, out, *stop, "--save_every_n_steps", "1", "--save_state"))
+    assert rc == 0, err
+    assert "text encoder(s) frozen after step 1" in err
+    te, te1, te0 = (state(r.text_encoders[0]) for r in (full.bundle, one.bundle, base))
+    assert_equal_states(te, te1, "text encoder after the stop")
+    assert changed(te, te0)
+    assert changed(state(full.bundle.unet), state(one.bundle.unet))  # the U-Net went on training
+    te_ids = {id(p) for p in full.bundle.text_encoders[0].parameters()}
+    opt_state = full.stepper.optimizer.state
+    te_steps = {int(opt_state[p]["step"]) for g in full.stepper.optimizer.param_groups
+                for p in g["params"] if id(p) in te_ids and p in opt_state}
+    assert te_steps == {1}
+    assert not any(p.requires_grad for p in full.bundle.text_encoders[0].parameters())
+    _, md = read(str(out / "last.safetensors"))
+    assert md["ss_stop_text_encoder_training"] == "1"
+
+    for k in (1, 2):  # resume at the stop (step 1) and after it (step 2)
+        part = tmp_path / f"resume{k}"
+        rc, _, err, r = train("train_dreambooth", base_args(
+            "tiny-sd15", dataset, part, *stop, "--save_every_n_steps", "1", "--save_state",
+            "--resume", out / f"last-step{k:08d}-state"))
+        assert rc == 0, err
+        assert_equal_states(state(r.bundle.unet), state(full.bundle.unet), f"unet, resume {k}")
+        assert_equal_states(state(r.bundle.text_encoders[0]), te, f"text encoder, resume {k}")
+
+    # fused_backward_pass: the frozen text encoder's per-parameter optimizers are not stepped
+    fused = ["--fused_backward_pass", "--max_grad_norm", "0"]
+    rc, _, err, f1 = train("train_dreambooth", base_args(
+        "tiny-sd15", dataset, tmp_path / "f1", "--train_text_encoder", "--max_train_steps", "1", *fused))
+    assert rc == 0, err
+    rc, _, err, f3 = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "f3", *stop, *fused))
+    assert rc == 0, err
+    assert_equal_states(state(f3.bundle.text_encoders[0]), state(f1.bundle.text_encoders[0]),
+                        "fused: text encoder after the stop")
+    assert changed(state(f3.bundle.unet), state(f1.bundle.unet))
+
+    rc, _, err, _ = train("train_dreambooth", base_args(
+        "tiny-sd15", dataset, tmp_path / "bad", "--stop_text_encoder_training", "1"))
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "error: stop_text_encoder_training needs train_text_encoder (the text encoders do not "
+        "train without it)")

@@ -1,0 +1,192 @@
+"""Validation loss: training images held out by ``validation_split``, evaluated at fixed
+timesteps with fixed noise.
+
+    split_items(items, fraction, seed, where)   the held-out images (building the training set)
+    check_options(opts)                          before any weight is loaded
+    due(run, epoch=None, step=None)              whether this step / epoch end validates
+    validation_loss(run)                         the global mean (every process calls it)
+
+The number is comparable across runs, batch sizes and process counts:
+
+- The split is keyed by (validation_seed, image path): each dataset's images are ordered by a
+  hash of that key and the first ``round(n x fraction)`` are held out (at least one, and at least
+  one left to train), so it does not depend on the scan order or the process count.
+- Each held-out image is evaluated once per validation: center crop, no flip, its caption without
+  random processing (no shuffle, no dropout), at ``TIMESTEPS`` timesteps spread evenly over
+  [min_timestep, max_timestep) (the midpoints of K equal slices), the k-th with plain Gaussian
+  noise from a generator seeded by (validation_seed, "val", image index, k). The K evaluations of
+  one image are one batch, whatever the process count, and the loss is the run's loss function
+  (loss_type and SNR weighting, without the training noise variants).
+- Image i is evaluated by process i mod P; each process writes its images' losses into a vector
+  of zeros and the vectors are summed across processes (adding zeros is exact), then every process
+  averages the same vector in the same order: 1 and 2 processes give bit-identical numbers.
+- Validation runs in eval mode (network dropout off), without gradients, under the optimizer's
+  eval weights (schedule-free), and inside ``torch.random.fork_rng``: it changes neither the
+  weights nor any random draw of the training.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from library.errors import UserError
+
+logger = logging.getLogger("sdtk")
+
+TIMESTEPS = 4  # evaluations per image, at fixed timesteps spread over the training range
+
+
+class ValidationError(UserError):
+    pass
+
+
+def split_items(items: list, fraction: float, seed: int, where: str) -> tuple[list, list]:
+    """(train, held out) of one dataset's images, keyed by (seed, path); both keep scan order."""
+    if not fraction:
+        return items, []
+    n = len(items)
+    if n < 2:
+        raise ValidationError(f"validation_split: {where} has {n} image(s); holding some out "
+                              "needs at least 2 (one to train, one to validate)")
+    k = min(n - 1, max(1, round(n * fraction)))
+
+    def key(it):
+        return hashlib.sha256(f"{seed}\0{it.path}".encode()).hexdigest()
+
+    held = {id(it) for it in sorted(items, key=key)[:k]}
+    return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
+
+
+def check_options(opts) -> None:
+    if (opts.validate_every_n_steps or opts.validate_every_n_epochs) and not opts.validation_split:
+        name = "validate_every_n_steps" if opts.validate_every_n_steps else "validate_every_n_epochs"
+        raise ValidationError(f"{name} needs validation_split (the fraction of the training images "
+                              "held out for the validation loss)")
+
+
+def enabled(run) -> bool:
+    return bool(getattr(run.tset, "val_items", None))
+
+
+def due(run, *, epoch: int | None = None, step: int | None = None) -> bool:
+    """After a step (``step``) or at the end of an epoch (``epoch``)."""
+    o = run.opts
+    if not enabled(run):
+        return False
+    if step is not None:
+        return bool(o.validate_every_n_steps) and step % o.validate_every_n_steps == 0
+    return epoch % (o.validate_every_n_epochs or 1) == 0
+
+
+def timesteps(losses) -> list[int]:
+    lo, hi = losses.min_timestep, losses.max_timestep
+    if hi <= lo:
+        return [hi] * TIMESTEPS
+    return [min(hi - 1, lo + int((k + 0.5) * (hi - lo) / TIMESTEPS)) for k in range(TIMESTEPS)]
+
+
+def _seed(opts) -> int:
+    return opts.seed if opts.validation_seed is None else opts.validation_seed
+
+
+def _caption(item) -> str:
+    import dataclasses
+
+    from library import data
+
+    o = item.captions
+    if o is None:
+        return item.caption
+    fixed = dataclasses.replace(o, shuffle_caption=False, caption_dropout_rate=0.0,
+                                caption_dropout_every_n_epochs=0, caption_tag_dropout_rate=0.0)
+    return data.process_caption(item.caption, fixed, 0, None)
+
+
+def _latents(run, item):
+    """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
+    import torch
+
+    from library import images, latent_cache
+
+    memo = run.__dict__.setdefault("_val_latents", {})
+    key = (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
+    if key not in memo:
+        p = images.prepare_image(images.load_image(item.path), item.bucket, item.resized_size)
+        vae = run.bundle.vae
+        pix = p.pixels.unsqueeze(0).to(run.accelerator.device, dtype=vae.dtype)
+        with torch.no_grad():
+            lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
+        memo[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
+                                        dtype=torch.float32))
+    return memo[key]
+
+
+def _modules(run) -> list:
+    b = run.bundle
+    mods = [b.unet, *b.text_encoders]
+    net = getattr(run.method, "network", None)
+    if net is not None:
+        mods.append(net)
+    return mods
+
+
+def validation_loss(run) -> float:
+    """The mean validation loss over every held-out image and timestep (all processes)."""
+    import torch
+
+    from library import losses
+
+    acc, opts = run.accelerator, run.opts
+    items = run.tset.val_items
+    lossf = losses.for_run(run)
+    ts = timesteps(lossf)
+    mine = torch.zeros(len(items), dtype=torch.float64)
+    modes = {m: m.training for root in _modules(run) for m in root.modules()}
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode():
+            for root in _modules(run):
+                root.eval()
+            for i in range(acc.process_index, len(items), acc.num_processes):
+                lat, size = _latents(run, items[i])
+                x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
+                noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
+                    _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
+                t = torch.tensor(ts, dtype=torch.long, device=acc.device)
+                d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
+                noisy = lossf.noisy_latents(x0, d)
+                with acc.autocast():
+                    tokens = [tk.to(acc.device) for tk in run.adapter.tokenize([_caption(items[i])] * len(ts))]
+                    cond = run.adapter.encode(tokens, opts.clip_skip)
+                    sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
+                    pred = run.adapter.unet_forward(noisy.to(run._unet_dtype()), t, cond,
+                                                    sc if run.bundle.family == "sdxl" else None)
+                mine[i] = float(lossf.per_sample_loss(pred, x0, d).double().mean())
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if acc.num_processes > 1:  # each slot is non-zero in one process only: the sum is exact
+        import torch.distributed as dist
+
+        buf = mine.to(acc.device)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        mine = buf.cpu()
+    return float(mine.mean())
+
+
+def _derive(*key) -> int:
+    from library.step_plan import derive_seed
+
+    return derive_seed(*key)
+
+
+def run_validation(run, label: str) -> float:
+    """Compute, print (main process) and record the validation loss."""
+    value = validation_loss(run)
+    run.__dict__.setdefault("val_log", []).append((run.global_step, value))
+    if run.accelerator.is_main_process:
+        from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
+
+        tqdm.write(f"validation loss {value:.6f} at step {run.global_step}{label} "
+                   f"({len(run.tset.val_items)} image(s) x {TIMESTEPS} timesteps)")
+    return value
