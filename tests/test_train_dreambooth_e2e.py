@@ -350,3 +350,29 @@ def test_stop_text_encoder_training(dataset, tmp_path, train):
     assert rc == 2 and err.strip().splitlines()[-1] == (
         "error: stop_text_encoder_training needs train_text_encoder (the text encoders do not "
         "train without it)")
+
+
+def test_reg_sample_loss_is_weighted_by_prior_loss_weight(dataset, tmp_path, train):
+    """The per-sample loss of a reg sample is prior_loss_weight x its plain loss; an instance
+    sample's is unweighted (checked on the trained Run, same noise and timestep draws)."""
+    from tools.make_sample_dataset import make_sample_dataset
+
+    reg = tmp_path / "reg"
+    make_sample_dataset(str(reg), n_images=2, size=64, repeats=1, concept="shape")
+    rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "o",
+                                                          "--reg_data_dir", reg,
+                                                          "--prior_loss_weight", "0.25"))
+    assert rc == 0, err
+    from library.distributed import make_accelerator
+    from tests.conftest import reset_accelerate
+
+    run.accelerator = make_accelerator("no")  # run_script reset Accelerate's state after the run
+    reg_i = next(i for i, s in enumerate(run.tset.samples) if s.is_reg)
+    inst_i = next(i for i, s in enumerate(run.tset.samples) if not s.is_reg)
+    with torch.no_grad():
+        weighted = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
+        object.__setattr__(run.opts, "prior_loss_weight", 1.0)
+        plain = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
+    reset_accelerate()
+    assert weighted[0] == pytest.approx(0.25 * plain[0], rel=1e-6)
+    assert weighted[1] == pytest.approx(plain[1], rel=1e-6)

@@ -227,3 +227,18 @@ def test_uncached_loading_with_workers_matches_cached(dataset, tmp_path, run_scr
     b, _ = read(str(tmp_path / "b" / "last.safetensors"))
     for k in a:
         assert rel_diff(b[k], a[k]) < 1e-5, k
+
+
+def test_network_multiplier_scales_the_trained_network(dataset, tmp_path, run_script):
+    """network_multiplier scales the LoRA's output during training: at 0 the network gets no
+    gradient (up weights stay at their zero init), at 1 it trains."""
+    sgd = ["--optimizer_type", "torch.optim.SGD", "--learning_rate", "0.1"]
+    for m in ("0", "1"):
+        rc, _, err = run_script("train_lora", base_args("tiny-sd15", dataset, tmp_path / m, *sgd,
+                                                        "--network_multiplier", m))
+        assert rc == 0, err
+    off, _ = read(str(tmp_path / "0" / "last.safetensors"))
+    on, _ = read(str(tmp_path / "1" / "last.safetensors"))
+    ups = [k for k in off if k.endswith("lora_up.weight")]
+    assert all(float(off[k].abs().max()) == 0.0 for k in ups)
+    assert any(float(on[k].abs().max()) > 0.0 for k in ups)
