@@ -60,16 +60,25 @@ class TrainingSet:
 
     def caption_variants(self, item) -> list[str]:
         """The processed captions the text-encoder cache holds for ``item`` (dropout aside): one
-        when nothing random applies, else ``text_variants`` draws of the shuffle / tag dropout,
-        each from a generator keyed by (seed, image path, variant)."""
+        when nothing random applies, else ``text_variants`` distinct draws of the shuffle / tag
+        dropout (fewer if the caption has fewer), each from a generator keyed by (seed, image
+        path, draw)."""
         o = item.captions
         if o is None:
             return [item.caption]
         nodrop = dataclasses.replace(o, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0)
         n = self.text_variants if (o.shuffle_caption or o.caption_tag_dropout_rate > 0) else 1
-        return [data.process_caption(item.caption, nodrop, 0,
+        # Distinct variants (a repeated draw would waste a cache slot), as long as the caption has
+        # that many; a bounded number of draws keeps it deterministic and finite.
+        out: list[str] = []
+        for v in range(8 * n):
+            c = data.process_caption(item.caption, nodrop, 0,
                                      random.Random(derive_seed("te-variant", self.seed, item.path, v)))
-                for v in range(n)]
+            if c not in out:
+                out.append(c)
+                if len(out) == n:
+                    break
+        return out
 
     @staticmethod
     def uses_empty_caption(item) -> bool:
