@@ -31,6 +31,25 @@ def launched_world_size() -> int:
         return 1
 
 
+def compute_dtype(mixed_precision: str):
+    """The torch dtype of a mixed_precision setting ("no" -> float32)."""
+    import torch
+
+    return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
+
+
+def accelerator_for(opts):
+    """The run's Accelerator from its options (used by the trainer and the caching tool alike)."""
+    import torch
+
+    mixed = opts.mixed_precision
+    if getattr(opts, "full_fp16", False) and not torch.cuda.is_available():
+        # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
+        # the CPU lacks for fp16); the stepper scales the loss itself
+        mixed = "no"
+    return make_accelerator(mixed, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
+
+
 def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     """An Accelerator that joins CPU processes into one gloo job when CUDA is absent.
 

@@ -105,6 +105,14 @@ def item_cache_key(item: ImageItem, flip: bool, vae_identity: str, dtype: torch.
     return cache_key(item, item.bucket, item.resized_size, flip, vae_identity, dtype)
 
 
+def vae_dtype(opts) -> torch.dtype:
+    """The dtype the VAE encodes in, part of every cache key: float32 with no_half_vae, else the
+    mixed-precision dtype. The trainer and tools/cache_latents.py both use it, so keys match."""
+    from library.distributed import compute_dtype
+
+    return torch.float32 if opts.no_half_vae else compute_dtype(opts.mixed_precision)
+
+
 @torch.no_grad()
 def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     """(B, 3, H, W) in [-1, 1] -> scaled latents (B, C, H/8, W/8): posterior mean x scaling factor."""

@@ -391,6 +391,13 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
 
 # --- entry point -----------------------------------------------------------------------------
 
+def load_from_options(opts) -> "ModelBundle":
+    """load_model_bundle with the run options that select and shape the model."""
+    return load_model_bundle(opts.pretrained_model_name_or_path, vae=opts.vae, v2=opts.v2,
+                             v_parameterization=opts.v_parameterization,
+                             tokenizer_path=opts.tokenizer_path, allow_pickle=opts.allow_pickle)
+
+
 def load_model_bundle(name_or_path: str, *, vae: str | None = None, v2: bool = False,
                       v_parameterization: bool = False, tokenizer_path: str | None = None,
                       allow_pickle: bool = False) -> ModelBundle:

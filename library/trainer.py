@@ -115,34 +115,22 @@ class Run:
             FullMethod(self.opts, None)  # e.g. nothing to train: fail before loading weights
 
     def load(self):
-        import torch
         from accelerate.utils import set_seed
 
-        from library import family, models
+        from library import family, latent_cache, models
 
         opts = self.opts
-        mixed = opts.mixed_precision
-        if getattr(opts, "full_fp16", False) and not torch.cuda.is_available():
-            # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
-            # the CPU lacks for fp16); the stepper scales the loss itself
-            mixed = "no"
-        self.accelerator = distributed.make_accelerator(
-            mixed, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
+        self.accelerator = distributed.accelerator_for(opts)
         acc = self.accelerator
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.tset, self.plan = plan_run(opts, acc.num_processes)
         set_seed(opts.seed)
-        self.bundle = models.load_model_bundle(
-            opts.pretrained_model_name_or_path, vae=opts.vae, v2=opts.v2,
-            v_parameterization=opts.v_parameterization, tokenizer_path=opts.tokenizer_path,
-            allow_pickle=opts.allow_pickle)
+        self.bundle = models.load_from_options(opts)
         self.adapter = family.adapter_for(self.bundle)
-        self.weight_dtype = {"no": torch.float32, "fp16": torch.float16,
-                             "bf16": torch.bfloat16}[opts.mixed_precision]
+        self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
         b = self.bundle
-        device = acc.device
-        b.vae.to(device, dtype=torch.float32 if opts.no_half_vae else self.weight_dtype)
+        b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
         self.set_attention()
         from library import losses

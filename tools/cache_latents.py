@@ -37,22 +37,14 @@ def _parse(script: str, argv: list[str]):
 
 def cache_latents(opts, log):
     """Encode what is missing from the disk cache; -> (entries, images encoded, seconds)."""
-    import torch
-
     from library import distributed, latent_cache, models
     from library.training_data import build_training_set
 
     opts.cache_latents_to_disk = True  # e.g. random_crop is then refused, as in training
     tset = build_training_set(opts, log)
-    acc = distributed.make_accelerator(opts.mixed_precision,
-                                       timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
-    bundle = models.load_model_bundle(
-        opts.pretrained_model_name_or_path, vae=opts.vae, v2=opts.v2,
-        v_parameterization=opts.v_parameterization, tokenizer_path=opts.tokenizer_path,
-        allow_pickle=opts.allow_pickle)
-    # the dtype the trainer gives the VAE (Run.load), so the keys match
-    dtype = torch.float32 if opts.no_half_vae else {"no": torch.float32, "fp16": torch.float16,
-                                                    "bf16": torch.bfloat16}[opts.mixed_precision]
+    acc = distributed.accelerator_for(opts)
+    bundle = models.load_from_options(opts)
+    dtype = latent_cache.vae_dtype(opts)  # the trainer's, so the keys match
     vae = bundle.vae.to(acc.device, dtype=dtype).eval()
     calls = []
     real_encode = vae.encode
