@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 from library.models import ModelError, quiet_progress
+from library import unet_layout
 from library.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
@@ -40,56 +41,24 @@ TE_PREFIX = {  # (family, component) -> prefix in the original layout
 
 # --- diffusers -> original key mapping ------------------------------------------------------
 
-_RESNET_NAMES = [("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("time_emb_proj", "emb_layers.1"),
-                 ("norm2", "out_layers.0"), ("conv2", "out_layers.3"), ("conv_shortcut", "skip_connection")]
-
-
-def _unet_block_map(config: dict) -> list[tuple[str, str]]:
-    """(diffusers prefix, original prefix) pairs for every U-Net sub-module, from the topology."""
-    lpb = config["layers_per_block"]
-    n_down = len(config["down_block_types"])
-    pairs = [("time_embedding.linear_1.", "time_embed.0."), ("time_embedding.linear_2.", "time_embed.2."),
-             ("add_embedding.linear_1.", "label_emb.0.0."), ("add_embedding.linear_2.", "label_emb.0.2."),
-             ("conv_in.", "input_blocks.0.0."), ("conv_norm_out.", "out.0."), ("conv_out.", "out.2.")]
-    # Down path: ldm numbers input_blocks consecutively, (lpb resnets [+attn]) + 1 downsampler per level.
-    for i in range(n_down):
-        for j in range(lpb):
-            idx = 1 + i * (lpb + 1) + j
-            pairs.append((f"down_blocks.{i}.resnets.{j}.", f"input_blocks.{idx}.0."))
-            pairs.append((f"down_blocks.{i}.attentions.{j}.", f"input_blocks.{idx}.1."))
-        if i < n_down - 1:
-            pairs.append((f"down_blocks.{i}.downsamplers.0.conv.", f"input_blocks.{1 + i * (lpb + 1) + lpb}.0.op."))
-    pairs += [("mid_block.resnets.0.", "middle_block.0."), ("mid_block.attentions.0.", "middle_block.1."),
-              ("mid_block.resnets.1.", "middle_block.2.")]
-    # Up path: lpb + 1 resnets per level; the upsampler sits after the attention, if any.
-    for i, block_type in enumerate(config["up_block_types"]):
-        has_attn = "CrossAttn" in block_type
-        for j in range(lpb + 1):
-            idx = i * (lpb + 1) + j
-            pairs.append((f"up_blocks.{i}.resnets.{j}.", f"output_blocks.{idx}.0."))
-            pairs.append((f"up_blocks.{i}.attentions.{j}.", f"output_blocks.{idx}.1."))
-        if i < len(config["up_block_types"]) - 1:
-            idx = i * (lpb + 1) + lpb
-            pairs.append((f"up_blocks.{i}.upsamplers.0.", f"output_blocks.{idx}.{2 if has_attn else 1}."))
-    return pairs
+# U-Net modules outside the blocks (the blocks are mapped by library.unet_layout).
+_UNET_TOP_LEVEL = [("time_embedding.linear_1.", "time_embed.0."), ("time_embedding.linear_2.", "time_embed.2."),
+                   ("add_embedding.linear_1.", "label_emb.0.0."), ("add_embedding.linear_2.", "label_emb.0.2."),
+                   ("conv_in.", "input_blocks.0.0."), ("conv_norm_out.", "out.0."), ("conv_out.", "out.2.")]
 
 
 def unet_to_original(state_dict: dict, config: dict) -> dict:
-    pairs = _unet_block_map(config)
+    blocks = unet_layout.block_map(config)
     out = {}
     for key, value in state_dict.items():
-        for new, old in pairs:
-            if key.startswith(new):
-                rest = key[len(new):]
-                if ".resnets." in new:
-                    for a, b in _RESNET_NAMES:
-                        if rest.startswith(a + "."):
-                            rest = b + rest[len(a):]
-                            break
-                out[UNET_PREFIX + old + rest] = value
-                break
-        else:
-            raise ModelError(f"U-Net key {key} has no place in the original SD layout")
+        top = next(((new, old) for new, old in _UNET_TOP_LEVEL if key.startswith(new)), None)
+        if top is not None:
+            out[UNET_PREFIX + top[1] + key[len(top[0]):]] = value
+            continue
+        try:
+            out[UNET_PREFIX + unet_layout.original_path(key, blocks)] = value
+        except KeyError:
+            raise ModelError(f"U-Net key {key} has no place in the original SD layout") from None
     return out
 
 
