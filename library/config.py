@@ -77,7 +77,7 @@ class Options:
         general/datasets)."""
         out = {}
         for o in options_for(self.script):
-            if o.name in ("config", "dataset_config"):
+            if o.name in ("config", "dataset_config", "wandb_api_key"):  # a secret: never saved
                 continue
             v = getattr(self, o.name)
             if v is None or v == {}:
@@ -331,8 +331,10 @@ def _convert(opt: Option, raw, cli: bool, script: str):
         v = "AdamW"  # sd-scripts: "" means the default optimizer
     choices = opt.choices_for(script)
     if choices is not None and v is not None and v not in choices:
-        hint = difflib.get_close_matches(str(v), choices, n=1)
-        raise _Bad(f"{v!r} is not one of: {', '.join(choices)}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+        hint = difflib.get_close_matches(str(v), list(map(str, choices)), n=1)
+        raise _Bad(f"{v!r} is not one of: {', '.join(map(str, choices))}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+    if opt.name == "max_token_length" and v == 75:
+        v = None  # 75 tokens is the default (sd-scripts' None): one spelling for keys and resume checks
     for x in (v if isinstance(v, list) else [v]):
         if isinstance(x, (int, float)) and not isinstance(x, bool) and not _in_range(opt, x):
             raise _Bad(f"{x} is out of range: must be {opt.range_text()}")
@@ -381,7 +383,7 @@ def _help_text(o: Option, script: str) -> str:
     parts = [o.help]
     choices = o.choices_for(script)
     if choices:
-        parts.append(f"Choices: {', '.join(choices)}.")
+        parts.append(f"Choices: {', '.join(map(str, choices))}.")
     elif o.range_text():
         parts.append(f"Allowed: {o.range_text()}.")
     if o.default is not None and o.type != "path":

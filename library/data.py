@@ -53,6 +53,10 @@ class ImageItem:
     flip_aug: bool = False
     random_crop: bool = False
     cache_dir: str | None = None  # None: <image_dir>/.sdcache
+    # masked loss (library/images.py load_for_item): the image's alpha channel, or a mask image
+    # (its first/red channel) of the same stem found in a conditioning_data_dir
+    alpha_mask: bool = False
+    mask_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -452,3 +456,43 @@ def scan_metadata(path: str, image_dir: str | None, *, num_repeats: int, is_reg:
         raise DataError(f"{option} {path}: no usable entry (an image that exists and a caption or "
                         "tags)")
     return items
+
+
+# -- masked loss: mask images of the same stem in conditioning_data_dir ---------------------------
+def mask_index(folder: str) -> dict[str, str]:
+    """stem -> mask image path for the images in ``folder`` (sd-scripts' lookup by stem in
+    conditioning_data_dir). Several files with one stem: the first by extension order (.png
+    before .jpg ...), then name."""
+    out: dict[str, str] = {}
+    names = [n for n in os.listdir(folder) if os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS
+             and os.path.isfile(os.path.join(folder, n))]
+    names.sort(key=lambda n: (IMAGE_EXTENSIONS.index(os.path.splitext(n)[1].lower()), n))
+    for n in names:
+        out.setdefault(os.path.splitext(n)[0], os.path.join(folder, n))
+    return out
+
+
+def attach_masks(items: list[ImageItem], folder: str, where: str) -> None:
+    """Set every item's ``mask_path`` from ``folder`` (conditioning_data_dir). A missing folder, a
+    missing or undecodable mask image is an error naming the image and the folder (before any
+    weight loads): training such an image unmasked would silently change what is learnt. Mask
+    images without a training image are ignored."""
+    if not os.path.isdir(folder):
+        raise DataError(f"{where} {folder!r} does not exist or is not a directory")
+    index = mask_index(folder)
+    for it in items:
+        stem = os.path.splitext(os.path.basename(it.path))[0]
+        path = index.get(stem)
+        if path is None:
+            raise DataError(f"{where}: no mask image for {it.path} in {folder} (expected "
+                            f"{stem}.png or another image extension)")
+        try:
+            mw, mh = check_image(path)
+        except DataError as e:
+            raise DataError(f"{where}: mask for {it.path}: {e}") from None
+        iw, ih = it.size
+        if abs(mw / mh - iw / ih) > 0.01 * iw / ih:
+            # a scaled mask is stretched to the image (as sd-scripts); another shape would misalign
+            raise DataError(f"{where}: mask {path} is {mw}x{mh} but its image {it.path} is "
+                            f"{iw}x{ih}: a mask needs the image's size or aspect ratio")
+        it.mask_path = path

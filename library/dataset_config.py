@@ -12,8 +12,9 @@ A subset with ``metadata_file`` (sd-scripts' fine-tuning subset) takes its image
 that JSON/JSONL file (``library.data.scan_metadata``); its ``image_dir`` is then optional (where
 the file's keys are looked up).
 
-Subset keys may therefore appear at any level except ``image_dir``, ``is_reg`` and
-``metadata_file`` (subset only),
+Subset keys may therefore appear at any level except ``image_dir``, ``is_reg``,
+``metadata_file`` and ``conditioning_data_dir`` (subset only; the run option
+``conditioning_data_dir`` applies to the subsets without is_reg),
 dataset keys not in a subset (as sd-scripts' voluptuous schema). Errors are one line naming the file, the table (``datasets[0].subsets[1]``)
 and the key, with a close match for an unknown key.
 
@@ -47,6 +48,8 @@ SUBSET_KEYS: dict[str, tuple[str, object]] = {
     "caption_tag_dropout_rate": ("rate", 0.0),
     "flip_aug": ("bool", False),
     "random_crop": ("bool", False),
+    "alpha_mask": ("bool", False),
+    "conditioning_data_dir": ("str", None),
 }
 DATASET_KEYS: dict[str, tuple[str, object]] = {
     "resolution": ("resolution", None),
@@ -58,7 +61,7 @@ DATASET_KEYS: dict[str, tuple[str, object]] = {
     "bucket_no_upscale": ("bool", False),
 }
 ALIASES = {"caption_extention": "caption_extension"}  # sd-scripts' old spelling
-SUBSET_ONLY = ("image_dir", "is_reg", "metadata_file")  # sd-scripts' "distinct" subset keys: not inherited
+SUBSET_ONLY = ("image_dir", "is_reg", "metadata_file", "conditioning_data_dir")  # sd-scripts' "distinct" subset keys: not inherited
 RUN_OPTION = {"batch_size": "train_batch_size"}  # dataset key -> run option, where the names differ
 # keys with a lower bound (the rates are checked by their type)
 MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs": 0, "batch_size": 1,
@@ -72,8 +75,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "token_warmup_step": ("token warmup is not supported yet", (0,)),
     "secondary_separator": ("secondary_separator is not supported yet", (None, "")),
     "enable_wildcard": ("caption wildcards are not supported yet", (False,)),
-    "alpha_mask": ("alpha masks are not supported yet", (False,)),
-    "conditioning_data_dir": ("ControlNet conditioning images are not supported yet", (None, "")),
     "custom_attributes": ("custom subset attributes are not supported", (None,)),
     "cache_info": ("cache_info is not supported", (False,)),
     "network_multiplier": ("per-dataset network multipliers are not supported yet", (1, 1.0)),
@@ -104,6 +105,8 @@ class SubsetConfig:
     random_crop: bool
     captions: CaptionOptions
     metadata_file: str | None = None  # a fine-tuning subset: images and captions from this file
+    alpha_mask: bool = False  # masked loss from the images' alpha channel
+    conditioning_data_dir: str | None = None  # masked loss from mask images of the same stem
 
 
 @dataclass
@@ -255,7 +258,10 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
                 caption_extension=v["caption_extension"], class_tokens=v["class_tokens"],
                 is_reg=v["is_reg"], flip_aug=v["flip_aug"], random_crop=v["random_crop"],
                 captions=CaptionOptions(**{k: v[k] for k in CAPTION_FIELDS}),
-                metadata_file=v["metadata_file"]))
+                metadata_file=v["metadata_file"], alpha_mask=v["alpha_mask"],
+                # the run option conditioning_data_dir masks training subsets, not reg images
+                conditioning_data_dir=(svals.get("conditioning_data_dir") if v["is_reg"]
+                                       else v["conditioning_data_dir"]) or None))
         out.append(DatasetConfig(where=dwhere, subsets=subs, **res))
     return out
 

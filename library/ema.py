@@ -7,7 +7,8 @@ save, with the averaged values swapped into the parameters for the duration of t
 part of the training state (``ema.safetensors``), so a resume continues it exactly.
 
 Every process keeps the same average (the weights are identical in every process after a step);
-only the main process writes files.
+only the main process writes files. With ``fsdp`` the average is sharded like the weights (its
+tensors are DTensors of the same layout): each process averages its shard, the save gathers.
 """
 from __future__ import annotations
 
@@ -64,10 +65,18 @@ class EMA:
         meta = dict(metadata or {})
         if meta:
             meta["sdtk.ema_decay"] = str(self.decay)
-        with self.swapped():
-            run.method.save(path, opts.save_precision, meta)
-        logger.info(f"saved {path} (EMA, decay {self.decay})")
-        run.saved.append(path)
+        from library import fsdp, frozen
+
+        # fsdp: called on every process (the EMA is sharded like the weights): swap, gather the
+        # full weights (a collective), the main process writes
+        main = run.accelerator.is_main_process
+        with self.swapped(), fsdp.full_weights(run):
+            if main:
+                with frozen.available(run) if run.method_name != "lora" else contextlib.nullcontext():
+                    run.method.save(path, opts.save_precision, meta)
+        if main:
+            logger.info(f"saved {path} (EMA, decay {self.decay})")
+            run.saved.append(path)
         return path
 
     # -- training state -------------------------------------------------------------------------

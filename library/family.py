@@ -1,11 +1,19 @@
 """Model-family adapters: how each family tokenizes, encodes text and calls its U-Net.
 
 One class per family behind one interface, so the trainer never branches on the family:
-    adapter = adapter_for(bundle)
-    ids = adapter.tokenize(captions)                 # one (B, 77) LongTensor per tokenizer
+    adapter = adapter_for(bundle, max_token_length=None)
+    ids = adapter.tokenize(captions)                 # per tokenizer: (B, 77), or (B, n, 77) chunks
     cond = adapter.encode(ids, clip_skip)            # TextConditioning(hidden_states, pooled)
     pred = adapter.unet_forward(noisy, t, cond, size_cond)
 Text encoding follows sd-scripts exactly (clip_skip, SDXL's penultimate layers and pooled output).
+
+Long captions (``max_token_length`` 150 or 225, sd-scripts' semantics): the caption is tokenized
+to max_token_length + 2 tokens, split into n = max_token_length / 75 chunks of 75 tokens, each
+wrapped in BOS ... EOS (77 tokens; for a tokenizer that pads with another token than EOS, as
+SD2's and SDXL's OpenCLIP one, a full chunk ends with EOS and an empty one starts BOS EOS PAD),
+each chunk encoded on its own, and the states concatenated: the first chunk's BOS, each chunk's
+75 token states, the last chunk's final state -> n * 75 + 2 states (152 / 227). SDXL's pooled
+output is the first chunk's.
 """
 from __future__ import annotations
 
@@ -14,16 +22,61 @@ from typing import Any
 
 from library.errors import UserError
 
-MAX_TOKENS = 77
+MAX_TOKENS = 77  # one CLIP window: BOS + 75 tokens + EOS
+CHUNK = MAX_TOKENS - 2
+MAX_TOKEN_LENGTHS = (75, 150, 225)  # max_token_length: tokens without BOS/EOS (None = 75)
 
 
 class FamilyError(UserError, ValueError):
     """Wrong input for a model family (e.g. SDXL without size conditioning); one-line message."""
 
 
+def chunk_count(max_token_length: int | None) -> int:
+    """Number of 77-token windows a caption is encoded in: 1, 2 or 3."""
+    if max_token_length is None:
+        return 1
+    if max_token_length not in MAX_TOKEN_LENGTHS:
+        raise FamilyError(f"max_token_length: {max_token_length} is not one of: "
+                          f"{', '.join(map(str, MAX_TOKEN_LENGTHS))}")
+    return max_token_length // CHUNK
+
+
+def chunk_ids(ids, tokenizer, n: int):
+    """(B, n*75+2) token ids (BOS, tokens, EOS, padding) -> (B, n, 77) windows, sd-scripts'
+    ``_get_input_ids``: each window is the first BOS, its 75 tokens and the sequence's last token.
+    A tokenizer whose padding is not EOS (OpenCLIP's "!"): a window full of tokens gets EOS as its
+    last token, and an empty window (BOS PAD ...) becomes BOS EOS PAD ..."""
+    import torch
+
+    bos, last = ids[:, :1], ids[:, -1:]
+    windows = []
+    for i in range(n):
+        w = torch.cat([bos, ids[:, 1 + i * CHUNK:1 + (i + 1) * CHUNK], last], dim=1)
+        if tokenizer.pad_token_id != tokenizer.eos_token_id:
+            eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+            w = w.clone()
+            full = (w[:, -2] != eos) & (w[:, -2] != pad)
+            w[full, -1] = eos
+            w[w[:, 1] == pad, 1] = eos
+        windows.append(w)
+    return torch.stack(windows, dim=1)
+
+
+def join_chunks(hidden, n: int):
+    """(B*n, 77, D) states of the windows -> (B, n*75+2, D): the first window's BOS state, every
+    window's 75 token states, the last window's final state (sd-scripts)."""
+    import torch
+
+    if n == 1:
+        return hidden
+    h = hidden.reshape(hidden.shape[0] // n, n * MAX_TOKENS, hidden.shape[-1])
+    parts = [h[:, :1]] + [h[:, i:i + CHUNK] for i in range(1, n * MAX_TOKENS, MAX_TOKENS)] + [h[:, -1:]]
+    return torch.cat(parts, dim=1)
+
+
 @dataclass
 class TextConditioning:
-    hidden_states: Any  # (B, 77, D) U-Net cross-attention context
+    hidden_states: Any  # (B, 77, D) U-Net cross-attention context; (B, n*75+2, D) for long captions
     pooled: Any = None  # (B, P) SDXL pooled text embedding, else None
 
     def to(self, *args, **kwargs) -> "TextConditioning":
@@ -39,15 +92,29 @@ def _final_layer_norm(text_encoder):
 class FamilyAdapter:
     family = ""
 
-    def __init__(self, unet, text_encoders: list, tokenizers: list):
+    def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None):
         self.unet = unet
         self.text_encoders = list(text_encoders)
         self.tokenizers = list(tokenizers)
+        self.n_chunks = chunk_count(max_token_length)
+        self.max_token_length = max_token_length if self.n_chunks > 1 else None
 
     def tokenize(self, captions: list[str]) -> list:
-        """One (B, 77) LongTensor per tokenizer: BOS, tokens, EOS, padded, truncated to 77."""
-        return [tok(list(captions), padding="max_length", max_length=MAX_TOKENS, truncation=True,
-                    return_tensors="pt").input_ids for tok in self.tokenizers]
+        """One LongTensor per tokenizer: (B, 77) BOS, tokens, EOS, padded, truncated to 77; with
+        max_token_length 150/225 the (B, n, 77) windows of the caption truncated to n*75 tokens."""
+        n = self.n_chunks
+        out = []
+        for tok in self.tokenizers:
+            ids = tok(list(captions), padding="max_length", max_length=n * CHUNK + 2, truncation=True,
+                      return_tensors="pt").input_ids
+            out.append(ids if n == 1 else chunk_ids(ids, tok, n))
+        return out
+
+    def _windows(self, ids):
+        """Token ids as given by tokenize -> (B*n, 77) for the text encoder, and n."""
+        if ids.dim() == 2:
+            return ids, 1
+        return ids.reshape(-1, ids.shape[-1]), ids.shape[1]
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
         raise NotImplementedError
@@ -66,14 +133,14 @@ class SD1Adapter(FamilyAdapter):
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
         te = self.text_encoders[0]
-        ids = token_ids[0].to(self._device(te))
+        ids, n = self._windows(token_ids[0].to(self._device(te)))
         if clip_skip is None or clip_skip <= 1:
-            return TextConditioning(te(ids).last_hidden_state)
+            return TextConditioning(join_chunks(te(ids).last_hidden_state, n))
         if clip_skip > te.config.num_hidden_layers:
             raise FamilyError(f"clip_skip: {clip_skip} exceeds the text encoder's "
                               f"{te.config.num_hidden_layers} layers")
         out = te(ids, output_hidden_states=True)
-        return TextConditioning(_final_layer_norm(te)(out.hidden_states[-clip_skip]))
+        return TextConditioning(join_chunks(_final_layer_norm(te)(out.hidden_states[-clip_skip]), n))
 
 
 class SD2Adapter(SD1Adapter):
@@ -90,10 +157,13 @@ class SDXLAdapter(FamilyAdapter):
         import torch
 
         te1, te2 = self.text_encoders
-        out1 = te1(token_ids[0].to(self._device(te1)), output_hidden_states=True)
-        out2 = te2(token_ids[1].to(self._device(te2)), output_hidden_states=True)
+        ids1, n = self._windows(token_ids[0].to(self._device(te1)))
+        ids2, _ = self._windows(token_ids[1].to(self._device(te2)))
+        out1 = te1(ids1, output_hidden_states=True)
+        out2 = te2(ids2, output_hidden_states=True)
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2].to(out1.hidden_states[-2].dtype)], dim=-1)
-        return TextConditioning(hidden, out2.text_embeds)
+        # long captions: the pooled output of each caption's first window (sd-scripts pool2[::n])
+        return TextConditioning(join_chunks(hidden, n), out2.text_embeds[::n])
 
     def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
         if size_cond is None:
@@ -110,10 +180,11 @@ class SDXLAdapter(FamilyAdapter):
 _ADAPTERS = {"sd1": SD1Adapter, "sd2": SD2Adapter, "sdxl": SDXLAdapter}
 
 
-def adapter_for(bundle) -> FamilyAdapter:
-    """The adapter for a ModelBundle (anything with family, unet, text_encoders, tokenizers)."""
+def adapter_for(bundle, max_token_length: int | None = None) -> FamilyAdapter:
+    """The adapter for a ModelBundle (anything with family, unet, text_encoders, tokenizers);
+    ``max_token_length`` (None/75, 150, 225) sets how long captions are tokenized and encoded."""
     try:
         cls = _ADAPTERS[bundle.family]
     except KeyError:
         raise FamilyError(f"unknown model family {bundle.family!r}; expected one of {sorted(_ADAPTERS)}") from None
-    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers)
+    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length)

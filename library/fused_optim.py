@@ -123,17 +123,21 @@ def adafactor_step_param(optimizer, p, group, generator=None, grad_factor: float
         lr = optimizer._get_lr(group, state)
 
         beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
-        update = (grad**2) + group["eps"][0]
+        # transformers' (grad**2) + eps, in one buffer: with the gradient, at most two
+        # parameter-sized tensors exist at once (three in transformers' step)
+        update = grad.square().add_(group["eps"][0])
         if factored:
             exp_avg_sq_row = state["exp_avg_sq_row"]
             exp_avg_sq_col = state["exp_avg_sq_col"]
             exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
             exp_avg_sq_col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
+            del update  # before the outer product allocates the next one
             update = optimizer._approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col)
             update.mul_(grad)
         else:
             exp_avg_sq = state["exp_avg_sq"]
             exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+            del update
             update = exp_avg_sq.rsqrt().mul_(grad)
 
         update.div_((optimizer._rms(update) / group["clip_threshold"]).clamp_(min=1.0))

@@ -16,6 +16,12 @@ Decisions (one place each):
   shape and finiteness; anything else (truncated, garbled, renamed) is recomputed with a
   warning. Writes go through ``saving.atomic_path``. The file name is the key, so no stale file
   can be picked up and two images with the same stem never collide.
+- Masked loss: an item with ``alpha_mask`` or a ``mask_path`` caches its mask beside the latents,
+  at the latent size (``images.latent_mask``: area average, as the loss would resize it), in
+  the same entry (tensor ``mask``). The key then also holds the mask's source: "alpha" (the
+  image bytes are already hashed; the colour channels are read uncomposited), or the mask
+  file's content hash, so an edited mask recomputes exactly its entries. Items without a mask
+  keep the keys they had before masks existed.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from library.data import ImageItem
-from library.images import load_image, prepare_image
+from library.images import latent_mask, load_for_item, prepare_image
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class LatentEntry:
     original_size: tuple[int, int]  # (h, w)
     crop_top_left: tuple[int, int]  # (top, left), flip applied
     target_size: tuple[int, int]  # (h, w)
+    mask: torch.Tensor | None = None  # (h, w) float32 in [0, 1] at the latent size (masked loss)
 
 
 # (path, mtime_ns, size) -> sha256: hash each file once per process, rehash when it changes.
@@ -77,12 +84,24 @@ def vae_fingerprint(vae: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def mask_source(item) -> str | None:
+    """What an item's mask depends on, for the cache key: None (no mask), "alpha", or
+    "file:<sha256 of the mask image>"."""
+    if getattr(item, "alpha_mask", False):
+        return "alpha"
+    if getattr(item, "mask_path", None):
+        return "file:" + file_sha256(item.mask_path)
+    return None
+
+
 def cache_key(item: ImageItem | str, bucket: tuple[int, int], resized_size: tuple[int, int],
-              flip: bool, vae_identity: str, dtype: torch.dtype | str, crop: str = "center") -> str:
+              flip: bool, vae_identity: str, dtype: torch.dtype | str, crop: str = "center",
+              mask: str | None = None) -> str:
     """Content-addressed key: sha256 of the image bytes' hash and every parameter it depends on.
 
     ``item`` is an ImageItem or an image path. Only the center crop is cacheable (a random crop
-    differs per sample); ``crop`` is in the key so that a later mode cannot collide.
+    differs per sample); ``crop`` is in the key so that a later mode cannot collide. ``mask``:
+    ``mask_source`` of the item (absent from the key when None, so unmasked keys are unchanged).
     """
     path = item.path if isinstance(item, ImageItem) else item
     params = {
@@ -95,6 +114,8 @@ def cache_key(item: ImageItem | str, bucket: tuple[int, int], resized_size: tupl
         "vae": vae_identity,
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if mask is not None:
+        params["mask"] = mask
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
 
 
@@ -102,7 +123,8 @@ def item_cache_key(item: ImageItem, flip: bool, vae_identity: str, dtype: torch.
     """``cache_key`` with the item's own bucket and resized size (set by BucketManager.assign)."""
     if item.bucket is None or item.resized_size is None:
         raise ValueError(f"{item.path} has no bucket yet: call BucketManager.assign first")
-    return cache_key(item, item.bucket, item.resized_size, flip, vae_identity, dtype)
+    return cache_key(item, item.bucket, item.resized_size, flip, vae_identity, dtype,
+                     mask=mask_source(item))
 
 
 def vae_dtype(opts) -> torch.dtype:
@@ -145,17 +167,21 @@ def save_entry(path: str, key: str, entry: LatentEntry) -> None:
             "original_size": json.dumps(list(entry.original_size)),
             "crop_top_left": json.dumps(list(entry.crop_top_left)),
             "target_size": json.dumps(list(entry.target_size))}
+    tensors = {"latents": entry.latents.contiguous()}
+    if entry.mask is not None:
+        tensors["mask"] = entry.mask.contiguous()
     with atomic_path(path) as tmp:
-        save_file({"latents": entry.latents.contiguous()}, tmp, metadata=meta)
+        save_file(tensors, tmp, metadata=meta)
 
 
 class CorruptEntry(Exception):
     pass
 
 
-def load_entry(path: str, key: str, shape: tuple[int, int, int]) -> LatentEntry:
-    """Read and check one entry: the key it was written under, the latent shape, finite values.
-    Raises FileNotFoundError when absent, CorruptEntry (with the reason) when unusable."""
+def load_entry(path: str, key: str, shape: tuple[int, int, int], masked: bool = False) -> LatentEntry:
+    """Read and check one entry: the key it was written under, the latent shape, finite values,
+    and with ``masked`` a mask of the latent size in [0, 1]. Raises FileNotFoundError when
+    absent, CorruptEntry (with the reason) when unusable."""
     from safetensors import safe_open
 
     if not os.path.isfile(path):
@@ -164,10 +190,11 @@ def load_entry(path: str, key: str, shape: tuple[int, int, int]) -> LatentEntry:
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
             latents = f.get_tensor("latents")
+            mask = f.get_tensor("mask").float() if masked else None
         entry = LatentEntry(latents=latents.float(),
                             original_size=tuple(json.loads(meta["original_size"])),
                             crop_top_left=tuple(json.loads(meta["crop_top_left"])),
-                            target_size=tuple(json.loads(meta["target_size"])))
+                            target_size=tuple(json.loads(meta["target_size"])), mask=mask)
     except Exception as e:  # safetensors raises several types for truncated or garbled files
         raise CorruptEntry(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     if meta.get("sdtk.latent_key") != key:
@@ -176,6 +203,9 @@ def load_entry(path: str, key: str, shape: tuple[int, int, int]) -> LatentEntry:
         raise CorruptEntry(f"latent shape {tuple(entry.latents.shape)}, expected {tuple(shape)}")
     if not torch.isfinite(entry.latents).all():
         raise CorruptEntry("non-finite values")
+    if masked and (tuple(mask.shape) != tuple(shape[1:]) or not torch.isfinite(mask).all()
+                   or mask.min() < 0 or mask.max() > 1):
+        raise CorruptEntry(f"mask of shape {tuple(mask.shape)} or values outside [0, 1]")
     return entry
 
 
@@ -219,7 +249,7 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
         it, _ = wanted[key]
         path = entry_path(it, key)
         try:
-            out[key] = load_entry(path, key, shape_of(it))
+            out[key] = load_entry(path, key, shape_of(it), masked=mask_source(it) is not None)
             return True
         except FileNotFoundError:
             return False
@@ -259,15 +289,20 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
     for (bucket, resized, flipped), entries in sorted(groups.items()):
         for start in range(0, len(entries), batch_size):
             chunk = entries[start:start + batch_size]
-            prepared = [prepare_image(load_image(it.path), bucket, resized, flip=flipped)
-                        for _, it in chunk]
+            prepared = []
+            for _, it in chunk:
+                img, mask = load_for_item(it)
+                prepared.append(prepare_image(img, bucket, resized, flip=flipped, mask=mask))
             latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
             if not torch.isfinite(latents).all():
                 raise RuntimeError(f"non-finite latents from the VAE for {chunk[0][1].path} "
                                    f"(batch of {len(chunk)}); try --no_half_vae")
             for (key, it), prep, lat in zip(chunk, prepared, latents):
+                mask = None if prep.mask is None else latent_mask(prep.mask, tuple(lat.shape[1:]))
                 entry = LatentEntry(latents=lat.clone(), original_size=prep.original_size,
-                                    crop_top_left=prep.crop_top_left, target_size=prep.target_size)
+                                    crop_top_left=prep.crop_top_left, target_size=prep.target_size,
+                                    mask=mask)
                 out[key] = entry
                 if to_disk:
                     save_entry(entry_path(it, key), key, entry)
+

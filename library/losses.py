@@ -4,7 +4,8 @@
     L = for_run(run)                    the run's Losses (built once, after the model is loaded)
     d = L.draw(latents, generators)     noise and timesteps, one generator per sample
     noisy = L.noisy_latents(latents, d)
-    per_sample = L.per_sample_loss(pred, latents, d)   (B,), before the prior-loss weight
+    per_sample = L.per_sample_loss(pred, latents, d, mask)   (B,), before the prior-loss weight
+                                        (mask: masked loss, (B, 1, h, w) in [0, 1], or None)
 
 Every random draw for a sample comes from that sample's own generator (seeded by seed, epoch and
 the sample's position in the epoch), in this fixed order, each only when its option is on:
@@ -216,11 +217,14 @@ class Losses:
         sigmas = ((1.0 - ac) / ac) ** 0.5
         return (1 - o.huber_c) / (1 + sigmas) ** 2 + o.huber_c
 
-    def per_sample_loss(self, pred, latents, d: Draw):
-        """(B,) loss of each sample: the elementwise loss averaged per sample, then weighted."""
+    def per_sample_loss(self, pred, latents, d: Draw, mask=None):
+        """(B,) loss of each sample: the elementwise loss (times the mask, with masked loss)
+        averaged per sample, then weighted."""
         target = self.target(latents, d)
         loss = elementwise_loss(pred.float(), target.float(), self.opts.loss_type,
                                 self.huber_threshold(d.timesteps))
+        if mask is not None:
+            loss = apply_masked_loss(loss, mask)
         return self.weight(loss.mean(dim=(1, 2, 3)), d.timesteps)
 
     def weight(self, loss, timesteps):
@@ -286,6 +290,20 @@ def elementwise_loss(pred, target, loss_type: str, huber_c=None):
     if loss_type == "smooth_l1":
         return 2 * root
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def apply_masked_loss(loss, mask):
+    """sd-scripts' apply_masked_loss: the mask (B, 1, H, W) or (B, H, W), values in [0, 1], is
+    resized to the loss's (h, w) by area averaging and multiplies the elementwise loss (B, C, h, w),
+    broadcast over the channels. No renormalisation: the per-sample mean that follows is over
+    every element, so a half-masked image contributes about half the loss (as sd-scripts)."""
+    import torch
+
+    mask = mask.to(device=loss.device, dtype=loss.dtype)
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    mask = torch.nn.functional.interpolate(mask, size=loss.shape[2:], mode="area")
+    return loss * mask
 
 
 def min_snr_weight(snr, gamma: float, v_prediction: bool):

@@ -60,6 +60,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_gradient_accumulation_steps": str(opts.gradient_accumulation_steps),
         "ss_max_grad_norm": str(opts.max_grad_norm),
         "ss_clip_skip": str(opts.clip_skip),
+        "ss_max_token_length": str(opts.max_token_length),
         "ss_resolution": str((w, h)),
         "ss_v2": str(family == "sd2"),
         "ss_base_model_version": BASE_MODEL_VERSION[family],

@@ -101,8 +101,9 @@ OPTIONS: tuple[Option, ...] = (
     O("dataset_config", "path", None, "Dataset configuration TOML ([general], [[datasets]], "
       "[[datasets.subsets]]), as sd-scripts' --dataset_config. Alternatively put those tables in the "
       "run configuration.", "config"),
-    O("dry_run", "bool", False, "Print the step plan and exit without loading any weights (no model "
-      "code is imported).", "config"),
+    O("dry_run", "bool", False, "Print the step plan and the memory estimate and exit without "
+      "loading any weights (the estimate builds the model from its configuration on fake tensors).",
+      "config"),
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
       ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "
@@ -115,6 +116,10 @@ OPTIONS: tuple[Option, ...] = (
     O("no_half_vae", "bool", False, "Keep the VAE in float32 under mixed precision.", "model"),
     O("clip_skip", "int", None, "Use the output of the n-th last text encoder layer (2 = penultimate); "
       "unset = the last layer.", "model", min=1),
+    O("max_token_length", "int", None, "Longest caption in tokens: 75 (unset), 150 or 225. As sd-scripts: "
+      "a longer caption is split into windows of 75 tokens, each encoded as BOS ... EOS, and the "
+      "states concatenated (152 / 227 instead of 77); for training captions, the text-encoder cache, "
+      "validation and sample prompts.", "model", choices=(75, 150, 225)),
     O("tokenizer_path", "path", None, "Folder with the CLIP tokenizer files (for single-file checkpoints "
       "whose tokenizer is not next to them; the project ships CLIP's).", "model"),
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
@@ -156,6 +161,13 @@ OPTIONS: tuple[Option, ...] = (
       "sample and epoch). With cached latents both variants are cached.", "dataset"),
     O("random_crop", "bool", False, "Crop at a random offset (per sample and epoch) instead of the "
       "center; cannot be combined with cache_latents.", "dataset"),
+    O("alpha_mask", "bool", False, "Masked loss from each image's alpha channel (transparent = not "
+      "trained; an image without alpha: all ones); implies masked_loss. The colour channels are then "
+      "used as stored, not composited over white.", "dataset"),
+    O("conditioning_data_dir", "path", None, "Folder of mask images for masked_loss, one per "
+      "training image with the same file stem (its red channel, 0-255 -> 0-1, scaled to the image); "
+      "a missing mask is an error. Applies to train_data_dir images (dataset config: to subsets "
+      "without is_reg and their own conditioning_data_dir). Needs masked_loss.", "dataset"),
     O("shuffle_caption", "bool", False, "Shuffle the caption's comma-separated tags each epoch "
       "(after the first keep_tokens).", "dataset"),
     O("caption_separator", "str", ",", "Separator of caption tags for shuffling and tag dropout.",
@@ -248,6 +260,10 @@ OPTIONS: tuple[Option, ...] = (
     O("gradient_accumulation_steps", "int", 1, "Micro-batches per optimizer step.", "training", min=1),
     O("gradient_checkpointing", "bool", False, "Recompute activations in the backward pass to save "
       "memory.", "training"),
+    O("highvram", "bool", False, "Keep the VAE and text encoders on the device after caching. By "
+      "default, once latents (text-encoder outputs) are cached the VAE (text encoders) move to the "
+      "CPU, or on a CPU-only machine are freed and read back from a spill file when samples or a "
+      "full model's save need them.", "training"),
     O("mixed_precision", "str", "no", "Autocast precision; fp16 (with loss scaling) needs a CUDA GPU, "
       "bf16 also runs on the CPU.", "training", choices=("no", "fp16", "bf16")),
     O("full_bf16", "bool", False, "Train the weights themselves in bf16 (U-Net/text encoders, or the "
@@ -260,6 +276,11 @@ OPTIONS: tuple[Option, ...] = (
       "autocast); not with fused_backward_pass or fused_optimizer_groups.", "training"),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
+    O("fsdp", "bool", False, "Full fine-tune sharded across the processes (PyTorch FSDP2, applied by "
+      "the toolkit): each process holds about 1/N of the weights, gradients and optimizer state of "
+      "the U-Net and trained text encoders; the model file is gathered, the training state stays "
+      "sharded. On one process it trains unsharded. Not with fused_backward_pass, "
+      "fused_optimizer_groups, full_bf16, full_fp16 or ema_device cpu.", "training", scripts=FULL),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
@@ -313,6 +334,9 @@ OPTIONS: tuple[Option, ...] = (
       "loss x (SNR+1)/SNR. Epsilon-prediction models only; unset or 0 = off.", "loss", min=0),
     O("debiased_estimation_loss", "bool", False, "Debiased estimation (Yu et al. 2024): weight by "
       "1/sqrt(SNR) (v-prediction: 1/(SNR+1)), SNR capped at 1000.", "loss"),
+    O("masked_loss", "bool", False, "Multiply the per-pixel loss by the image's mask (from "
+      "conditioning_data_dir or alpha_mask, area-averaged to the latent size) before the mean, as "
+      "sd-scripts (no renormalisation); the validation loss too.", "loss"),
     # --- saving ---
     O("output_dir", "path", None, "Folder for the trained files. Required (except with --dry_run).",
       "saving"),
@@ -352,8 +376,17 @@ OPTIONS: tuple[Option, ...] = (
       "loss/current, loss/average (mean of the last steps-per-epoch steps), loss/epoch, "
       "loss/validation and lr/<group>; losses are global-batch means over all processes. Needs the "
       "tensorboard extra.", "logging"),
-    O("log_with", "str", None, "Tracker: tensorboard (the default when logging_dir is set); wandb "
-      "is not supported yet.", "logging", choices=("tensorboard", "wandb", "all")),
+    O("log_with", "str", None, "Tracker: tensorboard (the default when logging_dir is set; needs "
+      "logging_dir), wandb (Weights & Biases, the wandb extra; its files go under the run folder "
+      "when logging_dir is set) or all (both); the same tags in each; main process only.", "logging",
+      choices=("tensorboard", "wandb", "all")),
+    O("log_tracker_name", "str", None, "wandb project name; unset = sd-scripts' network_train "
+      "(train_lora), dreambooth (train_dreambooth), finetuning (finetune).", "logging"),
+    O("log_tracker_config", "path", None, "TOML file whose [wandb] table is passed to wandb.init "
+      "as keyword arguments (sd-scripts' init_kwargs, e.g. entity, tags, notes).", "logging"),
+    O("wandb_run_name", "str", None, "wandb run name; unset = wandb's generated name.", "logging"),
+    O("wandb_api_key", "str", None, "wandb API key, set for this process only (not written to disk, "
+      "not part of the saved config); unset = wandb's own login.", "logging"),
     O("log_prefix", "str", None, "Prefix of the run folder name under logging_dir.", "logging"),
     O("validation_split", "float", 0.0, "Fraction of the training images held out for the "
       "validation loss (chosen from validation_seed, per dataset; at least one image each way); "
@@ -416,11 +449,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("console_log_level", "value", _IGN, "console logging is not configurable here"),
     _n("console_log_file", "value", _IGN, "console logging is not configurable here"),
     _n("console_log_simple", "flag", _IGN, "console logging is not configurable here"),
-    _n("log_tracker_name", "value", _IGN, "TensorBoard events go straight into <logging_dir>/<log_prefix><timestamp>"),
-    _n("log_tracker_config", "value", _IGN, "only TensorBoard is supported; it takes no tracker settings"),
-    _n("wandb_run_name", "value", _IGN, "wandb is not supported"),
-    _n("wandb_api_key", "value", _IGN, "wandb is not supported"),
-    _n("log_config", "flag", _IGN, "the options are not written to the TensorBoard log"),
+    _n("log_config", "flag", _IGN, "the options are not written to the TensorBoard or wandb log"),
     # model
     _n("tokenizer_cache_dir", "value", _IGN, "tokenizers are shipped; see tokenizer_path"),
     _n("disable_mmap_load_safetensors", "flag", _IGN, "loading speed only"),
@@ -428,12 +457,9 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("diffusers_xformers", "flag", _IGN, "use xformers"),
     _n("torch_compile", "flag", _IGN, "speed only"),
     _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
-    _n("highvram", "flag", _IGN, "memory housekeeping only"),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
     _n("fp8_base", "flag", _REJ, "fp8 base weights change the computation"),
     _n("fp8_base_unet", "flag", _REJ, "fp8 base weights change the computation"),
-    _n("max_token_length", "value", _REJ, "long prompts (150/225 tokens) change the text conditioning",
-       off=(None, 75)),
     _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
     _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
@@ -452,9 +478,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("color_aug", "flag", _REJ, "augmentation changes the images"),
     _n("face_crop_aug_range", "value", _REJ, "augmentation changes the images"),
     _n("resize_interpolation", "value", _REJ, "changes the images"),
-    _n("alpha_mask", "flag", _REJ, "masked loss changes the loss"),
-    _n("masked_loss", "flag", _REJ, "masked loss changes the loss"),
-    _n("conditioning_data_dir", "value", _REJ, "masked loss changes the loss"),
     _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
     _n("persistent_data_loader_workers", "flag", _IGN, "speed only"),
@@ -490,10 +513,11 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("scale_weight_norms", "value", _REJ, "changes the trained weights"),
     _n("base_weights", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
     _n("base_weights_multiplier", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
-    # distributed (accelerate does DDP; deepspeed is not supported)
+    # distributed (the toolkit sums gradients itself and shards with fsdp; deepspeed is not supported)
     _n("ddp_gradient_as_bucket_view", "flag", _IGN, "DDP performance setting"),
     _n("ddp_static_graph", "flag", _IGN, "DDP performance setting"),
-    _n("deepspeed", "flag", _REJ, "DeepSpeed is not supported"),
+    _n("deepspeed", "flag", _REJ, "the training loop never runs the model through a DeepSpeed engine, "
+       "so ZeRO would not engage; for sharded full fine-tuning use fsdp"),
     _n("zero_stage", "value", _IGN, "only used with deepspeed", off=(None, 2)),
     _n("offload_optimizer_device", "value", _IGN, "only used with deepspeed"),
     _n("offload_optimizer_nvme_path", "value", _IGN, "only used with deepspeed"),
@@ -547,7 +571,7 @@ def render_markdown() -> str:
             if o.choices_by_script:
                 allowed = "; ".join(f"{short[s]}: {', '.join(c)}" for s, c in o.choices_by_script.items())
             elif o.choices:
-                allowed = ", ".join(o.choices)
+                allowed = ", ".join(map(str, o.choices))
             else:
                 allowed = o.range_text()
             name = f"`{o.name}`" + "".join(f" (alias `{a}`)" for a in o.aliases)

@@ -204,7 +204,7 @@ def sample_images(run) -> list[str]:
     """Render this process's prompts at the current step; returns the files written."""
     import torch
 
-    from library import validation
+    from library import frozen, fsdp, validation
 
     acc, opts = run.accelerator, run.opts
     prompts = load_prompts(opts.sample_prompts)
@@ -214,11 +214,13 @@ def sample_images(run) -> list[str]:
     devices = [acc.device] if acc.device.type == "cuda" else []
     os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode():
+        # the VAE and text encoders, released after caching, are back for the samples
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode(), \
+                frozen.available(run):
             for root in validation._modules(run):
                 root.eval()
             pipe = _pipeline(run)
-            for i in range(acc.process_index, len(prompts), acc.num_processes):
+            for i, kept in fsdp.share(run, len(prompts)):  # fsdp: all prompts, own ones written
                 p = prompts[i]
                 seed = prompt_seed(opts, p, i)
                 pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
@@ -230,6 +232,8 @@ def sample_images(run) -> list[str]:
                     image = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
                                  guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(seed),
                                  **kw).images[0]
+                if not kept:
+                    continue
                 path = image_path(opts, run.global_step, i, seed)
                 tmp = path + ".tmp"
                 image.save(tmp, format="PNG")

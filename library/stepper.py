@@ -93,8 +93,14 @@ class PlainStepper:
     steps_in_backward = False
 
     def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
-                 precision: str = "float32", loss_scaler: LossScaler | None = None):
+                 precision: str = "float32", loss_scaler: LossScaler | None = None,
+                 fsdp: bool = False):
         self.accelerator = accelerator
+        # fsdp (library/fsdp.py): FSDP's reduce-scatter sums the gradients into the shards, so no
+        # all-reduce here; every process runs every forward (a zero-weight one for an empty
+        # share); the optimizer state is written sharded by the training state, not state_dict()
+        self.fsdp = fsdp
+        self.forward_in_every_process = fsdp and getattr(accelerator, "num_processes", 1) > 1
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -127,7 +133,9 @@ class PlainStepper:
     def state_dict(self) -> dict:
         """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
         with full_bf16/full_fp16 the rounding generator and the loss scale)."""
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"scheduler": self.scheduler.state_dict()}
+        if not self.fsdp:  # fsdp: library/fsdp.save_sharded writes the optimizer state
+            state["optimizer"] = self.optimizer.state_dict()
         if self._generator is not None:
             state["rounding_generator"] = self._generator.get_state()
         if self.loss_scaler is not None:
@@ -135,7 +143,8 @@ class PlainStepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.fsdp:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.precision != "float32":
             from library import fused_optim
@@ -164,8 +173,10 @@ class PlainStepper:
 
     def step(self) -> None:
         # Sum, then clip the global batch's gradient (after accumulation and summation, so any
-        # split of the global batch clips alike).
-        distributed.sum_gradients(self.params)
+        # split of the global batch clips alike). Under fsdp the gradients are already summed
+        # shards (DTensors); clipping computes the norm over all shards.
+        if not self.fsdp:
+            distributed.sum_gradients(self.params)
         if self.precision != "float32":
             self._step_low_precision()
         else:
@@ -459,7 +470,8 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
                             "updates written back with stochastic rounding")
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
         return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
-                            precision=precision, loss_scaler=loss_scaler)
+                            precision=precision, loss_scaler=loss_scaler,
+                            fsdp=bool(getattr(opts, "fsdp", False)))
     check_stepper_options(opts)
     trainable = {id(p) for p in params if p.requires_grad}
     group_of = {}

@@ -23,18 +23,19 @@ import os
 
 import torch
 
-from library.family import MAX_TOKENS, TextConditioning
+from library.family import CHUNK, TextConditioning, chunk_count
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 
 
-def encoder_identity(bundle, dtype, clip_skip) -> str:
+def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None) -> str:
     h = hashlib.sha256()
+    # max_tokens: the tokens a caption is encoded to, BOS and EOS included (77, 152 or 227)
     parts = {"v": FORMAT_VERSION, "model": bundle.identity, "family": bundle.family,
              "dtype": str(dtype).replace("torch.", ""), "clip_skip": clip_skip,
-             "max_tokens": MAX_TOKENS}
+             "max_tokens": chunk_count(max_token_length) * CHUNK + 2}
     h.update(json.dumps(parts, sort_keys=True).encode())
     for tok in bundle.tokenizers:
         h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
@@ -84,7 +85,8 @@ def encode_captions(adapter, wanted: dict[str, str | None], identity: str, *, cl
                     batch_size: int, device, autocast, to_disk: bool,
                     log: logging.Logger = logger) -> dict[str, TextConditioning]:
     """``wanted``: caption -> disk folder (None: memory only). -> caption -> (CPU) conditioning
-    of one caption (hidden (77, D), pooled (P,) or None). Encodes only what the disk lacks."""
+    of one caption (hidden (77, D), or (n*75+2, D) with a long max_token_length; pooled (P,) or
+    None). Encodes only what the disk lacks."""
     out: dict[str, TextConditioning] = {}
     missing = []
     loaded = 0

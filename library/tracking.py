@@ -1,4 +1,4 @@
-"""What a run reports while it trains: TensorBoard scalars, the validation loss, sample images.
+"""What a run reports while it trains: TensorBoard / wandb scalars, the validation loss, sample images.
 
 The training loop calls three functions, in every process:
 
@@ -7,7 +7,8 @@ The training loop calls three functions, in every process:
     after_epoch(run, epoch)   at the end of each epoch: validation and samples when due, loss/epoch
     finish(run)               after the final save: flush and close the log
 
-Only the main process writes. Tags (sd-scripts' names), each at the global step:
+Only the main process writes, to each tracker of ``log_with`` (tensorboard: the default with
+``logging_dir``; wandb; all = both), the same tags (sd-scripts' names), each at the global step:
 
     loss/current      the step's loss: the mean over the global batch, all processes (run.loss_log)
     loss/average      the mean of the last ``steps_per_epoch`` step losses (sd-scripts' moving
@@ -19,7 +20,13 @@ Only the main process writes. Tags (sd-scripts' names), each at the global step:
                       names from the network's ``prepare_optimizer_params`` descriptions, else
                       unet / textencoder (textencoder1, textencoder2 for SDXL)
 
-The run folder is ``<logging_dir>/<log_prefix><YYYYmmddHHMMSS>/`` (sd-scripts' naming).
+The run folder is ``<logging_dir>/<log_prefix><YYYYmmddHHMMSS>/`` (sd-scripts' naming). wandb
+(an optional dependency, the ``wandb`` extra) writes under that folder when ``logging_dir`` is set
+(sd-scripts sets WANDB_DIR to it), else in wandb's default place; the project is
+``log_tracker_name`` (sd-scripts' defaults), the run name ``wandb_run_name``, further
+``wandb.init`` arguments come from the ``[wandb]`` table of ``log_tracker_config``;
+``wandb_api_key`` is put into this process's WANDB_API_KEY (sd-scripts calls ``wandb.login``,
+which writes it to ~/.netrc). WANDB_MODE=offline works as usual.
 """
 from __future__ import annotations
 
@@ -42,17 +49,69 @@ def check_options(opts) -> None:
 
     validation.check_options(opts)
     sampling.check_options(opts)
-    if opts.log_with in ("wandb", "all"):
-        raise TrackingError(f"log_with: {opts.log_with} is not supported yet; use log_with = "
-                            "\"tensorboard\" (or leave it unset) with logging_dir")
-    if opts.log_with and not opts.logging_dir:
+    if opts.log_with in ("tensorboard", "all") and not opts.logging_dir:
         raise TrackingError(f"log_with = {opts.log_with} needs logging_dir (the folder of the logs)")
-    if opts.logging_dir:
+    if uses_tensorboard(opts):
         try:
             import tensorboard  # noqa: F401
         except ImportError:
             raise TrackingError("logging_dir: TensorBoard logging needs the tensorboard package; "
                                 "install the tensorboard extra (pip install -e .[tensorboard])") from None
+    if uses_wandb(opts):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise TrackingError(f"log_with = {opts.log_with}: wandb logging needs the wandb package; "
+                                "install the wandb extra (pip install -e .[wandb])") from None
+        wandb_init_kwargs(opts)  # a bad log_tracker_config fails now
+    else:
+        given = getattr(opts, "given", frozenset())
+        for name in ("log_tracker_name", "log_tracker_config", "wandb_run_name", "wandb_api_key"):
+            if name in given and getattr(opts, name) is not None:
+                logger.warning("option %s has no effect here (log_with is not wandb or all)", name)
+
+
+def uses_tensorboard(opts) -> bool:
+    return bool(opts.logging_dir) and opts.log_with in (None, "tensorboard", "all")
+
+
+def uses_wandb(opts) -> bool:
+    return opts.log_with in ("wandb", "all")
+
+
+WANDB_PROJECTS = {"train_lora": "network_train", "train_dreambooth": "dreambooth",
+                  "finetune": "finetuning"}  # sd-scripts' default log_tracker_name per script
+
+
+def wandb_init_kwargs(opts) -> dict:
+    """The keyword arguments of ``wandb.init`` (without ``dir``): project, name, and the
+    ``[wandb]`` table of log_tracker_config (which wins, as sd-scripts' init_kwargs)."""
+    kwargs = {"project": opts.log_tracker_name or WANDB_PROJECTS.get(getattr(opts, "script", ""),
+                                                                      "network_train")}
+    if opts.wandb_run_name:
+        kwargs["name"] = opts.wandb_run_name
+    path = opts.log_tracker_config
+    if path:
+        import toml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = toml.load(f)
+        except OSError as e:
+            raise TrackingError(f"log_tracker_config: cannot read {path} ({e.strerror})") from None
+        except (toml.TomlDecodeError, UnicodeDecodeError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TrackingError(f"log_tracker_config: {path} is not valid TOML ({reason})") from None
+        table = doc.get("wandb", {})
+        if not isinstance(table, dict):
+            raise TrackingError(f"log_tracker_config: {path}: [wandb] must be a table of wandb.init "
+                                "arguments")
+        other = sorted(k for k in doc if k != "wandb")
+        if other:
+            raise TrackingError(f"log_tracker_config: {path}: unknown table {other[0]!r}; only "
+                                "[wandb] (the arguments of wandb.init) is read")
+        kwargs.update(table)
+    return kwargs
 
 
 def run_folder(opts, now: float | None = None) -> str:
@@ -82,22 +141,89 @@ def group_names(run) -> list[str]:
     return out
 
 
-class Tracker:
-    def __init__(self, run):
+class _TensorBoard:
+    def __init__(self, folder: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.folder = run_folder(run.opts)
-        os.makedirs(self.folder, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=self.folder)
+        self.writer = SummaryWriter(log_dir=folder)
+        logger.info(f"logging to {folder}")
+
+    def scalars(self, values: dict, step: int) -> None:
+        for tag, v in values.items():
+            self.writer.add_scalar(tag, v, step)
+
+    def image(self, tag: str, array, step: int) -> None:
+        self.writer.add_image(tag, array, step, dataformats="HWC")
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    def __init__(self, opts, folder: str | None):
+        import wandb
+
+        if opts.wandb_api_key:
+            os.environ["WANDB_API_KEY"] = opts.wandb_api_key  # this process only; never on disk
+        kwargs = wandb_init_kwargs(opts)
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+            kwargs.setdefault("dir", folder)
+        self.wandb = wandb
+        self.run = wandb.init(**kwargs)
+        logger.info(f"logging to wandb project {kwargs['project']}"
+                    + (f" ({self.run.dir})" if getattr(self.run, "dir", None) else ""))
+
+    def scalars(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def image(self, tag: str, array, step: int) -> None:
+        self.run.log({tag: self.wandb.Image(array)}, step=step)
+
+    def flush(self) -> None:
+        pass  # wandb writes in the background; finish() completes it
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracker:
+    """The main process's trackers (TensorBoard and/or wandb), written to with the same tags."""
+
+    def __init__(self, run):
+        opts = run.opts
+        self.folder = run_folder(opts) if opts.logging_dir else None
+        self.backends = []
+        self._closed = False
+        if uses_tensorboard(opts):
+            os.makedirs(self.folder, exist_ok=True)
+            self.backends.append(_TensorBoard(self.folder))
+        if uses_wandb(opts):
+            self.backends.append(_Wandb(opts, self.folder))
         import atexit
 
         atexit.register(self.close)  # an interrupted run (SIGINT/SIGTERM state) still flushes
         self.names = group_names(run)
         self.base_lrs = [float(g["lr"]) for g in run.method.param_groups]
-        logger.info(f"logging to {self.folder}")
+
+    def scalars(self, values: dict, step: int) -> None:
+        values = {tag: float(v) for tag, v in values.items()}
+        for b in self.backends:
+            b.scalars(values, step)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        self.writer.add_scalar(tag, float(value), step)
+        self.scalars({tag: value}, step)
+
+    def image(self, tag: str, array, step: int) -> None:
+        for b in self.backends:
+            b.image(tag, array, step)
+
+    def flush(self) -> None:
+        for b in self.backends:
+            b.flush()
 
     def lrs(self, lr0: float) -> list[float]:
         """Each group's learning rate from the first group's: the schedule (a LambdaLR of the
@@ -106,19 +232,26 @@ class Tracker:
         return [lr0 * b / b0 if b0 else b for b in self.base_lrs]
 
     def close(self) -> None:
-        self.writer.close()
+        if self._closed:
+            return
+        self._closed = True
+        for b in self.backends:
+            b.close()
 
 
 def _tracker(run):
-    """The run's Tracker in the main process when logging_dir is set, else None."""
+    """The run's Tracker in the main process when it logs anywhere (logging_dir, log_with),
+    else None."""
     if "_tracker" not in run.__dict__:
-        on = bool(run.opts.logging_dir) and run.accelerator.is_main_process
+        on = (uses_tensorboard(run.opts) or uses_wandb(run.opts)) and run.accelerator.is_main_process
         run._tracker = Tracker(run) if on else None
     return run._tracker
 
 
 def before_training(run) -> None:
-    """Announce the held-out images; sample_at_first: the samples of the starting weights."""
+    """Start the trackers (so that e.g. a failing wandb.init stops the run before its first
+    step); announce the held-out images; sample_at_first: the samples of the starting weights."""
+    _tracker(run)
     n = len(getattr(run.tset, "val_items", []))
     if n and run.accelerator.is_main_process:
         logger.info(f"validation_split {run.opts.validation_split}: {n} image(s) held out for the "
@@ -139,10 +272,10 @@ def after_step(run, epoch: int) -> None:
     if t is None:
         return
     window = run.loss_log[-run.plan.steps_per_epoch:]
-    t.scalar("loss/current", run.loss_log[-1], step)
-    t.scalar("loss/average", sum(window) / len(window), step)
+    values = {"loss/current": run.loss_log[-1], "loss/average": sum(window) / len(window)}
     for name, lr in zip(t.names, t.lrs(run.lr_log[-1])):
-        t.scalar(f"lr/{name}", lr, step)
+        values[f"lr/{name}"] = lr
+    t.scalars(values, step)
 
 
 def after_epoch(run, epoch: int) -> None:
@@ -159,7 +292,7 @@ def after_epoch(run, epoch: int) -> None:
     losses = run.loss_log[done:run.global_step]
     if losses:
         t.scalar("loss/epoch", sum(losses) / len(losses), run.global_step)
-    t.writer.flush()
+    t.flush()
 
 
 def _validate(run, label: str) -> None:
@@ -187,8 +320,7 @@ def _sample(run) -> None:
     o = run.opts
     for i, p in enumerate(sampling.load_prompts(o.sample_prompts)):
         with Image.open(sampling.image_path(o, run.global_step, i, sampling.prompt_seed(o, p, i))) as im:
-            t.writer.add_image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), run.global_step,
-                               dataformats="HWC")
+            t.image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), run.global_step)
 
 
 def finish(run) -> None:

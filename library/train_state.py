@@ -12,6 +12,11 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
 - ``stepper.pt``: the stepper's ``state_dict()`` (optimizer(s) and scheduler(s));
 - ``ema.safetensors`` (with ``ema_decay``): the moving average of every trainable parameter,
   by the same names (``library/ema.py``);
+- with ``fsdp`` instead of ``trainable.safetensors`` / ``ema.safetensors`` and the optimizer part
+  of ``stepper.pt``: ``sharded/``, a ``torch.distributed.checkpoint`` folder (one file per process
+  and ``.metadata``) of the weights, the optimizer state and the EMA, each process writing its
+  shards into the same temporary folder (``library/fsdp.py``); loading reshards to the resuming
+  run's process count;
 - ``rng.pt``: the global generators of every process (torch CPU and CUDA, Python, NumPy). The
   noise, timesteps, order and augmentation are keyed by (seed, epoch, sample) and need none;
   network dropout (neuron, rank, module) draws from torch's global generator, which is why it
@@ -28,6 +33,7 @@ stays the same. Anything else that differs from the state is an error naming it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -42,6 +48,7 @@ INFO_FILE = "state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 STEPPER_FILE = "stepper.pt"
 RNG_FILE = "rng.pt"
+SHARDED_DIR = "sharded"  # fsdp: library/fsdp.py (torch.distributed.checkpoint)
 
 # Options a resume may change, and why that cannot change what the continued run computes
 # (beyond float rounding for the speed/memory ones). Everything else must match the state.
@@ -63,12 +70,14 @@ RESUMABLE_CHANGES = {
     "gradient_accumulation_steps": "split of the global batch (checked likewise)",
     "max_data_loader_n_workers": "speed", "ddp_timeout": "failure detection",
     "ddp_gradient_as_bucket_view": "speed", "ddp_static_graph": "speed",
-    "gradient_checkpointing": "memory", "sdpa": "speed", "xformers": "speed",
+    "gradient_checkpointing": "memory", "highvram": "memory", "sdpa": "speed", "xformers": "speed",
     "vae_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
     "cache_text_encoder_outputs": "speed (frozen text encoders only)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",
     "logging_dir": "reporting", "log_with": "reporting", "log_prefix": "reporting",
+    "log_tracker_name": "reporting", "log_tracker_config": "reporting",
+    "wandb_run_name": "reporting", "wandb_api_key": "reporting",
     "validate_every_n_steps": "reporting", "validate_every_n_epochs": "reporting",
     "sample_prompts": "reporting", "sample_every_n_steps": "reporting",
     "sample_every_n_epochs": "reporting", "sample_at_first": "reporting", "sample_sampler": "reporting",
@@ -120,7 +129,9 @@ def read_info(path: str) -> dict:
     if info.get("version") != STATE_VERSION:
         raise ResumeError(f"resume: {f}: state format {info.get('version')!r} is not "
                           f"{STATE_VERSION} (written by another version of this toolkit)")
-    for name in (WEIGHTS_FILE, STEPPER_FILE, RNG_FILE):
+    # fsdp: the weights (and optimizer state, EMA) are torch.distributed.checkpoint shards
+    weights = os.path.join(SHARDED_DIR, ".metadata") if info.get("sharded") else WEIGHTS_FILE
+    for name in (weights, STEPPER_FILE, RNG_FILE):
         if not os.path.isfile(os.path.join(path, name)):
             raise ResumeError(f"resume: {path} is incomplete: {name} is missing")
     return info
@@ -162,15 +173,24 @@ def remove_state(path: str, log) -> None:
 
 # -- what must match ------------------------------------------------------------------------------
 def data_fingerprint(tset) -> list[list]:
-    """One entry per image of the run: path, size in bytes, caption, repeats, bucket, reg flag."""
+    """One entry per image of the run: path, size in bytes, caption, repeats, bucket, reg flag;
+    with masked loss also the mask's source (alpha, or the mask file and its size)."""
     out = []
     for it in list(tset.train_items) + list(tset.reg_items):
         try:
             size = os.path.getsize(it.path)
         except OSError:
             size = -1
-        out.append([str(it.path), size, it.caption, int(it.num_repeats),
-                    list(it.bucket) if it.bucket else None, bool(it.is_reg)])
+        entry = [str(it.path), size, it.caption, int(it.num_repeats),
+                 list(it.bucket) if it.bucket else None, bool(it.is_reg)]
+        mask = getattr(it, "mask_path", None)
+        if mask or getattr(it, "alpha_mask", False):  # masked loss: its mask source too
+            try:
+                msize = os.path.getsize(mask) if mask else -1
+            except OSError:
+                msize = -1
+            entry.append(["alpha"] if not mask else [str(mask), msize])
+        out.append(entry)
     return out
 
 
@@ -180,10 +200,15 @@ def _json(v):
 
 def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
     """Raise ResumeError naming the first thing that differs between the state and this run."""
+    from library.options import OPTIONS_BY_NAME
+
     saved, now = info["config"], _json(opts.to_dict())
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
             continue
+        if key not in saved and key in OPTIONS_BY_NAME and \
+                now.get(key) == _json(OPTIONS_BY_NAME[key].default):
+            continue  # an option newer than the state, at its default: the run it saved
         if saved.get(key) != now.get(key):
             raise ResumeError(
                 f"resume: {key} changed since the state in {path} was saved (was "
@@ -290,59 +315,141 @@ def _tuple(v):
 def write_state(run, path: str, log) -> None:
     """Write the state of ``run`` (after its last completed step) to ``path``. Every process calls
     this; the main process writes the folder, atomically."""
-    import torch
-    from safetensors.torch import save_file
-
     from library import distributed
     from library.saving import atomic_dir
 
     acc = run.accelerator
     stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
-    if acc.is_main_process:
-        plan, opts = run.plan, run.opts
-        epoch, batch = run.position
-        info = {
-            "version": STATE_VERSION,
-            "global_step": run.global_step,
-            "epoch": epoch, "batch": batch,        # the next global batch to train
-            "epochs_done": getattr(run, "epoch", 0),
-            "samples_seen": run.samples_seen,
-            "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch,
-            "processes": plan.processes, "train_batch_size": plan.train_batch_size,
-            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
-            "total_steps": plan.total_steps,
-            "method": run.method_name,
-            "saved_at": time.time(),
-            "config": _json(opts.to_dict()),
-            "data": _json(data_fingerprint(run.tset)),
-            "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
-        }
-        with atomic_dir(path) as tmp:
-            weights = {n: p.detach().to("cpu", copy=True).contiguous()
-                       for n, p in named_trainable(run)}
-            save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
-            if getattr(run, "ema", None) is not None:
-                from library.ema import STATE_FILE
+    from library import fsdp
 
-                save_file(run.ema.state_tensors([n for n, _ in named_trainable(run)]),
-                          os.path.join(tmp, STATE_FILE))
-            torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
-            torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
-            with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
-                json.dump(info, f)
+    sharded = fsdp.enabled(run.opts)  # the weights, optimizer and EMA as shards of every process
+    if sharded:
+        with _shared_atomic_dir(path, acc) as tmp:
+            fsdp.save_sharded(run, os.path.join(tmp, SHARDED_DIR), named_trainable(run))
+            if acc.is_main_process:
+                _write_files(run, tmp, stepper_state, rngs, sharded=True)
+        if acc.is_main_process:
+            log.info(f"saved training state {path} (step {run.global_step}, sharded)")
+        acc.wait_for_everyone()
+        return
+    if acc.is_main_process:
+        with atomic_dir(path) as tmp:
+            _write_files(run, tmp, stepper_state, rngs, sharded=False)
         log.info(f"saved training state {path} (step {run.global_step})")
     acc.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def _shared_atomic_dir(path: str, acc):
+    """``atomic_dir`` that every process writes into: the main process makes the temporary
+    folder and tells the others its name; it is renamed into place after all have written."""
+    from library import distributed
+    from library.saving import atomic_dir
+
+    multi = distributed._is_multi_process()
+    if acc.is_main_process:
+        with atomic_dir(path) as tmp:
+            if multi:
+                _broadcast_object(tmp)
+            yield tmp
+            acc.wait_for_everyone()  # every process's shards are written
+    else:
+        tmp = _broadcast_object(None)
+        yield tmp
+        acc.wait_for_everyone()
+
+
+def _broadcast_object(obj):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: bool) -> None:
+    """The main process's files of a state (into the temporary folder ``tmp``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    plan, opts = run.plan, run.opts
+    epoch, batch = run.position
+    info = {
+        "version": STATE_VERSION,
+        "global_step": run.global_step,
+        "epoch": epoch, "batch": batch,        # the next global batch to train
+        "epochs_done": getattr(run, "epoch", 0),
+        "samples_seen": run.samples_seen,
+        "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch,
+        "processes": plan.processes, "train_batch_size": plan.train_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "total_steps": plan.total_steps,
+        "method": run.method_name,
+        "saved_at": time.time(),
+        "config": _json(opts.to_dict()),
+        "data": _json(data_fingerprint(run.tset)),
+        "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
+        "sharded": sharded,
+    }
+    if not sharded:  # (sharded: in SHARDED_DIR, written by every process)
+        weights = {n: p.detach().to("cpu", copy=True).contiguous()
+                   for n, p in named_trainable(run)}
+        save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
+        if getattr(run, "ema", None) is not None:
+            from library.ema import STATE_FILE
+
+            save_file(run.ema.state_tensors([n for n, _ in named_trainable(run)]),
+                      os.path.join(tmp, STATE_FILE))
+    torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
+    torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
+    with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
+        json.dump(info, f)
 
 
 def load_state(run, path: str, info: dict, log) -> None:
     """Put the state's weights, optimizer/scheduler, generators and counters into ``run``."""
     import torch
-    from safetensors.torch import load_file
 
     acc = run.accelerator
-    weights = load_file(os.path.join(path, WEIGHTS_FILE))
     named = named_trainable(run)
+    if info.get("sharded"):
+        _load_sharded(run, path, named)
+    else:
+        _load_weights(run, path, named)
+    try:
+        # Under MULTI_CPU the device is cpu:<rank>, a location torch.load cannot restore to
+        device = "cpu" if acc.device.type == "cpu" else acc.device
+        st = torch.load(os.path.join(path, STEPPER_FILE), map_location=device, weights_only=True)
+        rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
+        raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
+    try:
+        run.stepper.load_state_dict(st)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
+                          f"({e})") from None
+    _load_rest(run, info, rng, log)
+
+
+def _load_sharded(run, path: str, named: list) -> None:
+    """fsdp: the weights, optimizer state and EMA from the shards (resharded to this run)."""
+    from library import fsdp
+
+    if not fsdp.enabled(run.opts):  # the config check names fsdp first; kept for direct callers
+        raise ResumeError(f"resume: {path} was written with fsdp (sharded); resume it with fsdp")
+    try:
+        fsdp.load_sharded(run, os.path.join(path, SHARDED_DIR), named)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise ResumeError(f"resume: {path}: the sharded weights or optimizer state do not fit this "
+                          f"run ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _load_weights(run, path: str, named: list) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(path, WEIGHTS_FILE))
     missing = [n for n, _ in named if n not in weights]
     extra = sorted(set(weights) - {n for n, _ in named})
     if missing or extra:
@@ -362,16 +469,10 @@ def load_state(run, path: str, info: dict, log) -> None:
         if not os.path.isfile(f):
             raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
         run.ema.load_tensors(load_file(f), [n for n, _ in named], path)
-    try:
-        st = torch.load(os.path.join(path, STEPPER_FILE), map_location=acc.device, weights_only=True)
-        rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
-        raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
-    try:
-        run.stepper.load_state_dict(st)
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
-                          f"({e})") from None
+
+
+def _load_rest(run, info: dict, rng: dict, log) -> None:
+    acc = run.accelerator
     resync_lr(run.stepper)
     ranks = rng["ranks"]
     rank = acc.process_index

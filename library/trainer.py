@@ -4,6 +4,7 @@ Stages (each a function): plan (no weights) -> load -> setup method -> cache -> 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -103,6 +104,9 @@ class Run:
         from library.stepper import check_stepper_options
 
         check_stepper_options(self.opts)  # fused_backward_pass / fused_optimizer_groups combinations
+        from library import fsdp
+
+        fsdp.check_options(self.opts)  # fsdp combinations; DeepSpeed / Accelerate-FSDP launch configs
         from library.losses import check_options as check_loss_options
 
         check_loss_options(self.opts)  # noise / loss variant combinations
@@ -125,9 +129,14 @@ class Run:
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.tset, self.plan = plan_run(opts, acc.num_processes)
+        if acc.device.type == "cpu":
+            from library import host_memory
+
+            # On the CPU the resident set is what fits: freed tensors go back to the system.
+            host_memory.return_large_frees()
         set_seed(opts.seed)
         self.bundle = models.load_from_options(opts)
-        self.adapter = family.adapter_for(self.bundle)
+        self.adapter = family.adapter_for(self.bundle, max_token_length=self.opts.max_token_length)
         self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
         b = self.bundle
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
@@ -193,6 +202,10 @@ class Run:
             te.train(self.method.train_text_encoder)
         from library.stepper import make_stepper
 
+        if getattr(opts, "fsdp", False):
+            from library import fsdp
+
+            fsdp.shard_run(self, groups)  # U-Net blocks, trained text encoders' layers; groups re-pointed
         self.params = self.method.trainable_parameters()
         # plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s)
         self.stepper = make_stepper(acc, opts, groups, self.params,
@@ -215,6 +228,13 @@ class Run:
             self._cache_latents()
         if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
             self._cache_text()
+        from library import frozen, validation
+
+        if self.latents is not None:
+            validation.encode_held_out(self)  # before the VAE leaves: the validation latents too
+        # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
+        # CPU-only machine their memory (library/frozen.py); the log says what that saved.
+        self.frozen = frozen.release_after_caching(self, logger)
 
     def _cache_latents(self):
         from library import latent_cache
@@ -243,8 +263,12 @@ class Run:
             folder = latent_cache.cache_folder(it)
             for c in self.tset.caption_variants(it) + ([""] if self.tset.uses_empty_caption(it) else []):
                 wanted.setdefault(c, folder)
+        from library import validation
+
+        for it in self.tset.val_items:  # the validation loss reads its captions from the cache too
+            wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
         te_dtype = next(self.bundle.text_encoders[0].parameters()).dtype
-        identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip)
+        identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip, opts.max_token_length)
         self.text_cache = text_cache.encode_captions(
             self.adapter, wanted, identity, clip_skip=opts.clip_skip,
             batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
@@ -269,7 +293,8 @@ class Run:
 
     @staticmethod
     def _latent_slot(item, flipped: bool) -> tuple:
-        return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped))
+        return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
+                bool(getattr(item, "alpha_mask", False)), getattr(item, "mask_path", None))
 
     # -- per-step work ------------------------------------------------------------------------
     def _sample_latents(self, idx: list[int], loaded_images, epoch: int):
@@ -314,13 +339,35 @@ class Run:
             cond = self._text_conditioning(idx, epoch)  # cached, or encoded now
             pred = self.adapter.unet_forward(noisy.to(self._unet_dtype()), timesteps, cond,
                                              size_cond if b.family == "sdxl" else None)
-        per_sample = lossf.per_sample_loss(pred, latents, d)  # loss_type, SNR weights (losses.py)
+        mask = self._sample_masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
+        per_sample = lossf.per_sample_loss(pred, latents, d, mask)  # loss_type, SNR weights (losses.py)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=acc.device)
         return (per_sample * weights).sum() / n_global
 
     def _unet_dtype(self):
         return next(self.bundle.unet.parameters()).dtype
+
+    def _sample_masks(self, idx: list[int], loaded_images, epoch: int, latent_hw):
+        """Masked loss: (B,1,h,w) masks at the latent size, from the latent cache (stored beside
+        each latent variant) or from the loaded images (same resize, crop and flip); ones for an
+        image without a mask. None when no image of the run has a mask."""
+        import torch
+
+        from library import images
+
+        if not getattr(self.tset, "masked", False):
+            return None
+        out = []
+        if self.latents is not None:
+            for i in idx:
+                slot = self._latent_slot(self.tset.samples[i], self.tset.flip(i, epoch))
+                out.append(self.latents[self.latent_key[slot]].mask)
+        else:
+            out = [None if p.mask is None else images.latent_mask(p.mask, tuple(latent_hw))
+                   for p in loaded_images]
+        masks = [torch.ones(tuple(latent_hw)) if m is None else m for m in out]
+        return torch.stack(masks).unsqueeze(1).to(self.accelerator.device, dtype=torch.float32)
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self):
@@ -368,13 +415,15 @@ class Run:
                     last = a == A - 1
                     zero_weight = False
                     if not idx:
-                        if not (last and getattr(self.stepper, "steps_in_backward", False)):
+                        if not (last and getattr(self.stepper, "steps_in_backward", False)) and \
+                                not getattr(self.stepper, "forward_in_every_process", False):
                             # An empty share of a partial global batch: no forward; this process
                             # contributes zeros to the gradient sum below (which it still joins).
                             continue
                         # The stepper steps inside backward hooks, which fire only in a backward:
                         # a zero-weight backward of one sample of the global batch makes them fire
                         # for the same parameters in the same order as in the other processes.
+                        # fsdp: every forward all-gathers weights, so every process runs it.
                         idx, zero_weight = [gb.indices[0]], True
                         if loader is not None:
                             images = MicroBatchImages(self.tset, [idx], epoch)[0]
@@ -496,17 +545,28 @@ class Run:
 
         acc = self.accelerator
         acc.wait_for_everyone()
-        if acc.is_main_process:
-            os.makedirs(self.opts.output_dir, exist_ok=True)
-            path = output_file(self.opts.output_dir, self.opts.output_name,
-                               self.method.extension(), epoch=epoch, step=step)
-            meta = md.step_metadata(self.base_metadata, epoch=epoch or getattr(self, "epoch", 0),
-                                    step=self.global_step, finished_at=time.time())
-            self.method.save(path, self.opts.save_precision, meta)
-            logger.info(f"saved {path}")
-            self.saved.append(path)
-            if getattr(self, "ema", None) is not None:
-                self.ema.save(self, epoch=epoch, step=step, metadata=meta)
+        from library import fsdp
+
+        meta = md.step_metadata(self.base_metadata, epoch=epoch or getattr(self, "epoch", 0),
+                                step=self.global_step, finished_at=time.time())
+        sharded = fsdp.is_sharded(self)
+        # fsdp: every process joins the gather of the full weights; the main process writes them
+        with fsdp.full_weights(self):
+            if acc.is_main_process:
+                os.makedirs(self.opts.output_dir, exist_ok=True)
+                path = output_file(self.opts.output_dir, self.opts.output_name,
+                                   self.method.extension(), epoch=epoch, step=step)
+                from library import frozen
+
+                # A full model's file holds the VAE and text encoders: back for the save if released.
+                with frozen.available(self) if self.method_name != "lora" else contextlib.nullcontext():
+                    self.method.save(path, self.opts.save_precision, meta)
+                    logger.info(f"saved {path}")
+                    self.saved.append(path)
+                    if getattr(self, "ema", None) is not None and not sharded:
+                        self.ema.save(self, epoch=epoch, step=step, metadata=meta)
+        if getattr(self, "ema", None) is not None and sharded:
+            self.ema.save(self, epoch=epoch, step=step, metadata=meta)  # every process: a gather
         acc.wait_for_everyone()
 
 
@@ -537,11 +597,26 @@ def run(opts, method_name: str) -> Run | None:
         resume = _check_resume(r)
     if opts.dry_run:
         print_plan(r.plan, main)
+        from library import memory_estimate
+
+        memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
         return None
     started = time.time()
+    try:
+        return _train(r, opts, started, resume)
+    finally:
+        if getattr(r, "frozen", None) is not None:
+            r.frozen.close()  # spill files of released parts
+
+
+def _train(r: Run, opts, started: float, resume) -> Run:
     r.validate()
     r.load()
     print_plan(r.plan, r.accelerator.is_main_process)
+    from library import memory_estimate
+
+    memory_estimate.report(opts, r.method_name, r.tset, r.plan.processes,
+                           r.accelerator.is_main_process)
     r.setup_method()
     r.cache()
     if resume:

@@ -31,6 +31,7 @@ class TrainingSet:
     text_variants: int = 4  # text_encoder_cache_variants
     stats: data.ScanStats = field(default_factory=data.ScanStats)
     val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
+    masked: bool = False  # masked loss: some image has a mask (alpha_mask or conditioning_data_dir)
 
     @property
     def bucket_of(self) -> list:
@@ -112,7 +113,7 @@ class TrainingSet:
 
     def prepare(self, i: int, epoch: int):
         """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
-        flip (when flip_aug draws it)."""
+        flip (when flip_aug draws it); its mask (masked loss) gets the same geometry."""
         import torch
 
         from library import images
@@ -121,8 +122,9 @@ class TrainingSet:
         g = None
         if s.random_crop:
             g = torch.Generator().manual_seed(derive_seed("crop", self.seed, epoch, i))
-        return images.prepare_image(images.load_image(s.path), s.bucket, s.resized_size,
-                                    flip=self.flip(i, epoch), random_crop=s.random_crop, generator=g)
+        img, mask = images.load_for_item(s)
+        return images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
+                                    random_crop=s.random_crop, generator=g, mask=mask)
 
 
 def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
@@ -154,6 +156,7 @@ def build_training_set(opts, log) -> TrainingSet:
             raise data.DataError(f"random_crop cannot be combined with cache_latents (set for "
                                  f"{crop.image_dir}): a random crop differs per sample and epoch, "
                                  "so its latents cannot be cached; turn one of them off")
+    masked = _check_masks(opts, train + reg + held_out)
     summary = stats.summary()
     if summary:
         log.warning(summary)
@@ -161,7 +164,18 @@ def build_training_set(opts, log) -> TrainingSet:
                        seed=getattr(opts, "seed", 0), batch_size=batch_size,
                        resolution=resolution,
                        text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats,
-                       val_items=held_out)
+                       val_items=held_out, masked=masked)
+
+
+def _check_masks(opts, items: list) -> bool:
+    """Masked loss: whether some image has a mask; ``masked_loss`` with no mask source is an
+    error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
+    masked = any(it.alpha_mask or it.mask_path for it in items)
+    if getattr(opts, "masked_loss", False) and not masked:
+        raise data.DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
+                             "channel) or conditioning_data_dir (a folder of mask images named "
+                             "like the images), as a run option or per subset")
+    return masked
 
 
 def _item_fields(opts) -> dict:
@@ -171,7 +185,21 @@ def _item_fields(opts) -> dict:
     return dict(captions=None if captions.is_identity else captions,
                 flip_aug=bool(getattr(opts, "flip_aug", False)),
                 random_crop=bool(getattr(opts, "random_crop", False)),
-                cache_dir=getattr(opts, "cache_dir", None))
+                cache_dir=getattr(opts, "cache_dir", None),
+                alpha_mask=bool(getattr(opts, "alpha_mask", False)))
+
+
+def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str | None:
+    """conditioning_data_dir of a set of images, checked: it needs masked_loss (as sd-scripts,
+    where the key otherwise means ControlNet conditioning images) and excludes alpha_mask."""
+    if not folder:
+        return None
+    if not getattr(opts, "masked_loss", False):
+        raise data.DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
+    if alpha_mask:
+        raise data.DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
+                             "comes from one of them; unset the other")
+    return folder
 
 
 def _from_folders(opts, log, stats, held_out):
@@ -185,6 +213,12 @@ def _from_folders(opts, log, stats, held_out):
                                  "folders give their repeats in the folder name")
         train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
                                        log=log, option="train_data_dir", stats=stats, **fields)
+    # conditioning_data_dir (a run option): masks of the training images, looked up by stem;
+    # regularisation images are trained unmasked
+    folder = _mask_folder(opts, fields["alpha_mask"], getattr(opts, "conditioning_data_dir", None),
+                          "conditioning_data_dir")
+    if folder:
+        data.attach_masks(train, folder, "conditioning_data_dir")
     reg = []
     if getattr(opts, "reg_data_dir", None):
         reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
@@ -224,7 +258,10 @@ def _from_dataset_config(opts, log, stats, held_out):
         for sub in ds.subsets:
             caps = sub.captions
             sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
-                              random_crop=sub.random_crop, cache_dir=getattr(opts, "cache_dir", None))
+                              random_crop=sub.random_crop, cache_dir=getattr(opts, "cache_dir", None),
+                              alpha_mask=sub.alpha_mask)
+            where = f"{path}: {sub.where}.conditioning_data_dir"
+            folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
             if getattr(sub, "metadata_file", None):  # a fine-tuning subset
                 items = data.scan_metadata(sub.metadata_file, sub.image_dir,
                                            num_repeats=sub.num_repeats, is_reg=sub.is_reg,
@@ -245,6 +282,8 @@ def _from_dataset_config(opts, log, stats, held_out):
                         "the images themselves (one subset per folder, with num_repeats and "
                         "class_tokens), or use train_data_dir")
                 log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
+            if folder:
+                data.attach_masks(items, folder, where)
             (ds_reg if sub.is_reg else ds_train).extend(items)
         ds_train = bm.assign(ds_train, log, stats)
         ds_reg = bm.assign(ds_reg, log, stats)

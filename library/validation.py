@@ -16,7 +16,8 @@ The number is comparable across runs, batch sizes and process counts:
   [min_timestep, max_timestep) (the midpoints of K equal slices), the k-th with plain Gaussian
   noise from a generator seeded by (validation_seed, "val", image index, k). The K evaluations of
   one image are one batch, whatever the process count, and the loss is the run's loss function
-  (loss_type and SNR weighting, without the training noise variants).
+  (loss_type and SNR weighting, the image's mask with masked loss, without the training noise
+  variants).
 - Image i is evaluated by process i mod P; each process writes its images' losses into a vector
   of zeros and the vectors are summed across processes (adding zeros is exact), then every process
   averages the same vector in the same order: 1 and 2 processes give bit-identical numbers.
@@ -89,7 +90,7 @@ def _seed(opts) -> int:
     return opts.seed if opts.validation_seed is None else opts.validation_seed
 
 
-def _caption(item) -> str:
+def caption(item) -> str:
     import dataclasses
 
     from library import data
@@ -111,14 +112,41 @@ def _latents(run, item):
     memo = run.__dict__.setdefault("_val_latents", {})
     key = (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
     if key not in memo:
-        p = images.prepare_image(images.load_image(item.path), item.bucket, item.resized_size)
+        img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
+        p = images.prepare_image(img, item.bucket, item.resized_size, mask=mask)
         vae = run.bundle.vae
         pix = p.pixels.unsqueeze(0).to(run.accelerator.device, dtype=vae.dtype)
         with torch.no_grad():
             lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
+        masks = run.__dict__.setdefault("_val_masks", {})  # (h, w) at the latent size, or None
+        masks[key] = None if p.mask is None else images.latent_mask(p.mask, tuple(lat.shape[1:]))
         memo[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
                                         dtype=torch.float32))
     return memo[key]
+
+
+def encode_held_out(run) -> None:
+    """Encode the held-out images this process evaluates now (the cache stage), so that
+    validation never needs the VAE once it has left the device (library/frozen.py)."""
+    from library import fsdp
+
+    items = run.tset.val_items
+    for i, _ in fsdp.share(run, len(items)):  # fsdp: every process evaluates every image
+        _latents(run, items[i])
+
+
+def _mask(run, item, latent_hw, n: int):
+    """Masked loss (as in training, and as sd-scripts validates): the held-out image's mask
+    (ones for an image without one) repeated for its ``n`` timesteps, (n,1,h,w); None when no
+    image of the run has a mask."""
+    import torch
+
+    if not getattr(run.tset, "masked", False):
+        return None
+    m = run.__dict__.get("_val_masks", {}).get((item.path, tuple(item.bucket), tuple(item.resized_size)))
+    if m is None:
+        m = torch.ones(tuple(latent_hw))
+    return m.expand(n, *m.shape).unsqueeze(1).to(run.accelerator.device)
 
 
 def _modules(run) -> list:
@@ -134,7 +162,7 @@ def validation_loss(run) -> float:
     """The mean validation loss over every held-out image and timestep (all processes)."""
     import torch
 
-    from library import losses
+    from library import fsdp, losses, text_cache
 
     acc, opts = run.accelerator, run.opts
     items = run.tset.val_items
@@ -147,7 +175,7 @@ def validation_loss(run) -> float:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode():
             for root in _modules(run):
                 root.eval()
-            for i in range(acc.process_index, len(items), acc.num_processes):
+            for i, kept in fsdp.share(run, len(items)):  # fsdp: all images, own slots kept
                 lat, size = _latents(run, items[i])
                 x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
                 noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
@@ -156,12 +184,17 @@ def validation_loss(run) -> float:
                 d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
                 noisy = lossf.noisy_latents(x0, d)
                 with acc.autocast():
-                    tokens = [tk.to(acc.device) for tk in run.adapter.tokenize([_caption(items[i])] * len(ts))]
-                    cond = run.adapter.encode(tokens, opts.clip_skip)
+                    if getattr(run, "text_cache", None) is not None:  # encoded in the cache stage
+                        cond = text_cache.stack([run.text_cache[caption(items[i])]] * len(ts), acc.device)
+                    else:
+                        tokens = [tk.to(acc.device) for tk in run.adapter.tokenize([caption(items[i])] * len(ts))]
+                        cond = run.adapter.encode(tokens, opts.clip_skip)
                     sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
                     pred = run.adapter.unet_forward(noisy.to(run._unet_dtype()), t, cond,
                                                     sc if run.bundle.family == "sdxl" else None)
-                mine[i] = float(lossf.per_sample_loss(pred, x0, d).double().mean())
+                mask = _mask(run, items[i], lat.shape[1:], len(ts))
+                if kept:
+                    mine[i] = float(lossf.per_sample_loss(pred, x0, d, mask).double().mean())
     finally:
         for m, training in modes.items():
             m.training = training

@@ -92,11 +92,17 @@ def test_dry_run_imports_no_model_code(dataset, tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import sys; from library.cli import main; rc = main('train_lora', sys.argv[1:]); "
-            "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
-            "print('heavy:', bad); sys.exit(rc)")
+    # The plan comes before any model code is imported; the memory estimate that follows it
+    # builds the model on fake tensors (library/memory_estimate.py), which needs torch.
+    code = ("import sys; from library import trainer; real = trainer.print_plan\n"
+            "def spy(*a, **k):\n"
+            "    bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]\n"
+            "    print('heavy:', bad); real(*a, **k)\n"
+            "trainer.print_plan = spy\n"
+            "from library.cli import main; sys.exit(main('train_lora', sys.argv[1:]))")
     p = subprocess.run([sys.executable, "-c", code, *args("tiny-sd15", dataset, str(tmp_path / "o"),
                                                            "--dry_run")],
                        cwd=root, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "heavy: []" in p.stdout and "total_steps: 1" in p.stdout
+    assert "memory estimate" in p.stdout.split("heavy: []", 1)[1]

@@ -59,6 +59,7 @@ SUBSET_CASES = {
     "caption_tag_dropout_rate": (0.1, 0.2, 0.3, 0.4),
     "flip_aug": (True, False, True, True),
     "random_crop": (True, False, True, True),
+    "alpha_mask": (True, False, True, True),
 }
 
 
@@ -67,8 +68,10 @@ def _subset_value(sub, key):
 
 
 def test_every_subset_key_is_covered():
-    # metadata_file (fine-tuning subsets): tests/test_finetune_e2e.py
-    assert set(SUBSET_CASES) | {"image_dir", "is_reg", "metadata_file"} == set(dc.SUBSET_KEYS)
+    # metadata_file (fine-tuning subsets): tests/test_finetune_e2e.py; conditioning_data_dir
+    # (subset only, masked loss): tests/test_masked_loss.py
+    assert set(SUBSET_CASES) | {"image_dir", "is_reg", "metadata_file", "conditioning_data_dir"} \
+        == set(dc.SUBSET_KEYS)
 
 
 def test_subset_only_keys(tmp_path):

@@ -296,7 +296,8 @@ def test_text_encoder_cache_with_shuffle_and_dropout(tmp_path, train, te_calls):
             "--network_train_unet_only", "--cache_text_encoder_outputs_to_disk",
             "--shuffle_caption", "--keep_tokens", "1", "--caption_dropout_rate", "0.3",
             "--text_encoder_cache_variants", "3"]
-    rc, _, err, run = train("train_lora", [*args, "--output_dir", tmp_path / "a"])
+    # highvram: the text encoder stays after caching, for the direct encodings below
+    rc, _, err, run = train("train_lora", [*args, "--highvram", "--output_dir", tmp_path / "a"])
     assert rc == 0, err
     ts = run.tset
     variants = {it.path: ts.caption_variants(it) for it in ts.train_items}
@@ -334,7 +335,8 @@ def test_text_encoder_cache_sdxl_keeps_the_pooled_output(tmp_path, train, te_cal
     rc, _, err, run = train("train_lora", [
         "--pretrained_model_name_or_path", "tiny-sdxl", "--train_data_dir", tmp_path / "d",
         "--resolution", "64", "--max_train_steps", "2", "--network_dim", "2",
-        "--network_train_unet_only", "--cache_text_encoder_outputs", "--output_dir", tmp_path / "o"])
+        "--network_train_unet_only", "--cache_text_encoder_outputs", "--output_dir", tmp_path / "o",
+        "--highvram"])  # the text encoders stay after caching, for the direct encodings below
     assert rc == 0, err
     assert te_calls["captions"] == te_calls["after_cache"] == 2
     for c, e in run.text_cache.items():

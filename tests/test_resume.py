@@ -15,14 +15,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, read
+from tests.conftest import read
 
 LORA = ["--pretrained_model_name_or_path", "tiny-sd15", "--resolution", "64", "--cache_latents",
         "--network_dim", "4", "--network_alpha", "2", "--network_dropout", "0.1",
@@ -287,74 +284,22 @@ def test_failed_save_keeps_the_previous_state(rotated, monkeypatch):
 
 
 # -- two processes ---------------------------------------------------------------------------------
-def _worker(report_dir: str, argv: list[str]) -> int:
-    """Worker of the 2-process test: runs train_lora in this process. With SDTK_TEST_SIGNAL_WAIT
-    = "rank:step", that rank, at the end of that step, writes its pid to <report_dir>/waiting and
-    waits for a signal from outside (the test sends it to this one process only). Writes its
-    exit status to <report_dir>/rank<N>.json."""
-    import time
-
-    from library import train_state
-    from library.cli import main
-
-    at = os.environ.get("SDTK_TEST_SIGNAL_WAIT", "")
-    if at and at.split(":")[0] == os.environ.get("RANK"):
-        real, calls = train_state.StopSignals.agreed, []
-
-        def agreed(self, device):  # called once per step by every process
-            calls.append(1)
-            if len(calls) == int(at.split(":")[1]):
-                with open(os.path.join(report_dir, "waiting.tmp"), "w") as f:
-                    f.write(str(os.getpid()))
-                os.replace(os.path.join(report_dir, "waiting.tmp"),
-                           os.path.join(report_dir, "waiting"))
-                deadline = time.time() + 120
-                while not self.signum and time.time() < deadline:
-                    time.sleep(0.01)
-            return real(self, device)
-
-        train_state.StopSignals.agreed = agreed
-    rc = main("train_lora", argv)
-    with open(os.path.join(report_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"rc": rc, "world_size": int(os.environ["WORLD_SIZE"])}, f)
-    return rc
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2:]))
-
-
 def test_two_process_state_resumed_on_one_process(tmp_path_factory):
     """2 processes x batch 1, SIGINT to rank 1 only: both stop after the same step and one state
     is written; it resumes on 1 process x batch 2 (the same global batch), is interrupted again,
     and ends as the uninterrupted 1-process run (within float summation noise: SGD at 128 px,
     as in tests/test_equivalence.py)."""
     from tests.test_equivalence import TOL, make_two_bucket_dataset, max_rel_diff, train_args
-    from tests.conftest import two_process_command
+    from tests.test_multiprocess import launch_and_signal
 
     data = make_two_bucket_dataset(str(tmp_path_factory.mktemp("twobuckets")))
     whole, parts = str(tmp_path_factory.mktemp("mp_whole")), str(tmp_path_factory.mktemp("mp_parts"))
     report = str(tmp_path_factory.mktemp("mp_report"))
     common = ["--max_train_epochs", "2", "--max_grad_norm", "0"]  # 3 steps per epoch
-    cmd, env = two_process_command(
-        os.path.abspath(__file__), [report, *train_args(data, parts, "--train_batch_size", "1", *common)],
-        SDTK_TEST_SIGNAL_WAIT="1:2")
-    log = open(os.path.join(report, "launcher.log"), "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        waiting = os.path.join(report, "waiting")
-        deadline = time.time() + 240
-        while not os.path.exists(waiting) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert os.path.exists(waiting), "rank 1 never reached step 2"
-        os.kill(int(open(waiting).read()), signal.SIGINT)  # a Ctrl-C that reaches rank 1 only
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    ranks = [json.load(open(os.path.join(report, f"rank{r}.json"))) for r in (0, 1)]
-    assert [r["rc"] for r in ranks] == [130, 130], log.read()[-4000:]
+    # rank 1 waits at the end of step 2 for a Ctrl-C that reaches it alone
+    ranks, log = launch_and_signal(report, train_args(data, parts, "--train_batch_size", "1",
+                                                      *common), at="1:2")
+    assert [r["rc"] for r in ranks] == [130, 130], log[-4000:]
     assert all(r["world_size"] == 2 for r in ranks)
     # both processes stopped after step 2 (mid-epoch) and one state was written
     assert [d for d in os.listdir(parts) if d.endswith("-state")] == ["last-step00000002-state"]
@@ -378,3 +323,25 @@ def test_two_process_state_resumed_on_one_process(tmp_path_factory):
     # The 2-process steps sum the gradient in another order than 1 process: the bound is that
     # noise floor (measured: 7e-6 here; up to 9e-6 with no resume at all, test_equivalence.py).
     assert worst <= TOL, f"{key}: {worst:.2e}"
+
+
+def test_state_older_than_an_option_resumes_at_its_default(rotated, tmp_path):
+    """A state written before an option existed lacks its key: resuming with the option at its
+    default is the same run; set to anything else, it is a change naming the option."""
+    import shutil
+
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(rotated["out"], "last-step00000009-state"),
+                    os.path.join(out, "last-step00000009-state"))
+    info_path = os.path.join(out, "last-step00000009-state", "state.json")
+    info = json.load(open(info_path))
+    assert info["config"].pop("alpha_mask", "absent") is False
+    with open(info_path, "w") as f:
+        json.dump(info, f)
+    args = [*rotated["args"], "--max_train_steps", "10", "--resume", "latest"]
+    args[args.index("--output_dir") + 1] = out
+    rc, err, _ = train("train_lora", [*args, "--alpha_mask"])
+    assert rc == 2 and "alpha_mask changed" in err, err[-2000:]
+    rc, err, run = train("train_lora", args)
+    assert rc == 0 and run.global_step == 10, err[-2000:]

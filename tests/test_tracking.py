@@ -87,8 +87,11 @@ def test_full_method_groups_are_unet_and_textencoder(train, dataset, tmp_path):
 
 def test_logging_errors_are_one_line(run_script, dataset, tmp_path, monkeypatch):
     args = base_args("tiny-sd15", dataset, str(tmp_path / "out"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the wandb extra were not installed
     rc, out, err = run_script("train_lora", [*args, "--log_with", "wandb", "--logging_dir", str(tmp_path)])
-    assert rc == 2 and "log_with: wandb is not supported yet" in err
+    assert rc == 2 and "wandb logging needs the wandb package; install the wandb extra" in err
+    rc, out, err = run_script("train_lora", [*args, "--log_with", "all"])
+    assert rc == 2 and "log_with = all needs logging_dir" in err
     rc, out, err = run_script("train_lora", [*args, "--log_with", "tensorboard"])
     assert rc == 2 and "log_with = tensorboard needs logging_dir" in err
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if the extra were not installed

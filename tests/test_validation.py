@@ -7,7 +7,9 @@
 - Validating every step changes no trained weight, even with network dropout on (validation runs
   in eval mode inside ``fork_rng``).
 - 2 gloo processes (each evaluating half the held-out images) give bit-identical validation
-  losses, equal to 1 process x batch 2's (one launch; this file is also the worker).
+  losses, equal to 1 process x batch 2's (LoRA) or 1 process x batch 1 x accumulation 2's (full
+  fine-tune: the same gradient sums, so the same weights bit for bit); one launch each, this file
+  is also the worker.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _worker(report_dir: str, argv: list[str]) -> int:
     runs = []
     real = trainer.run
     trainer.run = lambda opts, m: runs.append(real(opts, m)) or runs[-1]
-    rc = main("train_lora", argv)
+    rc = main(os.environ.get("SDTK_TEST_SCRIPT", "train_lora"), argv)
     if rc:
         return rc
     r = runs[0]
@@ -82,7 +84,9 @@ def test_split_is_keyed_by_seed_and_path():
 
 
 def test_lora_validation_is_reproducible_and_leaves_training_untouched(train, four_images, tmp_path):
-    common = ["--max_train_steps", "3", "--network_dropout", "0.3", "--network_train_unet_only"]
+    # highvram: the VAE stays after caching, for the reference computation at the end
+    common = ["--max_train_steps", "3", "--network_dropout", "0.3", "--network_train_unet_only",
+              "--highvram"]
     rc, out, err, a = train("train_lora", lora_args(four_images, tmp_path / "a", *common,
                                                     "--validate_every_n_steps", "1"))
     assert rc == 0, err
@@ -189,3 +193,34 @@ def test_one_and_two_processes_give_the_same_validation_loss(train, four_images,
     assert one.val_log == two  # bit-identical
     assert any(float(p.abs().max()) > 0 for n, p in one.method.network.named_parameters()
                if "lora_up" in n)  # it did train
+
+
+def test_full_finetune_two_processes_give_the_validation_loss_of_one(train, four_images, tmp_path):
+    """DreamBooth with the text encoder trained, 2 processes x batch 1 vs 1 process x batch 1 x
+    accumulation 2: the same global batch summed in the same order, so the weights and therefore
+    the validation losses after every step are bit-identical."""
+    import subprocess
+
+    from tests.conftest import two_process_command
+
+    def args(out, *extra):
+        return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", four_images,
+                "--output_dir", str(out), "--resolution", "64", "--max_train_steps", "2",
+                "--train_text_encoder", "--optimizer_type", "SGDNesterov", "--learning_rate", "0.05",
+                "--validation_split", "0.5", "--validate_every_n_steps", "1", "--seed", "3",
+                "--train_batch_size", "1", *extra]
+
+    report = tmp_path / "report"
+    report.mkdir()
+    cmd, env = two_process_command(os.path.abspath(__file__), [str(report), *args(tmp_path / "two")],
+                                   SDTK_TEST_SCRIPT="train_dreambooth")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ranks = [json.load(open(report / f"rank{i}.json")) for i in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    rc, out, err, one = train("train_dreambooth", args(tmp_path / "one", "--gradient_accumulation_steps", "2"))
+    assert rc == 0, err
+    two = [tuple(x) for x in ranks[0]["val_log"]]
+    assert ranks[0]["val_log"] == ranks[1]["val_log"]
+    assert [s for s, _ in two] == [1, 2] and one.val_log == two  # bit-identical
+    assert two[0][1] != two[1][1]  # the weights moved between the two validations
