@@ -50,16 +50,18 @@ GIB = 1024 ** 3
 # --- calibrated constants ---------------------------------------------------------------------
 # Fitted on training-loop peaks (peak RSS, 2 optimizer steps) of tools/memory_benchmark.py,
 # sd15-arch, 256 px, latents and text-encoder outputs cached, on the 2-core, 24 GiB x86_64 CPU
-# machine, 2026-11-30 (benchmarks/memory_estimate_check.py, README "Memory estimate"):
-# full fine-tune with fused Adafactor at batch 1 (6.079 GiB) and 2 (6.401 GiB), AdamW at batch 1
-# (13.695 GiB), LoRA dim 16 with AdamW at batch 1 (4.423 GiB).
+# machine, 2026-11-30 (benchmarks/memory_estimate_check.py, README "Memory estimate"), with the
+# VAE and text encoder freed after caching and glibc's mmap threshold at 128 KiB
+# (library/frozen.py, library/host_memory.py): full fine-tune with fused Adafactor at batch 1
+# (5.935 GiB) and 2 (6.310 GiB), AdamW at batch 1 (13.534 GiB), LoRA dim 16 with AdamW at
+# batch 1 (4.248 GiB).
 # Peak activation memory per byte saved for backward: the fused batch 2 - batch 1 slope,
-# 0.322 GiB per sample against 0.441 GiB saved per sample.
-ACTIVATION_FACTOR = 0.73
+# 0.375 GiB per sample against 0.441 GiB saved per sample.
+ACTIVATION_FACTOR = 0.85
 # Resident memory of the process beyond its tensors (Python, torch, diffusers, transformers,
-# accelerate, the allocator's slack): what is left of the fused batch-1 (0.74 GiB) and LoRA
-# (0.80 GiB) peaks after the counted parts, averaged; the AdamW case then comes out 0.8% high.
-RUNTIME_BYTES = int(0.77 * GIB)
+# accelerate, the allocator's slack): chosen so that the four cases above come out within
+# 0.5% (+0.4%, +0.4%, +0.5%, -0.4%).
+RUNTIME_BYTES = int(0.57 * GIB)
 # The plain step's backward frees activations while it creates gradients: the larger of the two
 # is all there at its peak, and this fraction of the smaller. Not identifiable from the cases
 # above (the full fine-tune's plain-step peak is the optimizer step, LoRA's gradients are tiny):
