@@ -613,10 +613,6 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     r.validate()
     r.load()
     print_plan(r.plan, r.accelerator.is_main_process)
-    from library import memory_estimate
-
-    memory_estimate.report(opts, r.method_name, r.tset, r.plan.processes,
-                           r.accelerator.is_main_process)
     r.setup_method()
     r.cache()
     if resume:
