@@ -104,14 +104,11 @@ class TrainingInterrupted(Exception):
 # -- names, discovery, rotation -------------------------------------------------------------------
 def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
               step: int | None = None) -> str:
-    """sd-scripts' state folder names, next to the model files of the same save."""
-    if epoch is not None:
-        name = f"{output_name}-{epoch:06d}-state"
-    elif step is not None:
-        name = f"{output_name}-step{step:08d}-state"
-    else:
-        name = f"{output_name}-state"
-    return os.path.join(output_dir, name)
+    """sd-scripts' state folder names, next to the model files of the same save: the model's
+    name with ``-state`` for its extension."""
+    from library.saving import output_file
+
+    return output_file(output_dir, output_name, "-state", epoch=epoch, step=step)
 
 
 def read_info(path: str) -> dict:
