@@ -66,6 +66,9 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
         # Accelerate accepts it on the CPU but applies neither fp16 autocast nor loss scaling.
         raise UserError("mixed_precision: fp16 needs a CUDA GPU (on CPU Accelerate applies neither "
                         "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
+    # An Accelerate DeepSpeed launch was read into the deepspeed options (library/zero.py): the
+    # toolkit drives the engine itself, so Accelerate sets up a plain job.
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     launched = launched_world_size()
     handlers = []
     if launched > 1:

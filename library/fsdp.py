@@ -76,13 +76,9 @@ def check_options(opts) -> None:
 
 
 def check_launch_environment() -> None:
-    """``accelerate launch`` with a DeepSpeed or FSDP config: the toolkit's loop never hands the
-    model to Accelerate, so neither would engage; say so instead of training unsharded."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        raise FSDPError("DeepSpeed (launched with an Accelerate DeepSpeed config) is not supported: "
-                        "the training loop does not run the model through a DeepSpeed engine, so "
-                        "ZeRO would not engage; for sharded full fine-tuning use the fsdp option with "
-                        "a plain multi-process launch")
+    """``accelerate launch`` with an FSDP config: the toolkit's loop never hands the model to
+    Accelerate, so it would not engage; say so instead of training unsharded. (A DeepSpeed config
+    is read into the deepspeed options: library/zero.py.)"""
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
         raise FSDPError("Accelerate's FSDP config is not used by this toolkit (the model is never "
                         "passed to accelerator.prepare); launch without it and set the fsdp option "

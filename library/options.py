@@ -281,6 +281,23 @@ OPTIONS: tuple[Option, ...] = (
       "the U-Net and trained text encoders; the model file is gathered, the training state stays "
       "sharded. On one process it trains unsharded. Not with fused_backward_pass, "
       "fused_optimizer_groups, full_bf16, full_fp16 or ema_device cpu.", "training", scripts=FULL),
+    O("deepspeed", "bool", False, "Train through DeepSpeed ZeRO (stages 0-2; library/zero.py), "
+      "applied by the toolkit on CPU/gloo and CUDA. Also turned on by launching with an Accelerate "
+      "DeepSpeed config. Gradients summed as without it; not with fsdp, fused_backward_pass, "
+      "fused_optimizer_groups, full_bf16/full_fp16, stop_text_encoder_training, or optimizers that "
+      "need whole parameters (Adafactor, Prodigy, D-Adaptation, schedule-free).", "training"),
+    O("zero_stage", "int", 2, "With deepspeed: 0 (plain data parallel), 1 (optimizer state "
+      "partitioned), 2 (also gradients). Stage 3 is not supported: use fsdp.", "training",
+      min=0, max=3),
+    O("offload_optimizer_device", "str", None, "With deepspeed (stage 1 or 2): 'cpu' keeps the "
+      "optimizer state and step on the CPU (ZeRO-Offload); unset or 'none' = on the device.",
+      "training"),
+    O("offload_param_device", "str", None, "ZeRO stage 3 parameter offload: not supported (only "
+      "unset or 'none').", "training"),
+    O("deepspeed_config_file", "path", None, "With deepspeed: a DeepSpeed JSON whose "
+      "zero_optimization settings (bucket sizes, overlap_comm, ...) are used; batch sizes and "
+      "accumulation must be \"auto\" or equal the run's; no optimizer or scheduler section. Set "
+      "from an Accelerate config's deepspeed_config_file.", "training"),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
@@ -513,18 +530,13 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("scale_weight_norms", "value", _REJ, "changes the trained weights"),
     _n("base_weights", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
     _n("base_weights_multiplier", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
-    # distributed (the toolkit sums gradients itself and shards with fsdp; deepspeed is not supported)
+    # distributed (the toolkit sums gradients itself; fsdp and deepspeed options are in the table)
     _n("ddp_gradient_as_bucket_view", "flag", _IGN, "DDP performance setting"),
     _n("ddp_static_graph", "flag", _IGN, "DDP performance setting"),
-    _n("deepspeed", "flag", _REJ, "the training loop never runs the model through a DeepSpeed engine, "
-       "so ZeRO would not engage; for sharded full fine-tuning use fsdp"),
-    _n("zero_stage", "value", _IGN, "only used with deepspeed", off=(None, 2)),
-    _n("offload_optimizer_device", "value", _IGN, "only used with deepspeed"),
-    _n("offload_optimizer_nvme_path", "value", _IGN, "only used with deepspeed"),
-    _n("offload_param_device", "value", _IGN, "only used with deepspeed"),
-    _n("offload_param_nvme_path", "value", _IGN, "only used with deepspeed"),
-    _n("zero3_init_flag", "flag", _IGN, "only used with deepspeed"),
-    _n("zero3_save_16bit_model", "flag", _IGN, "only used with deepspeed"),
+    _n("offload_optimizer_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_optimizer_device)"),
+    _n("offload_param_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_param_device)"),
+    _n("zero3_init_flag", "flag", _IGN, "only used with ZeRO stage 3, which is not supported"),
+    _n("zero3_save_16bit_model", "flag", _IGN, "only used with ZeRO stage 3, which is not supported"),
     _n("fp16_master_weights_and_gradients", "flag", _REJ, "changes the computation"),
 )
 

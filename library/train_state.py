@@ -17,6 +17,9 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
   and ``.metadata``) of the weights, the optimizer state and the EMA, each process writing its
   shards into the same temporary folder (``library/fsdp.py``); loading reshards to the resuming
   run's process count;
+- with ``deepspeed``, besides the files above: ``deepspeed/``, DeepSpeed's own checkpoint (the
+  partitioned optimizer state, one file per process, written by every process into the same
+  temporary folder; ``library/zero.py``); it resumes on the same process count only;
 - ``rng.pt``: the global generators of every process (torch CPU and CUDA, Python, NumPy). The
   noise, timesteps, order and augmentation are keyed by (seed, epoch, sample) and need none;
   network dropout (neuron, rank, module) draws from torch's global generator, which is why it
@@ -49,6 +52,7 @@ WEIGHTS_FILE = "trainable.safetensors"
 STEPPER_FILE = "stepper.pt"
 RNG_FILE = "rng.pt"
 SHARDED_DIR = "sharded"  # fsdp: library/fsdp.py (torch.distributed.checkpoint)
+DEEPSPEED_DIR = "deepspeed"  # deepspeed: library/zero.py (DeepSpeed's partitioned checkpoint)
 
 # Options a resume may change, and why that cannot change what the continued run computes
 # (beyond float rounding for the speed/memory ones). Everything else must match the state.
@@ -128,8 +132,12 @@ def read_info(path: str) -> dict:
                           f"{STATE_VERSION} (written by another version of this toolkit)")
     # fsdp: the weights (and optimizer state, EMA) are torch.distributed.checkpoint shards
     weights = os.path.join(SHARDED_DIR, ".metadata") if info.get("sharded") else WEIGHTS_FILE
+    if info.get("deepspeed"):
+        weights = os.path.join(DEEPSPEED_DIR, "zero")  # and trainable.safetensors, checked below
+        if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+            raise ResumeError(f"resume: {path} is incomplete: {WEIGHTS_FILE} is missing")
     for name in (weights, STEPPER_FILE, RNG_FILE):
-        if not os.path.isfile(os.path.join(path, name)):
+        if not os.path.exists(os.path.join(path, name)):
             raise ResumeError(f"resume: {path} is incomplete: {name} is missing")
     return info
 
@@ -219,6 +227,11 @@ def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
             f"{info['gradient_accumulation_steps']}, now {plan.global_batch} = "
             f"{plan.train_batch_size} x {plan.processes} x {plan.gradient_accumulation_steps}); "
             "set train_batch_size so that the global batch stays the same")
+    if info.get("deepspeed") and opts.zero_stage and plan.processes != info["processes"]:
+        raise ResumeError(
+            f"resume: the state in {path} holds DeepSpeed ZeRO stage {opts.zero_stage} optimizer "
+            f"state partitioned over {info['processes']} process(es); resume it on "
+            f"{info['processes']} (this run has {plan.processes})")
     fp_saved, fp_now = info["data"], _json(data_fingerprint(tset))
     if fp_saved != fp_now:
         raise ResumeError(f"resume: the training data changed since the state in {path} was saved "
@@ -321,6 +334,17 @@ def write_state(run, path: str, log) -> None:
     from library import fsdp
 
     sharded = fsdp.enabled(run.opts)  # the weights, optimizer and EMA as shards of every process
+    partitions = getattr(run.stepper, "save_partitions", None)  # deepspeed: ZeRO's own files
+    if partitions is not None:
+        with _shared_atomic_dir(path, acc) as tmp:
+            partitions(os.path.join(tmp, DEEPSPEED_DIR))  # every process: its optimizer part
+            if acc.is_main_process:
+                _write_files(run, tmp, stepper_state, rngs, sharded=False)
+        if acc.is_main_process:
+            log.info(f"saved training state {path} (step {run.global_step}, with DeepSpeed's "
+                     f"partitioned optimizer state of {acc.num_processes} process(es))")
+        acc.wait_for_everyone()
+        return
     if sharded:
         with _shared_atomic_dir(path, acc) as tmp:
             fsdp.save_sharded(run, os.path.join(tmp, SHARDED_DIR), named_trainable(run))
@@ -388,6 +412,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         "data": _json(data_fingerprint(run.tset)),
         "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
         "sharded": sharded,
+        "deepspeed": bool(getattr(opts, "deepspeed", False)),
     }
     if not sharded:  # (sharded: in SHARDED_DIR, written by every process)
         weights = {n: p.detach().to("cpu", copy=True).contiguous()
@@ -423,9 +448,12 @@ def load_state(run, path: str, info: dict, log) -> None:
         raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
     try:
         run.stepper.load_state_dict(st)
-    except (KeyError, ValueError, RuntimeError) as e:
+        partitions = getattr(run.stepper, "load_partitions", None)  # deepspeed: ZeRO's own files
+        if partitions is not None:
+            partitions(os.path.join(path, DEEPSPEED_DIR))
+    except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
-                          f"({e})") from None
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     _load_rest(run, info, rng, log)
 
 

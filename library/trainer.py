@@ -106,7 +106,10 @@ class Run:
         check_stepper_options(self.opts)  # fused_backward_pass / fused_optimizer_groups combinations
         from library import fsdp
 
-        fsdp.check_options(self.opts)  # fsdp combinations; DeepSpeed / Accelerate-FSDP launch configs
+        fsdp.check_options(self.opts)  # fsdp combinations; Accelerate-FSDP launch configs
+        from library import zero
+
+        zero.check_options(self.opts)  # deepspeed combinations and optimizer
         from library.losses import check_options as check_loss_options
 
         check_loss_options(self.opts)  # noise / loss variant combinations
@@ -207,10 +210,15 @@ class Run:
 
             fsdp.shard_run(self, groups)  # U-Net blocks, trained text encoders' layers; groups re-pointed
         self.params = self.method.trainable_parameters()
-        # plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s)
-        self.stepper = make_stepper(acc, opts, groups, self.params,
-                                    warmup_steps=self.plan.warmup_steps,
-                                    total_steps=self.plan.total_steps)
+        if getattr(opts, "deepspeed", False):
+            from library import zero
+
+            self.stepper = zero.make_stepper(self, groups)  # ZeRO engine over the trained modules
+        else:
+            # plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s)
+            self.stepper = make_stepper(acc, opts, groups, self.params,
+                                        warmup_steps=self.plan.warmup_steps,
+                                        total_steps=self.plan.total_steps)
         self.optimizer, self.scheduler = self.stepper.optimizer, self.stepper.scheduler
         from library import ema
 
@@ -550,8 +558,11 @@ class Run:
         meta = md.step_metadata(self.base_metadata, epoch=epoch or getattr(self, "epoch", 0),
                                 step=self.global_step, finished_at=time.time())
         sharded = fsdp.is_sharded(self)
-        # fsdp: every process joins the gather of the full weights; the main process writes them
-        with fsdp.full_weights(self):
+        from library import zero
+
+        # fsdp: every process joins the gather of the full weights; the main process writes them.
+        # deepspeed in bf16/fp16: the float32 master weights are saved (a collective too).
+        with fsdp.full_weights(self), zero.master_weights(self):
             if acc.is_main_process:
                 os.makedirs(self.opts.output_dir, exist_ok=True)
                 path = output_file(self.opts.output_dir, self.opts.output_name,
@@ -588,6 +599,9 @@ def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging()
+    from library import zero
+
+    zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
     processes = distributed.launched_world_size()
     r = Run(opts, method_name)
     r.tset, r.plan = plan_run(opts, processes)
@@ -607,6 +621,13 @@ def run(opts, method_name: str) -> Run | None:
     finally:
         if getattr(r, "frozen", None) is not None:
             r.frozen.close()  # spill files of released parts
+        close = getattr(getattr(r, "stepper", None), "close", None)
+        if callable(close) and getattr(opts, "deepspeed", False):
+            close()  # the DeepSpeed engine
+        if getattr(r, "owns_process_group", False):
+            import torch.distributed as dist
+
+            dist.destroy_process_group()  # the one-process group made for DeepSpeed
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:

@@ -110,16 +110,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_process_command(target: str, args: list, **env_extra):
+def two_process_command(target: str, args: list, launcher=("--multi_gpu",), **env_extra):
     """(cmd, env) of ``accelerate launch --multi_gpu --num_processes 2 target *args`` on the CPU:
-    a free port, offline, one thread per process, and no launcher variables inherited."""
+    a free port, offline, one thread per process, and no launcher variables inherited.
+    ``launcher``: the launch mode's flags (e.g. ``--use_deepspeed --zero_stage 2``)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_processes",
            "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(port), target, *[str(a) for a in args]]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              *(k for k in os.environ if k.startswith("ACCELERATE_"))):
         env.pop(k, None)
     return cmd, env
 

@@ -179,14 +179,19 @@ def plan_values(stdout: str) -> dict:
     return dict(re.findall(r"^  (\w+): (\S+)$", block, flags=re.M))
 
 
-def max_rel_diff(a: dict, b: dict, zero: float = 0.0) -> tuple[float, str]:
-    """Largest per-tensor ||a-b|| / ||b|| (absolute where ||b|| <= zero), and its key."""
+def max_rel_diff(a: dict, b: dict, zero: float = 0.0, floor: float = 0.0) -> tuple[float, str]:
+    """Largest per-tensor ||a-b|| / max(||b||, floor) (absolute where ||b|| <= zero), and its key.
+
+    ``floor``: a tensor whose norm is below it is compared relative to the floor. A bias that
+    starts at zero and gets a gradient that nearly cancels (a sum over many positions) ends with
+    a norm of ~1e-5 made of float32 cancellation: its relative difference measures that noise,
+    not the training."""
     assert a.keys() == b.keys()
     worst = (0.0, "")
     for k in b:
         x, y = a[k].detach().double(), b[k].detach().double()
         d, n = float((x - y).norm()), float(y.norm())
-        worst = max(worst, (d / n if n > zero else d, k))
+        worst = max(worst, (d / max(n, floor) if n > zero else d, k))
     return worst
 
 

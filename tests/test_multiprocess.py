@@ -127,12 +127,26 @@ from tests.test_equivalence import (CLIP, PLAN_KEYS, TOL, dreambooth_args,  # no
                                     plan_values, read_file, train_args, train_in_process)
 
 
+# Weights of 1 process x batch 2 against batch 1 (2 processes or accumulation), LoRA and full
+# model, per tensor
+# ||a-b|| / max(||b||, NORM_FLOOR) <= ISSUE_TOL, the issue's 1e-5. The float32 noise of the
+# batch-2 forward is largest, relative to the tensor, in tensors that start at zero and get
+# nearly cancelling gradients: a norm bias ends at ||w|| = 1.1e-5 with a difference of 1.3e-10
+# (1.14e-5 of its norm; a plain relative bound would need 3e-5), and the attention key biases get
+# a gradient that is zero in exact arithmetic (softmax ignores a shift common to all keys), so
+# they hold float noise of ~1e-11. Tensors with a norm below NORM_FLOOR are therefore compared
+# against the floor. Measured worst: 8.8e-6 (a bias of norm 7.9e-5; of tensors with norm above
+# 1e-3, 3.2e-6).
+ISSUE_TOL = 1e-5
+NORM_FLOOR = 1e-4
+
+
 def launch_two_processes(report_dir: str, args: list[str], script: str = "train_lora",
-                         **env_extra):
+                         launcher=("--multi_gpu",), **env_extra):
     """``accelerate launch --multi_gpu --num_processes 2`` of this file's worker running
     ``<script>.py`` with ``args``."""
     cmd, env = two_process_command(os.path.abspath(__file__), [report_dir, script, *args],
-                                   **env_extra)
+                                   launcher=launcher, **env_extra)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -258,8 +272,8 @@ def test_same_learning_rates_losses_and_weights_as_one_process(two_process_run):
     assert w0.keys() == w1.keys()
     for k in w0:
         assert w0[k].equal(w1[k]), k
-    worst, key = max_rel_diff(two_process_run["tensors"], ref["tensors"])
-    assert worst <= TOL, f"{key}: {worst:.2e}"
+    worst, key = max_rel_diff(two_process_run["tensors"], ref["tensors"], floor=NORM_FLOOR)
+    assert worst <= ISSUE_TOL, f"{key}: {worst:.2e}"
     ups = [k for k in ref["tensors"] if k.endswith("lora_up.weight")]
     assert all(ref["tensors"][k].abs().max() > 0 for k in ups)  # the comparison is not of zeros
 
@@ -343,13 +357,6 @@ def test_resumed_twice_on_two_processes_is_bit_identical(two_process_run, data_d
 
 
 # -- full fine-tune (DreamBooth): U-Net and text encoder, reg images --------------------------------
-# Full model, 1 process x batch 2 against batch 1 (2 processes or accumulation), per tensor: the
-# float32 noise of the batch-2 forward is largest in tensors that start at zero and get tiny
-# gradients (norm biases, ||w|| ~ 1e-5 after 7 steps): measured worst 1.14e-5 (one tensor of 752;
-# 68 above 3e-6), so the bound is TOL as for LoRA. Below ZERO_NORM a tensor is compared
-# absolutely: the attention key biases get a gradient that is zero in exact arithmetic (softmax
-# ignores a shift common to all keys), so they hold float noise of ~1e-11.
-ZERO_NORM = 1e-8
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +381,7 @@ def dreambooth_runs(tmp_path_factory, data_dir):
                                                *split, *common), script="train_dreambooth")
         ref["weights"] = {n: p.detach().clone() for n, p in named_trainable(ref["run"])}
         refs[name] = ref
-    return {"stdout": proc.stdout, "ranks": ranks, "refs": refs,
+    return {"stdout": proc.stdout, "ranks": ranks, "refs": refs, "reg": reg,
             "tensors": read_file(os.path.join(out, "last.safetensors"))[0],
             "rank_weights": [read_file(os.path.join(report, f"rank{r}.safetensors"))[0]
                              for r in (0, 1)]}
@@ -420,7 +427,7 @@ def test_dreambooth_two_processes_same_plan_steps_and_schedule(dreambooth_runs):
 def test_dreambooth_two_processes_same_weights(dreambooth_runs):
     """U-Net and text encoder: both ranks identical; 2 processes x batch 1 bit-identical to
     1 process x batch 1 x accumulation 2 (the same batch-1 forwards, and the gradient sum
-    g0 + g1 is the same float sum whether gloo or the accumulation adds it); both within TOL
+    g0 + g1 is the same float sum whether gloo or the accumulation adds it); both within ISSUE_TOL
     per tensor of 1 process x batch 2, and the saved model files likewise."""
     import statistics
 
@@ -437,13 +444,13 @@ def test_dreambooth_two_processes_same_weights(dreambooth_runs):
     assert w0.keys() == acc2.keys()
     assert [k for k in w0 if not torch.equal(w0[k], acc2[k])] == []
     for name, w in (("2 processes", w0), ("accumulation", acc2)):
-        worst, key = max_rel_diff(w, bs2, zero=ZERO_NORM)
-        assert worst <= TOL, f"{name}: {key}: {worst:.2e}"
+        worst, key = max_rel_diff(w, bs2, floor=NORM_FLOOR)
+        assert worst <= ISSUE_TOL, f"{name}: {key}: {worst:.2e}"
     worst, key = max_rel_diff(dreambooth_runs["tensors"], dreambooth_runs["refs"]["bs2"]["tensors"],
-                              zero=ZERO_NORM)
-    assert worst <= TOL, f"saved file: {key}: {worst:.2e}"
+                              floor=NORM_FLOOR)
+    assert worst <= ISSUE_TOL, f"saved file: {key}: {worst:.2e}"
     # the bound is not met by weights that stayed put: in both models the median tensor moved by
-    # more than 10 x TOL of its norm (measured: 7e-4 U-Net, 9e-4 text encoder)
+    # more than 10 x TOL (3e-5) of its norm (measured: 7e-4 U-Net, 9e-4 text encoder)
     init = build_tiny_components("sd15")
     start = {f"unet.{n}": p for n, p in init["unet"].named_parameters()}
     start.update({f"text_encoder.{n}": p for n, p in init["text_encoder"].named_parameters()})
@@ -528,3 +535,142 @@ def test_sum_gradients_across_two_processes():
         assert [None if g is None else (g[0], g[1]) for g in grads] == expected
         assert frozen_untouched
         assert loss_sum == 2.0
+
+
+# -- DeepSpeed ZeRO (library/zero.py) ------------------------------------------------------------
+# DeepSpeed runs on the CPU with gloo. The LoRA run is launched with Accelerate's DeepSpeed config
+# (``accelerate launch --use_deepspeed --zero_stage 2``), its resume with the run's own
+# ``deepspeed`` / ``zero_stage`` options on a plain multi-process launch: both routes.
+ZERO2 = ("--use_deepspeed", "--zero_stage", "2")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_lora_run(tmp_path_factory, data_dir, two_process_run):
+    """The two-process LoRA run above, under ZeRO stage 2 from an Accelerate DeepSpeed launch,
+    with states at steps 2 and 4."""
+    out, report = (str(tmp_path_factory.mktemp(n)) for n in ("ds_out", "ds_report"))
+    args = train_args(data_dir, out, *two_process_run["args"], "--save_every_n_steps", "2",
+                      "--save_state")
+    proc = launch_two_processes(report, args, launcher=ZERO2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.load(open(os.path.join(report, f"rank{r}.json"))) for r in (0, 1)]
+    return {"out": out, "report": report, "ranks": ranks, "log": proc.stdout + proc.stderr}
+
+
+def test_deepspeed_zero2_two_processes_equal_one_process(deepspeed_lora_run, two_process_run):
+    """ZeRO stage 2 on 2 gloo processes x batch 1: one job of world size 2, the same learning
+    rates and logged losses as 1 process x batch 2 without DeepSpeed, identical ranks, and the
+    saved LoRA within ISSUE_TOL of it (DeepSpeed's mean of the processes' gradients is turned back
+    into the toolkit's sum; clipping by DeepSpeed's global norm)."""
+    import torch
+
+    ranks, ref = deepspeed_lora_run["ranks"], two_process_run["reference"]
+    assert [(r["rank"], r["world_size"], r["num_processes"]) for r in ranks] == [(0, 2, 2), (1, 2, 2)]
+    assert ranks[0]["pid"] != ranks[1]["pid"]
+    assert "deepspeed: from the Accelerate launch config (zero_stage 2)" in deepspeed_lora_run["log"]
+    assert "ZeRO stage 2 over 2 process(es)" in deepspeed_lora_run["log"]
+    for r in ranks:
+        assert r["lr_log"] == ref["run"].lr_log
+        assert r["loss_log"] == pytest.approx(ref["run"].loss_log, rel=1e-5)
+    w0, w1 = (read_file(os.path.join(deepspeed_lora_run["report"], f"rank{r}.safetensors"))[0]
+              for r in (0, 1))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    saved = read_file(os.path.join(deepspeed_lora_run["out"], "last.safetensors"))[0]
+    worst, key = max_rel_diff(saved, ref["tensors"], floor=NORM_FLOOR)
+    assert worst <= ISSUE_TOL, f"{key}: {worst:.2e}"
+    # each process wrote its own partition of the optimizer state into the training state
+    zero = os.path.join(deepspeed_lora_run["out"], "last-step00000002-state", "deepspeed", "zero")
+    names = os.listdir(zero)
+    assert sum("optim_states" in n for n in names) == 2, names
+
+
+def test_deepspeed_resume_on_two_processes_is_bit_identical(deepspeed_lora_run, data_dir,
+                                                            two_process_run, tmp_path):
+    """The ZeRO run's step-2 state resumes (options --deepspeed --zero_stage 2, plain launch) to
+    the end, bit-identical to the uninterrupted ZeRO run: weights, learning rates, losses."""
+    import shutil
+
+    import torch
+
+    out = str(tmp_path / "resumed")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(deepspeed_lora_run["out"], "last-step00000002-state"),
+                    os.path.join(out, "last-step00000002-state"))
+    report = str(tmp_path / "report")
+    os.makedirs(report)
+    args = train_args(data_dir, out, *two_process_run["args"], "--deepspeed", "--zero_stage", "2",
+                      "--resume", "latest")
+    proc = launch_two_processes(report, args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "step 2 of 5" in proc.stdout
+    for r in (0, 1):
+        rep = json.load(open(os.path.join(report, f"rank{r}.json")))
+        ref = deepspeed_lora_run["ranks"][r]
+        assert (rep["rank"], rep["world_size"]) == (r, 2)
+        for k in ("global_step", "epoch", "samples_seen", "scheduler_steps", "lr_log", "loss_log"):
+            assert rep[k] == ref[k], k
+    final, ref_final = (read_file(os.path.join(d, "last.safetensors"))[0]
+                        for d in (out, deepspeed_lora_run["out"]))
+    assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
+
+
+def test_deepspeed_state_needs_the_same_process_count(deepspeed_lora_run, data_dir,
+                                                      two_process_run, tmp_path, run_script,
+                                                      no_weight_loading):
+    """ZeRO's optimizer state is partitioned per process: resuming it on 1 process is an error
+    naming both counts, before any weight loads."""
+    state = os.path.join(deepspeed_lora_run["out"], "last-step00000002-state")
+    args = train_args(data_dir, str(tmp_path / "o"), "--train_batch_size", "2", "--max_train_steps",
+                      "5", "--max_grad_norm", CLIP, "--deepspeed", "--zero_stage", "2",
+                      "--resume", state)
+    rc, out, err = run_script("train_lora", args)
+    assert rc != 0
+    assert "partitioned over 2 process(es); resume it on 2 (this run has 1)" in err
+
+
+def test_deepspeed_one_process_with_accumulation_and_offload(two_process_run, data_dir, tmp_path):
+    """One plain process (``python train_lora.py --deepspeed``: the toolkit makes a one-process
+    group), ZeRO stage 2 with the optimizer offloaded to the CPU, batch 1 x accumulation 2: the
+    same global batch as the reference, within ISSUE_TOL, the same learning rates."""
+    out = str(tmp_path / "out")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    args = train_args(data_dir, out, "--train_batch_size", "1", "--gradient_accumulation_steps",
+                      "2", "--max_train_steps", "5", "--max_grad_norm", CLIP, "--deepspeed",
+                      "--offload_optimizer_device", "cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_lora.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ZeRO stage 2 over 1 process(es)" in proc.stderr
+    assert "optimizer offloaded to cpu" in proc.stderr
+    ref = two_process_run["reference"]
+    worst, key = max_rel_diff(read_file(os.path.join(out, "last.safetensors"))[0], ref["tensors"],
+                              floor=NORM_FLOOR)
+    assert worst <= ISSUE_TOL, f"{key}: {worst:.2e}"
+
+
+def test_deepspeed_zero1_dreambooth_two_processes(dreambooth_runs, data_dir, tmp_path):
+    """Full fine-tune (U-Net and text encoder, reg images) under ZeRO stage 1 on 2 processes x
+    batch 1: identical ranks, the same learning rates, weights within ISSUE_TOL of 1 process x batch 2
+    and of 1 process x batch 1 x accumulation 2 without DeepSpeed."""
+    import torch
+
+    reg = dreambooth_runs["reg"]
+    out, report = str(tmp_path / "out"), str(tmp_path / "report")
+    os.makedirs(report)
+    proc = launch_two_processes(report, dreambooth_args(data_dir, reg, out, "--train_batch_size",
+                                                        "1", "--max_train_steps", "7",
+                                                        "--deepspeed", "--zero_stage", "1"),
+                                script="train_dreambooth")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ZeRO stage 1 over 2 process(es)" in proc.stderr
+    ranks = [json.load(open(os.path.join(report, f"rank{r}.json"))) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
+    lrs = dreambooth_runs["refs"]["bs2"]["run"].lr_log
+    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == lrs
+    w0, w1 = (read_file(os.path.join(report, f"rank{r}.safetensors"))[0] for r in (0, 1))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    for name in ("bs2", "acc2"):
+        worst, key = max_rel_diff(w0, dreambooth_runs["refs"][name]["weights"], floor=NORM_FLOOR)
+        assert worst <= ISSUE_TOL, f"{name}: {key}: {worst:.2e}"
