@@ -198,11 +198,11 @@ def check_options(opts) -> None:
         raise DeepSpeedError("deepspeed cannot be combined with stop_text_encoder_training: ZeRO "
                              "steps every partition every step, so frozen text encoders would "
                              "still change (weight decay, momentum)")
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # (importing it takes seconds)
         raise DeepSpeedError("deepspeed is not installed: pip install deepspeed (or the "
-                             "deepspeed extra)") from None
+                             "deepspeed extra)")
     from library.optim import resolve_optimizer_class
 
     cls, _ = resolve_optimizer_class(opts.optimizer_type)

@@ -126,3 +126,13 @@ def test_deepspeed_config_file(monkeypatch, tmp_path):
     path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(zero.DeepSpeedError, match=f'{path}: remove "optimizer"'):
         zero.resolve_options(_opts())
+
+
+def test_missing_deepspeed_is_named(run_script, dataset, tmp_path, no_weight_loading, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--deepspeed"))
+    assert rc == 2 and "deepspeed is not installed: pip install deepspeed" in err, err[-2000:]

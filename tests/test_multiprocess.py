@@ -550,7 +550,7 @@ def deepspeed_lora_run(tmp_path_factory, data_dir, two_process_run):
     with states at steps 2 and 4."""
     out, report = (str(tmp_path_factory.mktemp(n)) for n in ("ds_out", "ds_report"))
     args = train_args(data_dir, out, *two_process_run["args"], "--save_every_n_steps", "2",
-                      "--save_state")
+                      "--save_state", "--ema_decay", "0.5")
     proc = launch_two_processes(report, args, launcher=ZERO2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.load(open(os.path.join(report, f"rank{r}.json"))) for r in (0, 1)]
@@ -587,7 +587,7 @@ def test_deepspeed_zero2_two_processes_equal_one_process(deepspeed_lora_run, two
 def test_deepspeed_resume_on_two_processes_is_bit_identical(deepspeed_lora_run, data_dir,
                                                             two_process_run, tmp_path):
     """The ZeRO run's step-2 state resumes (options --deepspeed --zero_stage 2, plain launch) to
-    the end, bit-identical to the uninterrupted ZeRO run: weights, learning rates, losses."""
+    the end, bit-identical to the uninterrupted ZeRO run: weights, EMA, learning rates, losses."""
     import shutil
 
     import torch
@@ -599,7 +599,7 @@ def test_deepspeed_resume_on_two_processes_is_bit_identical(deepspeed_lora_run, 
     report = str(tmp_path / "report")
     os.makedirs(report)
     args = train_args(data_dir, out, *two_process_run["args"], "--deepspeed", "--zero_stage", "2",
-                      "--resume", "latest")
+                      "--ema_decay", "0.5", "--resume", "latest")
     proc = launch_two_processes(report, args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "step 2 of 5" in proc.stdout
@@ -609,9 +609,14 @@ def test_deepspeed_resume_on_two_processes_is_bit_identical(deepspeed_lora_run, 
         assert (rep["rank"], rep["world_size"]) == (r, 2)
         for k in ("global_step", "epoch", "samples_seen", "scheduler_steps", "lr_log", "loss_log"):
             assert rep[k] == ref[k], k
-    final, ref_final = (read_file(os.path.join(d, "last.safetensors"))[0]
-                        for d in (out, deepspeed_lora_run["out"]))
-    assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
+    for name in ("last.safetensors", "last-ema.safetensors"):
+        final, ref_final = (read_file(os.path.join(d, name))[0]
+                            for d in (out, deepspeed_lora_run["out"]))
+        assert final.keys() == ref_final.keys()
+        assert all(torch.equal(final[k], ref_final[k]) for k in final), name
+    ema, last = (read_file(os.path.join(out, n))[0] for n in ("last-ema.safetensors",
+                                                               "last.safetensors"))
+    assert any(not torch.equal(ema[k], last[k]) for k in last)  # the EMA is its own average
 
 
 def test_deepspeed_state_needs_the_same_process_count(deepspeed_lora_run, data_dir,
@@ -622,7 +627,7 @@ def test_deepspeed_state_needs_the_same_process_count(deepspeed_lora_run, data_d
     state = os.path.join(deepspeed_lora_run["out"], "last-step00000002-state")
     args = train_args(data_dir, str(tmp_path / "o"), "--train_batch_size", "2", "--max_train_steps",
                       "5", "--max_grad_norm", CLIP, "--deepspeed", "--zero_stage", "2",
-                      "--resume", state)
+                      "--ema_decay", "0.5", "--resume", state)
     rc, out, err = run_script("train_lora", args)
     assert rc != 0
     assert "partitioned over 2 process(es); resume it on 2 (this run has 1)" in err
