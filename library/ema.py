@@ -72,7 +72,7 @@ class EMA:
         main = run.accelerator.is_main_process
         with self.swapped(), fsdp.full_weights(run):
             if main:
-                with frozen.available(run) if run.method_name != "lora" else contextlib.nullcontext():
+                with frozen.available_for_save(run):
                     run.method.save(path, opts.save_precision, meta)
         if main:
             logger.info(f"saved {path} (EMA, decay {self.decay})")

@@ -242,3 +242,11 @@ def available(run, *names: str):
         return
     with frozen.available(*names):
         yield
+
+
+def available_for_save(run):
+    """The parts a model save of ``run`` writes: a full model's file holds the VAE and text
+    encoders, so released ones come back for the save; a LoRA's does not (a no-op)."""
+    if run.method_name == "lora":
+        return contextlib.nullcontext()
+    return available(run)

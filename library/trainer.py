@@ -4,7 +4,6 @@ Stages (each a function): plan (no weights) -> load -> setup method -> cache -> 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -569,8 +568,7 @@ class Run:
                                    self.method.extension(), epoch=epoch, step=step)
                 from library import frozen
 
-                # A full model's file holds the VAE and text encoders: back for the save if released.
-                with frozen.available(self) if self.method_name != "lora" else contextlib.nullcontext():
+                with frozen.available_for_save(self):  # a full model's file holds VAE and TEs
                     self.method.save(path, self.opts.save_precision, meta)
                     logger.info(f"saved {path}")
                     self.saved.append(path)
