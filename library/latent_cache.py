@@ -25,6 +25,7 @@ Decisions (one place each):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -306,3 +307,21 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
                 if to_disk:
                     save_entry(entry_path(it, key), key, entry)
 
+
+
+@contextlib.contextmanager
+def counting_encodes(vae):
+    """Inside: a list that receives the batch size of every ``vae.encode`` call (how many images
+    were encoded, for the caching tool's report and the cache tests)."""
+    seen: list[int] = []
+    real_encode = vae.encode
+
+    def counting(x, *a, **k):
+        seen.append(x.shape[0])
+        return real_encode(x, *a, **k)
+
+    vae.encode = counting
+    try:
+        yield seen
+    finally:
+        del vae.encode

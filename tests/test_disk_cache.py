@@ -25,16 +25,10 @@ def vae():
 @pytest.fixture
 def count(vae):
     """Images passed through vae.encode (wraps the VAE's encode)."""
-    seen = []
-    original = vae.encode
+    from library.latent_cache import counting_encodes
 
-    def counting(x, *a, **k):
-        seen.append(x.shape[0])
-        return original(x, *a, **k)
-
-    vae.encode = counting
-    yield seen
-    del vae.encode
+    with counting_encodes(vae) as seen:
+        yield seen
 
 
 def _items(root, resolution=64, **fields):

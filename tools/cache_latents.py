@@ -46,23 +46,13 @@ def cache_latents(opts, log):
     bundle = models.load_from_options(opts)
     dtype = latent_cache.vae_dtype(opts)  # the trainer's, so the keys match
     vae = bundle.vae.to(acc.device, dtype=dtype).eval()
-    calls = []
-    real_encode = vae.encode
-
-    def counting(x, *a, **k):
-        calls.append(x.shape[0])
-        return real_encode(x, *a, **k)
-
-    vae.encode = counting
     started = time.perf_counter()
-    try:
+    with latent_cache.counting_encodes(vae) as calls:
         entries = latent_cache.encode_latents(
             vae, tset.train_items + tset.reg_items, batch_size=max(1, opts.vae_batch_size),
             dtype=dtype, device=acc.device, vae_identity=bundle.vae_identity, log=log,
             to_disk=True, process_index=acc.process_index, num_processes=acc.num_processes,
             barrier=acc.wait_for_everyone)
-    finally:
-        del vae.encode
     acc.wait_for_everyone()
     return acc, len(entries), sum(calls), time.perf_counter() - started
 
