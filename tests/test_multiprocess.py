@@ -657,7 +657,7 @@ def test_deepspeed_one_process_with_accumulation_and_offload(two_process_run, da
 
 def test_deepspeed_zero1_dreambooth_two_processes(dreambooth_runs, data_dir, tmp_path):
     """Full fine-tune (U-Net and text encoder, reg images) under ZeRO stage 1 on 2 processes x
-    batch 1: identical ranks, the same learning rates, weights within ISSUE_TOL of 1 process x batch 2
+    batch 1, with gradient checkpointing: identical ranks, the same learning rates, weights within ISSUE_TOL of 1 process x batch 2
     and of 1 process x batch 1 x accumulation 2 without DeepSpeed."""
     import torch
 
@@ -666,7 +666,8 @@ def test_deepspeed_zero1_dreambooth_two_processes(dreambooth_runs, data_dir, tmp
     os.makedirs(report)
     proc = launch_two_processes(report, dreambooth_args(data_dir, reg, out, "--train_batch_size",
                                                         "1", "--max_train_steps", "7",
-                                                        "--deepspeed", "--zero_stage", "1"),
+                                                        "--deepspeed", "--zero_stage", "1",
+                                                        "--gradient_checkpointing"),
                                 script="train_dreambooth")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ZeRO stage 1 over 2 process(es)" in proc.stderr
