@@ -136,3 +136,11 @@ def test_missing_deepspeed_is_named(run_script, dataset, tmp_path, no_weight_loa
                         lambda name, *a: None if name == "deepspeed" else real(name, *a))
     rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--deepspeed"))
     assert rc == 2 and "deepspeed is not installed: pip install deepspeed" in err, err[-2000:]
+
+
+def test_dry_run_says_the_memory_estimate_does_not_cover_deepspeed(run_script, dataset, tmp_path):
+    rc, out, err = run_script("train_lora", _args(dataset, tmp_path, "--deepspeed", "--dry_run"))
+    assert rc == 0, err[-2000:]
+    assert "step plan:" in out
+    assert "memory estimate: not available (deepspeed: ZeRO's flat parameter, gradient and " \
+           "bucket buffers are not modeled)" in out

@@ -25,7 +25,8 @@ Variants are names joined by ``+``: an optimizer (``adamw``, ``adamw8bit``, ``ad
 ``lion``, ``sgd``) and modifiers: ``fused`` (``fused_backward_pass``; alone it means fused
 Adafactor, as in sd-scripts), ``groupsN`` (``fused_optimizer_groups N``; alone: Adafactor),
 ``bf16`` (``mixed_precision bf16``), ``fullbf16`` (bf16 weights: ``mixed_precision bf16
-full_bf16``), ``gc`` (gradient checkpointing). E.g. ``adamw+fullbf16+gc``.
+full_bf16``), ``gc`` (gradient checkpointing), ``zero1`` / ``zero2`` (DeepSpeed ZeRO stage 1 /
+2, one process). E.g. ``adamw+fullbf16+gc``.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ MODIFIERS = {
     "bf16": ["--mixed_precision", "bf16"],
     "fullbf16": ["--mixed_precision", "bf16", "--full_bf16"],
     "gc": ["--gradient_checkpointing"],
+    "zero1": ["--deepspeed", "--zero_stage", "1"],
+    "zero2": ["--deepspeed", "--zero_stage", "2"],
 }
 
 
