@@ -89,43 +89,58 @@ def _read_config_file(path: str) -> dict:
 
 
 def resolve_options(opts) -> None:
-    """Fold an Accelerate DeepSpeed launch (its environment, and its JSON file if any) into the
-    run's options. A value the run's options set to something else is an error naming both."""
-    if not launched_with_deepspeed():
-        return
+    """Fold an Accelerate DeepSpeed launch (its environment) and a DeepSpeed JSON
+    (``deepspeed_config_file``, from the options or the launch) into the run's options. A value
+    set differently in two places is an error naming both."""
     from library.options import OPTIONS_BY_NAME
 
-    launched = {}
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if path and path.lower() != "none":
+    launch = launched_with_deepspeed()
+    env_path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "") if launch else ""
+    if env_path and env_path.lower() != "none":
+        mine = getattr(opts, "deepspeed_config_file", None)
+        if mine and os.path.abspath(mine) != os.path.abspath(env_path):
+            raise DeepSpeedError(f"deepspeed_config_file: the run's options say {mine}, the "
+                                 f"Accelerate config says {env_path}; set it in one place")
+        opts.deepspeed_config_file = env_path
+    path = getattr(opts, "deepspeed_config_file", None)
+    given = {}
+    if path:
         zo = _read_config_file(path).get("zero_optimization", {}) or {}
         if "stage" in zo and zo["stage"] != "auto":
-            launched["zero_stage"] = (zo["stage"], f"{path}: zero_optimization.stage")
+            given["zero_stage"] = (zo["stage"], f"{path}: zero_optimization.stage")
         for kind in ("optimizer", "param"):
             dev = (zo.get(f"offload_{kind}") or {}).get("device")
             if dev not in (None, "auto"):
-                launched[f"offload_{kind}_device"] = (dev, f"{path}: zero_optimization.offload_{kind}.device")
-        opts.deepspeed_config_file = path
-    for key, env in (("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
-                     ("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
-                     ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
-        if os.environ.get(env) not in (None, ""):
-            launched.setdefault(key, (os.environ[env], f"the Accelerate config ({env})"))
-    opts.deepspeed = True
-    for key, (value, where) in launched.items():
-        if key == "zero_stage":
-            try:
-                value = int(value)
-            except (TypeError, ValueError):
-                raise DeepSpeedError(f"{where}: zero stage {value!r} is not a number") from None
-        else:
-            value = str(value).lower()
+                given[f"offload_{kind}_device"] = (dev, f"{path}: zero_optimization.offload_{kind}.device")
+    if launch:
+        for key, env in (("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+                         ("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                         ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
+            if os.environ.get(env) not in (None, ""):
+                value = (os.environ[env], f"the Accelerate config ({env})")
+                if key in given and _norm(key, given[key][0], given[key][1]) != _norm(key, *value):
+                    raise DeepSpeedError(f"{key}: {given[key][1]} says {given[key][0]!r}, "
+                                         f"{value[1]} says {value[0]!r}; set it in one place")
+                given.setdefault(key, value)
+        opts.deepspeed = True
+    for key, (value, where) in given.items():
+        value = _norm(key, value, where)
         mine, default = getattr(opts, key), OPTIONS_BY_NAME[key].default
         if mine != default and mine != value:
             raise DeepSpeedError(f"{key}: the run's options say {mine!r}, {where} says {value!r}; "
                                  "set it in one place")
         setattr(opts, key, value)
-    logger.info(f"deepspeed: from the Accelerate launch config (zero_stage {opts.zero_stage})")
+    if launch:
+        logger.info(f"deepspeed: from the Accelerate launch config (zero_stage {opts.zero_stage})")
+
+
+def _norm(key: str, value, where: str):
+    if key != "zero_stage":
+        return str(value).lower()
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DeepSpeedError(f"{where}: zero stage {value!r} is not a number") from None
 
 
 # -- checks before loading ------------------------------------------------------------------------

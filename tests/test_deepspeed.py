@@ -144,3 +144,17 @@ def test_dry_run_says_the_memory_estimate_does_not_cover_deepspeed(run_script, d
     assert "step plan:" in out
     assert "memory estimate: not available (deepspeed: ZeRO's flat parameter, gradient and " \
            "bucket buffers are not modeled)" in out
+
+
+def test_config_file_from_the_options(tmp_path):
+    """deepspeed_config_file set in the run's options (no Accelerate launch): its stage is read
+    the same way, and a different stage in the options is an error naming both."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    opts = _opts("--deepspeed", "--deepspeed_config_file", str(path))
+    zero.resolve_options(opts)
+    assert opts.zero_stage == 1
+    opts = _opts("--deepspeed", "--zero_stage", "0", "--deepspeed_config_file", str(path))
+    with pytest.raises(zero.DeepSpeedError, match=f"zero_stage: the run's options say 0, {path}: "
+                                                  "zero_optimization.stage says 1"):
+        zero.resolve_options(opts)
