@@ -38,24 +38,27 @@ def test_benchmark_runs_the_real_script_and_writes_its_files(tmp_path):
     res = subprocess.run(
         [sys.executable, os.path.join("tools", "memory_benchmark.py"), "--model", "tiny-sd15",
          "--method", "lora", "--network_dim", "4", "--resolution", "64", "--batch_sizes", "1,2",
-         "--variants", "adamw,fused", "--steps", "1", "--threads", "1", "--out", str(out)],
+         "--variants", "fused", "--steps", "1", "--threads", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
+    # one variant at two batch sizes (each run is a fresh process: ~10 s); variant names and the
+    # line fit are unit-tested above
     assert [(r["variant"], r["batch"], r["status"]) for r in rows] == [
-        ("adamw", "1", "ok"), ("adamw", "2", "ok"), ("fused", "1", "ok"), ("fused", "2", "ok")]
+        ("fused", "1", "ok"), ("fused", "2", "ok")]
     for r in rows:
         # a real training process: more than torch's own import (~0.2 GiB), far below the machine
         assert 0.25 < float(r["train_rss_gib"]) < 8
         assert r["phases_separate"] == "True" and float(r["load_rss_gib"]) > 0.25
         assert float(r["save_rss_gib"]) > 0.25
         assert float(r["train_seconds"]) > 0
-    assert rows[2]["flags"].endswith("--fused_backward_pass")
+    assert rows[0]["flags"].endswith("--fused_backward_pass")
     md = (out / "results.md").read_text()
-    assert "| adamw | 1 | ok |" in md and "Fitted train_rss (GiB) = a x batch + b" in md
-    assert "| fused |" in md.split("Fitted")[1]
-    assert "fit adamw:" in res.stdout and "fit fused:" in res.stdout
+    assert "| fused | 1 | ok |" in md and "Fitted train_rss (GiB) = a x batch + b" in md
+    fitted = md.split("Fitted")[1]
+    assert "| fused |" in fitted and "n/a" not in fitted  # a slope from two batch sizes
+    assert "fit fused:" in res.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
