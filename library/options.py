@@ -295,8 +295,9 @@ OPTIONS: tuple[Option, ...] = (
     O("offload_param_device", "str", None, "ZeRO stage 3 parameter offload: not supported (only "
       "unset or 'none').", "training"),
     O("deepspeed_config_file", "path", None, "With deepspeed: a DeepSpeed JSON whose "
-      "zero_optimization settings (bucket sizes, overlap_comm, ...) are used; batch sizes and "
-      "accumulation must be \"auto\" or equal the run's; no optimizer or scheduler section. Set "
+      "zero_optimization settings (bucket sizes, overlap_comm, ...) are used; batch sizes, "
+      "accumulation, gradient_clipping and bf16/fp16 must be \"auto\" or equal the run's options; "
+      "no optimizer or scheduler section. Set "
       "from an Accelerate config's deepspeed_config_file.", "training"),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0),

@@ -264,25 +264,36 @@ def ds_config(opts, processes: int) -> dict:
     zero = {}
     path = getattr(opts, "deepspeed_config_file", None)
     user = _read_config_file(path) if path else {}
+    bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
+    clip = float(opts.max_grad_norm or 0.0)
     if path:
-        for key, mine in (("train_micro_batch_size_per_gpu", opts.train_batch_size),
-                          ("gradient_accumulation_steps", opts.gradient_accumulation_steps)):
-            theirs = user.get(key, "auto")
-            if theirs != "auto" and theirs != mine:
-                raise DeepSpeedError(f"deepspeed_config_file {path}: {key} is {theirs}, the run's "
-                                     f"option says {mine}; set it to \"auto\"")
+        # what the run's options decide: the file may say "auto" or the same value
+        for key, theirs, mine, option in (
+                ("train_micro_batch_size_per_gpu", user.get("train_micro_batch_size_per_gpu"), bs,
+                 "train_batch_size"),
+                ("gradient_accumulation_steps", user.get("gradient_accumulation_steps"), A,
+                 "gradient_accumulation_steps"),
+                ("train_batch_size", user.get("train_batch_size"), bs * A * processes,
+                 "train_batch_size x processes x gradient_accumulation_steps"),
+                ("gradient_clipping", user.get("gradient_clipping"), clip, "max_grad_norm"),
+                ("bf16.enabled", (user.get("bf16") or {}).get("enabled"),
+                 opts.mixed_precision == "bf16", "mixed_precision"),
+                ("fp16.enabled", (user.get("fp16") or {}).get("enabled"),
+                 opts.mixed_precision == "fp16", "mixed_precision")):
+            if theirs not in (None, "auto") and theirs != mine:
+                raise DeepSpeedError(f"deepspeed_config_file {path}: {key} is {theirs!r}, the run's "
+                                     f"{option} says {mine!r}; set it to \"auto\"")
         zero.update({k: v for k, v in (user.get("zero_optimization") or {}).items()
                      if v != "auto" and k not in ("stage", "offload_optimizer", "offload_param")})
     zero["stage"] = stage
     off = (opts.offload_optimizer_device or "none").lower()
     if off != "none":
         zero["offload_optimizer"] = {"device": off, "pin_memory": False}
-    bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
     cfg = {
         "train_micro_batch_size_per_gpu": bs,
         "gradient_accumulation_steps": A,
         "train_batch_size": bs * A * processes,
-        "gradient_clipping": float(opts.max_grad_norm or 0.0),
+        "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": opts.mixed_precision == "bf16"},
         "fp16": {"enabled": opts.mixed_precision == "fp16"},

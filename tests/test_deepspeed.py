@@ -119,10 +119,20 @@ def test_deepspeed_config_file(monkeypatch, tmp_path):
             cfg["train_batch_size"], cfg["gradient_clipping"]) == (3, 2, 12, 0.5)
     assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
 
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
-    with pytest.raises(zero.DeepSpeedError, match=f"deepspeed_config_file {path}: "
-                                                  "train_micro_batch_size_per_gpu is 4, the run's"):
-        zero.ds_config(opts, processes=2)
+    for content, message in (({"train_micro_batch_size_per_gpu": 4},
+                              "train_micro_batch_size_per_gpu is 4, the run's train_batch_size says 3"),
+                             ({"train_batch_size": 6}, "train_batch_size is 6, the run's "
+                              "train_batch_size x processes x gradient_accumulation_steps says 12"),
+                             ({"gradient_clipping": 1.0},
+                              "gradient_clipping is 1.0, the run's max_grad_norm says 0.5"),
+                             ({"fp16": {"enabled": True}},
+                              "fp16.enabled is True, the run's mixed_precision says False")):
+        path.write_text(json.dumps(content))
+        with pytest.raises(zero.DeepSpeedError, match=f"deepspeed_config_file {path}: {message}"):
+            zero.ds_config(opts, processes=2)
+    path.write_text(json.dumps({"train_batch_size": 12, "gradient_clipping": 0.5,
+                                "bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}))
+    assert zero.ds_config(opts, processes=2)["train_batch_size"] == 12  # the same values: fine
     path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(zero.DeepSpeedError, match=f'{path}: remove "optimizer"'):
         zero.resolve_options(_opts())
