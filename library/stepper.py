@@ -441,14 +441,22 @@ def _split_contiguous(params, n: int) -> list[list]:
     return [c for c in chunks if c]
 
 
+def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
+    """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
+    from library.optim import build_scheduler
+
+    return build_scheduler(opts.lr_scheduler, optimizer, warmup_steps=warmup_steps,
+                           total_steps=total_steps, num_cycles=opts.lr_scheduler_num_cycles,
+                           power=opts.lr_scheduler_power)
+
+
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int):
     """The stepper for these options: plain, fused (per parameter) or grouped."""
-    from library.optim import build_optimizer, build_scheduler
+    from library.optim import build_optimizer
 
     def scheduler_for(optimizer):
-        return build_scheduler(opts.lr_scheduler, optimizer, warmup_steps=warmup_steps,
-                               total_steps=total_steps, num_cycles=opts.lr_scheduler_num_cycles,
-                               power=opts.lr_scheduler_power)
+        return build_run_scheduler(opts, optimizer, warmup_steps=warmup_steps,
+                                   total_steps=total_steps)
 
     mode = fused_mode(opts)
     if mode is None:

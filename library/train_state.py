@@ -335,29 +335,27 @@ def write_state(run, path: str, log) -> None:
 
     sharded = fsdp.enabled(run.opts)  # the weights, optimizer and EMA as shards of every process
     partitions = getattr(run.stepper, "save_partitions", None)  # deepspeed: ZeRO's own files
+    # what every process writes into the state besides the main process's files, if anything
     if partitions is not None:
-        with _shared_atomic_dir(path, acc) as tmp:
-            partitions(os.path.join(tmp, DEEPSPEED_DIR))  # every process: its optimizer part
-            if acc.is_main_process:
-                _write_files(run, tmp, stepper_state, rngs, sharded=False)
-        if acc.is_main_process:
-            log.info(f"saved training state {path} (step {run.global_step}, with DeepSpeed's "
-                     f"partitioned optimizer state of {acc.num_processes} process(es))")
-        acc.wait_for_everyone()
-        return
-    if sharded:
-        with _shared_atomic_dir(path, acc) as tmp:
+        def each_process(tmp):
+            partitions(os.path.join(tmp, DEEPSPEED_DIR))  # its part of the optimizer state
+        what = f", with DeepSpeed's partitioned optimizer state of {acc.num_processes} process(es)"
+    elif sharded:
+        def each_process(tmp):
             fsdp.save_sharded(run, os.path.join(tmp, SHARDED_DIR), named_trainable(run))
+        what = ", sharded"
+    else:
+        each_process, what = None, ""
+    if each_process is not None:
+        with _shared_atomic_dir(path, acc) as tmp:
+            each_process(tmp)
             if acc.is_main_process:
-                _write_files(run, tmp, stepper_state, rngs, sharded=True)
-        if acc.is_main_process:
-            log.info(f"saved training state {path} (step {run.global_step}, sharded)")
-        acc.wait_for_everyone()
-        return
-    if acc.is_main_process:
+                _write_files(run, tmp, stepper_state, rngs, sharded=sharded)
+    elif acc.is_main_process:
         with atomic_dir(path) as tmp:
             _write_files(run, tmp, stepper_state, rngs, sharded=False)
-        log.info(f"saved training state {path} (step {run.global_step})")
+    if acc.is_main_process:
+        log.info(f"saved training state {path} (step {run.global_step}{what})")
     acc.wait_for_everyone()
 
 

@@ -621,11 +621,7 @@ def run(opts, method_name: str) -> Run | None:
             r.frozen.close()  # spill files of released parts
         close = getattr(getattr(r, "stepper", None), "close", None)
         if callable(close) and getattr(opts, "deepspeed", False):
-            close()  # the DeepSpeed engine
-        if getattr(r, "owns_process_group", False):
-            import torch.distributed as dist
-
-            dist.destroy_process_group()  # the one-process group made for DeepSpeed
+            close()  # the DeepSpeed engine (and the process group made for it)
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:

@@ -40,6 +40,7 @@ hands the optimizer flat slices of the parameters.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -331,27 +332,34 @@ def make_stepper(run, groups: list[dict]):
     """The DeepSpeed engine over the run's trained modules and optimizer, as a stepper."""
     import torch
 
-    from library.optim import build_optimizer, build_scheduler
+    from library.optim import build_optimizer
+    from library.stepper import build_run_scheduler
 
     opts, acc = run.opts, run.accelerator
     deepspeed = _import_deepspeed()
-    run.owns_process_group = _process_group(acc)
     wrapper = torch.nn.ModuleDict(dict(trained_modules(run)))
     # copies of the groups: ZeRO replaces each optimizer group's parameters with its flat
     # partition, and the method's groups must keep naming the model's parameters
     optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args,
                                 [{**g, "params": list(g["params"])} for g in groups],
                                 opts.learning_rate)
-    scheduler = build_scheduler(opts.lr_scheduler, optimizer, warmup_steps=run.plan.warmup_steps,
-                                total_steps=run.plan.total_steps,
-                                num_cycles=opts.lr_scheduler_num_cycles,
-                                power=opts.lr_scheduler_power)
+    scheduler = build_run_scheduler(opts, optimizer, warmup_steps=run.plan.warmup_steps,
+                                    total_steps=run.plan.total_steps)
     config = ds_config(opts, acc.num_processes)
     n = sum(p.numel() for p in {id(p): p for g in groups for p in g["params"]
                                 if p.requires_grad}.values())
-    with _quiet_stdout():
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=wrapper, optimizer=optimizer,
-                                                          config=config, dist_init_required=False)
+    owns_group = _process_group(acc)
+    try:
+        # deepspeed.initialize prints its config and a few notices to stdout on every rank
+        with contextlib.redirect_stdout(io.StringIO()):
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=wrapper, optimizer=optimizer, config=config, dist_init_required=False)
+    except BaseException:
+        if owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        raise
     stage = config["zero_optimization"]["stage"]
     off = config["zero_optimization"].get("offload_optimizer", {}).get("device")
     logger.info(f"deepspeed: ZeRO stage {stage} over {acc.num_processes} process(es), "
@@ -359,28 +367,17 @@ def make_stepper(run, groups: list[dict]):
                 + {0: "nothing partitioned", 1: "optimizer state partitioned",
                    2: "optimizer state and gradients partitioned"}[stage]
                 + (f", optimizer offloaded to {off}" if off else ""))
-    return DeepSpeedStepper(engine, ds_optimizer, optimizer, scheduler, acc.num_processes, stage)
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """deepspeed.initialize prints its config and a few notices to stdout on every rank."""
-    import io
-    import sys
-
-    saved = sys.stdout
-    sys.stdout = io.StringIO()
-    try:
-        yield
-    finally:
-        sys.stdout = saved
+    return DeepSpeedStepper(engine, ds_optimizer, optimizer, scheduler, acc.num_processes, stage,
+                            owns_process_group=owns_group)
 
 
 class DeepSpeedStepper:
     steps_in_backward = False
 
-    def __init__(self, engine, ds_optimizer, optimizer, scheduler, processes: int, stage: int):
+    def __init__(self, engine, ds_optimizer, optimizer, scheduler, processes: int, stage: int,
+                 owns_process_group: bool = False):
         self.engine = engine
+        self.owns_process_group = owns_process_group  # the one-process group made for it
         self.ds_optimizer = ds_optimizer
         self.optimizer = optimizer          # the run's optimizer (ZeRO steps its flat slices)
         self.scheduler = scheduler
@@ -427,9 +424,15 @@ class DeepSpeedStepper:
             raise ValueError(f"no DeepSpeed checkpoint in {folder}")
 
     def close(self) -> None:
+        """The engine, and the one-process group made for it (end of the run)."""
         destroy = getattr(self.engine, "destroy", None)
         if callable(destroy):
             destroy()
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.owns_process_group = False
 
 
 @contextlib.contextmanager
