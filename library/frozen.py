@@ -23,11 +23,9 @@ import logging
 import os
 import tempfile
 
-from library.host_memory import resident_bytes, trim_heap
+from library.host_memory import GIB, resident_bytes, trim_heap
 
 logger = logging.getLogger("sdtk")
-
-GIB = 1024 ** 3
 
 
 def size_text(n: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
+GIB = 1024 ** 3
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 128 * 1024
 

@@ -42,10 +42,10 @@ import os
 from dataclasses import dataclass, field
 
 from library.errors import UserError
+from library.host_memory import GIB
 
 logger = logging.getLogger("sdtk")
 
-GIB = 1024 ** 3
 
 # --- calibrated constants ---------------------------------------------------------------------
 # Fitted on training-loop peaks (peak RSS, 2 optimizer steps) of tools/memory_benchmark.py,
