@@ -38,8 +38,10 @@ SECTIONS = {
 }
 
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
+# library/optim.py build_scheduler draws each of these curves (docs/OPTIMIZERS.md)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
-                 "polynomial")
+                 "polynomial", "cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt",
+                 "piecewise_constant", "adafactor")
 
 
 @dataclass(frozen=True)
@@ -217,9 +219,13 @@ OPTIONS: tuple[Option, ...] = (
     O("network_train_text_encoder_only", "bool", False, "Train only the text encoder part of the "
       "network.", "network", scripts=LORA),
     # --- optimizer ---
-    O("optimizer_type", "str", "AdamW", "Optimizer: AdamW (default), AdamW8bit, PagedAdamW8bit, "
-      "Lion8bit, Lion, SGDNesterov, SGDNesterov8bit, AdaFactor, Prodigy, AdamWScheduleFree, "
-      "RAdamScheduleFree, or a dotted class path. Checked when the optimizer is built.", "optimizer"),
+    O("optimizer_type", "str", "AdamW", "Optimizer, by sd-scripts' name (any case): AdamW (default), "
+      "AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, Lion, Lion8bit, PagedLion8bit, "
+      "SGDNesterov, SGDNesterov8bit, AdaFactor, Prodigy, DAdaptation (= DAdaptAdamPreprint), "
+      "DAdaptAdam, DAdaptAdaGrad, DAdaptAdan, DAdaptAdanIP, DAdaptLion, DAdaptSGD, "
+      "DAdaptAdamPreprint, AdamWScheduleFree, RAdamScheduleFree, SGDScheduleFree; a torch.optim "
+      "class name (SGD, RMSprop, ...), or a dotted class path. See docs/OPTIMIZERS.md.",
+      "optimizer"),
     O("optimizer_args", "kv_literal", None, "Extra key=value optimizer arguments, values read as "
       "Python literals, e.g. weight_decay=0.01 betas=0.9,0.999. TOML: a list of 'key=value' strings "
       "or a table.", "optimizer"),
@@ -234,12 +240,31 @@ OPTIONS: tuple[Option, ...] = (
       "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
     O("learning_rate_te2", "float", None, "SDXL: learning rate of text encoder 2 (sd-scripts' name); "
       "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
-    O("lr_scheduler", "str", "constant", "Learning-rate schedule.", "optimizer", choices=LR_SCHEDULERS),
+    O("lr_scheduler", "str", "constant", "Learning-rate schedule (curves in docs/OPTIMIZERS.md). "
+      "adafactor needs optimizer_type Adafactor (it implies relative_step=True); ignored when "
+      "lr_scheduler_type is set; schedule-free optimizers keep a constant learning rate.",
+      "optimizer", choices=LR_SCHEDULERS),
     O("lr_warmup_steps", "steps_or_fraction", 0, "Warmup length: a number of optimizer steps, or a "
       "float below 1 (or 'N%') for that fraction of all steps.", "optimizer", min=0),
-    O("lr_scheduler_num_cycles", "int", 1, "Number of restarts of cosine_with_restarts.", "optimizer",
-      min=1),
+    O("lr_decay_steps", "steps_or_fraction", 0, "warmup_stable_decay: length of the final decay, a "
+      "number of optimizer steps or a float below 1 (or 'N%') for that fraction of all steps; the "
+      "steps between warmup and decay keep the full learning rate.", "optimizer", min=0),
+    O("lr_scheduler_num_cycles", "int", 1, "Number of restarts of cosine_with_restarts; "
+      "cosine_with_min_lr and warmup_stable_decay: number of half cosine waves (1 = down once).",
+      "optimizer", min=1),
     O("lr_scheduler_power", "float", 1.0, "Power of the polynomial schedule.", "optimizer", min=0),
+    O("lr_scheduler_min_lr_ratio", "float", None, "Lowest learning rate as a fraction of the "
+      "initial one: required by cosine_with_min_lr, optional for warmup_stable_decay (unset = 0).",
+      "optimizer", min=0, max=1),
+    O("lr_scheduler_timescale", "int", None, "inverse_sqrt: the learning rate after warmup is "
+      "lr x sqrt(timescale / (step - warmup + timescale)); unset = the warmup steps (10000 "
+      "without warmup).", "optimizer", min=1),
+    O("lr_scheduler_type", "str", None, "A scheduler class instead of lr_scheduler: a name in "
+      "torch.optim.lr_scheduler (e.g. StepLR) or a dotted class path, built as cls(optimizer, "
+      "**lr_scheduler_args) and stepped once per optimizer step; no lr_warmup_steps.", "optimizer"),
+    O("lr_scheduler_args", "kv_literal", None, "Extra key=value arguments of the scheduler, values "
+      "read as Python literals (as optimizer_args): of lr_scheduler_type, or piecewise_constant's "
+      "step_rules (e.g. step_rules='1:100,0.1:200,0.01').", "optimizer"),
     O("max_grad_norm", "float", 1.0, "Clip the global gradient norm to this; 0 = no clipping.",
       "optimizer", min=0),
     O("fused_backward_pass", "bool", False, "Step each parameter inside the backward pass as soon as "
@@ -518,11 +543,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
-    _n("lr_scheduler_type", "value", _REJ, "custom scheduler classes are not supported", off=(None, "")),
-    _n("lr_scheduler_args", "list", _REJ, "custom scheduler arguments are not supported", off=(None, ())),
-    _n("lr_decay_steps", "value", _REJ, "changes the schedule", off=(None, 0)),
-    _n("lr_scheduler_timescale", "value", _REJ, "changes the schedule"),
-    _n("lr_scheduler_min_lr_ratio", "value", _REJ, "changes the schedule"),
     _n("block_lr", "value", _REJ, "per-block learning rates are not implemented"),
     _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
     _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),

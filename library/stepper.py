@@ -443,11 +443,10 @@ def _split_contiguous(params, n: int) -> list[list]:
 
 def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
     """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
-    from library.optim import build_scheduler
+    from library.optim import build_scheduler, schedule_spec
 
-    return build_scheduler(opts.lr_scheduler, optimizer, warmup_steps=warmup_steps,
-                           total_steps=total_steps, num_cycles=opts.lr_scheduler_num_cycles,
-                           power=opts.lr_scheduler_power)
+    return build_scheduler(schedule_spec(opts, warmup_steps=warmup_steps, total_steps=total_steps),
+                           optimizer)
 
 
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int):
@@ -462,7 +461,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     if mode is None:
         check_precision_options(opts)
         optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args, param_groups,
-                                    opts.learning_rate)
+                                    opts.learning_rate, lr_scheduler=opts.lr_scheduler)
         precision = trained_precision(opts)
         if precision == "float16":
             # Accelerate's wrapper would route the step through its GradScaler, which refuses fp16
@@ -512,7 +511,8 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
             if ps:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
         opt = build_optimizer(opts.optimizer_type, opts.optimizer_args, groups, opts.learning_rate,
-                              warn=not optimizers)  # one warning, not one per optimizer
+                              warn=not optimizers,  # one warning, not one per optimizer
+                              lr_scheduler=opts.lr_scheduler)
         optimizers.append(opt)
         schedulers.append(scheduler_for(opt))
     if opts.max_grad_norm and opts.max_grad_norm > 0:

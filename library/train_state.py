@@ -530,7 +530,10 @@ def resync_lr(stepper) -> None:
         elif v is not None:
             scheds.append(v)
     for s in scheds:
-        if not isinstance(s, LambdaLR):
+        # only the toolkit's own curves (library/optim.py build_scheduler, plain LambdaLR):
+        # AdafactorSchedule (a LambdaLR subclass) reports Adafactor's own step size, and a class
+        # from lr_scheduler_type keeps its state in its state_dict
+        if type(s) is not LambdaLR:
             continue
         lrs = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
         for g, lr in zip(s.optimizer.param_groups, lrs):

@@ -99,7 +99,11 @@ class Run:
         from library.optim import check_optimizer
 
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
-                        learning_rate=self.opts.learning_rate)
+                        learning_rate=self.opts.learning_rate, lr_scheduler=self.opts.lr_scheduler)
+        from library.optim import check_scheduler
+
+        check_scheduler(self.opts, warmup_steps=self.plan.warmup_steps,
+                        total_steps=self.plan.total_steps)  # lr_scheduler and the lr_* options
         from library.stepper import check_stepper_options
 
         check_stepper_options(self.opts)  # fused_backward_pass / fused_optimizer_groups combinations

@@ -52,7 +52,8 @@ class _Net(torch.nn.Module):
 def _opts(**kw):
     base = dict(optimizer_type="AdamW", optimizer_args={"weight_decay": 0.01}, learning_rate=1e-2,
                 lr_scheduler="cosine", lr_scheduler_num_cycles=1, lr_scheduler_power=1.0,
-                max_grad_norm=0.0, fused_backward_pass=False, fused_optimizer_groups=None,
+                lr_decay_steps=0, lr_scheduler_min_lr_ratio=None, lr_scheduler_timescale=None,
+                lr_scheduler_type=None, lr_scheduler_args=None, max_grad_norm=0.0, fused_backward_pass=False, fused_optimizer_groups=None,
                 gradient_accumulation_steps=1, mixed_precision="no")
     base.update(kw)
     return types.SimpleNamespace(**base)

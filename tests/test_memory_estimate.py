@@ -34,11 +34,16 @@ def state_bytes(optimizers) -> int:
     ("AdamW8bit", ("min_8bit_size=100",)), ("Lion", ()), ("Lion8bit", ()), ("SGDNesterov", ()),
     ("SGDNesterov8bit", ()), ("Adafactor", ()), ("Adafactor", ("beta1=0.9",)), ("Prodigy", ()),
     ("AdamWScheduleFree", ()), ("RAdamScheduleFree", ()), ("torch.optim.SGD", ()),
-    ("torch.optim.RMSprop", ()), ("torch.optim.Adagrad", ()),
+    ("torch.optim.RMSprop", ()), ("torch.optim.Adagrad", ()), ("PagedAdamW", ()),
+    ("PagedAdamW32bit", ()), ("PagedLion8bit", ()), ("SGDScheduleFree", ()), ("DAdaptAdam", ()),
+    ("DAdaptation", ()), ("DAdaptAdaGrad", ()), ("DAdaptAdan", ()), ("DAdaptAdanIP", ()),
+    ("DAdaptLion", ()), ("DAdaptSGD", ()), ("RMSprop", ()),
 ])
 def test_optimizer_state_rule_equals_the_real_state_after_one_step(optimizer_type, args):
     from library.optim import build_optimizer
 
+    if optimizer_type.startswith("DAdapt"):
+        pytest.importorskip("dadaptation")
     opts = _opts(optimizer_type, *args)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(s) if i == ZERO else torch.randn(s))

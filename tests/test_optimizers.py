@@ -6,6 +6,7 @@ than ``min_8bit_size`` (4096) elements so that their state really is 8-bit.
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 import types
@@ -16,24 +17,31 @@ import torch
 from library.optim import _OPTIMIZERS, OptimizerError, build_optimizer, check_optimizer
 from library.stepper import PlainStepper, make_stepper
 
-OPTIONAL = {"lion": "lion_pytorch", "prodigy": "prodigyopt", "adamwschedulefree": "schedulefree",
-            "radamschedulefree": "schedulefree"}
+OPTIONAL = {"lion": "lion_pytorch", "prodigy": "prodigyopt", **{
+    n: "schedulefree" for n in _OPTIMIZERS if n.endswith("schedulefree")}, **{
+    n: "dadaptation" for n in _OPTIMIZERS if n.startswith("dadapt")}}
+STEP_SIZE_FREE = ("prodigy", "dadapt")  # lr is a multiplier of the estimated step size: 1.0
 
 
 from tests.conftest import FakeAccelerator as _Acc  # noqa: E402
 
 
 def _opts(name, **kw):
-    base = dict(optimizer_type=name, optimizer_args={}, learning_rate=1.0 if name == "prodigy"
-                else 1e-3, lr_scheduler="constant", lr_scheduler_num_cycles=1,
-                lr_scheduler_power=1.0, max_grad_norm=1.0, fused_backward_pass=False,
+    base = dict(optimizer_type=name, optimizer_args={}, learning_rate=1.0 if
+                name.startswith(STEP_SIZE_FREE) else 1e-3, lr_scheduler="constant",
+                lr_scheduler_num_cycles=1, lr_scheduler_power=1.0, lr_decay_steps=0,
+                lr_scheduler_min_lr_ratio=None, lr_scheduler_timescale=None,
+                lr_scheduler_type=None, lr_scheduler_args=None, max_grad_norm=1.0,
+                fused_backward_pass=False,
                 fused_optimizer_groups=None, gradient_accumulation_steps=1, mixed_precision="no")
     base.update(kw)
     return types.SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("name", [*sorted(_OPTIMIZERS), "SGD", "rmsprop", "Adagrad", "NAdam",
+                                  "bitsandbytes.optim.AdEMAMix8bit"])
 def test_every_optimizer_type_takes_a_step(name):
+    """sd-scripts' names (any case) and bare torch.optim class names, as its get_optimizer."""
     if name in OPTIONAL:
         pytest.importorskip(OPTIONAL[name])
     torch.manual_seed(0)
@@ -50,7 +58,7 @@ def test_every_optimizer_type_takes_a_step(name):
         assert w.grad is None
     assert float((w - before).abs().max()) > 0, name
     state = stepper.optimizer.state[w]
-    assert state, name
+    assert state or name == "SGD", name  # SGD without momentum keeps none
     if name.endswith("8bit"):
         assert any(torch.is_tensor(v) and v.dtype == torch.uint8 for v in state.values())
     if "schedulefree" in name:
@@ -149,3 +157,132 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
         assert torch.equal(saved[skey].float(), final_eval[k].float()), k
         differs += not torch.equal(now[k], final_eval[k])
     assert differs  # after the save the train iterate is back
+
+
+def test_names_resolve_to_sd_scripts_classes():
+    from library.optim import resolve_optimizer_class
+
+    expect = {"DAdaptation": "DAdaptAdamPreprint", "dadaptadam": "DAdaptAdam",
+              "DAdaptAdanIP": "DAdaptAdanIP", "PAGEDADAMW32BIT": "PagedAdamW32bit",
+              "SGDScheduleFree": "SGDScheduleFree", "rmsprop": "RMSprop", "RAdam": "RAdam"}
+    for name, cls in expect.items():
+        if name.lower().startswith("dadapt"):
+            pytest.importorskip("dadaptation")
+        assert resolve_optimizer_class(name)[0].__name__ == cls, name
+    for name, why in (("LBFGS", "needs a closure"), ("SparseAdam", "sparse gradients")):
+        with pytest.raises(OptimizerError, match=why):
+            check_optimizer(name, {})
+
+
+def test_step_size_free_optimizers_need_one_learning_rate(caplog):
+    """DAdaptAdam (like Prodigy) computes one step size from the first group's lr and raises in
+    its first step on another nonzero lr: refused when the optimizer is built, one line."""
+    pytest.importorskip("dadaptation")
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(OptimizerError, match=r"learning rates 0.5, 1, and DAdaptAdam estimates one"):
+        build_optimizer("DAdaptAdam", {}, [{"params": [a], "lr": 1.0}, {"params": [b], "lr": 0.5}],
+                        1.0)
+    build_optimizer("DAdaptAdam", {}, [{"params": [a], "lr": 1.0}, {"params": [b], "lr": 0.0}], 1.0)
+    build_optimizer("DAdaptAdan", {}, [{"params": [a], "lr": 1.0}, {"params": [b], "lr": 0.5}], 1.0)
+    assert "learning rate" not in caplog.text
+    build_optimizer("DAdaptSGD", {}, [a], 1e-4)
+    assert "DAdaptSGD: learning rate 0.0001 is low" in caplog.text  # sd-scripts' warning
+
+
+def test_paged_optimizers_on_the_cpu_say_so_and_step(caplog):
+    w = torch.nn.Parameter(torch.randn(64, 80))
+    opt = build_optimizer("PagedAdamW", {}, [w], 1e-3)
+    assert "PagedAdamW on the CPU: nothing to page" in caplog.text
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert opt.state[w]["state1"].device.type == "cpu"
+
+
+def test_adafactor_relative_step_as_sd_scripts_decides_it():
+    from library.optim import adafactor_relative_step
+
+    assert adafactor_relative_step({}, "constant") is False          # ours: learning_rate
+    assert adafactor_relative_step({}, "adafactor") is True           # sd-scripts' default
+    assert adafactor_relative_step({"warmup_init": True, "relative_step": False}, "constant")
+    assert adafactor_relative_step({"relative_step": True}, "cosine") is True
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = build_optimizer("Adafactor", {"warmup_init": "True"}, [{"params": [w], "lr": 1e-3}],
+                          1e-3)
+    g = opt.param_groups[0]
+    assert g["relative_step"] and g["warmup_init"] and g["lr"] is None
+
+
+@pytest.mark.parametrize("name", ["DAdaptAdam", "DAdaptLion", "SGDScheduleFree"])
+def test_global_state_optimizers_are_refused_where_they_cannot_work(name):
+    """fused steps, full_bf16 and deepspeed need optimizers without global state."""
+    pytest.importorskip("dadaptation" if name.startswith("DAdapt") else "schedulefree")
+    from library import zero
+    from library.fused_optim import FusedOptionError
+    from library.optim import resolve_optimizer_class
+    from library.stepper import check_stepper_options
+
+    for extra, message in ((dict(fused_backward_pass=True), "fused_backward_pass cannot be used"),
+                           (dict(fused_optimizer_groups=2), "fused_optimizer_groups cannot be used"),
+                           (dict(full_bf16=True, mixed_precision="bf16"), "full_bf16 cannot be used")):
+        with pytest.raises(FusedOptionError, match=message + f".*optimizer_type {name}"):
+            check_stepper_options(_opts(name, **extra))
+    assert zero.elementwise_reason(resolve_optimizer_class(name)[0])
+
+
+E2E = ["--pretrained_model_name_or_path", "tiny-sd15", "--resolution", "64", "--network_dim", "4",
+       "--max_train_steps", "2", "--seed", "1"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--optimizer_type", "DAdaptAdam", "--learning_rate", "1.0", "--lr_scheduler_type",
+     "torch.optim.lr_scheduler.StepLR", "--lr_scheduler_args", "step_size=1", "gamma=0.5"],
+    ["--optimizer_type", "sgdschedulefree", "--learning_rate", "0.1"],
+    ["--optimizer_type", "PagedAdamW32bit", "--learning_rate", "1e-3", "--lr_scheduler",
+     "cosine_with_min_lr", "--lr_scheduler_min_lr_ratio", "0.5"],
+], ids=["dadaptadam-steplr", "sgdschedulefree", "pagedadamw32bit-cosine-min-lr"])
+def test_new_names_train_end_to_end(train, dataset, tmp_path, extra):
+    if "DAdaptAdam" in extra:
+        pytest.importorskip("dadaptation")
+    rc, out, err, r = train("train_lora", [*E2E, "--train_data_dir", dataset, "--output_dir",
+                                           str(tmp_path), *extra])
+    assert rc == 0, err
+    assert r.global_step == 2 and (tmp_path / "last.safetensors").exists()
+    ups = [v for k, v in r.method.network.state_dict().items() if k.endswith("lora_up.weight")]
+    assert any(float(v.abs().max()) > 0 for v in ups)  # trained (up weights start at zero)
+    if "StepLR" in extra:
+        assert r.lr_log[:2] == [1.0, 0.5]  # once per optimizer step
+    if "cosine_with_min_lr" in extra:
+        assert r.lr_log == pytest.approx([1e-3, 0.5e-3 + 0.5e-3 * 0.5 * (1 + math.cos(math.pi / 2))])
+
+
+def test_scheduler_mistake_fails_before_loading(run_script, dataset, tmp_path, no_weight_loading):
+    rc, out, err = run_script("train_lora", [*E2E, "--train_data_dir", dataset, "--output_dir",
+                                             str(tmp_path), "--lr_scheduler", "cosine_with_min_lr"])
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "error: lr_scheduler cosine_with_min_lr needs lr_scheduler_min_lr_ratio (the lowest "
+        "learning rate as a fraction of the initial one)"), err
+
+
+def test_adafactor_schedule_survives_resume(train, dataset, tmp_path):
+    """Adafactor with relative_step and lr_scheduler adafactor (sd-scripts' Adafactor setup):
+    2 steps, a state, 2 more on resume = 4 steps in one go, bit for bit, learning rates too."""
+    args = [*E2E[:-4], "--seed", "1", "--train_data_dir", dataset, "--optimizer_type",
+            "Adafactor", "--lr_scheduler", "adafactor", "--learning_rate", "1e-3"]
+    rc, _, err, whole = train("train_lora", [*args, "--output_dir", str(tmp_path / "a"),
+                                             "--max_train_steps", "4"])
+    assert rc == 0, err
+    parts = ["--output_dir", str(tmp_path / "b"), "--save_state_on_train_end"]
+    rc, _, err, _ = train("train_lora", [*args, *parts, "--max_train_steps", "2"])
+    assert rc == 0, err
+    rc, _, err, r = train("train_lora", [*args, *parts, "--max_train_steps", "4", "--resume",
+                                         "latest"])
+    assert rc == 0, err
+    from transformers.optimization import AdafactorSchedule
+
+    assert isinstance(r.stepper.scheduler, AdafactorSchedule)
+    # before the first step the scheduler reports initial_lr (learning_rate), then Adafactor's
+    # own step size 1e-2 x RMS of the first weight (transformers' formula, tested in test_optim)
+    assert r.lr_log == whole.lr_log and whole.lr_log[0] == 1e-3
+    assert all(0 < x != 1e-3 for x in whole.lr_log[1:])
+    a, b = whole.method.network.state_dict(), r.method.network.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
