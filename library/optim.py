@@ -411,6 +411,10 @@ def build_scheduler(spec: ScheduleSpec, optimizer):
     from torch.optim.lr_scheduler import LambdaLR
 
     if spec.scheduler_type:
+        if _is_relative_step_adafactor(optimizer):
+            raise OptimizerError(f"lr_scheduler_type {spec.scheduler_type} cannot schedule Adafactor "
+                                 "with relative_step=True (it has no learning rate to scale): drop "
+                                 "lr_scheduler_type or set optimizer_args relative_step=False")
         return _custom_scheduler(spec, optimizer)
     name, w, n = spec.name, spec.warmup_steps, max(spec.total_steps, 1)
     if name not in SCHEDULERS:
@@ -506,15 +510,21 @@ def _adafactor_scheduler(spec: ScheduleSpec, optimizer, relative: bool):
                              "(optimizer_args relative_step=False given): use another "
                              "lr_scheduler, or drop relative_step=False")
     if spec.warmup_steps:
-        raise OptimizerError("lr_scheduler adafactor has no warmup (sd-scripts refuses "
-                             "lr_warmup_steps with it too): use optimizer_args warmup_init=True "
-                             "or lr_warmup_steps 0")
+        raise OptimizerError("Adafactor with relative_step=True (the adafactor scheduler) has no "
+                             "lr_warmup_steps (sd-scripts refuses them too): use optimizer_args "
+                             "warmup_init=True, or lr_warmup_steps 0")
 
     class FloatAdafactorSchedule(AdafactorSchedule):
-        """transformers returns Adafactor's step size as a 0-dim tensor when scale_parameter
-        multiplies it by the weights' RMS: a float here, as every other scheduler reports."""
+        """Reports, per group, the step size Adafactor used in its last step on the group's first
+        parameter, as a float (transformers returns a 0-dim tensor when scale_parameter
+        multiplies by the weights' RMS, and skips groups whose gradients are already freed, as
+        the fused steppers free them); initial_lr before the first step."""
 
         def get_lr(self):
-            return [float(x) for x in super().get_lr()]
+            opt, out = self.optimizer, []
+            for group, base in zip(opt.param_groups, self.base_lrs):
+                state = opt.state.get(group["params"][0], {})
+                out.append(float(opt._get_lr(group, state)) if "step" in state else base)
+            return out
 
     return FloatAdafactorSchedule(optimizer, initial_lr=spec.initial_lr)

@@ -177,6 +177,12 @@ def test_adafactor_relative_step_replaces_another_scheduler():
     (dict(lr_scheduler="adafactor"), "lr_scheduler adafactor needs optimizer_type Adafactor, not AdamW"),
     (dict(lr_scheduler="adafactor", optimizer_type="Adafactor",
           optimizer_args={"relative_step": "False"}), "needs Adafactor with relative_step=True"),
+    (dict(lr_scheduler="cosine", optimizer_type="Adafactor", warmup=2,
+          optimizer_args={"relative_step": "True"}), "relative_step=True (the adafactor scheduler) "
+     "has no lr_warmup_steps"),
+    (dict(lr_scheduler_type="StepLR", lr_scheduler_args={"step_size": "2"},
+          optimizer_type="Adafactor", optimizer_args={"relative_step": "True"}),
+     "lr_scheduler_type StepLR cannot schedule Adafactor with relative_step=True"),
     (dict(lr_scheduler="warmup_stable_decay", lr_decay_steps=9, warmup=2),
      "lr_warmup_steps (2) + lr_decay_steps (9) exceed the run's 10 steps"),
     (dict(lr_scheduler="piecewise_constant"), "piecewise_constant needs lr_scheduler_args step_rules"),

@@ -286,3 +286,31 @@ def test_adafactor_schedule_survives_resume(train, dataset, tmp_path):
     assert all(0 < x != 1e-3 for x in whole.lr_log[1:])
     a, b = whole.method.network.state_dict(), r.method.network.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("extra", [{"fused_backward_pass": True}, {"fused_optimizer_groups": 2}])
+def test_fused_adafactor_relative_step_equals_plain_and_reports_its_step_size(extra):
+    """The fused steppers free each gradient after its step: the adafactor scheduler still
+    reports Adafactor's step size (from the optimizer state), the same as the plain run."""
+    def run(**kw):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        params = list(net.parameters())
+        opts = _opts("Adafactor", optimizer_args={"relative_step": "True"},
+                     lr_scheduler="adafactor", **kw)
+        stepper = make_stepper(_Acc(), opts, [{"params": params}], params, warmup_steps=0,
+                               total_steps=3)
+        g = torch.Generator().manual_seed(1)
+        lrs = []
+        for _ in range(3):
+            x = torch.randn(4, 6, generator=g)
+            stepper.backward(net(x).square().mean())
+            lrs.append(stepper.current_lr())
+            stepper.step()
+        return net, lrs + [stepper.current_lr()]
+
+    (plain, plain_lrs), (fused, fused_lrs) = run(), run(**extra)
+    assert plain_lrs[0] == 1e-3 and plain_lrs[1] != 1e-3  # initial_lr, then the relative step
+    assert fused_lrs == pytest.approx(plain_lrs, rel=1e-6)
+    for a, b in zip(plain.parameters(), fused.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
