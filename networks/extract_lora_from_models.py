@@ -97,6 +97,10 @@ def _parse_args(argv):
     p.add_argument("--load_precision", default=None, choices=["float", "fp16", "bf16"],
                    help="cast both models to this dtype after loading (default: as stored)")
     p.add_argument("--device", default=None, help="device for the differences and SVDs (cpu, cuda; default cpu)")
+    p.add_argument("--load_original_model_to", default=None,
+                   help="device to hold --model_org's weights (cpu, cuda, cuda:0; default cpu)")
+    p.add_argument("--load_tuned_model_to", default=None,
+                   help="device to hold --model_tuned's weights (cpu, cuda, cuda:0; default cpu)")
     p.add_argument("--sdxl", action="store_true", help="the models are SDXL (checked against the weights)")
     p.add_argument("--v2", action="store_true", help="the models are SD2 (checked against the weights)")
     p.add_argument("--v_parameterization", action="store_true", default=None,
@@ -129,12 +133,14 @@ def run(args) -> None:
     device = lora_svd.parse_device(args.device)
     load_dtype = lora_svd.PRECISIONS[args.load_precision] if args.load_precision else None
 
+    places = {"--model_org": lora_svd.parse_device(args.load_original_model_to),
+              "--model_tuned": lora_svd.parse_device(args.load_tuned_model_to)}
+
     def load(option: str, source: str):
         bundle = load_model_bundle(source, v_parameterization=bool(args.v_parameterization))
         _check_family(option, bundle.family, args)
-        if load_dtype is not None:
-            for m in bundle.text_encoders + [bundle.unet]:
-                m.to(load_dtype)
+        for m in bundle.text_encoders + [bundle.unet]:
+            m.to(device=places[option], dtype=load_dtype)
         return bundle
 
     with torch.no_grad():

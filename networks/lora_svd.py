@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from networks.lora import LoRAError, lora_delta, load_state_dict_file, precalculate_safetensors_hashes
+from networks.lora import (LoRAError, dims_from_weights, load_state_dict_file, lora_delta,
+                           precalculate_safetensors_hashes)
 
 PRECISIONS = {"float": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LORA_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
@@ -86,6 +87,7 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
         parts.setdefault(name, {})[rest] = value
     if not any("lora_down.weight" in p for p in parts.values()):
         raise LoRAError(f"{source}: no '*.lora_down.weight' keys, not a kohya LoRA file")
+    _, alphas = dims_from_weights(sd)  # the loader's rule: no .alpha means alpha = rank
     out: dict[str, Module] = {}
     for name, p in sorted(parts.items()):
         extra = sorted(set(p) - {"lora_down.weight", "lora_up.weight", "alpha"})
@@ -100,8 +102,8 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
                 up.dim() == 4 and tuple(up.shape[2:]) != (1, 1)):
             raise LoRAError(f"{source}: module {name} has inconsistent shapes: lora_down "
                             f"{tuple(down.shape)}, lora_up {tuple(up.shape)}")
-        alpha = float(p["alpha"].float()) if "alpha" in p else float(down.shape[0])
-        if alpha == 0:  # sd-scripts' LoRAModule: alpha 0 means "no scaling"
+        alpha = float(torch.as_tensor(alphas[name]).float())
+        if alpha == 0:  # as LoRAModule: alpha 0 means "no scaling"
             alpha = float(down.shape[0])
         out[name] = Module(name, down, up, alpha)
     return out
@@ -248,6 +250,19 @@ def svd(delta: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.linalg.svd(mat, full_matrices=False)
 
 
+def factored_svd(m: Module, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U, S, Vh of the module's up @ down (without its scale), flattened to (out, in * k * k),
+    computed from the factors: with up = Qu Ru and down^T = Qd Rd, up @ down = Qu (Ru Rd^T) Qd^T,
+    so only a rank x rank matrix is decomposed. Exact (no low-rank iteration) and O(n * rank^2)
+    instead of the full SVD's O(n^3); S has at most `rank` entries, the delta's whole spectrum."""
+    up = m.up.to(device=device, dtype=torch.float32).reshape(m.up.shape[0], m.rank)
+    down = m.down.to(device=device, dtype=torch.float32).reshape(m.rank, -1)
+    qu, ru = torch.linalg.qr(up)
+    qd, rd = torch.linalg.qr(down.T)
+    um, S, vmh = torch.linalg.svd(ru @ rd.T, full_matrices=False)
+    return qu @ um, S, vmh @ qd.T
+
+
 def factor(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int,
            weight_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """(down, up) of the rank-`rank` truncation, singular values in up (sd-scripts): down is
@@ -363,15 +378,25 @@ def common_metadata(inputs: list[LoRAInput]) -> dict[str, str]:
     return out
 
 
-def weighted_delta_sum(inputs: list[LoRAInput], device=None) -> dict[str, tuple[torch.Tensor, int]]:
-    """Per module name: (sum_i ratio_i * delta_i in float32, sum of the input ranks)."""
-    out: dict[str, tuple[torch.Tensor, int]] = {}
+def concat(inputs: list[LoRAInput], shuffle: bool = False,
+           generator: torch.Generator | None = None) -> dict[str, Module]:
+    """Per module: the inputs' ranks stacked (down rows, up columns), alpha = the total rank
+    (scale 1), each input's s = ratio * alpha / rank split as sqrt(|s|) into its up and
+    sign(s) * sqrt(|s|) into its down, so up @ down = sum_i ratio_i * delta_i exactly (up to
+    float rounding). shuffle permutes the stacked ranks (the product is unchanged), as
+    sd-scripts' merge_lora --shuffle."""
+    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for inp in inputs:
         for name, m in inp.modules.items():
-            d = m.delta(device) * inp.ratio
-            if name in out:
-                acc, rank = out[name]
-                out[name] = (acc + d, rank + m.rank)
-            else:
-                out[name] = (d, m.rank)
+            s = inp.ratio * m.scale
+            root = math.sqrt(abs(s))
+            parts.setdefault(name, []).append((m.down.float() * math.copysign(root, s), m.up.float() * root))
+    out = {}
+    for name, pieces in parts.items():
+        down = torch.cat([d for d, _ in pieces], dim=0)
+        up = torch.cat([u for _, u in pieces], dim=1)
+        if shuffle:
+            perm = torch.randperm(down.shape[0], generator=generator)
+            down, up = down[perm], up[:, perm]
+        out[name] = Module(name, down, up, float(down.shape[0]))
     return out

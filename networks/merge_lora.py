@@ -50,30 +50,6 @@ APPROXIMATE_WARNING = ("warning: without --concat the LoRAs' ups and downs are s
                        "or svd_merge_lora.py for a chosen rank")
 
 
-def concat_loras(inputs: list[lora_svd.LoRAInput], shuffle: bool = False,
-                 generator: torch.Generator | None = None) -> dict[str, lora_svd.Module]:
-    """Per module: the inputs' ranks stacked, alpha = the total rank (scale 1), each input's
-    ratio * alpha / rank split as sqrt(|s|) into its up and sign(s) * sqrt(|s|) into its down, so
-    up @ down = sum_i ratio_i * up_i @ down_i * alpha_i / rank_i exactly (up to float rounding).
-    shuffle permutes the stacked ranks (the product is unchanged), as sd-scripts' --shuffle."""
-    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for inp in inputs:
-        for name, m in inp.modules.items():
-            s = inp.ratio * m.scale
-            root = math.sqrt(abs(s))
-            parts.setdefault(name, []).append((m.down.float() * (math.copysign(root, s) if s else 0.0),
-                                               m.up.float() * root))
-    out = {}
-    for name, pieces in parts.items():
-        down = torch.cat([d for d, _ in pieces], dim=0)
-        up = torch.cat([u for _, u in pieces], dim=1)
-        if shuffle:
-            perm = torch.randperm(down.shape[0], generator=generator)
-            down, up = down[perm], up[:, perm]
-        out[name] = lora_svd.Module(name, down, up, float(down.shape[0]))
-    return out
-
-
 def sum_loras_sd_scripts(inputs: list[lora_svd.LoRAInput]) -> dict[str, lora_svd.Module]:
     """sd-scripts' plain LoRA + LoRA merge: with base_alpha the first file's alpha for the module
     and s_i = sqrt(alpha_i / base_alpha) * ratio_i, up = sum |s_i| up_i, down = sum s_i down_i,
@@ -134,7 +110,7 @@ def run_lora_merge(args) -> None:
     lora_svd.check_save_to(args.save_to)
     inputs = lora_svd.read_inputs(args.models, args.ratios)
     if args.concat:
-        modules = concat_loras(inputs, args.shuffle)
+        modules = lora_svd.concat(inputs, args.shuffle)
     else:
         if len(inputs) > 1 or inputs[0].ratio != 1:
             print(APPROXIMATE_WARNING, file=sys.stderr)

@@ -39,8 +39,8 @@ def resize_module(m: lora_svd.Module, rank_limit: int, method: str | None, param
                   device=None) -> tuple[lora_svd.Module, Resized]:
     """The module at its new rank (alpha = old scale * new rank) and what was kept."""
     shape = m.weight_shape
-    # The product without the scale: the scale is carried by the new alpha.
-    U, S, Vh = lora_svd.svd(lora_svd.Module(m.name, m.down, m.up, float(m.rank)).delta(device), device)
+    # SVD of the product without the scale: the scale is carried by the new alpha.
+    U, S, Vh = lora_svd.factored_svd(m, device)
     if method is not None:
         rank = lora_svd.dynamic_rank(S, method, param)
     else:
@@ -96,6 +96,9 @@ def _parse_args(argv):
     p.add_argument("--save_precision", default=None, choices=["float", "fp16", "bf16"],
                    help="dtype of the output (default float)")
     p.add_argument("--device", default=None, help="device for the SVD (cpu, cuda, cuda:0; default cpu)")
+    p.add_argument("--svd_lowrank_niter", type=int, default=None,
+                   help="accepted for the kohya_ss GUI (iterations of an approximate SVD there): the SVD here "
+                        "is exact and cheap, computed from the module's factors")
     p.add_argument("--verbose", action="store_true",
                    help="print every module's new rank and the fraction of its Frobenius norm kept")
     return p.parse_args(argv)
@@ -107,6 +110,12 @@ def run(args) -> None:
         if value < 1:
             raise LoRAError(f"{option} {value}: must be >= 1")
     lora_svd.check_dynamic(args.dynamic_method, args.dynamic_param)
+    if args.svd_lowrank_niter is not None:
+        if args.svd_lowrank_niter < 0:
+            raise LoRAError(f"--svd_lowrank_niter {args.svd_lowrank_niter}: must be >= 0")
+        if args.svd_lowrank_niter > 0:
+            print(f"note: --svd_lowrank_niter {args.svd_lowrank_niter}: not needed, the SVD is computed "
+                  "exactly from each module's factors")
     lora_svd.check_lora_path("--model", args.model)
     lora_svd.check_save_to(args.save_to)
     device = lora_svd.parse_device(args.device)

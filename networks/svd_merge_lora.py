@@ -5,8 +5,8 @@
         [--precision float] [--device cuda] [--no_metadata]
 
 Flags are those of sd-scripts' networks/svd_merge_lora.py (without --lbws). Per module the weighted
-sum of the deltas, sum_i ratio_i * up_i @ down_i * alpha_i / rank_i, is formed in float32 and
-factorised by SVD at new_rank (new_conv_rank for 3x3 convs), never above the sum of the input ranks
+sum of the deltas, sum_i ratio_i * up_i @ down_i * alpha_i / rank_i, is formed in float32 (as the
+stacked factors, exact) and factorised by SVD at new_rank (new_conv_rank for 3x3 convs), never above the sum of the input ranks
 (the sum's rank cannot exceed it); alpha = rank. Unlike sd-scripts the factors are not clamped at
 the 0.99 quantile, so at sufficient rank the result equals the weighted sum.
 """
@@ -25,14 +25,14 @@ from networks.lora import LoRAError  # noqa: E402
 
 def svd_merge(inputs: list[lora_svd.LoRAInput], new_rank: int, new_conv_rank: int,
               device=None) -> tuple[dict[str, lora_svd.Module], float]:
-    """The merged modules and the mean fraction of the summed deltas' Frobenius norm they keep."""
+    """The merged modules and the mean fraction of the summed deltas' Frobenius norm they keep.
+    The weighted sum is the inputs stacked (lora_svd.concat: exact), then truncated by its SVD."""
     out: dict[str, lora_svd.Module] = {}
     kept = []
-    for name, (delta, rank_sum) in lora_svd.weighted_delta_sum(inputs, device).items():
-        shape = tuple(delta.shape)
-        conv3x3 = delta.dim() == 4 and shape[2:] != (1, 1)
-        rank = min(new_conv_rank if conv3x3 else new_rank, rank_sum, lora_svd.max_rank(shape))
-        U, S, Vh = lora_svd.svd(delta, device)
+    for name, m in lora_svd.concat(inputs).items():
+        shape = m.weight_shape
+        rank = min(new_conv_rank if m.is_conv3x3 else new_rank, m.rank, lora_svd.max_rank(shape))
+        U, S, Vh = lora_svd.factored_svd(m, device)  # m.scale is 1
         down, up = lora_svd.factor(U, S, Vh, rank, shape)
         out[name] = lora_svd.Module(name, down, up, float(rank))
         kept.append(lora_svd.retained(S, rank)[0])

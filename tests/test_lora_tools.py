@@ -264,6 +264,9 @@ def test_extract_errors_are_one_line(tmp_path, capsys):
     assert extract_lora_from_models.main(["--model_org", "tiny-sd15", "--model_tuned", "tiny-sd15",
                                           "--save_to", out, "--sdxl"]) == 2
     one_line_error(capsys, "--sdxl", "--model_org", "SD1")
+    assert extract_lora_from_models.main(["--model_org", "tiny-sd15", "--model_tuned", "tiny-sd15",
+                                          "--save_to", out, "--v2"]) == 2
+    one_line_error(capsys, "--v2", "SD1")
     assert extract_lora_from_models.main(["--model_org", "tiny-sd15", "--model_tuned", "tiny-sdxl",
                                           "--save_to", out]) == 2
     one_line_error(capsys, "SD1", "SDXL")
@@ -466,8 +469,10 @@ def test_every_tool_on_a_trained_locon(dataset, tmp_path, run_script, capsys):
 
     outputs = {}
     outputs["resize"] = str(tmp_path / "resized.safetensors")
+    # the flags the kohya_ss GUI passes
     assert resize_lora.main(["--model", trained, "--save_to", outputs["resize"], "--new_rank", "2",
-                             "--new_conv_rank", "1", "--verbose"]) == 0
+                             "--new_conv_rank", "1", "--verbose", "--device", "cpu", "--svd_lowrank_niter", "2",
+                             "--save_precision", "float"]) == 0
     outputs["svd_merge"] = str(tmp_path / "svd.safetensors")
     assert svd_merge_lora.main(["--models", trained, outputs["resize"], "--ratios", "0.5", "0.5",
                                 "--save_to", outputs["svd_merge"], "--new_rank", "3"]) == 0
@@ -480,7 +485,8 @@ def test_every_tool_on_a_trained_locon(dataset, tmp_path, run_script, capsys):
     outputs["extract"] = str(tmp_path / "extracted.safetensors")
     assert extract_lora_from_models.main(["--model_org", "tiny-sd15", "--model_tuned", merged_model,
                                           "--save_to", outputs["extract"], "--dim", "4", "--conv_dim", "2",
-                                          "--clamp_quantile", "1", "--min_diff", "0"]) == 0
+                                          "--clamp_quantile", "1", "--min_diff", "0", "--load_precision", "float",
+                                          "--load_original_model_to", "cpu", "--load_tuned_model_to", "cpu"]) == 0
     capsys.readouterr()
     assert show_metadata.main(["--model", trained]) == 0
     shown = capsys.readouterr().out
@@ -504,3 +510,20 @@ def test_every_tool_on_a_trained_locon(dataset, tmp_path, run_script, capsys):
 
     for path in outputs.values():
         check_loads(path, base_sd)
+
+
+def test_every_script_has_help(capsys):
+    import subprocess
+    import sys
+    for main, flag in ((resize_lora.main, "--dynamic_method"), (extract_lora_from_models.main, "--clamp_quantile"),
+                       (svd_merge_lora.main, "--new_conv_rank"), (merge_lora.main, "--concat"),
+                       (show_metadata.main, "--json")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0 and flag in capsys.readouterr().out
+    # from a plain checkout, as the kohya_ss GUI calls them (merge_lora: tests/test_merge_lora.py)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for script in ("tools/show_metadata.py", "networks/resize_lora.py"):
+        proc = subprocess.run([sys.executable, os.path.join(root, script), "--help"], capture_output=True,
+                              text=True, cwd=root, timeout=120)
+        assert proc.returncode == 0 and "--model" in proc.stdout, proc.stderr
