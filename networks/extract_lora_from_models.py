@@ -33,11 +33,13 @@ def text_encoder_prefix(lora_name: str) -> str:
     return lora_name.split("_text_model_", 1)[0]
 
 
-def target_modules(bundle, dim: int, conv_dim: int | None) -> dict:
-    """kohya name -> the model's own Linear/Conv2d, exactly as training selects them."""
+def target_modules(bundle, with_conv3x3: bool) -> dict:
+    """kohya name -> the model's own Linear/Conv2d, exactly as training selects them (with
+    conv_dim: the 3x3 convs too). Built at rank 1: only the selection and names are used, so a
+    large --dim does not allocate two throw-away networks."""
     from networks.lora import LoRANetwork
-    net = LoRANetwork(bundle.text_encoders, bundle.unet, lora_dim=dim, alpha=dim,
-                      conv_lora_dim=conv_dim, conv_alpha=conv_dim)
+    net = LoRANetwork(bundle.text_encoders, bundle.unet, lora_dim=1, alpha=1,
+                      conv_lora_dim=1 if with_conv3x3 else None, conv_alpha=1 if with_conv3x3 else None)
     return {m.lora_name: m.org_module for m in net.text_encoder_loras + net.unet_loras}
 
 
@@ -149,8 +151,8 @@ def run(args) -> None:
         if tuned.family != org.family:
             raise LoRAError(f"--model_org is {FAMILY_NAMES[org.family]} but --model_tuned is "
                             f"{FAMILY_NAMES[tuned.family]}")
-        modules = extract(target_modules(org, args.dim, args.conv_dim),
-                          target_modules(tuned, args.dim, args.conv_dim),
+        with_conv = args.conv_dim is not None
+        modules = extract(target_modules(org, with_conv), target_modules(tuned, with_conv),
                           args.dim, args.conv_dim, args.clamp_quantile, args.min_diff, device)
 
     family = org.family

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from networks.lora import (LoRAError, dims_from_weights, load_state_dict_file, lora_delta,
-                           precalculate_safetensors_hashes)
+from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, precalculate_safetensors_hashes
 
 PRECISIONS = {"float": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LORA_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
@@ -52,11 +51,6 @@ class Module:
     def weight_shape(self) -> tuple[int, ...]:
         """Shape of the original weight (and of the delta)."""
         return (int(self.up.shape[0]),) + tuple(int(s) for s in self.down.shape[1:])
-
-    def delta(self, device=None) -> torch.Tensor:
-        """up @ down * alpha / rank in float32, shaped like the original weight."""
-        down, up = (self.down, self.up) if device is None else (self.down.to(device), self.up.to(device))
-        return lora_delta(down, up, self.scale)
 
 
 # --- files ------------------------------------------------------------------------------------
