@@ -259,6 +259,19 @@ def test_extract_recovers_low_rank_deltas(arch, form, tmp_path, capsys):
     assert md["modelspec.architecture"].endswith("/lora") and md["sshs_model_hash"] == tensor_data_sha256(out)
 
 
+def test_extract_sd2_metadata_and_unchanged_models(tmp_path, capsys):
+    out = tmp_path / "x.safetensors"
+    assert extract_lora_from_models.main(["--model_org", "tiny-sd2", "--model_tuned", "tiny-sd2", "--save_to",
+                                          str(out), "--v2", "--dim", "2", "--no_metadata"]) == 0
+    assert "lora_te: max |diff| 0 (min_diff 0.01): unchanged, not extracted" in capsys.readouterr().out
+    sd, md = read(out)
+    assert modules_in(sd) and all(n.startswith("lora_unet_") for n in modules_in(sd))
+    assert all(np.abs(ref_delta(sd, n)).max() == 0 for n in modules_in(sd))
+    assert md["ss_v2"] == "True" and md["ss_base_model_version"] == "sd_v2"
+    assert not any(k.startswith("modelspec.") for k in md)  # --no_metadata: the minimum ss_* only
+    assert json.loads(md["ss_network_args"]) == {}
+
+
 def test_extract_errors_are_one_line(tmp_path, capsys):
     out = str(tmp_path / "x.safetensors")
     assert extract_lora_from_models.main(["--model_org", "tiny-sd15", "--model_tuned", "tiny-sd15",
