@@ -26,13 +26,16 @@ from tools import show_metadata  # noqa: E402
 
 # --- independent references ---------------------------------------------------------------------
 
+# References in float64 through torch (one thread, from the conftest fixture): numpy's threaded
+# BLAS crawls on a loaded 2-core machine.
+
 def ref_delta(sd, name) -> np.ndarray:
     """up @ down * alpha / rank in float64, flattened to (out, in * k * k)."""
-    down = sd[name + ".lora_down.weight"].double().numpy()
-    up = sd[name + ".lora_up.weight"].double().numpy()
+    down = sd[name + ".lora_down.weight"].double()
+    up = sd[name + ".lora_up.weight"].double()
     rank = down.shape[0]
     alpha = float(sd[name + ".alpha"]) if name + ".alpha" in sd else rank
-    return up.reshape(up.shape[0], rank) @ down.reshape(rank, -1) * (alpha / rank)
+    return (up.reshape(up.shape[0], rank) @ down.reshape(rank, -1) * (alpha / rank)).numpy()
 
 
 def modules_in(sd):
@@ -45,8 +48,9 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def truncated(mat: np.ndarray, rank: int) -> np.ndarray:
-    U, S, Vh = np.linalg.svd(mat, full_matrices=False)
-    return (U[:, :rank] * S[:rank]) @ Vh[:rank]
+    """The best rank-`rank` approximation (Eckart-Young), from a float64 SVD of the full matrix."""
+    U, S, Vh = torch.linalg.svd(torch.from_numpy(mat), full_matrices=False)
+    return ((U[:, :rank] * S[:rank]) @ Vh[:rank]).numpy()
 
 
 def tensor_data_sha256(path) -> str:
