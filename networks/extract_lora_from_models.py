@@ -71,6 +71,8 @@ def extract(org: dict, tuned: dict, dim: int, conv_dim: int | None, clamp_quanti
         if o.weight.shape != t.weight.shape:
             raise LoRAError(f"--model_org and --model_tuned differ in the shape of {name}")
         delta = t.weight.detach().to(device, torch.float32) - o.weight.detach().to(device, torch.float32)
+        if not torch.isfinite(delta).all():
+            raise LoRAError(f"{name}: the difference of the two models has non-finite values (a broken checkpoint?)")
         shape = tuple(delta.shape)
         conv3x3 = delta.dim() == 4 and shape[2:] != (1, 1)
         rank = min(conv_dim if conv3x3 else dim, lora_svd.max_rank(shape))

@@ -92,6 +92,9 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
             missing = "lora_up.weight" if "lora_down.weight" in p else "lora_down.weight"
             raise LoRAError(f"{source}: module {name} has no {missing}")
         down, up = p["lora_down.weight"], p["lora_up.weight"]
+        for part, t in p.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise LoRAError(f"{source}: module {name} has non-finite values in {part}")
         if down.dim() not in (2, 4) or up.dim() != down.dim() or up.shape[1] != down.shape[0] or (
                 up.dim() == 4 and tuple(up.shape[2:]) != (1, 1)):
             raise LoRAError(f"{source}: module {name} has inconsistent shapes: lora_down "

@@ -59,6 +59,9 @@ def sum_loras_sd_scripts(inputs: list[lora_svd.LoRAInput]) -> dict[str, lora_svd
         for name, m in inp.modules.items():
             base = out.get(name)
             base_alpha = base.alpha if base is not None else m.alpha
+            if m.alpha / base_alpha < 0:
+                raise LoRAError(f"{inp.path}: module {name} has alpha {m.alpha} of the opposite sign to the first "
+                                f"file's {base_alpha}: use --concat")
             s = math.sqrt(m.alpha / base_alpha) * inp.ratio
             down, up = m.down.float() * s, m.up.float() * abs(s)
             if base is None:
@@ -72,7 +75,8 @@ def sum_loras_sd_scripts(inputs: list[lora_svd.LoRAInput]) -> dict[str, lora_svd
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(description="Merge kohya LoRA files into a Stable Diffusion model.")
+    p = argparse.ArgumentParser(
+        description="Merge kohya LoRA files into a Stable Diffusion model (--sd_model) or into one LoRA file.")
     p.add_argument("--sd_model", default=None,
                    help="base model: diffusers folder, single .safetensors/.ckpt, or a built-in name (tiny-sd15 "
                         "...); without it the LoRA files are merged into one LoRA file")

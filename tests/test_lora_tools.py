@@ -195,6 +195,22 @@ def test_resize_errors_are_one_line(lora_a, tmp_path, capsys):
     assert resize_lora.main(["--model", lora_a, "--save_to", str(tmp_path / "o.txt")]) == 2
     one_line_error(capsys, "--save_to")
     assert not os.path.exists(out)
+    nan = tmp_path / "nan.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.ones(2, 3),
+               "lora_unet_x.lora_up.weight": torch.tensor([[float("inf"), 1.0]] * 4)}, str(nan))
+    assert resize_lora.main(["--model", str(nan), "--save_to", out, "--new_rank", "1"]) == 2
+    one_line_error(capsys, "lora_unet_x", "non-finite")
+    # a result that overflows its dtype is never written; the file already there stays as it was
+    big = tmp_path / "big.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.eye(3)[:2].contiguous(),
+               "lora_unet_x.lora_up.weight": torch.full((4, 2), 1e5)}, str(big))
+    with open(out, "wb") as f:
+        f.write(b"previous")
+    assert resize_lora.main(["--model", str(big), "--save_to", out, "--new_rank", "1",
+                             "--save_precision", "fp16"]) == 2
+    one_line_error(capsys, "non-finite", out)
+    assert open(out, "rb").read() == b"previous"
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
 # --- extract_lora_from_models -------------------------------------------------------------------------
