@@ -1,11 +1,19 @@
-"""Merge one or more kohya LoRA files, each with a ratio, into a Stable Diffusion model.
+"""Merge kohya LoRA files, each with a ratio, into a Stable Diffusion model, or (without --sd_model)
+into one LoRA file.
 
     python networks/merge_lora.py --sd_model MODEL --models a.safetensors b.safetensors \\
         --ratios 1.0 0.5 --save_to merged.safetensors [--save_precision fp16|bf16|float]
+    python networks/merge_lora.py --models a.safetensors b.safetensors --ratios 1.0 0.5 \\
+        --save_to merged_lora.safetensors [--concat [--shuffle]]
 
 MODEL is anything `pretrained_model_name_or_path` accepts (diffusers folder, single file, built-in
 name). --save_to ending in .safetensors/.ckpt/.pt writes a single file in the original SD layout;
 any other path is written as a diffusers folder. Flag names follow sd-scripts' merge_lora.py.
+
+LoRA + LoRA: --concat stacks the modules' ranks (down rows, up columns) with each file's
+ratio * alpha / rank folded into its factors, so the result is exactly sum_i ratio_i * delta_i.
+Without --concat the ups and the downs are summed separately, as sd-scripts does (same file as
+sd-scripts, kept for compatibility): that is not the sum of the deltas, and a warning says so.
 """
 from __future__ import annotations
 
@@ -17,6 +25,11 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from networks import lora_svd  # noqa: E402
 from networks.lora import LoRAError, create_network_from_weights, load_state_dict_file  # noqa: E402
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt")
@@ -32,10 +45,41 @@ def merge_lora_into(text_encoders, unet, weights_sd: dict, ratio: float) -> int:
     return len(network.text_encoder_loras) + len(network.unet_loras)
 
 
+APPROXIMATE_WARNING = ("warning: without --concat the LoRAs' ups and downs are summed separately (sd-scripts' "
+                       "arithmetic): the result is not the sum of their deltas; use --concat for the exact sum "
+                       "or svd_merge_lora.py for a chosen rank")
+
+
+def sum_loras_sd_scripts(inputs: list[lora_svd.LoRAInput]) -> dict[str, lora_svd.Module]:
+    """sd-scripts' plain LoRA + LoRA merge: with base_alpha the first file's alpha for the module
+    and s_i = sqrt(alpha_i / base_alpha) * ratio_i, up = sum |s_i| up_i, down = sum s_i down_i,
+    alpha = base_alpha. Equal to the sum of the deltas only in special cases (one file at ratio 1)."""
+    out: dict[str, lora_svd.Module] = {}
+    for inp in inputs:
+        for name, m in inp.modules.items():
+            base = out.get(name)
+            base_alpha = base.alpha if base is not None else m.alpha
+            if m.alpha / base_alpha < 0:
+                raise LoRAError(f"{inp.path}: module {name} has alpha {m.alpha} of the opposite sign to the first "
+                                f"file's {base_alpha}: use --concat")
+            s = math.sqrt(m.alpha / base_alpha) * inp.ratio
+            down, up = m.down.float() * s, m.up.float() * abs(s)
+            if base is None:
+                out[name] = lora_svd.Module(name, down, up, m.alpha)
+                continue
+            if base.rank != m.rank:
+                raise LoRAError(f"{inp.path}: module {name} has rank {m.rank}, the files before it {base.rank}: "
+                                "ranks must match without --concat (or use svd_merge_lora.py)")
+            out[name] = lora_svd.Module(name, base.down + down, base.up + up, base_alpha)
+    return out
+
+
 def _parse_args(argv):
-    p = argparse.ArgumentParser(description="Merge kohya LoRA files into a Stable Diffusion model.")
-    p.add_argument("--sd_model", required=True,
-                   help="base model: diffusers folder, single .safetensors/.ckpt, or a built-in name (tiny-sd15 ...)")
+    p = argparse.ArgumentParser(
+        description="Merge kohya LoRA files into a Stable Diffusion model (--sd_model) or into one LoRA file.")
+    p.add_argument("--sd_model", default=None,
+                   help="base model: diffusers folder, single .safetensors/.ckpt, or a built-in name (tiny-sd15 "
+                        "...); without it the LoRA files are merged into one LoRA file")
     p.add_argument("--models", nargs="+", required=True, help="LoRA files (.safetensors, .ckpt, .pt)")
     p.add_argument("--ratios", nargs="+", type=float, default=None, help="one ratio per LoRA file (default 1.0 each)")
     p.add_argument("--save_to", required=True,
@@ -47,7 +91,11 @@ def _parse_args(argv):
     p.add_argument("--v2", action="store_true", help="the base model is SD2 (checked against the weights)")
     p.add_argument("--v_parameterization", action="store_true", help="the base model predicts v")
     p.add_argument("--tokenizer_path", default=None, help="tokenizer files for a single-file model")
-    p.add_argument("--no_metadata", action="store_true", help="do not record the merged LoRA files in the output")
+    p.add_argument("--no_metadata", action="store_true",
+                   help="do not record the merged LoRA files in the output (LoRA output: no modelspec.*)")
+    p.add_argument("--concat", action="store_true",
+                   help="LoRA output: stack the ranks (rank = the sum of the inputs'), exactly the weighted sum")
+    p.add_argument("--shuffle", action="store_true", help="with --concat: permute the stacked ranks (as sd-scripts)")
     args = p.parse_args(argv)
     if args.ratios is None:
         args.ratios = [1.0] * len(args.models)
@@ -56,9 +104,44 @@ def _parse_args(argv):
     return args
 
 
-def run(args) -> None:
-    import torch
+def run_lora_merge(args) -> None:
+    """LoRA files -> one LoRA file (no --sd_model)."""
+    if not args.save_to.lower().endswith(lora_svd.LORA_FILE_SUFFIXES):
+        raise LoRAError(f"--save_to {args.save_to}: without --sd_model the output is a LoRA file "
+                        f"({', '.join(lora_svd.LORA_FILE_SUFFIXES)})")
+    if args.shuffle and not args.concat:
+        raise LoRAError("--shuffle only applies with --concat")
+    lora_svd.check_save_to(args.save_to)
+    inputs = lora_svd.read_inputs(args.models, args.ratios)
+    if args.concat:
+        modules = lora_svd.concat(inputs, args.shuffle)
+    else:
+        if len(inputs) > 1 or inputs[0].ratio != 1:
+            print(APPROXIMATE_WARNING, file=sys.stderr)
+        modules = sum_loras_sd_scripts(inputs)
+    metadata = lora_svd.common_metadata(inputs)
+    parts = " + ".join(f"{r:g} x {os.path.basename(p)}" for p, r in zip(args.models, args.ratios))
+    how = "concatenated" if args.concat else "ups and downs summed (sd-scripts)"
+    metadata = lora_svd.add_comment(metadata, f"merge_lora: {parts}, {how}")
+    metadata = lora_svd.rank_metadata(modules, metadata)
+    if not args.no_metadata:
+        metadata = lora_svd.lora_modelspec(metadata, args.save_to,
+                                           [lora_svd.title_of(i.path, i.metadata) for i in inputs])
+    dtype = getattr(torch, PRECISIONS[args.save_precision]) if args.save_precision else torch.float32
+    lora_svd.save_lora(args.save_to, modules, metadata, dtype)
+    print(f"merged {len(inputs)} LoRA files into {len(modules)} modules; saved {args.save_to}")
 
+
+def run(args) -> None:
+    if args.sd_model is None:
+        return run_lora_merge(args)
+    if args.concat or args.shuffle:
+        raise LoRAError("--concat / --shuffle merge LoRA files into one LoRA file; leave out --sd_model to use them")
+    run_model_merge(args)
+
+
+def run_model_merge(args) -> None:
+    """LoRA files merged into the weights of --sd_model."""
     from library.models import load_model_bundle
     from library.sd_checkpoint import save_diffusers, save_single_file
 
