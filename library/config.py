@@ -315,10 +315,28 @@ def _to_steps_or_fraction(v, cli):
     return v
 
 
+def _to_path_list(v, cli):
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _Bad(f"expected a list of paths, got {_desc(v)}")
+    return [x for x in items if x] or None
+
+
+def _to_float_list(v, cli):
+    if isinstance(v, str) or (cli and isinstance(v, list)):
+        parts = [p for s in ([v] if isinstance(v, str) else v) for p in s.replace(",", " ").split()]
+        vals = [_to_float(p, True) for p in parts]
+    elif isinstance(v, list):
+        vals = [_to_float(x, False) for x in v]
+    else:
+        vals = [_to_float(v, cli)]
+    return vals or None
+
+
 _CONVERTERS = {
     "str": _to_str, "path": _to_str, "int": _to_int, "float": _to_float, "bool": _to_bool,
     "resolution": _to_resolution, "float_or_list": _to_float_or_list,
-    "steps_or_fraction": _to_steps_or_fraction,
+    "steps_or_fraction": _to_steps_or_fraction, "path_list": _to_path_list, "float_list": _to_float_list,
     "kv_literal": lambda v, cli: _to_kv(v, cli, True), "kv_str": lambda v, cli: _to_kv(v, cli, False),
 }
 
@@ -415,6 +433,8 @@ def build_parser(script: str) -> argparse.ArgumentParser:
             kw.update(nargs="*", metavar="KEY=VALUE")
         elif o.type == "float_or_list":
             kw.update(nargs="*", metavar="LR")
+        elif o.type in ("path_list", "float_list"):
+            kw.update(nargs="*", metavar="PATH" if o.type == "path_list" else "X")
         else:
             kw.update(metavar=_METAVAR[o.type])
         groups[o.section].add_argument(f"--{o.name}", *(f"--{a}" for a in o.aliases), **kw)
