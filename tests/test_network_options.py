@@ -457,12 +457,12 @@ def test_scale_weight_norms_without_the_method_is_one_line(run_script, dataset, 
 @pytest.mark.slow
 def test_scale_weight_norms_on_two_processes_equals_one_process(tmp_path):
     """2 processes x batch 1 (each scaling its own copy) == 1 process x batch 2, and both ranks
-    end bit-identical (SGD at lr 1: the bound engages on every step)."""
+    end bit-identical (SGD at lr 1; many modules end at the bound)."""
     from tests.test_equivalence import make_two_bucket_dataset, max_rel_diff, read_file, train_args, train_in_process
     from tests.test_multiprocess import ISSUE_TOL, NORM_FLOOR, launch_two_processes
 
     data = make_two_bucket_dataset(str(tmp_path / "data"))
-    common = ["--max_train_steps", "3", "--scale_weight_norms", "0.05"]
+    common = ["--max_train_steps", "3", "--scale_weight_norms", "0.002"]
     out, report = tmp_path / "two", tmp_path / "report"
     report.mkdir()
     proc = launch_two_processes(str(report), train_args(data, str(out), "--train_batch_size", "1", *common))
@@ -470,8 +470,8 @@ def test_scale_weight_norms_on_two_processes_equals_one_process(tmp_path):
     w0, w1 = (read_file(str(report / f"rank{r}.safetensors"))[0] for r in (0, 1))
     assert all(w0[k].equal(w1[k]) for k in w0)
     two = read_file(str(out / "last.safetensors"))[0]
-    _assert_norms_bounded(two, 0.05, 1e-5)
-    at_bound = [n for n in modules_of(two) if float(delta64(two, n).norm()) == pytest.approx(0.05, rel=1e-4)]
+    _assert_norms_bounded(two, 0.002, 1e-5)
+    at_bound = [n for n in modules_of(two) if float(delta64(two, n).norm()) == pytest.approx(0.002, rel=1e-4)]
     assert len(at_bound) > 10  # the scaling engaged
     ref = train_in_process(train_args(data, str(tmp_path / "one"), "--train_batch_size", "2", *common))
     worst, key = max_rel_diff(two, ref["tensors"], floor=NORM_FLOOR)
