@@ -351,6 +351,8 @@ def _convert(opt: Option, raw, cli: bool, script: str):
     if choices is not None and v is not None and v not in choices:
         hint = difflib.get_close_matches(str(v), list(map(str, choices)), n=1)
         raise _Bad(f"{v!r} is not one of: {', '.join(map(str, choices))}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+    if opt.name == "scale_weight_norms" and v == 0:
+        v = None  # sd-scripts and the kohya_ss GUI: 0 is off (one spelling for the resume check)
     if opt.name == "max_token_length" and v == 75:
         v = None  # 75 tokens is the default (sd-scripts' None): one spelling for keys and resume checks
     for x in (v if isinstance(v, list) else [v]):

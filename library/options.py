@@ -226,7 +226,7 @@ OPTIONS: tuple[Option, ...] = (
       "optimizer step, each module whose ||up @ down * alpha / rank|| exceeds this value is scaled "
       "down to it; the number of scaled modules and the mean / max norm are logged "
       "(max_norm/keys_scaled, norm/avg_key_norm, max_norm/max_key_norm). 1 is a usual start; "
-      "unset = off.", "network", scripts=LORA, min=0, min_exclusive=True),
+      "0 or unset = off (as sd-scripts).", "network", scripts=LORA, min=0),
     O("base_weights", "path_list", None, "LoRA files merged into the base model (U-Net and text "
       "encoders, in float32) before training, in order; the trained network is on top of them.",
       "network", scripts=LORA),

@@ -476,3 +476,26 @@ def test_scale_weight_norms_on_two_processes_equals_one_process(tmp_path):
     ref = train_in_process(train_args(data, str(tmp_path / "one"), "--train_batch_size", "2", *common))
     worst, key = max_rel_diff(two, ref["tensors"], floor=NORM_FLOOR)
     assert worst <= ISSUE_TOL, f"{key}: {worst:.2e}"
+
+
+def test_option_forms_in_toml_and_on_the_command_line(tmp_path):
+    from library.config import parse_args
+
+    run = tmp_path / "run.toml"
+    head = 'pretrained_model_name_or_path = "tiny-sdxl"\ntrain_data_dir = "d"\noutput_dir = "o"\n' \
+           'resolution = 64\nmax_train_steps = 1\n'
+    run.write_text(head + 'block_lr = "1e-6,2e-6"\n')  # sd-scripts: one comma-separated string
+    assert parse_args("train_dreambooth", ["--config", str(run)]).block_lr == [1e-6, 2e-6]
+    run.write_text(head + 'base_weights = ["a", "b"]\nbase_weights_multiplier = [1, 0.5]\n'
+                   'scale_weight_norms = 0\n[network_args]\nblock_dims = [1, 2, 3]\n')
+    o = parse_args("train_lora", ["--config", str(run)])
+    assert o.base_weights == ["a", "b"] and o.base_weights_multiplier == [1.0, 0.5]
+    assert o.scale_weight_norms is None  # 0 is off (sd-scripts, and what the kohya_ss GUI writes)
+    assert o.network_args == {"block_dims": "1,2,3"}  # as sd-scripts passes it to the module
+    o = parse_args("train_lora", ["--config", str(run), "--base_weights", "c", "--base_weights_multiplier",
+                                  "-1.5", "--scale_weight_norms", "1"])
+    assert o.base_weights == ["c"] and o.base_weights_multiplier == [-1.5] and o.scale_weight_norms == 1.0
+    o = parse_args("train_dreambooth", ["--pretrained_model_name_or_path", "tiny-sdxl", "--train_data_dir", "d",
+                                        "--output_dir", "o", "--resolution", "64", "--max_train_steps", "1",
+                                        "--block_lr", "1e-6,2e-6", "3e-6"])
+    assert o.block_lr == [1e-6, 2e-6, 3e-6]
