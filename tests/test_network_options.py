@@ -182,6 +182,22 @@ def test_lr_weights_give_per_block_groups_with_loraplus():
                 {"lora_up.weight" if name.endswith("plus") else "lora_down.weight"}
 
 
+def test_sdxl_lr_weights_follow_the_23_block_layout():
+    """SDXL: 9 down, 3 mid, 9 up weights, between the fixed 1.0 of blocks 0 and 22."""
+    from networks import lora
+
+    c = comps("sdxl")
+    net = lora.create_network(1.0, 4, 1, c["vae"], te_arg(c), c["unet"], down_lr_weight="zeros+0.5",
+                              mid_lr_weight="1,0,2", up_lr_weight="reverse_linear")
+    net.apply_to(te_arg(c), c["unet"], False, True)
+    groups, names = net.prepare_optimizer_params(None, 1e-3, 1e-4)
+    # attentions (no conv_dim): input blocks 4, 5, 7, 8; middle block 1; output blocks 0-5
+    weight = {5: 0.5, 6: 0.5, 8: 0.5, 9: 0.5, **{13 + i: (8 - i) / 8 for i in range(6)}}
+    assert names == [f"unet_block{b}" for b in weight]  # block 11 (weight 0): no module, no group
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * w for w in weight.values()], rel=1e-12)
+    assert not any(lo.lora_name.startswith("lora_unet_middle_block_1_") for lo in net.unet_loras)
+
+
 @pytest.mark.parametrize("args, message", [
     ({"block_dims": "4,x"}, "block_dims: 'x' is not an integer"),
     ({"up_lr_weight": "sinus"}, "up_lr_weight: 'sinus' is not a number list or one of"),
