@@ -208,7 +208,7 @@ class FullMethod:
                               "encoders do not train without it)")
         self.train_text_encoder = wants_te and any(te_lrs)
         self.block_lr = getattr(opts, "block_lr", None)
-        if self.block_lr is not None and self.train_unet:
+        if self.block_lr is not None:
             from library import block_lr
 
             block_lr.check_count(self.block_lr)

@@ -427,6 +427,8 @@ class LoRANetwork(torch.nn.Module):
                     continue
                 group_lr = None if lr is None else (lr * ratio if key == "plus" else lr)
                 if not group_lr:
+                    for p in params:  # frozen: no gradient (trainable_parameters agrees)
+                        p.requires_grad_(False)
                     continue
                 all_params.append({"params": params, "lr": group_lr})
                 descriptions.append(label + (" plus" if key == "plus" else ""))

@@ -324,6 +324,26 @@ def test_dim_from_weights_takes_ranks_and_alphas_from_the_file(train, run_script
     assert rc == 2 and "dim_from_weights needs network_weights" in err
 
 
+def test_lr_weights_on_a_network_from_weights_freeze_the_blocks(tmp_path):
+    """From a file, the modules exist; a block at weight 0 gets no group and no gradient."""
+    from networks import lora
+
+    src = tmp_path / "src.safetensors"
+    _random_lora_file(src, "sd15", 4)
+    c = comps("sd15")
+    net, _ = lora.create_network_from_weights(1.0, str(src), c["vae"], c["text_encoder"], c["unet"],
+                                              mid_lr_weight="0", up_lr_weight="zeros+2")
+    net.apply_to(c["text_encoder"], c["unet"], True, True)
+    net.prepare_grad_etc(c["text_encoder"], c["unet"])
+    groups, names = net.prepare_optimizer_params(1e-4, 1e-3, 1e-4)
+    assert names == ["textencoder"] + [f"unet_block{b}" for b in (1, 2, 4, 5, 7, 8, 16, 17, 18, 19, 20, 21, 22, 23, 24)]
+    assert [g["lr"] for g in groups[7:]] == pytest.approx([2e-3] * 9)
+    mid = [lo for lo in net.unet_loras if sd15_block(lo.lora_name) == 12]
+    assert mid and not any(p.requires_grad for lo in mid for p in lo.parameters())
+    grouped = {id(p) for g in groups for p in g["params"]}
+    assert all((id(p) in grouped) == p.requires_grad for p in net.parameters())
+
+
 def test_base_weights_are_merged_before_training(train, dataset, tmp_path):
     """U-Net and text-encoder weights = W + sum m * up @ down * alpha / rank (float64 here)."""
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
