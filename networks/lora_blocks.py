@@ -59,8 +59,9 @@ class BlockArgError(ValueError):
     """A bad block-wise network arg; the LoRA module turns it into its one-line LoRAError."""
 
 
-def _numbers(key: str, value: Any, kind: type) -> list:
-    """'1,2,3' (or a list) -> numbers; an empty item is 0 (sd-scripts' lr weights)."""
+def _numbers(key: str, value: Any, kind: type, negative: bool = False) -> list:
+    """'1,2,3' (or a list) -> numbers; an empty item is 0 (sd-scripts' lr weights). negative:
+    allowed (lr weights and the threshold: sd-scripts turns a weight <= threshold into 0)."""
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     out = []
     for s in items:
@@ -72,7 +73,7 @@ def _numbers(key: str, value: Any, kind: type) -> list:
         except ValueError:
             raise BlockArgError(f"network_args: {key}: {s!r} is not a"
                                 f"{'n integer' if kind is int else ' number'}") from None
-        if x < 0 or (kind is float and not math.isfinite(x)):
+        if (x < 0 and not negative) or (kind is float and not math.isfinite(x)):
             raise BlockArgError(f"network_args: {key}: {s!r} must be >= 0")
         out.append(x)
     return out
@@ -85,10 +86,14 @@ def check_syntax(args: dict[str, Any]) -> None:
             _numbers(key, args[key], int if key.endswith("dims") else float)
     for key in LR_WEIGHT_ARGS:
         v = args.get(key)
-        if v is not None and not (key != "mid_lr_weight" and "," not in str(v) and _preset(key, str(v))):
-            _numbers(key, v, float)
+        if v is None:
+            continue
+        if key != "mid_lr_weight" and "," not in str(v):
+            _preset(key, str(v))
+        else:
+            _numbers(key, v, float, negative=True)
     if args.get("block_lr_zero_threshold") is not None:
-        _numbers("block_lr_zero_threshold", str(args["block_lr_zero_threshold"]), float)
+        _numbers("block_lr_zero_threshold", str(args["block_lr_zero_threshold"]), float, negative=True)
     if args.get("conv_block_alphas") is not None and args.get("conv_block_dims") is None:
         raise BlockArgError("network_args: conv_block_alphas is given without conv_block_dims")
     if args.get("block_alphas") is not None and args.get("block_dims") is None and \
@@ -97,8 +102,8 @@ def check_syntax(args: dict[str, Any]) -> None:
         raise BlockArgError("network_args: block_alphas is given without block_dims (or an lr weight)")
 
 
-def _preset(key: str, value: str) -> Optional[tuple[str, float]]:
-    """'sine+0.5' -> ('sine', 0.5); None when the value is a single number."""
+def _preset(key: str, value: str) -> tuple[str, float]:
+    """'sine+0.5' -> ('sine', 0.5) (a down/up value without a comma)."""
     name, _, offset = value.strip().partition("+")
     if name in PRESETS:
         try:
@@ -107,10 +112,12 @@ def _preset(key: str, value: str) -> Optional[tuple[str, float]]:
             raise BlockArgError(f"network_args: {key}: offset {offset!r} in {value!r} is not a number") from None
     try:
         float(value)
-        return None
     except ValueError:
         raise BlockArgError(f"network_args: {key}: {value!r} is not a number list or one of "
                             f"{', '.join(PRESETS)} (with an optional +offset)") from None
+    # sd-scripts reads a single number as an unknown preset name and ignores it (all 1.0)
+    raise BlockArgError(f"network_args: {key}={value!r}: one number is not a block list; give "
+                        "comma-separated values (12 for SD1/SD2, 9 for SDXL) or a preset")
 
 
 def _preset_values(name: str, offset: float, n: int) -> list[float]:
@@ -143,14 +150,15 @@ def lr_weights(args: dict[str, Any], is_sdxl: bool, log=lambda msg: None) -> Opt
     if all(args.get(k) is None for k in LR_WEIGHT_ARGS):
         return None
     n_side, n_mid = (SDXL_NUM_BLOCKS, SDXL_NUM_MID) if is_sdxl else (NUM_BLOCKS, NUM_MID)
-    threshold = _numbers("block_lr_zero_threshold", str(args.get("block_lr_zero_threshold") or "0"), float)[0]
+    threshold = _numbers("block_lr_zero_threshold", str(args.get("block_lr_zero_threshold") or "0"), float,
+                         negative=True)[0]
 
     def side(key: str, n: int) -> list[float]:
         v = args.get(key)
         if v is None:
             return [1.0] * n
         preset = _preset(key, str(v)) if key != "mid_lr_weight" and "," not in str(v) else None
-        values = _preset_values(*preset, n) if preset else _numbers(key, v, float)
+        values = _preset_values(*preset, n) if preset else _numbers(key, v, float, negative=True)
         return [w if w > threshold else 0.0 for w in _fit(values, n, log)]
 
     weights = side("down_lr_weight", n_side) + side("mid_lr_weight", n_mid) + side("up_lr_weight", n_side)

@@ -202,6 +202,7 @@ def test_sdxl_lr_weights_follow_the_23_block_layout():
     ({"block_dims": "4,x"}, "block_dims: 'x' is not an integer"),
     ({"up_lr_weight": "sinus"}, "up_lr_weight: 'sinus' is not a number list or one of"),
     ({"conv_block_alphas": "1"}, "conv_block_alphas is given without conv_block_dims"),
+    ({"down_lr_weight": "0.5"}, "down_lr_weight='0.5': one number is not a block list"),
     ({"block_lr_zero_threshold": "a"}, "block_lr_zero_threshold"),
 ])
 def test_bad_block_args_are_one_line_errors(args, message):
