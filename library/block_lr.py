@@ -23,6 +23,25 @@ def check_count(block_lr: list[float]) -> None:
                            "(time/label embedding, input blocks 0-8, middle 0-2, output blocks 0-8, out)")
 
 
+def check_family(family: str) -> None:
+    if family != "sdxl":
+        raise BlockLrError(f"block_lr is for SDXL's U-Net (sd-scripts' sdxl_train.py); this model is "
+                           f"{family}: use learning_rate")
+
+
+def family_before_loading(name_or_path: str) -> str | None:
+    """The family of a built-in model or diffusers folder from its configuration (no weights);
+    None for the other sources (their family is known once they load)."""
+    from library import models
+
+    src = models.resolve_model_source(name_or_path)
+    if src.kind == "builtin":
+        return models.FAMILY_OF_ARCH[src.arch]
+    if src.kind == "diffusers":
+        return models._family_of_folder(src.location)
+    return None
+
+
 def block_of(original_name: str) -> int:
     """sdxl_train.py's block index of an original-layout U-Net parameter name."""
     head, _, rest = original_name.partition(".")
@@ -40,9 +59,7 @@ def param_groups(unet, family: str, block_lr: list[float]):
     """(optimizer groups, their names "block<i>") of the U-Net's parameters by block."""
     from library import unet_layout
 
-    if family != "sdxl":
-        raise BlockLrError(f"block_lr is for SDXL's U-Net (sd-scripts' sdxl_train.py); this model is "
-                           f"{family}: use learning_rate")
+    check_family(family)
     check_count(block_lr)
     layout = unet_layout.block_map(unet.config)
     by_block: list[list] = [[] for _ in range(NUM_BLOCKS)]

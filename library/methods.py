@@ -212,6 +212,10 @@ class FullMethod:
             from library import block_lr
 
             block_lr.check_count(self.block_lr)
+            if bundle is None:  # the validate stage: the family now where the config tells it
+                family = block_lr.family_before_loading(opts.pretrained_model_name_or_path)
+                if family is not None:
+                    block_lr.check_family(family)
             # sd-scripts: learning_rate 0 still freezes the U-Net; else the blocks' own rates
             self.train_unet = self.train_unet and any(self.block_lr)
         if not self.train_unet and not self.train_text_encoder:

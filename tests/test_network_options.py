@@ -435,7 +435,7 @@ def test_block_lr_groups_sdxl_unet_by_block(train, dataset, tmp_path):
     assert frozen and not any(p.requires_grad for p in frozen)
 
 
-def test_block_lr_errors(run_script, dataset, tmp_path):
+def test_block_lr_errors(run_script, dataset, tmp_path, no_weight_loading):
     from tests.test_train_dreambooth_e2e import base_args as db_args
 
     rc, _, err = run_script("train_dreambooth", db_args("tiny-sdxl", dataset, str(tmp_path / "o"),
