@@ -315,10 +315,28 @@ def _to_steps_or_fraction(v, cli):
     return v
 
 
+def _to_path_list(v, cli):
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _Bad(f"expected a list of paths, got {_desc(v)}")
+    return [x for x in items if x] or None
+
+
+def _to_float_list(v, cli):
+    if isinstance(v, str) or (cli and isinstance(v, list)):
+        parts = [p for s in ([v] if isinstance(v, str) else v) for p in s.replace(",", " ").split()]
+        vals = [_to_float(p, True) for p in parts]
+    elif isinstance(v, list):
+        vals = [_to_float(x, False) for x in v]
+    else:
+        vals = [_to_float(v, cli)]
+    return vals or None
+
+
 _CONVERTERS = {
     "str": _to_str, "path": _to_str, "int": _to_int, "float": _to_float, "bool": _to_bool,
     "resolution": _to_resolution, "float_or_list": _to_float_or_list,
-    "steps_or_fraction": _to_steps_or_fraction,
+    "steps_or_fraction": _to_steps_or_fraction, "path_list": _to_path_list, "float_list": _to_float_list,
     "kv_literal": lambda v, cli: _to_kv(v, cli, True), "kv_str": lambda v, cli: _to_kv(v, cli, False),
 }
 
@@ -333,6 +351,8 @@ def _convert(opt: Option, raw, cli: bool, script: str):
     if choices is not None and v is not None and v not in choices:
         hint = difflib.get_close_matches(str(v), list(map(str, choices)), n=1)
         raise _Bad(f"{v!r} is not one of: {', '.join(map(str, choices))}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+    if opt.name == "scale_weight_norms" and v == 0:
+        v = None  # sd-scripts and the kohya_ss GUI: 0 is off (one spelling for the resume check)
     if opt.name == "max_token_length" and v == 75:
         v = None  # 75 tokens is the default (sd-scripts' None): one spelling for keys and resume checks
     for x in (v if isinstance(v, list) else [v]):
@@ -415,6 +435,8 @@ def build_parser(script: str) -> argparse.ArgumentParser:
             kw.update(nargs="*", metavar="KEY=VALUE")
         elif o.type == "float_or_list":
             kw.update(nargs="*", metavar="LR")
+        elif o.type in ("path_list", "float_list"):
+            kw.update(nargs="*", metavar="PATH" if o.type == "path_list" else "X")
         else:
             kw.update(metavar=_METAVAR[o.type])
         groups[o.section].add_argument(f"--{o.name}", *(f"--{a}" for a in o.aliases), **kw)

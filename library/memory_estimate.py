@@ -643,6 +643,9 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
                          comps["vae"])
         o = copy.copy(opts)
         if method_name == "lora":
+            if opts.dim_from_weights:
+                raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
+                                          "network_weights, which the estimate does not read")
             o.network_weights = None  # the estimate reads no weights
             method = NetworkMethod(o, bundle)
         else:

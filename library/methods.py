@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 
 from library.errors import UserError
 
@@ -56,19 +57,35 @@ class NetworkMethod:
         for m in [b.unet, *b.text_encoders, b.vae]:
             m.requires_grad_(False)
         kwargs = dict(opts.network_args or {})
+        # lycoris.kohya names modules by walking the model it is given: on our diffusers models
+        # its names are translated to the kohya names of networks.lora (SDXL U-Net in SAI layout,
+        # text encoders under text_model) in every file written and read
+        self.renames = None
+        if opts.network_module.split(".")[0] == "lycoris":
+            from networks import lora_names
+
+            self.renames = lora_names.plain_to_kohya_names(b.text_encoders, b.unet)
         try:
-            network = self.module.create_network(
-                opts.network_multiplier, opts.network_dim, opts.network_alpha, b.vae,
-                self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
+            if opts.dim_from_weights:  # the file's ranks and alphas, per module
+                network, _ = self.module.create_network_from_weights(
+                    opts.network_multiplier, opts.network_weights, b.vae, self._te_arg(), b.unet,
+                    weights_sd=self._read_weights(opts.network_weights), **kwargs)
+            else:
+                network = self.module.create_network(
+                    opts.network_multiplier, opts.network_dim, opts.network_alpha, b.vae,
+                    self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
         except UserError:
             raise
         except (TypeError, ValueError, KeyError) as e:
             raise MethodError(f"network_args for {opts.network_module}: {e}") from None
         if network is None:
             raise MethodError(f"network_module {opts.network_module}: create_network returned None")
+        if opts.scale_weight_norms is not None and not hasattr(network, "apply_max_norm_regularization"):
+            raise MethodError(f"scale_weight_norms: the network of {opts.network_module} has no "
+                              "apply_max_norm_regularization; drop scale_weight_norms")
         network.apply_to(self._te_arg(), b.unet, self.train_text_encoder, self.train_unet)
         if opts.network_weights:
-            info = network.load_weights(opts.network_weights)
+            info = self._load_weights(network, opts.network_weights)
             logger.info(f"loaded network weights from {opts.network_weights}: {info}")
         if opts.gradient_checkpointing and hasattr(network, "enable_gradient_checkpointing"):
             network.enable_gradient_checkpointing()
@@ -90,13 +107,47 @@ class NetworkMethod:
             "ss_network_train_unet_only": opts.network_train_unet_only,
             "ss_network_train_text_encoder_only": opts.network_train_text_encoder_only,
         }
+        if opts.scale_weight_norms is not None:
+            self.info["ss_scale_weight_norms"] = opts.scale_weight_norms
+        if opts.base_weights:
+            from library.network_options import base_multipliers
+
+            # not in sd-scripts' metadata: the file's weights are relative to these merged files
+            self.info["ss_base_weights"] = json.dumps([os.path.basename(p) for p in opts.base_weights])
+            self.info["ss_base_weights_multiplier"] = json.dumps(base_multipliers(opts))
         return groups
+
+    def _read_weights(self, path: str) -> dict:
+        from networks import lora_names
+        from networks.lora import load_state_dict_file
+
+        sd = load_state_dict_file(path)
+        if self.renames:  # kohya names in the file -> the module's own names
+            sd = lora_names.rename_keys(sd, {v: k for k, v in self.renames.items()})
+        return sd
+
+    def _load_weights(self, network, path: str):
+        if self.renames is None:
+            return network.load_weights(path)
+        info = network.load_state_dict(self._read_weights(path), strict=False)
+        if info.unexpected_keys:
+            raise MethodError(f"network_weights {path}: {len(info.unexpected_keys)} key(s) match no "
+                              f"module of this network, e.g. {info.unexpected_keys[0]}")
+        return info
 
     def trainable_parameters(self):
         return [p for p in self.network.parameters() if p.requires_grad]
 
     def before_step(self, global_step: int) -> None:
         pass
+
+    def after_step(self, device):
+        """After each optimizer step: scale_weight_norms' max-norm regularisation (sd-scripts
+        applies it to the unwrapped network in every process, on identical weights). Returns
+        (keys scaled, mean norm, max norm), or None when off."""
+        if self.opts.scale_weight_norms is None:
+            return None
+        return self.network.apply_max_norm_regularization(self.opts.scale_weight_norms, device)
 
     def set_train(self, epoch: int):
         self.network.train()
@@ -106,7 +157,13 @@ class NetworkMethod:
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
         md = metadata if path.endswith(".safetensors") else None
-        self.network.save_weights(path, dtype, md)
+        if self.renames is None:
+            self.network.save_weights(path, dtype, md)
+            return
+        from networks import lora_names
+        from networks.lora import write_weights
+
+        write_weights(path, lora_names.rename_keys(self.network.state_dict(), self.renames), dtype, md)
 
     def extension(self):
         from library.saving import EXTENSIONS
@@ -150,6 +207,17 @@ class FullMethod:
             raise MethodError("stop_text_encoder_training needs train_text_encoder (the text "
                               "encoders do not train without it)")
         self.train_text_encoder = wants_te and any(te_lrs)
+        self.block_lr = getattr(opts, "block_lr", None)
+        if self.block_lr is not None:
+            from library import block_lr
+
+            block_lr.check_count(self.block_lr)
+            if bundle is None:  # the validate stage: the family now where the config tells it
+                family = block_lr.family_before_loading(opts.pretrained_model_name_or_path)
+                if family is not None:
+                    block_lr.check_family(family)
+            # sd-scripts: learning_rate 0 still freezes the U-Net; else the blocks' own rates
+            self.train_unet = self.train_unet and any(self.block_lr)
         if not self.train_unet and not self.train_text_encoder:
             if not wants_te:
                 why = "learning_rate is 0 and train_text_encoder is off"
@@ -203,13 +271,20 @@ class FullMethod:
                 logger.warning(f"{name} has no effect without train_text_encoder")
         b.vae.requires_grad_(False)
         b.unet.requires_grad_(self.train_unet)
-        groups = []
-        if self.train_unet:
+        groups, self.group_names = [], None
+        if self.block_lr is not None and self.train_unet:
+            from library import block_lr
+
+            # sdxl_train.py: one group per U-Net block; a block at 0 is not trained
+            groups, self.group_names = block_lr.param_groups(b.unet, b.family, self.block_lr)
+        elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
-        for te, lr in zip(b.text_encoders, self.text_encoder_lrs()):
+        for i, (te, lr) in enumerate(zip(b.text_encoders, self.text_encoder_lrs())):
             te.requires_grad_(bool(lr))
             if lr:
                 groups.append({"params": list(te.parameters()), "lr": lr})
+                if self.group_names is not None:
+                    self.group_names.append("textencoder" if len(b.text_encoders) == 1 else f"textencoder{i + 1}")
         self.param_groups = groups
         self.info = {"ss_train_text_encoder": self.train_text_encoder}
         if getattr(opts, "learning_rate_te1", None) is not None or \
@@ -221,6 +296,9 @@ class FullMethod:
 
     def trainable_parameters(self):
         return [p for g in self.param_groups for p in g["params"]]
+
+    def after_step(self, device):
+        return None  # scale_weight_norms is a network option
 
     def set_train(self, epoch: int):
         pass

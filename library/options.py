@@ -55,6 +55,9 @@ class Option:
     kv_str               network_args: the same shapes -> dict of str -> str (as sd-scripts passes them)
     float_or_list        a float, or a list of floats (text_encoder_lr: one per text encoder)
     steps_or_fraction    an int number of steps, or a float in [0, 1) (or "10%") = a fraction of all steps
+    path_list            paths: a TOML list of strings or one string; on the command line several values
+    float_list           numbers: a TOML list, or a comma-separated string ("1e-6,2e-6", as sd-scripts'
+                         block_lr); on the command line several values, each possibly comma-separated
     """
 
     name: str
@@ -218,6 +221,19 @@ OPTIONS: tuple[Option, ...] = (
       scripts=LORA),
     O("network_train_text_encoder_only", "bool", False, "Train only the text encoder part of the "
       "network.", "network", scripts=LORA),
+    O("dim_from_weights", "bool", False, "Create the network with the ranks and alphas of "
+      "network_weights (per module, 3x3 convs included), so network_dim, network_alpha and conv_dim "
+      "are not needed. Needs network_weights.", "network", scripts=LORA),
+    O("scale_weight_norms", "float", None, "Max-norm regularisation (sd-scripts): after every "
+      "optimizer step, each module whose ||up @ down * alpha / rank|| exceeds this value is scaled "
+      "down to it; the number of scaled modules and the mean / max norm are logged "
+      "(max_norm/keys_scaled, norm/avg_key_norm, max_norm/max_key_norm). 1 is a usual start; "
+      "0 or unset = off (as sd-scripts).", "network", scripts=LORA, min=0),
+    O("base_weights", "path_list", None, "LoRA files merged into the base model (U-Net and text "
+      "encoders, in float32) before training, in order; the trained network is on top of them.",
+      "network", scripts=LORA),
+    O("base_weights_multiplier", "float_list", None, "One multiplier per base_weights file; unset = "
+      "1.0 for each.", "network", scripts=LORA),
     # --- optimizer ---
     O("optimizer_type", "str", "AdamW", "Optimizer, by sd-scripts' name (any case): AdamW (default), "
       "AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, Lion, Lion8bit, PagedLion8bit, "
@@ -240,6 +256,11 @@ OPTIONS: tuple[Option, ...] = (
       "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
     O("learning_rate_te2", "float", None, "SDXL: learning rate of text encoder 2 (sd-scripts' name); "
       "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
+    O("block_lr", "float_list", None, "SDXL full fine-tuning: 23 learning rates, one per U-Net block "
+      "as sd-scripts' sdxl_train.py (0: time/label embedding, 1-9: input blocks 0-8 (conv_in is "
+      "input block 0), 10-12: middle block, 13-21: output blocks 0-8, 22: the output layers); a "
+      "block at 0 is not trained. Replaces learning_rate for the U-Net.", "optimizer", scripts=FULL,
+      min=0),
     O("lr_scheduler", "str", "constant", "Learning-rate schedule (curves in docs/OPTIMIZERS.md). "
       "adafactor needs optimizer_type Adafactor (it implies relative_step=True); ignored when "
       "lr_scheduler_type is set; schedule-free optimizers keep a constant learning rate.",
@@ -543,14 +564,8 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
-    _n("block_lr", "value", _REJ, "per-block learning rates are not implemented"),
     _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
     _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
-    # network (train_network.py)
-    _n("dim_from_weights", "flag", _REJ, "set network_dim to the rank of network_weights"),
-    _n("scale_weight_norms", "value", _REJ, "changes the trained weights"),
-    _n("base_weights", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
-    _n("base_weights_multiplier", "list", _REJ, "merging networks before training is not implemented", off=(None, ())),
     # distributed (the toolkit sums gradients itself; fsdp and deepspeed options are in the table)
     _n("ddp_gradient_as_bucket_view", "flag", _IGN, "DDP performance setting"),
     _n("ddp_static_graph", "flag", _IGN, "DDP performance setting"),

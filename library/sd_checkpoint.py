@@ -42,9 +42,7 @@ TE_PREFIX = {  # (family, component) -> prefix in the original layout
 # --- diffusers -> original key mapping ------------------------------------------------------
 
 # U-Net modules outside the blocks (the blocks are mapped by library.unet_layout).
-_UNET_TOP_LEVEL = [("time_embedding.linear_1.", "time_embed.0."), ("time_embedding.linear_2.", "time_embed.2."),
-                   ("add_embedding.linear_1.", "label_emb.0.0."), ("add_embedding.linear_2.", "label_emb.0.2."),
-                   ("conv_in.", "input_blocks.0.0."), ("conv_norm_out.", "out.0."), ("conv_out.", "out.2.")]
+_UNET_TOP_LEVEL = unet_layout.TOP_LEVEL
 
 
 def unet_to_original(state_dict: dict, config: dict) -> dict:

@@ -19,6 +19,9 @@ Only the main process writes, to each tracker of ``log_with`` (tensorboard: the 
     lr/<group>        the learning rate each parameter group trained with in this step; group
                       names from the network's ``prepare_optimizer_params`` descriptions, else
                       unet / textencoder (textencoder1, textencoder2 for SDXL)
+    max_norm/keys_scaled, max_norm/max_key_norm, norm/avg_key_norm
+                      with scale_weight_norms: the modules scaled in this step, the largest and
+                      the mean ||up @ down * scale|| after scaling (sd-scripts' names)
 
 The run folder is ``<logging_dir>/<log_prefix><YYYYmmddHHMMSS>/`` (sd-scripts' naming). wandb
 (an optional dependency, the ``wandb`` extra) writes under that folder when ``logging_dir`` is set
@@ -275,6 +278,11 @@ def after_step(run, epoch: int) -> None:
     values = {"loss/current": run.loss_log[-1], "loss/average": sum(window) / len(window)}
     for name, lr in zip(t.names, t.lrs(run.lr_log[-1])):
         values[f"lr/{name}"] = lr
+    stats = getattr(run, "max_norm_stats", None)
+    if stats is not None:  # scale_weight_norms
+        from library.network_options import max_norm_scalars
+
+        values.update(max_norm_scalars(stats))
     t.scalars(values, step)
 
 

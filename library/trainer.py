@@ -119,6 +119,9 @@ class Run:
         from library import tracking
 
         tracking.check_options(self.opts)  # logging_dir / log_with, validation and sample options
+        from library import network_options
+
+        network_options.check_options(self.opts)  # dim_from_weights, base_weights, scale_weight_norms
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
@@ -142,6 +145,10 @@ class Run:
             host_memory.return_large_frees()
         set_seed(opts.seed)
         self.bundle = models.load_from_options(opts)
+        from library import network_options
+
+        # base_weights: merged into the model as loaded, before any dtype cast (setup_method)
+        network_options.merge_base_weights(self.bundle, opts, logger)
         self.adapter = family.adapter_for(self.bundle, max_token_length=self.opts.max_token_length)
         self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
         b = self.bundle
@@ -445,6 +452,9 @@ class Run:
                     loss_sum += float(loss.detach())
                 step_lr = self.stepper.current_lr()
                 self.stepper.step()  # every process, every step: it joins the gradient sum
+                # scale_weight_norms: after the update (every stepper has finished it here), before
+                # the EMA reads the weights
+                self.max_norm_stats = self.method.after_step(acc.device)
                 if getattr(self, "ema", None) is not None:
                     self.ema.update()
                 self.global_step += 1
@@ -456,7 +466,12 @@ class Run:
                 self.loss_log.append(step_loss)
                 self.lr_log.append(step_lr)
                 bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
+                postfix = {}
+                if self.max_norm_stats is not None:
+                    from library.network_options import max_norm_postfix
+
+                    postfix = max_norm_postfix(self.max_norm_stats)
+                bar.set_postfix(**postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
                 tracking.after_step(self, epoch)  # validation and samples when due, TensorBoard scalars
                 if opts.save_every_n_steps and self.global_step % opts.save_every_n_steps == 0 \
                         and self.global_step < plan.total_steps:

@@ -21,6 +21,11 @@ RESNET_CHILDREN = {
     "conv_shortcut": "skip_connection",
 }
 
+# U-Net modules outside the blocks: diffusers prefix -> original prefix
+TOP_LEVEL = [("time_embedding.linear_1.", "time_embed.0."), ("time_embedding.linear_2.", "time_embed.2."),
+             ("add_embedding.linear_1.", "label_emb.0.0."), ("add_embedding.linear_2.", "label_emb.0.2."),
+             ("conv_in.", "input_blocks.0.0."), ("conv_norm_out.", "out.0."), ("conv_out.", "out.2.")]
+
 _BLOCK_RE = re.compile(r"^((?:down_blocks|up_blocks)\.\d+\.(?:resnets|attentions|downsamplers|upsamplers)\.\d+"
                        r"|mid_block\.(?:resnets|attentions)\.\d+)(?:\.(.*))?$")
 
@@ -56,7 +61,11 @@ def block_map(config) -> dict[str, str]:
 
 
 def original_path(path: str, blocks: dict[str, str]) -> str:
-    """Translate a module path or state-dict key inside a U-Net block; KeyError if it is in none."""
+    """Translate a module path or state-dict key (inside a U-Net block, or one of TOP_LEVEL);
+    KeyError if it is in none."""
+    for new, old in TOP_LEVEL:
+        if (path + ".").startswith(new):
+            return (old + path[len(new):]).rstrip(".")
     m = _BLOCK_RE.match(path)
     if m is None or m.group(1) not in blocks:
         raise KeyError(f"no original-layout name for U-Net module {path!r}")

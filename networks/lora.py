@@ -9,6 +9,7 @@ sd-scripts' ``networks/lora.py`` so that files load in A1111, Forge, ComfyUI and
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from io import BytesIO
@@ -18,6 +19,7 @@ import torch
 
 from library.errors import UserError
 from library.saving import atomic_path
+from networks import lora_blocks as blocks
 from networks import lora_names as names
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)  # LoRA-LierLa
@@ -27,7 +29,11 @@ TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashA
 
 # network_args keys this module understands (values arrive as strings).
 KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout",
-                      "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
+                      "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio",
+                      *blocks.BLOCK_LIST_ARGS, *blocks.LR_WEIGHT_ARGS, "block_lr_zero_threshold")
+
+
+logger = logging.getLogger("sdtk")
 
 
 class LoRAError(UserError, ValueError):
@@ -74,6 +80,13 @@ def _parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
         if kwargs.get(key) is not None:
             out[key] = _parse_number("network_args: " + key, kwargs[key], float, 0.0, low_inclusive=False)
+    try:
+        blocks.check_syntax(kwargs)  # the counts need the model family: checked in create_network
+    except blocks.BlockArgError as e:
+        raise LoRAError(str(e)) from None
+    for key in blocks.BLOCK_LIST_ARGS + blocks.LR_WEIGHT_ARGS + ("block_lr_zero_threshold",):
+        if kwargs.get(key) is not None:
+            out[key] = kwargs[key]
     return out
 
 
@@ -242,25 +255,39 @@ class LoRANetwork(torch.nn.Module):
                  dropout: float | None = None, rank_dropout: float | None = None,
                  module_dropout: float | None = None, conv_lora_dim: int | None = None,
                  conv_alpha: float | None = None, modules_dim: dict[str, int] | None = None,
-                 modules_alpha: dict[str, Any] | None = None, is_sdxl: bool | None = None):
+                 modules_alpha: dict[str, Any] | None = None, is_sdxl: bool | None = None,
+                 block_dims: list[int] | None = None, block_alphas: list[float] | None = None,
+                 conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None):
         """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
-        modules_alpha per kohya name (from a file; then 3x3 convs are included when named)."""
+        modules_alpha per kohya name (from a file; then 3x3 convs are included when named), or
+        per U-Net block (networks/lora_blocks.py) block_dims/block_alphas (+ conv_block_dims /
+        conv_block_alphas for the 3x3 convs); a dim of 0 creates no module."""
         super().__init__()
         self.multiplier = multiplier
         self.lora_dim, self.alpha = lora_dim, alpha
         self.conv_lora_dim, self.conv_alpha = conv_lora_dim, conv_alpha
         self.dropout, self.rank_dropout, self.module_dropout = dropout, rank_dropout, module_dropout
         self.loraplus_lr_ratio = self.loraplus_unet_lr_ratio = self.loraplus_text_encoder_lr_ratio = None
+        self.block_lr_weight: list[float] | None = None
 
         text_encoders = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder])
                          if te is not None]
         self.is_sdxl = bool(is_sdxl) if is_sdxl is not None else (
             len(text_encoders) == 2 or (unet is not None and names.is_sdxl_unet(unet)))
 
-        def dims_for(lora_name: str, is_small: bool):
+        def dims_for(lora_name: str, is_small: bool, is_unet: bool):
             if modules_dim is not None:
                 if lora_name in modules_dim:
                     return modules_dim[lora_name], modules_alpha[lora_name]
+                return None, None
+            if is_unet and block_dims is not None:
+                i = blocks.block_index(lora_name, self.is_sdxl)
+                if i < 0:
+                    raise LoRAError(f"block_dims: U-Net module {lora_name} is in no block")
+                if is_small:
+                    return block_dims[i], block_alphas[i]
+                if conv_block_dims is not None:
+                    return conv_block_dims[i], conv_block_alphas[i]
                 return None, None
             if is_small:
                 return self.lora_dim, self.alpha
@@ -279,7 +306,8 @@ class LoRANetwork(torch.nn.Module):
                     if not (is_linear or is_conv2d):
                         continue
                     lora_name = names.kohya_name(prefix, name_of(name + "." + child_name))
-                    dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1))
+                    dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1),
+                                          prefix == names.PREFIX_UNET)
                     if not dim:
                         continue
                     loras.append(LoRAModule(lora_name, child, self.multiplier, dim, alpha, dropout=dropout,
@@ -295,7 +323,7 @@ class LoRANetwork(torch.nn.Module):
         self.unet_loras: list[LoRAModule] = []
         if unet is not None:
             targets = UNET_TARGET_MODULES
-            if modules_dim is not None or self.conv_lora_dim is not None:
+            if modules_dim is not None or self.conv_lora_dim is not None or conv_block_dims is not None:
                 targets = targets + UNET_TARGET_MODULES_CONV3X3
             if self.is_sdxl:
                 block_map = names.sdxl_block_map(unet)
@@ -399,6 +427,8 @@ class LoRANetwork(torch.nn.Module):
                     continue
                 group_lr = None if lr is None else (lr * ratio if key == "plus" else lr)
                 if not group_lr:
+                    for p in params:  # frozen: no gradient (trainable_parameters agrees)
+                        p.requires_grad_(False)
                     continue
                 all_params.append({"params": params, "lr": group_lr})
                 descriptions.append(label + (" plus" if key == "plus" else ""))
@@ -420,9 +450,52 @@ class LoRANetwork(torch.nn.Module):
                 assemble(loras, lr, te_ratio, label)
 
         if self.unet_loras:
-            assemble(self.unet_loras, unet_lr if unet_lr is not None else default_lr,
-                     self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio, "unet")
+            lr = unet_lr if unet_lr is not None else default_lr
+            ratio = self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio
+            if self.block_lr_weight is None:
+                assemble(self.unet_loras, lr, ratio, "unet")
+            else:
+                # sd-scripts: one group (pair with LoRA+) per block, in order of first appearance,
+                # at lr * the block's weight; weight 0 leaves the block's modules out (frozen)
+                by_block: dict[int, list[LoRAModule]] = {}
+                for lora in self.unet_loras:
+                    by_block.setdefault(blocks.block_index(lora.lora_name, self.is_sdxl), []).append(lora)
+                for i, loras in by_block.items():
+                    assemble(loras, None if lr is None else lr * self.block_lr_weight[i], ratio,
+                             f"unet_block{i}")
         return all_params, descriptions
+
+    def set_block_lr_weight(self, block_lr_weight: list[float] | None) -> None:
+        """One learning-rate factor per U-Net block (networks/lora_blocks.py), or None."""
+        self.block_lr_weight = block_lr_weight
+
+    @torch.no_grad()
+    def apply_max_norm_regularization(self, max_norm_value: float, device) -> tuple[int, float, float]:
+        """sd-scripts' max-norm regularisation, after an optimizer step: each module whose
+        ||up @ down * alpha / rank|| exceeds max_norm_value has up and down scaled by
+        sqrt(max_norm / norm) (so the product's norm becomes max_norm).
+        Returns (modules scaled, mean and max of the norms after scaling)."""
+        loras = self.text_encoder_loras + self.unet_loras
+        if not loras:
+            return 0, 0.0, 0.0
+        norms, ratios = [], []
+        for lora in loras:
+            down, up = lora.lora_down.weight, lora.lora_up.weight
+            norm = torch.linalg.vector_norm(lora_delta(down.to(device), up.to(device), lora.scale))
+            # as sd-scripts: the clamp below keeps a ~0 norm from dividing (its ratio is exactly 1)
+            clamped = norm.clamp(min=max_norm_value / 2)
+            ratio = clamped.clamp(max=max_norm_value) / clamped
+            # multiplying by sqrt(1) = 1 is exact: the modules within the bound stay bit-identical
+            sqrt_ratio = ratio.sqrt()
+            down.mul_(sqrt_ratio.to(down.device, down.dtype))
+            up.mul_(sqrt_ratio.to(up.device, up.dtype))
+            norms.append(norm * ratio)
+            ratios.append(ratio)
+        # one host transfer for all modules (instead of one per module)
+        stats = torch.stack([torch.stack(norms), torch.stack(ratios)]).float().cpu()
+        scaled_norms = stats[0]
+        keys_scaled = int((stats[1] != 1).sum())
+        return keys_scaled, float(scaled_norms.mean()), float(scaled_norms.max())
 
     def enable_gradient_checkpointing(self) -> None:
         pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
@@ -437,18 +510,23 @@ class LoRANetwork(torch.nn.Module):
         return self.parameters()
 
     def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
-        """Write the network atomically: .safetensors (with metadata and sshs_* hashes) or torch.save."""
-        state_dict = {k: v.detach().clone().to("cpu") for k, v in self.state_dict().items()}
-        if dtype is not None:
-            state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
-        if os.path.splitext(file)[1].lower() == ".safetensors":
-            from safetensors.torch import save_file
-            metadata = dict(metadata or {})
-            metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = precalculate_safetensors_hashes(state_dict, metadata)
-            _atomic_save(file, lambda tmp: save_file(state_dict, tmp, metadata))
-        else:
-            _atomic_save(file, lambda tmp: torch.save(state_dict, tmp))
+        write_weights(file, self.state_dict(), dtype, metadata)
+
+
+def write_weights(file: str, state_dict: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
+                  metadata: Optional[dict[str, str]]) -> None:
+    """Write a network's tensors atomically: .safetensors (with metadata and sshs_* hashes) or torch.save."""
+    state_dict = {k: v.detach().clone().to("cpu") for k, v in state_dict.items()}
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+    state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    if os.path.splitext(file)[1].lower() == ".safetensors":
+        from safetensors.torch import save_file
+        metadata = dict(metadata or {})
+        metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = precalculate_safetensors_hashes(state_dict, metadata)
+        _atomic_save(file, lambda tmp: save_file(state_dict, tmp, metadata))
+    else:
+        _atomic_save(file, lambda tmp: torch.save(state_dict, tmp))
 
 
 # --- module-level entry points (the network_module interface) ----------------------------------
@@ -460,14 +538,45 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
     network_alpha = 1.0 if network_alpha is None else _parse_number("network_alpha", network_alpha, float, 0)
     if neuron_dropout is not None:
         neuron_dropout = _parse_number("network_dropout", neuron_dropout, float, 0.0, 1.0)
+    is_sdxl = _is_sdxl(text_encoder, unet)
+    block_lr_weight = _lr_weights(args, is_sdxl)
+    per_block = {}
+    if args.get("block_dims") is not None or block_lr_weight is not None:
+        # sd-scripts: block_dims or an lr weight switches on per-block ranks
+        try:
+            dims, alphas, conv_dims, conv_alphas = blocks.block_dims_and_alphas(
+                args, is_sdxl, network_dim, network_alpha, args.get("conv_dim"), args.get("conv_alpha"),
+                block_lr_weight)
+        except blocks.BlockArgError as e:
+            raise LoRAError(str(e)) from None
+        per_block = dict(block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims,
+                         conv_block_alphas=conv_alphas)
     network = LoRANetwork(text_encoder, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
                           dropout=neuron_dropout, rank_dropout=args.get("rank_dropout"),
                           module_dropout=args.get("module_dropout"), conv_lora_dim=args.get("conv_dim"),
-                          conv_alpha=args.get("conv_alpha"))
+                          conv_alpha=args.get("conv_alpha"), is_sdxl=is_sdxl, **per_block)
+    _set_lr_options(network, args, block_lr_weight)
+    return network
+
+
+def _is_sdxl(text_encoder, unet) -> bool:
+    tes = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]) if te is not None]
+    return len(tes) == 2 or (unet is not None and names.is_sdxl_unet(unet))
+
+
+def _lr_weights(args: dict[str, Any], is_sdxl: bool) -> list[float] | None:
+    try:
+        return blocks.lr_weights(args, is_sdxl, log=logger.warning)
+    except blocks.BlockArgError as e:
+        raise LoRAError(str(e)) from None
+
+
+def _set_lr_options(network: LoRANetwork, args: dict[str, Any], block_lr_weight) -> None:
     if any(k.startswith("loraplus") for k in args):
         network.set_loraplus_lr_ratio(args.get("loraplus_lr_ratio"), args.get("loraplus_unet_lr_ratio"),
                                       args.get("loraplus_text_encoder_lr_ratio"))
-    return network
+    if block_lr_weight is not None:
+        network.set_block_lr_weight(block_lr_weight)
 
 
 def dims_from_weights(weights_sd: dict[str, torch.Tensor]) -> tuple[dict[str, int], dict[str, Any]]:
@@ -498,9 +607,12 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     modules_dim, modules_alpha = dims_from_weights(weights_sd)
     if not modules_dim:
         raise LoRAError(f"LoRA weights {file or '(state dict)'}: no '*.lora_down.weight' keys, not a kohya LoRA file")
+    unused = sorted(k for k in ("conv_dim", "conv_alpha", *blocks.BLOCK_LIST_ARGS) if k in args)
+    if unused:  # the file fixes every module's rank and alpha
+        raise LoRAError(f"network_args: {unused[0]} has no effect on a network shaped by a weights file "
+                        "(dim_from_weights: the ranks and alphas come from network_weights); remove it")
+    is_sdxl = _is_sdxl(text_encoder, unet)
     network = LoRANetwork(text_encoder, unet, multiplier=multiplier, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha)
-    if any(k.startswith("loraplus") for k in args):
-        network.set_loraplus_lr_ratio(args.get("loraplus_lr_ratio"), args.get("loraplus_unet_lr_ratio"),
-                                      args.get("loraplus_text_encoder_lr_ratio"))
+                          modules_alpha=modules_alpha, is_sdxl=is_sdxl)
+    _set_lr_options(network, args, _lr_weights(args, is_sdxl))  # sd-scripts: lr weights apply here too
     return network, weights_sd

@@ -50,3 +50,38 @@ def sdxl_block_map(unet) -> dict[str, str]:
 def sdxl_module_path(path: str, block_map: dict[str, str]) -> str:
     """Translate a diffusers module path inside an SDXL U-Net to the SAI path."""
     return unet_layout.original_path(path, block_map)
+
+
+def plain_to_kohya_names(text_encoders, unet) -> dict[str, str]:
+    """{name a plain walk gives: the kohya name} for every module of the model whose two names
+    differ. A plain walk (``<prefix>_<module path>``, as LyCORIS' lycoris.kohya names modules on
+    the model it is given) names our diffusers SDXL U-Net in diffusers layout
+    (``lora_unet_down_blocks_...``, which A1111 would map with SD1 numbering) and transformers 5's
+    CLIPTextModel without ``text_model``; the kohya names are those of networks.lora."""
+    out: dict[str, str] = {}
+    tes = [te for te in text_encoders if te is not None]
+    for i, te in enumerate(tes):
+        prefix = text_encoder_prefix(i, len(tes))
+        for path, _ in te.named_modules():
+            if path:
+                plain, ours = kohya_name(prefix, path), kohya_name(prefix, text_encoder_path(path))
+                if plain != ours:
+                    out[plain] = ours
+    if unet is not None and is_sdxl_unet(unet):
+        blocks = sdxl_block_map(unet)
+        for path, _ in unet.named_modules():
+            try:
+                ours = kohya_name(PREFIX_UNET, sdxl_module_path(path, blocks))
+            except KeyError:
+                continue  # no original-layout place (e.g. time_proj, which has no weights)
+            out[kohya_name(PREFIX_UNET, path)] = ours
+    return out
+
+
+def rename_keys(state_dict: dict, names: dict[str, str]) -> dict:
+    """Rename ``<module name>.<tensor>`` keys by module name (names not in the table stay)."""
+    out = {}
+    for key, value in state_dict.items():
+        module, dot, rest = key.partition(".")
+        out[names.get(module, module) + dot + rest] = value
+    return out

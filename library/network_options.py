@@ -1,0 +1,72 @@
+"""sd-scripts' train_network.py options around the network: dim_from_weights, scale_weight_norms,
+base_weights / base_weights_multiplier (checks before any weight loads, and the merge).
+
+``base_weights`` are merged right after the model loads (``Run.load``, before the trainer's dtype
+placement and any fp8 cast of the frozen U-Net), in float32 when the weights are float32 as
+loaded: each file adds ``multiplier * up @ down * alpha / rank`` to the U-Net's and text encoders'
+own weights (networks/merge_lora.py ``merge_lora_into``), in the order given.
+"""
+from __future__ import annotations
+
+import os
+
+from library.errors import UserError
+
+
+class NetworkOptionError(UserError, ValueError):
+    pass
+
+
+def check_options(opts) -> None:
+    """Before any weight loads."""
+    if getattr(opts, "script", "train_lora") != "train_lora":
+        return
+    if opts.dim_from_weights and not opts.network_weights:
+        raise NetworkOptionError("dim_from_weights needs network_weights (the file whose ranks and "
+                                 "alphas shape the network)")
+    files = list(opts.base_weights or [])
+    for f in files:
+        if not os.path.isfile(f):
+            raise NetworkOptionError(f"base_weights: file not found: {f}")
+    mults = opts.base_weights_multiplier
+    if mults is not None and len(mults) != len(files):
+        raise NetworkOptionError(f"base_weights_multiplier: {len(mults)} value(s) for {len(files)} "
+                                 "base_weights file(s); give one multiplier per file")
+    if opts.scale_weight_norms is not None and getattr(opts, "deepspeed", False):
+        # ZeRO steps float32 master copies (and partitions them): an in-place rescale of the
+        # module weights would be overwritten by the next step
+        raise NetworkOptionError("scale_weight_norms cannot be combined with deepspeed (ZeRO's master "
+                                 "weights would undo the rescaling); drop one of them")
+
+
+def base_multipliers(opts) -> list[float]:
+    files = list(opts.base_weights or [])
+    return list(opts.base_weights_multiplier) if opts.base_weights_multiplier is not None else [1.0] * len(files)
+
+
+def merge_base_weights(bundle, opts, log) -> None:
+    """Merge each base_weights file, with its multiplier, into the loaded model (in place)."""
+    if not opts.base_weights:
+        return
+    from networks.lora import LoRAError, load_state_dict_file
+    from networks.merge_lora import merge_lora_into
+
+    for path, m in zip(opts.base_weights, base_multipliers(opts)):
+        try:
+            n = merge_lora_into(bundle.text_encoders, bundle.unet, load_state_dict_file(path), m)
+        except LoRAError as e:
+            raise NetworkOptionError(f"base_weights: {path}: {e}") from None
+        log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
+
+
+def max_norm_postfix(stats) -> dict:
+    """sd-scripts' progress-bar entries for scale_weight_norms."""
+    keys_scaled, mean_norm, _ = stats
+    return {"Keys Scaled": keys_scaled, "Average key norm": f"{mean_norm:.4f}"}
+
+
+def max_norm_scalars(stats) -> dict:
+    """sd-scripts' tracker scalars for scale_weight_norms (generate_step_logs)."""
+    keys_scaled, mean_norm, max_norm = stats
+    return {"max_norm/keys_scaled": keys_scaled, "max_norm/max_key_norm": max_norm,
+            "norm/avg_key_norm": mean_norm}
