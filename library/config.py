@@ -627,7 +627,7 @@ def _apply_gui_keys(gui_names: dict) -> dict:
             continue  # the GUI's "not set"
         entry = GUI_ONLY[name]
         if entry.action == "reject":
-            raise ConfigError(f"{src.where()}: {name} cannot be used here: {entry.why}")
+            raise ConfigError(f"{src.where()}: cannot be used here: {entry.why}")
         ignored[name] = raw
         logger.warning("option %s has no effect (a kohya_ss GUI key: %s)", name, entry.why)
     return ignored

@@ -76,7 +76,15 @@ class NetworkMethod:
             network.prepare_grad_etc(self._te_arg(), b.unet)
         self.network = network
         te_lr = opts.text_encoder_lr
-        groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
+        multi = getattr(network, "prepare_optimizer_params_with_multiple_te_lrs", None)
+        if multi is not None:
+            groups = multi(te_lr, opts.unet_lr, opts.learning_rate)
+        else:
+            if isinstance(te_lr, (list, tuple)):
+                # sd-scripts: a network without multiple-rate support gets the first rate (the
+                # kohya_ss GUI writes text_encoder_lr = [lr, lr]; LyCORIS takes one number)
+                te_lr = te_lr[0] if te_lr else None
+            groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
         self.group_names = None  # the groups' descriptions, when the module gives them
         if isinstance(groups, tuple):  # current sd-scripts returns (groups, descriptions)
             groups, self.group_names = groups[0], list(groups[1])

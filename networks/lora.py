@@ -424,6 +424,11 @@ class LoRANetwork(torch.nn.Module):
                      self.loraplus_unet_lr_ratio or self.loraplus_lr_ratio, "unet")
         return all_params, descriptions
 
+
+    # sd-scripts' name for a network whose prepare_optimizer_params takes one rate per text
+    # encoder (train_network.py then passes text_encoder_lr as the list it was given)
+    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
+
     def enable_gradient_checkpointing(self) -> None:
         pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
 
