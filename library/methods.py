@@ -62,7 +62,10 @@ class NetworkMethod:
                 self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
         except UserError:
             raise
-        except (TypeError, ValueError, KeyError) as e:
+        except KeyError as e:  # e.g. LyCORIS 3.x without the algo named in network_args
+            raise MethodError(f"network_args for {opts.network_module}: the module has no {e} "
+                              "(KeyError in create_network)") from None
+        except (TypeError, ValueError) as e:
             raise MethodError(f"network_args for {opts.network_module}: {e}") from None
         if network is None:
             raise MethodError(f"network_module {opts.network_module}: create_network returned None")

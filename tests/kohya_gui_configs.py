@@ -344,7 +344,9 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
         else:
             out.update({
                 "block_lr": d["block_lr"], "dataset_repeats": int(d["dataset_repeats"]),
-                "enable_bucket": True, "in_json": d["in_json"],
+                "enable_bucket": True, "in_json": _finetune_metadata(d),
+                "cache_text_encoder_outputs": True if sdxl and d["sdxl_cache_text_encoder_outputs"] else None,
+                "cache_text_encoder_outputs_to_disk": None,
                 "max_bucket_reso": int(d["max_bucket_reso"]),
                 "optimizer_args": str(d["optimizer_args"]).replace('"', "").split(),
                 "train_text_encoder": d["train_text_encoder"], "vae": None,
@@ -353,6 +355,30 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
         # dreambooth / finetune filters keep 0 (identity test against False)
         keep = lambda v: not (isinstance(v, str) and v == "") and v is not None and v is not False  # noqa: E731
     return dict(sorted((k, v) for k, v in out.items() if keep(v)))
+
+
+def _finetune_metadata(d: dict) -> str:
+    """The finetune tab's in_json: <train_dir>/meta_lat.json or meta_cap.json (use_latent_files),
+    which its caption-metadata step (sd-scripts' merge_captions_to_metadata.py, full paths)
+    writes from the image folder's caption files; here train_dir is the output folder."""
+    name = (d.get("latent_metadata_filename") or "meta_lat.json") if d.get("use_latent_files", "Yes") == "Yes" \
+        else (d.get("caption_metadata_filename") or "meta_cap.json")
+    meta = {}
+    folder = d["train_data_dir"]
+    for f in sorted(os.listdir(folder)):
+        stem, ext = os.path.splitext(f)
+        if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+            continue
+        cap = os.path.join(folder, stem + d["caption_extension"])
+        entry = {}
+        if os.path.exists(cap):
+            with open(cap, encoding="utf-8") as fh:
+                entry["caption"] = fh.read().strip()
+        meta[os.path.abspath(os.path.join(folder, f))] = entry
+    path = os.path.join(d["output_dir"], name)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh)
+    return path
 
 
 def presets(tab: str) -> list[tuple[str, dict]]:
