@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 
 from library.errors import UserError
-from library.options import (ALIASES, GUI_OFF, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
+from library.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
                              SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECTIONS, Option,
                              SdScriptsName, options_for)
 
@@ -617,14 +617,21 @@ def _apply_sd_scripts_names(sd_names: dict) -> dict:
     return ignored
 
 
+def _gui_unset(v) -> bool:
+    """The kohya_ss GUI's "not set": false, an empty string or a zero (the fine-tune tab writes
+    vae_chunk_size = 0 for every model)."""
+    if v is False or v == "":
+        return True
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+
+
 def _apply_gui_keys(gui_names: dict) -> dict:
     """kohya_ss GUI-only keys (library.options GUI_KEYS): reject those that cannot be honoured,
     warn once each about those with no effect (also in sd-scripts); return the latter."""
     ignored = {}
     for name, (raw, src) in gui_names.items():
-        if any(raw == off and type(raw) is type(off) for off in GUI_OFF if off is not None) \
-                or raw is None or (isinstance(raw, float) and raw == 0):
-            continue  # the GUI's "not set"
+        if _gui_unset(raw):
+            continue
         entry = GUI_ONLY[name]
         if entry.action == "reject":
             raise ConfigError(f"{src.where()}: cannot be used here: {entry.why}")

@@ -679,9 +679,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
 )
 
 GUI_KEYS_BY_NAME: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS}
-# GUI-only keys: parsed from this table (library/config.py); "off" = not set by the GUI
+# GUI-only keys: parsed from this table (library/config.py)
 GUI_ONLY: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS if k.action in ("ignore", "reject")}
-GUI_OFF = (None, False, "", 0)
 
 
 def options_for(script: str) -> list[Option]:

@@ -285,19 +285,21 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
     }
     original = d["noise_offset_type"] == "Original"
     multires = d["noise_offset_type"] == "Multires"
+    cycles = int(d["lr_scheduler_num_cycles"]) if d["lr_scheduler_num_cycles"] != "" else int(d["epoch"])
+    opt_args = _split(d["optimizer_args"])
     if tab == "lora":
         module, args = _lora_network(d)
         te, unet = float(d["text_encoder_lr"] or 0), float(d["unet_lr"] or 0)
         out.update({
-            "adaptive_noise_scale": d["adaptive_noise_scale"] if d["adaptive_noise_scale"] and original else None,
-            "noise_offset": d["noise_offset"] if d["noise_offset"] and original else None,
+            "adaptive_noise_scale": d["adaptive_noise_scale"] if original else None,
+            "noise_offset": d["noise_offset"] if original else None,
             "noise_offset_random_strength": d["noise_offset_random_strength"] if original else None,
             "multires_noise_discount": d["multires_noise_discount"] if multires else None,
-            "multires_noise_iterations": d["multires_noise_iterations"] if d["multires_noise_iterations"] and multires else None,
+            "multires_noise_iterations": d["multires_noise_iterations"] if multires else None,
             "cache_text_encoder_outputs": True if sdxl and d["sdxl_cache_text_encoder_outputs"] else None,
             "dim_from_weights": d["dim_from_weights"], "epoch": int(d["epoch"]),
             "highvram": d["highvram"], "learning_rate": float(d["learning_rate"] or 0),
-            "lr_scheduler_num_cycles": int(d["lr_scheduler_num_cycles"]) if d["lr_scheduler_num_cycles"] != "" else int(d["epoch"]),
+            "lr_scheduler_num_cycles": cycles,
             "lr_scheduler_power": d["lr_scheduler_power"], "max_grad_norm": d["max_grad_norm"],
             "network_alpha": d["network_alpha"], "network_args": args.replace('"', "").split(),
             "network_dim": d["network_dim"], "network_dropout": d["network_dropout"],
@@ -306,7 +308,7 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
             "network_train_text_encoder_only": te != 0 and unet == 0,
             "network_weights": d["network_weights"],
             "no_half_vae": True if sdxl and d["sdxl_no_half_vae"] else None,
-            "optimizer_args": str(d["optimizer_args"]).replace('"', "").split() if d["optimizer_args"] != [] else None,
+            "optimizer_args": opt_args,  # the GUI's `if optimizer_args != []` is always true
             "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
             "scale_weight_norms": d["scale_weight_norms"],
             "stop_text_encoder_training": stop_te or None,
@@ -314,7 +316,7 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
             "training_comment": d.get("training_comment", ""),
             "unet_lr": unet if unet != 0.0 else None,
         })
-        keep = lambda v: v not in ["", False, None]  # noqa: E731 - the GUI's filter (drops 0 too)
+        keep = _lora_keeps
     else:
         out.update({
             "noise_offset": d["noise_offset"] or None,
@@ -334,9 +336,9 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
         if tab == "dreambooth":
             out.update({
                 "epoch": int(d["epoch"]), "no_token_padding": d["no_token_padding"],
-                "lr_scheduler_num_cycles": int(d["lr_scheduler_num_cycles"]) if d["lr_scheduler_num_cycles"] != "" else int(d["epoch"]),
+                "lr_scheduler_num_cycles": cycles,
                 "lr_scheduler_power": d["lr_scheduler_power"], "max_grad_norm": d["max_grad_norm"],
-                "optimizer_args": str(d["optimizer_args"]).replace('"', "").split() if d["optimizer_args"] != "" else None,
+                "optimizer_args": opt_args if d["optimizer_args"] != "" else None,
                 "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
                 "stop_text_encoder_training": stop_te or None,
                 "train_text_encoder": d["train_text_encoder"] if sdxl else None,
@@ -345,24 +347,39 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
             out.update({
                 "block_lr": d["block_lr"], "dataset_repeats": int(d["dataset_repeats"]),
                 "enable_bucket": True, "in_json": _finetune_metadata(d),
-                "cache_text_encoder_outputs": True if sdxl and d["sdxl_cache_text_encoder_outputs"] else None,
+                "cache_text_encoder_outputs": sdxl and d["sdxl_cache_text_encoder_outputs"],
                 "cache_text_encoder_outputs_to_disk": None,
                 "max_bucket_reso": int(d["max_bucket_reso"]),
-                "optimizer_args": str(d["optimizer_args"]).replace('"', "").split(),
+                "optimizer_args": opt_args,
                 "train_text_encoder": d["train_text_encoder"], "vae": None,
                 "vae_chunk_size": int(d["vae_chunk_size"]),
             })
-        # dreambooth / finetune filters keep 0 (identity test against False)
-        keep = lambda v: not (isinstance(v, str) and v == "") and v is not None and v is not False  # noqa: E731
+        keep = _db_ft_keeps
     return dict(sorted((k, v) for k, v in out.items() if keep(v)))
+
+
+def _split(v) -> list:
+    return str(v).replace('"', "").split()
+
+
+def _lora_keeps(v) -> bool:
+    """lora_gui.py's filter `value not in ["", False, None]`: drops 0 and 0.0 too (0 == False)."""
+    return v not in ["", False, None]
+
+
+def _db_ft_keeps(v) -> bool:
+    """dreambooth_gui.py / finetune_gui.py's filters: identity tests against False, so 0 is kept."""
+    return not (isinstance(v, str) and v == "") and v is not None and v is not False
 
 
 def _finetune_metadata(d: dict) -> str:
     """The finetune tab's in_json: <train_dir>/meta_lat.json or meta_cap.json (use_latent_files),
     which its caption-metadata step (sd-scripts' merge_captions_to_metadata.py, full paths)
     writes from the image folder's caption files; here train_dir is the output folder."""
-    name = (d.get("latent_metadata_filename") or "meta_lat.json") if d.get("use_latent_files", "Yes") == "Yes" \
-        else (d.get("caption_metadata_filename") or "meta_cap.json")
+    if d.get("use_latent_files", "Yes") == "Yes":
+        name = d.get("latent_metadata_filename") or "meta_lat.json"
+    else:
+        name = d.get("caption_metadata_filename") or "meta_cap.json"
     meta = {}
     folder = d["train_data_dir"]
     for f in sorted(os.listdir(folder)):
