@@ -607,9 +607,9 @@ def run(opts, method_name: str) -> Run | None:
     resume = None
     if opts.resume:  # checked before any weight loads
         resume = _check_resume(r)
-    r.validate()  # optimizer, network module, combinations: a dry run stops on them too
     if opts.dry_run:
-        print_plan(r.plan, main)
+        print_plan(r.plan, main)  # the plan needs no torch: printed first
+        r.validate()  # optimizer, network module, combinations: a dry run stops on them too
         from library import memory_estimate
 
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
@@ -626,6 +626,7 @@ def run(opts, method_name: str) -> Run | None:
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:
+    r.validate()
     r.load()
     print_plan(r.plan, r.accelerator.is_main_process)
     r.setup_method()
