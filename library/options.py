@@ -603,7 +603,7 @@ sample_prompts:ldf sample_sampler:ldf save_every_n_epochs:ldf save_every_n_steps
 save_last_n_epochs:ldf save_last_n_epochs_state:ldf save_last_n_steps:ldf save_last_n_steps_state:ldf
 save_model_as:ldf save_precision:ldf save_state:ldf save_state_on_train_end:ldf
 scale_v_pred_loss_like_noise_pred:ldf sdpa:ldf seed:ldf shuffle_caption:ldf
-stop_text_encoder_training:ld text_encoder_lr:l train_batch_size:ldf train_data_dir:ldf
+stop_text_encoder_training:d text_encoder_lr:l train_batch_size:ldf train_data_dir:ldf
 train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:ldf vae:ldf
 vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
 scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
@@ -629,7 +629,8 @@ GUI_NOTES = {
                     "(use_tucker) takes its last value, as sd-scripts",
     "learning_rate_te": "alias of text_encoder_lr; in train_dreambooth (SD1/SD2) it also trains the "
                         "text encoder unless train_text_encoder = false, as sd-scripts' train_db.py",
-    "stop_text_encoder_training": "the GUI writes a step count (from its percentage)",
+    "stop_text_encoder_training": "the GUI writes a step count (from its percentage); the LoRA tab "
+                                  "never writes it (it resets its field to 0)",
     "lr_warmup_steps": "the GUI writes a step count or a fraction of all steps (its percentage / 100)",
     "sample_prompts": "the GUI always writes <output_dir>/sample/prompt.txt",
 }

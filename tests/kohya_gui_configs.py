@@ -81,12 +81,20 @@ _NUMBER_FIELDS = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "tr
                   "rank_dropout", "module_dropout", "max_token_length", "dataset_repeats")
 
 
+OTHER_FAMILIES = {"flux1_checkbox": "FLUX.1", "sd3_checkbox": "SD3",
+                  "hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
+                  "lumina_checkbox": "Lumina"}
+
+
+def other_family(preset: dict) -> str | None:
+    """The GUI model type of a preset this toolkit does not train (FLUX.1, SD3, ...), or None."""
+    return next((name for box, name in OTHER_FAMILIES.items() if preset.get(box)), None)
+
+
 def family_of(preset: dict) -> str | None:
     """'sd1' / 'sd2' / 'sdxl', or None for a model type this toolkit does not train."""
-    for other in ("flux1_checkbox", "sd3_checkbox", "hunyuan_image_checkbox", "anima_checkbox",
-                  "lumina_checkbox"):
-        if preset.get(other):
-            return None
+    if other_family(preset):
+        return None
     if preset.get("sdxl") or preset.get("sdxl_checkbox"):
         return "sdxl"
     return "sd2" if preset.get("v2") else "sd1"

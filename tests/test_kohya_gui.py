@@ -52,8 +52,9 @@ def _cases():
             pid = f"{tab}/{name}"
             fam = gui.family_of(preset)
             if fam is None:
-                out.append(pytest.param(tab, preset, pid, id=f"{pid} [skipped: not an SD1/SD2/SDXL model]",
-                                        marks=pytest.mark.skip(reason="another model family")))
+                why = f"a {gui.other_family(preset)} preset: not an SD1/SD2/SDXL model"
+                out.append(pytest.param(tab, preset, pid, id=f"{pid} [skipped: {why}]",
+                                        marks=pytest.mark.skip(reason=why)))
                 continue
             marks = []
             if pid in PENDING:
@@ -120,6 +121,9 @@ def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_sc
         return
     assert rc == 0, err[-2000:]
     assert "done: steps 2" in out + err
+    if tab == "dreambooth" and gui.family_of(preset) != "sdxl" and cfg.get("learning_rate_te"):
+        # the GUI writes learning_rate_te and no train_text_encoder: trained, as train_db.py
+        assert "the text encoder trains, as in sd-scripts' train_db.py" in err
     name = cfg.get("output_name", "last")
     saved = [f for f in os.listdir(tmp_path / "out") if f.startswith(name)]
     assert saved, os.listdir(tmp_path / "out")
@@ -221,3 +225,17 @@ def test_dreambooth_text_encoder_rate_trains_it_as_sd_scripts(model, extra, trai
     te = run.bundle.text_encoders[0]
     assert all(p.requires_grad is trains for p in te.parameters())
     assert ("the text encoder trains, as in sd-scripts' train_db.py" in err) is trains
+
+
+def test_gui_option_keys_are_accepted_by_the_tab_scripts():
+    """A GUI key documented as "honoured as option X" is an option of the entry script of every
+    tab that writes it (else the GUI's file would be refused with "not accepted by")."""
+    from library.options import ALIASES, GUI_KEYS, OPTIONS_BY_NAME, PENDING_GUI_OPTIONS
+
+    script = {"l": "train_lora", "d": "train_dreambooth", "f": "finetune"}
+    for k in GUI_KEYS:
+        target = ALIASES.get(k.target or k.name, k.target or k.name)
+        if k.action != "option" or target in PENDING_GUI_OPTIONS:
+            continue
+        for t in k.tabs:
+            assert script[t] in OPTIONS_BY_NAME[target].scripts, f"{k.name} ({t})"
