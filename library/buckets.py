@@ -44,11 +44,15 @@ class BucketManager:
     def __init__(self, resolution: tuple[int, int], enable_bucket: bool, min_size: int = 256,
                  max_size: int = 1024, reso_steps: int = 64, no_upscale: bool = False,
                  log: logging.Logger = logger):
-        if len(resolution) != 2:
-            raise DataError(f"--resolution must be W or W,H, got {resolution!r}")
-        for v in resolution:
-            _check_multiple_of_8("resolution", v)
+        if len(resolution) != 2 or any(not isinstance(v, int) or v <= 0 for v in resolution):
+            raise DataError(f"--resolution must be W or W,H (positive), got {resolution!r}")
         self.resolution = (int(resolution[0]), int(resolution[1]))
+        if not enable_bucket and (self.resolution[0] % 8 or self.resolution[1] % 8):
+            # sd-scripts: images are cropped to exactly this size; the VAE then encodes it to
+            # ceil-ish latent sizes that do not cover whole 8 px blocks. Same here, said once.
+            log.warning(f"resolution {self.resolution[0]}x{self.resolution[1]} is not a multiple "
+                        "of 8: images are cropped to it and the VAE's latents cover it only "
+                        "approximately (as sd-scripts); a multiple of 8 is usual")
         self.enable_bucket = enable_bucket
         self.no_upscale = bool(no_upscale) and enable_bucket
         self.max_area = self.resolution[0] * self.resolution[1]
@@ -67,6 +71,18 @@ class BucketManager:
                 log.warning("--min_bucket_reso and --max_bucket_reso are ignored with --bucket_no_upscale")
                 self.resos = []
             else:
+                # sd-scripts (adjust_min_max_bucket_reso_by_steps): min rounded down, max up to
+                # a multiple of the step; with buckets the resolution only gives the area
+                if min_size % reso_steps:
+                    adjusted = min_size - min_size % reso_steps
+                    log.warning(f"min_bucket_reso {min_size} is not a multiple of bucket_reso_steps "
+                                f"({reso_steps}): using {adjusted}, as sd-scripts")
+                    min_size = adjusted
+                if max_size % reso_steps:
+                    adjusted = max_size + reso_steps - max_size % reso_steps
+                    log.warning(f"max_bucket_reso {max_size} is not a multiple of bucket_reso_steps "
+                                f"({reso_steps}): using {adjusted}, as sd-scripts")
+                    max_size = adjusted
                 _check_multiple_of_8("min_bucket_reso", min_size)
                 _check_multiple_of_8("max_bucket_reso", max_size)
                 if min_size > max_size:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 
 from library.errors import UserError
-from library.options import (ALIASES, OPTIONS, OPTIONS_BY_NAME, SCRIPTS, SD_SCRIPTS_BY_NAME,
-                             SD_SCRIPTS_NAMES, SECTIONS, Option, SdScriptsName, options_for)
+from library.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
+                             SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECTIONS, Option,
+                             SdScriptsName, options_for)
 
 logger = logging.getLogger("sdtk")
 
@@ -221,8 +222,11 @@ def _to_resolution(v, cli):
     if len(parts) != 2:
         raise bad
     w, h = parts
-    if w <= 0 or h <= 0 or w % 8 or h % 8:
-        raise _Bad(f"{w}x{h}: width and height must be positive multiples of 8")
+    if w <= 0 or h <= 0:
+        raise _Bad(f"{w}x{h}: width and height must be positive")
+    # Not a multiple of 8 is allowed, as sd-scripts: with buckets the resolution is only the
+    # bucket area; without, images are cropped to it and the VAE's latent covers w//8 x h//8
+    # blocks (config.resolution_notes says so in one line).
     return (w, h)
 
 
@@ -248,7 +252,7 @@ def _kv_value_str(k, v) -> str:
     raise _Bad(f"key {k!r}: expected a string, number, boolean or list, got {_desc(v)}")
 
 
-def _to_kv(v, cli, literal: bool):
+def _to_kv(v, cli, literal: bool, name: str = ""):
     pairs = []
     if isinstance(v, dict):
         for k, x in v.items():
@@ -271,9 +275,10 @@ def _to_kv(v, cli, literal: bool):
             pairs.append((k.strip(), _literal(x) if literal else x))
     out = {}
     for k, x in pairs:
-        if k in out:
-            raise _Bad(f"key {k!r} given twice")
-        out[k] = x
+        if k in out and out[k] != x:
+            logger.warning("%s: key %r given twice (%r, then %r): the last value wins, as in "
+                           "sd-scripts", name, k, out[k], x)
+        out[k] = x  # sd-scripts builds a dict: the last value wins (the GUI writes use_tucker twice)
     return out
 
 
@@ -337,14 +342,16 @@ _CONVERTERS = {
     "str": _to_str, "path": _to_str, "int": _to_int, "float": _to_float, "bool": _to_bool,
     "resolution": _to_resolution, "float_or_list": _to_float_or_list,
     "steps_or_fraction": _to_steps_or_fraction, "path_list": _to_path_list, "float_list": _to_float_list,
-    "kv_literal": lambda v, cli: _to_kv(v, cli, True), "kv_str": lambda v, cli: _to_kv(v, cli, False),
 }
 
 
 def _convert(opt: Option, raw, cli: bool, script: str):
     if isinstance(raw, str) and raw == "" and opt.type in ("path", "str") and opt.default is None:
         return None  # sd-scripts GUIs write "" for an unset path
-    v = _CONVERTERS[opt.type](raw, cli)
+    if opt.type in ("kv_literal", "kv_str"):
+        v = _to_kv(raw, cli, opt.type == "kv_literal", opt.name)
+    else:
+        v = _CONVERTERS[opt.type](raw, cli)
     if opt.name == "optimizer_type" and v == "":
         v = "AdamW"  # sd-scripts: "" means the default optimizer
     choices = opt.choices_for(script)
@@ -484,11 +491,11 @@ def _read_toml(path: str, what: str) -> tuple[str, dict]:
 
 def _load_run_file(path: str, script: str):
     """-> (the path read, {name: (raw, src)} for schema options, {name: (raw, src)} for
-    sd-scripts-only names, {"general"/"datasets": raw})."""
+    sd-scripts-only names, {name: (raw, src)} for kohya_ss GUI-only keys, {"general"/"datasets": raw})."""
     if not os.path.exists(path) and not path.endswith(".toml") and os.path.exists(path + ".toml"):
         path += ".toml"  # sd-scripts appends .toml to --config_file
     text, data = _read_toml(path, "config")
-    values, sd_names, dataset = {}, {}, {}
+    values, sd_names, gui_names, dataset = {}, {}, {}, {}
 
     def add(key, raw, table):
         src = _Src(path, _find_line(text, key, table), key, table)
@@ -502,6 +509,8 @@ def _load_run_file(path: str, script: str):
             target = values
         elif name in SD_SCRIPTS_BY_NAME:
             target = sd_names
+        elif name in GUI_ONLY:  # a key only the kohya_ss GUI writes (a file key, no flag)
+            target = gui_names
         else:
             raise _unknown(src, key, script)
         if name in target:
@@ -518,7 +527,7 @@ def _load_run_file(path: str, script: str):
                 add(k, v, key)
         else:
             add(key, val, None)
-    return path, values, sd_names, dataset
+    return path, values, sd_names, gui_names, dataset
 
 
 def _is_dict_option(key: str) -> bool:
@@ -563,24 +572,33 @@ def parse_args(script: str, argv: list[str] | None = None) -> Options:
         raise ConfigError(f"unexpected argument {tok!r} (options are written --name value)")
 
     cli = vars(ns)
-    values, sd_names, dataset_raw, config_path = {}, {}, {}, cli.pop("config", None)
+    values, sd_names, gui_names, dataset_raw = {}, {}, {}, {}
+    config_path = cli.pop("config", None)
     if config_path:
-        config_path, values, sd_names, dataset_raw = _load_run_file(config_path, script)
+        config_path, values, sd_names, gui_names, dataset_raw = _load_run_file(config_path, script)
+    gui_keys = _apply_gui_keys(gui_names)
+    resolved = {o.name: o.default for o in OPTIONS}
+
+    def convert(name, raw, src):
+        try:
+            resolved[name] = _convert(OPTIONS_BY_NAME[name], raw, src.path is None, script)
+        except _Bad as e:
+            raise ConfigError(f"{src.where()}: {e}") from None
+
+    # Every value in the file is checked, also those the command line then overrides: a bad
+    # value in a config is an error whichever way the run is started.
+    for name, (raw, src) in values.items():
+        convert(name, raw, src)
     for dest, raw in cli.items():  # the command line overrides the file
         if dest.startswith(_SD_DEST):
             name = dest[len(_SD_DEST):]
             sd_names[name] = (raw, _Src(key=name))
         else:
             values[dest] = (raw, _Src(key=dest))
+            convert(dest, raw, values[dest][1])
 
     ignored = _apply_sd_scripts_names(sd_names)
-
-    resolved = {o.name: o.default for o in OPTIONS}
-    for name, (raw, src) in values.items():
-        try:
-            resolved[name] = _convert(OPTIONS_BY_NAME[name], raw, src.path is None, script)
-        except _Bad as e:
-            raise ConfigError(f"{src.where()}: {e}") from None
+    ignored.update(gui_keys)
     resolved["config"] = config_path
     for o in OPTIONS:  # dict options are always dicts
         if o.type.startswith("kv") and resolved[o.name] is None:
@@ -621,6 +639,29 @@ def _apply_sd_scripts_names(sd_names: dict) -> dict:
     return ignored
 
 
+def _gui_unset(v) -> bool:
+    """The kohya_ss GUI's "not set": false, an empty string or a zero (the fine-tune tab writes
+    vae_chunk_size = 0 for every model)."""
+    if v is False or v == "":
+        return True
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+
+
+def _apply_gui_keys(gui_names: dict) -> dict:
+    """kohya_ss GUI-only keys (library.options GUI_KEYS): reject those that cannot be honoured,
+    warn once each about those with no effect (also in sd-scripts); return the latter."""
+    ignored = {}
+    for name, (raw, src) in gui_names.items():
+        if _gui_unset(raw):
+            continue
+        entry = GUI_ONLY[name]
+        if entry.action == "reject":
+            raise ConfigError(f"{src.where()}: cannot be used here: {entry.why}")
+        ignored[name] = raw
+        logger.warning("option %s has no effect (a kohya_ss GUI key: %s)", name, entry.why)
+    return ignored
+
+
 def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
     def where(name):
         return given[name][1].where() if name in given else name
@@ -649,15 +690,20 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
         raise ConfigError("output_dir is required (where the trained files are written)")
     steps = v["bucket_reso_steps"]
     if steps % 8:
-        raise ConfigError(f"{where('bucket_reso_steps')}: {steps} is not a multiple of 8")
-    for name in ("min_bucket_reso", "max_bucket_reso"):
-        if v[name] % steps:
-            raise ConfigError(f"{where(name)}: {v[name]} is not a multiple of bucket_reso_steps ({steps})")
+        raise ConfigError(f"{where('bucket_reso_steps')}: {steps} is not a multiple of 8 (bucket "
+                          "sides must be whole latent pixels; sd-scripts requires a multiple of "
+                          "64 for SD1/SD2 and of 32 for SDXL)")
+    # min/max_bucket_reso that are not multiples of the step are rounded (min down, max up) by
+    # library/buckets.py, as sd-scripts does, with a warning.
     if v["min_bucket_reso"] > v["max_bucket_reso"]:
         raise ConfigError(f"{where('min_bucket_reso')}: min_bucket_reso ({v['min_bucket_reso']}) is "
                           f"larger than max_bucket_reso ({v['max_bucket_reso']})")
     if v["xformers"]:
         if find_spec("xformers") is None:
-            raise ConfigError(f"{where('xformers')}: the xformers package is not installed "
-                              "(pip install the xformers extra, or use sdpa)")
-        v["sdpa"] = False  # xformers takes precedence, as in sd-scripts
+            # Attention is a speed choice with the same math (the kohya_ss GUI's default is
+            # xformers): fall back to SDPA rather than refuse the config.
+            logger.warning("%s: the xformers package is not installed; using SDPA attention "
+                           "instead (the same computation)", where("xformers"))
+            v["xformers"], v["sdpa"] = False, True
+        else:
+            v["sdpa"] = False  # xformers takes precedence, as in sd-scripts

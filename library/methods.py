@@ -76,7 +76,10 @@ class NetworkMethod:
                     self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
         except UserError:
             raise
-        except (TypeError, ValueError, KeyError) as e:
+        except KeyError as e:  # e.g. LyCORIS 3.x without the algo named in network_args
+            raise MethodError(f"network_args for {opts.network_module}: the module has no {e} "
+                              "(KeyError in create_network)") from None
+        except (TypeError, ValueError) as e:
             raise MethodError(f"network_args for {opts.network_module}: {e}") from None
         if network is None:
             raise MethodError(f"network_module {opts.network_module}: create_network returned None")
@@ -93,7 +96,15 @@ class NetworkMethod:
             network.prepare_grad_etc(self._te_arg(), b.unet)
         self.network = network
         te_lr = opts.text_encoder_lr
-        groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
+        multi = getattr(network, "prepare_optimizer_params_with_multiple_te_lrs", None)
+        if multi is not None:
+            groups = multi(te_lr, opts.unet_lr, opts.learning_rate)
+        else:
+            if isinstance(te_lr, (list, tuple)):
+                # sd-scripts: a network without multiple-rate support gets the first rate (the
+                # kohya_ss GUI writes text_encoder_lr = [lr, lr]; LyCORIS takes one number)
+                te_lr = te_lr[0] if te_lr else None
+            groups = network.prepare_optimizer_params(te_lr, opts.unet_lr, opts.learning_rate)
         self.group_names = None  # the groups' descriptions, when the module gives them
         if isinstance(groups, tuple):  # current sd-scripts returns (groups, descriptions)
             groups, self.group_names = groups[0], list(groups[1])
@@ -175,6 +186,16 @@ class NetworkMethod:
         return EXTENSIONS[fmt]
 
 
+def _db_implies_text_encoder(opts) -> bool:
+    """train_dreambooth without an explicit train_text_encoder, given a text-encoder learning
+    rate or a stop step: sd-scripts' train_db.py would train the (SD1/SD2) text encoder."""
+    if opts.script != "train_dreambooth" or "train_text_encoder" in opts.given:
+        return False
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        return False  # cached outputs: the text encoder cannot train (train_db.py cannot cache)
+    return "text_encoder_lr" in opts.given or opts.stop_text_encoder_training is not None
+
+
 class FullMethod:
     """Train the U-Net (and optionally the text encoders) themselves: DreamBooth, fine-tuning.
 
@@ -199,11 +220,18 @@ class FullMethod:
         self.bundle = bundle
         self.train_unet = bool(opts.learning_rate)
         wants_te = bool(getattr(opts, "train_text_encoder", False))
+        may_imply = _db_implies_text_encoder(opts)
+        # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text
+        # encoder unless stop_text_encoder_training < 0. A config giving a text-encoder rate (or
+        # a stop step) meant that; sdxl_train.py trains them only with train_text_encoder.
+        self.implied_te = may_imply and bundle is not None and bundle.family != "sdxl"
+        wants_te = wants_te or self.implied_te
+        self.wants_te = wants_te
         te_lrs = self._te_lr_values() + [v for v in (getattr(opts, "learning_rate_te1", None),
                                                      getattr(opts, "learning_rate_te2", None))
                                          if v is not None]
         self.stop_te_at = getattr(opts, "stop_text_encoder_training", None)
-        if self.stop_te_at is not None and not wants_te:
+        if self.stop_te_at is not None and not wants_te and not (may_imply and bundle is None):
             raise MethodError("stop_text_encoder_training needs train_text_encoder (the text "
                               "encoders do not train without it)")
         self.train_text_encoder = wants_te and any(te_lrs)
@@ -235,7 +263,7 @@ class FullMethod:
     def text_encoder_lrs(self) -> list:
         """One learning rate per text encoder of the loaded model (0 when it does not train)."""
         n = len(self.bundle.text_encoders)
-        if not getattr(self.opts, "train_text_encoder", False):
+        if not self.wants_te:
             return [0.0] * n
         lrs = self._te_lr_values()
         if len(lrs) > n:
@@ -267,8 +295,13 @@ class FullMethod:
     def setup(self):
         opts, b = self.opts, self.bundle
         for name in ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2"):
-            if getattr(opts, name, None) is not None and not opts.train_text_encoder:
+            if getattr(opts, name, None) is not None and not self.wants_te:
                 logger.warning(f"{name} has no effect without train_text_encoder")
+        if self.implied_te and self.train_text_encoder:
+            logger.info("train_dreambooth: text_encoder_lr (learning_rate_te) or "
+                        "stop_text_encoder_training is set and train_text_encoder is not: the "
+                        "text encoder trains, as in sd-scripts' train_db.py "
+                        "(train_text_encoder = false keeps it frozen)")
         b.vae.requires_grad_(False)
         b.unet.requires_grad_(self.train_unet)
         groups, self.group_names = [], None

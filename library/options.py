@@ -579,6 +579,145 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
 SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NAMES}
 
 
+# ----------------------------------------------------------------------------------------------
+# Keys the kohya_ss GUI writes into its run TOML (bmaltais/kohya_ss kohya_gui/lora_gui.py,
+# dreambooth_gui.py, finetune_gui.py: `config_toml_data`), for the LoRA (l), DreamBooth (d) and
+# fine-tune (f) tabs. sd-scripts reads that TOML into an argparse Namespace, so a key no parser
+# defines is silently ignored there; here each key is one of:
+#   "option"  honoured: an option of the schema above (`target`, default the key itself);
+#   "sd"      an sd-scripts name of SD_SCRIPTS_NAMES (accepted with no effect, or rejected, there);
+#   "ignore"  a GUI-only key that has no effect, also in sd-scripts (warned when set; `why`);
+#   "reject"  a GUI-only key whose setting cannot be honoured (an error when set; `why`).
+# The GUI-only entries are the parsing rule of those keys (library/config.py); the "option" and
+# "sd" entries only document (their behaviour lives in the tables above; a test checks they
+# agree).
+
+
+@dataclass(frozen=True)
+class GuiKey:
+    name: str
+    tabs: str            # letters of the tabs that write it: l, d, f
+    action: str          # "option", "sd", "ignore" or "reject"
+    why: str = ""
+    target: str = ""     # "option": the option it sets, when not the key itself
+
+
+# Options that other branches add (the lead merges them; then this set is deleted and the
+# entries naming them are checked like every other "option" entry).
+PENDING_GUI_OPTIONS = frozenset({"fp8_base", "fp8_base_unet"})
+
+_OTHER_FAMILY = ("an option of the GUI's {} training; this toolkit trains SD1, SD2 and SDXL "
+                 "(the GUI writes it only with that model type checked)")
+
+
+def _gui_family(names: str, tabs: str, family: str) -> list:
+    return [GuiKey(n, tabs, "reject", _OTHER_FAMILY.format(family)) for n in names.split()]
+
+
+GUI_OPTION_KEYS = """
+adaptive_noise_scale:ldf bucket_no_upscale:ldf bucket_reso_steps:ldf cache_latents:ldf
+cache_latents_to_disk:ldf cache_text_encoder_outputs:ldf cache_text_encoder_outputs_to_disk:ldf
+caption_dropout_every_n_epochs:ldf caption_dropout_rate:ldf caption_extension:ldf clip_skip:ldf
+dataset_config:ldf dataset_repeats:f debiased_estimation_loss:ldf enable_bucket:ldf flip_aug:ldf
+full_bf16:ldf full_fp16:ldf fused_backward_pass:ldf fused_optimizer_groups:df
+gradient_accumulation_steps:ldf gradient_checkpointing:ldf highvram:l huber_c:ldf huber_scale:ldf
+huber_schedule:ldf in_json:f ip_noise_gamma:ldf ip_noise_gamma_random_strength:ldf keep_tokens:ldf
+learning_rate:ldf learning_rate_te:df learning_rate_te1:df learning_rate_te2:df log_tracker_config:ldf
+log_tracker_name:ldf log_with:ldf logging_dir:ldf loss_type:ldf lr_scheduler:ldf
+lr_scheduler_num_cycles:ld lr_scheduler_power:ld lr_warmup_steps:ldf masked_loss:ldf
+max_bucket_reso:ldf max_data_loader_n_workers:ldf max_grad_norm:ld max_timestep:ldf
+max_token_length:ldf max_train_epochs:ldf max_train_steps:ldf min_bucket_reso:ldf min_snr_gamma:ldf
+min_timestep:ldf mixed_precision:ldf multires_noise_discount:ldf multires_noise_iterations:ldf
+network_alpha:l network_args:l network_dim:l network_dropout:l network_module:l
+network_train_text_encoder_only:l network_train_unet_only:l network_weights:l no_half_vae:ldf
+noise_offset:ldf noise_offset_random_strength:ldf optimizer_args:ldf optimizer_type:ldf
+output_dir:ldf output_name:ldf pretrained_model_name_or_path:ldf prior_loss_weight:ld random_crop:ldf
+reg_data_dir:ld resolution:ldf resume:ldf sample_every_n_epochs:ldf sample_every_n_steps:ldf
+sample_prompts:ldf sample_sampler:ldf save_every_n_epochs:ldf save_every_n_steps:ldf
+save_last_n_epochs:ldf save_last_n_epochs_state:ldf save_last_n_steps:ldf save_last_n_steps_state:ldf
+save_model_as:ldf save_precision:ldf save_state:ldf save_state_on_train_end:ldf
+scale_v_pred_loss_like_noise_pred:ldf sdpa:ldf seed:ldf shuffle_caption:ldf
+stop_text_encoder_training:d text_encoder_lr:l train_batch_size:ldf train_data_dir:ldf
+train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:ldf vae:ldf
+vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
+scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
+lr_scheduler_type:ldf lr_scheduler_args:ldf
+"""
+
+GUI_SD_KEYS = """
+async_upload:ldf blocks_to_swap:ldf color_aug:ldf cpu_offload_checkpointing:ldf
+disable_mmap_load_safetensors:ldf dynamo_backend:ldf huggingface_path_in_repo:ldf
+huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
+huggingface_token:ldf log_config:ldf mem_eff_attn:ldf metadata_author:ldf metadata_description:ldf
+metadata_license:ldf metadata_tags:ldf metadata_title:ldf no_token_padding:d
+persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
+skip_cache_check:ldf torch_compile:lf training_comment:l weighted_captions:ldf
+"""
+
+
+GUI_NOTES = {
+    "xformers": "the GUI's default attention; without the xformers package SDPA is used (the "
+                "same computation), with a warning",
+    "resolution": "the GUI writes \"W,H\"; with enable_bucket it is the bucket area, as sd-scripts",
+    "network_args": "built by the GUI from LoRA_type and the LyCORIS fields; a key given twice "
+                    "(use_tucker) takes its last value, as sd-scripts",
+    "learning_rate_te": "alias of text_encoder_lr; in train_dreambooth (SD1/SD2) it also trains the "
+                        "text encoder unless train_text_encoder = false, as sd-scripts' train_db.py",
+    "stop_text_encoder_training": "the GUI writes a step count (from its percentage); the LoRA tab "
+                                  "never writes it (it resets its field to 0)",
+    "lr_warmup_steps": "the GUI writes a step count or a fraction of all steps (its percentage / 100)",
+    "sample_prompts": "the GUI always writes <output_dir>/sample/prompt.txt",
+}
+
+
+def _gui_table(text: str, action: str) -> list:
+    out = []
+    for item in text.split():
+        name, _, tabs = item.partition(":")
+        out.append(GuiKey(name, tabs, action, GUI_NOTES.get(name, "")))
+    return out
+
+
+GUI_KEYS: tuple[GuiKey, ...] = (
+    *_gui_table(GUI_OPTION_KEYS, "option"),
+    *_gui_table(GUI_SD_KEYS, "sd"),
+    GuiKey("epoch", "ld", "ignore", "the GUI's epoch count, which the GUI itself folds into "
+           "max_train_steps (computed from the images, repeats and batch) and "
+           "lr_scheduler_num_cycles; sd-scripts defines no such option"),
+    GuiKey("noise_offset_type", "ldf", "ignore", "chooses which noise keys the GUI writes "
+           "(noise_offset / adaptive_noise_scale for Original, multires_noise_* for Multires), and "
+           "those keys are honoured; sd-scripts defines no such option"),
+    GuiKey("vae_chunk_size", "lf", "ignore", "Anima's VAE chunking (the fine-tune tab writes it "
+           "for every model); sd-scripts' SD scripts do not define it"),
+    GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
+           "sd-scripts' SD scripts do not define it"),
+    GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
+    GuiKey("train_inpainting", "ldf", "reject", "inpainting training (a U-Net with masked-image "
+           "input channels) is not supported"),
+    *_gui_family("ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
+                 "discrete_flow_shift model_prediction_type timestep_sampling split_mode "
+                 "mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
+                 "ldf", "FLUX.1"),
+    *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
+    *_gui_family("clip_g logit_mean logit_std mode_scale save_clip save_t5xxl t5xxl_device "
+                 "t5xxl_dtype text_encoder_batch_size weighting_scheme", "ldf", "SD3"),
+    *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
+                 "pos_emb_random_crop_rate", "l", "SD3"),
+    *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
+    *_gui_family("attn_mode split_attn sigmoid_scale qwen3 qwen3_max_token_length llm_adapter_path "
+                 "t5_tokenizer_path t5_max_token_length vae_disable_cache "
+                 "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
+                 "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
+                 "lf", "Anima"),
+    *_gui_family("gemma2 gemma2_max_token_length system_prompt use_flash_attn use_sage_attn", "lf",
+                 "Lumina"),
+)
+
+GUI_KEYS_BY_NAME: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS}
+# GUI-only keys: parsed from this table (library/config.py)
+GUI_ONLY: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS if k.action in ("ignore", "reject")}
+
+
 def options_for(script: str) -> list[Option]:
     return [o for o in OPTIONS if script in o.scripts]
 
@@ -592,6 +731,19 @@ def _check_schema() -> None:
         assert o.section in SECTIONS and set(o.scripts) <= set(SCRIPTS), o.name
     for n in SD_SCRIPTS_NAMES:
         assert n.kind in ("flag", "value", "list") and n.action in (_IGN, _REJ), n.name
+    gui = [k.name for k in GUI_KEYS]
+    assert len(gui) == len(set(gui)), "GUI keys listed twice"
+    for k in GUI_KEYS:
+        assert set(k.tabs) <= set("ldf") and k.tabs, k.name
+        if k.action == "option":
+            target = k.target or k.name
+            assert (target in OPTIONS_BY_NAME or target in ALIASES
+                    or target in PENDING_GUI_OPTIONS), f"GUI key {k.name}: no option {target}"
+        elif k.action == "sd":
+            assert k.name in SD_SCRIPTS_BY_NAME, f"GUI key {k.name}: not an sd-scripts name"
+        else:
+            assert k.action in ("ignore", "reject") and k.why, k.name
+            assert k.name not in names, f"GUI-only key {k.name} is also an option name"
 
 
 _check_schema()
@@ -634,7 +786,19 @@ def render_markdown() -> str:
             "dataset config is given; `resolution` is required unless a dataset config is given; "
             "`output_dir` is required unless `dry_run`.",
             "- `min_bucket_reso <= max_bucket_reso`, both multiples of `bucket_reso_steps`, itself a multiple of 8.",
-            "- `xformers` takes precedence over `sdpa` and needs the xformers package.",
+            "- `xformers` takes precedence over `sdpa`; without the xformers package the run uses "
+            "SDPA (the same computation), with a warning.",
+            "- `min_bucket_reso` / `max_bucket_reso` that are not multiples of `bucket_reso_steps` are "
+            "rounded down / up to one, with a warning (sd-scripts' rule). With `enable_bucket` the "
+            "resolution only sets the bucket area (`\"512,650\"` is an area of 512 x 650); without it, "
+            "a resolution that is not a multiple of 8 is the crop size, as in sd-scripts (a warning).",
+            "- `train_dreambooth` (SD1/SD2): a config that sets `text_encoder_lr` (`learning_rate_te`) "
+            "or `stop_text_encoder_training` and not `train_text_encoder` trains the text encoder, as "
+            "sd-scripts' train_db.py does (one log line says so); `train_text_encoder = false` keeps "
+            "it frozen. SDXL trains its text encoders only with `train_text_encoder` (sdxl_train.py).",
+            "- `network_args` / `optimizer_args` as a list with a key given twice: the last value wins "
+            "(as sd-scripts), with a warning.",
+            "- A value in a config file is checked (type, range) even when the command line overrides it.",
             "- The same option given twice in one file (e.g. in two tables, or by its alias) is an error.",
             "",
             "## Config files", "",
@@ -668,7 +832,39 @@ def render_markdown() -> str:
             "| option | off value accepted | why |", "|---|---|---|"]
     out += [f"| `{n.name}` | {_md_off(n)} | {n.why} |" for n in rej]
     out.append("")
+    out += _render_gui_keys()
     return "\n".join(out)
+
+
+def gui_key_effect(k: GuiKey) -> str:
+    """What a kohya_ss GUI key does here, in words (docs/OPTIONS.md, docs/KOHYA_GUI.md)."""
+    if k.action == "option":
+        target = ALIASES.get(k.target or k.name, k.target or k.name)
+        pending = " (added by a branch being merged)" if target in PENDING_GUI_OPTIONS else ""
+        return f"honoured as option `{target}`{pending}" + (f"; {k.why}" if k.why else "")
+    if k.action == "sd":
+        n = SD_SCRIPTS_BY_NAME[k.name]
+        if n.action == _IGN:
+            return f"no effect, with a warning: {n.why}"
+        return f"rejected unless off ({_md_off(n)}): {n.why}"
+    if k.action == "ignore":
+        return f"no effect, with a warning when set: {k.why}"
+    return f"rejected when set: {k.why}"
+
+
+def _render_gui_keys() -> list:
+    tab = {"l": "LoRA", "d": "DreamBooth", "f": "fine-tune"}
+    out = ["## Keys the kohya_ss GUI writes", "",
+           "Every key of the run TOML the kohya_ss GUI (bmaltais/kohya_ss) writes from its LoRA, "
+           "DreamBooth and fine-tune tabs (`config_toml_data`), and what it does here. A key is "
+           "\"set\" unless it has the GUI's unset value (the GUI leaves out empty, false and "
+           "unset values itself). See docs/KOHYA_GUI.md for bringing a GUI config over.", "",
+           "| key | tabs | here |", "|---|---|---|"]
+    for k in sorted(GUI_KEYS, key=lambda k: k.name):
+        tabs = ", ".join(tab[c] for c in k.tabs)
+        out.append(f"| `{k.name}` | {tabs} | {gui_key_effect(k)} |")
+    out.append("")
+    return out
 
 
 def _md_default(v) -> str:

@@ -144,9 +144,12 @@ def check_options(opts) -> None:
                             "sample_prompts (the prompt file)")
     if opts.sample_prompts:
         if not when:
+            # The kohya_ss GUI always writes a (possibly empty) prompt file: never read, as in
+            # sd-scripts, when no sampling is scheduled.
             logger.warning("sample_prompts is set but no sample_every_n_steps, "
                            "sample_every_n_epochs or sample_at_first: no sample is generated")
-        load_prompts(opts.sample_prompts)
+        else:
+            load_prompts(opts.sample_prompts)
     _sampler_name(opts.sample_sampler, "sample_sampler")
 
 

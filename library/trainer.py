@@ -627,7 +627,8 @@ def run(opts, method_name: str) -> Run | None:
     if opts.resume:  # checked before any weight loads
         resume = _check_resume(r)
     if opts.dry_run:
-        print_plan(r.plan, main)
+        print_plan(r.plan, main)  # the plan needs no torch: printed first
+        r.validate()  # optimizer, network module, combinations: a dry run stops on them too
         from library import memory_estimate
 
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights

@@ -497,6 +497,10 @@ class LoRANetwork(torch.nn.Module):
         keys_scaled = int((stats[1] != 1).sum())
         return keys_scaled, float(scaled_norms.mean()), float(scaled_norms.max())
 
+    # sd-scripts' name for a network whose prepare_optimizer_params takes one rate per text
+    # encoder (train_network.py then passes text_encoder_lr as the list it was given)
+    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
+
     def enable_gradient_checkpointing(self) -> None:
         pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
 

@@ -54,10 +54,10 @@ def test_fixed_resolution_covers_then_center_crops():
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    (dict(resolution=(500, 512), enable_bucket=False), "--resolution"),
+    (dict(resolution=(0, 512), enable_bucket=False), "--resolution"),
     (dict(resolution=(512, 512), enable_bucket=True, reso_steps=60), "--bucket_reso_steps"),
-    (dict(resolution=(512, 512), enable_bucket=True, min_size=300), "--min_bucket_reso"),
     (dict(resolution=(512, 512), enable_bucket=True, min_size=512, max_size=256), "--min_bucket_reso"),
+    (dict(resolution=(512, 512), enable_bucket=True, min_size=8), "--min_bucket_reso"),
     (dict(resolution=(512, 512), enable_bucket=True, min_size=640), "--min_bucket_reso"),
     (dict(resolution=(512, 1024), enable_bucket=True, max_size=768), "--max_bucket_reso"),
 ])
@@ -83,3 +83,20 @@ def test_assign_sets_buckets_and_skips_too_small(caplog):
     assert [i.path for i in kept] == ["big.png"]
     assert kept[0].bucket == (640, 320) and kept[0].resized_size == (640, 320)  # area 320000 > 512*512
     assert sum("tiny.png" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_gui_resolution_rules_as_sd_scripts(caplog):
+    """sd-scripts: with buckets, "512,650" is only the bucket area; min/max_bucket_reso that are
+    not multiples of the step are rounded (min down, max up), with a warning; without buckets a
+    resolution that is not a multiple of 8 is the crop size (a warning)."""
+    bm = BucketManager((512, 650), enable_bucket=True, min_size=250, max_size=1000, reso_steps=64)
+    assert (576, 576) in bm.resos       # the square: int(sqrt(512 * 650) / 64) * 64
+    assert (512, 640) in bm.resos       # width 512: (332800 // 512) // 64 * 64 = 640
+    assert (192, 1024) in bm.resos      # min 250 -> 192, max 1000 -> 1024
+    assert min(w for w, _ in bm.resos) == 192 and max(w for w, _ in bm.resos) == 1024
+    assert "min_bucket_reso 250 is not a multiple of bucket_reso_steps (64): using 192" in caplog.text
+    assert "max_bucket_reso 1000 is not a multiple of bucket_reso_steps (64): using 1024" in caplog.text
+    fixed = BucketManager((512, 650), enable_bucket=False)
+    assert fixed.resos == [(512, 650)]
+    assert fixed.select_bucket(1024, 1024)[:2] == ((512, 650), (650, 650))
+    assert "resolution 512x650 is not a multiple of 8" in caplog.text

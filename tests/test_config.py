@@ -69,7 +69,7 @@ def test_wrong_type_names_key_file_and_line(write):
     ('mixed_precision = "fp8"', "mixed_precision: 'fp8' is not one of: no, fp16, bf16"),
     ('lr_scheduler = "cosine_restart"', "did you mean cosine_with_restarts?"),
     ('save_model_as = "diffusers"', "'diffusers' is not one of: safetensors, ckpt, pt"),
-    ("resolution = 500", "500x500: width and height must be positive multiples of 8"),
+    ("resolution = 0", "0x0: width and height must be positive"),
     ("cache_latents = 1", "cache_latents: expected a boolean (true/false), got an integer (1)"),
     ("lr_warmup_steps = 2.5", "lr_warmup_steps: 2.5: a fraction must be below 1"),
 ])
@@ -169,8 +169,12 @@ def test_network_args_are_strings_in_every_shape(write):
     expect = {"conv_dim": "4", "algo": "loha", "rank_dropout": "0.1"}
     for path in (as_list, as_table):
         assert parse(*BASE, *STEPS, "--config", path).network_args == expect
-    with pytest.raises(ConfigError, match="key 'conv_dim' given twice"):
-        parse(*BASE, *STEPS, "--network_args", "conv_dim=4", "conv_dim=8")
+    # a key given twice: the last value wins, as sd-scripts (the kohya_ss GUI writes use_tucker
+    # twice for LyCORIS LoCon/LoHa)
+    assert parse(*BASE, *STEPS, "--network_args", "conv_dim=4", "algo=loha", "conv_dim=8"
+                 ).network_args == {"conv_dim": "8", "algo": "loha"}
+    twice = write('network_args = ["use_tucker=False", "algo=locon", "use_tucker=True"]\n', "r.toml")
+    assert parse(*BASE, *STEPS, "--config", twice).network_args == {"use_tucker": "True", "algo": "locon"}
 
 
 def test_lr_warmup_forms():
@@ -229,8 +233,10 @@ def test_dry_run_needs_no_output_dir():
 def test_bucket_rules():
     with pytest.raises(ConfigError, match="min_bucket_reso .* is larger than max_bucket_reso"):
         parse(*BASE, *STEPS, "--min_bucket_reso", "512", "--max_bucket_reso", "256")
-    with pytest.raises(ConfigError, match="--max_bucket_reso: 1000 is not a multiple of bucket_reso_steps"):
-        parse(*BASE, *STEPS, "--max_bucket_reso", "1000")
+    with pytest.raises(ConfigError, match="--bucket_reso_steps: 36 is not a multiple of 8"):
+        parse(*BASE, *STEPS, "--bucket_reso_steps", "36")
+    # not a multiple of the step: accepted here, rounded by the buckets (tests/test_buckets.py)
+    assert parse(*BASE, *STEPS, "--max_bucket_reso", "1000").max_bucket_reso == 1000
 
 
 # --- sd-scripts compatibility ------------------------------------------------------------------

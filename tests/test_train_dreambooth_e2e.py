@@ -156,9 +156,16 @@ def test_text_encoder_learning_rates(dataset, tmp_path, train):
     assert_equal_states(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]),
                         "text encoder")
 
-    # A text-encoder rate without --train_text_encoder: said, and nothing else changes.
+    # A text-encoder rate without train_text_encoder (what the kohya_ss GUI writes): the SD1 text
+    # encoder trains, as sd-scripts' train_db.py does, said in one line; an explicit
+    # train_text_encoder = false keeps it frozen, with a warning.
     rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "a2", "--text_encoder_lr",
                                       "1e-3"))
+    assert rc == 0, err
+    assert "the text encoder trains, as in sd-scripts' train_db.py" in err
+    assert changed(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]))
+    rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "a3", "--text_encoder_lr",
+                                      "1e-3", "--train_text_encoder=false"))
     assert rc == 0, err
     assert "WARNING: text_encoder_lr has no effect without train_text_encoder" in err
     assert_equal_states(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]),
@@ -349,7 +356,8 @@ def test_stop_text_encoder_training(dataset, tmp_path, train):
     assert changed(state(f3.bundle.unet), state(f1.bundle.unet))
 
     rc, _, err, _ = train("train_dreambooth", base_args(
-        "tiny-sd15", dataset, tmp_path / "bad", "--stop_text_encoder_training", "1"))
+        "tiny-sd15", dataset, tmp_path / "bad", "--stop_text_encoder_training", "1",
+        "--train_text_encoder=false"))
     assert rc == 2 and err.strip().splitlines()[-1] == (
         "error: stop_text_encoder_training needs train_text_encoder (the text encoders do not "
         "train without it)")

@@ -1,0 +1,428 @@
+"""The run TOML the kohya_ss GUI (bmaltais/kohya_ss) writes for one of its presets, pointed at
+test paths and a tiny built-in model.
+
+Our own code following the GUI's mapping (kohya_gui/{lora,dreambooth,finetune}_gui.py
+`train_model`: the `config_toml_data` dict and its filter, common_gui.update_my_data for old
+preset fields), for the SD1/SD2/SDXL model types only (FLUX/SD3/... presets are skipped by the
+caller). Test-only changes, on top of what the GUI writes: the paths, the model, 64 px, two steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+PRESETS = "/work/ref/bmaltais+kohya_ss/presets"
+TABS = ("lora", "dreambooth", "finetune")
+
+# The GUI's field defaults (kohya_gui/class_*.py `config.get(..., default)`, lora_gui.py widgets,
+# BasicTraining(learning_rate_value=..., lr_scheduler_value=..., lr_warmup_value=...)).
+COMMON_DEFAULTS = dict(
+    adaptive_noise_scale=0, bucket_no_upscale=True, bucket_reso_steps=64, cache_latents=True,
+    cache_latents_to_disk=False, caption_dropout_every_n_epochs=0, caption_dropout_rate=0,
+    caption_extension=".txt", clip_skip=1, color_aug=False, debiased_estimation_loss=False,
+    dynamo_backend="no", enable_bucket=True, epoch=1, flip_aug=False, fp8_base=False,
+    full_bf16=False, full_fp16=False, gradient_accumulation_steps=1, gradient_checkpointing=False,
+    huber_c=0.1, huber_scale=1.0, huber_schedule="snr", ip_noise_gamma=0,
+    ip_noise_gamma_random_strength=False, keep_tokens=0, log_config=False, log_tracker_name="",
+    log_with="", loss_type="l2", lr_scheduler_args="", lr_scheduler_num_cycles=1,
+    lr_scheduler_power=1.0, lr_scheduler_type="", lr_warmup_steps=0, masked_loss=False,
+    max_bucket_reso=2048, max_data_loader_n_workers=0, max_grad_norm=1.0,
+    max_resolution="512,512", max_timestep=1000, max_token_length=75, max_train_epochs=0,
+    max_train_steps=1600, mem_eff_attn=False, min_bucket_reso=256, min_snr_gamma=0,
+    min_timestep=0, mixed_precision="fp16", multires_noise_discount=0.3,
+    multires_noise_iterations=0, no_token_padding=False, noise_offset=0,
+    noise_offset_random_strength=False, noise_offset_type="Original", optimizer="AdamW8bit",
+    optimizer_args="", output_name="last", persistent_data_loader_workers=False,
+    prior_loss_weight=1.0, random_crop=False, sample_every_n_epochs=0, sample_every_n_steps=0,
+    sample_prompts="", sample_sampler="euler_a", save_every_n_epochs=1, save_every_n_steps=0,
+    save_last_n_epochs=0, save_last_n_epochs_state=0, save_last_n_steps=0,
+    save_last_n_steps_state=0, save_model_as="safetensors", save_precision="fp16",
+    save_state=False, save_state_on_train_end=False, scale_v_pred_loss_like_noise_pred=False,
+    sdxl=False, sdxl_cache_text_encoder_outputs=False, sdxl_no_half_vae=False, seed=0,
+    shuffle_caption=False, skip_cache_check=False, stop_text_encoder_training=0,
+    train_batch_size=1, v2=False, v_parameterization=False, v_pred_like_loss=0, vae_batch_size=0,
+    wandb_run_name="", weighted_captions=False, xformers="xformers", highvram=False,
+    fused_backward_pass=False, fused_optimizer_groups=0, cache_text_encoder_outputs=False,
+    cache_text_encoder_outputs_to_disk=False, no_half_vae=False, train_text_encoder=False,
+    dataset_repeats=1, vae_chunk_size=0,
+)
+TAB_DEFAULTS = {
+    "lora": dict(learning_rate=0.0001, lr_scheduler="cosine", lr_warmup=10, LoRA_type="Standard",
+                 LyCORIS_preset="full", text_encoder_lr=0.0001, unet_lr=0.0001, network_dim=8,
+                 network_alpha=1, conv_dim=1, conv_alpha=1, scale_weight_norms=0,
+                 network_dropout=0, rank_dropout=0, module_dropout=0.0, unit=1, factor=-1,
+                 bypass_mode=False, dora_wd=False, use_cp=False, use_tucker=False,
+                 use_scalar=False, rank_dropout_scale=False, constrain=0.0, rescaled=False,
+                 train_norm=False, decompose_both=False, train_on_input=True,
+                 loraplus_lr_ratio=0, loraplus_unet_lr_ratio=0, loraplus_text_encoder_lr_ratio=0,
+                 dim_from_weights=False, fp8_base_unet=False),
+    "dreambooth": dict(learning_rate=1e-5, lr_scheduler="cosine", lr_warmup=10,
+                       learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5),
+    "finetune": dict(learning_rate=1e-5, lr_scheduler="constant", lr_warmup=0,
+                     learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5,
+                     block_lr=""),
+}
+BLOCK_FIELDS = ("down_lr_weight", "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold",
+                "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas")
+
+_INT_FIELDS = ("clip_skip", "epoch", "gradient_accumulation_steps", "keep_tokens", "lr_warmup",
+               "max_data_loader_n_workers", "max_train_epochs", "save_every_n_epochs", "seed",
+               "max_train_steps", "caption_dropout_every_n_epochs")
+_FLOAT_FIELDS = ("adaptive_noise_scale", "noise_offset", "learning_rate", "text_encoder_lr",
+                 "unet_lr")
+# fields the GUI shows as numbers (gradio returns numbers for them)
+_NUMBER_FIELDS = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "train_batch_size",
+                  "network_dim", "network_alpha", "conv_dim", "conv_alpha", "vae_batch_size",
+                  "learning_rate_te", "learning_rate_te1", "learning_rate_te2", "min_snr_gamma",
+                  "prior_loss_weight", "max_grad_norm", "caption_dropout_rate", "noise_offset",
+                  "stop_text_encoder_training", "multires_noise_iterations",
+                  "multires_noise_discount", "scale_weight_norms", "network_dropout",
+                  "rank_dropout", "module_dropout", "max_token_length", "dataset_repeats")
+
+
+OTHER_FAMILIES = {"flux1_checkbox": "FLUX.1", "sd3_checkbox": "SD3",
+                  "hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
+                  "lumina_checkbox": "Lumina"}
+
+
+def other_family(preset: dict) -> str | None:
+    """The GUI model type of a preset this toolkit does not train (FLUX.1, SD3, ...), or None."""
+    return next((name for box, name in OTHER_FAMILIES.items() if preset.get(box)), None)
+
+
+def family_of(preset: dict) -> str | None:
+    """'sd1' / 'sd2' / 'sdxl', or None for a model type this toolkit does not train."""
+    if other_family(preset):
+        return None
+    if preset.get("sdxl") or preset.get("sdxl_checkbox"):
+        return "sdxl"
+    return "sd2" if preset.get("v2") else "sd1"
+
+
+def _number(v):
+    if isinstance(v, str):
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+    return v
+
+
+def normalize(preset: dict, tab: str) -> dict:
+    """The GUI's field values once it has loaded the preset (update_my_data) over its defaults."""
+    d = {**COMMON_DEFAULTS, **TAB_DEFAULTS[tab]}
+    if tab == "finetune":
+        d["sdxl"] = False
+    p = dict(preset)
+    p.setdefault("optimizer", "AdamW8bit" if p.get("use_8bit_adam") else d["optimizer"])
+    for k in _INT_FIELDS:
+        if k in p:
+            try:
+                p[k] = int(p[k])
+            except (TypeError, ValueError):
+                p[k] = 0
+    if "lr_scheduler_num_cycles" in p:
+        try:
+            p["lr_scheduler_num_cycles"] = int(p["lr_scheduler_num_cycles"])
+        except (TypeError, ValueError):
+            p["lr_scheduler_num_cycles"] = 1
+    for k in _FLOAT_FIELDS:
+        if k in p:
+            try:
+                p[k] = float(p[k])
+            except (TypeError, ValueError):
+                p[k] = 0.0
+    if "lr_scheduler_power" in p:
+        try:
+            p["lr_scheduler_power"] = float(p["lr_scheduler_power"])
+        except (TypeError, ValueError):
+            p["lr_scheduler_power"] = 1.0
+    for k in _NUMBER_FIELDS:
+        if k in p:
+            p[k] = _number(p[k])
+    if p.get("LoRA_type") == "LoCon":
+        p["LoRA_type"] = "LyCORIS/LoCon"
+    if isinstance(p.get("xformers"), bool):
+        p["xformers"] = "xformers" if p["xformers"] else "none"
+    if "lora_network_weights" in p:
+        p["network_weights"] = p.pop("lora_network_weights")
+    if "sdxl_checkbox" in p:
+        p["sdxl"] = p.pop("sdxl_checkbox")
+    d.update(p)
+    return d
+
+
+def _lora_network(d: dict) -> tuple[str, str]:
+    """(network_module, network_args string) as lora_gui.py builds them from LoRA_type."""
+    t, args = d["LoRA_type"], ""
+    common = (f" preset={d['LyCORIS_preset']} conv_dim={d['conv_dim']} conv_alpha={d['conv_alpha']}")
+    if t in ("LoCon", "LyCORIS/LoCon", "LyCORIS/LoHa"):
+        algo = "locon" if "LoCon" in t else "loha"
+        return "lycoris.kohya", (
+            f"{common} use_tucker={d['use_tucker']} rank_dropout={d['rank_dropout']} "
+            f"bypass_mode={d['bypass_mode']} dora_wd={d['dora_wd']} module_dropout={d['module_dropout']} "
+            f"use_tucker={d['use_tucker']} use_scalar={d['use_scalar']} "
+            f"rank_dropout_scale={d['rank_dropout_scale']} algo={algo} train_norm={d['train_norm']}")
+    if t == "LyCORIS/LoKr":
+        return "lycoris.kohya", (
+            f"{common} use_tucker={d['use_tucker']} rank_dropout={d['rank_dropout']} "
+            f"bypass_mode={d['bypass_mode']} dora_wd={d['dora_wd']} module_dropout={d['module_dropout']} "
+            f"factor={d['factor']} use_cp={d['use_cp']} use_scalar={d['use_scalar']} "
+            f"decompose_both={d['decompose_both']} rank_dropout_scale={d['rank_dropout_scale']} "
+            f"algo=lokr train_norm={d['train_norm']}")
+    if t == "LyCORIS/iA3":
+        return "lycoris.kohya", f"{common} train_on_input={d['train_on_input']} algo=ia3"
+    if t == "LyCORIS/GLoRA":
+        return "lycoris.kohya", (
+            f"{common} use_tucker={d['use_tucker']} rank_dropout={d['rank_dropout']} "
+            f"module_dropout={d['module_dropout']} rank_dropout_scale={d['rank_dropout_scale']} "
+            f'algo="glora" train_norm={d["train_norm"]}')
+    if t in ("Standard", "Kohya LoCon"):
+        if t == "Kohya LoCon":
+            args += f' conv_dim="{d["conv_dim"]}" conv_alpha="{d["conv_alpha"]}"'
+        for k in (*BLOCK_FIELDS, "rank_dropout", "module_dropout"):
+            if d.get(k):
+                args += f" {k}={d[k]}"
+        module = "networks.lora"
+    else:
+        raise NotImplementedError(f"LoRA_type {t!r} is not covered by this converter")
+    for k in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if d.get(k):
+            args += f" {k}={d[k]}"
+    return module, args
+
+
+def _warmup(d: dict):
+    warm = float(d.get("lr_warmup") or 0)
+    steps = float(d.get("lr_warmup_steps") or 0)
+    if steps > 0:
+        return int(steps)
+    return warm / 100 if warm else 0
+
+
+def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: str,
+             pixels: int = 64, steps: int = 2) -> dict:
+    """The TOML dict the GUI writes for `preset` on `tab` (test paths, `model`, `pixels`, `steps`)."""
+    d = normalize(preset, tab)
+    sdxl = bool(d["sdxl"])
+    d.update(train_data_dir=data_dir, output_dir=output_dir, pretrained_model_name_or_path=model)
+    for k in ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
+              "log_tracker_config", "in_json", "wandb_api_key"):
+        d[k] = ""  # the preset's own paths do not exist here
+    # test size: the preset's resolution scaled to `pixels` on the short side (keeping a
+    # non-multiple-of-8 side as such), bucket limits around it, and `steps` steps
+    w, h = (int(x) for x in (str(d["max_resolution"]).split(",") * 2)[:2])
+    scale = pixels / min(w, h)
+    d["max_resolution"] = f"{round(w * scale)},{round(h * scale)}"
+    if int(d["bucket_reso_steps"]) % 8 == 0:
+        d["bucket_reso_steps"] = 8
+        d["min_bucket_reso"] = min(int(d["min_bucket_reso"]), pixels)
+        d["max_bucket_reso"] = max(int(d["max_bucket_reso"]) * scale, 2 * pixels)
+        d["max_bucket_reso"] = int(d["max_bucket_reso"]) - int(d["max_bucket_reso"]) % 8
+    d["max_train_steps"], d["max_train_epochs"] = steps, 0
+    d["train_batch_size"], d["gradient_accumulation_steps"] = 1, 1
+    for k in ("save_every_n_epochs", "save_every_n_steps", "sample_every_n_epochs",
+              "sample_every_n_steps"):
+        d[k] = 0
+    os.makedirs(os.path.join(output_dir, "sample"), exist_ok=True)
+    prompt_file = os.path.join(output_dir, "sample", "prompt.txt")  # create_prompt_file
+    with open(prompt_file, "w", encoding="utf-8") as f:
+        f.write(d.get("sample_prompts") or "")
+
+    max_train_steps = d["max_train_steps"]
+    stop_te = d["stop_text_encoder_training"]
+    if tab == "lora":
+        stop_te = 0  # lora_gui: "not yet supported. Ignoring"
+    elif stop_te:
+        stop_te = math.ceil(float(max_train_steps) / 100 * int(stop_te))
+    warmup = _warmup(d)
+    xf = d["xformers"]
+    out = {
+        "adaptive_noise_scale": d["adaptive_noise_scale"] or None,
+        "bucket_no_upscale": d["bucket_no_upscale"], "bucket_reso_steps": d["bucket_reso_steps"],
+        "cache_latents": d["cache_latents"], "cache_latents_to_disk": d["cache_latents_to_disk"],
+        "caption_dropout_every_n_epochs": int(d["caption_dropout_every_n_epochs"]),
+        "caption_dropout_rate": d["caption_dropout_rate"], "caption_extension": d["caption_extension"],
+        "clip_skip": d["clip_skip"] or None, "color_aug": d["color_aug"],
+        "dataset_config": d["dataset_config"], "debiased_estimation_loss": d["debiased_estimation_loss"],
+        "dynamo_backend": d["dynamo_backend"], "enable_bucket": d["enable_bucket"],
+        "flip_aug": d["flip_aug"], "fp8_base": d["fp8_base"], "full_bf16": d["full_bf16"],
+        "full_fp16": d["full_fp16"], "gradient_accumulation_steps": int(d["gradient_accumulation_steps"]),
+        "gradient_checkpointing": d["gradient_checkpointing"], "huber_c": d["huber_c"],
+        "huber_scale": d["huber_scale"], "huber_schedule": d["huber_schedule"],
+        "ip_noise_gamma": d["ip_noise_gamma"] or None,
+        "ip_noise_gamma_random_strength": d["ip_noise_gamma_random_strength"],
+        "keep_tokens": int(d["keep_tokens"]), "logging_dir": d["logging_dir"],
+        "log_config": d["log_config"], "log_tracker_name": d["log_tracker_name"],
+        "log_tracker_config": d["log_tracker_config"], "log_with": d["log_with"],
+        "loss_type": d["loss_type"], "lr_scheduler": d["lr_scheduler"],
+        "lr_scheduler_args": str(d["lr_scheduler_args"]).replace('"', "").split(),
+        "lr_scheduler_type": d["lr_scheduler_type"] or None, "lr_warmup_steps": warmup,
+        "masked_loss": d["masked_loss"], "max_bucket_reso": d["max_bucket_reso"],
+        "max_timestep": d["max_timestep"] or None, "max_token_length": int(d["max_token_length"]),
+        "max_train_epochs": int(d["max_train_epochs"]) or None,
+        "max_train_steps": int(max_train_steps) or None, "mem_eff_attn": d["mem_eff_attn"],
+        "min_bucket_reso": int(d["min_bucket_reso"]), "min_snr_gamma": d["min_snr_gamma"] or None,
+        "min_timestep": d["min_timestep"] or None, "mixed_precision": d["mixed_precision"],
+        "noise_offset_type": d["noise_offset_type"], "optimizer_type": d["optimizer"],
+        "output_dir": d["output_dir"], "output_name": d["output_name"],
+        "persistent_data_loader_workers": int(d["persistent_data_loader_workers"]),
+        "pretrained_model_name_or_path": d["pretrained_model_name_or_path"],
+        "random_crop": d["random_crop"], "resolution": d["max_resolution"], "resume": d["resume"],
+        "sample_prompts": prompt_file, "sample_sampler": d["sample_sampler"],
+        "save_every_n_epochs": d["save_every_n_epochs"] or None,
+        "save_every_n_steps": d["save_every_n_steps"] or None,
+        "save_last_n_steps": d["save_last_n_steps"] or None,
+        "save_last_n_steps_state": d["save_last_n_steps_state"] or None,
+        "save_last_n_epochs": d["save_last_n_epochs"] or None,
+        "save_last_n_epochs_state": d["save_last_n_epochs_state"] or None,
+        "save_model_as": d["save_model_as"], "save_precision": d["save_precision"],
+        "save_state": d["save_state"], "save_state_on_train_end": d["save_state_on_train_end"],
+        "scale_v_pred_loss_like_noise_pred": d["scale_v_pred_loss_like_noise_pred"],
+        "sdpa": True if xf == "sdpa" else None, "seed": int(d["seed"]) or None,
+        "shuffle_caption": d["shuffle_caption"], "skip_cache_check": d["skip_cache_check"],
+        "train_batch_size": d["train_batch_size"], "train_data_dir": d["train_data_dir"],
+        "v2": d["v2"], "v_parameterization": d["v_parameterization"],
+        "v_pred_like_loss": d["v_pred_like_loss"] or None, "vae": d["vae"],
+        "vae_batch_size": d["vae_batch_size"] or None, "wandb_api_key": d["wandb_api_key"],
+        "wandb_run_name": d["wandb_run_name"] or d["output_name"],
+        "weighted_captions": d["weighted_captions"], "xformers": True if xf == "xformers" else None,
+        "max_data_loader_n_workers": int(d["max_data_loader_n_workers"]),
+    }
+    original = d["noise_offset_type"] == "Original"
+    multires = d["noise_offset_type"] == "Multires"
+    cycles = int(d["lr_scheduler_num_cycles"]) if d["lr_scheduler_num_cycles"] != "" else int(d["epoch"])
+    opt_args = _split(d["optimizer_args"])
+    if tab == "lora":
+        module, args = _lora_network(d)
+        te, unet = float(d["text_encoder_lr"] or 0), float(d["unet_lr"] or 0)
+        out.update({
+            "adaptive_noise_scale": d["adaptive_noise_scale"] if original else None,
+            "noise_offset": d["noise_offset"] if original else None,
+            "noise_offset_random_strength": d["noise_offset_random_strength"] if original else None,
+            "multires_noise_discount": d["multires_noise_discount"] if multires else None,
+            "multires_noise_iterations": d["multires_noise_iterations"] if multires else None,
+            "cache_text_encoder_outputs": True if sdxl and d["sdxl_cache_text_encoder_outputs"] else None,
+            "dim_from_weights": d["dim_from_weights"], "epoch": int(d["epoch"]),
+            "highvram": d["highvram"], "learning_rate": float(d["learning_rate"] or 0),
+            "lr_scheduler_num_cycles": cycles,
+            "lr_scheduler_power": d["lr_scheduler_power"], "max_grad_norm": d["max_grad_norm"],
+            "network_alpha": d["network_alpha"], "network_args": args.replace('"', "").split(),
+            "network_dim": d["network_dim"], "network_dropout": d["network_dropout"],
+            "network_module": module,
+            "network_train_unet_only": te == 0 and unet != 0,
+            "network_train_text_encoder_only": te != 0 and unet == 0,
+            "network_weights": d["network_weights"],
+            "no_half_vae": True if sdxl and d["sdxl_no_half_vae"] else None,
+            "optimizer_args": opt_args,  # the GUI's `if optimizer_args != []` is always true
+            "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
+            "scale_weight_norms": d["scale_weight_norms"],
+            "stop_text_encoder_training": stop_te or None,
+            "text_encoder_lr": [te, te] if te > 0 else None,
+            "training_comment": d.get("training_comment", ""),
+            "unet_lr": unet if unet != 0.0 else None,
+        })
+        keep = _lora_keeps
+    else:
+        out.update({
+            "noise_offset": d["noise_offset"] or None,
+            "noise_offset_random_strength": d["noise_offset_random_strength"],
+            "multires_noise_discount": d["multires_noise_discount"],
+            "multires_noise_iterations": d["multires_noise_iterations"] or None,
+            "cache_text_encoder_outputs": d["cache_text_encoder_outputs"],
+            "cache_text_encoder_outputs_to_disk": d["cache_text_encoder_outputs_to_disk"],
+            "fused_backward_pass": d["fused_backward_pass"],
+            "fused_optimizer_groups": int(d["fused_optimizer_groups"]) or None,
+            "learning_rate": d["learning_rate"],
+            "learning_rate_te": d["learning_rate_te"] if not sdxl else None,
+            "learning_rate_te1": d["learning_rate_te1"] if sdxl else None,
+            "learning_rate_te2": d["learning_rate_te2"] if sdxl else None,
+            "no_half_vae": d["no_half_vae"],
+        })
+        if tab == "dreambooth":
+            out.update({
+                "epoch": int(d["epoch"]), "no_token_padding": d["no_token_padding"],
+                "lr_scheduler_num_cycles": cycles,
+                "lr_scheduler_power": d["lr_scheduler_power"], "max_grad_norm": d["max_grad_norm"],
+                "optimizer_args": opt_args if d["optimizer_args"] != "" else None,
+                "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
+                "stop_text_encoder_training": stop_te or None,
+                "train_text_encoder": d["train_text_encoder"] if sdxl else None,
+            })
+        else:
+            out.update({
+                "block_lr": d["block_lr"], "dataset_repeats": int(d["dataset_repeats"]),
+                "enable_bucket": True, "in_json": _finetune_metadata(d),
+                "cache_text_encoder_outputs": sdxl and d["sdxl_cache_text_encoder_outputs"],
+                "cache_text_encoder_outputs_to_disk": None,
+                "max_bucket_reso": int(d["max_bucket_reso"]),
+                "optimizer_args": opt_args,
+                "train_text_encoder": d["train_text_encoder"], "vae": None,
+                "vae_chunk_size": int(d["vae_chunk_size"]),
+            })
+        keep = _db_ft_keeps
+    return dict(sorted((k, v) for k, v in out.items() if keep(v)))
+
+
+def _split(v) -> list:
+    return str(v).replace('"', "").split()
+
+
+def _lora_keeps(v) -> bool:
+    """lora_gui.py's filter `value not in ["", False, None]`: drops 0 and 0.0 too (0 == False)."""
+    return v not in ["", False, None]
+
+
+def _db_ft_keeps(v) -> bool:
+    """dreambooth_gui.py / finetune_gui.py's filters: identity tests against False, so 0 is kept."""
+    return not (isinstance(v, str) and v == "") and v is not None and v is not False
+
+
+def _finetune_metadata(d: dict) -> str:
+    """The finetune tab's in_json: <train_dir>/meta_lat.json or meta_cap.json (use_latent_files),
+    which its caption-metadata step (sd-scripts' merge_captions_to_metadata.py, full paths)
+    writes from the image folder's caption files; here train_dir is the output folder."""
+    if d.get("use_latent_files", "Yes") == "Yes":
+        name = d.get("latent_metadata_filename") or "meta_lat.json"
+    else:
+        name = d.get("caption_metadata_filename") or "meta_cap.json"
+    meta = {}
+    folder = d["train_data_dir"]
+    for f in sorted(os.listdir(folder)):
+        stem, ext = os.path.splitext(f)
+        if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+            continue
+        cap = os.path.join(folder, stem + d["caption_extension"])
+        entry = {}
+        if os.path.exists(cap):
+            with open(cap, encoding="utf-8") as fh:
+                entry["caption"] = fh.read().strip()
+        meta[os.path.abspath(os.path.join(folder, f))] = entry
+    path = os.path.join(d["output_dir"], name)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(meta, fh)
+    return path
+
+
+def presets(tab: str) -> list[tuple[str, dict]]:
+    folder = os.path.join(PRESETS, tab)
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                out.append((name[:-5], json.load(f)))
+    return out
+
+
+def tiny_model(family: str) -> str:
+    return {"sd1": "tiny-sd15", "sd2": "tiny-sd2", "sdxl": "tiny-sdxl"}[family]
+
+
+def write_toml(path: str, data: dict) -> str:
+    import toml
+
+    with open(path, "w", encoding="utf-8") as f:
+        toml.dump(data, f)
+    return path
