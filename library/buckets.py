@@ -61,7 +61,13 @@ class BucketManager:
             self.reso_steps = None
             self.resos = [self.resolution]
         else:
-            _check_multiple_of_8("bucket_reso_steps", reso_steps)
+            if reso_steps % 8:
+                # Bucket sides must be whole latent pixels. sd-scripts stops here (it needs 64 /
+                # 32); the GUI's LyCORIS presets write 1, meaning "as fine as possible": 8.
+                adjusted = reso_steps + 8 - reso_steps % 8
+                log.warning(f"bucket_reso_steps {reso_steps} is not a multiple of 8 (the latent grid): "
+                            f"using {adjusted}")
+                reso_steps = adjusted
             if reso_steps % 64:
                 log.warning(f"--bucket_reso_steps {reso_steps} is not a multiple of 64: some models "
                             "may produce artifacts at such bucket sizes")

@@ -688,13 +688,8 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
                               "config sets it")
     if v["output_dir"] is None and not v["dry_run"]:
         raise ConfigError("output_dir is required (where the trained files are written)")
-    steps = v["bucket_reso_steps"]
-    if steps % 8:
-        raise ConfigError(f"{where('bucket_reso_steps')}: {steps} is not a multiple of 8 (bucket "
-                          "sides must be whole latent pixels; sd-scripts requires a multiple of "
-                          "64 for SD1/SD2 and of 32 for SDXL)")
-    # min/max_bucket_reso that are not multiples of the step are rounded (min down, max up) by
-    # library/buckets.py, as sd-scripts does, with a warning.
+    # bucket_reso_steps that is not a multiple of 8, and min/max_bucket_reso that are not
+    # multiples of the step, are rounded by library/buckets.py, with a warning.
     if v["min_bucket_reso"] > v["max_bucket_reso"]:
         raise ConfigError(f"{where('min_bucket_reso')}: min_bucket_reso ({v['min_bucket_reso']}) is "
                           f"larger than max_bucket_reso ({v['max_bucket_reso']})")

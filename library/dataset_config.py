@@ -65,7 +65,7 @@ SUBSET_ONLY = ("image_dir", "is_reg", "metadata_file", "conditioning_data_dir") 
 RUN_OPTION = {"batch_size": "train_batch_size"}  # dataset key -> run option, where the names differ
 # keys with a lower bound (the rates are checked by their type)
 MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs": 0, "batch_size": 1,
-           "min_bucket_reso": 8, "max_bucket_reso": 8, "bucket_reso_steps": 8}
+           "min_bucket_reso": 8, "max_bucket_reso": 8, "bucket_reso_steps": 1}
 
 # sd-scripts dataset keys this toolkit does not implement: accepted only at their "off" value
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {

@@ -195,7 +195,9 @@ OPTIONS: tuple[Option, ...] = (
       min=8),
     O("max_bucket_reso", "int", 1024, "Largest bucket side; a multiple of bucket_reso_steps.", "dataset",
       min=8),
-    O("bucket_reso_steps", "int", 64, "Bucket side step in pixels; a multiple of 8.", "dataset", min=8),
+    O("bucket_reso_steps", "int", 64, "Bucket side step in pixels; one that is not a multiple of 8 "
+      "(the latent grid) is rounded up to one, with a warning (sd-scripts stops on it; the kohya_ss "
+      "GUI's LyCORIS presets write 1).", "dataset", min=1),
     O("bucket_no_upscale", "bool", False, "Never upscale an image to fit a bucket.", "dataset"),
     O("vae_batch_size", "int", 1, "Images per VAE batch when caching latents.", "dataset", min=1),
     O("max_data_loader_n_workers", "int", 0, "DataLoader worker processes. Default 0 (load in the "
@@ -785,7 +787,7 @@ def render_markdown() -> str:
             "- `pretrained_model_name_or_path` is required; `train_data_dir` is required unless a "
             "dataset config is given; `resolution` is required unless a dataset config is given; "
             "`output_dir` is required unless `dry_run`.",
-            "- `min_bucket_reso <= max_bucket_reso`, both multiples of `bucket_reso_steps`, itself a multiple of 8.",
+            "- `min_bucket_reso <= max_bucket_reso`; with buckets, a `bucket_reso_steps` that is not a multiple of 8 is rounded up to one (with a warning).",
             "- `xformers` takes precedence over `sdpa`; without the xformers package the run uses "
             "SDPA (the same computation), with a warning.",
             "- `min_bucket_reso` / `max_bucket_reso` that are not multiples of `bucket_reso_steps` are "

@@ -203,14 +203,18 @@ def _warmup(d: dict):
 
 
 def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: str,
-             pixels: int = 64, steps: int = 2) -> dict:
-    """The TOML dict the GUI writes for `preset` on `tab` (test paths, `model`, `pixels`, `steps`)."""
+             pixels: int = 64, steps: int = 2, network_weights: str = "") -> dict:
+    """The TOML dict the GUI writes for `preset` on `tab` (test paths, `model`, `pixels`, `steps`;
+    `network_weights` replaces the preset's own network weights file where it names one)."""
     d = normalize(preset, tab)
     sdxl = bool(d["sdxl"])
+    preset_weights = bool(d.get("network_weights"))
     d.update(train_data_dir=data_dir, output_dir=output_dir, pretrained_model_name_or_path=model)
     for k in ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
               "log_tracker_config", "in_json", "wandb_api_key"):
         d[k] = ""  # the preset's own paths do not exist here
+    if preset_weights:
+        d["network_weights"] = network_weights
     # test size: the preset's resolution scaled to `pixels` on the short side (keeping a
     # non-multiple-of-8 side as such), bucket limits around it, and `steps` steps
     w, h = (int(x) for x in (str(d["max_resolution"]).split(",") * 2)[:2])
@@ -218,9 +222,10 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
     d["max_resolution"] = f"{round(w * scale)},{round(h * scale)}"
     if int(d["bucket_reso_steps"]) % 8 == 0:
         d["bucket_reso_steps"] = 8
-        d["min_bucket_reso"] = min(int(d["min_bucket_reso"]), pixels)
-        d["max_bucket_reso"] = max(int(d["max_bucket_reso"]) * scale, 2 * pixels)
-        d["max_bucket_reso"] = int(d["max_bucket_reso"]) - int(d["max_bucket_reso"]) % 8
+    # (a step that is not a multiple of 8, e.g. the LyCORIS presets' 1, is kept: it is rounded up)
+    d["min_bucket_reso"] = min(int(d["min_bucket_reso"]), pixels)
+    d["max_bucket_reso"] = max(int(d["max_bucket_reso"]) * scale, 2 * pixels)
+    d["max_bucket_reso"] = int(d["max_bucket_reso"]) - int(d["max_bucket_reso"]) % 8
     d["max_train_steps"], d["max_train_epochs"] = steps, 0
     d["train_batch_size"], d["gradient_accumulation_steps"] = 1, 1
     for k in ("save_every_n_epochs", "save_every_n_steps", "sample_every_n_epochs",

@@ -55,7 +55,6 @@ def test_fixed_resolution_covers_then_center_crops():
 
 @pytest.mark.parametrize("kwargs, option", [
     (dict(resolution=(0, 512), enable_bucket=False), "--resolution"),
-    (dict(resolution=(512, 512), enable_bucket=True, reso_steps=60), "--bucket_reso_steps"),
     (dict(resolution=(512, 512), enable_bucket=True, min_size=512, max_size=256), "--min_bucket_reso"),
     (dict(resolution=(512, 512), enable_bucket=True, min_size=8), "--min_bucket_reso"),
     (dict(resolution=(512, 512), enable_bucket=True, min_size=640), "--min_bucket_reso"),
@@ -100,3 +99,16 @@ def test_gui_resolution_rules_as_sd_scripts(caplog):
     assert fixed.resos == [(512, 650)]
     assert fixed.select_bucket(1024, 1024)[:2] == ((512, 650), (650, 650))
     assert "resolution 512x650 is not a multiple of 8" in caplog.text
+
+
+def test_bucket_steps_below_the_latent_grid_round_up(caplog):
+    """The kohya_ss GUI's LyCORIS presets write bucket_reso_steps = 1 (sd-scripts stops on it):
+    the finest step bucket sides can take is 8, so 1..7 -> 8 and 36 -> 40, with a warning."""
+    for given, used, reso, lo, hi in ((1, 8, 64, 32, 128), (36, 40, 80, 40, 160)):
+        bm = BucketManager((reso, reso), enable_bucket=True, min_size=lo, max_size=hi, reso_steps=given)
+        assert bm.reso_steps == used
+        assert all(w % used == 0 and h % used == 0 for w, h in bm.resos)
+        assert f"bucket_reso_steps {given} is not a multiple of 8 (the latent grid): using {used}" in caplog.text
+    # step 8, area 64 x 64: width 72 -> height (4096 // 72) // 8 * 8 = 56
+    bm = BucketManager((64, 64), enable_bucket=True, min_size=32, max_size=128, reso_steps=1)
+    assert (72, 56) in bm.resos and (56, 72) in bm.resos

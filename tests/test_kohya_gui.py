@@ -18,18 +18,14 @@ SCRIPT = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "f
 # and they must pass then): preset -> the pending feature.
 PENDING = {}
 
-# Presets sd-scripts itself stops on, rejected here with one line naming the key.
-REJECTED = {
-    # train_network.py / fine_tune.py: verify_bucket_reso_steps(64) asserts on a step of 1
-    **{name: "bucket_reso_steps" for name in (
-        "lora/ia3-sd15", "lora/lokr-sd15", "lora/sd15 - GLoRA v1.0", "lora/sd15 - LoKR v1.0",
-        "lora/sd15 - LoKr v1.1", "lora/sd15 - LoKr v2.0", "lora/locon-dadaptation-sdxl",
-        "finetune/adafactor", "finetune/lion", "lora/loha-sd15")},
-}
+# Presets sd-scripts itself stops on, rejected here with one line naming the key (none now:
+# sd-scripts stops on the LyCORIS presets' bucket_reso_steps = 1, which we round up to 8).
+REJECTED = {}
 # Presets that load but cannot train with the installed packages: the run stops with one line.
 TRAIN_REJECTED = {
     # LyCORIS 3.x's kohya wrapper has no "ia3" algorithm (lycoris.kohya network_module_dict)
     "lora/iA3-Prodigy-sd15": "'ia3'",
+    "lora/ia3-sd15": "'ia3'",
 }
 
 
@@ -59,6 +55,25 @@ def _cases():
 CASES = _cases()
 
 
+def _earlier_lora(fam, d, path):
+    """A LoRA file of the preset's shape (rank, alpha, conv) on the tiny model, as an earlier run
+    would have written it (non-zero up weights)."""
+    from library.models import load_model_bundle
+    from networks.lora import create_network
+
+    b = load_model_bundle(gui.tiny_model(fam))
+    conv = {"conv_dim": d["conv_dim"], "conv_alpha": d["conv_alpha"]} if d.get("conv_dim") else {}
+    tes = b.text_encoders if len(b.text_encoders) > 1 else b.text_encoders[0]
+    torch.manual_seed(0)
+    net = create_network(1.0, int(d["network_dim"]), float(d["network_alpha"]), None, tes, b.unet, **conv)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "lora_up" in name:
+                p.normal_(0, 1e-3)
+    net.save_weights(path, None, {})
+    return path
+
+
 def _config(tab, preset, tmp_path, dataset):
     fam = gui.family_of(preset)
     out = str(tmp_path / "out")
@@ -70,7 +85,12 @@ def _config(tab, preset, tmp_path, dataset):
                 dst.write(src.read())
     # the finetune tab's image folder holds the images themselves (captions via in_json)
     data = concept if tab == "finetune" else dataset
-    cfg = gui.gui_toml(preset, tab, model=gui.tiny_model(fam), data_dir=data, output_dir=out)
+    weights = ""
+    if gui.normalize(preset, tab).get("network_weights"):
+        # e.g. "finetuning phase 2": the preset names the LoRA of an earlier run to continue from
+        weights = _earlier_lora(fam, gui.normalize(preset, tab), str(tmp_path / "phase1.safetensors"))
+    cfg = gui.gui_toml(preset, tab, model=gui.tiny_model(fam), data_dir=data, output_dir=out,
+                       network_weights=weights)
     if cfg.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
         # the GUI's default; fp16 loss scaling needs CUDA: bf16 autocast is the CPU's half precision
         cfg["mixed_precision"] = "bf16"
