@@ -201,10 +201,10 @@ def test_paged_optimizers_on_the_cpu_say_so_and_step(caplog):
 def test_adafactor_relative_step_as_sd_scripts_decides_it():
     from library.optim import adafactor_relative_step
 
-    assert adafactor_relative_step({}, "constant") is False          # ours: learning_rate
-    assert adafactor_relative_step({}, "adafactor") is True           # sd-scripts' default
-    assert adafactor_relative_step({"warmup_init": True, "relative_step": False}, "constant")
-    assert adafactor_relative_step({"relative_step": True}, "cosine") is True
+    assert adafactor_relative_step({}) is True                        # sd-scripts' default
+    assert adafactor_relative_step({"relative_step": False}) is False
+    assert adafactor_relative_step({"warmup_init": True, "relative_step": False}) is True
+    assert adafactor_relative_step({"relative_step": True, "scale_parameter": False}) is True
     w = torch.nn.Parameter(torch.zeros(4, 4))
     opt = build_optimizer("Adafactor", {"warmup_init": "True"}, [{"params": [w], "lr": 1e-3}],
                           1e-3)
