@@ -179,6 +179,9 @@ def step_optimizer(optimizer, generator=None, grad_factor: float = 1.0) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 adafactor_step_param(optimizer, p, group, generator, grad_factor)
+        # what torch's LR scheduler wrapper of optimizer.step() records: without it the first
+        # scheduler step warns that it ran before optimizer.step(), which here it did not
+        optimizer._opt_called = True
     elif any(_is_low_precision(p) for g in optimizer.param_groups for p in g["params"]):
         step_low_precision(optimizer, generator, grad_factor)
     else:

@@ -132,7 +132,7 @@ def _torch_optim_name(name: str) -> str | None:
 
 
 def check_optimizer(optimizer_type: str, optimizer_args: dict, probe: bool = False,
-                    learning_rate: float = 1e-4, lr_scheduler: str | None = None):
+                    learning_rate: float = 1e-4):
     """Resolve the class and check the arguments against its signature; no parameters needed,
     so this runs before any weight is loaded. Returns (class, fixed kwargs, parsed args).
     With ``probe`` and some ``optimizer_args`` the optimizer is also built over one dummy
@@ -151,57 +151,49 @@ def check_optimizer(optimizer_type: str, optimizer_args: dict, probe: bool = Fal
         import torch
 
         _construct(cls, dict(kwargs), args, [torch.nn.Parameter(torch.zeros(4))], learning_rate,
-                   warn=False, lr_scheduler=lr_scheduler)
+                   warn=False)
     return cls, kwargs, args
 
 
 def build_optimizer(optimizer_type: str, optimizer_args: dict, param_groups, learning_rate: float,
-                    warn: bool = True, lr_scheduler: str | None = None):
-    """The optimizer over ``param_groups``; ``warn=False`` for the 2nd..Nth fused optimizer.
-    ``lr_scheduler`` matters for Adafactor only (``adafactor`` implies relative_step)."""
+                    warn: bool = True):
+    """The optimizer over ``param_groups``; ``warn=False`` for the 2nd..Nth fused optimizer."""
     cls, kwargs, args = check_optimizer(optimizer_type, optimizer_args)
-    return _construct(cls, kwargs, args, param_groups, learning_rate, warn=warn,
-                      lr_scheduler=lr_scheduler)
+    return _construct(cls, kwargs, args, param_groups, learning_rate, warn=warn)
 
 
 def is_adafactor(cls) -> bool:
     return cls.__name__ == "Adafactor" and (cls.__module__ or "").startswith("transformers")
 
 
-def adafactor_relative_step(args: dict, lr_scheduler: str | None) -> bool:
+def adafactor_relative_step(args: dict) -> bool:
     """Whether Adafactor computes its own step size (relative_step=True), from the parsed
-    optimizer_args: as given, else True with warmup_init=True (sd-scripts' correction: transformers
-    refuses warmup_init without it) or with lr_scheduler adafactor (the only setting in which
-    sd-scripts' adafactor scheduler runs). Otherwise False: our default, which uses learning_rate;
-    sd-scripts' default would be True (announced when the optimizer is built)."""
+    optimizer_args, as sd-scripts decides it: as given, True by default (transformers' and
+    sd-scripts' default), and True with warmup_init=True (sd-scripts' correction: transformers
+    refuses warmup_init without it)."""
     if args.get("warmup_init", False):
         return True
-    if "relative_step" in args:
-        return bool(args["relative_step"])
-    return lr_scheduler == "adafactor"
+    return bool(args.get("relative_step", True))
 
 
-def _adafactor_kwargs(kwargs, args, param_groups, lr_scheduler, warn):
-    """transformers' Adafactor defaults to relative_step=True, which ignores lr."""
-    rel = adafactor_relative_step(args, lr_scheduler)
+def _adafactor_kwargs(kwargs, args, param_groups, learning_rate, warn):
+    """sd-scripts' Adafactor set-up: relative_step=True unless optimizer_args say otherwise (then
+    lr is None and the groups' lrs are dropped); every other argument as given, else
+    transformers' default (scale_parameter=True, warmup_init=False)."""
+    rel = adafactor_relative_step(args)
     if warn and args.get("warmup_init", False) and args.get("relative_step", True) is False:
         logger.info("Adafactor: warmup_init=True needs relative_step=True: using it (as sd-scripts)")
     kwargs["relative_step"] = rel
     if not rel:
-        if "relative_step" not in args:
-            kwargs.setdefault("scale_parameter", False)
-            kwargs.setdefault("warmup_init", False)
-            if warn:
-                logger.info("Adafactor: relative_step=False, scale_parameter=False: the step size is "
-                            "learning_rate (sd-scripts' default is relative_step=True, which ignores "
-                            "learning_rate: set optimizer_args relative_step=True or lr_scheduler "
-                            "adafactor for that)")
         return param_groups
     kwargs["lr"] = None
     if warn:
-        logger.warning("Adafactor with relative_step=True: learning_rate, unet_lr and "
-                       "text_encoder_lr set no step size (Adafactor computes its own; the lr "
-                       "logged is that step size, from the adafactor scheduler)")
+        given = f"learning_rate {learning_rate:g}" if learning_rate else "learning_rate"
+        logger.warning(f"Adafactor with relative_step=True (sd-scripts' default): {given} is used "
+                       "only as the initial lr reported before the first step; it, unet_lr and "
+                       "text_encoder_lr set no step size (Adafactor computes its own; optimizer_args "
+                       "relative_step=False scale_parameter=False warmup_init=False step by "
+                       "learning_rate)")
     if isinstance(param_groups, list) and param_groups and isinstance(param_groups[0], dict):
         # a group's lr would override lr=None; sd-scripts drops them likewise
         param_groups = [{k: v for k, v in g.items() if k != "lr"} for g in param_groups]
@@ -229,7 +221,7 @@ def _check_step_size_free(cls, param_groups, learning_rate, warn):
                        "is usual (as sd-scripts warns)")
 
 
-def _construct(cls, kwargs, args, param_groups, learning_rate, warn=True, lr_scheduler=None):
+def _construct(cls, kwargs, args, param_groups, learning_rate, warn=True):
     params = inspect.signature(cls.__init__).parameters
     accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
     kwargs.update(args)
@@ -238,7 +230,7 @@ def _construct(cls, kwargs, args, param_groups, learning_rate, warn=True, lr_sch
     if not isinstance(param_groups, list):
         param_groups = list(param_groups)  # read below, then handed to the class
     if is_adafactor(cls):
-        param_groups = _adafactor_kwargs(kwargs, args, param_groups, lr_scheduler, warn)
+        param_groups = _adafactor_kwargs(kwargs, args, param_groups, learning_rate, warn)
     module = (cls.__module__ or "").split(".")[0]
     if module in ("dadaptation", "prodigyopt"):
         _check_step_size_free(cls, param_groups, kwargs.get("lr", learning_rate), warn)
@@ -320,7 +312,7 @@ def check_scheduler(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpe
                        f"{', lr_warmup_steps' if spec.warmup_steps else ''} have no effect, the "
                        "learning rate stays constant (as sd-scripts; the optimizer's own "
                        "warmup_steps argument warms up)")
-    elif is_adafactor(cls) and adafactor_relative_step(args, spec.name) and \
+    elif is_adafactor(cls) and adafactor_relative_step(args) and \
             spec.name != "adafactor" and not spec.scheduler_type:
         logger.info(f"Adafactor with relative_step=True: lr_scheduler {spec.name} has no effect, "
                     "using the adafactor scheduler (as sd-scripts)")
@@ -334,7 +326,7 @@ def check_scheduler(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpe
                            f"{spec.scheduler_type or spec.name} (only with {', '.join(users)})")
     p = torch.nn.Parameter(torch.zeros(4))
     opt = build_optimizer(opts.optimizer_type, opts.optimizer_args, [{"params": [p]}],
-                          opts.learning_rate or 1e-4, warn=False, lr_scheduler=spec.name)
+                          opts.learning_rate or 1e-4, warn=False)
     build_scheduler(spec, opt)
     return spec
 
@@ -512,7 +504,9 @@ def _adafactor_scheduler(spec: ScheduleSpec, optimizer, relative: bool):
     if spec.warmup_steps:
         raise OptimizerError("Adafactor with relative_step=True (the adafactor scheduler) has no "
                              "lr_warmup_steps (sd-scripts refuses them too): use optimizer_args "
-                             "warmup_init=True, or lr_warmup_steps 0")
+                             "warmup_init=True, or lr_warmup_steps 0, or optimizer_args "
+                             "relative_step=False scale_parameter=False warmup_init=False for a "
+                             "learning_rate step")
 
     class FloatAdafactorSchedule(AdafactorSchedule):
         """Reports, per group, the step size Adafactor used in its last step on the group's first

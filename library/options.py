@@ -264,7 +264,8 @@ OPTIONS: tuple[Option, ...] = (
       "block at 0 is not trained. Replaces learning_rate for the U-Net.", "optimizer", scripts=FULL,
       min=0),
     O("lr_scheduler", "str", "constant", "Learning-rate schedule (curves in docs/OPTIMIZERS.md). "
-      "adafactor needs optimizer_type Adafactor (it implies relative_step=True); ignored when "
+      "adafactor needs optimizer_type Adafactor with relative_step=True (its default), which "
+      "uses it whatever lr_scheduler says; ignored when "
       "lr_scheduler_type is set; schedule-free optimizers keep a constant learning rate.",
       "optimizer", choices=LR_SCHEDULERS),
     O("lr_warmup_steps", "steps_or_fraction", 0, "Warmup length: a number of optimizer steps, or a "

@@ -461,7 +461,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     if mode is None:
         check_precision_options(opts)
         optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args, param_groups,
-                                    opts.learning_rate, lr_scheduler=opts.lr_scheduler)
+                                    opts.learning_rate)
         precision = trained_precision(opts)
         if precision == "float16":
             # Accelerate's wrapper would route the step through its GradScaler, which refuses fp16
@@ -511,8 +511,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
             if ps:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
         opt = build_optimizer(opts.optimizer_type, opts.optimizer_args, groups, opts.learning_rate,
-                              warn=not optimizers,  # one warning, not one per optimizer
-                              lr_scheduler=opts.lr_scheduler)
+                              warn=not optimizers)  # one warning, not one per optimizer
         optimizers.append(opt)
         schedulers.append(scheduler_for(opt))
     if opts.max_grad_norm and opts.max_grad_norm > 0:

@@ -99,7 +99,7 @@ class Run:
         from library.optim import check_optimizer
 
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
-                        learning_rate=self.opts.learning_rate, lr_scheduler=self.opts.lr_scheduler)
+                        learning_rate=self.opts.learning_rate)
         from library.optim import check_scheduler
 
         check_scheduler(self.opts, warmup_steps=self.plan.warmup_steps,

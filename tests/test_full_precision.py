@@ -139,7 +139,9 @@ def test_loss_scaler_skips_an_overflowing_step_halves_then_grows():
 
 # -- end to end on tiny-sd15 -----------------------------------------------------------------------
 @pytest.mark.parametrize("extra", [[], ["--fused_backward_pass"],
-                                   ["--fused_optimizer_groups", "3", "--optimizer_type", "Adafactor"]],
+                                   ["--fused_optimizer_groups", "3", "--optimizer_type", "Adafactor",
+                                    "--optimizer_args", "relative_step=False",
+                                    "scale_parameter=False", "warmup_init=False"]],
                          ids=["plain", "fused-adamw", "groups-adafactor"])
 def test_full_bf16_lora_trains_and_saves(extra, dataset, tmp_path, train):
     rc, _, err, run = train("train_lora", run_args("tiny-sd15", dataset, tmp_path / "out",

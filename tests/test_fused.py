@@ -30,6 +30,9 @@ from library.fused_optim import copy_stochastic_
 from library.stepper import FusedStepper, GroupedStepper, PlainStepper, make_stepper
 
 TOL = 1e-6
+# Adafactor stepped by learning_rate (its default, relative_step=True, ignores the lr schedule
+# these tests compare; tests/test_optimizers.py covers the fused relative step)
+LR_ADAFACTOR = {"relative_step": "False", "scale_parameter": "False", "warmup_init": "False"}
 
 
 # -- the stepper on a small model (no trainer) ----------------------------------------------------
@@ -107,7 +110,7 @@ def _assert_same(a, b, tol=TOL):
 
 
 @pytest.mark.parametrize("optimizer_type,args", [
-    ("AdamW", {"weight_decay": 0.01}), ("Adafactor", {}), ("SGDNesterov", {}), ("Lion", {}),
+    ("AdamW", {"weight_decay": 0.01}), ("Adafactor", LR_ADAFACTOR), ("SGDNesterov", {}), ("Lion", {}),
     ("AdamW8bit", {"min_8bit_size": 16})])
 @pytest.mark.parametrize("mode", ["fused", "groups2"])
 def test_stepper_equals_plain_on_a_small_model(optimizer_type, args, mode):
@@ -314,7 +317,8 @@ def _train(script, args):
 OPTIMIZERS = {
     "adamw": ["--optimizer_type", "AdamW", "--optimizer_args", "weight_decay=0.01",
               "--learning_rate", "1e-3"],
-    "adafactor": ["--optimizer_type", "Adafactor", "--learning_rate", "1e-3"],
+    "adafactor": ["--optimizer_type", "Adafactor", "--optimizer_args",
+                  *(f"{k}={v}" for k, v in LR_ADAFACTOR.items()), "--learning_rate", "1e-3"],
 }
 
 

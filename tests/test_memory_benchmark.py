@@ -15,7 +15,8 @@ def test_variant_flags():
     assert mb.variant_flags("fused") == ["--optimizer_type", "Adafactor", "--optimizer_args",
                                          *mb.ADAFACTOR_ARGS, "--fused_backward_pass"]
     assert mb.variant_flags("groups4")[-2:] == ["--fused_optimizer_groups", "4"]
-    assert mb.variant_flags("groups4")[:2] == ["--optimizer_type", "Adafactor"]
+    assert mb.variant_flags("groups4")[:-2] == mb.OPTIMIZERS["adafactor"]
+    assert mb.ADAFACTOR_ARGS == ["relative_step=False", "scale_parameter=False", "warmup_init=False"]
     assert mb.variant_flags("adamw+fused+gc") == ["--optimizer_type", "AdamW",
                                                   "--fused_backward_pass",
                                                   "--gradient_checkpointing"]

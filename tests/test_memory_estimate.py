@@ -32,7 +32,9 @@ def state_bytes(optimizers) -> int:
 @pytest.mark.parametrize("optimizer_type,args", [
     ("AdamW", ()), ("AdamW", ("amsgrad=True",)), ("AdamW8bit", ()), ("PagedAdamW8bit", ()),
     ("AdamW8bit", ("min_8bit_size=100",)), ("Lion", ()), ("Lion8bit", ()), ("SGDNesterov", ()),
-    ("SGDNesterov8bit", ()), ("Adafactor", ()), ("Adafactor", ("beta1=0.9",)), ("Prodigy", ()),
+    ("SGDNesterov8bit", ()), ("Adafactor", ()), ("Adafactor", ("beta1=0.9",)),
+    ("Adafactor", ("relative_step=False", "scale_parameter=False", "warmup_init=False")),
+    ("Prodigy", ()),
     ("AdamWScheduleFree", ()), ("RAdamScheduleFree", ()), ("torch.optim.SGD", ()),
     ("torch.optim.RMSprop", ()), ("torch.optim.Adagrad", ()), ("PagedAdamW", ()),
     ("PagedAdamW32bit", ()), ("PagedLion8bit", ()), ("SGDScheduleFree", ()), ("DAdaptAdam", ()),

@@ -142,14 +142,13 @@ def test_lr_scheduler_type_by_dotted_path_and_by_torch_name():
 
 
 def test_adafactor_schedule_reports_adafactors_relative_step():
-    """lr_scheduler adafactor: relative_step=True implied; the reported lr is transformers'
+    """Adafactor's default relative_step=True; the reported lr is transformers'
     formula min(1e-2, 1/sqrt(t)) x max(eps2, RMS(weights before step t)) (scale_parameter)."""
     from transformers.optimization import Adafactor, AdafactorSchedule
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(8, 6))
-    opt = build_optimizer("Adafactor", {}, [{"params": [w], "lr": 1e-3}], 1e-3,
-                          lr_scheduler="adafactor")
+    opt = build_optimizer("Adafactor", {}, [{"params": [w], "lr": 1e-3}], 1e-3)
     assert isinstance(opt, Adafactor) and opt.param_groups[0]["relative_step"] is True
     assert opt.param_groups[0]["lr"] is None
     sch = build_scheduler(ScheduleSpec("adafactor", 0, 5, initial_lr=1e-3), opt)

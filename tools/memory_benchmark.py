@@ -22,8 +22,10 @@ plot use the training loop's peak. ``--out`` receives ``results.csv``, ``results
 (needs matplotlib: ``pip install -e .[plots]``; without it the plot is skipped with a note).
 
 Variants are names joined by ``+``: an optimizer (``adamw``, ``adamw8bit``, ``adafactor``,
-``lion``, ``sgd``) and modifiers: ``fused`` (``fused_backward_pass``; alone it means fused
-Adafactor, as in sd-scripts), ``groupsN`` (``fused_optimizer_groups N``; alone: Adafactor),
+``lion``, ``sgd``; ``adafactor`` steps by the learning rate, ``relative_step=False
+scale_parameter=False warmup_init=False``, the setting the README's numbers were measured with;
+its default relative step keeps the same state) and modifiers: ``fused``
+(``fused_backward_pass``; alone it means fused Adafactor, as in sd-scripts), ``groupsN`` (``fused_optimizer_groups N``; alone: Adafactor),
 ``bf16`` (``mixed_precision bf16``), ``fullbf16`` (bf16 weights: ``mixed_precision bf16
 full_bf16``), ``gc`` (gradient checkpointing), ``zero1`` / ``zero2`` (DeepSpeed ZeRO stage 1 /
 2, one process). E.g. ``adamw+fullbf16+gc``.
