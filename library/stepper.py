@@ -76,6 +76,24 @@ class LossScaler:
         self.good_steps = int(state["good_steps"])
 
 
+def check_same_settings(optimizer, saved: dict) -> None:
+    """Before ``optimizer.load_state_dict(saved)``, which would silently replace this run's
+    constructor settings (e.g. Adafactor's relative_step, whose default changed) by the saved
+    ones: the same options must have built the same optimizer. Dynamic group entries (the lr, the
+    D-Adaptation / Prodigy / schedule-free estimates) are not constructor arguments and are left
+    alone. ValueError: the resume code names the state directory around the message."""
+    import inspect
+
+    args = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params", "lr"}
+    for now, then in zip(optimizer.param_groups, saved.get("param_groups", [])):
+        for key in sorted(args & set(now) & set(then)):
+            if now[key] != then[key] and not (now[key] is None and then[key] is None):
+                raise ValueError(f"{type(optimizer).__name__} {key} is {now[key]!r} in this run but "
+                                 f"{then[key]!r} in the saved state (a default changed, or the "
+                                 "optimizer_args); give optimizer_args "
+                                 f"{key}={then[key]!r} to continue it")
+
+
 def grad_norm_fp32(params) -> float:
     """The global L2 norm of the gradients, accumulated in float32 (inf or NaN when a gradient
     holds one): fp16/bf16 norms of scaled gradients would overflow or lose digits."""
@@ -144,6 +162,7 @@ class PlainStepper:
 
     def load_state_dict(self, state: dict) -> None:
         if not self.fsdp:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+            check_same_settings(self.optimizer, state["optimizer"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.precision != "float32":
@@ -324,6 +343,7 @@ class _HookStepper:
             raise ValueError(f"the saved state has {len(opts)} optimizers, this run "
                              f"{len(self.optimizers)} (other parameters or fused settings)")
         for o, s in zip(self.optimizers, opts):
+            check_same_settings(o, s)
             o.load_state_dict(s)
         for sc, s in zip(self.schedulers, scheds):
             sc.load_state_dict(s)

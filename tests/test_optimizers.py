@@ -321,3 +321,37 @@ def test_fused_adafactor_relative_step_equals_plain_and_reports_its_step_size(ex
     assert fused_lrs == pytest.approx(plain_lrs, rel=1e-6)
     for a, b in zip(plain.parameters(), fused.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_resume_refuses_an_optimizer_built_with_other_settings():
+    """A state's optimizer must have been built with this run's constructor settings: load_state_dict
+    would otherwise quietly replace them (an Adafactor state of relative_step=False, from before the
+    default became sd-scripts' True, resumed into a relative-step run)."""
+    import torch
+    from transformers.optimization import Adafactor
+
+    from library.stepper import check_same_settings
+
+    def adafactor(**kw):
+        p = torch.nn.Parameter(torch.ones(4, 4))
+        opt = Adafactor([p], **kw)
+        p.grad = torch.full_like(p, 0.1)
+        opt.step()
+        return opt
+
+    old = adafactor(lr=1e-3, relative_step=False, scale_parameter=False, warmup_init=False).state_dict()
+    with pytest.raises(ValueError, match=r"Adafactor relative_step is True in this run but False"):
+        check_same_settings(adafactor(lr=None), old)
+    check_same_settings(adafactor(lr=1e-3, relative_step=False, scale_parameter=False,
+                                  warmup_init=False), old)  # same settings: fine
+    # dynamic group entries (Prodigy's d estimate) and the lr move during training: not settings
+    from prodigyopt import Prodigy
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = Prodigy([p], lr=1.0)
+    saved = opt.state_dict()
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        opt.step()
+    assert opt.param_groups[0]["d"] != saved["param_groups"][0]["d"]
+    check_same_settings(opt, saved)
