@@ -130,7 +130,7 @@ def test_lora_trains_on_an_fp8_base_close_to_a_bf16_base(model, compared, datase
 
 
 def test_fp8_base_unet_keeps_the_text_encoders_in_bf16(dataset, tmp_path, train):
-    rc, _, err, run = train("train_lora", _lora_args("tiny-sd15", dataset, tmp_path / "o",
+    rc, _, err, run = train("train_lora", _lora_args("tiny-sd2", dataset, tmp_path / "o",
                                                      "--fp8_base_unet", "--max_train_steps", "1"))
     assert rc == 0, err
     assert run.bundle.unet.conv_in.weight.dtype == FP8
