@@ -16,7 +16,8 @@ The peak of the training loop (one process, steady state: the optimizer state ex
 - resident parameters: trained ones and the frozen parts that stay in memory (the VAE leaves
   after its latents are cached, the text encoders after their outputs are cached, unless
   ``highvram``; library/frozen.py), each in the dtype the trainer gives it
-  (``trained_precision``, the mixed-precision dtype for frozen parts, ``vae_dtype``);
+  (``placement.dtype_placement``: ``trained_precision``, the mixed-precision dtype or fp8 for
+  frozen parts; ``vae_dtype``);
 - optimizer state: per parameter from the optimizer's own rules (``OptimizerRule``), float
   state in float32 (float32 weights, or the float32 copies ``full_bf16``/``full_fp16`` step);
 - G: all trained gradients; with gradient accumulation the fused steppers keep them all too
