@@ -48,6 +48,13 @@ def check_options(opts) -> None:
     if opts.mixed_precision not in ("bf16", "fp16"):
         raise Fp8OptionError(f"{name} needs mixed_precision bf16 or fp16 (the fp8 weights compute in "
                              f"it), not {opts.mixed_precision!r}")
+    bypass = str((opts.network_args or {}).get("bypass_mode", "")).lower() in ("true", "1")
+    if opts.network_module.split(".")[0] == "lycoris" and not bypass:
+        # LyCORIS' default forward adds its delta to the base layer's weight and computes with
+        # that (an fp8 weight: "mul_cpu_reduced_float not implemented"); its bypass mode calls
+        # the layer's forward, which computes the fp8 weight in the compute dtype.
+        raise Fp8OptionError(f"{name} with {opts.network_module} needs network_args bypass_mode=True "
+                             "(its default forward computes with the fp8 base weight itself)")
 
 
 def dtype_placement(opts, method_name: str, train_text_encoder: bool, n_text_encoders: int) -> Placement:
