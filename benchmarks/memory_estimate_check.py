@@ -34,6 +34,8 @@ CASES = [
     ("lora32-adamw-320-b2", "check", "lora", 32, 320, 2, "adamw"),
     ("ft-fullbf16-fused-256-b1", "check", "finetune", None, 256, 1, "fused+fullbf16"),
     ("ft-adamw8bit-gc-256-b2", "check", "finetune", None, 256, 2, "adamw8bit+gc"),
+    ("lora16-bf16-64-b1", "check", "lora", 16, 64, 1, "bf16"),
+    ("lora16-fp8-64-b1", "check", "lora", 16, 64, 1, "fp8"),
 ]
 
 

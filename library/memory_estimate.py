@@ -16,7 +16,8 @@ The peak of the training loop (one process, steady state: the optimizer state ex
 - resident parameters: trained ones and the frozen parts that stay in memory (the VAE leaves
   after its latents are cached, the text encoders after their outputs are cached, unless
   ``highvram``; library/frozen.py), each in the dtype the trainer gives it
-  (``trained_precision``, the mixed-precision dtype for frozen parts, ``vae_dtype``);
+  (``placement.dtype_placement``: ``trained_precision``, the mixed-precision dtype or fp8 for
+  frozen parts; ``vae_dtype``);
 - optimizer state: per parameter from the optimizer's own rules (``OptimizerRule``), float
   state in float32 (float32 weights, or the float32 copies ``full_bf16``/``full_fp16`` step);
 - G: all trained gradients; with gradient accumulation the fused steppers keep them all too
@@ -428,6 +429,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     import torch
 
     from library import family as fam
+    from library import fp8
     from library.distributed import compute_dtype
 
     unet = comps["unet"]
@@ -473,6 +475,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     with mode:
         adapter = fam.adapter_for(_Bundle(family, unet, tes, []), getattr(opts, "max_token_length", None))
         unet_dtype = next(unet.parameters()).dtype
+        if unet_dtype == fp8.FP8:  # fp8_base: the U-Net computes in the mixed-precision dtype
+            unet_dtype = dtype
         latents = torch.zeros(batch, *latent)
         noisy = latents.to(unet_dtype)
         t = torch.zeros(batch, dtype=torch.long)
@@ -495,22 +499,29 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
                            latent)
 
 
-def _cast_module(module, dtype) -> dict:
-    """``module.to(dtype)`` for fake tensors (whose parameters ``Module.to`` cannot swap): new
-    Parameters in ``dtype``; returns {id(old parameter): new parameter}."""
+def _cast_module(module, dtype, compute=None) -> dict:
+    """The trainer's ``placement.place(module, dtype, compute)`` for fake tensors (whose
+    parameters ``Module.to`` cannot swap): new Parameters in the dtypes ``placement.tensor_dtypes``
+    gives (fp8: float8 Linear/Conv2d weights, with the up-casting forward); returns
+    {id(old parameter): new parameter}."""
     import torch
 
+    from library import fp8, placement
+
     new = {}
-    for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if p is None or not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) not in new:
-                new[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-            m._parameters[name] = new[id(p)]
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                m._buffers[name] = b.to(dtype)
+    for m, kind, name, target in list(placement.tensor_dtypes(module, dtype, compute)):
+        t = getattr(m, kind)[name]
+        if kind == "_buffers":
+            if t.dtype != target:
+                m._buffers[name] = t.to(target)
+            continue
+        if t.dtype == target:
+            continue
+        if id(t) not in new:
+            new[id(t)] = torch.nn.Parameter(t.detach().to(target), requires_grad=t.requires_grad)
+        m._parameters[name] = new[id(t)]
+    if dtype == fp8.FP8:
+        fp8.install_forward(module, compute)
     return new
 
 
@@ -652,18 +663,20 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             method = FullMethod(o, bundle)
         # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
         # cast before the method picks its parameters, the network after it is built
+        from library import placement
         from library.latent_cache import vae_dtype
 
         trained_dtype = getattr(torch, trained_precision(opts))
         frozen_dtype = compute_dtype(opts.mixed_precision)
-        train_te = method_name != "lora" and method.train_text_encoder
+        pl = placement.dtype_placement(opts, method_name, method.train_text_encoder,
+                                       len(bundle.text_encoders))
         _cast_module(comps["vae"], vae_dtype(opts))
-        _cast_module(comps["unet"], trained_dtype if method_name != "lora" else frozen_dtype)
-        for te in bundle.text_encoders:
-            _cast_module(te, trained_dtype if train_te else frozen_dtype)
+        _cast_module(comps["unet"], pl.unet, pl.compute)
+        for te, te_dtype in zip(bundle.text_encoders, pl.text_encoders):
+            _cast_module(te, te_dtype, pl.compute)
         groups = method.setup()
         if method_name == "lora":
-            new = _cast_module(method.network, trained_dtype)
+            new = _cast_module(method.network, pl.network)
             groups = [{**g, "params": [new.get(id(p), p) for p in g["params"]]} for g in groups]
     trained = [p for p in method.trainable_parameters() if p.requires_grad]
     trained_ids = {id(p) for p in trained}

@@ -91,6 +91,9 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name, None))
+    if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
+        md["ss_fp8_base"] = str(bool(opts.fp8_base))
+        md["ss_fp8_base_unet"] = str(bool(opts.fp8_base_unet))
     if network_info:
         md.update({k: str(v) for k, v in network_info.items()})
     return md

@@ -323,6 +323,14 @@ OPTIONS: tuple[Option, ...] = (
       "float32 optimizer state, dynamic loss scaling (a step whose gradients overflow is skipped "
       "and the scale halved). Needs mixed_precision fp16 (on a CPU: fp16 computation without "
       "autocast); not with fused_backward_pass or fused_optimizer_groups.", "training"),
+    O("fp8_base", "bool", False, "Store the frozen U-Net and text encoders in float8 (e4m3fn): the "
+      "weights of their Linear/Conv2d layers (norms, embeddings and biases stay in the "
+      "mixed-precision dtype), computed in the mixed-precision dtype, one layer's weight up-cast "
+      "at a time (docs/FP8.md). About half the frozen weights' bytes of a bf16 base. Needs "
+      "mixed_precision bf16 or fp16. train_lora only (sd-scripts' train_db and fine_tune accept "
+      "the flag and ignore it).", "training", scripts=LORA),
+    O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
+      "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=LORA),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("fsdp", "bool", False, "Full fine-tune sharded across the processes (PyTorch FSDP2, applied by "
@@ -525,8 +533,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("torch_compile", "flag", _IGN, "speed only"),
     _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
-    _n("fp8_base", "flag", _REJ, "fp8 base weights change the computation"),
-    _n("fp8_base_unet", "flag", _REJ, "fp8 base weights change the computation"),
     _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
     _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
@@ -604,10 +610,6 @@ class GuiKey:
     why: str = ""
     target: str = ""     # "option": the option it sets, when not the key itself
 
-
-# Options that other branches add (the lead merges them; then this set is deleted and the
-# entries naming them are checked like every other "option" entry).
-PENDING_GUI_OPTIONS = frozenset({"fp8_base", "fp8_base_unet"})
 
 _OTHER_FAMILY = ("an option of the GUI's {} training; this toolkit trains SD1, SD2 and SDXL "
                  "(the GUI writes it only with that model type checked)")
@@ -740,8 +742,7 @@ def _check_schema() -> None:
         assert set(k.tabs) <= set("ldf") and k.tabs, k.name
         if k.action == "option":
             target = k.target or k.name
-            assert (target in OPTIONS_BY_NAME or target in ALIASES
-                    or target in PENDING_GUI_OPTIONS), f"GUI key {k.name}: no option {target}"
+            assert target in OPTIONS_BY_NAME or target in ALIASES, f"GUI key {k.name}: no option {target}"
         elif k.action == "sd":
             assert k.name in SD_SCRIPTS_BY_NAME, f"GUI key {k.name}: not an sd-scripts name"
         else:
@@ -843,8 +844,7 @@ def gui_key_effect(k: GuiKey) -> str:
     """What a kohya_ss GUI key does here, in words (docs/OPTIONS.md, docs/KOHYA_GUI.md)."""
     if k.action == "option":
         target = ALIASES.get(k.target or k.name, k.target or k.name)
-        pending = " (added by a branch being merged)" if target in PENDING_GUI_OPTIONS else ""
-        return f"honoured as option `{target}`{pending}" + (f"; {k.why}" if k.why else "")
+        return f"honoured as option `{target}`" + (f"; {k.why}" if k.why else "")
     if k.action == "sd":
         n = SD_SCRIPTS_BY_NAME[k.name]
         if n.action == _IGN:

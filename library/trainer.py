@@ -122,6 +122,9 @@ class Run:
         from library import network_options
 
         network_options.check_options(self.opts)  # dim_from_weights, base_weights, scale_weight_norms
+        from library import placement
+
+        placement.check_options(self.opts)  # fp8_base / fp8_base_unet need mixed precision
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
@@ -185,25 +188,27 @@ class Run:
         opts, b, acc = self.opts, self.bundle, self.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
         self.method = NetworkMethod(opts, b) if self.method_name == "lora" else FullMethod(opts, b)
+        from library import placement
+
+        # The dtypes of every part (library/placement.py, shared with the memory estimate): the
+        # trained weights float32, or with full_bf16 / full_fp16 bf16 / fp16 (the stepper updates
+        # them in float32 and rounds back); the frozen parts the mixed-precision dtype, or with
+        # fp8_base / fp8_base_unet float8. Placed before the network hooks the modules, so its
+        # hooks call the fp8 forward; after the load (and any merge of base weights into it).
+        self.placement = placement.dtype_placement(opts, self.method_name, self.method.train_text_encoder,
+                                                   len(b.text_encoders))
+        pl = self.placement
+        placement.place(b.unet, pl.unet, pl.compute, acc.device)
+        for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
+            placement.place(te, te_dtype, pl.compute, acc.device)
         groups = self.method.setup()
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        from library.stepper import trained_precision
-
-        # float32 master weights, or with full_bf16 / full_fp16 the trained weights themselves in
-        # bf16 / fp16 (the stepper updates them in float32 and rounds back)
-        trained_dtype = getattr(torch, trained_precision(opts))
-        frozen_dtype = self.weight_dtype
-        unet_dtype = trained_dtype if self.method_name != "lora" else frozen_dtype
-        b.unet.to(acc.device, dtype=unet_dtype)
-        for te in b.text_encoders:
-            te_dtype = trained_dtype if (self.method_name != "lora" and self.method.train_text_encoder) else frozen_dtype
-            te.to(acc.device, dtype=te_dtype)
         if self.method_name == "lora":
-            self.method.network.to(acc.device, dtype=trained_dtype)
+            self.method.network.to(acc.device, dtype=pl.network)
         if opts.gradient_checkpointing:
             b.unet.enable_gradient_checkpointing()
             if self.method.train_text_encoder:
@@ -285,7 +290,7 @@ class Run:
 
         for it in self.tset.val_items:  # the validation loss reads its captions from the cache too
             wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
-        te_dtype = next(self.bundle.text_encoders[0].parameters()).dtype
+        te_dtype = self.placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
         identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip, opts.max_token_length)
         self.text_cache = text_cache.encode_captions(
             self.adapter, wanted, identity, clip_skip=opts.clip_skip,
@@ -364,7 +369,7 @@ class Run:
         return (per_sample * weights).sum() / n_global
 
     def _unet_dtype(self):
-        return next(self.bundle.unet.parameters()).dtype
+        return self.placement.input_dtype(self.placement.unet)
 
     def _sample_masks(self, idx: list[int], loaded_images, epoch: int, latent_hw):
         """Masked loss: (B,1,h,w) masks at the latent size, from the latent cache (stored beside

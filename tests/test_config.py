@@ -319,7 +319,7 @@ def test_no_effect_name_warns_once(write, caplog):
         assert sum(m.startswith(f"option {name} has no effect in this toolkit") for m in warned) == 1
 
 
-@pytest.mark.parametrize("line", ["initial_step = 3", "fp8_base = true", "cpu_offload_checkpointing = true",
+@pytest.mark.parametrize("line", ["initial_step = 3", "secondary_separator = \";;;\"", "cpu_offload_checkpointing = true",
                                   "weighted_captions = true", "color_aug = true",
                                   "token_warmup_step = 5", "enable_wildcard = true",
                                   "no_token_padding = true", "blocks_to_swap = 2", "lowram = true"])
@@ -484,4 +484,4 @@ def test_help_is_fast_and_imports_no_torch():
     assert exit_code in ("0", "None") and torch_imported == "False"
     assert wall < 1.0, f"--help took {wall:.2f} s"
     assert "--network_dim" in help_text and "Network (LoRA):" in help_text and "--config_file" in help_text
-    assert "--fp8_base" not in help_text  # sd-scripts-only names are hidden from --help
+    assert "--lowram" not in help_text  # sd-scripts-only names are hidden from --help

@@ -14,10 +14,6 @@ from tests import kohya_gui_configs as gui
 
 SCRIPT = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "finetune"}
 
-# Presets that need a feature another branch adds (the lead deletes this list after the merge,
-# and they must pass then): preset -> the pending feature.
-PENDING = {}
-
 # Presets sd-scripts itself stops on, rejected here with one line naming the key (none now:
 # sd-scripts stops on the LyCORIS presets' bucket_reso_steps = 1, which we round up to 8).
 REJECTED = {}
@@ -40,10 +36,7 @@ def _cases():
                 out.append(pytest.param(tab, preset, pid, id=f"{pid} [skipped: {why}]",
                                         marks=pytest.mark.skip(reason=why)))
                 continue
-            marks = []
-            if pid in PENDING:
-                marks.append(pytest.mark.xfail(strict=True, reason=f"pending: {PENDING[pid]}"))
-            out.append(pytest.param(tab, preset, pid, id=pid, marks=marks))
+            out.append(pytest.param(tab, preset, pid, id=pid))
         for fam, flags in (("sd1", {}), ("sdxl", {"sdxl": True})):
             if tab == "finetune" and fam == "sdxl":
                 flags = {"sdxl_checkbox": True}
@@ -238,12 +231,12 @@ def test_dreambooth_text_encoder_rate_trains_it_as_sd_scripts(model, extra, trai
 def test_gui_option_keys_are_accepted_by_the_tab_scripts():
     """A GUI key documented as "honoured as option X" is an option of the entry script of every
     tab that writes it (else the GUI's file would be refused with "not accepted by")."""
-    from library.options import ALIASES, GUI_KEYS, OPTIONS_BY_NAME, PENDING_GUI_OPTIONS
+    from library.options import ALIASES, GUI_KEYS, OPTIONS_BY_NAME
 
     script = {"l": "train_lora", "d": "train_dreambooth", "f": "finetune"}
     for k in GUI_KEYS:
         target = ALIASES.get(k.target or k.name, k.target or k.name)
-        if k.action != "option" or target in PENDING_GUI_OPTIONS:
+        if k.action != "option":
             continue
         for t in k.tabs:
             assert script[t] in OPTIONS_BY_NAME[target].scripts, f"{k.name} ({t})"

@@ -22,6 +22,9 @@ def test_variant_flags():
                                                   "--gradient_checkpointing"]
     assert mb.variant_flags("adamw8bit+fullbf16")[-3:] == ["--mixed_precision", "bf16",
                                                            "--full_bf16"]
+    assert mb.variant_flags("fp8+gc") == ["--optimizer_type", "AdamW", "--mixed_precision", "bf16",
+                                          "--fp8_base", "--gradient_checkpointing"]
+    assert mb.variant_flags("fp8unet")[-1] == "--fp8_base_unet"
     with pytest.raises(mb.BenchmarkError, match="unknown part 'adam'"):
         mb.variant_flags("adam")
     with pytest.raises(mb.BenchmarkError, match="two optimizers"):
@@ -74,3 +77,6 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         mb.parse(["--variants", "adamw,nonsense", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         mb.parse(["--batch_sizes", "1,x", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # fp8 base weights: train_lora only
+        mb.parse(["--method", "finetune", "--variants", "fp8", "--out", str(tmp_path)])
+    assert mb.parse(["--method", "lora", "--variants", "fp8", "--out", str(tmp_path)]).variants == ["fp8"]

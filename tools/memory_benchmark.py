@@ -27,7 +27,9 @@ scale_parameter=False warmup_init=False``, the setting the README's numbers were
 its default relative step keeps the same state) and modifiers: ``fused``
 (``fused_backward_pass``; alone it means fused Adafactor, as in sd-scripts), ``groupsN`` (``fused_optimizer_groups N``; alone: Adafactor),
 ``bf16`` (``mixed_precision bf16``), ``fullbf16`` (bf16 weights: ``mixed_precision bf16
-full_bf16``), ``gc`` (gradient checkpointing), ``zero1`` / ``zero2`` (DeepSpeed ZeRO stage 1 /
+full_bf16``), ``gc`` (gradient checkpointing), ``fp8`` / ``fp8unet`` (``--method lora``: the
+frozen U-Net and text encoders / the U-Net only in float8: ``mixed_precision bf16 fp8_base`` /
+``fp8_base_unet``), ``zero1`` / ``zero2`` (DeepSpeed ZeRO stage 1 /
 2, one process). E.g. ``adamw+fullbf16+gc``.
 """
 from __future__ import annotations
@@ -58,6 +60,8 @@ MODIFIERS = {
     "bf16": ["--mixed_precision", "bf16"],
     "fullbf16": ["--mixed_precision", "bf16", "--full_bf16"],
     "gc": ["--gradient_checkpointing"],
+    "fp8": ["--mixed_precision", "bf16", "--fp8_base"],
+    "fp8unet": ["--mixed_precision", "bf16", "--fp8_base_unet"],
     "zero1": ["--deepspeed", "--zero_stage", "1"],
     "zero2": ["--deepspeed", "--zero_stage", "2"],
 }
@@ -354,9 +358,11 @@ def parse(argv):
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in args.variants:
         try:
-            variant_flags(v)
+            flags = variant_flags(v)
         except BenchmarkError as e:
             ap.error(str(e))
+        if args.method == "finetune" and {"--fp8_base", "--fp8_base_unet"} & set(flags):
+            ap.error(f"variant {v!r}: fp8 base weights are a LoRA setting: use --method lora")
     return args
 
 
