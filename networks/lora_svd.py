@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -397,3 +398,16 @@ def concat(inputs: list[LoRAInput], shuffle: bool = False,
             down, up = down[perm], up[:, perm]
         out[name] = Module(name, down, up, float(down.shape[0]))
     return out
+
+
+def tool_main(parse_args, run, argv=None) -> int:
+    """The LoRA tools' main: parse the flags, run, and print a user error as one line (exit 2)."""
+    from library.errors import UserError
+
+    args = parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -138,14 +138,7 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parse_args(argv)
-    from library.errors import UserError
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return lora_svd.tool_main(_parse_args, run, argv)
 
 
 if __name__ == "__main__":
