@@ -79,6 +79,7 @@ RESUMABLE_CHANGES = {
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
     "cache_text_encoder_outputs": "speed (frozen text encoders only)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",
+    "on_nonfinite": "failure handling (e.g. skip the batch that went non-finite)",
     "logging_dir": "reporting", "log_with": "reporting", "log_prefix": "reporting",
     "log_tracker_name": "reporting", "log_tracker_config": "reporting",
     "wandb_run_name": "reporting", "wandb_api_key": "reporting",
@@ -330,6 +331,11 @@ def write_state(run, path: str, log) -> None:
 
     acc = run.accelerator
     stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
+    from library import nonfinite
+
+    # nothing non-finite is written, and no good state replaced by it (every process checks)
+    nonfinite.check_before_save(run.saved_tensors() + _named_tensors("optimizer", stepper_state),
+                                path, acc.device)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
     from library import fsdp
 
@@ -473,6 +479,12 @@ def _load_weights(run, path: str, named: list) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
+    from library.nonfinite import first_nonfinite
+
+    bad = first_nonfinite(weights.items())
+    if bad is not None:
+        raise ResumeError(f"resume: {os.path.join(path, WEIGHTS_FILE)}: tensor {bad} holds NaN or "
+                          "inf values; resume from another state")
     missing = [n for n, _ in named if n not in weights]
     extra = sorted(set(weights) - {n for n, _ in named})
     if missing or extra:
@@ -539,6 +551,19 @@ def resync_lr(stepper) -> None:
         for g, lr in zip(s.optimizer.param_groups, lrs):
             g["lr"] = lr
         s._last_lr = lrs
+
+
+def _named_tensors(prefix: str, v) -> list:
+    """(dotted path, tensor) of every tensor in a nested state dict."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return [(prefix, v)]
+    if isinstance(v, dict):
+        return [x for k, y in v.items() for x in _named_tensors(f"{prefix}.{k}", y)]
+    if isinstance(v, (list, tuple)):
+        return [x for i, y in enumerate(v) for x in _named_tensors(f"{prefix}.{i}", y)]
+    return []
 
 
 def _to_cpu(v):
