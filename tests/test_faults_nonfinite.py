@@ -156,6 +156,59 @@ def test_fused_backward_pass_nan_loss_state_from_before(data, train, tmp_path):
     extra = ["--fused_backward_pass"]
     _, state = stopped_run(train, tmp_path, extra, 3, "nan", "loss NaN")
     assert_state_is(state, reference(train, tmp_path, extra, 2)[0])
+    # resumed with a lower learning rate: the schedule continues at the new rate, in every one
+    # of the per-parameter optimizers
+    rc, _, err, run = train("train_lora", [*LORA, *extra, "--train_data_dir", tmp_path / "data",
+                                           "--output_dir", tmp_path / "resumed",
+                                           "--max_train_steps", "4", "--learning_rate", "5e-4",
+                                           "--resume", state])
+    assert rc == 0, err[-3000:]
+    assert run.lr_log == [1e-3, 1e-3, 5e-4, 5e-4]
+    assert {g["lr"] for o in run.stepper.optimizers for g in o.param_groups} == {5e-4}
+
+
+def test_learning_rate_that_blows_up(data, train, tmp_path):
+    """SGD at lr 1e30: step 1's update is finite but huge, step 2's loss is NaN."""
+    extra = ["--optimizer_type", "SGD", "--learning_rate", "1e30"]
+    out = str(tmp_path / "out")
+    good = previous_good_file(out)
+    rc, _, err, _ = train("train_lora", [*LORA, *extra, "--train_data_dir", tmp_path / "data",
+                                         "--output_dir", out, "--max_train_steps", "4",
+                                         "--save_every_n_steps", "1"])
+    assert rc == 3, err[-3000:]
+    assert_one_error_line(err, "non-finite loss NaN at step 2: training stopped before its update")
+    assert open(os.path.join(out, "last.safetensors"), "rb").read() == good
+    assert sorted(os.listdir(out)) == ["last-step00000001-state", "last-step00000001.safetensors",
+                                       "last.safetensors"]
+    assert_all_finite(out)
+
+
+def test_nonfinite_weights_are_never_saved(data, train, tmp_path):
+    """The check before every save: weights gone NaN without a non-finite loss or gradient
+    (here set so after step 2's update) are not written, and the earlier file is kept."""
+    from library import methods
+
+    out = str(tmp_path / "out")
+    good = previous_good_file(out)
+    real = methods.NetworkMethod.after_step
+
+    def poison(self, device):
+        stats = real(self, device)
+        p = next(iter(self.trainable_parameters()))
+        with torch.no_grad():
+            p.view(-1)[0] = float("inf")
+        return stats
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(methods.NetworkMethod, "after_step", poison)
+        rc, _, err, _ = train("train_lora", [*LORA, "--train_data_dir", tmp_path / "data",
+                                             "--output_dir", out, "--max_train_steps", "1",
+                                             "--save_state_on_train_end"])
+    assert rc == 3, err[-3000:]
+    path = os.path.join(out, "last.safetensors")
+    assert_one_error_line(err, f"non-finite weights: tensor network.")
+    assert f"holds NaN or inf; {path} was not written (an earlier file of that name is kept)" in err
+    assert open(path, "rb").read() == good and sorted(os.listdir(out)) == ["last.safetensors"]
 
 
 def test_grouped_overflowing_gradient_norm_stops(data, train, tmp_path):
