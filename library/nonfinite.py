@@ -85,8 +85,9 @@ def check_options(opts) -> None:
         check_file(f, "base_weights")
 
 
-def agree_flag(flag: bool, device) -> bool:
-    """True in every process when ``flag`` is true in any (one tiny all-reduce)."""
+def agree_flag(flag: bool, accelerator) -> bool:
+    """True in every process when ``flag`` is true in any (one tiny all-reduce; the
+    accelerator's device is read only then)."""
     from library import distributed
 
     if not distributed._is_multi_process():
@@ -94,16 +95,16 @@ def agree_flag(flag: bool, device) -> bool:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=accelerator.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
-def check_before_save(named, path: str, device) -> None:
+def check_before_save(named, path: str, accelerator) -> None:
     """Before writing ``path``: every process checks its tensors (its shards); if any holds NaN
     or inf in any process, nothing is written and the run stops (every process, alike)."""
     key = first_nonfinite(named)
-    if agree_flag(key is not None, device):
+    if agree_flag(key is not None, accelerator):
         where = f"tensor {key}" if key is not None else "a tensor of another process"
         raise NonFiniteStop(f"non-finite weights: {where} holds NaN or inf; {path} was not "
                             "written (an earlier file of that name is kept)")

@@ -337,7 +337,7 @@ def write_state(run, path: str, log) -> None:
 
     # nothing non-finite is written, and no good state replaced by it (every process checks)
     nonfinite.check_before_save(run.saved_tensors() + _named_tensors("optimizer", stepper_state),
-                                path, acc.device)
+                                path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
     from library import fsdp
 

@@ -642,7 +642,7 @@ class Run:
             path = output_file(self.opts.output_dir, self.opts.output_name,
                                self.method.extension(), epoch=epoch, step=step)
             # nothing non-finite is written, and no good file replaced by it (every process)
-            nonfinite.check_before_save(self.saved_tensors(), path, acc.device)
+            nonfinite.check_before_save(self.saved_tensors(), path, acc)
             if acc.is_main_process:
                 os.makedirs(self.opts.output_dir, exist_ok=True)
                 from library import frozen

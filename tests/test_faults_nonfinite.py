@@ -285,3 +285,48 @@ def test_resume_from_nan_weights_refused(data, train, tmp_path):
                                          "--resume", state])
     assert rc == 2
     assert_one_error_line(err, f"resume: {f}: tensor {key} holds NaN")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--fused_backward_pass"]], ids=["plain", "fused"])
+def test_two_processes_stop_at_the_same_step(data, tmp_path, extra):
+    """A NaN loss in rank 1 only (step 2): both processes stop in that step, exit code 3, and one
+    state of step 1 is written (with fused_backward_pass the loss is agreed before the backward
+    whose hooks step, so neither process steps)."""
+    import subprocess
+
+    from tests.conftest import two_process_command
+
+    out = str(tmp_path / "out")
+    cmd, env = two_process_command(os.path.abspath(__file__), [
+        *LORA, *extra, "--train_data_dir", tmp_path / "data", "--output_dir", out,
+        "--max_train_steps", "4"], SDTK_TEST_NAN_AT="1:2")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0, p.stderr[-3000:]
+    codes = [ln for ln in p.stdout.splitlines() if ln.startswith("rank-exit ")]
+    assert sorted(codes) == ["rank-exit 0 3", "rank-exit 1 3"], p.stdout[-2000:] + p.stderr[-3000:]
+    assert "non-finite loss NaN at step 2: training stopped before its update" in p.stderr
+    assert sorted(os.listdir(out)) == ["last-step00000001-state"]
+    assert_all_finite(out)
+
+
+if __name__ == "__main__":  # one process of the two-process test: NaN loss in one rank
+    import sys
+
+    from library import trainer
+    from library.cli import main
+
+    rank_s, step_s = os.environ["SDTK_TEST_NAN_AT"].split(":")
+    real = trainer.Run.micro_step_loss
+
+    def micro_step_loss(self, *a, **kw):
+        loss = real(self, *a, **kw)
+        if self.accelerator.process_index == int(rank_s) and self.global_step + 1 == int(step_s):
+            loss = loss * float("nan")
+        return loss
+
+    trainer.Run.micro_step_loss = micro_step_loss
+    torch.set_num_threads(1)
+    rc = main("train_lora", sys.argv[1:])
+    print(f"rank-exit {os.environ.get('RANK', '0')} {rc}", flush=True)
+    sys.exit(rc)
