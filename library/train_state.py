@@ -30,9 +30,10 @@ save that fails leaves the previous state of that name intact.
 
 A resume may lengthen the run (``max_train_steps`` / ``max_train_epochs``; a schedule that depends
 on the total length then continues with the new length's curve from the resume point), change the
-saving options, speed and memory options, and the process count or the split of the global batch
-(``train_batch_size`` x processes x ``gradient_accumulation_steps``) as long as the global batch
-stays the same. Anything else that differs from the state is an error naming it.
+learning rates (e.g. lower after a non-finite stop: the curve continues at the new base rates),
+``on_nonfinite``, the saving options, speed and memory options, and the process count or the
+split of the global batch (``train_batch_size`` x processes x ``gradient_accumulation_steps``)
+as long as the global batch stays the same. Anything else that differs from the state is an error naming it.
 """
 from __future__ import annotations
 

@@ -5,11 +5,10 @@ Stages (each a function): plan (no weights) -> load -> setup method -> cache -> 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
-
-import math
 
 from library import distributed, nonfinite, step_plan
 from library.training_data import build_training_set
@@ -514,7 +513,7 @@ class Run:
         """A non-finite loss or gradient norm in step global_step + 1, before its update (every
         process alike). ``stop``: write the state of the last good step and raise NonFiniteStop;
         ``skip``: drop the update and warn (library/nonfinite.py)."""
-        from library import nonfinite, train_state
+        from library import train_state
 
         step = self.global_step + 1
         partial = bool(getattr(self.stepper, "partial_update", False))
