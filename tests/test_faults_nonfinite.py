@@ -167,6 +167,35 @@ def test_fused_backward_pass_nan_loss_state_from_before(data, train, tmp_path):
     assert {g["lr"] for o in run.stepper.optimizers for g in o.param_groups} == {5e-4}
 
 
+def test_fused_gradient_non_finite_after_other_steps(data, train, tmp_path):
+    """With fused_backward_pass a finite loss whose gradient goes non-finite only for a parameter
+    reached late in the backward pass: parameters before it were already stepped, so no state of
+    the last good step exists; the run stops saying so, and writes nothing non-finite."""
+    from library import trainer
+
+    real = trainer.Run.micro_step_loss
+    hooked = []
+
+    def micro_step_loss(self, *a, **kw):
+        if self.global_step + 1 == 2 and not hooked:  # the earliest-created trainable parameter
+            hooked.append(self.stepper.params[-1].register_hook(lambda g: g * float("inf")))
+        return real(self, *a, **kw)
+
+    out = str(tmp_path / "out")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer.Run, "micro_step_loss", micro_step_loss)
+        rc, _, err, _ = train("train_lora", [*LORA, "--fused_backward_pass", "--train_data_dir",
+                                             tmp_path / "data", "--output_dir", out,
+                                             "--max_train_steps", "3", "--save_every_n_steps", "1"])
+    hooked[0].remove()
+    assert rc == 3, err[-3000:]
+    assert_one_error_line(err, "at step 2: training stopped; parameters had already been updated "
+                               "in the backward pass")
+    assert "no state was written" in err
+    assert sorted(os.listdir(out)) == ["last-step00000001.safetensors"]
+    assert_all_finite(out)
+
+
 def test_learning_rate_that_blows_up(data, train, tmp_path):
     """SGD at lr 1e30: step 1's update is finite but huge, step 2's loss is NaN."""
     extra = ["--optimizer_type", "SGD", "--learning_rate", "1e30"]
