@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from library.errors import UserError
+from library.nonfinite import NonFiniteStop
 from library.train_state import TrainingInterrupted
 
 METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune"}
@@ -20,6 +21,9 @@ def main(script: str, argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteStop as e:  # a non-finite loss / gradient / weight: exit code 3
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     except TrainingInterrupted as e:  # SIGINT/SIGTERM: a state was written; 130 / 143
         print(f"interrupted by {e}", file=sys.stderr)
         return e.exit_code

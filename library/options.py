@@ -370,6 +370,11 @@ OPTIONS: tuple[Option, ...] = (
       "or 'cpu' (off the accelerator).", "training", choices=("same", "cpu")),
     O("prior_loss_weight", "float", 1.0, "Loss weight of regularisation images.", "training",
       scripts=DB_LORA, min=0),
+    O("on_nonfinite", "str", "stop", "What a non-finite (NaN/inf) loss or gradient norm does: "
+      "'stop' (exit code 3, the state from before the bad update written as "
+      "<output_name>-step<N>-state) or 'skip' (no update for that step, the scheduler still "
+      "steps; a warning). Not in sd-scripts; see docs/RELIABILITY.md.", "training",
+      choices=("stop", "skip")),
     # --- noise, timesteps and loss (sd-scripts' names and formulas; library/losses.py) ---
     O("noise_offset", "float", None, "Add noise_offset x N(0,1) per image and channel to the noise "
       "(brighter darks and darker brights; 0.1 is usual); unset or 0 = off.", "loss", min=0),

@@ -131,6 +131,7 @@ class PlainStepper:
         # time (fused_optim.step_optimizer), bf16 with stochastic rounding; fp16 with loss scaling.
         self.precision = precision
         self.loss_scaler = loss_scaler
+        self.nonfinite = None  # why the last step() made no update (non-finite), or None
         self._generator = None
         if precision != "float32":
             from library import fused_optim
@@ -194,39 +195,84 @@ class PlainStepper:
         # Sum, then clip the global batch's gradient (after accumulation and summation, so any
         # split of the global batch clips alike). Under fsdp the gradients are already summed
         # shards (DTensors); clipping computes the norm over all shards.
+        # A non-finite norm (library/nonfinite.py) leaves everything as it was before the step
+        # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
+        # process sees the same summed gradients, so all decide alike.
+        self.nonfinite = None
         if not self.fsdp:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
-            self._step_low_precision()
+            if not self._step_low_precision():
+                return
         else:
-            if self.max_grad_norm and self.max_grad_norm > 0:
-                self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+            norm = self._grad_norm()
+            if norm is not None and not math.isfinite(norm):
+                self.nonfinite = f"gradient norm {_describe(norm)}"
+                return
             self.optimizer.step()
         self.scheduler.step()  # once per optimizer step, never per micro-step or process
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _step_low_precision(self) -> None:
+    def _grad_norm(self) -> float | None:
+        """The global gradient norm (clipping to max_grad_norm when set), or None where a loss
+        scaler owns overflow (mixed_precision fp16: Accelerate's GradScaler skips the step and
+        lowers the scale, its documented behaviour)."""
+        import torch
+
+        if getattr(self.accelerator, "scaler", None) is not None:
+            if self.max_grad_norm and self.max_grad_norm > 0:
+                self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+            return None
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if not grads:
+                return 0.0
+            norm = torch.nn.utils.get_total_norm(grads)
+        full = getattr(norm, "full_tensor", None)  # fsdp: a replicated DTensor
+        return float(full() if callable(full) else norm)
+
+    def skip(self) -> None:
+        """``on_nonfinite = "skip"``: drop this step's gradients without an update; the scheduler
+        steps (the step counts, so the schedule stays aligned with the step count)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.nonfinite = None
+
+    def _step_low_precision(self) -> bool:
         """bf16/fp16 gradients: the norm (and fp16's overflow check) in float32; the loss scale
         and the clipping factor are applied to each float32 gradient copy, not to the
-        low-precision gradients, so neither loses digits."""
+        low-precision gradients, so neither loses digits. False: a non-finite norm (bf16), no
+        update (``nonfinite`` says why)."""
         from library import fused_optim
 
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
-        norm = grad_norm_fp32(self.params) if (clip or self.loss_scaler is not None) else 0.0
+        norm = grad_norm_fp32(self.params)  # the non-finite guard needs it too
         if self.loss_scaler is not None:
             overflow = not math.isfinite(norm)
             self.loss_scaler.update(overflow)
             if overflow:
                 logger.warning(f"full_fp16: gradient overflow at loss scale {scale:g}: step "
                                f"skipped, loss scale now {self.loss_scaler.scale:g}")
-                return
+                return True  # the scaler's skip is a step (the scheduler steps, as before)
+        elif not math.isfinite(norm):
+            self.nonfinite = f"gradient norm {_describe(norm)}"
+            return False
         factor = 1.0 / scale
         if clip:
             # torch.nn.utils.clip_grad_norm_'s coefficient, on the unscaled norm
             factor *= min(1.0, self.max_grad_norm / (norm / scale + 1e-6))
         fused_optim.step_optimizer(getattr(self.optimizer, "optimizer", self.optimizer),
                                    self._generator, factor)
+        return True
+
+
+def _describe(value: float) -> str:
+    from library.nonfinite import describe
+
+    return describe(value)
 
 
 class _HookStepper:
@@ -258,6 +304,11 @@ class _HookStepper:
                 if any(q is first_param for q in g["params"]):
                     self._lr_group = gi
         self._generator = fused_optim.stochastic_round_generator(self.params[0].device)
+        # The non-finite guard: a unit whose summed gradient is non-finite is not stepped, nor is
+        # any later unit of that step (``nonfinite`` says why); ``partial_update``: units before
+        # it had already been stepped in that backward pass.
+        self.nonfinite = None
+        self.partial_update = False
         self._final = False
         self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
         self._stepped = [False] * len(units)
@@ -285,6 +336,9 @@ class _HookStepper:
     def _hook(self, p) -> None:
         if not self._final:
             return  # an earlier micro-step: accumulate as usual
+        if self.nonfinite is not None:
+            p.grad = None  # the step is abandoned: free the gradient, as a step would
+            return
         u = self.unit_of[id(p)]
         self._pending[u] += 1
         if self._pending[u] == len(self.units[u]):
@@ -302,12 +356,21 @@ class _HookStepper:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         else:
             distributed.sum_gradients(params)
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            import torch
+        import torch
 
-            grads = [p for p in params if p.grad is not None]
-            if grads:
-                torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            # the summed gradient: every process gets the same norm and decides alike
+            norm = torch.nn.utils.get_total_norm(grads)
+            if not bool(torch.isfinite(norm)):  # a NaN/inf element, or an overflowing norm
+                self.nonfinite = f"gradient norm {_describe(float(norm))}"
+                self.partial_update = any(self._stepped)
+                for p in params:
+                    p.grad = None
+                return
+            if self.max_grad_norm and self.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
+                                                     self.max_grad_norm, norm)
         fused_optim.step_optimizer(self.optimizers[u], self._generator)
         for p in params:
             p.grad = None
@@ -317,12 +380,28 @@ class _HookStepper:
         # Units whose hooks did not all fire (a parameter outside this step's graph) are stepped
         # now, in unit order; the same in every process, since all run the same graph.
         for u in range(len(self.units)):
+            if self.nonfinite is not None:
+                return  # no more updates, no scheduler step: the trainer stops or skip()s
             if not self._stepped[u]:
                 self._step_unit(u)
+        if self.nonfinite is not None:
+            return
         for s in self.schedulers:
             s.step()
         self._pending = [0] * len(self.units)
         self._stepped = [False] * len(self.units)
+
+    def skip(self) -> None:
+        """``on_nonfinite = "skip"``: the units not yet stepped get no update, their gradients
+        are dropped; the schedulers step (the step counts)."""
+        for p in self.params:
+            p.grad = None
+        for s in self.schedulers:
+            s.step()
+        self._pending = [0] * len(self.units)
+        self._stepped = [False] * len(self.units)
+        self.nonfinite = None
+        self.partial_update = False
 
     def _low_precision(self) -> bool:
         import torch

@@ -30,9 +30,10 @@ save that fails leaves the previous state of that name intact.
 
 A resume may lengthen the run (``max_train_steps`` / ``max_train_epochs``; a schedule that depends
 on the total length then continues with the new length's curve from the resume point), change the
-saving options, speed and memory options, and the process count or the split of the global batch
-(``train_batch_size`` x processes x ``gradient_accumulation_steps``) as long as the global batch
-stays the same. Anything else that differs from the state is an error naming it.
+learning rates (e.g. lower after a non-finite stop: the curve continues at the new base rates),
+``on_nonfinite``, the saving options, speed and memory options, and the process count or the
+split of the global batch (``train_batch_size`` x processes x ``gradient_accumulation_steps``)
+as long as the global batch stays the same. Anything else that differs from the state is an error naming it.
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ RESUMABLE_CHANGES = {
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
     "cache_text_encoder_outputs": "speed (frozen text encoders only)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",
+    "learning_rate": "lower after a non-finite stop (the schedule continues at the new rate)",
+    "unet_lr": "likewise", "text_encoder_lr": "likewise",
+    "on_nonfinite": "failure handling (e.g. skip the batch that went non-finite)",
     "logging_dir": "reporting", "log_with": "reporting", "log_prefix": "reporting",
     "log_tracker_name": "reporting", "log_tracker_config": "reporting",
     "wandb_run_name": "reporting", "wandb_api_key": "reporting",
@@ -330,6 +334,11 @@ def write_state(run, path: str, log) -> None:
 
     acc = run.accelerator
     stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
+    from library import nonfinite
+
+    # nothing non-finite is written, and no good state replaced by it (every process checks)
+    nonfinite.check_before_save(run.saved_tensors() + _named_tensors("optimizer", stepper_state),
+                                path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
     from library import fsdp
 
@@ -444,6 +453,7 @@ def load_state(run, path: str, info: dict, log) -> None:
         rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
         raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
+    fresh = [list(sc.base_lrs) for sc in _schedulers(run.stepper)]  # this run's learning rates
     try:
         run.stepper.load_state_dict(st)
         partitions = getattr(run.stepper, "load_partitions", None)  # deepspeed: ZeRO's own files
@@ -452,7 +462,31 @@ def load_state(run, path: str, info: dict, log) -> None:
     except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    _keep_learning_rates(run.stepper, fresh, path, log)
     _load_rest(run, info, rng, log)
+
+
+def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
+    """A resume may change the learning rates (e.g. lower after a non-finite stop): the loaded
+    scheduler state carries the saved run's base rates, replaced here by this run's, so that
+    the schedule's curve continues from the resume point at the new rates (``resync_lr``).
+    Only for the toolkit's own curves: other schedulers keep their rate in their state."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    changed = False
+    for sc, base in zip(_schedulers(stepper), fresh):
+        if list(sc.base_lrs) == base:
+            continue
+        if type(sc) is not LambdaLR:
+            raise ResumeError(f"resume: {path}: the learning rate changed, which a resume can "
+                              f"only follow with lr_scheduler's curves (not {type(sc).__name__}); "
+                              "use the saved learning rates")
+        if not changed:
+            log.info(f"resume: this run's learning rates {base} replace the saved {sc.base_lrs}")
+        changed = True
+        sc.base_lrs = list(base)
+        for g, lr in zip(sc.optimizer.param_groups, base):
+            g["initial_lr"] = lr
 
 
 def _load_sharded(run, path: str, named: list) -> None:
@@ -473,6 +507,12 @@ def _load_weights(run, path: str, named: list) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
+    from library.nonfinite import first_nonfinite
+
+    bad = first_nonfinite(weights.items())
+    if bad is not None:
+        raise ResumeError(f"resume: {os.path.join(path, WEIGHTS_FILE)}: tensor {bad} holds NaN or "
+                          "inf values; resume from another state")
     missing = [n for n, _ in named if n not in weights]
     extra = sorted(set(weights) - {n for n, _ in named})
     if missing or extra:
@@ -520,16 +560,7 @@ def resync_lr(stepper) -> None:
     length: the same values, bit for bit (LambdaLR computes base_lr * lambda(last_epoch))."""
     from torch.optim.lr_scheduler import LambdaLR
 
-    scheds = []
-    for attr in ("scheduler", "schedulers"):
-        v = getattr(stepper, attr, None)
-        if isinstance(v, (list, tuple)):
-            scheds.extend(v)
-        elif isinstance(v, dict):
-            scheds.extend(v.values())
-        elif v is not None:
-            scheds.append(v)
-    for s in scheds:
+    for s in _schedulers(stepper):
         # only the toolkit's own curves (library/optim.py build_scheduler, plain LambdaLR):
         # AdafactorSchedule (a LambdaLR subclass) reports Adafactor's own step size, and a class
         # from lr_scheduler_type keeps its state in its state_dict
@@ -539,6 +570,38 @@ def resync_lr(stepper) -> None:
         for g, lr in zip(s.optimizer.param_groups, lrs):
             g["lr"] = lr
         s._last_lr = lrs
+
+
+def _schedulers(stepper) -> list:
+    """Every scheduler of a stepper (one, or one per fused unit), each once."""
+    scheds = []
+    for attr in ("scheduler", "schedulers"):
+        v = getattr(stepper, attr, None)
+        if isinstance(v, (list, tuple)):
+            scheds.extend(v)
+        elif isinstance(v, dict):
+            scheds.extend(v.values())
+        elif v is not None:
+            scheds.append(v)
+    out, seen = [], set()
+    for sc in scheds:
+        if id(sc) not in seen:
+            seen.add(id(sc))
+            out.append(sc)
+    return out
+
+
+def _named_tensors(prefix: str, v) -> list:
+    """(dotted path, tensor) of every tensor in a nested state dict."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return [(prefix, v)]
+    if isinstance(v, dict):
+        return [x for k, y in v.items() for x in _named_tensors(f"{prefix}.{k}", y)]
+    if isinstance(v, (list, tuple)):
+        return [x for i, y in enumerate(v) for x in _named_tensors(f"{prefix}.{i}", y)]
+    return []
 
 
 def _to_cpu(v):

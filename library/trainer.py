@@ -5,11 +5,12 @@ Stages (each a function): plan (no weights) -> load -> setup method -> cache -> 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
 
-from library import distributed, step_plan
+from library import distributed, nonfinite, step_plan
 from library.training_data import build_training_set
 
 logger = logging.getLogger("sdtk")
@@ -125,6 +126,7 @@ class Run:
         from library import placement
 
         placement.check_options(self.opts)  # fp8_base / fp8_base_unet need mixed precision
+        nonfinite.check_options(self.opts)  # on_nonfinite; network_weights / base_weights finite
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
@@ -430,7 +432,7 @@ class Run:
             k = 0
             for j, gb in enumerate(batches, start=skip):
                 self.method.before_step(self.global_step)  # e.g. stop_text_encoder_training
-                loss_sum = 0.0
+                loss_sum, step_loss = 0.0, None
                 for a in range(A):
                     idx = list(mine[k])
                     images = next(loader) if loader is not None else None
@@ -453,10 +455,23 @@ class Run:
                     loss = self.micro_step_loss(epoch, idx, images, len(gb.indices))
                     if zero_weight:
                         loss = loss * 0.0
-                    self.stepper.backward(loss, last_micro_step=last)
                     loss_sum += float(loss.detach())
+                    if last and getattr(self.stepper, "steps_in_backward", False):
+                        # its hooks update parameters during this backward: the global batch's
+                        # loss is checked first (library/nonfinite.py), alike in every process
+                        step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
+                        if not math.isfinite(step_loss):
+                            break
+                    self.stepper.backward(loss, last_micro_step=last)
+                if step_loss is None:
+                    step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
                 step_lr = self.stepper.current_lr()
-                self.stepper.step()  # every process, every step: it joins the gradient sum
+                bad = None if math.isfinite(step_loss) else f"loss {nonfinite.describe(step_loss)}"
+                if bad is None:
+                    self.stepper.step()  # every process, every step: it joins the gradient sum
+                    bad = getattr(self.stepper, "nonfinite", None)  # a non-finite gradient norm
+                if bad is not None:
+                    self.on_nonfinite(bad, bar)  # stop (raises) or skip this update
                 # scale_weight_norms: after the update (every stepper has finished it here), before
                 # the EMA reads the weights
                 self.max_norm_stats = self.method.after_step(acc.device)
@@ -467,7 +482,6 @@ class Run:
                 self.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
                 if self.global_step == 1:
                     logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
-                step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
                 self.loss_log.append(step_loss)
                 self.lr_log.append(step_lr)
                 bar.update(1)
@@ -500,6 +514,38 @@ class Run:
                 self.interrupt(stop)
         bar.close()
 
+    def on_nonfinite(self, what: str, bar):
+        """A non-finite loss or gradient norm in step global_step + 1, before its update (every
+        process alike). ``stop``: write the state of the last good step and raise NonFiniteStop;
+        ``skip``: drop the update and warn (library/nonfinite.py)."""
+        from library import train_state
+
+        step = self.global_step + 1
+        partial = bool(getattr(self.stepper, "partial_update", False))
+        if self.opts.on_nonfinite == "skip":
+            self.stepper.skip()
+            logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"
+                           + ("; some parameters had already been stepped in the backward pass"
+                              if partial else ""))
+            return
+        bar.close()
+        msg = f"non-finite {what} at step {step}: training stopped"
+        if partial:
+            # the hooks had stepped parameters before the bad gradient appeared: no state of
+            # step N exists any more; only earlier saves (all checked finite) remain
+            raise nonfinite.NonFiniteStop(
+                f"{msg}; parameters had already been updated in the backward pass "
+                "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
+                "from an earlier save_state state, e.g. with a lower learning rate or "
+                "max_grad_norm")
+        path = train_state.state_dir(self.opts.output_dir, self.opts.output_name,
+                                     step=self.global_step)
+        if getattr(self, "last_state", None) != (path, self.global_step):
+            train_state.write_state(self, path, logger)
+        raise nonfinite.NonFiniteStop(
+            f"{msg} before its update; the state after step {self.global_step} is in {path} "
+            f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
+
     def interrupt(self, signum: int):
         """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
         from library import train_state
@@ -509,6 +555,17 @@ class Run:
         if getattr(self, "last_state", None) != (path, self.global_step):
             train_state.write_state(self, path, logger)
         raise train_state.TrainingInterrupted(signum, path, self.global_step)
+
+    def saved_tensors(self) -> list:
+        """(name, tensor) of what a save writes that training changes: the trainable parameters
+        and the EMA (frozen weights come from the loaded model and stay as loaded)."""
+        from library import train_state
+
+        named = train_state.named_trainable(self)
+        ema = getattr(self, "ema", None)
+        if ema is None:
+            return named
+        return named + [("ema." + n, e) for (n, _), e in zip(named, ema.shadow)]
 
     def save(self, *, epoch=None, step=None, final=False):
         # Schedule-free optimizers save their eval iterate; every process switches, so ranks agree.
@@ -586,10 +643,12 @@ class Run:
         # fsdp: every process joins the gather of the full weights; the main process writes them.
         # deepspeed in bf16/fp16: the float32 master weights are saved (a collective too).
         with fsdp.full_weights(self), zero.master_weights(self):
+            path = output_file(self.opts.output_dir, self.opts.output_name,
+                               self.method.extension(), epoch=epoch, step=step)
+            # nothing non-finite is written, and no good file replaced by it (every process)
+            nonfinite.check_before_save(self.saved_tensors(), path, acc)
             if acc.is_main_process:
                 os.makedirs(self.opts.output_dir, exist_ok=True)
-                path = output_file(self.opts.output_dir, self.opts.output_name,
-                                   self.method.extension(), epoch=epoch, step=step)
                 from library import frozen
 
                 with frozen.available_for_save(self):  # a full model's file holds VAE and TEs

@@ -225,14 +225,14 @@ def test_latest_is_the_highest_step(rotated, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (["--learning_rate", "2e-3"], r"learning_rate changed since the state in .* \(was 0.001, now 0.002\)"),
+    (["--min_snr_gamma", "5"], r"min_snr_gamma changed since the state in .* \(was unset, now 5.0\)"),
     (["--seed", "4"], "seed changed since the state"),
     (["--network_dim", "8"], "network_dim changed since the state"),
     (["--lr_scheduler", "linear"], "lr_scheduler changed"),
     (["--train_batch_size", "2"], r"the global batch changed .* \(was 1 = .*, now 2 = 2 x 1 x 1\)"),
     (["--max_train_steps", "10"], "is at step 10 but this run has 10 steps; raise max_train_steps"),
     (["--resume", "/nonexistent/x-state"], ": /nonexistent/x-state is not a folder"),
-], ids=["lr", "seed", "model", "scheduler", "global_batch", "not_longer", "missing"])
+], ids=["loss", "seed", "model", "scheduler", "global_batch", "not_longer", "missing"])
 def test_changed_config_is_an_error_naming_it(rotated, change, message):
     args = [*rotated["args"], "--max_train_steps", "12", "--resume", "latest", *change]
     rc, err, run = train("train_lora", args)
