@@ -19,8 +19,9 @@ def _temp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.sdtk{os.getpid()}."
 
 
-class SaveError(UserError):
-    """A file could not be written (disk full, read-only, ...); the previous file is intact."""
+class SaveError(UserError, OSError):
+    """A file could not be written (disk full, read-only, ...); the previous file is intact.
+    Also an OSError, so that callers that handled the OS error before still do."""
 
     def __init__(self, path: str, reason: str, kind: str = "file"):
         self.path, self.reason, self.kind = path, reason, kind

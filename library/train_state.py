@@ -217,7 +217,7 @@ def resolve(resume: str, output_dir: str | None, log=None) -> str:
         states = list_states(output_dir or ".", damaged)
         if not states:
             why = f"; {damaged[0][2]}" if damaged else ""
-            raise ResumeError(f"resume latest: no usable training state in output_dir {output_dir} "
+            raise ResumeError(f"resume latest: no training state in output_dir {output_dir} "
                               f"(states are written with save_state or on SIGINT/SIGTERM){why}")
         chosen = max(states)  # highest step; among equal steps the newest
         for mtime, path, err in sorted(damaged):

@@ -120,6 +120,27 @@ def test_not_enough_free_space(dataset, previous, run_script, no_weight_loading,
     assert f.read_bytes() == before
 
 
+def test_quick_bound_covers_the_exact_count(dataset, tmp_path, monkeypatch):
+    """The bound from the model's size decides only when space is ample; it is above the exact
+    count of the largest save of a tiny model (full fine-tune, EMA, state, Prodigy's moments)."""
+    import logging
+
+    from library import memory_estimate, output_checks
+    from library.config import parse_args
+
+    o = parse_args("finetune", [str(a) for a in args(dataset, tmp_path, "--save_state", "--ema_decay",
+                                                     "0.999", "--optimizer_type", "Prodigy")])
+    exact, _ = output_checks.save_bytes(o, "finetune")
+    assert exact < output_checks.quick_upper_bound(o)
+
+    def no_count(*a):
+        raise AssertionError("the exact count ran although the space is ample")
+
+    monkeypatch.setattr(memory_estimate, "saved_parameters", no_count)
+    monkeypatch.setattr(output_checks, "disk_free", lambda p: output_checks.quick_upper_bound(o) + 1)
+    output_checks.check_free_space(o, "finetune", logging.getLogger("test"))
+
+
 # -- a save that fails ------------------------------------------------------------------------------
 @pytest.fixture
 def small_disk(tmp_path):
