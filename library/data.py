@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from library import symlinks
 from library.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -203,10 +204,17 @@ def read_caption(image_path: str, caption_extension: str) -> str | None:
     return caption or None
 
 
-def _list_images(folder: str) -> list[str]:
+def _list_images(folder: str, log: logging.Logger | None = logger) -> list[str]:
     names = [n for n in os.listdir(folder)
              if not n.startswith(".") and os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS]
-    return [os.path.join(folder, n) for n in sorted(names) if os.path.isfile(os.path.join(folder, n))]
+    out = []
+    for n in sorted(names):
+        path = os.path.join(folder, n)
+        if os.path.isfile(path):
+            out.append(path)
+        elif os.path.islink(path) and log is not None:  # an image meant to train: say why not
+            log.warning(f"skipping {path}: {symlinks.problem(path)}")
+    return out
 
 
 def scan_image_folder(folder: str, *, num_repeats: int, class_tokens: str | None,
@@ -222,7 +230,7 @@ def scan_image_folder(folder: str, *, num_repeats: int, class_tokens: str | None
     """
     stats = stats if stats is not None else ScanStats()
     items: list[ImageItem] = []
-    paths = _list_images(folder)
+    paths = _list_images(folder, log)
     stems: dict[str, list[str]] = {}
     for path in paths:
         stems.setdefault(os.path.splitext(path)[0], []).append(os.path.basename(path))
@@ -287,7 +295,7 @@ def scan_concept_dirs(root: str, caption_extension: str = ".caption", is_reg: bo
             continue
         valid_folders += 1
         repeats, class_tokens = parsed
-        if not _list_images(folder):
+        if not _list_images(folder, None):  # (scan_image_folder warns about broken links)
             log.warning(f"ignoring folder {folder}: no images ({', '.join(IMAGE_EXTENSIONS)})")
             continue
         items += scan_image_folder(folder, num_repeats=repeats, class_tokens=class_tokens,

@@ -632,6 +632,32 @@ def _quiet():
         logger.disabled = previous
 
 
+def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
+    """(numel of what a model save writes, shapes of the trained parameters), from the model
+    built on fake tensors: a LoRA save writes its network, a full save every component."""
+    if method_name == "lora" and opts.dim_from_weights:
+        raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
+                                  "network_weights, which is not read before loading")
+    from library.methods import FullMethod, NetworkMethod
+
+    with _fake_mode(), _quiet():
+        family, comps = fake_components(opts)
+        bundle = _Bundle(family, comps["unet"],
+                         [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps], [],
+                         comps["vae"])
+        o = copy.copy(opts)
+        if method_name == "lora":
+            o.network_weights = None  # the shape comes from the options
+            method = NetworkMethod(o, bundle)
+        else:
+            method = FullMethod(o, bundle)
+        method.setup()
+        trained = [tuple(p.shape) for p in method.trainable_parameters() if p.requires_grad]
+        modules = [method.network] if method_name == "lora" else list(comps.values())
+        saved = sum(p.numel() for m in modules for p in m.parameters())
+    return saved, trained
+
+
 def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
     import torch

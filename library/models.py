@@ -53,12 +53,19 @@ class ModelSource:
 
 def resolve_model_source(name_or_path: str) -> ModelSource:
     """Classify `pretrained_model_name_or_path` without loading anything."""
+    from library import symlinks
+
     p = os.path.expanduser(str(name_or_path))
+    if os.path.islink(p) and not os.path.exists(p):
+        raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is {symlinks.problem(p)}")
     if os.path.exists(p):
         if name_or_path in BUILTINS:
             logger.warning("pretrained_model_name_or_path: %s is an existing path; using it instead of the "
                            "built-in model of the same name", name_or_path)
         kind = "diffusers" if os.path.isdir(p) else "single_file"
+        broken = symlinks.first_broken(p) if kind == "diffusers" else None
+        if broken:  # diffusers would report a missing file, or a raw OSError
+            raise ModelError(f"pretrained_model_name_or_path: {broken} is {symlinks.problem(broken)}")
         return ModelSource(kind, os.path.abspath(p))
     if name_or_path in BUILTINS:
         return ModelSource("builtin", name_or_path, BUILTINS[name_or_path])
@@ -373,6 +380,11 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
     if not os.path.exists(p):
         raise ModelError(f"vae: no such file or directory: {vae}")
     if os.path.isdir(p):
+        from library import symlinks
+
+        broken = symlinks.first_broken(p)
+        if broken:
+            raise ModelError(f"vae: {broken} is {symlinks.problem(broken)}")
         sub = "vae" if os.path.isfile(os.path.join(p, "vae", "config.json")) else None
         if sub is None and not os.path.isfile(os.path.join(p, "config.json")):
             raise ModelError(f"vae: {vae} is a folder without config.json or vae/config.json")

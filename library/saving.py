@@ -2,9 +2,47 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
 import tempfile
+
+from library.errors import UserError
+
+# Temporary names carry the writer's pid, so that a later run can tell the leftovers of a killed
+# process (output_checks.remove_stale_temporaries) from a live writer's files.
+TEMP_PATTERN = re.compile(r"^\..+\.sdtk(?P<pid>\d+)\.[^.]+\.(?:tmp|old)$")
+
+
+def _temp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.sdtk{os.getpid()}."
+
+
+class SaveError(UserError, OSError):
+    """A file could not be written (disk full, read-only, ...); the previous file is intact.
+    Also an OSError, so that callers that handled the OS error before still do."""
+
+    def __init__(self, path: str, reason: str, kind: str = "file"):
+        self.path, self.reason, self.kind = path, reason, kind
+        super().__init__(f"cannot save {path}: {reason}; the previous {kind}, if any, is unchanged")
+
+
+def io_failure(e: BaseException, folder: str) -> str | None:
+    """The OS reason of a failed write, or None when ``e`` is not an I/O failure. safetensors and
+    torch.save do not raise OSError: safetensors names the OS error in its message, torch.save
+    only says its write failed, so a full disk is recognised by the free space left (measured
+    while the partial file still fills it)."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    m = re.search(r"os error (\d+)", str(e))
+    if m:
+        return os.strerror(int(m.group(1)))
+    if type(e).__name__ in ("SafetensorError", "RuntimeError"):
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(folder).free < 1024 * 1024:
+                return os.strerror(errno.ENOSPC)
+    return None
 
 
 def _umask() -> int:
@@ -20,18 +58,24 @@ def atomic_path(path: str):
     A crash mid-write leaves the previous file untouched (and at worst a stray temp file).
     """
     folder = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=folder)
+        os.close(fd)
+    except OSError as e:
+        raise SaveError(path, e.strerror or str(e)) from None
     try:
         yield tmp
         # mkstemp creates 0600; give the file the mode a plain open() would (UIs under another
         # account must be able to read a model).
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        reason = None if isinstance(e, SaveError) else io_failure(e, folder)
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if reason is not None:
+            raise SaveError(path, reason) from None
         raise
 
 
@@ -39,22 +83,47 @@ def atomic_path(path: str):
 def atomic_dir(path: str):
     """Like atomic_path for a folder: build it under a temp name, then swap it in."""
     parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise SaveError(path, e.strerror or str(e), "folder") from None
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
         old = None
         if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=parent)
+            old = tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=".old", dir=parent)
             os.rmdir(old)
             os.replace(path, old)
         os.replace(tmp, path)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
+        reason = None if isinstance(e, SaveError) else io_failure(e, parent)
         shutil.rmtree(tmp, ignore_errors=True)
+        if reason is not None:
+            raise SaveError(path, reason, "folder") from None
         raise
+
+
+def save_elsewhere(err: SaveError, write) -> SaveError:
+    """After ``err``: write the same weights (``write(path)``) into a new folder under the system
+    temp dir, so that a full or read-only output_dir does not lose the run. Returns the error to
+    raise, which says where they went (or that this failed too)."""
+    try:
+        folder = tempfile.mkdtemp(prefix="sdtk-rescue-")
+    except OSError as e:
+        return SaveError(err.path, f"{err.reason}; no rescue copy ({e.strerror or e})", err.kind)
+    rescue = os.path.join(folder, os.path.basename(err.path))
+    try:
+        write(rescue)
+    except SaveError as e2:
+        shutil.rmtree(folder, ignore_errors=True)
+        return SaveError(err.path, f"{err.reason}; a rescue copy in {folder} failed too "
+                                   f"({e2.reason})", err.kind)
+    return SaveError(err.path, f"{err.reason}; the weights were written to {rescue} instead",
+                     err.kind)
 
 
 EXTENSIONS = {"safetensors": ".safetensors", "ckpt": ".ckpt", "pt": ".pt"}

@@ -286,6 +286,11 @@ def _write_diffusers(components: dict, family: str, tmp: str, dtype) -> None:
 
 # --- loading ---------------------------------------------------------------------------------
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
     """(state dict, metadata) of a .safetensors or .ckpt/.pt/.bin file.
 
@@ -306,20 +311,28 @@ def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
         with open(path, "rb") as f:
             head = f.read(4)
-        # torch reports any unpickling failure as a weights_only refusal: tell a non-checkpoint apart.
-        if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
-            raise ModelError(f"{path}: not a checkpoint (neither .safetensors nor a torch save file)") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    # a torch save file is a zip archive or (legacy) a pickle stream: anything else is not one,
+    # whatever allow_pickle says (torch would report a bare "invalid load key" or worse)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise ModelError(f"{path}: not a checkpoint (neither .safetensors nor a torch save file)")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's weights_only refusal is a multi-line message: one line of ours instead
         if not allow_pickle:
             raise ModelError(f"{path}: holds pickled objects other than tensors, which can run code when loaded; "
                              "convert it to .safetensors or pass allow_pickle (--allow_pickle) if you trust it") from None
         logger.warning("%s: loading pickled content (allow_pickle)", path)
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - arbitrary unpickling can raise anything
+            raise ModelError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
     except Exception as e:
-        raise ModelError(f"{path}: not a readable checkpoint ({str(e).splitlines()[0]})") from None
+        raise ModelError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
     meta = obj.get("sdtk_metadata", {}) if isinstance(obj, dict) else {}
     meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
     while isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):

@@ -130,7 +130,8 @@ def read_info(path: str) -> dict:
     except FileNotFoundError:
         raise ResumeError(f"resume: {path} has no {INFO_FILE}; it is not a training state") from None
     except (OSError, ValueError) as e:
-        raise ResumeError(f"resume: {f} cannot be read ({e})") from None
+        raise ResumeError(f"resume: {path} is damaged: {INFO_FILE} cannot be read "
+                          f"({str(e).splitlines()[0]})") from None
     if info.get("version") != STATE_VERSION:
         raise ResumeError(f"resume: {f}: state format {info.get('version')!r} is not "
                           f"{STATE_VERSION} (written by another version of this toolkit)")
@@ -142,12 +143,59 @@ def read_info(path: str) -> dict:
             raise ResumeError(f"resume: {path} is incomplete: {WEIGHTS_FILE} is missing")
     for name in (weights, STEPPER_FILE, RNG_FILE):
         if not os.path.exists(os.path.join(path, name)):
-            raise ResumeError(f"resume: {path} is incomplete: {name} is missing")
+            raise ResumeError(f"resume: {path} is damaged: {name} is missing")
+    checks = [(STEPPER_FILE, _torch_file_problem), (RNG_FILE, _torch_file_problem)]
+    if not info.get("sharded"):
+        checks.append((WEIGHTS_FILE, _safetensors_problem))
+    for name, check in checks:
+        problem = check(os.path.join(path, name))
+        if problem:
+            raise ResumeError(f"resume: {path} is damaged: {name} {problem}")
     return info
 
 
-def list_states(output_dir: str) -> list[tuple[int, float, str]]:
-    """(global step, mtime, path) of every complete state folder in ``output_dir``."""
+def _safetensors_problem(path: str) -> str | None:
+    """Why a safetensors file is unusable (truncated, bad header), from its header and size."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                return "is truncated (incomplete header)"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except ValueError:
+        return "has a corrupt header"
+    end = max((v["data_offsets"][1] for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
+    if 8 + n + end > size:
+        return f"is truncated ({size} bytes, its header describes {8 + n + end})"
+    return None
+
+
+def _torch_file_problem(path: str) -> str | None:
+    """Why a torch.save file (a zip archive) is unusable: the central directory sits at its end,
+    so a truncated file has none, or entries that reach past the end (nothing is decompressed)."""
+    import zipfile
+
+    try:
+        size = os.path.getsize(path)
+        with zipfile.ZipFile(path) as z:
+            for e in z.infolist():
+                if e.header_offset + e.compress_size > size:
+                    return f"is truncated ({size} bytes)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    except zipfile.BadZipFile:
+        return f"is truncated or not a torch save file ({size} bytes)"
+    return None
+
+
+def list_states(output_dir: str, damaged: list | None = None) -> list[tuple[int, float, str]]:
+    """(global step, mtime, path) of every complete state folder in ``output_dir``; the others
+    as (mtime, path, ResumeError) into ``damaged``."""
     out = []
     if not os.path.isdir(output_dir):
         return out
@@ -157,20 +205,29 @@ def list_states(output_dir: str) -> list[tuple[int, float, str]]:
             continue
         try:
             info = read_info(path)
-        except ResumeError:
+        except ResumeError as e:
+            if damaged is not None:
+                damaged.append((os.path.getmtime(path), path, e))
             continue
         out.append((int(info["global_step"]), os.path.getmtime(os.path.join(path, INFO_FILE)), path))
     return out
 
 
-def resolve(resume: str, output_dir: str | None) -> str:
-    """The state folder ``resume`` names: a path, or ``latest`` = the highest step in output_dir."""
+def resolve(resume: str, output_dir: str | None, log=None) -> str:
+    """The state folder ``resume`` names: a path, or ``latest`` = the highest step in output_dir
+    (a damaged state, e.g. truncated when the disk filled, is passed over with a warning)."""
     if resume == "latest":
-        states = list_states(output_dir or ".")
+        damaged: list = []
+        states = list_states(output_dir or ".", damaged)
         if not states:
+            why = f"; {damaged[0][2]}" if damaged else ""
             raise ResumeError(f"resume latest: no training state in output_dir {output_dir} "
-                              "(states are written with save_state or on SIGINT/SIGTERM)")
-        return max(states)[2]  # highest step; among equal steps the newest
+                              f"(states are written with save_state or on SIGINT/SIGTERM){why}")
+        chosen = max(states)  # highest step; among equal steps the newest
+        for mtime, path, err in sorted(damaged):
+            if log is not None and mtime >= chosen[1]:
+                log.warning(f"{err}; resume latest uses the previous state {chosen[2]}")
+        return chosen[2]
     return resume
 
 
@@ -452,7 +509,9 @@ def load_state(run, path: str, info: dict, log) -> None:
         st = torch.load(os.path.join(path, STEPPER_FILE), map_location=device, weights_only=True)
         rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
-        raise ResumeError(f"resume: {path}: cannot read the optimizer state ({e})") from None
+        # torch's weights_only refusal spans many lines: its first says what failed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ResumeError(f"resume: {path} is damaged: cannot read the optimizer state ({first})") from None
     fresh = [list(sc.base_lrs) for sc in _schedulers(run.stepper)]  # this run's learning rates
     try:
         run.stepper.load_state_dict(st)

@@ -652,7 +652,7 @@ class Run:
                 from library import frozen
 
                 with frozen.available_for_save(self):  # a full model's file holds VAE and TEs
-                    self.method.save(path, self.opts.save_precision, meta)
+                    self._write_model(path, meta)
                     logger.info(f"saved {path}")
                     self.saved.append(path)
                     if getattr(self, "ema", None) is not None and not sharded:
@@ -662,12 +662,26 @@ class Run:
         acc.wait_for_everyone()
 
 
+    def _write_model(self, path: str, meta: dict):
+        """The model file; when it cannot be written (disk full, read-only), into the system temp
+        dir instead, and the run ends with one line saying where (library/saving.py)."""
+        from library.saving import SaveError, save_elsewhere
+
+        def write(p):
+            self.method.save(p, self.opts.save_precision, meta)
+
+        try:
+            write(path)
+        except SaveError as e:
+            raise save_elsewhere(e, write) from None
+
+
 def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
     """The state ``resume`` names, checked against this run (before weights load)."""
     from library import train_state
 
     opts, plan = r.opts, r.plan
-    path = train_state.resolve(opts.resume, opts.output_dir)
+    path = train_state.resolve(opts.resume, opts.output_dir, logger if announce else None)
     info = train_state.read_info(path)
     train_state.check_resumable(info, path, opts, plan, r.tset)
     if announce and int(os.environ.get("RANK", "0")) == 0:
@@ -690,6 +704,9 @@ def run(opts, method_name: str) -> Run | None:
     resume = None
     if opts.resume:  # checked before any weight loads
         resume = _check_resume(r)
+    from library import output_checks
+
+    output_checks.check_name(opts.output_name)  # a dry run too: "" would write ".safetensors"
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
         r.validate()  # optimizer, network module, combinations: a dry run stops on them too
@@ -698,14 +715,32 @@ def run(opts, method_name: str) -> Run | None:
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
         return None
     started = time.time()
+    lock = _prepare_outputs(r, method_name, main)  # before any weight loads
     try:
-        return _train(r, opts, started, resume)
+        with lock:
+            return _train(r, opts, started, resume)
     finally:
         if getattr(r, "frozen", None) is not None:
             r.frozen.close()  # spill files of released parts
         close = getattr(getattr(r, "stepper", None), "close", None)
         if callable(close) and getattr(opts, "deepspeed", False):
             close()  # the DeepSpeed engine (and the process group made for it)
+
+
+def _prepare_outputs(r: Run, method_name: str, main: bool):
+    """The folders the run writes (every process: each writes caches or shards), then on the main
+    process only the free space, stale temporaries and the output lock (returned, to hold)."""
+    import contextlib
+
+    from library import output_checks
+
+    opts = r.opts
+    output_checks.check_paths(opts)
+    if not main or not opts.output_dir:
+        return contextlib.nullcontext()
+    output_checks.check_free_space(opts, method_name, logger)
+    output_checks.remove_stale_temporaries(opts.output_dir, logger)
+    return output_checks.OutputLock(opts.output_dir, opts.output_name, logger)
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:

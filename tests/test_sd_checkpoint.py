@@ -118,7 +118,9 @@ def test_single_file_save_is_atomic(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("safetensors.torch.save_file", crash)
-    with pytest.raises(OSError):
+    from library.saving import SaveError
+
+    with pytest.raises(SaveError, match=r"^cannot save .*model.safetensors: disk full; the previous file"):
         sdc.save_single_file(tiny["sd15"], "sd1", str(path))
     assert path.read_bytes() == b"previous good model"
     assert os.listdir(tmp_path) == ["model.safetensors"]
@@ -135,7 +137,9 @@ def test_diffusers_save_is_atomic_and_loads(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(sdc, "_write_diffusers", crash)
-    with pytest.raises(OSError):
+    from library.saving import SaveError
+
+    with pytest.raises(SaveError, match=r"^cannot save .*model: disk full; the previous folder"):
         sdc.save_diffusers(tiny["sd2"], "sd2", str(out))
     assert os.listdir(out) == ["marker"] and os.listdir(tmp_path) == ["model"]
     monkeypatch.setattr(sdc, "_write_diffusers", real)
