@@ -9,6 +9,8 @@ import json
 import os
 from collections import Counter
 
+from library.errors import UserError
+
 ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}
 BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
@@ -72,7 +74,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
         "modelspec.implementation": IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS,
-        "modelspec.title": opts.output_name,
+        "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
@@ -91,12 +93,51 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name, None))
+    md.update(model_spec_fields(opts))
+    if opts.training_comment is not None:
+        md["ss_training_comment"] = opts.training_comment
     if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
         md["ss_fp8_base"] = str(bool(opts.fp8_base))
         md["ss_fp8_base_unet"] = str(bool(opts.fp8_base_unet))
     if network_info:
         md.update({k: str(v) for k, v in network_info.items()})
     return md
+
+
+# sd-scripts' metadata_* options (library/sai_model_spec.py), each written as modelspec.<field>
+MODEL_SPEC_FIELDS = ("author", "description", "license", "tags", "usage_hint", "thumbnail",
+                     "merged_from", "trigger_phrase", "preprocessor", "is_negative_embedding")
+
+
+class MetadataError(UserError, ValueError):
+    pass
+
+
+def check_options(opts) -> None:
+    """Before any weight loads: a metadata_thumbnail file must exist (sd-scripts skips a missing
+    one with a warning; a silently missing thumbnail is what we avoid)."""
+    thumb = opts.metadata_thumbnail
+    if thumb and not thumb.startswith("data:") and not os.path.isfile(thumb):
+        raise MetadataError(f"metadata_thumbnail: no such file: {thumb}")
+
+
+def model_spec_fields(opts) -> dict:
+    """modelspec.<field> for every metadata_<field> that is set; a thumbnail file becomes a
+    data: URL (base64 of the file, MIME type from its name), as sd-scripts embeds it."""
+    out = {}
+    for name in MODEL_SPEC_FIELDS:
+        value = getattr(opts, f"metadata_{name}")
+        if value is None:
+            continue
+        if name == "thumbnail" and not value.startswith("data:"):
+            import base64
+            import mimetypes
+
+            mime = mimetypes.guess_type(value)[0] or "application/octet-stream"
+            with open(value, "rb") as f:
+                value = f"data:{mime};base64,{base64.b64encode(f.read()).decode('ascii')}"
+        out[f"modelspec.{name}"] = value
+    return out
 
 
 def step_metadata(base: dict, *, epoch: int, step: int, finished_at: float) -> dict:

@@ -327,10 +327,11 @@ OPTIONS: tuple[Option, ...] = (
       "weights of their Linear/Conv2d layers (norms, embeddings and biases stay in the "
       "mixed-precision dtype), computed in the mixed-precision dtype, one layer's weight up-cast "
       "at a time (docs/FP8.md). About half the frozen weights' bytes of a bf16 base. Needs "
-      "mixed_precision bf16 or fp16. train_lora only (sd-scripts' train_db and fine_tune accept "
-      "the flag and ignore it).", "training", scripts=LORA),
+      "mixed_precision bf16 or fp16. Network training only: train_dreambooth and finetune accept it "
+      "with a no-effect warning, as sd-scripts' train_db, fine_tune and sdxl_train ignore it.",
+      "training"),
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
-      "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=LORA),
+      "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training"),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("fsdp", "bool", False, "Full fine-tune sharded across the processes (PyTorch FSDP2, applied by "
@@ -422,6 +423,17 @@ OPTIONS: tuple[Option, ...] = (
       "saving"),
     O("output_name", "str", "last", "Base name of the trained files: <output_name>.safetensors, "
       "<output_name>-000001.safetensors per epoch, <output_name>-step00000100.safetensors per step.",
+      "saving"),
+    O("metadata_title", "str", None, "modelspec.title of the saved files; unset = output_name.",
+      "saving"),
+    *(O(f"metadata_{k}", "str", None, f"modelspec.{k} of the saved files (sd-scripts' model-spec "
+        f"metadata){extra}; unset = not written.", "saving")
+      for k, extra in (("author", ""), ("description", ""), ("license", ""),
+                       ("tags", ", comma-separated"), ("usage_hint", ""),
+                       ("thumbnail", ": an image file, embedded as a data: URL (or a data: URL as is)"),
+                       ("merged_from", ""), ("trigger_phrase", ""), ("preprocessor", ""),
+                       ("is_negative_embedding", ""))),
+    O("training_comment", "str", None, "Free text written to the saved files' ss_training_comment.",
       "saving"),
     O("save_model_as", "str", "safetensors", "File format of saved models.", "saving",
       choices_by_script={
@@ -541,10 +553,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
     _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
-    *(_n(f"metadata_{k}", "value", _IGN, "extra model-spec metadata is not written")
-      for k in ("title", "author", "description", "license", "tags", "usage_hint", "thumbnail",
-                "merged_from", "trigger_phrase", "preprocessor", "is_negative_embedding")),
-    _n("training_comment", "value", _IGN, "not written to the metadata"),
     _n("no_metadata", "flag", _REJ, "metadata is always written; not writing it is not implemented yet"),
     # dataset (train_util.add_dataset_arguments)
     _n("cache_info", "flag", _IGN, "speeds up dataset scanning only"),
@@ -652,16 +660,17 @@ train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:l
 vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
 scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
 lr_scheduler_type:ldf lr_scheduler_args:ldf
+metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
+metadata_title:ldf training_comment:l
 """
 
 GUI_SD_KEYS = """
 async_upload:ldf blocks_to_swap:ldf color_aug:ldf cpu_offload_checkpointing:ldf
 disable_mmap_load_safetensors:ldf dynamo_backend:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
-huggingface_token:ldf log_config:ldf mem_eff_attn:ldf metadata_author:ldf metadata_description:ldf
-metadata_license:ldf metadata_tags:ldf metadata_title:ldf no_token_padding:d
+huggingface_token:ldf log_config:ldf mem_eff_attn:ldf no_token_padding:d
 persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
-skip_cache_check:ldf torch_compile:lf training_comment:l weighted_captions:ldf
+skip_cache_check:ldf torch_compile:lf weighted_captions:ldf
 """
 
 

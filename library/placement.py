@@ -15,6 +15,7 @@ The VAE's dtype is ``latent_cache.vae_dtype`` (set at load, before latents are c
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ def check_options(opts) -> None:
     if not (opts.fp8_base or opts.fp8_base_unet):
         return
     name = "fp8_base_unet" if opts.fp8_base_unet and not opts.fp8_base else "fp8_base"
+    if opts.script != "train_lora":
+        # sd-scripts' train_db / fine_tune / sdxl_train define the flag and never read it: the
+        # trained model is not stored in fp8 (dtype_placement ignores it for full training)
+        logging.getLogger("sdtk").warning(
+            "option %s has no effect in %s (fp8 base weights are for network training; "
+            "sd-scripts' train_db, fine_tune and sdxl_train ignore it too)", name, opts.script)
+        return
     if opts.mixed_precision not in ("bf16", "fp16"):
         raise Fp8OptionError(f"{name} needs mixed_precision bf16 or fp16 (the fp8 weights compute in "
                              f"it), not {opts.mixed_precision!r}")

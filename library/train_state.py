@@ -67,6 +67,10 @@ RESUMABLE_CHANGES = {
     "output_dir": "where files are written",
     "output_name": "how files are named",
     "save_model_as": "file format", "save_precision": "file precision",
+    "training_comment": "metadata only",
+    **{f"metadata_{k}": "metadata only" for k in (
+        "title", "author", "description", "license", "tags", "usage_hint", "thumbnail",
+        "merged_from", "trigger_phrase", "preprocessor", "is_negative_embedding")},
     "save_every_n_epochs": "save interval", "save_every_n_steps": "save interval",
     "save_state": "state saving", "save_state_on_train_end": "state saving",
     "save_last_n_epochs": "rotation", "save_last_n_steps": "rotation",

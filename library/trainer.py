@@ -126,6 +126,9 @@ class Run:
         from library import placement
 
         placement.check_options(self.opts)  # fp8_base / fp8_base_unet need mixed precision
+        from library import metadata
+
+        metadata.check_options(self.opts)  # metadata_thumbnail exists
         nonfinite.check_options(self.opts)  # on_nonfinite; network_weights / base_weights finite
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)

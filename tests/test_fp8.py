@@ -221,3 +221,32 @@ def test_spill_and_restore_keep_the_fp8_weights(tmp_path):
                 assert torch.equal(te(ids).last_hidden_state, out)  # the fp8 forward still on
     finally:
         store.close()
+
+
+def test_fp8_base_has_no_effect_in_full_training(tmp_path):
+    """sd-scripts' train_db / fine_tune / sdxl_train accept --fp8_base and never read it (the
+    kohya_ss GUI's DreamBooth tab writes it): the same here, with one warning, and the trained
+    model's dtype placement is untouched."""
+    from library.config import parse_args
+    from library.placement import check_options, dtype_placement
+
+    base = ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", str(tmp_path),
+            "--resolution", "64", "--max_train_steps", "1", "--output_dir", str(tmp_path / "o"),
+            "--mixed_precision", "bf16"]
+    opts = parse_args("train_dreambooth", base + ["--fp8_base"])
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("sdtk").addHandler(handler)
+    try:
+        check_options(opts)
+    finally:
+        logging.getLogger("sdtk").removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "option fp8_base has no effect in train_dreambooth (fp8 base weights are for network "
+        "training; sd-scripts' train_db, fine_tune and sdxl_train ignore it too)"]
+    plain = dtype_placement(parse_args("train_dreambooth", base), "dreambooth", False, 1)
+    assert dtype_placement(opts, "dreambooth", False, 1) == plain
+    assert plain.unet != torch.float8_e4m3fn

@@ -242,3 +242,33 @@ def test_network_multiplier_scales_the_trained_network(dataset, tmp_path, run_sc
     ups = [k for k in off if k.endswith("lora_up.weight")]
     assert all(float(off[k].abs().max()) == 0.0 for k in ups)
     assert any(float(on[k].abs().max()) > 0.0 for k in ups)
+
+
+def test_model_spec_metadata_options_are_written(dataset, tmp_path, run_script):
+    """sd-scripts' metadata_* options (the kohya_ss GUI writes title, author, description,
+    license, tags) land in the file as modelspec.<field>; the thumbnail as a data: URL of the
+    file's bytes; training_comment as ss_training_comment. A missing thumbnail is one line."""
+    import base64
+
+    from safetensors import safe_open
+
+    thumb = tmp_path / "thumb.png"
+    thumb.write_bytes(b"\x89PNG\r\n\x1a\nnot really an image")
+    out = str(tmp_path / "out")
+    meta_args = ["--metadata_title", "My LoRA", "--metadata_author", "me", "--metadata_license",
+                 "CC0", "--metadata_tags", "a,b", "--metadata_trigger_phrase", "sks shape",
+                 "--metadata_thumbnail", str(thumb), "--training_comment", "hello"]
+    rc, _, err = run_script("train_lora", base_args("tiny-sd15", dataset, out, *meta_args))
+    assert rc == 0, err[-2000:]
+    with safe_open(os.path.join(out, "last.safetensors"), "pt") as f:
+        md = f.metadata()
+    assert md["modelspec.title"] == "My LoRA" and md["modelspec.author"] == "me"
+    assert md["modelspec.license"] == "CC0" and md["modelspec.tags"] == "a,b"
+    assert md["modelspec.trigger_phrase"] == "sks shape" and md["ss_training_comment"] == "hello"
+    assert "modelspec.description" not in md  # unset: not written
+    head, data = md["modelspec.thumbnail"].split(",", 1)
+    assert head == "data:image/png;base64" and base64.b64decode(data) == thumb.read_bytes()
+    rc, _, err = run_script("train_lora", base_args("tiny-sd15", dataset, str(tmp_path / "o2"),
+                                                    "--metadata_thumbnail", str(tmp_path / "nope.png")))
+    assert rc == 2 and err.strip().splitlines()[-1] == f"error: metadata_thumbnail: no such file: {tmp_path / 'nope.png'}"
+    assert "Traceback" not in err
