@@ -181,10 +181,7 @@ def test_the_estimate_counts_the_fp8_saving():
     ("train_lora", ["--fp8_base", "--mixed_precision", "bf16", "--network_module", "lycoris.kohya",
                     "--network_args", "algo=lora"],
      "fp8_base with lycoris.kohya needs network_args bypass_mode=True"),
-    ("train_dreambooth", ["--fp8_base", "--mixed_precision", "bf16"],
-     "option fp8_base is not accepted by train_dreambooth (it applies to: train_lora)"),
-    ("finetune", ["--fp8_base_unet", "--mixed_precision", "bf16"],
-     "option fp8_base_unet is not accepted by finetune (it applies to: train_lora)"),
+    # (train_dreambooth / finetune: no effect, as sd-scripts; test_fp8_base_has_no_effect_in_full_training)
 ])
 def test_fp8_errors_are_one_line_before_any_weight_loads(script, args, message, dataset, tmp_path,
                                                          run_script, no_weight_loading):
