@@ -142,3 +142,26 @@ def test_train_lora_two_steps_with_color_aug(train, dataset, tmp_path, monkeypat
     assert rc == 0, err[-3000:]
     assert os.path.isfile(out / "last.safetensors") and run.global_step == 2
     assert len(calls) >= 2  # every trained sample drew its decision
+
+
+def test_subset_key_is_honoured_and_rejected_with_cached_latents(dataset, tmp_path):
+    import logging
+
+    from library.config import parse_args
+    from library.data import DataError
+    from library.training_data import build_training_set
+
+    image_dir = os.path.join(dataset, sorted(os.listdir(dataset))[0])
+
+    def opts(extra):
+        cfg = tmp_path / "run.toml"
+        cfg.write_text("pretrained_model_name_or_path = \"tiny-sd15\"\nmax_train_steps = 1\n"
+                       f"output_dir = \"{tmp_path / 'out'}\"\n{extra}"
+                       f"[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = \"{image_dir}\"\n"
+                       "caption_extension = \".caption\"\ncolor_aug = true\n")
+        return parse_args("train_lora", ["--config", str(cfg)])
+
+    tset = build_training_set(opts(""), logging.getLogger("test"))
+    assert tset.samples and all(s.color_aug for s in tset.samples)
+    with pytest.raises(DataError, match="color_aug cannot be combined with cache_latents"):
+        build_training_set(opts("cache_latents = true\n"), logging.getLogger("test"))
