@@ -53,6 +53,7 @@ class ImageItem:
     captions: "CaptionOptions | None" = None  # None: the caption is used as it is
     flip_aug: bool = False
     random_crop: bool = False
+    color_aug: bool = False  # sd-scripts' weak hue/brightness augmentation (library/color_aug.py)
     cache_dir: str | None = None  # None: <image_dir>/.sdcache
     # masked loss (library/images.py load_for_item): the image's alpha channel, or a mask image
     # (its first/red channel) of the same stem found in a conditioning_data_dir

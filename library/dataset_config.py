@@ -48,6 +48,7 @@ SUBSET_KEYS: dict[str, tuple[str, object]] = {
     "caption_tag_dropout_rate": ("rate", 0.0),
     "flip_aug": ("bool", False),
     "random_crop": ("bool", False),
+    "color_aug": ("bool", False),
     "alpha_mask": ("bool", False),
     "conditioning_data_dir": ("str", None),
 }
@@ -69,7 +70,6 @@ MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs":
 
 # sd-scripts dataset keys this toolkit does not implement: accepted only at their "off" value
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "color_aug": ("color augmentation is not supported yet", (False,)),
     "face_crop_aug_range": ("face crop augmentation is not supported yet", (None,)),
     "token_warmup_min": ("token warmup is not supported yet", (1,)),
     "token_warmup_step": ("token warmup is not supported yet", (0,)),
@@ -104,6 +104,7 @@ class SubsetConfig:
     flip_aug: bool
     random_crop: bool
     captions: CaptionOptions
+    color_aug: bool = False
     metadata_file: str | None = None  # a fine-tuning subset: images and captions from this file
     alpha_mask: bool = False  # masked loss from the images' alpha channel
     conditioning_data_dir: str | None = None  # masked loss from mask images of the same stem
@@ -257,6 +258,7 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
                 where=swhere, image_dir=v["image_dir"], num_repeats=v["num_repeats"],
                 caption_extension=v["caption_extension"], class_tokens=v["class_tokens"],
                 is_reg=v["is_reg"], flip_aug=v["flip_aug"], random_crop=v["random_crop"],
+                color_aug=v["color_aug"],
                 captions=CaptionOptions(**{k: v[k] for k in CAPTION_FIELDS}),
                 metadata_file=v["metadata_file"], alpha_mask=v["alpha_mask"],
                 # the run option conditioning_data_dir masks training subsets, not reg images

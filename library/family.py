@@ -14,6 +14,14 @@ SD2's and SDXL's OpenCLIP one, a full chunk ends with EOS and an empty one start
 each chunk encoded on its own, and the states concatenated: the first chunk's BOS, each chunk's
 75 token states, the last chunk's final state -> n * 75 + 2 states (152 / 227). SDXL's pooled
 output is the first chunk's.
+
+``no_token_padding`` (train_dreambooth on SD1/SD2, sd-scripts' train_db.py): training captions are
+tokenized without padding (BOS, tokens, EOS, at most 77), so the U-Net cross-attends only to the
+caption's own tokens. Captions of different lengths then cannot share a batch: batch 1 only, no
+text-encoder cache, no max_token_length, not SDXL (sdxl_train.py has no such option), checked by
+``check_token_padding`` before weights load. clip_skip applies as usual (sd-scripts' early return
+in get_hidden_states skips it there, which we do not reproduce). Validation and sample prompts
+are padded as usual (sd-scripts' sampling pads too).
 """
 from __future__ import annotations
 
@@ -99,10 +107,17 @@ class FamilyAdapter:
         self.n_chunks = chunk_count(max_token_length)
         self.max_token_length = max_token_length if self.n_chunks > 1 else None
 
-    def tokenize(self, captions: list[str]) -> list:
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
         """One LongTensor per tokenizer: (B, 77) BOS, tokens, EOS, padded, truncated to 77; with
-        max_token_length 150/225 the (B, n, 77) windows of the caption truncated to n*75 tokens."""
+        max_token_length 150/225 the (B, n, 77) windows of the caption truncated to n*75 tokens.
+        ``pad=False`` (no_token_padding): one caption, (1, L) with L = its tokens + 2 <= 77."""
         n = self.n_chunks
+        if not pad:
+            if self.family == "sdxl" or n > 1 or len(captions) != 1:
+                raise FamilyError("no_token_padding: one caption at a time, SD1/SD2, without "
+                                  "max_token_length")
+            return [tok(list(captions), padding=False, max_length=MAX_TOKENS, truncation=True,
+                        return_tensors="pt").input_ids for tok in self.tokenizers]
         out = []
         for tok in self.tokenizers:
             ids = tok(list(captions), padding="max_length", max_length=n * CHUNK + 2, truncation=True,
@@ -175,6 +190,26 @@ class SDXLAdapter(FamilyAdapter):
         dtype = noisy_latents.dtype
         added = {"text_embeds": cond.pooled.to(dtype), "time_ids": size_cond.to(noisy_latents.device, dtype)}
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(dtype), added_cond_kwargs=added).sample
+
+
+def check_token_padding(opts, family_before_loading) -> None:
+    """no_token_padding's combinations, before any weight loads (``family_before_loading``: the
+    model's family from its configuration, or None when only the weights tell)."""
+    if not opts.no_token_padding:
+        return
+    if opts.train_batch_size != 1:
+        raise FamilyError(f"no_token_padding needs train_batch_size = 1 (got {opts.train_batch_size}): "
+                          "unpadded captions of different lengths cannot share a batch")
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        raise FamilyError("no_token_padding cannot be combined with cache_text_encoder_outputs: "
+                          "the cache holds padded 77-token outputs")
+    if opts.max_token_length is not None:
+        raise FamilyError("no_token_padding cannot be combined with max_token_length: long captions "
+                          "are encoded as padded 75-token windows")
+    family = family_before_loading(opts.pretrained_model_name_or_path)
+    if family == "sdxl":
+        raise FamilyError("no_token_padding is for SD1/SD2 (sd-scripts' train_db.py); SDXL "
+                          "(sdxl_train.py) has no such option")
 
 
 _ADAPTERS = {"sd1": SD1Adapter, "sd2": SD2Adapter, "sdxl": SDXLAdapter}

@@ -165,12 +165,14 @@ def to_tensor(img: Image.Image) -> torch.Tensor:
 def prepare_image(img: Image.Image, bucket_reso: tuple[int, int], resized_size: tuple[int, int],
                   flip: bool = False, random_crop: bool = False,
                   generator: torch.Generator | None = None,
-                  mask: Image.Image | None = None) -> PreparedImage:
+                  mask: Image.Image | None = None, color=None) -> PreparedImage:
     """Resize ``img`` to ``resized_size`` (w, h), crop to ``bucket_reso`` (w, h), optionally flip.
 
     Center crop unless ``random_crop``; the random offsets are drawn from ``generator`` (left
     first, then top, as sd-scripts) so the crop is keyed to the sample, not to a global RNG.
     ``mask`` (an "L" image, see ``load_for_item``) gets the same resize, crop and flip.
+    ``color``: a function (H, W, 3) uint8 -> uint8 (color_aug), applied to the bucket-sized crop
+    before the flip, where sd-scripts applies it.
     """
     bw, bh = bucket_reso
     rw, rh = resized_size
@@ -183,6 +185,8 @@ def prepare_image(img: Image.Image, bucket_reso: tuple[int, int], resized_size: 
     left = _offset(rw - bw, random_crop, generator)
     top = _offset(rh - bh, random_crop, generator)
     img = img.crop((left, top, left + bw, top + bh))
+    if color is not None:
+        img = Image.fromarray(color(np.array(img, dtype=np.uint8)), "RGB")
     mask_t = None
     if mask is not None:
         m = resize_image(mask.convert("L"), (rw, rh)).crop((left, top, left + bw, top + bh))

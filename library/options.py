@@ -125,6 +125,11 @@ OPTIONS: tuple[Option, ...] = (
       "a longer caption is split into windows of 75 tokens, each encoded as BOS ... EOS, and the "
       "states concatenated (152 / 227 instead of 77); for training captions, the text-encoder cache, "
       "validation and sample prompts.", "model", choices=(75, 150, 225)),
+    O("no_token_padding", "bool", False, "Tokenize training captions without padding to 77 tokens, so "
+      "the U-Net attends only to the caption's own tokens (sd-scripts' train_db.py). SD1/SD2 only; "
+      "needs train_batch_size = 1 and excludes cache_text_encoder_outputs and max_token_length. "
+      "Validation and sample prompts are padded as usual (as sd-scripts' sampling).", "model",
+      scripts=("train_dreambooth",)),
     O("tokenizer_path", "path", None, "Folder with the CLIP tokenizer files (for single-file checkpoints "
       "whose tokenizer is not next to them; the project ships CLIP's).", "model"),
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
@@ -166,6 +171,11 @@ OPTIONS: tuple[Option, ...] = (
       "sample and epoch). With cached latents both variants are cached.", "dataset"),
     O("random_crop", "bool", False, "Crop at a random offset (per sample and epoch) instead of the "
       "center; cannot be combined with cache_latents.", "dataset"),
+    O("color_aug", "bool", False, "sd-scripts' weak colour augmentation: with probability 0.33 per "
+      "sample and epoch, half of the time a hue shift uniform in [-8, 8] on OpenCV's 0-180 scale "
+      "(+-16 degrees), else pixel ** gamma with gamma uniform in [0.95, 1.05] on the 0-255 values "
+      "(a brightness change, as sd-scripts), applied after the resize and crop. Also a subset key. "
+      "Cannot be combined with cache_latents (docs/DATA_AUGMENTATION.md).", "dataset"),
     O("alpha_mask", "bool", False, "Masked loss from each image's alpha channel (transparent = not "
       "trained; an image without alpha: all ones); implies masked_loss. The colour channels are then "
       "used as stored, not composited over white.", "dataset"),
@@ -550,7 +560,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("torch_compile", "flag", _IGN, "speed only"),
     _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
-    _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
     _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
     _n("no_metadata", "flag", _REJ, "metadata is always written; not writing it is not implemented yet"),
@@ -561,7 +570,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("enable_wildcard", "flag", _REJ, "changes the captions"),
     _n("token_warmup_min", "value", _REJ, "token warmup changes the captions", off=(None, 1)),
     _n("token_warmup_step", "value", _REJ, "token warmup changes the captions", off=(None, 0)),
-    _n("color_aug", "flag", _REJ, "augmentation changes the images"),
     _n("face_crop_aug_range", "value", _REJ, "augmentation changes the images"),
     _n("resize_interpolation", "value", _REJ, "changes the images"),
     _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
@@ -659,16 +667,16 @@ stop_text_encoder_training:d text_encoder_lr:l train_batch_size:ldf train_data_d
 train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:ldf vae:ldf
 vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
 scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
-lr_scheduler_type:ldf lr_scheduler_args:ldf
+lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
 metadata_title:ldf training_comment:l
 """
 
 GUI_SD_KEYS = """
-async_upload:ldf blocks_to_swap:ldf color_aug:ldf cpu_offload_checkpointing:ldf
+async_upload:ldf blocks_to_swap:ldf cpu_offload_checkpointing:ldf
 disable_mmap_load_safetensors:ldf dynamo_backend:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
-huggingface_token:ldf log_config:ldf mem_eff_attn:ldf no_token_padding:d
+huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
 persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
 skip_cache_check:ldf torch_compile:lf weighted_captions:ldf
 """

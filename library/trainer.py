@@ -129,6 +129,9 @@ class Run:
         from library import metadata
 
         metadata.check_options(self.opts)  # metadata_thumbnail exists
+        from library import block_lr, family
+
+        family.check_token_padding(self.opts, block_lr.family_before_loading)  # no_token_padding
         nonfinite.check_options(self.opts)  # on_nonfinite; network_weights / base_weights finite
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
@@ -158,6 +161,8 @@ class Run:
         # base_weights: merged into the model as loaded, before any dtype cast (setup_method)
         network_options.merge_base_weights(self.bundle, opts, logger)
         self.adapter = family.adapter_for(self.bundle, max_token_length=self.opts.max_token_length)
+        if opts.no_token_padding and self.bundle.family == "sdxl":  # a single file: known only now
+            family.check_token_padding(opts, lambda _: self.bundle.family)
         self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
         b = self.bundle
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
@@ -313,7 +318,10 @@ class Run:
             return text_cache.stack([self.text_cache[self.tset.cached_caption(i, epoch)] for i in idx],
                                     self.accelerator.device)
         captions = [self.tset.caption(i, epoch) for i in idx]  # sample-keyed augmentation
-        tokens = [t.to(self.accelerator.device) for t in self.adapter.tokenize(captions)]
+        # no_token_padding: unpadded ids (batch 1, checked before loading); validation and the
+        # text-encoder cache always pad
+        tokens = [t.to(self.accelerator.device)
+                  for t in self.adapter.tokenize(captions, pad=not self.opts.no_token_padding)]
         if self.method.train_text_encoder:
             return self.adapter.encode(tokens, self.opts.clip_skip)
         with torch.no_grad():

@@ -6,7 +6,7 @@ files), so the step plan is known before any weight loads.
 
 Augmentation is keyed to the sample, not to the process (DESIGN.md "Randomness is keyed to the
 sample"): sample ``i`` of epoch ``e`` draws its caption processing, flip and random crop from
-generators seeded by ``derive_seed(kind, seed, e, i)``, so 1 process x batch 2 and 2 processes x
+generators seeded by ``derive_seed(kind, seed, e, i)`` (color_aug too), so 1 process x batch 2 and 2 processes x
 batch 1 see the same captions and pixels.
 """
 from __future__ import annotations
@@ -111,20 +111,33 @@ class TrainingSet:
             return False
         return random.Random(derive_seed("flip", self.seed, epoch, i)).random() < 0.5
 
+    def color(self, i: int, epoch: int):
+        """Sample ``i``'s color_aug decision for ``epoch`` (None: unchanged)."""
+        if not self.samples[i].color_aug:
+            return None
+        from library import color_aug
+
+        return color_aug.draw(random.Random(derive_seed("color", self.seed, epoch, i)))
+
     def prepare(self, i: int, epoch: int):
         """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
-        flip (when flip_aug draws it); its mask (masked loss) gets the same geometry."""
+        color_aug (when it draws a change), flip (when flip_aug draws it); its mask (masked loss)
+        gets the same geometry."""
+        import functools
+
         import torch
 
-        from library import images
+        from library import color_aug, images
 
         s = self.samples[i]
         g = None
         if s.random_crop:
             g = torch.Generator().manual_seed(derive_seed("crop", self.seed, epoch, i))
+        aug = self.color(i, epoch)
+        color = None if aug is None else functools.partial(color_aug.apply, aug=aug)
         img, mask = images.load_for_item(s)
         return images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
-                                    random_crop=s.random_crop, generator=g, mask=mask)
+                                    random_crop=s.random_crop, generator=g, mask=mask, color=color)
 
 
 def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
@@ -151,11 +164,12 @@ def build_training_set(opts, log) -> TrainingSet:
         train, reg, samples = _from_folders(opts, log, stats, held_out)
     cache = getattr(opts, "cache_latents", False) or getattr(opts, "cache_latents_to_disk", False)
     if cache:
-        crop = next((it for it in train + reg if it.random_crop), None)
-        if crop is not None:
-            raise data.DataError(f"random_crop cannot be combined with cache_latents (set for "
-                                 f"{crop.image_dir}): a random crop differs per sample and epoch, "
-                                 "so its latents cannot be cached; turn one of them off")
+        for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
+            item = next((it for it in train + reg if getattr(it, key)), None)
+            if item is not None:  # sd-scripts asserts the same (is_latent_cacheable)
+                raise data.DataError(f"{key} cannot be combined with cache_latents (set for "
+                                     f"{item.image_dir}): {why} differs per sample and epoch, "
+                                     "so its latents cannot be cached; turn one of them off")
     masked = _check_masks(opts, train + reg + held_out)
     summary = stats.summary()
     if summary:
@@ -185,6 +199,7 @@ def _item_fields(opts) -> dict:
     return dict(captions=None if captions.is_identity else captions,
                 flip_aug=bool(getattr(opts, "flip_aug", False)),
                 random_crop=bool(getattr(opts, "random_crop", False)),
+                color_aug=bool(getattr(opts, "color_aug", False)),
                 cache_dir=getattr(opts, "cache_dir", None),
                 alpha_mask=bool(getattr(opts, "alpha_mask", False)))
 
@@ -258,7 +273,8 @@ def _from_dataset_config(opts, log, stats, held_out):
         for sub in ds.subsets:
             caps = sub.captions
             sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
-                              random_crop=sub.random_crop, cache_dir=getattr(opts, "cache_dir", None),
+                              random_crop=sub.random_crop, color_aug=sub.color_aug,
+                              cache_dir=getattr(opts, "cache_dir", None),
                               alpha_mask=sub.alpha_mask)
             where = f"{path}: {sub.where}.conditioning_data_dir"
             folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)

@@ -59,6 +59,7 @@ SUBSET_CASES = {
     "caption_tag_dropout_rate": (0.1, 0.2, 0.3, 0.4),
     "flip_aug": (True, False, True, True),
     "random_crop": (True, False, True, True),
+    "color_aug": (True, False, True, True),
     "alpha_mask": (True, False, True, True),
 }
 
@@ -196,10 +197,10 @@ def test_errors_name_file_table_and_key(tmp_path):
     assert msg == "datasets[0].subsets[0].metadata_file: file 'meta.json' does not exist"
     assert _error(tmp_path, "[general]\nmetadata_file = \"meta.json\"\n" + head).startswith(
         "general.metadata_file: is a subset key")
-    assert _error(tmp_path, head + "color_aug = true\n").startswith(
-        "datasets[0].subsets[0].color_aug: not supported yet")
-    _opts(tmp_path, head + "color_aug = false\n")  # the off value is accepted
-    build_training_set(_opts(tmp_path, head + "color_aug = false\ncaption_extention = \".caption\"\n"), LOG)
+    assert _error(tmp_path, head + "enable_wildcard = true\n").startswith(
+        "datasets[0].subsets[0].enable_wildcard: not supported yet")
+    _opts(tmp_path, head + "enable_wildcard = false\n")  # the off value is accepted
+    build_training_set(_opts(tmp_path, head + "enable_wildcard = false\ncaption_extention = \".caption\"\n"), LOG)
     # differing batch sizes cannot be honoured under the step contract
     msg = _error(tmp_path, head.replace("resolution = 64\n", "resolution = 64\nbatch_size = 2\n")
                  + f"[[datasets]]\nresolution = 64\nbatch_size = 3\n[[datasets.subsets]]\nimage_dir = \"{f}\"\n")
