@@ -125,6 +125,10 @@ OPTIONS: tuple[Option, ...] = (
       "a longer caption is split into windows of 75 tokens, each encoded as BOS ... EOS, and the "
       "states concatenated (152 / 227 instead of 77); for training captions, the text-encoder cache, "
       "validation and sample prompts.", "model", choices=(75, 150, 225)),
+    O("weighted_captions", "bool", False, "Read A1111-style prompt weights in captions, as sd-scripts: "
+      "(word:1.2), (word) = x1.1, [word] = /1.1, \\( for a literal bracket; each token's text-encoder "
+      "hidden states are multiplied by its weight (no mean renormalisation, SDXL's pooled output "
+      "unweighted). Also applies to validation and sample prompts. docs/WEIGHTED_CAPTIONS.md.", "model"),
     O("tokenizer_path", "path", None, "Folder with the CLIP tokenizer files (for single-file checkpoints "
       "whose tokenizer is not next to them; the project ships CLIP's).", "model"),
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
@@ -539,7 +543,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
     _n("no_token_padding", "flag", _REJ, "changes the text conditioning"),
-    _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
     *(_n(f"metadata_{k}", "value", _IGN, "extra model-spec metadata is not written")
       for k in ("title", "author", "description", "license", "tags", "usage_hint", "thumbnail",
@@ -649,7 +652,7 @@ save_model_as:ldf save_precision:ldf save_state:ldf save_state_on_train_end:ldf
 scale_v_pred_loss_like_noise_pred:ldf sdpa:ldf seed:ldf shuffle_caption:ldf
 stop_text_encoder_training:d text_encoder_lr:l train_batch_size:ldf train_data_dir:ldf
 train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:ldf vae:ldf
-vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
+vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf weighted_captions:ldf xformers:ldf
 scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
 lr_scheduler_type:ldf lr_scheduler_args:ldf
 """
@@ -661,7 +664,7 @@ huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ld
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf metadata_author:ldf metadata_description:ldf
 metadata_license:ldf metadata_tags:ldf metadata_title:ldf no_token_padding:d
 persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
-skip_cache_check:ldf torch_compile:lf training_comment:l weighted_captions:ldf
+skip_cache_check:ldf torch_compile:lf training_comment:l
 """
 
 
