@@ -22,6 +22,11 @@ text-encoder cache, no max_token_length, not SDXL (sdxl_train.py has no such opt
 ``check_token_padding`` before weights load. clip_skip applies as usual (sd-scripts' early return
 in get_hidden_states skips it there, which we do not reproduce). Validation and sample prompts
 are padded as usual (sd-scripts' sampling pads too).
+
+Weighted captions (``weighted_captions``, library/prompt_weights.py): ``tokenize`` returns the ids
+followed by one (B, n*75+2) float weight tensor per tokenizer (so every caller that moves the
+tokens to the device and hands them to ``encode`` works unchanged), and ``encode`` multiplies each
+token's hidden state by its weight (sd-scripts' ``encode_tokens_with_weights``).
 """
 from __future__ import annotations
 
@@ -100,8 +105,10 @@ def _final_layer_norm(text_encoder):
 class FamilyAdapter:
     family = ""
 
-    def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None):
+    def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None,
+                 weighted: bool = False):
         self.unet = unet
+        self.weighted = weighted
         self.text_encoders = list(text_encoders)
         self.tokenizers = list(tokenizers)
         self.n_chunks = chunk_count(max_token_length)
@@ -118,6 +125,12 @@ class FamilyAdapter:
                                   "max_token_length")
             return [tok(list(captions), padding=False, max_length=MAX_TOKENS, truncation=True,
                         return_tensors="pt").input_ids for tok in self.tokenizers]
+        if self.weighted:
+            from library import prompt_weights
+
+            pairs = [prompt_weights.tokenize(tok, list(captions), n * CHUNK) for tok in self.tokenizers]
+            ids = [i if n == 1 else chunk_ids(i, tok, n) for (i, _), tok in zip(pairs, self.tokenizers)]
+            return ids + [w for _, w in pairs]
         out = []
         for tok in self.tokenizers:
             ids = tok(list(captions), padding="max_length", max_length=n * CHUNK + 2, truncation=True,
@@ -134,6 +147,13 @@ class FamilyAdapter:
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
         raise NotImplementedError
 
+    def _split_weights(self, token_ids: list) -> tuple[list, list | None]:
+        """tokenize's output -> (ids per tokenizer, weights per tokenizer or None)."""
+        k = len(self.tokenizers)
+        if not self.weighted:
+            return token_ids, None
+        return list(token_ids[:k]), list(token_ids[k:])
+
     def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(noisy_latents.dtype)).sample
 
@@ -148,14 +168,21 @@ class SD1Adapter(FamilyAdapter):
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
         te = self.text_encoders[0]
+        token_ids, weights = self._split_weights(token_ids)
         ids, n = self._windows(token_ids[0].to(self._device(te)))
         if clip_skip is None or clip_skip <= 1:
-            return TextConditioning(join_chunks(te(ids).last_hidden_state, n))
-        if clip_skip > te.config.num_hidden_layers:
-            raise FamilyError(f"clip_skip: {clip_skip} exceeds the text encoder's "
-                              f"{te.config.num_hidden_layers} layers")
-        out = te(ids, output_hidden_states=True)
-        return TextConditioning(join_chunks(_final_layer_norm(te)(out.hidden_states[-clip_skip]), n))
+            hidden = join_chunks(te(ids).last_hidden_state, n)
+        else:
+            if clip_skip > te.config.num_hidden_layers:
+                raise FamilyError(f"clip_skip: {clip_skip} exceeds the text encoder's "
+                                  f"{te.config.num_hidden_layers} layers")
+            out = te(ids, output_hidden_states=True)
+            hidden = join_chunks(_final_layer_norm(te)(out.hidden_states[-clip_skip]), n)
+        if weights is not None:  # after clip_skip's final norm, as sd-scripts
+            from library import prompt_weights
+
+            hidden = prompt_weights.apply(hidden, weights[0])
+        return TextConditioning(hidden)
 
 
 class SD2Adapter(SD1Adapter):
@@ -172,13 +199,20 @@ class SDXLAdapter(FamilyAdapter):
         import torch
 
         te1, te2 = self.text_encoders
+        token_ids, weights = self._split_weights(token_ids)
         ids1, n = self._windows(token_ids[0].to(self._device(te1)))
         ids2, _ = self._windows(token_ids[1].to(self._device(te2)))
         out1 = te1(ids1, output_hidden_states=True)
         out2 = te2(ids2, output_hidden_states=True)
-        hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2].to(out1.hidden_states[-2].dtype)], dim=-1)
+        h1 = join_chunks(out1.hidden_states[-2], n)
+        h2 = join_chunks(out2.hidden_states[-2].to(h1.dtype), n)
+        if weights is not None:  # each encoder's states by its own tokenizer's weights; pooled unweighted
+            from library import prompt_weights
+
+            h1, h2 = prompt_weights.apply(h1, weights[0]), prompt_weights.apply(h2, weights[1])
+        hidden = torch.cat([h1, h2], dim=-1)
         # long captions: the pooled output of each caption's first window (sd-scripts pool2[::n])
-        return TextConditioning(join_chunks(hidden, n), out2.text_embeds[::n])
+        return TextConditioning(hidden, out2.text_embeds[::n])
 
     def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
         if size_cond is None:
@@ -206,6 +240,9 @@ def check_token_padding(opts, family_before_loading) -> None:
     if opts.max_token_length is not None:
         raise FamilyError("no_token_padding cannot be combined with max_token_length: long captions "
                           "are encoded as padded 75-token windows")
+    if opts.weighted_captions:
+        raise FamilyError("no_token_padding cannot be combined with weighted_captions: weighted "
+                          "captions are tokenized padded, with one weight per position")
     family = family_before_loading(opts.pretrained_model_name_or_path)
     if family == "sdxl":
         raise FamilyError("no_token_padding is for SD1/SD2 (sd-scripts' train_db.py); SDXL "
@@ -215,11 +252,12 @@ def check_token_padding(opts, family_before_loading) -> None:
 _ADAPTERS = {"sd1": SD1Adapter, "sd2": SD2Adapter, "sdxl": SDXLAdapter}
 
 
-def adapter_for(bundle, max_token_length: int | None = None) -> FamilyAdapter:
+def adapter_for(bundle, max_token_length: int | None = None, weighted: bool = False) -> FamilyAdapter:
     """The adapter for a ModelBundle (anything with family, unet, text_encoders, tokenizers);
-    ``max_token_length`` (None/75, 150, 225) sets how long captions are tokenized and encoded."""
+    ``max_token_length`` (None/75, 150, 225) sets how long captions are tokenized and encoded;
+    ``weighted``: captions carry A1111-style prompt weights (weighted_captions)."""
     try:
         cls = _ADAPTERS[bundle.family]
     except KeyError:
         raise FamilyError(f"unknown model family {bundle.family!r}; expected one of {sorted(_ADAPTERS)}") from None
-    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length)
+    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length, weighted)

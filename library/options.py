@@ -130,6 +130,10 @@ OPTIONS: tuple[Option, ...] = (
       "needs train_batch_size = 1 and excludes cache_text_encoder_outputs and max_token_length. "
       "Validation and sample prompts are padded as usual (as sd-scripts' sampling).", "model",
       scripts=("train_dreambooth",)),
+    O("weighted_captions", "bool", False, "Read A1111-style prompt weights in captions, as sd-scripts: "
+      "(word:1.2), (word) = x1.1, [word] = /1.1, \\( for a literal bracket; each token's text-encoder "
+      "hidden states are multiplied by its weight (no mean renormalisation, SDXL's pooled output "
+      "unweighted). Also applies to validation and sample prompts. docs/WEIGHTED_CAPTIONS.md.", "model"),
     O("tokenizer_path", "path", None, "Folder with the CLIP tokenizer files (for single-file checkpoints "
       "whose tokenizer is not next to them; the project ships CLIP's).", "model"),
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
@@ -560,7 +564,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("torch_compile", "flag", _IGN, "speed only"),
     _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
-    _n("weighted_captions", "flag", _REJ, "changes the text conditioning"),
     # model-spec / metadata (library/sai_model_spec.py)
     _n("no_metadata", "flag", _REJ, "metadata is always written; not writing it is not implemented yet"),
     # dataset (train_util.add_dataset_arguments)
@@ -665,7 +668,7 @@ save_model_as:ldf save_precision:ldf save_state:ldf save_state_on_train_end:ldf
 scale_v_pred_loss_like_noise_pred:ldf sdpa:ldf seed:ldf shuffle_caption:ldf
 stop_text_encoder_training:d text_encoder_lr:l train_batch_size:ldf train_data_dir:ldf
 train_text_encoder:df unet_lr:l v2:ldf v_parameterization:ldf v_pred_like_loss:ldf vae:ldf
-vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf xformers:ldf
+vae_batch_size:ldf wandb_api_key:ldf wandb_run_name:ldf weighted_captions:ldf xformers:ldf
 scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
 lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
@@ -678,7 +681,7 @@ disable_mmap_load_safetensors:ldf dynamo_backend:ldf huggingface_path_in_repo:ld
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
 persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
-skip_cache_check:ldf torch_compile:lf weighted_captions:ldf
+skip_cache_check:ldf torch_compile:lf
 """
 
 

@@ -10,8 +10,8 @@ use ``text_encoder_cache_variants`` cached variants per caption, one picked per 
 (``TrainingSet.cached_caption``).
 
 An entry's key is sha256 over the processed caption and the encoder identity (the model's
-identity, family, tokenizer vocabularies, dtype, clip_skip, max token length and a format
-version). On disk: ``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written
+identity, family, tokenizer vocabularies, dtype, clip_skip, max token length, weighted_captions
+and a format version). On disk: ``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written
 atomically; a file that cannot be read, or holds another key, is recomputed with a warning.
 """
 from __future__ import annotations
@@ -30,12 +30,15 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 
 
-def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None) -> str:
+def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None,
+                     weighted: bool = False) -> str:
     h = hashlib.sha256()
     # max_tokens: the tokens a caption is encoded to, BOS and EOS included (77, 152 or 227)
     parts = {"v": FORMAT_VERSION, "model": bundle.identity, "family": bundle.family,
              "dtype": str(dtype).replace("torch.", ""), "clip_skip": clip_skip,
              "max_tokens": chunk_count(max_token_length) * CHUNK + 2}
+    if weighted:  # "(red:1.2)" encodes differently with weighted_captions; unweighted keys unchanged
+        parts["weighted_captions"] = True
     h.update(json.dumps(parts, sort_keys=True).encode())
     for tok in bundle.tokenizers:
         h.update(json.dumps(sorted(tok.get_vocab().items())).encode())

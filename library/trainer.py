@@ -160,7 +160,8 @@ class Run:
 
         # base_weights: merged into the model as loaded, before any dtype cast (setup_method)
         network_options.merge_base_weights(self.bundle, opts, logger)
-        self.adapter = family.adapter_for(self.bundle, max_token_length=self.opts.max_token_length)
+        self.adapter = family.adapter_for(self.bundle, max_token_length=self.opts.max_token_length,
+                                          weighted=self.opts.weighted_captions)
         if opts.no_token_padding and self.bundle.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: self.bundle.family)
         self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
@@ -301,7 +302,8 @@ class Run:
         for it in self.tset.val_items:  # the validation loss reads its captions from the cache too
             wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
         te_dtype = self.placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
-        identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip, opts.max_token_length)
+        identity = text_cache.encoder_identity(self.bundle, te_dtype, opts.clip_skip, opts.max_token_length,
+                                               weighted=opts.weighted_captions)
         self.text_cache = text_cache.encode_captions(
             self.adapter, wanted, identity, clip_skip=opts.clip_skip,
             batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,

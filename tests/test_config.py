@@ -320,7 +320,6 @@ def test_no_effect_name_warns_once(write, caplog):
 
 
 @pytest.mark.parametrize("line", ["initial_step = 3", "secondary_separator = \";;;\"", "cpu_offload_checkpointing = true",
-                                  "weighted_captions = true",
                                   "token_warmup_step = 5", "enable_wildcard = true",
                                   "blocks_to_swap = 2", "lowram = true"])
 def test_dangerous_not_yet_options_are_rejected(write, line):

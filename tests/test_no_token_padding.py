@@ -67,6 +67,7 @@ def test_train_dreambooth_two_steps_unet_sees_the_unpadded_context(train, datase
     (["--train_batch_size", "2"], "no_token_padding needs train_batch_size = 1"),
     (["--cache_text_encoder_outputs"], "no_token_padding cannot be combined with cache_text_encoder_outputs"),
     (["--max_token_length", "150"], "no_token_padding cannot be combined with max_token_length"),
+    (["--weighted_captions"], "no_token_padding cannot be combined with weighted_captions"),
     (["--pretrained_model_name_or_path", "tiny-sdxl"], "no_token_padding is for SD1/SD2"),
 ])
 def test_rejections_before_loading(run_script, dataset, tmp_path, no_weight_loading, extra, message):
