@@ -534,6 +534,13 @@ class _Bundle:
     vae: object = None
 
 
+def _fake_bundle(opts) -> tuple[str, dict, _Bundle]:
+    """The run's model on fake tensors (inside ``_fake_mode``), as a ModelBundle-like record."""
+    family, comps = fake_components(opts)
+    tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
+    return family, comps, _Bundle(family, comps["unet"], tes, [], comps["vae"])
+
+
 # --- the estimate -----------------------------------------------------------------------------
 
 @dataclass
@@ -641,10 +648,7 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     from library.methods import FullMethod, NetworkMethod
 
     with _fake_mode(), _quiet():
-        family, comps = fake_components(opts)
-        bundle = _Bundle(family, comps["unet"],
-                         [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps], [],
-                         comps["vae"])
+        family, comps, bundle = _fake_bundle(opts)
         o = copy.copy(opts)
         if method_name == "lora":
             o.network_weights = None  # the shape comes from the options
@@ -674,10 +678,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
                                   "are not modeled")
     mode = _fake_mode()
     with mode, _quiet():
-        family, comps = fake_components(opts)
-        bundle = _Bundle(family, comps["unet"],
-                         [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps], [],
-                         comps["vae"])
+        family, comps, bundle = _fake_bundle(opts)
         o = copy.copy(opts)
         if method_name == "lora":
             if opts.dim_from_weights:

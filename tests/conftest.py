@@ -179,3 +179,26 @@ def rel_diff(a, b, zero=1e-8):
     d = float((a.float() - b.float()).norm())
     n = float(b.float().norm())
     return d / n if n > zero else d
+
+
+def diffusers_load_problems(pipe, path) -> list[str]:
+    """``pipe.load_lora_weights(path)``, returning every warning diffusers or peft logged and every
+    Python warning about LoRA keys or adapters (an empty list: every key was consumed)."""
+    import logging
+    import warnings
+
+    records = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("diffusers", "peft")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe.load_lora_weights(path)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    return [r.getMessage() for r in records] + [
+        str(w.message) for w in caught if any(s in str(w.message).lower() for s in ("lora", "key", "adapter"))]

@@ -2,9 +2,7 @@
 exactly the weights the file names, by exactly W + up @ down * alpha / rank."""
 from __future__ import annotations
 
-import logging
 import os
-import warnings
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from library.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora  # noqa: E402
+from tests.conftest import diffusers_load_problems  # noqa: E402
 
 pytest.importorskip("peft")  # diffusers' load_lora_weights needs it
 
@@ -30,15 +29,6 @@ def _pipeline(arch, c):
     return StableDiffusionPipeline(vae=c["vae"], text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
                                    unet=c["unet"], scheduler=c["scheduler"], safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(level=logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        self.records.append(record)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,19 +73,7 @@ def test_diffusers_consumes_every_key_and_fuses_exactly(arch, conv, tmp_path):
 
     # A fresh model with the same base weights goes through diffusers.
     pipe = _pipeline(arch, build_tiny_components(arch))
-    handler = _Records()
-    loggers = [logging.getLogger(n) for n in ("diffusers", "peft")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pipe.load_lora_weights(path)
-    finally:
-        for lg in loggers:
-            lg.removeHandler(handler)
-    problems = [r.getMessage() for r in handler.records] + [
-        str(w.message) for w in caught if any(s in str(w.message).lower() for s in ("lora", "key", "adapter"))]
+    problems = diffusers_load_problems(pipe, path)
     assert problems == [], problems
 
     pipe.fuse_lora(lora_scale=1.0)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import struct
-import warnings
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from library.tiny_models import build_tiny_components  # noqa: E402
 from networks import extract_lora_from_models, merge_lora, resize_lora, svd_merge_lora  # noqa: E402
 from networks import lora  # noqa: E402
-from tests.conftest import count_sd_scripts_modules, read  # noqa: E402
+from tests.conftest import count_sd_scripts_modules, diffusers_load_problems, read  # noqa: E402
 from tests.test_merge_lora import make_lora_file, tes  # noqa: E402
 from tools import show_metadata  # noqa: E402
 
@@ -433,15 +431,6 @@ def test_show_metadata_readable_json_and_errors(tmp_path, capsys):
 
 # --- end to end on a trained LoRA -------------------------------------------------------------------------
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(level=logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def check_loads(path, base_sd):
     """Our loader takes every key; diffusers' load_lora_weights consumes the file without a warning and
     its fused weights are base + up @ down * alpha / rank for every module the file names."""
@@ -454,19 +443,7 @@ def check_loads(path, base_sd):
     pipe = StableDiffusionPipeline(vae=c["vae"], text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
                                    unet=c["unet"], scheduler=c["scheduler"], safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
-    handler = _Records()
-    loggers = [logging.getLogger(n) for n in ("diffusers", "peft")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pipe.load_lora_weights(path)
-    finally:
-        for lg in loggers:
-            lg.removeHandler(handler)
-    problems = [r.getMessage() for r in handler.records] + [
-        str(w.message) for w in caught if any(s in str(w.message).lower() for s in ("lora", "key", "adapter"))]
+    problems = diffusers_load_problems(pipe, path)
     assert problems == [], problems
     pipe.fuse_lora(lora_scale=1.0)
     pipe.unload_lora_weights()
