@@ -38,8 +38,9 @@ def compute_dtype(mixed_precision: str):
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
-def accelerator_for(opts):
-    """The run's Accelerator from its options (used by the trainer and the caching tool alike)."""
+def accelerator_precision(opts) -> str:
+    """The mixed precision the run's Accelerator gets; a UserError where it cannot work here
+    (checked again by make_accelerator; Run.validate calls this before any folder or weight)."""
     import torch
 
     mixed = opts.mixed_precision
@@ -47,7 +48,23 @@ def accelerator_for(opts):
         # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
         # the CPU lacks for fp16); the stepper scales the loss itself
         mixed = "no"
-    return make_accelerator(mixed, timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
+    check_mixed_precision(mixed)
+    return mixed
+
+
+def check_mixed_precision(mixed_precision: str) -> None:
+    import torch
+
+    if mixed_precision == "fp16" and not torch.cuda.is_available():
+        # Accelerate accepts it on the CPU but applies neither fp16 autocast nor loss scaling.
+        raise UserError("mixed_precision: fp16 needs a CUDA GPU (on CPU Accelerate applies neither "
+                        "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
+
+
+def accelerator_for(opts):
+    """The run's Accelerator from its options (used by the trainer and the caching tool alike)."""
+    return make_accelerator(accelerator_precision(opts),
+                            timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
 
 
 def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
@@ -62,10 +79,7 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     from accelerate import Accelerator
 
     cpu = not torch.cuda.is_available()
-    if cpu and mixed_precision == "fp16":
-        # Accelerate accepts it on the CPU but applies neither fp16 autocast nor loss scaling.
-        raise UserError("mixed_precision: fp16 needs a CUDA GPU (on CPU Accelerate applies neither "
-                        "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
+    check_mixed_precision(mixed_precision)
     # An Accelerate DeepSpeed launch was read into the deepspeed options (library/zero.py): the
     # toolkit drives the engine itself, so Accelerate sets up a plain job.
     os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)

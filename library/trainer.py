@@ -99,6 +99,7 @@ class Run:
         from library.methods import FullMethod, NetworkMethod
         from library.optim import check_optimizer
 
+        distributed.accelerator_precision(self.opts)  # fp16 needs CUDA
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
                         learning_rate=self.opts.learning_rate)
         from library.optim import check_scheduler
@@ -728,6 +729,7 @@ def run(opts, method_name: str) -> Run | None:
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
         return None
     started = time.time()
+    r.validate()  # optimizer, network module, combinations: before any folder is made
     lock = _prepare_outputs(r, method_name, main)  # before any weight loads
     try:
         with lock:
@@ -757,7 +759,6 @@ def _prepare_outputs(r: Run, method_name: str, main: bool):
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:
-    r.validate()
     r.load()
     print_plan(r.plan, r.accelerator.is_main_process)
     r.setup_method()
