@@ -99,7 +99,6 @@ class Run:
         from library.methods import FullMethod, NetworkMethod
         from library.optim import check_optimizer
 
-        distributed.accelerator_precision(self.opts)  # fp16 needs CUDA
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
                         learning_rate=self.opts.learning_rate)
         from library.optim import check_scheduler
@@ -134,6 +133,7 @@ class Run:
 
         family.check_token_padding(self.opts, block_lr.family_before_loading)  # no_token_padding
         nonfinite.check_options(self.opts)  # on_nonfinite; network_weights / base_weights finite
+        distributed.accelerator_precision(self.opts)  # fp16 needs CUDA (after the combinations naming it)
         if self.method_name == "lora":
             NetworkMethod(self.opts, None)
         else:
