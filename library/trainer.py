@@ -165,7 +165,6 @@ class Run:
                                           weighted=self.opts.weighted_captions)
         if opts.no_token_padding and self.bundle.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: self.bundle.family)
-        self.weight_dtype = distributed.compute_dtype(opts.mixed_precision)
         b = self.bundle
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
