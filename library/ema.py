@@ -100,10 +100,10 @@ class EMA:
 def for_run(run):
     """The run's EMA (``ema_decay`` set), over ``run.params``, or None."""
     opts = run.opts
-    decay = getattr(opts, "ema_decay", None)
+    decay = opts.ema_decay
     if decay is None:
         return None
-    device = "cpu" if getattr(opts, "ema_device", "same") == "cpu" else None
+    device = "cpu" if opts.ema_device == "cpu" else None
     ema = EMA(run.params, decay, device)
     n = sum(e.numel() for e in ema.shadow)
     where = ema.shadow[0].device if ema.shadow else "cpu"

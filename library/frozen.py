@@ -215,7 +215,7 @@ class Frozen:
 def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
     """Release what the rest of ``run`` does not need on its device (see the module doc)."""
     opts, b = run.opts, run.bundle
-    frozen = Frozen(run.accelerator.device, keep_on_device=bool(opts.highvram))
+    frozen = Frozen(run.accelerator.device, keep_on_device=opts.highvram)
     parts = []
     if getattr(run, "latents", None) is not None:
         parts.append(Part("vae", "VAE", [b.vae]))

@@ -480,7 +480,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         "data": _json(data_fingerprint(run.tset)),
         "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
         "sharded": sharded,
-        "deepspeed": bool(getattr(opts, "deepspeed", False)),
+        "deepspeed": opts.deepspeed,
     }
     if not sharded:  # (sharded: in SHARDED_DIR, written by every process)
         weights = {n: p.detach().to("cpu", copy=True).contiguous()
