@@ -176,3 +176,18 @@ def test_no_module_reads_an_option_with_a_default_of_its_own():
             if pattern.search(line):
                 found.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_dataset_configs_batch_size_and_resolution_come_back_as_new_options(dataset, tmp_path):
+    """plan_run resolves them before the run holds its options; the parsed ones stay as given."""
+    from library.trainer import plan_run
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'pretrained_model_name_or_path = "tiny-sd15"\noutput_dir = "{tmp_path / "o"}"\n'
+                   f'max_train_steps = 1\n[general]\nbatch_size = 2\n[[datasets]]\nresolution = 64\n'
+                   f'[[datasets.subsets]]\nimage_dir = "{os.path.join(dataset, "2_sks shape")}"\n')
+    parsed = parse_args("train_lora", ["--config", str(cfg)])
+    opts, tset, plan = plan_run(parsed, processes=1)
+    assert (parsed.train_batch_size, parsed.resolution) == (1, None)
+    assert (opts.train_batch_size, opts.resolution, opts.given) == (2, (64, 64), parsed.given)
+    assert plan.steps_per_epoch == 1 and len(tset.train_items) == 2  # 2 images, batch 2
