@@ -177,6 +177,21 @@ def test_links_resolve_and_readme_indexes_every_page():
     assert len(readme.encode()) < 15 * 1024, "README.md over 15 KiB: move detail into a docs/ page"
 
 
+# sd-scripts' own files, named where the docs compare with it (not files of this repository)
+SD_SCRIPTS_FILES = {"library/train_util.py", "library/utils.py", "library/lpw_stable_diffusion.py"}
+REPO_PATH = re.compile(r"(?<![\w/.])((?:tests|library|tools|networks|benchmarks|configs|\.ci)/[\w./-]*\w)")
+
+
+def test_files_named_in_the_docs_exist():
+    problems = []
+    for f in doc_files():
+        with open(f, encoding="utf-8") as fh:
+            for path in sorted(set(REPO_PATH.findall(fh.read())) - SD_SCRIPTS_FILES):
+                if not os.path.exists(os.path.join(ROOT, path)):
+                    problems.append(f"{os.path.relpath(f, ROOT)}: {path} does not exist")
+    assert not problems, "\n".join(problems)
+
+
 def test_readme_keeps_the_ci_test_command():
     """.ci/run executes the first line of the bash block after the marker."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
