@@ -43,6 +43,8 @@ NOT_OPTIONS = {
     "conv_in", "conv_out", "mid_block", "time_embed", "label_emb", "reverse_linear",
     # sample prompt-file options (`--n` negative prompt, `--w` width, ...; sd-scripts' syntax)
     "n", "w", "h", "d", "s", "l", "ss",
+    # textual inversion's names of a multi-vector token's extra tokens
+    "tok_1", "tok_2",
     # symbols in formulas
     "s_i", "sum_i", "old_alpha", "latent_mask", "max_norm",
 }
@@ -51,7 +53,7 @@ NOT_OPTION_PREFIXES = ("ss_", "sshs_", "lora_", "modelspec_")
 
 # a backticked span that starts with a snake_case word: `name`, `--name value`, `name = value`
 LEADING_NAME = re.compile(r"^(?:--)?([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?:\s*=.*|\s+\S.*)?$")
-FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9_]*)")
+FLAG = re.compile(r"(?<![\w-])--([a-z](?:[a-z0-9_-]*[a-z0-9])?)")
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
@@ -61,16 +63,16 @@ def doc_files() -> list[str]:
     return [f for f in files if os.path.basename(f) != "OPTIONS.md"]
 
 
-def code_names() -> set[str]:
-    """Functions, classes and module-level names defined in this repository's Python code."""
+def code_names(root: str = ROOT) -> set[str]:
+    """Every snake_case identifier of this repository's Python code outside tests/ (functions,
+    attributes, arguments, state keys): the docs may name them. A misspelt option is none of
+    them."""
     names = set()
-    pattern = re.compile(r"^\s*(?:def|class)\s+(\w+)|^(\w+)\s*[:=]", re.M)
-    for f in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True):
+    for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
         if "/.venv/" in f or "/tests/" in f:
             continue
         with open(f, encoding="utf-8") as fh:
-            for m in pattern.finditer(fh.read()):
-                names.add(m.group(1) or m.group(2))
+            names |= set(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", fh.read()))
     return names
 
 
@@ -81,7 +83,7 @@ def script_flags() -> set[str]:
         if "/.venv/" in f:
             continue
         with open(f, encoding="utf-8") as fh:
-            flags |= set(re.findall(r"add_argument\(\s*\"--([a-z0-9_]+)\"", fh.read()))
+            flags |= set(re.findall(r"add_argument\(\s*\"--([a-z0-9_-]+)\"", fh.read()))
     return flags
 
 
