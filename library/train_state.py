@@ -7,7 +7,8 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
 - ``state.json``: format version, counters (global step, epochs done, samples seen), the data
   position (epoch and index of the next global batch in that epoch's global order), the step plan
   it was made under (global batch, steps per epoch), the resolved config (``opts.to_dict()``), a
-  fingerprint of the data (one entry per image) and the per-step loss and learning-rate logs;
+  fingerprint of the data (one entry per image), the content hashes of the model files, images
+  and masks (``content``, library/content_hash.py) and the per-step loss and learning-rate logs;
 - ``trainable.safetensors``: every trainable parameter, by name;
 - ``stepper.pt``: the stepper's ``state_dict()`` (optimizer(s) and scheduler(s));
 - ``ema.safetensors`` (with ``ema_decay``): the moving average of every trainable parameter,
@@ -462,6 +463,8 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
     import torch
     from safetensors.torch import save_file
 
+    from library import content_hash
+
     plan, opts = run.plan, run.opts
     epoch, batch = run.position
     info = {
@@ -478,6 +481,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         "saved_at": time.time(),
         "config": _json(opts.to_dict()),
         "data": _json(data_fingerprint(run.tset)),
+        "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
         "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
         "sharded": sharded,
         "deepspeed": bool(getattr(opts, "deepspeed", False)),

@@ -697,6 +697,10 @@ def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
     path = train_state.resolve(opts.resume, opts.output_dir, logger if announce else None)
     info = train_state.read_info(path)
     train_state.check_resumable(info, path, opts, plan, r.tset)
+    from library import content_hash
+
+    # the content of the model files and images (after the data check has named any new path)
+    content_hash.check(info.get("content"), opts, r.tset, path, logger if announce else None)
     if announce and int(os.environ.get("RANK", "0")) == 0:
         print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
               f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
