@@ -392,7 +392,6 @@ def write_state(run, path: str, log) -> None:
     """Write the state of ``run`` (after its last completed step) to ``path``. Every process calls
     this; the main process writes the folder, atomically."""
     from library import distributed
-    from library.saving import atomic_dir
 
     acc = run.accelerator
     stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
@@ -423,11 +422,26 @@ def write_state(run, path: str, log) -> None:
             if acc.is_main_process:
                 _write_files(run, tmp, stepper_state, rngs, sharded=sharded)
     elif acc.is_main_process:
-        with atomic_dir(path) as tmp:
-            _write_files(run, tmp, stepper_state, rngs, sharded=False)
+        _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs, sharded=False))
     if acc.is_main_process:
         log.info(f"saved training state {path} (step {run.global_step}{what})")
     acc.wait_for_everyone()
+
+
+def _write_single(path: str, write_files) -> None:
+    """A state only the main process writes; when it cannot be written (disk full, read-only),
+    a rescue copy in the system temp dir and one line saying where, as for the model file."""
+    from library.saving import SaveError, atomic_dir, save_elsewhere
+
+    def write(p):
+        with atomic_dir(p) as tmp:
+            write_files(tmp)
+
+    try:
+        write(path)
+    except SaveError as e:
+        raise save_elsewhere(e, write, "the training state was",
+                             " (continue with --resume {rescue})") from None
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import read
+from tests.test_faults_paths import small_disk  # noqa: F401 - a fixture (a 2 MiB tmpfs)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +52,12 @@ def saved(folder_model, tmp_path_factory, monkeypatch_module):
     images = _uncompressed_pngs(data)
     args = ["--pretrained_model_name_or_path", folder_model, "--train_data_dir", data,
             "--resolution", "64", "--network_dim", "4", "--learning_rate", "1e-3", "--seed", "5",
-            "--output_name", "last", "--cache_latents"]
+            "--output_name", "last", "--cache_latents", "--ema_decay", "0.9"]
     out = str(base / "a")
-    rc, err, _ = train("train_lora", [*args, "--output_dir", out, "--max_train_steps", "3",
-                                      "--save_state", "--save_every_n_steps", "2"])
+    rc, err, run = train("train_lora", [*args, "--output_dir", out, "--max_train_steps", "3",
+                                        "--save_state", "--save_every_n_steps", "2"])
     assert rc == 0, err[-2000:]
-    return {"args": args, "out": out, "state": os.path.join(out, "last-step00000002-state"),
+    return {"run": run, "args": args, "out": out, "state": os.path.join(out, "last-step00000002-state"),
             "full": os.path.join(out, "last.safetensors"), "images": images,
             "hashes": str(base / "hashes.json")}
 
@@ -169,3 +170,65 @@ def test_model_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
         f.write_bytes(b"b" * 1000)  # rewritten, same size, another mtime: hashed again
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
         assert content_hash.sha256_file(str(f)) == real(b"b" * 1000).hexdigest() and calls
+
+
+# -- a state or EMA save that fails ------------------------------------------------------------------
+def _fill(folder) -> None:
+    with open(os.path.join(folder, "filler"), "wb") as fh:  # another program takes the disk
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+
+
+def _rescued(message: str, what: str, name: str) -> str:
+    import tempfile
+
+    assert "\n" not in message and message.count(f"{what} written to ") == 1, message
+    rescue = message.split(f"{what} written to ")[1].split(" instead")[0]
+    assert rescue.startswith(tempfile.gettempdir()) and os.path.basename(rescue) == name
+    return rescue
+
+
+def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monkeypatch):
+    """As the model file: one line naming the file and the OS error, the previous state / EMA
+    file intact, no temporary left, and a complete copy in the system temp dir, named."""
+    from safetensors.torch import load_file
+
+    from library import train_state, trainer
+    from library.saving import SaveError
+
+    run = saved["run"]
+    out = small_disk / "out"
+    prev_state = out / "last-state"
+    prev_state.mkdir(parents=True)
+    (prev_state / "state.json").write_text("{}")
+    prev_ema = out / "last-ema.safetensors"
+    prev_ema.write_bytes(b"previous")
+    _fill(small_disk)
+    monkeypatch.setattr(run.opts, "output_dir", str(out))
+
+    with pytest.raises(SaveError) as e:
+        train_state.write_state(run, str(prev_state), trainer.logger)
+    msg = str(e.value)
+    assert msg.startswith(f"cannot save {prev_state}: No space left on device; "), msg
+    rescue = _rescued(msg, "the training state was", "last-state")
+    assert msg.count(f"--resume {rescue}") == 1
+    assert train_state.read_info(rescue)["global_step"] == run.global_step  # complete
+    shutil.rmtree(os.path.dirname(rescue))
+
+    with pytest.raises(SaveError) as e:
+        run.ema.save(run, metadata={})
+    msg = str(e.value)
+    assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
+    rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")
+    w = load_file(rescue)
+    ema = dict(zip([n for n, _ in train_state.named_trainable(run)], run.ema.shadow))
+    assert any(k.endswith(".lora_up.weight") for k in w)
+    assert len([k for k in w if not k.endswith(".alpha")]) == len(ema)  # every trained tensor
+    shutil.rmtree(os.path.dirname(rescue))
+
+    assert sorted(os.listdir(out)) == ["last-ema.safetensors", "last-state"]  # no temporaries
+    assert prev_ema.read_bytes() == b"previous" and os.listdir(prev_state) == ["state.json"]
