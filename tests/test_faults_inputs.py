@@ -1,0 +1,68 @@
+"""User-written text files and hostile inputs: one line naming the file (and for bytes that are not
+UTF-8 the line and column), before any weight loads, never a traceback."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.test_bad_input import one_error_line
+
+
+def _args(data, tmp_path, *extra):
+    return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data,
+            "--resolution", "64", "--network_dim", "4", "--max_train_steps", "1",
+            "--output_dir", str(tmp_path / "out"), *extra]
+
+
+def _first(data, ext):
+    return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(data) for f in fs if f.endswith(ext))[0]
+
+
+def test_caption_with_bytes_that_are_not_utf8(dataset, tmp_path, run_script, no_weight_loading):
+    cap = _first(dataset, ".caption")
+    with open(cap, "wb") as f:
+        f.write(b"a first line\r\nthe second \xe9t\xe9\n")  # latin-1
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path))
+    assert rc == 2
+    assert one_error_line(err) == (f"error: caption file {cap}: line 2: not UTF-8 text (byte 0xe9 "
+                                   "at column 12); save the file as UTF-8")
+
+
+def test_caption_that_is_a_folder(dataset, tmp_path, run_script, no_weight_loading):
+    cap = _first(dataset, ".caption")
+    os.remove(cap)
+    os.mkdir(cap)  # was silently ignored (the class tokens trained instead)
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path))
+    assert rc == 2 and one_error_line(err) == f"error: caption file {cap} is a folder, not a file"
+
+
+def test_caption_first_line_as_before(tmp_path):
+    """The first line, split as readlines does (\\n, \\r\\n, \\r only), BOM dropped."""
+    from library.data import read_caption
+
+    img = tmp_path / "a.png"
+    for raw, want in [(b"\xef\xbb\xbfone\r\ntwo", "one"), (b"x\x1cy\rz", "x\x1cy"),
+                      (b"  \n", None), (b"caf\xc3\xa9 \xe2\x80\xa8 ok\n", "caf\u00e9 \u2028 ok")]:
+        (tmp_path / "a.caption").write_bytes(raw)
+        assert read_caption(str(img), ".caption") == want, raw
+
+
+def test_metadata_json_not_utf8(dataset, tmp_path, run_script, no_weight_loading):
+    meta = tmp_path / "meta.json"
+    meta.write_bytes(b'{\n  "img": {"caption": "caf\xe9"}\n}\n')
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--in_json", meta))
+    assert rc == 2
+    assert one_error_line(err).startswith(f"error: in_json {meta}: line 2: not UTF-8 text (byte "
+                                          "0xe9 at column 26)")
+
+
+@pytest.mark.parametrize("ext", [".txt", ".toml", ".json"])
+def test_sample_prompts_not_utf8(ext, dataset, tmp_path, run_script, no_weight_loading):
+    prompts = tmp_path / f"prompts{ext}"
+    prompts.write_bytes(b"a cat\n\xff a dog\n")
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--sample_prompts", prompts,
+                                                "--sample_every_n_steps", "1"))
+    assert rc == 2
+    assert one_error_line(err).startswith(f"error: sample_prompts {prompts}: line 2: not UTF-8 "
+                                          "text (byte 0xff at column 1)")
