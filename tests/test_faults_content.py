@@ -232,3 +232,23 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
 
     assert sorted(os.listdir(out)) == ["last-ema.safetensors", "last-state"]  # no temporaries
     assert prev_ema.read_bytes() == b"previous" and os.listdir(prev_state) == ["state.json"]
+
+
+def test_state_of_another_method_is_named(saved, tmp_path):
+    """A train_dreambooth state given to train_lora (or the other way): named as such, not as
+    whichever option the two scripts set differently."""
+    from library import config, trainer
+    from library.train_state import ResumeError
+
+    other = str(tmp_path / "db-state")
+    shutil.copytree(saved["state"], other)
+    info = json.load(open(os.path.join(other, "state.json")))
+    info["method"] = "dreambooth"
+    json.dump(info, open(os.path.join(other, "state.json"), "w"))
+    opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
+                                            "--max_train_steps", "3", "--resume", other])
+    r = trainer.Run(opts, "lora")
+    r.tset, r.plan = trainer.plan_run(opts, 1)
+    with pytest.raises(ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), this "
+                                          r"is train_lora.py"):
+        trainer._check_resume(r)

@@ -66,3 +66,52 @@ def test_sample_prompts_not_utf8(ext, dataset, tmp_path, run_script, no_weight_l
     assert rc == 2
     assert one_error_line(err).startswith(f"error: sample_prompts {prompts}: line 2: not UTF-8 "
                                           "text (byte 0xff at column 1)")
+
+
+# -- hostile inputs found by the battery (docs/RELIABILITY.md) --------------------------------------
+def test_zero_byte_weights_file_in_a_diffusers_folder(dataset, tmp_path, run_script):
+    """Was a SafetensorError traceback: now one line naming the folder and the component."""
+    from library import sd_checkpoint
+    from library.tiny_models import build_tiny_components
+
+    model = str(tmp_path / "model")
+    sd_checkpoint.save_diffusers(build_tiny_components("sd15"), "sd1", model)
+    open(os.path.join(model, "text_encoder", "model.safetensors"), "wb").close()
+    args = _args(dataset, tmp_path)
+    args[1] = model
+    rc, _, err = run_script("train_lora", args)
+    assert rc == 2 and "Traceback" not in err
+    assert one_error_line(err).startswith(f"error: {model}: cannot load the diffusers folder "
+                                          "(text_encoder): ")
+
+
+def test_network_weights_that_is_a_folder(dataset, tmp_path, run_script):
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--network_weights", tmp_path))
+    assert rc == 2
+    assert one_error_line(err) == f"error: LoRA weights file {tmp_path} is a folder, not a file"
+
+
+def test_ctrl_c_while_caching_leaves_no_temporaries(dataset, tmp_path, run_script, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while latents are written to disk: exit 130, one line, no
+    temporary cache file, no lock or temporary in output_dir; the next run caches normally."""
+    from library import latent_cache
+
+    real, calls = latent_cache.encode_pixels, []
+
+    def encode(vae, pixels):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(vae, pixels)
+
+    monkeypatch.setattr(latent_cache, "encode_pixels", encode)
+    args = _args(dataset, tmp_path, "--cache_latents", "--cache_latents_to_disk",
+                 "--vae_batch_size", "1")
+    rc, _, err = run_script("train_lora", args)
+    assert rc == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
+    assert "Traceback" not in err
+    cache = [os.path.join(dp, f) for dp, _, fs in os.walk(dataset) for f in fs if ".sdcache" in dp]
+    assert len(calls) == 2 and len(cache) <= 1  # the first entry at most, complete
+    assert all(f.endswith(".safetensors") and not os.path.basename(f).startswith(".")
+               for f in cache), cache
+    assert os.listdir(tmp_path / "out") == []  # no lock, no temporary
