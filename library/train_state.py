@@ -126,6 +126,8 @@ def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
 
 def read_info(path: str) -> dict:
     f = os.path.join(path, INFO_FILE)
+    if not os.path.lexists(path):
+        raise ResumeError(f"resume: no such training state folder: {path}")
     if not os.path.isdir(path):
         raise ResumeError(f"resume: {path} is not a folder (give a training state folder such as "
                           "<output_name>-state, or latest)")

@@ -115,3 +115,14 @@ def test_ctrl_c_while_caching_leaves_no_temporaries(dataset, tmp_path, run_scrip
     assert all(f.endswith(".safetensors") and not os.path.basename(f).startswith(".")
                for f in cache), cache
     assert os.listdir(tmp_path / "out") == []  # no lock, no temporary
+
+
+def test_seed_beyond_numpys_range(dataset, tmp_path, run_script, no_weight_loading):
+    """Was NumPy's ValueError traceback after the plan (accelerate's set_seed seeds NumPy)."""
+    import numpy as np
+
+    with pytest.raises(ValueError):
+        np.random.seed(2**32)  # the range the option's bound stands for
+    np.random.seed(2**32 - 1)
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--seed", 2**32))
+    assert rc == 2 and one_error_line(err).startswith("error: --seed: 4294967296 is out of range")
