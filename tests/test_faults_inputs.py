@@ -126,3 +126,16 @@ def test_seed_beyond_numpys_range(dataset, tmp_path, run_script, no_weight_loadi
     np.random.seed(2**32 - 1)
     rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--seed", 2**32))
     assert rc == 2 and one_error_line(err).startswith("error: --seed: 4294967296 is out of range")
+
+
+@pytest.mark.parametrize("kind", ["missing", "lora file"])
+def test_resume_of_something_that_is_not_a_state(kind, dataset, tmp_path, run_script,
+                                                 no_weight_loading):
+    target = tmp_path / "last-state"
+    if kind == "lora file":
+        target = tmp_path / "last.safetensors"
+        target.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--resume", target))
+    want = (f"error: resume: no such training state folder: {target}" if kind == "missing" else
+            f"error: resume: {target} is not a folder (give a training state folder")
+    assert rc == 2 and one_error_line(err).startswith(want)
