@@ -24,6 +24,10 @@ def read(path: str, error, what: str = "") -> str:
     not UTF-8, are ``error`` with one line naming it."""
     if os.path.isdir(path):
         raise error(f"{_name(what, path)} is a folder, not a file")
+    if os.path.islink(path) and not os.path.exists(path):
+        from library import symlinks
+
+        raise error(f"{_name(what, path)} is {symlinks.problem(path)}")
     try:
         with open(path, "rb") as f:
             raw = f.read()

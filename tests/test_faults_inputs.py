@@ -37,6 +37,15 @@ def test_caption_that_is_a_folder(dataset, tmp_path, run_script, no_weight_loadi
     assert rc == 2 and one_error_line(err) == f"error: caption file {cap} is a folder, not a file"
 
 
+def test_caption_that_is_a_broken_symlink(dataset, tmp_path, run_script, no_weight_loading):
+    cap = _first(dataset, ".caption")
+    os.remove(cap)
+    os.symlink(tmp_path / "gone.caption", cap)  # was: silently no caption (the class tokens)
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path))
+    assert rc == 2 and one_error_line(err) == (f"error: caption file {cap} is a broken symlink "
+                                               f"(its target {tmp_path / 'gone.caption'} does not exist)")
+
+
 def test_caption_first_line_as_before(tmp_path):
     """The first line, split as readlines does (\\n, \\r\\n, \\r only), BOM dropped."""
     from library.data import read_caption
