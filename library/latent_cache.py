@@ -258,6 +258,11 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
             log.warning(f"latent cache entry {path} for {it.path} is unusable ({e}): recomputing")
             return False
 
+    if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
+        from library.output_checks import remove_stale_temporaries
+
+        for folder in sorted({cache_folder(it) for it, _ in wanted.values()}):
+            remove_stale_temporaries(folder, log)
     missing = [k for k in wanted if not (to_disk and try_load(k))]
     loaded = len(wanted) - len(missing)
     split = to_disk and num_processes > 1 and barrier is not None

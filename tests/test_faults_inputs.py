@@ -102,7 +102,8 @@ def test_network_weights_that_is_a_folder(dataset, tmp_path, run_script):
 
 def test_ctrl_c_while_caching_leaves_no_temporaries(dataset, tmp_path, run_script, monkeypatch):
     """Ctrl-C (KeyboardInterrupt) while latents are written to disk: exit 130, one line, no
-    temporary cache file, no lock or temporary in output_dir; the next run caches normally."""
+    temporary cache file, no lock or temporary in output_dir. A killed run's temporaries in the
+    cache folder are removed when caching starts."""
     from library import latent_cache
 
     real, calls = latent_cache.encode_pixels, []
@@ -116,7 +117,14 @@ def test_ctrl_c_while_caching_leaves_no_temporaries(dataset, tmp_path, run_scrip
     monkeypatch.setattr(latent_cache, "encode_pixels", encode)
     args = _args(dataset, tmp_path, "--cache_latents", "--cache_latents_to_disk",
                  "--vae_batch_size", "1")
+    from tests.test_faults_paths import dead_pid
+
+    folder = os.path.join(os.path.dirname(_first(dataset, ".png")), ".sdcache")
+    os.makedirs(folder)
+    stale = os.path.join(folder, f".{'0' * 64}.safetensors.sdtk{dead_pid()}.x1y2.tmp")
+    open(stale, "wb").write(b"partial")  # left by a run killed (kill -9) while caching
     rc, _, err = run_script("train_lora", args)
+    assert not os.path.exists(stale) and "stale temporary file(s) of killed runs" in err
     assert rc == 130 and err.strip().splitlines()[-1] == "interrupted", err[-2000:]
     assert "Traceback" not in err
     cache = [os.path.join(dp, f) for dp, _, fs in os.walk(dataset) for f in fs if ".sdcache" in dp]
