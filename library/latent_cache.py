@@ -301,8 +301,10 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
                 prepared.append(prepare_image(img, bucket, resized, flip=flipped, mask=mask))
             latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
             if not torch.isfinite(latents).all():
-                raise RuntimeError(f"non-finite latents from the VAE for {chunk[0][1].path} "
-                                   f"(batch of {len(chunk)}); try --no_half_vae")
+                from library.nonfinite import NonFiniteStop  # one line, exit 3 (not a traceback)
+
+                raise NonFiniteStop(f"non-finite latents from the VAE for {chunk[0][1].path} "
+                                    f"(batch of {len(chunk)}); try --no_half_vae")
             for (key, it), prep, lat in zip(chunk, prepared, latents):
                 mask = None if prep.mask is None else latent_mask(prep.mask, tuple(lat.shape[1:]))
                 entry = LatentEntry(latents=lat.clone(), original_size=prep.original_size,

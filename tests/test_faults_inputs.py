@@ -156,3 +156,18 @@ def test_resume_of_something_that_is_not_a_state(kind, dataset, tmp_path, run_sc
     want = (f"error: resume: no such training state folder: {target}" if kind == "missing" else
             f"error: resume: {target} is not a folder (give a training state folder")
     assert rc == 2 and one_error_line(err).startswith(want)
+
+
+def test_vae_that_gives_nan_latents(dataset, tmp_path, run_script, monkeypatch):
+    """An fp16 VAE that overflows: one line naming the image (was a RuntimeError traceback)."""
+    import torch
+
+    from library import latent_cache
+
+    real = latent_cache.encode_pixels
+    monkeypatch.setattr(latent_cache, "encode_pixels",
+                        lambda vae, px: real(vae, px) * torch.tensor(float("nan")))
+    rc, _, err = run_script("train_lora", _args(dataset, tmp_path, "--cache_latents"))
+    assert rc == 3 and "Traceback" not in err
+    assert one_error_line(err).startswith("error: non-finite latents from the VAE for ")
+    assert one_error_line(err).endswith("try --no_half_vae")
