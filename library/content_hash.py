@@ -164,6 +164,11 @@ def check(saved: list | None, opts, tset, state: str, log=None) -> None:
                         "kept: the content of the model weights and images could not be checked "
                         "(only their paths, sizes and captions)")
         return
+    if not isinstance(saved, list) or not all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e) and
+            e[0] in _WHAT for e in saved):
+        raise ResumeError(f"resume: {state} is damaged: the content hashes in its state.json "
+                          "are not a list of [role, path, sha256]")
     was = {(r, p): h for r, p, h in saved}
     now = fingerprint(opts, tset)
     now_keys = set()

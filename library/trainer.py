@@ -698,11 +698,13 @@ def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
     info = train_state.read_info(path)
     saved_method = info.get("method")
     if saved_method and saved_method != r.method_name:  # before the option diff, which would
-        scripts = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "finetune"}
-        raise train_state.ResumeError(  # name some option the two methods set differently
-            f"resume: the state in {path} was written by {scripts.get(saved_method, saved_method)}"
-            f".py ({saved_method}), this is {scripts.get(r.method_name, r.method_name)}.py; "
-            "resume it with the script that wrote it")
+        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
+
+        script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
+        raise train_state.ResumeError(
+            f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
+            f".py ({saved_method}), this is {script[r.method_name]}.py; resume it with the "
+            "script that wrote it")
     train_state.check_resumable(info, path, opts, plan, r.tset)
     from library import content_hash
 

@@ -234,6 +234,15 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     assert prev_ema.read_bytes() == b"previous" and os.listdir(prev_state) == ["state.json"]
 
 
+def test_damaged_content_record_is_named(saved, tmp_path):
+    from library import content_hash
+    from library.train_state import ResumeError
+
+    for bad in ({"a": 1}, [["model", "x"]], [["weights", "p", "h"]]):
+        with pytest.raises(ResumeError, match="is damaged: the content hashes"):
+            content_hash.check(bad, saved["run"].opts, saved["run"].tset, "s")
+
+
 def test_state_of_another_method_is_named(saved, tmp_path):
     """A train_dreambooth state given to train_lora (or the other way): named as such, not as
     whichever option the two scripts set differently."""
