@@ -639,9 +639,16 @@ def _quiet():
         logger.disabled = previous
 
 
+# Textual inversion trains a few embedding rows but keeps every frozen activation of the text
+# encoders for their backward: a profile the fitted constants were not measured on.
+TI_NOT_MODELED = "textual inversion is not modeled (the text encoders' activations are kept for its backward)"
+
+
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if method_name == "lora" and opts.dim_from_weights:
         raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                   "network_weights, which is not read before loading")
@@ -670,6 +677,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     from library.methods import FullMethod, NetworkMethod
     from library.stepper import _split_contiguous, fused_mode, trained_precision
 
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if getattr(opts, "deepspeed", False):
         # Measured: a one-process ZeRO-2 fine-tune of sd15-arch (AdamW8bit, 256 px) was killed
         # above 22 GiB of resident memory where this model, with ZeRO's partitioning and float32
