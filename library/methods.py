@@ -473,6 +473,9 @@ def _pivotal_specs(opts) -> list:
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
         raise MethodError("cache_text_encoder_outputs cannot be combined with pivotal_tokens: the "
                           "new embeddings train, so the text encoders' outputs change every step")
+    if opts.deepspeed:
+        raise MethodError("deepspeed cannot be combined with pivotal_tokens: the ZeRO engine wraps "
+                          "the network only, not the new embedding rows")
     return specs
 
 

@@ -180,11 +180,28 @@ def build_training_set(opts, log) -> TrainingSet:
     summary = stats.summary()
     if summary:
         log.warning(summary)
-    return TrainingSet(train_items=train, reg_items=reg, samples=samples,
+    tset = TrainingSet(train_items=train, reg_items=reg, samples=samples,
                        seed=getattr(opts, "seed", 0), batch_size=batch_size,
                        resolution=resolution,
                        text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats,
                        val_items=held_out, masked=masked, caption_templates=_templates(opts))
+    if opts.script == "train_textual_inversion" and not tset.caption_templates:
+        _check_token_in_captions(tset, opts.token_string)
+    return tset
+
+
+def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
+    """Textual inversion learns from the captions that contain the token: with none, nothing
+    would train (a zero gradient every step)."""
+    import re
+
+    if not token:
+        return  # the method says token_string is required
+    word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
+    if not any(word.search(tset.caption(i, 1)) for i in range(len(tset.samples))):
+        raise data.DataError(f"token_string {token!r} is in no training caption, so nothing would "
+                             "train: put it in the captions (or caption_prefix), or use "
+                             "use_object_template / use_style_template")
 
 
 def _templates(opts) -> tuple | None:
