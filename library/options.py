@@ -673,7 +673,7 @@ SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NA
 @dataclass(frozen=True)
 class GuiKey:
     name: str
-    tabs: str            # letters of the tabs that write it: l, d, f
+    tabs: str            # letters of the tabs that write it: l, d, f, t (textual inversion)
     action: str          # "option", "sd", "ignore" or "reject"
     why: str = ""
     target: str = ""     # "option": the option it sets, when not the key itself
@@ -787,6 +787,45 @@ GUI_KEYS: tuple[GuiKey, ...] = (
                  "Lumina"),
 )
 
+# Keys the textual-inversion tab (t) writes (kohya_gui/textual_inversion_gui.py config_toml_data);
+# its no_token_padding (written only when set) is not here: train_textual_inversion rejects it, as
+# an option of train_dreambooth.
+GUI_TI_KEYS = """
+adaptive_noise_scale async_upload bucket_no_upscale bucket_reso_steps cache_latents
+cache_latents_to_disk caption_dropout_every_n_epochs caption_extension clip_skip color_aug
+dataset_config disable_mmap_load_safetensors dynamo_backend enable_bucket epoch flip_aug full_fp16
+gradient_accumulation_steps gradient_checkpointing huber_c huber_scale huber_schedule
+huggingface_repo_id huggingface_token huggingface_repo_type huggingface_repo_visibility
+huggingface_path_in_repo init_word ip_noise_gamma ip_noise_gamma_random_strength keep_tokens
+learning_rate logging_dir log_config log_tracker_name log_tracker_config loss_type lr_scheduler
+lr_scheduler_args lr_scheduler_num_cycles lr_scheduler_power lr_scheduler_type lr_warmup_steps
+max_bucket_reso max_timestep max_token_length max_train_epochs max_train_steps mem_eff_attn
+metadata_author metadata_description metadata_license metadata_tags metadata_title
+min_bucket_reso min_snr_gamma min_timestep mixed_precision multires_noise_discount
+multires_noise_iterations no_half_vae noise_offset noise_offset_random_strength noise_offset_type
+num_vectors_per_token optimizer_type optimizer_args output_dir output_name
+persistent_data_loader_workers pretrained_model_name_or_path prior_loss_weight random_crop
+reg_data_dir resolution resume resume_from_huggingface sample_every_n_epochs sample_every_n_steps
+sample_prompts sample_sampler save_every_n_epochs save_every_n_steps save_last_n_steps
+save_last_n_steps_state save_last_n_epochs save_last_n_epochs_state save_model_as save_precision
+save_state save_state_on_train_end save_state_to_huggingface scale_v_pred_loss_like_noise_pred
+sdpa seed shuffle_caption skip_cache_check token_string train_batch_size train_data_dir log_with
+v2 v_parameterization v_pred_like_loss vae vae_batch_size wandb_api_key wandb_run_name weights
+use_object_template use_style_template xformers max_data_loader_n_workers
+""".split()
+
+
+def _with_ti_tab(keys: tuple) -> tuple:
+    import dataclasses
+
+    by_name = {k.name: k for k in keys}
+    out = [dataclasses.replace(k, tabs=k.tabs + "t") if k.name in GUI_TI_KEYS else k for k in keys]
+    out += [GuiKey(n, "t", "option") for n in GUI_TI_KEYS if n not in by_name]  # the tab's own
+    return tuple(out)
+
+
+GUI_KEYS = _with_ti_tab(GUI_KEYS)
+
 GUI_KEYS_BY_NAME: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS}
 # GUI-only keys: parsed from this table (library/config.py)
 GUI_ONLY: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS if k.action in ("ignore", "reject")}
@@ -808,7 +847,7 @@ def _check_schema() -> None:
     gui = [k.name for k in GUI_KEYS]
     assert len(gui) == len(set(gui)), "GUI keys listed twice"
     for k in GUI_KEYS:
-        assert set(k.tabs) <= set("ldf") and k.tabs, k.name
+        assert set(k.tabs) <= set("ldft") and k.tabs, k.name
         if k.action == "option":
             target = k.target or k.name
             assert target in OPTIONS_BY_NAME or target in ALIASES, f"GUI key {k.name}: no option {target}"
@@ -927,10 +966,10 @@ def gui_key_effect(k: GuiKey) -> str:
 
 
 def _render_gui_keys() -> list:
-    tab = {"l": "LoRA", "d": "DreamBooth", "f": "fine-tune"}
+    tab = {"l": "LoRA", "d": "DreamBooth", "f": "fine-tune", "t": "textual inversion"}
     out = ["## Keys the kohya_ss GUI writes", "",
            "Every key of the run TOML the kohya_ss GUI (bmaltais/kohya_ss) writes from its LoRA, "
-           "DreamBooth and fine-tune tabs (`config_toml_data`), and what it does here. A key is "
+           "DreamBooth, fine-tune and textual-inversion tabs (`config_toml_data`), and what it does here. A key is "
            "\"set\" unless it has the GUI's unset value (the GUI leaves out empty, false and "
            "unset values itself). See docs/KOHYA_GUI.md for bringing a GUI config over.", "",
            "| key | tabs | here |", "|---|---|---|"]
