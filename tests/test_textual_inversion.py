@@ -153,10 +153,11 @@ def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_res
 
 
 @pytest.mark.parametrize("arch", ["sd2", "sdxl"])
-def test_embedding_file_of_sd2_and_sdxl_loads_in_diffusers(arch, dataset, tmp_path, train):
+def test_embedding_file_of_sd2_and_sdxl_loads_in_diffusers_with_its_ema(arch, dataset, tmp_path, train):
     out = tmp_path / "out"
     rc, _, err, run = train("train_textual_inversion", ti_args(
-        ARCH_NAME[arch], dataset, out, "--max_train_steps", "2"))
+        ARCH_NAME[arch], dataset, out, "--max_train_steps", "2", "--save_every_n_steps", "1",
+        "--ema_decay", "0.5"))
     assert rc == 0, err
     path = str(out / "last.safetensors")
     sd, _ = read(path)
@@ -165,7 +166,19 @@ def test_embedding_file_of_sd2_and_sdxl_loads_in_diffusers(arch, dataset, tmp_pa
     _, rows = _load_in_diffusers(arch, path, "mytok")
     for k, got in enumerate(rows):
         assert got.equal(run.method.tokens.rows(k, run.method.spec).detach())
-    _check_frozen(run, arch)
+    base = _check_frozen(run, arch)
+    # the EMA file: 0.5 x (0.5 x initial + 0.5 x step 1) + 0.5 x step 2, the initial rows being
+    # the init word's first token in each encoder's base matrix
+    step1, _ = read(str(out / "last-step00000001.safetensors"))
+    ema, _ = read(str(out / "last-ema.safetensors"))
+    names = ["text_encoder"] + (["text_encoder_2"] if arch == "sdxl" else [])
+    toks = ["tokenizer"] + (["tokenizer_2"] if arch == "sdxl" else [])
+    for key, te, tok in zip(widths, names, toks):
+        first = base[tok]("shape", add_special_tokens=False).input_ids[0]
+        init = base[te].get_input_embeddings().weight.detach()[first:first + 1]
+        expected = 0.5 * (0.5 * init + 0.5 * step1[key]) + 0.5 * sd[key]
+        assert torch.allclose(ema[key], expected, rtol=0, atol=1e-6), key
+        assert not ema[key].equal(sd[key])
 
 
 def _a1111_bundled(sd):
