@@ -658,7 +658,10 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
         family, comps, bundle = _fake_bundle(opts)
         o = copy.copy(opts)
         if method_name == "lora":
-            o.network_weights = None  # the shape comes from the options
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the shape comes from the options
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)
@@ -693,7 +696,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             if opts.dim_from_weights:
                 raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                           "network_weights, which the estimate does not read")
-            o.network_weights = None  # the estimate reads no weights
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the estimate reads no weights
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)

@@ -506,6 +506,9 @@ class TextualInversionMethod:
             raise MethodError(f"weights {opts.weights}: file not found")
         if not opts.learning_rate:
             raise MethodError("nothing to train: learning_rate is 0")
+        if opts.deepspeed:  # not an option here: only an Accelerate DeepSpeed launch config sets it
+            raise MethodError("train_textual_inversion does not run under DeepSpeed (the launch "
+                              "config turned it on): launch without a DeepSpeed config")
         self.train_unet = False
         self.train_text_encoder = True  # with gradients, to reach the rows; its weights are frozen
         self.tokens = None
