@@ -225,7 +225,7 @@ def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
     needed_later = bool(opts.sample_prompts) or (
-        run.method_name != "lora" and run.accelerator.is_main_process)
+        run.method.saves_full_model and run.accelerator.is_main_process)
     frozen.release(parts, needed_later, log)
     return frozen
 
@@ -245,6 +245,6 @@ def available(run, *names: str):
 def available_for_save(run):
     """The parts a model save of ``run`` writes: a full model's file holds the VAE and text
     encoders, so released ones come back for the save; a LoRA's does not (a no-op)."""
-    if run.method_name == "lora":
+    if not run.method.saves_full_model:  # a LoRA or an embedding
         return contextlib.nullcontext()
     return available(run)

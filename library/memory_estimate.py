@@ -639,9 +639,16 @@ def _quiet():
         logger.disabled = previous
 
 
+# Textual inversion trains a few embedding rows but keeps every frozen activation of the text
+# encoders for their backward: a profile the fitted constants were not measured on.
+TI_NOT_MODELED = "textual inversion is not modeled (the text encoders' activations are kept for its backward)"
+
+
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if method_name == "lora" and opts.dim_from_weights:
         raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                   "network_weights, which is not read before loading")
@@ -651,7 +658,10 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
         family, comps, bundle = _fake_bundle(opts)
         o = copy.copy(opts)
         if method_name == "lora":
-            o.network_weights = None  # the shape comes from the options
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the shape comes from the options
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)
@@ -670,6 +680,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     from library.methods import FullMethod, NetworkMethod
     from library.stepper import _split_contiguous, fused_mode, trained_precision
 
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if getattr(opts, "deepspeed", False):
         # Measured: a one-process ZeRO-2 fine-tune of sd15-arch (AdamW8bit, 256 px) was killed
         # above 22 GiB of resident memory where this model, with ZeRO's partitioning and float32
@@ -684,7 +696,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             if opts.dim_from_weights:
                 raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                           "network_weights, which the estimate does not read")
-            o.network_weights = None  # the estimate reads no weights
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the estimate reads no weights
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)
