@@ -88,10 +88,8 @@ def test_cached_encodings_with_clip_skip_2_are_keyed_and_equal_an_uncached_encod
     assert len(skip2) == len(CAPTIONS)
     ref2, ref1 = _reference(model, 2), _reference(model, 1)
     names2 = _match(skip2, ref2)
-    for caption in CAPTIONS:
-        if model == "tiny-sdxl":  # clip_skip does not apply to SDXL (sd-scripts): same values
-            assert torch.equal(ref2[caption][0], ref1[caption][0])
-        else:  # so matching the clip_skip 2 reference rules out a clip_skip 1 encoding
+    if model != "tiny-sdxl":  # (SDXL: the same penultimate states for every clip_skip)
+        for caption in CAPTIONS:  # matching the clip_skip 2 reference rules out clip_skip 1's
             assert (ref2[caption][0] - ref1[caption][0]).abs().max() > 1e-2
     if model != "tiny-sd15":
         return  # the key rule is the same code for every family: one second run (SD1) shows it
