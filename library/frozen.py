@@ -212,14 +212,31 @@ class Frozen:
             self._tmp = None
 
 
+def released_after_caching(*, latents_cached: bool, text_cached: bool,
+                           text_encoders_trained: bool, highvram: bool) -> tuple[str, ...]:
+    """The parts that leave the device after caching: "vae" (its latents are cached) and
+    "text_encoders" (their outputs are cached and they do not train); none with ``highvram``.
+    The one rule for the run (``release_after_caching``) and the memory estimate."""
+    if highvram:
+        return ()
+    out = ("vae",) if latents_cached else ()
+    if text_cached and not text_encoders_trained:
+        out += ("text_encoders",)
+    return out
+
+
 def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
     """Release what the rest of ``run`` does not need on its device (see the module doc)."""
     opts, b = run.opts, run.bundle
     frozen = Frozen(run.accelerator.device, keep_on_device=bool(opts.highvram))
+    released = released_after_caching(
+        latents_cached=getattr(run, "latents", None) is not None,
+        text_cached=getattr(run, "text_cache", None) is not None,
+        text_encoders_trained=run.method.train_text_encoder, highvram=bool(opts.highvram))
     parts = []
-    if getattr(run, "latents", None) is not None:
+    if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
-    if getattr(run, "text_cache", None) is not None and not run.method.train_text_encoder:
+    if "text_encoders" in released:
         parts.append(Part("text_encoders", "text encoders" if len(b.text_encoders) > 1 else "text encoder",
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
