@@ -23,7 +23,8 @@ BASE = ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", "dat
 VALUE_TYPES = {"str": str, "path": str, "int": int, "float": float, "bool": bool,
                "resolution": tuple[int, int], "kv_literal": dict[str, typing.Any],
                "kv_str": dict[str, str], "float_or_list": float | list[float],
-               "steps_or_fraction": int | float, "path_list": list[str], "float_list": list[float]}
+               "steps_or_fraction": int | float, "path_list": list[str], "float_list": list[float],
+               "str_list": list[str], "int_list": list[int]}
 
 
 def expected_field(o):
