@@ -140,7 +140,8 @@ def rotation(opts, tmp_path, *, epoch=None, step=None):
         open(output_file(out, opts.output_name, ".safetensors", **m), "w").close()
         os.makedirs(state_dir(out, opts.output_name, **m))
     fake = types.SimpleNamespace(opts=opts, ema=None,
-                                 method=types.SimpleNamespace(extension=lambda: ".safetensors"))
+                                 method=types.SimpleNamespace(extension=lambda: ".safetensors",
+                                                              companion_files=lambda path: []))
     trainer.Run._rotate(fake, epoch=epoch, step=step)
     return sorted(os.listdir(out))
 
