@@ -209,7 +209,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     prev_ema = out / "last-ema.safetensors"
     prev_ema.write_bytes(b"previous")
     _fill(small_disk)
-    monkeypatch.setattr(run.opts, "output_dir", str(out))
+    monkeypatch.setattr(run, "opts", run.opts.replace(output_dir=str(out)))
 
     with pytest.raises(SaveError) as e:
         train_state.write_state(run, str(prev_state), trainer.logger)
