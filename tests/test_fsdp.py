@@ -104,7 +104,7 @@ def _worker(report_dir: str, out_dir: str, argv: list[str]) -> int:
               "backend": dist.get_backend(), "num_processes": r.accelerator.num_processes,
               "global_step": r.global_step, "loss_log": r.loss_log, "lr_log": r.lr_log,
               "grad_norms": r.grad_norms,
-              "val_log": r.__dict__.get("val_log", []), "params": params,
+              "val_log": r.val_log, "params": params,
               "optimizer_state": sorted({type(v).__name__ for st in r.optimizer.state.values()
                                          for v in st.values() if hasattr(v, "shape")}),
               "state_files": sorted(os.listdir(os.path.join(out_dir, "full",
