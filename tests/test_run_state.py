@@ -36,10 +36,15 @@ def _acc(rank: int, processes: int):
 @pytest.mark.parametrize("deepspeed,fsdp,processes,kind", [
     (False, False, 1, "SingleProcess"), (False, False, 2, "DDP"), (False, True, 1, "FSDP"),
     (False, True, 3, "FSDP"), (True, False, 1, "DeepSpeed"), (True, False, 2, "DeepSpeed")])
-def test_strategy_follows_the_options(deepspeed, fsdp, processes, kind):
+def test_strategy_follows_the_options(deepspeed, fsdp, processes, kind, tmp_path):
     from library import strategy
+    from library.config import parse_args
 
-    s = strategy.for_run(SimpleNamespace(deepspeed=deepspeed, fsdp=fsdp), _acc(0, processes))
+    opts = parse_args("train_dreambooth", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", str(tmp_path),
+        "--output_dir", str(tmp_path), "--resolution", "64", "--max_train_steps", "1",
+        *(["--deepspeed"] if deepspeed else []), *(["--fsdp"] if fsdp else [])])
+    s = strategy.for_run(opts, _acc(0, processes))
     assert type(s).__name__ == kind
     # every process runs every forward: FSDP across processes (all-gathers), DeepSpeed always
     assert s.forward_in_every_process == (kind == "DeepSpeed" or (kind == "FSDP" and processes > 1))
