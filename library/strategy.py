@@ -21,6 +21,8 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.train_state import DEEPSPEED_DIR, SHARDED_DIR
+
 logger = logging.getLogger("sdtk")
 
 
@@ -48,6 +50,8 @@ class Strategy(Protocol):
     def share(self, n: int) -> list[tuple[int, bool]]: ...
 
     def state_flags(self) -> dict: ...
+
+    def state_note(self) -> str: ...
 
     def save_process_state(self, folder: str, named: list, c) -> None: ...
 
@@ -98,6 +102,10 @@ class SingleProcess:
     def state_flags(self) -> dict:
         return {"sharded": False, "deepspeed": False}
 
+    def state_note(self) -> str:
+        """What the log line of a saved training state adds."""
+        return ""
+
     def save_process_state(self, folder: str, named: list, c) -> None:
         pass
 
@@ -122,7 +130,7 @@ class FSDP(SingleProcess):
 
     name = "fsdp"
     weights_sharded = True
-    state_dir = "sharded"
+    state_dir = SHARDED_DIR
 
     def __init__(self, accelerator):
         super().__init__(accelerator)
@@ -169,6 +177,9 @@ class FSDP(SingleProcess):
     def state_flags(self) -> dict:
         return {"sharded": True, "deepspeed": False}
 
+    def state_note(self) -> str:
+        return ", sharded"
+
     def save_process_state(self, folder: str, named: list, c) -> None:
         from library import fsdp
 
@@ -194,7 +205,7 @@ class DeepSpeed(SingleProcess):
     # the partitioned gradient in the last one: every process runs every micro-step (a
     # zero-weight one for an empty share), even alone (a partial global batch)
     forward_in_every_process = True
-    state_dir = "deepspeed"
+    state_dir = DEEPSPEED_DIR
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
         from library import zero
@@ -216,6 +227,10 @@ class DeepSpeed(SingleProcess):
 
     def state_flags(self) -> dict:
         return {"sharded": False, "deepspeed": True}
+
+    def state_note(self) -> str:
+        return (f", with DeepSpeed's partitioned optimizer state of "
+                f"{self.accelerator.num_processes} process(es)")
 
     def save_process_state(self, folder: str, named: list, c) -> None:
         self.stepper.save_partitions(folder)  # ZeRO's partitioned optimizer state

@@ -414,9 +414,6 @@ def write_state(run, path: str, log) -> None:
     nonfinite.check_before_save(saved_tensors(c) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
-    what = {SHARDED_DIR: ", sharded",
-            DEEPSPEED_DIR: f", with DeepSpeed's partitioned optimizer state of {acc.num_processes} "
-                           "process(es)", None: ""}[strategy.state_dir]
     if strategy.state_dir is not None:
         with _shared_atomic_dir(path, acc) as tmp:
             strategy.save_process_state(os.path.join(tmp, strategy.state_dir), named_trainable(c), c)
@@ -426,7 +423,8 @@ def write_state(run, path: str, log) -> None:
         with atomic_dir(path) as tmp:
             _write_files(run, tmp, stepper_state, rngs)
     if acc.is_main_process:
-        log.info(f"saved training state {path} (step {run.progress.global_step}{what})")
+        log.info(f"saved training state {path} (step {run.progress.global_step}"
+                 f"{strategy.state_note()})")
     acc.wait_for_everyone()
 
 
