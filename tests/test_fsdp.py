@@ -115,7 +115,7 @@ def _worker(report_dir: str, out_dir: str, argv: list[str]) -> int:
     # path), recomputes activations (gradient_checkpointing: a memory option, also allowed) and,
     # to save time, writes no state and no samples (reporting and state saving may change too).
     argv = [a for a in argv if a not in ("--save_state", "--sample_at_first")]
-    rc, r2 = train([*argv, "--output_dir", os.path.join(out_dir, "resumed"), "--resume", state,
+    rc, r2, _ = train([*argv, "--output_dir", os.path.join(out_dir, "resumed"), "--resume", state,
                     "--save_model_as", "diffusers", "--gradient_checkpointing"])
     if rc != 0 or r2 is None:
         return rc or 1
