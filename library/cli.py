@@ -7,7 +7,8 @@ from library.errors import UserError
 from library.nonfinite import NonFiniteStop
 from library.train_state import TrainingInterrupted
 
-METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune"}
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
+                    "train_textual_inversion": "textual_inversion"}
 
 
 def main(script: str, argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ cached the text encoders, leave the training device for the rest of the run.
 The run logs what it released and the memory that saved (CUDA: allocated bytes; CPU: resident
 set, after returning freed heap pages to the system).
 
-    release_after_caching(opts, c, method_name, log) -> Frozen   at the end of the cache stage
+    release_after_caching(opts, c, log) -> Frozen   at the end of the cache stage
     Frozen.available(*names)                  context: the named parts are usable inside
 """
 from __future__ import annotations
@@ -212,27 +212,43 @@ class Frozen:
             self._tmp = None
 
 
-def release_after_caching(opts, c, method_name: str, log: logging.Logger = logger) -> Frozen:
+def released_after_caching(*, latents_cached: bool, text_cached: bool,
+                           text_encoders_trained: bool, highvram: bool) -> tuple[str, ...]:
+    """The parts that leave the device after caching: "vae" (its latents are cached) and
+    "text_encoders" (their outputs are cached and they do not train); none with ``highvram``.
+    The one rule for the run (``release_after_caching``) and the memory estimate."""
+    if highvram:
+        return ()
+    out = ("vae",) if latents_cached else ()
+    if text_cached and not text_encoders_trained:
+        out += ("text_encoders",)
+    return out
+
+
+def release_after_caching(opts, c, log: logging.Logger = logger) -> Frozen:
     """Release what the rest of the run (components ``c``) does not need on its device (see the
     module doc)."""
     b, acc = c.bundle, c.accelerator
     frozen = Frozen(acc.device, keep_on_device=bool(opts.highvram))
+    released = released_after_caching(
+        latents_cached=c.caches.latents is not None, text_cached=c.caches.text is not None,
+        text_encoders_trained=c.method.train_text_encoder, highvram=bool(opts.highvram))
     parts = []
-    if c.caches.latents is not None:
+    if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
-    if c.caches.text is not None and not c.method.train_text_encoder:
+    if "text_encoders" in released:
         parts.append(Part("text_encoders", "text encoders" if len(b.text_encoders) > 1 else "text encoder",
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
-    needed_later = bool(opts.sample_prompts) or (method_name != "lora" and acc.is_main_process)
+    needed_later = bool(opts.sample_prompts) or (c.method.saves_full_model and acc.is_main_process)
     frozen.release(parts, needed_later, log)
     return frozen
 
 
-def available_for_save(frozen: Frozen, method_name: str):
+def available_for_save(frozen: Frozen, method):
     """The parts a model save writes: a full model's file holds the VAE and text encoders, so
-    released ones come back for the save; a LoRA's does not (a no-op)."""
-    if method_name == "lora":
+    released ones come back for the save; a LoRA's or an embedding's does not (a no-op)."""
+    if not method.saves_full_model:
         return contextlib.nullcontext()
     return frozen.available()

@@ -9,7 +9,7 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     from library import (block_lr, distributed, family, fsdp, metadata, network_options,
                          nonfinite, placement, tracking, zero)
     from library.losses import check_options as check_loss_options
-    from library.methods import FullMethod, NetworkMethod
+    from library.methods import make_method
     from library.optim import check_optimizer, check_scheduler
     from library.stepper import check_stepper_options
 
@@ -28,7 +28,4 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
     nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
     distributed.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
-    if method_name == "lora":
-        NetworkMethod(opts, None)
-    else:
-        FullMethod(opts, None)  # e.g. nothing to train: fail before loading weights
+    make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights

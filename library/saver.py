@@ -46,7 +46,7 @@ def _save_model(run, *, epoch=None, step=None) -> None:
         nonfinite.check_before_save(saved_tensors(c), path, acc)
         if acc.is_main_process:
             os.makedirs(opts.output_dir, exist_ok=True)
-            with frozen.available_for_save(c.frozen, run.method_name):  # a full model's file holds VAE and TEs
+            with frozen.available_for_save(c.frozen, c.method):  # a full model's file holds VAE and TEs
                 _write_model(run, path, meta)
                 logger.info(f"saved {path}")
                 run.saved.append(path)
@@ -58,7 +58,7 @@ def _save_model(run, *, epoch=None, step=None) -> None:
             ema_meta["sdtk.ema_decay"] = str(c.ema.decay)
         with c.strategy.ema_weights(c):
             if acc.is_main_process:
-                with frozen.available_for_save(c.frozen, run.method_name):
+                with frozen.available_for_save(c.frozen, c.method):
                     c.method.save(path, opts.save_precision, ema_meta)
         if acc.is_main_process:
             logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
@@ -91,7 +91,7 @@ def _save_states(run, *, epoch=None, step=None, final=False) -> None:
         train_state.write_state(run, path, logger)
         run.progress.last_state = (path, run.progress.global_step)
     if acc.is_main_process and not final:
-        _rotate(opts, run.parts.method.extension(), run.parts.ema is not None, epoch=epoch, step=step)
+        _rotate(opts, run.parts.method, run.parts.ema is not None, epoch=epoch, step=step)
     acc.wait_for_everyone()
 
 
@@ -107,7 +107,7 @@ def state_of_this_step(run) -> str:
     return path
 
 
-def _rotate(opts, extension: str, with_ema: bool, *, epoch=None, step=None) -> None:
+def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
     """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
     than n steps (steps) before this one."""
     import shutil
@@ -136,7 +136,10 @@ def _rotate(opts, extension: str, with_ema: bool, *, epoch=None, step=None) -> N
         if with_ema:
             names.append(opts.output_name + "-ema")  # the EMA saves rotate with the models
         for name in names:
-            path = output_file(opts.output_dir, name, extension, **old)
+            path = output_file(opts.output_dir, name, method.extension(), **old)
+            for extra in method.companion_files(path):  # pivotal tuning's embeddings
+                if os.path.isfile(extra):
+                    os.remove(extra)
             if os.path.isdir(path):
                 shutil.rmtree(path)
             elif os.path.isfile(path):

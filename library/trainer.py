@@ -1,4 +1,5 @@
-"""The one training run shared by train_lora.py, train_dreambooth.py and finetune.py.
+"""The one training run shared by train_lora.py, train_dreambooth.py, finetune.py and
+train_textual_inversion.py.
 
 Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/loop.py) ->
 save (library/saver.py). A ``Run`` holds the options, the plan and training set, and two
@@ -147,12 +148,12 @@ class Run:
 
         from library import ema, placement, strategy, tracking, validation
         from library.batch_loss import BatchLoss
-        from library.methods import FullMethod, NetworkMethod
+        from library.methods import make_method
 
         opts, c = self.opts, self.parts
         b, acc = c.bundle, c.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
-        c.method = NetworkMethod(opts, b) if self.method_name == "lora" else FullMethod(opts, b)
+        c.method = make_method(self.method_name, opts, b)
         # The dtypes of every part (library/placement.py, shared with the memory estimate): the
         # trained weights float32, or with full_bf16 / full_fp16 bf16 / fp16 (the stepper updates
         # them in float32 and rounds back); the frozen parts the mixed-precision dtype, or with
@@ -164,6 +165,7 @@ class Run:
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = c.method.setup()
+        c.adapter.rewrite = c.method.prompt_rewrite()  # new tokens' N-vector expansion
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 
@@ -206,7 +208,7 @@ class Run:
             c.validation.encode_held_out(c.bundle.vae, c.accelerator.device, c.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/frozen.py); the log says what that saved.
-        c.frozen = frozen.release_after_caching(opts, c, self.method_name, logger)
+        c.frozen = frozen.release_after_caching(opts, c, logger)
 
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int):
         """Sum over this process's samples of weight * loss, divided by the global batch size."""
