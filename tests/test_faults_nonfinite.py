@@ -341,7 +341,8 @@ if __name__ == "__main__":  # one process of the two-process test: NaN loss in o
             loss = loss * float("nan")
         return loss
 
-    HOOKS.add(after_micro_step=after_micro_step).__enter__()  # for the whole process
+    held = HOOKS.add(after_micro_step=after_micro_step)  # for the whole process (kept referenced)
+    held.__enter__()
     torch.set_num_threads(1)
     rc = main("train_lora", sys.argv[1:])
     print(f"rank-exit {os.environ.get('RANK', '0')} {rc}", flush=True)

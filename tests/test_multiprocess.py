@@ -105,7 +105,12 @@ def _inject_failure(at_step: int):
         if run.progress.global_step == at_step:
             raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {at_step}")
 
-    HOOKS.add(before_micro_step=before_micro_step).__enter__()  # for the worker process
+    # for the worker process (kept: a dropped context manager's generator would remove the hook)
+    _HELD.append(HOOKS.add(before_micro_step=before_micro_step))
+    _HELD[-1].__enter__()
+
+
+_HELD: list = []
 
 
 if __name__ == "__main__":
