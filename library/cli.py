@@ -31,4 +31,12 @@ def main(script: str, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # several processes: another one ended (its own line says why)
+        from library.distributed import peer_failure
+
+        line = peer_failure(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     return 0

@@ -496,13 +496,9 @@ def _read_toml(path: str, what: str) -> tuple[str, dict]:
         raise ConfigError(f"{what}: no such file: {path}") from None
     except OSError as e:
         raise ConfigError(f"{what}: cannot read {path}: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8")  # TOML is UTF-8 by definition
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                          f"column {column}); save the file as UTF-8") from None
+    from library import text_files
+
+    text = text_files.decode(raw, path, ConfigError)  # TOML is UTF-8 by definition
     try:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -415,7 +415,8 @@ OPTIONS: tuple[Option, ...] = (
       "no optimizer or scheduler section. Set "
       "from an Accelerate config's deepspeed_config_file.", "training", scripts=NOT_TI),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
-      "that two runs of the same config give the same weights.", "training", min=0),
+      "that two runs of the same config give the same weights.", "training", min=0,
+      max=2**32 - 1),  # NumPy's seed range (accelerate's set_seed seeds NumPy too)
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "

@@ -51,24 +51,36 @@ def _save_model(run, *, epoch=None, step=None) -> None:
                 logger.info(f"saved {path}")
                 run.saved.append(path)
     if c.ema is not None:
-        # ``<output_name>-ema``: the EMA swapped into the parameters (and gathered: every process)
-        path = output_file(opts.output_dir, opts.output_name + "-ema", ext, epoch=epoch, step=step)
-        ema_meta = dict(meta)
-        if ema_meta:
-            ema_meta["sdtk.ema_decay"] = str(c.ema.decay)
-        with c.strategy.ema_weights(c):
-            if acc.is_main_process:
-                with frozen.available_for_save(c.frozen, c.method):
-                    c.method.save(path, opts.save_precision, ema_meta)
-        if acc.is_main_process:
-            logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
-            run.saved.append(path)
+        save_ema(run, epoch=epoch, step=step, metadata=meta)
     acc.wait_for_everyone()
 
 
-def _write_model(run, path: str, meta: dict) -> None:
-    """The model file; when it cannot be written (disk full, read-only), into the system temp
-    dir instead, and the run ends with one line saying where (library/saving.py)."""
+def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
+    """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
+    every process calls it), written by the main process with the method's save."""
+    from library import frozen
+    from library.saving import output_file
+
+    opts, c = run.opts, run.parts
+    acc = c.accelerator
+    path = output_file(opts.output_dir, opts.output_name + "-ema", c.method.extension(),
+                       epoch=epoch, step=step)
+    meta = dict(metadata or {})
+    if meta:
+        meta["sdtk.ema_decay"] = str(c.ema.decay)
+    with c.strategy.ema_weights(c):
+        if acc.is_main_process:
+            with frozen.available_for_save(c.frozen, c.method):
+                _write_model(run, path, meta, "the EMA weights were")
+    if acc.is_main_process:
+        logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
+        run.saved.append(path)
+    return path
+
+
+def _write_model(run, path: str, meta: dict, what: str = "the weights were") -> None:
+    """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
+    system temp dir instead, and the run ends with one line saying where (library/saving.py)."""
     from library.saving import SaveError, save_elsewhere
 
     def write(p):
@@ -77,7 +89,7 @@ def _write_model(run, path: str, meta: dict) -> None:
     try:
         write(path)
     except SaveError as e:
-        raise save_elsewhere(e, write) from None
+        raise save_elsewhere(e, write, what) from None
 
 
 def _save_states(run, *, epoch=None, step=None, final=False) -> None:

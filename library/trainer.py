@@ -251,7 +251,20 @@ def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
     opts, plan = r.opts, r.plan
     path = train_state.resolve(opts.resume, opts.output_dir, logger if announce else None)
     info = train_state.read_info(path)
+    saved_method = info.get("method")
+    if saved_method and saved_method != r.method_name:  # before the option diff, which would
+        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
+
+        script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
+        raise train_state.ResumeError(
+            f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
+            f".py ({saved_method}), this is {script.get(r.method_name, r.method_name)}.py; resume it "
+            "with the script that wrote it")
     train_state.check_resumable(info, path, opts, plan, r.tset)
+    from library import content_hash
+
+    # the content of the model files and images (after the data check has named any new path)
+    content_hash.check(info.get("content"), opts, r.tset, path, logger if announce else None)
     if announce and int(os.environ.get("RANK", "0")) == 0:
         print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
               f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",

@@ -327,6 +327,28 @@ REFERENCE = {
     "sample_every_n_epochs": T + "test_tracking.py::test_tensorboard_holds_loss_and_lr_scalars",
     "sample_at_first": T + "test_sampling.py::test_samples_are_deterministic_show_the_lora_and_leave_training_untouched",
     "sample_sampler": T + "test_sampling.py::test_prompt_files",
+    "token_string": T + "test_textual_inversion.py::"
+                        "test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_resume_exact",
+    "init_word": T + "test_textual_inversion.py::"
+                     "test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_resume_exact",
+    "num_vectors_per_token": T + "test_textual_inversion.py::"
+                                 "test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_resume_exact",
+    "weights": T + "test_textual_inversion.py::"
+                   "test_weights_file_starts_the_rows_and_templates_replace_the_captions",
+    "use_object_template": T + "test_textual_inversion.py::"
+                               "test_weights_file_starts_the_rows_and_templates_replace_the_captions",
+    "use_style_template": T + "test_textual_inversion.py::"
+                              "test_weights_file_starts_the_rows_and_templates_replace_the_captions",
+    "pivotal_tokens": T + "test_textual_inversion.py::"
+                          "test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers",
+    "pivotal_init_words": T + "test_textual_inversion.py::"
+                              "test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers",
+    "pivotal_num_vectors": T + "test_textual_inversion.py::"
+                               "test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers",
+    "pivotal_learning_rate": T + "test_textual_inversion.py::"
+                                 "test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers",
+    "stop_pivotal_training": T + "test_textual_inversion.py::"
+                                 "test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers",
 }
 # Options whose only effect is their absence (none today): name -> why.
 NO_EFFECT: dict = {}

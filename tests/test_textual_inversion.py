@@ -286,3 +286,37 @@ def test_multi_vector_token_is_one_tag_for_shuffling():
     assert rw("a mytok, mytok1 xmytok (mytok:1.2)") == \
         "a mytok mytok1 mytok2, mytok1 xmytok (mytok mytok1 mytok2:1.2)"
     assert prompt_rewriter([TokenSpec("mytok", None, 1)]) is None
+
+
+def test_weights_file_starts_the_rows_and_templates_replace_the_captions(dataset, tmp_path, train):
+    """`weights`: the token's rows start from the file (learning rate 1e-30: AdamW's update and
+    decay are below float32's resolution of the rows, so the saved rows are the file's); `use_object_template` / `use_style_template`:
+    every caption is one of sd-scripts' templates (a few written out here) with the token."""
+    from safetensors.torch import save_file
+
+    from library.config import parse_args
+    from library.trainer import plan_run
+
+    start = torch.randn(2, 32, generator=torch.Generator().manual_seed(7))
+    src = tmp_path / "start.safetensors"
+    save_file({"emb_params": start}, str(src))
+    out = tmp_path / "out"
+    args = ti_args("tiny-sd15", dataset, out, "--max_train_steps", "1",
+                   "--num_vectors_per_token", "2", "--weights", src)
+    args[args.index("--learning_rate") + 1] = "1e-30"
+    rc, _, err, _ = train("train_textual_inversion", args)
+    assert rc == 0, err
+    assert read(str(out / "last.safetensors"))[0]["emb_params"].equal(start)
+
+    base = ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
+            "--resolution", "64", "--token_string", "mytok", "--init_word", "shape", "--dry_run",
+            "--max_train_steps", "4"]
+    some = {"--use_object_template": {"a photo of a mytok", "a rendering of a mytok",
+                                      "a photo of the weird mytok"},
+            "--use_style_template": {"a painting in the style of mytok",
+                                     "a picture in the style of mytok"}}
+    for flag, known in some.items():
+        tset, _ = plan_run(parse_args("train_textual_inversion", base + [flag]), 1)
+        seen = {tset.caption(i, e) for e in range(1, 40) for i in range(len(tset.train_items))}
+        assert all("mytok" in c and "sks" not in c for c in seen), seen
+        assert known & seen and len(seen) > 3, seen
