@@ -2,6 +2,10 @@
 
     opts = parse_args("train_lora", sys.argv[1:])   # raises ConfigError (one-line message)
     opts.network_dim, opts.resolution (w, h), opts.optimizer_args (dict), opts.given, opts.to_dict()
+    opts.replace(train_batch_size=2)                 # a copy: Options are frozen
+
+`Options` is a frozen dataclass generated from the schema: every option is a field with its
+type and default, so code reads `opts.name` and no module repeats a default.
 
 Rules (see docs/OPTIONS.md):
 - Tables in a run TOML are free-form grouping, except `general` and `datasets`, which are the
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import difflib
 import logging
 import math
@@ -27,6 +32,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from importlib.util import find_spec
+from typing import Any
 
 from library.errors import UserError
 from library.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
@@ -51,26 +57,45 @@ class _Bad(Exception):
 # Options object
 
 
-class Options:
-    """The resolved options of one run: every schema option is an attribute (options the script
-    does not accept keep their defaults), plus `script`, `given` (names the user set explicitly),
-    `config` (run file path or None), `dataset_config` (raw {"general", "datasets"} dict or None),
-    `dataset_config_path` and `ignored` (sd-scripts names accepted with no effect -> value)."""
+# Python types of the schema's value types (library/options.py Option.type).
+_TYPES = {"str": str, "path": str, "int": int, "float": float, "bool": bool,
+          "resolution": tuple[int, int], "kv_literal": dict[str, Any], "kv_str": dict[str, str],
+          "float_or_list": float | list[float], "steps_or_fraction": int | float,
+          "path_list": list[str], "float_list": list[float], "str_list": list[str],
+          "int_list": list[int]}
 
-    def __init__(self, script: str, values: dict, given: set, dataset_config: dict | None,
-                 dataset_config_path: str | None, ignored: dict):
-        self.__dict__.update(values)
-        self.script = script
-        self.given = frozenset(given)
-        self.dataset_config = dataset_config
-        self.dataset_config_path = dataset_config_path
-        self.ignored = dict(ignored)
+def field_type(o: Option):
+    """The annotation of option `o`'s field: its value type, or None where it may be unset. Dict
+    options are always dicts (unset is {}); `dataset_config` holds the loaded tables, not the
+    file name (that is `dataset_config_path`)."""
+    if o.name == "dataset_config":
+        return dict | None
+    t = _TYPES[o.type]
+    return t if o.type.startswith("kv") or o.default is not None else t | None
+
+
+def field_default(o: Option):
+    """The value an unset option has in Options: its schema default ({} for dict options)."""
+    return {} if o.type.startswith("kv") and o.default is None else o.default
+
+
+class _OptionsMethods:
+    """What Options adds to its generated fields (see `Options` below)."""
 
     def __getattr__(self, name):  # only called for missing attributes: say what was meant
         if name.startswith("__"):
             raise AttributeError(name)
         hint = difflib.get_close_matches(name, list(OPTIONS_BY_NAME), n=1)
         raise AttributeError(f"no option {name!r}" + (f"; did you mean {hint[0]}?" if hint else ""))
+
+    def replace(self, **changes):
+        """A copy with `changes` (values resolved after parsing: the dataset config's batch size
+        and resolution, a DeepSpeed launch's options). The options are frozen: a run that
+        resolves a value holds the returned copy."""
+        bad = [k for k in changes if k not in Options.__dataclass_fields__]
+        if bad:
+            getattr(self, bad[0])  # raises the "no option ...; did you mean" error
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         """The run as a plain dict that is itself a valid run config (TOML-serialisable: unset
@@ -93,6 +118,55 @@ class Options:
     def __repr__(self):
         vals = ", ".join(f"{o.name}={getattr(self, o.name)!r}" for o in options_for(self.script))
         return f"Options(script={self.script!r}, {vals})"
+
+
+def _fields() -> list:
+    fs = [("script", str),
+          ("given", frozenset, dataclasses.field(default=frozenset())),
+          ("dataset_config_path", str | None, dataclasses.field(default=None)),
+          ("ignored", dict, dataclasses.field(default_factory=dict))]
+    for o in OPTIONS:
+        d = field_default(o)
+        f = dataclasses.field(default_factory=dict) if isinstance(d, dict) else dataclasses.field(default=d)
+        fs.append((o.name, field_type(o), f))
+    return fs
+
+
+# Generated from the schema, so a new option is a field with its type and default: code reads
+# `opts.name`, never getattr with a default of its own. Frozen: a value derived after parsing
+# is set with `replace` on a new copy, so no module changes the options another one holds.
+# Pickles by name (DataLoader workers, spawned processes).
+Options = dataclasses.make_dataclass(
+    "Options", _fields(), bases=(_OptionsMethods,), frozen=True, kw_only=True, repr=False)
+Options.__module__ = __name__  # make_dataclass takes `module=` only from Python 3.12
+Options.__doc__ = """The resolved options of one run (frozen): every schema option is a field
+    (options the script does not accept keep their defaults), plus `script`, `given` (names the
+    user set explicitly), `config` (run file path or None), `dataset_config` (raw {"general",
+    "datasets"} dict or None), `dataset_config_path` and `ignored` (sd-scripts names accepted with
+    no effect -> value)."""
+
+
+def options_from_values(script: str, values: dict) -> Options:
+    """Options of `script` from {name: value}, each value read as the same key in a run file
+    (so typed, range- and choice-checked, dict options from tables; a tuple as a list; None is
+    unset), names checked against the script; the required options and combinations are not
+    (tests build the few options a unit needs). `dataset_config` takes the tables themselves."""
+    resolved = {o.name: field_default(o) for o in OPTIONS}
+    dataset_config = values.get("dataset_config")
+    for key, raw in values.items():
+        name = ALIASES.get(key, key)
+        opt = OPTIONS_BY_NAME.get(name)
+        if opt is None or script not in opt.scripts:
+            raise _unknown(_Src(path="options_from_values", key=key), key, script)
+        if name == "dataset_config" or raw is None:
+            continue
+        try:
+            resolved[name] = _convert(opt, _plain(raw), False, script)
+        except _Bad as e:
+            raise ConfigError(f"options_from_values: {key}: {e}") from None
+    resolved["dataset_config"] = dataset_config
+    given = {ALIASES.get(k, k) for k in values}
+    return Options(script=script, given=frozenset(given), **resolved)
 
 
 def _plain(v):
@@ -633,7 +707,9 @@ def parse_args(script: str, argv: list[str] | None = None) -> Options:
         dataset_config = _load_dataset_file(dataset_config_path)
 
     _check_combinations(resolved, values, dataset_config is not None)
-    return Options(script, resolved, given, dataset_config, dataset_config_path, ignored)
+    resolved["dataset_config"] = dataset_config
+    return Options(script=script, given=frozenset(given), dataset_config_path=dataset_config_path,
+                   ignored=ignored, **resolved)
 
 
 def _apply_sd_scripts_names(sd_names: dict) -> dict:

@@ -270,5 +270,5 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
 
 def run_caption_options(opts) -> CaptionOptions:
     """The caption settings of the run options (folder mode: train_data_dir / reg_data_dir)."""
-    return CaptionOptions(**{k: getattr(opts, k) if getattr(opts, k, None) is not None
+    return CaptionOptions(**{k: getattr(opts, k) if getattr(opts, k) is not None
                              else SUBSET_KEYS[k][1] for k in CAPTION_FIELDS})

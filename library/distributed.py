@@ -44,7 +44,7 @@ def accelerator_precision(opts) -> str:
     import torch
 
     mixed = opts.mixed_precision
-    if getattr(opts, "full_fp16", False) and not torch.cuda.is_available():
+    if opts.full_fp16 and not torch.cuda.is_available():
         # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
         # the CPU lacks for fp16); the stepper scales the loss itself
         mixed = "no"

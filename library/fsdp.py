@@ -50,7 +50,7 @@ class FSDPError(UserError, ValueError):
 
 
 def enabled(opts) -> bool:
-    return bool(getattr(opts, "fsdp", False))
+    return opts.fsdp
 
 
 def check_options(opts) -> None:
@@ -59,19 +59,19 @@ def check_options(opts) -> None:
     check_launch_environment()
     if not enabled(opts):
         return
-    if getattr(opts, "fused_backward_pass", False):
+    if opts.fused_backward_pass:
         raise FSDPError("fsdp cannot be combined with fused_backward_pass: the fused step needs each "
                         "parameter's whole gradient inside its backward hook, FSDP reduce-scatters "
                         "per block into shards; drop one of them")
-    if getattr(opts, "fused_optimizer_groups", None):
+    if opts.fused_optimizer_groups:
         raise FSDPError("fsdp cannot be combined with fused_optimizer_groups (groups are stepped "
                         "inside backward hooks on whole gradients); drop one of them")
     for name in ("full_bf16", "full_fp16"):
-        if getattr(opts, name, False):
+        if getattr(opts, name):
             raise FSDPError(f"fsdp cannot be combined with {name} yet (its float32 step with "
                             "stochastic rounding / loss scaling is not implemented for sharded "
                             "weights); use mixed_precision alone")
-    if getattr(opts, "ema_device", "same") == "cpu":
+    if opts.ema_device == "cpu":
         raise FSDPError("fsdp cannot be combined with ema_device cpu: with fsdp the EMA is sharded "
                         "like the weights (each process keeps its shard beside its weights)")
 

@@ -61,7 +61,7 @@ def check_options(opts) -> None:
     if opts.v_pred_like_loss and opts.v_parameterization:
         raise LossOptionError("v_pred_like_loss cannot be used with v_parameterization (it adds a "
                               "v-prediction-like term to an epsilon-prediction loss)")
-    given = getattr(opts, "given", frozenset())
+    given = opts.given
 
     def unused(name, why):
         if name in given:

@@ -35,7 +35,6 @@ peaks (see their comments and README "Memory estimate"); everything else is coun
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -190,7 +189,7 @@ def fake_components(opts) -> tuple[str, dict]:
                                       "local cache yet") from None
         family = models._family_of_folder(folder)
         comps = _from_config_dir(folder, family)
-    vae = getattr(opts, "vae", None)
+    vae = opts.vae
     if vae:
         p = os.path.expanduser(vae)
         for cfg in (os.path.join(p, "vae"), p):
@@ -440,7 +439,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     keys = {p.untyped_storage()._cdata for p in params}
     dtype = compute_dtype(opts.mixed_precision)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 and \
-        not getattr(opts, "full_fp16", False) else contextlib.nullcontext()
+        not opts.full_fp16 else contextlib.nullcontext()
     # under autocast, weight-shaped saved tensors are the casts of weights (batch-independent)
     shapes = {tuple(p.shape) for p in params if p.dim() >= 2} if dtype != torch.float32 else None
     outer = _SavedCounter(keys, shapes)
@@ -470,10 +469,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     w, h = bucket
     latent = (unet.config.in_channels, h // scale, w // scale)
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
-    n_chunks = fam.chunk_count(getattr(opts, "max_token_length", None))
+    n_chunks = fam.chunk_count(opts.max_token_length)
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     with mode:
-        adapter = fam.adapter_for(_Bundle(family, unet, tes, []), getattr(opts, "max_token_length", None))
+        adapter = fam.adapter_for(_Bundle(family, unet, tes, []), opts.max_token_length)
         unet_dtype = next(unet.parameters()).dtype
         if unet_dtype == fp8.FP8:  # fp8_base: the U-Net computes in the mixed-precision dtype
             unet_dtype = dtype
@@ -644,6 +643,14 @@ def _quiet():
 TI_NOT_MODELED = "textual inversion is not modeled (the text encoders' activations are kept for its backward)"
 
 
+def _without_weights(opts):
+    """The options a fake network is built from: no network_weights (the estimate reads no
+    weights), and no pivotal tuning's few embedding rows (the fake model has no tokenizer)."""
+    return opts.replace(network_weights=None, pivotal_tokens=None, pivotal_init_words=None,
+                        pivotal_num_vectors=None, pivotal_learning_rate=None,
+                        stop_pivotal_training=None)
+
+
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
@@ -656,15 +663,10 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
 
     with _fake_mode(), _quiet():
         family, comps, bundle = _fake_bundle(opts)
-        o = copy.copy(opts)
         if method_name == "lora":
-            o.network_weights = None
-            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
-            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
-            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the shape comes from the options
-            method = NetworkMethod(o, bundle)
+            method = NetworkMethod(_without_weights(opts), bundle)  # the shape comes from the options
         else:
-            method = FullMethod(o, bundle)
+            method = FullMethod(opts, bundle)
         method.setup()
         trained = [tuple(p.shape) for p in method.trainable_parameters() if p.requires_grad]
         modules = [method.network] if method_name == "lora" else list(comps.values())
@@ -682,7 +684,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     if method_name == "textual_inversion":
         raise EstimateUnavailable(TI_NOT_MODELED)
-    if getattr(opts, "deepspeed", False):
+    if opts.deepspeed:
         # Measured: a one-process ZeRO-2 fine-tune of sd15-arch (AdamW8bit, 256 px) was killed
         # above 22 GiB of resident memory where this model, with ZeRO's partitioning and float32
         # master copy, said 14.1 GiB: DeepSpeed's flat buffers are not modeled.
@@ -691,18 +693,13 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     mode = _fake_mode()
     with mode, _quiet():
         family, comps, bundle = _fake_bundle(opts)
-        o = copy.copy(opts)
         if method_name == "lora":
             if opts.dim_from_weights:
                 raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                           "network_weights, which the estimate does not read")
-            o.network_weights = None
-            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
-            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
-            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the estimate reads no weights
-            method = NetworkMethod(o, bundle)
+            method = NetworkMethod(_without_weights(opts), bundle)  # the shape comes from the options
         else:
-            method = FullMethod(o, bundle)
+            method = FullMethod(opts, bundle)
         # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
         # cast before the method picks its parameters, the network after it is built
         from library import placement
@@ -732,10 +729,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,
-        text_encoders_trained=method.train_text_encoder, highvram=bool(opts.highvram))
+        text_encoders_trained=method.train_text_encoder, highvram=opts.highvram)
     # fsdp (full fine-tune, several processes): each process holds 1/P of the trained weights,
     # their gradients and optimizer state, plus one all-gathered block at a time (library/fsdp.py)
-    shards = processes if (getattr(opts, "fsdp", False) and method_name != "lora" and processes > 1) else 1
+    shards = processes if (opts.fsdp and method_name != "lora" and processes > 1) else 1
     parts = list(comps.items())
     if method_name == "lora":
         parts.append(("network", method.network))
@@ -807,7 +804,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
     from library import family as fam
 
-    n_chunks = fam.chunk_count(getattr(opts, "max_token_length", None))
+    n_chunks = fam.chunk_count(opts.max_token_length)
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES

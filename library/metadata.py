@@ -46,19 +46,19 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_training_started_at": str(started_at),
         "ss_output_name": opts.output_name,
         "ss_learning_rate": str(opts.learning_rate),
-        "ss_unet_lr": str(getattr(opts, "unet_lr", None)),
-        "ss_text_encoder_lr": str(getattr(opts, "text_encoder_lr", None)),
+        "ss_unet_lr": str(opts.unet_lr),
+        "ss_text_encoder_lr": str(opts.text_encoder_lr),
         "ss_num_train_images": str(num_train_images),
         "ss_num_reg_images": str(num_reg_images),
-        "ss_max_train_steps": str(getattr(opts, "max_train_steps", None)),
-        "ss_lr_warmup_steps": str(getattr(opts, "lr_warmup_steps", None)),
+        "ss_max_train_steps": str(opts.max_train_steps),
+        "ss_lr_warmup_steps": str(opts.lr_warmup_steps),
         "ss_lr_scheduler": str(opts.lr_scheduler),
         "ss_optimizer": str(opts.optimizer_type) + (
             "(" + ",".join(f"{k}={v}" for k, v in opts.optimizer_args.items()) + ")"
             if opts.optimizer_args else ""),
         "ss_mixed_precision": str(opts.mixed_precision),
         "ss_seed": str(opts.seed),
-        "ss_gradient_checkpointing": str(bool(opts.gradient_checkpointing)),
+        "ss_gradient_checkpointing": str(opts.gradient_checkpointing),
         "ss_gradient_accumulation_steps": str(opts.gradient_accumulation_steps),
         "ss_max_grad_norm": str(opts.max_grad_norm),
         "ss_clip_skip": str(opts.clip_skip),
@@ -69,7 +69,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_tag_frequency": json.dumps(tag_frequency(train_items)),
         "ss_caption_extension": str(opts.caption_extension),
-        "ss_enable_bucket": str(bool(opts.enable_bucket)),
+        "ss_enable_bucket": str(opts.enable_bucket),
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
@@ -92,13 +92,13 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_debiased_estimation", "debiased_estimation_loss"),
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
-        md[key] = str(getattr(opts, name, None))
+        md[key] = str(getattr(opts, name))
     md.update(model_spec_fields(opts))
     if opts.training_comment is not None:
         md["ss_training_comment"] = opts.training_comment
     if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
-        md["ss_fp8_base"] = str(bool(opts.fp8_base))
-        md["ss_fp8_base_unet"] = str(bool(opts.fp8_base_unet))
+        md["ss_fp8_base"] = str(opts.fp8_base)
+        md["ss_fp8_base_unet"] = str(opts.fp8_base_unet)
     if network_info:
         md.update({k: str(v) for k, v in network_info.items()})
     return md

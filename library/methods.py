@@ -295,7 +295,7 @@ class FullMethod:
         self.opts = opts
         self.bundle = bundle
         self.train_unet = bool(opts.learning_rate)
-        wants_te = bool(getattr(opts, "train_text_encoder", False))
+        wants_te = opts.train_text_encoder
         may_imply = _db_implies_text_encoder(opts)
         # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text
         # encoder unless stop_text_encoder_training < 0. A config giving a text-encoder rate (or
@@ -303,15 +303,15 @@ class FullMethod:
         self.implied_te = may_imply and bundle is not None and bundle.family != "sdxl"
         wants_te = wants_te or self.implied_te
         self.wants_te = wants_te
-        te_lrs = self._te_lr_values() + [v for v in (getattr(opts, "learning_rate_te1", None),
-                                                     getattr(opts, "learning_rate_te2", None))
+        te_lrs = self._te_lr_values() + [v for v in (opts.learning_rate_te1,
+                                                     opts.learning_rate_te2)
                                          if v is not None]
-        self.stop_te_at = getattr(opts, "stop_text_encoder_training", None)
+        self.stop_te_at = opts.stop_text_encoder_training
         if self.stop_te_at is not None and not wants_te and not (may_imply and bundle is None):
             raise MethodError("stop_text_encoder_training needs train_text_encoder (the text "
                               "encoders do not train without it)")
         self.train_text_encoder = wants_te and any(te_lrs)
-        self.block_lr = getattr(opts, "block_lr", None)
+        self.block_lr = opts.block_lr
         if self.block_lr is not None:
             from library import block_lr
 
@@ -331,7 +331,7 @@ class FullMethod:
 
     def _te_lr_values(self) -> list:
         """The text-encoder learning rates as given (one or two values; unset -> learning_rate)."""
-        lr = getattr(self.opts, "text_encoder_lr", None)
+        lr = self.opts.text_encoder_lr
         if lr is None:
             return [self.opts.learning_rate]
         return list(lr) if isinstance(lr, (list, tuple)) else [lr]
@@ -347,7 +347,7 @@ class FullMethod:
                               f"{self.bundle.family} model has {n} text encoder(s)")
         out = [lrs[i] if i < len(lrs) else lrs[0] for i in range(n)]
         for i, name in enumerate(("learning_rate_te1", "learning_rate_te2")):
-            v = getattr(self.opts, name, None)
+            v = getattr(self.opts, name)
             if v is None:
                 continue
             if n < 2:
@@ -371,7 +371,7 @@ class FullMethod:
     def setup(self):
         opts, b = self.opts, self.bundle
         for name in ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2"):
-            if getattr(opts, name, None) is not None and not self.wants_te:
+            if getattr(opts, name) is not None and not self.wants_te:
                 logger.warning(f"{name} has no effect without train_text_encoder")
         if self.implied_te and self.train_text_encoder:
             logger.info("train_dreambooth: text_encoder_lr (learning_rate_te) or "
@@ -396,8 +396,8 @@ class FullMethod:
                     self.group_names.append("textencoder" if len(b.text_encoders) == 1 else f"textencoder{i + 1}")
         self.param_groups = groups
         self.info = {"ss_train_text_encoder": self.train_text_encoder}
-        if getattr(opts, "learning_rate_te1", None) is not None or \
-                getattr(opts, "learning_rate_te2", None) is not None:
+        if opts.learning_rate_te1 is not None or \
+                opts.learning_rate_te2 is not None:
             self.info["ss_text_encoder_lr"] = [float(v) for v in self.text_encoder_lrs()]
         if self.stop_te_at is not None:
             self.info["ss_stop_text_encoder_training"] = self.stop_te_at

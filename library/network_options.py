@@ -19,7 +19,7 @@ class NetworkOptionError(UserError, ValueError):
 
 def check_options(opts) -> None:
     """Before any weight loads."""
-    if getattr(opts, "script", "train_lora") != "train_lora":
+    if opts.script != "train_lora":
         return
     if opts.dim_from_weights and not opts.network_weights:
         raise NetworkOptionError("dim_from_weights needs network_weights (the file whose ranks and "
@@ -32,7 +32,7 @@ def check_options(opts) -> None:
     if mults is not None and len(mults) != len(files):
         raise NetworkOptionError(f"base_weights_multiplier: {len(mults)} value(s) for {len(files)} "
                                  "base_weights file(s); give one multiplier per file")
-    if opts.scale_weight_norms is not None and getattr(opts, "deepspeed", False):
+    if opts.scale_weight_norms is not None and opts.deepspeed:
         # ZeRO steps float32 master copies (and partitions them): an in-place rescale of the
         # module weights would be overwritten by the next step
         raise NetworkOptionError("scale_weight_norms cannot be combined with deepspeed (ZeRO's master "

@@ -73,15 +73,15 @@ def check_file(path: str, what: str) -> None:
 def check_options(opts) -> None:
     """Before any weight loads: ``on_nonfinite`` combinations, and the weights files the run
     starts from (``network_weights``, ``base_weights``) must be finite."""
-    if getattr(opts, "on_nonfinite", "stop") == "skip" and getattr(opts, "deepspeed", False):
+    if opts.on_nonfinite == "skip" and opts.deepspeed:
         # DeepSpeed's engine owns the gradients and its step: no way to drop one update cleanly
         raise UserError("on_nonfinite skip cannot be combined with deepspeed (its engine owns "
                              "the gradients); use on_nonfinite stop")
-    if getattr(opts, "script", "train_lora") != "train_lora":
+    if opts.script != "train_lora":
         return
-    if getattr(opts, "network_weights", None):
+    if opts.network_weights:
         check_file(opts.network_weights, "network_weights")
-    for f in getattr(opts, "base_weights", None) or []:
+    for f in opts.base_weights or []:
         check_file(f, "base_weights")
 
 

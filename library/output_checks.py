@@ -96,7 +96,7 @@ def save_bytes(opts, method_name: str) -> tuple[int, str]:
     saved, trained_shapes = memory_estimate.saved_parameters(opts, method_name)
     dtype_bytes = _save_dtype_bytes(opts)
     model = saved * dtype_bytes
-    ema = bool(getattr(opts, "ema_decay", None))
+    ema = bool(opts.ema_decay)
     total, parts = model * (2 if ema else 1), [f"model {_size(model)}" + (" x2 with its EMA" if ema else "")]
     if opts.save_state or opts.save_state_on_train_end:
         rule = memory_estimate.optimizer_rule(opts)

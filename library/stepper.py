@@ -493,8 +493,8 @@ class GroupedStepper(_HookStepper):
 # -- checks and construction ------------------------------------------------------------------
 def fused_mode(opts) -> str | None:
     """The option that makes the stepper step inside backward, or None."""
-    fused = bool(getattr(opts, "fused_backward_pass", False))
-    groups = getattr(opts, "fused_optimizer_groups", None) or 0
+    fused = opts.fused_backward_pass
+    groups = opts.fused_optimizer_groups or 0
     if fused and groups:
         return "both"
     if fused:
@@ -516,7 +516,7 @@ def check_stepper_options(opts) -> None:
     if mode == "both":
         raise FusedOptionError("fused_backward_pass and fused_optimizer_groups cannot be combined: "
                                "use one (fused_backward_pass steps every parameter separately)")
-    if opts.mixed_precision == "fp16" or getattr(opts, "full_fp16", False):
+    if opts.mixed_precision == "fp16" or opts.full_fp16:
         raise FusedOptionError(f"{mode} cannot be used with fp16: loss scaling needs a global "
                                "overflow check of all gradients before any step; use bf16 or no")
     cls, _, _ = check_optimizer(opts.optimizer_type, opts.optimizer_args)
@@ -530,9 +530,9 @@ def check_stepper_options(opts) -> None:
 def trained_precision(opts) -> str:
     """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
     "float32"."""
-    if getattr(opts, "full_bf16", False):
+    if opts.full_bf16:
         return "bfloat16"
-    if getattr(opts, "full_fp16", False):
+    if opts.full_fp16:
         return "float16"
     return "float32"
 
@@ -542,7 +542,7 @@ def check_precision_options(opts) -> None:
     from library.fused_optim import FusedOptionError, global_state_reason
     from library.optim import check_optimizer
 
-    bf16, fp16 = bool(getattr(opts, "full_bf16", False)), bool(getattr(opts, "full_fp16", False))
+    bf16, fp16 = opts.full_bf16, opts.full_fp16
     if bf16 and fp16:
         raise FusedOptionError("full_bf16 and full_fp16 cannot be combined: choose one weight dtype")
     if not (bf16 or fp16):

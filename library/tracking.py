@@ -70,7 +70,7 @@ def check_options(opts) -> None:
                                 "install the wandb extra (pip install -e .[wandb])") from None
         wandb_init_kwargs(opts)  # a bad log_tracker_config fails now
     else:
-        given = getattr(opts, "given", frozenset())
+        given = opts.given
         for name in ("log_tracker_name", "log_tracker_config", "wandb_run_name", "wandb_api_key"):
             if name in given and getattr(opts, name) is not None:
                 logger.warning("option %s has no effect here (log_with is not wandb or all)", name)
@@ -91,7 +91,7 @@ WANDB_PROJECTS = {"train_lora": "network_train", "train_dreambooth": "dreambooth
 def wandb_init_kwargs(opts) -> dict:
     """The keyword arguments of ``wandb.init`` (without ``dir``): project, name, and the
     ``[wandb]`` table of log_tracker_config (which wins, as sd-scripts' init_kwargs)."""
-    kwargs = {"project": opts.log_tracker_name or WANDB_PROJECTS.get(getattr(opts, "script", ""),
+    kwargs = {"project": opts.log_tracker_name or WANDB_PROJECTS.get(opts.script,
                                                                       "network_train")}
     if opts.wandb_run_name:
         kwargs["name"] = opts.wandb_run_name

@@ -51,15 +51,20 @@ def seconds_since_process_start() -> float:
 
 
 def plan_run(opts, processes: int):
+    """-> (opts, training set, step plan). The options come back with what the dataset config
+    decides (its batch size and resolution): they are frozen, so the run holds the copy."""
     tset = build_training_set(opts, logger)
+    resolved = {}
     if tset.batch_size is not None and tset.batch_size != opts.train_batch_size:
         # The dataset config's batch_size (dataset -> [general] -> train_batch_size) is the
         # per-process batch, as sd-scripts; every dataset has the same one (checked).
         logger.info(f"train_batch_size {tset.batch_size} from the dataset config "
                     f"(run option: {opts.train_batch_size})")
-        opts.train_batch_size = tset.batch_size
+        resolved["train_batch_size"] = tset.batch_size
     if opts.resolution is None:
-        opts.resolution = tset.resolution  # set by the dataset config; recorded in the metadata
+        resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
+    if resolved:
+        opts = opts.replace(**resolved)
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
         from library.errors import UserError
 
@@ -77,7 +82,7 @@ def plan_run(opts, processes: int):
         gradient_accumulation_steps=opts.gradient_accumulation_steps,
         max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
         lr_warmup_steps=opts.lr_warmup_steps)
-    return tset, plan
+    return opts, tset, plan
 
 
 def print_plan(plan, main: bool):
@@ -123,7 +128,7 @@ class Run:
         c.accelerator = acc = distributed.accelerator_for(opts)
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
-            self.tset, self.plan = plan_run(opts, acc.num_processes)
+            self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
         if acc.device.type == "cpu":
             from library import host_memory
 
@@ -277,10 +282,11 @@ def run(opts, method_name: str) -> Run | None:
     setup_logging()
     from library import zero
 
-    zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
+    opts = zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
     processes = distributed.launched_world_size()
+    opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
-    r.tset, r.plan = plan_run(opts, processes)
+    r.tset, r.plan = tset, plan
     main = int(os.environ.get("RANK", "0")) == 0
     resume = None
     if opts.resume:  # checked before any weight loads

@@ -163,12 +163,12 @@ def build_training_set(opts, log) -> TrainingSet:
     stats = data.ScanStats()
     batch_size = None
     held_out: list = []  # validation_split: training images held out (each dataset's own share)
-    resolution = getattr(opts, "resolution", None)
-    if getattr(opts, "dataset_config", None):
+    resolution = opts.resolution
+    if opts.dataset_config:
         train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats, held_out)
     else:
         train, reg, samples = _from_folders(opts, log, stats, held_out)
-    cache = getattr(opts, "cache_latents", False) or getattr(opts, "cache_latents_to_disk", False)
+    cache = opts.cache_latents or opts.cache_latents_to_disk
     if cache:
         for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
             item = next((it for it in train + reg if getattr(it, key)), None)
@@ -181,9 +181,9 @@ def build_training_set(opts, log) -> TrainingSet:
     if summary:
         log.warning(summary)
     tset = TrainingSet(train_items=train, reg_items=reg, samples=samples,
-                       seed=getattr(opts, "seed", 0), batch_size=batch_size,
+                       seed=opts.seed, batch_size=batch_size,
                        resolution=resolution,
-                       text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats,
+                       text_variants=opts.text_encoder_cache_variants, stats=stats,
                        val_items=held_out, masked=masked, caption_templates=_templates(opts))
     if opts.script == "train_textual_inversion" and not tset.caption_templates:
         _check_token_in_captions(tset, opts.token_string)
@@ -222,7 +222,7 @@ def _check_masks(opts, items: list) -> bool:
     """Masked loss: whether some image has a mask; ``masked_loss`` with no mask source is an
     error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
     masked = any(it.alpha_mask or it.mask_path for it in items)
-    if getattr(opts, "masked_loss", False) and not masked:
+    if opts.masked_loss and not masked:
         raise data.DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
                              "channel) or conditioning_data_dir (a folder of mask images named "
                              "like the images), as a run option or per subset")
@@ -234,11 +234,11 @@ def _item_fields(opts) -> dict:
 
     captions = run_caption_options(opts)
     return dict(captions=None if captions.is_identity else captions,
-                flip_aug=bool(getattr(opts, "flip_aug", False)),
-                random_crop=bool(getattr(opts, "random_crop", False)),
-                color_aug=bool(getattr(opts, "color_aug", False)),
-                cache_dir=getattr(opts, "cache_dir", None),
-                alpha_mask=bool(getattr(opts, "alpha_mask", False)))
+                flip_aug=opts.flip_aug,
+                random_crop=opts.random_crop,
+                color_aug=opts.color_aug,
+                cache_dir=opts.cache_dir,
+                alpha_mask=opts.alpha_mask)
 
 
 def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str | None:
@@ -246,7 +246,7 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
     where the key otherwise means ControlNet conditioning images) and excludes alpha_mask."""
     if not folder:
         return None
-    if not getattr(opts, "masked_loss", False):
+    if not opts.masked_loss:
         raise data.DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
     if alpha_mask:
         raise data.DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
@@ -256,23 +256,23 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
 
 def _from_folders(opts, log, stats, held_out):
     fields = _item_fields(opts)
-    if getattr(opts, "in_json", None):  # fine-tuning metadata; train_data_dir is the image folder
+    if opts.in_json:  # fine-tuning metadata; train_data_dir is the image folder
         train = data.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
                                    option="in_json", log=log, stats=stats, **fields)
     else:
-        if getattr(opts, "dataset_repeats", 1) != 1:
+        if opts.dataset_repeats != 1:
             raise data.DataError("dataset_repeats applies to in_json metadata only; N_concept "
                                  "folders give their repeats in the folder name")
         train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
                                        log=log, option="train_data_dir", stats=stats, **fields)
     # conditioning_data_dir (a run option): masks of the training images, looked up by stem;
     # regularisation images are trained unmasked
-    folder = _mask_folder(opts, fields["alpha_mask"], getattr(opts, "conditioning_data_dir", None),
+    folder = _mask_folder(opts, fields["alpha_mask"], opts.conditioning_data_dir,
                           "conditioning_data_dir")
     if folder:
         data.attach_masks(train, folder, "conditioning_data_dir")
     reg = []
-    if getattr(opts, "reg_data_dir", None):
+    if opts.reg_data_dir:
         reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
                                      log=log, option="reg_data_dir", stats=stats, **fields)
     bm = _bucket_manager(opts.resolution, opts.enable_bucket, opts.min_bucket_reso,
@@ -293,7 +293,7 @@ def _from_dataset_config(opts, log, stats, held_out):
     path = opts.dataset_config_path or "the run config"
     datasets = resolve_dataset_config(opts.dataset_config, path, opts)
     for name in ("train_data_dir", "reg_data_dir"):
-        if getattr(opts, name, None):
+        if getattr(opts, name):
             log.warning(f"{name} is ignored: the dataset config in {path} lists the images")
     sizes = {ds.batch_size for ds in datasets}
     if len(sizes) > 1:
@@ -311,7 +311,7 @@ def _from_dataset_config(opts, log, stats, held_out):
             caps = sub.captions
             sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
                               random_crop=sub.random_crop, color_aug=sub.color_aug,
-                              cache_dir=getattr(opts, "cache_dir", None),
+                              cache_dir=opts.cache_dir,
                               alpha_mask=sub.alpha_mask)
             where = f"{path}: {sub.where}.conditioning_data_dir"
             folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
@@ -353,7 +353,7 @@ def _from_dataset_config(opts, log, stats, held_out):
 
 def _hold_out(items: list, opts, held_out: list, where: str) -> list:
     """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
-    if not getattr(opts, "validation_split", 0):
+    if not opts.validation_split:
         return items
     from library.validation import split_items
 
@@ -363,8 +363,8 @@ def _hold_out(items: list, opts, held_out: list, where: str) -> list:
 
 
 def _validation_seed(opts) -> int:
-    v = getattr(opts, "validation_seed", None)
-    return getattr(opts, "seed", 0) if v is None else v
+    v = opts.validation_seed
+    return opts.seed if v is None else v
 
 
 class MicroBatchImages:

@@ -59,7 +59,7 @@ class DeepSpeedError(UserError, ValueError):
 
 
 def enabled(opts) -> bool:
-    return bool(getattr(opts, "deepspeed", False))
+    return opts.deepspeed
 
 
 def _env_flag(name: str) -> bool:
@@ -89,21 +89,22 @@ def _read_config_file(path: str) -> dict:
     return cfg
 
 
-def resolve_options(opts) -> None:
+def resolve_options(opts):
     """Fold an Accelerate DeepSpeed launch (its environment) and a DeepSpeed JSON
-    (``deepspeed_config_file``, from the options or the launch) into the run's options. A value
+    (``deepspeed_config_file``, from the options or the launch) into the run's options: returns
+    them with those values (the options are frozen; the run holds the returned copy). A value
     set differently in two places is an error naming both."""
     from library.options import OPTIONS_BY_NAME
 
+    changes = {}
     launch = launched_with_deepspeed()
     env_path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "") if launch else ""
+    path = opts.deepspeed_config_file
     if env_path and env_path.lower() != "none":
-        mine = getattr(opts, "deepspeed_config_file", None)
-        if mine and os.path.abspath(mine) != os.path.abspath(env_path):
-            raise DeepSpeedError(f"deepspeed_config_file: the run's options say {mine}, the "
+        if path and os.path.abspath(path) != os.path.abspath(env_path):
+            raise DeepSpeedError(f"deepspeed_config_file: the run's options say {path}, the "
                                  f"Accelerate config says {env_path}; set it in one place")
-        opts.deepspeed_config_file = env_path
-    path = getattr(opts, "deepspeed_config_file", None)
+        path = changes["deepspeed_config_file"] = env_path
     given = {}
     if path:
         zo = _read_config_file(path).get("zero_optimization", {}) or {}
@@ -123,16 +124,20 @@ def resolve_options(opts) -> None:
                     raise DeepSpeedError(f"{key}: {given[key][1]} says {given[key][0]!r}, "
                                          f"{value[1]} says {value[0]!r}; set it in one place")
                 given.setdefault(key, value)
-        opts.deepspeed = True
+        changes["deepspeed"] = True
     for key, (value, where) in given.items():
         value = _norm(key, value, where)
         mine, default = getattr(opts, key), OPTIONS_BY_NAME[key].default
         if mine != default and mine != value:
             raise DeepSpeedError(f"{key}: the run's options say {mine!r}, {where} says {value!r}; "
                                  "set it in one place")
-        setattr(opts, key, value)
+        changes[key] = value
+    if not changes:
+        return opts
+    opts = opts.replace(**changes)
     if launch:
         logger.info(f"deepspeed: from the Accelerate launch config (zero_stage {opts.zero_stage})")
+    return opts
 
 
 def _norm(key: str, value, where: str):
@@ -176,7 +181,7 @@ def check_options(opts) -> None:
 
     if not enabled(opts):
         for key in ("offload_optimizer_device", "offload_param_device", "deepspeed_config_file"):
-            if getattr(opts, key, None) != OPTIONS_BY_NAME[key].default:
+            if getattr(opts, key) != OPTIONS_BY_NAME[key].default:
                 raise DeepSpeedError(f"{key} is only used with deepspeed: add deepspeed = true or "
                                      "remove it")
         if opts.zero_stage not in (None, 2):  # 2: sd-scripts' default, in many saved configs
@@ -198,19 +203,19 @@ def check_options(opts) -> None:
         raise DeepSpeedError("offload_optimizer_device cpu needs zero_stage 1 or 2")
     if (opts.offload_param_device or "none").lower() != "none":
         raise DeepSpeedError("offload_param_device is for ZeRO stage 3, which is not supported")
-    if getattr(opts, "fsdp", False):
+    if opts.fsdp:
         raise DeepSpeedError("deepspeed and fsdp cannot be combined: choose one way to shard")
     for name in ("fused_backward_pass", "fused_optimizer_groups"):
-        if getattr(opts, name, None):
+        if getattr(opts, name):
             raise DeepSpeedError(f"deepspeed cannot be combined with {name}: ZeRO owns the "
                                  "gradients (it reduces and partitions them in its own buckets), so "
                                  "they cannot be stepped inside per-parameter backward hooks; drop one")
     for name in ("full_bf16", "full_fp16"):
-        if getattr(opts, name, False):
+        if getattr(opts, name):
             raise DeepSpeedError(f"deepspeed cannot be combined with {name}: with deepspeed, "
                                  f"mixed_precision {name[5:]} already trains {name[5:]} weights with "
                                  "float32 master copies inside ZeRO; drop it")
-    if getattr(opts, "stop_text_encoder_training", None):
+    if opts.stop_text_encoder_training:
         raise DeepSpeedError("deepspeed cannot be combined with stop_text_encoder_training: ZeRO "
                              "steps every partition every step, so frozen text encoders would "
                              "still change (weight decay, momentum)")
@@ -263,7 +268,7 @@ def ds_config(opts, processes: int) -> dict:
     """DeepSpeed's config for this run (``deepspeed_config_file``'s other ZeRO settings kept)."""
     stage = opts.zero_stage if opts.zero_stage is not None else 2
     zero = {}
-    path = getattr(opts, "deepspeed_config_file", None)
+    path = opts.deepspeed_config_file
     user = _read_config_file(path) if path else {}
     bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
     clip = float(opts.max_grad_norm or 0.0)

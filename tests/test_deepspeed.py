@@ -91,8 +91,7 @@ def test_accelerate_deepspeed_launch_becomes_the_options(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
-    opts = _opts()
-    zero.resolve_options(opts)
+    opts = zero.resolve_options(_opts())
     assert (opts.deepspeed, opts.zero_stage, opts.offload_optimizer_device) == (True, 1, "cpu")
     opts = _opts("--zero_stage", "0")
     with pytest.raises(zero.DeepSpeedError, match=r"zero_stage: the run's options say 0, the "
@@ -113,7 +112,7 @@ def test_deepspeed_config_file(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
     opts = _opts("--train_batch_size", "3", "--gradient_accumulation_steps", "2",
                  "--max_grad_norm", "0.5", "--mixed_precision", "bf16")
-    zero.resolve_options(opts)
+    opts = zero.resolve_options(opts)
     assert (opts.deepspeed, opts.zero_stage, opts.deepspeed_config_file) == (True, 1, str(path))
     cfg = zero.ds_config(opts, processes=2)
     assert cfg["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000000,
@@ -164,8 +163,7 @@ def test_config_file_from_the_options(tmp_path):
     the same way, and a different stage in the options is an error naming both."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    opts = _opts("--deepspeed", "--deepspeed_config_file", str(path))
-    zero.resolve_options(opts)
+    opts = zero.resolve_options(_opts("--deepspeed", "--deepspeed_config_file", str(path)))
     assert opts.zero_stage == 1
     opts = _opts("--deepspeed", "--zero_stage", "0", "--deepspeed_config_file", str(path))
     with pytest.raises(zero.DeepSpeedError, match=f"zero_stage: the run's options say 0, {path}: "

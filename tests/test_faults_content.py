@@ -144,8 +144,9 @@ def test_state_without_content_hashes_resumes_with_a_warning(saved, tmp_path, ca
     json.dump(info, open(os.path.join(old, "state.json"), "w"))
     opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
                                             "--max_train_steps", "3", "--resume", old])
+    opts, tset, plan = trainer.plan_run(opts, 1)
     r = trainer.Run(opts, "lora")
-    r.tset, r.plan = trainer.plan_run(opts, 1)
+    r.tset, r.plan = tset, plan
     with caplog.at_level("WARNING", logger="sdtk"):
         path, got = trainer._check_resume(r)  # the resume check of a run, before weights load
     assert path == old and got["global_step"] == 2
@@ -208,7 +209,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     prev_ema = out / "last-ema.safetensors"
     prev_ema.write_bytes(b"previous")
     _fill(small_disk)
-    monkeypatch.setattr(run.opts, "output_dir", str(out))
+    monkeypatch.setattr(run, "opts", run.opts.replace(output_dir=str(out)))
 
     with pytest.raises(SaveError) as e:
         train_state.write_state(run, str(prev_state), trainer.logger)
@@ -256,8 +257,9 @@ def test_state_of_another_method_is_named(saved, tmp_path):
     json.dump(info, open(os.path.join(other, "state.json"), "w"))
     opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
                                             "--max_train_steps", "3", "--resume", other])
+    opts, tset, plan = trainer.plan_run(opts, 1)
     r = trainer.Run(opts, "lora")
-    r.tset, r.plan = trainer.plan_run(opts, 1)
+    r.tset, r.plan = tset, plan
     with pytest.raises(ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), this "
                                           r"is train_lora.py"):
         trainer._check_resume(r)

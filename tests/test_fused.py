@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import types
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ LR_ADAFACTOR = {"relative_step": "False", "scale_parameter": "False", "warmup_in
 
 # -- the stepper on a small model (no trainer) ----------------------------------------------------
 from tests.conftest import FakeAccelerator as _Acc  # noqa: E402
+from tests.helpers import make_opts  # noqa: E402
 
 
 class _Net(torch.nn.Module):
@@ -53,13 +53,8 @@ class _Net(torch.nn.Module):
 
 
 def _opts(**kw):
-    base = dict(optimizer_type="AdamW", optimizer_args={"weight_decay": 0.01}, learning_rate=1e-2,
-                lr_scheduler="cosine", lr_scheduler_num_cycles=1, lr_scheduler_power=1.0,
-                lr_decay_steps=0, lr_scheduler_min_lr_ratio=None, lr_scheduler_timescale=None,
-                lr_scheduler_type=None, lr_scheduler_args=None, max_grad_norm=0.0, fused_backward_pass=False, fused_optimizer_groups=None,
-                gradient_accumulation_steps=1, mixed_precision="no")
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+    return make_opts(**{"optimizer_args": {"weight_decay": 0.01}, "learning_rate": 1e-2,
+                        "lr_scheduler": "cosine", "max_grad_norm": 0.0, **kw})
 
 
 def _run_small(opts, steps=4, accumulation=1, save_after=None, load=None):

@@ -3,12 +3,12 @@ holds, it loads no weights, and (slow) its total is within 15% of measured peaks
 import contextlib
 import math
 import os
-import types
 
 import pytest
 import torch
 
 from library import memory_estimate as me
+from tests.helpers import make_opts
 
 # shapes that exercise every rule: vectors, a small matrix (< bitsandbytes' 4096-element 8-bit
 # minimum), matrices and 3x3 / 1x1 conv kernels (Adafactor factors only the last two dims), and a
@@ -18,8 +18,8 @@ ZERO = 6  # index of the zero-initialised one
 
 
 def _opts(optimizer_type, *args, **extra):
-    return types.SimpleNamespace(optimizer_type=optimizer_type, optimizer_args=dict(
-        a.split("=", 1) for a in args), learning_rate=1e-3, **extra)
+    return make_opts(optimizer_type=optimizer_type, optimizer_args=list(args), learning_rate=1e-3,
+                     **extra)
 
 
 def state_bytes(optimizers) -> int:
@@ -236,7 +236,7 @@ def test_single_files_and_folders_are_estimated_from_their_configs(tmp_path, mon
     monkeypatch.setattr(models, "load_model_bundle", refuse)
 
     def counts(model):
-        o = types.SimpleNamespace(pretrained_model_name_or_path=model, vae=None)
+        o = make_opts(pretrained_model_name_or_path=model)
         with me._fake_mode():
             family, comps = me.fake_components(o)
         return family, {k: [(n, tuple(p.shape)) for n, p in m.named_parameters()]
@@ -259,8 +259,7 @@ def test_unavailable_estimate_is_one_line_and_not_fatal(capsys, tmp_path):
     bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
     o = parse_args("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir",
                                   "unused", "--resolution", "64", "--max_train_steps", "1", "--dry_run"])
-    o.pretrained_model_name_or_path = str(bad)
-    assert me.report(o, "lora") is None
+    assert me.report(o.replace(pretrained_model_name_or_path=str(bad)), "lora") is None
     out = capsys.readouterr().out
     assert out.startswith("memory estimate: not available (") and out.count("\n") == 1
 

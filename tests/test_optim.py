@@ -7,13 +7,13 @@ warmup with the hand formula (step + 1) / (warmup + 1) (the toolkit's warmup: ne
 lr 0, where transformers starts at 0).
 """
 import math
-import types
 
 import pytest
 import torch
 
 from library.optim import (OptimizerError, ScheduleSpec, build_optimizer, build_scheduler,
                            check_scheduler, schedule_spec)
+from tests.helpers import make_opts
 
 
 def params():
@@ -113,12 +113,7 @@ def test_piecewise_constant_equals_diffusers():
 
 
 def _opts(**kw):
-    base = dict(lr_scheduler="constant", lr_scheduler_num_cycles=1, lr_scheduler_power=1.0,
-                lr_decay_steps=0, lr_scheduler_min_lr_ratio=None, lr_scheduler_timescale=None,
-                lr_scheduler_type=None, lr_scheduler_args=None, learning_rate=1.0,
-                optimizer_type="AdamW", optimizer_args={})
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+    return make_opts(**{"learning_rate": 1.0, **kw})
 
 
 def test_lr_decay_steps_as_a_fraction_of_all_steps():

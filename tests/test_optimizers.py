@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import sys
-import types
 
 import pytest
 import torch
@@ -24,18 +23,12 @@ STEP_SIZE_FREE = ("prodigy", "dadapt")  # lr is a multiplier of the estimated st
 
 
 from tests.conftest import FakeAccelerator as _Acc  # noqa: E402
+from tests.helpers import make_opts  # noqa: E402
 
 
 def _opts(name, **kw):
-    base = dict(optimizer_type=name, optimizer_args={}, learning_rate=1.0 if
-                name.startswith(STEP_SIZE_FREE) else 1e-3, lr_scheduler="constant",
-                lr_scheduler_num_cycles=1, lr_scheduler_power=1.0, lr_decay_steps=0,
-                lr_scheduler_min_lr_ratio=None, lr_scheduler_timescale=None,
-                lr_scheduler_type=None, lr_scheduler_args=None, max_grad_norm=1.0,
-                fused_backward_pass=False,
-                fused_optimizer_groups=None, gradient_accumulation_steps=1, mixed_precision="no")
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+    lr = 1.0 if name.startswith(STEP_SIZE_FREE) else 1e-3
+    return make_opts(**{"optimizer_type": name, "learning_rate": lr, **kw})
 
 
 @pytest.mark.parametrize("name", [*sorted(_OPTIMIZERS), "SGD", "rmsprop", "Adagrad", "NAdam",

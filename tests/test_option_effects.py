@@ -57,7 +57,7 @@ def optimizer(opts):
 def plan(opts):
     from library.trainer import plan_run
 
-    _, p = plan_run(opts, 1)
+    _, _, p = plan_run(opts, 1)
     return (p.global_batch, p.steps_per_epoch, p.epochs, p.total_steps)
 
 
@@ -65,7 +65,7 @@ def captions(opts):
     """The training set's processed captions of every sample in epochs 1 and 2."""
     from library.trainer import plan_run
 
-    tset, _ = plan_run(opts, 1)
+    _, tset, _ = plan_run(opts, 1)
     return [tset.caption(i, e) for e in (1, 2) for i in range(len(tset.train_items))]
 
 
@@ -73,7 +73,7 @@ def metadata(opts):
     from library import metadata as md
     from library.trainer import plan_run
 
-    tset, p = plan_run(opts, 1)
+    opts, tset, p = plan_run(opts, 1)
     return md.build_metadata(opts=opts, family="sd1", v_parameterization=False, adapter="lora",
                              num_train_images=p.repeats_total, num_reg_images=0,
                              train_items=tset.train_items, started_at=0.0, network_info={})
@@ -133,7 +133,7 @@ def rotation(opts, tmp_path, *, epoch=None, step=None):
 
     out = str(tmp_path / f"rot-{len(os.listdir(tmp_path))}")
     os.makedirs(out)
-    opts.output_dir = out
+    opts = opts.replace(output_dir=out)
     marks = [{"epoch": e} for e in range(1, epoch + 1)] if epoch else \
         [{"step": s} for s in range(2, step + 1, 2)]
     for m in marks:

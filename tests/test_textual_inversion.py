@@ -316,7 +316,7 @@ def test_weights_file_starts_the_rows_and_templates_replace_the_captions(dataset
             "--use_style_template": {"a painting in the style of mytok",
                                      "a picture in the style of mytok"}}
     for flag, known in some.items():
-        tset, _ = plan_run(parse_args("train_textual_inversion", base + [flag]), 1)
+        _, tset, _ = plan_run(parse_args("train_textual_inversion", base + [flag]), 1)
         seen = {tset.caption(i, e) for e in range(1, 40) for i in range(len(tset.train_items))}
         assert all("mytok" in c and "sks" not in c for c in seen), seen
         assert known & seen and len(seen) > 3, seen

@@ -40,7 +40,7 @@ def cache_latents(opts, log):
     from library import distributed, latent_cache, models
     from library.training_data import build_training_set
 
-    opts.cache_latents_to_disk = True  # e.g. random_crop is then refused, as in training
+    opts = opts.replace(cache_latents_to_disk=True)  # e.g. random_crop is then refused, as in training
     tset = build_training_set(opts, log)
     acc = distributed.accelerator_for(opts)
     bundle = models.load_from_options(opts)
