@@ -129,6 +129,9 @@ class Run:
         from library import metadata
 
         metadata.check_options(self.opts)  # metadata_thumbnail exists
+        from library.compile import check_options as check_compile
+
+        check_compile(self.opts)  # torch_compile / dynamo_backend combinations
         from library import block_lr, family
 
         family.check_token_padding(self.opts, block_lr.family_before_loading)  # no_token_padding
@@ -229,6 +232,10 @@ class Run:
         b.unet.train()
         for te in b.text_encoders:
             te.train(self.method.train_text_encoder)
+        if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
+            from library.compile import compile_unet
+
+            compile_unet(b.unet, opts.dynamo_backend, logger)
         from library.stepper import make_stepper
 
         if getattr(opts, "fsdp", False):
@@ -352,7 +359,7 @@ class Run:
                 size.append((*e.original_size, *e.crop_top_left, *e.target_size))
             latents = torch.stack(lat).to(acc.device, dtype=torch.float32)
         else:
-            pix = torch.stack([p.pixels for p in loaded_images]).to(acc.device, dtype=b.vae.dtype)
+            pix = loaded_images.pixels_on(acc.device, b.vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(b.vae, pix).to(torch.float32)
             size = [(*p.original_size, *p.crop_top_left, *p.target_size) for p in loaded_images]
@@ -409,11 +416,10 @@ class Run:
 
     # -- the loop -----------------------------------------------------------------------------
     def train(self):
-        from torch.utils.data import DataLoader
         from tqdm.auto import tqdm
 
         from library import tracking
-        from library.training_data import MicroBatchImages
+        from library.training_data import ImageLoader, loader_workers
 
         opts, acc, plan = self.opts, self.accelerator, self.plan
         P, rank = acc.num_processes, acc.process_index
@@ -429,6 +435,12 @@ class Run:
         bar = tqdm(total=plan.total_steps, initial=self.global_step,
                    disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
         done, stop = False, 0
+        images_in = None  # without cached latents: decoded and augmented per step
+        if self.latents is None:
+            cuda = acc.device.type == "cuda"
+            images_in = ImageLoader(self.tset, loader_workers(opts.max_data_loader_n_workers,
+                                                              acc.device.type, P),
+                                    persistent=opts.persistent_data_loader_workers, pin=cuda)
         for epoch in range(start_epoch, plan.epochs + 1):
             self.method.set_train(epoch)
             batches = step_plan.epoch_batches(self.tset.bucket_of, opts.seed, epoch, plan.global_batch)
@@ -437,11 +449,7 @@ class Run:
             batches = batches[skip:]
             # This process's micro-batches, in order: for each global batch, A micro-steps.
             mine = [gb.micro_batch(a, rank, bs, P) for gb in batches for a in range(A)]
-            loader = None
-            if self.latents is None:
-                loader = iter(DataLoader(MicroBatchImages(self.tset, mine, epoch), batch_size=None,
-                                         num_workers=opts.max_data_loader_n_workers,
-                                         collate_fn=lambda x: x))
+            loader = images_in.epoch(epoch, mine) if images_in is not None else None
             k = 0
             for j, gb in enumerate(batches, start=skip):
                 self.method.before_step(self.global_step)  # e.g. stop_text_encoder_training
@@ -464,7 +472,7 @@ class Run:
                         # fsdp: every forward all-gathers weights, so every process runs it.
                         idx, zero_weight = [gb.indices[0]], True
                         if loader is not None:
-                            images = MicroBatchImages(self.tset, [idx], epoch)[0]
+                            images = images_in.load(epoch, idx)
                     loss = self.micro_step_loss(epoch, idx, images, len(gb.indices))
                     if zero_weight:
                         loss = loss * 0.0
