@@ -40,12 +40,12 @@ def check_options(opts) -> None:
 
 
 def _is_graph_break(e: Exception) -> bool:
-    """An error of dynamo's tracing (fullgraph=True turns a graph break into one), as opposed
-    to an error of the model itself, which must propagate."""
+    """What fullgraph=True raises for a graph break (dynamo cannot trace some Python), as opposed
+    to an error of the model itself (a shape mismatch is a TorchRuntimeError at trace time),
+    which must propagate."""
     import torch._dynamo.exc as exc
 
-    return isinstance(e, (exc.Unsupported, exc.UserError, exc.TorchRuntimeError)) or \
-        type(e).__module__.startswith("torch._dynamo")
+    return isinstance(e, (exc.Unsupported, exc.UserError))
 
 
 class _Compiled:

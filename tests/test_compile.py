@@ -91,9 +91,10 @@ def test_a_model_error_is_not_taken_for_a_graph_break():
     from library.compile import compile_unet
 
     m = _ToyUNet(False, False)
-    compile_unet(m, "eager")
+    w = compile_unet(m, "eager")
     with pytest.raises(RuntimeError):
         m(torch.randn(3, 5))  # wrong width: the model's own error propagates, nothing falls back
+    assert w.state == "new" and w.blocks is None
 
 
 @pytest.mark.parametrize("extra,message", [
