@@ -7,7 +7,8 @@ from library.errors import UserError
 from library.nonfinite import NonFiniteStop
 from library.train_state import TrainingInterrupted
 
-METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune"}
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
+                    "train_textual_inversion": "textual_inversion"}
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
@@ -30,4 +31,12 @@ def main(script: str, argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # several processes: another one ended (its own line says why)
+        from library.distributed import peer_failure
+
+        line = peer_failure(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
     return 0

@@ -327,6 +327,18 @@ def _to_path_list(v, cli):
     return [x for x in items if x] or None
 
 
+def _to_str_list(v, cli):
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise _Bad(f"expected a list of strings, got {_desc(v)}")
+    return [x for x in items if x] or None
+
+
+def _to_int_list(v, cli):
+    items = v if isinstance(v, list) else [v]
+    return [_to_int(x, cli) for x in items] or None
+
+
 def _to_float_list(v, cli):
     if isinstance(v, str) or (cli and isinstance(v, list)):
         parts = [p for s in ([v] if isinstance(v, str) else v) for p in s.replace(",", " ").split()]
@@ -342,6 +354,7 @@ _CONVERTERS = {
     "str": _to_str, "path": _to_str, "int": _to_int, "float": _to_float, "bool": _to_bool,
     "resolution": _to_resolution, "float_or_list": _to_float_or_list,
     "steps_or_fraction": _to_steps_or_fraction, "path_list": _to_path_list, "float_list": _to_float_list,
+    "str_list": _to_str_list, "int_list": _to_int_list,
 }
 
 
@@ -444,8 +457,8 @@ def build_parser(script: str) -> argparse.ArgumentParser:
             kw.update(nargs="*", metavar="KEY=VALUE")
         elif o.type == "float_or_list":
             kw.update(nargs="*", metavar="LR")
-        elif o.type in ("path_list", "float_list"):
-            kw.update(nargs="*", metavar="PATH" if o.type == "path_list" else "X")
+        elif o.type in ("path_list", "float_list", "str_list", "int_list"):
+            kw.update(nargs="*", metavar={"path_list": "PATH", "str_list": "WORD"}.get(o.type, "X"))
         else:
             kw.update(metavar=_METAVAR[o.type])
         groups[o.section].add_argument(f"--{o.name}", *(f"--{a}" for a in o.aliases), **kw)
@@ -485,13 +498,9 @@ def _read_toml(path: str, what: str) -> tuple[str, dict]:
         raise ConfigError(f"{what}: no such file: {path}") from None
     except OSError as e:
         raise ConfigError(f"{what}: cannot read {path}: {e.strerror}") from None
-    try:
-        text = raw.decode("utf-8")  # TOML is UTF-8 by definition
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                          f"column {column}); save the file as UTF-8") from None
+    from library import text_files
+
+    text = text_files.decode(raw, path, ConfigError)  # TOML is UTF-8 by definition
     try:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

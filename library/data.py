@@ -193,15 +193,13 @@ def read_caption(image_path: str, caption_extension: str) -> str | None:
     scanned, before any weight loads (sd-scripts raises too; guessing an encoding would train on
     mojibake).
     """
+    from library import text_files
+
     cap_path = os.path.splitext(image_path)[0] + caption_extension
-    if not os.path.isfile(cap_path):
+    if not os.path.lexists(cap_path):
         return None
-    try:
-        with open(cap_path, encoding="utf-8-sig") as f:
-            lines = f.readlines()
-    except UnicodeDecodeError:
-        raise DataError(f"caption file {cap_path} is not UTF-8 text") from None
-    caption = lines[0].strip() if lines else ""
+    text = text_files.read(cap_path, DataError, "caption file")
+    caption = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")[0].strip()  # as readlines
     return caption or None
 
 
@@ -363,11 +361,9 @@ def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
 
     if not os.path.isfile(path):
         raise DataError(f"{option} {path!r} does not exist or is not a file")
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
-    except UnicodeDecodeError:
-        raise DataError(f"{option} {path}: not UTF-8 text") from None
+    from library import text_files
+
+    text = text_files.read(path, DataError, option)
     if path.lower().endswith(".jsonl"):
         out = []
         for n, line in enumerate(text.splitlines(), start=1):

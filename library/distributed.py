@@ -109,6 +109,34 @@ def _is_multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+# What a collective raises on a surviving process when a peer has ended (gloo's TCP transport,
+# NCCL's watchdog) or did not answer within the process group's timeout.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote worker crashing", "nccl communicator was aborted", "ncclremoteerror")
+_PEER_SILENT = ("timed out", "timeout")
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """One line for a process of a multi-process run whose collective failed because another
+    process ended (e.g. rank 0's one-line error on a save) or hung: that process's own line says
+    what went wrong, this one says why it stops. None when ``e`` is something else."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world < 2 or not isinstance(e, RuntimeError):
+        return None
+    text = str(e).lower()
+    who = f"process {os.environ.get('RANK', '?')} of {world}"
+    if any(k in text for k in _PEER_GONE):
+        return (f"{who}: stopped because another process of the job ended (its error, above or "
+                "in its log, says why)")
+    dist_error = type(e).__name__.startswith("Dist") or "gloo" in text or "nccl" in text
+    if dist_error and any(k in text for k in _PEER_SILENT):
+        return (f"{who}: stopped because another process did not answer within ddp_timeout "
+                f"({str(e).strip().splitlines()[0][:200]})")
+    return None
+
+
 def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
     """All-reduce (sum) the gradients of ``params`` across processes in flat buckets.
 

@@ -73,11 +73,25 @@ class EMA:
         with self.swapped(), fsdp.full_weights(run):
             if main:
                 with frozen.available_for_save(run):
-                    run.method.save(path, opts.save_precision, meta)
+                    self._write(run, path, meta)
         if main:
             logger.info(f"saved {path} (EMA, decay {self.decay})")
             run.saved.append(path)
         return path
+
+    @staticmethod
+    def _write(run, path: str, meta: dict) -> None:
+        """The EMA file; when it cannot be written (disk full, read-only), a rescue copy in the
+        system temp dir and one line saying where, as for the model file (library/saving.py)."""
+        from library.saving import SaveError, save_elsewhere
+
+        def write(p):
+            run.method.save(p, run.opts.save_precision, meta)
+
+        try:
+            write(path)
+        except SaveError as e:
+            raise save_elsewhere(e, write, "the EMA weights were") from None
 
     # -- training state -------------------------------------------------------------------------
     def state_tensors(self, names: list[str]) -> dict:

@@ -113,12 +113,17 @@ class FamilyAdapter:
         self.tokenizers = list(tokenizers)
         self.n_chunks = chunk_count(max_token_length)
         self.max_token_length = max_token_length if self.n_chunks > 1 else None
+        # str -> str applied to every text before tokenization (the method's prompt_rewrite():
+        # a multi-vector new token -> its N token strings); None = the text as given
+        self.rewrite = None
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
         """One LongTensor per tokenizer: (B, 77) BOS, tokens, EOS, padded, truncated to 77; with
         max_token_length 150/225 the (B, n, 77) windows of the caption truncated to n*75 tokens.
         ``pad=False`` (no_token_padding): one caption, (1, L) with L = its tokens + 2 <= 77."""
         n = self.n_chunks
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
         if not pad:
             if self.family == "sdxl" or n > 1 or len(captions) != 1:
                 raise FamilyError("no_token_padding: one caption at a time, SD1/SD2, without "

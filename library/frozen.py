@@ -212,20 +212,37 @@ class Frozen:
             self._tmp = None
 
 
+def released_after_caching(*, latents_cached: bool, text_cached: bool,
+                           text_encoders_trained: bool, highvram: bool) -> tuple[str, ...]:
+    """The parts that leave the device after caching: "vae" (its latents are cached) and
+    "text_encoders" (their outputs are cached and they do not train); none with ``highvram``.
+    The one rule for the run (``release_after_caching``) and the memory estimate."""
+    if highvram:
+        return ()
+    out = ("vae",) if latents_cached else ()
+    if text_cached and not text_encoders_trained:
+        out += ("text_encoders",)
+    return out
+
+
 def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
     """Release what the rest of ``run`` does not need on its device (see the module doc)."""
     opts, b = run.opts, run.bundle
     frozen = Frozen(run.accelerator.device, keep_on_device=bool(opts.highvram))
+    released = released_after_caching(
+        latents_cached=getattr(run, "latents", None) is not None,
+        text_cached=getattr(run, "text_cache", None) is not None,
+        text_encoders_trained=run.method.train_text_encoder, highvram=bool(opts.highvram))
     parts = []
-    if getattr(run, "latents", None) is not None:
+    if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
-    if getattr(run, "text_cache", None) is not None and not run.method.train_text_encoder:
+    if "text_encoders" in released:
         parts.append(Part("text_encoders", "text encoders" if len(b.text_encoders) > 1 else "text encoder",
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
     needed_later = bool(opts.sample_prompts) or (
-        run.method_name != "lora" and run.accelerator.is_main_process)
+        run.method.saves_full_model and run.accelerator.is_main_process)
     frozen.release(parts, needed_later, log)
     return frozen
 
@@ -245,6 +262,6 @@ def available(run, *names: str):
 def available_for_save(run):
     """The parts a model save of ``run`` writes: a full model's file holds the VAE and text
     encoders, so released ones come back for the save; a LoRA's does not (a no-op)."""
-    if run.method_name == "lora":
+    if not run.method.saves_full_model:  # a LoRA or an embedding
         return contextlib.nullcontext()
     return available(run)

@@ -258,6 +258,11 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
             log.warning(f"latent cache entry {path} for {it.path} is unusable ({e}): recomputing")
             return False
 
+    if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
+        from library.output_checks import remove_stale_temporaries
+
+        for folder in sorted({cache_folder(it) for it, _ in wanted.values()}):
+            remove_stale_temporaries(folder, log)
     missing = [k for k in wanted if not (to_disk and try_load(k))]
     loaded = len(wanted) - len(missing)
     split = to_disk and num_processes > 1 and barrier is not None
@@ -296,8 +301,10 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
                 prepared.append(prepare_image(img, bucket, resized, flip=flipped, mask=mask))
             latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
             if not torch.isfinite(latents).all():
-                raise RuntimeError(f"non-finite latents from the VAE for {chunk[0][1].path} "
-                                   f"(batch of {len(chunk)}); try --no_half_vae")
+                from library.nonfinite import NonFiniteStop  # one line, exit 3 (not a traceback)
+
+                raise NonFiniteStop(f"non-finite latents from the VAE for {chunk[0][1].path} "
+                                    f"(batch of {len(chunk)}); try --no_half_vae")
             for (key, it), prep, lat in zip(chunk, prepared, latents):
                 mask = None if prep.mask is None else latent_mask(prep.mask, tuple(lat.shape[1:]))
                 entry = LatentEntry(latents=lat.clone(), original_size=prep.original_size,

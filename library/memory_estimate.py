@@ -639,9 +639,16 @@ def _quiet():
         logger.disabled = previous
 
 
+# Textual inversion trains a few embedding rows but keeps every frozen activation of the text
+# encoders for their backward: a profile the fitted constants were not measured on.
+TI_NOT_MODELED = "textual inversion is not modeled (the text encoders' activations are kept for its backward)"
+
+
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if method_name == "lora" and opts.dim_from_weights:
         raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                   "network_weights, which is not read before loading")
@@ -651,7 +658,10 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
         family, comps, bundle = _fake_bundle(opts)
         o = copy.copy(opts)
         if method_name == "lora":
-            o.network_weights = None  # the shape comes from the options
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the shape comes from the options
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)
@@ -668,8 +678,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     from library.distributed import compute_dtype
     from library.methods import FullMethod, NetworkMethod
-    from library.stepper import _split_contiguous, fused_mode, trained_precision
+    from library.stepper import fused_mode, step_units, trained_precision
 
+    if method_name == "textual_inversion":
+        raise EstimateUnavailable(TI_NOT_MODELED)
     if getattr(opts, "deepspeed", False):
         # Measured: a one-process ZeRO-2 fine-tune of sd15-arch (AdamW8bit, 256 px) was killed
         # above 22 GiB of resident memory where this model, with ZeRO's partitioning and float32
@@ -684,7 +696,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             if opts.dim_from_weights:
                 raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                           "network_weights, which the estimate does not read")
-            o.network_weights = None  # the estimate reads no weights
+            o.network_weights = None
+            # pivotal tuning's few embedding rows are left out (the fake model has no tokenizer)
+            o.pivotal_tokens = o.pivotal_init_words = o.pivotal_num_vectors = None
+            o.pivotal_learning_rate = o.stop_pivotal_training = None  # the estimate reads no weights
             method = NetworkMethod(o, bundle)
         else:
             method = FullMethod(o, bundle)
@@ -712,7 +727,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     est = Estimate()
     cached_latents = bool(opts.cache_latents or opts.cache_latents_to_disk)
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
-    highvram = bool(getattr(opts, "highvram", False))
+    # the parts the run releases after caching, by the run's own rule (library/frozen.py)
+    from library.frozen import released_after_caching
+
+    released = released_after_caching(
+        latents_cached=cached_latents, text_cached=cached_text,
+        text_encoders_trained=method.train_text_encoder, highvram=bool(opts.highvram))
     # fsdp (full fine-tune, several processes): each process holds 1/P of the trained weights,
     # their gradients and optimizer state, plus one all-gathered block at a time (library/fsdp.py)
     shards = processes if (getattr(opts, "fsdp", False) and method_name != "lora" and processes > 1) else 1
@@ -727,9 +747,9 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             by_key[k] = (n + p.numel(), b + p.numel() * p.element_size())
         for (is_trained, dt), (n, b) in sorted(by_key.items(), key=lambda kv: not kv[0][0]):
             resident, note = True, ""
-            if not is_trained and name == "vae" and cached_latents and not highvram:
+            if name == "vae" and "vae" in released:
                 resident, note = False, "released after its latents are cached"
-            if not is_trained and name.startswith("text_encoder") and cached_text and not highvram:
+            if name.startswith("text_encoder") and "text_encoders" in released:
                 resident, note = False, "released after its outputs are cached"
             if is_trained and shards > 1:
                 b, note = -(-b // shards), f"sharded over {shards} processes (fsdp)"
@@ -743,20 +763,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
                                     if method_name == "lora" and not opts.network_weights else [])
                  if "lora_up" in n}
     state = sum(rule.param_bytes(tuple(p.shape), id(p) in zero_init) for p in trained)
-    # the units the stepper builds (stepper.make_stepper): backward order, one optimizer per unit
-    seen, unique = set(), []
-    for g in groups:
-        for p in g["params"]:
-            if id(p) in trained_ids and id(p) not in seen:
-                seen.add(id(p))
-                unique.append(p)
-    backward_order = list(reversed(unique))
-    if fmode == "fused_backward_pass":
-        units = [[p] for p in backward_order]
-    elif fmode == "fused_optimizer_groups":
-        units = _split_contiguous(backward_order, opts.fused_optimizer_groups)
-    else:
-        units = [unique]
+    # the units the stepper builds (one optimizer per unit), by the stepper's own rule
+    _, _, units = step_units(groups, trained, fmode, opts.fused_optimizer_groups)
     state += sum(rule.per_optimizer_bytes([tuple(p.shape) for p in u]) for u in units)
     est.optimizer = -(-state // shards)
     est.optimizer_note = rule.describe() + (f"; {len(units)} optimizers" if len(units) > 1 else "")

@@ -1,7 +1,10 @@
-"""What a run trains: a network (LoRA and any kohya-interface module) or the model's own weights.
+"""What a run trains: a network (LoRA and any kohya-interface module), the model's own weights, or
+the embeddings of new tokens (textual inversion).
 
-The training loop is the same for both; a method says which parameters train, with which learning
-rates, whether the text encoders need gradients, and how a save is written.
+The training loop is the same for all; a method says which parameters train, with which learning
+rates, whether the text encoders need gradients, how prompts are rewritten before tokenization
+(``prompt_rewrite``), and how a save is written (``save``, ``companion_files``,
+``saves_full_model``). ``make_method`` picks the method of an entry script.
 """
 from __future__ import annotations
 
@@ -30,12 +33,16 @@ class NetworkMethod:
     """Train an adapter network through the kohya network-module interface."""
 
     adapter = "lora"
+    saves_full_model = False
 
     def __init__(self, opts, bundle):
         self.opts = opts
         self.bundle = bundle
         self.train_unet = not opts.network_train_text_encoder_only
         self.train_text_encoder = not opts.network_train_unet_only
+        self.pivotal = _pivotal_specs(opts)  # pivotal tuning: new tokens trained with the network
+        self.tokens = None
+        self.stop_pivotal_at = opts.stop_pivotal_training
         try:
             self.module = importlib.import_module(opts.network_module)
         except ImportError as e:
@@ -108,6 +115,10 @@ class NetworkMethod:
         self.group_names = None  # the groups' descriptions, when the module gives them
         if isinstance(groups, tuple):  # current sd-scripts returns (groups, descriptions)
             groups, self.group_names = groups[0], list(groups[1])
+        if self.pivotal:
+            groups = list(groups) + [self._setup_pivotal()]
+            if self.group_names is not None:
+                self.group_names.append("embeddings")
         self.param_groups = groups
         self.info = {
             "ss_network_module": opts.network_module,
@@ -120,6 +131,12 @@ class NetworkMethod:
         }
         if opts.scale_weight_norms is not None:
             self.info["ss_scale_weight_norms"] = opts.scale_weight_norms
+        if self.pivotal:  # not in sd-scripts (it has no pivotal tuning)
+            self.info["ss_pivotal_tokens"] = json.dumps(
+                {s.token: {"init_word": s.init_word, "num_vectors": s.num_vectors} for s in self.pivotal})
+            self.info["ss_pivotal_learning_rate"] = self._pivotal_lr()
+            if self.stop_pivotal_at is not None:
+                self.info["ss_stop_pivotal_training"] = self.stop_pivotal_at
         if opts.base_weights:
             from library.network_options import base_multipliers
 
@@ -146,11 +163,53 @@ class NetworkMethod:
                               f"module of this network, e.g. {info.unexpected_keys[0]}")
         return info
 
+    def _pivotal_lr(self) -> float:
+        lr = self.opts.pivotal_learning_rate
+        return self.opts.learning_rate if lr is None else lr
+
+    def _setup_pivotal(self) -> dict:
+        """New tokens in the tokenizers and text encoders (library/embeddings.py), their rows one
+        more optimizer group. The text encoders then run with gradients (to reach the rows) even
+        when the network trains only the U-Net: apply_to has already used the network's choice."""
+        import torch
+
+        from library import embeddings
+        from library.stepper import trained_precision
+
+        b = self.bundle
+        self.tokens = embeddings.NewTokens(self.pivotal, "pivotal_tokens")
+        self.tokens.install(b.tokenizers, b.text_encoders, self.opts.seed,
+                            getattr(torch, trained_precision(self.opts)))
+        self.network_trains_text_encoder = self.train_text_encoder
+        self.train_text_encoder = True
+        logger.info("pivotal tuning: new tokens " + ", ".join(
+            f"{s.token} ({s.num_vectors} vector{'s' if s.num_vectors > 1 else ''})" for s in self.pivotal))
+        return {"params": self.tokens.parameters(), "lr": self._pivotal_lr()}
+
     def trainable_parameters(self):
-        return [p for p in self.network.parameters() if p.requires_grad]
+        params = [p for p in self.network.parameters() if p.requires_grad]
+        # the embedding rows stay listed after stop_pivotal_training froze them: the training
+        # state and the EMA keep one layout for the whole run
+        return params + (self.tokens.parameters() if self.tokens is not None else [])
 
     def before_step(self, global_step: int) -> None:
-        pass
+        """stop_pivotal_training = N: the new rows freeze once N steps are done (from the step
+        counter alone, so a resume past N freezes them the same way)."""
+        if self.tokens is None or self.stop_pivotal_at is None or global_step < self.stop_pivotal_at:
+            return
+        params = self.tokens.parameters()
+        if not params[0].requires_grad:
+            return
+        for p in params:
+            p.requires_grad_(False)
+            p.grad = None
+        self.train_text_encoder = self.network_trains_text_encoder
+        logger.info(f"stop_pivotal_training: the pivotal embeddings are frozen after step {global_step}")
+
+    def prompt_rewrite(self):
+        from library import embeddings
+
+        return embeddings.prompt_rewriter(self.pivotal) if self.pivotal else None
 
     def after_step(self, device):
         """After each optimizer step: scale_weight_norms' max-norm regularisation (sd-scripts
@@ -168,13 +227,29 @@ class NetworkMethod:
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
         md = metadata if path.endswith(".safetensors") else None
-        if self.renames is None:
+        if self.renames is None and self.tokens is None:
             self.network.save_weights(path, dtype, md)
             return
         from networks import lora_names
         from networks.lora import write_weights
 
-        write_weights(path, lora_names.rename_keys(self.network.state_dict(), self.renames), dtype, md)
+        sd = self.network.state_dict()
+        if self.renames is not None:
+            sd = lora_names.rename_keys(sd, self.renames)
+        if self.tokens is not None:
+            from library import embeddings
+
+            # A1111's bundled embeddings in the LoRA file, and each token as its own file
+            for spec, emb_path in zip(self.pivotal, self.companion_files(path)):
+                tensors = self.tokens.file_tensors(spec, self.bundle.family)
+                sd.update(embeddings.bundle_keys(spec.token, tensors))
+                embeddings.write_embedding_file(emb_path, tensors, dtype, metadata)
+        write_weights(path, sd, dtype, md)
+
+    def companion_files(self, path: str) -> list[str]:
+        """The files a save writes beside ``path``: pivotal tuning's embedding files."""
+        stem, ext = os.path.splitext(path)
+        return [f"{stem}_{s.token}{ext}" for s in self.pivotal]
 
     def extension(self):
         from library.saving import EXTENSIONS
@@ -214,6 +289,7 @@ class FullMethod:
     """
 
     adapter = None
+    saves_full_model = True
 
     def __init__(self, opts, bundle):
         self.opts = opts
@@ -336,6 +412,12 @@ class FullMethod:
     def set_train(self, epoch: int):
         pass
 
+    def prompt_rewrite(self):
+        return None
+
+    def companion_files(self, path: str) -> list[str]:
+        return []
+
     FORMATS = {"safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": "",
                "diffusers_safetensors": ""}
 
@@ -356,3 +438,143 @@ class FullMethod:
         else:
             sd_checkpoint.save_single_file(comps, self.bundle.family, path, dtype=dtype,
                                            metadata=metadata)
+
+
+def _pivotal_specs(opts) -> list:
+    """pivotal_tokens with their init words and vector counts (one value, or one per token),
+    checked before any weight loads."""
+    from library import embeddings
+
+    tokens = opts.pivotal_tokens or []
+    if not tokens:
+        given = {"pivotal_init_words": opts.pivotal_init_words,
+                 "pivotal_num_vectors": opts.pivotal_num_vectors,
+                 "pivotal_learning_rate": opts.pivotal_learning_rate,
+                 "stop_pivotal_training": opts.stop_pivotal_training}
+        for name, value in given.items():
+            if value is not None:
+                raise MethodError(f"{name} needs pivotal_tokens (the new tokens to train)")
+        return []
+
+    def per_token(name, values, default):
+        if values is None:
+            return [default] * len(tokens)
+        if len(values) == 1:
+            return list(values) * len(tokens)
+        if len(values) != len(tokens):
+            raise MethodError(f"{name}: {len(values)} values for {len(tokens)} pivotal_tokens "
+                              "(give one per token, or one for all)")
+        return list(values)
+
+    words = per_token("pivotal_init_words", opts.pivotal_init_words, None)
+    counts = per_token("pivotal_num_vectors", opts.pivotal_num_vectors, 1)
+    specs = [embeddings.TokenSpec(t, w, n) for t, w, n in zip(tokens, words, counts)]
+    embeddings.check_specs(specs, "pivotal_tokens")
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        raise MethodError("cache_text_encoder_outputs cannot be combined with pivotal_tokens: the "
+                          "new embeddings train, so the text encoders' outputs change every step")
+    if opts.deepspeed:
+        raise MethodError("deepspeed cannot be combined with pivotal_tokens: the ZeRO engine wraps "
+                          "the network only, not the new embedding rows")
+    return specs
+
+
+class TextualInversionMethod:
+    """Textual inversion: only the new tokens' embedding rows train (SDXL: in both text encoders);
+    the U-Net, VAE and text encoders are frozen and stay bit-identical (library/embeddings.py:
+    the rows are a parameter of their own, the loaded matrices are not in the optimizer).
+
+    The text encoders run with autograd every step (gradients flow through them to the rows),
+    so their outputs are never cached. A save writes the embedding file: SD1/SD2 ``emb_params``,
+    SDXL ``clip_l`` / ``clip_g``.
+    """
+
+    adapter = "textual-inversion"
+    saves_full_model = False
+
+    def __init__(self, opts, bundle):
+        from library import embeddings
+
+        self.opts = opts
+        self.bundle = bundle
+        if not opts.token_string:
+            raise MethodError("token_string is required: the new token to learn (e.g. "
+                              "token_string = \"sks_toy\")")
+        self.spec = embeddings.TokenSpec(opts.token_string, opts.init_word, opts.num_vectors_per_token)
+        embeddings.check_specs([self.spec], "token_string")
+        if opts.weights and not os.path.isfile(opts.weights):
+            raise MethodError(f"weights {opts.weights}: file not found")
+        if not opts.learning_rate:
+            raise MethodError("nothing to train: learning_rate is 0")
+        if opts.deepspeed:  # not an option here: only an Accelerate DeepSpeed launch config sets it
+            raise MethodError("train_textual_inversion does not run under DeepSpeed (the launch "
+                              "config turned it on): launch without a DeepSpeed config")
+        self.train_unet = False
+        self.train_text_encoder = True  # with gradients, to reach the rows; its weights are frozen
+        self.tokens = None
+
+    def setup(self):
+        import torch
+
+        from library import embeddings
+        from library.stepper import trained_precision
+
+        opts, b = self.opts, self.bundle
+        for m in [b.unet, *b.text_encoders, b.vae]:
+            m.requires_grad_(False)
+        self.tokens = embeddings.NewTokens([self.spec], "token_string")
+        self.tokens.install(b.tokenizers, b.text_encoders, opts.seed,
+                            getattr(torch, trained_precision(opts)))
+        if opts.weights:
+            self.tokens.load_rows(self.spec, embeddings.read_embedding_file(opts.weights, b.family),
+                                  opts.weights)
+            logger.info(f"textual inversion: vectors of {self.spec.token} loaded from {opts.weights}")
+        logger.info(f"textual inversion: token {self.spec.token}, {self.spec.num_vectors} vector(s) "
+                    f"({', '.join(self.spec.strings())})")
+        self.param_groups = [{"params": self.tokens.parameters(), "lr": opts.learning_rate}]
+        self.group_names = None
+        self.info = {"ss_token_string": self.spec.token, "ss_init_word": str(self.spec.init_word),
+                     "ss_num_vectors_per_token": self.spec.num_vectors,
+                     "ss_use_object_template": bool(opts.use_object_template),
+                     "ss_use_style_template": bool(opts.use_style_template)}
+        return self.param_groups
+
+    def trainable_parameters(self):
+        return self.tokens.parameters()
+
+    def before_step(self, global_step: int) -> None:
+        pass
+
+    def after_step(self, device):
+        return None
+
+    def set_train(self, epoch: int):
+        pass
+
+    def prompt_rewrite(self):
+        from library import embeddings
+
+        return embeddings.prompt_rewriter([self.spec])
+
+    def extension(self):
+        from library.saving import EXTENSIONS
+
+        return EXTENSIONS[self.opts.save_model_as or "safetensors"]
+
+    def save(self, path: str, dtype_name, metadata: dict):
+        from library import embeddings
+
+        embeddings.write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
+                                        _dtype(dtype_name), metadata)
+
+    def companion_files(self, path: str) -> list[str]:
+        return []
+
+
+METHODS = {"lora": NetworkMethod, "dreambooth": FullMethod, "finetune": FullMethod,
+           "textual_inversion": TextualInversionMethod}
+
+
+def make_method(method_name: str, opts, bundle):
+    """The method of a run (bundle None: the checks before loading)."""
+    return METHODS[method_name](opts, bundle)

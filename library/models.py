@@ -287,17 +287,19 @@ def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[
     if not os.path.isfile(os.path.join(folder, "unet", "config.json")):
         raise ModelError(f"{source}: not a diffusers model folder (no unet/config.json)")
     family = _family_of_folder(folder)
+    from safetensors import SafetensorError
+
     comps: dict[str, Any] = {}
-    try:
-        comps["unet"] = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True)
-        comps["vae"] = AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True)
-        comps["text_encoder"] = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder",
-                                                              local_files_only=True).eval()
-        if family == "sdxl":
-            comps["text_encoder_2"] = CLIPTextModelWithProjection.from_pretrained(
-                folder, subfolder="text_encoder_2", local_files_only=True).eval()
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelError(f"{source}: cannot load the diffusers folder: {str(e).strip().splitlines()[0]}") from None
+    classes = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
+    if family == "sdxl":
+        classes["text_encoder_2"] = CLIPTextModelWithProjection
+    for name, cls in classes.items():
+        try:
+            comps[name] = cls.from_pretrained(folder, subfolder=name, local_files_only=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            # SafetensorError: an empty or garbled weights file (not an OSError)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(f"{source}: cannot load the diffusers folder ({name}): {first}") from None
     tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
     toks = _load_tokenizers(family, tes, source, folder=folder, tokenizer_path=tokenizer_path,
                             record=None, record_dir=None)

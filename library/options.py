@@ -18,11 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SCRIPTS = ("train_lora", "train_dreambooth", "finetune")
+SCRIPTS = ("train_lora", "train_dreambooth", "finetune", "train_textual_inversion")
 ALL = SCRIPTS
 LORA = ("train_lora",)
 DB_LORA = ("train_lora", "train_dreambooth")
 FULL = ("train_dreambooth", "finetune")
+TI = ("train_textual_inversion",)
+# options that do not apply to textual inversion (its text encoder runs every step, nothing but
+# the new embedding rows trains): train_textual_inversion rejects them by name
+NOT_TI = ("train_lora", "train_dreambooth", "finetune")
 
 # Sections group options in --help and in docs/OPTIONS.md, in this order.
 SECTIONS = {
@@ -30,6 +34,7 @@ SECTIONS = {
     "model": "Model",
     "dataset": "Dataset",
     "network": "Network (LoRA)",
+    "embedding": "Textual inversion and pivotal tuning (new tokens)",
     "optimizer": "Optimizer and learning rate",
     "training": "Training",
     "loss": "Noise, timesteps and loss",
@@ -60,6 +65,8 @@ class Option:
     path_list            paths: a TOML list of strings or one string; on the command line several values
     float_list           numbers: a TOML list, or a comma-separated string ("1e-6,2e-6", as sd-scripts'
                          block_lr); on the command line several values, each possibly comma-separated
+    str_list             words: a TOML list of strings or one string; on the command line several values
+    int_list             integers: a TOML list or one integer; on the command line several values
     """
 
     name: str
@@ -154,7 +161,7 @@ OPTIONS: tuple[Option, ...] = (
     O("train_data_dir", "path", None, "Folder of N_concept subfolders (N = repeats, concept = class "
       "tokens). Required unless a dataset config is given.", "dataset"),
     O("reg_data_dir", "path", None, "Folder of N_concept subfolders of regularisation images (prior "
-      "preservation).", "dataset", scripts=DB_LORA),
+      "preservation).", "dataset", scripts=DB_LORA + TI),
     O("in_json", "path", None, "Fine-tuning metadata instead of N_concept folders (sd-scripts' "
       "fine_tune.py): a JSON file {image: {\"caption\": ..., \"tags\": ...}} or a .jsonl file with "
       "one {\"image_path\", \"caption\", \"tags\"} per line; images are looked up in train_data_dir "
@@ -173,13 +180,13 @@ OPTIONS: tuple[Option, ...] = (
       "dataset"),
     O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
       "with the text encoder(s) once, before training; the text encoders are then not trained "
-      "(LoRA: needs network_train_unet_only).", "dataset"),
+      "(LoRA: needs network_train_unet_only).", "dataset", scripts=NOT_TI),
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
-      "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset"),
+      "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),
     O("text_encoder_cache_variants", "int", 4, "With cached text-encoder outputs and shuffle_caption or "
       "caption_tag_dropout_rate: augmented variants cached per caption, one picked per sample and "
-      "epoch (caption dropout uses one cached empty caption).", "dataset", min=1),
+      "epoch (caption dropout uses one cached empty caption).", "dataset", min=1, scripts=NOT_TI),
     O("flip_aug", "bool", False, "Mirror each sample horizontally with probability 1/2 (drawn per "
       "sample and epoch). With cached latents both variants are cached.", "dataset"),
     O("random_crop", "bool", False, "Crop at a random offset (per sample and epoch) instead of the "
@@ -263,6 +270,42 @@ OPTIONS: tuple[Option, ...] = (
       "network", scripts=LORA),
     O("base_weights_multiplier", "float_list", None, "One multiplier per base_weights file; unset = "
       "1.0 for each.", "network", scripts=LORA),
+    # --- textual inversion (train_textual_inversion) and pivotal tuning (train_lora) ---
+    O("token_string", "str", None, "Textual inversion: the new token the embedding is learned for "
+      "(e.g. sks_toy); it must not be a word the tokenizer already has as one token. With "
+      "num_vectors_per_token N the tokens token_string, token_string1 ... token_string<N-1> are "
+      "added and every occurrence of token_string in a caption or sample prompt stands for all of "
+      "them. Required.", "embedding", scripts=TI),
+    O("init_word", "str", None, "Textual inversion: the new vectors start as the embeddings of this "
+      "word's tokens (cycled, or cut, to num_vectors_per_token, as sd-scripts); unset = drawn from a "
+      "normal distribution with the mean and std of the existing rows (seeded).", "embedding",
+      scripts=TI),
+    O("num_vectors_per_token", "int", 1, "Textual inversion: vectors the token stands for.",
+      "embedding", scripts=TI, min=1, max=75),
+    O("weights", "path", None, "Textual inversion: start from this embedding file (emb_params, "
+      "clip_l/clip_g, or an A1111 .pt with string_to_param); its vector count must equal "
+      "num_vectors_per_token.", "embedding", scripts=TI),
+    O("use_object_template", "bool", False, "Textual inversion: ignore the captions and train with "
+      "sd-scripts' object templates (\"a photo of a {}\", ...), the template drawn per sample and "
+      "epoch.", "embedding", scripts=TI),
+    O("use_style_template", "bool", False, "Textual inversion: ignore the captions and train with "
+      "sd-scripts' style templates (\"a painting in the style of {}\", ...), drawn per sample and "
+      "epoch.", "embedding", scripts=TI),
+    O("pivotal_tokens", "str_list", None, "Pivotal tuning: new tokens whose embeddings train together "
+      "with the LoRA (each as token_string of train_textual_inversion). The LoRA file holds them as "
+      "A1111 bundled embeddings (bundle_emb.<token>.*), and each is also written as its own "
+      "embedding file <LoRA file name>_<token>.safetensors. docs/TEXTUAL_INVERSION.md.",
+      "embedding", scripts=LORA),
+    O("pivotal_init_words", "str_list", None, "Pivotal tuning: one initial word per pivotal token "
+      "(as init_word), or one for all; unset = random rows as for init_word.", "embedding",
+      scripts=LORA),
+    O("pivotal_num_vectors", "int_list", None, "Pivotal tuning: vectors per pivotal token, one value "
+      "per token or one for all; unset = 1.", "embedding", scripts=LORA, min=1, max=75),
+    O("pivotal_learning_rate", "float", None, "Pivotal tuning: learning rate of the new embedding "
+      "rows; unset = learning_rate.", "embedding", scripts=LORA, min=0),
+    O("stop_pivotal_training", "int", None, "Pivotal tuning: the embeddings train in the first N "
+      "optimizer steps only, then freeze (no gradient, no update; the LoRA goes on). Unset = the "
+      "whole run.", "embedding", scripts=LORA, min=1),
     # --- optimizer ---
     O("optimizer_type", "str", "AdamW", "Optimizer, by sd-scripts' name (any case): AdamW (default), "
       "AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, Lion, Lion8bit, PagedLion8bit, "
@@ -280,7 +323,7 @@ OPTIONS: tuple[Option, ...] = (
       "learning_rate.", "optimizer", scripts=LORA, min=0),
     O("text_encoder_lr", "float_or_list", None, "Learning rate of the text encoder(s); one value, or "
       "one per text encoder (SDXL: two). Unset = learning_rate.", "optimizer", min=0,
-      aliases=("learning_rate_te",)),
+      aliases=("learning_rate_te",), scripts=NOT_TI),
     O("learning_rate_te1", "float", None, "SDXL: learning rate of text encoder 1 (sd-scripts' name); "
       "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
     O("learning_rate_te2", "float", None, "SDXL: learning rate of text encoder 2 (sd-scripts' name); "
@@ -356,9 +399,9 @@ OPTIONS: tuple[Option, ...] = (
       "at a time (docs/FP8.md). About half the frozen weights' bytes of a bf16 base. Needs "
       "mixed_precision bf16 or fp16. Network training only: train_dreambooth and finetune accept it "
       "with a no-effect warning, as sd-scripts' train_db, fine_tune and sdxl_train ignore it.",
-      "training"),
+      "training", scripts=NOT_TI),
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
-      "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training"),
+      "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("fsdp", "bool", False, "Full fine-tune sharded across the processes (PyTorch FSDP2, applied by "
@@ -370,22 +413,23 @@ OPTIONS: tuple[Option, ...] = (
       "applied by the toolkit on CPU/gloo and CUDA. Also turned on by launching with an Accelerate "
       "DeepSpeed config. Gradients summed as without it; not with fsdp, fused_backward_pass, "
       "fused_optimizer_groups, full_bf16/full_fp16, stop_text_encoder_training, or optimizers that "
-      "need whole parameters (Adafactor, Prodigy, D-Adaptation, schedule-free).", "training"),
+      "need whole parameters (Adafactor, Prodigy, D-Adaptation, schedule-free).", "training", scripts=NOT_TI),
     O("zero_stage", "int", 2, "With deepspeed: 0 (plain data parallel), 1 (optimizer state "
       "partitioned), 2 (also gradients). Stage 3 is not supported: use fsdp.", "training",
-      min=0, max=3),
+      min=0, max=3, scripts=NOT_TI),
     O("offload_optimizer_device", "str", None, "With deepspeed (stage 1 or 2): 'cpu' keeps the "
       "optimizer state and step on the CPU (ZeRO-Offload); unset or 'none' = on the device.",
-      "training"),
+      "training", scripts=NOT_TI),
     O("offload_param_device", "str", None, "ZeRO stage 3 parameter offload: not supported (only "
-      "unset or 'none').", "training"),
+      "unset or 'none').", "training", scripts=NOT_TI),
     O("deepspeed_config_file", "path", None, "With deepspeed: a DeepSpeed JSON whose "
       "zero_optimization settings (bucket sizes, overlap_comm, ...) are used; batch sizes, "
       "accumulation, gradient_clipping and bf16/fp16 must be \"auto\" or equal the run's options; "
       "no optimizer or scheduler section. Set "
-      "from an Accelerate config's deepspeed_config_file.", "training"),
+      "from an Accelerate config's deepspeed_config_file.", "training", scripts=NOT_TI),
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
-      "that two runs of the same config give the same weights.", "training", min=0),
+      "that two runs of the same config give the same weights.", "training", min=0,
+      max=2**32 - 1),  # NumPy's seed range (accelerate's set_seed seeds NumPy too)
     O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
@@ -397,7 +441,7 @@ OPTIONS: tuple[Option, ...] = (
     O("ema_device", "str", "same", "Where the EMA weights live: 'same' (the trained weights' device) "
       "or 'cpu' (off the accelerator).", "training", choices=("same", "cpu")),
     O("prior_loss_weight", "float", 1.0, "Loss weight of regularisation images.", "training",
-      scripts=DB_LORA, min=0),
+      scripts=DB_LORA + TI, min=0),
     O("on_nonfinite", "str", "stop", "What a non-finite (NaN/inf) loss or gradient norm does: "
       "'stop' (exit code 3, the state from before the bad update written as "
       "<output_name>-step<N>-state) or 'skip' (no update for that step, the scheduler still "
@@ -467,6 +511,7 @@ OPTIONS: tuple[Option, ...] = (
           "train_lora": ("safetensors", "ckpt", "pt"),
           "train_dreambooth": ("safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
           "finetune": ("safetensors", "ckpt", "diffusers", "diffusers_safetensors"),
+          "train_textual_inversion": ("safetensors", "pt", "ckpt"),
       }),
     O("save_precision", "str", None, "Cast saved weights to this precision; unset = as trained.",
       "saving", choices=("float", "fp16", "bf16")),
@@ -639,7 +684,7 @@ SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NA
 @dataclass(frozen=True)
 class GuiKey:
     name: str
-    tabs: str            # letters of the tabs that write it: l, d, f
+    tabs: str            # letters of the tabs that write it: l, d, f, t (textual inversion)
     action: str          # "option", "sd", "ignore" or "reject"
     why: str = ""
     target: str = ""     # "option": the option it sets, when not the key itself
@@ -757,6 +802,45 @@ GUI_KEYS: tuple[GuiKey, ...] = (
                  "Lumina"),
 )
 
+# Keys the textual-inversion tab (t) writes (kohya_gui/textual_inversion_gui.py config_toml_data);
+# its no_token_padding (written only when set) is not here: train_textual_inversion rejects it, as
+# an option of train_dreambooth.
+GUI_TI_KEYS = """
+adaptive_noise_scale async_upload bucket_no_upscale bucket_reso_steps cache_latents
+cache_latents_to_disk caption_dropout_every_n_epochs caption_extension clip_skip color_aug
+dataset_config disable_mmap_load_safetensors dynamo_backend enable_bucket epoch flip_aug full_fp16
+gradient_accumulation_steps gradient_checkpointing huber_c huber_scale huber_schedule
+huggingface_repo_id huggingface_token huggingface_repo_type huggingface_repo_visibility
+huggingface_path_in_repo init_word ip_noise_gamma ip_noise_gamma_random_strength keep_tokens
+learning_rate logging_dir log_config log_tracker_name log_tracker_config loss_type lr_scheduler
+lr_scheduler_args lr_scheduler_num_cycles lr_scheduler_power lr_scheduler_type lr_warmup_steps
+max_bucket_reso max_timestep max_token_length max_train_epochs max_train_steps mem_eff_attn
+metadata_author metadata_description metadata_license metadata_tags metadata_title
+min_bucket_reso min_snr_gamma min_timestep mixed_precision multires_noise_discount
+multires_noise_iterations no_half_vae noise_offset noise_offset_random_strength noise_offset_type
+num_vectors_per_token optimizer_type optimizer_args output_dir output_name
+persistent_data_loader_workers pretrained_model_name_or_path prior_loss_weight random_crop
+reg_data_dir resolution resume resume_from_huggingface sample_every_n_epochs sample_every_n_steps
+sample_prompts sample_sampler save_every_n_epochs save_every_n_steps save_last_n_steps
+save_last_n_steps_state save_last_n_epochs save_last_n_epochs_state save_model_as save_precision
+save_state save_state_on_train_end save_state_to_huggingface scale_v_pred_loss_like_noise_pred
+sdpa seed shuffle_caption skip_cache_check token_string train_batch_size train_data_dir log_with
+v2 v_parameterization v_pred_like_loss vae vae_batch_size wandb_api_key wandb_run_name weights
+use_object_template use_style_template xformers max_data_loader_n_workers
+""".split()
+
+
+def _with_ti_tab(keys: tuple) -> tuple:
+    import dataclasses
+
+    by_name = {k.name: k for k in keys}
+    out = [dataclasses.replace(k, tabs=k.tabs + "t") if k.name in GUI_TI_KEYS else k for k in keys]
+    out += [GuiKey(n, "t", "option") for n in GUI_TI_KEYS if n not in by_name]  # the tab's own
+    return tuple(out)
+
+
+GUI_KEYS = _with_ti_tab(GUI_KEYS)
+
 GUI_KEYS_BY_NAME: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS}
 # GUI-only keys: parsed from this table (library/config.py)
 GUI_ONLY: dict[str, GuiKey] = {k.name: k for k in GUI_KEYS if k.action in ("ignore", "reject")}
@@ -778,7 +862,7 @@ def _check_schema() -> None:
     gui = [k.name for k in GUI_KEYS]
     assert len(gui) == len(set(gui)), "GUI keys listed twice"
     for k in GUI_KEYS:
-        assert set(k.tabs) <= set("ldf") and k.tabs, k.name
+        assert set(k.tabs) <= set("ldft") and k.tabs, k.name
         if k.action == "option":
             target = k.target or k.name
             assert target in OPTIONS_BY_NAME or target in ALIASES, f"GUI key {k.name}: no option {target}"
@@ -803,8 +887,10 @@ def render_markdown() -> str:
            "`--flag=false` / `--flag false` (also `true/1/0/yes/no/on/off`) sets a value, which is how "
            "a default-true option such as `--sdpa` is turned off. Relative paths, in a file or on the "
            "command line, are relative to the current directory (as in sd-scripts).", "",
-           "Scripts: `lora` = train_lora.py, `db` = train_dreambooth.py, `ft` = finetune.py.", ""]
-    short = {"train_lora": "lora", "train_dreambooth": "db", "finetune": "ft"}
+           "Scripts: `lora` = train_lora.py, `db` = train_dreambooth.py, `ft` = finetune.py, "
+           "`ti` = train_textual_inversion.py.", ""]
+    short = {"train_lora": "lora", "train_dreambooth": "db", "finetune": "ft",
+             "train_textual_inversion": "ti"}
     for sec, title in SECTIONS.items():
         out += [f"## {title}", "", "| option | type | default | scripts | allowed | description |",
                 "|---|---|---|---|---|---|"]
@@ -895,10 +981,10 @@ def gui_key_effect(k: GuiKey) -> str:
 
 
 def _render_gui_keys() -> list:
-    tab = {"l": "LoRA", "d": "DreamBooth", "f": "fine-tune"}
+    tab = {"l": "LoRA", "d": "DreamBooth", "f": "fine-tune", "t": "textual inversion"}
     out = ["## Keys the kohya_ss GUI writes", "",
            "Every key of the run TOML the kohya_ss GUI (bmaltais/kohya_ss) writes from its LoRA, "
-           "DreamBooth and fine-tune tabs (`config_toml_data`), and what it does here. A key is "
+           "DreamBooth, fine-tune and textual-inversion tabs (`config_toml_data`), and what it does here. A key is "
            "\"set\" unless it has the GUI's unset value (the GUI leaves out empty, false and "
            "unset values itself). See docs/KOHYA_GUI.md for bringing a GUI config over.", "",
            "| key | tabs | here |", "|---|---|---|"]

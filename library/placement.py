@@ -72,6 +72,8 @@ def dtype_placement(opts, method_name: str, train_text_encoder: bool, n_text_enc
 
     compute = compute_dtype(opts.mixed_precision)
     trained = getattr(torch, trained_precision(opts))
+    if method_name == "textual_inversion":  # only the new rows train (their own tensor, `trained`)
+        return Placement(compute, compute, (compute,) * n_text_encoders, trained)
     if method_name != "lora":  # full training: fp8 is a train_lora option (config.py rejects it)
         return Placement(compute, trained, (trained if train_text_encoder else compute,) * n_text_encoders,
                          None)

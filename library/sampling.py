@@ -108,8 +108,9 @@ def load_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise SamplingError(f"sample_prompts: no such file: {path}")
     ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    from library import text_files
+
+    text = text_files.read(path, SamplingError, "sample_prompts")
     if ext == ".toml":
         import toml
 

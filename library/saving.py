@@ -107,10 +107,13 @@ def atomic_dir(path: str):
         raise
 
 
-def save_elsewhere(err: SaveError, write) -> SaveError:
-    """After ``err``: write the same weights (``write(path)``) into a new folder under the system
-    temp dir, so that a full or read-only output_dir does not lose the run. Returns the error to
-    raise, which says where they went (or that this failed too)."""
+def save_elsewhere(err: SaveError, write, what: str = "the weights were",
+                   then: str = "") -> SaveError:
+    """After ``err``: write the same weights (``write(path)``; a file, or a folder such as a
+    training state) into a new folder under the system temp dir, so that a full or read-only
+    output_dir does not lose the run. Returns the error to raise, which says where ``what``
+    (subject and verb) went (and ``then``, formatted with ``{rescue}``: e.g. how to resume from
+    it), or that this failed too."""
     try:
         folder = tempfile.mkdtemp(prefix="sdtk-rescue-")
     except OSError as e:
@@ -122,8 +125,8 @@ def save_elsewhere(err: SaveError, write) -> SaveError:
         shutil.rmtree(folder, ignore_errors=True)
         return SaveError(err.path, f"{err.reason}; a rescue copy in {folder} failed too "
                                    f"({e2.reason})", err.kind)
-    return SaveError(err.path, f"{err.reason}; the weights were written to {rescue} instead",
-                     err.kind)
+    return SaveError(err.path, f"{err.reason}; {what} written to {rescue} instead"
+                               + then.format(rescue=rescue), err.kind)
 
 
 EXTENSIONS = {"safetensors": ".safetensors", "ckpt": ".ckpt", "pt": ".pt"}

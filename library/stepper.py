@@ -540,6 +540,27 @@ def _split_contiguous(params, n: int) -> list[list]:
     return [c for c in chunks if c]
 
 
+def step_units(param_groups, params, mode: str | None, n_groups: int | None):
+    """(trained parameters in group order, each one's group index, the units the stepper steps
+    together): one unit of all of them for the plain step, one per parameter for
+    fused_backward_pass, ``n_groups`` contiguous ones for fused_optimizer_groups, in backward
+    order. The one rule for ``make_stepper`` and the memory estimate."""
+    trainable = {id(p) for p in params if p.requires_grad}
+    group_of, unique = {}, []
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            if id(p) in trainable and id(p) not in group_of:
+                group_of[id(p)] = gi
+                unique.append(p)
+    if mode is None:
+        return unique, group_of, [unique]
+    # Backward order is about the reverse of creation (registration) order.
+    backward_order = list(reversed(unique))
+    if mode == "fused_backward_pass":
+        return unique, group_of, [[p] for p in backward_order]
+    return unique, group_of, _split_contiguous(backward_order, n_groups)
+
+
 def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
     """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
     from library.optim import build_scheduler, schedule_spec
@@ -579,25 +600,9 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
                             precision=precision, loss_scaler=loss_scaler,
                             fsdp=bool(getattr(opts, "fsdp", False)))
     check_stepper_options(opts)
-    trainable = {id(p) for p in params if p.requires_grad}
-    group_of = {}
-    for gi, g in enumerate(param_groups):
-        for p in g["params"]:
-            if id(p) in trainable and id(p) not in group_of:
-                group_of[id(p)] = gi
-    ordered = [p for g in param_groups for p in g["params"] if group_of.get(id(p)) is not None]
-    seen, unique = set(), []
-    for p in ordered:
-        if id(p) not in seen:
-            seen.add(id(p))
-            unique.append(p)
-    # Backward order is about the reverse of creation (registration) order.
-    backward_order = list(reversed(unique))
-    if mode == "fused_backward_pass":
-        units = [[p] for p in backward_order]
-    else:
+    unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
+    if mode == "fused_optimizer_groups":
         n = opts.fused_optimizer_groups
-        units = _split_contiguous(backward_order, n)
         if len(units) < n:
             logger.warning(f"fused_optimizer_groups {n}: only {len(units)} trainable parameters, "
                            f"using {len(units)} groups")

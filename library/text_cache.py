@@ -93,6 +93,11 @@ def encode_captions(adapter, wanted: dict[str, str | None], identity: str, *, cl
     out: dict[str, TextConditioning] = {}
     missing = []
     loaded = 0
+    if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
+        from library.output_checks import remove_stale_temporaries
+
+        for folder in sorted({f for f in wanted.values() if f is not None}):
+            remove_stale_temporaries(folder, log)
     for caption, folder in wanted.items():
         key = text_key(caption, identity)
         if to_disk and folder is not None:

@@ -83,7 +83,7 @@ def uses_wandb(opts) -> bool:
 
 
 WANDB_PROJECTS = {"train_lora": "network_train", "train_dreambooth": "dreambooth",
-                  "finetune": "finetuning"}  # sd-scripts' default log_tracker_name per script
+                  "finetune": "finetuning", "train_textual_inversion": "textual_inversion"}  # sd-scripts' default log_tracker_name per script
 
 
 def wandb_init_kwargs(opts) -> dict:

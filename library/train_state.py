@@ -7,7 +7,8 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
 - ``state.json``: format version, counters (global step, epochs done, samples seen), the data
   position (epoch and index of the next global batch in that epoch's global order), the step plan
   it was made under (global batch, steps per epoch), the resolved config (``opts.to_dict()``), a
-  fingerprint of the data (one entry per image) and the per-step loss and learning-rate logs;
+  fingerprint of the data (one entry per image), the content hashes of the model files, images
+  and masks (``content``, library/content_hash.py) and the per-step loss and learning-rate logs;
 - ``trainable.safetensors``: every trainable parameter, by name;
 - ``stepper.pt``: the stepper's ``state_dict()`` (optimizer(s) and scheduler(s));
 - ``ema.safetensors`` (with ``ema_decay``): the moving average of every trainable parameter,
@@ -126,6 +127,8 @@ def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
 
 def read_info(path: str) -> dict:
     f = os.path.join(path, INFO_FILE)
+    if not os.path.lexists(path):
+        raise ResumeError(f"resume: no such training state folder: {path}")
     if not os.path.isdir(path):
         raise ResumeError(f"resume: {path} is not a folder (give a training state folder such as "
                           "<output_name>-state, or latest)")
@@ -392,7 +395,6 @@ def write_state(run, path: str, log) -> None:
     """Write the state of ``run`` (after its last completed step) to ``path``. Every process calls
     this; the main process writes the folder, atomically."""
     from library import distributed
-    from library.saving import atomic_dir
 
     acc = run.accelerator
     stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
@@ -423,11 +425,26 @@ def write_state(run, path: str, log) -> None:
             if acc.is_main_process:
                 _write_files(run, tmp, stepper_state, rngs, sharded=sharded)
     elif acc.is_main_process:
-        with atomic_dir(path) as tmp:
-            _write_files(run, tmp, stepper_state, rngs, sharded=False)
+        _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs, sharded=False))
     if acc.is_main_process:
         log.info(f"saved training state {path} (step {run.global_step}{what})")
     acc.wait_for_everyone()
+
+
+def _write_single(path: str, write_files) -> None:
+    """A state only the main process writes; when it cannot be written (disk full, read-only),
+    a rescue copy in the system temp dir and one line saying where, as for the model file."""
+    from library.saving import SaveError, atomic_dir, save_elsewhere
+
+    def write(p):
+        with atomic_dir(p) as tmp:
+            write_files(tmp)
+
+    try:
+        write(path)
+    except SaveError as e:
+        raise save_elsewhere(e, write, "the training state was",
+                             " (continue with --resume {rescue})") from None
 
 
 @contextlib.contextmanager
@@ -463,6 +480,8 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
     import torch
     from safetensors.torch import save_file
 
+    from library import content_hash
+
     plan, opts = run.plan, run.opts
     epoch, batch = run.position
     info = {
@@ -479,6 +498,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         "saved_at": time.time(),
         "config": _json(opts.to_dict()),
         "data": _json(data_fingerprint(run.tset)),
+        "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
         "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
         "sharded": sharded,
         "deepspeed": bool(getattr(opts, "deepspeed", False)),

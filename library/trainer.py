@@ -1,4 +1,5 @@
-"""The one training loop shared by train_lora.py, train_dreambooth.py and finetune.py.
+"""The one training loop shared by train_lora.py, train_dreambooth.py, finetune.py and
+train_textual_inversion.py.
 
 Stages (each a function): plan (no weights) -> load -> setup method -> cache -> train -> save.
 """
@@ -96,7 +97,7 @@ class Run:
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
         """Checks that need imports but no weights: optimizer, scheduler, network module."""
-        from library.methods import FullMethod, NetworkMethod
+        from library.methods import make_method
         from library.optim import check_optimizer
 
         check_optimizer(self.opts.optimizer_type, self.opts.optimizer_args, probe=True,
@@ -137,10 +138,7 @@ class Run:
         family.check_token_padding(self.opts, block_lr.family_before_loading)  # no_token_padding
         nonfinite.check_options(self.opts)  # on_nonfinite; network_weights / base_weights finite
         distributed.accelerator_precision(self.opts)  # fp16 needs CUDA (after the combinations naming it)
-        if self.method_name == "lora":
-            NetworkMethod(self.opts, None)
-        else:
-            FullMethod(self.opts, None)  # e.g. nothing to train: fail before loading weights
+        make_method(self.method_name, self.opts, None)  # e.g. nothing to train: fail before loading weights
 
     def load(self):
         from accelerate.utils import set_seed
@@ -197,11 +195,11 @@ class Run:
     def setup_method(self):
         import torch
 
-        from library.methods import FullMethod, NetworkMethod
+        from library.methods import make_method
 
         opts, b, acc = self.opts, self.bundle, self.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
-        self.method = NetworkMethod(opts, b) if self.method_name == "lora" else FullMethod(opts, b)
+        self.method = make_method(self.method_name, opts, b)
         from library import placement
 
         # The dtypes of every part (library/placement.py, shared with the memory estimate): the
@@ -216,6 +214,7 @@ class Run:
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = self.method.setup()
+        self.adapter.rewrite = self.method.prompt_rewrite()  # new tokens' N-vector expansion
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 
@@ -640,6 +639,9 @@ class Run:
                 names.append(opts.output_name + "-ema")  # the EMA saves rotate with the models
             for name in names:
                 path = output_file(opts.output_dir, name, self.method.extension(), **old)
+                for extra in self.method.companion_files(path):  # pivotal tuning's embeddings
+                    if os.path.isfile(extra):
+                        os.remove(extra)
                 if os.path.isdir(path):
                     shutil.rmtree(path)
                 elif os.path.isfile(path):
@@ -704,7 +706,20 @@ def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
     opts, plan = r.opts, r.plan
     path = train_state.resolve(opts.resume, opts.output_dir, logger if announce else None)
     info = train_state.read_info(path)
+    saved_method = info.get("method")
+    if saved_method and saved_method != r.method_name:  # before the option diff, which would
+        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
+
+        script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
+        raise train_state.ResumeError(
+            f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
+            f".py ({saved_method}), this is {script.get(r.method_name, r.method_name)}.py; resume it "
+            "with the script that wrote it")
     train_state.check_resumable(info, path, opts, plan, r.tset)
+    from library import content_hash
+
+    # the content of the model files and images (after the data check has named any new path)
+    content_hash.check(info.get("content"), opts, r.tset, path, logger if announce else None)
     if announce and int(os.environ.get("RANK", "0")) == 0:
         print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
               f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",

@@ -32,6 +32,9 @@ class TrainingSet:
     stats: data.ScanStats = field(default_factory=data.ScanStats)
     val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
     masked: bool = False  # masked loss: some image has a mask (alpha_mask or conditioning_data_dir)
+    # textual inversion's use_object_template / use_style_template: every caption is one of these
+    # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
+    caption_templates: tuple | None = None
 
     @property
     def bucket_of(self) -> list:
@@ -53,6 +56,9 @@ class TrainingSet:
 
     # -- per-sample augmentation (keyed by seed, epoch, sample index) ---------------------------
     def caption(self, i: int, epoch: int) -> str:
+        if self.caption_templates:
+            rng = random.Random(derive_seed("template", self.seed, epoch, i))
+            return rng.choice(self.caption_templates)
         s = self.samples[i]
         if s.captions is None:
             return s.caption
@@ -174,11 +180,42 @@ def build_training_set(opts, log) -> TrainingSet:
     summary = stats.summary()
     if summary:
         log.warning(summary)
-    return TrainingSet(train_items=train, reg_items=reg, samples=samples,
+    tset = TrainingSet(train_items=train, reg_items=reg, samples=samples,
                        seed=getattr(opts, "seed", 0), batch_size=batch_size,
                        resolution=resolution,
                        text_variants=getattr(opts, "text_encoder_cache_variants", 4), stats=stats,
-                       val_items=held_out, masked=masked)
+                       val_items=held_out, masked=masked, caption_templates=_templates(opts))
+    if opts.script == "train_textual_inversion" and not tset.caption_templates:
+        _check_token_in_captions(tset, opts.token_string)
+    return tset
+
+
+def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
+    """Textual inversion learns from the captions that contain the token: with none, nothing
+    would train (a zero gradient every step)."""
+    import re
+
+    if not token:
+        return  # the method says token_string is required
+    word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
+    if not any(word.search(tset.caption(i, 1)) for i in range(len(tset.samples))):
+        raise data.DataError(f"token_string {token!r} is in no training caption, so nothing would "
+                             "train: put it in the captions (or caption_prefix), or use "
+                             "use_object_template / use_style_template")
+
+
+def _templates(opts) -> tuple | None:
+    """sd-scripts' template captions of textual inversion, with the token string filled in."""
+    from library import embeddings
+
+    if opts.script != "train_textual_inversion":
+        return None
+    if opts.use_object_template and opts.use_style_template:
+        raise data.DataError("use_object_template and use_style_template exclude each other")
+    if not (opts.use_object_template or opts.use_style_template):
+        return None
+    chosen = embeddings.OBJECT_TEMPLATES if opts.use_object_template else embeddings.STYLE_TEMPLATES
+    return tuple(t.format(opts.token_string) for t in chosen)
 
 
 def _check_masks(opts, items: list) -> bool:

@@ -109,6 +109,8 @@ def lora_delta(down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tens
 
 
 def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
+    if os.path.isdir(file):
+        raise LoRAError(f"LoRA weights file {file} is a folder, not a file")
     if not os.path.isfile(file):
         raise LoRAError(f"LoRA weights file not found: {file}")
     try:

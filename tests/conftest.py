@@ -10,6 +10,11 @@ if ROOT not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the resume check's model-hash cache: one per test session, never the user's ~/.cache/sdtk
+if "SDTK_HASH_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["SDTK_HASH_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="sdtk-test-"), "file-hashes.json")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The run TOML the kohya_ss GUI (bmaltais/kohya_ss) writes for one of its presets, pointed at
 test paths and a tiny built-in model.
 
-Our own code following the GUI's mapping (kohya_gui/{lora,dreambooth,finetune}_gui.py
+Our own code following the GUI's mapping (kohya_gui/{lora,dreambooth,finetune,textual_inversion}_gui.py
 `train_model`: the `config_toml_data` dict and its filter, common_gui.update_my_data for old
 preset fields), for the SD1/SD2/SDXL model types only (FLUX/SD3/... presets are skipped by the
 caller). Test-only changes, on top of what the GUI writes: the paths, the model, 64 px, two steps.
@@ -13,7 +13,7 @@ import math
 import os
 
 PRESETS = "/work/ref/bmaltais+kohya_ss/presets"
-TABS = ("lora", "dreambooth", "finetune")
+TABS = ("lora", "dreambooth", "finetune", "textual_inversion")
 
 # The GUI's field defaults (kohya_gui/class_*.py `config.get(..., default)`, lora_gui.py widgets,
 # BasicTraining(learning_rate_value=..., lr_scheduler_value=..., lr_warmup_value=...)).
@@ -62,6 +62,11 @@ TAB_DEFAULTS = {
     "finetune": dict(learning_rate=1e-5, lr_scheduler="constant", lr_warmup=0,
                      learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5,
                      block_lr=""),
+    # textual_inversion_gui.py: BasicTraining(learning_rate_value=1e-5, lr_scheduler_value="cosine",
+    # lr_warmup_value=10) and its own fields (token_string has no default: the GUI requires one)
+    "textual_inversion": dict(learning_rate=1e-5, lr_scheduler="cosine", lr_warmup=10,
+                              token_string="", init_word="*", num_vectors_per_token=1,
+                              template="caption", weights=""),
 }
 BLOCK_FIELDS = ("down_lr_weight", "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold",
                 "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas")
@@ -330,6 +335,26 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
             "unet_lr": unet if unet != 0.0 else None,
         })
         keep = _lora_keeps
+    elif tab == "textual_inversion":
+        for k in ("caption_dropout_rate", "debiased_estimation_loss", "fp8_base", "full_bf16",
+                  "masked_loss", "weighted_captions"):
+            del out[k]  # not in textual_inversion_gui.py's config_toml_data
+        out.update({
+            "epoch": int(d["epoch"]), "init_word": d["init_word"],
+            "learning_rate": d["learning_rate"], "lr_scheduler_num_cycles": cycles,
+            "lr_scheduler_power": d["lr_scheduler_power"],
+            "multires_noise_discount": d["multires_noise_discount"],
+            "multires_noise_iterations": d["multires_noise_iterations"] or None,
+            "no_half_vae": d["sdxl_no_half_vae"], "no_token_padding": d["no_token_padding"],
+            "noise_offset": d["noise_offset"] or None,
+            "noise_offset_random_strength": d["noise_offset_random_strength"],
+            "num_vectors_per_token": int(d["num_vectors_per_token"]), "optimizer_args": opt_args,
+            "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
+            "token_string": d["token_string"], "weights": d["weights"],
+            "use_object_template": True if d["template"] == "object template" else None,
+            "use_style_template": True if d["template"] == "style template" else None,
+        })
+        keep = _lora_keeps  # the same `value not in ["", False, None]` filter
     else:
         out.update({
             "noise_offset": d["noise_offset"] or None,
@@ -414,6 +439,8 @@ def _finetune_metadata(d: dict) -> str:
 def presets(tab: str) -> list[tuple[str, dict]]:
     folder = os.path.join(PRESETS, tab)
     out = []
+    if not os.path.isdir(folder):  # the GUI ships no textual-inversion presets
+        return out
     for name in sorted(os.listdir(folder)):
         if name.endswith(".json"):
             with open(os.path.join(folder, name), encoding="utf-8") as f:

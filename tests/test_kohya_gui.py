@@ -2,7 +2,8 @@
 
 tests/kohya_gui_configs.py turns each GUI preset (bmaltais/kohya_ss presets/{lora,dreambooth,
 finetune}/*.json) and the GUI's own defaults into the run TOML the GUI would write; here each one
-runs with --dry_run and trains two steps on the tiny model of its family.
+runs with --dry_run and trains two steps on the tiny model of its family (the textual-inversion
+tab has no presets: its defaults, for SD1 and SDXL).
 """
 import os
 
@@ -12,7 +13,8 @@ import torch
 from library.options import GUI_KEYS_BY_NAME
 from tests import kohya_gui_configs as gui
 
-SCRIPT = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "finetune"}
+SCRIPT = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "finetune",
+          "textual_inversion": "train_textual_inversion"}
 
 # Presets sd-scripts itself stops on, rejected here with one line naming the key (none now:
 # sd-scripts stops on the LyCORIS presets' bucket_reso_steps = 1, which we round up to 8).
@@ -41,6 +43,8 @@ def _cases():
             if tab == "finetune" and fam == "sdxl":
                 flags = {"sdxl_checkbox": True}
             pid = f"{tab}/GUI defaults {fam}"
+            if tab == "textual_inversion":
+                flags = {**flags, "token_string": "sks"}  # the GUI requires one (no default)
             out.append(pytest.param(tab, flags, pid, id=pid))
     return out
 
@@ -133,7 +137,7 @@ def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_sc
 def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
     """Each key of every preset's and default's GUI TOML is in library.options GUI_KEYS, for
     the tab that wrote it."""
-    letter = {"lora": "l", "dreambooth": "d", "finetune": "f"}
+    letter = {"lora": "l", "dreambooth": "d", "finetune": "f", "textual_inversion": "t"}
     seen = set()
     for c in CASES:
         tab, preset, pid = c.values
@@ -145,7 +149,8 @@ def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
             assert key in GUI_KEYS_BY_NAME, f"{pid}: {key} is not in GUI_KEYS"
             assert letter[tab] in GUI_KEYS_BY_NAME[key].tabs, f"{pid}: {key} not listed for {tab}"
             seen.add(key)
-    assert {"epoch", "noise_offset_type", "network_args", "learning_rate_te", "xformers"} <= seen
+    assert {"epoch", "noise_offset_type", "network_args", "learning_rate_te", "xformers",
+            "token_string", "init_word"} <= seen
 
 
 # --- the rules behind it, one by one --------------------------------------------------------

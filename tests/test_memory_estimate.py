@@ -294,3 +294,45 @@ def test_estimate_is_within_15_percent_of_a_measured_peak(tmp_path):
                                         "--optimizer_type", "AdamW8bit"])
     est = me.estimate(o, "dreambooth").total / me.GIB
     assert abs(est - measured) <= 0.15 * measured, json.dumps({"estimate": est, "measured": measured})
+
+
+# -- one configuration pinned: a changed rule or constant fails ----------------------------------
+
+def test_estimate_of_one_configuration_is_pinned():
+    """tiny-sd15 LoRA dim 4 on the U-Net, AdamW, plain step, batch 1 at 64 px, latents and
+    text-encoder outputs cached. The parameter, gradient and optimizer parts are derived here from
+    the model's layers; the total (activations, runtime and the peak rule included) is pinned."""
+    from library.config import parse_args
+    from library.tiny_models import build_tiny_components
+
+    opts = parse_args("train_lora", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", ".", "--resolution",
+        "64", "--max_train_steps", "1", "--network_dim", "4", "--network_train_unet_only",
+        "--optimizer_type", "AdamW", "--cache_latents", "--cache_text_encoder_outputs", "--dry_run"])
+    est = me.estimate(opts, "lora")
+    unet = build_tiny_components("sd15")["unet"]
+    # sd-scripts' LoRA targets: every Linear and 1x1 Conv2d below a Transformer2DModel; a module
+    # of dim 4 adds down (4 x in) and up (out x 4)
+    shapes = []
+    for block in unet.modules():
+        if type(block).__name__ != "Transformer2DModel":
+            continue
+        for m in block.modules():
+            if isinstance(m, torch.nn.Linear):
+                shapes += [4 * m.in_features, m.out_features * 4]
+            elif isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1):
+                shapes += [4 * m.in_channels, m.out_channels * 4]
+    n = sum(shapes)
+    assert est.trained_params == n
+    assert est.gradients == 4 * n  # float32, all at once (plain step)
+    assert est.optimizer == 2 * 4 * n + 4 * len(shapes)  # AdamW: 2 moments + a float32 step each
+    unet_bytes = 4 * sum(p.numel() for p in unet.parameters())
+    assert est.resident_params == unet_bytes + 4 * n  # the VAE and text encoder are released
+    assert est.step_temporaries == 2 * 4 * max(shapes)
+    assert est.runtime == int(0.57 * 1024 ** 3)
+    assert est.total == PINNED_TOTAL, est.total
+
+
+# est.total of the configuration above (library/memory_estimate.py as of 2026-12-01): a change of
+# ACTIVATION_FACTOR, GRADS_WITH_ACTIVATIONS, the activation count or the peak rule changes it
+PINNED_TOTAL = 629_352_469

@@ -122,7 +122,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.conftest import free_port, two_process_command  # noqa: E402
-from tests.test_equivalence import (CLIP, PLAN_KEYS, TOL, dreambooth_args,  # noqa: E402
+from tests.test_equivalence import (BUCKET_ARGS, CLIP, PLAN_KEYS, TOL, dreambooth_args,  # noqa: E402
                                     make_reg_images, make_two_bucket_dataset, max_rel_diff,
                                     plan_values, read_file, train_args, train_in_process)
 
@@ -680,3 +680,37 @@ def test_deepspeed_zero1_dreambooth_two_processes(dreambooth_runs, data_dir, tmp
     for name in ("bs2", "acc2"):
         worst, key = max_rel_diff(w0, dreambooth_runs["refs"][name]["weights"], floor=NORM_FLOOR)
         assert worst <= ISSUE_TOL, f"{name}: {key}: {worst:.2e}"
+
+
+def test_textual_inversion_two_processes_equal_one_process(data_dir, tmp_path):
+    """train_textual_inversion (a launch of its own: no shared launch runs that script): 2
+    processes x batch 1 give the embedding of 1 process x batch 2 (SGD, as train_args), both
+    ranks identical; the update (trained - initial rows, the init word's rows of the base
+    matrix) is compared, since the rows themselves barely move relative to their norm."""
+    from library.tiny_models import build_tiny_components
+
+    def args(out, batch):
+        return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data_dir,
+                "--output_dir", out, *BUCKET_ARGS, "--cache_latents", "--token_string", "mytok",
+                "--init_word", "shape", "--num_vectors_per_token", "2", "--caption_prefix", "mytok",
+                "--optimizer_type", "SGDNesterov", "--optimizer_args", "momentum=0.9",
+                "--learning_rate", "10.0", "--max_train_steps", "3", "--seed", "7",
+                "--train_batch_size", str(batch)]
+
+    out, report = str(tmp_path / "two"), str(tmp_path / "report")
+    os.makedirs(report)
+    proc = launch_two_processes(report, args(out, 1), script="train_textual_inversion")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "processes: 2" in proc.stdout and "global_batch: 2" in proc.stdout
+    w0, w1 = (read_file(os.path.join(report, f"rank{r}.safetensors"))[0] for r in (0, 1))
+    assert list(w0) == ["text_encoder.embeddings.token_embedding.new"]
+    assert all(w0[k].equal(w1[k]) for k in w0)
+    ref = train_in_process(args(str(tmp_path / "one"), 2), script="train_textual_inversion")
+    c = build_tiny_components("sd15")
+    ids = c["tokenizer"]("shape", add_special_tokens=False).input_ids[:2]
+    init = c["text_encoder"].get_input_embeddings().weight.detach()[ids]
+    two = read_file(os.path.join(out, "last.safetensors"))[0]["emb_params"] - init
+    one = ref["tensors"]["emb_params"] - init
+    assert one.abs().max() > 1e-4  # the rows moved
+    rel = float((two - one).norm() / one.norm())
+    assert rel <= ISSUE_TOL, rel

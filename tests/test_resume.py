@@ -231,7 +231,7 @@ def test_latest_is_the_highest_step(rotated, tmp_path):
     (["--lr_scheduler", "linear"], "lr_scheduler changed"),
     (["--train_batch_size", "2"], r"the global batch changed .* \(was 1 = .*, now 2 = 2 x 1 x 1\)"),
     (["--max_train_steps", "10"], "is at step 10 but this run has 10 steps; raise max_train_steps"),
-    (["--resume", "/nonexistent/x-state"], ": /nonexistent/x-state is not a folder"),
+    (["--resume", "/nonexistent/x-state"], ": no such training state folder: /nonexistent/x-state"),
 ], ids=["loss", "seed", "model", "scheduler", "global_batch", "not_longer", "missing"])
 def test_changed_config_is_an_error_naming_it(rotated, change, message):
     args = [*rotated["args"], "--max_train_steps", "12", "--resume", "latest", *change]
