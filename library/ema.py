@@ -3,7 +3,8 @@
 After each optimizer step: ``ema = d * ema + (1 - d) * w`` for every trainable parameter, the
 average starting from the initial weights (before the first step). It is saved beside every
 model save as ``<output_name>-ema`` (same format and naming as the raw weights: the method's own
-save, with the averaged values swapped into the parameters for the duration of the save) and is
+save, with the averaged values swapped into the parameters for the duration of the save, by
+library/saver.py through the strategy's ``ema_weights``) and is
 part of the training state (``ema.safetensors``), so a resume continues it exactly.
 
 Every process keeps the same average (the weights are identical in every process after a step);
@@ -55,44 +56,6 @@ class EMA:
                 for p, b in zip(self.params, backup):
                     p.copy_(b)
 
-    def save(self, run, *, epoch=None, step=None, metadata=None) -> str:
-        """Write ``<output_name>-ema[-epoch|-step]`` with the method's save (main process)."""
-        from library.saving import output_file
-
-        opts = run.opts
-        path = output_file(opts.output_dir, opts.output_name + "-ema", run.method.extension(),
-                           epoch=epoch, step=step)
-        meta = dict(metadata or {})
-        if meta:
-            meta["sdtk.ema_decay"] = str(self.decay)
-        from library import fsdp, frozen
-
-        # fsdp: called on every process (the EMA is sharded like the weights): swap, gather the
-        # full weights (a collective), the main process writes
-        main = run.accelerator.is_main_process
-        with self.swapped(), fsdp.full_weights(run):
-            if main:
-                with frozen.available_for_save(run):
-                    self._write(run, path, meta)
-        if main:
-            logger.info(f"saved {path} (EMA, decay {self.decay})")
-            run.saved.append(path)
-        return path
-
-    @staticmethod
-    def _write(run, path: str, meta: dict) -> None:
-        """The EMA file; when it cannot be written (disk full, read-only), a rescue copy in the
-        system temp dir and one line saying where, as for the model file (library/saving.py)."""
-        from library.saving import SaveError, save_elsewhere
-
-        def write(p):
-            run.method.save(p, run.opts.save_precision, meta)
-
-        try:
-            write(path)
-        except SaveError as e:
-            raise save_elsewhere(e, write, "the EMA weights were") from None
-
     # -- training state -------------------------------------------------------------------------
     def state_tensors(self, names: list[str]) -> dict:
         return {n: e.detach().to("cpu", copy=True).contiguous() for n, e in zip(names, self.shadow)}
@@ -111,14 +74,13 @@ class EMA:
                 e.copy_(tensors[n].to(e.device, e.dtype))
 
 
-def for_run(run):
-    """The run's EMA (``ema_decay`` set), over ``run.params``, or None."""
-    opts = run.opts
-    decay = getattr(opts, "ema_decay", None)
+def for_params(opts, params):
+    """The run's EMA (``ema_decay`` set) over the trainable ``params``, or None."""
+    decay = opts.ema_decay
     if decay is None:
         return None
-    device = "cpu" if getattr(opts, "ema_device", "same") == "cpu" else None
-    ema = EMA(run.params, decay, device)
+    device = "cpu" if opts.ema_device == "cpu" else None
+    ema = EMA(params, decay, device)
     n = sum(e.numel() for e in ema.shadow)
     where = ema.shadow[0].device if ema.shadow else "cpu"
     logger.info(f"EMA of {n} trained weights, decay {decay}, on {where}")

@@ -12,8 +12,8 @@ cached the text encoders, leave the training device for the rest of the run.
 The run logs what it released and the memory that saved (CUDA: allocated bytes; CPU: resident
 set, after returning freed heap pages to the system).
 
-    release_after_caching(run, log) -> Frozen     called at the end of the cache stage
-    available(run, *names)                          context: the named parts are usable inside
+    release_after_caching(opts, c, log) -> Frozen   at the end of the cache stage
+    Frozen.available(*names)                  context: the named parts are usable inside
 """
 from __future__ import annotations
 
@@ -225,14 +225,14 @@ def released_after_caching(*, latents_cached: bool, text_cached: bool,
     return out
 
 
-def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
-    """Release what the rest of ``run`` does not need on its device (see the module doc)."""
-    opts, b = run.opts, run.bundle
-    frozen = Frozen(run.accelerator.device, keep_on_device=bool(opts.highvram))
+def release_after_caching(opts, c, log: logging.Logger = logger) -> Frozen:
+    """Release what the rest of the run (components ``c``) does not need on its device (see the
+    module doc)."""
+    b, acc = c.bundle, c.accelerator
+    frozen = Frozen(acc.device, keep_on_device=bool(opts.highvram))
     released = released_after_caching(
-        latents_cached=getattr(run, "latents", None) is not None,
-        text_cached=getattr(run, "text_cache", None) is not None,
-        text_encoders_trained=run.method.train_text_encoder, highvram=bool(opts.highvram))
+        latents_cached=c.caches.latents is not None, text_cached=c.caches.text is not None,
+        text_encoders_trained=c.method.train_text_encoder, highvram=bool(opts.highvram))
     parts = []
     if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
@@ -241,27 +241,14 @@ def release_after_caching(run, log: logging.Logger = logger) -> Frozen:
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
-    needed_later = bool(opts.sample_prompts) or (
-        run.method.saves_full_model and run.accelerator.is_main_process)
+    needed_later = bool(opts.sample_prompts) or (c.method.saves_full_model and acc.is_main_process)
     frozen.release(parts, needed_later, log)
     return frozen
 
 
-@contextlib.contextmanager
-def available(run, *names: str):
-    """``run``'s released parts (or the named ones: "vae", "text_encoders") usable inside; a
-    no-op for runs that released nothing."""
-    frozen = getattr(run, "frozen", None)
-    if frozen is None:
-        yield
-        return
-    with frozen.available(*names):
-        yield
-
-
-def available_for_save(run):
-    """The parts a model save of ``run`` writes: a full model's file holds the VAE and text
-    encoders, so released ones come back for the save; a LoRA's does not (a no-op)."""
-    if not run.method.saves_full_model:  # a LoRA or an embedding
+def available_for_save(frozen: Frozen, method):
+    """The parts a model save writes: a full model's file holds the VAE and text encoders, so
+    released ones come back for the save; a LoRA's or an embedding's does not (a no-op)."""
+    if not method.saves_full_model:
         return contextlib.nullcontext()
-    return available(run)
+    return frozen.available()

@@ -4,7 +4,8 @@ processes (PyTorch FSDP2, ``torch.distributed.fsdp.fully_shard``), applied by th
 Accelerate's own FSDP path is not used: on a machine without CUDA Accelerate falls back to plain
 data parallelism, and the toolkit never hands its model to ``accelerator.prepare``. Here:
 
-- ``shard_run(run, groups)`` (setup stage, before the optimizer exists): ``fully_shard`` on each
+- ``shard(accelerator, modules, groups)`` (set-up, by the FSDP strategy of library/strategy.py,
+  before the optimizer exists): ``fully_shard`` on each
   U-Net block (down, mid, up), then on the U-Net itself; for each trained text encoder on each
   transformer layer, then on the encoder. The mesh is one dimension over the run's process group
   (gloo on CPU, NCCL on CUDA). Every parameter becomes a ``DTensor`` sharded on dim 0 (each
@@ -19,7 +20,7 @@ data parallelism, and the toolkit never hands its model to ``accelerator.prepare
   with an empty share of a micro-step runs a zero-weight forward and backward
   (``forward_in_every_process``); validation and sample images run every image/prompt on every
   process (each process keeps or writes only its own share).
-- Saves: ``full_weights(run)`` gathers the full state dict on every process (a collective) and,
+- Saves: ``full_weights(bundle, roots, accelerator)`` gathers the full state dict on every process (a collective) and,
   on the main process, puts unsharded copies of the sharded modules into the bundle for the
   method's save. The training state keeps the weights, optimizer state and EMA sharded:
   ``save_sharded`` / ``load_sharded`` write and read them with ``torch.distributed.checkpoint``
@@ -85,11 +86,6 @@ def check_launch_environment() -> None:
                         "(train_dreambooth.py / finetune.py), which shards with FSDP2 itself")
 
 
-def is_sharded(run) -> bool:
-    """True when this run's model is sharded (fsdp on more than one process)."""
-    return bool(getattr(run, "fsdp_roots", None))
-
-
 # -- sharding -------------------------------------------------------------------------------------
 def _blocks(root, kind: str) -> list:
     """The submodules that become FSDP units of one root (U-Net or text encoder), in order."""
@@ -102,13 +98,12 @@ def _blocks(root, kind: str) -> list:
     return list(encoder.layers)
 
 
-def trained_roots(run) -> list[tuple[str, object]]:
+def trained_roots(b, method) -> list[tuple[str, object]]:
     """(name, module) of the modules a full fine-tune trains (named as in the training state)."""
-    b, method = run.bundle, run.method
     out = []
-    if getattr(method, "train_unet", False):
+    if method.train_unet:
         out.append(("unet", b.unet))
-    if getattr(method, "train_text_encoder", False):
+    if method.train_text_encoder:
         lrs = method.text_encoder_lrs()
         for i, te in enumerate(b.text_encoders):
             if lrs[i]:
@@ -116,20 +111,16 @@ def trained_roots(run) -> list[tuple[str, object]]:
     return out
 
 
-def shard_run(run, groups: list[dict]) -> None:
-    """Shard the trained modules of ``run`` across its processes and re-point ``groups`` (the
-    optimizer's param groups, also the method's) at the sharded parameters."""
+def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tuple[str, object]]:
+    """Shard the trained modules ``roots`` across the processes and re-point ``groups`` (the
+    optimizer's param groups, also the method's) at the sharded parameters; returns the sharded
+    roots (none on one process)."""
     import torch.distributed as dist
 
-    acc = run.accelerator
-    # the trained modules, fixed for the run (the training state's layout, even after
-    # stop_text_encoder_training has frozen the text encoders)
-    run.fsdp_modules = trained_roots(run)
     if acc.num_processes == 1:
         logger.info("fsdp: one process, nothing to shard: the model trains unsharded (the training "
                     "state is written in the sharded format all the same)")
-        run.fsdp_roots = []
-        return
+        return []
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != acc.num_processes:
         from library.distributed import DistributedError
 
@@ -138,7 +129,6 @@ def shard_run(run, groups: list[dict]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    roots = run.fsdp_modules
     before = {}
     for name, root in roots:
         for n, p in root.named_parameters():
@@ -160,11 +150,11 @@ def shard_run(run, groups: list[dict]) -> None:
             after[(name, n)] = p
     for g in groups:
         g["params"] = [after[before[id(p)]] if id(p) in before else p for p in g["params"]]
-    run.fsdp_roots = roots
     n_units = sum(len(_blocks(r, "unet" if k == "unet" else "text_encoder")) + 1 for k, r in roots)
     logger.info(f"fsdp: {', '.join(k for k, _ in roots)} sharded across {acc.num_processes} "
                 f"processes ({n_units} FSDP units; each process holds about 1/{acc.num_processes} "
                 "of the weights, gradients and optimizer state)")
+    return roots
 
 
 # -- full weights for a model save ----------------------------------------------------------------
@@ -193,23 +183,22 @@ def _plain_copy(module, full: dict):
 
 
 @contextlib.contextmanager
-def full_weights(run):
-    """Inside: on the main process, the bundle holds unsharded copies of the sharded modules
-    (for a model save). Every process must enter it (the gather is a collective). A no-op when
-    nothing is sharded."""
-    if not is_sharded(run):
+def full_weights(b, roots: list[tuple[str, object]], acc):
+    """Inside: on the main process, the bundle ``b`` holds unsharded copies of the sharded
+    modules ``roots`` (for a model save). Every process must enter it (the gather is a
+    collective). A no-op when nothing is sharded."""
+    if not roots:
         yield
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    main = run.accelerator.is_main_process
-    b = run.bundle
+    main = acc.is_main_process
     copies = {}
-    for name, root in run.fsdp_roots:
+    for name, root in roots:
         full = get_model_state_dict(root, options=opts)  # every process; filled on rank 0 only
         if main:
-            copies[name] = _plain_copy(root, full).to(run.accelerator.device)
+            copies[name] = _plain_copy(root, full).to(acc.device)
         del full
     saved_unet, saved_tes = b.unet, list(b.text_encoders)
     try:
@@ -229,25 +218,30 @@ def full_weights(run):
 
 
 # -- sharded training state -----------------------------------------------------------------------
-def _container(run):
+def _container(modules):
     import torch
 
-    return torch.nn.ModuleDict({name: module for name, module in run.fsdp_modules})
+    return torch.nn.ModuleDict({name: module for name, module in modules})
 
 
-def _state(run, named: list[tuple[str, object]]) -> dict:
+def _inner(optimizer):
+    """The torch optimizer inside Accelerate's wrapper."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _state(modules, optimizer, ema, named: list[tuple[str, object]]) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
     state = {"model": {n: p for n, p in named},
-             "optimizer": get_optimizer_state_dict(_container(run), optimizer)}
-    ema = getattr(run, "ema", None)
+             "optimizer": get_optimizer_state_dict(_container(modules), _inner(optimizer))}
     if ema is not None:
         state["ema"] = {n: e for (n, _), e in zip(named, ema.shadow)}
     return state
 
 
-def save_sharded(run, folder: str, named: list[tuple[str, object]]) -> None:
+def save_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, object]]) -> None:
     """Every process writes its shards of the weights, optimizer state and EMA to ``folder``
     (``torch.distributed.checkpoint``: one file per process and a metadata file)."""
     import torch.distributed.checkpoint as dcp
@@ -255,10 +249,10 @@ def save_sharded(run, folder: str, named: list[tuple[str, object]]) -> None:
     from library.distributed import _is_multi_process
 
     with _quiet_single_process():
-        dcp.save(_state(run, named), checkpoint_id=folder, no_dist=not _is_multi_process())
+        dcp.save(_state(modules, optimizer, ema, named), checkpoint_id=folder, no_dist=not _is_multi_process())
 
 
-def load_sharded(run, folder: str, named: list[tuple[str, object]]) -> None:
+def load_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, object]]) -> None:
     """Read ``folder`` into this run's (sharded or not) weights, optimizer and EMA, resharding to
     this run's process count."""
     import torch.distributed.checkpoint as dcp
@@ -267,11 +261,10 @@ def load_sharded(run, folder: str, named: list[tuple[str, object]]) -> None:
     from library.distributed import _is_multi_process
 
     with _quiet_single_process():
-        state = _state(run, named)
+        state = _state(modules, optimizer, ema, named)
         # in place into the parameters and EMA tensors
         dcp.load(state, checkpoint_id=folder, no_dist=not _is_multi_process())
-    optimizer = getattr(run.optimizer, "optimizer", run.optimizer)
-    set_optimizer_state_dict(_container(run), optimizer, state["optimizer"])
+    set_optimizer_state_dict(_container(modules), _inner(optimizer), state["optimizer"])
 
 
 @contextlib.contextmanager
@@ -283,14 +276,3 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def share(run, n: int) -> list[tuple[int, bool]]:
-    """(index, kept) of the items 0..n-1 this process runs for validation and sample images:
-    item i belongs to process i mod P. Sharded, every process runs every item (each forward
-    all-gathers weights from all processes) and keeps only its own."""
-    acc = run.accelerator
-    rank, P = acc.process_index, acc.num_processes
-    if is_sharded(run):
-        return [(i, i % P == rank) for i in range(n)]
-    return [(i, True) for i in range(rank, n, P)]

@@ -1,7 +1,7 @@
 """Noise, timesteps and loss variants, under sd-scripts' option names and with its formulas.
 
     check_options(opts)                 before any weight is loaded (Run.validate)
-    L = for_run(run)                    the run's Losses (built once, after the model is loaded)
+    L = Losses(opts, noise_scheduler, v)  the run's Losses (built once by the trainer, after the load)
     d = L.draw(latents, generators)     noise and timesteps, one generator per sample
     noisy = L.noisy_latents(latents, d)
     per_sample = L.per_sample_loss(pred, latents, d, mask)   (B,), before the prior-loss weight
@@ -89,15 +89,6 @@ class Draw:
     noise: object
     input_noise: object
     timesteps: object
-
-
-def for_run(run) -> "Losses":
-    """The run's Losses, built on first use from its options and loaded model."""
-    losses = getattr(run, "_losses", None)
-    if losses is None:
-        b = run.bundle
-        losses = run._losses = Losses(run.opts, b.noise_scheduler, b.v_parameterization)
-    return losses
 
 
 class Losses:

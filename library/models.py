@@ -453,3 +453,20 @@ def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path,
                        noise_scheduler=_noise_scheduler(sched, v_param), v_parameterization=v_param,
                        source=str(name_or_path), identity=ident, vae_identity=vae_ident,
                        scheduler_config=dict(sched))
+
+
+def set_attention(b, opts) -> None:
+    """The bundle's attention: SDPA (default), xformers, or with --sdpa=false the plain math
+    attention."""
+    if opts.xformers:
+        try:
+            b.unet.enable_xformers_memory_efficient_attention()
+        except Exception as e:  # noqa: BLE001 - diffusers raises several kinds here
+            raise UserError(f"xformers: cannot enable xformers attention ({e}); "
+                            "install the xformers extra or drop --xformers") from None
+    elif not opts.sdpa:
+        from diffusers.models.attention_processor import AttnProcessor
+
+        b.unet.set_attn_processor(AttnProcessor())
+        for te in b.text_encoders:
+            te.set_attn_implementation("eager")

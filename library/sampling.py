@@ -3,8 +3,8 @@
     load_prompts(path)                 the prompt file: .txt (one prompt per line with --n/--w/--h/
                                        --d/--s/--l/--ss), .toml ([prompt] + [[prompt.subset]]) or .json
     check_options(opts)                before any weight is loaded: file, values, samplers
-    due(run, epoch=None, step=None)    whether this step / epoch end samples
-    sample_images(run)                 every process renders its share of the prompts
+    due(opts, epoch=None, step=None)         whether this step / epoch end samples
+    sample_images(opts, c, step)             every process renders its share of the prompts
 
 Images are ``<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png``. The
 seed is the prompt's ``--d``, else ``seed + prompt index``; each image is generated alone from a
@@ -154,8 +154,7 @@ def check_options(opts) -> None:
     _sampler_name(opts.sample_sampler, "sample_sampler")
 
 
-def due(run, *, epoch: int | None = None, step: int | None = None) -> bool:
-    o = run.opts
+def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
     if not o.sample_prompts:
         return False
     if step is not None:
@@ -179,14 +178,13 @@ def make_scheduler(name: str, config):
     return getattr(diffusers, cls_name).from_config(config, **kw)
 
 
-def _pipeline(run):
+def _pipeline(b):
     # diffusers' pipeline module imports image processors it does not use here; without
     # torchvision transformers then announces a fallback that says nothing about this run.
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda r: "requires torchvision (not installed)" not in r.getMessage())
     import diffusers
 
-    b = run.bundle
     comps = b.components()
     comps.pop("scheduler")
     if b.family == "sdxl":
@@ -198,47 +196,48 @@ def _pipeline(run):
     return pipe
 
 
-def _embeds(run, text: str):
-    cond = run.adapter.encode([t.to(run.accelerator.device) for t in run.adapter.tokenize([text])],
-                              run.opts.clip_skip)
-    return cond
+def _embeds(adapter, device, clip_skip, text: str):
+    return adapter.encode([t.to(device) for t in adapter.tokenize([text])], clip_skip)
 
 
-def sample_images(run) -> list[str]:
-    """Render this process's prompts at the current step; returns the files written."""
+def sample_images(opts, c, step: int) -> list[str]:
+    """Render this process's prompts at global step ``step`` with the run's components ``c``;
+    returns the files written."""
     import torch
 
-    from library import frozen, fsdp, validation
+    from library import validation
 
-    acc, opts = run.accelerator, run.opts
+    acc = c.accelerator
     prompts = load_prompts(opts.sample_prompts)
-    config = run.bundle.noise_scheduler.config
+    config = c.bundle.noise_scheduler.config
     written = []
-    modes = {m: m.training for root in validation._modules(run) for m in root.modules()}
+    mods = validation.modules(c)
+    modes = {m: m.training for root in mods for m in root.modules()}
     devices = [acc.device] if acc.device.type == "cuda" else []
     os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
     try:
         # the VAE and text encoders, released after caching, are back for the samples
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode(), \
-                frozen.available(run):
-            for root in validation._modules(run):
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode(), \
+                c.frozen.available():
+            for root in mods:
                 root.eval()
-            pipe = _pipeline(run)
-            for i, kept in fsdp.share(run, len(prompts)):  # fsdp: all prompts, own ones written
+            pipe = _pipeline(c.bundle)
+            for i, kept in c.strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
                 p = prompts[i]
                 seed = prompt_seed(opts, p, i)
                 pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
                 with acc.autocast():
-                    pos, neg = _embeds(run, p["prompt"]), _embeds(run, p["negative_prompt"])
+                    pos, neg = (_embeds(c.adapter, acc.device, opts.clip_skip, p[k])
+                                for k in ("prompt", "negative_prompt"))
                     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-                    if run.bundle.family == "sdxl":
+                    if c.bundle.family == "sdxl":
                         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
                     image = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
                                  guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(seed),
                                  **kw).images[0]
                 if not kept:
                     continue
-                path = image_path(opts, run.global_step, i, seed)
+                path = image_path(opts, step, i, seed)
                 tmp = path + ".tmp"
                 image.save(tmp, format="PNG")
                 os.replace(tmp, path)
@@ -248,6 +247,6 @@ def sample_images(run) -> list[str]:
             m.training = training
     acc.wait_for_everyone()
     if acc.is_main_process:
-        logger.info(f"sample images at step {run.global_step}: {len(prompts)} in "
+        logger.info(f"sample images at step {step}: {len(prompts)} in "
                     f"{os.path.join(opts.output_dir, 'sample')}")
     return written

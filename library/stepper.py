@@ -30,10 +30,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from typing import ContextManager, Protocol
 
 from library import distributed
 
 logger = logging.getLogger("sdtk")
+
+
+class Stepper(Protocol):
+    """What the loop, the training state and the strategies use of a stepper."""
+
+    steps_in_backward: bool      # it steps inside the last micro-step's backward (hooks)
+    nonfinite: str | None        # why the last step() made no update (non-finite), or None
+    partial_update: bool         # that step had already updated some parameters (hooks)
+    optimizer: object            # the (first) optimizer, for reports and the sharded state
+    scheduler: object            # the (first) scheduler
+
+    @property
+    def schedulers(self) -> list: ...  # every scheduler, each once
+
+    def current_lr(self) -> float: ...
+
+    def backward(self, loss, last_micro_step: bool = True) -> None: ...
+
+    def step(self) -> None: ...
+
+    def skip(self) -> None: ...
+
+    def eval_mode(self) -> ContextManager: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _is_schedule_free(optimizer) -> bool:
@@ -109,16 +139,16 @@ def grad_norm_fp32(params) -> float:
 
 class PlainStepper:
     steps_in_backward = False
+    partial_update = False
 
     def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
                  precision: str = "float32", loss_scaler: LossScaler | None = None,
-                 fsdp: bool = False):
+                 sharded: bool = False):
         self.accelerator = accelerator
-        # fsdp (library/fsdp.py): FSDP's reduce-scatter sums the gradients into the shards, so no
-        # all-reduce here; every process runs every forward (a zero-weight one for an empty
-        # share); the optimizer state is written sharded by the training state, not state_dict()
-        self.fsdp = fsdp
-        self.forward_in_every_process = fsdp and getattr(accelerator, "num_processes", 1) > 1
+        # sharded (fsdp, library/fsdp.py): FSDP's reduce-scatter sums the gradients into the
+        # shards, so no all-reduce here; the optimizer state is written sharded by the
+        # training state, not state_dict()
+        self.sharded = sharded
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -138,9 +168,16 @@ class PlainStepper:
 
             self._generator = fused_optim.stochastic_round_generator(params[0].device)
 
+    @property
+    def schedulers(self) -> list:
+        return [self.scheduler]
+
     def current_lr(self) -> float:
         """The learning rate the next step uses (first param group)."""
         return self.scheduler.get_last_lr()[0]
+
+    def close(self) -> None:
+        pass
 
     def backward(self, loss, last_micro_step: bool = True) -> None:
         if self.loss_scaler is not None:
@@ -153,7 +190,7 @@ class PlainStepper:
         """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
         with full_bf16/full_fp16 the rounding generator and the loss scale)."""
         state = {"scheduler": self.scheduler.state_dict()}
-        if not self.fsdp:  # fsdp: library/fsdp.save_sharded writes the optimizer state
+        if not self.sharded:  # fsdp: library/fsdp.save_sharded writes the optimizer state
             state["optimizer"] = self.optimizer.state_dict()
         if self._generator is not None:
             state["rounding_generator"] = self._generator.get_state()
@@ -162,7 +199,7 @@ class PlainStepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not self.fsdp:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+        if not self.sharded:  # fsdp: library/fsdp.load_sharded reads the optimizer state
             check_same_settings(self.optimizer, state["optimizer"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -199,7 +236,7 @@ class PlainStepper:
         # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
         # process sees the same summed gradients, so all decide alike.
         self.nonfinite = None
-        if not self.fsdp:
+        if not self.sharded:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
             if not self._step_low_precision():
@@ -569,8 +606,10 @@ def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int)
                            optimizer)
 
 
-def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int):
-    """The stepper for these options: plain, fused (per parameter) or grouped."""
+def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
+                 sharded: bool = False):
+    """The stepper for these options: plain, fused (per parameter) or grouped. ``sharded``: the
+    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before)."""
     from library.optim import build_optimizer
 
     def scheduler_for(optimizer):
@@ -598,7 +637,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
         return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
                             precision=precision, loss_scaler=loss_scaler,
-                            fsdp=bool(getattr(opts, "fsdp", False)))
+                            sharded=sharded)
     check_stepper_options(opts)
     unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
     if mode == "fused_optimizer_groups":

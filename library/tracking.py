@@ -1,16 +1,18 @@
 """What a run reports while it trains: TensorBoard / wandb scalars, the validation loss, sample images.
 
-The training loop calls three functions, in every process:
+The training loop calls a ``Reporter(opts, plan, tset, components)``, in every process:
 
-    before_training(run)      sample_at_first
-    after_step(run, epoch)    after each optimizer step: validation and samples when due, scalars
-    after_epoch(run, epoch)   at the end of each epoch: validation and samples when due, loss/epoch
-    finish(run)               after the final save: flush and close the log
+    before_training(progress)          sample_at_first
+    after_step(progress)               after each optimizer step: validation and samples when
+                                       due, scalars
+    after_epoch(progress, epoch)       at the end of each epoch: validation and samples when due,
+                                       loss/epoch
+    finish()                           after the final save: flush and close the log
 
 Only the main process writes, to each tracker of ``log_with`` (tensorboard: the default with
 ``logging_dir``; wandb; all = both), the same tags (sd-scripts' names), each at the global step:
 
-    loss/current      the step's loss: the mean over the global batch, all processes (run.loss_log)
+    loss/current      the step's loss: the mean over the global batch, all processes (loss_log)
     loss/average      the mean of the last ``steps_per_epoch`` step losses (sd-scripts' moving
                       average: its LossRecorder keeps one slot per step of an epoch)
     loss/epoch        the mean of the epoch's step losses, at the epoch's last step
@@ -122,13 +124,12 @@ def run_folder(opts, now: float | None = None) -> str:
     return os.path.join(opts.logging_dir, (opts.log_prefix or "") + stamp)
 
 
-def group_names(run) -> list[str]:
+def group_names(method, bundle) -> list[str]:
     """One tag name per optimizer parameter group (in the method's group order)."""
-    method = run.method
     groups = method.param_groups
     names = getattr(method, "group_names", None)
     if not names or len(names) != len(groups):
-        tes = run.bundle.text_encoders
+        tes = bundle.text_encoders
         te_of = {id(p): i for i, te in enumerate(tes) for p in te.parameters()}
         names = []
         for g in groups:
@@ -196,8 +197,7 @@ class _Wandb:
 class Tracker:
     """The main process's trackers (TensorBoard and/or wandb), written to with the same tags."""
 
-    def __init__(self, run):
-        opts = run.opts
+    def __init__(self, opts, method, bundle):
         self.folder = run_folder(opts) if opts.logging_dir else None
         self.backends = []
         self._closed = False
@@ -209,8 +209,8 @@ class Tracker:
         import atexit
 
         atexit.register(self.close)  # an interrupted run (SIGINT/SIGTERM state) still flushes
-        self.names = group_names(run)
-        self.base_lrs = [float(g["lr"]) for g in run.method.param_groups]
+        self.names = group_names(method, bundle)
+        self.base_lrs = [float(g["lr"]) for g in method.param_groups]
 
     def scalars(self, values: dict, step: int) -> None:
         values = {tag: float(v) for tag, v in values.items()}
@@ -242,96 +242,106 @@ class Tracker:
             b.close()
 
 
-def _tracker(run):
-    """The run's Tracker in the main process when it logs anywhere (logging_dir, log_with),
-    else None."""
-    if "_tracker" not in run.__dict__:
-        on = (uses_tensorboard(run.opts) or uses_wandb(run.opts)) and run.accelerator.is_main_process
-        run._tracker = Tracker(run) if on else None
-    return run._tracker
+class Reporter:
+    """What the loop reports, in every process: validation and samples when due (every
+    process), scalars and images to the main process's trackers."""
 
+    def __init__(self, opts, plan, tset, c):
+        self.opts, self.plan, self.tset, self.c = opts, plan, tset, c
+        self.tracker: Tracker | None = None
+        self._started = False
+        self.validated_at: int | None = None  # the step of the last validation / samples
+        self.sampled_at: int | None = None
 
-def before_training(run) -> None:
-    """Start the trackers (so that e.g. a failing wandb.init stops the run before its first
-    step); announce the held-out images; sample_at_first: the samples of the starting weights."""
-    _tracker(run)
-    n = len(getattr(run.tset, "val_items", []))
-    if n and run.accelerator.is_main_process:
-        logger.info(f"validation_split {run.opts.validation_split}: {n} image(s) held out for the "
-                    f"validation loss, {len(run.tset.train_items)} train")
-    if run.opts.sample_at_first and run.opts.sample_prompts:
-        _sample(run)
+    def _tracker(self) -> Tracker | None:
+        """The main process's Tracker when the run logs anywhere (logging_dir, log_with)."""
+        if not self._started:
+            self._started = True
+            o, c = self.opts, self.c
+            if (uses_tensorboard(o) or uses_wandb(o)) and c.accelerator.is_main_process:
+                self.tracker = Tracker(o, c.method, c.bundle)
+        return self.tracker
 
+    def before_training(self, progress) -> None:
+        """Start the trackers (so that e.g. a failing wandb.init stops the run before its first
+        step); announce the held-out images; sample_at_first: the samples of the starting
+        weights."""
+        self._tracker()
+        n = len(self.tset.val_items)
+        if n and self.c.accelerator.is_main_process:
+            logger.info(f"validation_split {self.opts.validation_split}: {n} image(s) held out for "
+                        f"the validation loss, {len(self.tset.train_items)} train")
+        if self.opts.sample_at_first and self.opts.sample_prompts:
+            self._sample(progress)
 
-def after_step(run, epoch: int) -> None:
-    from library import sampling, validation
+    def after_step(self, progress) -> None:
+        from library import sampling, validation
 
-    step = run.global_step
-    if validation.due(run, step=step):
-        _validate(run, "")
-    if sampling.due(run, step=step):
-        _sample(run)
-    t = _tracker(run)
-    if t is None:
-        return
-    window = run.loss_log[-run.plan.steps_per_epoch:]
-    values = {"loss/current": run.loss_log[-1], "loss/average": sum(window) / len(window)}
-    for name, lr in zip(t.names, t.lrs(run.lr_log[-1])):
-        values[f"lr/{name}"] = lr
-    stats = getattr(run, "max_norm_stats", None)
-    if stats is not None:  # scale_weight_norms
-        from library.network_options import max_norm_scalars
+        step = progress.global_step
+        if validation.due(self.opts, self.tset, step=step):
+            self._validate(progress, "")
+        if sampling.due(self.opts, step=step):
+            self._sample(progress)
+        t = self._tracker()
+        if t is None:
+            return
+        log = progress.loss_log
+        window = log[-self.plan.steps_per_epoch:]
+        values = {"loss/current": log[-1], "loss/average": sum(window) / len(window)}
+        for name, lr in zip(t.names, t.lrs(progress.lr_log[-1])):
+            values[f"lr/{name}"] = lr
+        if progress.max_norm_stats is not None:  # scale_weight_norms
+            from library.network_options import max_norm_scalars
 
-        values.update(max_norm_scalars(stats))
-    t.scalars(values, step)
+            values.update(max_norm_scalars(progress.max_norm_stats))
+        t.scalars(values, step)
 
+    def after_epoch(self, progress, epoch: int) -> None:
+        from library import sampling, validation
 
-def after_epoch(run, epoch: int) -> None:
-    from library import sampling, validation
+        step = progress.global_step
+        if validation.due(self.opts, self.tset, epoch=epoch) and self.validated_at != step:
+            self._validate(progress, f", end of epoch {epoch}")
+        if sampling.due(self.opts, epoch=epoch) and self.sampled_at != step:
+            self._sample(progress)
+        t = self._tracker()
+        if t is None:
+            return
+        done = self.plan.steps_per_epoch * (epoch - 1)  # steps before this epoch (loss_log[s-1]: step s)
+        losses = progress.loss_log[done:step]
+        if losses:
+            t.scalar("loss/epoch", sum(losses) / len(losses), step)
+        t.flush()
 
-    if validation.due(run, epoch=epoch) and run.__dict__.get("_validated_at") != run.global_step:
-        _validate(run, f", end of epoch {epoch}")
-    if sampling.due(run, epoch=epoch) and run.__dict__.get("_sampled_at") != run.global_step:
-        _sample(run)
-    t = _tracker(run)
-    if t is None:
-        return
-    done = run.plan.steps_per_epoch * (epoch - 1)  # steps before this epoch (loss_log[s-1]: step s)
-    losses = run.loss_log[done:run.global_step]
-    if losses:
-        t.scalar("loss/epoch", sum(losses) / len(losses), run.global_step)
-    t.flush()
+    def _validate(self, progress, label: str) -> None:
+        from library import validation
 
+        value = validation.run_validation(self.c, progress, label)
+        self.validated_at = progress.global_step
+        t = self._tracker()
+        if t is not None:
+            t.scalar("loss/validation", value, progress.global_step)
 
-def _validate(run, label: str) -> None:
-    from library import validation
+    def _sample(self, progress) -> None:
+        """Every process renders its share; the main process logs all of them (after the
+        barrier)."""
+        from library import sampling
 
-    value = validation.run_validation(run, label)
-    run._validated_at = run.global_step
-    t = _tracker(run)
-    if t is not None:
-        t.scalar("loss/validation", value, run.global_step)
+        step = progress.global_step
+        sampling.sample_images(self.opts, self.c, step)
+        self.sampled_at = step
+        t = self._tracker()
+        if t is None:
+            return
+        import numpy as np
+        from PIL import Image
 
+        o = self.opts
+        for i, p in enumerate(sampling.load_prompts(o.sample_prompts)):
+            with Image.open(sampling.image_path(o, step, i, sampling.prompt_seed(o, p, i))) as im:
+                t.image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), step)
 
-def _sample(run) -> None:
-    """Every process renders its share; the main process logs all of them (after the barrier)."""
-    from library import sampling
-
-    sampling.sample_images(run)
-    run._sampled_at = run.global_step
-    t = _tracker(run)
-    if t is None:
-        return
-    import numpy as np
-    from PIL import Image
-
-    o = run.opts
-    for i, p in enumerate(sampling.load_prompts(o.sample_prompts)):
-        with Image.open(sampling.image_path(o, run.global_step, i, sampling.prompt_seed(o, p, i))) as im:
-            t.image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), run.global_step)
-
-
-def finish(run) -> None:
-    t = run.__dict__.pop("_tracker", None)
-    if t is not None:
-        t.close()
+    def finish(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+        self.tracker = None

@@ -332,9 +332,10 @@ def _data_diff(a: list, b: list) -> str:
 
 
 # -- trainable parameters by name -----------------------------------------------------------------
-def named_trainable(run) -> list[tuple[str, object]]:
-    """(name, parameter) for every trainable parameter, in ``trainable_parameters()`` order."""
-    method, b = run.method, run.bundle
+def named_trainable(c) -> list[tuple[str, object]]:
+    """(name, parameter) for every trainable parameter of the components ``c`` (method, bundle),
+    in ``trainable_parameters()`` order."""
+    method, b = c.method, c.bundle
     roots = []
     if getattr(method, "network", None) is not None:
         roots.append(("network", method.network))
@@ -349,6 +350,15 @@ def named_trainable(run) -> list[tuple[str, object]]:
     for i, p in enumerate(method.trainable_parameters()):
         out.append((names.get(id(p), f"param.{i}"), p))
     return out
+
+
+def saved_tensors(c) -> list:
+    """(name, tensor) of what a save writes that training changes: the trainable parameters
+    and the EMA (frozen weights come from the loaded model and stay as loaded)."""
+    named = named_trainable(c)
+    if c.ema is None:
+        return named
+    return named + [("ema." + n, e) for (n, _), e in zip(named, c.ema.shadow)]
 
 
 # -- RNG ------------------------------------------------------------------------------------------
@@ -392,42 +402,31 @@ def _tuple(v):
 
 # -- write and load -------------------------------------------------------------------------------
 def write_state(run, path: str, log) -> None:
-    """Write the state of ``run`` (after its last completed step) to ``path``. Every process calls
-    this; the main process writes the folder, atomically."""
+    """Write the state of ``run`` (library/trainer.py Run: its options, plan, data, components
+    and progress after its last completed step) to ``path``. Every process calls this; the main
+    process writes the folder, atomically; the strategy's part (fsdp shards, DeepSpeed's
+    partitions) is written by every process into the same temporary folder."""
     from library import distributed
 
-    acc = run.accelerator
-    stepper_state = run.stepper.state_dict()  # every process (a sharded stepper may gather)
+    c = run.parts
+    acc, strategy = c.accelerator, c.strategy
+    stepper_state = c.stepper.state_dict()  # every process (a sharded stepper may gather)
     from library import nonfinite
 
     # nothing non-finite is written, and no good state replaced by it (every process checks)
-    nonfinite.check_before_save(run.saved_tensors() + _named_tensors("optimizer", stepper_state),
+    nonfinite.check_before_save(saved_tensors(c) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
-    from library import fsdp
-
-    sharded = fsdp.enabled(run.opts)  # the weights, optimizer and EMA as shards of every process
-    partitions = getattr(run.stepper, "save_partitions", None)  # deepspeed: ZeRO's own files
-    # what every process writes into the state besides the main process's files, if anything
-    if partitions is not None:
-        def each_process(tmp):
-            partitions(os.path.join(tmp, DEEPSPEED_DIR))  # its part of the optimizer state
-        what = f", with DeepSpeed's partitioned optimizer state of {acc.num_processes} process(es)"
-    elif sharded:
-        def each_process(tmp):
-            fsdp.save_sharded(run, os.path.join(tmp, SHARDED_DIR), named_trainable(run))
-        what = ", sharded"
-    else:
-        each_process, what = None, ""
-    if each_process is not None:
+    if strategy.state_dir is not None:
         with _shared_atomic_dir(path, acc) as tmp:
-            each_process(tmp)
+            strategy.save_process_state(os.path.join(tmp, strategy.state_dir), named_trainable(c), c)
             if acc.is_main_process:
-                _write_files(run, tmp, stepper_state, rngs, sharded=sharded)
+                _write_files(run, tmp, stepper_state, rngs)
     elif acc.is_main_process:
-        _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs, sharded=False))
+        _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs))
     if acc.is_main_process:
-        log.info(f"saved training state {path} (step {run.global_step}{what})")
+        log.info(f"saved training state {path} (step {run.progress.global_step}"
+                 f"{strategy.state_note()})")
     acc.wait_for_everyone()
 
 
@@ -475,21 +474,22 @@ def _broadcast_object(obj):
     return box[0]
 
 
-def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: bool) -> None:
+def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
     """The main process's files of a state (into the temporary folder ``tmp``)."""
     import torch
     from safetensors.torch import save_file
 
     from library import content_hash
 
-    plan, opts = run.plan, run.opts
-    epoch, batch = run.position
+    plan, opts, c, progress = run.plan, run.opts, run.parts, run.progress
+    flags = c.strategy.state_flags()  # {"sharded": fsdp, "deepspeed": deepspeed}
+    epoch, batch = progress.position
     info = {
         "version": STATE_VERSION,
-        "global_step": run.global_step,
+        "global_step": progress.global_step,
         "epoch": epoch, "batch": batch,        # the next global batch to train
-        "epochs_done": getattr(run, "epoch", 0),
-        "samples_seen": run.samples_seen,
+        "epochs_done": progress.epochs_done,
+        "samples_seen": progress.samples_seen,
         "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch,
         "processes": plan.processes, "train_batch_size": plan.train_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
@@ -499,18 +499,17 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         "config": _json(opts.to_dict()),
         "data": _json(data_fingerprint(run.tset)),
         "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
-        "loss_log": list(run.loss_log), "lr_log": list(run.lr_log),
-        "sharded": sharded,
-        "deepspeed": bool(getattr(opts, "deepspeed", False)),
+        "loss_log": list(progress.loss_log), "lr_log": list(progress.lr_log),
+        **flags,
     }
-    if not sharded:  # (sharded: in SHARDED_DIR, written by every process)
+    if not c.strategy.weights_sharded:  # (sharded: in SHARDED_DIR, written by every process)
         weights = {n: p.detach().to("cpu", copy=True).contiguous()
-                   for n, p in named_trainable(run)}
+                   for n, p in named_trainable(c)}
         save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
-        if getattr(run, "ema", None) is not None:
+        if c.ema is not None:
             from library.ema import STATE_FILE
 
-            save_file(run.ema.state_tensors([n for n, _ in named_trainable(run)]),
+            save_file(c.ema.state_tensors([n for n, _ in named_trainable(c)]),
                       os.path.join(tmp, STATE_FILE))
     torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
     torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
@@ -518,16 +517,21 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list, *, sharded: boo
         json.dump(info, f)
 
 
-def load_state(run, path: str, info: dict, log) -> None:
-    """Put the state's weights, optimizer/scheduler, generators and counters into ``run``."""
+def load_state(run, path: str, info: dict, log):
+    """Put the state's weights, optimizer/scheduler and generators into the components of
+    ``run``; returns the saved Progress (library/run_state.py)."""
     import torch
 
-    acc = run.accelerator
-    named = named_trainable(run)
+    c = run.parts
+    acc, strategy = c.accelerator, c.strategy
+    named = named_trainable(c)
     if info.get("sharded"):
-        _load_sharded(run, path, named)
+        if not strategy.weights_sharded:  # the config check names fsdp first; kept for direct callers
+            raise ResumeError(f"resume: {path} was written with fsdp (sharded); resume it with fsdp")
+        # the weights, optimizer state and EMA from the shards (resharded to this run)
+        strategy.load_process_state(os.path.join(path, strategy.state_dir), named, c)
     else:
-        _load_weights(run, path, named)
+        _load_weights(c, path, named)
     try:
         # Under MULTI_CPU the device is cpu:<rank>, a location torch.load cannot restore to
         device = "cpu" if acc.device.type == "cpu" else acc.device
@@ -537,17 +541,17 @@ def load_state(run, path: str, info: dict, log) -> None:
         # torch's weights_only refusal spans many lines: its first says what failed
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResumeError(f"resume: {path} is damaged: cannot read the optimizer state ({first})") from None
-    fresh = [list(sc.base_lrs) for sc in _schedulers(run.stepper)]  # this run's learning rates
+    fresh = [list(sc.base_lrs) for sc in c.stepper.schedulers]  # this run's learning rates
     try:
-        run.stepper.load_state_dict(st)
-        partitions = getattr(run.stepper, "load_partitions", None)  # deepspeed: ZeRO's own files
-        if partitions is not None:
-            partitions(os.path.join(path, DEEPSPEED_DIR))
+        c.stepper.load_state_dict(st)
+        if strategy.state_dir is not None and not strategy.weights_sharded:
+            # deepspeed: ZeRO's own partitioned optimizer state
+            strategy.load_process_state(os.path.join(path, strategy.state_dir), named, c)
     except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    _keep_learning_rates(run.stepper, fresh, path, log)
-    _load_rest(run, info, rng, log)
+    _keep_learning_rates(c.stepper, fresh, path, log)
+    return _load_rest(run, info, rng, log)
 
 
 def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
@@ -573,20 +577,7 @@ def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
             g["initial_lr"] = lr
 
 
-def _load_sharded(run, path: str, named: list) -> None:
-    """fsdp: the weights, optimizer state and EMA from the shards (resharded to this run)."""
-    from library import fsdp
-
-    if not fsdp.enabled(run.opts):  # the config check names fsdp first; kept for direct callers
-        raise ResumeError(f"resume: {path} was written with fsdp (sharded); resume it with fsdp")
-    try:
-        fsdp.load_sharded(run, os.path.join(path, SHARDED_DIR), named)
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise ResumeError(f"resume: {path}: the sharded weights or optimizer state do not fit this "
-                          f"run ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-
-
-def _load_weights(run, path: str, named: list) -> None:
+def _load_weights(c, path: str, named: list) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -609,18 +600,20 @@ def _load_weights(run, path: str, named: list) -> None:
                 raise ResumeError(f"resume: {path}: {n} has shape {tuple(w.shape)} in the state, "
                                   f"{tuple(p.shape)} in this run")
             p.copy_(w.to(p.device, p.dtype))
-    if getattr(run, "ema", None) is not None:
+    if c.ema is not None:
         from library.ema import STATE_FILE
 
         f = os.path.join(path, STATE_FILE)
         if not os.path.isfile(f):
             raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
-        run.ema.load_tensors(load_file(f), [n for n, _ in named], path)
+        c.ema.load_tensors(load_file(f), [n for n, _ in named], path)
 
 
-def _load_rest(run, info: dict, rng: dict, log) -> None:
-    acc = run.accelerator
-    resync_lr(run.stepper)
+def _load_rest(run, info: dict, rng: dict, log):
+    from library.run_state import Progress
+
+    acc = run.parts.accelerator
+    resync_lr(run.parts.stepper)
     ranks = rng["ranks"]
     rank = acc.process_index
     set_rng_state(ranks[rank] if len(ranks) == acc.num_processes else ranks[0])
@@ -628,12 +621,10 @@ def _load_rest(run, info: dict, rng: dict, log) -> None:
         log.warning("resume: the state was saved by %d process(es), this run has %d: network "
                     "dropout draws from each process's generator and does not continue exactly",
                     len(ranks), acc.num_processes)
-    run.global_step = int(info["global_step"])
-    run.epoch = int(info["epochs_done"])
-    run.samples_seen = int(info["samples_seen"])
-    run.loss_log = list(info["loss_log"])
-    run.lr_log = list(info["lr_log"])
-    run.position = (int(info["epoch"]), int(info["batch"]))
+    return Progress(global_step=int(info["global_step"]), epochs_done=int(info["epochs_done"]),
+                    samples_seen=int(info["samples_seen"]), loss_log=list(info["loss_log"]),
+                    lr_log=list(info["lr_log"]),
+                    position=(int(info["epoch"]), int(info["batch"])))
 
 
 def resync_lr(stepper) -> None:
@@ -658,21 +649,7 @@ def resync_lr(stepper) -> None:
 
 def _schedulers(stepper) -> list:
     """Every scheduler of a stepper (one, or one per fused unit), each once."""
-    scheds = []
-    for attr in ("scheduler", "schedulers"):
-        v = getattr(stepper, attr, None)
-        if isinstance(v, (list, tuple)):
-            scheds.extend(v)
-        elif isinstance(v, dict):
-            scheds.extend(v.values())
-        elif v is not None:
-            scheds.append(v)
-    out, seen = [], set()
-    for sc in scheds:
-        if id(sc) not in seen:
-            seen.add(id(sc))
-            out.append(sc)
-    return out
+    return list(stepper.schedulers)
 
 
 def _named_tensors(prefix: str, v) -> list:

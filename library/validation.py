@@ -3,8 +3,8 @@ timesteps with fixed noise.
 
     split_items(items, fraction, seed, where)   the held-out images (building the training set)
     check_options(opts)                          before any weight is loaded
-    due(run, epoch=None, step=None)              whether this step / epoch end validates
-    validation_loss(run)                         the global mean (every process calls it)
+    due(opts, tset, epoch=None, step=None)       whether this step / epoch end validates
+    Validation(opts, tset).loss(components)      the global mean (every process calls it)
 
 The number is comparable across runs, batch sizes and process counts:
 
@@ -65,18 +65,13 @@ def check_options(opts) -> None:
                               "held out for the validation loss)")
 
 
-def enabled(run) -> bool:
-    return bool(getattr(run.tset, "val_items", None))
-
-
-def due(run, *, epoch: int | None = None, step: int | None = None) -> bool:
+def due(opts, tset, *, epoch: int | None = None, step: int | None = None) -> bool:
     """After a step (``step``) or at the end of an epoch (``epoch``)."""
-    o = run.opts
-    if not enabled(run):
+    if not tset.val_items:
         return False
     if step is not None:
-        return bool(o.validate_every_n_steps) and step % o.validate_every_n_steps == 0
-    return epoch % (o.validate_every_n_epochs or 1) == 0
+        return bool(opts.validate_every_n_steps) and step % opts.validate_every_n_steps == 0
+    return epoch % (opts.validate_every_n_epochs or 1) == 0
 
 
 def timesteps(losses) -> list[int]:
@@ -103,108 +98,113 @@ def caption(item) -> str:
     return data.process_caption(item.caption, fixed, 0, None)
 
 
-def _latents(run, item):
-    """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
-    import torch
-
-    from library import images, latent_cache
-
-    memo = run.__dict__.setdefault("_val_latents", {})
-    key = (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
-    if key not in memo:
-        img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
-        p = images.prepare_image(img, item.bucket, item.resized_size, mask=mask)
-        vae = run.bundle.vae
-        pix = p.pixels.unsqueeze(0).to(run.accelerator.device, dtype=vae.dtype)
-        with torch.no_grad():
-            lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
-        masks = run.__dict__.setdefault("_val_masks", {})  # (h, w) at the latent size, or None
-        masks[key] = None if p.mask is None else images.latent_mask(p.mask, tuple(lat.shape[1:]))
-        memo[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
-                                        dtype=torch.float32))
-    return memo[key]
+def _key(item) -> tuple:
+    return (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
 
 
-def encode_held_out(run) -> None:
-    """Encode the held-out images this process evaluates now (the cache stage), so that
-    validation never needs the VAE once it has left the device (library/frozen.py)."""
-    from library import fsdp
-
-    items = run.tset.val_items
-    for i, _ in fsdp.share(run, len(items)):  # fsdp: every process evaluates every image
-        _latents(run, items[i])
-
-
-def _mask(run, item, latent_hw, n: int):
-    """Masked loss (as in training, and as sd-scripts validates): the held-out image's mask
-    (ones for an image without one) repeated for its ``n`` timesteps, (n,1,h,w); None when no
-    image of the run has a mask."""
-    import torch
-
-    if not getattr(run.tset, "masked", False):
-        return None
-    m = run.__dict__.get("_val_masks", {}).get((item.path, tuple(item.bucket), tuple(item.resized_size)))
-    if m is None:
-        m = torch.ones(tuple(latent_hw))
-    return m.expand(n, *m.shape).unsqueeze(1).to(run.accelerator.device)
-
-
-def _modules(run) -> list:
-    b = run.bundle
+def modules(c) -> list:
+    """The modules that run in eval mode while validating or sampling (components ``c``)."""
+    b = c.bundle
     mods = [b.unet, *b.text_encoders]
-    net = getattr(run.method, "network", None)
+    net = getattr(c.method, "network", None)  # a method with a network module (LoRA)
     if net is not None:
         mods.append(net)
     return mods
 
 
-def validation_loss(run) -> float:
-    """The mean validation loss over every held-out image and timestep (all processes)."""
-    import torch
+class Validation:
+    """The held-out images of a run and their latents (encoded once, in the cache stage)."""
 
-    from library import fsdp, losses, text_cache
+    def __init__(self, opts, tset):
+        self.opts, self.tset = opts, tset
+        self.items = tset.val_items
+        self._latents: dict = {}  # key -> (latent (C,h,w) float32, size conditioning (6,))
+        self._masks: dict = {}    # key -> (h, w) at the latent size, or None
 
-    acc, opts = run.accelerator, run.opts
-    items = run.tset.val_items
-    lossf = losses.for_run(run)
-    ts = timesteps(lossf)
-    mine = torch.zeros(len(items), dtype=torch.float64)
-    modes = {m: m.training for root in _modules(run) for m in root.modules()}
-    devices = [acc.device] if acc.device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), run.stepper.eval_mode():
-            for root in _modules(run):
-                root.eval()
-            for i, kept in fsdp.share(run, len(items)):  # fsdp: all images, own slots kept
-                lat, size = _latents(run, items[i])
-                x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
-                noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
-                    _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
-                t = torch.tensor(ts, dtype=torch.long, device=acc.device)
-                d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
-                noisy = lossf.noisy_latents(x0, d)
-                with acc.autocast():
-                    if getattr(run, "text_cache", None) is not None:  # encoded in the cache stage
-                        cond = text_cache.stack([run.text_cache[caption(items[i])]] * len(ts), acc.device)
-                    else:
-                        tokens = [tk.to(acc.device) for tk in run.adapter.tokenize([caption(items[i])] * len(ts))]
-                        cond = run.adapter.encode(tokens, opts.clip_skip)
+    def latents(self, vae, device, item):
+        """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
+        import torch
+
+        from library import images, latent_cache
+
+        key = _key(item)
+        if key not in self._latents:
+            img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
+            p = images.prepare_image(img, item.bucket, item.resized_size, mask=mask)
+            pix = p.pixels.unsqueeze(0).to(device, dtype=vae.dtype)
+            with torch.no_grad():
+                lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
+            self._masks[key] = None if p.mask is None else images.latent_mask(p.mask, tuple(lat.shape[1:]))
+            self._latents[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
+                                                    dtype=torch.float32))
+        return self._latents[key]
+
+    def encode_held_out(self, vae, device, strategy) -> None:
+        """Encode the held-out images this process evaluates now (the cache stage), so that
+        validation never needs the VAE once it has left the device (library/frozen.py)."""
+        for i, _ in strategy.share(len(self.items)):  # fsdp: every process evaluates every image
+            self.latents(vae, device, self.items[i])
+
+    def _mask(self, item, latent_hw, n: int, device):
+        """Masked loss (as in training, and as sd-scripts validates): the held-out image's mask
+        (ones for an image without one) repeated for its ``n`` timesteps, (n,1,h,w); None when no
+        image of the run has a mask."""
+        import torch
+
+        if not self.tset.masked:
+            return None
+        m = self._masks.get(_key(item))
+        if m is None:
+            m = torch.ones(tuple(latent_hw))
+        return m.expand(n, *m.shape).unsqueeze(1).to(device)
+
+    def loss(self, c) -> float:
+        """The mean validation loss over every held-out image and timestep (all processes), with
+        the run's components ``c`` (the batch loss of training: library/batch_loss.py)."""
+        import torch
+
+        from library import losses, text_cache
+
+        acc, opts, items = c.accelerator, self.opts, self.items
+        ts = timesteps(c.losses)
+        mine = torch.zeros(len(items), dtype=torch.float64)
+        mods = modules(c)
+        modes = {m: m.training for root in mods for m in root.modules()}
+        devices = [acc.device] if acc.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode():
+                for root in mods:
+                    root.eval()
+                for i, kept in c.strategy.share(len(items)):  # fsdp: all images, own slots kept
+                    lat, size = self.latents(c.bundle.vae, acc.device, items[i])
+                    x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
+                    noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
+                        _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
+                    t = torch.tensor(ts, dtype=torch.long, device=acc.device)
+                    d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
+                    text = caption(items[i])
+
+                    def conditioning(text=text):
+                        if c.caches.text is not None:  # encoded in the cache stage
+                            return text_cache.stack([c.caches.text[text]] * len(ts), acc.device)
+                        tokens = [tk.to(acc.device) for tk in c.adapter.tokenize([text] * len(ts))]
+                        return c.adapter.encode(tokens, opts.clip_skip)
+
                     sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
-                    pred = run.adapter.unet_forward(noisy.to(run._unet_dtype()), t, cond,
-                                                    sc if run.bundle.family == "sdxl" else None)
-                mask = _mask(run, items[i], lat.shape[1:], len(ts))
-                if kept:
-                    mine[i] = float(lossf.per_sample_loss(pred, x0, d, mask).double().mean())
-    finally:
-        for m, training in modes.items():
-            m.training = training
-    if acc.num_processes > 1:  # each slot is non-zero in one process only: the sum is exact
-        import torch.distributed as dist
+                    mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
+                    per_sample = c.batch_loss.per_sample(x0, d, conditioning, sc, mask)
+                    if kept:
+                        mine[i] = float(per_sample.double().mean())
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        if acc.num_processes > 1:  # each slot is non-zero in one process only: the sum is exact
+            import torch.distributed as dist
 
-        buf = mine.to(acc.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        mine = buf.cpu()
-    return float(mine.mean())
+            buf = mine.to(acc.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            mine = buf.cpu()
+        return float(mine.mean())
 
 
 def _derive(*key) -> int:
@@ -213,13 +213,13 @@ def _derive(*key) -> int:
     return derive_seed(*key)
 
 
-def run_validation(run, label: str) -> float:
-    """Compute, print (main process) and record the validation loss."""
-    value = validation_loss(run)
-    run.__dict__.setdefault("val_log", []).append((run.global_step, value))
-    if run.accelerator.is_main_process:
+def run_validation(c, progress, label: str) -> float:
+    """Compute, print (main process) and record (``progress.val_log``) the validation loss."""
+    value = c.validation.loss(c)
+    progress.val_log.append((progress.global_step, value))
+    if c.accelerator.is_main_process:
         from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
 
-        tqdm.write(f"validation loss {value:.6f} at step {run.global_step}{label} "
-                   f"({len(run.tset.val_items)} image(s) x {TIMESTEPS} timesteps)")
+        tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "
+                   f"({len(c.validation.items)} image(s) x {TIMESTEPS} timesteps)")
     return value

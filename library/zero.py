@@ -319,32 +319,32 @@ def _process_group(acc) -> bool:
     return True
 
 
-def trained_modules(run) -> list[tuple[str, object]]:
+def trained_modules(b, method) -> list[tuple[str, object]]:
     """(name, module) the engine wraps: the LoRA network, or the U-Net / trained text encoders."""
-    if getattr(run.method, "network", None) is not None:
-        return [("network", run.method.network)]
+    net = getattr(method, "network", None)  # a method with a network module (LoRA)
+    if net is not None:
+        return [("network", net)]
     from library.fsdp import trained_roots
 
-    return trained_roots(run)
+    return trained_roots(b, method)
 
 
-def make_stepper(run, groups: list[dict]):
-    """The DeepSpeed engine over the run's trained modules and optimizer, as a stepper."""
+def make_stepper(opts, acc, plan, modules: list[tuple[str, object]], groups: list[dict]):
+    """The DeepSpeed engine over the trained ``modules`` and the run's optimizer, as a stepper."""
     import torch
 
     from library.optim import build_optimizer
     from library.stepper import build_run_scheduler
 
-    opts, acc = run.opts, run.accelerator
     deepspeed = _import_deepspeed()
-    wrapper = torch.nn.ModuleDict(dict(trained_modules(run)))
+    wrapper = torch.nn.ModuleDict(dict(modules))
     # copies of the groups: ZeRO replaces each optimizer group's parameters with its flat
     # partition, and the method's groups must keep naming the model's parameters
     optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args,
                                 [{**g, "params": list(g["params"])} for g in groups],
                                 opts.learning_rate)
-    scheduler = build_run_scheduler(opts, optimizer, warmup_steps=run.plan.warmup_steps,
-                                    total_steps=run.plan.total_steps)
+    scheduler = build_run_scheduler(opts, optimizer, warmup_steps=plan.warmup_steps,
+                                    total_steps=plan.total_steps)
     config = ds_config(opts, acc.num_processes)
     n = sum(p.numel() for p in {id(p): p for g in groups for p in g["params"]
                                 if p.requires_grad}.values())
@@ -372,7 +372,12 @@ def make_stepper(run, groups: list[dict]):
 
 
 class DeepSpeedStepper:
+    """The DeepSpeed engine as a stepper (library/stepper.py's ``Stepper``). Every process runs
+    every micro-step (the DeepSpeed strategy's ``forward_in_every_process``)."""
+
     steps_in_backward = False
+    nonfinite = None        # DeepSpeed's own overflow handling (fp16) skips such steps itself
+    partial_update = False
 
     def __init__(self, engine, ds_optimizer, optimizer, scheduler, processes: int, stage: int,
                  owns_process_group: bool = False):
@@ -383,10 +388,6 @@ class DeepSpeedStepper:
         self.scheduler = scheduler
         self.processes = processes
         self.stage = stage
-        # stage 2 reduces in every micro-step's backward, stage 0/1 in the last one, and ZeRO
-        # builds the partitioned gradient in the last one: every process runs every micro-step
-        # (a zero-weight one for an empty share), even alone (a partial global batch)
-        self.forward_in_every_process = True
 
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -404,6 +405,14 @@ class DeepSpeedStepper:
     @contextlib.contextmanager
     def eval_mode(self):
         yield  # schedule-free optimizers are rejected with deepspeed
+
+    @property
+    def schedulers(self) -> list:
+        return [self.scheduler]
+
+    def skip(self) -> None:
+        """Not reached: DeepSpeed reports no non-finite step to the loop (``nonfinite`` None)."""
+        raise RuntimeError("deepspeed: no step to skip")
 
     def state_dict(self) -> dict:
         return {"scheduler": self.scheduler.state_dict()}
@@ -436,15 +445,14 @@ class DeepSpeedStepper:
 
 
 @contextlib.contextmanager
-def master_weights(run):
+def master_weights(params):
     """Inside: with deepspeed in bf16 / fp16, the trained parameters hold ZeRO's float32 master
     weights (for a model save), their own half-precision values again after. Every process must
-    enter it (gathering a master weight is a collective). A no-op otherwise."""
+    enter it (gathering a master weight is a collective). A no-op in float32."""
     import torch
 
-    stepper = getattr(run, "stepper", None)
-    params = list(getattr(run, "params", []) or [])
-    if not isinstance(stepper, DeepSpeedStepper) or all(p.dtype == torch.float32 for p in params):
+    params = list(params)
+    if all(p.dtype == torch.float32 for p in params):
         yield
         return
     from deepspeed.utils import safe_get_full_fp32_param

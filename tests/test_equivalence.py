@@ -115,24 +115,26 @@ class TrainingCapture:
         from library import trainer
 
         self._trainer = trainer
-        self._run, self._loss = trainer.run, trainer.Run.micro_step_loss
-        real_run, real_loss = self._run, self._loss
+        from library.run_state import HOOKS
+
+        self._run = trainer.run
+        real_run = self._run
 
         def run(opts, method_name):
             self.run = real_run(opts, method_name)
             return self.run
 
-        def micro_step_loss(run_self, epoch, idx, images, n_global):
-            self.micro_steps.append((run_self.global_step, epoch, tuple(idx)))
-            return real_loss(run_self, epoch, idx, images, n_global)
+        def before_micro_step(run_self, epoch, idx):
+            self.micro_steps.append((run_self.progress.global_step, epoch, tuple(idx)))
 
         trainer.run = run
-        trainer.Run.micro_step_loss = micro_step_loss
+        self._hooks = HOOKS.add(before_micro_step=before_micro_step)
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._trainer.run = self._run
-        self._trainer.Run.micro_step_loss = self._loss
+        self._hooks.__exit__(*exc)
 
     def samples_per_step(self) -> list[tuple[int, tuple[int, ...]]]:
         """(epoch, sorted sample indices) of each step, all micro-steps together."""

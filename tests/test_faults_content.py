@@ -197,7 +197,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     file intact, no temporary left, and a complete copy in the system temp dir, named."""
     from safetensors.torch import load_file
 
-    from library import train_state, trainer
+    from library import saver, train_state, trainer
     from library.saving import SaveError
 
     run = saved["run"]
@@ -220,7 +220,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     shutil.rmtree(os.path.dirname(rescue))
 
     with pytest.raises(SaveError) as e:
-        run.ema.save(run, metadata={})
+        saver.save_ema(run, metadata={})
     msg = str(e.value)
     assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
     rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")

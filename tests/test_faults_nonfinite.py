@@ -36,20 +36,17 @@ class _Blow(torch.autograd.Function):
         return g * 1e30
 
 
-def inject(mp, at_step: int, kind: str):
-    """Make step ``at_step`` (1-based) go non-finite: ``nan`` loss or ``blow`` gradient (``mp``:
-    a MonkeyPatch of its own, undone after the run: the ``train`` fixture has patched too)."""
-    from library import trainer
+def inject(at_step: int, kind: str):
+    """Make step ``at_step`` (1-based) go non-finite: ``nan`` loss or ``blow`` gradient (the
+    loop's declared micro-step hook; a context manager)."""
+    from library.run_state import HOOKS
 
-    real = trainer.Run.micro_step_loss
-
-    def micro_step_loss(self, *a, **kw):
-        loss = real(self, *a, **kw)
-        if self.global_step + 1 == at_step:
+    def after_micro_step(run, epoch, idx, loss):
+        if run.progress.global_step + 1 == at_step:
             loss = loss * float("nan") if kind == "nan" else _Blow.apply(loss)
         return loss
 
-    mp.setattr(trainer.Run, "micro_step_loss", micro_step_loss)
+    return HOOKS.add(after_micro_step=after_micro_step)
 
 
 def assert_one_error_line(err: str, text: str):
@@ -93,8 +90,7 @@ def stopped_run(train, tmp_path, extra, at_step, kind, what):
     """Run 4 steps with a fault at ``at_step``: checks the stop, returns (out, state folder)."""
     out = str(tmp_path / "out")
     good = previous_good_file(out)
-    with pytest.MonkeyPatch.context() as mp:
-        inject(mp, at_step, kind)
+    with inject(at_step, kind):
         rc, _, err, _ = train("train_lora", [*LORA, *extra, "--train_data_dir", tmp_path / "data",
                                              "--output_dir", out, "--max_train_steps", "4",
                                              "--save_every_n_steps", "1"])
@@ -171,19 +167,16 @@ def test_fused_gradient_non_finite_after_other_steps(data, train, tmp_path):
     """With fused_backward_pass a finite loss whose gradient goes non-finite only for a parameter
     reached late in the backward pass: parameters before it were already stepped, so no state of
     the last good step exists; the run stops saying so, and writes nothing non-finite."""
-    from library import trainer
+    from library.run_state import HOOKS
 
-    real = trainer.Run.micro_step_loss
     hooked = []
 
-    def micro_step_loss(self, *a, **kw):
-        if self.global_step + 1 == 2 and not hooked:  # the earliest-created trainable parameter
-            hooked.append(self.stepper.params[-1].register_hook(lambda g: g * float("inf")))
-        return real(self, *a, **kw)
+    def before_micro_step(run, epoch, idx):
+        if run.progress.global_step + 1 == 2 and not hooked:  # the earliest-created trainable parameter
+            hooked.append(run.parts.stepper.params[-1].register_hook(lambda g: g * float("inf")))
 
     out = str(tmp_path / "out")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer.Run, "micro_step_loss", micro_step_loss)
+    with HOOKS.add(before_micro_step=before_micro_step):
         rc, _, err, _ = train("train_lora", [*LORA, "--fused_backward_pass", "--train_data_dir",
                                              tmp_path / "data", "--output_dir", out,
                                              "--max_train_steps", "3", "--save_every_n_steps", "1"])
@@ -253,20 +246,15 @@ def test_plain_clipping_inf_norm_stops_instead_of_zeroing(data, train, tmp_path)
 
 
 def test_skip_drops_the_update_and_the_schedule_steps(data, train, tmp_path):
-    from library import trainer
+    from library.run_state import HOOKS
     from library.train_state import named_trainable
 
     before = {}
-    with pytest.MonkeyPatch.context() as mp:
-        inject(mp, 3, "nan")
-        faulty = trainer.Run.micro_step_loss
+    def snapshot(run, epoch, idx):  # the weights after step 2, as step 3 starts
+        if run.progress.global_step == 2 and not before:
+            before.update({n: p.detach().clone() for n, p in named_trainable(run.parts)})
 
-        def snapshot(self, *a, **kw):  # the weights after step 2, as step 3 starts
-            if self.global_step == 2 and not before:
-                before.update({n: p.detach().clone() for n, p in named_trainable(self)})
-            return faulty(self, *a, **kw)
-
-        mp.setattr(trainer.Run, "micro_step_loss", snapshot)
+    with inject(3, "nan"), HOOKS.add(before_micro_step=snapshot):
         rc, _, err, run = train("train_lora", [*LORA, "--train_data_dir", tmp_path / "data",
                                                "--output_dir", tmp_path / "skip",
                                                "--max_train_steps", "3", "--on_nonfinite", "skip",
@@ -342,19 +330,19 @@ def test_two_processes_stop_at_the_same_step(data, tmp_path, extra):
 if __name__ == "__main__":  # one process of the two-process test: NaN loss in one rank
     import sys
 
-    from library import trainer
     from library.cli import main
+    from library.run_state import HOOKS
 
     rank_s, step_s = os.environ["SDTK_TEST_NAN_AT"].split(":")
-    real = trainer.Run.micro_step_loss
 
-    def micro_step_loss(self, *a, **kw):
-        loss = real(self, *a, **kw)
-        if self.accelerator.process_index == int(rank_s) and self.global_step + 1 == int(step_s):
+    def after_micro_step(run, epoch, idx, loss):
+        if run.parts.accelerator.process_index == int(rank_s) and \
+                run.progress.global_step + 1 == int(step_s):
             loss = loss * float("nan")
         return loss
 
-    trainer.Run.micro_step_loss = micro_step_loss
+    held = HOOKS.add(after_micro_step=after_micro_step)  # for the whole process (kept referenced)
+    held.__enter__()
     torch.set_num_threads(1)
     rc = main("train_lora", sys.argv[1:])
     print(f"rank-exit {os.environ.get('RANK', '0')} {rc}", flush=True)

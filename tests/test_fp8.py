@@ -96,21 +96,20 @@ def _rel(a: dict, b: dict, names) -> float:
                                             ("tiny-sdxl", "lora_")])
 def test_lora_trains_on_an_fp8_base_close_to_a_bf16_base(model, compared, dataset, tmp_path, train,
                                                           monkeypatch):
-    from library import trainer
+    from library.run_state import HOOKS
 
     seen = []
-    real = trainer.Run.micro_step_loss
 
-    def spy(self, *a, **k):  # the frozen weights' dtypes while the loop runs
-        seen.append({str(p.dtype) for m in (self.bundle.unet, *self.bundle.text_encoders)
+    def spy(run, epoch, idx):  # the frozen weights' dtypes while the loop runs
+        b = run.parts.bundle
+        seen.append({str(p.dtype) for m in (b.unet, *b.text_encoders)
                      for mod in m.modules() if type(mod) in (torch.nn.Linear, torch.nn.Conv2d)
                      for p in (mod.weight,)})
-        return real(self, *a, **k)
 
     rc, _, err, base = train("train_lora", _lora_args(model, dataset, tmp_path / "bf16"))
     assert rc == 0, err
-    monkeypatch.setattr(trainer.Run, "micro_step_loss", spy)
-    rc, _, err, run = train("train_lora", _lora_args(model, dataset, tmp_path / "fp8", "--fp8_base"))
+    with HOOKS.add(before_micro_step=spy):
+        rc, _, err, run = train("train_lora", _lora_args(model, dataset, tmp_path / "fp8", "--fp8_base"))
     assert rc == 0, err
     assert len(seen) == 2 and all(s == {"torch.float8_e4m3fn"} for s in seen)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in run.method.network.parameters())

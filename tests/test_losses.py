@@ -428,7 +428,7 @@ def test_lora_trains_and_saves_with_variants(train, dataset, tmp_path):
 
     run, tensors = lora(tmp_path / "variants", *VARIANTS_EPS)
     assert run.global_step == 2 and all(math.isfinite(x) for x in run.loss_log)
-    assert run._losses.opts.loss_type == "huber"
+    assert run.losses.opts.loss_type == "huber"
     base_run, base = lora(tmp_path / "plain")
     assert run.loss_log != base_run.loss_log
     assert any(not torch.equal(tensors[k], base[k]) for k in base if k.endswith("lora_up.weight"))
@@ -437,7 +437,7 @@ def test_lora_trains_and_saves_with_variants(train, dataset, tmp_path):
                    "--min_snr_gamma", "5", "--scale_v_pred_loss_like_noise_pred",
                    "--debiased_estimation_loss", "--loss_type", "smooth_l1", "--huber_schedule",
                    "exponential")
-    assert vrun._losses.v_prediction and float(vrun._losses.all_snr[-1]) == 0.0
+    assert vrun.losses.v_prediction and float(vrun.losses.all_snr[-1]) == 0.0
     assert vrun.global_step == 2 and all(math.isfinite(x) for x in vrun.loss_log)
 
 
@@ -452,19 +452,17 @@ SPLIT_VARIANTS = ["--noise_offset", "0.1", "--noise_offset_random_strength", "--
 def split_runs(tmp_path_factory):
     """The two-bucket dataset of tests/test_equivalence.py trained with every noise variant as
     batch 2 and as batch 1 x accumulation 2, recording each sample's draws and loss."""
-    from library import trainer
+    from library.run_state import HOOKS
     from tests.test_equivalence import make_two_bucket_dataset, train_args, train_in_process
 
     data = make_two_bucket_dataset(str(tmp_path_factory.mktemp("twobuckets")))
 
     def run(name, split):
         records, current = {}, {}
-        real_loss, real_draw, real_psl = (trainer.Run.micro_step_loss, losses.Losses.draw,
-                                          losses.Losses.per_sample_loss)
+        real_draw, real_psl = losses.Losses.draw, losses.Losses.per_sample_loss
 
-        def micro_step_loss(self, epoch, idx, images, n_global):
+        def before_micro_step(run, epoch, idx):
             current["key"] = [(epoch, i) for i in idx]
-            return real_loss(self, epoch, idx, images, n_global)
 
         def draw(self, latents, generators):
             d = real_draw(self, latents, generators)
@@ -480,12 +478,12 @@ def split_runs(tmp_path_factory):
             return out
 
         mp = pytest.MonkeyPatch()
-        mp.setattr(trainer.Run, "micro_step_loss", micro_step_loss)
         mp.setattr(losses.Losses, "draw", draw)
         mp.setattr(losses.Losses, "per_sample_loss", per_sample_loss)
         try:
             out = str(tmp_path_factory.mktemp(name))
-            res = train_in_process(train_args(data, out, *split, *SPLIT_VARIANTS))
+            with HOOKS.add(before_micro_step=before_micro_step):
+                res = train_in_process(train_args(data, out, *split, *SPLIT_VARIANTS))
         finally:
             mp.undo()
         return records, res

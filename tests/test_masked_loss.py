@@ -180,16 +180,16 @@ seen_validation: dict = {}  # id(seen) -> the masks the validation loss was comp
 def record_masks(monkeypatch):
     """Spy on the trainer: per (epoch, sample index) the mask passed to the loss, the per-sample
     loss, and the flip (from the loaded pixels when uncached)."""
-    from library import trainer
+    from library.batch_loss import BatchLoss
 
     seen, current, validation = {}, {}, []
     seen_validation[id(seen)] = validation
-    real_step, real_psl = trainer.Run.micro_step_loss, losses.Losses.per_sample_loss
+    real_step, real_psl = BatchLoss.training, losses.Losses.per_sample_loss
 
-    def micro_step_loss(self, epoch, idx, images, n_global):
+    def training(self, epoch, idx, images, n_global):
         current["keys"] = [(epoch, i) for i in idx]
         current["images"] = images
-        current["run"] = self
+        current["tset"] = self.tset
         try:
             return real_step(self, epoch, idx, images, n_global)
         finally:
@@ -201,12 +201,12 @@ def record_masks(monkeypatch):
             validation.append(None if mask is None else mask.detach().double().cpu())
         for k, key in enumerate(current.get("keys", [])):
             seen[key] = {"mask": None if mask is None else mask[k, 0].detach().double().cpu(),
-                         "loss": float(out[k]), "path": current["run"].tset.samples[key[1]].path,
-                         "flip": current["run"].tset.flip(key[1], key[0]),
+                         "loss": float(out[k]), "path": current["tset"].samples[key[1]].path,
+                         "flip": current["tset"].flip(key[1], key[0]),
                          "pixels": None if current["images"] is None else current["images"][k].pixels}
         return out
 
-    monkeypatch.setattr(trainer.Run, "micro_step_loss", micro_step_loss)
+    monkeypatch.setattr(BatchLoss, "training", training)
     monkeypatch.setattr(losses.Losses, "per_sample_loss", per_sample_loss)
     return seen
 

@@ -99,16 +99,18 @@ def _wait_for_signal(report_dir: str, n: int):
 
 
 def _inject_failure(at_step: int):
-    from library import trainer
+    from library.run_state import HOOKS
 
-    captured = trainer.Run.micro_step_loss  # restored by TrainingCapture on exit
-
-    def micro_step_loss(run_self, epoch, idx, images, n_global):
-        if run_self.global_step == at_step:
+    def before_micro_step(run, epoch, idx):
+        if run.progress.global_step == at_step:
             raise RuntimeError(f"injected failure on rank {os.environ['RANK']} at step {at_step}")
-        return captured(run_self, epoch, idx, images, n_global)
 
-    trainer.Run.micro_step_loss = micro_step_loss
+    # for the worker process (kept: a dropped context manager's generator would remove the hook)
+    _HELD.append(HOOKS.add(before_micro_step=before_micro_step))
+    _HELD[-1].__enter__()
+
+
+_HELD: list = []
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def deepspeed_check(opts):
 def rotation(opts, tmp_path, *, epoch=None, step=None):
     """The saves and states that remain after the run's rotation at this epoch or step, from
     saves 1..epoch (every epoch) or every 2 steps up to step."""
-    from library import trainer
+    from library import saver
     from library.saving import output_file
     from library.train_state import state_dir
 
@@ -139,9 +139,8 @@ def rotation(opts, tmp_path, *, epoch=None, step=None):
     for m in marks:
         open(output_file(out, opts.output_name, ".safetensors", **m), "w").close()
         os.makedirs(state_dir(out, opts.output_name, **m))
-    fake = types.SimpleNamespace(opts=opts, ema=None,
-                                 method=types.SimpleNamespace(extension=lambda: ".safetensors"))
-    trainer.Run._rotate(fake, epoch=epoch, step=step)
+    method = types.SimpleNamespace(extension=lambda: ".safetensors", companion_files=lambda p: [])
+    saver._rotate(opts, method, False, epoch=epoch, step=step)
     return sorted(os.listdir(out))
 
 

@@ -31,30 +31,27 @@ STEPS = 12  # 4 steps per epoch (2 images x 2 repeats, batch 1): 3 epochs
 def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, str, object]:
     """Run an entry script in this process; returns (rc, stderr, the Run). ``stop_at``: steps
     during which this process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
-    from library import trainer
     from library.cli import main
+    from library.run_state import HOOKS
     from tests.conftest import reset_accelerate
 
     box, pending = {}, set(stop_at)
-    real_loss = trainer.Run.micro_step_loss
 
-    def micro_step_loss(run_self, *a, **kw):
-        box["run"] = run_self
-        if run_self.global_step + 1 in pending:
-            pending.discard(run_self.global_step + 1)
+    def before_micro_step(run, epoch, idx):
+        box["run"] = run
+        if run.progress.global_step + 1 in pending:
+            pending.discard(run.progress.global_step + 1)
             os.kill(os.getpid(), sig)
-        return real_loss(run_self, *a, **kw)
 
     err = io.StringIO()
-    trainer.Run.micro_step_loss = micro_step_loss
     reset_accelerate()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as conftest's autouse fixture, also for module-scoped fixtures
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                HOOKS.add(before_micro_step=before_micro_step):
             rc = main(script, [str(x) for x in args])
     finally:
-        trainer.Run.micro_step_loss = real_loss
         torch.set_num_threads(threads)
         reset_accelerate()
     return rc, err.getvalue(), box.get("run")

@@ -377,7 +377,7 @@ def test_reg_sample_loss_is_weighted_by_prior_loss_weight(dataset, tmp_path, tra
     from library.distributed import make_accelerator
     from tests.conftest import reset_accelerate
 
-    run.accelerator = make_accelerator("no")  # run_script reset Accelerate's state after the run
+    run.parts.accelerator = make_accelerator("no")  # run_script reset Accelerate's state after the run
     reg_i = next(i for i, s in enumerate(run.tset.samples) if s.is_reg)
     inst_i = next(i for i, s in enumerate(run.tset.samples) if not s.is_reg)
     with torch.no_grad():
