@@ -3,7 +3,7 @@ benchmarks/ddp_scaling.py).
 
 ``timed_run(script, args, sync)`` runs an entry script through ``library.cli.main`` and records
 the clock when training starts and after every step (``library.tracking``'s hooks, which the loop
-calls once per step, after the update). ``sync`` waits for the device first (CUDA kernels are
+calls once per step, after the update: library.tracking.Reporter). ``sync`` waits for the device first (CUDA kernels are
 asynchronous), so a step's time is its real duration. Returns the step durations and the Run.
 """
 from __future__ import annotations
@@ -25,30 +25,31 @@ def timed_run(script: str, args: list, sync=lambda: None):
 
     marks: list[float] = []
     runs: list = []
-    real_before, real_after, real_run = tracking.before_training, tracking.after_step, trainer.run
+    R = tracking.Reporter  # the loop calls its before_training / after_step once per step
+    real_before, real_after, real_run = R.before_training, R.after_step, trainer.run
 
-    def before(run, *a, **k):
-        out = real_before(run, *a, **k)
+    def before(rep, *a, **k):
+        out = real_before(rep, *a, **k)
         sync()
         marks.append(time.perf_counter())
         return out
 
-    def after(run, *a, **k):
+    def after(rep, *a, **k):
         sync()
         marks.append(time.perf_counter())
-        return real_after(run, *a, **k)
+        return real_after(rep, *a, **k)
 
     def keep(opts, method):
         r = real_run(opts, method)
         runs.append(r)
         return r
 
-    tracking.before_training, tracking.after_step, trainer.run = before, after, keep
+    R.before_training, R.after_step, trainer.run = before, after, keep
     try:
         _reset_accelerate()
         rc = cli.main(script, [str(a) for a in args])
     finally:
-        tracking.before_training, tracking.after_step, trainer.run = real_before, real_after, real_run
+        R.before_training, R.after_step, trainer.run = real_before, real_after, real_run
     if rc != 0:
         raise SystemExit(f"{script} failed (exit {rc}); its error is printed above")
     return [b - a for a, b in zip(marks, marks[1:])], runs[0] if runs else None
