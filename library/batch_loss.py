@@ -77,7 +77,7 @@ class BatchLoss:
             latents = torch.stack(lat).to(device, dtype=torch.float32)
         else:
             vae = c.bundle.vae
-            pix = torch.stack([p.pixels for p in loaded_images]).to(device, dtype=vae.dtype)
+            pix = loaded_images.pixels_on(device, vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(vae, pix).to(torch.float32)
             size = [(*p.original_size, *p.crop_top_left, *p.target_size) for p in loaded_images]

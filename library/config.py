@@ -435,6 +435,8 @@ _CONVERTERS = {
 def _convert(opt: Option, raw, cli: bool, script: str):
     if isinstance(raw, str) and raw == "" and opt.type in ("path", "str") and opt.default is None:
         return None  # sd-scripts GUIs write "" for an unset path
+    if opt.name == "persistent_data_loader_workers" and type(raw) is int and raw in (0, 1):
+        raw = bool(raw)  # the kohya_ss GUI writes this switch as 0 / 1
     if opt.type in ("kv_literal", "kv_str"):
         v = _to_kv(raw, cli, opt.type == "kv_literal", opt.name)
     else:

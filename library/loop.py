@@ -21,10 +21,9 @@ logger = logging.getLogger("sdtk")
 
 
 def train(run) -> None:
-    from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from library.training_data import MicroBatchImages
+    from library.training_data import ImageLoader, loader_workers
 
     opts, c, plan, progress = run.opts, run.parts, run.plan, run.progress
     acc, strategy, stepper = c.accelerator, c.strategy, c.stepper
@@ -36,6 +35,12 @@ def train(run) -> None:
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
                disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
     done, stop = False, 0
+    images_in = None  # without cached latents: decoded and augmented per step
+    if c.caches.latents is None:
+        images_in = ImageLoader(run.tset, loader_workers(opts.max_data_loader_n_workers,
+                                                         acc.device.type, P),
+                                persistent=opts.persistent_data_loader_workers,
+                                pin=acc.device.type == "cuda")
     for epoch in range(start_epoch, plan.epochs + 1):
         c.method.set_train(epoch)
         batches = step_plan.epoch_batches(run.tset.bucket_of, opts.seed, epoch, plan.global_batch)
@@ -44,11 +49,7 @@ def train(run) -> None:
         batches = batches[skip:]
         # This process's micro-batches, in order: for each global batch, A micro-steps.
         mine = [gb.micro_batch(a, rank, bs, P) for gb in batches for a in range(A)]
-        loader = None
-        if c.caches.latents is None:
-            loader = iter(DataLoader(MicroBatchImages(run.tset, mine, epoch), batch_size=None,
-                                     num_workers=opts.max_data_loader_n_workers,
-                                     collate_fn=lambda x: x))
+        loader = images_in.epoch(epoch, mine) if images_in is not None else None
         k = 0
         for j, gb in enumerate(batches, start=skip):
             c.method.before_step(progress.global_step)  # e.g. stop_text_encoder_training
@@ -72,7 +73,7 @@ def train(run) -> None:
                     # joins ZeRO's reduction, so every process runs it.
                     idx, zero_weight = [gb.indices[0]], True
                     if loader is not None:
-                        images = MicroBatchImages(run.tset, [idx], epoch)[0]
+                        images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(run, epoch, idx)
                 loss = c.batch_loss.training(epoch, idx, images, len(gb.indices))
                 loss = HOOKS.after_micro_step(run, epoch, idx, loss)

@@ -42,6 +42,8 @@ SECTIONS = {
     "logging": "Logging, validation and sample images",
 }
 
+# torch.compile backends for dynamo_backend (sd-scripts' choices that torch still has, and the GUI's "no")
+DYNAMO_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs", "no")
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
 # library/optim.py build_scheduler draws each of these curves (docs/OPTIMIZERS.md)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -148,6 +150,13 @@ OPTIONS: tuple[Option, ...] = (
     O("sdpa", "bool", True, "Use PyTorch scaled-dot-product attention (default).", "model"),
     O("xformers", "bool", False, "Use xformers memory-efficient attention (needs the xformers extra); "
       "takes precedence over sdpa.", "model"),
+    O("torch_compile", "bool", False, "Compile the U-Net's training forward with torch.compile "
+      "(after the network hooks and gradient checkpointing; a U-Net that cannot be one graph is "
+      "compiled block by block, with a warning). The first step pays the compile time (logged); "
+      "see docs/PERFORMANCE.md.", "model"),
+    O("dynamo_backend", "str", "inductor", "torch.compile backend of torch_compile (sd-scripts' "
+      "default inductor; aot_eager traces without generating code; \"no\" is the kohya_ss GUI's "
+      "off, only valid without torch_compile).", "model", choices=DYNAMO_BACKENDS),
     # --- dataset ---
     O("train_data_dir", "path", None, "Folder of N_concept subfolders (N = repeats, concept = class "
       "tokens). Required unless a dataset config is given.", "dataset"),
@@ -221,9 +230,13 @@ OPTIONS: tuple[Option, ...] = (
       "GUI's LyCORIS presets write 1).", "dataset", min=1),
     O("bucket_no_upscale", "bool", False, "Never upscale an image to fit a bucket.", "dataset"),
     O("vae_batch_size", "int", 1, "Images per VAE batch when caching latents.", "dataset", min=1),
-    O("max_data_loader_n_workers", "int", 0, "DataLoader worker processes. Default 0 (load in the "
-      "training process): with cached latents or small datasets workers only add start-up time "
-      "(each re-imports torch) and memory; sd-scripts' default is 8.", "dataset", min=0),
+    O("max_data_loader_n_workers", "int", None, "DataLoader worker processes that decode and "
+      "augment the images of a run without cached latents. Unset: on CUDA min(8, CPU cores per "
+      "process) (sd-scripts' default is 8), on a CPU-only machine 0 (the training computes on the "
+      "same cores); with cached latents there is nothing to load. 0 loads in the training process.",
+      "dataset", min=0),
+    O("persistent_data_loader_workers", "bool", False, "Keep the DataLoader workers between epochs "
+      "(no start-up pause per epoch, their memory stays in use).", "dataset"),
     # --- network ---
     O("network_module", "str", "networks.lora", "Python module with the kohya network interface "
       "(create_network, create_network_from_weights), e.g. networks.lora or lycoris.kohya.", "network",
@@ -606,8 +619,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("disable_mmap_load_safetensors", "flag", _IGN, "loading speed only"),
     _n("mem_eff_attn", "flag", _IGN, "SDPA attention is used, which is memory-efficient"),
     _n("diffusers_xformers", "flag", _IGN, "use xformers"),
-    _n("torch_compile", "flag", _IGN, "speed only"),
-    _n("dynamo_backend", "value", _IGN, "speed only", off=(None, "inductor")),
     _n("lowram", "flag", _REJ, "loading models straight to the GPU is a memory feature not implemented yet"),
     # model-spec / metadata (library/sai_model_spec.py)
     _n("no_metadata", "flag", _REJ, "metadata is always written; not writing it is not implemented yet"),
@@ -622,7 +633,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("resize_interpolation", "value", _REJ, "changes the images"),
     _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
-    _n("persistent_data_loader_workers", "flag", _IGN, "speed only"),
     # validation (train_network.py)
     _n("max_validation_steps", "value", _IGN, "every held-out image is evaluated at fixed timesteps"),
     # hub
@@ -718,19 +728,23 @@ scale_weight_norms:l dim_from_weights:l block_lr:f fp8_base:ldf fp8_base_unet:l
 lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
 metadata_title:ldf training_comment:l
+dynamo_backend:ldf persistent_data_loader_workers:ldf torch_compile:lf
 """
 
 GUI_SD_KEYS = """
 async_upload:ldf blocks_to_swap:ldf cpu_offload_checkpointing:ldf
-disable_mmap_load_safetensors:ldf dynamo_backend:ldf huggingface_path_in_repo:ldf
+disable_mmap_load_safetensors:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
-persistent_data_loader_workers:ldf resume_from_huggingface:ldf save_state_to_huggingface:ldf
-skip_cache_check:ldf torch_compile:lf
+resume_from_huggingface:ldf save_state_to_huggingface:ldf
+skip_cache_check:ldf
 """
 
 
 GUI_NOTES = {
+    "dynamo_backend": "the GUI's Accelerate launch setting (default \"no\"); compiles only with "
+                      "torch_compile, as in sd-scripts",
+    "persistent_data_loader_workers": "the GUI writes it as 0 / 1",
     "xformers": "the GUI's default attention; without the xformers package SDPA is used (the "
                 "same computation), with a warning",
     "resolution": "the GUI writes \"W,H\"; with enable_bucket it is the bucket area, as sd-scripts",

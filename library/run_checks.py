@@ -25,6 +25,9 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms
     placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
     metadata.check_options(opts)  # metadata_thumbnail exists
+    from library.compile import check_options as check_compile
+
+    check_compile(opts)  # torch_compile / dynamo_backend combinations
     family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
     nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
     distributed.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)

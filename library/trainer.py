@@ -187,6 +187,10 @@ class Run:
         b.unet.train()
         for te in b.text_encoders:
             te.train(c.method.train_text_encoder)
+        if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
+            from library.compile import compile_unet
+
+            compile_unet(b.unet, opts.dynamo_backend, logger)
         # single process, DDP, FSDP or DeepSpeed: chosen once, it wraps or shards the trained
         # modules (groups re-pointed at FSDP's shards) and builds the stepper it needs
         c.strategy = strategy.for_run(opts, acc)

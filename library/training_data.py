@@ -367,17 +367,94 @@ def _validation_seed(opts) -> int:
     return opts.seed if v is None else v
 
 
-class MicroBatchImages:
-    """Map-style dataset: element k is the prepared images of one micro-batch of ``epoch`` (for a
-    DataLoader), with the sample-keyed flip and random crop."""
+class ImageBatch(list):
+    """The prepared images of one micro-batch (``PreparedImage`` each, in the batch's order) and
+    their pixels stacked once, where they were prepared (a DataLoader worker): one tensor to pin
+    and to copy to the device."""
 
-    def __init__(self, tset: TrainingSet, batches: list, epoch: int):
+    def __init__(self, images: list):
+        super().__init__(images)
+        import torch
+
+        self.pixels = torch.stack([p.pixels for p in images]) if images else None
+
+    def pin_memory(self):
+        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked pixels, so
+        the copy to the GPU can run while the host prepares the next step."""
+        if self.pixels is not None:
+            self.pixels = self.pixels.pin_memory()
+        return self
+
+    def pixels_on(self, device, dtype):
+        """The stacked pixels on ``device`` in ``dtype``: copied without waiting when pinned
+        (the kernels that read them are queued after the copy on the same stream)."""
+        pix = self.pixels.to(device, non_blocking=self.pixels.is_pinned())
+        return pix.to(dtype)
+
+
+class _SampleImages:
+    """Map-style dataset keyed by ``(epoch, sample indices)``: the key carries the epoch, so
+    persistent workers (which keep the copy of the dataset they started with) prepare any
+    epoch's batch, with the sample-keyed flip, crop and color_aug of that epoch."""
+
+    def __init__(self, tset: TrainingSet):
         self.tset = tset
-        self.batches = batches
-        self.epoch = epoch
+
+    def __getitem__(self, key):
+        epoch, idx = key
+        return ImageBatch([self.tset.prepare(i, epoch) for i in idx])
+
+
+class _EpochKeys:
+    """The DataLoader's sampler: the keys of the current epoch, read when an epoch's iteration
+    starts (in the training process)."""
+
+    def __init__(self):
+        self.keys: list = []
+
+    def __iter__(self):
+        return iter(list(self.keys))
 
     def __len__(self):
-        return len(self.batches)
+        return len(self.keys)
 
-    def __getitem__(self, k):
-        return [self.tset.prepare(i, self.epoch) for i in self.batches[k]]
+
+def _as_is(batch):
+    return batch
+
+
+def loader_workers(requested: int | None, device_type: str, processes: int) -> int:
+    """DataLoader workers of a run without cached latents: ``max_data_loader_n_workers`` when
+    set; unset, on CUDA min(8, the CPU cores of this process's share), else 0 (on a CPU-only
+    machine the workers would take cores from the training's own kernels)."""
+    if requested is not None:
+        return requested
+    if device_type != "cuda":
+        return 0
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, processes)))
+
+
+class ImageLoader:
+    """Decodes and augments the images of the micro-batches a process trains (runs without
+    cached latents): in ``workers`` DataLoader worker processes (0: in this process), pinned
+    when the run computes on CUDA, one DataLoader for the whole run so that
+    ``persistent`` workers survive from one epoch to the next."""
+
+    def __init__(self, tset: TrainingSet, workers: int, persistent: bool, pin: bool):
+        from torch.utils.data import DataLoader
+
+        self.dataset = _SampleImages(tset)
+        self._keys = _EpochKeys()
+        self.workers = workers
+        self.loader = DataLoader(self.dataset, sampler=self._keys, batch_size=None,
+                                 collate_fn=_as_is, num_workers=workers, pin_memory=pin,
+                                 persistent_workers=persistent and workers > 0)
+
+    def epoch(self, epoch: int, batches: list):
+        """An iterator over the ``ImageBatch`` of each of ``batches`` (lists of sample indices)."""
+        self._keys.keys = [(epoch, tuple(b)) for b in batches]
+        return iter(self.loader)
+
+    def load(self, epoch: int, idx: list) -> ImageBatch:
+        """One batch prepared here and now (e.g. the zero-weight sample of an empty share)."""
+        return self.dataset[(epoch, tuple(idx))]

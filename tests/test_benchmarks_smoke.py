@@ -59,3 +59,70 @@ def test_compare_hand_built_files(check, tmp_path):
     assert c["keys"] == "ours-only 0, theirs-only 2" and c["modules"] == 2 and c["ranks"] == "equal"
     assert c["worst"] == pytest.approx(0.5) and c["mean"] == pytest.approx(0.25)
     assert c["md_ours_only"] == ["mine"] and c["md_theirs_only"] == ["theirs"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_benchmark_dry_run(capsys, tmp_path):
+    """benchmarks/gpu.py --dry-run on the cheapest case (tiny SD1.5 LoRA, 1 step): the code path
+    through the trainer, step timing, the FLOP count and the table; every case's options (SDXL
+    fused Adafactor, torch_compile, the GPU-only bf16 flags) parse, so none can rot unnoticed."""
+    from library.config import parse_args
+
+    gpu = _load("gpu")
+    for name in gpu.CASES:
+        for dry in (True, False):
+            script, args = gpu.case_args(name, str(tmp_path), str(tmp_path / "o"), 3, dry)
+            opts = parse_args(script, [str(a) for a in args] + ["--torch_compile"])
+            assert opts.torch_compile and opts.cache_latents and opts.train_batch_size == gpu.CASES[name][3]
+            assert opts.fused_backward_pass == (name == "sdxl-full-b1")
+    out = tmp_path / "rows.json"
+    assert gpu.main(["--dry-run", "--no-compile", "--only", "sd15-lora-b1",
+                     "--json", str(out), "--work", str(tmp_path / "w")]) == 0
+    text = capsys.readouterr().out
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["sd15-lora-b1"]
+    assert rows[0]["steps"] == 1 and rows[0]["it_s"] > 0 and not rows[0]["compile"]
+    assert rows[0]["flops"] > 0
+    assert "sd15-lora-b1" in text and "% peak" in text and "n/a" in text  # no peak on the CPU
+
+
+def test_gpu_benchmark_flop_count_and_peak_table():
+    """The FLOP count of a step is torch's count of forward + backward: for one Linear layer
+    (m x k input, k -> n), 2*m*k*n forward and 2*m*k*n for the weight gradient (the input is a
+    leaf without grad: no input gradient), the elementwise loss not counted."""
+    import types
+
+    gpu = _load("gpu")
+    lin = torch.nn.Linear(8, 16, bias=False)
+    x = torch.randn(5, 8)
+
+    class FakeRun:
+        params = list(lin.parameters())
+        tset = types.SimpleNamespace(samples=[0] * 5)
+
+        @staticmethod
+        def micro_step_loss(epoch, idx, images, n):
+            return lin(x[:len(idx)]).square().sum()
+
+    assert gpu.step_flops(FakeRun, 5) == 2 * (2 * 5 * 8 * 16)
+    assert gpu.peak_flops("NVIDIA H200", None) == 989.4e12
+    assert gpu.peak_flops("NVIDIA H100 PCIe", None) == 756.0e12
+    assert gpu.peak_flops("Unknown GPU", None) is None and gpu.peak_flops("x", 100) == 100e12
+
+
+def test_ddp_scaling_parser_and_strategies():
+    ddp = _load("ddp_scaling")
+    a = ddp.build_parser().parse_args(["--steps", "2", "--methods", "lora", "--strategies", "sum"])
+    assert (a.steps, a.methods, a.strategies, a.worker) == (2, ["lora"], ["sum"], None)
+    with pytest.raises(SystemExit):
+        ddp.build_parser().parse_args(["--strategies", "nope"])
+    assert ddp.STRATEGIES["sum"] == []  # today's plain path: no option
+    assert ddp.main(["--sd-scripts", os.path.join(ROOT, "docs")]) == 2  # not a checkout

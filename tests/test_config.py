@@ -290,7 +290,7 @@ sdpa = true
 noise_offset = 0.0
 min_snr_gamma = 0
 full_bf16 = false
-persistent_data_loader_workers = true
+skip_cache_check = true
 log_with = "tensorboard"
 
 [saving_arguments]
@@ -304,18 +304,18 @@ def test_sd_scripts_shaped_config_loads(write, caplog):
     assert opts.network_args == {"conv_dim": "4", "conv_alpha": "2"}
     assert (opts.optimizer_type, opts.lr_scheduler, opts.lr_warmup_steps, opts.reg_data_dir) == ("AdamW8bit", "cosine", 50, None)
     assert (opts.max_train_epochs, opts.max_train_steps, opts.mixed_precision) == (10, None, "bf16")
-    assert opts.ignored == {"persistent_data_loader_workers": True}
+    assert opts.ignored == {"skip_cache_check": True}
     assert opts.log_with == "tensorboard"
     warned = warnings_of(caplog)
-    assert "option persistent_data_loader_workers has no effect in this toolkit (speed only)" in warned
+    assert "option skip_cache_check has no effect in this toolkit (cache speed only)" in warned
     assert not any("full_bf16" in m or "noise_offset" in m for m in warned)  # off values: silent
 
 
 def test_no_effect_name_warns_once(write, caplog):
-    path = write("[t]\npersistent_data_loader_workers = true\nmax_validation_steps = 1\n")
-    parse(*BASE, *STEPS, "--config", path, "--persistent_data_loader_workers", "--mem_eff_attn")
+    path = write("[t]\nskip_cache_check = true\nmax_validation_steps = 1\n")
+    parse(*BASE, *STEPS, "--config", path, "--skip_cache_check", "--mem_eff_attn")
     warned = warnings_of(caplog)
-    for name in ("persistent_data_loader_workers", "max_validation_steps", "mem_eff_attn"):
+    for name in ("skip_cache_check", "max_validation_steps", "mem_eff_attn"):
         assert sum(m.startswith(f"option {name} has no effect in this toolkit") for m in warned) == 1
 
 

@@ -238,7 +238,7 @@ def test_gui_option_keys_are_accepted_by_the_tab_scripts():
     tab that writes it (else the GUI's file would be refused with "not accepted by")."""
     from library.options import ALIASES, GUI_KEYS, OPTIONS_BY_NAME
 
-    script = {"l": "train_lora", "d": "train_dreambooth", "f": "finetune"}
+    script = {"l": "train_lora", "d": "train_dreambooth", "f": "finetune", "t": "train_textual_inversion"}
     for k in GUI_KEYS:
         target = ALIASES.get(k.target or k.name, k.target or k.name)
         if k.action != "option":

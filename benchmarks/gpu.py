@@ -1,0 +1,233 @@
+"""One-command GPU benchmark: speed, memory and FLOP utilisation of the main training setups.
+
+    python benchmarks/gpu.py [--steps 12] [--warmup 4] [--no-compile] [--only sdxl-lora-b1 ...]
+                             [--sd-scripts PATH] [--peak-tflops N]
+    python benchmarks/gpu.py --dry-run       # the same code path on the CPU: tiny models, 1 step
+
+Cases, on the real-size random-weight architectures (sd15-arch, sdxl-arch; nothing downloaded),
+bf16 (mixed_precision bf16 and full_bf16), SDPA attention, cached latents and text-encoder
+outputs, each eager and with ``torch_compile`` (inductor):
+  sd15-lora-b1 / -b4   train_lora, SD1.5 at 512 px, rank 16, batch 1 / 4, AdamW
+  sdxl-lora-b1 / -b4   train_lora, SDXL at 1024 px, rank 16, batch 1 / 4, AdamW
+  sdxl-full-b1         train_dreambooth, the whole SDXL U-Net at 1024 px, batch 1,
+                       Adafactor with fused_backward_pass (the memory-lean full fine-tune)
+For each: it/s over the steps after ``--warmup`` (the first steps compile and allocate), peak
+allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
+training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
+run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
+``--peak-tflops``). With ``--sd-scripts PATH`` the same LoRA cases also run through sd-scripts'
+train_network.py / sdxl_train_network.py (their tqdm average rate), on the same random weights
+written once as single files.
+
+Sized to finish within 8 minutes on one H200 (the default steps); a bigger ``--steps`` gives
+steadier numbers. Prints one table; ``--json FILE`` also writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import step_timer  # noqa: E402  (benchmarks/step_timer.py; puts the repo root on sys.path)
+
+# Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
+PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
+                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.1), ("L40", 181.0),
+                    ("RTX 6000 Ada", 364.2), ("RTX 4090", 165.2), ("RTX 3090", 71.0), ("A10", 125.0),
+                    ("L4", 121.0))
+
+CASES = {
+    "sd15-lora-b1": ("train_lora", "sd15", 512, 1),
+    "sd15-lora-b4": ("train_lora", "sd15", 512, 4),
+    "sdxl-lora-b1": ("train_lora", "sdxl", 1024, 1),
+    "sdxl-lora-b4": ("train_lora", "sdxl", 1024, 4),
+    "sdxl-full-b1": ("train_dreambooth", "sdxl", 1024, 1),
+}
+
+
+def case_args(name: str, data: str, out: str, steps: int, dry: bool) -> tuple[str, list]:
+    script, arch, size, batch = CASES[name]
+    model = f"tiny-{arch}" if dry else f"{arch}-arch"
+    size = 64 if dry else size
+    args = ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
+            "--resolution", size, "--train_batch_size", batch, "--max_train_steps", steps,
+            "--cache_latents", "--cache_text_encoder_outputs", "--sdpa", "--seed", "1",
+            "--save_model_as", "safetensors"]
+    if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
+        args += ["--mixed_precision", "bf16", "--full_bf16"]
+    if script == "train_lora":
+        return script, args + ["--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
+                               "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
+    return script, args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
+                           "relative_step=False", "warmup_init=False", "--fused_backward_pass",
+                           "--learning_rate", "1e-6"]
+
+
+def step_flops(run, batch: int) -> float:
+    """FLOPs of one micro-step's forward and backward (the U-Net, the loss), counted by torch;
+    the gradients are taken with autograd.grad, so no optimizer hook steps."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = [p for p in run.params if p.requires_grad]
+    idx = list(range(min(batch, len(run.tset.samples))))
+    with FlopCounterMode(display=False) as counter:
+        loss = run.micro_step_loss(1, idx, None, len(idx))
+        torch.autograd.grad(loss, params, allow_unused=True)
+    return float(counter.get_total_flops())
+
+
+def peak_flops(device_name: str, override: float | None) -> float | None:
+    if override:
+        return override * 1e12
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
+    import torch
+
+    out = os.path.join(work, f"{name}-{'c' if compiled else 'e'}")
+    script, args = case_args(name, data, out, steps, dry)
+    if compiled:  # the dry run traces with dynamo only: inductor's CPU compile takes minutes
+        args += ["--torch_compile", "--dynamo_backend", "eager" if dry else "inductor"]
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    times, run = step_timer.timed_run(script, args, sync=sync)
+    timed = times[warmup:] if len(times) > warmup else times[-1:]
+    row = {"case": name, "compile": compiled, "steps": len(timed),
+           "it_s": len(timed) / sum(timed), "first_step_s": times[0],
+           "wall_s": time.perf_counter() - t0}
+    if cuda:
+        row["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    if not compiled:
+        row["flops"] = step_flops(run, CASES[name][3])
+    del run
+    return row
+
+
+def sd_scripts_case(name, sd_scripts, data, work, steps, warmup) -> dict:
+    """One LoRA case through sd-scripts on the same random weights (a single file written once
+    per architecture); its tqdm average rate over all steps (warmup included: sd-scripts reports
+    no per-step times)."""
+    script, arch, size, batch = CASES[name]
+    if script != "train_lora":
+        return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
+    model = os.path.join(work, f"{arch}-arch.safetensors")
+    if not os.path.exists(model):
+        from library import models
+        from library.sd_checkpoint import save_single_file
+
+        bundle = models.load_model_bundle(f"{arch}-arch")
+        save_single_file(bundle.components(), bundle.family, model, embed_config=False)
+    entry = "sdxl_train_network.py" if arch == "sdxl" else "train_network.py"
+    cmd = [sys.executable, os.path.join(sd_scripts, entry), "--pretrained_model_name_or_path", model,
+           "--train_data_dir", data, "--output_dir", os.path.join(work, f"sd-{name}"),
+           "--resolution", str(size), "--train_batch_size", str(batch),
+           "--max_train_steps", str(steps), "--network_module", "networks.lora",
+           "--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only",
+           "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16",
+           "--full_bf16", "--sdpa", "--cache_latents", "--cache_text_encoder_outputs",
+           "--max_data_loader_n_workers", "0", "--seed", "1"]
+    p = subprocess.run(cmd, cwd=sd_scripts, capture_output=True, text=True)
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["?"])[-1]
+        return {"case": name, "sd_scripts": f"failed: {last[:160]}"}
+    rates = re.findall(r"([\d.]+)(it/s|s/it)", p.stderr)
+    if not rates:
+        return {"case": name, "sd_scripts": "no rate in its output"}
+    v, unit = rates[-1]
+    return {"case": name, "sd_scripts_it_s": float(v) if unit == "it/s" else 1 / float(v)}
+
+
+def format_table(rows: list, peak: float | None) -> list[str]:
+    flops = {r["case"]: r["flops"] for r in rows if "flops" in r}
+    lines = [f"{'case':<14} {'compile':<7} {'it/s':>7} {'1st step s':>10} {'alloc GiB':>9} "
+             f"{'resv GiB':>8} {'GFLOP/step':>10} {'% peak':>7}"]
+    for r in rows:
+        if "it_s" not in r:
+            continue
+        f = flops.get(r["case"])
+        util = f"{100 * f * r['it_s'] / peak:6.1f}%" if (peak and f) else "    n/a"
+        alloc = f"{r['peak_alloc_gib']:9.2f}" if "peak_alloc_gib" in r else "      n/a"
+        resv = f"{r['peak_reserved_gib']:8.2f}" if "peak_reserved_gib" in r else "     n/a"
+        tf = f"{f / 1e9:10.1f}" if f else "       n/a"
+        lines.append(f"{r['case']:<14} {'yes' if r['compile'] else 'no':<7} {r['it_s']:7.2f} "
+                     f"{r['first_step_s']:10.1f} {alloc} {resv} {tf} {util}")
+    for r in rows:
+        if "sd_scripts_it_s" in r:
+            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s (tqdm average)")
+        elif "sd_scripts" in r:
+            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts']}")
+    return lines
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, 1 step per case")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per case (after --warmup)")
+    p.add_argument("--warmup", type=int, default=4, help="steps not timed (compile, allocation)")
+    p.add_argument("--only", nargs="*", choices=sorted(CASES), help="run only these cases")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch_compile runs")
+    p.add_argument("--sd-scripts", metavar="PATH", help="a kohya-ss/sd-scripts checkout")
+    p.add_argument("--peak-tflops", type=float, help="the GPU's peak bf16 TFLOP/s, if not in the table")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--work", metavar="DIR", help="working folder (default: a temporary one)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        print("error: benchmarks/gpu.py needs a CUDA GPU (use --dry-run to check it on the CPU)",
+              file=sys.stderr)
+        return 2
+    if args.sd_scripts and not os.path.isfile(os.path.join(args.sd_scripts, "train_network.py")):
+        print(f"error: --sd-scripts {args.sd_scripts}: no train_network.py there", file=sys.stderr)
+        return 2
+    steps, warmup = (1, 0) if args.dry_run else (args.steps + args.warmup, args.warmup)
+    names = args.only or list(CASES)
+    from tools.make_sample_dataset import make_sample_dataset
+
+    work = args.work or tempfile.mkdtemp(prefix="sdtk-gpu-bench-")
+    device = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
+    peak = peak_flops(device, args.peak_tflops) if cuda else None
+    print(f"device: {device}; peak bf16 {peak / 1e12:.0f} TFLOP/s" if peak else f"device: {device}",
+          flush=True)
+    data = {}
+    rows = []
+    for name in names:
+        size = 64 if args.dry_run else CASES[name][2]
+        if size not in data:  # 4 images: batch 4 fits one step
+            data[size] = os.path.dirname(make_sample_dataset(os.path.join(work, f"data{size}"),
+                                                             n_images=4, size=size, repeats=1))
+        for compiled in (False,) if args.no_compile else (False, True):
+            rows.append(run_case(name, compiled, data[size], work, steps, warmup, args.dry_run, cuda))
+            print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
+        if args.sd_scripts:
+            rows.append(sd_scripts_case(name, args.sd_scripts, data[size], work, steps, warmup))
+    print("\n".join(format_table(rows, peak)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": device, "peak_flops": peak, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``torch_compile`` / ``dynamo_backend``: the U-Net's training forward through torch.compile.
+
+The U-Net is compiled in place (``nn.Module.compile``: the module, its parameter names and its
+state dict stay what they were, so saves, resumes, EMA and the LoRA file are unchanged), after
+the network has hooked its layers and gradient checkpointing is set, so the compiled graph holds
+the LoRA forward and the checkpointed regions.
+
+A graph break makes dynamo split a forward into pieces with eager Python in between; for a
+training forward that also splits the compiled backward. So the U-Net is first tried as one
+graph (``fullgraph=True``, which raises at trace time, before anything runs, instead of
+breaking). If it cannot be one graph, each of its blocks (down, mid, up) is compiled as its own
+graph the same way, and a block that cannot be one graph either runs eagerly; each fallback is
+announced once, with dynamo's reason. The time of the first call (where tracing and compiling
+happen; the backward graph compiles in the first backward) is logged.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from library.errors import UserError
+
+
+
+class CompileError(UserError, ValueError):
+    pass
+
+
+def check_options(opts) -> None:
+    """torch_compile's combinations, before any weight loads."""
+    if not opts.torch_compile:
+        return
+    if opts.dynamo_backend == "no":
+        raise CompileError("torch_compile with dynamo_backend = \"no\": choose a backend "
+                           "(inductor, aot_eager, eager, cudagraphs) or drop torch_compile")
+    for name in ("fsdp", "deepspeed"):
+        if getattr(opts, name, False):
+            raise CompileError(f"torch_compile cannot be combined with {name} yet (its sharded "
+                               "modules are not compiled by this toolkit); drop one of them")
+
+
+def _is_graph_break(e: Exception) -> bool:
+    """What fullgraph=True raises for a graph break (dynamo cannot trace some Python), as opposed
+    to an error of the model itself (a shape mismatch is a TorchRuntimeError at trace time),
+    which must propagate."""
+    import torch._dynamo.exc as exc
+
+    return isinstance(e, (exc.Unsupported, exc.UserError))
+
+
+class _Compiled:
+    """The ``forward`` of one module: compiled as one graph, or eager after a failed trace."""
+
+    def __init__(self, module, name: str, backend: str, log, on_break=None):
+        import torch
+
+        self.module = module
+        self.name = name
+        self.eager = module.forward
+        self.compiled = torch.compile(self.eager, backend=backend, fullgraph=True)
+        self.log = log
+        self.on_break = on_break  # called with the error instead of running eagerly
+        self.state = "new"  # -> "compiled" or "eager"
+
+    def __call__(self, *args, **kwargs):
+        if self.state == "compiled":
+            return self.compiled(*args, **kwargs)
+        if self.state == "eager":
+            return self.eager(*args, **kwargs)
+        t = time.perf_counter()
+        try:
+            out = self.compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - only dynamo's own errors are caught (below)
+            if not _is_graph_break(e):
+                raise
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if self.on_break is not None:
+                self.state = "eager"  # the caller takes over (per-block fallback)
+                return self.on_break(reason, args, kwargs)
+            self.log.warning(f"torch_compile: {self.name} runs eagerly (graph break: {reason})")
+            self.state = "eager"
+            return self.eager(*args, **kwargs)
+        self.state = "compiled"
+        self.log.info(f"torch_compile: {self.name} traced and compiled in "
+                      f"{time.perf_counter() - t:.1f}s (first forward; its backward compiles "
+                      "in the first backward)")
+        return out
+
+
+def _blocks(unet) -> list:
+    """(name, module) of the U-Net's blocks that are compiled one by one in the fallback."""
+    out = []
+    for kind in ("down_blocks", "up_blocks"):
+        for i, m in enumerate(getattr(unet, kind, None) or []):
+            out.append((f"{kind}.{i}", m))
+    if getattr(unet, "mid_block", None) is not None:
+        out.append(("mid_block", unet.mid_block))
+    return out
+
+
+def compile_unet(unet, backend: str, log=None):
+    """Compile ``unet``'s forward in place with ``backend``; returns the installed wrapper (its
+    ``state`` and, after a fallback, ``blocks`` say what was compiled)."""
+    log = log or logging.getLogger("sdtk")
+    import torch._dynamo
+
+    # A bucketed run sees a few shapes (bucket sizes, a last partial batch): dynamo recompiles
+    # per shape up to this limit (its default 8), then marks the size dynamic.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    t0 = time.perf_counter()
+
+    def per_block(reason, args, kwargs):
+        log.warning(f"torch_compile: the U-Net cannot be compiled as one graph ({reason}); "
+                    "compiling its blocks one by one")
+        whole.blocks = []
+        for name, m in _blocks(unet):
+            w = _Compiled(m, f"U-Net {name}", backend, log)
+            m.forward = w
+            whole.blocks.append(w)
+        unet.forward = whole.eager
+        return whole.eager(*args, **kwargs)
+
+    whole = _Compiled(unet, "U-Net", backend, log, on_break=per_block)
+    whole.blocks = None
+    unet.forward = whole
+    log.info(f"torch_compile: U-Net forward with dynamo backend {backend} "
+             f"(set up in {time.perf_counter() - t0:.2f}s; compiled at its first call)")
+    return whole
