@@ -63,7 +63,7 @@ def write_dataset(folder: str, n: int, size: int) -> None:
 def one_run(args_list, timers):
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from library import trainer
+    from library.training import trainer
     from library.cli import main
 
     AcceleratorState._reset_state(True)
@@ -95,7 +95,7 @@ def main():
 
     import torch
 
-    from library import trainer
+    from library.training import trainer
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(os.path.join(tmp, "data", "1_sks"), a.images, a.size)

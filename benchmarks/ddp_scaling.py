@@ -8,7 +8,7 @@ batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-
   ours      train_dreambooth (the whole U-Net) and train_lora (rank 16, U-Net only) through this
             toolkit's trainer, launched with torchrun; one column per ``--strategies`` entry:
             "sum" is today's plain path (each process backpropagates its share, then
-            ``library.distributed.sum_gradients`` all-reduces flat buckets after the backward);
+            ``library.distributed.accelerator.sum_gradients`` all-reduces flat buckets after the backward);
             a strategy added to STRATEGIES (the DDP engine) gets its own column
   bare DDP  the same U-Net in ``torch.nn.parallel.DistributedDataParallel`` (gloo), SGD, random
             inputs: what PyTorch itself reaches on this machine
@@ -128,8 +128,8 @@ def sd_scripts_run(path: str, method: str, procs: int, data: str, work: str, a) 
     """Median step time of sd-scripts' train_db.py / train_network.py (its tqdm rate)."""
     model = os.path.join(work, "sd15-arch.safetensors")
     if not os.path.exists(model):
-        from library import models
-        from library.sd_checkpoint import save_single_file
+        from library.models import loading as models
+        from library.models.sd_checkpoint import save_single_file
 
         bundle = models.load_model_bundle("sd15-arch")
         save_single_file(bundle.components(), bundle.family, model, embed_config=False)

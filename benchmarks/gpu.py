@@ -128,8 +128,8 @@ def sd_scripts_case(name, sd_scripts, data, work, steps, warmup) -> dict:
         return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
     model = os.path.join(work, f"{arch}-arch.safetensors")
     if not os.path.exists(model):
-        from library import models
-        from library.sd_checkpoint import save_single_file
+        from library.models import loading as models
+        from library.models.sd_checkpoint import save_single_file
 
         bundle = models.load_model_bundle(f"{arch}-arch")
         save_single_file(bundle.components(), bundle.family, model, embed_config=False)

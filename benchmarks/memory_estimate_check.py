@@ -9,7 +9,7 @@ set; CUDA: peak allocated) in ``<out>/measured.json``; then the estimate of the 
 computed (no weights) and the table of estimate vs measured is printed and written to
 ``<out>/estimate.md``. ``--compare`` skips the measurements and uses the stored ones (to re-check
 after changing the estimate). Cases marked "calibration" are those the constants in
-library/memory_estimate.py were fitted on; the others were not used for the fit.
+library/training/memory_estimate.py were fitted on; the others were not used for the fit.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def bench_argv(case, out: str, threads: int, model: str) -> list[str]:
 
 def estimate_for(case, model: str):
     """The estimate of the options tools/memory_benchmark.py gives the entry script."""
-    from library import memory_estimate
-    from library.config import parse_args
+    from library.training import memory_estimate
+    from library.config.parse import parse_args
     from tools.memory_benchmark import variant_flags
 
     _, _, method, dim, res, batch, variant = case
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                                  "rc": rc, "command": "python tools/memory_benchmark.py " + " ".join(bargv)}
             with open(store, "w") as f:
                 json.dump(measured, f, indent=1)
-    from library.memory_estimate import GIB
+    from library.training.memory_estimate import GIB
 
     lines = ["| case | role | estimate (GiB) | measured (GiB) | error |", "|---|---|---|---|---|"]
     worst = 0.0

@@ -4,7 +4,7 @@
 
 Inputs are made with our code: a LoCon (dim 4 / alpha 2, conv_dim 2 / alpha 1) and a LoRA (dim 4 /
 alpha 4) trained 2 steps by our train_lora.py on each tiny model, and for extraction a tiny model
-pair (original, tuned = original + random rank-2 deltas) written by library.sd_checkpoint. Each tool
+pair (original, tuned = original + random rank-2 deltas) written by library.models.sd_checkpoint. Each tool
 then runs twice with the same flags: ours (networks/*.py, tools/show_metadata.py) and sd-scripts'
 (as a subprocess, cwd and PYTHONPATH its checkout, so its own `library` package is used; nothing of
 it is imported here). Per case the table gives the key sets, the per-module ranks, the per-module
@@ -153,8 +153,8 @@ class Runner:
 
 def make_inputs(r: Runner, arch: str, steps: int) -> dict:
     import torch
-    from library import sd_checkpoint
-    from library.tiny_models import build_tiny_components
+    from library.models import sd_checkpoint
+    from library.models.tiny_models import build_tiny_components
     from networks import lora
     from tools.make_sample_dataset import make_sample_dataset
 
@@ -248,7 +248,7 @@ def compare(ours_path, theirs_path) -> dict:
 
 
 def our_loader(arch, path) -> str:
-    from library.tiny_models import build_tiny_components
+    from library.models.tiny_models import build_tiny_components
     from networks import lora
     c = build_tiny_components(arch)
     tes = [c["text_encoder"]] + ([c["text_encoder_2"]] if "text_encoder_2" in c else [])

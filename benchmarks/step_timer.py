@@ -2,8 +2,8 @@
 benchmarks/ddp_scaling.py).
 
 ``timed_run(script, args, sync)`` runs an entry script through ``library.cli.main`` and records
-the clock when training starts and after every step (``library.tracking``'s hooks, which the loop
-calls once per step, after the update: library.tracking.Reporter). ``sync`` waits for the device first (CUDA kernels are
+the clock when training starts and after every step (``library.outputs.tracking``'s hooks, which the loop
+calls once per step, after the update: library.outputs.tracking.Reporter). ``sync`` waits for the device first (CUDA kernels are
 asynchronous), so a step's time is its real duration. Returns the step durations and the Run.
 """
 from __future__ import annotations
@@ -21,7 +21,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def timed_run(script: str, args: list, sync=lambda: None):
     """(step durations in seconds, the Run) of one training run; raises on a failed run."""
-    from library import cli, tracking, trainer
+    from library import cli
+    from library.outputs import tracking
+    from library.training import trainer
 
     marks: list[float] = []
     runs: list = []

@@ -4,19 +4,19 @@ from __future__ import annotations
 import sys
 
 from library.errors import UserError
-from library.nonfinite import NonFiniteStop
-from library.train_state import TrainingInterrupted
+from library.training.nonfinite import NonFiniteStop
+from library.outputs.train_state import TrainingInterrupted
 
 METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
                     "train_textual_inversion": "textual_inversion"}
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
-    from library.config import parse_args
+    from library.config.parse import parse_args
 
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
-        from library import trainer
+        from library.training import trainer
 
         trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:
@@ -32,7 +32,7 @@ def main(script: str, argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:  # several processes: another one ended (its own line says why)
-        from library.distributed import peer_failure
+        from library.distributed.accelerator import peer_failure
 
         line = peer_failure(e)
         if line is None:

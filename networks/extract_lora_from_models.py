@@ -121,8 +121,8 @@ def _check_family(option: str, family: str, args) -> None:
 
 
 def run(args) -> None:
-    from library.metadata import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
-    from library.models import load_model_bundle
+    from library.outputs.metadata import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+    from library.models.loading import load_model_bundle
 
     if args.sdxl and args.v2:
         raise LoRAError("--sdxl and --v2 cannot both be given")

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from library.errors import UserError
-from library.saving import atomic_path
+from library.outputs.saving import atomic_path
 from networks import lora_blocks as blocks
 from networks import lora_names as names
 

@@ -7,14 +7,14 @@ ecosystem (A1111, Forge, ComfyUI, diffusers' kohya loader) expects are:
   SD1/2 on a diffusers-shaped U-Net;
 - SDXL U-Net: the SAI/original layout (``input_blocks.4.1...``), because sd-scripts trains SDXL on
   its own SAI-shaped U-Net; our models are diffusers models, so their paths are translated
-  by ``library.unet_layout``;
+  by ``library.models.unet_layout``;
 - text encoders: the transformers layout under ``text_model.`` (transformers 5 dropped the
   ``text_model`` wrapper from ``CLIPTextModel`` but not from ``CLIPTextModelWithProjection``;
   the names in the file must not depend on that).
 """
 from __future__ import annotations
 
-from library import unet_layout
+from library.models import unet_layout
 
 PREFIX_UNET = "lora_unet"
 PREFIX_TE = "lora_te"

@@ -151,7 +151,7 @@ def state_dict_of(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
 def save_lora(path: str, modules: dict[str, Module], metadata: dict[str, str], dtype: torch.dtype | None) -> None:
     """Write atomically; float tensors (alpha included, as sd-scripts) in dtype; .safetensors with
     the metadata and sshs_* hashes recomputed over what is written, other suffixes by torch.save."""
-    from library.saving import atomic_path
+    from library.outputs.saving import atomic_path
     sd = {}
     for k, v in state_dict_of(modules).items():
         v = v.detach().to("cpu")
@@ -220,7 +220,7 @@ def lora_modelspec(metadata: dict[str, str], save_to: str, merged_from: list[str
     """modelspec.* for a LoRA written by a tool: title and date of the new file, architecture from
     the inputs' ss_base_model_version / modelspec when known."""
     import datetime
-    from library.metadata import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+    from library.outputs.metadata import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
     out = dict(metadata)
     family = {"sd_v1": "sd1", "sd_v2": "sd2", "sdxl_base_v1-0": "sdxl"}.get(metadata.get("ss_base_model_version", ""))
     if family is not None and "modelspec.architecture" not in out:

@@ -142,8 +142,8 @@ def run(args) -> None:
 
 def run_model_merge(args) -> None:
     """LoRA files merged into the weights of --sd_model."""
-    from library.models import load_model_bundle
-    from library.sd_checkpoint import save_diffusers, save_single_file
+    from library.models.loading import load_model_bundle
+    from library.models.sd_checkpoint import save_diffusers, save_single_file
 
     # Read every LoRA before the model, so a bad file fails fast.
     loras = [(path, load_state_dict_file(path), ratio) for path, ratio in zip(args.models, args.ratios)]
@@ -171,7 +171,7 @@ def run_model_merge(args) -> None:
 def main(argv=None) -> int:
     args = _parse_args(argv)
     from library.errors import UserError
-    from library.models import ModelError
+    from library.models.loading import ModelError
     try:
         run(args)
     except (LoRAError, ModelError, UserError) as e:

@@ -67,7 +67,7 @@ def run_script(capsys):
 def train(run_script, monkeypatch):
     """``train(script, args) -> (rc, stdout, stderr, run)``: like run_script, keeping the trainer's
     Run (its in-memory model) for comparison with what was saved."""
-    from library import trainer
+    from library.training import trainer
 
     runs = []
     real_run = trainer.run
@@ -134,7 +134,7 @@ def two_process_command(target: str, args: list, launcher=("--multi_gpu",), **en
 @pytest.fixture
 def no_weight_loading(monkeypatch):
     """Fails the test if model weights are loaded (for checks that must come before loading)."""
-    from library import models
+    from library.models import loading as models
 
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the options were checked")

@@ -1,4 +1,4 @@
-"""Options for unit tests, built from the schema (library/options.py) like a real run's.
+"""Options for unit tests, built from the schema (library/config/options.py) like a real run's.
 
     opts = make_opts(optimizer_type="AdamW8bit", optimizer_args={"weight_decay": 0.01})
 
@@ -10,7 +10,7 @@ only what its unit reads. End-to-end tests use parse_args with an argv instead.
 """
 from __future__ import annotations
 
-from library.config import Options, options_from_values
+from library.config.parse import Options, options_from_values
 
 
 def make_opts(script: str = "train_lora", **overrides) -> Options:

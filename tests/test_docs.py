@@ -5,7 +5,7 @@ An option named in the documentation (`network_dim`, `--network_dim 16`, `optimi
 dataset-config key, a `network_args` key or a flag of one of the project's scripts. Everything
 else that looks like one (a function, a metadata key, an optimizer argument) is either defined in
 this repository's code or listed in NOT_OPTIONS below, so a misspelt option is caught.
-docs/OPTIONS.md is generated from the schema (tests/test_config.py checks it) and is skipped.
+docs/OPTIONS.md is generated from the schema (tests/config/test_config.py checks it) and is skipped.
 """
 import difflib
 import glob
@@ -88,7 +88,8 @@ def script_flags() -> set[str]:
 
 
 def option_names() -> set[str]:
-    from library import dataset_config, options
+    from library.config import dataset_config
+    from library.config import options
     from networks.lora import KNOWN_NETWORK_ARGS
 
     return (set(options.OPTIONS_BY_NAME) | set(options.ALIASES)

@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 
 def _parse(script: str, argv: list[str]):
-    from library.config import ConfigError, parse_args
+    from library.config.parse import ConfigError, parse_args
 
     argv = list(argv) + ["--dry_run"]  # nothing is trained: output_dir is not required
     try:
@@ -37,8 +37,10 @@ def _parse(script: str, argv: list[str]):
 
 def cache_latents(opts, log):
     """Encode what is missing from the disk cache; -> (entries, images encoded, seconds)."""
-    from library import distributed, latent_cache, models
-    from library.training_data import build_training_set
+    from library.distributed import accelerator as distributed
+    from library.data import latent_cache
+    from library.models import loading as models
+    from library.data.training_data import build_training_set
 
     opts = opts.replace(cache_latents_to_disk=True)  # e.g. random_crop is then refused, as in training
     tset = build_training_set(opts, log)
@@ -59,7 +61,7 @@ def cache_latents(opts, log):
 
 def main(argv: list[str] | None = None) -> int:
     from library.errors import UserError
-    from library.trainer import logger, setup_logging
+    from library.training.trainer import logger, setup_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
     script = "train_lora"

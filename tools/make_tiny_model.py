@@ -19,7 +19,8 @@ if ROOT not in sys.path:
 
 def make_tiny_model(arch: str, out: str) -> tuple[str, str]:
     """Write both forms; return (diffusers folder, single-file path)."""
-    from library import sd_checkpoint, tiny_models
+    from library.models import sd_checkpoint
+    from library.models import tiny_models
 
     comps = tiny_models.build_tiny_components(arch)
     family = tiny_models.FAMILY_OF_ARCH[arch]

@@ -1,0 +1,57 @@
+"""The cache stage of a run: latents and text-encoder outputs computed once before training.
+
+    latents(opts, tset, c) -> (entries, latent_key)   every image (and its mirror under flip_aug)
+    text(opts, tset, c) -> {caption: output}          every caption variant, and validation's
+
+Latents are kept in memory, and with cache_latents_to_disk also on disk: unchanged entries are
+loaded without the VAE, and the missing ones are split across processes (library/data/latent_cache.py).
+The text-encoder outputs likewise (library/data/text_cache.py). The trainer puts the results into
+its components' ``caches`` (library/training/run_state.py).
+"""
+from __future__ import annotations
+
+import logging
+
+from library.training.batch_loss import latent_slot
+
+logger = logging.getLogger("sdtk")
+
+
+def latents(opts, tset, c) -> tuple[dict, dict]:
+    from library.data import latent_cache
+
+    acc, b = c.accelerator, c.bundle
+    items = tset.train_items + tset.reg_items
+    vae = b.vae
+    entries = latent_cache.encode_latents(
+        vae, items, batch_size=max(1, opts.vae_batch_size), dtype=vae.dtype,
+        device=acc.device, vae_identity=b.vae_identity, log=logger,
+        to_disk=opts.cache_latents_to_disk, process_index=acc.process_index,
+        num_processes=acc.num_processes, barrier=acc.wait_for_everyone)
+    # Keys hash the image bytes: compute each once, not per step. Looked up by what tells
+    # two items apart (one image may be in two datasets at different sizes) and the flip.
+    key = {latent_slot(it, flipped): latent_cache.item_cache_key(it, flipped, b.vae_identity, vae.dtype)
+           for it in items for flipped in ((False, True) if it.flip_aug else (False,))}
+    return entries, key
+
+
+def text(opts, tset, c) -> dict:
+    from library.data import latent_cache
+    from library.data import text_cache
+    from library.training import validation
+
+    acc = c.accelerator
+    wanted: dict = {}
+    for it in tset.train_items + tset.reg_items:
+        folder = latent_cache.cache_folder(it)
+        for cap in tset.caption_variants(it) + ([""] if tset.uses_empty_caption(it) else []):
+            wanted.setdefault(cap, folder)
+    for it in tset.val_items:  # the validation loss reads its captions from the cache too
+        wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
+    te_dtype = c.placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
+    identity = text_cache.encoder_identity(c.bundle, te_dtype, opts.clip_skip, opts.max_token_length,
+                                           weighted=opts.weighted_captions)
+    return text_cache.encode_captions(
+        c.adapter, wanted, identity, clip_skip=opts.clip_skip,
+        batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
+        to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)

@@ -1,0 +1,462 @@
+"""The training set of a run: the epoch's global sample list and the loading of micro-batches.
+
+Glue between the data modules (scan, dataset config, buckets, images, latent cache) and the
+training loop. Building the set reads image headers (and decodes each image once to skip broken
+files), so the step plan is known before any weight loads.
+
+Augmentation is keyed to the sample, not to the process (DESIGN.md "Randomness is keyed to the
+sample"): sample ``i`` of epoch ``e`` draws its caption processing, flip and random crop from
+generators seeded by ``derive_seed(kind, seed, e, i)`` (color_aug too), so 1 process x batch 2 and 2 processes x
+batch 1 see the same captions and pixels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from dataclasses import dataclass, field
+
+from library.data import buckets
+from library.data import folders as data
+from library.data.step_plan import derive_seed
+
+
+@dataclass
+class TrainingSet:
+    train_items: list          # unique training images, bucket assigned
+    reg_items: list            # unique regularisation images, bucket assigned
+    samples: list              # the epoch's global list (repeats and reg balancing applied)
+    seed: int = 0
+    batch_size: int | None = None  # set when the dataset config fixes the per-process batch size
+    resolution: tuple | None = None  # the (first) dataset's resolution, for the metadata
+    text_variants: int = 4  # text_encoder_cache_variants
+    stats: data.ScanStats = field(default_factory=data.ScanStats)
+    val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
+    masked: bool = False  # masked loss: some image has a mask (alpha_mask or conditioning_data_dir)
+    # textual inversion's use_object_template / use_style_template: every caption is one of these
+    # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
+    caption_templates: tuple | None = None
+
+    @property
+    def bucket_of(self) -> list:
+        return [s.bucket for s in self.samples]
+
+    def bucket_sizes(self) -> dict:
+        sizes: dict = {}
+        for s in self.samples:
+            sizes[s.bucket] = sizes.get(s.bucket, 0) + 1
+        return sizes
+
+    @property
+    def repeats_total(self) -> int:
+        return sum(it.num_repeats for it in self.train_items)
+
+    @property
+    def reg_samples(self) -> int:
+        return sum(1 for s in self.samples if s.is_reg)
+
+    # -- per-sample augmentation (keyed by seed, epoch, sample index) ---------------------------
+    def caption(self, i: int, epoch: int) -> str:
+        if self.caption_templates:
+            rng = random.Random(derive_seed("template", self.seed, epoch, i))
+            return rng.choice(self.caption_templates)
+        s = self.samples[i]
+        if s.captions is None:
+            return s.caption
+        rng = random.Random(derive_seed("caption", self.seed, epoch, i))
+        return data.process_caption(s.caption, s.captions, epoch, rng)
+
+    def caption_variants(self, item) -> list[str]:
+        """The processed captions the text-encoder cache holds for ``item`` (dropout aside): one
+        when nothing random applies, else ``text_variants`` distinct draws of the shuffle / tag
+        dropout (fewer if the caption has fewer), each from a generator keyed by (seed, image
+        path, draw)."""
+        o = item.captions
+        if o is None:
+            return [item.caption]
+        nodrop = dataclasses.replace(o, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0)
+        n = self.text_variants if (o.shuffle_caption or o.caption_tag_dropout_rate > 0) else 1
+        # Distinct variants (a repeated draw would waste a cache slot), as long as the caption has
+        # that many; a bounded number of draws keeps it deterministic and finite.
+        out: list[str] = []
+        for v in range(8 * n):
+            c = data.process_caption(item.caption, nodrop, 0,
+                                     random.Random(derive_seed("te-variant", self.seed, item.path, v)))
+            if c not in out:
+                out.append(c)
+                if len(out) == n:
+                    break
+        return out
+
+    @staticmethod
+    def uses_empty_caption(item) -> bool:
+        o = item.captions
+        return o is not None and (o.caption_dropout_rate > 0 or o.caption_dropout_every_n_epochs > 0)
+
+    def cached_caption(self, i: int, epoch: int) -> str:
+        """Sample ``i``'s caption for ``epoch`` among the cached ones: the empty caption when
+        caption dropout draws it (the same draw as ``caption``), else one variant picked by a
+        generator keyed by (seed, epoch, sample)."""
+        s = self.samples[i]
+        o = s.captions
+        if o is not None:
+            rng = random.Random(derive_seed("caption", self.seed, epoch, i))
+            drop = o.caption_dropout_rate > 0 and rng.random() < o.caption_dropout_rate
+            if drop or (o.caption_dropout_every_n_epochs > 0 and epoch % o.caption_dropout_every_n_epochs == 0):
+                return ""
+        memo = self.__dict__.setdefault("_variants", {})
+        key = (s.path, s.captions, s.caption)
+        if key not in memo:
+            memo[key] = self.caption_variants(s)
+        variants = memo[key]
+        if len(variants) == 1:
+            return variants[0]
+        return variants[random.Random(derive_seed("te-pick", self.seed, epoch, i)).randrange(len(variants))]
+
+    def flip(self, i: int, epoch: int) -> bool:
+        if not self.samples[i].flip_aug:
+            return False
+        return random.Random(derive_seed("flip", self.seed, epoch, i)).random() < 0.5
+
+    def color(self, i: int, epoch: int):
+        """Sample ``i``'s color_aug decision for ``epoch`` (None: unchanged)."""
+        if not self.samples[i].color_aug:
+            return None
+        from library.data import color_aug
+
+        return color_aug.draw(random.Random(derive_seed("color", self.seed, epoch, i)))
+
+    def prepare(self, i: int, epoch: int):
+        """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
+        color_aug (when it draws a change), flip (when flip_aug draws it); its mask (masked loss)
+        gets the same geometry."""
+        import functools
+
+        import torch
+
+        from library.data import color_aug
+        from library.data import images
+
+        s = self.samples[i]
+        g = None
+        if s.random_crop:
+            g = torch.Generator().manual_seed(derive_seed("crop", self.seed, epoch, i))
+        aug = self.color(i, epoch)
+        color = None if aug is None else functools.partial(color_aug.apply, aug=aug)
+        img, mask = images.load_for_item(s)
+        return images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
+                                    random_crop=s.random_crop, generator=g, mask=mask, color=color)
+
+
+def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
+    try:
+        return buckets.BucketManager(resolution=tuple(resolution), enable_bucket=enable_bucket,
+                                     min_size=min_reso, max_size=max_reso, reso_steps=steps,
+                                     no_upscale=no_upscale)
+    except data.DataError as e:
+        if where is None:
+            raise
+        raise data.DataError(f"{where}: {e}") from None
+
+
+def build_training_set(opts, log) -> TrainingSet:
+    """Scan the images (dataset config or train_data_dir/reg_data_dir), assign buckets, balance
+    the reg images per dataset (sd-scripts' rule) and expand repeats into the epoch's list."""
+    stats = data.ScanStats()
+    batch_size = None
+    held_out: list = []  # validation_split: training images held out (each dataset's own share)
+    resolution = opts.resolution
+    if opts.dataset_config:
+        train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats, held_out)
+    else:
+        train, reg, samples = _from_folders(opts, log, stats, held_out)
+    cache = opts.cache_latents or opts.cache_latents_to_disk
+    if cache:
+        for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
+            item = next((it for it in train + reg if getattr(it, key)), None)
+            if item is not None:  # sd-scripts asserts the same (is_latent_cacheable)
+                raise data.DataError(f"{key} cannot be combined with cache_latents (set for "
+                                     f"{item.image_dir}): {why} differs per sample and epoch, "
+                                     "so its latents cannot be cached; turn one of them off")
+    masked = _check_masks(opts, train + reg + held_out)
+    summary = stats.summary()
+    if summary:
+        log.warning(summary)
+    tset = TrainingSet(train_items=train, reg_items=reg, samples=samples,
+                       seed=opts.seed, batch_size=batch_size,
+                       resolution=resolution,
+                       text_variants=opts.text_encoder_cache_variants, stats=stats,
+                       val_items=held_out, masked=masked, caption_templates=_templates(opts))
+    if opts.script == "train_textual_inversion" and not tset.caption_templates:
+        _check_token_in_captions(tset, opts.token_string)
+    return tset
+
+
+def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
+    """Textual inversion learns from the captions that contain the token: with none, nothing
+    would train (a zero gradient every step)."""
+    import re
+
+    if not token:
+        return  # the method says token_string is required
+    word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
+    if not any(word.search(tset.caption(i, 1)) for i in range(len(tset.samples))):
+        raise data.DataError(f"token_string {token!r} is in no training caption, so nothing would "
+                             "train: put it in the captions (or caption_prefix), or use "
+                             "use_object_template / use_style_template")
+
+
+def _templates(opts) -> tuple | None:
+    """sd-scripts' template captions of textual inversion, with the token string filled in."""
+    from library.models import embeddings
+
+    if opts.script != "train_textual_inversion":
+        return None
+    if opts.use_object_template and opts.use_style_template:
+        raise data.DataError("use_object_template and use_style_template exclude each other")
+    if not (opts.use_object_template or opts.use_style_template):
+        return None
+    chosen = embeddings.OBJECT_TEMPLATES if opts.use_object_template else embeddings.STYLE_TEMPLATES
+    return tuple(t.format(opts.token_string) for t in chosen)
+
+
+def _check_masks(opts, items: list) -> bool:
+    """Masked loss: whether some image has a mask; ``masked_loss`` with no mask source is an
+    error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
+    masked = any(it.alpha_mask or it.mask_path for it in items)
+    if opts.masked_loss and not masked:
+        raise data.DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
+                             "channel) or conditioning_data_dir (a folder of mask images named "
+                             "like the images), as a run option or per subset")
+    return masked
+
+
+def _item_fields(opts) -> dict:
+    from library.config.dataset_config import run_caption_options
+
+    captions = run_caption_options(opts)
+    return dict(captions=None if captions.is_identity else captions,
+                flip_aug=opts.flip_aug,
+                random_crop=opts.random_crop,
+                color_aug=opts.color_aug,
+                cache_dir=opts.cache_dir,
+                alpha_mask=opts.alpha_mask)
+
+
+def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str | None:
+    """conditioning_data_dir of a set of images, checked: it needs masked_loss (as sd-scripts,
+    where the key otherwise means ControlNet conditioning images) and excludes alpha_mask."""
+    if not folder:
+        return None
+    if not opts.masked_loss:
+        raise data.DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
+    if alpha_mask:
+        raise data.DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
+                             "comes from one of them; unset the other")
+    return folder
+
+
+def _from_folders(opts, log, stats, held_out):
+    fields = _item_fields(opts)
+    if opts.in_json:  # fine-tuning metadata; train_data_dir is the image folder
+        train = data.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
+                                   option="in_json", log=log, stats=stats, **fields)
+    else:
+        if opts.dataset_repeats != 1:
+            raise data.DataError("dataset_repeats applies to in_json metadata only; N_concept "
+                                 "folders give their repeats in the folder name")
+        train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
+                                       log=log, option="train_data_dir", stats=stats, **fields)
+    # conditioning_data_dir (a run option): masks of the training images, looked up by stem;
+    # regularisation images are trained unmasked
+    folder = _mask_folder(opts, fields["alpha_mask"], opts.conditioning_data_dir,
+                          "conditioning_data_dir")
+    if folder:
+        data.attach_masks(train, folder, "conditioning_data_dir")
+    reg = []
+    if opts.reg_data_dir:
+        reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
+                                     log=log, option="reg_data_dir", stats=stats, **fields)
+    bm = _bucket_manager(opts.resolution, opts.enable_bucket, opts.min_bucket_reso,
+                         opts.max_bucket_reso, opts.bucket_reso_steps, opts.bucket_no_upscale)
+    train = bm.assign(train, log, stats)
+    reg = bm.assign(reg, log, stats)
+    if not train:
+        raise data.DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
+    train = _hold_out(train, opts, held_out, "train_data_dir")
+    reg_used = data.balance_regularization(train, reg)
+    samples = data.expand_repeats(train) + data.expand_repeats(reg_used)
+    return train, reg, samples
+
+
+def _from_dataset_config(opts, log, stats, held_out):
+    from library.config.dataset_config import resolve_dataset_config
+
+    path = opts.dataset_config_path or "the run config"
+    datasets = resolve_dataset_config(opts.dataset_config, path, opts)
+    for name in ("train_data_dir", "reg_data_dir"):
+        if getattr(opts, name):
+            log.warning(f"{name} is ignored: the dataset config in {path} lists the images")
+    sizes = {ds.batch_size for ds in datasets}
+    if len(sizes) > 1:
+        detail = ", ".join(f"{ds.where}: {ds.batch_size}" for ds in datasets)
+        raise data.DataError(
+            f"{path}: datasets have different batch_size ({detail}); a step is one global batch "
+            "from one bucket (train_batch_size x processes x accumulation), so per-dataset batch "
+            "sizes cannot be honoured exactly: give every dataset the same batch_size")
+    train, reg, samples = [], [], []
+    for ds in datasets:
+        bm = _bucket_manager(ds.resolution, ds.enable_bucket, ds.min_bucket_reso, ds.max_bucket_reso,
+                             ds.bucket_reso_steps, ds.bucket_no_upscale, where=f"{path}: {ds.where}")
+        ds_train, ds_reg = [], []
+        for sub in ds.subsets:
+            caps = sub.captions
+            sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
+                              random_crop=sub.random_crop, color_aug=sub.color_aug,
+                              cache_dir=opts.cache_dir,
+                              alpha_mask=sub.alpha_mask)
+            where = f"{path}: {sub.where}.conditioning_data_dir"
+            folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
+            if getattr(sub, "metadata_file", None):  # a fine-tuning subset
+                items = data.scan_metadata(sub.metadata_file, sub.image_dir,
+                                           num_repeats=sub.num_repeats, is_reg=sub.is_reg,
+                                           option=f"{path}: {sub.where}.metadata_file", log=log,
+                                           stats=stats, **sub_fields)
+            else:
+                items = data.scan_image_folder(
+                    sub.image_dir, num_repeats=sub.num_repeats, class_tokens=sub.class_tokens,
+                    caption_extension=sub.caption_extension, is_reg=sub.is_reg, log=log,
+                    stats=stats, **sub_fields)
+            if not items:
+                concept = [n for n in sorted(os.listdir(sub.image_dir))
+                           if data.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
+                if concept:
+                    raise data.DataError(
+                        f"{path}: {sub.where}.image_dir: {sub.image_dir} holds N_concept folders "
+                        f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
+                        "the images themselves (one subset per folder, with num_repeats and "
+                        "class_tokens), or use train_data_dir")
+                log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
+            if folder:
+                data.attach_masks(items, folder, where)
+            (ds_reg if sub.is_reg else ds_train).extend(items)
+        ds_train = bm.assign(ds_train, log, stats)
+        ds_reg = bm.assign(ds_reg, log, stats)
+        if not ds_train:
+            raise data.DataError(f"{path}: {ds.where}: no usable training image (subsets with "
+                                 "is_reg = false)")
+        ds_train = _hold_out(ds_train, opts, held_out, f"{path}: {ds.where}")
+        reg_used = data.balance_regularization(ds_train, ds_reg)
+        train += ds_train
+        reg += ds_reg
+        samples += data.expand_repeats(ds_train) + data.expand_repeats(reg_used)
+    return train, reg, samples, sizes.pop(), datasets[0].resolution
+
+
+def _hold_out(items: list, opts, held_out: list, where: str) -> list:
+    """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
+    if not opts.validation_split:
+        return items
+    from library.training.validation import split_items
+
+    train, val = split_items(items, opts.validation_split, _validation_seed(opts), where)
+    held_out.extend(val)
+    return train
+
+
+def _validation_seed(opts) -> int:
+    v = opts.validation_seed
+    return opts.seed if v is None else v
+
+
+class ImageBatch(list):
+    """The prepared images of one micro-batch (``PreparedImage`` each, in the batch's order) and
+    their pixels stacked once, where they were prepared (a DataLoader worker): one tensor to pin
+    and to copy to the device."""
+
+    def __init__(self, images: list):
+        super().__init__(images)
+        import torch
+
+        self.pixels = torch.stack([p.pixels for p in images]) if images else None
+
+    def pin_memory(self):
+        """Called by the DataLoader's pinning thread (pin_memory=True): page-locked pixels, so
+        the copy to the GPU can run while the host prepares the next step."""
+        if self.pixels is not None:
+            self.pixels = self.pixels.pin_memory()
+        return self
+
+    def pixels_on(self, device, dtype):
+        """The stacked pixels on ``device`` in ``dtype``: copied without waiting when pinned
+        (the kernels that read them are queued after the copy on the same stream)."""
+        pix = self.pixels.to(device, non_blocking=self.pixels.is_pinned())
+        return pix.to(dtype)
+
+
+class _SampleImages:
+    """Map-style dataset keyed by ``(epoch, sample indices)``: the key carries the epoch, so
+    persistent workers (which keep the copy of the dataset they started with) prepare any
+    epoch's batch, with the sample-keyed flip, crop and color_aug of that epoch."""
+
+    def __init__(self, tset: TrainingSet):
+        self.tset = tset
+
+    def __getitem__(self, key):
+        epoch, idx = key
+        return ImageBatch([self.tset.prepare(i, epoch) for i in idx])
+
+
+class _EpochKeys:
+    """The DataLoader's sampler: the keys of the current epoch, read when an epoch's iteration
+    starts (in the training process)."""
+
+    def __init__(self):
+        self.keys: list = []
+
+    def __iter__(self):
+        return iter(list(self.keys))
+
+    def __len__(self):
+        return len(self.keys)
+
+
+def _as_is(batch):
+    return batch
+
+
+def loader_workers(requested: int | None, device_type: str, processes: int) -> int:
+    """DataLoader workers of a run without cached latents: ``max_data_loader_n_workers`` when
+    set; unset, on CUDA min(8, the CPU cores of this process's share), else 0 (on a CPU-only
+    machine the workers would take cores from the training's own kernels)."""
+    if requested is not None:
+        return requested
+    if device_type != "cuda":
+        return 0
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, processes)))
+
+
+class ImageLoader:
+    """Decodes and augments the images of the micro-batches a process trains (runs without
+    cached latents): in ``workers`` DataLoader worker processes (0: in this process), pinned
+    when the run computes on CUDA, one DataLoader for the whole run so that
+    ``persistent`` workers survive from one epoch to the next."""
+
+    def __init__(self, tset: TrainingSet, workers: int, persistent: bool, pin: bool):
+        from torch.utils.data import DataLoader
+
+        self.dataset = _SampleImages(tset)
+        self._keys = _EpochKeys()
+        self.workers = workers
+        self.loader = DataLoader(self.dataset, sampler=self._keys, batch_size=None,
+                                 collate_fn=_as_is, num_workers=workers, pin_memory=pin,
+                                 persistent_workers=persistent and workers > 0)
+
+    def epoch(self, epoch: int, batches: list):
+        """An iterator over the ``ImageBatch`` of each of ``batches`` (lists of sample indices)."""
+        self._keys.keys = [(epoch, tuple(b)) for b in batches]
+        return iter(self.loader)
+
+    def load(self, epoch: int, idx: list) -> ImageBatch:
+        """One batch prepared here and now (e.g. the zero-weight sample of an empty share)."""
+        return self.dataset[(epoch, tuple(idx))]

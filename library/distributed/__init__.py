@@ -1,0 +1,1 @@
+"""Several processes: the Accelerator, FSDP, DeepSpeed ZeRO."""

@@ -1,0 +1,197 @@
+"""Processes: world size before torch is imported, the Accelerator, bucketed gradient sums.
+
+The training loop does not wrap the model in DDP. Each process backpropagates its share of the
+global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the
+gradients of all processes in flat buckets, so every process holds the one-process gradient of
+the whole global batch and takes the same optimizer step. Every process calls ``sum_gradients``
+and ``all_reduce_sum`` once per step, whatever its share (an empty share contributes zeros).
+
+If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
+the process group's timeout bounds the wait of a process whose peer hangs without exiting.
+"""
+from __future__ import annotations
+
+import os
+
+from library.errors import UserError
+
+# Seconds a collective may wait for a peer before it fails (torch's own default for gloo).
+DEFAULT_TIMEOUT_S = 1800
+
+
+class DistributedError(UserError, RuntimeError):
+    pass
+
+
+def launched_world_size() -> int:
+    """Number of processes the launcher started (accelerate launch / torchrun set WORLD_SIZE)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def compute_dtype(mixed_precision: str):
+    """The torch dtype of a mixed_precision setting ("no" -> float32)."""
+    import torch
+
+    return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
+
+
+def accelerator_precision(opts) -> str:
+    """The mixed precision the run's Accelerator gets; a UserError where it cannot work here
+    (checked again by make_accelerator; Run.validate calls this before any folder or weight)."""
+    import torch
+
+    mixed = opts.mixed_precision
+    if opts.full_fp16 and not torch.cuda.is_available():
+        # full_fp16 on a CPU: every weight is fp16 and computes in fp16 without autocast (which
+        # the CPU lacks for fp16); the stepper scales the loss itself
+        mixed = "no"
+    check_mixed_precision(mixed)
+    return mixed
+
+
+def check_mixed_precision(mixed_precision: str) -> None:
+    import torch
+
+    if mixed_precision == "fp16" and not torch.cuda.is_available():
+        # Accelerate accepts it on the CPU but applies neither fp16 autocast nor loss scaling.
+        raise UserError("mixed_precision: fp16 needs a CUDA GPU (on CPU Accelerate applies neither "
+                        "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
+
+
+def accelerator_for(opts):
+    """The run's Accelerator from its options (used by the trainer and the caching tool alike)."""
+    return make_accelerator(accelerator_precision(opts),
+                            timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
+
+
+def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
+    """An Accelerator that joins CPU processes into one gloo job when CUDA is absent.
+
+    A plain ``Accelerator()`` on a machine without CUDA ignores the launcher and runs N
+    independent single-process jobs; ``cpu=True`` makes Accelerate read the launcher's
+    environment and initialise a gloo process group. A launch whose processes did not join
+    into one job of the launched size is an error, never N silent copies of the run.
+    """
+    import torch
+    from accelerate import Accelerator
+
+    cpu = not torch.cuda.is_available()
+    check_mixed_precision(mixed_precision)
+    # An Accelerate DeepSpeed launch was read into the deepspeed options (library/distributed/deepspeed_zero.py): the
+    # toolkit drives the engine itself, so Accelerate sets up a plain job.
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    launched = launched_world_size()
+    handlers = []
+    if launched > 1:
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        kw = {"timeout": timedelta(seconds=float(timeout_s or DEFAULT_TIMEOUT_S))}
+        if cpu:
+            kw["backend"] = "gloo"  # not MPI, even where torch was built with it
+        handlers.append(InitProcessGroupKwargs(**kw))
+    acc = Accelerator(cpu=cpu, mixed_precision=mixed_precision, gradient_accumulation_steps=1,
+                      kwargs_handlers=handlers)
+    if launched > 1 and acc.num_processes != launched:
+        raise DistributedError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but they did not join one "
+            f"distributed job (Accelerate sees {acc.num_processes}); check the launch command")
+    return acc
+
+
+def _is_multi_process() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+# What a collective raises on a surviving process when a peer has ended (gloo's TCP transport,
+# NCCL's watchdog) or did not answer within the process group's timeout.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote worker crashing", "nccl communicator was aborted", "ncclremoteerror")
+_PEER_SILENT = ("timed out", "timeout")
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """One line for a process of a multi-process run whose collective failed because another
+    process ended (e.g. rank 0's one-line error on a save) or hung: that process's own line says
+    what went wrong, this one says why it stops. None when ``e`` is something else."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world < 2 or not isinstance(e, RuntimeError):
+        return None
+    text = str(e).lower()
+    who = f"process {os.environ.get('RANK', '?')} of {world}"
+    if any(k in text for k in _PEER_GONE):
+        return (f"{who}: stopped because another process of the job ended (its error, above or "
+                "in its log, says why)")
+    dist_error = type(e).__name__.startswith("Dist") or "gloo" in text or "nccl" in text
+    if dist_error and any(k in text for k in _PEER_SILENT):
+        return (f"{who}: stopped because another process did not answer within ddp_timeout "
+                f"({str(e).strip().splitlines()[0][:200]})")
+    return None
+
+
+def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
+    """All-reduce (sum) the gradients of ``params`` across processes in flat buckets.
+
+    One collective per ~25 MB bucket, as DDP does, instead of one per tensor, plus one small
+    collective that says which parameters received a gradient in any process. A parameter that
+    received no gradient in this process (an empty share of the global batch) counts as zeros,
+    so every process takes part in every collective; a parameter that received none in any
+    process keeps ``grad = None`` afterwards, exactly as in a one-process run (optimizers skip
+    such parameters: no weight decay, no moment update).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not _is_multi_process():
+        return
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    had_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                            device=device)
+    dist.all_reduce(had_grad, op=dist.ReduceOp.SUM)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    # Same order in every process: params come in the same order, dicts keep insertion order.
+    for group in by_dtype.values():
+        bucket, size = [], 0
+        for p in group + [None]:
+            if p is not None:
+                bucket.append(p)
+                size += p.grad.numel() * p.grad.element_size()
+            if bucket and (p is None or size >= bucket_bytes):
+                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                offset = 0
+                for q in bucket:
+                    n = q.grad.numel()
+                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
+                    offset += n
+                bucket, size = [], 0
+    for p, n in zip(params, had_grad.tolist()):
+        if n == 0:
+            p.grad = None
+
+
+def all_reduce_sum(value: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not _is_multi_process():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())

@@ -1,0 +1,1 @@
+"""Loading models, the per-family adapters, checkpoint formats, dtype placement, fp8."""

@@ -1,0 +1,472 @@
+"""Where a model comes from and how it is loaded into one `ModelBundle`.
+
+Sources: a built-in name (tiny-sd15, tiny-sd2, tiny-sdxl; sd15-arch, sd2-arch, sdxl-arch for
+full-size random weights), a diffusers folder, a single file in the original SD/SDXL layout, or a
+hub id (only when online). No torch/diffusers import at module level: `--dry_run` resolves the
+source without paying for them.
+
+Identities (cache keys for latents / text-encoder outputs) are cheap on purpose: a file is
+identified by sha256(absolute path, size, mtime_ns), a folder by the same over every file in it;
+hashing the weights of a multi-GB checkpoint would take longer than the cache saves. Rewriting a
+file changes its mtime, so changed weights never reuse stale cache entries.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from library.errors import UserError
+
+logger = logging.getLogger("sdtk")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED_CONFIGS = os.path.join(ROOT, "configs", "models")
+SHIPPED_TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "clip")
+
+TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl"}
+ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
+BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS}
+FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
+ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
+WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+ARCH_SEED = 20240602
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelError(UserError, ValueError):
+    """A model cannot be found or loaded; the message is one line naming the file or option."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "builtin" | "diffusers" | "single_file" | "hub"
+    location: str  # absolute path, builtin name or hub id
+    arch: str | None = None  # sd15 / sd2 / sdxl, for builtins
+
+
+def resolve_model_source(name_or_path: str) -> ModelSource:
+    """Classify `pretrained_model_name_or_path` without loading anything."""
+    from library.data import symlinks
+
+    p = os.path.expanduser(str(name_or_path))
+    if os.path.islink(p) and not os.path.exists(p):
+        raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is {symlinks.problem(p)}")
+    if os.path.exists(p):
+        if name_or_path in BUILTINS:
+            logger.warning("pretrained_model_name_or_path: %s is an existing path; using it instead of the "
+                           "built-in model of the same name", name_or_path)
+        kind = "diffusers" if os.path.isdir(p) else "single_file"
+        broken = symlinks.first_broken(p) if kind == "diffusers" else None
+        if broken:  # diffusers would report a missing file, or a raw OSError
+            raise ModelError(f"pretrained_model_name_or_path: {broken} is {symlinks.problem(broken)}")
+        return ModelSource(kind, os.path.abspath(p))
+    if name_or_path in BUILTINS:
+        return ModelSource("builtin", name_or_path, BUILTINS[name_or_path])
+    looks_like_path = (p.lower().endswith(WEIGHT_SUFFIXES) or p.startswith((".", "/", "~", "\\"))
+                       or p.count("/") > 1 or "\\" in p or os.path.isabs(p))
+    if _HUB_ID.match(name_or_path) and not looks_like_path:
+        return ModelSource("hub", name_or_path)
+    if looks_like_path or "/" in p:
+        raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")
+    raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path} "
+                     f"(and not a built-in model: {', '.join(BUILTINS)})")
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """Hide transformers'/diffusers' per-file progress bars while loading or saving (log noise)."""
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    t_on, d_on = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    dlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if t_on:
+            tlog.enable_progress_bar()
+        if d_on:
+            dlog.enable_progress_bar()
+
+
+# --- identities ------------------------------------------------------------------------------
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def path_identity(path: str) -> str:
+    """sha256 of (absolute path, size, mtime_ns) of the file, or of every file under the folder."""
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return "file:" + _sha(f"{path}|{st.st_size}|{st.st_mtime_ns}")
+    parts = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames):
+            full = os.path.join(dirpath, name)
+            st = os.stat(full)
+            parts.append(f"{os.path.relpath(full, path)}|{st.st_size}|{st.st_mtime_ns}")
+    return "dir:" + _sha(path + "\n" + "\n".join(parts))
+
+
+# --- the bundle ------------------------------------------------------------------------------
+
+@dataclass
+class ModelBundle:
+    family: str  # "sd1" | "sd2" | "sdxl"
+    unet: Any
+    vae: Any
+    text_encoders: list
+    tokenizers: list
+    noise_scheduler: Any  # DDPMScheduler with the model's betas and prediction type
+    v_parameterization: bool
+    source: str
+    identity: str
+    vae_identity: str
+    scheduler_config: dict = field(default_factory=dict)  # the model's own (inference) scheduler config
+
+    def components(self) -> dict:
+        """Components under diffusers pipeline names (what sd_checkpoint.save_* take)."""
+        out = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoders[0],
+               "tokenizer": self.tokenizers[0], "scheduler": self.noise_scheduler}
+        if self.family == "sdxl":
+            out["text_encoder_2"] = self.text_encoders[1]
+            out["tokenizer_2"] = self.tokenizers[1]
+        return out
+
+
+# --- tokenizers ------------------------------------------------------------------------------
+
+def _has_tokenizer_files(d: str) -> bool:
+    return os.path.isfile(os.path.join(d, "tokenizer.json")) or (
+        os.path.isfile(os.path.join(d, "vocab.json")) and os.path.isfile(os.path.join(d, "merges.txt")))
+
+
+def _load_tokenizers(family: str, text_encoders: list, source: str, *, folder: str | None,
+                     tokenizer_path: str | None, record: dict | None, record_dir: str | None) -> list:
+    """One CLIPTokenizer per text encoder, from (in order) tokenizer_path, the model's own
+    folder/record, or the shipped CLIP files (SDXL's second one pads with '!', as SDXL does)."""
+    from transformers import CLIPTokenizer
+
+    names = ["tokenizer", "tokenizer_2"] if family == "sdxl" else ["tokenizer"]
+    toks = []
+    for i, name in enumerate(names):
+        pad = {"pad_token": "!"} if i == 1 else {}
+        where, kwargs = None, {}
+        if tokenizer_path:
+            tp = os.path.expanduser(tokenizer_path)
+            if not os.path.exists(tp):
+                raise ModelError(f"tokenizer_path: no such file or directory: {tokenizer_path}")
+            if _has_tokenizer_files(os.path.join(tp, name)):
+                where = os.path.join(tp, name)
+            elif _has_tokenizer_files(os.path.join(tp, "tokenizer")):  # one vocabulary for both
+                where, kwargs = os.path.join(tp, "tokenizer"), pad
+            elif _has_tokenizer_files(tp):
+                where, kwargs = tp, pad
+            else:
+                raise ModelError(f"tokenizer_path: {tokenizer_path} has no tokenizer files "
+                                 "(vocab.json + merges.txt, or tokenizer.json)")
+        elif folder and _has_tokenizer_files(os.path.join(folder, name)):
+            where = os.path.join(folder, name)
+        elif record_dir and _has_tokenizer_files(os.path.join(record_dir, name)):
+            where = os.path.join(record_dir, name)
+        elif _has_tokenizer_files(SHIPPED_TOKENIZER):
+            where, kwargs = SHIPPED_TOKENIZER, pad
+            if record and record.get(name, {}).get("pad_token"):
+                kwargs = {"pad_token": record[name]["pad_token"]}
+        else:
+            raise ModelError(f"{source}: no {name} files found and the shipped CLIP tokenizer "
+                             f"({SHIPPED_TOKENIZER}) is missing; pass --tokenizer_path")
+        tok = CLIPTokenizer.from_pretrained(where, **kwargs)
+        vocab = text_encoders[i].config.vocab_size
+        if len(tok) > vocab:
+            raise ModelError(f"{source}: the {name} from {where} has {len(tok)} tokens but the text encoder "
+                             f"only {vocab}; pass --tokenizer_path with the model's own tokenizer")
+        toks.append(tok)
+    return toks
+
+
+# --- schedulers ------------------------------------------------------------------------------
+
+def _noise_scheduler(config: dict, v_parameterization: bool):
+    from diffusers import DDPMScheduler
+
+    # Training uses DDPM noising with the model's betas (sd-scripts does the same).
+    return DDPMScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000),
+                         beta_start=config.get("beta_start", 0.00085), beta_end=config.get("beta_end", 0.012),
+                         beta_schedule=config.get("beta_schedule", "scaled_linear"),
+                         trained_betas=config.get("trained_betas"), clip_sample=False,
+                         prediction_type="v_prediction" if v_parameterization else "epsilon")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read ({e.__class__.__name__}: {str(e).splitlines()[0]})") from None
+
+
+# --- builtins --------------------------------------------------------------------------------
+
+def _build_arch(arch: str) -> dict:
+    """Full-size random weights from the shipped real architecture configs (benchmarks)."""
+    import torch
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    base = os.path.join(SHIPPED_CONFIGS, arch)
+    out: dict[str, Any] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ARCH_SEED)
+        out["unet"] = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(base, subfolder="unet"))
+        out["vae"] = AutoencoderKL.from_config(AutoencoderKL.load_config(base, subfolder="vae"))
+        for name, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", CLIPTextModelWithProjection)):
+            cfg_path = os.path.join(base, name, "config.json")
+            if os.path.isfile(cfg_path):
+                out[name] = cls(CLIPTextConfig.from_json_file(cfg_path)).eval()
+    return out
+
+
+def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, str, dict, str, str]:
+    from library.models import tiny_models
+
+    arch = src.arch
+    family = FAMILY_OF_ARCH[arch]
+    if src.location in TINY_BUILTINS:
+        comps = tiny_models.build_tiny_components(arch)
+        sched = tiny_models.scheduler_config(arch)
+        seed = tiny_models.SEED
+    else:
+        comps = _build_arch(arch)
+        sched = _read_json(os.path.join(SHIPPED_CONFIGS, arch, "scheduler", "scheduler_config.json"))
+        seed = ARCH_SEED
+    # Tiny models carry their own small vocabulary; the full-size ones take CLIP's shipped files.
+    if tokenizer_path or src.location not in TINY_BUILTINS:
+        tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
+        toks = _load_tokenizers(family, tes, src.location, folder=None, tokenizer_path=tokenizer_path,
+                                record=None, record_dir=None)
+        comps["tokenizer"] = toks[0]
+        if family == "sdxl":
+            comps["tokenizer_2"] = toks[1]
+    ident = f"builtin:{src.location}:{seed}"
+    return comps, family, sched, ident, ident + ":vae"
+
+
+# --- diffusers folders -----------------------------------------------------------------------
+
+def _family_of_folder(folder: str) -> str:
+    index = _read_json(os.path.join(folder, "model_index.json")) if os.path.isfile(
+        os.path.join(folder, "model_index.json")) else {}
+    if index.get("family") in FAMILY_OF_ARCH.values():
+        return index["family"]
+    if "text_encoder_2" in index or os.path.isdir(os.path.join(folder, "text_encoder_2")) \
+            or "XL" in str(index.get("_class_name", "")):
+        return "sdxl"
+    te = _read_json(os.path.join(folder, "text_encoder", "config.json"))
+    # SD2's OpenCLIP-derived text encoder: plain gelu and (at full size) 1024 wide.
+    if te.get("hidden_act") == "gelu" or te.get("hidden_size") == 1024:
+        return "sd2"
+    return "sd1"
+
+
+def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[dict, str, dict, str, str]:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    if not os.path.isfile(os.path.join(folder, "unet", "config.json")):
+        raise ModelError(f"{source}: not a diffusers model folder (no unet/config.json)")
+    family = _family_of_folder(folder)
+    from safetensors import SafetensorError
+
+    comps: dict[str, Any] = {}
+    classes = {"unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel}
+    if family == "sdxl":
+        classes["text_encoder_2"] = CLIPTextModelWithProjection
+    for name, cls in classes.items():
+        try:
+            comps[name] = cls.from_pretrained(folder, subfolder=name, local_files_only=True)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+            # SafetensorError: an empty or garbled weights file (not an OSError)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(f"{source}: cannot load the diffusers folder ({name}): {first}") from None
+    tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
+    toks = _load_tokenizers(family, tes, source, folder=folder, tokenizer_path=tokenizer_path,
+                            record=None, record_dir=None)
+    comps["tokenizer"] = toks[0]
+    if family == "sdxl":
+        comps["tokenizer_2"] = toks[1]
+    sched_path = os.path.join(folder, "scheduler", "scheduler_config.json")
+    sched = _read_json(sched_path) if os.path.isfile(sched_path) else {}
+    vae_dir = os.path.join(folder, "vae")
+    return comps, family, sched, path_identity(folder), path_identity(vae_dir)
+
+
+# --- single files ----------------------------------------------------------------------------
+
+def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle: bool,
+               v_parameterization: bool) -> tuple[dict, str, dict, str, str]:
+    from library.models import sd_checkpoint as sdc
+
+    state_dict, meta = sdc.read_state_dict(path, allow_pickle=allow_pickle)
+    family = sdc.detect_family(state_dict, path)
+    record = None
+    if sdc.META_CONFIG_KEY in meta:
+        try:
+            record = json.loads(meta[sdc.META_CONFIG_KEY])
+        except json.JSONDecodeError:
+            raise ModelError(f"{path}: metadata {sdc.META_CONFIG_KEY} is not valid JSON") from None
+        if record.get("family") != family:
+            raise ModelError(f"{path}: metadata says family {record.get('family')!r} but the weights are {family}")
+    with tempfile.TemporaryDirectory(prefix="sdtk-config-") as tmp:
+        if record is not None:
+            sdc.write_config_dir(record, tmp)
+            config_dir = tmp
+            sched = record.get("scheduler", {})
+        else:
+            config_dir = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
+            sched = dict(_read_json(os.path.join(config_dir, "scheduler", "scheduler_config.json")))
+            # SD2 768-v and SD2-base share weights' shape: prediction type cannot be read from the
+            # weights, so (as sd-scripts) it follows --v_parameterization.
+            sched["prediction_type"] = "v_prediction" if v_parameterization else "epsilon"
+            if family == "sd2" and not v_parameterization:
+                logger.warning("%s: SD2 checkpoint without --v_parameterization: using epsilon prediction "
+                               "(SD2.x-base); pass --v_parameterization for 768-v models", path)
+        comps = sdc.load_unet_vae_te(state_dict, family, config_dir, path)
+        tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
+        toks = _load_tokenizers(family, tes, path, folder=None, tokenizer_path=tokenizer_path,
+                                record=record, record_dir=tmp if record is not None else None)
+    comps["tokenizer"] = toks[0]
+    if family == "sdxl":
+        comps["tokenizer_2"] = toks[1]
+    ident = path_identity(path)
+    return comps, family, sched, ident, "vae-of:" + _sha(ident)
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ModelError(f"pretrained_model_name_or_path: {repo_id} is neither a local path nor a built-in "
+                         "model, and the hub is offline (HF_HUB_OFFLINE=1)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=[
+            "model_index.json", "*/config.json", "scheduler/*.json", "tokenizer*/*",
+            "unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+            "text_encoder*/model.safetensors"])
+    except Exception as e:  # network, auth and not-found errors all end the run the same way
+        raise ModelError(f"pretrained_model_name_or_path: cannot download {repo_id} from the hub: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__}") from None
+
+
+# --- VAE override ----------------------------------------------------------------------------
+
+def load_vae(vae: str, family: str, base_vae_config: dict):
+    """A VAE from a diffusers folder (with or without a vae/ subfolder) or a single file; a
+    single file is read with the base model's VAE architecture."""
+    from diffusers import AutoencoderKL
+
+    from library.models import sd_checkpoint as sdc
+
+    p = os.path.expanduser(vae)
+    if not os.path.exists(p):
+        raise ModelError(f"vae: no such file or directory: {vae}")
+    if os.path.isdir(p):
+        from library.data import symlinks
+
+        broken = symlinks.first_broken(p)
+        if broken:
+            raise ModelError(f"vae: {broken} is {symlinks.problem(broken)}")
+        sub = "vae" if os.path.isfile(os.path.join(p, "vae", "config.json")) else None
+        if sub is None and not os.path.isfile(os.path.join(p, "config.json")):
+            raise ModelError(f"vae: {vae} is a folder without config.json or vae/config.json")
+        try:
+            return AutoencoderKL.from_pretrained(p, subfolder=sub, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"vae: cannot load {vae}: {str(e).strip().splitlines()[0]}") from None
+    state_dict, _ = sdc.read_state_dict(p)
+    with tempfile.TemporaryDirectory(prefix="sdtk-vae-") as tmp:
+        os.makedirs(os.path.join(tmp, "vae"))
+        with open(os.path.join(tmp, "vae", "config.json"), "w") as f:
+            json.dump({k: v for k, v in base_vae_config.items() if not k.startswith("_")}
+                      | {"_class_name": "AutoencoderKL"}, f)
+        return sdc.load_vae_from_state_dict(state_dict, tmp, vae)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+def load_from_options(opts) -> "ModelBundle":
+    """load_model_bundle with the run options that select and shape the model."""
+    return load_model_bundle(opts.pretrained_model_name_or_path, vae=opts.vae, v2=opts.v2,
+                             v_parameterization=opts.v_parameterization,
+                             tokenizer_path=opts.tokenizer_path, allow_pickle=opts.allow_pickle)
+
+
+def load_model_bundle(name_or_path: str, *, vae: str | None = None, v2: bool = False,
+                      v_parameterization: bool = False, tokenizer_path: str | None = None,
+                      allow_pickle: bool = False) -> ModelBundle:
+    """Load a model from a built-in name, diffusers folder, single file or hub id.
+
+    The family comes from the weights; `v2` only cross-checks it. v-prediction comes from the
+    model's scheduler config or `v_parameterization`.
+    """
+    src = resolve_model_source(name_or_path)
+    with quiet_progress():
+        return _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path, allow_pickle)
+
+
+def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path, allow_pickle) -> ModelBundle:
+    if src.kind == "builtin":
+        comps, family, sched, ident, vae_ident = _load_builtin(src, tokenizer_path)
+    elif src.kind == "diffusers":
+        comps, family, sched, ident, vae_ident = _load_folder(src.location, name_or_path, tokenizer_path)
+    elif src.kind == "single_file":
+        comps, family, sched, ident, vae_ident = _load_file(src.location, name_or_path, tokenizer_path,
+                                                            allow_pickle, v_parameterization)
+    else:
+        folder = _hub_snapshot(src.location)
+        comps, family, sched, _, vae_ident = _load_folder(folder, name_or_path, tokenizer_path)
+        ident = "hub:" + _sha(folder)  # the snapshot folder name is the resolved commit
+        vae_ident = "hub:" + _sha(folder + "/vae")
+    if v2 and family == "sd1":
+        logger.warning("v2 is set but %s holds SD1 weights; loading it as SD1", name_or_path)
+    if vae:
+        comps["vae"] = load_vae(vae, family, dict(comps["vae"].config))
+        vae_ident = path_identity(os.path.expanduser(vae))
+    v_param = bool(v_parameterization) or sched.get("prediction_type") == "v_prediction"
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if comps.get(name) is not None:
+            comps[name].eval()
+    tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
+    toks = [comps["tokenizer"]] + ([comps["tokenizer_2"]] if family == "sdxl" else [])
+    return ModelBundle(family=family, unet=comps["unet"], vae=comps["vae"], text_encoders=tes, tokenizers=toks,
+                       noise_scheduler=_noise_scheduler(sched, v_param), v_parameterization=v_param,
+                       source=str(name_or_path), identity=ident, vae_identity=vae_ident,
+                       scheduler_config=dict(sched))
+
+
+def set_attention(b, opts) -> None:
+    """The bundle's attention: SDPA (default), xformers, or with --sdpa=false the plain math
+    attention."""
+    if opts.xformers:
+        try:
+            b.unet.enable_xformers_memory_efficient_attention()
+        except Exception as e:  # noqa: BLE001 - diffusers raises several kinds here
+            raise UserError(f"xformers: cannot enable xformers attention ({e}); "
+                            "install the xformers extra or drop --xformers") from None
+    elif not opts.sdpa:
+        from diffusers.models.attention_processor import AttnProcessor
+
+        b.unet.set_attn_processor(AttnProcessor())
+        for te in b.text_encoders:
+            te.set_attn_implementation("eager")

@@ -1,0 +1,1 @@
+"""What a run writes: atomic saves, metadata, training states, output checks, trackers."""

@@ -1,0 +1,1 @@
+"""The training loop and what it calls: methods, losses, optimizers and steppers, EMA, guards, validation, samples."""

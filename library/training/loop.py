@@ -1,0 +1,182 @@
+"""The training loop: epochs of global batches, each split into this process's micro-steps.
+
+    train(run)     from ``run.progress`` (a fresh run, or a resume's) to the plan's last step
+
+Per global batch: the method's ``before_step``; for each micro-step the batch loss
+(library/training/batch_loss.py) and the stepper's backward; the step (every process, every step: it
+joins the gradient sum); the non-finite guard; ``scale_weight_norms`` and the EMA; progress,
+reports (library/outputs/tracking.py Reporter), step saves and SIGINT/SIGTERM. What differs between a
+single process, DDP, FSDP and DeepSpeed is read from the strategy's flags
+(``steps_in_backward``, ``forward_in_every_process``), never from the options.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from library.distributed import accelerator as distributed
+from library.training import nonfinite
+from library.outputs import saver
+from library.data import step_plan
+from library.training.run_state import HOOKS
+
+logger = logging.getLogger("sdtk")
+
+
+def train(run) -> None:
+    from tqdm.auto import tqdm
+
+    from library.data.training_data import ImageLoader, loader_workers
+
+    opts, c, plan, progress = run.opts, run.parts, run.plan, run.progress
+    acc, strategy, stepper = c.accelerator, c.strategy, c.stepper
+    P, rank = acc.num_processes, acc.process_index
+    bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
+    signals = run.stop_signals
+    start_epoch, start_batch = progress.position
+    c.reporter.before_training(progress)  # validation images held out; sample_at_first
+    bar = tqdm(total=plan.total_steps, initial=progress.global_step,
+               disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
+    done, stop = False, 0
+    images_in = None  # without cached latents: decoded and augmented per step
+    if c.caches.latents is None:
+        images_in = ImageLoader(run.tset, loader_workers(opts.max_data_loader_n_workers,
+                                                         acc.device.type, P),
+                                persistent=opts.persistent_data_loader_workers,
+                                pin=acc.device.type == "cuda")
+    for epoch in range(start_epoch, plan.epochs + 1):
+        c.method.set_train(epoch)
+        batches = step_plan.epoch_batches(run.tset.bucket_of, opts.seed, epoch, plan.global_batch)
+        # A resume inside this epoch: the order is keyed by (seed, epoch); skip what was trained.
+        skip, n_batches = (start_batch if epoch == start_epoch else 0), len(batches)
+        batches = batches[skip:]
+        # This process's micro-batches, in order: for each global batch, A micro-steps.
+        mine = [gb.micro_batch(a, rank, bs, P) for gb in batches for a in range(A)]
+        loader = images_in.epoch(epoch, mine) if images_in is not None else None
+        k = 0
+        for j, gb in enumerate(batches, start=skip):
+            c.method.before_step(progress.global_step)  # e.g. stop_text_encoder_training
+            loss_sum, step_loss = 0.0, None
+            for a in range(A):
+                idx = list(mine[k])
+                images = next(loader) if loader is not None else None
+                k += 1
+                last = a == A - 1
+                zero_weight = False
+                if not idx:
+                    if not (last and strategy.steps_in_backward) and \
+                            not strategy.forward_in_every_process:
+                        # An empty share of a partial global batch: no forward; this process
+                        # contributes zeros to the gradient sum below (which it still joins).
+                        continue
+                    # The stepper steps inside backward hooks, which fire only in a backward:
+                    # a zero-weight backward of one sample of the global batch makes them fire
+                    # for the same parameters in the same order as in the other processes.
+                    # fsdp / deepspeed: every forward all-gathers weights, or every backward
+                    # joins ZeRO's reduction, so every process runs it.
+                    idx, zero_weight = [gb.indices[0]], True
+                    if loader is not None:
+                        images = images_in.load(epoch, idx)
+                HOOKS.before_micro_step(run, epoch, idx)
+                loss = c.batch_loss.training(epoch, idx, images, len(gb.indices))
+                loss = HOOKS.after_micro_step(run, epoch, idx, loss)
+                if zero_weight:
+                    loss = loss * 0.0
+                loss_sum += float(loss.detach())
+                if last and strategy.steps_in_backward:
+                    # its hooks update parameters during this backward: the global batch's
+                    # loss is checked first (library/training/nonfinite.py), alike in every process
+                    step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
+                    if not math.isfinite(step_loss):
+                        break
+                stepper.backward(loss, last_micro_step=last)
+            if step_loss is None:
+                step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
+            step_lr = stepper.current_lr()
+            bad = None if math.isfinite(step_loss) else f"loss {nonfinite.describe(step_loss)}"
+            if bad is None:
+                stepper.step()  # every process, every step: it joins the gradient sum
+                bad = stepper.nonfinite  # a non-finite gradient norm
+            if bad is not None:
+                on_nonfinite(run, bad, bar)  # stop (raises) or skip this update
+            # scale_weight_norms: after the update (every stepper has finished it here), before
+            # the EMA reads the weights
+            progress.max_norm_stats = c.method.after_step(acc.device)
+            if c.ema is not None:
+                c.ema.update()
+            progress.global_step += 1
+            progress.samples_seen += len(gb.indices)
+            progress.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
+            if progress.global_step == 1:
+                from library.training.trainer import seconds_since_process_start
+
+                logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
+            progress.loss_log.append(step_loss)
+            progress.lr_log.append(step_lr)
+            HOOKS.after_step(run, step_loss, step_lr)
+            bar.update(1)
+            postfix = {}
+            if progress.max_norm_stats is not None:
+                from library.training.network_options import max_norm_postfix
+
+                postfix = max_norm_postfix(progress.max_norm_stats)
+            bar.set_postfix(**postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
+            c.reporter.after_step(progress)  # validation and samples when due, scalars
+            if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
+                    and progress.global_step < plan.total_steps:
+                saver.save(run, epoch=None, step=progress.global_step)
+            # SIGINT/SIGTERM in any process: every process stops after this same step.
+            stop = signals.agreed(acc.device) if signals is not None else 0
+            if progress.global_step >= plan.total_steps:
+                done = True
+                break
+            if stop and j + 1 < n_batches:
+                bar.close()
+                interrupt(run, stop)
+        progress.epochs_done = epoch
+        c.reporter.after_epoch(progress, epoch)  # validation and samples when due, loss/epoch
+        if done:
+            break
+        if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
+            saver.save(run, epoch=epoch, step=None)
+        if stop:  # the signal came in the epoch's last step: after the epoch's saves
+            bar.close()
+            interrupt(run, stop)
+    bar.close()
+
+
+def on_nonfinite(run, what: str, bar) -> None:
+    """A non-finite loss or gradient norm in step global_step + 1, before its update (every
+    process alike). ``stop``: write the state of the last good step and raise NonFiniteStop;
+    ``skip``: drop the update and warn (library/training/nonfinite.py)."""
+    stepper, progress = run.parts.stepper, run.progress
+    step = progress.global_step + 1
+    partial = stepper.partial_update
+    if run.opts.on_nonfinite == "skip":
+        stepper.skip()
+        logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"
+                       + ("; some parameters had already been stepped in the backward pass"
+                          if partial else ""))
+        return
+    bar.close()
+    msg = f"non-finite {what} at step {step}: training stopped"
+    if partial:
+        # the hooks had stepped parameters before the bad gradient appeared: no state of
+        # step N exists any more; only earlier saves (all checked finite) remain
+        raise nonfinite.NonFiniteStop(
+            f"{msg}; parameters had already been updated in the backward pass "
+            "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
+            "from an earlier save_state state, e.g. with a lower learning rate or "
+            "max_grad_norm")
+    path = saver.state_of_this_step(run)
+    raise nonfinite.NonFiniteStop(
+        f"{msg} before its update; the state after step {progress.global_step} is in {path} "
+        f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
+
+
+def interrupt(run, signum: int) -> None:
+    """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
+    from library.outputs import train_state
+
+    path = saver.state_of_this_step(run)
+    raise train_state.TrainingInterrupted(signum, path, run.progress.global_step)

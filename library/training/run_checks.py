@@ -1,0 +1,42 @@
+"""What a run checks before any weight loads (the trainer's validate stage; a dry run too): each
+module's option combinations, in this order (an error names the first problem)."""
+from __future__ import annotations
+
+
+def check_before_loading(opts, method_name: str, plan) -> None:
+    """Checks that need imports but no weights: optimizer, scheduler, network module, and the
+    combinations of every module's options."""
+    from library.training import block_lr
+    from library.distributed import accelerator as distributed
+    from library.models import family
+    from library.distributed import fsdp
+    from library.outputs import metadata
+    from library.training import network_options
+    from library.training import nonfinite
+    from library.models import placement
+    from library.outputs import tracking
+    from library.distributed import deepspeed_zero as zero
+    from library.training.losses import check_options as check_loss_options
+    from library.training.methods import make_method
+    from library.training.optim import check_optimizer, check_scheduler
+    from library.training.stepper import check_stepper_options
+
+    check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
+                    learning_rate=opts.learning_rate)
+    check_scheduler(opts, warmup_steps=plan.warmup_steps,
+                    total_steps=plan.total_steps)  # lr_scheduler and the lr_* options
+    check_stepper_options(opts)  # fused_backward_pass / fused_optimizer_groups combinations
+    fsdp.check_options(opts)  # fsdp combinations; Accelerate-FSDP launch configs
+    zero.check_options(opts)  # deepspeed combinations and optimizer
+    check_loss_options(opts)  # noise / loss variant combinations
+    tracking.check_options(opts)  # logging_dir / log_with, validation and sample options
+    network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms
+    placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
+    metadata.check_options(opts)  # metadata_thumbnail exists
+    from library.training.compile_unet import check_options as check_compile
+
+    check_compile(opts)  # torch_compile / dynamo_backend combinations
+    family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
+    nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
+    distributed.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
+    make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights

@@ -1,0 +1,252 @@
+"""Sample images during training (sd-scripts' sample_prompts, sample_every_n_*, sample_sampler).
+
+    load_prompts(path)                 the prompt file: .txt (one prompt per line with --n/--w/--h/
+                                       --d/--s/--l/--ss), .toml ([prompt] + [[prompt.subset]]) or .json
+    check_options(opts)                before any weight is loaded: file, values, samplers
+    due(opts, epoch=None, step=None)         whether this step / epoch end samples
+    sample_images(opts, c, step)             every process renders its share of the prompts
+
+Images are ``<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png``. The
+seed is the prompt's ``--d``, else ``seed + prompt index``; each image is generated alone from a
+``torch.Generator`` with that seed (initial latents and any ancestral noise), so an image depends
+on its prompt and the weights only, not on the process that renders it (prompt i is rendered by
+process i mod P) nor on the other prompts. The pipeline is a diffusers StableDiffusionPipeline /
+StableDiffusionXLPipeline over the in-memory components (a LoRA acts through the forward hooks it
+installed, so the pipeline sees it); the prompt conditioning is the trainer's own (``clip_skip``,
+SDXL's penultimate layers), passed as embeddings. Sampling runs in eval mode (no network dropout),
+under the optimizer's eval weights (schedule-free), without gradients and inside
+``torch.random.fork_rng``: the trained weights and every random draw of the training are the same
+with and without sampling.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from library.errors import UserError
+
+logger = logging.getLogger("sdtk")
+
+# sd-scripts' sampler names (train_util.SCHEDULER_CHOICES / get_my_scheduler) -> diffusers
+SAMPLERS = {
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "dpm_2": ("KDPM2DiscreteScheduler", {}),
+    "dpm_2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    "dpmsolver": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver"}),
+    "dpmsolver++": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++"}),
+    "dpmsingle": ("DPMSolverSinglestepScheduler", {}),
+}
+ALIASES = {"k_lms": "lms", "k_euler": "euler", "k_euler_a": "euler_a", "k_dpm_2": "dpm_2",
+           "k_dpm_2_a": "dpm_2_a"}
+SAMPLER_CHOICES = tuple(SAMPLERS) + tuple(ALIASES)
+
+# sd-scripts' defaults of a prompt line
+DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": 30, "scale": 7.5,
+            "seed": None, "sample_sampler": None}
+# --x flags of a .txt line -> keys (also the keys of .toml / .json prompts)
+FLAGS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps",
+         "l": "scale", "ss": "sample_sampler"}
+TYPES = {"negative_prompt": str, "width": int, "height": int, "seed": int, "sample_steps": int,
+         "scale": float, "sample_sampler": str, "prompt": str}
+
+
+class SamplingError(UserError):
+    pass
+
+
+def _prompt(raw: dict, where: str) -> dict:
+    p = dict(DEFAULTS)
+    for k, v in raw.items():
+        if k not in TYPES:
+            raise SamplingError(f"{where}: unknown key {k!r} (one of {', '.join(TYPES)})")
+        t = TYPES[k]
+        try:
+            p[k] = t(v) if not (t is int and isinstance(v, str)) else int(v.strip())
+        except (TypeError, ValueError):
+            raise SamplingError(f"{where}: {k} must be a {t.__name__}, got {v!r}") from None
+    if not p.get("prompt"):
+        raise SamplingError(f"{where}: empty prompt")
+    for k in ("width", "height"):
+        if p[k] < 8:
+            raise SamplingError(f"{where}: {k} must be at least 8, got {p[k]}")
+        p[k] -= p[k] % 8  # the VAE's factor
+    if p["sample_steps"] < 1:
+        raise SamplingError(f"{where}: sample steps must be at least 1, got {p['sample_steps']}")
+    s = p["sample_sampler"]
+    if s is not None:
+        p["sample_sampler"] = _sampler_name(s, where)
+    return p
+
+
+def _sampler_name(s: str, where: str) -> str:
+    s = ALIASES.get(s.lower(), s.lower())
+    if s not in SAMPLERS:
+        raise SamplingError(f"{where}: unknown sampler {s!r}; use one of {', '.join(SAMPLER_CHOICES)}")
+    return s
+
+
+def parse_line(line: str, where: str) -> dict:
+    """One .txt prompt line: ``prompt --n negative --w 512 --h 512 --d 1 --s 30 --l 7.5 --ss euler_a``."""
+    parts = line.split(" --")
+    raw = {"prompt": parts[0].strip()}
+    for part in parts[1:]:
+        flag, _, value = part.strip().partition(" ")
+        if flag not in FLAGS:
+            raise SamplingError(f"{where}: unknown option --{flag} (one of "
+                                f"{', '.join('--' + f for f in FLAGS)})")
+        raw[FLAGS[flag]] = value.strip()
+    return _prompt(raw, where)
+
+
+def load_prompts(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise SamplingError(f"sample_prompts: no such file: {path}")
+    ext = os.path.splitext(path)[1].lower()
+    from library.data import text_files
+
+    text = text_files.read(path, SamplingError, "sample_prompts")
+    if ext == ".toml":
+        import toml
+
+        try:
+            data = toml.loads(text)
+        except toml.TomlDecodeError as e:
+            raise SamplingError(f"sample_prompts: {path}: {e}") from None
+        base = dict(data.get("prompt", {}))
+        subsets = base.pop("subset", [])
+        prompts = [_prompt({**base, **s}, f"{path}: prompt.subset {i + 1}") for i, s in enumerate(subsets)]
+    elif ext == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SamplingError(f"sample_prompts: {path}: {e}") from None
+        if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+            raise SamplingError(f"sample_prompts: {path}: expected a list of objects")
+        prompts = [_prompt(d, f"{path}: prompt {i + 1}") for i, d in enumerate(data)]
+    else:
+        prompts = [parse_line(line.strip(), f"{path}:{n}")
+                   for n, line in enumerate(text.splitlines(), start=1)
+                   if line.strip() and not line.strip().startswith("#")]
+    if not prompts:
+        raise SamplingError(f"sample_prompts: {path} holds no prompt")
+    return prompts
+
+
+def check_options(opts) -> None:
+    when = opts.sample_every_n_steps or opts.sample_every_n_epochs or opts.sample_at_first
+    if when and not opts.sample_prompts:
+        raise SamplingError("sample_every_n_steps / sample_every_n_epochs / sample_at_first need "
+                            "sample_prompts (the prompt file)")
+    if opts.sample_prompts:
+        if not when:
+            # The kohya_ss GUI always writes a (possibly empty) prompt file: never read, as in
+            # sd-scripts, when no sampling is scheduled.
+            logger.warning("sample_prompts is set but no sample_every_n_steps, "
+                           "sample_every_n_epochs or sample_at_first: no sample is generated")
+        else:
+            load_prompts(opts.sample_prompts)
+    _sampler_name(opts.sample_sampler, "sample_sampler")
+
+
+def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
+    if not o.sample_prompts:
+        return False
+    if step is not None:
+        return bool(o.sample_every_n_steps) and step % o.sample_every_n_steps == 0
+    return bool(o.sample_every_n_epochs) and epoch % o.sample_every_n_epochs == 0
+
+
+def prompt_seed(opts, prompt: dict, index: int) -> int:
+    """The prompt's --d, else seed + prompt index (sd-scripts)."""
+    return prompt["seed"] if prompt["seed"] is not None else opts.seed + index
+
+
+def image_path(opts, step: int, index: int, seed: int) -> str:
+    return os.path.join(opts.output_dir, "sample", f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
+
+
+def make_scheduler(name: str, config):
+    import diffusers
+
+    cls_name, kw = SAMPLERS[name]
+    return getattr(diffusers, cls_name).from_config(config, **kw)
+
+
+def _pipeline(b):
+    # diffusers' pipeline module imports image processors it does not use here; without
+    # torchvision transformers then announces a fallback that says nothing about this run.
+    logging.getLogger("transformers.utils.import_utils").addFilter(
+        lambda r: "requires torchvision (not installed)" not in r.getMessage())
+    import diffusers
+
+    comps = b.components()
+    comps.pop("scheduler")
+    if b.family == "sdxl":
+        pipe = diffusers.StableDiffusionXLPipeline(**comps, scheduler=None, add_watermarker=False)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(**comps, scheduler=None, safety_checker=None,
+                                                 feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _embeds(adapter, device, clip_skip, text: str):
+    return adapter.encode([t.to(device) for t in adapter.tokenize([text])], clip_skip)
+
+
+def sample_images(opts, c, step: int) -> list[str]:
+    """Render this process's prompts at global step ``step`` with the run's components ``c``;
+    returns the files written."""
+    import torch
+
+    from library.training import validation
+
+    acc = c.accelerator
+    prompts = load_prompts(opts.sample_prompts)
+    config = c.bundle.noise_scheduler.config
+    written = []
+    mods = validation.modules(c)
+    modes = {m: m.training for root in mods for m in root.modules()}
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
+    try:
+        # the VAE and text encoders, released after caching, are back for the samples
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode(), \
+                c.frozen.available():
+            for root in mods:
+                root.eval()
+            pipe = _pipeline(c.bundle)
+            for i, kept in c.strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
+                p = prompts[i]
+                seed = prompt_seed(opts, p, i)
+                pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
+                with acc.autocast():
+                    pos, neg = (_embeds(c.adapter, acc.device, opts.clip_skip, p[k])
+                                for k in ("prompt", "negative_prompt"))
+                    kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
+                    if c.bundle.family == "sdxl":
+                        kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
+                    image = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
+                                 guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(seed),
+                                 **kw).images[0]
+                if not kept:
+                    continue
+                path = image_path(opts, step, i, seed)
+                tmp = path + ".tmp"
+                image.save(tmp, format="PNG")
+                os.replace(tmp, path)
+                written.append(path)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        logger.info(f"sample images at step {step}: {len(prompts)} in "
+                    f"{os.path.join(opts.output_dir, 'sample')}")
+    return written

@@ -1,0 +1,676 @@
+"""How one global batch's gradient becomes one optimizer update.
+
+The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each micro-step of
+this process and ``stepper.step()`` once per global batch (every process, every step, even with
+an empty share). ``make_stepper`` picks the stepper from the options:
+
+- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
+  global norm, one optimizer and one scheduler step.
+- ``FusedStepper`` (``fused_backward_pass``) steps each parameter inside its
+  ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
+  gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
+  per parameter, the same math as the unfused optimizer for optimizers without global state.
+- ``GroupedStepper`` (``fused_optimizer_groups = N``) does the same per group of parameters,
+  contiguous in backward order: a group is stepped as soon as all its gradients are complete.
+
+With ``full_bf16`` / ``full_fp16`` the trained weights are bf16 / fp16: every stepper steps them
+through ``fused_optim.step_optimizer`` (float32 per-parameter update, float32 state, bf16 written
+back with stochastic rounding); ``full_fp16`` (plain stepper only) scales the loss with
+``LossScaler`` and skips a step whose summed gradients overflow.
+
+Steppers that step inside the backward pass (``steps_in_backward``) need a backward in the last
+micro-step of every process: a process with an empty share there runs a zero-weight backward
+(the trainer does it), so that every process's hooks fire for the same parameters in the same
+order (the autograd order of the same graph) and join the same gradient all-reduces. With
+gradient accumulation the hooks step only in the last micro-step: the memory of the gradients
+is saved only then (the earlier micro-steps accumulate them as usual).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import ContextManager, Protocol
+
+from library.distributed import accelerator as distributed
+
+logger = logging.getLogger("sdtk")
+
+
+class Stepper(Protocol):
+    """What the loop, the training state and the strategies use of a stepper."""
+
+    steps_in_backward: bool      # it steps inside the last micro-step's backward (hooks)
+    nonfinite: str | None        # why the last step() made no update (non-finite), or None
+    partial_update: bool         # that step had already updated some parameters (hooks)
+    optimizer: object            # the (first) optimizer, for reports and the sharded state
+    scheduler: object            # the (first) scheduler
+
+    @property
+    def schedulers(self) -> list: ...  # every scheduler, each once
+
+    def current_lr(self) -> float: ...
+
+    def backward(self, loss, last_micro_step: bool = True) -> None: ...
+
+    def step(self) -> None: ...
+
+    def skip(self) -> None: ...
+
+    def eval_mode(self) -> ContextManager: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _is_schedule_free(optimizer) -> bool:
+    return callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None)) \
+        and "train_mode" in optimizer.param_groups[0]
+
+
+class LossScaler:
+    """Dynamic loss scaling for ``full_fp16`` (torch's GradScaler rule, for fp16 gradients, which
+    GradScaler refuses to unscale): the loss is multiplied by ``scale`` before backward; a step
+    whose gradients hold an inf or NaN is skipped and the scale multiplied by ``backoff_factor``;
+    after ``growth_interval`` steps in a row without overflow the scale is multiplied by
+    ``growth_factor``. Every process sees the same summed gradients, so all decide alike."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.good_steps = 0      # steps without overflow since the last change of scale
+        self.skipped = 0         # steps skipped in this run
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+
+
+def check_same_settings(optimizer, saved: dict) -> None:
+    """Before ``optimizer.load_state_dict(saved)``, which would silently replace this run's
+    constructor settings (e.g. Adafactor's relative_step, whose default changed) by the saved
+    ones: the same options must have built the same optimizer. Dynamic group entries (the lr, the
+    D-Adaptation / Prodigy / schedule-free estimates) are not constructor arguments and are left
+    alone. ValueError: the resume code names the state directory around the message."""
+    import inspect
+
+    args = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params", "lr"}
+    for now, then in zip(optimizer.param_groups, saved.get("param_groups", [])):
+        for key in sorted(args & set(now) & set(then)):
+            if now[key] != then[key] and not (now[key] is None and then[key] is None):
+                raise ValueError(f"{type(optimizer).__name__} {key} is {now[key]!r} in this run but "
+                                 f"{then[key]!r} in the saved state (a default changed, or the "
+                                 "optimizer_args); give optimizer_args "
+                                 f"{key}={then[key]!r} to continue it")
+
+
+def grad_norm_fp32(params) -> float:
+    """The global L2 norm of the gradients, accumulated in float32 (inf or NaN when a gradient
+    holds one): fp16/bf16 norms of scaled gradients would overflow or lose digits."""
+    import torch
+
+    total = None
+    for p in params:
+        if p.grad is not None:
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+            total = sq if total is None else total + sq.to(total.device)
+    return 0.0 if total is None else float(total.sqrt())  # one device sync
+
+
+class PlainStepper:
+    steps_in_backward = False
+    partial_update = False
+
+    def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
+                 precision: str = "float32", loss_scaler: LossScaler | None = None,
+                 sharded: bool = False):
+        self.accelerator = accelerator
+        # sharded (fsdp, library/distributed/fsdp.py): FSDP's reduce-scatter sums the gradients into the
+        # shards, so no all-reduce here; the optimizer state is written sharded by the
+        # training state, not state_dict()
+        self.sharded = sharded
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.params = params
+        self.max_grad_norm = max_grad_norm
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self._schedule_free = inner if _is_schedule_free(inner) else None
+        if self._schedule_free is not None:
+            self._schedule_free.train()  # schedule-free: train iterates while stepping
+        # full_bf16 / full_fp16: the weights are bf16/fp16, stepped in float32 one parameter at a
+        # time (fused_optim.step_optimizer), bf16 with stochastic rounding; fp16 with loss scaling.
+        self.precision = precision
+        self.loss_scaler = loss_scaler
+        self.nonfinite = None  # why the last step() made no update (non-finite), or None
+        self._generator = None
+        if precision != "float32":
+            from library.training import fused_optim
+
+            self._generator = fused_optim.stochastic_round_generator(params[0].device)
+
+    @property
+    def schedulers(self) -> list:
+        return [self.scheduler]
+
+    def current_lr(self) -> float:
+        """The learning rate the next step uses (first param group)."""
+        return self.scheduler.get_last_lr()[0]
+
+    def close(self) -> None:
+        pass
+
+    def backward(self, loss, last_micro_step: bool = True) -> None:
+        if self.loss_scaler is not None:
+            # our scaler, not Accelerate's (whose GradScaler cannot unscale fp16 gradients)
+            (loss * self.loss_scaler.scale).backward()
+        else:
+            self.accelerator.backward(loss)
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
+        with full_bf16/full_fp16 the rounding generator and the loss scale)."""
+        state = {"scheduler": self.scheduler.state_dict()}
+        if not self.sharded:  # fsdp: library/fsdp.save_sharded writes the optimizer state
+            state["optimizer"] = self.optimizer.state_dict()
+        if self._generator is not None:
+            state["rounding_generator"] = self._generator.get_state()
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.sharded:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+            check_same_settings(self.optimizer, state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.precision != "float32":
+            from library.training import fused_optim
+
+            fused_optim.restore_float_state(getattr(self.optimizer, "optimizer", self.optimizer),
+                                            state["optimizer"])
+            if "rounding_generator" not in state:
+                raise ValueError("the saved state was not trained with full_bf16/full_fp16")
+            self._generator.set_state(state["rounding_generator"].cpu())
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        """Weights to save or sample from: schedule-free optimizers switch to their averaged
+        (eval) iterate and back; other optimizers need nothing. Every process enters it, so all
+        ranks keep identical weights."""
+        if self._schedule_free is None:
+            yield
+            return
+        self._schedule_free.eval()
+        try:
+            yield
+        finally:
+            self._schedule_free.train()
+
+    def step(self) -> None:
+        # Sum, then clip the global batch's gradient (after accumulation and summation, so any
+        # split of the global batch clips alike). Under fsdp the gradients are already summed
+        # shards (DTensors); clipping computes the norm over all shards.
+        # A non-finite norm (library/training/nonfinite.py) leaves everything as it was before the step
+        # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
+        # process sees the same summed gradients, so all decide alike.
+        self.nonfinite = None
+        if not self.sharded:
+            distributed.sum_gradients(self.params)
+        if self.precision != "float32":
+            if not self._step_low_precision():
+                return
+        else:
+            norm = self._grad_norm()
+            if norm is not None and not math.isfinite(norm):
+                self.nonfinite = f"gradient norm {_describe(norm)}"
+                return
+            self.optimizer.step()
+        self.scheduler.step()  # once per optimizer step, never per micro-step or process
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _grad_norm(self) -> float | None:
+        """The global gradient norm (clipping to max_grad_norm when set), or None where a loss
+        scaler owns overflow (mixed_precision fp16: Accelerate's GradScaler skips the step and
+        lowers the scale, its documented behaviour)."""
+        import torch
+
+        if getattr(self.accelerator, "scaler", None) is not None:
+            if self.max_grad_norm and self.max_grad_norm > 0:
+                self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+            return None
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if not grads:
+                return 0.0
+            norm = torch.nn.utils.get_total_norm(grads)
+        full = getattr(norm, "full_tensor", None)  # fsdp: a replicated DTensor
+        return float(full() if callable(full) else norm)
+
+    def skip(self) -> None:
+        """``on_nonfinite = "skip"``: drop this step's gradients without an update; the scheduler
+        steps (the step counts, so the schedule stays aligned with the step count)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.nonfinite = None
+
+    def _step_low_precision(self) -> bool:
+        """bf16/fp16 gradients: the norm (and fp16's overflow check) in float32; the loss scale
+        and the clipping factor are applied to each float32 gradient copy, not to the
+        low-precision gradients, so neither loses digits. False: a non-finite norm (bf16), no
+        update (``nonfinite`` says why)."""
+        from library.training import fused_optim
+
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
+        norm = grad_norm_fp32(self.params)  # the non-finite guard needs it too
+        if self.loss_scaler is not None:
+            overflow = not math.isfinite(norm)
+            self.loss_scaler.update(overflow)
+            if overflow:
+                logger.warning(f"full_fp16: gradient overflow at loss scale {scale:g}: step "
+                               f"skipped, loss scale now {self.loss_scaler.scale:g}")
+                return True  # the scaler's skip is a step (the scheduler steps, as before)
+        elif not math.isfinite(norm):
+            self.nonfinite = f"gradient norm {_describe(norm)}"
+            return False
+        factor = 1.0 / scale
+        if clip:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, on the unscaled norm
+            factor *= min(1.0, self.max_grad_norm / (norm / scale + 1e-6))
+        fused_optim.step_optimizer(getattr(self.optimizer, "optimizer", self.optimizer),
+                                   self._generator, factor)
+        return True
+
+
+def _describe(value: float) -> str:
+    from library.training.nonfinite import describe
+
+    return describe(value)
+
+
+class _HookStepper:
+    """Steps units of parameters (one parameter, or one group) inside the backward pass.
+
+    Each unit has its own optimizer over that unit's parameters, with the original param
+    groups' hyperparameters, and its own scheduler; all schedulers are stepped once per
+    ``step()``, so every unit follows the unfused run's learning-rate schedule.
+    """
+
+    steps_in_backward = True
+
+    def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
+                 first_param=None):
+        from library.training import fused_optim
+
+        self.accelerator = accelerator
+        self.units = units                  # list of parameter lists, in backward order
+        self.optimizers = optimizers        # one per unit
+        self.schedulers = schedulers        # one per unit
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for u in units for p in u]
+        self.unit_of = {id(p): i for i, u in enumerate(units) for p in u}
+        # the learning rate current_lr() reports: the original first group's first parameter
+        self._lr_unit = self.unit_of[id(first_param)] if first_param is not None else 0
+        self._lr_group = 0
+        if first_param is not None:
+            for gi, g in enumerate(optimizers[self._lr_unit].param_groups):
+                if any(q is first_param for q in g["params"]):
+                    self._lr_group = gi
+        self._generator = fused_optim.stochastic_round_generator(self.params[0].device)
+        # The non-finite guard: a unit whose summed gradient is non-finite is not stepped, nor is
+        # any later unit of that step (``nonfinite`` says why); ``partial_update``: units before
+        # it had already been stepped in that backward pass.
+        self.nonfinite = None
+        self.partial_update = False
+        self._final = False
+        self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
+        self._stepped = [False] * len(units)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    # the trainer keeps these names
+    @property
+    def optimizer(self):
+        return self.optimizers[self._lr_unit]
+
+    @property
+    def scheduler(self):
+        return self.schedulers[self._lr_unit]
+
+    def current_lr(self) -> float:
+        return self.schedulers[self._lr_unit].get_last_lr()[self._lr_group]
+
+    def backward(self, loss, last_micro_step: bool = True) -> None:
+        self._final = last_micro_step
+        try:
+            self.accelerator.backward(loss)
+        finally:
+            self._final = False
+
+    def _hook(self, p) -> None:
+        if not self._final:
+            return  # an earlier micro-step: accumulate as usual
+        if self.nonfinite is not None:
+            p.grad = None  # the step is abandoned: free the gradient, as a step would
+            return
+        u = self.unit_of[id(p)]
+        self._pending[u] += 1
+        if self._pending[u] == len(self.units[u]):
+            self._step_unit(u)
+
+    def _step_unit(self, u: int) -> None:
+        from library.training import fused_optim
+
+        params = self.units[u]
+        if len(params) == 1 and params[0].grad is not None:
+            p = params[0]
+            if distributed._is_multi_process():
+                import torch.distributed as dist
+
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        else:
+            distributed.sum_gradients(params)
+        import torch
+
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            # the summed gradient: every process gets the same norm and decides alike
+            norm = torch.nn.utils.get_total_norm(grads)
+            if not bool(torch.isfinite(norm)):  # a NaN/inf element, or an overflowing norm
+                self.nonfinite = f"gradient norm {_describe(float(norm))}"
+                self.partial_update = any(self._stepped)
+                for p in params:
+                    p.grad = None
+                return
+            if self.max_grad_norm and self.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
+                                                     self.max_grad_norm, norm)
+        fused_optim.step_optimizer(self.optimizers[u], self._generator)
+        for p in params:
+            p.grad = None
+        self._stepped[u] = True
+
+    def step(self) -> None:
+        # Units whose hooks did not all fire (a parameter outside this step's graph) are stepped
+        # now, in unit order; the same in every process, since all run the same graph.
+        for u in range(len(self.units)):
+            if self.nonfinite is not None:
+                return  # no more updates, no scheduler step: the trainer stops or skip()s
+            if not self._stepped[u]:
+                self._step_unit(u)
+        if self.nonfinite is not None:
+            return
+        for s in self.schedulers:
+            s.step()
+        self._pending = [0] * len(self.units)
+        self._stepped = [False] * len(self.units)
+
+    def skip(self) -> None:
+        """``on_nonfinite = "skip"``: the units not yet stepped get no update, their gradients
+        are dropped; the schedulers step (the step counts)."""
+        for p in self.params:
+            p.grad = None
+        for s in self.schedulers:
+            s.step()
+        self._pending = [0] * len(self.units)
+        self._stepped = [False] * len(self.units)
+        self.nonfinite = None
+        self.partial_update = False
+
+    def _low_precision(self) -> bool:
+        import torch
+
+        return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
+
+    def state_dict(self) -> dict:
+        state = {"optimizers": [o.state_dict() for o in self.optimizers],
+                 "schedulers": [s.state_dict() for s in self.schedulers]}
+        if self._low_precision():  # full_bf16: stochastic rounding continues exactly
+            state["rounding_generator"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        opts, scheds = state["optimizers"], state["schedulers"]
+        if len(opts) != len(self.optimizers) or len(scheds) != len(self.schedulers):
+            # ValueError: the resume code names the state directory around this message
+            raise ValueError(f"the saved state has {len(opts)} optimizers, this run "
+                             f"{len(self.optimizers)} (other parameters or fused settings)")
+        for o, s in zip(self.optimizers, opts):
+            check_same_settings(o, s)
+            o.load_state_dict(s)
+        for sc, s in zip(self.schedulers, scheds):
+            sc.load_state_dict(s)
+        if self._low_precision():
+            from library.training import fused_optim
+
+            for o, s in zip(self.optimizers, opts):
+                fused_optim.restore_float_state(o, s)
+            if "rounding_generator" not in state:
+                raise ValueError("the saved state was not trained with full_bf16")
+            self._generator.set_state(state["rounding_generator"].cpu())
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        yield  # optimizers with train/eval iterates (schedule-free) are rejected for fused runs
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class FusedStepper(_HookStepper):
+    """``fused_backward_pass``: one unit per parameter."""
+
+
+class GroupedStepper(_HookStepper):
+    """``fused_optimizer_groups = N``: N contiguous units."""
+
+
+# -- checks and construction ------------------------------------------------------------------
+def fused_mode(opts) -> str | None:
+    """The option that makes the stepper step inside backward, or None."""
+    fused = opts.fused_backward_pass
+    groups = opts.fused_optimizer_groups or 0
+    if fused and groups:
+        return "both"
+    if fused:
+        return "fused_backward_pass"
+    if groups:
+        return "fused_optimizer_groups"
+    return None
+
+
+def check_stepper_options(opts) -> None:
+    """Combinations that cannot be fused, rejected before any weight is loaded."""
+    from library.training.fused_optim import FusedOptionError, global_state_reason
+    from library.training.optim import check_optimizer
+
+    check_precision_options(opts)
+    mode = fused_mode(opts)
+    if mode is None:
+        return
+    if mode == "both":
+        raise FusedOptionError("fused_backward_pass and fused_optimizer_groups cannot be combined: "
+                               "use one (fused_backward_pass steps every parameter separately)")
+    if opts.mixed_precision == "fp16" or opts.full_fp16:
+        raise FusedOptionError(f"{mode} cannot be used with fp16: loss scaling needs a global "
+                               "overflow check of all gradients before any step; use bf16 or no")
+    cls, _, _ = check_optimizer(opts.optimizer_type, opts.optimizer_args)
+    reason = global_state_reason(cls)
+    if reason:
+        raise FusedOptionError(f"{mode} cannot be used with optimizer_type {opts.optimizer_type}: "
+                               f"{reason}; use an optimizer without global state (AdamW, "
+                               "Adafactor, Lion, SGDNesterov, 8-bit ones) or drop the option")
+
+
+def trained_precision(opts) -> str:
+    """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
+    "float32"."""
+    if opts.full_bf16:
+        return "bfloat16"
+    if opts.full_fp16:
+        return "float16"
+    return "float32"
+
+
+def check_precision_options(opts) -> None:
+    """full_bf16 / full_fp16 combinations, before any weight is loaded."""
+    from library.training.fused_optim import FusedOptionError, global_state_reason
+    from library.training.optim import check_optimizer
+
+    bf16, fp16 = opts.full_bf16, opts.full_fp16
+    if bf16 and fp16:
+        raise FusedOptionError("full_bf16 and full_fp16 cannot be combined: choose one weight dtype")
+    if not (bf16 or fp16):
+        return
+    name, want = ("full_bf16", "bf16") if bf16 else ("full_fp16", "fp16")
+    if opts.mixed_precision != want:
+        raise FusedOptionError(f"{name} needs mixed_precision {want} (the frozen weights and the "
+                               f"computation in {want}, as sd-scripts requires); got "
+                               f"{opts.mixed_precision}")
+    cls, _, _ = check_optimizer(opts.optimizer_type, opts.optimizer_args)
+    reason = global_state_reason(cls)
+    if reason:
+        raise FusedOptionError(f"{name} cannot be used with optimizer_type {opts.optimizer_type}: "
+                               f"{want} weights are stepped in float32 one parameter at a time, "
+                               f"and {reason}; use AdamW, Adafactor, Lion, SGDNesterov or an "
+                               "8-bit one, or drop the option")
+
+
+def _split_contiguous(params, n: int) -> list[list]:
+    """``params`` (backward order) in ``n`` contiguous chunks of about equal element counts."""
+    n = max(1, min(n, len(params)))
+    total = sum(p.numel() for p in params)
+    chunks, cur, acc = [], [], 0
+    for i, p in enumerate(params):
+        cur.append(p)
+        acc += p.numel()
+        left_params, left_chunks = len(params) - i - 1, n - len(chunks) - 1
+        if left_chunks > 0 and (acc >= total * (len(chunks) + 1) / n or left_params == left_chunks):
+            chunks.append(cur)
+            cur = []
+    chunks.append(cur)
+    return [c for c in chunks if c]
+
+
+def step_units(param_groups, params, mode: str | None, n_groups: int | None):
+    """(trained parameters in group order, each one's group index, the units the stepper steps
+    together): one unit of all of them for the plain step, one per parameter for
+    fused_backward_pass, ``n_groups`` contiguous ones for fused_optimizer_groups, in backward
+    order. The one rule for ``make_stepper`` and the memory estimate."""
+    trainable = {id(p) for p in params if p.requires_grad}
+    group_of, unique = {}, []
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            if id(p) in trainable and id(p) not in group_of:
+                group_of[id(p)] = gi
+                unique.append(p)
+    if mode is None:
+        return unique, group_of, [unique]
+    # Backward order is about the reverse of creation (registration) order.
+    backward_order = list(reversed(unique))
+    if mode == "fused_backward_pass":
+        return unique, group_of, [[p] for p in backward_order]
+    return unique, group_of, _split_contiguous(backward_order, n_groups)
+
+
+def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
+    """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
+    from library.training.optim import build_scheduler, schedule_spec
+
+    return build_scheduler(schedule_spec(opts, warmup_steps=warmup_steps, total_steps=total_steps),
+                           optimizer)
+
+
+def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
+                 sharded: bool = False):
+    """The stepper for these options: plain, fused (per parameter) or grouped. ``sharded``: the
+    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before)."""
+    from library.training.optim import build_optimizer
+
+    def scheduler_for(optimizer):
+        return build_run_scheduler(opts, optimizer, warmup_steps=warmup_steps,
+                                   total_steps=total_steps)
+
+    mode = fused_mode(opts)
+    if mode is None:
+        check_precision_options(opts)
+        optimizer = build_optimizer(opts.optimizer_type, opts.optimizer_args, param_groups,
+                                    opts.learning_rate)
+        precision = trained_precision(opts)
+        if precision == "float16":
+            # Accelerate's wrapper would route the step through its GradScaler, which refuses fp16
+            # gradients: full_fp16 steps the optimizer itself, with its own LossScaler.
+            loss_scaler = LossScaler()
+            logger.info(f"full_fp16: fp16 weights, float32 optimizer state, dynamic loss scale "
+                        f"from {loss_scaler.scale:g} (a step whose gradients overflow is skipped)")
+        else:
+            loss_scaler = None
+            optimizer = accelerator.prepare(optimizer)
+            if precision == "bfloat16":
+                logger.info("full_bf16: bf16 weights and gradients, float32 optimizer state, "
+                            "updates written back with stochastic rounding")
+        scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
+        return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
+                            precision=precision, loss_scaler=loss_scaler,
+                            sharded=sharded)
+    check_stepper_options(opts)
+    unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
+    if mode == "fused_optimizer_groups":
+        n = opts.fused_optimizer_groups
+        if len(units) < n:
+            logger.warning(f"fused_optimizer_groups {n}: only {len(units)} trainable parameters, "
+                           f"using {len(units)} groups")
+    optimizers, schedulers = [], []
+    for unit in units:
+        ids = {id(p) for p in unit}
+        groups = []
+        for gi, g in enumerate(param_groups):
+            ps = [p for p in g["params"] if id(p) in ids and group_of[id(p)] == gi]
+            if ps:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+        opt = build_optimizer(opts.optimizer_type, opts.optimizer_args, groups, opts.learning_rate,
+                              warn=not optimizers)  # one warning, not one per optimizer
+        optimizers.append(opt)
+        schedulers.append(scheduler_for(opt))
+    if opts.max_grad_norm and opts.max_grad_norm > 0:
+        what = "each parameter's gradient" if mode == "fused_backward_pass" else \
+            "each group's gradients"
+        logger.info(f"{mode}: global-norm clipping cannot be fused; max_grad_norm "
+                    f"{opts.max_grad_norm} clips {what} separately")
+    if opts.gradient_accumulation_steps > 1:
+        logger.info(f"{mode}: with gradient_accumulation_steps {opts.gradient_accumulation_steps} "
+                    "parameters are stepped in the last micro-step only; gradient memory is saved "
+                    "only in that micro-step")
+    if trained_precision(opts) == "bfloat16":
+        logger.info(f"full_bf16 with {mode}: bf16 weights and gradients, float32 optimizer state, "
+                    "updates written back with stochastic rounding")
+    cls = FusedStepper if mode == "fused_backward_pass" else GroupedStepper
+    logger.info(f"{mode}: {len(units)} optimizer{'s' if len(units) != 1 else ''} stepped inside "
+                "the backward pass")
+    return cls(accelerator, units, optimizers, schedulers, opts.max_grad_norm,
+               first_param=unique[0] if unique else None)

@@ -1,0 +1,227 @@
+"""Validation loss: training images held out by ``validation_split``, evaluated at fixed
+timesteps with fixed noise.
+
+    split_items(items, fraction, seed, where)   the held-out images (building the training set)
+    check_options(opts)                          before any weight is loaded
+    due(opts, tset, epoch=None, step=None)       whether this step / epoch end validates
+    Validation(opts, tset).loss(components)      the global mean (every process calls it)
+
+The number is comparable across runs, batch sizes and process counts:
+
+- The split is keyed by (validation_seed, image path): each dataset's images are ordered by a
+  hash of that key and the first ``round(n x fraction)`` are held out (at least one, and at least
+  one left to train), so it does not depend on the scan order or the process count.
+- Each held-out image is evaluated once per validation: center crop, no flip, its caption without
+  random processing (no shuffle, no dropout), at ``TIMESTEPS`` timesteps spread evenly over
+  [min_timestep, max_timestep) (the midpoints of K equal slices), the k-th with plain Gaussian
+  noise from a generator seeded by (validation_seed, "val", image index, k). The K evaluations of
+  one image are one batch, whatever the process count, and the loss is the run's loss function
+  (loss_type and SNR weighting, the image's mask with masked loss, without the training noise
+  variants).
+- Image i is evaluated by process i mod P; each process writes its images' losses into a vector
+  of zeros and the vectors are summed across processes (adding zeros is exact), then every process
+  averages the same vector in the same order: 1 and 2 processes give bit-identical numbers.
+- Validation runs in eval mode (network dropout off), without gradients, under the optimizer's
+  eval weights (schedule-free), and inside ``torch.random.fork_rng``: it changes neither the
+  weights nor any random draw of the training.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+
+from library.errors import UserError
+
+logger = logging.getLogger("sdtk")
+
+TIMESTEPS = 4  # evaluations per image, at fixed timesteps spread over the training range
+
+
+class ValidationError(UserError):
+    pass
+
+
+def split_items(items: list, fraction: float, seed: int, where: str) -> tuple[list, list]:
+    """(train, held out) of one dataset's images, keyed by (seed, path); both keep scan order."""
+    if not fraction:
+        return items, []
+    n = len(items)
+    if n < 2:
+        raise ValidationError(f"validation_split: {where} has {n} image(s); holding some out "
+                              "needs at least 2 (one to train, one to validate)")
+    k = min(n - 1, max(1, round(n * fraction)))
+
+    def key(it):
+        return hashlib.sha256(f"{seed}\0{it.path}".encode()).hexdigest()
+
+    held = {id(it) for it in sorted(items, key=key)[:k]}
+    return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
+
+
+def check_options(opts) -> None:
+    if (opts.validate_every_n_steps or opts.validate_every_n_epochs) and not opts.validation_split:
+        name = "validate_every_n_steps" if opts.validate_every_n_steps else "validate_every_n_epochs"
+        raise ValidationError(f"{name} needs validation_split (the fraction of the training images "
+                              "held out for the validation loss)")
+
+
+def due(opts, tset, *, epoch: int | None = None, step: int | None = None) -> bool:
+    """After a step (``step``) or at the end of an epoch (``epoch``)."""
+    if not tset.val_items:
+        return False
+    if step is not None:
+        return bool(opts.validate_every_n_steps) and step % opts.validate_every_n_steps == 0
+    return epoch % (opts.validate_every_n_epochs or 1) == 0
+
+
+def timesteps(losses) -> list[int]:
+    lo, hi = losses.min_timestep, losses.max_timestep
+    if hi <= lo:
+        return [hi] * TIMESTEPS
+    return [min(hi - 1, lo + int((k + 0.5) * (hi - lo) / TIMESTEPS)) for k in range(TIMESTEPS)]
+
+
+def _seed(opts) -> int:
+    return opts.seed if opts.validation_seed is None else opts.validation_seed
+
+
+def caption(item) -> str:
+    import dataclasses
+
+    from library.data import folders as data
+
+    o = item.captions
+    if o is None:
+        return item.caption
+    fixed = dataclasses.replace(o, shuffle_caption=False, caption_dropout_rate=0.0,
+                                caption_dropout_every_n_epochs=0, caption_tag_dropout_rate=0.0)
+    return data.process_caption(item.caption, fixed, 0, None)
+
+
+def _key(item) -> tuple:
+    return (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
+
+
+def modules(c) -> list:
+    """The modules that run in eval mode while validating or sampling (components ``c``)."""
+    b = c.bundle
+    mods = [b.unet, *b.text_encoders]
+    net = getattr(c.method, "network", None)  # a method with a network module (LoRA)
+    if net is not None:
+        mods.append(net)
+    return mods
+
+
+class Validation:
+    """The held-out images of a run and their latents (encoded once, in the cache stage)."""
+
+    def __init__(self, opts, tset):
+        self.opts, self.tset = opts, tset
+        self.items = tset.val_items
+        self._latents: dict = {}  # key -> (latent (C,h,w) float32, size conditioning (6,))
+        self._masks: dict = {}    # key -> (h, w) at the latent size, or None
+
+    def latents(self, vae, device, item):
+        """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
+        import torch
+
+        from library.data import images
+        from library.data import latent_cache
+
+        key = _key(item)
+        if key not in self._latents:
+            img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
+            p = images.prepare_image(img, item.bucket, item.resized_size, mask=mask)
+            pix = p.pixels.unsqueeze(0).to(device, dtype=vae.dtype)
+            with torch.no_grad():
+                lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
+            self._masks[key] = None if p.mask is None else images.latent_mask(p.mask, tuple(lat.shape[1:]))
+            self._latents[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
+                                                    dtype=torch.float32))
+        return self._latents[key]
+
+    def encode_held_out(self, vae, device, strategy) -> None:
+        """Encode the held-out images this process evaluates now (the cache stage), so that
+        validation never needs the VAE once it has left the device (library/training/offload.py)."""
+        for i, _ in strategy.share(len(self.items)):  # fsdp: every process evaluates every image
+            self.latents(vae, device, self.items[i])
+
+    def _mask(self, item, latent_hw, n: int, device):
+        """Masked loss (as in training, and as sd-scripts validates): the held-out image's mask
+        (ones for an image without one) repeated for its ``n`` timesteps, (n,1,h,w); None when no
+        image of the run has a mask."""
+        import torch
+
+        if not self.tset.masked:
+            return None
+        m = self._masks.get(_key(item))
+        if m is None:
+            m = torch.ones(tuple(latent_hw))
+        return m.expand(n, *m.shape).unsqueeze(1).to(device)
+
+    def loss(self, c) -> float:
+        """The mean validation loss over every held-out image and timestep (all processes), with
+        the run's components ``c`` (the batch loss of training: library/training/batch_loss.py)."""
+        import torch
+
+        from library.training import losses
+        from library.data import text_cache
+
+        acc, opts, items = c.accelerator, self.opts, self.items
+        ts = timesteps(c.losses)
+        mine = torch.zeros(len(items), dtype=torch.float64)
+        mods = modules(c)
+        modes = {m: m.training for root in mods for m in root.modules()}
+        devices = [acc.device] if acc.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode():
+                for root in mods:
+                    root.eval()
+                for i, kept in c.strategy.share(len(items)):  # fsdp: all images, own slots kept
+                    lat, size = self.latents(c.bundle.vae, acc.device, items[i])
+                    x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
+                    noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
+                        _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
+                    t = torch.tensor(ts, dtype=torch.long, device=acc.device)
+                    d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
+                    text = caption(items[i])
+
+                    def conditioning(text=text):
+                        if c.caches.text is not None:  # encoded in the cache stage
+                            return text_cache.stack([c.caches.text[text]] * len(ts), acc.device)
+                        tokens = [tk.to(acc.device) for tk in c.adapter.tokenize([text] * len(ts))]
+                        return c.adapter.encode(tokens, opts.clip_skip)
+
+                    sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
+                    mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
+                    per_sample = c.batch_loss.per_sample(x0, d, conditioning, sc, mask)
+                    if kept:
+                        mine[i] = float(per_sample.double().mean())
+        finally:
+            for m, training in modes.items():
+                m.training = training
+        if acc.num_processes > 1:  # each slot is non-zero in one process only: the sum is exact
+            import torch.distributed as dist
+
+            buf = mine.to(acc.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+            mine = buf.cpu()
+        return float(mine.mean())
+
+
+def _derive(*key) -> int:
+    from library.data.step_plan import derive_seed
+
+    return derive_seed(*key)
+
+
+def run_validation(c, progress, label: str) -> float:
+    """Compute, print (main process) and record (``progress.val_log``) the validation loss."""
+    value = c.validation.loss(c)
+    progress.val_log.append((progress.global_step, value))
+    if c.accelerator.is_main_process:
+        from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
+
+        tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "
+                   f"({len(c.validation.items)} image(s) x {TIMESTEPS} timesteps)")
+    return value

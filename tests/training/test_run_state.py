@@ -1,0 +1,97 @@
+"""The declared run state (library/training/run_state.py) and the strategy chosen at set-up
+(library/distributed/strategy.py).
+
+- Components and Progress are slotted records: a module cannot add an attribute to them.
+- The strategy follows the options and the process count; its share of validation images and
+  sample prompts is item i on process i mod P, or (sharded) every item on every process with
+  only its own kept.
+- The loop's declared hooks see every micro-step and every step, with the step's loss and
+  learning rate as the run records them, and a hook's loss is the one trained on.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from tests.training.test_train_lora_e2e import base_args
+
+
+def test_records_take_no_undeclared_attribute():
+    from library.training.run_state import Caches, Components, Progress
+
+    for record in (Components(), Progress(), Caches()):
+        with pytest.raises(AttributeError):
+            record.undeclared = 1
+    p = Progress()
+    assert (p.global_step, p.position, p.loss_log) == (0, (1, 0), [])
+    assert Progress().loss_log is not p.loss_log  # each run its own logs
+
+
+def _acc(rank: int, processes: int):
+    return SimpleNamespace(process_index=rank, num_processes=processes)
+
+
+@pytest.mark.parametrize("deepspeed,fsdp,processes,kind", [
+    (False, False, 1, "SingleProcess"), (False, False, 2, "DDP"), (False, True, 1, "FSDP"),
+    (False, True, 3, "FSDP"), (True, False, 1, "DeepSpeed"), (True, False, 2, "DeepSpeed")])
+def test_strategy_follows_the_options(deepspeed, fsdp, processes, kind, tmp_path):
+    from library.distributed import strategy
+    from library.config.parse import parse_args
+
+    opts = parse_args("train_dreambooth", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", str(tmp_path),
+        "--output_dir", str(tmp_path), "--resolution", "64", "--max_train_steps", "1",
+        *(["--deepspeed"] if deepspeed else []), *(["--fsdp"] if fsdp else [])])
+    s = strategy.for_run(opts, _acc(0, processes))
+    assert type(s).__name__ == kind
+    # every process runs every forward: FSDP across processes (all-gathers), DeepSpeed always
+    assert s.forward_in_every_process == (kind == "DeepSpeed" or (kind == "FSDP" and processes > 1))
+    assert s.state_flags() == {"sharded": kind == "FSDP", "deepspeed": kind == "DeepSpeed"}
+
+
+def test_share_of_validation_images_and_prompts():
+    from library.distributed import strategy
+
+    # 7 items over 3 processes, process 1: items 1 and 4
+    assert strategy.DDP(_acc(1, 3)).share(7) == [(1, True), (4, True)]
+    sharded = strategy.FSDP(_acc(1, 3))
+    sharded.roots = [("unet", None)]  # sharded: every item runs everywhere, its own are kept
+    assert sharded.share(7) == [(0, False), (1, True), (2, False), (3, False), (4, True),
+                                (5, False), (6, False)]
+    assert strategy.FSDP(_acc(1, 3)).share(7) == [(1, True), (4, True)]  # nothing sharded
+
+
+def test_hooks_observe_and_feed_the_loop(dataset, tmp_path, train):
+    """2 steps x 2 micro-steps (batch 1, accumulation 2): the micro-step hooks see 4 calls with
+    one sample each, the step hook 2 calls whose (loss, lr) are the run's logs, and a loss the
+    after-hook makes non-finite stops the run at that step."""
+    from library.training.run_state import HOOKS
+
+    micro, steps = [], []
+
+    def before(run, epoch, idx):
+        micro.append((run.progress.global_step, epoch, tuple(idx)))
+
+    def after(run, epoch, idx, loss):
+        return loss
+
+    def step(run, loss, lr):
+        steps.append((run.progress.global_step, loss, lr))
+
+    args = base_args("tiny-sd15", dataset, str(tmp_path / "a"), "--gradient_accumulation_steps", "2",
+                     "--lr_scheduler", "constant")
+    with HOOKS.add(before_micro_step=before, after_micro_step=after, after_step=step):
+        rc, _, err, run = train("train_lora", args)
+    assert rc == 0, err
+    assert [(s, len(i)) for s, _, i in micro] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert steps == [(1, run.loss_log[0], 1e-3), (2, run.loss_log[1], 1e-3)]
+    assert run.lr_log == [1e-3, 1e-3] and all(math.isfinite(x) for x in run.loss_log)
+
+    def poison(run, epoch, idx, loss):
+        return loss * float("nan") if run.progress.global_step == 1 else loss
+
+    with HOOKS.add(after_micro_step=poison):
+        rc, _, err, _ = train("train_lora", base_args("tiny-sd15", dataset, str(tmp_path / "b")))
+    assert rc != 0 and "non-finite loss NaN at step 2" in err
