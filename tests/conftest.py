@@ -186,6 +186,19 @@ def rel_diff(a, b, zero=1e-8):
     return d / n if n > zero else d
 
 
+def diffusers_pipeline(arch, c):
+    """A diffusers pipeline (SD or SDXL) over the components ``c`` of a built model."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if arch == "sdxl":
+        return StableDiffusionXLPipeline(vae=c["vae"], text_encoder=c["text_encoder"],
+                                         text_encoder_2=c["text_encoder_2"], tokenizer=c["tokenizer"],
+                                         tokenizer_2=c["tokenizer_2"], unet=c["unet"], scheduler=c["scheduler"])
+    return StableDiffusionPipeline(vae=c["vae"], text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
+                                   unet=c["unet"], scheduler=c["scheduler"], safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+
+
 def diffusers_load_problems(pipe, path) -> list[str]:
     """``pipe.load_lora_weights(path)``, returning every warning diffusers or peft logged and every
     Python warning about LoRA keys or adapters (an empty list: every key was consumed)."""

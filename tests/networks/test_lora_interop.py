@@ -11,24 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from library.models.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora  # noqa: E402
-from tests.conftest import diffusers_load_problems  # noqa: E402
+from tests.conftest import diffusers_load_problems, diffusers_pipeline  # noqa: E402
 
 pytest.importorskip("peft")  # diffusers' load_lora_weights needs it
 
 
 def _text_encoders(c):
     return [c["text_encoder"]] + ([c["text_encoder_2"]] if "text_encoder_2" in c else [])
-
-
-def _pipeline(arch, c):
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-    if arch == "sdxl":
-        return StableDiffusionXLPipeline(vae=c["vae"], text_encoder=c["text_encoder"],
-                                         text_encoder_2=c["text_encoder_2"], tokenizer=c["tokenizer"],
-                                         tokenizer_2=c["tokenizer_2"], unet=c["unet"], scheduler=c["scheduler"])
-    return StableDiffusionPipeline(vae=c["vae"], text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
-                                   unet=c["unet"], scheduler=c["scheduler"], safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,7 +61,7 @@ def test_diffusers_consumes_every_key_and_fuses_exactly(arch, conv, tmp_path):
     assert has_conv3x3 == conv
 
     # A fresh model with the same base weights goes through diffusers.
-    pipe = _pipeline(arch, build_tiny_components(arch))
+    pipe = diffusers_pipeline(arch, build_tiny_components(arch))
     problems = diffusers_load_problems(pipe, path)
     assert problems == [], problems
 

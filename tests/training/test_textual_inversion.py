@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import diffusers_load_problems, read
+from tests.conftest import diffusers_load_problems, diffusers_pipeline, read
 
 ARCH_NAME = {"sd15": "tiny-sd15", "sd2": "tiny-sd2", "sdxl": "tiny-sdxl"}
 
@@ -23,18 +23,6 @@ def ti_args(model, data, out, *extra):
     return ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
             "--resolution", "64", "--cache_latents", "--token_string", "mytok", "--init_word", "shape",
             "--learning_rate", "1e-2", "--caption_prefix", "mytok", *extra]
-
-
-def _pipeline(arch, c):
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
-    if arch == "sdxl":
-        return StableDiffusionXLPipeline(vae=c["vae"], text_encoder=c["text_encoder"],
-                                         text_encoder_2=c["text_encoder_2"], tokenizer=c["tokenizer"],
-                                         tokenizer_2=c["tokenizer_2"], unet=c["unet"], scheduler=c["scheduler"])
-    return StableDiffusionPipeline(vae=c["vae"], text_encoder=c["text_encoder"], tokenizer=c["tokenizer"],
-                                   unet=c["unet"], scheduler=c["scheduler"], safety_checker=None,
-                                   feature_extractor=None, requires_safety_checker=False)
 
 
 def _encoders(pipe):
@@ -50,7 +38,7 @@ def _load_in_diffusers(arch, path, token):
     token, token_1, ...)."""
     from library.models.tiny_models import build_tiny_components
 
-    pipe = _pipeline(arch, build_tiny_components(arch))
+    pipe = diffusers_pipeline(arch, build_tiny_components(arch))
     sd, _ = read(path)
     if arch == "sdxl":  # diffusers loads an SDXL embedding per encoder (its documented way)
         pipe.load_textual_inversion(sd["clip_l"], token=token, text_encoder=pipe.text_encoder,
@@ -232,7 +220,7 @@ def test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers(d
     assert '"toka"' in md["ss_pivotal_tokens"]
     # diffusers loads the LoRA part with every key consumed
     lora_part = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
-    pipe = _pipeline("sd15", build_tiny_components("sd15"))
+    pipe = diffusers_pipeline("sd15", build_tiny_components("sd15"))
     assert diffusers_load_problems(pipe, lora_part) == []
 
 
