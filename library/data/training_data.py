@@ -208,10 +208,9 @@ def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
 
 def _templates(opts) -> tuple | None:
     """sd-scripts' template captions of textual inversion, with the token string filled in."""
-    from library.models import embeddings
-
     if opts.script != "train_textual_inversion":
         return None
+    from library.models import embeddings  # torch: only for a textual-inversion run
     if opts.use_object_template and opts.use_style_template:
         raise data.DataError("use_object_template and use_style_template exclude each other")
     if not (opts.use_object_template or opts.use_style_template):
