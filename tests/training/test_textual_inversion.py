@@ -308,3 +308,38 @@ def test_weights_file_starts_the_rows_and_templates_replace_the_captions(dataset
         seen = {tset.caption(i, e) for e in range(1, 40) for i in range(len(tset.train_items))}
         assert all("mytok" in c and "sks" not in c for c in seen), seen
         assert known & seen and len(seen) > 3, seen
+
+
+def test_pivotal_tuning_on_sdxl_resumes_bit_identically(dataset, tmp_path, train):
+    """Pivotal tuning on SDXL: the bundle holds the token's clip_l / clip_g vectors (A1111's
+    layout), the LoRA part loads in diffusers' SDXL pipeline, and a resume from the step-2 state
+    (the embeddings still training then: stop_pivotal_training 3) ends in the uninterrupted run's file, bit for
+    bit: LoRA and embedding rows."""
+    from library.models.tiny_models import build_tiny_components
+
+    def args(out, *extra):
+        return ["--pretrained_model_name_or_path", "tiny-sdxl", "--train_data_dir", dataset,
+                "--output_dir", out, "--resolution", "64", "--cache_latents",
+                "--max_train_steps", "4", "--learning_rate", "1e-3", "--network_dim", "4",
+                "--caption_prefix", "toka", "--pivotal_tokens", "toka", "--pivotal_init_words",
+                "shape", "--pivotal_num_vectors", "2", "--pivotal_learning_rate", "1e-2",
+                "--stop_pivotal_training", "3", "--save_every_n_steps", "2", "--save_state", *extra]
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    rc, _, err, _ = train("train_lora", args(whole))
+    assert rc == 0, err
+    sd, _ = read(str(whole / "last.safetensors"))
+    assert {k for k in sd if k.startswith("bundle_emb.")} == {"bundle_emb.toka.clip_l",
+                                                               "bundle_emb.toka.clip_g"}
+    assert tuple(sd["bundle_emb.toka.clip_l"].shape)[0] == 2
+    start, _ = read(str(whole / "last-step00000002.safetensors"))
+    assert not start["bundle_emb.toka.clip_g"].equal(sd["bundle_emb.toka.clip_g"])  # step 3 trained it
+    shutil.copytree(whole / "last-step00000002-state", part / "last-step00000002-state")
+    rc, _, err, _ = train("train_lora", args(part, "--resume", part / "last-step00000002-state"))
+    assert rc == 0, err
+    resumed, _ = read(str(part / "last.safetensors"))
+    assert set(resumed) == set(sd)
+    assert all(resumed[k].equal(sd[k]) for k in sd)
+    lora_part = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
+    pipe = diffusers_pipeline("sdxl", build_tiny_components("sdxl"))
+    assert diffusers_load_problems(pipe, lora_part) == []
