@@ -36,6 +36,8 @@ class TrainingSet:
     # textual inversion's use_object_template / use_style_template: every caption is one of these
     # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
     caption_templates: tuple | None = None
+    # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
+    _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bucket_of(self) -> list:
@@ -104,7 +106,7 @@ class TrainingSet:
             drop = o.caption_dropout_rate > 0 and rng.random() < o.caption_dropout_rate
             if drop or (o.caption_dropout_every_n_epochs > 0 and epoch % o.caption_dropout_every_n_epochs == 0):
                 return ""
-        memo = self.__dict__.setdefault("_variants", {})
+        memo = self._variants
         key = (s.path, s.captions, s.caption)
         if key not in memo:
             memo[key] = self.caption_variants(s)

@@ -112,6 +112,42 @@ def test_impossible_combinations_fail_before_loading(extra, message, dataset, tm
     assert line.startswith("error: ") and message in line
 
 
+def test_the_options_reach_the_compile_of_the_training_unet(dataset, tmp_path, train, monkeypatch):
+    """`torch_compile` / `dynamo_backend` end to end, fast: torch.compile replaced by a spy that
+    records its call and runs the function eagerly; the run must hand it the U-Net's own forward,
+    with the chosen backend and fullgraph, and train through it; without `torch_compile` it is
+    never called."""
+    calls = []
+    real_compile = torch.compile
+
+    def spy(fn, backend=None, fullgraph=False, **kw):
+        if not isinstance(getattr(fn, "__self__", None), torch.nn.Module):
+            return real_compile(fn, backend=backend or "inductor", fullgraph=fullgraph, **kw)  # libraries' own
+        calls.append((fn, backend, fullgraph))
+
+        def run(*a, **k):
+            run.n += 1
+            return fn(*a, **k)
+        run.n = 0
+        calls[-1] = (fn, backend, fullgraph, run)
+        return run
+
+    monkeypatch.setattr(torch, "compile", spy)
+    args = ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
+            "--resolution", "64", "--cache_latents", "--max_train_steps", "2", "--network_dim", "4"]
+    rc, _, err, _ = train("train_lora", args + ["--output_dir", tmp_path / "eager"])
+    assert rc == 0, err
+    assert calls == []
+    rc, _, err, run = train("train_lora", args + ["--output_dir", tmp_path / "c", "--torch_compile",
+                                                  "--dynamo_backend", "aot_eager"])
+    assert rc == 0, err
+    (fn, backend, fullgraph, wrapped), = calls
+    unet = run.parts.bundle.unet
+    assert backend == "aot_eager" and fullgraph is True
+    assert getattr(fn, "__self__", None) is unet and fn.__func__ is type(unet).forward
+    assert wrapped.n == 2  # every training forward went through the compiled function
+
+
 def test_unknown_backend_is_one_line(dataset, tmp_path, run_script):
     rc, _, err = run_script("train_lora", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
