@@ -26,7 +26,7 @@ from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 SHIPPED_CONFIGS = os.path.join(ROOT, "configs", "models")
 SHIPPED_TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "clip")
 

@@ -23,7 +23,7 @@ from library.outputs.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 SHIPPED_CONFIGS = os.path.join(ROOT, "configs", "models")
 SHIPPED_TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "clip")
 ARCH_OF_FAMILY = {"sd1": "sd15", "sd2": "sd2", "sdxl": "sdxl"}
