@@ -382,7 +382,9 @@ def test_reg_sample_loss_is_weighted_by_prior_loss_weight(dataset, tmp_path, tra
     inst_i = next(i for i, s in enumerate(run.tset.samples) if not s.is_reg)
     with torch.no_grad():
         weighted = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
-        run.opts = run.opts.replace(prior_loss_weight=1.0)
+        from library.training.batch_loss import BatchLoss
+
+        run.parts.batch_loss = BatchLoss(run.opts.replace(prior_loss_weight=1.0), run.tset, run.parts)
         plain = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
     reset_accelerate()
     assert weighted[0] == pytest.approx(0.25 * plain[0], rel=1e-6)
