@@ -113,8 +113,35 @@ def test_gui_config_dry_run(tab, preset, pid, tmp_path, dataset, run_script, mon
     assert "step plan:" in out and len(estimated) == 1
 
 
-# Every preset that loads also trains (two steps at 64 px take 1-8 s on the tiny models).
-@pytest.mark.parametrize("tab, preset, pid", [c for c in CASES if c.values[2] not in REJECTED])
+# What decides which code a preset's training reaches: the tab, the family and these GUI keys.
+_TRAINING_CLASS = ("LoRA_type", "optimizer", "v2", "v_parameterization", "mixed_precision")
+_TRAINING_FLAGS = ("network_weights", "fp8_base", "fused_backward_pass", "full_bf16", "full_fp16",
+                   "cache_text_encoder_outputs")
+
+
+def _train_cases():
+    """Every preset that loads also trains (two steps at 64 px take 1-25 s on the tiny models).
+    The default suite trains the first preset of each training class (tab, family, LoRA type,
+    optimizer, precision, the flags above): 29 of 42; the others, which differ from it only in
+    values such as ranks and rates (their dry runs above check those), train under
+    ``pytest -m slow``."""
+    seen, out = set(), []
+    for c in CASES:
+        tab, preset, pid = c.values
+        if pid in REJECTED:
+            continue
+        if c.marks:
+            out.append(c)
+            continue
+        d = gui.normalize(preset, tab)
+        cls = (tab, gui.family_of(preset), *(d.get(k) for k in _TRAINING_CLASS),
+               *(bool(d.get(k)) for k in _TRAINING_FLAGS))
+        out.append(c if cls not in seen else pytest.param(*c.values, id=c.id, marks=pytest.mark.slow))
+        seen.add(cls)
+    return out
+
+
+@pytest.mark.parametrize("tab, preset, pid", _train_cases())
 def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_script, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # presets with log_with = "wandb": no network
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
