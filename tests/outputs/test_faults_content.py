@@ -133,24 +133,33 @@ def test_unchanged_content_resumes_bit_identically(saved, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_state_without_content_hashes_resumes_with_a_warning(saved, tmp_path, caplog):
-    """A state written before this check (no "content" in state.json) is still accepted."""
+def _lora_run_resuming(saved, tmp_path, name: str, edit):
+    """A train_lora Run (planned, no weights) resuming a copy of the saved state whose state.json
+    ``edit(info)`` changed, for the resume check trainer._check_resume makes before loading."""
     from library.config import parse as config
     from library.training import trainer
 
-    old = str(tmp_path / "old-state")
-    shutil.copytree(saved["state"], old)
-    info = json.load(open(os.path.join(old, "state.json")))
-    del info["content"]
-    json.dump(info, open(os.path.join(old, "state.json"), "w"))
+    state = str(tmp_path / name)
+    shutil.copytree(saved["state"], state)
+    info = json.load(open(os.path.join(state, "state.json")))
+    edit(info)
+    json.dump(info, open(os.path.join(state, "state.json"), "w"))
     opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
-                                            "--max_train_steps", "3", "--resume", old])
+                                            "--max_train_steps", "3", "--resume", state])
     opts, tset, plan = trainer.plan_run(opts, 1)
     r = trainer.Run(opts, "lora")
     r.tset, r.plan = tset, plan
+    return r
+
+
+def test_state_without_content_hashes_resumes_with_a_warning(saved, tmp_path, caplog):
+    """A state written before this check (no "content" in state.json) is still accepted."""
+    from library.training import trainer
+
+    r = _lora_run_resuming(saved, tmp_path, "old-state", lambda info: info.pop("content"))
     with caplog.at_level("WARNING", logger="sdtk"):
         path, got = trainer._check_resume(r)  # the resume check of a run, before weights load
-    assert path == old and got["global_step"] == 2
+    assert path == str(tmp_path / "old-state") and got["global_step"] == 2
     assert "content of the model weights and images could not be checked" in caplog.text
 
 
@@ -250,20 +259,10 @@ def test_damaged_content_record_is_named(saved, tmp_path):
 def test_state_of_another_method_is_named(saved, tmp_path):
     """A train_dreambooth state given to train_lora (or the other way): named as such, not as
     whichever option the two scripts set differently."""
-    from library.config import parse as config
     from library.training import trainer
     from library.outputs.train_state import ResumeError
 
-    other = str(tmp_path / "db-state")
-    shutil.copytree(saved["state"], other)
-    info = json.load(open(os.path.join(other, "state.json")))
-    info["method"] = "dreambooth"
-    json.dump(info, open(os.path.join(other, "state.json"), "w"))
-    opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
-                                            "--max_train_steps", "3", "--resume", other])
-    opts, tset, plan = trainer.plan_run(opts, 1)
-    r = trainer.Run(opts, "lora")
-    r.tset, r.plan = tset, plan
+    r = _lora_run_resuming(saved, tmp_path, "db-state", lambda info: info.update(method="dreambooth"))
     with pytest.raises(ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), this "
                                           r"is train_lora.py"):
         trainer._check_resume(r)
