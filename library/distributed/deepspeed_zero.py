@@ -402,7 +402,11 @@ class DeepSpeedStepper:
         # DeepSpeed averages over the processes; the toolkit's losses are meant to be summed
         self.engine.backward(loss * self.processes, scale_wrt_gas=False)
 
-    def step(self) -> None:
+    def prepare_step(self):
+        """Nothing for the loop to read: the engine reduces, clips and steps in ``step``."""
+        return None
+
+    def step(self, norm: float | None = None) -> None:
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         self.scheduler.step()  # once per optimizer step

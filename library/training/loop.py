@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 
-from library.distributed import accelerator as distributed
 from library.training import nonfinite
+from library.training import step_sync
 from library.outputs import saver
 from library.data import step_plan
 from library.training.run_state import HOOKS
@@ -56,7 +56,7 @@ def train(run) -> None:
         k = 0
         for j, gb in enumerate(batches, start=skip):
             c.method.before_step(progress.global_step)  # e.g. stop_text_encoder_training
-            loss_sum, step_loss = 0.0, None
+            loss_sum, read = None, None  # loss_sum: a device tensor (no host read per micro-step)
             for a in range(A):
                 idx = list(mine[k])
                 images = next(loader) if loader is not None else None
@@ -82,20 +82,29 @@ def train(run) -> None:
                 loss = HOOKS.after_micro_step(run, epoch, idx, loss)
                 if zero_weight:
                     loss = loss * 0.0
-                loss_sum += float(loss.detach())
+                loss_sum = step_sync.add_loss(loss_sum, loss)
                 if last and strategy.steps_in_backward:
                     # its hooks update parameters during this backward: the global batch's
-                    # loss is checked first (library/training/nonfinite.py), alike in every process
-                    step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
-                    if not math.isfinite(step_loss):
+                    # loss is checked first (library/training/nonfinite.py), alike in every
+                    # process: the step's one read (library/training/step_sync.py)
+                    read = step_sync.agree(signals, acc.device, loss_sum)
+                    if not math.isfinite(read.loss):
                         break
                 stepper.backward(loss, last_micro_step=last)
-            if step_loss is None:
-                step_loss = distributed.all_reduce_sum(loss_sum, acc.device)
-            step_lr = stepper.current_lr()
+            if read is None:
+                # every process, every step: it joins the gradient sum; the norm stays on the
+                # device until the step's one read, with the loss and the stop signal
+                norm = stepper.prepare_step()
+                if loss_sum is None:
+                    loss_sum = step_sync.zero_loss(acc.device)
+                read = step_sync.agree(signals, acc.device, loss_sum, norm)
+            step_loss, step_lr = read.loss, stepper.current_lr()
             bad = None if math.isfinite(step_loss) else f"loss {nonfinite.describe(step_loss)}"
             if bad is None:
-                stepper.step()  # every process, every step: it joins the gradient sum
+                if strategy.steps_in_backward:
+                    stepper.step()
+                else:
+                    stepper.step(read.norm)
                 bad = stepper.nonfinite  # a non-finite gradient norm
             if bad is not None:
                 on_nonfinite(run, bad, bar)  # stop (raises) or skip this update
@@ -125,8 +134,10 @@ def train(run) -> None:
             if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
                     and progress.global_step < plan.total_steps:
                 saver.save(run, epoch=None, step=progress.global_step)
-            # SIGINT/SIGTERM in any process: every process stops after this same step.
-            stop = signals.agreed(acc.device) if signals is not None else 0
+            # SIGINT/SIGTERM in any process: every process stops after this same step (agreed
+            # in the step's read; one arriving after it, e.g. during a save, in the next step's;
+            # with one process nothing needs agreeing: after this step)
+            stop = read.stop or (signals.signum if signals is not None and P == 1 else 0)
             if progress.global_step >= plan.total_steps:
                 done = True
                 break

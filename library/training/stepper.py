@@ -53,6 +53,8 @@ class Stepper(Protocol):
 
     def backward(self, loss, last_micro_step: bool = True) -> None: ...
 
+    def prepare_step(self): ...  # plain steppers: see PlainStepper.prepare_step
+
     def step(self) -> None: ...
 
     def skip(self) -> None: ...
@@ -124,9 +126,10 @@ def check_same_settings(optimizer, saved: dict) -> None:
                                  f"{key}={then[key]!r} to continue it")
 
 
-def grad_norm_fp32(params) -> float:
+def grad_norm_fp32_tensor(params):
     """The global L2 norm of the gradients, accumulated in float32 (inf or NaN when a gradient
-    holds one): fp16/bf16 norms of scaled gradients would overflow or lose digits."""
+    holds one), as a 0-d tensor on the device (no host read): fp16/bf16 norms of scaled
+    gradients would overflow or lose digits. None: no gradient."""
     import torch
 
     total = None
@@ -134,7 +137,16 @@ def grad_norm_fp32(params) -> float:
         if p.grad is not None:
             sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
             total = sq if total is None else total + sq.to(total.device)
-    return 0.0 if total is None else float(total.sqrt())  # one device sync
+    return None if total is None else total.sqrt()
+
+
+def grad_norm_fp32(params) -> float:
+    """``grad_norm_fp32_tensor`` read to the host (one device sync)."""
+    norm = grad_norm_fp32_tensor(params)
+    return 0.0 if norm is None else float(norm)
+
+
+_UNPREPARED = object()  # PlainStepper: step() called without prepare_step()
 
 
 class PlainStepper:
@@ -162,6 +174,7 @@ class PlainStepper:
         self.precision = precision
         self.loss_scaler = loss_scaler
         self.nonfinite = None  # why the last step() made no update (non-finite), or None
+        self._prepared = _UNPREPARED  # prepare_step() ran for the coming step()
         self._generator = None
         if precision != "float32":
             from library.training import fused_optim
@@ -228,21 +241,39 @@ class PlainStepper:
         finally:
             self._schedule_free.train()
 
-    def step(self) -> None:
-        # Sum, then clip the global batch's gradient (after accumulation and summation, so any
-        # split of the global batch clips alike). Under fsdp the gradients are already summed
-        # shards (DTensors); clipping computes the norm over all shards.
-        # A non-finite norm (library/training/nonfinite.py) leaves everything as it was before the step
-        # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
-        # process sees the same summed gradients, so all decide alike.
-        self.nonfinite = None
+    def prepare_step(self):
+        """Everything of the step before the update decision, enqueued on the device with no
+        host read: the gradient sum across processes, then the global batch's gradient norm
+        (clipping to max_grad_norm; after accumulation and summation, so any split of the
+        global batch clips alike). Returns the norm as a 0-d tensor, or None where nothing is
+        to be checked (no gradient; mixed_precision fp16, whose GradScaler owns overflow). The
+        loop reads it together with the step's loss, once (library/training/step_sync.py), and
+        passes the value to ``step(norm)``. Under fsdp the gradients are already summed
+        shards (DTensors); the norm is taken over all shards."""
         if not self.sharded:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
-            if not self._step_low_precision():
-                return
+            norm = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
         else:
             norm = self._grad_norm()
+        self._prepared = norm
+        return norm
+
+    def step(self, norm: float | None = None) -> None:
+        """The update, given the host value of the norm ``prepare_step`` returned. Called alone
+        (no prepare_step before), it prepares and reads the norm itself. A non-finite norm
+        (library/training/nonfinite.py) leaves everything as it was before the step (no update,
+        no scheduler step, gradients kept) and says so in ``nonfinite``: every process sees the
+        same summed gradients, so all decide alike."""
+        self.nonfinite = None
+        if self._prepared is _UNPREPARED:
+            t = self.prepare_step()
+            norm = None if t is None else float(t)
+        self._prepared = _UNPREPARED
+        if self.precision != "float32":
+            if not self._step_low_precision(0.0 if norm is None else norm):
+                return
+        else:
             if norm is not None and not math.isfinite(norm):
                 self.nonfinite = f"gradient norm {_describe(norm)}"
                 return
@@ -250,10 +281,11 @@ class PlainStepper:
         self.scheduler.step()  # once per optimizer step, never per micro-step or process
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _grad_norm(self) -> float | None:
-        """The global gradient norm (clipping to max_grad_norm when set), or None where a loss
-        scaler owns overflow (mixed_precision fp16: Accelerate's GradScaler skips the step and
-        lowers the scale, its documented behaviour)."""
+    def _grad_norm(self):
+        """The global gradient norm (clipping to max_grad_norm when set) as a 0-d tensor, or
+        None where a loss scaler owns overflow (mixed_precision fp16: Accelerate's GradScaler
+        skips the step and lowers the scale, its documented behaviour) or no parameter has a
+        gradient."""
         import torch
 
         if getattr(self.accelerator, "scaler", None) is not None:
@@ -265,10 +297,10 @@ class PlainStepper:
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
             if not grads:
-                return 0.0
+                return None
             norm = torch.nn.utils.get_total_norm(grads)
         full = getattr(norm, "full_tensor", None)  # fsdp: a replicated DTensor
-        return float(full() if callable(full) else norm)
+        return full() if callable(full) else norm
 
     def skip(self) -> None:
         """``on_nonfinite = "skip"``: drop this step's gradients without an update; the scheduler
@@ -276,8 +308,9 @@ class PlainStepper:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.nonfinite = None
+        self._prepared = _UNPREPARED
 
-    def _step_low_precision(self) -> bool:
+    def _step_low_precision(self, norm: float) -> bool:
         """bf16/fp16 gradients: the norm (and fp16's overflow check) in float32; the loss scale
         and the clipping factor are applied to each float32 gradient copy, not to the
         low-precision gradients, so neither loses digits. False: a non-finite norm (bf16), no
@@ -286,7 +319,6 @@ class PlainStepper:
 
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
-        norm = grad_norm_fp32(self.params)  # the non-finite guard needs it too
         if self.loss_scaler is not None:
             overflow = not math.isfinite(norm)
             self.loss_scaler.update(overflow)

@@ -1,0 +1,103 @@
+"""A step's one host read and its one small collective (docs/PERFORMANCE.md, "Host syncs").
+
+On a GPU every read of a device value by the host (``.item()``, ``float()``, ``.tolist()``,
+``.cpu()``) waits until the device has finished everything queued before it, so the host stops
+queueing work. A training step needs one such read: the non-finite guard
+(library/training/nonfinite.py) must know, before the update, whether the global batch's loss and
+gradient norm are finite. Everything else the host uses of the step (the loss for ``loss_log``, the
+progress bar, the trackers and the hooks; which signal, if any, every process stops for) comes
+from that same read, and everything the processes must agree on goes through one small
+all-reduce just before it:
+
+    loss_sum = add_loss(loss_sum, loss)      per micro-step, on the device (float64)
+    read = agree(signals, device, loss_sum, norm)
+                                             once per step, after the backward is enqueued
+
+``agree`` sums ``loss_sum`` across processes together with one counter per stop signal
+(train_state.StopSignals) in one all-reduce, appends the (already summed, identical) gradient
+norm, and reads the result to the host once.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class StepRead(NamedTuple):
+    loss: float           # the global batch's loss (sum over micro-steps and processes)
+    norm: float | None    # the gradient norm the stepper checks, or None
+    stop: int             # the signal every process stops for after this step (0: none)
+
+
+def value_dtype(device):
+    """float64 (the loss is summed as the host used to sum Python floats) where the device
+    has it."""
+    import torch
+
+    return torch.float32 if getattr(device, "type", device) == "mps" else torch.float64
+
+
+def add_loss(total, loss):
+    """``total + loss`` on the device, in float64 (``total`` None: the first micro-step)."""
+    v = loss.detach().reshape(()).to(value_dtype(loss.device))
+    return v if total is None else total + v
+
+
+def zero_loss(device):
+    """The loss sum of a process with no micro-step in this step (an empty share)."""
+    import torch
+
+    return torch.zeros((), dtype=value_dtype(device), device=device)
+
+
+def exchange(device, signum: int, signals: tuple, summed=None, along=None):
+    """The one collective and the one read: (``summed`` summed over processes, ``along`` as
+    given, the agreed signal) as host lists and an int. ``signals``: the stop signals in a fixed
+    order; each process contributes 1 to the counter of its pending one, and the agreed signal
+    is the largest with a non-zero count (what an all-reduce MAX of the signal numbers gave).
+    With one process and nothing to read, no device work at all."""
+    from library.distributed import accelerator as distributed
+
+    multi = distributed._is_multi_process()
+    if summed is None and along is None and not multi:
+        return [], [], signum
+    import torch
+
+    dtype = value_dtype(device)
+    parts = [] if summed is None else [summed.reshape(-1).to(dtype)]
+    n = sum(p.numel() for p in parts)
+    if multi:
+        import torch.distributed as dist
+
+        flags = torch.zeros(len(signals), dtype=dtype, device=device)
+        if signum in signals:
+            flags[signals.index(signum)].fill_(1)  # a kernel argument: no host-to-device copy
+        parts.append(flags)
+        reduced = torch.cat(parts)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        parts = [reduced]
+    if along is not None:
+        parts.append(along.detach().reshape(-1).to(device=parts[0].device if parts else along.device,
+                                                   dtype=dtype))
+    host = torch.cat(parts).tolist()  # the read
+    sums = host[:n]
+    if multi:
+        counts = host[n:n + len(signals)]
+        agreed = max((s for s, c in zip(signals, counts) if c > 0), default=0)
+        rest = host[n + len(signals):]
+    else:
+        agreed, rest = signum, host[n:]
+    return sums, rest, agreed
+
+
+def agree(signals, device, loss_sum, norm=None) -> StepRead:
+    """The step's read (see the module docstring): through ``signals.agreed`` (every process
+    calls it once per step) when the run has StopSignals, else with no signal."""
+    if signals is None:
+        from library.outputs.train_state import StopSignals
+
+        sums, along, stop = exchange(device, 0, StopSignals.SIGNALS, loss_sum, norm)
+    else:
+        signals.carry(loss_sum, norm)
+        stop = signals.agreed(device)
+        sums, along = signals.carried
+    return StepRead(sums[0], along[0] if along else None, stop)
