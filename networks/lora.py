@@ -477,9 +477,16 @@ class LoRANetwork(torch.nn.Module):
         ||up @ down * alpha / rank|| exceeds max_norm_value has up and down scaled by
         sqrt(max_norm / norm) (so the product's norm becomes max_norm).
         Returns (modules scaled, mean and max of the norms after scaling)."""
+        return max_norm_summary(self.scale_max_norms(max_norm_value, device))
+
+    @torch.no_grad()
+    def scale_max_norms(self, max_norm_value: float, device):
+        """``apply_max_norm_regularization`` with its statistics left on the device (no host
+        read): a (2, modules) tensor of the norms after scaling and the ratios applied, for
+        ``max_norm_summary`` when they are shown or logged; None without modules."""
         loras = self.text_encoder_loras + self.unet_loras
         if not loras:
-            return 0, 0.0, 0.0
+            return None
         norms, ratios = [], []
         for lora in loras:
             down, up = lora.lora_down.weight, lora.lora_up.weight
@@ -493,11 +500,7 @@ class LoRANetwork(torch.nn.Module):
             up.mul_(sqrt_ratio.to(up.device, up.dtype))
             norms.append(norm * ratio)
             ratios.append(ratio)
-        # one host transfer for all modules (instead of one per module)
-        stats = torch.stack([torch.stack(norms), torch.stack(ratios)]).float().cpu()
-        scaled_norms = stats[0]
-        keys_scaled = int((stats[1] != 1).sum())
-        return keys_scaled, float(scaled_norms.mean()), float(scaled_norms.max())
+        return torch.stack([torch.stack(norms), torch.stack(ratios)])
 
     # sd-scripts' name for a network whose prepare_optimizer_params takes one rate per text
     # encoder (train_network.py then passes text_encoder_lr as the list it was given)
@@ -622,3 +625,14 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
                           modules_alpha=modules_alpha, is_sdxl=is_sdxl)
     _set_lr_options(network, args, _lr_weights(args, is_sdxl))  # sd-scripts: lr weights apply here too
     return network, weights_sd
+
+
+def max_norm_summary(stacked) -> tuple[int, float, float]:
+    """(modules scaled, mean and max of the norms after scaling) of ``scale_max_norms``'s
+    tensor, in one host transfer for all modules."""
+    if stacked is None:
+        return 0, 0.0, 0.0
+    stats = stacked.float().cpu()
+    scaled_norms = stats[0]
+    keys_scaled = int((stats[1] != 1).sum())
+    return keys_scaled, float(scaled_norms.mean()), float(scaled_norms.max())

@@ -22,6 +22,10 @@ from library.training.run_state import HOOKS
 
 logger = logging.getLogger("sdtk")
 
+# Statistics that stay on the device (scale_weight_norms') are read for the progress bar on the
+# first step and every BAR_READ_EVERY steps (trackers, when logging, read them every step).
+BAR_READ_EVERY = 10
+
 
 def train(run) -> None:
     from tqdm.auto import tqdm
@@ -38,6 +42,7 @@ def train(run) -> None:
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
                disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
     done, stop = False, 0
+    norm_postfix = {}  # scale_weight_norms' bar entries, as last read
     images_in = None  # without cached latents: decoded and augmented per step
     if c.caches.latents is None:
         images_in = ImageLoader(run.tset, loader_workers(opts.max_data_loader_n_workers,
@@ -124,12 +129,13 @@ def train(run) -> None:
             progress.lr_log.append(step_lr)
             HOOKS.after_step(run, step_loss, step_lr)
             bar.update(1)
-            postfix = {}
-            if progress.max_norm_stats is not None:
+            if progress.max_norm_stats is not None and (
+                    progress.global_step == 1 or progress.global_step % BAR_READ_EVERY == 0):
                 from library.training.network_options import max_norm_postfix
 
-                postfix = max_norm_postfix(progress.max_norm_stats)
-            bar.set_postfix(**postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
+                # device statistics: read for the bar only every BAR_READ_EVERY steps
+                norm_postfix = max_norm_postfix(progress.max_norm_stats)
+            bar.set_postfix(**norm_postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
             c.reporter.after_step(progress)  # validation and samples when due, scalars
             if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
                     and progress.global_step < plan.total_steps:

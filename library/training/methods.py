@@ -214,9 +214,15 @@ class NetworkMethod:
     def after_step(self, device):
         """After each optimizer step: scale_weight_norms' max-norm regularisation (sd-scripts
         applies it to the unwrapped network in every process, on identical weights). Returns
-        (keys scaled, mean norm, max norm), or None when off."""
+        (keys scaled, mean norm, max norm), or None when off; the toolkit's LoRA leaves them on
+        the device until shown (network_options.MaxNormStats: no host read per step)."""
         if self.opts.scale_weight_norms is None:
             return None
+        scale = getattr(self.network, "scale_max_norms", None)  # other networks: sd-scripts' API
+        if callable(scale):
+            from library.training.network_options import MaxNormStats
+
+            return MaxNormStats(scale(self.opts.scale_weight_norms, device))
         return self.network.apply_max_norm_regularization(self.opts.scale_weight_norms, device)
 
     def set_train(self, epoch: int):

@@ -59,14 +59,34 @@ def merge_base_weights(bundle, opts, log) -> None:
         log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
 
 
+class MaxNormStats:
+    """scale_weight_norms' statistics of one step, left on the device (networks/lora.py
+    ``scale_max_norms``) until the progress bar or a tracker shows them; read once."""
+
+    def __init__(self, stacked):
+        self._stacked, self._host = stacked, None
+
+    def host(self) -> tuple[int, float, float]:
+        if self._host is None:
+            from networks.lora import max_norm_summary
+
+            self._host = max_norm_summary(self._stacked)
+        return self._host
+
+
+def host_stats(stats) -> tuple[int, float, float]:
+    """(keys scaled, mean norm, max norm): a network's own tuple, or MaxNormStats read."""
+    return stats.host() if isinstance(stats, MaxNormStats) else stats
+
+
 def max_norm_postfix(stats) -> dict:
     """sd-scripts' progress-bar entries for scale_weight_norms."""
-    keys_scaled, mean_norm, _ = stats
+    keys_scaled, mean_norm, _ = host_stats(stats)
     return {"Keys Scaled": keys_scaled, "Average key norm": f"{mean_norm:.4f}"}
 
 
 def max_norm_scalars(stats) -> dict:
     """sd-scripts' tracker scalars for scale_weight_norms (generate_step_logs)."""
-    keys_scaled, mean_norm, max_norm = stats
+    keys_scaled, mean_norm, max_norm = host_stats(stats)
     return {"max_norm/keys_scaled": keys_scaled, "max_norm/max_key_norm": max_norm,
             "norm/avg_key_norm": mean_norm}
