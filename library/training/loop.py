@@ -23,7 +23,7 @@ from library.training.run_state import HOOKS
 logger = logging.getLogger("sdtk")
 
 # Statistics that stay on the device (scale_weight_norms') are read for the progress bar on the
-# first step and every BAR_READ_EVERY steps (trackers, when logging, read them every step).
+# run's first step and every BAR_READ_EVERY steps (trackers, when logging, read them every step).
 BAR_READ_EVERY = 10
 
 
@@ -130,7 +130,7 @@ def train(run) -> None:
             HOOKS.after_step(run, step_loss, step_lr)
             bar.update(1)
             if progress.max_norm_stats is not None and (
-                    progress.global_step == 1 or progress.global_step % BAR_READ_EVERY == 0):
+                    not norm_postfix or progress.global_step % BAR_READ_EVERY == 0):
                 from library.training.network_options import max_norm_postfix
 
                 # device statistics: read for the bar only every BAR_READ_EVERY steps
