@@ -2,7 +2,10 @@
 
 The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each micro-step of
 this process and ``stepper.step()`` once per global batch (every process, every step, even with
-an empty share). ``make_stepper`` picks the stepper from the options:
+an empty share); a stepper that steps after the backward (``steps_in_backward`` False) first gets
+``prepare_step()``, which enqueues the gradient sum and norm on the device, and then
+``step(norm)`` with the norm as the step's one host read brought it back
+(library/training/step_sync.py). ``make_stepper`` picks the stepper from the options:
 
 - ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
   global norm, one optimizer and one scheduler step.
@@ -53,7 +56,7 @@ class Stepper(Protocol):
 
     def backward(self, loss, last_micro_step: bool = True) -> None: ...
 
-    def prepare_step(self): ...  # plain steppers: see PlainStepper.prepare_step
+    def prepare_step(self): ...  # steppers with steps_in_backward False (PlainStepper's)
 
     def step(self) -> None: ...
 
