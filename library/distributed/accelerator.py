@@ -4,7 +4,8 @@ The training loop does not wrap the model in DDP. Each process backpropagates it
 global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the
 gradients of all processes in flat buckets, so every process holds the one-process gradient of
 the whole global batch and takes the same optimizer step. Every process calls ``sum_gradients``
-and ``all_reduce_sum`` once per step, whatever its share (an empty share contributes zeros).
+and the loop's one small collective (library/training/step_sync.py) once per step, whatever its
+share (an empty share contributes zeros).
 
 If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
 the process group's timeout bounds the wait of a process whose peer hangs without exiting.
