@@ -402,11 +402,11 @@ class DeepSpeedStepper:
         # DeepSpeed averages over the processes; the toolkit's losses are meant to be summed
         self.engine.backward(loss * self.processes, scale_wrt_gas=False)
 
-    def prepare_step(self):
-        """Nothing for the loop to read: the engine reduces, clips and steps in ``step``."""
-        return None
+    before_update = None  # the loop's read of the step (library/training/stepper.py)
 
-    def step(self, norm: float | None = None) -> None:
+    def step(self) -> None:
+        if self.before_update is not None and not self.before_update(None)[0]:
+            return  # the loop's guard (a non-finite loss): no engine step
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         self.scheduler.step()  # once per optimizer step

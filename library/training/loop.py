@@ -96,21 +96,35 @@ def train(run) -> None:
                     if not math.isfinite(read.loss):
                         break
                 stepper.backward(loss, last_micro_step=last)
+            step_lr = stepper.current_lr()
             if read is None:
-                # every process, every step: it joins the gradient sum; the norm stays on the
-                # device until the step's one read, with the loss and the stop signal
-                norm = stepper.prepare_step()
+                # every process, every step: step() joins the gradient sum, enqueues the norm
+                # and, before any update, calls back for the step's one read (the loss, the
+                # norm and the stop signal together)
                 if loss_sum is None:
                     loss_sum = step_sync.zero_loss(acc.device)
-                read = step_sync.agree(signals, acc.device, loss_sum, norm)
-            step_loss, step_lr = read.loss, stepper.current_lr()
-            bad = None if math.isfinite(step_loss) else f"loss {nonfinite.describe(step_loss)}"
-            if bad is None:
-                if strategy.steps_in_backward:
+                box = []
+
+                def before_update(norm, loss_sum=loss_sum, box=box):
+                    box.append(step_sync.agree(signals, acc.device, loss_sum, norm))
+                    return math.isfinite(box[0].loss), box[0].norm
+
+                stepper.before_update = before_update
+                try:
                     stepper.step()
-                else:
-                    stepper.step(read.norm)
-                bad = stepper.nonfinite  # a non-finite gradient norm
+                finally:
+                    stepper.before_update = None
+                if not box:
+                    raise RuntimeError(f"{type(stepper).__name__}.step() made no before_update call")
+                read = box[0]
+                bad = None if math.isfinite(read.loss) else f"loss {nonfinite.describe(read.loss)}"
+                bad = bad or stepper.nonfinite  # a non-finite gradient norm
+            else:
+                bad = None if math.isfinite(read.loss) else f"loss {nonfinite.describe(read.loss)}"
+                if bad is None:
+                    stepper.step()
+                    bad = stepper.nonfinite  # a non-finite gradient norm
+            step_loss = read.loss
             if bad is not None:
                 on_nonfinite(run, bad, bar)  # stop (raises) or skip this update
             # scale_weight_norms: after the update (every stepper has finished it here), before

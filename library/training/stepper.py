@@ -2,10 +2,10 @@
 
 The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each micro-step of
 this process and ``stepper.step()`` once per global batch (every process, every step, even with
-an empty share); a stepper that steps after the backward (``steps_in_backward`` False) first gets
-``prepare_step()``, which enqueues the gradient sum and norm on the device, and then
-``step(norm)`` with the norm as the step's one host read brought it back
-(library/training/step_sync.py). ``make_stepper`` picks the stepper from the options:
+an empty share). For a stepper that steps after the backward (``steps_in_backward`` False) the
+loop sets ``before_update``: step() calls it once, with the gradient norm still on the device and
+before any update, and it returns (whether to update, the norm's host value) from the step's one
+host read (library/training/step_sync.py). ``make_stepper`` picks the stepper from the options:
 
 - ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
   global norm, one optimizer and one scheduler step.
@@ -48,6 +48,9 @@ class Stepper(Protocol):
     partial_update: bool         # that step had already updated some parameters (hooks)
     optimizer: object            # the (first) optimizer, for reports and the sharded state
     scheduler: object            # the (first) scheduler
+    # set by the loop around step() (steps_in_backward False): norm tensor or None ->
+    # (update?, the norm's host value); see PlainStepper.step
+    before_update: object
 
     @property
     def schedulers(self) -> list: ...  # every scheduler, each once
@@ -55,8 +58,6 @@ class Stepper(Protocol):
     def current_lr(self) -> float: ...
 
     def backward(self, loss, last_micro_step: bool = True) -> None: ...
-
-    def prepare_step(self): ...  # steppers with steps_in_backward False (PlainStepper's)
 
     def step(self) -> None: ...
 
@@ -149,7 +150,6 @@ def grad_norm_fp32(params) -> float:
     return 0.0 if norm is None else float(norm)
 
 
-_UNPREPARED = object()  # PlainStepper: step() called without prepare_step()
 
 
 class PlainStepper:
@@ -177,7 +177,7 @@ class PlainStepper:
         self.precision = precision
         self.loss_scaler = loss_scaler
         self.nonfinite = None  # why the last step() made no update (non-finite), or None
-        self._prepared = _UNPREPARED  # prepare_step() ran for the coming step()
+        self.before_update = None  # the loop's read of the step, while it runs step()
         self._generator = None
         if precision != "float32":
             from library.training import fused_optim
@@ -244,35 +244,24 @@ class PlainStepper:
         finally:
             self._schedule_free.train()
 
-    def prepare_step(self):
-        """Everything of the step before the update decision, enqueued on the device with no
-        host read: the gradient sum across processes, then the global batch's gradient norm
-        (clipping to max_grad_norm; after accumulation and summation, so any split of the
-        global batch clips alike). Returns the norm as a 0-d tensor, or None where nothing is
-        to be checked (no gradient; mixed_precision fp16, whose GradScaler owns overflow). The
-        loop reads it together with the step's loss, once (library/training/step_sync.py), and
-        passes the value to ``step(norm)``. Under fsdp the gradients are already summed
-        shards (DTensors); the norm is taken over all shards."""
+    def step(self) -> None:
+        # Sum, then clip the global batch's gradient (after accumulation and summation, so any
+        # split of the global batch clips alike), all enqueued on the device; then the step's
+        # one host read (``_read``) decides. Under fsdp the gradients are already summed shards
+        # (DTensors); the norm is taken over all shards.
+        # A non-finite norm (library/training/nonfinite.py) leaves everything as it was before the step
+        # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
+        # process sees the same summed gradients, so all decide alike.
+        self.nonfinite = None
         if not self.sharded:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
-            norm = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
+            norm_t = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
         else:
-            norm = self._grad_norm()
-        self._prepared = norm
-        return norm
-
-    def step(self, norm: float | None = None) -> None:
-        """The update, given the host value of the norm ``prepare_step`` returned. Called alone
-        (no prepare_step before), it prepares and reads the norm itself. A non-finite norm
-        (library/training/nonfinite.py) leaves everything as it was before the step (no update,
-        no scheduler step, gradients kept) and says so in ``nonfinite``: every process sees the
-        same summed gradients, so all decide alike."""
-        self.nonfinite = None
-        if self._prepared is _UNPREPARED:
-            t = self.prepare_step()
-            norm = None if t is None else float(t)
-        self._prepared = _UNPREPARED
+            norm_t = self._grad_norm()
+        update, norm = self._read(norm_t)
+        if not update:
+            return  # the loop's guard (a non-finite loss): nothing touched, the loop says why
         if self.precision != "float32":
             if not self._step_low_precision(0.0 if norm is None else norm):
                 return
@@ -283,6 +272,14 @@ class PlainStepper:
             self.optimizer.step()
         self.scheduler.step()  # once per optimizer step, never per micro-step or process
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _read(self, norm_t) -> tuple[bool, float | None]:
+        """(update?, the norm's host value): from the loop's one read of the step
+        (``before_update``, which brings the loss and the stop signal with it), or read here
+        when step() runs outside the loop."""
+        if self.before_update is not None:
+            return self.before_update(norm_t)
+        return True, (None if norm_t is None else float(norm_t))
 
     def _grad_norm(self):
         """The global gradient norm (clipping to max_grad_norm when set) as a 0-d tensor, or
@@ -311,7 +308,6 @@ class PlainStepper:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.nonfinite = None
-        self._prepared = _UNPREPARED
 
     def _step_low_precision(self, norm: float) -> bool:
         """bf16/fp16 gradients: the norm (and fp16's overflow check) in float32; the loss scale
