@@ -370,6 +370,12 @@ OPTIONS: tuple[Option, ...] = (
       "(in backward order), each with its own optimizer stepped as soon as the group's gradients are "
       "complete; unset or 0 = off. max_grad_norm then clips each group separately. Not with fp16 "
       "or fused_backward_pass.", "optimizer", min=0),
+    O("fused_reductions_in_flight", "int", 2, "Several processes with fused_backward_pass or "
+      "fused_optimizer_groups: how many parameters' (groups') gradient sums may be in flight "
+      "while the backward pass goes on; each is stepped when its sum completes, oldest first. "
+      "At most this many + 1 parameters' (groups') gradients are alive at once. 0 = sum each one "
+      "synchronously inside its hook. The same weights bit for bit whatever the value; no "
+      "effect on one process (not an sd-scripts option).", "optimizer", min=0),
     # --- training ---
     O("train_batch_size", "int", 1, "Batch size per process.", "training", min=1),
     O("max_train_steps", "int", None, "Training length in optimizer steps. Give this or "

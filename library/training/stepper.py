@@ -312,18 +312,92 @@ def _describe(value: float) -> str:
     return describe(value)
 
 
+def _unit_is_finite(norm) -> bool:
+    """Whether a fused unit's summed gradient norm (a device tensor) is finite: the fused
+    steppers' one host read per unit (the guard decides, before the unit is stepped, whether
+    it and the later units are stepped at all)."""
+    import torch
+
+    return bool(torch.isfinite(norm))
+
+
+class _UnitReduction:
+    """The sum across processes of one unit's gradients, launched (``async_op``) when the unit
+    is complete; ``wait()`` puts the sums into ``p.grad``.
+
+    The same collectives as the synchronous sum of ``_HookStepper._step_unit``, so the same sums
+    bit for bit: one parameter's gradient is all-reduced in place; a group's gradients in the
+    flat buckets of ``distributed.gradient_buckets`` (the layout of ``sum_gradients``, which
+    decides the order in which a ring all-reduce adds up each element). Each gradient is copied
+    into its bucket and freed at once, so a sum in flight holds one copy of the unit's
+    gradients, not two; ``wait()`` copies the sums back into tensors of the gradients' own
+    shapes and strides, one bucket at a time, freeing each bucket after it. Every parameter of
+    a complete unit has a gradient (its hook fired), so the synchronous sum's "who has a
+    gradient" collective would find all of them everywhere and is not needed."""
+
+    def __init__(self, params):
+        import torch
+        import torch.distributed as dist
+
+        self.works, self.buckets = [], []
+        if len(params) == 1:
+            self.works.append(dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM,
+                                              async_op=True))
+            return
+        for bucket in distributed.gradient_buckets(params):
+            first = bucket[0].grad
+            flat = torch.empty(sum(p.grad.numel() for p in bucket), dtype=first.dtype,
+                               device=first.device)
+            layout, offset = [], 0
+            for p in bucket:
+                g, n = p.grad, p.grad.numel()
+                flat[offset:offset + n].copy_(g.reshape(-1))
+                layout.append((p, offset, g.shape, g.stride()))
+                p.grad = None
+                offset += n
+            self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
+            self.buckets.append((flat, layout))
+
+    def wait(self) -> None:
+        import torch
+
+        for w in self.works:
+            w.wait()
+        self.works = []
+        while self.buckets:
+            flat, layout = self.buckets.pop(0)
+            for p, offset, shape, stride in layout:
+                g = torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device)
+                g.copy_(flat[offset:offset + g.numel()].view(shape))
+                p.grad = g
+            del flat
+
+
 class _HookStepper:
     """Steps units of parameters (one parameter, or one group) inside the backward pass.
 
     Each unit has its own optimizer over that unit's parameters, with the original param
     groups' hyperparameters, and its own scheduler; all schedulers are stepped once per
     ``step()``, so every unit follows the unfused run's learning-rate schedule.
+
+    Several processes: a unit's gradient is the sum over the processes. With
+    ``reductions_in_flight`` k >= 1 (``fused_reductions_in_flight``) the unit's last hook only
+    launches that sum (``_UnitReduction``, ``async_op``) and the backward goes on; the unit is
+    stepped when its sum is waited for, oldest first: when k sums are in flight and another unit
+    is complete, and at the end of ``backward()``. So the communication overlaps the rest of
+    the backward, at most k sums are in flight, and at most k + 1 units' gradients are alive
+    (k summed or being summed, one being filled). The waits happen at the same hook in every
+    process (counted, never polled), so all processes step, or stop at a non-finite unit,
+    alike. The sums, the order of the unit steps and the non-finite guard are those of k = 0,
+    which sums each unit synchronously inside its hook (one process: no sums at all).
     """
 
     steps_in_backward = True
 
     def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
-                 first_param=None):
+                 first_param=None, reductions_in_flight: int = 0):
+        import collections
+
         from library.training import fused_optim
 
         self.accelerator = accelerator
@@ -349,6 +423,9 @@ class _HookStepper:
         self._final = False
         self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
         self._stepped = [False] * len(units)
+        self.reductions_in_flight = reductions_in_flight
+        self._overlap = False                # this backward launches sums asynchronously
+        self._in_flight = collections.deque()  # (unit, _UnitReduction), oldest first
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     # the trainer keeps these names
@@ -365,10 +442,19 @@ class _HookStepper:
 
     def backward(self, loss, last_micro_step: bool = True) -> None:
         self._final = last_micro_step
+        self._overlap = last_micro_step and self.reductions_in_flight > 0 \
+            and distributed._is_multi_process()
         try:
             self.accelerator.backward(loss)
+            # every sum launched in this backward is waited for and its unit stepped before
+            # backward() returns: step() and skip() find the state of the synchronous sums
+            while self._in_flight:
+                self._finish_oldest()
         finally:
-            self._final = False
+            # after a failure inside the backward the run ends: drop the sums in flight (the
+            # process group keeps its own references to their buffers until they complete)
+            self._in_flight.clear()
+            self._final = self._overlap = False
 
     def _hook(self, p) -> None:
         if not self._final:
@@ -379,11 +465,33 @@ class _HookStepper:
         u = self.unit_of[id(p)]
         self._pending[u] += 1
         if self._pending[u] == len(self.units[u]):
-            self._step_unit(u)
+            if self._overlap:
+                self._launch(u)
+            else:
+                self._step_unit(u)
+
+    def _launch(self, u: int) -> None:
+        """Unit ``u`` is complete: launch its sum, after stepping the oldest units in flight
+        while ``reductions_in_flight`` of them are (first in, first stepped)."""
+        while len(self._in_flight) >= self.reductions_in_flight:
+            self._finish_oldest()
+        if self.nonfinite is not None:  # an older unit was non-finite: no more sums or steps
+            for p in self.units[u]:
+                p.grad = None
+            return
+        self._in_flight.append((u, _UnitReduction(self.units[u])))
+
+    def _finish_oldest(self) -> None:
+        u, reduction = self._in_flight.popleft()
+        reduction.wait()  # the summed gradients are in p.grad again
+        if self.nonfinite is not None:  # launched before an older unit proved non-finite
+            for p in self.units[u]:
+                p.grad = None
+            return
+        self._step_summed(u)
 
     def _step_unit(self, u: int) -> None:
-        from library.training import fused_optim
-
+        """Sum unit ``u``'s gradients across processes now (synchronously), then step it."""
         params = self.units[u]
         if len(params) == 1 and params[0].grad is not None:
             p = params[0]
@@ -393,13 +501,20 @@ class _HookStepper:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         else:
             distributed.sum_gradients(params)
+        self._step_summed(u)
+
+    def _step_summed(self, u: int) -> None:
+        """Step unit ``u`` on its summed gradients (the non-finite guard first), then free them."""
         import torch
 
+        from library.training import fused_optim
+
+        params = self.units[u]
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             # the summed gradient: every process gets the same norm and decides alike
             norm = torch.nn.utils.get_total_norm(grads)
-            if not bool(torch.isfinite(norm)):  # a NaN/inf element, or an overflowing norm
+            if not _unit_is_finite(norm):  # a NaN/inf element, or an overflowing norm
                 self.nonfinite = f"gradient norm {_describe(float(norm))}"
                 self.partial_update = any(self._stepped)
                 for p in params:
@@ -673,4 +788,5 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     logger.info(f"{mode}: {len(units)} optimizer{'s' if len(units) != 1 else ''} stepped inside "
                 "the backward pass")
     return cls(accelerator, units, optimizers, schedulers, opts.max_grad_norm,
-               first_param=unique[0] if unique else None)
+               first_param=unique[0] if unique else None,
+               reductions_in_flight=opts.fused_reductions_in_flight)
