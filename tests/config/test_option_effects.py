@@ -269,6 +269,8 @@ REFERENCE = {
     "max_grad_norm": T + "training/test_fused.py::test_per_parameter_clipping",
     "fused_backward_pass": T + "training/test_fused.py::test_fused_backward_pass_equals_plain",
     "fused_optimizer_groups": T + "training/test_fused.py::test_optimizer_groups_equal_plain",
+    "fused_reductions_in_flight": T + "training/test_fused_async.py::"
+                                      "test_sums_overlap_the_backward_within_the_bounds",
     "highvram": T + "training/test_frozen.py::test_full_finetune_releases_and_writes_the_same_model_samples_and_validation",
     "gradient_checkpointing": T + "models/test_precision_e2e.py::test_gradient_checkpointing_does_not_change_the_math",
     "mixed_precision": T + "models/test_precision_e2e.py::test_bf16_mixed_precision_trains_and_saves_a_lora",
