@@ -675,6 +675,14 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     return saved, trained
 
 
+def fused_gradient_bytes(unit_bytes: list[int], alive: int) -> int:
+    """The fused steps' gradient bytes at once when ``alive`` units' gradients may be alive:
+    1 in one process (the unit being filled, stepped when complete); under several processes
+    1 + fused_reductions_in_flight (the sums in flight beside the unit being filled,
+    library/training/stepper.py _HookStepper). At most the ``alive`` largest units."""
+    return sum(sorted(unit_bytes, reverse=True)[:alive])
+
+
 def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
     import torch
@@ -779,10 +787,18 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             f" ({fmode} steps in the last micro-step only)" if fmode and accumulate else "")
         overlap = all_grads
     else:
-        unit_bytes = max(sum(nbytes(p) for p in u) for u in units) if units else 0
+        alive = 1 + (opts.fused_reductions_in_flight if processes > 1 else 0)
+        unit_bytes = fused_gradient_bytes([sum(nbytes(p) for p in u) for u in units], alive)
         est.gradients = unit_bytes
-        est.gradients_note = ("the largest parameter's: fused_backward_pass" if fmode == "fused_backward_pass"
-                              else f"the largest of {len(units)} groups: fused_optimizer_groups")
+        fused = fmode == "fused_backward_pass"
+        if alive == 1:
+            est.gradients_note = ("the largest parameter's: fused_backward_pass" if fused
+                                  else f"the largest of {len(units)} groups: fused_optimizer_groups")
+        else:
+            est.gradients_note = (f"the {alive} largest " + ("parameters'" if fused else
+                                                            f"of {len(units)} groups'")
+                                  + f": {fmode}, up to {alive - 1} sums in flight over "
+                                  f"{processes} processes (fused_reductions_in_flight)")
         overlap = unit_bytes
     largest_fp32 = max((p.numel() * 4 for p in trained), default=0)
     n_tmp = STEP_TEMPORARIES.get(rule.kind, 2) + (2 if trained_dtype != torch.float32 else 0)

@@ -385,8 +385,9 @@ class _HookStepper:
     launches that sum (``_UnitReduction``, ``async_op``) and the backward goes on; the unit is
     stepped when its sum is waited for, oldest first: when k sums are in flight and another unit
     is complete, and at the end of ``backward()``. So the communication overlaps the rest of
-    the backward, at most k sums are in flight, and at most k + 1 units' gradients are alive
-    (k summed or being summed, one being filled). The waits happen at the same hook in every
+    the backward, at most k sums are in flight, and k + 1 units' gradients are alive (k summed
+    or being summed, one being filled; one more where the backward's order crosses a unit
+    boundary, as a layer's bias before its weight, which a synchronous sum meets too). The waits happen at the same hook in every
     process (counted, never polled), so all processes step, or stop at a non-finite unit,
     alike. The sums, the order of the unit steps and the non-finite guard are those of k = 0,
     which sums each unit synchronously inside its hook (one process: no sums at all).

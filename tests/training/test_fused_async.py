@@ -411,3 +411,13 @@ def test_one_process_makes_no_collective(monkeypatch):
         stepper.backward(_loss(net, x, y))
         stepper.step()
         assert not stepper._in_flight and stepper.nonfinite is None
+
+
+
+def test_the_memory_estimate_counts_the_sums_in_flight():
+    """--dry_run's estimate (library/training/memory_estimate.py): one process or k = 0, the
+    largest unit's gradients; k sums in flight, the k + 1 largest units' (by hand)."""
+    from library.training.memory_estimate import fused_gradient_bytes
+
+    units = [5, 1, 3, 2]
+    assert [fused_gradient_bytes(units, alive) for alive in (1, 2, 3, 9)] == [5, 8, 10, 11]
