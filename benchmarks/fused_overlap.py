@@ -8,7 +8,8 @@ two ResNet blocks and a transformer at 1280 channels, cross-attention over 77 x 
 about 97 M parameters, as in ``sd15-arch``), fully fine-tuned with plain SGD at the latent size
 of a 64 px image (8 x 8), batch 1 per process. Two processes with ``--threads`` intra-op threads
 each, one gloo job, are started once and time every configuration in turn, each from the same
-initial weights and data:
+initial weights and data, interleaved step by step (each configuration keeps its own copy of
+the block: about 1 GiB per configuration and process):
   plain          the plain stepper: backward, then the bucketed sum of all gradients, one step
   fused k        fused_backward_pass (one unit per parameter) with fused_reductions_in_flight k
                  (0: each parameter's sum inside its hook, synchronously; k >= 1: overlapped)
@@ -53,8 +54,8 @@ def _block(channels: int):
                                    output_scale_factor=1, use_linear_projection=False)
 
 
-def _configs(bounds, groups):
-    out = [("plain", {})]
+def _configs(bounds, groups, plain=True):
+    out = [("plain", {})] if plain else []
     out += [(f"fused k={k}", {"fused_backward_pass": True, "fused_reductions_in_flight": k})
             for k in bounds]
     if groups:
@@ -63,37 +64,44 @@ def _configs(bounds, groups):
     return out
 
 
-def _time(rank, extra, args):
-    import torch
+class _Run:
+    """One configuration: its own copy of the block (same initial weights), stepper and data."""
 
-    from library.config.parse import options_from_values
-    from library.training.stepper import make_stepper
+    def __init__(self, rank, extra, args):
+        import torch
 
-    block = _block(args.channels)
-    params = [p for p in block.parameters()]
-    opts = options_from_values("train_dreambooth", {
-        "optimizer_type": "torch.optim.SGD", "optimizer_args": {}, "learning_rate": 1e-4,
-        "lr_scheduler": "constant", "max_grad_norm": 0.0, **extra})
-    n = args.warmup + args.steps
-    stepper = make_stepper(_Accelerator(), opts, [{"params": params}], params, warmup_steps=0,
-                           total_steps=n)
-    g = torch.Generator().manual_seed(100 + rank)  # each process its own share of the batch
-    times = []
-    for _ in range(n):
-        x = torch.randn(1, args.channels, 8, 8, generator=g)
-        temb = torch.randn(1, args.channels, generator=g)
-        text = torch.randn(1, 77, 768, generator=g)
-        loss = block(x, temb, encoder_hidden_states=text).float().pow(2).mean() / 2
+        from library.config.parse import options_from_values
+        from library.training.stepper import make_stepper
+
+        self.args, self.block = args, _block(args.channels)
+        self.params = list(self.block.parameters())
+        opts = options_from_values("train_dreambooth", {
+            "optimizer_type": "torch.optim.SGD", "optimizer_args": {}, "learning_rate": 1e-4,
+            "lr_scheduler": "constant", "max_grad_norm": 0.0, **extra})
+        self.stepper = make_stepper(_Accelerator(), opts, [{"params": self.params}], self.params,
+                                    warmup_steps=0, total_steps=args.warmup + args.steps)
+        self.gen = torch.Generator().manual_seed(100 + rank)  # each process its own share
+        self.times = []
+
+    def step(self):
+        import torch
+
+        c = self.args.channels
+        x = torch.randn(1, c, 8, 8, generator=self.gen)
+        temb = torch.randn(1, c, generator=self.gen)
+        text = torch.randn(1, 77, 768, generator=self.gen)
+        loss = self.block(x, temb, encoder_hidden_states=text).float().pow(2).mean() / 2
         t = time.perf_counter()
-        stepper.backward(loss)
-        stepper.step()
-        times.append(time.perf_counter() - t)
-    stepper.close()
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.detach().numpy().tobytes())
-    return statistics.median(times[args.warmup:]), digest.hexdigest(), \
-        sum(p.numel() for p in params)
+        self.stepper.backward(loss)
+        self.stepper.step()
+        self.times.append(time.perf_counter() - t)
+
+    def result(self):
+        digest = hashlib.sha256()
+        for p in self.params:
+            digest.update(p.detach().numpy().tobytes())
+        return statistics.median(self.times[self.args.warmup:]), digest.hexdigest(), \
+            sum(p.numel() for p in self.params)
 
 
 def _worker(rank, port, args, queue):
@@ -105,14 +113,17 @@ def _worker(rank, port, args, queue):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=1800))
-    out = []
-    for name, extra in _configs(args.bounds, args.groups):
-        dist.barrier()
-        seconds, digest, numel = _time(rank, extra, args)
-        out.append((name, seconds, digest, numel))
-        if rank == 0:
-            print(f"{name}: {seconds:.3f} s/step", flush=True)
-    queue.put((rank, out))
+    configs = _configs(args.bounds, args.groups, not args.no_plain)
+    runs = [_Run(rank, extra, args) for _, extra in configs]
+    # interleaved: step s of every configuration, then step s + 1, so that a change of the
+    # machine's load falls on all of them alike
+    for s in range(args.warmup + args.steps):
+        for (name, _), run in zip(configs, runs):
+            dist.barrier()
+            run.step()
+            if rank == 0:
+                print(f"step {s} {name}: {run.times[-1]:.3f} s", flush=True)
+    queue.put((rank, [(name, *run.result()) for (name, _), run in zip(configs, runs)]))
     dist.destroy_process_group()
 
 
@@ -124,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--groups", type=int, default=4, help="0: no fused_optimizer_groups runs")
     ap.add_argument("--channels", type=int, default=1280)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-plain", action="store_true", help="without the plain stepper's run")
     args = ap.parse_args(argv)
     import multiprocessing
     import socket

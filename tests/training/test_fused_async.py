@@ -421,3 +421,22 @@ def test_the_memory_estimate_counts_the_sums_in_flight():
 
     units = [5, 1, 3, 2]
     assert [fused_gradient_bytes(units, alive) for alive in (1, 2, 3, 9)] == [5, 8, 10, 11]
+
+
+@pytest.mark.slow
+def test_the_overlap_benchmark_runs(tmp_path):
+    """benchmarks/fused_overlap.py end to end on a narrow block (64 channels, one step): every
+    overlapped configuration reports the weights of its synchronous one."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "fused_overlap.py"),
+                           "--channels", "64", "--steps", "1", "--warmup", "0", "--bounds", "0",
+                           "1", "--groups", "2"], capture_output=True, text=True, timeout=600,
+                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| fused k=1")
+            or ln.startswith("| groups 2 k=1")]
+    assert len(rows) == 2 and all(ln.rstrip().endswith("| identical |") for ln in rows), proc.stdout
