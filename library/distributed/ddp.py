@@ -46,19 +46,31 @@ class DDPOptionError(UserError, ValueError):
     pass
 
 
-def check_options(opts) -> None:
-    """ddp_comm_hook only where DDP reduces the gradients; before any weight loads. The other
-    ddp_* options are speed settings: where DDP does not run they have no effect (a warning at
-    set-up on several processes, see ``engine_note``)."""
-    if opts.ddp_comm_hook == "no":
-        return
-    other = ("fsdp" if opts.fsdp else "deepspeed" if opts.deepspeed else
-             "fused_backward_pass" if opts.fused_backward_pass else
-             "fused_optimizer_groups" if opts.fused_optimizer_groups else None)
-    if other:
+def _other_engine(opts) -> str | None:
+    """The option whose engine reduces the gradients instead of DDP, or None."""
+    return ("fsdp" if opts.fsdp else "deepspeed" if opts.deepspeed else
+            "fused_backward_pass" if opts.fused_backward_pass else
+            "fused_optimizer_groups" if opts.fused_optimizer_groups else None)
+
+
+def check_options(opts, processes: int) -> None:
+    """Before any weight loads: ddp_comm_hook only where DDP reduces the gradients, and
+    ddp_static_graph not with gradient accumulation on several processes. The other ddp_*
+    options are speed settings: where DDP does not run they have no effect (a warning at set-up
+    on several processes)."""
+    other = _other_engine(opts)
+    if opts.ddp_comm_hook != "no" and other:
         raise DDPOptionError(f"ddp_comm_hook {opts.ddp_comm_hook} cannot be combined with {other}: "
                              f"DDP does not reduce the gradients there ({other} has its own "
                              "reduction); drop one of them")
+    if opts.ddp_static_graph and opts.gradient_accumulation_steps > 1 and processes > 1 \
+            and not other:
+        # PyTorch's DDP with static_graph under no_sync() asserts in the first backward and,
+        # past that, stops reducing (pytorch/pytorch#143580, a fix is pending as #187732)
+        raise DDPOptionError("ddp_static_graph cannot be combined with gradient_accumulation_steps "
+                             f"{opts.gradient_accumulation_steps} on several processes: PyTorch's "
+                             "DDP does not reduce correctly with a static graph under no_sync "
+                             "(pytorch/pytorch#143580); drop ddp_static_graph")
 
 
 class Denoiser(torch.nn.Module):
