@@ -14,14 +14,16 @@ gradients are ready, while the rest of the backward pass still runs.
   whatever the method trains is in it (the new-token rows of pivotal tuning and textual inversion
   live inside the text encoders). Frozen parameters and every buffer are in DDP's ignore list, so
   DDP neither broadcasts a frozen SDXL U-Net at start-up nor syncs buffers in the forward; the
-  trained parameters are broadcast from process 0 once (they are already identical: a check).
+  trained parameters' shapes are checked across processes and their values broadcast from
+  process 0 once (identical already: every process loads and seeds alike).
 - Gradients stay the SUM over the global batch (the step-accounting contract: each process's
   loss is already divided by the global batch size): a comm hook all-reduces each bucket with
   SUM, without DDP's division by the world size. ``ddp_comm_hook`` bf16/fp16 use PyTorch's
   built-in compression hooks (which average) and multiply back by the world size: half the
   traffic, gradients rounded to 8 (bf16) or 11 (fp16) significant bits before the sum (lossy).
 - Parameters that get no gradient in a step (clip_skip leaves the last text-encoder layer's LoRA
-  unused; the U-Net's first step of an SDXL LoRA on the penultimate layer, ...): DDP searches
+  unused, as SDXL's first text encoder, read at its penultimate layer; network module dropout;
+  ...): DDP searches
   the autograd graph for them after each forward (``find_unused_parameters``), or with
   ``ddp_static_graph`` records them in the first step. A parameter that gets no gradient in any
   process keeps ``grad = None`` (DDP leaves a globally unused gradient untouched), as in one
@@ -38,9 +40,6 @@ import torch
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
-
-COMM_HOOKS = ("no", "bf16", "fp16")
-
 
 class DDPOptionError(UserError, ValueError):
     pass
@@ -129,10 +128,23 @@ def comm_hook(name: str):
     return sum_hook if name == "no" else compressed_sum_hook(name)
 
 
-def wrap(module, opts, accelerator):
+def _no_buffer_sync() -> dict:
+    """DDP's argument for "no buffer sync in the forward" (every buffer is ignored anyway):
+    ``forward_sync_buffers`` since torch 2.13, which deprecates ``broadcast_buffers``."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
+
+
+def wrap(module, opts, accelerator, first: bool = True):
     """``module`` (a Denoiser) in DistributedDataParallel with the run's ddp_* options, or None
     when nothing in it trains (e.g. after stop_text_encoder_training froze the only trained
-    part: nothing left to reduce)."""
+    part: nothing left to reduce). ``first``: DDP checks the trained parameters' shapes across
+    the processes and broadcasts them from process 0 (identical already: every process loaded
+    and seeded alike); a rebuild mid-run skips that."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not any(p.requires_grad for p in module.parameters()):
@@ -141,6 +153,7 @@ def wrap(module, opts, accelerator):
     device = accelerator.device
     ddp = DistributedDataParallel(
         module,
+        init_sync=first,
         device_ids=[device.index if device.index is not None else torch.cuda.current_device()]
         if device.type == "cuda" else None,
         bucket_cap_mb=opts.ddp_bucket_cap_mb,
@@ -149,8 +162,7 @@ def wrap(module, opts, accelerator):
         # a graph search per forward for parameters without a gradient (clip_skip, frozen
         # parts): they then keep grad None; a static graph records them in its first step
         find_unused_parameters=not opts.ddp_static_graph,
-        # every buffer is ignored: nothing to sync in the forward
-        forward_sync_buffers=False)
+        **_no_buffer_sync())
     ddp.register_comm_hook(None, comm_hook(opts.ddp_comm_hook))
     return ddp
 

@@ -181,8 +181,9 @@ class DDP(SingleProcess):
     def _wrap(self) -> None:
         from library.distributed import ddp
 
+        first = self._trained is None
         self.ddp = None  # the old reducer (and its autograd hooks) go first
-        self.ddp = ddp.wrap(self.denoiser, self.opts, self.accelerator)
+        self.ddp = ddp.wrap(self.denoiser, self.opts, self.accelerator, first=first)
         self._trained = ddp.trained(self.denoiser)
 
     def forward(self, fn):

@@ -809,7 +809,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES
-    if processes > 1:
+    if processes > 1 and fmode is None and not opts.fsdp:
+        # DDP (library/distributed/ddp.py): its buckets hold a copy of every trained gradient,
+        # unless the gradients are views into them (ddp_gradient_as_bucket_view)
+        est.collective_buffer = 0 if opts.ddp_gradient_as_bucket_view else all_grads
+    elif processes > 1:
+        # the fused steps' all-reduce of a group (accelerator.sum_gradients' flat bucket)
         est.collective_buffer = 25 * 1024 * 1024 + largest
     if shards > 1:
         unet = comps["unet"]

@@ -4,8 +4,9 @@ The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each
 this process and ``stepper.step()`` once per global batch (every process, every step, even with
 an empty share). ``make_stepper`` picks the stepper from the options:
 
-- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
-  global norm, one optimizer and one scheduler step.
+- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (unless
+  the strategy's engine summed them during the backward: DDP, FSDP), clip the global norm, one
+  optimizer and one scheduler step.
 - ``FusedStepper`` (``fused_backward_pass``) steps each parameter inside its
   ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
   gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
