@@ -223,12 +223,14 @@ COMPRESSION_TOL = 2e-2
 COMPRESSION_TOL_ALL = 5e-3
 
 
+@pytest.mark.slow
 def test_dreambooth_text_encoder_stop_rebuilds_ddp(ddp_strategy, data, tmp_path, monkeypatch):
     """Full fine-tune of the U-Net and the text encoder with gradient checkpointing (diffusers'
     and transformers' checkpointing under DDP's graph search) and stop_text_encoder_training 1:
     after step 1 the text encoder freezes, so the wrapper is rebuilt over the U-Net alone (the
     text encoder then keeps its weights, as without DDP); 3 steps bit-identical to the run
-    without DDP."""
+    without DDP. (slow: two runs; gradient checkpointing under DDP is also in the default
+    suite, through the LoRA runs above.)"""
     def args(out):
         return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data,
                 "--output_dir", out, "--resolution", "64", "--train_text_encoder",
