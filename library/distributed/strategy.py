@@ -169,7 +169,7 @@ class DDP(SingleProcess):
         from library.distributed import ddp
 
         if not self.engine:
-            given = ddp.speed_options_given(self.opts)
+            given = ddp.speed_options_given(self.opts) if self.use_reducer else []
             if given:
                 logger.warning(f"{', '.join(given)}: no effect here (the fused step reduces each "
                                "gradient in its own backward hook, without DDP)")

@@ -593,7 +593,9 @@ class Estimate:
         out.append(f"optimizer step temporaries: {self.step_temporaries / GIB:.3f} GiB")
         if self.collective_buffer:
             out.append(f"collective buffers: {self.collective_buffer / GIB:.3f} GiB (gradient "
-                       "all-reduce buckets; with fsdp the largest all-gathered U-Net block)")
+                       "all-reduce buckets: under DDP a copy of every trained gradient, none with "
+                       "ddp_gradient_as_bucket_view; with fsdp the largest all-gathered U-Net "
+                       "block)")
         if self.cached_data:
             out.append(f"cached latents and text-encoder outputs: {self.cached_data / GIB:.3f} GiB")
         out.append(f"runtime overhead: {self.runtime / GIB:.3f} GiB (Python, torch and the libraries)")
