@@ -1,10 +1,14 @@
 """Processes: world size before torch is imported, the Accelerator, bucketed gradient sums.
 
-The training loop does not wrap the model in DDP. Each process backpropagates its share of the
-global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the
-gradients of all processes in flat buckets, so every process holds the one-process gradient of
-the whole global batch and takes the same optimizer step. Every process calls ``sum_gradients``
-and ``all_reduce_sum`` once per step, whatever its share (an empty share contributes zeros).
+Each process backpropagates its share of the global batch (loss already weighted by
+1/len(global batch)); the gradients of all processes are then summed, so every process holds
+the one-process gradient of the whole global batch and takes the same optimizer step. With the
+plain stepper on several processes PyTorch's DistributedDataParallel sums them during the
+backward pass (library/distributed/ddp.py). ``sum_gradients`` here is the synchronous sum after
+the backward in flat buckets: the fused steppers' groups use it, and benchmarks/ddp_scaling.py
+selects it (``strategy.DDP.use_reducer = False``) as the comparison. Every process calls
+``sum_gradients`` and ``all_reduce_sum`` once per step, whatever its share (an empty share
+contributes zeros).
 
 If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
 the process group's timeout bounds the wait of a process whose peer hangs without exiting.

@@ -593,7 +593,9 @@ class Estimate:
         out.append(f"optimizer step temporaries: {self.step_temporaries / GIB:.3f} GiB")
         if self.collective_buffer:
             out.append(f"collective buffers: {self.collective_buffer / GIB:.3f} GiB (gradient "
-                       "all-reduce buckets; with fsdp the largest all-gathered U-Net block)")
+                       "all-reduce buckets: under DDP a copy of every trained gradient, none with "
+                       "ddp_gradient_as_bucket_view; with fsdp the largest all-gathered U-Net "
+                       "block)")
         if self.cached_data:
             out.append(f"cached latents and text-encoder outputs: {self.cached_data / GIB:.3f} GiB")
         out.append(f"runtime overhead: {self.runtime / GIB:.3f} GiB (Python, torch and the libraries)")
@@ -825,7 +827,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES
-    if processes > 1:
+    if processes > 1 and fmode is None and not opts.fsdp:
+        # DDP (library/distributed/ddp.py): its buckets hold a copy of every trained gradient,
+        # unless the gradients are views into them (ddp_gradient_as_bucket_view)
+        est.collective_buffer = 0 if opts.ddp_gradient_as_bucket_view else all_grads
+    elif processes > 1:
+        # the fused steps' all-reduce of a group (accelerator.sum_gradients' flat bucket)
         est.collective_buffer = 25 * 1024 * 1024 + largest
     if shards > 1:
         unet = comps["unet"]

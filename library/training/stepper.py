@@ -4,8 +4,9 @@ The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each
 this process and ``stepper.step()`` once per global batch (every process, every step, even with
 an empty share). ``make_stepper`` picks the stepper from the options:
 
-- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
-  global norm, one optimizer and one scheduler step.
+- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (unless
+  the strategy's engine summed them during the backward: DDP, FSDP), clip the global norm, one
+  optimizer and one scheduler step.
 - ``FusedStepper`` (``fused_backward_pass``) steps each parameter inside its
   ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
   gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
@@ -143,12 +144,15 @@ class PlainStepper:
 
     def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
                  precision: str = "float32", loss_scaler: LossScaler | None = None,
-                 sharded: bool = False):
+                 sharded: bool = False, grads_summed: bool = False):
         self.accelerator = accelerator
         # sharded (fsdp, library/distributed/fsdp.py): FSDP's reduce-scatter sums the gradients into the
         # shards, so no all-reduce here; the optimizer state is written sharded by the
         # training state, not state_dict()
         self.sharded = sharded
+        # grads_summed (the DDP strategy, library/distributed/ddp.py): DDP's reducer summed the
+        # gradients during the backward pass; otherwise step() sums them (sum_gradients)
+        self.sum_after_backward = not (sharded or grads_summed)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -236,7 +240,7 @@ class PlainStepper:
         # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
         # process sees the same summed gradients, so all decide alike.
         self.nonfinite = None
-        if not self.sharded:
+        if self.sum_after_backward:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
             if not self._step_low_precision():
@@ -723,9 +727,10 @@ def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int)
 
 
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
-                 sharded: bool = False):
+                 sharded: bool = False, grads_summed: bool = False):
     """The stepper for these options: plain, fused (per parameter) or grouped. ``sharded``: the
-    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before)."""
+    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before).
+    ``grads_summed``: the plain stepper's gradients arrive summed across processes (DDP)."""
     from library.training.optim import build_optimizer
 
     def scheduler_for(optimizer):
@@ -753,7 +758,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
         return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
                             precision=precision, loss_scaler=loss_scaler,
-                            sharded=sharded)
+                            sharded=sharded, grads_summed=grads_summed)
     check_stepper_options(opts)
     unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
     if mode == "fused_optimizer_groups":

@@ -279,6 +279,13 @@ REFERENCE = {
     "fp8_base": T + "models/test_fp8.py::test_lora_trains_on_an_fp8_base_close_to_a_bf16_base",
     "fp8_base_unet": T + "models/test_fp8.py::test_fp8_base_unet_keeps_the_text_encoders_in_bf16",
     "fsdp": T + "distributed/test_fsdp.py::test_two_processes_are_one_gloo_job",
+    "ddp_gradient_as_bucket_view": T + "distributed/test_ddp.py::"
+                                       "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_static_graph": T + "distributed/test_ddp.py::"
+                            "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_bucket_cap_mb": T + "distributed/test_ddp.py::"
+                             "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_comm_hook": T + "distributed/test_ddp.py::test_bf16_compression_trains_within_tolerance",
     "deepspeed": T + "distributed/test_deepspeed.py::test_config_file_from_the_options",
     "zero_stage": T + "distributed/test_deepspeed.py::test_config_file_from_the_options",
     "offload_optimizer_device": T + "distributed/test_deepspeed.py::test_accepted_options_reach_loading",
