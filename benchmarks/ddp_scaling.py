@@ -1,15 +1,17 @@
 """CPU scaling benchmark: 2 processes x 1 thread against 1 process x 1 thread, side by side.
 
     python benchmarks/ddp_scaling.py [--steps 3] [--warmup 1] [--methods dreambooth lora]
-                                     [--strategies sum] [--no-bare] [--sd-scripts PATH]
+                                     [--strategies ddp sum] [--no-bare] [--sd-scripts PATH]
 
 On the real-width SD1.5 U-Net (``sd15-arch``, random weights) at 64 px, the same per-process
 batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-encoder outputs:
   ours      train_dreambooth (the whole U-Net) and train_lora (rank 16, U-Net only) through this
-            toolkit's trainer, launched with torchrun; one column per ``--strategies`` entry:
-            "sum" is today's plain path (each process backpropagates its share, then
-            ``library.distributed.accelerator.sum_gradients`` all-reduces flat buckets after the backward);
-            a strategy added to STRATEGIES (the DDP engine) gets its own column
+            toolkit's trainer, launched with torchrun; one row per ``--strategies`` entry: "ddp"
+            is the trainer's engine (PyTorch DistributedDataParallel over the denoiser, buckets
+            all-reduced during the backward, library/distributed/ddp.py); "sum" the path before
+            it (each process backpropagates its share, then ``library.distributed.accelerator
+            .sum_gradients`` all-reduces flat buckets after the backward), selected in the
+            worker by ``strategy.DDP.use_reducer = False`` (not a user option)
   bare DDP  the same U-Net in ``torch.nn.parallel.DistributedDataParallel`` (gloo), SGD, random
             inputs: what PyTorch itself reaches on this machine
   sd-scripts  train_db.py / train_network.py when ``--sd-scripts`` names a checkout whose
@@ -36,8 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-# Extra trainer options per gradient strategy ("sum": the plain path, no option).
-STRATEGIES = {"sum": []}
+# Per gradient strategy: extra trainer options, and whether the DDP strategy runs PyTorch's
+# DistributedDataParallel ("ddp", the trainer's engine) or the old synchronous bucketed sum after
+# the backward ("sum"; strategy.DDP.use_reducer set in the worker process).
+STRATEGIES = {"ddp": {"args": [], "reducer": True}, "sum": {"args": [], "reducer": False}}
 METHOD_SCRIPT = {"dreambooth": "train_dreambooth", "lora": "train_lora"}
 # Top-level modules sd-scripts' train_db.py / train_network.py import (its requirements.txt).
 SD_SCRIPTS_MODULES = ("torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
@@ -75,12 +79,15 @@ def launch(procs: int, worker_args: list, result: str) -> dict:
 def ours_worker(a) -> list:
     import step_timer
 
+    from library.distributed import strategy
+
+    strategy.DDP.use_reducer = STRATEGIES[a.strategy]["reducer"]
     script = METHOD_SCRIPT[a.method]
     args = ["--pretrained_model_name_or_path", "sd15-arch", "--train_data_dir", a.data,
             "--output_dir", a.out, "--resolution", "64", "--train_batch_size", a.batch,
             "--max_train_steps", a.warmup + a.steps, "--cache_latents",
             "--cache_text_encoder_outputs", "--optimizer_type", "torch.optim.SGD",
-            "--learning_rate", "1e-4", "--seed", "1", *STRATEGIES[a.strategy]]
+            "--learning_rate", "1e-4", "--seed", "1", *STRATEGIES[a.strategy]["args"]]
     if a.method == "lora":
         args += ["--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only"]
     times, _ = step_timer.timed_run(script, args)
@@ -162,14 +169,14 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=1, help="steps not timed")
     p.add_argument("--batch", type=int, default=1, help="per-process batch")
     p.add_argument("--methods", nargs="*", default=["dreambooth", "lora"], choices=sorted(METHOD_SCRIPT))
-    p.add_argument("--strategies", nargs="*", default=["sum"], choices=sorted(STRATEGIES))
+    p.add_argument("--strategies", nargs="*", default=["ddp", "sum"], choices=sorted(STRATEGIES))
     p.add_argument("--no-bare", action="store_true", help="skip the bare PyTorch DDP rows")
     p.add_argument("--sd-scripts", metavar="PATH", help="a kohya-ss/sd-scripts checkout")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     # worker mode (internal: what the launched processes run)
     p.add_argument("--worker", choices=["ours", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
-    p.add_argument("--strategy", default="sum", help=argparse.SUPPRESS)
+    p.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)

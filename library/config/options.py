@@ -370,6 +370,12 @@ OPTIONS: tuple[Option, ...] = (
       "(in backward order), each with its own optimizer stepped as soon as the group's gradients are "
       "complete; unset or 0 = off. max_grad_norm then clips each group separately. Not with fp16 "
       "or fused_backward_pass.", "optimizer", min=0),
+    O("fused_reductions_in_flight", "int", 2, "Several processes with fused_backward_pass or "
+      "fused_optimizer_groups: how many parameters' (groups') gradient sums may be in flight "
+      "while the backward pass goes on; each is stepped when its sum completes, oldest first. "
+      "At most this many + 1 parameters' (groups') gradients are alive at once. 0 = sum each one "
+      "synchronously inside its hook. The same weights bit for bit whatever the value; no "
+      "effect on one process (not an sd-scripts option).", "optimizer", min=0),
     # --- training ---
     O("train_batch_size", "int", 1, "Batch size per process.", "training", min=1),
     O("max_train_steps", "int", None, "Training length in optimizer steps. Give this or "
@@ -404,6 +410,24 @@ OPTIONS: tuple[Option, ...] = (
       "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
+    O("ddp_gradient_as_bucket_view", "bool", False, "Several processes (DDP): the gradients are "
+      "views into DDP's all-reduce buckets instead of separate tensors (saves one copy of the "
+      "gradients' memory and a copy per step). No effect on one process, with fsdp, deepspeed or "
+      "the fused steps (no DDP there).", "training"),
+    O("ddp_static_graph", "bool", False, "Several processes (DDP): the same parameters get "
+      "gradients in every step, so DDP records which in the first step instead of searching the "
+      "autograd graph after every forward. No effect on one process, with fsdp, deepspeed or the "
+      "fused steps.", "training"),
+    O("ddp_bucket_cap_mb", "int", 25, "Several processes (DDP): the size in MB of the gradient "
+      "buckets DDP all-reduces while the backward pass runs (Accelerate's and PyTorch's "
+      "bucket_cap_mb). No effect on one process, with fsdp, deepspeed or the fused steps.",
+      "training", min=1),
+    O("ddp_comm_hook", "str", "no", "Several processes (DDP): all-reduce the gradients in bf16 or "
+      "fp16 (PyTorch's compression hooks, still the sum over the processes): half the traffic, "
+      "for PCIe or network links. Lossy: each process's gradient is rounded to bf16/fp16 before "
+      "the sum (docs/DISTRIBUTED.md). On one process nothing is all-reduced and it has no "
+      "effect. Not with fsdp, deepspeed or the fused steps.", "training",
+      choices=("no", "bf16", "fp16")),
     O("fsdp", "bool", False, "Full fine-tune sharded across the processes (PyTorch FSDP2, applied by "
       "the toolkit): each process holds about 1/N of the weights, gradients and optimizer state of "
       "the U-Net and trained text encoders; the model file is gathered, the training state stays "
@@ -654,9 +678,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
     _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
     _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
-    # distributed (the toolkit sums gradients itself; fsdp and deepspeed options are in the table)
-    _n("ddp_gradient_as_bucket_view", "flag", _IGN, "DDP performance setting"),
-    _n("ddp_static_graph", "flag", _IGN, "DDP performance setting"),
+    # distributed (the ddp_*, fsdp and deepspeed options are in the table)
     _n("offload_optimizer_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_optimizer_device)"),
     _n("offload_param_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_param_device)"),
     _n("zero3_init_flag", "flag", _IGN, "only used with ZeRO stage 3, which is not supported"),

@@ -1,11 +1,14 @@
 """Processes: world size before torch is imported, the Accelerator, bucketed gradient sums.
 
-The training loop does not wrap the model in DDP. Each process backpropagates its share of the
-global batch (loss already weighted by 1/len(global batch)), then ``sum_gradients`` adds the
-gradients of all processes in flat buckets, so every process holds the one-process gradient of
-the whole global batch and takes the same optimizer step. Every process calls ``sum_gradients``
-and the loop's one small collective (library/training/step_sync.py) once per step, whatever its
-share (an empty share contributes zeros).
+Each process backpropagates its share of the global batch (loss already weighted by
+1/len(global batch)); the gradients of all processes are then summed, so every process holds
+the one-process gradient of the whole global batch and takes the same optimizer step. With the
+plain stepper on several processes PyTorch's DistributedDataParallel sums them during the
+backward pass (library/distributed/ddp.py). ``sum_gradients`` here is the synchronous sum after
+the backward in flat buckets: the fused steppers' groups use it, and benchmarks/ddp_scaling.py
+selects it (``strategy.DDP.use_reducer = False``) as the comparison. Every process joins the
+gradient sum and the loop's one small collective (library/training/step_sync.py) once per step,
+whatever its share (an empty share contributes zeros).
 
 If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
 the process group's timeout bounds the wait of a process whose peer hangs without exiting.
@@ -138,7 +141,34 @@ def peer_failure(e: BaseException) -> str | None:
     return None
 
 
-def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
+# The size of one flat all-reduce bucket, as DDP's default.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def gradient_buckets(params, bucket_bytes: int = BUCKET_BYTES) -> list[list]:
+    """The flat buckets ``sum_gradients`` all-reduces: ``params`` (all with a gradient) grouped by
+    gradient dtype and device in first-seen order, each group cut after the parameter that
+    brings a bucket to ``bucket_bytes``. One rule for every caller (the fused steppers' overlapped
+    sums use it too), so that the same gradients are always summed in the same layout."""
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    # Same order in every process: params come in the same order, dicts keep insertion order.
+    buckets = []
+    for group in by_dtype.values():
+        bucket, size = [], 0
+        for p in group:
+            bucket.append(p)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= bucket_bytes:
+                buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            buckets.append(bucket)
+    return buckets
+
+
+def sum_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> None:
     """All-reduce (sum) the gradients of ``params`` across processes in flat buckets.
 
     One collective per ~25 MB bucket, as DDP does, instead of one per tensor, plus one small
@@ -163,25 +193,14 @@ def sum_gradients(params, bucket_bytes: int = 25 * 1024 * 1024) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict = {}
-    for p in params:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    # Same order in every process: params come in the same order, dicts keep insertion order.
-    for group in by_dtype.values():
-        bucket, size = [], 0
-        for p in group + [None]:
-            if p is not None:
-                bucket.append(p)
-                size += p.grad.numel() * p.grad.element_size()
-            if bucket and (p is None or size >= bucket_bytes):
-                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                offset = 0
-                for q in bucket:
-                    n = q.grad.numel()
-                    q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
-                    offset += n
-                bucket, size = [], 0
+    for bucket in gradient_buckets(params, bucket_bytes):
+        flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for q in bucket:
+            n = q.grad.numel()
+            q.grad.copy_(flat[offset:offset + n].view_as(q.grad))
+            offset += n
     for p, n in zip(params, had_grad.tolist()):
         if n == 0:
             p.grad = None

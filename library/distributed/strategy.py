@@ -1,8 +1,9 @@
 """How a run is spread over its processes, chosen once at set-up (``for_run``):
 
     SingleProcess   one process
-    DDP             several processes, every one with the whole model; the gradients summed by
-                    the stepper's bucketed all-reduce (library/distributed/accelerator.py)
+    DDP             several processes, every one with the whole model: PyTorch's
+                    DistributedDataParallel sums the gradients during the backward pass
+                    (library/distributed/ddp.py); with a fused stepper its hooks reduce them
     FSDP            ``fsdp``: the trained modules sharded (library/distributed/fsdp.py)
     DeepSpeed       ``deepspeed``: ZeRO stages 0-2 (library/distributed/deepspeed_zero.py)
 
@@ -10,9 +11,10 @@ A strategy owns everything that differs between them: wrapping or sharding the t
 (``prepare``), the stepper (``make_stepper``), the full weights for a model save
 (``full_weights``, ``ema_weights``), its part of the training state (``state_dir``,
 ``save_process_state`` / ``load_process_state``), which validation images and sample prompts
-each process runs (``share``), and the flags the loop reads (``steps_in_backward``,
-``forward_in_every_process``). The loop, the saver and the training state ask it and contain no
-branch on the kind of run.
+each process runs (``share``), the training forward (``forward``) and the context of each
+micro-step (``micro_step``: DDP's ``no_sync`` before the last), and the flags the loop reads
+(``steps_in_backward``, ``forward_in_every_process``, ``last_micro_step_in_every_process``). The
+loop, the saver and the training state ask it and contain no branch on the kind of run.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class Strategy(Protocol):
     name: str
     # every process runs every micro-step's forward (a zero-weight one for an empty share)
     forward_in_every_process: bool
+    # every process runs the last micro-step's forward and backward (a zero-weight one for an
+    # empty share): DDP's reducer all-reduces in that backward
+    last_micro_step_in_every_process: bool
     # the training state's weights, optimizer state and EMA are the shards every process writes
     weights_sharded: bool
     # a sub-folder of the training state every process writes into (None: the main process
@@ -40,6 +45,10 @@ class Strategy(Protocol):
     def steps_in_backward(self) -> bool: ...
 
     def prepare(self, c, groups: list[dict]) -> None: ...
+
+    def forward(self, fn): ...
+
+    def micro_step(self, last: bool) -> ContextManager: ...
 
     def make_stepper(self, opts, c, groups: list[dict], plan): ...
 
@@ -65,6 +74,7 @@ class SingleProcess:
 
     name = "single process"
     forward_in_every_process = False
+    last_micro_step_in_every_process = False
     weights_sharded = False
     state_dir = None
 
@@ -78,6 +88,14 @@ class SingleProcess:
 
     def prepare(self, c, groups: list[dict]) -> None:
         pass
+
+    def forward(self, fn):
+        """The training forward: ``fn()`` (the text encoding and the U-Net)."""
+        return fn()
+
+    def micro_step(self, last: bool) -> ContextManager:
+        """The context of one micro-step's forward and backward."""
+        return contextlib.nullcontext()
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
         """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s);
@@ -117,12 +135,87 @@ class SingleProcess:
 
 
 class DDP(SingleProcess):
-    """Several processes, each with the whole model (data parallel): the stepper's bucketed
-    all-reduce sums the gradients after the last micro-step. (PyTorch DDP with communication
-    overlapped with the backward pass would wrap the trained modules in ``prepare`` and skip
-    the gradient sync of the earlier micro-steps.)"""
+    """Several processes, each with the whole model (data parallel).
+
+    With the plain stepper, PyTorch's ``DistributedDataParallel`` over one module, the denoiser
+    (library/distributed/ddp.py), whose forward the loop calls (``forward``): its reducer sums
+    each gradient bucket across processes as soon as the bucket's gradients are ready, during
+    the backward pass of the last micro-step; the earlier micro-steps run under ``no_sync``
+    (``micro_step``), so there is one all-reduce per optimizer step. The plain stepper then sums
+    nothing itself. With fused_backward_pass / fused_optimizer_groups nothing is wrapped: their
+    hooks reduce each gradient (library/training/stepper.py).
+
+    ``use_reducer = False`` selects the path before DDP (the plain stepper's synchronous
+    bucketed sum after the backward, ``accelerator.sum_gradients``): the comparison column of
+    benchmarks/ddp_scaling.py, not a user setting.
+    """
 
     name = "data parallel"
+    use_reducer = True
+
+    def __init__(self, accelerator, opts):
+        super().__init__(accelerator)
+        from library.training.stepper import fused_mode
+
+        self.opts = opts
+        self.engine = self.use_reducer and fused_mode(opts) is None
+        # DDP's reducer all-reduces in the last micro-step's backward of every process
+        self.last_micro_step_in_every_process = self.engine
+        self.denoiser = None   # the wrapped module (None: not wrapped)
+        self.ddp = None        # its DistributedDataParallel (None: nothing trains in it)
+        self._trained = None   # the trained parameters it was built over
+
+    def prepare(self, c, groups: list[dict]) -> None:
+        from library.distributed import ddp
+
+        if not self.engine:
+            given = ddp.speed_options_given(self.opts) if self.use_reducer else []
+            if given:
+                logger.warning(f"{', '.join(given)}: no effect here (the fused step reduces each "
+                               "gradient in its own backward hook, without DDP)")
+            return
+        self.denoiser = ddp.Denoiser(c.bundle, c.method)
+        self._wrap()
+        logger.info(ddp.describe(self.opts, self.accelerator.num_processes))
+
+    def _wrap(self) -> None:
+        from library.distributed import ddp
+
+        first = self._trained is None
+        self.ddp = None  # the old reducer (and its autograd hooks) go first
+        self.ddp = ddp.wrap(self.denoiser, self.opts, self.accelerator, first=first)
+        self._trained = ddp.trained(self.denoiser)
+
+    def forward(self, fn):
+        return fn() if self.ddp is None else self.ddp(fn)
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool):
+        """Earlier micro-steps under ``no_sync`` (gradients accumulate locally); the last one
+        reduces. A change of the trained parameters (stop_text_encoder_training,
+        stop_pivotal_training: the same step in every process) rebuilds the wrapper first."""
+        if self.denoiser is not None:
+            if not all(p.requires_grad for p in self._trained):
+                self._wrap()
+                logger.info(f"DistributedDataParallel rebuilt over the {len(self._trained)} "
+                            "parameters that still train")
+        if self.ddp is None or last:
+            yield
+            return
+        with self.ddp.no_sync():
+            yield
+
+    def make_stepper(self, opts, c, groups: list[dict], plan):
+        """The plain stepper without its sum when DDP sums during backward; else as one process."""
+        from library.training.stepper import make_stepper
+
+        self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
+                                    warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
+                                    grads_summed=self.engine)
+        return self.stepper
+
+    def close(self) -> None:
+        self.ddp = None
 
 
 class FSDP(SingleProcess):
@@ -244,10 +337,18 @@ class DeepSpeed(SingleProcess):
 
 
 def for_run(opts, accelerator) -> Strategy:
+    if (opts.deepspeed or opts.fsdp) and accelerator.num_processes > 1:
+        from library.distributed import ddp
+
+        given = ddp.speed_options_given(opts)
+        if given:
+            engine = "deepspeed" if opts.deepspeed else "fsdp"
+            logger.warning(f"{', '.join(given)}: no effect with {engine} (it reduces the "
+                           "gradients itself, without DDP)")
     if opts.deepspeed:
         return DeepSpeed(accelerator)
     if opts.fsdp:
         return FSDP(accelerator)
     if accelerator.num_processes > 1:
-        return DDP(accelerator)
+        return DDP(accelerator, opts)
     return SingleProcess(accelerator)

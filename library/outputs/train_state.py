@@ -81,6 +81,8 @@ RESUMABLE_CHANGES = {
     "max_data_loader_n_workers": "speed", "persistent_data_loader_workers": "speed",
     "torch_compile": "speed", "dynamo_backend": "speed", "ddp_timeout": "failure detection",
     "ddp_gradient_as_bucket_view": "speed", "ddp_static_graph": "speed",
+    "fused_reductions_in_flight": "speed and memory (the same weights bit for bit)",
+    "ddp_bucket_cap_mb": "speed",
     "gradient_checkpointing": "memory", "highvram": "memory", "sdpa": "speed", "xformers": "speed",
     "vae_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",

@@ -1,6 +1,6 @@
 """The one per-sample loss of a batch, used by training and by validation (library/training/validation.py).
 
-    per_sample(latents, draw, conditioning, size_cond, mask)   (B,) loss of each sample
+    per_sample(latents, draw, conditioning, size_cond, mask, forward)   (B,) loss of each sample
     training(epoch, idx, loaded_images, n_global)               a micro-step's weighted loss
 
 Training and validation differ only in what they hand to ``per_sample``: training draws noise
@@ -29,16 +29,22 @@ class BatchLoss:
     def __init__(self, opts, tset, c):
         self.opts, self.tset, self.c = opts, tset, c
 
-    def per_sample(self, latents, draw, conditioning, size_cond, mask):
+    def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None):
         """(B,) per-sample loss of latents (B,C,h,w) noised by ``draw``; ``conditioning()``
-        gives the text conditioning (called under autocast: cached, or encoded now)."""
+        gives the text conditioning (called under autocast: cached, or encoded now).
+        ``forward(fn)`` runs the text encoding and the U-Net (training: the strategy's, so that
+        DDP sees the forward); None calls it directly (validation)."""
         c = self.c
         noisy = c.losses.noisy_latents(latents, draw)
-        with c.accelerator.autocast():
-            cond = conditioning()
-            pred = c.adapter.unet_forward(noisy.to(c.placement.input_dtype(c.placement.unet)),
-                                          draw.timesteps, cond,
-                                          size_cond if c.bundle.family == "sdxl" else None)
+
+        def denoise():
+            with c.accelerator.autocast():
+                cond = conditioning()
+                return c.adapter.unet_forward(noisy.to(c.placement.input_dtype(c.placement.unet)),
+                                              draw.timesteps, cond,
+                                              size_cond if c.bundle.family == "sdxl" else None)
+
+        pred = denoise() if forward is None else forward(denoise)
         return c.losses.per_sample_loss(pred, latents, draw, mask)  # loss_type, SNR weights
 
     # -- training -------------------------------------------------------------------------------
@@ -53,7 +59,8 @@ class BatchLoss:
         d = c.losses.draw(latents, [torch.Generator().manual_seed(
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
-        per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch), size_cond, mask)
+        per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch), size_cond, mask,
+                                     forward=c.strategy.forward)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=c.accelerator.device)
         return (per_sample * weights).sum() / n_global

@@ -7,7 +7,9 @@ Per global batch: the method's ``before_step``; for each micro-step the batch lo
 joins the gradient sum); the non-finite guard; ``scale_weight_norms`` and the EMA; progress,
 reports (library/outputs/tracking.py Reporter), step saves and SIGINT/SIGTERM. What differs between a
 single process, DDP, FSDP and DeepSpeed is read from the strategy's flags
-(``steps_in_backward``, ``forward_in_every_process``), never from the options.
+(``steps_in_backward``, ``forward_in_every_process``, ``last_micro_step_in_every_process``) and
+its ``micro_step`` context (DDP's ``no_sync`` in all but the last micro-step), never from the
+options.
 """
 from __future__ import annotations
 
@@ -69,21 +71,23 @@ def train(run) -> None:
                 last = a == A - 1
                 zero_weight = False
                 if not idx:
-                    if not (last and strategy.steps_in_backward) and \
+                    if not (last and (strategy.steps_in_backward
+                                      or strategy.last_micro_step_in_every_process)) and \
                             not strategy.forward_in_every_process:
                         # An empty share of a partial global batch: no forward; this process
                         # contributes zeros to the gradient sum below (which it still joins).
                         continue
-                    # The stepper steps inside backward hooks, which fire only in a backward:
-                    # a zero-weight backward of one sample of the global batch makes them fire
-                    # for the same parameters in the same order as in the other processes.
+                    # The stepper steps inside backward hooks (DDP's reducer all-reduces in
+                    # them), which fire only in a backward: a zero-weight backward of one
+                    # sample of the global batch makes them fire for the same parameters in the same order as in the other processes.
                     # fsdp / deepspeed: every forward all-gathers weights, or every backward
                     # joins ZeRO's reduction, so every process runs it.
                     idx, zero_weight = [gb.indices[0]], True
                     if loader is not None:
                         images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(run, epoch, idx)
-                loss = c.batch_loss.training(epoch, idx, images, len(gb.indices))
+                with strategy.micro_step(last):  # DDP: no_sync() but in the last micro-step
+                    loss = c.batch_loss.training(epoch, idx, images, len(gb.indices))
                 loss = HOOKS.after_micro_step(run, epoch, idx, loss)
                 if zero_weight:
                     loss = loss * 0.0
@@ -95,7 +99,8 @@ def train(run) -> None:
                     read = step_sync.agree(signals, acc.device, loss_sum)
                     if not math.isfinite(read.loss):
                         break
-                stepper.backward(loss, last_micro_step=last)
+                with strategy.micro_step(last):  # the backward of that forward, alike
+                    stepper.backward(loss, last_micro_step=last)
             step_lr = stepper.current_lr()
             if read is None:
                 # every process, every step: step() joins the gradient sum, enqueues the norm

@@ -593,7 +593,9 @@ class Estimate:
         out.append(f"optimizer step temporaries: {self.step_temporaries / GIB:.3f} GiB")
         if self.collective_buffer:
             out.append(f"collective buffers: {self.collective_buffer / GIB:.3f} GiB (gradient "
-                       "all-reduce buckets; with fsdp the largest all-gathered U-Net block)")
+                       "all-reduce buckets: under DDP a copy of every trained gradient, none with "
+                       "ddp_gradient_as_bucket_view; with fsdp the largest all-gathered U-Net "
+                       "block)")
         if self.cached_data:
             out.append(f"cached latents and text-encoder outputs: {self.cached_data / GIB:.3f} GiB")
         out.append(f"runtime overhead: {self.runtime / GIB:.3f} GiB (Python, torch and the libraries)")
@@ -673,6 +675,14 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
         modules = [method.network] if method_name == "lora" else list(comps.values())
         saved = sum(p.numel() for m in modules for p in m.parameters())
     return saved, trained
+
+
+def fused_gradient_bytes(unit_bytes: list[int], alive: int) -> int:
+    """The fused steps' gradient bytes at once when ``alive`` units' gradients may be alive:
+    1 in one process (the unit being filled, stepped when complete); under several processes
+    1 + fused_reductions_in_flight (the sums in flight beside the unit being filled,
+    library/training/stepper.py _HookStepper). At most the ``alive`` largest units."""
+    return sum(sorted(unit_bytes, reverse=True)[:alive])
 
 
 def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
@@ -779,10 +789,18 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             f" ({fmode} steps in the last micro-step only)" if fmode and accumulate else "")
         overlap = all_grads
     else:
-        unit_bytes = max(sum(nbytes(p) for p in u) for u in units) if units else 0
+        alive = 1 + (opts.fused_reductions_in_flight if processes > 1 else 0)
+        unit_bytes = fused_gradient_bytes([sum(nbytes(p) for p in u) for u in units], alive)
         est.gradients = unit_bytes
-        est.gradients_note = ("the largest parameter's: fused_backward_pass" if fmode == "fused_backward_pass"
-                              else f"the largest of {len(units)} groups: fused_optimizer_groups")
+        fused = fmode == "fused_backward_pass"
+        if alive == 1:
+            est.gradients_note = ("the largest parameter's: fused_backward_pass" if fused
+                                  else f"the largest of {len(units)} groups: fused_optimizer_groups")
+        else:
+            est.gradients_note = (f"the {alive} largest " + ("parameters'" if fused else
+                                                            f"of {len(units)} groups'")
+                                  + f": {fmode}, up to {alive - 1} sums in flight over "
+                                  f"{processes} processes (fused_reductions_in_flight)")
         overlap = unit_bytes
     largest_fp32 = max((p.numel() * 4 for p in trained), default=0)
     n_tmp = STEP_TEMPORARIES.get(rule.kind, 2) + (2 if trained_dtype != torch.float32 else 0)
@@ -809,7 +827,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES
-    if processes > 1:
+    if processes > 1 and fmode is None and not opts.fsdp:
+        # DDP (library/distributed/ddp.py): its buckets hold a copy of every trained gradient,
+        # unless the gradients are views into them (ddp_gradient_as_bucket_view)
+        est.collective_buffer = 0 if opts.ddp_gradient_as_bucket_view else all_grads
+    elif processes > 1:
+        # the fused steps' all-reduce of a group (accelerator.sum_gradients' flat bucket)
         est.collective_buffer = 25 * 1024 * 1024 + largest
     if shards > 1:
         unet = comps["unet"]

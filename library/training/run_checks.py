@@ -28,6 +28,9 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     check_stepper_options(opts)  # fused_backward_pass / fused_optimizer_groups combinations
     fsdp.check_options(opts)  # fsdp combinations; Accelerate-FSDP launch configs
     zero.check_options(opts)  # deepspeed combinations and optimizer
+    from library.distributed import ddp
+
+    ddp.check_options(opts, plan.processes)  # ddp_comm_hook, ddp_static_graph combinations
     check_loss_options(opts)  # noise / loss variant combinations
     tracking.check_options(opts)  # logging_dir / log_with, validation and sample options
     network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms

@@ -7,8 +7,9 @@ loop sets ``before_update``: step() calls it once, with the gradient norm still 
 before any update, and it returns (whether to update, the norm's host value) from the step's one
 host read (library/training/step_sync.py). ``make_stepper`` picks the stepper from the options:
 
-- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes, clip the
-  global norm, one optimizer and one scheduler step.
+- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (unless
+  the strategy's engine summed them during the backward: DDP, FSDP), clip the global norm, one
+  optimizer and one scheduler step.
 - ``FusedStepper`` (``fused_backward_pass``) steps each parameter inside its
   ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
   gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
@@ -158,12 +159,15 @@ class PlainStepper:
 
     def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
                  precision: str = "float32", loss_scaler: LossScaler | None = None,
-                 sharded: bool = False):
+                 sharded: bool = False, grads_summed: bool = False):
         self.accelerator = accelerator
         # sharded (fsdp, library/distributed/fsdp.py): FSDP's reduce-scatter sums the gradients into the
         # shards, so no all-reduce here; the optimizer state is written sharded by the
         # training state, not state_dict()
         self.sharded = sharded
+        # grads_summed (the DDP strategy, library/distributed/ddp.py): DDP's reducer summed the
+        # gradients during the backward pass; otherwise step() sums them (sum_gradients)
+        self.sum_after_backward = not (sharded or grads_summed)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -253,7 +257,7 @@ class PlainStepper:
         # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
         # process sees the same summed gradients, so all decide alike.
         self.nonfinite = None
-        if not self.sharded:
+        if self.sum_after_backward:
             distributed.sum_gradients(self.params)
         if self.precision != "float32":
             norm_t = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
@@ -343,18 +347,93 @@ def _describe(value: float) -> str:
     return describe(value)
 
 
+def _unit_is_finite(norm) -> bool:
+    """Whether a fused unit's summed gradient norm (a device tensor) is finite: the fused
+    steppers' one host read per unit (the guard decides, before the unit is stepped, whether
+    it and the later units are stepped at all)."""
+    import torch
+
+    return bool(torch.isfinite(norm))
+
+
+class _UnitReduction:
+    """The sum across processes of one unit's gradients, launched (``async_op``) when the unit
+    is complete; ``wait()`` puts the sums into ``p.grad``.
+
+    The same collectives as the synchronous sum of ``_HookStepper._step_unit``, so the same sums
+    bit for bit: one parameter's gradient is all-reduced in place; a group's gradients in the
+    flat buckets of ``distributed.gradient_buckets`` (the layout of ``sum_gradients``, which
+    decides the order in which a ring all-reduce adds up each element). Each gradient is copied
+    into its bucket and freed at once, so a sum in flight holds one copy of the unit's
+    gradients, not two; ``wait()`` copies the sums back into tensors of the gradients' own
+    shapes and strides, one bucket at a time, freeing each bucket after it. Every parameter of
+    a complete unit has a gradient (its hook fired), so the synchronous sum's "who has a
+    gradient" collective would find all of them everywhere and is not needed."""
+
+    def __init__(self, params):
+        import torch
+        import torch.distributed as dist
+
+        self.works, self.buckets = [], []
+        if len(params) == 1:
+            self.works.append(dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM,
+                                              async_op=True))
+            return
+        for bucket in distributed.gradient_buckets(params):
+            first = bucket[0].grad
+            flat = torch.empty(sum(p.grad.numel() for p in bucket), dtype=first.dtype,
+                               device=first.device)
+            layout, offset = [], 0
+            for p in bucket:
+                g, n = p.grad, p.grad.numel()
+                flat[offset:offset + n].copy_(g.reshape(-1))
+                layout.append((p, offset, g.shape, g.stride()))
+                p.grad = None
+                offset += n
+            self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
+            self.buckets.append((flat, layout))
+
+    def wait(self) -> None:
+        import torch
+
+        for w in self.works:
+            w.wait()
+        self.works = []
+        while self.buckets:
+            flat, layout = self.buckets.pop(0)
+            for p, offset, shape, stride in layout:
+                g = torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device)
+                g.copy_(flat[offset:offset + g.numel()].view(shape))
+                p.grad = g
+            del flat
+
+
 class _HookStepper:
     """Steps units of parameters (one parameter, or one group) inside the backward pass.
 
     Each unit has its own optimizer over that unit's parameters, with the original param
     groups' hyperparameters, and its own scheduler; all schedulers are stepped once per
     ``step()``, so every unit follows the unfused run's learning-rate schedule.
+
+    Several processes: a unit's gradient is the sum over the processes. With
+    ``reductions_in_flight`` k >= 1 (``fused_reductions_in_flight``) the unit's last hook only
+    launches that sum (``_UnitReduction``, ``async_op``) and the backward goes on; the unit is
+    stepped when its sum is waited for, oldest first: when k sums are in flight and another unit
+    is complete, and at the end of ``backward()``. So the communication overlaps the rest of
+    the backward, at most k sums are in flight, and k + 1 units' gradients are alive (k summed
+    or being summed, one being filled; one more where the backward's order crosses a unit
+    boundary, as a layer's bias before its weight, which a synchronous sum meets too). The waits happen at the same hook in every
+    process (counted, never polled), so all processes step, or stop at a non-finite unit,
+    alike. The sums, the order of the unit steps and the non-finite guard are those of k = 0,
+    which sums each unit synchronously inside its hook (one process: no sums at all).
     """
 
     steps_in_backward = True
 
     def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
-                 first_param=None):
+                 first_param=None, reductions_in_flight: int = 0):
+        import collections
+
         from library.training import fused_optim
 
         self.accelerator = accelerator
@@ -380,6 +459,9 @@ class _HookStepper:
         self._final = False
         self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
         self._stepped = [False] * len(units)
+        self.reductions_in_flight = reductions_in_flight
+        self._overlap = False                # this backward launches sums asynchronously
+        self._in_flight = collections.deque()  # (unit, _UnitReduction), oldest first
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     # the trainer keeps these names
@@ -396,10 +478,19 @@ class _HookStepper:
 
     def backward(self, loss, last_micro_step: bool = True) -> None:
         self._final = last_micro_step
+        self._overlap = last_micro_step and self.reductions_in_flight > 0 \
+            and distributed._is_multi_process()
         try:
             self.accelerator.backward(loss)
+            # every sum launched in this backward is waited for and its unit stepped before
+            # backward() returns: step() and skip() find the state of the synchronous sums
+            while self._in_flight:
+                self._finish_oldest()
         finally:
-            self._final = False
+            # after a failure inside the backward the run ends: drop the sums in flight (the
+            # process group keeps its own references to their buffers until they complete)
+            self._in_flight.clear()
+            self._final = self._overlap = False
 
     def _hook(self, p) -> None:
         if not self._final:
@@ -410,11 +501,33 @@ class _HookStepper:
         u = self.unit_of[id(p)]
         self._pending[u] += 1
         if self._pending[u] == len(self.units[u]):
-            self._step_unit(u)
+            if self._overlap:
+                self._launch(u)
+            else:
+                self._step_unit(u)
+
+    def _launch(self, u: int) -> None:
+        """Unit ``u`` is complete: launch its sum, after stepping the oldest units in flight
+        while ``reductions_in_flight`` of them are (first in, first stepped)."""
+        while len(self._in_flight) >= self.reductions_in_flight:
+            self._finish_oldest()
+        if self.nonfinite is not None:  # an older unit was non-finite: no more sums or steps
+            for p in self.units[u]:
+                p.grad = None
+            return
+        self._in_flight.append((u, _UnitReduction(self.units[u])))
+
+    def _finish_oldest(self) -> None:
+        u, reduction = self._in_flight.popleft()
+        reduction.wait()  # the summed gradients are in p.grad again
+        if self.nonfinite is not None:  # launched before an older unit proved non-finite
+            for p in self.units[u]:
+                p.grad = None
+            return
+        self._step_summed(u)
 
     def _step_unit(self, u: int) -> None:
-        from library.training import fused_optim
-
+        """Sum unit ``u``'s gradients across processes now (synchronously), then step it."""
         params = self.units[u]
         if len(params) == 1 and params[0].grad is not None:
             p = params[0]
@@ -424,13 +537,20 @@ class _HookStepper:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         else:
             distributed.sum_gradients(params)
+        self._step_summed(u)
+
+    def _step_summed(self, u: int) -> None:
+        """Step unit ``u`` on its summed gradients (the non-finite guard first), then free them."""
         import torch
 
+        from library.training import fused_optim
+
+        params = self.units[u]
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             # the summed gradient: every process gets the same norm and decides alike
             norm = torch.nn.utils.get_total_norm(grads)
-            if not bool(torch.isfinite(norm)):  # a NaN/inf element, or an overflowing norm
+            if not _unit_is_finite(norm):  # a NaN/inf element, or an overflowing norm
                 self.nonfinite = f"gradient norm {_describe(float(norm))}"
                 self.partial_update = any(self._stepped)
                 for p in params:
@@ -638,9 +758,10 @@ def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int)
 
 
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
-                 sharded: bool = False):
+                 sharded: bool = False, grads_summed: bool = False):
     """The stepper for these options: plain, fused (per parameter) or grouped. ``sharded``: the
-    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before)."""
+    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before).
+    ``grads_summed``: the plain stepper's gradients arrive summed across processes (DDP)."""
     from library.training.optim import build_optimizer
 
     def scheduler_for(optimizer):
@@ -668,7 +789,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
         return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
                             precision=precision, loss_scaler=loss_scaler,
-                            sharded=sharded)
+                            sharded=sharded, grads_summed=grads_summed)
     check_stepper_options(opts)
     unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
     if mode == "fused_optimizer_groups":
@@ -704,4 +825,5 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     logger.info(f"{mode}: {len(units)} optimizer{'s' if len(units) != 1 else ''} stepped inside "
                 "the backward pass")
     return cls(accelerator, units, optimizers, schedulers, opts.max_grad_norm,
-               first_param=unique[0] if unique else None)
+               first_param=unique[0] if unique else None,
+               reductions_in_flight=opts.fused_reductions_in_flight)

@@ -269,6 +269,8 @@ REFERENCE = {
     "max_grad_norm": T + "training/test_fused.py::test_per_parameter_clipping",
     "fused_backward_pass": T + "training/test_fused.py::test_fused_backward_pass_equals_plain",
     "fused_optimizer_groups": T + "training/test_fused.py::test_optimizer_groups_equal_plain",
+    "fused_reductions_in_flight": T + "training/test_fused_async.py::"
+                                      "test_sums_overlap_the_backward_within_the_bounds",
     "highvram": T + "training/test_frozen.py::test_full_finetune_releases_and_writes_the_same_model_samples_and_validation",
     "gradient_checkpointing": T + "models/test_precision_e2e.py::test_gradient_checkpointing_does_not_change_the_math",
     "mixed_precision": T + "models/test_precision_e2e.py::test_bf16_mixed_precision_trains_and_saves_a_lora",
@@ -277,6 +279,13 @@ REFERENCE = {
     "fp8_base": T + "models/test_fp8.py::test_lora_trains_on_an_fp8_base_close_to_a_bf16_base",
     "fp8_base_unet": T + "models/test_fp8.py::test_fp8_base_unet_keeps_the_text_encoders_in_bf16",
     "fsdp": T + "distributed/test_fsdp.py::test_two_processes_are_one_gloo_job",
+    "ddp_gradient_as_bucket_view": T + "distributed/test_ddp.py::"
+                                       "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_static_graph": T + "distributed/test_ddp.py::"
+                            "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_bucket_cap_mb": T + "distributed/test_ddp.py::"
+                             "test_static_graph_bucket_view_and_bucket_size_reach_ddp",
+    "ddp_comm_hook": T + "distributed/test_ddp.py::test_bf16_compression_trains_within_tolerance",
     "deepspeed": T + "distributed/test_deepspeed.py::test_config_file_from_the_options",
     "zero_stage": T + "distributed/test_deepspeed.py::test_config_file_from_the_options",
     "offload_optimizer_device": T + "distributed/test_deepspeed.py::test_accepted_options_reach_loading",

@@ -241,10 +241,25 @@ def test_plan_of_two_processes_is_what_happened(two_process_run):
         assert (r["global_step"], r["epoch"], r["scheduler_steps"]) == (5, 2, 5)
 
 
+def trained_micro_steps(ranks: list[dict]) -> list[list]:
+    """Each rank's micro-steps without its zero-weight ones: a process with an empty share of a
+    global batch runs a zero-weight micro-step of the batch's first sample (DDP's reducer
+    all-reduces in the backward of every process), a sample a lower rank trains in that step.
+    (The plan never repeats a sample within a global batch, so only such a micro-step repeats
+    one; that its weight is zero the loss and weight comparisons show.)"""
+    out = []
+    for rank, r in enumerate(ranks):
+        lower = {(m[0], tuple(m[2])) for q in ranks[:rank] for m in q["micro_steps"]}
+        out.append([m for m in r["micro_steps"] if (m[0], tuple(m[2])) not in lower])
+    return out
+
+
 def test_samples_are_sharded_not_repeated(two_process_run):
     by_rank = [{}, {}]
+    trained = trained_micro_steps(two_process_run["ranks"])
+    assert len(trained[1]) < len(two_process_run["ranks"][1]["micro_steps"])  # zero-weight ones
     for rank, r in enumerate(two_process_run["ranks"]):
-        for step, epoch, idx in r["micro_steps"]:
+        for step, epoch, idx in trained[rank]:
             assert step not in by_rank[rank], "train_batch_size 1, no accumulation: one micro-step"
             by_rank[rank][step] = (epoch, tuple(idx))
     ref_steps = two_process_run["reference"]["capture"].samples_per_step()
@@ -414,8 +429,8 @@ def test_dreambooth_two_processes_same_plan_steps_and_schedule(dreambooth_runs):
         assert ranks[0]["loss_log"] == pytest.approx(ref["run"].loss_log, rel=1e-5)
     # the same samples in every step, split between the ranks (rank 1 empty in partial batches)
     steps: dict = {}
-    for r in ranks:
-        for step, epoch, idx in r["micro_steps"]:
+    for micro_steps in trained_micro_steps(ranks):
+        for step, epoch, idx in micro_steps:
             steps.setdefault(step, [epoch, []])[1].extend(idx)
     split = [(e, tuple(sorted(i))) for _, (e, i) in sorted(steps.items())]
     assert split == refs["bs2"]["capture"].samples_per_step() == refs["acc2"]["capture"].samples_per_step()
@@ -460,6 +475,48 @@ def test_dreambooth_two_processes_same_weights(dreambooth_runs):
         moved = [float((bs2[k] - start[k]).norm() / start[k].norm()) for k in bs2
                  if k.startswith(part + ".") and float(start[k].norm()) > 0]
         assert statistics.median(moved) > 10 * TOL, part
+
+
+def test_two_machines_equal_two_processes_on_one(two_process_run, data_dir, tmp_path):
+    """Accelerate's multi-node launch: two single-process "machines" on this host (two launches,
+    ``--num_machines 2 --machine_rank R --main_process_ip 127.0.0.1``, one port) form one gloo
+    job of world size 2 and end with the weights, learning rates and losses of the two
+    processes on one machine above, bit for bit (the same gradient sums)."""
+    import torch
+
+    out, report = str(tmp_path / "out"), str(tmp_path / "report")
+    os.makedirs(report)
+    args = train_args(data_dir, out, *two_process_run["args"])
+    cmd, env = two_process_command(os.path.abspath(__file__), [report, "train_lora", *args])
+    i = cmd.index("--num_machines")
+    assert cmd[i + 1] == "1"
+    procs = []
+    for machine in (0, 1):
+        node = cmd[:i] + ["--num_machines", "2", "--machine_rank", str(machine),
+                          "--main_process_ip", "127.0.0.1"] + cmd[i + 2:]
+        procs.append(subprocess.Popen(node, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    for r in (0, 1):
+        with open(os.path.join(report, f"rank{r}.json")) as f:
+            rep = json.load(f)
+        ref = two_process_run["ranks"][r]
+        assert (rep["rank"], rep["world_size"], rep["process_index"]) == (r, 2, r)
+        assert rep["pid"] != ref["pid"]
+        for k in ("global_step", "samples_seen", "lr_log", "loss_log", "micro_steps"):
+            assert rep[k] == ref[k], k
+        w = read_file(os.path.join(report, f"rank{r}.safetensors"))[0]
+        ref_w = two_process_run["rank_weights"][r]
+        assert w.keys() == ref_w.keys() and all(torch.equal(w[k], ref_w[k]) for k in w)
+    assert "DistributedDataParallel over 2 processes" in logs[0]
 
 
 def test_a_failing_process_ends_the_job(tmp_path, data_dir):

@@ -124,5 +124,9 @@ def test_ddp_scaling_parser_and_strategies():
     assert (a.steps, a.methods, a.strategies, a.worker) == (2, ["lora"], ["sum"], None)
     with pytest.raises(SystemExit):
         ddp.build_parser().parse_args(["--strategies", "nope"])
-    assert ddp.STRATEGIES["sum"] == []  # today's plain path: no option
+    assert a.strategy == "ddp"  # the worker's default: the trainer's DDP engine
+    # no trainer option for either; "sum" selects the old synchronous sum in the worker
+    assert ddp.STRATEGIES == {"ddp": {"args": [], "reducer": True},
+                              "sum": {"args": [], "reducer": False}}
+    assert ddp.build_parser().parse_args([]).strategies == ["ddp", "sum"]
     assert ddp.main(["--sd-scripts", os.path.join(ROOT, "docs")]) == 2  # not a checkout
