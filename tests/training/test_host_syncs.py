@@ -15,13 +15,14 @@ sync on a GPU either), reads of tensors drawn from a CPU ``torch.Generator`` (th
 noise and timesteps are drawn on the host by design, library/training/losses.py) or returned by
 ``.cpu()`` (the copy is the read; networks/lora.py ``max_norm_summary`` computes on such a copy)
 and what
-``distributed.sum_gradients`` does (the gradient reduction; the
-reads and collectives inside it are reported separately).
+``distributed.sum_gradients`` and DDP's comm hook (library/distributed/ddp.py ``sum_hook``) do (the
+gradient reduction; the reads and collectives inside them are reported separately).
 
 This file is also the two-process worker: ``<report_dir> <train_lora args>``.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -126,6 +127,7 @@ class HostSyncCounter:
             self._patch(dist, name, collective(name))
 
         def gradient_sum(real):
+            @functools.wraps(real)
             def marked(*a, **k):
                 self._grad_sum += 1
                 try:
@@ -135,6 +137,9 @@ class HostSyncCounter:
             return marked
 
         self._patch(distributed, "sum_gradients", gradient_sum)
+        from library.distributed import ddp
+
+        self._patch(ddp, "sum_hook", gradient_sum)  # DDP's bucket all-reduce (its comm hook)
 
         def host_math(real):
             def marked(*a, **k):
@@ -289,3 +294,5 @@ def test_two_processes_one_small_collective_per_step(data, tmp_path):
         assert_bound(steady, reads=1, collectives=1)
         assert all(len(c) == 1 and "step_sync.py" in c[0] for _, c in steady.values()), steady
         assert all(len(rd) == 1 and "step_sync.py" in rd[0] for rd, _ in steady.values()), steady
+        # the gradient reduction happened, and was told apart (DDP's hook, or the bucketed sum)
+        assert all(r["in_gradient_sum"].get(str(s)) for s in steady), r["in_gradient_sum"]
