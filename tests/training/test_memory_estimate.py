@@ -77,7 +77,7 @@ def _components_of(run):
     parts = {"unet": b.unet, "vae": b.vae, "text_encoder": b.text_encoders[0]}
     if len(b.text_encoders) > 1:
         parts["text_encoder_2"] = b.text_encoders[1]
-    if getattr(run.method, "network", None) is not None:
+    if run.method.network is not None:
         parts["network"] = run.method.network
     return parts
 

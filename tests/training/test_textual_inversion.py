@@ -283,7 +283,7 @@ def test_weights_file_starts_the_rows_and_templates_replace_the_captions(dataset
     from safetensors.torch import save_file
 
     from library.config.parse import parse_args
-    from library.training.trainer import plan_run
+    from library.training.plan import plan_run
 
     start = torch.randn(2, 32, generator=torch.Generator().manual_seed(7))
     src = tmp_path / "start.safetensors"
