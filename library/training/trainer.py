@@ -165,25 +165,6 @@ class Run:
         saver.save(self, epoch=epoch, step=step, final=final)
 
 
-def _view(record: str, name: str, inner: str | None = None):
-    """A read-only view of ``record.name`` for callers (tests, tools)."""
-    def get(self):
-        v = getattr(getattr(self, record), name)
-        return getattr(v, inner) if inner else v
-    return property(get, doc=f"run.{record}.{name}" + (f".{inner}" if inner else ""))
-
-
-for _n in ("accelerator", "bundle", "adapter", "losses", "placement", "method", "strategy",
-           "stepper", "params", "ema", "frozen"):
-    setattr(Run, _n, _view("parts", _n))
-for _n in ("global_step", "samples_seen", "position", "loss_log", "lr_log", "val_log"):
-    setattr(Run, _n, _view("progress", _n))
-Run.epoch = _view("progress", "epochs_done")
-Run.optimizer, Run.scheduler = _view("parts", "stepper", "optimizer"), _view("parts", "stepper", "scheduler")
-Run.latents, Run.latent_key = _view("parts", "caches", "latents"), _view("parts", "caches", "latent_key")
-Run.text_cache = _view("parts", "caches", "text")
-
-
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging()

@@ -230,7 +230,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     assert msg.startswith(f"cannot save {prev_state}: No space left on device; "), msg
     rescue = _rescued(msg, "the training state was", "last-state")
     assert msg.count(f"--resume {rescue}") == 1
-    assert train_state.read_info(rescue)["global_step"] == run.global_step  # complete
+    assert train_state.read_info(rescue)["global_step"] == run.progress.global_step  # complete
     shutil.rmtree(os.path.dirname(rescue))
 
     with pytest.raises(SaveError) as e:
@@ -239,7 +239,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
     rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")
     w = load_file(rescue)
-    ema = dict(zip([n for n, _ in train_state.named_trainable(run)], run.ema.shadow))
+    ema = dict(zip([n for n, _ in train_state.named_trainable(run.parts)], run.parts.ema.shadow))
     assert any(k.endswith(".lora_up.weight") for k in w)
     assert len([k for k in w if not k.endswith(".alpha")]) == len(ema)  # every trained tensor
     shutil.rmtree(os.path.dirname(rescue))

@@ -105,7 +105,7 @@ def test_gpu_benchmark_flop_count_and_peak_table():
     x = torch.randn(5, 8)
 
     class FakeRun:
-        params = list(lin.parameters())
+        parts = types.SimpleNamespace(params=list(lin.parameters()))
         tset = types.SimpleNamespace(samples=[0] * 5)
 
         @staticmethod

@@ -91,8 +91,8 @@ def test_hooks_observe_and_feed_the_loop(dataset, tmp_path, train):
         rc, _, err, run = train("train_lora", args)
     assert rc == 0, err
     assert [(s, len(i)) for s, _, i in micro] == [(0, 1), (0, 1), (1, 1), (1, 1)]
-    assert steps == [(1, run.loss_log[0], 1e-3), (2, run.loss_log[1], 1e-3)]
-    assert run.lr_log == [1e-3, 1e-3] and all(math.isfinite(x) for x in run.loss_log)
+    assert steps == [(1, run.progress.loss_log[0], 1e-3), (2, run.progress.loss_log[1], 1e-3)]
+    assert run.progress.lr_log == [1e-3, 1e-3] and all(math.isfinite(x) for x in run.progress.loss_log)
 
     def poison(run, epoch, idx, loss):
         return loss * float("nan") if run.progress.global_step == 1 else loss
