@@ -8,7 +8,9 @@ Runs train_lora in this process twice on a generated dataset (in a temp dir) wit
           and text-encoder caching in captions/s;
   run 2   the disk cache is complete: reload rate in entries/s (no VAE call), and the data share
           of a step = time spent fetching a micro-batch's latents and text conditioning
-          (``Run._sample_latents`` + ``Run._text_conditioning``) / the training loop's time.
+          (``BatchLoss._latents`` + ``BatchLoss._text``) / the training loop's time.
+The cache stage is timed in ``cache_stage.latents`` and ``cache_stage.text``
+(library/data/cache_stage.py).
 The README quotes what this printed. Nothing is downloaded.
 """
 from __future__ import annotations
@@ -29,8 +31,10 @@ class Timers:
         self.t: dict[str, float] = {}
         self.n: dict[str, int] = {}
 
-    def wrap(self, cls, name):
-        real = getattr(cls, name)
+    def wrap(self, owner, name: str, key: str):
+        """Time every call of ``owner.name`` (a class or module attribute) under ``key``;
+        -> the original, to put back."""
+        real = getattr(owner, name)
         timers = self
 
         def timed(*a, **k):
@@ -38,11 +42,23 @@ class Timers:
             try:
                 return real(*a, **k)
             finally:
-                timers.t[name] = timers.t.get(name, 0.0) + time.perf_counter() - start
-                timers.n[name] = timers.n.get(name, 0) + 1
+                timers.t[key] = timers.t.get(key, 0.0) + time.perf_counter() - start
+                timers.n[key] = timers.n.get(key, 0) + 1
 
-        setattr(cls, name, timed)
+        setattr(owner, name, timed)
         return real
+
+
+def timed_calls() -> list[tuple[object, str, str]]:
+    """What is timed, as (owner, attribute, key): the cache stage's two caches, a micro-step's
+    latents and text conditioning, the training loop."""
+    from library.data import cache_stage
+    from library.training import trainer
+    from library.training.batch_loss import BatchLoss
+
+    return [(cache_stage, "latents", "cache_latents"), (cache_stage, "text", "cache_text"),
+            (BatchLoss, "_latents", "sample_latents"), (BatchLoss, "_text", "text_conditioning"),
+            (trainer.Run, "train", "train")]
 
 
 def write_dataset(folder: str, n: int, size: int) -> None:
@@ -95,7 +111,7 @@ def main():
 
     import torch
 
-    from library.training import trainer
+    timed = timed_calls()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(os.path.join(tmp, "data", "1_sks"), a.images, a.size)
@@ -107,28 +123,26 @@ def main():
         results = []
         for i in range(2):
             timers = Timers()
-            originals = {name: timers.wrap(trainer.Run, name) for name in
-                         ("_cache_latents", "_cache_text", "_sample_latents", "_text_conditioning",
-                          "train")}
+            originals = [(owner, name, timers.wrap(owner, name, key)) for owner, name, key in timed]
             try:
                 run = one_run(base + ["--output_dir", os.path.join(tmp, f"out{i}")], timers)
             finally:
-                for name, real in originals.items():
-                    setattr(trainer.Run, name, real)
+                for owner, name, real in originals:
+                    setattr(owner, name, real)
             results.append((timers, run))
 
     (t1, run1), (t2, run2) = results
-    n_lat = len(run1.latents)
-    n_txt = len(run1.text_cache)
-    data_t = t2.t["_sample_latents"] + t2.t["_text_conditioning"]
+    n_lat = len(run1.parts.caches.latents)
+    n_txt = len(run1.parts.caches.text)
+    data_t = t2.t["sample_latents"] + t2.t["text_conditioning"]
     loop_t = t2.t["train"]
     print(f"dataset: {a.images} images of {a.size} px, tiny-sd15, 1 CPU thread, batch 2, {a.steps} steps")
-    print(f"latent caching: {n_lat} latents (with flips) in {t1.t['_cache_latents']:.2f} s = "
-          f"{n_lat / t1.t['_cache_latents']:.1f} images/s")
-    print(f"text-encoder caching: {n_txt} caption variants in {t1.t['_cache_text']:.2f} s"
-          f" = {n_txt / t1.t['_cache_text']:.1f} captions/s")
-    print(f"latent cache reload from disk: {len(run2.latents)} entries in {t2.t['_cache_latents']:.2f} s = "
-          f"{len(run2.latents) / t2.t['_cache_latents']:.0f} entries/s")
+    print(f"latent caching: {n_lat} latents (with flips) in {t1.t['cache_latents']:.2f} s = "
+          f"{n_lat / t1.t['cache_latents']:.1f} images/s")
+    print(f"text-encoder caching: {n_txt} caption variants in {t1.t['cache_text']:.2f} s"
+          f" = {n_txt / t1.t['cache_text']:.1f} captions/s")
+    print(f"latent cache reload from disk: {len(run2.parts.caches.latents)} entries in {t2.t['cache_latents']:.2f} s = "
+          f"{len(run2.parts.caches.latents) / t2.t['cache_latents']:.0f} entries/s")
     print(f"data share of the training loop (caches on): {data_t:.3f} s of {loop_t:.2f} s = "
           f"{100 * data_t / loop_t:.2f}% ({1000 * data_t / a.steps:.2f} ms per step of "
           f"{1000 * loop_t / a.steps:.0f} ms)")

@@ -76,7 +76,7 @@ def step_flops(run, batch: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    params = [p for p in run.params if p.requires_grad]
+    params = [p for p in run.parts.params if p.requires_grad]
     idx = list(range(min(batch, len(run.tset.samples))))
     with FlopCounterMode(display=False) as counter:
         loss = run.micro_step_loss(1, idx, None, len(idx))

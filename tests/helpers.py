@@ -7,11 +7,27 @@ in a run file (typed, range- and choice-checked), and a name the script does not
 error, so a test cannot build options no run could have. The required options
 (pretrained_model_name_or_path, training length...) are not required here: a unit test names
 only what its unit reads. End-to-end tests use parse_args with an argv instead.
+
+``source_files()`` lists the toolkit's own Python files, for the tests that scan the code.
 """
 from __future__ import annotations
 
+import glob
+import os
+
 from library.config.parse import Options, options_from_values
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_opts(script: str = "train_lora", **overrides) -> Options:
     return options_from_values(script, overrides)
+
+
+def source_files() -> list[str]:
+    """Every Python file of the toolkit: the entry scripts and library/, networks/, tools/ and
+    benchmarks/ with their sub-packages (not tests/)."""
+    files = glob.glob(os.path.join(ROOT, "*.py"))
+    for d in ("library", "networks", "tools", "benchmarks"):
+        files += glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
+    return sorted(files)

@@ -61,7 +61,7 @@ def cache_latents(opts, log):
 
 def main(argv: list[str] | None = None) -> int:
     from library.errors import UserError
-    from library.training.trainer import logger, setup_logging
+    from library.log import logger, setup_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
     script = "train_lora"

@@ -326,9 +326,8 @@ def _process_group(acc) -> bool:
 
 def trained_modules(b, method) -> list[tuple[str, object]]:
     """(name, module) the engine wraps: the LoRA network, or the U-Net / trained text encoders."""
-    net = getattr(method, "network", None)  # a method with a network module (LoRA)
-    if net is not None:
-        return [("network", net)]
+    if method.network is not None:  # a method with a network module (LoRA)
+        return [("network", method.network)]
     from library.distributed.fsdp import trained_roots
 
     return trained_roots(b, method)

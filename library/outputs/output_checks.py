@@ -9,6 +9,7 @@
   are removed.
 - ``OutputLock``: ``<output_dir>/.<output_name>.lock`` holds the pid of the run writing those
   files; a second run is refused while that process lives, a dead one's lock is taken over.
+- ``prepare``: all of these, in a run's order, before any weight loads.
 """
 from __future__ import annotations
 
@@ -284,3 +285,16 @@ class OutputLock:
                 pass
             self.held = False
         return False
+
+
+def prepare(opts, method_name: str, main: bool, log):
+    """The folders the run writes (every process: each writes caches or shards), then on the main
+    process only the free space, stale temporaries and the output lock (returned, to hold)."""
+    import contextlib
+
+    check_paths(opts)
+    if not main or not opts.output_dir:
+        return contextlib.nullcontext()
+    check_free_space(opts, method_name, log)
+    remove_stale_temporaries(opts.output_dir, log)
+    return OutputLock(opts.output_dir, opts.output_name, log)

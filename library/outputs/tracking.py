@@ -128,7 +128,7 @@ def run_folder(opts, now: float | None = None) -> str:
 def group_names(method, bundle) -> list[str]:
     """One tag name per optimizer parameter group (in the method's group order)."""
     groups = method.param_groups
-    names = getattr(method, "group_names", None)
+    names = method.group_names  # set by the method's setup(): the module's descriptions, or None
     if not names or len(names) != len(groups):
         tes = bundle.text_encoders
         te_of = {id(p): i for i, te in enumerate(tes) for p in te.parameters()}
@@ -178,21 +178,21 @@ class _Wandb:
             os.makedirs(folder, exist_ok=True)
             kwargs.setdefault("dir", folder)
         self.wandb = wandb
-        self.run = wandb.init(**kwargs)
+        self.wandb_run = wandb.init(**kwargs)
         logger.info(f"logging to wandb project {kwargs['project']}"
-                    + (f" ({self.run.dir})" if getattr(self.run, "dir", None) else ""))
+                    + (f" ({self.wandb_run.dir})" if getattr(self.wandb_run, "dir", None) else ""))
 
     def scalars(self, values: dict, step: int) -> None:
-        self.run.log(values, step=step)
+        self.wandb_run.log(values, step=step)
 
     def image(self, tag: str, array, step: int) -> None:
-        self.run.log({tag: self.wandb.Image(array)}, step=step)
+        self.wandb_run.log({tag: self.wandb.Image(array)}, step=step)
 
     def flush(self) -> None:
         pass  # wandb writes in the background; finish() completes it
 
     def close(self) -> None:
-        self.run.finish()
+        self.wandb_run.finish()
 
 
 class Tracker:

@@ -317,6 +317,33 @@ def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
             f"{plan.total_steps} steps; raise {length} to train further")
 
 
+def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
+    """The state ``opts.resume`` names, found and checked against this run (its script, options,
+    plan, data and content) before weights load; -> (path, info). ``log`` None: checked again
+    quietly (after the load, when the joined job's plan may differ from the launcher's)."""
+    path = resolve(opts.resume, opts.output_dir, log)
+    info = read_info(path)
+    saved_method = info.get("method")
+    if saved_method and saved_method != method_name:  # before the option diff, which would
+        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
+
+        script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
+        raise ResumeError(
+            f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
+            f".py ({saved_method}), this is {script.get(method_name, method_name)}.py; resume it "
+            "with the script that wrote it")
+    check_resumable(info, path, opts, plan, tset)
+    from library.outputs import content_hash
+
+    # the content of the model files and images (after the data check has named any new path)
+    content_hash.check(info.get("content"), opts, tset, path, log)
+    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
+              f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
+              flush=True)
+    return path, info
+
+
 def _show(v) -> str:
     return "unset" if v is None else repr(v)
 
@@ -339,7 +366,7 @@ def named_trainable(c) -> list[tuple[str, object]]:
     in ``trainable_parameters()`` order."""
     method, b = c.method, c.bundle
     roots = []
-    if getattr(method, "network", None) is not None:
+    if method.network is not None:
         roots.append(("network", method.network))
     roots.append(("unet", b.unet))
     for i, te in enumerate(b.text_encoders):

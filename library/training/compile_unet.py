@@ -34,7 +34,7 @@ def check_options(opts) -> None:
         raise CompileError("torch_compile with dynamo_backend = \"no\": choose a backend "
                            "(inductor, aot_eager, eager, cudagraphs) or drop torch_compile")
     for name in ("fsdp", "deepspeed"):
-        if getattr(opts, name, False):
+        if getattr(opts, name):
             raise CompileError(f"torch_compile cannot be combined with {name} yet (its sharded "
                                "modules are not compiled by this toolkit); drop one of them")
 

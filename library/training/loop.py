@@ -141,7 +141,7 @@ def train(run) -> None:
             progress.samples_seen += len(gb.indices)
             progress.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
             if progress.global_step == 1:
-                from library.training.trainer import seconds_since_process_start
+                from library.log import seconds_since_process_start
 
                 logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
             progress.loss_log.append(step_loss)

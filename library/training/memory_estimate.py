@@ -434,7 +434,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     unet = comps["unet"]
     tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
     params = [p for m in comps.values() for p in m.parameters()]
-    if getattr(method, "network", None) is not None:
+    if method.network is not None:
         params += list(method.network.parameters())
     keys = {p.untyped_storage()._cdata for p in params}
     dtype = compute_dtype(opts.mixed_precision)

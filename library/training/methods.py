@@ -3,8 +3,12 @@ the embeddings of new tokens (textual inversion).
 
 The training loop is the same for all; a method says which parameters train, with which learning
 rates, whether the text encoders need gradients, how prompts are rewritten before tokenization
-(``prompt_rewrite``), and how a save is written (``save``, ``companion_files``,
-``saves_full_model``). ``make_method`` picks the method of an entry script.
+(``prompt_rewrite``), how a save is written (``save``, ``companion_files``,
+``saves_full_model``), its adapter network module (``network``: the kohya network a
+``NetworkMethod`` builds in ``setup``, None for the others; the modules that wrap, save or
+switch modes read it) and its groups' names (``group_names``, for the logged rates). Every
+method declares these; nothing probes a method with ``getattr``. ``make_method`` picks the
+method of an entry script.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class NetworkMethod:
 
     adapter = "lora"
     saves_full_model = False
+    network = None  # the kohya network module, built by setup()
+    group_names = None  # one name per optimizer parameter group, when setup() knows them
 
     def __init__(self, opts, bundle):
         self.opts = opts
@@ -296,6 +302,8 @@ class FullMethod:
 
     adapter = None
     saves_full_model = True
+    network = None  # no adapter network: the model's own weights train
+    group_names = None  # one name per optimizer parameter group, when setup() knows them
 
     def __init__(self, opts, bundle):
         self.opts = opts
@@ -497,6 +505,8 @@ class TextualInversionMethod:
 
     adapter = "textual-inversion"
     saves_full_model = False
+    network = None  # no adapter network: the new embedding rows train
+    group_names = None  # one name per optimizer parameter group, when setup() knows them
 
     def __init__(self, opts, bundle):
         from library.models import embeddings

@@ -8,92 +8,13 @@ and its ``progress``. docs/INTERNALS.md has the path of one run.
 """
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import time
 
 from library.distributed import accelerator as distributed
-from library.data import step_plan
+from library.log import logger, setup_logging
+from library.training.plan import plan_run, print_plan
 from library.training.run_state import Components, Progress
-from library.data.training_data import build_training_set
-
-logger = logging.getLogger("sdtk")
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (tests and wrappers replace it)."""
-
-    def emit(self, record):
-        self.stream = sys.stderr
-        super().emit(record)
-
-
-def setup_logging():
-    # Noise from dependencies that says nothing about this run: bitsandbytes' optional 4-bit CPU
-    # kernels, and diffusers' float32-modules notice on .to() when the list is empty.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    logging.getLogger("diffusers.models.modeling_utils").addFilter(
-        lambda r: "should be kept in float32: []" not in r.getMessage())
-    if not logger.handlers:
-        h = _StderrHandler(sys.stderr)
-        h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-        logger.addHandler(h)
-        # One voice per job: other ranks report only problems.
-        logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
-        logger.propagate = False
-
-
-def seconds_since_process_start() -> float:
-    """Seconds since the entry script imported ``library`` (its first import)."""
-    import library
-
-    return time.time() - library.STARTED
-
-
-def plan_run(opts, processes: int):
-    """-> (opts, training set, step plan). The options come back with what the dataset config
-    decides (its batch size and resolution): they are frozen, so the run holds the copy."""
-    tset = build_training_set(opts, logger)
-    resolved = {}
-    if tset.batch_size is not None and tset.batch_size != opts.train_batch_size:
-        # The dataset config's batch_size (dataset -> [general] -> train_batch_size) is the
-        # per-process batch, as sd-scripts; every dataset has the same one (checked).
-        logger.info(f"train_batch_size {tset.batch_size} from the dataset config "
-                    f"(run option: {opts.train_batch_size})")
-        resolved["train_batch_size"] = tset.batch_size
-    if opts.resolution is None:
-        resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
-    if resolved:
-        opts = opts.replace(**resolved)
-    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        from library.errors import UserError
-
-        if opts.script == "train_lora" and not opts.network_train_unet_only:
-            raise UserError("cache_text_encoder_outputs: the LoRA would train the text encoder "
-                            "too; add network_train_unet_only (as sd-scripts requires)")
-        if opts.script != "train_lora" and opts.train_text_encoder:
-            raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
-                            "a trained text encoder's outputs change every step")
-    plan = step_plan.make_plan(
-        bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),
-        repeats_total=tset.repeats_total, reg_images=len(tset.reg_items),
-        reg_samples=tset.reg_samples, processes=processes,
-        train_batch_size=opts.train_batch_size,
-        gradient_accumulation_steps=opts.gradient_accumulation_steps,
-        max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
-        lr_warmup_steps=opts.lr_warmup_steps)
-    return opts, tset, plan
-
-
-def print_plan(plan, main: bool):
-    if not main:
-        return
-    print("step plan:", flush=True)
-    for line in plan.lines():
-        print("  " + line, flush=True)
-    for line in step_plan.what_if_lines(plan):
-        print("  note: " + line, flush=True)
 
 
 class Run:
@@ -185,7 +106,7 @@ class Run:
 
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        if self.method_name == "lora":
+        if c.method.network is not None:
             c.method.network.to(acc.device, dtype=pl.network)
         if opts.gradient_checkpointing:
             b.unet.enable_gradient_checkpointing()
@@ -244,57 +165,11 @@ class Run:
         saver.save(self, epoch=epoch, step=step, final=final)
 
 
-def _view(record: str, name: str, inner: str | None = None):
-    """A read-only view of ``record.name`` for callers (tests, tools)."""
-    def get(self):
-        v = getattr(getattr(self, record), name)
-        return getattr(v, inner) if inner else v
-    return property(get, doc=f"run.{record}.{name}" + (f".{inner}" if inner else ""))
-
-
-for _n in ("accelerator", "bundle", "adapter", "losses", "placement", "method", "strategy",
-           "stepper", "params", "ema", "frozen"):
-    setattr(Run, _n, _view("parts", _n))
-for _n in ("global_step", "samples_seen", "position", "loss_log", "lr_log", "val_log"):
-    setattr(Run, _n, _view("progress", _n))
-Run.epoch = _view("progress", "epochs_done")
-Run.optimizer, Run.scheduler = _view("parts", "stepper", "optimizer"), _view("parts", "stepper", "scheduler")
-Run.latents, Run.latent_key = _view("parts", "caches", "latents"), _view("parts", "caches", "latent_key")
-Run.text_cache = _view("parts", "caches", "text")
-
-
-def _check_resume(r: Run, announce: bool = True) -> tuple[str, dict]:
-    """The state ``resume`` names, checked against this run (before weights load)."""
-    from library.outputs import train_state
-
-    opts, plan = r.opts, r.plan
-    path = train_state.resolve(opts.resume, opts.output_dir, logger if announce else None)
-    info = train_state.read_info(path)
-    saved_method = info.get("method")
-    if saved_method and saved_method != r.method_name:  # before the option diff, which would
-        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
-
-        script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
-        raise train_state.ResumeError(
-            f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
-            f".py ({saved_method}), this is {script.get(r.method_name, r.method_name)}.py; resume it "
-            "with the script that wrote it")
-    train_state.check_resumable(info, path, opts, plan, r.tset)
-    from library.outputs import content_hash
-
-    # the content of the model files and images (after the data check has named any new path)
-    content_hash.check(info.get("content"), opts, r.tset, path, logger if announce else None)
-    if announce and int(os.environ.get("RANK", "0")) == 0:
-        print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
-              f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
-              flush=True)
-    return path, info
-
-
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging()
     from library.distributed import deepspeed_zero as zero
+    from library.outputs import output_checks, train_state
 
     opts = zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
     processes = distributed.launched_world_size()
@@ -304,9 +179,7 @@ def run(opts, method_name: str) -> Run | None:
     main = int(os.environ.get("RANK", "0")) == 0
     resume = None
     if opts.resume:  # checked before any weight loads
-        resume = _check_resume(r)
-    from library.outputs import output_checks
-
+        resume = train_state.check_resume(opts, method_name, plan, tset, logger)
     output_checks.check_name(opts.output_name)  # a dry run too: "" would write ".safetensors"
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
@@ -317,7 +190,7 @@ def run(opts, method_name: str) -> Run | None:
         return None
     started = time.time()
     r.validate()  # optimizer, network module, combinations: before any folder is made
-    lock = _prepare_outputs(r, method_name, main)  # before any weight loads
+    lock = output_checks.prepare(opts, method_name, main, logger)  # before any weight loads
     try:
         with lock:
             return _train(r, opts, started, resume)
@@ -326,22 +199,6 @@ def run(opts, method_name: str) -> Run | None:
             r.parts.frozen.close()  # spill files of released parts
         if r.parts.strategy is not None:
             r.parts.strategy.close()  # e.g. the DeepSpeed engine (and the process group made for it)
-
-
-def _prepare_outputs(r: Run, method_name: str, main: bool):
-    """The folders the run writes (every process: each writes caches or shards), then on the main
-    process only the free space, stale temporaries and the output lock (returned, to hold)."""
-    import contextlib
-
-    from library.outputs import output_checks
-
-    opts = r.opts
-    output_checks.check_paths(opts)
-    if not main or not opts.output_dir:
-        return contextlib.nullcontext()
-    output_checks.check_free_space(opts, method_name, logger)
-    output_checks.remove_stale_temporaries(opts.output_dir, logger)
-    return output_checks.OutputLock(opts.output_dir, opts.output_name, logger)
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:
@@ -353,7 +210,8 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     if resume:
         from library.outputs import train_state
 
-        resume = _check_resume(r, announce=False)  # again: the joined job's plan may differ from the launcher's
+        # again: the joined job's plan may differ from the launcher's
+        resume = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
         r.progress = train_state.load_state(r, *resume, logger)
     from library.outputs import metadata as md
 

@@ -106,9 +106,8 @@ def modules(c) -> list:
     """The modules that run in eval mode while validating or sampling (components ``c``)."""
     b = c.bundle
     mods = [b.unet, *b.text_encoders]
-    net = getattr(c.method, "network", None)  # a method with a network module (LoRA)
-    if net is not None:
-        mods.append(net)
+    if c.method.network is not None:  # a method with a network module (LoRA)
+        mods.append(c.method.network)
     return mods
 
 

@@ -361,7 +361,7 @@ def test_dataset_toml_equals_the_folder_convention(tmp_path, dataset, train):
     assert {c.startswith("photo of") for c in caps} == {True, False}
     c, _ = read(tmp_path / "c" / "last.safetensors")
     assert any(not torch.equal(a[k], c[k]) for k in a)
-    assert len(run.latents) == 4  # 2 images x (plain, mirrored)
+    assert len(run.parts.caches.latents) == 4  # 2 images x (plain, mirrored)
     # the cached run picks the variant the uncached run flips: the same weights
     rc, _, err, _ = train("train_lora", _train_args(tmp_path, "d", "--dataset_config", ds))
     assert rc == 0, err

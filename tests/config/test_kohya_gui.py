@@ -254,8 +254,8 @@ def test_dreambooth_text_encoder_rate_trains_it_as_sd_scripts(model, extra, trai
         "--output_dir", tmp_path / "o", "--resolution", "64", "--max_train_steps", "2",
         "--learning_rate", "1e-3", "--cache_latents", *extra])
     assert rc == 0, err[-2000:]
-    assert run.method.train_text_encoder is trains
-    te = run.bundle.text_encoders[0]
+    assert run.parts.method.train_text_encoder is trains
+    te = run.parts.bundle.text_encoders[0]
     assert all(p.requires_grad is trains for p in te.parameters())
     assert ("the text encoder trains, as in sd-scripts' train_db.py" in err) is trains
 

@@ -55,7 +55,7 @@ def optimizer(opts):
 
 
 def plan(opts):
-    from library.training.trainer import plan_run
+    from library.training.plan import plan_run
 
     _, _, p = plan_run(opts, 1)
     return (p.global_batch, p.steps_per_epoch, p.epochs, p.total_steps)
@@ -63,7 +63,7 @@ def plan(opts):
 
 def captions(opts):
     """The training set's processed captions of every sample in epochs 1 and 2."""
-    from library.training.trainer import plan_run
+    from library.training.plan import plan_run
 
     _, tset, _ = plan_run(opts, 1)
     return [tset.caption(i, e) for e in (1, 2) for i in range(len(tset.train_items))]
@@ -71,7 +71,7 @@ def captions(opts):
 
 def metadata(opts):
     from library.outputs import metadata as md
-    from library.training.trainer import plan_run
+    from library.training.plan import plan_run
 
     opts, tset, p = plan_run(opts, 1)
     return md.build_metadata(opts=opts, family="sd1", v_parameterization=False, adapter="lora",

@@ -140,7 +140,7 @@ def test_train_lora_two_steps_with_color_aug(train, dataset, tmp_path, monkeypat
         "--output_dir", out, "--resolution", "64", "--max_train_steps", "2", "--network_dim", "4",
         "--color_aug", "--seed", "3"])
     assert rc == 0, err[-3000:]
-    assert os.path.isfile(out / "last.safetensors") and run.global_step == 2
+    assert os.path.isfile(out / "last.safetensors") and run.progress.global_step == 2
     assert len(calls) >= 2  # every trained sample drew its decision
 
 

@@ -173,7 +173,7 @@ def test_tool_fills_the_cache_and_training_then_encodes_nothing(dataset, tmp_pat
     rc, _, err, run = train("train_lora", _args(dataset, tmp_path / "a", "--cache_latents_to_disk",
                                                 "--flip_aug"))
     assert rc == 0, err
-    assert encode_calls == [] and len(run.latents) == 4  # loaded from disk, not a VAE call
+    assert encode_calls == [] and len(run.parts.caches.latents) == 4  # loaded from disk, not a VAE call
     assert isinstance(run, Run)
     # the same run without the disk cache encodes, and trains to the same weights
     rc, _, err, run2 = train("train_lora", _args(dataset, tmp_path / "b", "--cache_latents",
@@ -299,7 +299,7 @@ def test_text_encoder_cache_with_shuffle_and_dropout(tmp_path, train, te_calls):
     for v in variants.values():  # 3 different shuffles, the kept tag first
         assert len(set(v)) == 3 and all(c.startswith("sks, ") for c in v)
     expected = set().union(*map(set, variants.values())) | {""}
-    assert set(run.text_cache) == expected
+    assert set(run.parts.caches.text) == expected
     # every caption encoded once, before training; the steps use cached encodings only
     assert te_calls["captions"] == te_calls["after_cache"] == len(expected)
     picked = [ts.cached_caption(i, e) for e in (1, 2, 3) for i in range(len(ts.samples))]
@@ -309,15 +309,15 @@ def test_text_encoder_cache_with_shuffle_and_dropout(tmp_path, train, te_calls):
     # the cached conditioning is what the encoder gives for that caption
     c = variants[ts.train_items[0].path][1]
     with torch.no_grad():
-        direct = run.adapter.encode(run.adapter.tokenize([c]), None).hidden_states[0]
-    assert torch.allclose(run.text_cache[c].hidden_states, direct, atol=1e-5)
+        direct = run.parts.adapter.encode(run.parts.adapter.tokenize([c]), None).hidden_states[0]
+    assert torch.allclose(run.parts.caches.text[c].hidden_states, direct, atol=1e-5)
     assert len([n for n in os.listdir(os.path.join(folder, ".sdcache")) if n.startswith("te-")]) == len(expected)
 
     te_calls["captions"] = 0
     rc, _, err, run2 = train("train_lora", [*args, "--output_dir", tmp_path / "b"])
     assert rc == 0, err
     assert te_calls["captions"] == 0  # everything loaded from disk
-    assert all(torch.equal(run2.text_cache[k].hidden_states, run.text_cache[k].hidden_states)
+    assert all(torch.equal(run2.parts.caches.text[k].hidden_states, run.parts.caches.text[k].hidden_states)
                for k in expected)
 
     rc, _, err, _ = train("train_lora", [a for a in args if a != "--network_train_unet_only"]
@@ -334,8 +334,8 @@ def test_text_encoder_cache_sdxl_keeps_the_pooled_output(tmp_path, train, te_cal
         "--highvram"])  # the text encoders stay after caching, for the direct encodings below
     assert rc == 0, err
     assert te_calls["captions"] == te_calls["after_cache"] == 2
-    for c, e in run.text_cache.items():
+    for c, e in run.parts.caches.text.items():
         with torch.no_grad():
-            direct = run.adapter.encode(run.adapter.tokenize([c]), None)
+            direct = run.parts.adapter.encode(run.parts.adapter.tokenize([c]), None)
         assert e.pooled is not None and torch.allclose(e.pooled, direct.pooled[0], atol=1e-5)
         assert torch.allclose(e.hidden_states, direct.hidden_states[0], atol=1e-5)

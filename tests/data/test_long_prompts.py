@@ -265,11 +265,11 @@ def test_train_lora_with_long_captions(model, long_data, bundles, train, tmp_pat
         assert any(k.endswith("lora_up.weight") and t.abs().sum() > 0 for k, t in sd.items())  # trained
         assert md["ss_max_token_length"] == ("None" if name == "75" else "150")
         n_states = 77 if name == "75" else 152
-        assert r.adapter.n_chunks == (1 if name == "75" else 2)
+        assert r.parts.adapter.n_chunks == (1 if name == "75" else 2)
         if name == "150-cached":
-            assert r.text_cache and all(e.hidden_states.shape[0] == n_states for e in r.text_cache.values())
+            assert r.parts.caches.text and all(e.hidden_states.shape[0] == n_states for e in r.parts.caches.text.values())
             if model == "tiny-sdxl":
-                assert all(e.pooled is not None for e in r.text_cache.values())
+                assert all(e.pooled is not None for e in r.parts.caches.text.values())
         a, b = sorted(os.listdir(out / "sample"))
         same = np.array_equal(pixels(out / "sample" / a), pixels(out / "sample" / b))
         assert same == (name == "75"), name  # the prompts' tails matter only with 150 tokens

@@ -55,8 +55,8 @@ def test_train_dreambooth_two_steps_unet_sees_the_unpadded_context(train, datase
     monkeypatch.setattr(family.SD1Adapter, "unet_forward", spy)
     rc, _, err, run = train("train_dreambooth", _args(dataset, tmp_path, "--no_token_padding"))
     assert rc == 0, err[-3000:]
-    assert run.global_step == 2 and (tmp_path / "out" / "last.safetensors").is_file()
-    tok = run.bundle.tokenizers[0]
+    assert run.progress.global_step == 2 and (tmp_path / "out" / "last.safetensors").is_file()
+    tok = run.parts.bundle.tokenizers[0]
     captions = {run.tset.caption(i, 0) for i in range(len(run.tset.samples))}
     want = {len(tok(c).input_ids) for c in captions}
     assert lengths and all(b == 1 and n < 77 for b, n in lengths)

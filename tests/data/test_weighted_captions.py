@@ -167,8 +167,8 @@ def test_train_lora_weighted_cached_equals_uncached(dataset, train, tmp_path):
                         ("plain", [])]:
         rc, _, err, r = train("train_lora", [*base, "--output_dir", str(tmp_path / name), *extra])
         assert rc == 0, err[-3000:]
-        assert r.adapter.weighted == (name != "plain")
-        assert (r.text_cache is not None) == (name == "cached")
+        assert r.parts.adapter.weighted == (name != "plain")
+        assert (r.parts.caches.text is not None) == (name == "cached")
         runs[name], _ = read(str(tmp_path / name / "last.safetensors"))
     assert len(os.listdir(tmp_path / "weighted" / "sample")) == 1
     ups = [k for k in runs["plain"] if k.endswith("lora_up.weight")]

@@ -296,8 +296,9 @@ def _comm_hook_worker(rank: int, port: int, queue) -> None:
 
         local = torch.autograd.grad(loss_of(), [m.a.weight, m.a.bias, m.b.weight, m.b.bias],
                                     allow_unused=True)
-        opts = types.SimpleNamespace(ddp_bucket_cap_mb=25, ddp_gradient_as_bucket_view=False,
-                                     ddp_static_graph=False, ddp_comm_hook=hook)
+        from tests.helpers import make_opts
+
+        opts = make_opts(ddp_comm_hook=hook)
         wrapped = ddp.wrap(m, opts, types.SimpleNamespace(device=torch.device("cpu")))
         wrapped(loss_of).backward()
         grads = [p.grad for p in (m.a.weight, m.a.bias, m.b.weight, m.b.bias, m.c.weight,

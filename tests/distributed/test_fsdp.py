@@ -90,7 +90,7 @@ def _worker(report_dir: str, out_dir: str, argv: list[str]) -> int:
     rank = dist.get_rank()
     params = {}
     full = {}
-    for prefix, module in (("unet", r.bundle.unet), ("text_encoder", r.bundle.text_encoders[0])):
+    for prefix, module in (("unet", r.parts.bundle.unet), ("text_encoder", r.parts.bundle.text_encoders[0])):
         for n, p in module.named_parameters():
             name = f"{prefix}.{n}"
             params[name] = {"dtensor": isinstance(p, DTensor),
@@ -99,11 +99,11 @@ def _worker(report_dir: str, out_dir: str, argv: list[str]) -> int:
                             "global": p.numel()}
             full[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().contiguous()
     report = {"pid": os.getpid(), "rank": rank, "world_size": dist.get_world_size(),
-              "backend": dist.get_backend(), "num_processes": r.accelerator.num_processes,
-              "global_step": r.global_step, "loss_log": r.loss_log, "lr_log": r.lr_log,
+              "backend": dist.get_backend(), "num_processes": r.parts.accelerator.num_processes,
+              "global_step": r.progress.global_step, "loss_log": r.progress.loss_log, "lr_log": r.progress.lr_log,
               "grad_norms": grad_norms,
-              "val_log": r.val_log, "params": params,
-              "optimizer_state": sorted({type(v).__name__ for st in r.optimizer.state.values()
+              "val_log": r.progress.val_log, "params": params,
+              "optimizer_state": sorted({type(v).__name__ for st in r.parts.stepper.optimizer.state.values()
                                          for v in st.values() if hasattr(v, "shape")}),
               "state_files": sorted(os.listdir(os.path.join(out_dir, "full",
                                                             "last-step00000002-state", "sharded")))}
@@ -119,9 +119,9 @@ def _worker(report_dir: str, out_dir: str, argv: list[str]) -> int:
                     "--save_model_as", "diffusers", "--gradient_checkpointing"])
     if rc != 0 or r2 is None:
         return rc or 1
-    report["resumed_global_step"] = r2.global_step
-    report["resumed_checkpointing"] = bool(r2.bundle.unet.is_gradient_checkpointing)
-    report["resumed_loss_log"] = r2.loss_log
+    report["resumed_global_step"] = r2.progress.global_step
+    report["resumed_checkpointing"] = bool(r2.parts.bundle.unet.is_gradient_checkpointing)
+    report["resumed_loss_log"] = r2.progress.loss_log
     with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     return 0
@@ -253,10 +253,10 @@ def test_parameters_are_sharded_across_the_ranks(fsdp_job):
 def test_trains_as_one_unsharded_process(fsdp_job):
     ranks, ref = fsdp_job["ranks"], fsdp_job["ref_run"]
     assert "fsdp: one process, nothing to shard" in fsdp_job["ref_stderr"]
-    assert ranks[0]["global_step"] == ranks[1]["global_step"] == ref.global_step == 4
-    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref.lr_log
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] == ref.progress.global_step == 4
+    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref.progress.lr_log
     assert ranks[0]["loss_log"] == ranks[1]["loss_log"]
-    assert ranks[0]["loss_log"] == pytest.approx(ref.loss_log, rel=1e-5)
+    assert ranks[0]["loss_log"] == pytest.approx(ref.progress.loss_log, rel=1e-5)
     # the gradient of each step is the sum over the ranks (an average would be half of it), and
     # global-norm clipping engaged on every step
     assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"]
@@ -264,8 +264,8 @@ def test_trains_as_one_unsharded_process(fsdp_job):
     assert ranks[0]["grad_norms"] == pytest.approx(ref_norms, rel=1e-5)
     assert len(ref_norms) == 4 and min(ref_norms) > float(CLIP)
     # validation (every process evaluates every held-out image under fsdp) and samples
-    assert [s for s, _ in ranks[0]["val_log"]] == [s for s, _ in ref.val_log] == [2, 4]
-    assert [v for _, v in ranks[0]["val_log"]] == pytest.approx([v for _, v in ref.val_log], rel=1e-5)
+    assert [s for s, _ in ranks[0]["val_log"]] == [s for s, _ in ref.progress.val_log] == [2, 4]
+    assert [v for _, v in ranks[0]["val_log"]] == pytest.approx([v for _, v in ref.progress.val_log], rel=1e-5)
     out, ref_out = fsdp_job["out"], fsdp_job["ref_out"]
     for name in ("last.safetensors", "last-ema.safetensors", "last-step00000002.safetensors"):
         got, _ = read(os.path.join(out, "full", name))
@@ -332,7 +332,7 @@ def test_sharded_state_resumes_on_one_process(fsdp_job):
     state = os.path.join(fsdp_job["out"], "full", "last-step00000002-state")
     _, _, r = train_in_process("train_dreambooth", [*fsdp_args(fsdp_job["data"], "--train_batch_size", "2"),
                                                  "--output_dir", out, "--resume", state])
-    assert r.global_step == 4
+    assert r.progress.global_step == 4
     a, _ = read(os.path.join(out, "last.safetensors"))
     b, _ = read(os.path.join(fsdp_job["out"], "full", "last.safetensors"))
     worst, key = max_rel_diff(a, b)
@@ -385,12 +385,12 @@ def test_one_process_state_after_stop_text_encoder_training_resumes_exactly(data
             "--stop_text_encoder_training", "1", "--save_every_n_steps", "2", "--save_state",
             "--fsdp"]
     _, err, r = train_in_process("train_dreambooth", [*args, "--output_dir", tmp_path / "full"])
-    assert "fsdp: one process, nothing to shard" in err and r.global_step == 3
+    assert "fsdp: one process, nothing to shard" in err and r.progress.global_step == 3
     state = tmp_path / "full" / "last-step00000002-state"
     assert sorted(os.listdir(state / "sharded")) == [".metadata", "__0_0.distcp"]
     _, _, r2 = train_in_process("train_dreambooth", [*args, "--output_dir", tmp_path / "resumed",
                                                      "--resume", state])
-    assert r2.global_step == 3
+    assert r2.progress.global_step == 3
     a, _ = read(tmp_path / "resumed" / "last.safetensors")
     b, _ = read(tmp_path / "full" / "last.safetensors")
     assert a.keys() == b.keys()

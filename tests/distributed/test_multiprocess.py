@@ -59,15 +59,15 @@ def _worker(report_dir: str, script: str, argv: list[str]) -> int:
             rc = e.code if isinstance(e.code, int) else 1
     report = {"rc": rc, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     if rc == 0 and cap.run is not None:
-        r, acc = cap.run, cap.run.accelerator
+        r, acc = cap.run, cap.run.parts.accelerator
         report.update({
             "pid": os.getpid(), "rank": dist.get_rank(), "world_size": dist.get_world_size(),
             "backend": dist.get_backend(), "num_processes": acc.num_processes,
             "process_index": acc.process_index, "distributed_type": str(acc.distributed_type),
-            "global_step": r.global_step, "epoch": r.epoch, "samples_seen": r.samples_seen,
-            "scheduler_steps": r.scheduler.last_epoch, "loss_log": r.loss_log,
-            "lr_log": r.lr_log, "micro_steps": cap.micro_steps})
-        weights = {n: p.detach().cpu().contiguous() for n, p in named_trainable(r)}
+            "global_step": r.progress.global_step, "epoch": r.progress.epochs_done, "samples_seen": r.progress.samples_seen,
+            "scheduler_steps": r.parts.stepper.scheduler.last_epoch, "loss_log": r.progress.loss_log,
+            "lr_log": r.progress.lr_log, "micro_steps": cap.micro_steps})
+        weights = {n: p.detach().cpu().contiguous() for n, p in named_trainable(r.parts)}
         save_file(weights, os.path.join(report_dir, f"rank{report['rank']}.safetensors"))
     with open(os.path.join(report_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
@@ -279,11 +279,11 @@ def test_samples_are_sharded_not_repeated(two_process_run):
 def test_same_learning_rates_losses_and_weights_as_one_process(two_process_run):
     ref = two_process_run["reference"]
     ranks = two_process_run["ranks"]
-    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref["run"].lr_log
-    assert len(ref["run"].lr_log) == 5
+    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref["run"].progress.lr_log
+    assert len(ref["run"].progress.lr_log) == 5
     # the logged loss is the global batch's mean on every rank
     assert ranks[0]["loss_log"] == ranks[1]["loss_log"]
-    assert ranks[0]["loss_log"] == pytest.approx(ref["run"].loss_log, rel=1e-5)
+    assert ranks[0]["loss_log"] == pytest.approx(ref["run"].progress.loss_log, rel=1e-5)
     # both ranks took identical steps (the same summed gradient)
     w0, w1 = two_process_run["rank_weights"]
     assert w0.keys() == w1.keys()
@@ -396,7 +396,7 @@ def dreambooth_runs(tmp_path_factory, data_dir):
                         ("acc2", ["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])):
         ref = train_in_process(dreambooth_args(data_dir, reg, str(tmp_path_factory.mktemp(name)),
                                                *split, *common), script="train_dreambooth")
-        ref["weights"] = {n: p.detach().clone() for n, p in named_trainable(ref["run"])}
+        ref["weights"] = {n: p.detach().clone() for n, p in named_trainable(ref["run"].parts)}
         refs[name] = ref
     return {"stdout": proc.stdout, "ranks": ranks, "refs": refs, "reg": reg,
             "tensors": read_file(os.path.join(out, "last.safetensors"))[0],
@@ -412,21 +412,21 @@ def test_dreambooth_two_processes_same_plan_steps_and_schedule(dreambooth_runs):
     assert (plan["processes"], plan["train_batch_size"], plan["global_batch"]) == ("2", "1", "2")
     assert (plan["reg_samples"], plan["samples_per_epoch"]) == ("4", "8")
     assert (plan["steps_per_epoch"], plan["epochs"], plan["total_steps"]) == ("5", "2", "7")
-    seen = refs["bs2"]["run"].samples_seen
+    seen = refs["bs2"]["run"].progress.samples_seen
     for ref in refs.values():
         ref_plan = plan_values(ref["stdout"])
         assert {k: plan[k] for k in PLAN_KEYS} == {k: ref_plan[k] for k in PLAN_KEYS}
         r = ref["run"]
-        assert (r.global_step, r.epoch, r.scheduler.last_epoch, r.samples_seen) == (7, 2, 7, seen)
+        assert (r.progress.global_step, r.progress.epochs_done, r.parts.stepper.scheduler.last_epoch, r.progress.samples_seen) == (7, 2, 7, seen)
     for r in ranks:
         assert (r["global_step"], r["epoch"], r["scheduler_steps"], r["samples_seen"]) == (7, 2, 7, seen)
     # the learning rate of every step (cosine, 1 warmup step), exactly; the logged global loss
-    lrs = refs["bs2"]["run"].lr_log
+    lrs = refs["bs2"]["run"].progress.lr_log
     assert len(lrs) == 7 and len(set(lrs)) == 6  # the schedule moves (0.05 at steps 1 and 5)
-    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == lrs == refs["acc2"]["run"].lr_log
+    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == lrs == refs["acc2"]["run"].progress.lr_log
     assert ranks[0]["loss_log"] == ranks[1]["loss_log"]
     for ref in refs.values():
-        assert ranks[0]["loss_log"] == pytest.approx(ref["run"].loss_log, rel=1e-5)
+        assert ranks[0]["loss_log"] == pytest.approx(ref["run"].progress.loss_log, rel=1e-5)
     # the same samples in every step, split between the ranks (rank 1 empty in partial batches)
     steps: dict = {}
     for micro_steps in trained_micro_steps(ranks):
@@ -629,8 +629,8 @@ def test_deepspeed_zero2_two_processes_equal_one_process(deepspeed_lora_run, two
     assert "deepspeed: from the Accelerate launch config (zero_stage 2)" in deepspeed_lora_run["log"]
     assert "ZeRO stage 2 over 2 process(es)" in deepspeed_lora_run["log"]
     for r in ranks:
-        assert r["lr_log"] == ref["run"].lr_log
-        assert r["loss_log"] == pytest.approx(ref["run"].loss_log, rel=1e-5)
+        assert r["lr_log"] == ref["run"].progress.lr_log
+        assert r["loss_log"] == pytest.approx(ref["run"].progress.loss_log, rel=1e-5)
     w0, w1 = (read_file(os.path.join(deepspeed_lora_run["report"], f"rank{r}.safetensors"))[0]
               for r in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
@@ -732,7 +732,7 @@ def test_deepspeed_zero1_dreambooth_two_processes(dreambooth_runs, data_dir, tmp
     assert "ZeRO stage 1 over 2 process(es)" in proc.stderr
     ranks = [json.load(open(os.path.join(report, f"rank{r}.json"))) for r in (0, 1)]
     assert [(r["rank"], r["world_size"]) for r in ranks] == [(0, 2), (1, 2)]
-    lrs = dreambooth_runs["refs"]["bs2"]["run"].lr_log
+    lrs = dreambooth_runs["refs"]["bs2"]["run"].progress.lr_log
     assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == lrs
     w0, w1 = (read_file(os.path.join(report, f"rank{r}.safetensors"))[0] for r in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)

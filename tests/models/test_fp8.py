@@ -113,7 +113,7 @@ def test_lora_trains_on_an_fp8_base_close_to_a_bf16_base(model, compared, datase
         rc, _, err, run = train("train_lora", _lora_args(model, dataset, tmp_path / "fp8", "--fp8_base"))
     assert rc == 0, err
     assert len(seen) == 2 and all(s == {"torch.float8_e4m3fn"} for s in seen)
-    assert all(p.dtype == torch.float32 and p.requires_grad for p in run.method.network.parameters())
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in run.parts.method.network.parameters())
     sd, md = read(str(tmp_path / "fp8" / "last.safetensors"))
     ref, _ = read(str(tmp_path / "bf16" / "last.safetensors"))
     assert md["ss_fp8_base"] == "True" and md["ss_fp8_base_unet"] == "False"
@@ -125,7 +125,7 @@ def test_lora_trains_on_an_fp8_base_close_to_a_bf16_base(model, compared, datase
     assert sum(float(sd[k].abs().max()) > 0 for k in ups) > 0.9 * len(ups)
     names = [k for k in ups if k.startswith(compared)]
     assert names and _rel(sd, ref, names) < 0.6, _rel(sd, ref, names)
-    for a, b in zip(run.loss_log, base.loss_log):
+    for a, b in zip(run.progress.loss_log, base.progress.loss_log):
         assert a != b and abs(a - b) < 0.02 * b, (a, b)
 
 
@@ -133,9 +133,9 @@ def test_fp8_base_unet_keeps_the_text_encoders_in_bf16(dataset, tmp_path, train)
     rc, _, err, run = train("train_lora", _lora_args("tiny-sd2", dataset, tmp_path / "o",
                                                      "--fp8_base_unet", "--max_train_steps", "1"))
     assert rc == 0, err
-    assert run.bundle.unet.conv_in.weight.dtype == FP8
-    assert run.bundle.unet.conv_norm_out.weight.dtype == torch.bfloat16
-    assert {p.dtype for te in run.bundle.text_encoders for p in te.parameters()} == {torch.bfloat16}
+    assert run.parts.bundle.unet.conv_in.weight.dtype == FP8
+    assert run.parts.bundle.unet.conv_norm_out.weight.dtype == torch.bfloat16
+    assert {p.dtype for te in run.parts.bundle.text_encoders for p in te.parameters()} == {torch.bfloat16}
     _, md = read(str(tmp_path / "o" / "last.safetensors"))
     assert md["ss_fp8_base_unet"] == "True"
 

@@ -149,9 +149,9 @@ def test_full_bf16_lora_trains_and_saves(extra, dataset, tmp_path, train):
                                                    "--network_dim", "4", *extra))
     assert rc == 0, err
     assert "full_bf16" in err and "bf16 weights and gradients" in err
-    net = list(run.method.network.parameters())
+    net = list(run.parts.method.network.parameters())
     assert net and all(p.dtype == torch.bfloat16 for p in net)
-    optimizers = getattr(run.stepper, "optimizers", None) or [run.stepper.optimizer.optimizer]
+    optimizers = getattr(run.parts.stepper, "optimizers", None) or [run.parts.stepper.optimizer.optimizer]
     state = {k: v for o in optimizers for k, v in o.state.items()}
     assert state and all(v.dtype == torch.float32 for st in state.values()
                          for k, v in st.items() if torch.is_tensor(v) and k != "step")
@@ -170,7 +170,7 @@ def test_full_bf16_dreambooth_trains_and_saves(dataset, tmp_path, train):
                                                          "--mixed_precision", "bf16",
                                                          "--full_bf16"))
     assert rc == 0, err
-    unet = run.bundle.unet
+    unet = run.parts.bundle.unet
     assert all(p.dtype == torch.bfloat16 for p in unet.parameters())
     changed = sum(not torch.equal(p.detach().float(), base[n].to(torch.bfloat16).float())
                   for n, p in unet.named_parameters())
@@ -187,9 +187,9 @@ def test_full_fp16_dreambooth_trains_and_saves_on_cpu(dataset, tmp_path, train):
                                                          "--full_fp16"))
     assert rc == 0, err
     assert "full_fp16: fp16 weights" in err
-    assert all(p.dtype == torch.float16 for p in run.bundle.unet.parameters())
-    assert run.stepper.loss_scaler is not None and run.stepper.loss_scaler.skipped == 0
-    assert all(math.isfinite(v) for v in run.loss_log)
+    assert all(p.dtype == torch.float16 for p in run.parts.bundle.unet.parameters())
+    assert run.parts.stepper.loss_scaler is not None and run.parts.stepper.loss_scaler.skipped == 0
+    assert all(math.isfinite(v) for v in run.progress.loss_log)
     sd, _ = read(str(tmp_path / "out" / "last.safetensors"))
     saved = {k: v for k, v in sd.items() if k.startswith("model.diffusion_model.")}
     assert saved and all(v.dtype == torch.float16 for v in saved.values())
@@ -229,7 +229,7 @@ def test_full_bf16_resume_continues_exactly(dataset, tmp_path, train):
     rc, _, err, resumed = train("train_lora", run_args("tiny-sd15", dataset, tmp_path / "b", *args,
                                                        "--resume", str(state)))
     assert rc == 0, err
-    assert resumed.loss_log == whole.loss_log
+    assert resumed.progress.loss_log == whole.progress.loss_log
     a, _ = read(str(tmp_path / "a" / "last.safetensors"))
     b, _ = read(str(tmp_path / "b" / "last.safetensors"))
     assert a.keys() == b.keys()

@@ -76,8 +76,8 @@ def test_gradient_checkpointing_does_not_change_the_math(script, model, extra, d
     def checkpointed(model):
         return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
-    assert checkpointed(run.bundle.unet)
-    assert all(checkpointed(te) for te in run.bundle.text_encoders)
+    assert checkpointed(run.parts.bundle.unet)
+    assert all(checkpointed(te) for te in run.parts.bundle.text_encoders)
     # transformers 5's activation_checkpointing_enable, not its deprecated old name
     assert not [w for w in recwarn if "gradient_checkpointing_enable" in str(w.message)]
     plain, _ = read(str(tmp_path / "plain" / "last.safetensors"))
@@ -95,10 +95,10 @@ def test_bf16_mixed_precision_trains_and_saves_a_lora(dataset, tmp_path, train):
                                                      "--mixed_precision", "bf16"))
     assert rc == 0, err
     # Frozen weights in bf16, the trained network in float32, the VAE in bf16.
-    assert next(bf16.bundle.unet.parameters()).dtype == torch.bfloat16
-    assert bf16.bundle.text_encoders[0].dtype == torch.bfloat16
-    assert bf16.bundle.vae.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in bf16.method.network.parameters())
+    assert next(bf16.parts.bundle.unet.parameters()).dtype == torch.bfloat16
+    assert bf16.parts.bundle.text_encoders[0].dtype == torch.bfloat16
+    assert bf16.parts.bundle.vae.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in bf16.parts.method.network.parameters())
     sd, md = read(str(tmp_path / "bf16" / "last.safetensors"))
     assert md["ss_mixed_precision"] == "bf16"
     assert all(v.dtype == torch.float32 for k, v in sd.items() if k.endswith(".weight"))
@@ -106,7 +106,7 @@ def test_bf16_mixed_precision_trains_and_saves_a_lora(dataset, tmp_path, train):
     assert trained_lora_changed(sd)
     # Autocast was on (the loss is not bit-equal to float32's) and it is the same loss (first
     # step: same weights, same noise and timestep).
-    a, b = bf16.loss_log[0], fp32.loss_log[0]
+    a, b = bf16.progress.loss_log[0], fp32.progress.loss_log[0]
     assert a != b and abs(a - b) < 0.05 * b, (a, b)
 
 
@@ -114,8 +114,8 @@ def test_bf16_dreambooth_trains_the_unet_in_float32(dataset, tmp_path, train):
     rc, _, err, run = train("train_dreambooth", db_args("tiny-sd15", dataset, tmp_path / "out",
                                                         "--mixed_precision", "bf16"))
     assert rc == 0, err
-    assert next(run.bundle.unet.parameters()).dtype == torch.float32  # trained: float32 master
-    assert run.bundle.text_encoders[0].dtype == torch.bfloat16  # frozen
+    assert next(run.parts.bundle.unet.parameters()).dtype == torch.float32  # trained: float32 master
+    assert run.parts.bundle.text_encoders[0].dtype == torch.bfloat16  # frozen
     sd, md = read(str(tmp_path / "out" / "last.safetensors"))
     assert md["ss_mixed_precision"] == "bf16"
     unet = {k: v for k, v in sd.items() if k.startswith("model.diffusion_model.")}
@@ -132,11 +132,11 @@ def test_no_half_vae_keeps_the_vae_and_its_latents_in_float32(dataset, tmp_path,
     rc, _, err, full = train("train_lora", lora_args("tiny-sd15", dataset, tmp_path / "full",
                                                      "--mixed_precision", "bf16", "--no_half_vae"))
     assert rc == 0, err
-    assert full.bundle.vae.dtype == torch.float32 and half.bundle.vae.dtype == torch.bfloat16
-    assert next(full.bundle.unet.parameters()).dtype == torch.bfloat16
+    assert full.parts.bundle.vae.dtype == torch.float32 and half.parts.bundle.vae.dtype == torch.bfloat16
+    assert next(full.parts.bundle.unet.parameters()).dtype == torch.bfloat16
 
     def latents(run):
-        return {p: run.latents[k].latents for p, k in run.latent_key.items()}
+        return {p: run.parts.caches.latents[k].latents for p, k in run.parts.caches.latent_key.items()}
 
     exact, rounded, got = latents(fp32), latents(half), latents(full)
     assert exact.keys() == got.keys() == rounded.keys()
@@ -169,7 +169,7 @@ def test_clip_skip(dataset, tmp_path, train):
     rc, _, err, run = train("train_lora", lora_args("tiny-sd15", dataset, tmp_path / "two",
                                                     "--clip_skip", "2"))
     assert rc == 0, err
-    last_layer = run.bundle.text_encoders[0].config.num_hidden_layers - 1
+    last_layer = run.parts.bundle.text_encoders[0].config.num_hidden_layers - 1
     default, _ = read(str(tmp_path / "default" / "last.safetensors"))
     one, md1 = read(str(tmp_path / "one" / "last.safetensors"))
     two, md2 = read(str(tmp_path / "two" / "last.safetensors"))

@@ -134,10 +134,11 @@ def test_unchanged_content_resumes_bit_identically(saved, tmp_path):
 
 
 def _lora_run_resuming(saved, tmp_path, name: str, edit):
-    """A train_lora Run (planned, no weights) resuming a copy of the saved state whose state.json
-    ``edit(info)`` changed, for the resume check trainer._check_resume makes before loading."""
+    """The planned options, training set and plan of a train_lora run (no weights) resuming a copy
+    of the saved state whose state.json ``edit(info)`` changed, for the resume check
+    (train_state.check_resume) a run makes before loading."""
     from library.config import parse as config
-    from library.training import trainer
+    from library.training.plan import plan_run
 
     state = str(tmp_path / name)
     shutil.copytree(saved["state"], state)
@@ -146,19 +147,19 @@ def _lora_run_resuming(saved, tmp_path, name: str, edit):
     json.dump(info, open(os.path.join(state, "state.json"), "w"))
     opts = config.parse_args("train_lora", [*saved["args"], "--output_dir", str(tmp_path),
                                             "--max_train_steps", "3", "--resume", state])
-    opts, tset, plan = trainer.plan_run(opts, 1)
-    r = trainer.Run(opts, "lora")
-    r.tset, r.plan = tset, plan
-    return r
+    return plan_run(opts, 1)
 
 
 def test_state_without_content_hashes_resumes_with_a_warning(saved, tmp_path, caplog):
     """A state written before this check (no "content" in state.json) is still accepted."""
-    from library.training import trainer
+    from library.log import logger
+    from library.outputs import train_state
 
-    r = _lora_run_resuming(saved, tmp_path, "old-state", lambda info: info.pop("content"))
+    opts, tset, plan = _lora_run_resuming(saved, tmp_path, "old-state",
+                                          lambda info: info.pop("content"))
     with caplog.at_level("WARNING", logger="sdtk"):
-        path, got = trainer._check_resume(r)  # the resume check of a run, before weights load
+        # the resume check of a run, before weights load
+        path, got = train_state.check_resume(opts, "lora", plan, tset, logger)
     assert path == str(tmp_path / "old-state") and got["global_step"] == 2
     assert "content of the model weights and images could not be checked" in caplog.text
 
@@ -210,7 +211,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
 
     from library.outputs import saver
     from library.outputs import train_state
-    from library.training import trainer
+    from library.log import logger
     from library.outputs.saving import SaveError
 
     run = saved["run"]
@@ -224,12 +225,12 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     monkeypatch.setattr(run, "opts", run.opts.replace(output_dir=str(out)))
 
     with pytest.raises(SaveError) as e:
-        train_state.write_state(run, str(prev_state), trainer.logger)
+        train_state.write_state(run, str(prev_state), logger)
     msg = str(e.value)
     assert msg.startswith(f"cannot save {prev_state}: No space left on device; "), msg
     rescue = _rescued(msg, "the training state was", "last-state")
     assert msg.count(f"--resume {rescue}") == 1
-    assert train_state.read_info(rescue)["global_step"] == run.global_step  # complete
+    assert train_state.read_info(rescue)["global_step"] == run.progress.global_step  # complete
     shutil.rmtree(os.path.dirname(rescue))
 
     with pytest.raises(SaveError) as e:
@@ -238,7 +239,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
     rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")
     w = load_file(rescue)
-    ema = dict(zip([n for n, _ in train_state.named_trainable(run)], run.ema.shadow))
+    ema = dict(zip([n for n, _ in train_state.named_trainable(run.parts)], run.parts.ema.shadow))
     assert any(k.endswith(".lora_up.weight") for k in w)
     assert len([k for k in w if not k.endswith(".alpha")]) == len(ema)  # every trained tensor
     shutil.rmtree(os.path.dirname(rescue))
@@ -259,10 +260,11 @@ def test_damaged_content_record_is_named(saved, tmp_path):
 def test_state_of_another_method_is_named(saved, tmp_path):
     """A train_dreambooth state given to train_lora (or the other way): named as such, not as
     whichever option the two scripts set differently."""
-    from library.training import trainer
-    from library.outputs.train_state import ResumeError
+    from library.log import logger
+    from library.outputs import train_state
 
-    r = _lora_run_resuming(saved, tmp_path, "db-state", lambda info: info.update(method="dreambooth"))
-    with pytest.raises(ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), this "
-                                          r"is train_lora.py"):
-        trainer._check_resume(r)
+    opts, tset, plan = _lora_run_resuming(saved, tmp_path, "db-state",
+                                          lambda info: info.update(method="dreambooth"))
+    with pytest.raises(train_state.ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), "
+                                                      r"this is train_lora.py"):
+        train_state.check_resume(opts, "lora", plan, tset, logger)

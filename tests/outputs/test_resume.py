@@ -64,11 +64,11 @@ def weights(path):
 def assert_same_run(a, b):
     """Bit-identical weights files and the same per-step log and counters."""
     ra, rb = a["run"], b["run"]
-    assert ra.global_step == rb.global_step and ra.epoch == rb.epoch
-    assert ra.samples_seen == rb.samples_seen
-    assert ra.scheduler.last_epoch == rb.scheduler.last_epoch == ra.global_step
-    assert ra.lr_log == rb.lr_log          # the learning rate of every step, exactly
-    assert ra.loss_log == rb.loss_log      # the global loss of every step, exactly
+    assert ra.progress.global_step == rb.progress.global_step and ra.progress.epochs_done == rb.progress.epochs_done
+    assert ra.progress.samples_seen == rb.progress.samples_seen
+    assert ra.parts.stepper.scheduler.last_epoch == rb.parts.stepper.scheduler.last_epoch == ra.progress.global_step
+    assert ra.progress.lr_log == rb.progress.lr_log          # the learning rate of every step, exactly
+    assert ra.progress.loss_log == rb.progress.loss_log      # the global loss of every step, exactly
     wa, wb = weights(a["file"]), weights(b["file"])
     assert wa.keys() == wb.keys() and wa
     for k in wa:
@@ -91,8 +91,8 @@ def uninterrupted(data, tmp_path_factory):
                                         "--max_train_steps", STEPS])
     assert rc == 0, err[-2000:]
     # the schedule is not constant: warmup 2 steps, then cosine down to near 0
-    assert run.lr_log[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
-    assert run.lr_log[-1] < 3e-5 and run.global_step == STEPS and run.epoch == 3
+    assert run.progress.lr_log[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+    assert run.progress.lr_log[-1] < 3e-5 and run.progress.global_step == STEPS and run.progress.epochs_done == 3
     return {"run": run, "file": os.path.join(out, "last.safetensors")}
 
 
@@ -106,12 +106,12 @@ def test_lora_sigint_twice_resumes_bit_identical(data, tmp_path, uninterrupted):
     assert sorted(os.listdir(out)) == ["last-step00000003-state"]  # no model: only the state
     info = json.load(open(os.path.join(state, "state.json")))
     assert (info["global_step"], info["epoch"], info["batch"], info["epochs_done"]) == (3, 1, 3, 0)
-    assert info["lr_log"] == uninterrupted["run"].lr_log[:3]
+    assert info["lr_log"] == uninterrupted["run"].progress.lr_log[:3]
 
     # second interruption, in another epoch (step 10 = epoch 3, its 2nd global batch)
     rc, err, r = train("train_lora", [*args, "--resume", state], stop_at={10})
     assert rc == 130, err[-2000:]
-    assert r.global_step == 10 and r.lr_log == uninterrupted["run"].lr_log[:10]
+    assert r.progress.global_step == 10 and r.progress.lr_log == uninterrupted["run"].progress.lr_log[:10]
     rc, err, r = train("train_lora", [*args, "--resume", "latest"])
     assert rc == 0, err[-2000:]
     assert_same_run({"run": r, "file": os.path.join(out, "last.safetensors")}, uninterrupted)
@@ -128,10 +128,10 @@ def test_lora_lengthened_twice_resumes_bit_identical(data, tmp_path_factory):
     assert rc == 0, err[-2000:]
     parts_args = [*base, "--output_dir", parts, "--save_state_on_train_end"]
     rc, err, r = train("train_lora", [*parts_args, "--max_train_steps", 3])
-    assert rc == 0 and r.lr_log == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3]), err[-2000:]
+    assert rc == 0 and r.progress.lr_log == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3]), err[-2000:]
     assert sorted(os.listdir(parts)) == ["last-state", "last.safetensors"]
     rc, err, r = train("train_lora", [*parts_args, "--max_train_steps", 6, "--resume", "latest"])
-    assert rc == 0 and r.global_step == 6, err[-2000:]
+    assert rc == 0 and r.progress.global_step == 6, err[-2000:]
     rc, err, r = train("train_lora", [*parts_args, "--max_train_steps", 9, "--resume",
                                       os.path.join(parts, "last-state")])
     assert rc == 0, err[-2000:]
@@ -171,10 +171,10 @@ def test_lengthened_cosine_continues_on_the_new_curve(rotated, tmp_path):
     args = [*rotated["args"], "--output_dir", tmp_path, "--max_train_steps", 12, "--resume", "latest"]
     rc, err, r = train("train_lora", args)
     assert rc == 0, err[-2000:]
-    assert r.lr_log[:10] == rotated["run"].lr_log  # the first 10 steps: as they were trained
+    assert r.progress.lr_log[:10] == rotated["run"].progress.lr_log  # the first 10 steps: as they were trained
     new_curve = [1e-3 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 10)) for s in (10, 11)]
-    assert r.lr_log[10:] == pytest.approx(new_curve, rel=1e-12)
-    assert rotated["run"].lr_log[-1] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert r.progress.lr_log[10:] == pytest.approx(new_curve, rel=1e-12)
+    assert rotated["run"].progress.lr_log[-1] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +259,8 @@ def test_changed_data_is_an_error_naming_it(rotated, data, tmp_path):
 
 def test_failed_save_keeps_the_previous_state(rotated, monkeypatch):
     """A save that fails half-way leaves the state of the same name as it was, and no debris."""
+    from library.log import logger
     from library.outputs import train_state
-    from library.training import trainer
 
     out = rotated["out"]
     path = os.path.join(out, "last-state")
@@ -274,7 +274,7 @@ def test_failed_save_keeps_the_previous_state(rotated, monkeypatch):
 
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="No space left"):
-        train_state.write_state(rotated["run"], path, trainer.logger)
+        train_state.write_state(rotated["run"], path, logger)
     monkeypatch.undo()
     assert sorted(os.listdir(out)) == listing  # no temporary folder left behind
     assert {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))} == before
@@ -312,10 +312,10 @@ def test_two_process_state_resumed_on_one_process(tmp_path_factory):
     assert rc == 0, err[-2000:]
     rc, err, u = train("train_lora", train_args(data, whole, "--train_batch_size", "2", *common))
     assert rc == 0, err[-2000:]
-    assert r.global_step == u.global_step == 6 and r.epoch == u.epoch == 2
-    assert r.samples_seen == u.samples_seen == 8
-    assert r.lr_log == u.lr_log
-    assert r.loss_log == pytest.approx(u.loss_log, rel=1e-5)
+    assert r.progress.global_step == u.progress.global_step == 6 and r.progress.epochs_done == u.progress.epochs_done == 2
+    assert r.progress.samples_seen == u.progress.samples_seen == 8
+    assert r.progress.lr_log == u.progress.lr_log
+    assert r.progress.loss_log == pytest.approx(u.progress.loss_log, rel=1e-5)
     worst, key = max_rel_diff(weights(os.path.join(parts, "last.safetensors")),
                               weights(os.path.join(whole, "last.safetensors")))
     # The 2-process steps sum the gradient in another order than 1 process: the bound is that
@@ -342,4 +342,4 @@ def test_state_older_than_an_option_resumes_at_its_default(rotated, tmp_path):
     rc, err, _ = train("train_lora", [*args, "--alpha_mask"])
     assert rc == 2 and "alpha_mask changed" in err, err[-2000:]
     rc, err, run = train("train_lora", args)
-    assert rc == 0 and run.global_step == 10, err[-2000:]
+    assert rc == 0 and run.progress.global_step == 10, err[-2000:]

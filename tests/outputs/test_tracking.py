@@ -43,22 +43,22 @@ def test_tensorboard_holds_loss_and_lr_scalars(train, dataset, tmp_path):
     runs = os.listdir(logs)
     assert len(runs) == 1 and runs[0].startswith("mylora_") and runs[0][len("mylora_"):].isdigit()
     ev = events(str(logs / runs[0]))
-    steps = list(range(1, r.global_step + 1))
-    assert r.global_step == 2 * r.plan.steps_per_epoch  # the run really had two epochs
+    steps = list(range(1, r.progress.global_step + 1))
+    assert r.progress.global_step == 2 * r.plan.steps_per_epoch  # the run really had two epochs
     assert [s for s, _ in ev["loss/current"]] == steps
-    assert [v for _, v in ev["loss/current"]] == approx(r.loss_log)
+    assert [v for _, v in ev["loss/current"]] == approx(r.progress.loss_log)
     spe = r.plan.steps_per_epoch
-    avg = [sum(r.loss_log[max(0, s - spe):s]) / len(r.loss_log[max(0, s - spe):s]) for s in steps]
+    avg = [sum(r.progress.loss_log[max(0, s - spe):s]) / len(r.progress.loss_log[max(0, s - spe):s]) for s in steps]
     assert [v for _, v in ev["loss/average"]] == approx(avg)
-    epoch_means = [sum(r.loss_log[i * spe:(i + 1) * spe]) / spe for i in range(2)]
+    epoch_means = [sum(r.progress.loss_log[i * spe:(i + 1) * spe]) / spe for i in range(2)]
     assert ev["loss/epoch"] == [(spe, approx(epoch_means[0])), (2 * spe, approx(epoch_means[1]))]
     # the linear schedule decays over 4 steps: each step's rates are the ones it trained with
     factor = [1.0, 0.75, 0.5, 0.25]
     assert [v for _, v in ev["lr/unet"]] == approx([1e-3 * f for f in factor])
     assert [v for _, v in ev["lr/textencoder"]] == approx([5e-4 * f for f in factor])
-    assert [v for _, v in ev["lr/textencoder"]] == approx(r.lr_log)  # the first group's, as trained
-    assert ev["loss/validation"] == [(s, approx(v)) for s, v in r.val_log]
-    assert [s for s, _ in r.val_log] == [spe, 2 * spe]
+    assert [v for _, v in ev["lr/textencoder"]] == approx(r.progress.lr_log)  # the first group's, as trained
+    assert ev["loss/validation"] == [(s, approx(v)) for s, v in r.progress.val_log]
+    assert [s for s, _ in r.progress.val_log] == [spe, 2 * spe]
     # the sample image of the last epoch, as written to output_dir/sample
     import io
 

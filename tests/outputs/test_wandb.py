@@ -107,12 +107,12 @@ def test_wandb_logs_the_tensorboard_tags(train, dataset, offline, tmp_path):
     logged = {k for row in rows.values() for k in row if not k.startswith("_")}
     assert logged == set(tb) | {"sample/00"}
     # the values the trainer recorded (wandb keeps them in float64)
-    assert [rows[s]["loss/current"] for s in range(1, 5)] == pytest.approx(r.loss_log, rel=1e-12)
+    assert [rows[s]["loss/current"] for s in range(1, 5)] == pytest.approx(r.progress.loss_log, rel=1e-12)
     # lr_log holds the first group's rate (the text encoder's); the U-Net's is twice it
-    assert [rows[s]["lr/textencoder"] for s in range(1, 5)] == pytest.approx(r.lr_log, rel=1e-12)
-    assert [rows[s]["lr/unet"] for s in range(1, 5)] == pytest.approx([2 * v for v in r.lr_log], rel=1e-12)
+    assert [rows[s]["lr/textencoder"] for s in range(1, 5)] == pytest.approx(r.progress.lr_log, rel=1e-12)
+    assert [rows[s]["lr/unet"] for s in range(1, 5)] == pytest.approx([2 * v for v in r.progress.lr_log], rel=1e-12)
     assert [(s, rows[s]["loss/validation"]) for s in sorted(rows) if "loss/validation" in rows[s]] \
-        == [(s, pytest.approx(v, rel=1e-12)) for s, v in r.val_log]
+        == [(s, pytest.approx(v, rel=1e-12)) for s, v in r.progress.val_log]
     # the sample images: one per epoch end, as files of the run
     samples = sorted(s for s in rows if "sample/00" in rows[s])
     assert samples == [2, 4]
@@ -132,7 +132,7 @@ def test_wandb_without_logging_dir_and_tracker_config(train, dataset, offline, t
     (wandb_file,) = glob.glob(str(tmp_path / "wandb-default" / "wandb" / "offline-run-*" / "run-*.wandb"))
     run, rows = wandb_history(wandb_file)
     assert (run.project, run.display_name, list(run.tags)) == ("network_train", "from-config", ["a", "b"])
-    assert [rows[s]["loss/current"] for s in (1, 2)] == pytest.approx(r.loss_log, rel=1e-12)
+    assert [rows[s]["loss/current"] for s in (1, 2)] == pytest.approx(r.progress.loss_log, rel=1e-12)
     assert "loss/epoch" not in rows[1] and "loss/epoch" in rows[2]  # the (cut) epoch ends at 2
 
 

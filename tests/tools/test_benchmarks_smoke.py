@@ -105,7 +105,7 @@ def test_gpu_benchmark_flop_count_and_peak_table():
     x = torch.randn(5, 8)
 
     class FakeRun:
-        params = list(lin.parameters())
+        parts = types.SimpleNamespace(params=list(lin.parameters()))
         tset = types.SimpleNamespace(samples=[0] * 5)
 
         @staticmethod
@@ -130,3 +130,16 @@ def test_ddp_scaling_parser_and_strategies():
                               "sum": {"args": [], "reducer": False}}
     assert ddp.build_parser().parse_args([]).strategies == ["ddp", "sum"]
     assert ddp.main(["--sd-scripts", os.path.join(ROOT, "docs")]) == 2  # not a checkout
+
+
+def test_data_pipeline_times_calls_that_exist():
+    """benchmarks/data_pipeline.py wraps named functions of the run (the README quotes it): each
+    must still exist where it looks for it, or the benchmark fails only when someone runs it."""
+    import inspect
+
+    pipeline = _load("data_pipeline")
+    calls = pipeline.timed_calls()
+    assert {key for _, _, key in calls} == {"cache_latents", "cache_text", "sample_latents",
+                                           "text_conditioning", "train"}
+    for owner, name, key in calls:
+        assert callable(inspect.getattr_static(owner, name)), (owner, name, key)

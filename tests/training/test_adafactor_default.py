@@ -63,10 +63,10 @@ def test_adafactor_alone_takes_the_relative_step_as_sd_scripts(train, dataset, t
     warning = ("Adafactor with relative_step=True (sd-scripts' default): learning_rate 0.5 is "
                "used only as the initial lr reported before the first step")
     assert err.count(warning) == 1, err
-    assert r.lr_log == [0.5]  # the initial lr, reported for the first step
-    trained = [p for m in (r.bundle.unet, *r.bundle.text_encoders) for p in m.parameters()
+    assert r.progress.lr_log == [0.5]  # the initial lr, reported for the first step
+    trained = [p for m in (r.parts.bundle.unet, *r.parts.bundle.text_encoders) for p in m.parameters()
                if p.requires_grad]
-    te = {id(p) for m in r.bundle.text_encoders for p in m.parameters() if p.requires_grad}
+    te = {id(p) for m in r.parts.bundle.text_encoders for p in m.parameters() if p.requires_grad}
     assert trained and te and set(map(id, seen)) == set(map(id, trained))
     worst, moved, steps = 0.0, 0, []
     for p, (before, grad) in seen.items():

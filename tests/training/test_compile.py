@@ -171,7 +171,7 @@ def _final_weights(train, script, args, out):
     assert rc == 0, err
     if script == "train_lora":
         return read(str(out / "last.safetensors"))[0], err
-    return {n: p.detach().clone() for n, p in run.bundle.unet.named_parameters()}, err
+    return {n: p.detach().clone() for n, p in run.parts.bundle.unet.named_parameters()}, err
 
 
 @pytest.mark.slow

@@ -57,20 +57,20 @@ def test_lora_ema_file_is_the_decay_formula(dataset, tmp_path, train, recorder):
     assert sorted(os.listdir(out)) == ["last-ema.safetensors", "last.safetensors"]
     assert len(recorder["steps"]) == 3
     exp = expected_ema(recorder, d)
-    assert all(e.device.type == "cpu" for e in run.ema.shadow)
+    assert all(e.device.type == "cpu" for e in run.parts.ema.shadow)
     raw, _ = read(out / "last.safetensors")
     avg, md = read(out / "last-ema.safetensors")
     assert raw.keys() == avg.keys()
     assert md["sdtk.ema_decay"] == str(d)
-    sd = run.method.network.state_dict()
-    name_of = {id(p): n for n, p in run.method.network.named_parameters()}
+    sd = run.parts.method.network.state_dict()
+    name_of = {id(p): n for n, p in run.parts.method.network.named_parameters()}
     checked = 0
-    for p, e, w_last in zip(run.params, exp, recorder["steps"][-1]):
+    for p, e, w_last in zip(run.parts.params, exp, recorder["steps"][-1]):
         key = name_of[id(p)]
         assert close(avg[key], e), key
         assert torch.equal(raw[key], w_last.to(raw[key].dtype)), key  # the raw file: the weights
         checked += 1
-    assert checked == len(named_trainable(run)) > 0
+    assert checked == len(named_trainable(run.parts)) > 0
     # EMA and raw weights differ (the average lags), and the in-memory model keeps the raw ones
     assert any(not torch.equal(avg[k], raw[k]) for k in raw)
     assert all(torch.equal(sd[k].cpu(), raw[k]) for k in raw)
@@ -91,15 +91,15 @@ def test_full_method_ema_single_file_and_diffusers(dataset, tmp_path, train, rec
         exp = expected_ema(recorder, d)
         loaded = load_model_bundle(str(out / name))
         ref = dict(loaded.unet.named_parameters())
-        names = {id(p): n for n, p in run.bundle.unet.named_parameters()}
+        names = {id(p): n for n, p in run.parts.bundle.unet.named_parameters()}
         n = 0
-        for p, e in zip(run.params, exp):
+        for p, e in zip(run.parts.params, exp):
             if id(p) in names:
                 assert close(ref[names[id(p)]], e), names[id(p)]
                 n += 1
-        assert n == len(list(run.bundle.unet.parameters()))
+        assert n == len(list(run.parts.bundle.unet.parameters()))
         # the EMA is not the trained model
-        live = dict(run.bundle.unet.named_parameters())
+        live = dict(run.parts.bundle.unet.named_parameters())
         assert any(not torch.equal(ref[k], live[k].detach()) for k in ref)
 
 
@@ -149,20 +149,20 @@ def test_finetune_ema_of_unet_and_text_encoder(dataset, tmp_path, train, recorde
     assert len(recorder["steps"]) == 3
     exp = expected_ema(recorder, d)
     loaded = load_model_bundle(str(out / "last-ema.safetensors"))
-    for name, live, saved in [("unet", run.bundle.unet, loaded.unet),
-                              ("te", run.bundle.text_encoders[0], loaded.text_encoders[0])]:
+    for name, live, saved in [("unet", run.parts.bundle.unet, loaded.unet),
+                              ("te", run.parts.bundle.text_encoders[0], loaded.text_encoders[0])]:
         ref = dict(saved.named_parameters())
         names = {id(p): n for n, p in live.named_parameters()}
-        hits = [(names[id(p)], e) for p, e in zip(run.params, exp) if id(p) in names]
+        hits = [(names[id(p)], e) for p, e in zip(run.parts.params, exp) if id(p) in names]
         assert len(hits) == len(ref), name
         for n, e in hits:
             assert close(ref[n], e), (name, n)
     # the text encoder did not change after step 1, its average did
-    te_ids = {id(p) for p in run.bundle.text_encoders[0].parameters()}
-    k = next(i for i, p in enumerate(run.params) if id(p) in te_ids
+    te_ids = {id(p) for p in run.parts.bundle.text_encoders[0].parameters()}
+    k = next(i for i, p in enumerate(run.parts.params) if id(p) in te_ids
              and not torch.equal(recorder["steps"][0][i], recorder["init"][i]))
     assert torch.equal(recorder["steps"][0][k], recorder["steps"][2][k])
-    assert not torch.equal(run.ema.shadow[k], recorder["steps"][2][k])
+    assert not torch.equal(run.parts.ema.shadow[k], recorder["steps"][2][k])
 
 
 def test_ema_files_follow_periodic_saves_and_rotation(dataset, tmp_path, train):

@@ -234,7 +234,7 @@ def test_plan_two_buckets_partial_batches_same_for_both_splits(trained):
     # the plan is what happened
     for name in ("bs2", "acc2"):
         r = trained(name)["run"]
-        assert r.global_step == 3 and r.epoch == 1 and r.scheduler.last_epoch == 3
+        assert r.progress.global_step == 3 and r.progress.epochs_done == 1 and r.parts.stepper.scheduler.last_epoch == 3
         seen = sorted(i for _, idx in trained(name)["capture"].samples_per_step() for i in idx)
         assert seen == [0, 1, 2, 3]  # every sample of the epoch exactly once
     buckets = {r_.bucket for r_ in trained("bs2")["run"].tset.samples}
@@ -249,8 +249,8 @@ def test_batch_2_equals_batch_1_with_accumulation_2(trained, clip):
     assert [len(i) for _, i in b["capture"].samples_per_step()].count(1) == 2
     assert len(a["capture"].micro_steps) == 4  # 3 steps x 2 micro-steps, 2 of them empty
     # the learning rate of every step (cosine with 1 warmup step), and the logged global loss
-    assert a["run"].lr_log == b["run"].lr_log == pytest.approx([0.5, 1.0, 0.5])
-    assert a["run"].loss_log == pytest.approx(b["run"].loss_log, rel=1e-5)
+    assert a["run"].progress.lr_log == b["run"].progress.lr_log == pytest.approx([0.5, 1.0, 0.5])
+    assert a["run"].progress.loss_log == pytest.approx(b["run"].progress.loss_log, rel=1e-5)
     worst, key = max_rel_diff(a["tensors"], b["tensors"])
     assert worst <= TOL, f"{key}: {worst:.2e}"
     # the up weights start at zero: they moved, so equality above is not trivial
@@ -270,7 +270,7 @@ def test_same_seed_is_bit_identical(trained):
     for k in a["tensors"]:
         assert a["tensors"][k].dtype == b["tensors"][k].dtype
         assert torch.equal(a["tensors"][k], b["tensors"][k]), k
-    assert a["run"].loss_log == b["run"].loss_log
+    assert a["run"].progress.loss_log == b["run"].progress.loss_log
     # the metadata differs only in the times of the runs
     strip = lambda md: {k: v for k, v in md.items() if k not in TIME_KEYS}  # noqa: E731
     assert strip(a["metadata"]) == strip(b["metadata"])
@@ -280,4 +280,4 @@ def test_other_seed_differs(trained):
     a, b = trained("bs2_seed8"), trained("bs2")
     worst, _ = max_rel_diff(a["tensors"], b["tensors"])
     assert worst > 0.1
-    assert a["run"].loss_log != b["run"].loss_log
+    assert a["run"].progress.loss_log != b["run"].progress.loss_log

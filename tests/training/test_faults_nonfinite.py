@@ -115,7 +115,7 @@ def reference(train, tmp_path, extra, steps):
     rc, _, err, run = train("train_lora", [*LORA, *extra, "--train_data_dir", tmp_path / "data",
                                            "--output_dir", out, "--max_train_steps", steps])
     assert rc == 0, err[-3000:]
-    return {n: p.detach().clone() for n, p in named_trainable(run)}, out
+    return {n: p.detach().clone() for n, p in named_trainable(run.parts)}, out
 
 
 def assert_state_is(state: str, ref: dict):
@@ -159,8 +159,8 @@ def test_fused_backward_pass_nan_loss_state_from_before(data, train, tmp_path):
                                            "--max_train_steps", "4", "--learning_rate", "5e-4",
                                            "--resume", state])
     assert rc == 0, err[-3000:]
-    assert run.lr_log == [1e-3, 1e-3, 5e-4, 5e-4]
-    assert {g["lr"] for o in run.stepper.optimizers for g in o.param_groups} == {5e-4}
+    assert run.progress.lr_log == [1e-3, 1e-3, 5e-4, 5e-4]
+    assert {g["lr"] for o in run.parts.stepper.optimizers for g in o.param_groups} == {5e-4}
 
 
 def test_fused_gradient_non_finite_after_other_steps(data, train, tmp_path):
@@ -262,9 +262,9 @@ def test_skip_drops_the_update_and_the_schedule_steps(data, train, tmp_path):
     assert rc == 0, err[-3000:]
     assert "non-finite loss NaN at step 3: update skipped (on_nonfinite skip)" in err
     # the skipped step counts: the scheduler stepped 3 times (linear from 1e-3 to 0 in 3 steps)
-    assert run.global_step == 3 and run.scheduler.last_epoch == 3
-    assert run.lr_log == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])
-    after = {n: p.detach() for n, p in named_trainable(run)}
+    assert run.progress.global_step == 3 and run.parts.stepper.scheduler.last_epoch == 3
+    assert run.progress.lr_log == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])
+    after = {n: p.detach() for n, p in named_trainable(run.parts)}
     assert before.keys() == after.keys() and before
     assert all(torch.equal(before[k], after[k]) for k in after)  # no update in step 3
     saved = read(os.path.join(tmp_path / "skip", "last.safetensors"))[0]

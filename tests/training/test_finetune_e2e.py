@@ -115,16 +115,16 @@ def test_finetune_in_json_equals_the_same_data_as_folders(dataset, tmp_path, tra
                                                      dataset, "--train_text_encoder"))
     assert rc == 0, err
     assert [i.caption for i in ft.tset.train_items] == [i.caption for i in db.tset.train_items]
-    assert_equal(tensors(ft.bundle.unet), tensors(db.bundle.unet), "unet (finetune vs folders)")
-    assert_equal(tensors(ft.bundle.text_encoders[0]), tensors(db.bundle.text_encoders[0]), "te")
+    assert_equal(tensors(ft.parts.bundle.unet), tensors(db.parts.bundle.unet), "unet (finetune vs folders)")
+    assert_equal(tensors(ft.parts.bundle.text_encoders[0]), tensors(db.parts.bundle.text_encoders[0]), "te")
 
     path = str(out / "last.safetensors")
     assert sorted(os.listdir(out)) == ["last.safetensors"]
     _, md = read(path)
     assert md["ss_train_text_encoder"] == "True"
     loaded, orig = load_model_bundle(path), load_model_bundle("tiny-sd15")
-    assert_equal(tensors(loaded.unet), tensors(ft.bundle.unet), "unet")
-    assert_equal(tensors(loaded.text_encoders[0]), tensors(ft.bundle.text_encoders[0]), "te")
+    assert_equal(tensors(loaded.unet), tensors(ft.parts.bundle.unet), "unet")
+    assert_equal(tensors(loaded.text_encoders[0]), tensors(ft.parts.bundle.text_encoders[0]), "te")
     assert differs(tensors(loaded.unet), tensors(orig.unet))
     assert differs(tensors(loaded.text_encoders[0]), tensors(orig.text_encoders[0]))
 
@@ -155,9 +155,9 @@ def test_finetune_sdxl_metadata_file_subset_diffusers(train_te, dataset, tmp_pat
     assert "skipping 1 entry without a caption or tags" in err
     assert [i.caption for i in run.tset.train_items] == ["a red circle, sks", "a blue square"]
     loaded, orig = load_model_bundle(str(out / "last")), load_model_bundle("tiny-sdxl")
-    assert_equal(tensors(loaded.unet), tensors(run.bundle.unet), "unet")
+    assert_equal(tensors(loaded.unet), tensors(run.parts.bundle.unet), "unet")
     assert differs(tensors(loaded.unet), tensors(orig.unet))
-    for i, (te, te_run, te0) in enumerate(zip(loaded.text_encoders, run.bundle.text_encoders,
+    for i, (te, te_run, te0) in enumerate(zip(loaded.text_encoders, run.parts.bundle.text_encoders,
                                               orig.text_encoders)):
         assert_equal(tensors(te), tensors(te_run), f"text encoder {i + 1}")
         assert differs(tensors(te), tensors(te0)) == train_te, i

@@ -90,12 +90,12 @@ def test_full_finetune_releases_and_writes_the_same_model_samples_and_validation
     assert "after caching: VAE (" in err and "text encoder (" in err and "freed (kept in a spill file" in err
     assert "resident memory" in err
     # after the run the released parts hold no memory (the spill file is gone)
-    assert r.bundle.vae.encoder.conv_in.weight.device.type == "meta"
-    assert next(r.bundle.text_encoders[0].parameters()).device.type == "meta"
-    assert r.frozen._tmp is None
+    assert r.parts.bundle.vae.encoder.conv_in.weight.device.type == "meta"
+    assert next(r.parts.bundle.text_encoders[0].parameters()).device.type == "meta"
+    assert r.parts.frozen._tmp is None
     kout, kerr, k = runs["kept"]
     assert "after caching" not in kerr
-    assert next(k.bundle.vae.parameters()).device.type == "cpu"
+    assert next(k.parts.bundle.vae.parameters()).device.type == "cpu"
     # the saved model (with its VAE and text encoder, read back from the spill file) is identical
     a, _ = read(os.path.join(out, "last.safetensors"))
     b, _ = read(os.path.join(kout, "last.safetensors"))
@@ -107,8 +107,8 @@ def test_full_finetune_releases_and_writes_the_same_model_samples_and_validation
     for f in s:
         with open(os.path.join(out, "sample", f), "rb") as x, open(os.path.join(kout, "sample", f), "rb") as y:
             assert x.read() == y.read(), f
-    assert r.val_log and r.val_log == k.val_log
-    assert r.loss_log == k.loss_log
+    assert r.progress.val_log and r.progress.val_log == k.progress.val_log
+    assert r.progress.loss_log == k.progress.loss_log
 
 
 def test_lora_without_samples_frees_the_vae_for_good(train, data3, tmp_path):
@@ -118,6 +118,6 @@ def test_lora_without_samples_frees_the_vae_for_good(train, data3, tmp_path):
         "--cache_latents"])
     assert rc == 0, err[-3000:]
     assert "after caching: VAE (" in err and "text encoder" not in err.split("after caching")[1].splitlines()[0]
-    part = r.frozen.parts["vae"]
-    assert part.spills is None and next(r.bundle.vae.parameters()).device.type == "meta"
-    assert next(r.bundle.text_encoders[1].parameters()).device.type == "cpu"  # not cached: stays
+    part = r.parts.frozen.parts["vae"]
+    assert part.spills is None and next(r.parts.bundle.vae.parameters()).device.type == "meta"
+    assert next(r.parts.bundle.text_encoders[1].parameters()).device.type == "cpu"  # not cached: stays

@@ -299,10 +299,10 @@ def _train(script, args):
     assert rc == 0, err.getvalue()[-3000:]
     r = cap.run
     if script == "train_lora":
-        weights = r.method.network.state_dict()
+        weights = r.parts.method.network.state_dict()
     else:
-        weights = {f"unet.{k}": v for k, v in r.bundle.unet.state_dict().items()}
-        for i, te in enumerate(r.bundle.text_encoders):
+        weights = {f"unet.{k}": v for k, v in r.parts.bundle.unet.state_dict().items()}
+        for i, te in enumerate(r.parts.bundle.text_encoders):
             weights.update({f"te{i}.{k}": v for k, v in te.state_dict().items()})
     return {"run": r, "err": err.getvalue(), "micro_steps": cap.micro_steps,
             "weights": {k: v.detach().clone() for k, v in weights.items()
@@ -350,8 +350,8 @@ def _assert_equivalent(a, b, same_micro_steps=True):
         d, n = float((x.double() - y.double()).norm()), float(y.double().norm())
         worst = max(worst, (d / n if n > 0 else d, k))
     assert worst[0] <= TOL, f"{worst[1]}: {worst[0]:.2e}"
-    assert a["run"].lr_log == b["run"].lr_log and len(a["run"].lr_log) == 4
-    assert a["run"].loss_log == pytest.approx(b["run"].loss_log, rel=1e-6)
+    assert a["run"].progress.lr_log == b["run"].progress.lr_log and len(a["run"].progress.lr_log) == 4
+    assert a["run"].progress.loss_log == pytest.approx(b["run"].progress.loss_log, rel=1e-6)
     if same_micro_steps:
         assert a["micro_steps"] == b["micro_steps"]
     return worst[0]
@@ -374,8 +374,8 @@ def _moved(trained, script):
 def test_fused_backward_pass_equals_plain(trained, script, optimizer):
     plain = trained(script, optimizer)
     fused = trained(script, optimizer, "--fused_backward_pass")
-    assert isinstance(fused["run"].stepper, FusedStepper)
-    assert isinstance(plain["run"].stepper, PlainStepper)
+    assert isinstance(fused["run"].parts.stepper, FusedStepper)
+    assert isinstance(plain["run"].parts.stepper, PlainStepper)
     _assert_equivalent(fused, plain)
     assert _moved(trained, script)
     assert "fused_backward_pass" in fused["err"] and "clips" not in fused["err"]
@@ -386,7 +386,7 @@ def test_fused_backward_pass_equals_plain(trained, script, optimizer):
 def test_optimizer_groups_equal_plain(trained, script, n):
     plain = trained(script, "adamw")
     groups = trained(script, "adamw", "--fused_optimizer_groups", str(n))
-    stepper = groups["run"].stepper
+    stepper = groups["run"].parts.stepper
     assert isinstance(stepper, GroupedStepper) and len(stepper.optimizers) == n
     _assert_equivalent(groups, plain)
 
@@ -438,8 +438,8 @@ def test_fused_two_processes_use_the_summed_gradient(tmp_path):
     ref = train_in_process(train_args(data, str(tmp_path / "one"), "--train_batch_size", "2",
                                       *common))
     assert ranks[0]["world_size"] == 2
-    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref["run"].lr_log
-    assert len(ref["run"].lr_log) == 3
+    assert ranks[0]["lr_log"] == ranks[1]["lr_log"] == ref["run"].progress.lr_log
+    assert len(ref["run"].progress.lr_log) == 3
     # rank 1's share of a partial batch was empty: it ran the zero-weight backward of rank 0's
     # sample (recorded as a micro-step of that sample), so its hooks fired in step with rank 0
     by_rank = [{s: tuple(i) for s, _, i in r["micro_steps"]} for r in ranks]
@@ -489,8 +489,8 @@ def test_fused_resume_continues_exactly(trained, tmp_path):
             "--fused_backward_pass", "--save_state_on_train_end"]
     _train("train_lora", [*base, "--max_train_steps", "2"])
     resumed = _train("train_lora", [*base, "--max_train_steps", "4", "--resume", "latest"])
-    assert resumed["run"].global_step == 4
-    assert isinstance(resumed["run"].stepper, FusedStepper)
-    assert resumed["run"].lr_log == straight["run"].lr_log
+    assert resumed["run"].progress.global_step == 4
+    assert isinstance(resumed["run"].parts.stepper, FusedStepper)
+    assert resumed["run"].progress.lr_log == straight["run"].progress.lr_log
     for k, v in straight["weights"].items():
         assert torch.equal(resumed["weights"][k], v), k

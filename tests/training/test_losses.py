@@ -427,18 +427,18 @@ def test_lora_trains_and_saves_with_variants(train, dataset, tmp_path):
         return run, read(out / "last.safetensors")[0]
 
     run, tensors = lora(tmp_path / "variants", *VARIANTS_EPS)
-    assert run.global_step == 2 and all(math.isfinite(x) for x in run.loss_log)
-    assert run.losses.opts.loss_type == "huber"
+    assert run.progress.global_step == 2 and all(math.isfinite(x) for x in run.progress.loss_log)
+    assert run.parts.losses.opts.loss_type == "huber"
     base_run, base = lora(tmp_path / "plain")
-    assert run.loss_log != base_run.loss_log
+    assert run.progress.loss_log != base_run.progress.loss_log
     assert any(not torch.equal(tensors[k], base[k]) for k in base if k.endswith("lora_up.weight"))
     # v-prediction model with the v-only options and a zero-terminal-SNR schedule
     vrun, _ = lora(tmp_path / "v", "--pretrained_model_name_or_path", "tiny-sd2", "--zero_terminal_snr",
                    "--min_snr_gamma", "5", "--scale_v_pred_loss_like_noise_pred",
                    "--debiased_estimation_loss", "--loss_type", "smooth_l1", "--huber_schedule",
                    "exponential")
-    assert vrun.losses.v_prediction and float(vrun.losses.all_snr[-1]) == 0.0
-    assert vrun.global_step == 2 and all(math.isfinite(x) for x in vrun.loss_log)
+    assert vrun.parts.losses.v_prediction and float(vrun.parts.losses.all_snr[-1]) == 0.0
+    assert vrun.progress.global_step == 2 and all(math.isfinite(x) for x in vrun.progress.loss_log)
 
 
 SPLIT_VARIANTS = ["--noise_offset", "0.1", "--noise_offset_random_strength", "--adaptive_noise_scale",

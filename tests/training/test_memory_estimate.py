@@ -73,18 +73,18 @@ def test_adafactor_factors_only_the_last_two_dimensions():
 # -- through the trainer: the estimate of a run against the run itself ---------------------------
 
 def _components_of(run):
-    b = run.bundle
+    b = run.parts.bundle
     parts = {"unet": b.unet, "vae": b.vae, "text_encoder": b.text_encoders[0]}
     if len(b.text_encoders) > 1:
         parts["text_encoder_2"] = b.text_encoders[1]
-    if getattr(run.method, "network", None) is not None:
-        parts["network"] = run.method.network
+    if run.parts.method.network is not None:
+        parts["network"] = run.parts.method.network
     return parts
 
 
 def _real_lines(run) -> dict:
     """(component, trained, dtype) -> parameter count, from the run's own modules."""
-    trained = {id(p) for p in run.params if p.requires_grad}
+    trained = {id(p) for p in run.parts.params if p.requires_grad}
     out: dict = {}
     for name, module in _components_of(run).items():
         for p in module.parameters():
@@ -129,14 +129,14 @@ def test_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path, monk
     for line in est.params:
         got[(line.component, line.trained, line.dtype)] = line.numel
     assert got == _real_lines(run)
-    trained = [p for p in run.params if p.requires_grad]
+    trained = [p for p in run.parts.params if p.requires_grad]
     assert est.trained_params == sum(p.numel() for p in trained) > 0
-    assert est.optimizer == state_bytes(_optimizers(run.stepper))
+    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
     nbytes = [p.numel() * p.element_size() for p in trained]
     if "fused" in case:
         assert est.gradients == max(nbytes)
     elif "groups" in case:
-        units = run.stepper.units
+        units = run.parts.stepper.units
         assert len(units) == 3
         assert est.gradients == max(sum(p.numel() * p.element_size() for p in u) for u in units)
     else:

@@ -356,7 +356,7 @@ def test_base_weights_are_merged_before_training(train, dataset, tmp_path):
     fresh = comps("sd15")
     checked = 0
     for root, prefix in (("unet", "lora_unet"), ("text_encoder", "lora_te")):
-        trained = dict(r.bundle.components()[root].named_modules())
+        trained = dict(r.parts.bundle.components()[root].named_modules())
         for path, module in fresh[root].named_modules():
             if not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
                 continue
@@ -420,14 +420,14 @@ def test_block_lr_groups_sdxl_unet_by_block(train, dataset, tmp_path):
                                                       "--max_train_steps", "1",
                                                       "--block_lr", ",".join(map(str, lrs))))
     assert rc == 0, err[-2000:]
-    unet = r.bundle.unet
+    unet = r.parts.bundle.unet
     block_of = {}
     for name, p in unet.named_parameters():
         (b,) = {b for prefix, b in SDXL_PARAM_BLOCKS if name.startswith(prefix)}
         block_of[id(p)] = b
-    groups = r.optimizer.param_groups
-    assert r.method.group_names == [f"block{i}" for i in range(23) if lrs[i]]
-    for name, g in zip(r.method.group_names, groups):
+    groups = r.parts.stepper.optimizer.param_groups
+    assert r.parts.method.group_names == [f"block{i}" for i in range(23) if lrs[i]]
+    for name, g in zip(r.parts.method.group_names, groups):
         b = int(name[len("block"):])
         assert {block_of[id(p)] for p in g["params"]} == {b} and g["lr"] == pytest.approx(lrs[b])
     assert sum(len(g["params"]) for g in groups) == sum(1 for p in unet.parameters() if lrs[block_of[id(p)]])

@@ -111,7 +111,7 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
     real_save = NetworkMethod.save
 
     def save(self, path, dtype, metadata):
-        opt = self_run[0].stepper.optimizer
+        opt = self_run[0].parts.stepper.optimizer
         opt = getattr(opt, "optimizer", opt)
         seen.append((opt.param_groups[0]["train_mode"],
                      {k: v.detach().clone() for k, v in self.network.state_dict().items()}))
@@ -136,11 +136,11 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
                                            "--learning_rate", "1e-3", "--network_dim", "4"])
     assert rc == 0, err
     assert [mode for mode, _ in seen] == [False, False]  # step 2 and the final save
-    opt = getattr(r.stepper.optimizer, "optimizer", r.stepper.optimizer)
+    opt = getattr(r.parts.stepper.optimizer, "optimizer", r.parts.stepper.optimizer)
     assert opt.param_groups[0]["train_mode"] is True
     saved, _ = read(tmp_path / "last.safetensors")
     final_eval = seen[-1][1]
-    now = r.method.network.state_dict()
+    now = r.parts.method.network.state_dict()
     ups = [k for k in final_eval if k.endswith("lora_up.weight")]
     assert ups
     differs = 0
@@ -239,13 +239,13 @@ def test_new_names_train_end_to_end(train, dataset, tmp_path, extra):
     rc, out, err, r = train("train_lora", [*E2E, "--train_data_dir", dataset, "--output_dir",
                                            str(tmp_path), *extra])
     assert rc == 0, err
-    assert r.global_step == 2 and (tmp_path / "last.safetensors").exists()
-    ups = [v for k, v in r.method.network.state_dict().items() if k.endswith("lora_up.weight")]
+    assert r.progress.global_step == 2 and (tmp_path / "last.safetensors").exists()
+    ups = [v for k, v in r.parts.method.network.state_dict().items() if k.endswith("lora_up.weight")]
     assert any(float(v.abs().max()) > 0 for v in ups)  # trained (up weights start at zero)
     if "StepLR" in extra:
-        assert r.lr_log[:2] == [1.0, 0.5]  # once per optimizer step
+        assert r.progress.lr_log[:2] == [1.0, 0.5]  # once per optimizer step
     if "cosine_with_min_lr" in extra:
-        assert r.lr_log == pytest.approx([1e-3, 0.5e-3 + 0.5e-3 * 0.5 * (1 + math.cos(math.pi / 2))])
+        assert r.progress.lr_log == pytest.approx([1e-3, 0.5e-3 + 0.5e-3 * 0.5 * (1 + math.cos(math.pi / 2))])
 
 
 def test_scheduler_mistake_fails_before_loading(run_script, dataset, tmp_path, no_weight_loading):
@@ -272,12 +272,12 @@ def test_adafactor_schedule_survives_resume(train, dataset, tmp_path):
     assert rc == 0, err
     from transformers.optimization import AdafactorSchedule
 
-    assert isinstance(r.stepper.scheduler, AdafactorSchedule)
+    assert isinstance(r.parts.stepper.scheduler, AdafactorSchedule)
     # before the first step the scheduler reports initial_lr (learning_rate), then Adafactor's
     # own step size 1e-2 x RMS of the first weight (transformers' formula, tested in test_optim)
-    assert r.lr_log == whole.lr_log and whole.lr_log[0] == 1e-3
-    assert all(0 < x != 1e-3 for x in whole.lr_log[1:])
-    a, b = whole.method.network.state_dict(), r.method.network.state_dict()
+    assert r.progress.lr_log == whole.progress.lr_log and whole.progress.lr_log[0] == 1e-3
+    assert all(0 < x != 1e-3 for x in whole.progress.lr_log[1:])
+    a, b = whole.parts.method.network.state_dict(), r.parts.method.network.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

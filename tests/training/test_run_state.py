@@ -7,10 +7,15 @@
   only its own kept.
 - The loop's declared hooks see every micro-step and every step, with the step's loss and
   learning rate as the run records them, and a hook's loss is the one trained on.
+- No module outside the trainer reads or writes run state by attribute name (getattr, setattr,
+  hasattr, delattr, vars, __dict__): every part is declared, so it is read as ``obj.name``.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -86,8 +91,8 @@ def test_hooks_observe_and_feed_the_loop(dataset, tmp_path, train):
         rc, _, err, run = train("train_lora", args)
     assert rc == 0, err
     assert [(s, len(i)) for s, _, i in micro] == [(0, 1), (0, 1), (1, 1), (1, 1)]
-    assert steps == [(1, run.loss_log[0], 1e-3), (2, run.loss_log[1], 1e-3)]
-    assert run.lr_log == [1e-3, 1e-3] and all(math.isfinite(x) for x in run.loss_log)
+    assert steps == [(1, run.progress.loss_log[0], 1e-3), (2, run.progress.loss_log[1], 1e-3)]
+    assert run.progress.lr_log == [1e-3, 1e-3] and all(math.isfinite(x) for x in run.progress.loss_log)
 
     def poison(run, epoch, idx, loss):
         return loss * float("nan") if run.progress.global_step == 1 else loss
@@ -95,3 +100,58 @@ def test_hooks_observe_and_feed_the_loop(dataset, tmp_path, train):
     with HOOKS.add(after_micro_step=poison):
         rc, _, err, _ = train("train_lora", base_args("tiny-sd15", dataset, str(tmp_path / "b")))
     assert rc != 0 and "non-finite loss NaN at step 2" in err
+
+
+def _run_state_names() -> set[str]:
+    """The names a run's state goes by: the Run and its records (and their usual short names),
+    and each component, whose interface (method, strategy, stepper, ...) is declared. Not the
+    accelerator: accelerate's object, whose optional parts (``scaler``) are its own API."""
+    from library.training.run_state import Components
+
+    parts = {f.name for f in dataclasses.fields(Components)} - {"accelerator"}
+    return {"run", "r", "parts", "c", "progress", "caches", *parts}
+
+
+def _by_name(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every attribute access by name on an object called one of ``names``
+    (the last part of its dotted path: ``c.method``, ``self.run``): getattr / setattr / hasattr /
+    delattr / vars(obj), obj.__dict__."""
+    def last(node):
+        if isinstance(node, ast.Attribute):
+            return node.attr
+        return node.id if isinstance(node, ast.Name) else None
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args and \
+                node.func.id in ("getattr", "setattr", "hasattr", "delattr", "vars") and \
+                last(node.args[0]) in names:
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "__dict__" and last(node.value) in names:
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_the_scan_finds_access_by_name():
+    names = _run_state_names()
+    planted = ("net = getattr(c.method, 'network', None)\nsetattr(run, 'x', 1)\n"
+               "run.parts.__dict__['k'] = 2\nif hasattr(self.stepper, 'steps_in_backward'): pass\n"
+               "vars(progress)\n")
+    assert [line for line, _ in _by_name(planted, names)] == [1, 2, 3, 4, 5]
+    fine = ("getattr(opts, name)\ngetattr(self.optimizer, 'optimizer', None)\n"
+            "getattr(acc, 'scaler', None)\nrun.parts.method.network\n")
+    assert _by_name(fine, names) == []
+
+
+def test_no_module_reads_or_writes_run_state_by_attribute_name():
+    """Outside library/training/trainer.py (which builds the parts), every module reads the run's
+    declared parts as attributes: no probing with getattr/hasattr, no setattr, no __dict__."""
+    from tests.helpers import ROOT, source_files
+
+    names = _run_state_names()
+    files = [p for p in source_files()
+             if os.path.relpath(p, ROOT) != os.path.join("library", "training", "trainer.py")]
+    assert os.path.join(ROOT, "library", "training", "loop.py") in files  # sub-packages too
+    found = [f"{os.path.relpath(path, ROOT)}:{line}: {code}" for path in files
+             for line, code in _by_name(open(path, encoding="utf-8").read(), names)]
+    assert not found, "\n".join(found)

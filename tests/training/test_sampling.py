@@ -78,9 +78,9 @@ def test_samples_are_deterministic_show_the_lora_and_leave_training_untouched(tr
         "--network_dropout", "0.3", "--network_train_unet_only"))
     assert rc == 0, err
     assert not (tmp_path / "c" / "sample").exists()
-    wa, wc = runs[0].method.network.state_dict(), c.method.network.state_dict()
-    assert all(torch.equal(wa[k], wc[k]) for k in wa) and runs[0].loss_log == c.loss_log
-    assert runs[0].method.network.training
+    wa, wc = runs[0].parts.method.network.state_dict(), c.parts.method.network.state_dict()
+    assert all(torch.equal(wa[k], wc[k]) for k in wa) and runs[0].progress.loss_log == c.progress.loss_log
+    assert runs[0].parts.method.network.training
 
 
 def test_sampling_errors_before_loading(run_script, dataset, tmp_path):

@@ -68,7 +68,7 @@ def _check_frozen(run, arch):
     from library.models.tiny_models import build_tiny_components
 
     base = build_tiny_components(arch)
-    b = run.bundle
+    b = run.parts.bundle
     _same_module(b.unet, base["unet"])
     if not next(b.vae.parameters()).is_meta:  # freed after caching on a CPU-only machine
         _same_module(b.vae, base["vae"])
@@ -95,8 +95,8 @@ def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_res
     assert md["modelspec.architecture"] == "stable-diffusion-v1/textual-inversion"
     assert md["ss_token_string"] == "mytok"
     assert os.path.isfile(out / "last-step00000002.safetensors")  # step names as for LoRA
-    spec = run.method.spec
-    trained = run.method.tokens.rows(0, spec).detach().clone()
+    spec = run.parts.method.spec
+    trained = run.parts.method.tokens.rows(0, spec).detach().clone()
     assert sd["emb_params"].equal(trained)
     # diffusers: the loaded pipeline's text encoder gives the trained rows exactly, and keeps
     # the base rows
@@ -112,7 +112,7 @@ def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_res
     # the loss falls on the tiny overfit: the training samples' draws (noise, timestep) scored
     # with the initial and the trained rows (the U-Net is nearly blind to the text on the tiny
     # model, so the per-step log is noise; these draws are the same for both)
-    emb = run.method.tokens.modules[0]
+    emb = run.parts.method.tokens.modules[0]
 
     def training_loss(rows):
         with torch.no_grad():
@@ -153,7 +153,7 @@ def test_embedding_file_of_sd2_and_sdxl_loads_in_diffusers_with_its_ema(arch, da
     assert {k: tuple(v.shape) for k, v in sd.items()} == {k: (1, w) for k, w in widths.items()}
     _, rows = _load_in_diffusers(arch, path, "mytok")
     for k, got in enumerate(rows):
-        assert got.equal(run.method.tokens.rows(k, run.method.spec).detach())
+        assert got.equal(run.parts.method.tokens.rows(k, run.parts.method.spec).detach())
     base = _check_frozen(run, arch)
     # the EMA file: 0.5 x (0.5 x initial + 0.5 x step 1) + 0.5 x step 2, the initial rows being
     # the init word's first token in each encoder's base matrix
@@ -283,7 +283,7 @@ def test_weights_file_starts_the_rows_and_templates_replace_the_captions(dataset
     from safetensors.torch import save_file
 
     from library.config.parse import parse_args
-    from library.training.trainer import plan_run
+    from library.training.plan import plan_run
 
     start = torch.randn(2, 32, generator=torch.Generator().manual_seed(7))
     src = tmp_path / "start.safetensors"

@@ -85,9 +85,9 @@ def test_dreambooth_saves_a_single_file_that_loads_back(arch, dataset, tmp_path,
 
     # It loads back, as the same family, with exactly the trained in-memory weights.
     loaded = load_model_bundle(path)
-    assert loaded.family == run.bundle.family == {"sd15": "sd1"}.get(arch, arch)
+    assert loaded.family == run.parts.bundle.family == {"sd15": "sd1"}.get(arch, arch)
     assert loaded.v_parameterization == (arch == "sd2")
-    assert_equal_states(state(loaded.unet), state(run.bundle.unet), "unet")
+    assert_equal_states(state(loaded.unet), state(run.parts.bundle.unet), "unet")
 
     # Training changed every U-Net tensor; the VAE and (without --train_text_encoder) the text
     # encoders are exactly the base model's.
@@ -131,9 +131,9 @@ def test_train_text_encoder_trains_every_text_encoder(arch, dataset, tmp_path, t
     _, md = read(path)
     assert md["ss_train_text_encoder"] == "True"
     loaded, base = load_model_bundle(path), base_bundle(arch)
-    assert_equal_states(state(loaded.unet), state(run.bundle.unet), "unet")
+    assert_equal_states(state(loaded.unet), state(run.parts.bundle.unet), "unet")
     assert changed(state(loaded.unet), state(base.unet))
-    for i, (te, te_run, te0) in enumerate(zip(loaded.text_encoders, run.bundle.text_encoders,
+    for i, (te, te_run, te0) in enumerate(zip(loaded.text_encoders, run.parts.bundle.text_encoders,
                                               base.text_encoders)):
         assert_equal_states(state(te), state(te_run), f"text encoder {i + 1}")
         moved = changed(state(te), state(te0))
@@ -152,8 +152,8 @@ def test_text_encoder_learning_rates(dataset, tmp_path, train):
     rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "a", "--train_text_encoder",
                                       "--learning_rate_te", "0"))
     assert rc == 0, err
-    assert changed(state(run.bundle.unet), state(base.unet))
-    assert_equal_states(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]),
+    assert changed(state(run.parts.bundle.unet), state(base.unet))
+    assert_equal_states(state(run.parts.bundle.text_encoders[0]), state(base.text_encoders[0]),
                         "text encoder")
 
     # A text-encoder rate without train_text_encoder (what the kohya_ss GUI writes): the SD1 text
@@ -163,27 +163,27 @@ def test_text_encoder_learning_rates(dataset, tmp_path, train):
                                       "1e-3"))
     assert rc == 0, err
     assert "the text encoder trains, as in sd-scripts' train_db.py" in err
-    assert changed(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]))
+    assert changed(state(run.parts.bundle.text_encoders[0]), state(base.text_encoders[0]))
     rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "a3", "--text_encoder_lr",
                                       "1e-3", "--train_text_encoder=false"))
     assert rc == 0, err
     assert "WARNING: text_encoder_lr has no effect without train_text_encoder" in err
-    assert_equal_states(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]),
+    assert_equal_states(state(run.parts.bundle.text_encoders[0]), state(base.text_encoders[0]),
                         "text encoder")
 
     # SD1: only the text encoder trains when learning_rate is 0 but text_encoder_lr is not.
     rc, _, err, run = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "b", "--train_text_encoder",
                                       "--learning_rate", "0", "--text_encoder_lr", "1e-3"))
     assert rc == 0, err
-    assert_equal_states(state(run.bundle.unet), state(base.unet), "unet")
-    assert changed(state(run.bundle.text_encoders[0]), state(base.text_encoders[0]))
+    assert_equal_states(state(run.parts.bundle.unet), state(base.unet), "unet")
+    assert changed(state(run.parts.bundle.text_encoders[0]), state(base.text_encoders[0]))
 
     # SDXL: [te1, te2] = [1e-3, 0] trains the first text encoder only.
     base = base_bundle("sdxl")
     rc, _, err, run = train("train_dreambooth", base_args("tiny-sdxl", dataset, tmp_path / "c", "--train_text_encoder",
                                       "--text_encoder_lr", "1e-3", "0"))
     assert rc == 0, err
-    te1, te2 = run.bundle.text_encoders
+    te1, te2 = run.parts.bundle.text_encoders
     assert changed(state(te1), state(base.text_encoders[0]))
     assert_equal_states(state(te2), state(base.text_encoders[1]), "text encoder 2")
     _, md = read(str(tmp_path / "c" / "last.safetensors"))
@@ -233,10 +233,10 @@ def test_save_model_as_other_formats_loads_back(fmt, dataset, tmp_path, train):
         assert sorted(os.listdir(out)) == ["last.ckpt"]
     loaded = load_model_bundle(str(path))
     assert loaded.family == "sdxl"
-    assert_equal_states(state(loaded.unet), state(run.bundle.unet), "unet")
-    for i, (te, te_run) in enumerate(zip(loaded.text_encoders, run.bundle.text_encoders)):
+    assert_equal_states(state(loaded.unet), state(run.parts.bundle.unet), "unet")
+    for i, (te, te_run) in enumerate(zip(loaded.text_encoders, run.parts.bundle.text_encoders)):
         assert_equal_states(state(te), state(te_run), f"text encoder {i + 1}")
-    assert_equal_states(state(loaded.vae), state(run.bundle.vae), "vae")
+    assert_equal_states(state(loaded.vae), state(run.parts.bundle.vae), "vae")
 
 
 def test_save_precision_fp16(dataset, tmp_path, train):
@@ -248,10 +248,10 @@ def test_save_precision_fp16(dataset, tmp_path, train):
     floats = {k: v for k, v in sd.items() if v.is_floating_point()}
     assert floats and all(v.dtype == torch.float16 for v in floats.values())
     # The saved weights are the trained ones rounded to fp16; training went on in float32.
-    assert next(run.bundle.unet.parameters()).dtype == torch.float32
+    assert next(run.parts.bundle.unet.parameters()).dtype == torch.float32
     from library.models.sd_checkpoint import original_state_dict
 
-    trained = original_state_dict(run.bundle.components(), "sd1")
+    trained = original_state_dict(run.parts.bundle.components(), "sd1")
     assert trained.keys() == sd.keys()
     for k, v in trained.items():
         if v.is_floating_point():
@@ -274,7 +274,7 @@ def test_reg_images_with_prior_loss_weight(dataset, tmp_path, train):
         assert "samples_per_epoch: 8" in stdout
         _, md = read(str(out / "last.safetensors"))
         assert md["ss_num_reg_images"] == "2" and md["ss_prior_loss_weight"] == w
-        trained[w] = state(run.bundle.unet)
+        trained[w] = state(run.parts.bundle.unet)
     # The weight of the reg samples' loss reaches the update.
     assert changed(trained["0.5"], trained["1.0"], tol=1e-4)
 
@@ -287,10 +287,10 @@ def test_sdxl_learning_rate_te1_te2(dataset, tmp_path, train):
         "tiny-sdxl", dataset, tmp_path / "a", "--train_text_encoder", "--text_encoder_lr", "1e-3",
         "--learning_rate_te2", "0"))
     assert rc == 0, err
-    te1, te2 = run.bundle.text_encoders
+    te1, te2 = run.parts.bundle.text_encoders
     assert changed(state(te1), state(base.text_encoders[0]))
     assert_equal_states(state(te2), state(base.text_encoders[1]), "text encoder 2")
-    lrs = sorted(g["lr"] for g in run.stepper.optimizer.param_groups)
+    lrs = sorted(g["lr"] for g in run.parts.stepper.optimizer.param_groups)
     assert lrs == [1e-3, 1e-3]  # U-Net and text encoder 1; text encoder 2 is not in the optimizer
     _, md = read(str(tmp_path / "a" / "last.safetensors"))
     assert md["ss_text_encoder_lr"] == str([1e-3, 0.0])
@@ -299,7 +299,7 @@ def test_sdxl_learning_rate_te1_te2(dataset, tmp_path, train):
         "tiny-sdxl", dataset, tmp_path / "b", "--train_text_encoder", "--learning_rate_te1", "2e-4",
         "--learning_rate_te2", "3e-4"))
     assert rc == 0, err
-    assert sorted(g["lr"] for g in run.stepper.optimizer.param_groups) == [2e-4, 3e-4, 1e-3]
+    assert sorted(g["lr"] for g in run.parts.stepper.optimizer.param_groups) == [2e-4, 3e-4, 1e-3]
 
     rc, _, err, _ = train("train_dreambooth", base_args(
         "tiny-sd15", dataset, tmp_path / "c", "--train_text_encoder", "--learning_rate_te2", "1e-4"))
@@ -322,16 +322,16 @@ def test_stop_text_encoder_training(dataset, tmp_path, train):
         "tiny-sd15", dataset, out, *stop, "--save_every_n_steps", "1", "--save_state"))
     assert rc == 0, err
     assert "text encoder(s) frozen after step 1" in err
-    te, te1, te0 = (state(r.text_encoders[0]) for r in (full.bundle, one.bundle, base))
+    te, te1, te0 = (state(r.text_encoders[0]) for r in (full.parts.bundle, one.parts.bundle, base))
     assert_equal_states(te, te1, "text encoder after the stop")
     assert changed(te, te0)
-    assert changed(state(full.bundle.unet), state(one.bundle.unet))  # the U-Net went on training
-    te_ids = {id(p) for p in full.bundle.text_encoders[0].parameters()}
-    opt_state = full.stepper.optimizer.state
-    te_steps = {int(opt_state[p]["step"]) for g in full.stepper.optimizer.param_groups
+    assert changed(state(full.parts.bundle.unet), state(one.parts.bundle.unet))  # the U-Net went on training
+    te_ids = {id(p) for p in full.parts.bundle.text_encoders[0].parameters()}
+    opt_state = full.parts.stepper.optimizer.state
+    te_steps = {int(opt_state[p]["step"]) for g in full.parts.stepper.optimizer.param_groups
                 for p in g["params"] if id(p) in te_ids and p in opt_state}
     assert te_steps == {1}
-    assert not any(p.requires_grad for p in full.bundle.text_encoders[0].parameters())
+    assert not any(p.requires_grad for p in full.parts.bundle.text_encoders[0].parameters())
     _, md = read(str(out / "last.safetensors"))
     assert md["ss_stop_text_encoder_training"] == "1"
 
@@ -341,8 +341,8 @@ def test_stop_text_encoder_training(dataset, tmp_path, train):
             "tiny-sd15", dataset, part, *stop, "--save_every_n_steps", "1", "--save_state",
             "--resume", out / f"last-step{k:08d}-state"))
         assert rc == 0, err
-        assert_equal_states(state(r.bundle.unet), state(full.bundle.unet), f"unet, resume {k}")
-        assert_equal_states(state(r.bundle.text_encoders[0]), te, f"text encoder, resume {k}")
+        assert_equal_states(state(r.parts.bundle.unet), state(full.parts.bundle.unet), f"unet, resume {k}")
+        assert_equal_states(state(r.parts.bundle.text_encoders[0]), te, f"text encoder, resume {k}")
 
     # fused_backward_pass: the frozen text encoder's per-parameter optimizers are not stepped
     fused = ["--fused_backward_pass", "--max_grad_norm", "0"]
@@ -351,9 +351,9 @@ def test_stop_text_encoder_training(dataset, tmp_path, train):
     assert rc == 0, err
     rc, _, err, f3 = train("train_dreambooth", base_args("tiny-sd15", dataset, tmp_path / "f3", *stop, *fused))
     assert rc == 0, err
-    assert_equal_states(state(f3.bundle.text_encoders[0]), state(f1.bundle.text_encoders[0]),
+    assert_equal_states(state(f3.parts.bundle.text_encoders[0]), state(f1.parts.bundle.text_encoders[0]),
                         "fused: text encoder after the stop")
-    assert changed(state(f3.bundle.unet), state(f1.bundle.unet))
+    assert changed(state(f3.parts.bundle.unet), state(f1.parts.bundle.unet))
 
     rc, _, err, _ = train("train_dreambooth", base_args(
         "tiny-sd15", dataset, tmp_path / "bad", "--stop_text_encoder_training", "1",

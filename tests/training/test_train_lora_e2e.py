@@ -187,9 +187,9 @@ def test_tiny_overfit_lowers_the_loss(tmp_path):
         with torch.no_grad():
             return sum(float(r.micro_step_loss(epoch, [0], None, 1)) for epoch in range(100, 116))
 
-    r.method.network.set_multiplier(0.0)
+    r.parts.method.network.set_multiplier(0.0)
     before = fixed_loss()
-    r.method.network.set_multiplier(1.0)
+    r.parts.method.network.set_multiplier(1.0)
     after = fixed_loss()
     reset_accelerate()
     assert after < before * 0.9, (before, after)

@@ -36,7 +36,7 @@ def _worker(report_dir: str, argv: list[str]) -> int:
         return rc
     r = runs[0]
     with open(os.path.join(report_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"world_size": dist.get_world_size(), "val_log": r.val_log}, f)
+        json.dump({"world_size": dist.get_world_size(), "val_log": r.progress.val_log}, f)
     return 0
 
 
@@ -92,22 +92,22 @@ def test_lora_validation_is_reproducible_and_leaves_training_untouched(train, fo
     assert rc == 0, err
     held = {it.path for it in a.tset.val_items}
     assert len(held) == 2 and not held & {s.path for s in a.tset.samples}
-    assert [s for s, _ in a.val_log] == [1, 2, 3]
+    assert [s for s, _ in a.progress.val_log] == [1, 2, 3]
     assert "validation loss" in out
     rc, out, err, b = train("train_lora", lora_args(four_images, tmp_path / "b", *common,
                                                     "--validate_every_n_steps", "1"))
     assert rc == 0, err
-    assert b.val_log == a.val_log  # bit-identical
-    assert len({v for _, v in a.val_log}) == 3  # the weights changed, so did the number
+    assert b.progress.val_log == a.progress.val_log  # bit-identical
+    assert len({v for _, v in a.progress.val_log}) == 3  # the weights changed, so did the number
     # the same run without validation (the same split): identical weights
     rc, out, err, c = train("train_lora", lora_args(four_images, tmp_path / "c", *common,
                                                     "--validate_every_n_epochs", "100"))
     assert rc == 0, err
-    assert getattr(c, "val_log", []) == [] and c.loss_log == a.loss_log
-    wa, wc = a.method.network.state_dict(), c.method.network.state_dict()
+    assert c.progress.val_log == [] and c.progress.loss_log == a.progress.loss_log
+    wa, wc = a.parts.method.network.state_dict(), c.parts.method.network.state_dict()
     assert all(torch.equal(wa[k], wc[k]) for k in wa)
-    assert a.method.network.training  # back in train mode after validating
-    assert a.val_log[-1][1] == pytest.approx(reference_validation_loss(a, seed=3), rel=1e-5)
+    assert a.parts.method.network.training  # back in train mode after validating
+    assert a.progress.val_log[-1][1] == pytest.approx(reference_validation_loss(a, seed=3), rel=1e-5)
 
 
 def reference_validation_loss(run, seed):
@@ -120,8 +120,8 @@ def reference_validation_loss(run, seed):
 
     from library.data.step_plan import derive_seed
 
-    b = run.bundle
-    run.method.network.eval()  # no dropout
+    b = run.parts.bundle
+    run.parts.method.network.eval()  # no dropout
     losses = []
     with torch.no_grad():
         for i, item in enumerate(run.tset.val_items):
@@ -138,7 +138,7 @@ def reference_validation_loss(run, seed):
                 tt = torch.tensor([t])
                 pred = b.unet(b.noise_scheduler.add_noise(x0, n, tt), tt, cond).sample
                 losses.append(float(torch.nn.functional.mse_loss(pred, n)))
-    run.method.network.train()
+    run.parts.method.network.train()
     return sum(losses) / len(losses)
 
 
@@ -153,7 +153,7 @@ def test_dreambooth_validation_is_reproducible(train, four_images, tmp_path):
     assert rc == 0, err
     rc, out, err, b = run(tmp_path / "b")
     assert rc == 0, err
-    assert len(a.tset.val_items) == 1 and len(a.val_log) == 1 and a.val_log == b.val_log
+    assert len(a.tset.val_items) == 1 and len(a.progress.val_log) == 1 and a.progress.val_log == b.progress.val_log
 
 
 def test_validate_every_needs_a_split(run_script, four_images, tmp_path):
@@ -189,9 +189,9 @@ def test_one_and_two_processes_give_the_same_validation_loss(train, four_images,
     rc, out, err, one = train("train_lora", one_args)
     assert rc == 0, err
     two = [tuple(x) for x in ranks[0]["val_log"]]
-    assert [s for s, _ in two] == [s for s, _ in one.val_log] == [1, 2]
-    assert one.val_log == two  # bit-identical
-    assert any(float(p.abs().max()) > 0 for n, p in one.method.network.named_parameters()
+    assert [s for s, _ in two] == [s for s, _ in one.progress.val_log] == [1, 2]
+    assert one.progress.val_log == two  # bit-identical
+    assert any(float(p.abs().max()) > 0 for n, p in one.parts.method.network.named_parameters()
                if "lora_up" in n)  # it did train
 
 
@@ -222,5 +222,5 @@ def test_full_finetune_two_processes_give_the_validation_loss_of_one(train, four
     assert rc == 0, err
     two = [tuple(x) for x in ranks[0]["val_log"]]
     assert ranks[0]["val_log"] == ranks[1]["val_log"]
-    assert [s for s, _ in two] == [1, 2] and one.val_log == two  # bit-identical
+    assert [s for s, _ in two] == [1, 2] and one.progress.val_log == two  # bit-identical
     assert two[0][1] != two[1][1]  # the weights moved between the two validations

@@ -1,0 +1,52 @@
+"""A run's plan, before any weight loads (a dry run stops after it): the training set
+(library/data/training_data.py) and the step plan (library/data/step_plan.py), with the options
+the dataset config decides. No torch import."""
+from __future__ import annotations
+
+from library.data import step_plan
+from library.data.training_data import build_training_set
+from library.errors import UserError
+from library.log import logger
+
+
+def plan_run(opts, processes: int):
+    """-> (opts, training set, step plan). The options come back with what the dataset config
+    decides (its batch size and resolution): they are frozen, so the run holds the copy."""
+    tset = build_training_set(opts, logger)
+    resolved = {}
+    if tset.batch_size is not None and tset.batch_size != opts.train_batch_size:
+        # The dataset config's batch_size (dataset -> [general] -> train_batch_size) is the
+        # per-process batch, as sd-scripts; every dataset has the same one (checked).
+        logger.info(f"train_batch_size {tset.batch_size} from the dataset config "
+                    f"(run option: {opts.train_batch_size})")
+        resolved["train_batch_size"] = tset.batch_size
+    if opts.resolution is None:
+        resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
+    if resolved:
+        opts = opts.replace(**resolved)
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        if opts.script == "train_lora" and not opts.network_train_unet_only:
+            raise UserError("cache_text_encoder_outputs: the LoRA would train the text encoder "
+                            "too; add network_train_unet_only (as sd-scripts requires)")
+        if opts.script != "train_lora" and opts.train_text_encoder:
+            raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
+                            "a trained text encoder's outputs change every step")
+    plan = step_plan.make_plan(
+        bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),
+        repeats_total=tset.repeats_total, reg_images=len(tset.reg_items),
+        reg_samples=tset.reg_samples, processes=processes,
+        train_batch_size=opts.train_batch_size,
+        gradient_accumulation_steps=opts.gradient_accumulation_steps,
+        max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
+        lr_warmup_steps=opts.lr_warmup_steps)
+    return opts, tset, plan
+
+
+def print_plan(plan, main: bool):
+    if not main:
+        return
+    print("step plan:", flush=True)
+    for line in plan.lines():
+        print("  " + line, flush=True)
+    for line in step_plan.what_if_lines(plan):
+        print("  note: " + line, flush=True)
