@@ -201,4 +201,7 @@ def test_readme_keeps_the_ci_test_command():
         readme = fh.read()
     m = re.search(r"<!-- test-command -->\n```bash\n([^\n]+)\n```", readme)
     assert m, "README.md: no ```bash block right after <!-- test-command --> (.ci/run reads it)"
-    assert 'pip install -e ".[test]"' in m.group(1) and m.group(1).endswith("python -m pytest -q")
+    # two pytest-xdist workers, one per core of CI's 2-core machine; a file stays on one worker
+    # (its module fixtures run once)
+    assert 'pip install -e ".[test]"' in m.group(1) and \
+        m.group(1).endswith("python -m pytest -q -n 2 --dist loadfile")

@@ -157,7 +157,7 @@ def train(self):
     t0 = time.time()
     real_train(self)
     report["train_seconds"] = time.time() - t0
-    report["steps"] = self.global_step
+    report["steps"] = self.progress.global_step
     report["train"] = peaks()  # the training loop
     reset()
 trainer.Run.train = train

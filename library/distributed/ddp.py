@@ -80,9 +80,8 @@ class Denoiser(torch.nn.Module):
         super().__init__()
         self.unet = bundle.unet
         self.text_encoders = torch.nn.ModuleList(bundle.text_encoders)
-        network = getattr(method, "network", None)
-        if isinstance(network, torch.nn.Module):
-            self.network = network
+        if isinstance(method.network, torch.nn.Module):
+            self.network = method.network
 
     def forward(self, fn):
         return fn()

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers import make_opts
 from tests.training.test_train_lora_e2e import base_args
 
 
@@ -60,7 +61,7 @@ def test_share_of_validation_images_and_prompts():
     from library.distributed import strategy
 
     # 7 items over 3 processes, process 1: items 1 and 4
-    assert strategy.DDP(_acc(1, 3)).share(7) == [(1, True), (4, True)]
+    assert strategy.DDP(_acc(1, 3), make_opts()).share(7) == [(1, True), (4, True)]
     sharded = strategy.FSDP(_acc(1, 3))
     sharded.roots = [("unet", None)]  # sharded: every item runs everywhere, its own are kept
     assert sharded.share(7) == [(0, False), (1, True), (2, False), (3, False), (4, True),
