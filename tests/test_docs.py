@@ -22,7 +22,7 @@ NOT_OPTIONS = {
     "max_memory_allocated", "load_lora_weights", "weights_only", "enable_gradient_checkpointing",
     "text_encoder_2", "tokenizer_2", "text_model", "proj_in", "proj_out", "skip_connection",
     "input_blocks", "middle_block", "output_blocks", "use_fsdp", "gradient_clipping",
-    "overlap_comm", "zero_optimization", "lr_end", "machine_rank", "main_process_ip",
+    "overlap_comm", "zero_optimization", "lr_end", "machine_rank", "dist", "main_process_ip",
     # optimizer and scheduler arguments (optimizer_args / lr_scheduler_args values)
     "relative_step", "scale_parameter", "warmup_init", "warmup_steps", "min_8bit_size",
     "step_rules", "bypass_mode", "use_tucker",
