@@ -31,3 +31,28 @@ def source_files() -> list[str]:
     for d in ("library", "networks", "tools", "benchmarks"):
         files += glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
     return sorted(files)
+
+
+def spawn_two_processes(worker, timeout: float) -> list:
+    """Runs ``worker(rank, port, queue)`` in two spawned processes (a gloo job of two on a free
+    local port) and returns what each put on the queue (one item each, in arrival order); both
+    must exit 0. Much cheaper than launching an entry script: no accelerate, no model."""
+    import multiprocessing
+
+    from tests.conftest import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        items = [queue.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return items

@@ -10,12 +10,10 @@ are in tests/distributed/test_multiprocess.py (which also runs two "machines").
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.training.test_equivalence import read_file, train_in_process
+from tests.training.test_equivalence import train_in_process
 
 
 def lora_args(data: str, out: str, *extra) -> list[str]:
@@ -310,29 +308,13 @@ def _comm_hook_worker(rank: int, port: int, queue) -> None:
 
 def _two_processes() -> dict:
     """{hook: {rank: (local gradients, reduced gradients)}} of _comm_hook_worker."""
-    import multiprocessing
+    from tests.helpers import spawn_two_processes
 
-    from tests.conftest import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_comm_hook_worker, args=(r, port, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results: dict = {}
-        for _ in procs:
-            rank, out = queue.get(timeout=240)
-            for hook, lists in out.items():
-                results.setdefault(hook, {})[rank] = [
-                    [None if g is None else torch.tensor(g) for g in gs] for gs in lists]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    assert all(p.exitcode == 0 for p in procs)
+    results: dict = {}
+    for rank, out in spawn_two_processes(_comm_hook_worker, timeout=240):
+        for hook, lists in out.items():
+            results.setdefault(hook, {})[rank] = [
+                [None if g is None else torch.tensor(g) for g in gs] for gs in lists]
     return results
 
 

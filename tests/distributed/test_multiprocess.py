@@ -123,7 +123,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.conftest import free_port, two_process_command  # noqa: E402
+from tests.conftest import two_process_command  # noqa: E402
 from tests.training.test_equivalence import (BUCKET_ARGS, CLIP, PLAN_KEYS, TOL, dreambooth_args,  # noqa: E402
                                     make_reg_images, make_two_bucket_dataset, max_rel_diff,
                                     plan_values, read_file, train_args, train_in_process)
@@ -571,22 +571,9 @@ def test_sum_gradients_across_two_processes():
     """Bucketed sum: present on both ranks -> sum; on one -> that one (the other adds zeros);
     on none -> stays None (so optimizers skip it, as in one process); dtypes kept; frozen
     parameters untouched. Two bare gloo processes (no model), a couple of seconds."""
-    import multiprocessing
+    from tests.helpers import spawn_two_processes
 
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_sum_gradients_worker, args=(r, port, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict((res[0], res[1:]) for res in (queue.get(timeout=120) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
-    assert all(p.exitcode == 0 for p in procs)
+    results = dict((res[0], res[1:]) for res in spawn_two_processes(_sum_gradients_worker, 120))
     expected = [("torch.float32", [11.0] * 12), ("torch.float32", [2.0] * 5),
                 ("torch.float64", [33.0] * 4), None, ("torch.float32", [50.0] * 4)]
     for rank in (0, 1):

@@ -256,23 +256,9 @@ def _worker(rank: int, port: int, queue) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    import multiprocessing
+    from tests.helpers import spawn_two_processes
 
-    from tests.conftest import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=180) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    results = dict(spawn_two_processes(_worker, timeout=180))
     for r in (0, 1):
         assert isinstance(results[r], dict), results[r]
     return results
