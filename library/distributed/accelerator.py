@@ -205,13 +205,3 @@ def sum_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> None:
         if n == 0:
             p.grad = None
 
-
-def all_reduce_sum(value: float, device) -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not _is_multi_process():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item())

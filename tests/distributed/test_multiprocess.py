@@ -549,7 +549,7 @@ def _sum_gradients_worker(rank: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from library.distributed.accelerator import all_reduce_sum, sum_gradients
+    from library.distributed.accelerator import sum_gradients
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
@@ -563,7 +563,7 @@ def _sum_gradients_worker(rank: int, port: int, queue) -> None:
         params[i].grad = torch.full_like(params[i], float((i + 1) * 10 ** rank))
     sum_gradients(params + [frozen], bucket_bytes=40)  # 40 bytes: several buckets per dtype
     queue.put((rank, [None if p.grad is None else (str(p.grad.dtype), p.grad.flatten().tolist())
-                      for p in params], frozen.grad is None, all_reduce_sum(rank + 0.5, "cpu")))
+                      for p in params], frozen.grad is None))
     dist.destroy_process_group()
 
 
@@ -577,10 +577,9 @@ def test_sum_gradients_across_two_processes():
     expected = [("torch.float32", [11.0] * 12), ("torch.float32", [2.0] * 5),
                 ("torch.float64", [33.0] * 4), None, ("torch.float32", [50.0] * 4)]
     for rank in (0, 1):
-        grads, frozen_untouched, loss_sum = results[rank]
+        grads, frozen_untouched = results[rank]
         assert [None if g is None else (g[0], g[1]) for g in grads] == expected
         assert frozen_untouched
-        assert loss_sum == 2.0
 
 
 # -- DeepSpeed ZeRO (library/distributed/deepspeed_zero.py) ------------------------------------------------------------
