@@ -56,3 +56,30 @@ def spawn_two_processes(worker, timeout: float) -> list:
                 p.terminate()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return items
+
+
+def run_with_one_spawned_process(worker, timeout: float) -> list:
+    """Runs ``worker(rank, port, queue)`` as rank 0 in this process and as rank 1 in one spawned
+    process (a gloo job of two) and returns [rank 0's item, rank 1's item]; the spawned process
+    must exit 0. Half the start-up of ``spawn_two_processes``: this process has its imports
+    (torch, dynamo) loaded already. This process must hold no process group, and the worker
+    must destroy the one it makes."""
+    import multiprocessing
+    import queue as queues
+
+    from tests.conftest import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    remote, local = ctx.Queue(), queues.SimpleQueue()
+    port = free_port()
+    proc = ctx.Process(target=worker, args=(1, port, remote))
+    proc.start()
+    try:
+        worker(0, port, local)
+        items = [local.get(), remote.get(timeout=timeout)]
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+    assert proc.exitcode == 0, proc.exitcode
+    return items

@@ -119,8 +119,15 @@ class Run:
             te.train(c.method.train_text_encoder)
         if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
             from library.training.compile_unet import compile_unet
+            from library.training.stepper import fused_mode
 
-            compile_unet(b.unet, opts.dynamo_backend, logger)
+            # a fused stepper steps in each gradient's hook: one graph per block, not one for all
+            # the U-Net's gradients at once (library/training/compile_unet.py)
+            fused = fused_mode(opts)
+            if fused:
+                logger.info(f"torch_compile with {fused}: the U-Net is compiled block by block, "
+                            "so that one block's gradients, not the whole U-Net's, exist at once")
+            compile_unet(b.unet, opts.dynamo_backend, logger, per_block=fused is not None)
         # single process, DDP, FSDP or DeepSpeed: chosen once, it wraps or shards the trained
         # modules (groups re-pointed at FSDP's shards) and builds the stepper it needs
         c.strategy = strategy.for_run(opts, acc)

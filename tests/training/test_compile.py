@@ -87,6 +87,39 @@ def test_compile_falls_back_block_by_block_and_matches_eager(top_breaks, block_b
     assert ("U-Net down_blocks.1 runs eagerly (graph break" in text) == block_breaks
 
 
+class _GradOnlyBreak(_ToyUNet):
+    """Traces as one graph without gradients (a sample before training) and breaks with them
+    (as diffusers' checkpointed branch, taken only when gradients are enabled)."""
+
+    def forward(self, x):
+        x = super().forward(x)
+        if torch.is_grad_enabled():
+            print("", end="")
+        return x
+
+
+def test_a_graph_break_in_a_later_trace_falls_back_too(caplog):
+    """The first call (no_grad) compiles one graph; the training call traces again and breaks:
+    it falls back block by block instead of raising, and trains as eager."""
+    from library.training.compile_unet import compile_unet
+
+    torch.manual_seed(0)
+    eager = _ToyUNet(False, False)
+    compiled = _GradOnlyBreak(False, False)
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.INFO, logger="sdtk"):
+        w = compile_unet(compiled, "eager", logging.getLogger("sdtk"))
+        with torch.no_grad():
+            assert torch.equal(compiled(x), eager(x))
+        assert w.state == "compiled"
+        got = _loss_and_grads(compiled, x)
+    want = _loss_and_grads(eager, x)
+    assert w.state == "eager" and [b.state for b in w.blocks] == ["compiled"] * 4
+    assert "compiling its blocks one by one" in caplog.text
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
 def test_a_model_error_is_not_taken_for_a_graph_break():
     from library.training.compile_unet import compile_unet
 
@@ -112,27 +145,34 @@ def test_impossible_combinations_fail_before_loading(extra, message, dataset, tm
     assert line.startswith("error: ") and message in line
 
 
-def test_the_options_reach_the_compile_of_the_training_unet(dataset, tmp_path, train, monkeypatch):
-    """`torch_compile` / `dynamo_backend` end to end, fast: torch.compile replaced by a spy that
-    records its call and runs the function eagerly; the run must hand it the U-Net's own forward,
-    with the chosen backend and fullgraph, and train through it; without `torch_compile` it is
-    never called."""
+def _spy_compile(monkeypatch) -> list:
+    """torch.compile replaced by a spy: a call on a module's bound method is recorded as
+    (fn, backend, fullgraph, runner) and runs ``fn`` eagerly, counting the calls (runner.n);
+    other callers (libraries' own) get the real torch.compile."""
     calls = []
     real_compile = torch.compile
 
     def spy(fn, backend=None, fullgraph=False, **kw):
         if not isinstance(getattr(fn, "__self__", None), torch.nn.Module):
-            return real_compile(fn, backend=backend or "inductor", fullgraph=fullgraph, **kw)  # libraries' own
-        calls.append((fn, backend, fullgraph))
+            return real_compile(fn, backend=backend or "inductor", fullgraph=fullgraph, **kw)
 
         def run(*a, **k):
             run.n += 1
             return fn(*a, **k)
         run.n = 0
-        calls[-1] = (fn, backend, fullgraph, run)
+        calls.append((fn, backend, fullgraph, run))
         return run
 
     monkeypatch.setattr(torch, "compile", spy)
+    return calls
+
+
+def test_the_options_reach_the_compile_of_the_training_unet(dataset, tmp_path, train, monkeypatch):
+    """`torch_compile` / `dynamo_backend` end to end, fast: torch.compile replaced by a spy that
+    records its call and runs the function eagerly; the run must hand it the U-Net's own forward,
+    with the chosen backend and fullgraph, and train through it; without `torch_compile` it is
+    never called."""
+    calls = _spy_compile(monkeypatch)
     args = ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
             "--resolution", "64", "--cache_latents", "--max_train_steps", "2", "--network_dim", "4"]
     rc, _, err, _ = train("train_lora", args + ["--output_dir", tmp_path / "eager"])
@@ -146,6 +186,27 @@ def test_the_options_reach_the_compile_of_the_training_unet(dataset, tmp_path, t
     assert backend == "aot_eager" and fullgraph is True
     assert getattr(fn, "__self__", None) is unet and fn.__func__ is type(unet).forward
     assert wrapped.n == 2  # every training forward went through the compiled function
+
+
+def test_a_fused_stepper_compiles_the_unet_block_by_block(dataset, tmp_path, train, monkeypatch):
+    """fused_backward_pass steps each parameter in its gradient hook; one compiled graph would
+    compute every U-Net gradient before the first hook (tests/distributed/test_ddp_compile.py
+    measures it), so the trainer compiles each block (down_blocks.N, mid_block, up_blocks.N) as
+    its own graph, never the whole U-Net, and every block's training forward goes through it."""
+    calls = _spy_compile(monkeypatch)
+    rc, _, err, run = train("train_lora", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
+        "--resolution", "64", "--cache_latents", "--max_train_steps", "2", "--network_dim", "4",
+        "--output_dir", tmp_path, "--fused_backward_pass", "--optimizer_type", "AdamW",
+        "--torch_compile", "--dynamo_backend", "aot_eager"])
+    assert rc == 0, err
+    unet = run.parts.bundle.unet
+    blocks = [*unet.down_blocks, unet.mid_block, *unet.up_blocks]
+    assert len(calls) == len(blocks)
+    assert {id(fn.__self__) for fn, *_ in calls} == {id(b) for b in blocks}
+    assert all(backend == "aot_eager" and full for _, backend, full, _ in calls)
+    assert all(r.n == 2 for *_, r in calls)  # two training forwards through each block
+    assert "compiled block by block" in err
 
 
 def test_unknown_backend_is_one_line(dataset, tmp_path, run_script):
