@@ -152,8 +152,9 @@ OPTIONS: tuple[Option, ...] = (
       "takes precedence over sdpa.", "model"),
     O("torch_compile", "bool", False, "Compile the U-Net's training forward with torch.compile "
       "(after the network hooks and gradient checkpointing; a U-Net that cannot be one graph is "
-      "compiled block by block, with a warning). The first step pays the compile time (logged); "
-      "see docs/PERFORMANCE.md.", "model"),
+      "compiled block by block, with a warning, and so is every U-Net with fused_backward_pass "
+      "or fused_optimizer_groups). Works under DDP (the graph is cut at DDP's buckets). The first "
+      "step pays the compile time (logged); see docs/PERFORMANCE.md.", "model"),
     O("dynamo_backend", "str", "inductor", "torch.compile backend of torch_compile (sd-scripts' "
       "default inductor; aot_eager traces without generating code; \"no\" is the kohya_ss GUI's "
       "off, only valid without torch_compile).", "model", choices=DYNAMO_BACKENDS),

@@ -174,6 +174,10 @@ def describe(opts, processes: int) -> str:
     parts.append("static graph" if opts.ddp_static_graph else "unused parameters searched per step")
     if opts.ddp_comm_hook != "no":
         parts.append(f"{opts.ddp_comm_hook}-compressed all-reduce (lossy)")
+    if opts.torch_compile:
+        # the compiled U-Net runs inside DDP's forward: dynamo's DDPOptimizer cuts its graph
+        # there (library/training/compile_unet.py)
+        parts.append("the compiled U-Net cut at the buckets by dynamo's DDPOptimizer")
     return (f"DistributedDataParallel over {processes} processes: gradients summed during the "
             f"backward pass ({', '.join(parts)})")
 

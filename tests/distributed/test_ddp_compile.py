@@ -98,7 +98,8 @@ def _train(strategy_kind: str, backend: str | None = None, *, processes: int = 1
     torch.manual_seed(0)
     unet, te = _UNet(breaks), _TextEncoder()
     compiled = compile_unet(unet, backend, logging.getLogger("sdtk")) if backend else None
-    opts = make_opts("train_dreambooth", **ddp_options)
+    opts = make_opts("train_dreambooth", torch_compile=backend is not None,
+                     dynamo_backend=backend or "inductor", **ddp_options)
     acc = types.SimpleNamespace(device=torch.device("cpu"), num_processes=processes)
     parts = types.SimpleNamespace(bundle=types.SimpleNamespace(unet=unet, text_encoders=[te]),
                                   method=types.SimpleNamespace(network=None))
@@ -200,7 +201,7 @@ TRAINED = 26
     # minutes here
     pytest.param("inductor", 1e-4, marks=pytest.mark.slow)])
 def test_compiled_unet_under_ddp_reduces_and_splits_at_buckets(backend, tol, one_process_group,
-                                                               reference, monkeypatch):
+                                                               reference, monkeypatch, caplog):
     """Gradient accumulation 2 (no_sync in the first micro-step), bucket cap 1 MB, gradient
     checkpointing in every block: the compiled run equals the eager one-process run within TOL;
     DDP reduced (its SUM comm hook was called, only in the step's last micro-step: each step's
@@ -209,7 +210,9 @@ def test_compiled_unet_under_ddp_reduces_and_splits_at_buckets(backend, tol, one
     text encoder's last, the U-Net's discarded one inside the graph) keep grad None: weight
     decay did not move them, as in the reference. aot_eager within TOL, inductor within 1e-4."""
     n = _Counts(monkeypatch)
-    res = _train("ddp", backend, ddp_bucket_cap_mb=1)
+    with caplog.at_level(logging.INFO, logger="sdtk"):
+        res = _train("ddp", backend, ddp_bucket_cap_mb=1)
+    assert "the compiled U-Net cut at the buckets by dynamo's DDPOptimizer" in caplog.text
     worst, key = _worst(res["weights"], reference["plain"])
     assert worst < tol, (key, worst)
     assert res["compiled"].state == "compiled" and res["compiled"].blocks is None
@@ -260,6 +263,52 @@ def test_ddp_options_with_a_compiled_unet(case, one_process_group, reference, mo
     assert sum(n.buckets) >= STEPS * 20  # DDP reduced every step
 
 
+def _gradients_per_backward_node(loss) -> int:
+    """The most parameters whose gradients one node of ``loss``'s autograd graph produces: the
+    gradients that exist together before their post-accumulate-grad hooks (the fused step) run."""
+    seen, todo, most = set(), [loss.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nexts = [f for f, _ in node.next_functions if f is not None]
+        most = max(most, sum(type(f).__name__ == "AccumulateGrad" for f in nexts))
+        todo.extend(nexts)
+    return most
+
+
+def _fused_train(backend: str | None, per_block: bool = False, processes: int = 1,
+                 rank: int = 0) -> tuple[dict, list]:
+    """STEPS fused_backward_pass steps (SGD with momentum, each parameter stepped in its
+    post-accumulate-grad hook; on several processes each gradient's sum launched there, async)
+    of global batches of 4, this process's share weighted by 1 / 4. Returns the weights and,
+    per step, the most gradients one backward node produced (_gradients_per_backward_node)."""
+    from library.training.compile_unet import compile_unet
+    from library.training.stepper import make_stepper
+    from tests.conftest import FakeAccelerator
+    from tests.helpers import make_opts
+
+    opts = make_opts(optimizer_type="torch.optim.SGD", optimizer_args={"momentum": 0.9},
+                     learning_rate=0.1, lr_scheduler="constant", max_grad_norm=0.0,
+                     fused_backward_pass=True)
+    torch.manual_seed(0)
+    unet = _UNet(ckpt=False)
+    if backend:
+        compile_unet(unet, backend, logging.getLogger("sdtk"), per_block=per_block)
+    params = list(unet.parameters())
+    stepper = make_stepper(FakeAccelerator(), opts, [{"params": params}], params,
+                           warmup_steps=0, total_steps=STEPS)
+    together = []
+    for x, c in _batches(STEPS):
+        x, c = x[rank::processes], c[rank::processes, :1].expand(-1, W).contiguous()
+        loss = unet(x, c).square().mean(dim=1).sum() / 4
+        together.append(_gradients_per_backward_node(loss))
+        stepper.backward(loss)
+        stepper.step()
+    return {n: p.detach().clone() for n, p in unet.named_parameters()}, together
+
+
 # -- two processes ---------------------------------------------------------------------------
 def _two_process_worker(rank: int, port: int, queue) -> None:
     """One of two gloo processes: the compiled (aot_eager) U-Net under the DDP strategy, this
@@ -276,78 +325,48 @@ def _two_process_worker(rank: int, port: int, queue) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=120))
     res = _train("ddp", "aot_eager", processes=2, rank=rank, ddp_bucket_cap_mb=1)
-    queue.put((rank, {k: v.tolist() for k, v in res["weights"].items()},
-               counters["aot_autograd"]["total"]))
+    pieces = counters["aot_autograd"]["total"]
+    fused, _ = _fused_train("aot_eager", per_block=True, processes=2, rank=rank)
+    queue.put((rank, {k: v.tolist() for k, v in res["weights"].items()}, pieces,
+               {k: v.tolist() for k, v in fused.items()}))
     dist.destroy_process_group()
 
 
 def test_two_compiled_processes_give_the_one_process_result(reference):
     """Two real gloo processes (this one and a spawned one), each with its half of every
-    micro-batch: the weights equal the one-process eager run within TOL, and equal each other
-    bit for bit (the same reduced gradients); each process's graph was split at the buckets."""
+    micro-batch: under DDP the weights equal the one-process eager run within TOL, and equal
+    each other bit for bit (the same reduced gradients); each process's graph was split at the
+    buckets. The same for fused_backward_pass with the U-Net compiled block by block (its hooks
+    launch the sums asynchronously) against the eager fused step in one process."""
     from tests.helpers import run_with_one_spawned_process
 
-    out = {rank: (weights, pieces) for rank, weights, pieces in
+    out = {rank: rest for rank, *rest in
            run_with_one_spawned_process(_two_process_worker, timeout=240)}
     w0, w1 = ({k: torch.tensor(v) for k, v in out[r][0].items()} for r in (0, 1))
     assert out[0][1] == out[1][1] == PIECES[1]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     worst, key = _worst(w0, reference["plain"])
     assert worst < TOL, (key, worst)
+    # the fused step, compiled block by block: the hooks' async sums of 2 processes against
+    # the eager fused step of one process over the whole batch
+    f0, f1 = ({k: torch.tensor(v) for k, v in out[r][2].items()} for r in (0, 1))
+    assert all(torch.equal(f0[k], f1[k]) for k in f0)
+    worst, key = _worst(f0, _fused_train(None)[0])
+    assert worst < TOL, (key, worst)
 
 
 # -- the fused steppers ----------------------------------------------------------------------
-def _gradients_per_backward_node(loss) -> int:
-    """The most parameters whose gradients one node of ``loss``'s autograd graph produces: the
-    gradients that exist together before their post-accumulate-grad hooks (the fused step) run."""
-    seen, todo, most = set(), [loss.grad_fn], 0
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        nexts = [f for f, _ in node.next_functions if f is not None]
-        most = max(most, sum(type(f).__name__ == "AccumulateGrad" for f in nexts))
-        todo.extend(nexts)
-    return most
-
-
 @pytest.mark.parametrize("per_block", [False, True])
-def test_fused_step_with_a_compiled_unet(per_block, monkeypatch):
+def test_fused_step_with_a_compiled_unet(per_block):
     """fused_backward_pass (each parameter stepped in its post-accumulate-grad hook) on the
     compiled U-Net: the weights equal the eager fused run within TOL. One compiled graph's
     backward is one autograd node that produces the gradients of all the U-Net's parameters
     together (the fused step's memory saving gone: measured 40 of 40 MiB of gradients alive at
     the first hook with 1024-wide layers); compiled block by block (what the trainer does with a
     fused stepper) one node produces one block's 4."""
-    from library.training.compile_unet import compile_unet
-    from library.training.stepper import make_stepper
-    from tests.conftest import FakeAccelerator
-    from tests.helpers import make_opts
-
     torch._dynamo.reset()
-    opts = make_opts(optimizer_type="torch.optim.SGD", optimizer_args={"momentum": 0.9},
-                     learning_rate=0.1, lr_scheduler="constant", max_grad_norm=0.0,
-                     fused_backward_pass=True)
-
-    def run(backend):
-        torch.manual_seed(0)
-        unet = _UNet(ckpt=False)
-        if backend:
-            compile_unet(unet, backend, logging.getLogger("sdtk"), per_block=per_block)
-        params = list(unet.parameters())
-        stepper = make_stepper(FakeAccelerator(), opts, [{"params": params}], params,
-                               warmup_steps=0, total_steps=STEPS)
-        together = []
-        for x, c in _batches(STEPS):
-            loss = unet(x, c[:, :1].expand(-1, W).contiguous()).square().mean()
-            together.append(_gradients_per_backward_node(loss))
-            stepper.backward(loss)
-            stepper.step()
-        return {n: p.detach().clone() for n, p in unet.named_parameters()}, together
-
-    want, eager_together = run(None)
-    got, together = run("aot_eager")
+    want, eager_together = _fused_train(None)
+    got, together = _fused_train("aot_eager", per_block)
     assert eager_together == [1] * STEPS  # eager: each parameter's gradient on its own
     # one graph: every U-Net parameter it reads (the blocks' 20 and the discarded layer's 2,
     # whose gradient is None); block by block: one block's 4
