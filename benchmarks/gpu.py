@@ -179,8 +179,9 @@ def format_table(rows: list, peak: float | None) -> list[str]:
                      f"{r['first_step_s']:10.1f} {alloc} {resv} {tf} {util}")
     for r in rows:
         if "sd_scripts_it_s" in r:
+            n = r.get("sd_scripts_params")
             lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
-                         f"{r['sd_scripts_params']:,} trainable parameters")
+                         f"{f'{n:,}' if n else '?'} trainable parameters")
         elif "sd_scripts" in r:
             lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts']}")
     return lines

@@ -185,10 +185,10 @@ def _install_step_marks() -> None:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     real_step = AcceleratedOptimizer.step
     count = [0]
-    te = {"seconds": 0.0, "on": False}
+    te = {"seconds": 0.0, "on": None}
 
     def step(self, *args, **kwargs):
-        if count[0] == 0:
+        if te["on"] is None:  # the first call (an accumulation micro-step, or step 1)
             if rank0:
                 n = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad)
                 print(f"sdtk-trainable-params {n}", flush=True)

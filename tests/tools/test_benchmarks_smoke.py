@@ -243,6 +243,8 @@ def test_sd_scripts_command_lines():
         assert (o["--resolution"], o["--train_batch_size"], o["--network_dim"]) == (str(size), str(batch), "16")
         assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--optimizer_type"] == "AdamW"
         assert ("--cache_text_encoder_outputs" in o) == (arch == "sdxl")  # SD1's script has no such option
+    table = gpu.format_table([{"case": "sd15-lora-b1", "sd_scripts_it_s": 3.5, "sd_scripts_params": 6782976}], None)
+    assert table[-1].split() == ["sd15-lora-b1", "sd-scripts", "3.50", "it/s,", "6,782,976", "trainable", "parameters"]
     two = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 2, 1234)
     one = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 1)
     plain = sdl.command("/py", "/sd", "train_network.py", ["--x", 1], None)
@@ -257,38 +259,45 @@ def test_sd_scripts_command_lines():
     assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
 
 
-FAKE_TRAINING = '''
-import torch
-from accelerate import Accelerator
+def test_sd_scripts_launcher_marks_optimizer_steps(monkeypatch, capsys):
+    """The launcher's marks on an accelerate training loop (in this process, accelerate's state reset
+    before and after): one mark per optimizer step, not per accumulation micro-step; once, the
+    trainable parameters the optimizer holds (Linear(3, 2): 8; the frozen Linear's 6 not counted);
+    from step 2 on, the text encoder's forward time of that step."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
 
-acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
-lin = torch.nn.Linear(3, 2)
-frozen = torch.nn.Linear(2, 2).requires_grad_(False)
-opt = torch.optim.SGD(list(lin.parameters()) + list(frozen.parameters()), lr=0.1)
-lin, opt = acc.prepare(lin, opt)
-for _ in range(4):  # 4 micro-steps, 2 optimizer steps
-    with acc.accumulate(lin):
-        acc.backward(lin(torch.ones(1, 3)).sum())
-        opt.step()
-        opt.zero_grad()
-print("done", flush=True)
-'''
+    sdl, step_timer = _load("sd_scripts_launch"), _load("step_timer")
 
+    class Encoder(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
 
-def test_sd_scripts_launcher_marks_optimizer_steps(tmp_path):
-    """The launcher run on a small accelerate training script: one mark per optimizer step (not per
-    accumulation micro-step), the trainable parameters the optimizer holds (Linear(3, 2): 8; the
-    frozen Linear's 6 not counted); no text-encoder time without transformers."""
-    sdl = _load("sd_scripts_launch")
-    script = tmp_path / "train_fake.py"
-    script.write_text(FAKE_TRAINING)
-    p = subprocess.run(sdl.command(sys.executable, str(tmp_path), "train_fake.py", [], None), cwd=tmp_path,
-                       env=sdl.clean_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.rstrip().endswith("done")
-    r = sdl.parse_output(p.stdout)
-    assert r["params"] == 8 and len(r["times"]) == 1 and r["times"][0] > 0 and r["te"] == []
-    assert p.stdout.count("sdtk-step ") == 2
+    monkeypatch.setattr(AcceleratedOptimizer, "step", AcceleratedOptimizer.step)  # restored afterwards
+    monkeypatch.setattr(sdl, "_clip_classes", lambda: [Encoder])  # not transformers' own classes
+    monkeypatch.delenv("RANK", raising=False)
+    sdl._install_step_marks()
+    step_timer._reset_accelerate()
+    try:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        lin, frozen = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).requires_grad_(False)
+        opt = torch.optim.SGD(list(lin.parameters()) + list(frozen.parameters()), lr=0.1)
+        lin, opt = acc.prepare(lin, opt)
+        te = Encoder()
+        for _ in range(6):  # 6 micro-steps: 3 optimizer steps
+            with acc.accumulate(lin):
+                te(torch.ones(3))
+                acc.backward(lin(torch.ones(1, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+    finally:
+        step_timer._reset_accelerate()
+    out = capsys.readouterr().out
+    assert out.count("sdtk-trainable-params ") == 1 and out.count("sdtk-step ") == 3
+    assert " te=" not in out.splitlines()[1]  # step 1: the timer was installed during it
+    r = sdl.parse_output(out)
+    assert r["params"] == 8 and len(r["times"]) == 2 and all(t > 0 for t in r["times"])
+    assert len(r["te"]) == 2 and all(0 < t < s for t, s in zip(r["te"], r["times"]))
 
 
 def test_sd_scripts_text_encoder_timer():
