@@ -322,3 +322,24 @@ def test_sd_scripts_text_encoder_timer():
     Other.forward = lambda self, x: x  # its own forward, not the timed one
     Other()(torch.tensor(1.0))
     assert acc["seconds"] == before
+
+
+def test_sd_scripts_launcher_leaves_frozen_modules_unwrapped_on_cpu_processes(monkeypatch):
+    """On several CPU processes a model without trainable parameters is prepared with accelerate's
+    no-DDP switch (evaluation_mode), as accelerate does on GPUs; any other model, or any model
+    elsewhere, is prepared as asked."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    sdl = _load("sd_scripts_launch")
+    calls = []
+    monkeypatch.setattr(Accelerator, "prepare_model",
+                        lambda self, model, device_placement=None, evaluation_mode=False: calls.append(evaluation_mode))
+    sdl._skip_ddp_for_frozen_modules_on_cpu()
+    frozen, trained = torch.nn.Linear(2, 2).requires_grad_(False), torch.nn.Linear(2, 2)
+    cpus, one = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), SimpleNamespace(distributed_type=DistributedType.NO)
+    for self, model in ((cpus, frozen), (cpus, trained), (one, frozen)):
+        Accelerator.prepare_model(self, model)
+    assert calls == [True, False, False]
