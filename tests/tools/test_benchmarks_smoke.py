@@ -203,8 +203,8 @@ def test_sd_scripts_step_times_from_its_real_output():
     with open(os.path.join(DATA, "sd_scripts_lora_2proc_stdout.txt"), encoding="utf-8") as f:
         text = f.read()
     r = sdl.parse_output(text)
-    assert r["times"] == pytest.approx([4.606487, 6.435338, 6.315992], abs=1e-6)
-    assert r["te"] == pytest.approx([0.336954, 0.475981, 0.730064])
+    assert r["times"] == pytest.approx([6.564086, 6.078225, 6.245159], abs=1e-6)
+    assert r["te"] == pytest.approx([0.780152, 0.648934, 0.540599])
     assert r["params"] == 6782976
     assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None}
     with pytest.raises(ValueError, match="out of order"):
