@@ -235,10 +235,17 @@ def main(argv=None) -> int:
     except sdl.SdScriptsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import step_timer  # noqa: F401  (puts the repo root on sys.path)
+    work = tempfile.mkdtemp(prefix="sdtk-ddp-bench-")
+    try:  # the work folder holds multi-GB DreamBooth outputs: never leave it behind
+        return _measure(a, work, missing)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(a, work: str, missing: list) -> int:
+    import step_timer  # (puts the repo root on sys.path)
     from tools.make_sample_dataset import make_sample_dataset
 
-    work = tempfile.mkdtemp(prefix="sdtk-ddp-bench-")
     n = 2 * a.batch * (a.warmup + a.steps)  # enough samples for every step of 2 processes
     data = os.path.dirname(make_sample_dataset(os.path.join(work, "data"), n_images=n, size=64, repeats=1))
     rows = []
@@ -253,9 +260,12 @@ def main(argv=None) -> int:
                      "te_one": step_timer.median(res[1]["te"]) if res[1].get("te") else None,
                      "te_two": step_timer.median(res[2]["te"]) if res[2].get("te") else None})
 
-    def after_warmup(r, first=0):
+    def after_warmup(r, first=0, out=None):
         """r with "step": the median of its step times after warmup; sd-scripts' list starts at step
-        2 (first=1), ours and bare at step 1."""
+        2 (first=1), ours and bare at step 1. ``out``: a run's output folder, removed once timed
+        (a DreamBooth one is a 4 GB checkpoint)."""
+        if out:
+            shutil.rmtree(out, ignore_errors=True)
         skip = max(a.warmup - first, 0)
         r["te"] = r.get("te", [])[skip:]
         return dict(r, step=step_timer.median(r["times"][skip:] or r["times"]))
@@ -266,7 +276,8 @@ def main(argv=None) -> int:
             timed(f"ours {method} ({s})", lambda procs, m=method, s=s: after_warmup(launch(
                 procs, ["ours", "--method", m, "--strategy", s, "--data", data, "--out",
                         os.path.join(work, f"{m}-{s}-{procs}"), "--steps", a.steps, "--warmup", a.warmup,
-                        "--batch", a.batch], os.path.join(work, f"r-{m}-{s}-{procs}.json"))))
+                        "--batch", a.batch], os.path.join(work, f"r-{m}-{s}-{procs}.json")),
+                out=os.path.join(work, f"{m}-{s}-{procs}")))
         if a.sd_scripts:
             if missing:
                 rows.append({"run": f"sd-scripts {method}",
