@@ -1,7 +1,8 @@
 """CPU scaling benchmark: 2 processes x 1 thread against 1 process x 1 thread, side by side.
 
     python benchmarks/ddp_scaling.py [--steps 3] [--warmup 1] [--methods dreambooth lora]
-                                     [--strategies ddp sum] [--no-bare] [--sd-scripts PATH]
+                                     [--strategies ddp sum] [--no-bare]
+                                     [--sd-scripts PATH [--sd-scripts-python PYTHON]]
 
 On the real-width SD1.5 U-Net (``sd15-arch``, random weights) at 64 px, the same per-process
 batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-encoder outputs:
@@ -14,20 +15,32 @@ batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-
             worker by ``strategy.DDP.use_reducer = False`` (not a user option)
   bare DDP  the same U-Net in ``torch.nn.parallel.DistributedDataParallel`` (gloo), SGD, random
             inputs: what PyTorch itself reaches on this machine
-  sd-scripts  train_db.py / train_network.py when ``--sd-scripts`` names a checkout whose
-            dependencies import in this Python (else the missing modules are listed)
-Time per step = the median over the ``--steps`` steps after ``--warmup``; ratio = 2-process step
-/ 1-process step (1.0: perfect scaling of the global batch, 2.0: no gain over one process).
+  sd-scripts  train_db.py / train_network.py when ``--sd-scripts`` names a checkout, run by
+            ``--sd-scripts-python`` (its own venv; default: this Python; the modules it lacks
+            are listed instead) through benchmarks/sd_scripts_launch.py under ``accelerate
+            launch`` (2 processes: ``--multi_gpu``, which accelerate runs on gloo without CUDA),
+            on the same random weights (``sd15-arch`` written as a single file), the same data,
+            our shipped CLIP tokenizer (``--tokenizer_cache_dir``), SGD, lr 1e-4, 64 px, cached
+            latents, SDPA, no mixed precision. DreamBooth: the whole U-Net, text encoder frozen
+            (``--stop_text_encoder_training -1``; captions padded to 77 tokens as ours, so no
+            ``--no_token_padding``); LoRA: rank 16, alpha 16, U-Net only. What differs: SD1
+            sd-scripts has no text-encoder output cache, so it runs the frozen text encoder
+            forward every step (its time is printed as "text encoder"); its LoRA all-reduces
+            each LoRA parameter's gradient after the backward (``all_reduce_network``)
+Time per step = the median over the ``--steps`` steps after ``--warmup``, on rank 0: ours from
+benchmarks/step_timer.py, sd-scripts' from the launcher's time stamps after each optimizer step
+(its step 1 has no start mark, so ``--warmup`` is at least 1 with ``--sd-scripts``); ratio =
+2-process step / 1-process step (1.0: perfect scaling of the global batch, 2.0: no gain over
+one process). "trainable" = the parameters the optimizer updates, as each side counts them.
 Run it on an idle machine (it takes minutes; ``uptime`` load under 2): the processes share the
 cores with whatever else runs.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -43,9 +56,7 @@ sys.path.insert(0, HERE)
 # the backward ("sum"; strategy.DDP.use_reducer set in the worker process).
 STRATEGIES = {"ddp": {"args": [], "reducer": True}, "sum": {"args": [], "reducer": False}}
 METHOD_SCRIPT = {"dreambooth": "train_dreambooth", "lora": "train_lora"}
-# Top-level modules sd-scripts' train_db.py / train_network.py import (its requirements.txt).
-SD_SCRIPTS_MODULES = ("torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
-                      "einops", "safetensors", "toml", "voluptuous", "imagesize", "huggingface_hub")
+SD_SCRIPTS_ENTRY = {"dreambooth": "train_db.py", "lora": "train_network.py"}
 
 
 def _free_port() -> int:
@@ -90,8 +101,8 @@ def ours_worker(a) -> list:
             "--learning_rate", "1e-4", "--seed", "1", *STRATEGIES[a.strategy]["args"]]
     if a.method == "lora":
         args += ["--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only"]
-    times, _ = step_timer.timed_run(script, args)
-    return times
+    times, run = step_timer.timed_run(script, args)
+    return {"times": times, "params": sum(p.numel() for p in run.parts.params if p.requires_grad)}
 
 
 def bare_worker(a) -> list:
@@ -124,15 +135,28 @@ def bare_worker(a) -> list:
         times.append(time.perf_counter() - start)
     if world > 1:
         dist.destroy_process_group()
-    return times
+    return {"times": times, "params": sum(p.numel() for p in unet.parameters())}
 
 
-def sd_scripts_missing() -> list[str]:
-    return [m for m in SD_SCRIPTS_MODULES if importlib.util.find_spec(m) is None]
+def sd_scripts_args(method: str, model: str, tokenizers: str, data: str, out: str, a) -> list:
+    """sd-scripts' options for the same run as ours (see the module docstring for what differs)."""
+    args = ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", tokenizers,
+            "--train_data_dir", data, "--output_dir", out, "--resolution", "64",
+            "--train_batch_size", a.batch, "--max_train_steps", a.warmup + a.steps, "--cache_latents",
+            "--optimizer_type", "SGD", "--learning_rate", "1e-4", "--seed", "1",
+            "--max_data_loader_n_workers", "0", "--sdpa", "--mixed_precision", "no"]
+    if method == "lora":
+        return args + ["--network_module", "networks.lora", "--network_dim", "16", "--network_alpha", "16",
+                       "--network_train_unet_only"]
+    return args + ["--stop_text_encoder_training", "-1",  # -1: the text encoder is not trained
+                   "--save_model_as", "safetensors"]
 
 
-def sd_scripts_run(path: str, method: str, procs: int, data: str, work: str, a) -> float:
-    """Median step time of sd-scripts' train_db.py / train_network.py (its tqdm rate)."""
+def sd_scripts_run(path: str, python: str, method: str, procs: int, data: str, work: str, a) -> dict:
+    """sd-scripts' train_db.py / train_network.py under accelerate launch: rank 0's step times and
+    trainable parameter count (benchmarks/sd_scripts_launch.py)."""
+    import sd_scripts_launch as sdl
+
     model = os.path.join(work, "sd15-arch.safetensors")
     if not os.path.exists(model):
         from library.models import loading as models
@@ -140,27 +164,31 @@ def sd_scripts_run(path: str, method: str, procs: int, data: str, work: str, a) 
 
         bundle = models.load_model_bundle("sd15-arch")
         save_single_file(bundle.components(), bundle.family, model, embed_config=False)
-    entry = "train_db.py" if method == "dreambooth" else "train_network.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(procs),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), *(["--multi_gpu"] if procs > 1 else ["--cpu"]),
-           os.path.join(path, entry), "--pretrained_model_name_or_path", model,
-           "--train_data_dir", data, "--output_dir", os.path.join(work, f"sd-{method}-{procs}"),
-           "--resolution", "64", "--train_batch_size", str(a.batch),
-           "--max_train_steps", str(a.warmup + a.steps), "--cache_latents",
-           "--optimizer_type", "SGD", "--learning_rate", "1e-4", "--seed", "1",
-           "--max_data_loader_n_workers", "0", "--sdpa"]
-    if method == "lora":
-        cmd += ["--network_module", "networks.lora", "--network_dim", "16", "--network_alpha", "16",
-                "--network_train_unet_only"]
-    p = subprocess.run(cmd, cwd=path, env=_env(), capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError((p.stderr.strip().splitlines() or ["?"])[-1][:200])
-    rates = re.findall(r"([\d.]+)(it/s|s/it)", p.stderr)
-    if not rates:
-        raise RuntimeError("no rate in its output")
-    v, unit = rates[-1]
-    return 1 / float(v) if unit == "it/s" else float(v)
+    from library.models.loading import SHIPPED_TOKENIZER
+
+    tokenizers = sdl.tokenizer_cache(work, SHIPPED_TOKENIZER)
+    out = os.path.join(work, f"sd-{method}-{procs}")
+    cmd = sdl.command(python, path, SD_SCRIPTS_ENTRY[method], sd_scripts_args(method, model, tokenizers, data, out, a),
+                      procs, _free_port())
+    try:
+        return sdl.run(cmd, cwd=path, env=sdl.clean_env({"OMP_NUM_THREADS": "1"}))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # a DreamBooth output is a 4 GB checkpoint
+
+
+def format_table(rows: list, a) -> list[str]:
+    lines = [f"\nsd15-arch U-Net, 64 px, per-process batch {a.batch}, 1 thread per process, "
+             f"median of {a.steps} steps after {a.warmup}",
+             f"{'run':<30} {'1 proc s/step':>13} {'2 procs s/step':>14} {'ratio':>6} {'trainable':>11}"]
+    for r in rows:
+        if "note" in r:
+            lines.append(f"{r['run']:<30} {r['note']}")
+            continue
+        params = f"{r['params']:11,d}" if r.get("params") else f"{'':11}"
+        lines.append(f"{r['run']:<30} {r['one']:13.2f} {r['two']:14.2f} {r['two'] / r['one']:6.2f} {params}")
+        if r.get("te_one") is not None:
+            lines.append(f"{'  of it text encoder forward':<30} {r['te_one']:13.2f} {r['te_two']:14.2f}")
+    return lines
 
 
 def build_parser():
@@ -172,6 +200,8 @@ def build_parser():
     p.add_argument("--strategies", nargs="*", default=["ddp", "sum"], choices=sorted(STRATEGIES))
     p.add_argument("--no-bare", action="store_true", help="skip the bare PyTorch DDP rows")
     p.add_argument("--sd-scripts", metavar="PATH", help="a kohya-ss/sd-scripts checkout")
+    p.add_argument("--sd-scripts-python", metavar="PYTHON",
+                   help="the Python that runs sd-scripts (its own venv; default: this one)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     # worker mode (internal: what the launched processes run)
     p.add_argument("--worker", choices=["ours", "bare"], help=argparse.SUPPRESS)
@@ -189,18 +219,33 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)
-        times = ours_worker(a) if a.worker == "ours" else bare_worker(a)
+        result = ours_worker(a) if a.worker == "ours" else bare_worker(a)
         if int(os.environ.get("RANK", "0")) == 0:
             with open(a.result, "w", encoding="utf-8") as f:
-                json.dump({"times": times}, f)
+                json.dump(result, f)
         return 0
-    if a.sd_scripts and not os.path.isfile(os.path.join(a.sd_scripts, "train_db.py")):
-        print(f"error: --sd-scripts {a.sd_scripts}: no train_db.py there", file=sys.stderr)
+    import sd_scripts_launch as sdl
+
+    try:
+        sdl.check_paths(a.sd_scripts, a.sd_scripts_python, "train_db.py")
+        if a.sd_scripts and a.warmup < 1:
+            raise sdl.SdScriptsError("--warmup 0 with --sd-scripts: sd-scripts' first step has no start "
+                                     "mark (see benchmarks/sd_scripts_launch.py); use --warmup 1 or more")
+        missing = sdl.missing_modules(a.sd_scripts_python or sys.executable) if a.sd_scripts else []
+    except sdl.SdScriptsError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    import step_timer  # noqa: F401  (puts the repo root on sys.path)
+    work = tempfile.mkdtemp(prefix="sdtk-ddp-bench-")
+    try:  # the work folder holds multi-GB DreamBooth outputs: never leave it behind
+        return _measure(a, work, missing)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measure(a, work: str, missing: list) -> int:
+    import step_timer  # (puts the repo root on sys.path)
     from tools.make_sample_dataset import make_sample_dataset
 
-    work = tempfile.mkdtemp(prefix="sdtk-ddp-bench-")
     n = 2 * a.batch * (a.warmup + a.steps)  # enough samples for every step of 2 processes
     data = os.path.dirname(make_sample_dataset(os.path.join(work, "data"), n_images=n, size=64, repeats=1))
     rows = []
@@ -208,45 +253,49 @@ def main(argv=None) -> int:
     def timed(label, fn):
         res = {}
         for procs in (1, 2):
-            t = fn(procs)
-            res[procs] = t
-            print(f"  {label}, {procs} process(es): {t:.2f} s/step", flush=True)
-        rows.append((label, res[1], res[2]))
+            res[procs] = r = fn(procs)
+            te = f", text encoder {step_timer.median(r['te']):.2f} s of it" if r.get("te") else ""
+            print(f"  {label}, {procs} process(es): {r['step']:.2f} s/step{te}", flush=True)
+        rows.append({"run": label, "one": res[1]["step"], "two": res[2]["step"], "params": res[1].get("params"),
+                     "te_one": step_timer.median(res[1]["te"]) if res[1].get("te") else None,
+                     "te_two": step_timer.median(res[2]["te"]) if res[2].get("te") else None})
 
-    def median_after_warmup(r):
-        return step_timer.median(r["times"][a.warmup:] or r["times"])
+    def after_warmup(r, first=0, out=None):
+        """r with "step": the median of its step times after warmup; sd-scripts' list starts at step
+        2 (first=1), ours and bare at step 1. ``out``: a run's output folder, removed once timed
+        (a DreamBooth one is a 4 GB checkpoint)."""
+        if out:
+            shutil.rmtree(out, ignore_errors=True)
+        skip = max(a.warmup - first, 0)
+        r["te"] = r.get("te", [])[skip:]
+        return dict(r, step=step_timer.median(r["times"][skip:] or r["times"]))
 
+    python = a.sd_scripts_python or sys.executable
     for method in a.methods:
         for s in a.strategies:
-            timed(f"ours {method} ({s})", lambda procs, m=method, s=s: median_after_warmup(launch(
+            timed(f"ours {method} ({s})", lambda procs, m=method, s=s: after_warmup(launch(
                 procs, ["ours", "--method", m, "--strategy", s, "--data", data, "--out",
                         os.path.join(work, f"{m}-{s}-{procs}"), "--steps", a.steps, "--warmup", a.warmup,
-                        "--batch", a.batch], os.path.join(work, f"r-{m}-{s}-{procs}.json"))))
+                        "--batch", a.batch], os.path.join(work, f"r-{m}-{s}-{procs}.json")),
+                out=os.path.join(work, f"{m}-{s}-{procs}")))
         if a.sd_scripts:
-            missing = sd_scripts_missing()
             if missing:
-                rows.append((f"sd-scripts {method}", f"not run: missing {', '.join(missing)}", None))
+                rows.append({"run": f"sd-scripts {method}",
+                             "note": f"not run: missing {', '.join(missing)} in {python}"})
             else:
                 try:
-                    timed(f"sd-scripts {method}", lambda procs, m=method: sd_scripts_run(
-                        a.sd_scripts, m, procs, data, work, a))
+                    timed(f"sd-scripts {method}", lambda procs, m=method: after_warmup(sd_scripts_run(
+                        a.sd_scripts, python, m, procs, data, work, a), first=1))
                 except RuntimeError as e:
-                    rows.append((f"sd-scripts {method}", f"failed: {e}", None))
+                    rows.append({"run": f"sd-scripts {method}", "note": f"failed: {e}"})
     if not a.no_bare:
-        timed("bare PyTorch DDP (full U-Net)", lambda procs: median_after_warmup(launch(
+        timed("bare PyTorch DDP (full U-Net)", lambda procs: after_warmup(launch(
             procs, ["bare", "--steps", a.steps, "--warmup", a.warmup, "--batch", a.batch],
             os.path.join(work, f"r-bare-{procs}.json"))))
-    print(f"\nsd15-arch U-Net, 64 px, per-process batch {a.batch}, 1 thread per process, "
-          f"median of {a.steps} steps after {a.warmup}")
-    print(f"{'run':<34} {'1 proc s/step':>13} {'2 procs s/step':>14} {'ratio':>6}")
-    for label, one, two in rows:
-        if two is None:
-            print(f"{label:<34} {one}")
-        else:
-            print(f"{label:<34} {one:13.2f} {two:14.2f} {two / one:6.2f}")
+    print("\n".join(format_table(rows, a)))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
-            json.dump([{"run": r[0], "one": r[1], "two": r[2]} for r in rows], f, indent=1)
+            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -1,7 +1,7 @@
 """One-command GPU benchmark: speed, memory and FLOP utilisation of the main training setups.
 
     python benchmarks/gpu.py [--steps 12] [--warmup 4] [--no-compile] [--only sdxl-lora-b1 ...]
-                             [--sd-scripts PATH] [--peak-tflops N]
+                             [--sd-scripts PATH [--sd-scripts-python PYTHON]] [--peak-tflops N]
     python benchmarks/gpu.py --dry-run       # the same code path on the CPU: tiny models, 1 step
 
 Cases, on the real-size random-weight architectures (sd15-arch, sdxl-arch; nothing downloaded),
@@ -16,8 +16,12 @@ allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
 run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
 ``--peak-tflops``). With ``--sd-scripts PATH`` the same LoRA cases also run through sd-scripts'
-train_network.py / sdxl_train_network.py (their tqdm average rate), on the same random weights
-written once as single files.
+train_network.py / sdxl_train_network.py, by ``--sd-scripts-python`` (its own venv; default: this
+Python) through benchmarks/sd_scripts_launch.py, on the same random weights written once as single
+files and our shipped CLIP tokenizer (``--tokenizer_cache_dir``): it/s over the same steps after
+``--warmup`` from the launcher's time stamps after each optimizer step (CUDA synchronised), as
+ours. What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions
+every step, frozen); SDXL caches them as ours.
 
 Sized to finish within 8 minutes on one H200 (the default steps); a bigger ``--steps`` gives
 steadier numbers. Prints one table; ``--json FILE`` also writes the rows.
@@ -27,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -119,10 +121,26 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
     return row
 
 
-def sd_scripts_case(name, sd_scripts, data, work, steps, warmup) -> dict:
+def sd_scripts_args(name: str, model: str, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
+    """sd-scripts' entry script and options for a LoRA case, the same run as case_args'."""
+    script, arch, size, batch = CASES[name]
+    entry = "sdxl_train_network.py" if arch == "sdxl" else "train_network.py"
+    args = ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", tokenizers,
+            "--train_data_dir", data, "--output_dir", out, "--resolution", size, "--train_batch_size", batch,
+            "--max_train_steps", steps, "--network_module", "networks.lora",
+            "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
+            "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16",
+            "--full_bf16", "--sdpa", "--cache_latents", "--max_data_loader_n_workers", 0, "--seed", 1]
+    if arch == "sdxl":  # SD1's train_network.py has no text-encoder output cache
+        args.append("--cache_text_encoder_outputs")
+    return entry, args
+
+
+def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict:
     """One LoRA case through sd-scripts on the same random weights (a single file written once
-    per architecture); its tqdm average rate over all steps (warmup included: sd-scripts reports
-    no per-step times)."""
+    per architecture): it/s over the steps after ``warmup`` (benchmarks/sd_scripts_launch.py)."""
+    import sd_scripts_launch as sdl
+
     script, arch, size, batch = CASES[name]
     if script != "train_lora":
         return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
@@ -133,24 +151,16 @@ def sd_scripts_case(name, sd_scripts, data, work, steps, warmup) -> dict:
 
         bundle = models.load_model_bundle(f"{arch}-arch")
         save_single_file(bundle.components(), bundle.family, model, embed_config=False)
-    entry = "sdxl_train_network.py" if arch == "sdxl" else "train_network.py"
-    cmd = [sys.executable, os.path.join(sd_scripts, entry), "--pretrained_model_name_or_path", model,
-           "--train_data_dir", data, "--output_dir", os.path.join(work, f"sd-{name}"),
-           "--resolution", str(size), "--train_batch_size", str(batch),
-           "--max_train_steps", str(steps), "--network_module", "networks.lora",
-           "--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only",
-           "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16",
-           "--full_bf16", "--sdpa", "--cache_latents", "--cache_text_encoder_outputs",
-           "--max_data_loader_n_workers", "0", "--seed", "1"]
-    p = subprocess.run(cmd, cwd=sd_scripts, capture_output=True, text=True)
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"case": name, "sd_scripts": f"failed: {last[:160]}"}
-    rates = re.findall(r"([\d.]+)(it/s|s/it)", p.stderr)
-    if not rates:
-        return {"case": name, "sd_scripts": "no rate in its output"}
-    v, unit = rates[-1]
-    return {"case": name, "sd_scripts_it_s": float(v) if unit == "it/s" else 1 / float(v)}
+    from library.models.loading import SHIPPED_TOKENIZER
+
+    entry, args = sd_scripts_args(name, model, sdl.tokenizer_cache(work, SHIPPED_TOKENIZER), data,
+                                  os.path.join(work, f"sd-{name}"), steps)
+    try:
+        r = sdl.run(sdl.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sdl.clean_env({}))
+    except RuntimeError as e:
+        return {"case": name, "sd_scripts": f"failed: {e}"}
+    timed = r["times"][max(warmup - 1, 0):] or r["times"][-1:]  # r["times"] starts at step 2
+    return {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
 
 
 def format_table(rows: list, peak: float | None) -> list[str]:
@@ -169,7 +179,9 @@ def format_table(rows: list, peak: float | None) -> list[str]:
                      f"{r['first_step_s']:10.1f} {alloc} {resv} {tf} {util}")
     for r in rows:
         if "sd_scripts_it_s" in r:
-            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s (tqdm average)")
+            n = r.get("sd_scripts_params")
+            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
+                         f"{f'{n:,}' if n else '?'} trainable parameters")
         elif "sd_scripts" in r:
             lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts']}")
     return lines
@@ -183,6 +195,8 @@ def build_parser():
     p.add_argument("--only", nargs="*", choices=sorted(CASES), help="run only these cases")
     p.add_argument("--no-compile", action="store_true", help="skip the torch_compile runs")
     p.add_argument("--sd-scripts", metavar="PATH", help="a kohya-ss/sd-scripts checkout")
+    p.add_argument("--sd-scripts-python", metavar="PYTHON",
+                   help="the Python that runs sd-scripts (its own venv; default: this one)")
     p.add_argument("--peak-tflops", type=float, help="the GPU's peak bf16 TFLOP/s, if not in the table")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--work", metavar="DIR", help="working folder (default: a temporary one)")
@@ -191,15 +205,26 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import sd_scripts_launch as sdl
+
+    try:
+        sdl.check_paths(args.sd_scripts, args.sd_scripts_python, "train_network.py")
+        if args.sd_scripts and args.dry_run:
+            raise sdl.SdScriptsError("--sd-scripts with --dry-run: sd-scripts cannot load the tiny models "
+                                     "(it builds the full-size architectures)")
+        python = args.sd_scripts_python or sys.executable
+        missing = sdl.missing_modules(python) if args.sd_scripts else []
+        if missing:
+            raise sdl.SdScriptsError(f"--sd-scripts: {python} lacks {', '.join(missing)}")
+    except sdl.SdScriptsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("error: benchmarks/gpu.py needs a CUDA GPU (use --dry-run to check it on the CPU)",
               file=sys.stderr)
-        return 2
-    if args.sd_scripts and not os.path.isfile(os.path.join(args.sd_scripts, "train_network.py")):
-        print(f"error: --sd-scripts {args.sd_scripts}: no train_network.py there", file=sys.stderr)
         return 2
     steps, warmup = (1, 0) if args.dry_run else (args.steps + args.warmup, args.warmup)
     names = args.only or list(CASES)
@@ -221,7 +246,7 @@ def main(argv=None) -> int:
             rows.append(run_case(name, compiled, data[size], work, steps, warmup, args.dry_run, cuda))
             print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
         if args.sd_scripts:
-            rows.append(sd_scripts_case(name, args.sd_scripts, data[size], work, steps, warmup))
+            rows.append(sd_scripts_case(name, args.sd_scripts, python, data[size], work, steps, warmup))
     print("\n".join(format_table(rows, peak)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -22,7 +22,7 @@ NOT_OPTIONS = {
     "max_memory_allocated", "load_lora_weights", "weights_only", "enable_gradient_checkpointing",
     "text_encoder_2", "tokenizer_2", "text_model", "proj_in", "proj_out", "skip_connection",
     "input_blocks", "middle_block", "output_blocks", "use_fsdp", "gradient_clipping",
-    "overlap_comm", "zero_optimization", "lr_end", "machine_rank", "dist", "main_process_ip",
+    "overlap_comm", "zero_optimization", "lr_end", "machine_rank", "dist", "main_process_ip", "cpu",
     # optimizer and scheduler arguments (optimizer_args / lr_scheduler_args values)
     "relative_step", "scale_parameter", "warmup_init", "warmup_steps", "min_8bit_size",
     "step_rules", "bypass_mode", "use_tucker",
@@ -31,7 +31,7 @@ NOT_OPTIONS = {
     # sd-scripts' functions, compared against in the docs
     "get_optimizer", "get_scheduler_fix", "apply_masked_loss", "create_network_from_weights",
     "get_hidden_states", "get_weighted_text_embeddings", "prepare_grad_etc", "process_caption",
-    "verify_bucket_reso_steps", "svd_merge", "show_metadata",
+    "verify_bucket_reso_steps", "svd_merge", "show_metadata", "setup_parser",
     # resize_lora's --dynamic_method values
     "sv_fro", "sv_ratio", "sv_cumulative",
     # sd-scripts' default log_tracker_name of train_network.py

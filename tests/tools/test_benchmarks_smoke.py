@@ -143,3 +143,203 @@ def test_data_pipeline_times_calls_that_exist():
                                            "text_conditioning", "train"}
     for owner, name, key in calls:
         assert callable(inspect.getattr_static(owner, name)), (owner, name, key)
+
+
+# -- sd-scripts side by side (benchmarks/sd_scripts_launch.py; CI has no sd-scripts venv) --------
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def test_sd_scripts_options_are_checked_before_anything_runs(tmp_path, capsys):
+    """--sd-scripts / --sd-scripts-python: each bad value is one line and exit 2, in both benchmarks."""
+    ddp, gpu = _load("ddp_scaling"), _load("gpu")
+    checkout = tmp_path / "sd-scripts"
+    checkout.mkdir()
+    (checkout / "train_db.py").write_text("")
+    (checkout / "train_network.py").write_text("")
+    not_python = tmp_path / "python"
+    not_python.write_text("")  # exists, not executable
+    cases = [
+        (ddp, ["--sd-scripts", str(tmp_path)], "--sd-scripts"),  # no train_db.py there
+        (ddp, ["--sd-scripts", str(checkout), "--sd-scripts-python", str(tmp_path / "nope")], "not an executable"),
+        (ddp, ["--sd-scripts", str(checkout), "--sd-scripts-python", str(not_python)], "not an executable"),
+        (ddp, ["--sd-scripts-python", sys.executable], "needs --sd-scripts"),
+        (ddp, ["--sd-scripts", str(checkout), "--warmup", "0"], "--warmup 0"),
+        (gpu, ["--sd-scripts", str(tmp_path)], "--sd-scripts"),
+        (gpu, ["--sd-scripts", str(checkout), "--sd-scripts-python", str(not_python)], "not an executable"),
+        (gpu, ["--sd-scripts-python", sys.executable], "needs --sd-scripts"),
+        (gpu, ["--sd-scripts", str(checkout), "--dry-run"], "--dry-run"),
+    ]
+    for mod, argv, words in cases:
+        assert mod.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and words in err and "\n" not in err, (argv, err)
+
+
+def test_sd_scripts_modules_are_looked_up_in_its_interpreter(tmp_path):
+    """The missing modules are those of the given interpreter: one without site-packages (-S)
+    lacks every third-party module; this venv lacks exactly what find_spec here does not find."""
+    import importlib.util
+
+    sdl = _load("sd_scripts_launch")
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    assert sdl.missing_modules(str(bare)) == list(sdl.SD_SCRIPTS_MODULES)
+    here = [m for m in sdl.SD_SCRIPTS_MODULES if importlib.util.find_spec(m) is None]
+    assert sdl.missing_modules(sys.executable) == here
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\necho nope >&2; exit 3\n")
+    broken.chmod(0o755)
+    with pytest.raises(sdl.SdScriptsError, match="does not run Python"):
+        sdl.missing_modules(str(broken))
+
+
+def test_sd_scripts_step_times_from_its_real_output():
+    """The stdout of a real run (sd-scripts' train_network.py, LoRA, 2 CPU processes, 4 steps,
+    through the launcher; tests/tools/data): step 2..4 durations are the differences of the
+    printed time stamps (hand-computed), the text-encoder seconds and the parameter count as
+    printed; sd-scripts' own lines around them are ignored."""
+    sdl = _load("sd_scripts_launch")
+    with open(os.path.join(DATA, "sd_scripts_lora_2proc_stdout.txt"), encoding="utf-8") as f:
+        text = f.read()
+    r = sdl.parse_output(text)
+    assert r["times"] == pytest.approx([6.564086, 6.078225, 6.245159], abs=1e-6)
+    assert r["te"] == pytest.approx([0.780152, 0.648934, 0.540599])
+    assert r["params"] == 6782976
+    assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None}
+    with pytest.raises(ValueError, match="out of order"):
+        sdl.parse_output("sdtk-step 1 1.0\nsdtk-step 3 2.0\n")
+
+
+def test_sd_scripts_command_lines():
+    """Both benchmarks' sd-scripts runs: the same training as ours (the options ddp_scaling's and
+    gpu.py's docstrings list; each list was parsed by sd-scripts' own setup_parser), launched as
+    the docstrings say."""
+    import argparse
+
+    ddp, gpu, sdl = _load("ddp_scaling"), _load("gpu"), _load("sd_scripts_launch")
+
+    def opts(args):
+        args = [str(x) for x in args]
+        return {k: (args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else True)
+                for i, k in enumerate(args) if k.startswith("--")}
+
+    a = argparse.Namespace(batch=1, warmup=1, steps=3)
+    lora = opts(ddp.sd_scripts_args("lora", "/m", "/tok", "/d", "/o", a))
+    db = opts(ddp.sd_scripts_args("dreambooth", "/m", "/tok", "/d", "/o", a))
+    for o in (lora, db):
+        assert (o["--resolution"], o["--train_batch_size"], o["--max_train_steps"]) == ("64", "1", "4")
+        assert (o["--optimizer_type"], o["--learning_rate"], o["--mixed_precision"]) == ("SGD", "1e-4", "no")
+        assert o["--cache_latents"] and o["--sdpa"] and o["--tokenizer_cache_dir"] == "/tok"
+        assert "--cache_text_encoder_outputs" not in o and "--no_token_padding" not in o
+    assert (lora["--network_dim"], lora["--network_alpha"], lora["--network_train_unet_only"]) == ("16", "16", True)
+    assert db["--stop_text_encoder_training"] == "-1" and "--network_module" not in db
+    for name, (script, arch, size, batch) in gpu.CASES.items():
+        if script != "train_lora":
+            continue
+        entry, args = gpu.sd_scripts_args(name, "/m", "/tok", "/d", "/o", 16)
+        o = opts(args)
+        assert entry == ("sdxl_train_network.py" if arch == "sdxl" else "train_network.py")
+        assert (o["--resolution"], o["--train_batch_size"], o["--network_dim"]) == (str(size), str(batch), "16")
+        assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--optimizer_type"] == "AdamW"
+        assert ("--cache_text_encoder_outputs" in o) == (arch == "sdxl")  # SD1's script has no such option
+    table = gpu.format_table([{"case": "sd15-lora-b1", "sd_scripts_it_s": 3.5, "sd_scripts_params": 6782976}], None)
+    assert table[-1].split() == ["sd15-lora-b1", "sd-scripts", "3.50", "it/s,", "6,782,976", "trainable", "parameters"]
+    two = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 2, 1234)
+    one = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 1)
+    plain = sdl.command("/py", "/sd", "train_network.py", ["--x", 1], None)
+    assert two[:3] == ["/py", "-m", "accelerate.commands.launch"] and "--multi_gpu" in two and "--cpu" not in two
+    assert "--cpu" in one and "--multi_gpu" not in one
+    for cmd in (two, one):
+        i = cmd.index("--num_processes")
+        assert cmd[i + 1] == str(cmd is two and 2 or 1)
+        assert cmd[cmd.index("--num_cpu_threads_per_process") + 1] == "1"
+    assert plain == ["/py", os.path.join(ROOT, "benchmarks", "sd_scripts_launch.py"), "/sd/train_network.py", "--x", "1"]
+    env = sdl.clean_env({"OMP_NUM_THREADS": "1"})
+    assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_sd_scripts_launcher_marks_optimizer_steps(monkeypatch, capsys):
+    """The launcher's marks on an accelerate training loop (in this process, accelerate's state reset
+    before and after): one mark per optimizer step, not per accumulation micro-step; once, the
+    trainable parameters the optimizer holds (Linear(3, 2): 8; the frozen Linear's 6 not counted);
+    from step 2 on, the text encoder's forward time of that step."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    sdl, step_timer = _load("sd_scripts_launch"), _load("step_timer")
+
+    class Encoder(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    monkeypatch.setattr(AcceleratedOptimizer, "step", AcceleratedOptimizer.step)  # restored afterwards
+    monkeypatch.setattr(sdl, "_clip_classes", lambda: [Encoder])  # not transformers' own classes
+    monkeypatch.delenv("RANK", raising=False)
+    sdl._install_step_marks()
+    step_timer._reset_accelerate()
+    try:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        lin, frozen = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).requires_grad_(False)
+        opt = torch.optim.SGD(list(lin.parameters()) + list(frozen.parameters()), lr=0.1)
+        lin, opt = acc.prepare(lin, opt)
+        te = Encoder()
+        for _ in range(6):  # 6 micro-steps: 3 optimizer steps
+            with acc.accumulate(lin):
+                te(torch.ones(3))
+                acc.backward(lin(torch.ones(1, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+    finally:
+        step_timer._reset_accelerate()
+    out = capsys.readouterr().out
+    assert out.count("sdtk-trainable-params ") == 1 and out.count("sdtk-step ") == 3
+    assert " te=" not in out.splitlines()[1]  # step 1: the timer was installed during it
+    r = sdl.parse_output(out)
+    assert r["params"] == 8 and len(r["times"]) == 2 and all(t > 0 for t in r["times"])
+    assert len(r["te"]) == 2 and all(0 < t < s for t, s in zip(r["te"], r["times"]))
+
+
+def test_sd_scripts_text_encoder_timer():
+    """Each timed class's forward still returns its result and adds its own duration (a forward
+    that sleeps 20 ms) to the sum; a class not timed adds nothing."""
+    import time
+
+    sdl = _load("sd_scripts_launch")
+
+    class Encoder(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.02)
+            return x + 1
+
+    class Other(Encoder):
+        pass
+
+    acc = {"seconds": 0.0}
+    assert sdl._time_text_encoders([Encoder], acc) and not sdl._time_text_encoders([], acc)
+    assert Encoder()(torch.tensor(1.0)).item() == 2.0 and 0.02 <= acc["seconds"] < 0.5
+    before = acc["seconds"]
+    Other.forward = lambda self, x: x  # its own forward, not the timed one
+    Other()(torch.tensor(1.0))
+    assert acc["seconds"] == before
+
+
+def test_sd_scripts_launcher_leaves_frozen_modules_unwrapped_on_cpu_processes(monkeypatch):
+    """On several CPU processes a model without trainable parameters is prepared with accelerate's
+    no-DDP switch (evaluation_mode), as accelerate does on GPUs; any other model, or any model
+    elsewhere, is prepared as asked."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    sdl = _load("sd_scripts_launch")
+    calls = []
+    monkeypatch.setattr(Accelerator, "prepare_model",
+                        lambda self, model, device_placement=None, evaluation_mode=False: calls.append(evaluation_mode))
+    sdl._skip_ddp_for_frozen_modules_on_cpu()
+    frozen, trained = torch.nn.Linear(2, 2).requires_grad_(False), torch.nn.Linear(2, 2)
+    cpus, one = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), SimpleNamespace(distributed_type=DistributedType.NO)
+    for self, model in ((cpus, frozen), (cpus, trained), (one, frozen)):
+        Accelerator.prepare_model(self, model)
+    assert calls == [True, False, False]

@@ -1,0 +1,248 @@
+"""Runs a kohya-ss/sd-scripts training script with exact per-step time stamps, and the helpers the
+benchmarks (ddp_scaling.py, gpu.py) share to run it side by side with ours.
+
+    SD_PYTHON benchmarks/sd_scripts_launch.py SD_SCRIPTS/train_network.py [its arguments]
+    SD_PYTHON -m accelerate.commands.launch [...] benchmarks/sd_scripts_launch.py SD_SCRIPTS/train_db.py [...]
+
+As a script it runs in sd-scripts' own environment (its venv, its ``library`` package; nothing of
+this toolkit is imported) and changes nothing in sd-scripts' files. Before the training script
+runs (``runpy``, as ``__main__``, its folder first on ``sys.path``):
+- Timing: accelerate's ``AcceleratedOptimizer.step`` (the optimizer sd-scripts prepares and steps
+  once per optimizer step) is wrapped. After each call that stepped (``sync_gradients``: not a
+  gradient-accumulation micro-step), the rank-0 process waits for the GPU if CUDA is in use and
+  prints ``sdtk-step N SECONDS`` (``time.perf_counter``); before the first step it prints
+  ``sdtk-trainable-params N``, the elements of the parameters in the optimizer's groups that
+  require a gradient. On the CPU, from step 2 on, the step line ends with `` te=SECONDS``: the
+  time spent in the CLIP text encoders' forward during that step (SD1 sd-scripts encodes the captions every step; it
+  has no text-encoder output cache for SD1, which our rows use). Step N's duration is ``SECONDS[N] - SECONDS[N-1]``: end of one optimizer
+  step to the end of the next, everything in between (data, forward, backward, all-reduce, clip,
+  step) included, which is what ``benchmarks/step_timer.py`` measures on our side (it marks
+  after each step's update). Step 1 has no start mark here, so it is always warmup.
+- torchvision: 0.28.0, the release built for torch 2.13, is on the package registry only as a
+  CUDA build; its C++ ops library cannot load next to the CPU torch, and its import then fails
+  registering fake kernels for ``torchvision::nms`` and ``::qnms`` ("operator torchvision::nms
+  does not exist", a torchvision bug: its other registrations check that the ops loaded).
+  sd-scripts uses only torchvision's pure-Python transforms, so when the ops library does not
+  load the launcher declares those two operators' schemas first; the ops themselves stay unusable.
+- accelerate on several CPU processes: see _skip_ddp_for_frozen_modules_on_cpu (sd-scripts' LoRA
+  cannot start there otherwise; on GPUs accelerate already behaves so).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+# Top-level modules sd-scripts' train_db.py / train_network.py (and its library) import.
+SD_SCRIPTS_MODULES = ("torch", "torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
+                      "einops", "safetensors", "toml", "voluptuous", "imagesize", "huggingface_hub")
+# The tokenizers sd-scripts loads from the hub, found offline under --tokenizer_cache_dir as
+# <cache>/<id with "/" replaced by "_">.
+SD_SCRIPTS_TOKENIZERS = ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k")
+STEP_LINE = re.compile(r"^sdtk-step (\d+) ([0-9.]+)(?: te=([0-9.]+))?$", re.M)
+PARAMS_LINE = re.compile(r"^sdtk-trainable-params (\d+)$", re.M)
+
+
+# -- our side: command lines, checks, parsing -------------------------------------------------
+class SdScriptsError(Exception):
+    """A bad --sd-scripts / --sd-scripts-python value (the benchmarks print it as one line, exit 2)."""
+
+
+def check_paths(sd_scripts: str | None, python: str | None, entry: str) -> None:
+    if python and not sd_scripts:
+        raise SdScriptsError("--sd-scripts-python needs --sd-scripts (the checkout to run)")
+    if sd_scripts and not os.path.isfile(os.path.join(sd_scripts, entry)):
+        raise SdScriptsError(f"--sd-scripts {sd_scripts}: no {entry} there, not an sd-scripts checkout")
+    if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise SdScriptsError(f"--sd-scripts-python {python}: not an executable file")
+
+
+def missing_modules(python: str) -> list[str]:
+    """The modules of SD_SCRIPTS_MODULES that ``python`` cannot find (checked in that interpreter)."""
+    code = ("import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
+            "if importlib.util.find_spec(m) is None))")
+    p = subprocess.run([python, "-c", code, *SD_SCRIPTS_MODULES], capture_output=True, text=True,
+                       env=clean_env({}), timeout=120)
+    if p.returncode != 0:
+        raise SdScriptsError(f"--sd-scripts-python {python}: does not run Python "
+                             f"({(p.stderr.strip().splitlines() or ['?'])[-1]})")
+    return p.stdout.split()
+
+
+def clean_env(extra: dict) -> dict:
+    """The environment for sd-scripts: offline, without this toolkit on PYTHONPATH (its ``library``
+    package would shadow sd-scripts' own) nor a parent's distributed variables."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+def tokenizer_cache(work: str, tokenizer_dir: str) -> str:
+    """A --tokenizer_cache_dir for sd-scripts holding ``tokenizer_dir`` (our shipped CLIP files) under
+    every id it looks for, so it never goes to the hub."""
+    import shutil
+
+    cache = os.path.join(work, "sd-scripts-tokenizers")
+    for model_id in SD_SCRIPTS_TOKENIZERS:
+        dest = os.path.join(cache, model_id.replace("/", "_"))
+        if not os.path.isdir(dest):
+            shutil.copytree(tokenizer_dir, dest)
+    return cache
+
+
+def command(python: str, sd_scripts: str, entry: str, args: list, procs: int | None, port: int = 0) -> list:
+    """The command line: the launcher running sd-scripts' ``entry``; with ``procs``, under ``accelerate
+    launch`` (2 or more: ``--multi_gpu``, torchrun processes, which accelerate puts on gloo when there
+    is no CUDA; 1: ``--cpu``, one plain process)."""
+    me = os.path.abspath(__file__)
+    script = [me, os.path.join(os.path.abspath(sd_scripts), entry), *map(str, args)]
+    if procs is None:
+        return [python, *script]
+    launch = [python, "-m", "accelerate.commands.launch", "--num_processes", str(procs), "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1"]
+    if procs > 1:
+        launch += ["--multi_gpu", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+    else:
+        launch += ["--cpu"]
+    return launch + script
+
+
+def parse_output(text: str) -> dict:
+    """The launcher's lines in an sd-scripts run's standard output: ``times``, the durations of
+    steps 2..N in seconds; ``te``, the text-encoder forward seconds of those steps (CPU runs; else
+    empty); ``params``, the trainable parameter count (None if it printed none)."""
+    marks = [(int(n), float(t), float(te) if te else None) for n, t, te in STEP_LINE.findall(text)]
+    if [m[0] for m in marks] != list(range(1, len(marks) + 1)):
+        raise ValueError(f"step marks out of order: {[m[0] for m in marks]}")
+    params = PARAMS_LINE.findall(text)
+    return {"times": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
+            "te": [m[2] for m in marks[1:] if m[2] is not None],
+            "params": int(params[0]) if params else None}
+
+
+def run(cmd: list, cwd: str, env: dict, timeout: int | None = None) -> dict:
+    """Run ``cmd``; its parse_output, or RuntimeError with its last error line."""
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+        raise RuntimeError(((errors or lines or ["?"])[-1]).strip()[:240])
+    out = parse_output(p.stdout)
+    if not out["times"]:
+        raise RuntimeError("fewer than 2 optimizer steps in its output")
+    return out
+
+
+# -- sd-scripts' side: the launcher -----------------------------------------------------------
+def _declare_missing_torchvision_ops() -> None:
+    import glob
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.origin:
+        return
+    libs = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so"))
+    try:
+        if libs:
+            torch.ops.load_library(libs[0])  # torchvision loads it again: a no-op then
+            return
+    except OSError:
+        pass
+    for op in ("nms", "qnms"):
+        torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
+def _skip_ddp_for_frozen_modules_on_cpu() -> None:
+    """accelerate 1.6 wraps every prepared model in DistributedDataParallel on several CPU processes,
+    even one without trainable parameters (its GPU branch skips those), and DDP refuses such a
+    module: sd-scripts' LoRA prepares the frozen U-Net, so it cannot start on 2 CPU processes. Do
+    on the CPU what accelerate does on GPUs (sd-scripts' multi-GPU path): leave such a model
+    unwrapped."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    real = Accelerator.prepare_model
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if self.distributed_type == DistributedType.MULTI_CPU and not any(p.requires_grad for p in model.parameters()):
+            evaluation_mode = True  # accelerate's switch for "no DDP wrapper"; nothing else differs
+        return real(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    Accelerator.prepare_model = prepare_model
+
+
+def _install_step_marks() -> None:
+    import time
+
+    import torch
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    real_step = AcceleratedOptimizer.step
+    count = [0]
+    te = {"seconds": 0.0, "on": None}
+
+    def step(self, *args, **kwargs):
+        if te["on"] is None:  # the first call (an accumulation micro-step, or step 1)
+            if rank0:
+                n = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad)
+                print(f"sdtk-trainable-params {n}", flush=True)
+            te["on"] = _time_text_encoders(_clip_classes(), te)  # from step 2 on (step 1 is warmup)
+        out = real_step(self, *args, **kwargs)
+        if self.gradient_state.sync_gradients:
+            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if cuda:
+                torch.cuda.synchronize()
+            count[0] += 1
+            if rank0:
+                suffix = f" te={te['seconds']:.6f}" if te["on"] and not cuda and count[0] > 1 else ""
+                print(f"sdtk-step {count[0]} {time.perf_counter():.6f}{suffix}", flush=True)
+            te["seconds"] = 0.0
+        return out
+
+    AcceleratedOptimizer.step = step
+
+
+def _clip_classes() -> list:
+    """transformers' CLIP text encoder classes, if the training script imported transformers
+    (looked up then, so the launcher itself does not pay for importing it)."""
+    tr = sys.modules.get("transformers")
+    return [getattr(tr, n) for n in ("CLIPTextModel", "CLIPTextModelWithProjection")] if tr else []
+
+
+def _time_text_encoders(classes: list, acc: dict) -> bool:
+    """Add the seconds spent in each class's forward to acc["seconds"] (on the CPU, where calls
+    are synchronous; SD1 sd-scripts has no text-encoder output cache and encodes the captions
+    every step). False when there is nothing to time."""
+    import time
+
+    for cls in classes:
+        def timed(self, *args, _real=cls.forward, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                acc["seconds"] += time.perf_counter() - start
+        cls.forward = timed
+    return bool(classes)
+
+
+def main() -> None:
+    import runpy
+
+    script = os.path.abspath(sys.argv[1])
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(script))
+    _declare_missing_torchvision_ops()
+    _skip_ddp_for_frozen_modules_on_cpu()
+    _install_step_marks()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
