@@ -221,6 +221,17 @@ COMPRESSION_TOL = 2e-2
 COMPRESSION_TOL_ALL = 5e-3
 
 
+def dreambooth_stop_args(data: str, out: str, resolution: int) -> list[str]:
+    """A 3-step DreamBooth run of the U-Net and the text encoder, gradient checkpointing, the text
+    encoder frozen after step 1 (so the DDP wrapper is rebuilt over the U-Net)."""
+    return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data,
+            "--output_dir", out, "--resolution", str(resolution), "--train_text_encoder",
+            "--stop_text_encoder_training", "1", "--gradient_checkpointing",
+            "--cache_latents", "--optimizer_type", "SGDNesterov", "--optimizer_args",
+            "momentum=0.9", "--learning_rate", "0.1", "--seed", "7", "--max_train_steps", "3",
+            "--train_batch_size", "2"]
+
+
 @pytest.mark.slow
 def test_dreambooth_text_encoder_stop_rebuilds_ddp(ddp_strategy, data, tmp_path, monkeypatch):
     """Full fine-tune of the U-Net and the text encoder with gradient checkpointing (diffusers'
@@ -230,12 +241,7 @@ def test_dreambooth_text_encoder_stop_rebuilds_ddp(ddp_strategy, data, tmp_path,
     without DDP. (slow: two runs; gradient checkpointing under DDP is also in the default
     suite, through the LoRA runs above.)"""
     def args(out):
-        return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data,
-                "--output_dir", out, "--resolution", "64", "--train_text_encoder",
-                "--stop_text_encoder_training", "1", "--gradient_checkpointing",
-                "--cache_latents", "--optimizer_type", "SGDNesterov", "--optimizer_args",
-                "momentum=0.9", "--learning_rate", "0.1", "--seed", "7", "--max_train_steps", "3",
-                "--train_batch_size", "2"]
+        return dreambooth_stop_args(data, out, 64)
 
     from library.distributed import strategy
 

@@ -384,12 +384,9 @@ def _dreambooth_args(data: str, out: str) -> list[str]:
     1x1 lowest level turns into 7e-3 on a GroupNorm bias (measured; compiled without DDP, one
     piece, equals eager bit for bit), as tests/training/test_equivalence.py describes; at
     128 px 6.2e-6."""
-    return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data,
-            "--output_dir", out, "--resolution", "128", "--train_text_encoder",
-            "--stop_text_encoder_training", "1", "--gradient_checkpointing",
-            "--cache_latents", "--optimizer_type", "SGDNesterov", "--optimizer_args",
-            "momentum=0.9", "--learning_rate", "0.1", "--seed", "7", "--max_train_steps", "3",
-            "--train_batch_size", "2"]
+    from tests.distributed.test_ddp import dreambooth_stop_args
+
+    return dreambooth_stop_args(data, out, 128)
 
 
 @pytest.mark.slow
