@@ -157,16 +157,8 @@ def sd_scripts_run(path: str, python: str, method: str, procs: int, data: str, w
     trainable parameter count (benchmarks/sd_scripts_launch.py)."""
     import sd_scripts_launch as sdl
 
-    model = os.path.join(work, "sd15-arch.safetensors")
-    if not os.path.exists(model):
-        from library.models import loading as models
-        from library.models.sd_checkpoint import save_single_file
-
-        bundle = models.load_model_bundle("sd15-arch")
-        save_single_file(bundle.components(), bundle.family, model, embed_config=False)
-    from library.models.loading import SHIPPED_TOKENIZER
-
-    tokenizers = sdl.tokenizer_cache(work, SHIPPED_TOKENIZER)
+    model = sdl.random_weights_file(work, "sd15")
+    tokenizers = sdl.tokenizer_cache(work)
     out = os.path.join(work, f"sd-{method}-{procs}")
     cmd = sdl.command(python, path, SD_SCRIPTS_ENTRY[method], sd_scripts_args(method, model, tokenizers, data, out, a),
                       procs, _free_port())
@@ -260,24 +252,26 @@ def _measure(a, work: str, missing: list) -> int:
                      "te_one": step_timer.median(res[1]["te"]) if res[1].get("te") else None,
                      "te_two": step_timer.median(res[2]["te"]) if res[2].get("te") else None})
 
-    def after_warmup(r, first=0, out=None):
+    def after_warmup(r, first=0):
         """r with "step": the median of its step times after warmup; sd-scripts' list starts at step
-        2 (first=1), ours and bare at step 1. ``out``: a run's output folder, removed once timed
-        (a DreamBooth one is a 4 GB checkpoint)."""
-        if out:
-            shutil.rmtree(out, ignore_errors=True)
+        2 (first=1), ours and bare at step 1."""
         skip = max(a.warmup - first, 0)
         r["te"] = r.get("te", [])[skip:]
         return dict(r, step=step_timer.median(r["times"][skip:] or r["times"]))
 
+    def ours(method, strategy, procs):
+        out = os.path.join(work, f"{method}-{strategy}-{procs}")
+        try:
+            return launch(procs, ["ours", "--method", method, "--strategy", strategy, "--data", data,
+                                  "--out", out, "--steps", a.steps, "--warmup", a.warmup, "--batch", a.batch],
+                          os.path.join(work, f"r-{method}-{strategy}-{procs}.json"))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)  # a DreamBooth output is a 4 GB checkpoint
+
     python = a.sd_scripts_python or sys.executable
     for method in a.methods:
         for s in a.strategies:
-            timed(f"ours {method} ({s})", lambda procs, m=method, s=s: after_warmup(launch(
-                procs, ["ours", "--method", m, "--strategy", s, "--data", data, "--out",
-                        os.path.join(work, f"{m}-{s}-{procs}"), "--steps", a.steps, "--warmup", a.warmup,
-                        "--batch", a.batch], os.path.join(work, f"r-{m}-{s}-{procs}.json")),
-                out=os.path.join(work, f"{m}-{s}-{procs}")))
+            timed(f"ours {method} ({s})", lambda procs, m=method, s=s: after_warmup(ours(m, s, procs)))
         if a.sd_scripts:
             if missing:
                 rows.append({"run": f"sd-scripts {method}",

@@ -144,17 +144,8 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
     script, arch, size, batch = CASES[name]
     if script != "train_lora":
         return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
-    model = os.path.join(work, f"{arch}-arch.safetensors")
-    if not os.path.exists(model):
-        from library.models import loading as models
-        from library.models.sd_checkpoint import save_single_file
-
-        bundle = models.load_model_bundle(f"{arch}-arch")
-        save_single_file(bundle.components(), bundle.family, model, embed_config=False)
-    from library.models.loading import SHIPPED_TOKENIZER
-
-    entry, args = sd_scripts_args(name, model, sdl.tokenizer_cache(work, SHIPPED_TOKENIZER), data,
-                                  os.path.join(work, f"sd-{name}"), steps)
+    entry, args = sd_scripts_args(name, sdl.random_weights_file(work, arch), sdl.tokenizer_cache(work),
+                                  data, os.path.join(work, f"sd-{name}"), steps)
     try:
         r = sdl.run(sdl.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sdl.clean_env({}))
     except RuntimeError as e:

@@ -80,16 +80,31 @@ def clean_env(extra: dict) -> dict:
     return env
 
 
-def tokenizer_cache(work: str, tokenizer_dir: str) -> str:
-    """A --tokenizer_cache_dir for sd-scripts holding ``tokenizer_dir`` (our shipped CLIP files) under
-    every id it looks for, so it never goes to the hub."""
+def random_weights_file(work: str, arch: str) -> str:
+    """``<arch>-arch`` (our random-weight real-size architecture, "sd15" or "sdxl") as a single file
+    in ``work``, written once: the model sd-scripts loads, the same weights as our rows."""
+    path = os.path.join(work, f"{arch}-arch.safetensors")
+    if not os.path.exists(path):
+        from library.models import loading as models
+        from library.models.sd_checkpoint import save_single_file
+
+        bundle = models.load_model_bundle(f"{arch}-arch")
+        save_single_file(bundle.components(), bundle.family, path, embed_config=False)
+    return path
+
+
+def tokenizer_cache(work: str) -> str:
+    """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
+    id it looks for, so it never goes to the hub."""
     import shutil
+
+    from library.models.loading import SHIPPED_TOKENIZER
 
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:
         dest = os.path.join(cache, model_id.replace("/", "_"))
         if not os.path.isdir(dest):
-            shutil.copytree(tokenizer_dir, dest)
+            shutil.copytree(SHIPPED_TOKENIZER, dest)
     return cache
 
 
