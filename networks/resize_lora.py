@@ -41,12 +41,12 @@ def resize_module(m: lora_svd.Module, rank_limit: int, method: str | None, param
     shape = m.weight_shape
     # SVD of the product without the scale: the scale is carried by the new alpha.
     U, S, Vh = lora_svd.factored_svd(m, device)
-    if method is not None:
-        rank = lora_svd.dynamic_rank(S, method, param)
-    else:
-        rank = rank_limit
-    if float(S[0]) <= lora_svd.MIN_SV:  # a zero module: rank 1 (sd-scripts)
-        rank = 1
+    # A zero module (S[0] <= MIN_SV) takes the requested rank like the others (its up factor is
+    # S-weighted, so zero); sd-scripts gives it rank 1 and alpha scale * 1, so that whether a gradient
+    # that is zero in exact arithmetic left exact zeros or float noise changed the file's ranks, its
+    # ss_network_dim ("Dynamic") and an alpha that diffusers drops on SD1 U-Net modules. A dynamic
+    # resize gives it rank 1 (dynamic_rank): its ranks vary anyway.
+    rank = lora_svd.dynamic_rank(S, method, param) if method is not None else rank_limit
     rank = max(1, min(rank, rank_limit, m.rank, lora_svd.max_rank(shape)))
     down, up = lora_svd.factor(U, S, Vh, rank, shape)
     fro, total = lora_svd.retained(S, rank)

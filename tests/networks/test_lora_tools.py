@@ -462,6 +462,39 @@ def check_loads(path, base_sd):
         assert np.abs(got - expected).max() < 1e-5, name
 
 
+# At 64 px the tiny U-Net's mid block attends over a single token: the softmax is 1 whatever q and k
+# are, so the gradients to its attn1 to_q / to_k LoRA modules are zero in exact arithmetic. One CPU's
+# kernels leave them exactly zero (their up weights stay 0), another's leave float noise that AdamW
+# then scales to lr-sized steps. The resized file's metadata must not depend on which.
+ZERO_GRADIENT_AT_64PX = ("lora_unet_mid_block_attentions_0_transformer_blocks_0_attn1_to_q",
+                         "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn1_to_k")
+
+
+def check_resize_metadata_whatever_the_cpu(t_sd, t_md, tmp_path):
+    """A fixed-rank resize gives every module the requested rank and writes it to the metadata,
+    whether those modules' up weights are exact zeros, 1e-12 noise (below MIN_SV, sd-scripts' zero
+    matrix) or AdamW-sized noise; the exact-zero module's delta stays exactly zero."""
+    from safetensors.torch import save_file
+    assert all(n + ".lora_up.weight" in t_sd for n in ZERO_GRADIENT_AT_64PX)
+    gen = torch.Generator().manual_seed(0)
+    for label, scale in (("zero", 0.0), ("noise", 1e-12), ("adamw", 1e-3)):
+        sd = dict(t_sd)
+        for n in ZERO_GRADIENT_AT_64PX:
+            up = sd[n + ".lora_up.weight"]
+            sd[n + ".lora_up.weight"] = torch.randn(up.shape, generator=gen, dtype=up.dtype) * scale
+        src, dst = tmp_path / f"forced-{label}.safetensors", tmp_path / f"forced-{label}-r2.safetensors"
+        save_file(sd, str(src), t_md)
+        assert resize_lora.main(["--model", str(src), "--save_to", str(dst), "--new_rank", "2",
+                                 "--new_conv_rank", "1"]) == 0
+        r_sd, r_md = read(dst)
+        ranks = {r_sd[n + ".lora_down.weight"].shape[0] for n in ZERO_GRADIENT_AT_64PX}
+        assert ranks == {2}, (label, ranks)
+        if label == "zero":
+            assert all(not r_sd[n + ".lora_up.weight"].any() for n in ZERO_GRADIENT_AT_64PX)
+        assert (r_md["ss_network_dim"], r_md["ss_network_alpha"]) == ("2", "1.0"), label
+        assert json.loads(r_md["ss_network_args"]) == {"conv_dim": "1", "conv_alpha": "0.5"}, label
+
+
 def test_every_tool_on_a_trained_locon(dataset, tmp_path, run_script, capsys):
     out = tmp_path / "train"
     rc, _, err = run_script("train_lora", [
@@ -516,7 +549,9 @@ def test_every_tool_on_a_trained_locon(dataset, tmp_path, run_script, capsys):
     # metadata carried over from the trained file and updated
     r_md = read(outputs["resize"])[1]
     assert r_md["ss_seed"] == t_md["ss_seed"] and r_md["ss_network_dim"] == "2"
+    assert r_md["ss_network_alpha"] == "1.0"  # old scale 2 / 4 times the new rank
     assert json.loads(r_md["ss_network_args"]) == {"conv_dim": "1", "conv_alpha": "0.5"}
+    check_resize_metadata_whatever_the_cpu(t_sd, t_md, tmp_path)
 
     for path in outputs.values():
         check_loads(path, base_sd)
