@@ -9,9 +9,12 @@ error, so a test cannot build options no run could have. The required options
 only what its unit reads. End-to-end tests use parse_args with an argv instead.
 
 ``source_files()`` lists the toolkit's own Python files, for the tests that scan the code.
+``single_token_self_attention(unet)`` finds the LoRA targets whose gradient is zero in exact
+arithmetic (a test must not assert what float noise does there).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -83,3 +86,34 @@ def run_with_one_spawned_process(worker, timeout: float) -> list:
             proc.terminate()
     assert proc.exitcode == 0, proc.exitcode
     return items
+
+
+@contextlib.contextmanager
+def single_token_self_attention(unet):
+    """Collects, while the block runs, the to_q / to_k projections of the U-Net's self-attention
+    layers (attn1) that a forward feeds a single token: their softmax is 1 whatever q and k are,
+    so the gradients to those projections and to a LoRA on them are zero in exact arithmetic
+    (the tiny SD1 U-Net's mid block at 64 px). One CPU's kernels leave exact zeros there, another's
+    float noise, which AdamW then scales to learning-rate-sized steps: a test excludes them by
+    this rule, never by a list measured on one machine. Yields the set of modules, filled as it runs."""
+    found: set = set()
+
+    def record(attn, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.dim() == 3 and hidden.shape[1] == 1:
+            found.update((attn.to_q, attn.to_k))
+
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True)
+               for name, m in unet.named_modules() if name.endswith("attn1") and hasattr(m, "to_q")]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def lora_names_of(network, modules) -> set[str]:
+    """The kohya names of a network's LoRA modules applied to the given base modules."""
+    ids = {id(m) for m in modules}
+    return {lora.lora_name for lora in (*network.text_encoder_loras, *network.unet_loras)
+            if id(lora.org_module) in ids}
