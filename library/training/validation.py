@@ -8,9 +8,11 @@ timesteps with fixed noise.
 
 The number is comparable across runs, batch sizes and process counts:
 
-- The split is keyed by (validation_seed, image path): each dataset's images are ordered by a
-  hash of that key and the first ``round(n x fraction)`` are held out (at least one, and at least
-  one left to train), so it does not depend on the scan order or the process count.
+- The split is keyed by (validation_seed, the image's place in its dataset: its folder's name and
+  its path inside that folder): each dataset's images are ordered by a hash of that key and the
+  first ``round(n x fraction)`` are held out (at least one, and at least one left to train), so it
+  depends neither on the scan order nor the process count, nor on where the dataset lies: a
+  dataset moved or copied elsewhere keeps its split.
 - Each held-out image is evaluated once per validation: center crop, no flip, its caption without
   random processing (no shuffle, no dropout), at ``TIMESTEPS`` timesteps spread evenly over
   [min_timestep, max_timestep) (the midpoints of K equal slices), the k-th with plain Gaussian
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 
 from library.errors import UserError
 
@@ -42,7 +45,8 @@ class ValidationError(UserError):
 
 
 def split_items(items: list, fraction: float, seed: int, where: str) -> tuple[list, list]:
-    """(train, held out) of one dataset's images, keyed by (seed, path); both keep scan order."""
+    """(train, held out) of one dataset's images, keyed by (seed, place_in_dataset); both keep
+    scan order."""
     if not fraction:
         return items, []
     n = len(items)
@@ -52,10 +56,22 @@ def split_items(items: list, fraction: float, seed: int, where: str) -> tuple[li
     k = min(n - 1, max(1, round(n * fraction)))
 
     def key(it):
-        return hashlib.sha256(f"{seed}\0{it.path}".encode()).hexdigest()
+        return hashlib.sha256(f"{seed}\0{place_in_dataset(it)}".encode()).hexdigest()
 
     held = {id(it) for it in sorted(items, key=key)[:k]}
     return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
+
+
+def place_in_dataset(item) -> str:
+    """The image's concept folder name and its path inside that folder ("1_sks/a/x.png"), with /
+    separators: what stays when a dataset is moved (the absolute path where it has no folder)."""
+    if not item.image_dir:
+        return item.path
+    inside = os.path.relpath(item.path, item.image_dir)
+    if inside.startswith(os.pardir):
+        return item.path
+    name = os.path.basename(os.path.normpath(item.image_dir))
+    return "/".join((name, *inside.split(os.sep)))
 
 
 def check_options(opts) -> None:
