@@ -512,13 +512,9 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
 
     plan, opts, c, progress = run.plan, run.opts, run.parts, run.progress
     flags = c.strategy.state_flags()  # {"sharded": fsdp, "deepspeed": deepspeed}
-    epoch, batch = progress.position
     info = {
         "version": STATE_VERSION,
-        "global_step": progress.global_step,
-        "epoch": epoch, "batch": batch,        # the next global batch to train
-        "epochs_done": progress.epochs_done,
-        "samples_seen": progress.samples_seen,
+        **progress.state_dict(),  # epoch, batch: the next global batch to train
         "global_batch": plan.global_batch, "steps_per_epoch": plan.steps_per_epoch,
         "processes": plan.processes, "train_batch_size": plan.train_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
@@ -528,7 +524,6 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
         "config": _json(opts.to_dict()),
         "data": _json(data_fingerprint(run.tset)),
         "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
-        "loss_log": list(progress.loss_log), "lr_log": list(progress.lr_log),
         **flags,
     }
     if not c.strategy.weights_sharded:  # (sharded: in SHARDED_DIR, written by every process)
@@ -650,10 +645,7 @@ def _load_rest(run, info: dict, rng: dict, log):
         log.warning("resume: the state was saved by %d process(es), this run has %d: network "
                     "dropout draws from each process's generator and does not continue exactly",
                     len(ranks), acc.num_processes)
-    return Progress(global_step=int(info["global_step"]), epochs_done=int(info["epochs_done"]),
-                    samples_seen=int(info["samples_seen"]), loss_log=list(info["loss_log"]),
-                    lr_log=list(info["lr_log"]),
-                    position=(int(info["epoch"]), int(info["batch"])))
+    return Progress.from_state(info)
 
 
 def resync_lr(stepper) -> None:

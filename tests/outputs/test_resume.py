@@ -343,3 +343,31 @@ def test_state_older_than_an_option_resumes_at_its_default(rotated, tmp_path):
     assert rc == 2 and "alpha_mask changed" in err, err[-2000:]
     rc, err, run = train("train_lora", args)
     assert rc == 0 and run.progress.global_step == 10, err[-2000:]
+
+
+def test_resume_keeps_the_validation_log_and_norm_statistics(tmp_path_factory):
+    """Validation every step and scale_weight_norms: stopped after step 2 and resumed, the run's
+    validation log (every step's, the ones before the stop included) and its last max-norm
+    statistics equal the uninterrupted run's, bit for bit (the state restores the whole
+    progress record)."""
+    from tools.make_sample_dataset import make_sample_dataset
+
+    data = str(tmp_path_factory.mktemp("resume_val") / "data")
+    make_sample_dataset(data, n_images=4, size=64, repeats=1)
+    base = [*LORA, "--train_data_dir", data, "--max_train_steps", 4, "--validation_split", "0.5",
+            "--validate_every_n_steps", "1", "--scale_weight_norms", "0.01"]
+    out_a, out_b = str(tmp_path_factory.mktemp("val_a")), str(tmp_path_factory.mktemp("val_b"))
+    rc, err, a = train("train_lora", [*base, "--output_dir", out_a])
+    assert rc == 0, err[-2000:]
+    assert [s for s, _ in a.progress.val_log] == [1, 2, 3, 4]
+    from library.training.network_options import host_stats
+
+    stats = host_stats(a.progress.max_norm_stats)
+    assert stats[0] > 0  # the 0.01 bound scales some modules (max norm 0.02 unbounded)
+    rc, err, _ = train("train_lora", [*base, "--output_dir", out_b], stop_at={3})
+    assert rc == 130, err[-2000:]
+    rc, err, b = train("train_lora", [*base, "--output_dir", out_b, "--resume", "latest"])
+    assert rc == 0, err[-2000:]
+    assert b.progress.val_log == a.progress.val_log
+    assert host_stats(b.progress.max_norm_stats) == stats
+    assert b.progress.loss_log == a.progress.loss_log

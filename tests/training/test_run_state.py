@@ -35,6 +35,41 @@ def test_records_take_no_undeclared_attribute():
     assert Progress().loss_log is not p.loss_log  # each run its own logs
 
 
+# a value other than the default for every field of Progress, as a state holds it after training
+_PROGRESS_VALUES = {
+    "global_step": 7, "epochs_done": 2, "samples_seen": 14, "position": (3, 1),
+    "loss_log": [0.25, 0.125], "lr_log": [1e-3, 5e-4], "val_log": [(3, 0.5), (6, 0.375)],
+    "max_norm_stats": (2, 0.75, 1.5), "last_state": ("out/last-step00000006-state", 6),
+}
+
+
+def test_progress_saves_and_restores_every_field():
+    """A state restores the whole record: every field survives state_dict -> JSON -> from_state
+    (a field added to Progress without a value here fails, as one the state drops)."""
+    import json
+
+    from library.training.run_state import Progress
+
+    names = [f.name for f in dataclasses.fields(Progress)]
+    assert sorted(names) == sorted(_PROGRESS_VALUES), "give every Progress field a test value"
+    p = Progress(**_PROGRESS_VALUES)
+    assert all(getattr(p, n) != getattr(Progress(), n) for n in names)
+    back = Progress.from_state(json.loads(json.dumps(p.state_dict())))
+    for n in names:
+        assert getattr(back, n) == getattr(p, n), n
+    # scale_weight_norms' device statistics are read to the host on the way
+    from library.training.network_options import MaxNormStats
+    import torch
+
+    # rows: the norms after scaling, the scale factors (one module scaled)
+    p.max_norm_stats = MaxNormStats(torch.tensor([[0.5, 1.0], [1.0, 0.5]]))
+    assert Progress.from_state(json.loads(json.dumps(p.state_dict()))).max_norm_stats == (1, 0.75, 1.0)
+    # a state written before val_log / max_norm_stats / last_state were saved
+    old = {k: v for k, v in p.state_dict().items() if k not in ("val_log", "max_norm_stats", "last_state")}
+    q = Progress.from_state(old)
+    assert (q.val_log, q.max_norm_stats, q.last_state, q.global_step) == ([], None, None, 7)
+
+
 def _acc(rank: int, processes: int):
     return SimpleNamespace(process_index=rank, num_processes=processes)
 
