@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 from library.outputs.saving import atomic_path
 from networks import lora_blocks as blocks
 from networks import lora_names as names
@@ -119,7 +119,7 @@ def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
             return load_file(file)
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or foreign file
-        raise LoRAError(f"cannot read LoRA weights file {file}: {type(e).__name__}: {e}".splitlines()[0]) from e
+        raise LoRAError(f"cannot read LoRA weights file {file}: {first_line(e, typed=True)}") from e
 
 
 # --- hashes exactly as sd-scripts' train_util (sd-webui-additional-networks' model hashes) ------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from PIL import Image
 
 from library.data import symlinks
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,7 @@ def check_image(path: str) -> tuple[int, int]:
     # PIL raises many types for malformed files (OSError, SyntaxError, ValueError, struct.error,
     # DecompressionBombError ...); all of them mean "this file cannot be used".
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"cannot decode image {path}: {reason}") from None
+        raise DataError(f"cannot decode image {path}: {first_line(e)}") from None
     if size[0] < 1 or size[1] < 1:
         raise DataError(f"cannot decode image {path}: empty image")
     return size

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from library.errors import first_line
 from library.data.folders import DataError
 
 
@@ -65,7 +66,7 @@ def _decode(path: str, convert, what: str = "image"):
     except DataError:
         raise
     except Exception as e:  # PIL raises many types for malformed files
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = first_line(e)
         raise DataError(f"cannot decode {what} {path}: {reason}") from None
 
 

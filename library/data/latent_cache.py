@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from library.errors import first_line
 from library.data.folders import ImageItem
 from library.data.images import latent_mask, load_for_item, prepare_image
 
@@ -197,7 +198,7 @@ def load_entry(path: str, key: str, shape: tuple[int, int, int], masked: bool = 
                             crop_top_left=tuple(json.loads(meta["crop_top_left"])),
                             target_size=tuple(json.loads(meta["target_size"])), mask=mask)
     except Exception as e:  # safetensors raises several types for truncated or garbled files
-        raise CorruptEntry(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise CorruptEntry(first_line(e)) from None
     if meta.get("sdtk.latent_key") != key:
         raise CorruptEntry("it was written for another key")
     if tuple(entry.latents.shape) != tuple(shape):

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from library.errors import first_line
 from library.models.family import CHUNK, TextConditioning, chunk_count
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def _load(path: str, key: str):
             hidden = f.get_tensor("hidden_states")
             pooled = f.get_tensor("pooled") if "pooled" in f.keys() else None
     except Exception as e:  # truncated or garbled file
-        raise ValueError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise ValueError(first_line(e)) from None
     if meta.get("sdtk.text_key") != key:
         raise ValueError("it was written for another key")
     if not torch.isfinite(hidden).all():

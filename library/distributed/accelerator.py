@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 # Seconds a collective may wait for a peer before it fails (torch's own default for gloo).
 DEFAULT_TIMEOUT_S = 1800
@@ -137,7 +137,7 @@ def peer_failure(e: BaseException) -> str | None:
     dist_error = type(e).__name__.startswith("Dist") or "gloo" in text or "nccl" in text
     if dist_error and any(k in text for k in _PEER_SILENT):
         return (f"{who}: stopped because another process did not answer within ddp_timeout "
-                f"({str(e).strip().splitlines()[0][:200]})")
+                f"({first_line(e)[:200]})")
     return None
 
 

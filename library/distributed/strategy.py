@@ -23,6 +23,7 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.errors import first_line
 from library.outputs.train_state import DEEPSPEED_DIR, SHARDED_DIR
 
 logger = logging.getLogger("sdtk")
@@ -287,7 +288,7 @@ class FSDP(SingleProcess):
         except (KeyError, ValueError, RuntimeError) as e:
             raise ResumeError(f"resume: {os.path.dirname(folder)}: the sharded weights or optimizer "
                               "state do not fit this run "
-                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                              f"({first_line(e)})") from None
 
 
 class DeepSpeed(SingleProcess):

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 logger = logging.getLogger("sdtk")
 
@@ -214,7 +214,7 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: cannot read ({e.__class__.__name__}: {str(e).splitlines()[0]})") from None
+        raise ModelError(f"{path}: cannot read ({first_line(e, typed=True)})") from None
 
 
 # --- builtins --------------------------------------------------------------------------------
@@ -298,8 +298,7 @@ def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[
             comps[name] = cls.from_pretrained(folder, subfolder=name, local_files_only=True)
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:
             # SafetensorError: an empty or garbled weights file (not an OSError)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelError(f"{source}: cannot load the diffusers folder ({name}): {first}") from None
+            raise ModelError(f"{source}: cannot load the diffusers folder ({name}): {first_line(e)}") from None
     tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
     toks = _load_tokenizers(family, tes, source, folder=folder, tokenizer_path=tokenizer_path,
                             record=None, record_dir=None)
@@ -366,7 +365,7 @@ def _hub_snapshot(repo_id: str) -> str:
             "text_encoder*/model.safetensors"])
     except Exception as e:  # network, auth and not-found errors all end the run the same way
         raise ModelError(f"pretrained_model_name_or_path: cannot download {repo_id} from the hub: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__}") from None
+                         f"{first_line(e)}") from None
 
 
 # --- VAE override ----------------------------------------------------------------------------
@@ -393,7 +392,7 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
         try:
             return AutoencoderKL.from_pretrained(p, subfolder=sub, local_files_only=True)
         except (OSError, ValueError, RuntimeError) as e:
-            raise ModelError(f"vae: cannot load {vae}: {str(e).strip().splitlines()[0]}") from None
+            raise ModelError(f"vae: cannot load {vae}: {first_line(e)}") from None
     state_dict, _ = sdc.read_state_dict(p)
     with tempfile.TemporaryDirectory(prefix="sdtk-vae-") as tmp:
         os.makedirs(os.path.join(tmp, "vae"))

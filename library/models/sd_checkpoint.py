@@ -17,6 +17,7 @@ import re
 import tempfile
 from typing import Any
 
+from library.errors import first_line
 from library.models.loading import ModelError, quiet_progress
 from library.models import unet_layout
 from library.outputs.saving import atomic_dir, atomic_path
@@ -286,11 +287,6 @@ def _write_diffusers(components: dict, family: str, tmp: str, dtype) -> None:
 
 # --- loading ---------------------------------------------------------------------------------
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
     """(state dict, metadata) of a .safetensors or .ckpt/.pt/.bin file.
 
@@ -309,7 +305,7 @@ def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
                 meta = f.metadata() or {}
             return load_file(path), meta
         except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ModelError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            raise ModelError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -330,9 +326,9 @@ def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001 - arbitrary unpickling can raise anything
-            raise ModelError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
+            raise ModelError(f"{path}: not a readable checkpoint ({first_line(e, typed=True)})") from None
     except Exception as e:
-        raise ModelError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
+        raise ModelError(f"{path}: not a readable checkpoint ({first_line(e, typed=True)})") from None
     meta = obj.get("sdtk_metadata", {}) if isinstance(obj, dict) else {}
     meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
     while isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
@@ -391,7 +387,7 @@ def load_unet_vae_te(state_dict: dict, family: str, config_dir: str, path: str, 
     except ModelError:
         raise
     except (ValueError, RuntimeError, KeyError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        msg = first_line(e)
         m = re.search(r"because (\S+) expected shape (torch\.Size\(\[[^\]]*\]\)), but got (torch\.Size\(\[[^\]]*\]\))", msg)
         if m:
             msg = (f"the weights do not fit the {family} architecture of {config_dir} ({m.group(1)}: expected "

@@ -39,7 +39,7 @@ import logging
 import os
 import time
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 logger = logging.getLogger("sdtk")
 
@@ -106,8 +106,7 @@ def wandb_init_kwargs(opts) -> dict:
         except OSError as e:
             raise TrackingError(f"log_tracker_config: cannot read {path} ({e.strerror})") from None
         except (toml.TomlDecodeError, UnicodeDecodeError) as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise TrackingError(f"log_tracker_config: {path} is not valid TOML ({reason})") from None
+            raise TrackingError(f"log_tracker_config: {path} is not valid TOML ({first_line(e)})") from None
         table = doc.get("wandb", {})
         if not isinstance(table, dict):
             raise TrackingError(f"log_tracker_config: {path}: [wandb] must be a table of wandb.init "

@@ -46,7 +46,7 @@ import shutil
 import signal
 import time
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 STATE_VERSION = 1
 INFO_FILE = "state.json"
@@ -141,7 +141,7 @@ def read_info(path: str) -> dict:
         raise ResumeError(f"resume: {path} has no {INFO_FILE}; it is not a training state") from None
     except (OSError, ValueError) as e:
         raise ResumeError(f"resume: {path} is damaged: {INFO_FILE} cannot be read "
-                          f"({str(e).splitlines()[0]})") from None
+                          f"({first_line(e)})") from None
     if info.get("version") != STATE_VERSION:
         raise ResumeError(f"resume: {f}: state format {info.get('version')!r} is not "
                           f"{STATE_VERSION} (written by another version of this toolkit)")
@@ -563,8 +563,8 @@ def load_state(run, path: str, info: dict, log):
         rng = torch.load(os.path.join(path, RNG_FILE), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for a bad file
         # torch's weights_only refusal spans many lines: its first says what failed
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResumeError(f"resume: {path} is damaged: cannot read the optimizer state ({first})") from None
+        raise ResumeError(f"resume: {path} is damaged: cannot read the optimizer state "
+                          f"({first_line(e)})") from None
     fresh = [list(sc.base_lrs) for sc in c.stepper.schedulers]  # this run's learning rates
     try:
         c.stepper.load_state_dict(st)
@@ -573,7 +573,7 @@ def load_state(run, path: str, info: dict, log):
             strategy.load_process_state(os.path.join(path, strategy.state_dir), named, c)
     except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
-                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                          f"({first_line(e)})") from None
     _keep_learning_rates(c.stepper, fresh, path, log)
     return _load_rest(run, info, rng, log)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 
 
 
@@ -93,7 +93,7 @@ class _Compiled:
         except Exception as e:  # noqa: BLE001 - only dynamo's own errors are caught (below)
             if not _is_graph_break(e):
                 raise
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             if self.on_break is not None:
                 self.state = "eager"  # the caller takes over (per-block fallback)
                 return self.on_break(reason, args, kwargs)

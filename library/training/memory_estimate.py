@@ -41,7 +41,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 from library.training.host_memory import GIB
 
 logger = logging.getLogger("sdtk")
@@ -879,8 +879,7 @@ def report(opts, method_name: str, tset=None, processes: int = 1, main: bool = T
         return None
     except Exception as e:  # noqa: BLE001 - e.g. a network module that cannot be built on fake
         # tensors: the estimate is advice, never a reason to stop a run
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"memory estimate: not available ({type(e).__name__}: {msg})", flush=True)
+        print(f"memory estimate: not available ({first_line(e, typed=True)})", flush=True)
         return None
     print("memory estimate (training loop, one process; CPU peak resident memory model "
           "calibrated on sd15-arch):", flush=True)

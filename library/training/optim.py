@@ -8,7 +8,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from library.errors import UserError
+from library.errors import UserError, first_line
 from library.config.options import LR_SCHEDULERS
 
 logger = logging.getLogger("sdtk")
@@ -375,7 +375,7 @@ def _custom_scheduler(spec: ScheduleSpec, optimizer):
     except Exception as e:  # noqa: BLE001 - constructors fail on bad values in many ways
         given = ", ".join(f"{k}={v!r}" for k, v in spec.scheduler_args.items()) or "none"
         raise OptimizerError(f"lr_scheduler_args for {cls.__name__} (given: {given}): "
-                             f"{type(e).__name__}: {e}".splitlines()[0]) from None
+                             f"{first_line(e, typed=True)}") from None
 
 
 def parse_step_rules(rules) -> tuple[list[tuple[int, float]], float]:
