@@ -104,10 +104,10 @@ def load_mask(path: str) -> Image.Image:
 def load_for_item(item) -> tuple[Image.Image, Image.Image | None]:
     """(RGB image, mask "L" or None) of a dataset item: the alpha channel with ``alpha_mask``,
     the mask image with ``mask_path``, else no mask (the image composited as ``load_image``)."""
-    if getattr(item, "alpha_mask", False):
+    if item.alpha_mask:
         rgb, alpha = load_image_and_alpha(item.path)
         return rgb, (alpha if alpha is not None else Image.new("L", rgb.size, 255))
-    if getattr(item, "mask_path", None):
+    if item.mask_path:
         return load_image(item.path), load_mask(item.mask_path)
     return load_image(item.path), None
 

@@ -89,9 +89,9 @@ def vae_fingerprint(vae: torch.nn.Module) -> str:
 def mask_source(item) -> str | None:
     """What an item's mask depends on, for the cache key: None (no mask), "alpha", or
     "file:<sha256 of the mask image>"."""
-    if getattr(item, "alpha_mask", False):
+    if item.alpha_mask:
         return "alpha"
-    if getattr(item, "mask_path", None):
+    if item.mask_path:
         return "file:" + file_sha256(item.mask_path)
     return None
 

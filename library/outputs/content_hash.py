@@ -143,7 +143,7 @@ def fingerprint(opts, tset) -> list[list[str]]:
             out.append([role, os.path.abspath(f), _digest_or_missing(sha256_file, f)])
     for it in list(tset.train_items) + list(tset.reg_items):
         out.append(["image", os.path.abspath(it.path), _digest_or_missing(file_sha256, it.path)])
-        mask = getattr(it, "mask_path", None)
+        mask = it.mask_path
         if mask:
             out.append(["mask", os.path.abspath(mask), _digest_or_missing(file_sha256, mask)])
     return out

@@ -259,8 +259,8 @@ def data_fingerprint(tset) -> list[list]:
             size = -1
         entry = [str(it.path), size, it.caption, int(it.num_repeats),
                  list(it.bucket) if it.bucket else None, bool(it.is_reg)]
-        mask = getattr(it, "mask_path", None)
-        if mask or getattr(it, "alpha_mask", False):  # masked loss: its mask source too
+        mask = it.mask_path
+        if mask or it.alpha_mask:  # masked loss: its mask source too
             try:
                 msize = os.path.getsize(mask) if mask else -1
             except OSError:

@@ -19,7 +19,7 @@ def latent_slot(item, flipped: bool) -> tuple:
     """What tells two latent-cache entries of a run apart: one image may be in two datasets at
     different sizes, each with its flip."""
     return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
-            bool(getattr(item, "alpha_mask", False)), getattr(item, "mask_path", None))
+            bool(item.alpha_mask), item.mask_path)
 
 
 class BatchLoss:
