@@ -30,6 +30,17 @@ def offline(tmp_path, monkeypatch):
     wandb.teardown()
 
 
+def run_file(pattern: str) -> str:
+    """The one offline run file matching ``pattern``, complete: ``run.finish()`` returns before
+    wandb's service has closed the file (its writer flushes on close), so the service is torn
+    down (it exits once its streams are closed) before the file is read."""
+    import wandb
+
+    wandb.teardown()
+    (path,) = glob.glob(pattern)
+    return path
+
+
 def wandb_records(path):
     """The records of a .wandb file (wandb's LevelDB-style log: a 7-byte header ":W&B", then
     32 KiB blocks of chunks, each with a 7-byte header crc32 | length | type FULL/FIRST/MIDDLE/LAST)."""
@@ -94,7 +105,7 @@ def test_wandb_logs_the_tensorboard_tags(train, dataset, offline, tmp_path):
     assert os.environ["WANDB_API_KEY"] == key  # given to wandb through the environment only
     assert "wandb_api_key" not in r.opts.to_dict()  # and never written with the config
     (run_dir,) = os.listdir(logs)
-    (wandb_file,) = glob.glob(str(logs / run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    wandb_file = run_file(str(logs / run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
     run, rows = wandb_history(wandb_file)
     assert (run.project, run.display_name) == ("myproject", "run-one")
 
@@ -129,7 +140,7 @@ def test_wandb_without_logging_dir_and_tracker_config(train, dataset, offline, t
         "tiny-sd15", dataset, str(tmp_path / "out"), "--log_with", "wandb",
         "--log_tracker_config", str(cfg)))
     assert rc == 0, err
-    (wandb_file,) = glob.glob(str(tmp_path / "wandb-default" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    wandb_file = run_file(str(tmp_path / "wandb-default" / "wandb" / "offline-run-*" / "run-*.wandb"))
     run, rows = wandb_history(wandb_file)
     assert (run.project, run.display_name, list(run.tags)) == ("network_train", "from-config", ["a", "b"])
     assert [rows[s]["loss/current"] for s in (1, 2)] == pytest.approx(r.progress.loss_log, rel=1e-12)
