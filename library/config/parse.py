@@ -32,7 +32,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from library.errors import UserError
 from library.config.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
@@ -122,9 +122,9 @@ class _OptionsMethods:
 
 def _fields() -> list:
     fs = [("script", str),
-          ("given", frozenset, dataclasses.field(default=frozenset())),
+          ("given", frozenset[str], dataclasses.field(default=frozenset())),
           ("dataset_config_path", str | None, dataclasses.field(default=None)),
-          ("ignored", dict, dataclasses.field(default_factory=dict))]
+          ("ignored", dict[str, Any], dataclasses.field(default_factory=dict))]
     for o in OPTIONS:
         d = field_default(o)
         f = dataclasses.field(default_factory=dict) if isinstance(d, dict) else dataclasses.field(default=d)
@@ -136,10 +136,15 @@ def _fields() -> list:
 # `opts.name`, never getattr with a default of its own. Frozen: a value derived after parsing
 # is set with `replace` on a new copy, so no module changes the options another one holds.
 # Pickles by name (DataLoader workers, spawned processes).
-Options = dataclasses.make_dataclass(
-    "Options", _fields(), bases=(_OptionsMethods,), frozen=True, kw_only=True, repr=False)
-Options.__module__ = __name__  # make_dataclass takes `module=` only from Python 3.12
-Options.__doc__ = """The resolved options of one run (frozen): every schema option is a field
+# Type checkers and editors see the same class declared field by field in options_static.pyi
+# (generated from the schema by library/config/options_stub.py; a test keeps them equal).
+if TYPE_CHECKING:
+    from library.config.options_static import Options
+else:
+    Options = dataclasses.make_dataclass(
+        "Options", _fields(), bases=(_OptionsMethods,), frozen=True, kw_only=True, repr=False)
+    Options.__module__ = __name__  # make_dataclass takes `module=` only from Python 3.12
+    Options.__doc__ = """The resolved options of one run (frozen): every schema option is a field
     (options the script does not accept keep their defaults), plus `script`, `given` (names the
     user set explicitly), `config` (run file path or None), `dataset_config` (raw {"general",
     "datasets"} dict or None), `dataset_config_path` and `ignored` (sd-scripts names accepted with
