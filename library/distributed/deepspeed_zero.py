@@ -401,14 +401,15 @@ class DeepSpeedStepper:
         # DeepSpeed averages over the processes; the toolkit's losses are meant to be summed
         self.engine.backward(loss * self.processes, scale_wrt_gas=False)
 
-    before_update = None  # the loop's read of the step (library/training/stepper.py)
-
-    def step(self) -> None:
-        if self.before_update is not None and not self.before_update(None)[0]:
-            return  # the loop's guard (a non-finite loss): no engine step
+    def step(self, read=None):
+        """``read``: the step's one host read (library/training/stepper.py; no norm here)."""
+        got = None if read is None else read(None)
+        if got is not None and not got.finite:
+            return got  # the loop's guard (a non-finite loss): no engine step
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         self.scheduler.step()  # once per optimizer step
+        return got
 
     @contextlib.contextmanager
     def eval_mode(self):

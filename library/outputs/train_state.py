@@ -710,12 +710,10 @@ def _gather_objects(obj) -> list:
 class StopSignals:
     """While active, SIGINT and SIGTERM ask training to stop after the current step.
 
-    A second signal stops at once (KeyboardInterrupt / exit 143). ``agreed(device)`` is called by
-    every process once per step: one small all-reduce, so that all processes stop after the
-    same step even when the signal reached only one of them. The training loop makes it the
-    step's only small collective and only host read (library/training/step_sync.py): what it
-    staged with ``carry(summed, along)`` is summed in the same all-reduce (``along``: read
-    with it) and is in ``carried`` afterwards, as host lists.
+    A second signal stops at once (KeyboardInterrupt / exit 143). It carries the pending signal
+    only (``signum``): the step's one small all-reduce (library/training/step_sync.py ``agree``,
+    every process once per step) makes all processes stop after the same step even when the
+    signal reached only one of them.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -723,8 +721,6 @@ class StopSignals:
     def __init__(self):
         self.signum = 0
         self._old = {}
-        self._carry = (None, None)
-        self.carried = ([], [])
 
     def __enter__(self):
         import threading
@@ -746,16 +742,3 @@ class StopSignals:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
         self.signum = signum
-
-    def carry(self, summed=None, along=None) -> None:
-        """Device tensors for the next ``agreed``: ``summed`` is summed across processes in its
-        all-reduce, ``along`` read with it."""
-        self._carry = (summed, along)
-
-    def agreed(self, device) -> int:
-        from library.training import step_sync
-
-        (summed, along), self._carry = self._carry, (None, None)
-        sums, rest, agreed = step_sync.exchange(device, self.signum, self.SIGNALS, summed, along)
-        self.carried = (sums, rest)
-        return agreed

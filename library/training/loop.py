@@ -13,8 +13,8 @@ options.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import math
 
 from library.training import nonfinite
 from library.training import step_sync
@@ -97,35 +97,24 @@ def train(run) -> None:
                     # loss is checked first (library/training/nonfinite.py), alike in every
                     # process: the step's one read (library/training/step_sync.py)
                     read = step_sync.agree(signals, acc.device, loss_sum)
-                    if not math.isfinite(read.loss):
+                    if not read.finite:
                         break
                 with strategy.micro_step(last):  # the backward of that forward, alike
                     stepper.backward(loss, last_micro_step=last)
             step_lr = stepper.current_lr()
             if read is None:
                 # every process, every step: step() joins the gradient sum, enqueues the norm
-                # and, before any update, calls back for the step's one read (the loss, the
-                # norm and the stop signal together)
+                # and, before any update, makes the step's one read (the loss, the norm and the
+                # stop signal together), which it returns
                 if loss_sum is None:
                     loss_sum = step_sync.zero_loss(acc.device)
-                box = []
-
-                def before_update(norm, loss_sum=loss_sum, box=box):
-                    box.append(step_sync.agree(signals, acc.device, loss_sum, norm))
-                    return math.isfinite(box[0].loss), box[0].norm
-
-                stepper.before_update = before_update
-                try:
-                    stepper.step()
-                finally:
-                    stepper.before_update = None
-                if not box:
-                    raise RuntimeError(f"{type(stepper).__name__}.step() made no before_update call")
-                read = box[0]
-                bad = None if math.isfinite(read.loss) else f"loss {nonfinite.describe(read.loss)}"
+                read = stepper.step(functools.partial(step_sync.agree, signals, acc.device, loss_sum))
+                if read is None:
+                    raise RuntimeError(f"{type(stepper).__name__}.step() made no read of the step")
+                bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
                 bad = bad or stepper.nonfinite  # a non-finite gradient norm
             else:
-                bad = None if math.isfinite(read.loss) else f"loss {nonfinite.describe(read.loss)}"
+                bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
                 if bad is None:
                     stepper.step()
                     bad = stepper.nonfinite  # a non-finite gradient norm

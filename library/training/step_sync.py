@@ -19,6 +19,7 @@ norm, and reads the result to the host once.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 
@@ -26,6 +27,11 @@ class StepRead(NamedTuple):
     loss: float           # the global batch's loss (sum over micro-steps and processes)
     norm: float | None    # the gradient norm the stepper checks, or None
     stop: int             # the signal every process stops for after this step (0: none)
+
+    @property
+    def finite(self) -> bool:
+        """The loss is finite: the step may update (library/training/nonfinite.py)."""
+        return math.isfinite(self.loss)
 
 
 def value_dtype(device):
@@ -90,14 +96,10 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None):
 
 
 def agree(signals, device, loss_sum, norm=None) -> StepRead:
-    """The step's read (see the module docstring): through ``signals.agreed`` (every process
-    calls it once per step) when the run has StopSignals, else with no signal."""
-    if signals is None:
-        from library.outputs.train_state import StopSignals
+    """The step's read (see the module docstring), every process once per step: with the
+    signal pending in ``signals`` (train_state.StopSignals; None: no signal)."""
+    from library.outputs.train_state import StopSignals
 
-        sums, along, stop = exchange(device, 0, StopSignals.SIGNALS, loss_sum, norm)
-    else:
-        signals.carry(loss_sum, norm)
-        stop = signals.agreed(device)
-        sums, along = signals.carried
+    signum = 0 if signals is None else signals.signum
+    sums, along, stop = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm)
     return StepRead(sums[0], along[0] if along else None, stop)

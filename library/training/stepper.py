@@ -1,11 +1,14 @@
 """How one global batch's gradient becomes one optimizer update.
 
 The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each micro-step of
-this process and ``stepper.step()`` once per global batch (every process, every step, even with
-an empty share). For a stepper that steps after the backward (``steps_in_backward`` False) the
-loop sets ``before_update``: step() calls it once, with the gradient norm still on the device and
-before any update, and it returns (whether to update, the norm's host value) from the step's one
-host read (library/training/step_sync.py). ``make_stepper`` picks the stepper from the options:
+this process and ``stepper.step(read)`` once per global batch (every process, every step, even
+with an empty share). For a stepper that steps after the backward (``steps_in_backward`` False)
+``read`` is the step's one host read (library/training/step_sync.py ``agree``, the loss sum
+bound): step() calls it once, with the gradient norm still on the device and before any update,
+updates only when the read loss is finite, and returns the ``StepRead``. A stepper that steps in
+the backward takes no read (the loop read the step before the last backward) and returns None;
+so does step() called with no read (the norm is then read here). ``make_stepper`` picks the
+stepper from the options:
 
 - ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (unless
   the strategy's engine summed them during the backward: DDP, FSDP), clip the global norm, one
@@ -49,9 +52,6 @@ class Stepper(Protocol):
     partial_update: bool         # that step had already updated some parameters (hooks)
     optimizer: object            # the (first) optimizer, for reports and the sharded state
     scheduler: object            # the (first) scheduler
-    # set by the loop around step() (steps_in_backward False): norm tensor or None ->
-    # (update?, the norm's host value); see PlainStepper.step
-    before_update: object
 
     @property
     def schedulers(self) -> list: ...  # every scheduler, each once
@@ -60,7 +60,8 @@ class Stepper(Protocol):
 
     def backward(self, loss, last_micro_step: bool = True) -> None: ...
 
-    def step(self) -> None: ...
+    def step(self, read=None):  # read: norm tensor or None -> StepRead; returns its StepRead
+        ...
 
     def skip(self) -> None: ...
 
@@ -181,7 +182,6 @@ class PlainStepper:
         self.precision = precision
         self.loss_scaler = loss_scaler
         self.nonfinite = None  # why the last step() made no update (non-finite), or None
-        self.before_update = None  # the loop's read of the step, while it runs step()
         self._generator = None
         if precision != "float32":
             from library.training import fused_optim
@@ -248,10 +248,10 @@ class PlainStepper:
         finally:
             self._schedule_free.train()
 
-    def step(self) -> None:
+    def step(self, read=None):
         # Sum, then clip the global batch's gradient (after accumulation and summation, so any
         # split of the global batch clips alike), all enqueued on the device; then the step's
-        # one host read (``_read``) decides. Under fsdp the gradients are already summed shards
+        # one host read (``read``, see the module docstring) decides. Under fsdp the gradients are already summed shards
         # (DTensors); the norm is taken over all shards.
         # A non-finite norm (library/training/nonfinite.py) leaves everything as it was before the step
         # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
@@ -263,27 +263,24 @@ class PlainStepper:
             norm_t = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
         else:
             norm_t = self._grad_norm()
-        update, norm = self._read(norm_t)
-        if not update:
-            return  # the loop's guard (a non-finite loss): nothing touched, the loop says why
+        if read is None:  # outside the loop: the norm read here
+            got, norm = None, (None if norm_t is None else float(norm_t))
+        else:
+            got = read(norm_t)
+            if not got.finite:
+                return got  # the loop's guard (a non-finite loss): nothing touched, the loop says why
+            norm = got.norm
         if self.precision != "float32":
             if not self._step_low_precision(0.0 if norm is None else norm):
-                return
+                return got
         else:
             if norm is not None and not math.isfinite(norm):
                 self.nonfinite = f"gradient norm {_describe(norm)}"
-                return
+                return got
             self.optimizer.step()
         self.scheduler.step()  # once per optimizer step, never per micro-step or process
         self.optimizer.zero_grad(set_to_none=True)
-
-    def _read(self, norm_t) -> tuple[bool, float | None]:
-        """(update?, the norm's host value): from the loop's one read of the step
-        (``before_update``, which brings the loss and the stop signal with it), or read here
-        when step() runs outside the loop."""
-        if self.before_update is not None:
-            return self.before_update(norm_t)
-        return True, (None if norm_t is None else float(norm_t))
+        return got
 
     def _grad_norm(self):
         """The global gradient norm (clipping to max_grad_norm when set) as a 0-d tensor, or
@@ -564,7 +561,10 @@ class _HookStepper:
             p.grad = None
         self._stepped[u] = True
 
-    def step(self) -> None:
+    def step(self, read=None) -> None:
+        if read is not None:
+            raise TypeError(f"{type(self).__name__} steps in the backward: the loop reads the step "
+                            "before the last backward, step() takes no read")
         # Units whose hooks did not all fire (a parameter outside this step's graph) are stepped
         # now, in unit order; the same in every process, since all run the same graph.
         for u in range(len(self.units)):

@@ -80,22 +80,22 @@ def _wait_for_signal(report_dir: str, n: int):
     one process only, as a Ctrl-C in one rank's terminal."""
     import time
 
-    from library.outputs import train_state
+    from library.training import step_sync
 
-    real, calls = train_state.StopSignals.agreed, []
+    real, calls = step_sync.agree, []
 
-    def agreed(self, device):  # called once per step by every process
+    def agree(signals, device, loss_sum, norm=None):  # the step's read: every process, once per step
         calls.append(1)
         if len(calls) == n:
             with open(os.path.join(report_dir, "waiting.tmp"), "w") as f:
                 f.write(str(os.getpid()))
             os.replace(os.path.join(report_dir, "waiting.tmp"), os.path.join(report_dir, "waiting"))
             deadline = time.time() + 120
-            while not self.signum and time.time() < deadline:
+            while not signals.signum and time.time() < deadline:
                 time.sleep(0.01)
-        return real(self, device)
+        return real(signals, device, loss_sum, norm)
 
-    train_state.StopSignals.agreed = agreed
+    step_sync.agree = agree
 
 
 def _inject_failure(at_step: int):
