@@ -466,16 +466,21 @@ def _find_image(key: str, image_dir: str | None, base: str) -> str | None:
     return None
 
 
-def metadata_caption(entry) -> str | None:
+def metadata_caption(entry, wildcard: bool = False) -> str | None:
     """sd-scripts' fine-tuning caption: the caption, then ``", "`` and the tags when there are
-    tags; only tags when there is no caption; None when neither is there."""
+    tags; only tags when there is no caption; None when neither is there. With ``wildcard``
+    (enable_wildcard) the caption's lines are alternatives: the tags (made one line) go after
+    each non-empty line, as sd-scripts' FineTuningDataset does."""
     if not isinstance(entry, dict):
         return None
     caption, tags = entry.get("caption"), entry.get("tags")
     caption = caption.strip() if isinstance(caption, str) and caption.strip() else None
     tags = tags.strip() if isinstance(tags, str) and tags.strip() else None
     if caption is None:
-        return tags
+        return tags.replace("\n", ", ") if tags and wildcard else tags
+    if wildcard and tags:
+        tags = tags.replace("\n", ", ")
+        return "\n".join(f"{ln.strip()}, {tags}" for ln in caption.split("\n") if ln.strip())
     return caption + ", " + tags if tags else caption
 
 
@@ -495,7 +500,8 @@ def scan_metadata(path: str, image_dir: str | None, *, num_repeats: int, is_reg:
         if img is None:
             no_image.append(str(key))
             continue
-        caption = metadata_caption(entry)
+        captions = item_fields.get("captions")
+        caption = metadata_caption(entry, captions is not None and captions.enable_wildcard)
         if caption is None:
             no_caption.append(str(key))
             continue

@@ -148,3 +148,15 @@ def test_training_passes_the_step_to_the_captions(tmp_path, run_script, monkeypa
                                              "--max_train_steps", "3", "--output_dir", tmp_path / "o"])
     assert rc == 0, err[-2000:]
     assert [s for s in steps if s is not None] == [0, 1, 2]
+
+
+def test_fine_tuning_captions_with_wildcards():
+    """sd-scripts' FineTuningDataset with enable_wildcard: the tags after each caption line."""
+    from library.data.folders import metadata_caption
+
+    entry = {"caption": "a {red|blue} dog\n\nthe dog", "tags": "grass,\nsun"}
+    assert metadata_caption(entry, True) == "a {red|blue} dog, grass,, sun\nthe dog, grass,, sun"
+    assert metadata_caption(entry) == "a {red|blue} dog\n\nthe dog, grass,\nsun"
+    got = {process_caption(metadata_caption(entry, True), o(enable_wildcard=True), 1, random.Random(s))
+           for s in range(30)}
+    assert got == {"a red dog, grass,, sun", "a blue dog, grass,, sun", "the dog, grass,, sun"}

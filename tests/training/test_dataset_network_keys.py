@@ -222,3 +222,58 @@ def test_network_keys_need_a_network_and_warmup_no_text_cache(tmp_path, run_scri
                                          "--max_train_steps", "1", "--dry_run", *extra])
         line = err.strip().splitlines()[-1]
         assert rc == 2 and msg in line, err[-1500:]
+
+
+def test_split_of_the_global_batch_does_not_change_the_data(tmp_path, train):
+    """1 process x batch 2 and 1 x batch 1 x accumulation 2 (the same global batch) with a DOP
+    subset, wildcards, shuffle, token warmup and two dataset multipliers: the same captions per
+    sample and step, the same weights (SGD; the bound and the 128 px size are those of
+    tests/training/test_equivalence.py, whose float32 noise floor is 1e-5)."""
+    from tests.conftest import rel_diff
+    from tools.make_sample_dataset import make_sample_dataset
+
+    folder = make_sample_dataset(str(tmp_path / "data"), n_images=2, size=128, repeats=1)
+    for name in ("shape_00", "shape_01"):
+        with open(f"{folder}/{name}.caption", "w", encoding="utf-8") as f:
+            f.write(f"{name}, {{red|green}}, x, y, z\n{name} {{up|down}}, w\n")
+    caps = ("enable_wildcard = true\nshuffle_caption = true\nkeep_tokens = 1\n"
+            "token_warmup_step = 2\n")
+    config = tmp_path / "run.toml"
+    config.write_text("[general]\nresolution = 128\ncaption_extension = \".caption\"\n"
+                      f"[[datasets]]\nnetwork_multiplier = 1.0\n"
+                      f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\n{caps}"
+                      f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\n{DOP}\nclass_tokens = \"shape\"\n"
+                      f"[[datasets]]\nnetwork_multiplier = -0.5\n"
+                      f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\n{caps}")
+    seen = {}
+
+    from library.data.training_data import TrainingSet
+    real = TrainingSet.caption
+
+    def spy(self, i, epoch, step=None):
+        cap = real(self, i, epoch, step)
+        if step is not None:
+            seen.setdefault(key, []).append((epoch, step, i, cap))
+        return cap
+
+    states = {}
+    for key, extra in (("1x2", ["--train_batch_size", "2"]),
+                       ("1x1x2", ["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])):
+        TrainingSet.caption = spy
+        try:
+            rc, o, err, run = train("train_lora", [
+                "--config", config, "--pretrained_model_name_or_path", "tiny-sd15",
+                "--output_dir", tmp_path / key, "--network_dim", "4", "--learning_rate", "1e-2",
+                "--optimizer_type", "SGDNesterov", "--optimizer_args", "momentum=0.9",
+                "--max_train_steps", "4", "--seed", "3", "--cache_latents", *extra])
+        finally:
+            TrainingSet.caption = real
+        assert rc == 0, err[-2000:]
+        states[key] = _lora_state(run)
+    assert sorted(seen["1x2"]) == sorted(seen["1x1x2"]) and len(seen["1x2"]) == 8
+    assert len({c for *_, c in seen["1x2"]}) > 3
+    worst = max(rel_diff(states["1x1x2"][k], states["1x2"][k]) for k in states["1x2"])
+    init = _initial_lora(3)
+    moved = max(rel_diff(states["1x2"][k], init[k]) for k in init)
+    print(f"split: worst {worst:.2e}, moved {moved:.2e}")
+    assert worst < 3e-5 and moved > 1e-4, (worst, moved)  # it trained, alike
