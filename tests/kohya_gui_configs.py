@@ -12,7 +12,10 @@ import json
 import math
 import os
 
-PRESETS = "/work/ref/bmaltais+kohya_ss/presets"
+# The GUI's presets, as tools/update_gui_presets.py stored them from a kohya_ss checkout (with its
+# commit): data the tests own, so the preset cases run on any clone.
+PRESETS_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config",
+                               "kohya_gui_presets.json")
 TABS = ("lora", "dreambooth", "finetune", "textual_inversion")
 
 # The GUI's field defaults (kohya_gui/class_*.py `config.get(..., default)`, lora_gui.py widgets,
@@ -436,16 +439,20 @@ def _finetune_metadata(d: dict) -> str:
     return path
 
 
+def _fixture() -> dict:
+    with open(PRESETS_FIXTURE, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def presets_commit() -> str:
+    """The bmaltais/kohya_ss commit the stored presets come from."""
+    return _fixture()["commit"]
+
+
 def presets(tab: str) -> list[tuple[str, dict]]:
-    folder = os.path.join(PRESETS, tab)
-    out = []
-    if not os.path.isdir(folder):  # the GUI ships no textual-inversion presets
-        return out
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".json"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                out.append((name[:-5], json.load(f)))
-    return out
+    """(name, preset) for each preset the GUI ships for `tab`, sorted by name (none for
+    textual inversion: the GUI ships no presets for it)."""
+    return sorted(_fixture()["presets"].get(tab, {}).items())
 
 
 def tiny_model(family: str) -> str:

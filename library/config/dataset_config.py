@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from library.data.folders import CaptionOptions, DataError
 
@@ -51,6 +51,11 @@ SUBSET_KEYS: dict[str, tuple[str, object]] = {
     "color_aug": ("bool", False),
     "alpha_mask": ("bool", False),
     "conditioning_data_dir": ("str", None),
+    "enable_wildcard": ("bool", False),
+    "secondary_separator": ("str", None),
+    "token_warmup_min": ("int", 1),
+    "token_warmup_step": ("number", 0),
+    "custom_attributes": ("table", None),
 }
 DATASET_KEYS: dict[str, tuple[str, object]] = {
     "resolution": ("resolution", None),
@@ -60,24 +65,23 @@ DATASET_KEYS: dict[str, tuple[str, object]] = {
     "max_bucket_reso": ("int", 1024),
     "bucket_reso_steps": ("int", 64),
     "bucket_no_upscale": ("bool", False),
+    "network_multiplier": ("number", 1.0),
 }
 ALIASES = {"caption_extention": "caption_extension"}  # sd-scripts' old spelling
 SUBSET_ONLY = ("image_dir", "is_reg", "metadata_file", "conditioning_data_dir")  # sd-scripts' "distinct" subset keys: not inherited
 RUN_OPTION = {"batch_size": "train_batch_size"}  # dataset key -> run option, where the names differ
 # keys with a lower bound (the rates are checked by their type)
 MINIMUM = {"num_repeats": 1, "keep_tokens": 0, "caption_dropout_every_n_epochs": 0, "batch_size": 1,
-           "min_bucket_reso": 8, "max_bucket_reso": 8, "bucket_reso_steps": 1}
+           "min_bucket_reso": 8, "max_bucket_reso": 8, "bucket_reso_steps": 1,
+           "token_warmup_min": 0, "token_warmup_step": 0}
+# custom_attributes keys sd-scripts reads (train_network.py: diff_output_preservation), with
+# their types; any other key is an error naming it (sd-scripts would carry it and never read it)
+CUSTOM_ATTRIBUTES = {"diff_output_preservation": "bool"}
 
 # sd-scripts dataset keys this toolkit does not implement: accepted only at their "off" value
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "face_crop_aug_range": ("face crop augmentation is not supported yet", (None,)),
-    "token_warmup_min": ("token warmup is not supported yet", (1,)),
-    "token_warmup_step": ("token warmup is not supported yet", (0,)),
-    "secondary_separator": ("secondary_separator is not supported yet", (None, "")),
-    "enable_wildcard": ("caption wildcards are not supported yet", (False,)),
-    "custom_attributes": ("custom subset attributes are not supported", (None,)),
     "cache_info": ("cache_info is not supported", (False,)),
-    "network_multiplier": ("per-dataset network multipliers are not supported yet", (1, 1.0)),
     "validation_seed": ("validation is not supported yet", (None,)),
     "validation_split": ("validation splits are not supported yet", (0, 0.0)),
     "system_prompt": ("system prompts are not supported", (None, "")),
@@ -86,7 +90,8 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
 
 CAPTION_FIELDS = ("shuffle_caption", "caption_separator", "keep_tokens", "keep_tokens_separator",
                   "caption_prefix", "caption_suffix", "caption_dropout_rate",
-                  "caption_dropout_every_n_epochs", "caption_tag_dropout_rate")
+                  "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "enable_wildcard",
+                  "secondary_separator", "token_warmup_min", "token_warmup_step")
 
 
 class DatasetConfigError(DataError):
@@ -108,6 +113,9 @@ class SubsetConfig:
     metadata_file: str | None = None  # a fine-tuning subset: images and captions from this file
     alpha_mask: bool = False  # masked loss from the images' alpha channel
     conditioning_data_dir: str | None = None  # masked loss from mask images of the same stem
+    # sd-scripts' custom_attributes: {"diff_output_preservation": True} trains this subset toward
+    # the model's own prediction with the network disabled (library/training/batch_loss.py)
+    custom_attributes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +129,7 @@ class DatasetConfig:
     bucket_reso_steps: int
     bucket_no_upscale: bool
     subsets: list[SubsetConfig]
+    network_multiplier: float = 1.0  # the network's multiplier while this dataset's samples train
 
 
 def _desc(v) -> str:
@@ -145,6 +154,14 @@ def _convert(kind: str, v):
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1:
             return float(v)
         raise ValueError(f"expected a number in [0, 1], got {_desc(v)}")
+    if kind == "number":
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return v
+        raise ValueError(f"expected a number, got {_desc(v)}")
+    if kind == "table":
+        if isinstance(v, dict):
+            return dict(v)
+        raise ValueError(f"expected a table (e.g. {{diff_output_preservation = true}}), got {_desc(v)}")
     if kind == "str":
         if isinstance(v, str):
             return v
@@ -201,8 +218,23 @@ class _Resolver:
                 raise self.error(where, raw_key, str(e)) from None
             if key in MINIMUM and val < MINIMUM[key]:
                 raise self.error(where, raw_key, f"{val} is out of range: must be >= {MINIMUM[key]}")
+            if key == "custom_attributes":
+                val = self.check_attributes(val, where)
             out[key] = val
         return out
+
+    def check_attributes(self, attrs: dict, where: str) -> dict:
+        """custom_attributes: the keys sd-scripts reads, each of its type; others are errors."""
+        for k, v in attrs.items():
+            if k not in CUSTOM_ATTRIBUTES:
+                known = ", ".join(CUSTOM_ATTRIBUTES)
+                raise self.error(where, f"custom_attributes.{k}", f"unknown attribute (sd-scripts "
+                                 f"reads only {known}; another key would have no effect)")
+            try:
+                attrs[k] = _convert(CUSTOM_ATTRIBUTES[k], v)
+            except ValueError as e:
+                raise self.error(where, f"custom_attributes.{k}", str(e)) from None
+        return attrs
 
     def run_value(self, key: str):
         name = RUN_OPTION.get(key, key)
@@ -263,7 +295,8 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
                 metadata_file=v["metadata_file"], alpha_mask=v["alpha_mask"],
                 # the run option conditioning_data_dir masks training subsets, not reg images
                 conditioning_data_dir=(svals.get("conditioning_data_dir") if v["is_reg"]
-                                       else v["conditioning_data_dir"]) or None))
+                                       else v["conditioning_data_dir"]) or None,
+                custom_attributes=dict(v["custom_attributes"] or {})))
         out.append(DatasetConfig(where=dwhere, subsets=subs, **res))
     return out
 

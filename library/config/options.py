@@ -118,6 +118,10 @@ OPTIONS: tuple[Option, ...] = (
     O("dry_run", "bool", False, "Print the step plan and the memory estimate and exit without "
       "loading any weights (the estimate builds the model from its configuration on fake tensors).",
       "config"),
+    O("debug_dataset", "bool", False, "Write <output_dir>/<output_name>_debug_dataset.png, a "
+      "contact sheet of the first global batches of epoch 1 as they would train (flip, crop, "
+      "color_aug, captions as augmented), log each sample, and exit without loading any weights "
+      "(sd-scripts opens a window instead).", "config"),
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
       ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "
@@ -212,6 +216,18 @@ OPTIONS: tuple[Option, ...] = (
       "and caption_tag_dropout_rate.", "dataset", min=0),
     O("keep_tokens_separator", "str", "", "Tags before this separator (and after a second one) are "
       "kept in place; overrides keep_tokens when the caption contains it.", "dataset"),
+    O("secondary_separator", "str", None, "Separator that joins tags into one for shuffle_caption "
+      "and caption_tag_dropout_rate (they split at caption_separator only); replaced by "
+      "caption_separator afterwards.", "dataset"),
+    O("enable_wildcard", "bool", False, "Wildcards in captions: each {...} group of alternatives "
+      "separated by vertical bars becomes one of them, and a caption file's lines are alternative "
+      "captions, drawn per sample and epoch ({{ and }} are literal braces).", "dataset"),
+    O("token_warmup_min", "int", 1, "Token warmup: the flexible (not kept) tags used at the first "
+      "step.", "dataset", min=0),
+    O("token_warmup_step", "float", 0.0, "Token warmup: the step by which all tags are used, "
+      "growing linearly from token_warmup_min (the first ones in the caption's order); below 1 a "
+      "fraction of the run's steps; 0 = off. Not with cache_text_encoder_outputs.", "dataset",
+      min=0),
     O("caption_prefix", "str", None, "Text put before every caption (joined with a space).", "dataset"),
     O("caption_suffix", "str", None, "Text put after every caption (joined with a space).", "dataset"),
     O("caption_dropout_rate", "float", 0.0, "Probability that a sample's caption is replaced by the "
@@ -252,8 +268,9 @@ OPTIONS: tuple[Option, ...] = (
       "TOML: a list of 'key=value' strings or a table.", "network", scripts=LORA),
     O("network_weights", "path", None, "Start from the weights in this LoRA file.", "network",
       scripts=LORA),
-    O("network_multiplier", "float", 1.0, "Multiplier of the LoRA output during training.", "network",
-      scripts=LORA),
+    O("network_multiplier", "float", 1.0, "Multiplier of the LoRA output during training; a "
+      "dataset's network_multiplier (dataset config) overrides it for its samples, which then "
+      "never share a batch with another multiplier's.", "network", scripts=LORA),
     O("network_train_unet_only", "bool", False, "Train only the U-Net part of the network.", "network",
       scripts=LORA),
     O("network_train_text_encoder_only", "bool", False, "Train only the text encoder part of the "
@@ -650,13 +667,8 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # dataset (train_util.add_dataset_arguments)
     _n("cache_info", "flag", _IGN, "speeds up dataset scanning only"),
     _n("skip_cache_check", "flag", _IGN, "cache speed only"),
-    _n("secondary_separator", "value", _REJ, "changes the captions", off=(None, "")),
-    _n("enable_wildcard", "flag", _REJ, "changes the captions"),
-    _n("token_warmup_min", "value", _REJ, "token warmup changes the captions", off=(None, 1)),
-    _n("token_warmup_step", "value", _REJ, "token warmup changes the captions", off=(None, 0)),
     _n("face_crop_aug_range", "value", _REJ, "augmentation changes the images"),
     _n("resize_interpolation", "value", _REJ, "changes the images"),
-    _n("debug_dataset", "flag", _REJ, "dataset preview instead of training is not implemented"),
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
     # validation (train_network.py)
     _n("max_validation_steps", "value", _IGN, "every held-out image is evaluated at fixed timesteps"),

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import re
 from dataclasses import dataclass, field
 
 from PIL import Image
@@ -59,6 +61,11 @@ class ImageItem:
     # (its first/red channel) of the same stem found in a conditioning_data_dir
     alpha_mask: bool = False
     mask_path: str | None = None
+    # dataset config: the network multiplier while this image trains (its dataset's
+    # network_multiplier, resolved down to the run's; None in folder mode), and custom_attributes' diff_output_preservation (the
+    # target is the model's own prediction with the network disabled)
+    network_multiplier: float | None = None
+    dop: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,21 +80,61 @@ class CaptionOptions:
     caption_dropout_rate: float = 0.0
     caption_dropout_every_n_epochs: int = 0
     caption_tag_dropout_rate: float = 0.0
+    # sd-scripts' {a|b} wildcards (drawn per sample and epoch; a caption file's lines are then
+    # alternatives, one drawn), joined-tag separator, and token warmup (the first
+    # token_warmup_min flexible tags, growing to all of them by token_warmup_step: a step count,
+    # or a fraction of the run's steps when below 1)
+    enable_wildcard: bool = False
+    secondary_separator: str | None = None
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0
 
     @property
     def is_identity(self) -> bool:
         return self == CaptionOptions(caption_separator=self.caption_separator,
                                       keep_tokens=self.keep_tokens,
-                                      keep_tokens_separator=self.keep_tokens_separator)
+                                      keep_tokens_separator=self.keep_tokens_separator,
+                                      token_warmup_min=self.token_warmup_min)
+
+    @property
+    def draws(self) -> bool:
+        """Whether the processed caption varies between draws (beyond caption dropout)."""
+        return self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
 
 
-def process_caption(caption: str, o: CaptionOptions, epoch: int, rng) -> str:
-    """sd-scripts' ``BaseDataset.process_caption`` (without wildcards and token warmup).
+def warmup_steps(o: CaptionOptions, total_steps: int | None) -> float:
+    """sd-scripts' token_warmup_step in steps: below 1 a fraction of the run's steps (floored)."""
+    w = o.token_warmup_step
+    if 0 < w < 1:
+        return math.floor(w * (total_steps or 0))
+    return w
+
+
+def draw_wildcards(caption: str, rng) -> str:
+    """sd-scripts' wildcards: a multi-line caption is one line drawn from its lines; each
+    ``{a|b|c}`` is one of its alternatives; ``{{`` and ``}}`` are literal braces."""
+    if "\n" in caption:
+        caption = rng.choice(caption.split("\n"))
+    open_, close = "\u2985", "\u2986"  # placeholders not in the caption (as sd-scripts)
+    while open_ in caption or close in caption:
+        open_, close = open_ + "\u2985", close + "\u2986"
+    caption = caption.replace("{{", open_).replace("}}", close)
+    caption = re.sub(r"\{([^}]+)\}", lambda m: rng.choice(m.group(1).split("|")), caption)
+    return caption.replace(open_, "{").replace(close, "}")
+
+
+def process_caption(caption: str, o: CaptionOptions, epoch: int, rng, step: int | None = None,
+                    total_steps: int | None = None) -> str:
+    """sd-scripts' ``BaseDataset.process_caption``.
 
     ``rng`` is a ``random.Random`` keyed to the sample and epoch, so the result does not depend
     on the process count. Draw order as sd-scripts: the dropout draw (only when the rate is > 0),
-    then the shuffle, then one draw per flexible tag for tag dropout. Tags are re-joined with
-    ``", "`` as sd-scripts does, whatever the separator.
+    the wildcards (enable_wildcard), then the shuffle, then one draw per flexible tag for tag
+    dropout. Tags are re-joined with ``", "`` as sd-scripts does, whatever the separator; then
+    ``secondary_separator`` becomes ``caption_separator``. Token warmup keeps the first
+    ``floor(step * (n - token_warmup_min) / warmup) + token_warmup_min`` of the n flexible tags
+    while ``step`` (the optimizer steps done before this one) is below the warmup; ``step`` None
+    (the text-encoder cache's variants, validation) is the caption after the warmup.
     """
     if o.caption_prefix:
         caption = o.caption_prefix + " " + caption
@@ -98,8 +145,15 @@ def process_caption(caption: str, o: CaptionOptions, epoch: int, rng) -> str:
                     and epoch % o.caption_dropout_every_n_epochs == 0)
     if drop:
         return ""
-    if not (o.shuffle_caption or o.caption_tag_dropout_rate > 0):
-        return caption
+    caption = draw_wildcards(caption, rng) if o.enable_wildcard else caption.split("\n")[0]
+    if o.shuffle_caption or o.token_warmup_step > 0 or o.caption_tag_dropout_rate > 0:
+        caption = _shuffle_and_drop(caption, o, rng, step, total_steps)
+    if o.secondary_separator:
+        caption = caption.replace(o.secondary_separator, o.caption_separator)
+    return caption
+
+
+def _shuffle_and_drop(caption: str, o: CaptionOptions, rng, step, total_steps) -> str:
     sep = o.caption_separator
     fixed, flex, fixed_suffix = [], [], []
     if o.keep_tokens_separator and o.keep_tokens_separator in caption:
@@ -114,6 +168,10 @@ def process_caption(caption: str, o: CaptionOptions, epoch: int, rng) -> str:
         flex = tokens[:]
         if o.keep_tokens > 0:
             fixed, flex = flex[:o.keep_tokens], tokens[o.keep_tokens:]
+    warmup = warmup_steps(o, total_steps)
+    if warmup and step is not None and step < warmup:
+        n = math.floor(step * ((len(flex) - o.token_warmup_min) / warmup)) + o.token_warmup_min
+        flex = flex[:n]
     if o.shuffle_caption:
         rng.shuffle(flex)
     if o.caption_tag_dropout_rate > 0:
@@ -184,8 +242,9 @@ def parse_concept_dir_name(name: str) -> tuple[int, str | None] | None:
     return repeats, (rest if rest else None)
 
 
-def read_caption(image_path: str, caption_extension: str) -> str | None:
-    """The first line of ``<stem><caption_extension>``, stripped (sd-scripts without wildcards).
+def read_caption(image_path: str, caption_extension: str, all_lines: bool = False) -> str | None:
+    """The first line of ``<stem><caption_extension>``, stripped (sd-scripts without wildcards);
+    with ``all_lines`` (enable_wildcard) its non-empty lines, stripped, joined with ``"\\n"``.
 
     Returns None when the file does not exist or holds only whitespace. A UTF-8 byte-order mark
     is dropped. A file that is not UTF-8 is an error naming it, raised while the dataset is
@@ -198,8 +257,10 @@ def read_caption(image_path: str, caption_extension: str) -> str | None:
     if not os.path.lexists(cap_path):
         return None
     text = text_files.read(cap_path, DataError, "caption file")
-    caption = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")[0].strip()  # as readlines
-    return caption or None
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # as readlines
+    if all_lines:
+        return "\n".join(ln.strip() for ln in lines if ln.strip()) or None
+    return lines[0].strip() or None
 
 
 def _list_images(folder: str, log: logging.Logger | None = logger) -> list[str]:
@@ -249,7 +310,9 @@ def scan_image_folder(folder: str, *, num_repeats: int, class_tokens: str | None
             log.warning(f"skipping image: cannot read {path}: {e}")
             stats.unreadable.append(path)
             continue
-        caption = read_caption(path, caption_extension)
+        captions = item_fields.get("captions")
+        caption = read_caption(path, caption_extension,
+                               all_lines=captions is not None and captions.enable_wildcard)
         if caption is None:
             missing += 1
             caption = class_tokens or ""
@@ -402,16 +465,21 @@ def _find_image(key: str, image_dir: str | None, base: str) -> str | None:
     return None
 
 
-def metadata_caption(entry) -> str | None:
+def metadata_caption(entry, wildcard: bool = False) -> str | None:
     """sd-scripts' fine-tuning caption: the caption, then ``", "`` and the tags when there are
-    tags; only tags when there is no caption; None when neither is there."""
+    tags; only tags when there is no caption; None when neither is there. With ``wildcard``
+    (enable_wildcard) the caption's lines are alternatives: the tags (made one line) go after
+    each non-empty line, as sd-scripts' FineTuningDataset does."""
     if not isinstance(entry, dict):
         return None
     caption, tags = entry.get("caption"), entry.get("tags")
     caption = caption.strip() if isinstance(caption, str) and caption.strip() else None
     tags = tags.strip() if isinstance(tags, str) and tags.strip() else None
     if caption is None:
-        return tags
+        return tags.replace("\n", ", ") if tags and wildcard else tags
+    if wildcard and tags:
+        tags = tags.replace("\n", ", ")
+        return "\n".join(f"{ln.strip()}, {tags}" for ln in caption.split("\n") if ln.strip())
     return caption + ", " + tags if tags else caption
 
 
@@ -431,7 +499,8 @@ def scan_metadata(path: str, image_dir: str | None, *, num_repeats: int, is_reg:
         if img is None:
             no_image.append(str(key))
             continue
-        caption = metadata_caption(entry)
+        captions = item_fields.get("captions")
+        caption = metadata_caption(entry, captions is not None and captions.enable_wildcard)
         if caption is None:
             no_caption.append(str(key))
             continue

@@ -36,18 +36,36 @@ class TrainingSet:
     # textual inversion's use_object_template / use_style_template: every caption is one of these
     # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
     caption_templates: tuple | None = None
+    total_steps: int | None = None  # the run's steps (plan): token_warmup_step below 1 is a fraction
     # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
+    def per_dataset_multiplier(self) -> bool:
+        """Whether datasets differ in network_multiplier: a batch then holds one multiplier's
+        samples (the network runs at one multiplier per forward)."""
+        return len({s.network_multiplier for s in self.samples}) > 1
+
+    @property
     def bucket_of(self) -> list:
+        """Each sample's batch key: its bucket, and its network multiplier where datasets set
+        their own (so one global batch trains at one multiplier, whatever the process count)."""
+        if self.per_dataset_multiplier:
+            return [(*s.bucket, s.network_multiplier) for s in self.samples]
         return [s.bucket for s in self.samples]
 
     def bucket_sizes(self) -> dict:
+        """Samples per epoch of each batch key (bucket_of)."""
         sizes: dict = {}
-        for s in self.samples:
-            sizes[s.bucket] = sizes.get(s.bucket, 0) + 1
+        for key in self.bucket_of:
+            key = tuple(key)
+            sizes[key] = sizes.get(key, 0) + 1
         return sizes
+
+    def multiplier(self, idx) -> float | None:
+        """The network multiplier of a batch's samples (one per batch by bucket_of): their
+        dataset's network_multiplier (dataset config), or None (folders: the run's)."""
+        return self.samples[idx[0]].network_multiplier if idx else None
 
     @property
     def repeats_total(self) -> int:
@@ -58,7 +76,9 @@ class TrainingSet:
         return sum(1 for s in self.samples if s.is_reg)
 
     # -- per-sample augmentation (keyed by seed, epoch, sample index) ---------------------------
-    def caption(self, i: int, epoch: int) -> str:
+    def caption(self, i: int, epoch: int, step: int | None = None) -> str:
+        """Sample ``i``'s caption in ``epoch``, trained in optimizer step ``step`` (the steps done
+        before it: token warmup; None: after the warmup)."""
         if self.caption_templates:
             rng = random.Random(derive_seed("template", self.seed, epoch, i))
             return rng.choice(self.caption_templates)
@@ -66,7 +86,7 @@ class TrainingSet:
         if s.captions is None:
             return s.caption
         rng = random.Random(derive_seed("caption", self.seed, epoch, i))
-        return data.process_caption(s.caption, s.captions, epoch, rng)
+        return data.process_caption(s.caption, s.captions, epoch, rng, step, self.total_steps)
 
     def caption_variants(self, item) -> list[str]:
         """The processed captions the text-encoder cache holds for ``item`` (dropout aside): one
@@ -77,7 +97,7 @@ class TrainingSet:
         if o is None:
             return [item.caption]
         nodrop = dataclasses.replace(o, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0)
-        n = self.text_variants if (o.shuffle_caption or o.caption_tag_dropout_rate > 0) else 1
+        n = self.text_variants if o.draws else 1
         # Distinct variants (a repeated draw would waste a cache slot), as long as the caption has
         # that many; a bounded number of draws keeps it deterministic and finite.
         out: list[str] = []
@@ -181,6 +201,7 @@ def build_training_set(opts, log) -> TrainingSet:
                                      f"{item.image_dir}): {why} differs per sample and epoch, "
                                      "so its latents cannot be cached; turn one of them off")
     masked = _check_masks(opts, train + reg + held_out)
+    _check_network_keys(opts, train + reg)
     summary = stats.summary()
     if summary:
         log.warning(summary)
@@ -192,6 +213,29 @@ def build_training_set(opts, log) -> TrainingSet:
     if opts.script == "train_textual_inversion" and not tset.caption_templates:
         _check_token_in_captions(tset, opts.token_string)
     return tset
+
+
+def _check_network_keys(opts, items: list) -> None:
+    """Dataset keys that act on the network (network_multiplier, diff_output_preservation) need
+    a network to act on; token warmup changes a caption every step, which a text-encoder cache
+    cannot hold (sd-scripts refuses both too)."""
+    where = opts.dataset_config_path or "the run config"
+    if opts.script != "train_lora":
+        run = opts.network_multiplier
+        for key, used in (("network_multiplier",
+                           lambda it: it.network_multiplier not in (None, run)),
+                          ("custom_attributes.diff_output_preservation", lambda it: it.dop)):
+            item = next((it for it in items if used(it)), None)
+            if item is not None:
+                raise data.DataError(f"{where}: {key} (set for {item.image_dir}) acts on the "
+                                     f"network of train_lora; {opts.script} trains no network")
+    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
+        item = next((it for it in items if it.captions is not None
+                     and it.captions.token_warmup_step > 0), None)
+        if item is not None:
+            raise data.DataError(f"token_warmup_step (set for {item.image_dir}) cannot be combined "
+                                 "with cache_text_encoder_outputs: the caption changes every step "
+                                 "of the warmup")
 
 
 def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
@@ -315,7 +359,9 @@ def _from_dataset_config(opts, log, stats, held_out):
             sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
                               random_crop=sub.random_crop, color_aug=sub.color_aug,
                               cache_dir=opts.cache_dir,
-                              alpha_mask=sub.alpha_mask)
+                              alpha_mask=sub.alpha_mask,
+                              network_multiplier=float(ds.network_multiplier),
+                              dop=bool(sub.custom_attributes.get("diff_output_preservation")))
             where = f"{path}: {sub.where}.conditioning_data_dir"
             folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
             if getattr(sub, "metadata_file", None):  # a fine-tuning subset

@@ -1,7 +1,9 @@
 """The one per-sample loss of a batch, used by training and by validation (library/training/validation.py).
 
-    per_sample(latents, draw, conditioning, size_cond, mask, forward)   (B,) loss of each sample
-    training(epoch, idx, loaded_images, n_global)               a micro-step's weighted loss
+    per_sample(latents, draw, conditioning, size_cond, mask, forward, preserve)
+                                                                (B,) loss of each sample
+    training(epoch, idx, loaded_images, n_global, step)         a micro-step's weighted loss
+    end_step()                                                  the network back at the run's multiplier
 
 Training and validation differ only in what they hand to ``per_sample``: training draws noise
 and timesteps from each sample's generator (with the noise variants) and weights each sample
@@ -9,6 +11,15 @@ and timesteps from each sample's generator (with the noise variants) and weights
 (library/training/validation.py). The forward itself (noisy latents, the U-Net under autocast in its
 input dtype, SDXL's size conditioning, ``Losses.per_sample_loss`` with loss_type, SNR weighting
 and masks) is this module's, once.
+
+Two dataset-config keys act on the network here, as in sd-scripts' train_network.py:
+- a dataset's ``network_multiplier``: the network runs at it while the dataset's samples train
+  (a batch holds one multiplier's samples: TrainingSet.bucket_of); after the step it is back at
+  the run's ``network_multiplier`` (samples, validation);
+- a subset's ``custom_attributes = {diff_output_preservation = true}`` (DOP, sd-scripts PR
+  #1710): its samples' target is the model's own prediction with the network at multiplier 0,
+  without gradient, on the same noisy latents, timesteps and text conditioning (computed once,
+  with the network on, as sd-scripts reuses its text-encoder outputs).
 """
 from __future__ import annotations
 
@@ -28,39 +39,92 @@ class BatchLoss:
 
     def __init__(self, opts, tset, c):
         self.opts, self.tset, self.c = opts, tset, c
+        acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
+        net = c.method.network
+        if acts and net is not None and not hasattr(net, "set_multiplier"):
+            from library.errors import UserError
 
-    def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None):
+            raise UserError(f"network_module {opts.network_module}: its network has no "
+                            "set_multiplier(), which network_multiplier per dataset and "
+                            "diff_output_preservation need")
+        self._switched = False  # the network runs at a dataset's multiplier (end_step restores)
+
+    def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None, preserve=(),
+                   multiplier=None):
         """(B,) per-sample loss of latents (B,C,h,w) noised by ``draw``; ``conditioning()``
         gives the text conditioning (called under autocast: cached, or encoded now).
         ``forward(fn)`` runs the text encoding and the U-Net (training: the strategy's, so that
-        DDP sees the forward); None calls it directly (validation)."""
+        DDP sees the forward); None calls it directly (validation). ``preserve``: the rows whose
+        target is the prior prediction (DOP); the network is then back at ``multiplier``
+        (None: the run's) after it."""
         c = self.c
         noisy = c.losses.noisy_latents(latents, draw)
+        size = size_cond if c.bundle.family == "sdxl" else None
+        held = {}
 
         def denoise():
             with c.accelerator.autocast():
-                cond = conditioning()
+                held["cond"] = cond = conditioning()
                 return c.adapter.unet_forward(noisy.to(c.placement.input_dtype(c.placement.unet)),
-                                              draw.timesteps, cond,
-                                              size_cond if c.bundle.family == "sdxl" else None)
+                                              draw.timesteps, cond, size)
 
         pred = denoise() if forward is None else forward(denoise)
-        return c.losses.per_sample_loss(pred, latents, draw, mask)  # loss_type, SNR weights
+        target = None
+        if preserve:
+            target = c.losses.target(latents, draw).clone()
+            rows = list(preserve)
+            target[rows] = self._prior(noisy, draw.timesteps, held["cond"], size, rows,
+                                       multiplier).to(target.dtype)
+        return c.losses.per_sample_loss(pred, latents, draw, mask, target=target)  # loss_type, SNR
+
+    def _prior(self, noisy, timesteps, cond, size_cond, rows, multiplier):
+        """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
+        import torch
+
+        from library.models.family import TextConditioning
+
+        c = self.c
+        net = c.method.network
+        cond = TextConditioning(cond.hidden_states[rows],
+                                None if cond.pooled is None else cond.pooled[rows])
+        net.set_multiplier(0.0)
+        try:
+            with torch.no_grad(), c.accelerator.autocast():
+                return c.adapter.unet_forward(
+                    noisy[rows].to(c.placement.input_dtype(c.placement.unet)), timesteps[rows],
+                    cond, None if size_cond is None else size_cond[rows])
+        finally:
+            # the backward (and gradient checkpointing's recomputation in it) runs at this one
+            net.set_multiplier(self.opts.network_multiplier if multiplier is None else multiplier)
+
+    def end_step(self) -> None:
+        """After a step's update: the network back at the run's network_multiplier."""
+        if self._switched:
+            self.c.method.network.set_multiplier(self.opts.network_multiplier)
+            self._switched = False
 
     # -- training -------------------------------------------------------------------------------
-    def training(self, epoch: int, idx: list[int], loaded_images, n_global: int):
-        """Sum over this process's samples of weight * loss, divided by the global batch size."""
+    def training(self, epoch: int, idx: list[int], loaded_images, n_global: int,
+                 step: int | None = None):
+        """Sum over this process's samples of weight * loss, divided by the global batch size;
+        ``step``: the optimizer steps done before this one (token warmup)."""
         import torch
 
         opts, c = self.opts, self.c
+        multiplier = self.tset.multiplier(idx) if c.method.network is not None else None
+        if multiplier is not None:  # the dataset's network_multiplier
+            c.method.network.set_multiplier(multiplier)
+            self._switched = True
+        preserve = [k for k, i in enumerate(idx) if self.tset.samples[i].dop]
         latents, size_cond = self._latents(idx, loaded_images, epoch)
         # Sample-keyed randomness: every draw for a sample (noise, timestep, noise variants) comes
         # from its own generator, whatever the process count, batch split or resume point.
         d = c.losses.draw(latents, [torch.Generator().manual_seed(
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
-        per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch), size_cond, mask,
-                                     forward=c.strategy.forward)
+        per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch, step), size_cond,
+                                     mask, forward=c.strategy.forward, preserve=preserve,
+                                     multiplier=multiplier)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=c.accelerator.device)
         return (per_sample * weights).sum() / n_global
@@ -111,7 +175,7 @@ class BatchLoss:
         masks = [torch.ones(tuple(latent_hw)) if m is None else m for m in out]
         return torch.stack(masks).unsqueeze(1).to(self.c.accelerator.device, dtype=torch.float32)
 
-    def _text(self, idx: list[int], epoch: int):
+    def _text(self, idx: list[int], epoch: int, step: int | None = None):
         """The text conditioning of this process's samples (called under autocast): from the
         text-encoder cache, or encoded now (with gradients when the text encoders train)."""
         import torch
@@ -122,7 +186,7 @@ class BatchLoss:
         if c.caches.text is not None:
             return text_cache.stack([c.caches.text[self.tset.cached_caption(i, epoch)] for i in idx],
                                     c.accelerator.device)
-        captions = [self.tset.caption(i, epoch) for i in idx]  # sample-keyed augmentation
+        captions = [self.tset.caption(i, epoch, step) for i in idx]  # sample-keyed augmentation
         # no_token_padding: unpadded ids (batch 1, checked before loading); validation and the
         # text-encoder cache always pad
         tokens = [t.to(c.accelerator.device)

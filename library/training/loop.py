@@ -87,7 +87,8 @@ def train(run) -> None:
                         images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(run, epoch, idx)
                 with strategy.micro_step(last):  # DDP: no_sync() but in the last micro-step
-                    loss = c.batch_loss.training(epoch, idx, images, len(gb.indices))
+                    loss = c.batch_loss.training(epoch, idx, images, len(gb.indices),
+                                                 progress.global_step)
                 loss = HOOKS.after_micro_step(run, epoch, idx, loss)
                 if zero_weight:
                     loss = loss * 0.0
@@ -119,6 +120,7 @@ def train(run) -> None:
                     stepper.step()
                     bad = stepper.nonfinite  # a non-finite gradient norm
             step_loss = read.loss
+            c.batch_loss.end_step()  # a dataset's network_multiplier: back at the run's
             if bad is not None:
                 on_nonfinite(run, bad, bar)  # stop (raises) or skip this update
             # scale_weight_norms: after the update (every stepper has finished it here), before

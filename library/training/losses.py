@@ -208,10 +208,11 @@ class Losses:
         sigmas = ((1.0 - ac) / ac) ** 0.5
         return (1 - o.huber_c) / (1 + sigmas) ** 2 + o.huber_c
 
-    def per_sample_loss(self, pred, latents, d: Draw, mask=None):
+    def per_sample_loss(self, pred, latents, d: Draw, mask=None, target=None):
         """(B,) loss of each sample: the elementwise loss (times the mask, with masked loss)
-        averaged per sample, then weighted."""
-        target = self.target(latents, d)
+        averaged per sample, then weighted. ``target``: instead of the noise (or velocity), e.g.
+        diff_output_preservation's prior prediction in some rows (library/training/batch_loss.py)."""
+        target = self.target(latents, d) if target is None else target
         loss = elementwise_loss(pred.float(), target.float(), self.opts.loss_type,
                                 self.huber_threshold(d.timesteps))
         if mask is not None:

@@ -409,7 +409,7 @@ class _SavedCounter:
 def _largest_bucket(tset, resolution) -> tuple[int, int]:
     buckets = list(tset.bucket_sizes()) if tset is not None else []
     if buckets:
-        return max(buckets, key=lambda b: (b[0] * b[1], b))
+        return tuple(max(buckets, key=lambda b: (b[0] * b[1], b))[:2])  # (w, h[, multiplier])
     r = resolution if resolution else (512, 512)
     return (r, r) if isinstance(r, int) else tuple(r)
 

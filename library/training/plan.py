@@ -3,6 +3,8 @@
 the dataset config decides. No torch import."""
 from __future__ import annotations
 
+import dataclasses
+
 from library.data import step_plan
 from library.data.training_data import build_training_set
 from library.errors import UserError
@@ -39,6 +41,7 @@ def plan_run(opts, processes: int):
         gradient_accumulation_steps=opts.gradient_accumulation_steps,
         max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
         lr_warmup_steps=opts.lr_warmup_steps)
+    tset = dataclasses.replace(tset, total_steps=plan.total_steps)  # token_warmup_step's fraction
     return opts, tset, plan
 
 

@@ -157,9 +157,10 @@ class Run:
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
         c.frozen = frozen.release_after_caching(opts, c, logger)
 
-    def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int):
+    def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int,
+                        step: int | None = None):
         """Sum over this process's samples of weight * loss, divided by the global batch size."""
-        return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global)
+        return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
         from library.training import loop
@@ -188,6 +189,19 @@ def run(opts, method_name: str) -> Run | None:
     if opts.resume:  # checked before any weight loads
         resume = train_state.check_resume(opts, method_name, plan, tset, logger)
     output_checks.check_name(opts.output_name)  # a dry run too: "" would write ".safetensors"
+    if opts.debug_dataset:  # sd-scripts: show the dataset, then exit without training
+        if main:
+            from library.data import debug_dataset
+
+            if not opts.output_dir:
+                from library.errors import UserError
+
+                raise UserError("debug_dataset: output_dir is required (the contact sheet is "
+                                "written there)")
+            path = os.path.join(opts.output_dir, f"{opts.output_name}_debug_dataset.png")
+            debug_dataset.write_sheet(tset, plan, opts.seed, path, logger)
+            print(f"debug_dataset: wrote {path}; exiting without training", flush=True)
+        return None
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
         r.validate()  # optimizer, network module, combinations: a dry run stops on them too

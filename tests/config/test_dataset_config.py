@@ -61,6 +61,10 @@ SUBSET_CASES = {
     "random_crop": (True, False, True, True),
     "color_aug": (True, False, True, True),
     "alpha_mask": (True, False, True, True),
+    "enable_wildcard": (True, False, True, True),
+    "secondary_separator": (";;", "::", "//", "##"),
+    "token_warmup_min": (2, 3, 4, 5),
+    "token_warmup_step": (10, 0.5, 20, 30),
 }
 
 
@@ -70,9 +74,32 @@ def _subset_value(sub, key):
 
 def test_every_subset_key_is_covered():
     # metadata_file (fine-tuning subsets): tests/training/test_finetune_e2e.py; conditioning_data_dir
-    # (subset only, masked loss): tests/training/test_masked_loss.py
-    assert set(SUBSET_CASES) | {"image_dir", "is_reg", "metadata_file", "conditioning_data_dir"} \
-        == set(dc.SUBSET_KEYS)
+    # (subset only, masked loss): tests/training/test_masked_loss.py; custom_attributes (a table,
+    # no run option): test_custom_attributes below
+    assert set(SUBSET_CASES) | {"image_dir", "is_reg", "metadata_file", "conditioning_data_dir",
+                                "custom_attributes"} == set(dc.SUBSET_KEYS)
+
+
+def test_custom_attributes(tmp_path):
+    """sd-scripts' custom_attributes: a table, inherited whole (subset -> dataset -> [general]);
+    diff_output_preservation is the one key sd-scripts reads, any other is an error naming it."""
+    f = _folder(tmp_path)
+    text = ("[general]\nresolution = 64\ncustom_attributes = {diff_output_preservation = true}\n"
+            f"[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"{f}\"\n"
+            f"[[datasets.subsets]]\nimage_dir = \"{f}\"\ncustom_attributes = {{}}\n")
+    opts = _opts(tmp_path, text)
+    subs = dc.resolve_dataset_config(opts.dataset_config, None, opts)[0].subsets
+    assert [s.custom_attributes for s in subs] == [{"diff_output_preservation": True}, {}]
+    head = f"[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = \"{f}\"\n"
+    assert _error(tmp_path, head + "custom_attributes = {preserve = true}\n") == (
+        "datasets[0].subsets[0].custom_attributes.preserve: unknown attribute (sd-scripts reads "
+        "only diff_output_preservation; another key would have no effect)")
+    assert _error(tmp_path, head + "custom_attributes = {diff_output_preservation = 1}\n") == (
+        "datasets[0].subsets[0].custom_attributes.diff_output_preservation: expected a boolean "
+        "(true/false), got an integer (1)")
+    assert _error(tmp_path, head + "custom_attributes = true\n") == (
+        "datasets[0].subsets[0].custom_attributes: expected a table (e.g. "
+        "{diff_output_preservation = true}), got a boolean (True)")
 
 
 def test_subset_only_keys(tmp_path):
@@ -123,6 +150,7 @@ DATASET_CASES = {  # key -> (general, dataset, run option or None, expected run 
     "max_bucket_reso": (512, 256, "768", 768),
     "bucket_reso_steps": (32, 64, "16", 16),
     "bucket_no_upscale": (True, False, "true", True),
+    "network_multiplier": (0.5, -1.0, "0.25", 0.25),
 }
 
 
@@ -197,10 +225,10 @@ def test_errors_name_file_table_and_key(tmp_path):
     assert msg == "datasets[0].subsets[0].metadata_file: file 'meta.json' does not exist"
     assert _error(tmp_path, "[general]\nmetadata_file = \"meta.json\"\n" + head).startswith(
         "general.metadata_file: is a subset key")
-    assert _error(tmp_path, head + "enable_wildcard = true\n").startswith(
-        "datasets[0].subsets[0].enable_wildcard: not supported yet")
-    _opts(tmp_path, head + "enable_wildcard = false\n")  # the off value is accepted
-    build_training_set(_opts(tmp_path, head + "enable_wildcard = false\ncaption_extention = \".caption\"\n"), LOG)
+    assert _error(tmp_path, head + "face_crop_aug_range = [0.2, 0.5]\n").startswith(
+        "datasets[0].subsets[0].face_crop_aug_range: not supported yet")
+    _opts(tmp_path, head + "cache_info = false\n")  # the off value is accepted
+    build_training_set(_opts(tmp_path, head + "cache_info = false\ncaption_extention = \".caption\"\n"), LOG)
     # differing batch sizes cannot be honoured under the step contract
     msg = _error(tmp_path, head.replace("resolution = 64\n", "resolution = 64\nbatch_size = 2\n")
                  + f"[[datasets]]\nresolution = 64\nbatch_size = 3\n[[datasets.subsets]]\nimage_dir = \"{f}\"\n")

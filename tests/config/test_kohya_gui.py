@@ -1,7 +1,8 @@
 """Every config the kohya_ss GUI writes for SD1/SD2/SDXL loads and trains.
 
 tests/kohya_gui_configs.py turns each GUI preset (bmaltais/kohya_ss presets/{lora,dreambooth,
-finetune}/*.json) and the GUI's own defaults into the run TOML the GUI would write; here each one
+finetune}/*.json, stored in tests/config/kohya_gui_presets.json by tools/update_gui_presets.py)
+and the GUI's own defaults into the run TOML the GUI would write; here each one
 runs with --dry_run and trains two steps on the tiny model of its family (the textual-inversion
 tab has no presets: its defaults, for SD1 and SDXL).
 """
@@ -50,6 +51,23 @@ def _cases():
 
 
 CASES = _cases()
+
+
+def test_every_stored_sd_preset_is_a_dry_run_case():
+    """The fixture holds the GUI's presets for its LoRA, DreamBooth and fine-tune tabs with the
+    kohya_ss commit they come from, and each SD1/SD2/SDXL one is a dry-run case of the default
+    suite (not skipped): a lost or emptied fixture fails here instead of shrinking the cases."""
+    commit = gui.presets_commit()
+    assert len(commit) == 40 and int(commit, 16) >= 0
+    stored = {f"{tab}/{name}": preset for tab in gui.TABS for name, preset in gui.presets(tab)}
+    assert {p.split("/")[0] for p in stored} == {"lora", "dreambooth", "finetune"}
+    sd = {pid for pid, preset in stored.items() if gui.family_of(preset) is not None}
+    run = {c.values[2] for c in CASES if not c.marks}
+    assert sd and sd <= run
+    # the kinds of preset the GUI ships for these families, each present
+    fams = {gui.family_of(stored[pid]) for pid in sd}
+    types = {gui.normalize(stored[pid], "lora")["LoRA_type"] for pid in sd if pid.startswith("lora/")}
+    assert fams >= {"sd1", "sdxl"} and {"Standard", "LyCORIS/LoHa", "LyCORIS/LoKr"} <= types
 
 
 def _earlier_lora(fam, d, path):
@@ -126,7 +144,7 @@ _TRAINING_FLAGS = ("network_weights", "fp8_base", "fused_backward_pass", "full_b
 def _train_cases():
     """Every preset that loads also trains (two steps at 64 px take 1-25 s on the tiny models).
     The default suite trains the first preset of each training class (tab, family, LoRA type,
-    precision, the flags above): 20 of 42; the others, which differ from it only in
+    precision, the flags above): 20 of the 42 that train; the others, which differ from it only in
     the optimizer or in values such as ranks and rates (their dry runs above check those), train under
     ``pytest -m slow``."""
     seen, out = set(), []

@@ -372,3 +372,38 @@ def test_ddp_option_errors_before_loading(run_script, dataset, tmp_path, no_weig
                                                     "--gradient_accumulation_steps", "2"])
     assert rc == 2 and "ddp_static_graph cannot be combined with gradient_accumulation_steps 2" \
         in err and "pytorch/pytorch#143580" in err, err
+
+
+def test_dop_and_dataset_multipliers_under_ddp(one_process_group, data, tmp_path, monkeypatch):
+    """A DOP subset (its prior runs outside DDP's forward, without gradient) and two datasets'
+    network multipliers, under the DDP strategy with gradient checkpointing (whose recomputation
+    in the backward must run at the batch's multiplier, not DOP's 0 or the run's): the weights
+    equal the plain one-process run without checkpointing bit for bit."""
+    import os
+
+    from library.distributed import strategy
+
+    folder = os.path.join(data, "2_sks shape")
+    cfg = tmp_path / "datasets.toml"
+    cfg.write_text("[general]\nresolution = 64\ncaption_extension = \".caption\"\n"
+                   f"[[datasets]]\nnetwork_multiplier = 0.5\n"
+                   f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\n"
+                   f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\nclass_tokens = \"shape\"\n"
+                   "custom_attributes = {diff_output_preservation = true}\n"
+                   f"[[datasets]]\nnetwork_multiplier = -1.0\n"
+                   f"[[datasets.subsets]]\nimage_dir = \"{folder}\"\n")
+
+    def args(out, *drop):
+        a = lora_args(data, str(tmp_path / out), "--dataset_config", cfg, "--max_train_steps", "3")
+        i = a.index("--train_data_dir")
+        a = a[:i] + a[i + 2:]
+        return [x for x in a if x not in drop]
+
+    ref = train_in_process(args("ref", "--gradient_checkpointing"))
+    assert type(ref["run"].parts.strategy).__name__ == "SingleProcess"
+    monkeypatch.setattr(strategy, "for_run", lambda opts, acc: strategy.DDP(acc, opts))
+    res = train_in_process(args("ddp"))
+    assert type(res["run"].parts.strategy).__name__ == "DDP"
+    assert sum(s.dop for s in res["run"].tset.samples) == 2
+    assert res["run"].parts.method.network.multiplier == 1.0  # the run's, after the last step
+    assert _same(res["tensors"], ref["tensors"]) == []

@@ -471,8 +471,8 @@ def split_runs(tmp_path_factory):
                                 "t": int(d.timesteps[k])}
             return d
 
-        def per_sample_loss(self, pred, latents, d, *mask):
-            out = real_psl(self, pred, latents, d, *mask)
+        def per_sample_loss(self, pred, latents, d, *mask, **target):
+            out = real_psl(self, pred, latents, d, *mask, **target)
             for k, key in enumerate(current["key"]):
                 records[key]["loss"] = float(out[k])
             return out

@@ -186,17 +186,17 @@ def record_masks(monkeypatch):
     seen_validation[id(seen)] = validation
     real_step, real_psl = BatchLoss.training, losses.Losses.per_sample_loss
 
-    def training(self, epoch, idx, images, n_global):
+    def training(self, epoch, idx, images, n_global, step=None):
         current["keys"] = [(epoch, i) for i in idx]
         current["images"] = images
         current["tset"] = self.tset
         try:
-            return real_step(self, epoch, idx, images, n_global)
+            return real_step(self, epoch, idx, images, n_global, step)
         finally:
             current["keys"] = []  # validation calls the loss too: not a training sample
 
-    def per_sample_loss(self, pred, latents, d, mask=None):
-        out = real_psl(self, pred, latents, d, mask)
+    def per_sample_loss(self, pred, latents, d, mask=None, target=None):
+        out = real_psl(self, pred, latents, d, mask, target)
         if not current.get("keys"):
             validation.append(None if mask is None else mask.detach().double().cpu())
         for k, key in enumerate(current.get("keys", [])):
