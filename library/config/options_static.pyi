@@ -13,6 +13,7 @@ class Options:
     config: str | None = ...  # default None
     dataset_config: dict | None = ...  # default None
     dry_run: bool = ...  # default False
+    debug_dataset: bool = ...  # default False
     pretrained_model_name_or_path: str | None = ...  # default None
     v2: bool = ...  # default False
     v_parameterization: bool = ...  # default False
@@ -49,6 +50,10 @@ class Options:
     caption_separator: str = ...  # default ','
     keep_tokens: int = ...  # default 0
     keep_tokens_separator: str = ...  # default ''
+    secondary_separator: str | None = ...  # default None
+    enable_wildcard: bool = ...  # default False
+    token_warmup_min: int = ...  # default 1
+    token_warmup_step: float = ...  # default 0.0
     caption_prefix: str | None = ...  # default None
     caption_suffix: str | None = ...  # default None
     caption_dropout_rate: float = ...  # default 0.0
