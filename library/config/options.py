@@ -514,6 +514,12 @@ OPTIONS: tuple[Option, ...] = (
     O("masked_loss", "bool", False, "Multiply the per-pixel loss by the image's mask (from "
       "conditioning_data_dir or alpha_mask, area-averaged to the latent size) before the mean, as "
       "sd-scripts (no renormalisation); the validation loss too.", "loss"),
+    O("train_inpainting", "bool", False, "Train an inpainting model (sd-scripts' --train_inpainting): "
+      "the U-Net takes 9 channels, the noisy latents, a random mask per sample and epoch "
+      "(cloud, polygon or shape, at the latent size) and the latents of the image with the masked "
+      "region blanked. Needed for an inpainting model (9-channel U-Net, recognised from the "
+      "weights); on a 4-channel model DreamBooth and fine-tune widen its first convolution. Not "
+      "with cache_latents (docs/MODELS.md, Inpainting models).", "model"),
     # --- saving ---
     O("output_dir", "path", None, "Folder for the trained files. Required (except with --dry_run).",
       "saving"),
@@ -804,8 +810,6 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
            "sd-scripts' SD scripts do not define it"),
     GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
-    GuiKey("train_inpainting", "ldf", "reject", "inpainting training (a U-Net with masked-image "
-           "input channels) is not supported"),
     *_gui_family("ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
                  "discrete_flow_shift model_prediction_type timestep_sampling split_mode "
                  "mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",

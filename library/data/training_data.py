@@ -128,6 +128,14 @@ class TrainingSet:
 
         return color_aug.draw(random.Random(derive_seed("color", self.seed, epoch, i)))
 
+    def inpaint_mask(self, i: int, epoch: int, height: int, width: int):
+        """Sample ``i``'s random inpainting mask for ``epoch`` (train_inpainting), (height, width)
+        at the prepared image's size, 1 = regenerate (library/data/inpaint_masks.py)."""
+        from library.data import inpaint_masks
+
+        rng = random.Random(derive_seed("inpaint-mask", self.seed, epoch, i))
+        return inpaint_masks.random_mask(width, height, rng)
+
     def prepare(self, i: int, epoch: int):
         """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
         color_aug (when it draws a change), flip (when flip_aug draws it); its mask (masked loss)

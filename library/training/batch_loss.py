@@ -13,6 +13,7 @@ and masks) is this module's, once.
 from __future__ import annotations
 
 from library.data import step_plan
+from library.models import inpainting
 
 
 def latent_slot(item, flipped: bool) -> tuple:
@@ -29,18 +30,20 @@ class BatchLoss:
     def __init__(self, opts, tset, c):
         self.opts, self.tset, self.c = opts, tset, c
 
-    def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None):
+    def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None, inpaint=None):
         """(B,) per-sample loss of latents (B,C,h,w) noised by ``draw``; ``conditioning()``
         gives the text conditioning (called under autocast: cached, or encoded now).
         ``forward(fn)`` runs the text encoding and the U-Net (training: the strategy's, so that
-        DDP sees the forward); None calls it directly (validation)."""
+        DDP sees the forward); None calls it directly (validation). ``inpaint``: an inpainting
+        model's (B,5,h,w) mask and masked-image latents, concatenated after the noisy latents."""
         c = self.c
         noisy = c.losses.noisy_latents(latents, draw)
 
         def denoise():
             with c.accelerator.autocast():
                 cond = conditioning()
-                return c.adapter.unet_forward(noisy.to(c.placement.input_dtype(c.placement.unet)),
+                x = inpainting.unet_input(noisy, inpaint)
+                return c.adapter.unet_forward(x.to(c.placement.input_dtype(c.placement.unet)),
                                               draw.timesteps, cond,
                                               size_cond if c.bundle.family == "sdxl" else None)
 
@@ -53,29 +56,30 @@ class BatchLoss:
         import torch
 
         opts, c = self.opts, self.c
-        latents, size_cond = self._latents(idx, loaded_images, epoch)
+        latents, size_cond, inpaint = self._latents(idx, loaded_images, epoch)
         # Sample-keyed randomness: every draw for a sample (noise, timestep, noise variants) comes
         # from its own generator, whatever the process count, batch split or resume point.
         d = c.losses.draw(latents, [torch.Generator().manual_seed(
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
         per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch), size_cond, mask,
-                                     forward=c.strategy.forward)
+                                     forward=c.strategy.forward, inpaint=inpaint)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=c.accelerator.device)
         return (per_sample * weights).sum() / n_global
 
     def _latents(self, idx: list[int], loaded_images, epoch: int):
-        """Latents (B,C,h,w) and SDXL size conditioning (B,6) for this process's samples; with
-        cached latents the sample's flip for this epoch picks the variant."""
+        """Latents (B,C,h,w), SDXL size conditioning (B,6) and (train_inpainting) the inpainting
+        conditioning (B,5,h,w) for this process's samples; with cached latents the sample's flip
+        for this epoch picks the variant."""
         import torch
 
         from library.data import latent_cache
 
         c = self.c
         device, cache = c.accelerator.device, c.caches
-        lat, size = [], []
-        if cache.latents is not None:
+        lat, size, inpaint = [], [], None
+        if cache.latents is not None:  # never with train_inpainting (inpainting.check_options)
             for i in idx:
                 slot = latent_slot(self.tset.samples[i], self.tset.flip(i, epoch))
                 e = cache.latents[cache.latent_key[slot]]
@@ -87,8 +91,14 @@ class BatchLoss:
             pix = loaded_images.pixels_on(device, vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(vae, pix).to(torch.float32)
+                if self.opts.train_inpainting:  # the sample's mask for this epoch, on its pixels
+                    h, w = pix.shape[2:]
+                    masks = torch.stack([self.tset.inpaint_mask(i, epoch, h, w) for i in idx])
+                    masks = masks.unsqueeze(1).to(device)
+                    masked = latent_cache.encode_pixels(vae, inpainting.masked_pixels(pix, masks))
+                    inpaint = inpainting.conditioning(masks, masked.to(torch.float32))
             size = [(*p.original_size, *p.crop_top_left, *p.target_size) for p in loaded_images]
-        return latents, torch.tensor(size, dtype=torch.float32, device=device)
+        return latents, torch.tensor(size, dtype=torch.float32, device=device), inpaint
 
     def _masks(self, idx: list[int], loaded_images, epoch: int, latent_hw):
         """Masked loss: (B,1,h,w) masks at the latent size, from the latent cache (stored beside

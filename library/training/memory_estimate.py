@@ -170,7 +170,8 @@ def fake_components(opts) -> tuple[str, dict]:
         if src.location in models.TINY_BUILTINS:
             from library.models import tiny_models
 
-            comps = tiny_models.build_tiny_components(src.arch)
+            comps = tiny_models.build_tiny_components(
+                src.arch, inpaint=src.location.endswith(tiny_models.INPAINT_SUFFIX))
         else:
             comps = models._build_arch(src.arch)
     elif src.kind == "diffusers":
