@@ -708,7 +708,7 @@ def parse_args(script: str, argv: list[str] | None = None) -> Options:
         dataset_config_path = resolved["dataset_config"]
         dataset_config = _load_dataset_file(dataset_config_path)
 
-    _check_combinations(resolved, values, dataset_config is not None)
+    _check_combinations(resolved, values, dataset_config is not None, script)
     resolved["dataset_config"] = dataset_config
     return Options(script=script, given=frozenset(given), dataset_config_path=dataset_config_path,
                    ignored=ignored, **resolved)
@@ -756,13 +756,21 @@ def _apply_gui_keys(gui_names: dict) -> dict:
     return ignored
 
 
-def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
+def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: str) -> None:
     def where(name):
         return given[name][1].where() if name in given else name
 
     if v["pretrained_model_name_or_path"] is None:
         raise ConfigError("pretrained_model_name_or_path is required (a diffusers folder, a checkpoint "
                           "file or a built-in model such as tiny-sd15)")
+    if script == "train_leco":  # prompts only: no dataset, the length in steps
+        if v["prompts_file"] is None:
+            raise ConfigError("prompts_file is required (the LECO prompt file)")
+        if v["max_train_steps"] is None:
+            raise ConfigError("the training length is not set: give max_train_steps")
+        if v["output_dir"] is None:
+            raise ConfigError("output_dir is required (where the trained files are written)")
+        return
     if v["max_train_steps"] is None and v["max_train_epochs"] is None:
         raise ConfigError("the training length is not set: give max_train_steps or max_train_epochs")
     if v["max_train_steps"] is not None and v["max_train_epochs"] is not None:
