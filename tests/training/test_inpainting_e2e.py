@@ -110,3 +110,47 @@ def test_combinations_that_cannot_work_stop_with_one_line(dataset, tmp_path, run
         assert rc == 2, err
         lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
         assert len(lines) == 1 and msg in lines[0], err
+
+
+def test_masks_follow_the_sample_not_the_batch_split(dataset, tmp_path, train, monkeypatch):
+    """1 process x batch 2 and 1 x batch 1 x accumulation 2: each sample gets the same mask and
+    masked-image latents (keyed by seed, epoch, sample), whatever batch it is in."""
+    from library.data.training_data import TrainingSet
+
+    rows = {}
+    current = []
+    real_mask = TrainingSet.inpaint_mask
+    real_fwd = family.SD1Adapter.unet_forward
+
+    def mask_spy(self, i, epoch, h, w):
+        current.append((i, epoch))
+        return real_mask(self, i, epoch, h, w)
+
+    def fwd_spy(self, x, t, cond, size_cond=None):
+        for key, row in zip(current, x.detach()):
+            rows.setdefault(run_name[0], {})[key] = row[4:].clone()
+        current.clear()
+        return real_fwd(self, x, t, cond, size_cond)
+
+    monkeypatch.setattr(TrainingSet, "inpaint_mask", mask_spy)
+    monkeypatch.setattr(family.SD1Adapter, "unet_forward", fwd_spy)
+    run_name = ["b2"]
+    rc, _, err, _ = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "a",
+                                             "--train_batch_size", "2", "--max_train_steps", "1"))
+    assert rc == 0, err
+    run_name[0] = "acc2"
+    rc, _, err, _ = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "b",
+                                             "--gradient_accumulation_steps", "2",
+                                             "--max_train_steps", "1"))
+    assert rc == 0, err
+    assert set(rows["b2"]) == set(rows["acc2"]) and len(rows["b2"]) == 2
+    for key, row in rows["b2"].items():
+        other = rows["acc2"][key]
+        assert torch.equal(row[0], other[0])  # the mask channel, exactly
+        torch.testing.assert_close(row[1:], other[1:], rtol=1e-5, atol=1e-5)  # VAE batch 2 vs 1
+
+
+def test_dry_run_estimates_an_inpainting_model(dataset, tmp_path, run_script):
+    rc, out, err = run_script("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "d", "--dry_run"))
+    assert rc == 0, err
+    assert "total peak of the training loop" in out + err and "not available" not in out + err
