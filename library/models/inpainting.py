@@ -38,7 +38,8 @@ def is_inpainting(unet) -> bool:
 
 
 def check_options(opts) -> None:
-    """Before any weight loads: what cannot be combined with train_inpainting."""
+    """Before any weight loads: what cannot be combined with train_inpainting. (The validation
+    loss takes each held-out image's mask, library/training/validation.py.)"""
     if not opts.train_inpainting:
         return
     for name in ("cache_latents", "cache_latents_to_disk"):
@@ -51,9 +52,6 @@ def check_options(opts) -> None:
         raise InpaintingError("train_inpainting cannot be combined with sample_prompts yet: sample "
                               "images of an inpainting model need a source image and mask per "
                               "prompt; unset sample_prompts")
-    if opts.validation_split:
-        raise InpaintingError("train_inpainting cannot be combined with validation_split yet: the "
-                              "validation loss has no masked-image input; unset validation_split")
 
 
 def prepare_unet(unet, opts, method_name: str, log) -> None:

@@ -154,3 +154,33 @@ def test_dry_run_estimates_an_inpainting_model(dataset, tmp_path, run_script):
     rc, out, err = run_script("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "d", "--dry_run"))
     assert rc == 0, err
     assert "total peak of the training loop" in out + err and "not available" not in out + err
+
+
+def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, train, monkeypatch):
+    import random
+
+    from library.data import inpaint_masks
+    from library.data.step_plan import derive_seed
+    from library.training import validation
+
+    seen = []
+    real = family.SD1Adapter.unet_forward
+
+    def spy(self, x, t, cond, size_cond=None):
+        seen.append(x.detach().clone())
+        return real(self, x, t, cond, size_cond)
+
+    monkeypatch.setattr(family.SD1Adapter, "unet_forward", spy)
+    rc, out, err, run = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "v",
+                                                 "--validation_split", "0.5", "--max_train_steps", "1",
+                                                 "--validate_every_n_steps", "1", "--seed", "5"))
+    assert rc == 0, err
+    assert "validation loss" in out and len(run.progress.val_log) == 1
+    (item,) = run.tset.val_items
+    val = [x for x in seen if x.shape[0] == validation.TIMESTEPS]  # one image, its 4 timesteps
+    assert len(val) == 1
+    x = val[0]
+    assert x.shape[1] == 9 and all(torch.equal(x[0, 4:], x[k, 4:]) for k in range(1, x.shape[0]))
+    rng = random.Random(derive_seed("val-inpaint", 5, validation.place_in_dataset(item)))
+    mask = inpaint_masks.random_mask(64, 64, rng)
+    assert torch.equal(x[0, 4], mask[::8, ::8])
