@@ -39,7 +39,8 @@ def is_inpainting(unet) -> bool:
 
 def check_options(opts) -> None:
     """Before any weight loads: what cannot be combined with train_inpainting. (The validation
-    loss takes each held-out image's mask, library/training/validation.py.)"""
+    loss takes each held-out image's mask, library/training/validation.py; sample images a
+    prompt's --i image and a random mask, library/training/sampling.py.)"""
     if not opts.train_inpainting:
         return
     for name in ("cache_latents", "cache_latents_to_disk"):
@@ -48,10 +49,6 @@ def check_options(opts) -> None:
                 f"train_inpainting cannot be combined with {name}: each sample's random mask is "
                 "drawn anew every epoch, so the masked image's latents are encoded every step "
                 "(as sd-scripts, which refuses the same); turn one of them off")
-    if opts.sample_prompts:
-        raise InpaintingError("train_inpainting cannot be combined with sample_prompts yet: sample "
-                              "images of an inpainting model need a source image and mask per "
-                              "prompt; unset sample_prompts")
 
 
 def prepare_unet(unet, opts, method_name: str, log) -> None:

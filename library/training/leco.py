@@ -30,7 +30,7 @@ from library.config import leco_prompts
 from library.errors import UserError
 from library.log import logger, setup_logging
 from library.models import family, inpainting
-from library.models import loading as models
+from library.models import loading
 from library.models.family import TextConditioning
 
 
@@ -50,9 +50,9 @@ class LecoRun:
 
 def check_options(opts) -> None:
     """Before any weight loads."""
-    from library.distributed import accelerator as distributed
+    from library.distributed import accelerator
 
-    if distributed.launched_world_size() > 1:
+    if accelerator.launched_world_size() > 1:
         raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
                         "shard): launch it without --num_processes / --nproc_per_node")
     if opts.mixed_precision == "fp16":
@@ -68,7 +68,7 @@ def run(opts) -> LecoRun:
     import torch
     from accelerate.utils import set_seed
 
-    from library.distributed import accelerator as distributed
+    from library.distributed import accelerator
     from library.models import placement
     from library.outputs import output_checks
     from library.outputs.saving import output_file
@@ -88,13 +88,13 @@ def run(opts) -> LecoRun:
     logger.info(f"LECO: {len(settings)} prompt setting(s) from {opts.prompts_file}, {total} steps")
     lock = output_checks.prepare(opts, "lora", True, logger)
     with lock:
-        acc = distributed.accelerator_for(opts)
+        acc = accelerator.accelerator_for(opts)
         set_seed(opts.seed)
-        b = models.load_from_options(opts)
+        b = loading.load_from_options(opts)
         if inpainting.is_inpainting(b.unet):
             raise LecoError(f"{opts.pretrained_model_name_or_path} is an inpainting model: LECO "
                             "denoises from noise alone, with no image and mask to condition on")
-        models.set_attention(b, opts)
+        loading.set_attention(b, opts)
         adapter = family.adapter_for(b, max_token_length=opts.max_token_length)
         pl = placement.dtype_placement(opts, "lora", False, len(b.text_encoders))
         device = acc.device
@@ -309,7 +309,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
     """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
     import datetime
 
-    from library.outputs import metadata as md
+    from library.outputs import metadata
 
     h, w = settings[0].resolution
     out = {
@@ -322,7 +322,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
         "ss_optimizer": str(opts.optimizer_type),
         "ss_seed": str(opts.seed),
         "ss_mixed_precision": str(opts.mixed_precision),
-        "ss_base_model_version": md.BASE_MODEL_VERSION[bundle.family],
+        "ss_base_model_version": metadata.BASE_MODEL_VERSION[bundle.family],
         "ss_v2": str(bundle.family == "sd2"),
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_leco_prompt_count": str(len(settings)),
@@ -334,15 +334,16 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
               "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
               "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": md.modelspec_architecture(bundle.family, bundle.v_parameterization,
+        "modelspec.architecture": metadata.modelspec_architecture(bundle.family, bundle.v_parameterization,
                                                             "lora"),
-        "modelspec.implementation": md.IMPL_STABILITY_AI if bundle.family == "sdxl" else md.IMPL_DIFFUSERS,
+        "modelspec.implementation": (metadata.IMPL_STABILITY_AI if bundle.family == "sdxl"
+                                     else metadata.IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         "modelspec.prediction_type": "v" if bundle.v_parameterization else "epsilon",
     }
-    out.update(md.model_spec_fields(opts))
+    out.update(metadata.model_spec_fields(opts))
     if opts.training_comment is not None:
         out["ss_training_comment"] = opts.training_comment
     out.update({k: str(v) for k, v in method.info.items()})

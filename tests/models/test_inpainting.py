@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from library.models import inpainting
-from library.models import loading as models
-from library.models import sd_checkpoint as sdc
+from library.models import loading
+from library.models import sd_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,9 @@ def test_single_file_and_folder_detected_as_diffusers_does(written, arch, inpain
     assert (kind.startswith("inpainting") or kind == "xl_inpaint") == inpaint
     assert (inpainting.in_channels_of_state_dict(sd) == 9) == inpaint
     family = {"sd15": "sd1", "sd2": "sd2"}[arch]
-    assert sdc.detect_family(sd) == family
+    assert sd_checkpoint.detect_family(sd) == family
     for source in (single, folder):
-        b = models.load_model_bundle(source)
+        b = loading.load_model_bundle(source)
         assert b.family == family and inpainting.is_inpainting(b.unet) == inpaint
     with open(os.path.join(folder, "unet", "config.json")) as f:
         assert json.load(f)["in_channels"] == (9 if inpaint else 4)
@@ -54,7 +54,7 @@ def test_loaded_inpainting_model_runs_in_diffusers_inpainting_pipeline(written):
     from diffusers import StableDiffusionInpaintPipeline
     from PIL import Image
 
-    b = models.load_model_bundle(written[("sd15", True)][1])
+    b = loading.load_model_bundle(written[("sd15", True)][1])
     pipe = StableDiffusionInpaintPipeline(vae=b.vae, text_encoder=b.text_encoders[0],
                                           tokenizer=b.tokenizers[0], unet=b.unet,
                                           scheduler=b.noise_scheduler, safety_checker=None,
@@ -71,12 +71,12 @@ def test_loaded_inpainting_model_runs_in_diffusers_inpainting_pipeline(written):
 def test_a_real_inpainting_checkpoint_gets_the_shipped_configs_with_9_channels(tmp_path):
     """A checkpoint without this toolkit's config metadata (sd-v1-5-inpainting, SDXL inpainting):
     the shipped architecture with the U-Net's input widened to what the weights hold."""
-    shipped = os.path.join(models.SHIPPED_CONFIGS, "sd15")
+    shipped = os.path.join(loading.SHIPPED_CONFIGS, "sd15")
     with open(os.path.join(shipped, "unet", "config.json")) as f:
         base = json.load(f)
     for channels, expect_copy in ((9, True), (4, False)):
         sd = {inpainting.CONV_IN_KEY: torch.zeros(320, channels, 3, 3)}
-        d = models._shipped_config_for(sd, "sd1", str(tmp_path / str(channels)))
+        d = loading._shipped_config_for(sd, "sd1", str(tmp_path / str(channels)))
         assert (d != shipped) == expect_copy
         with open(os.path.join(d, "unet", "config.json")) as f:
             cfg = json.load(f)

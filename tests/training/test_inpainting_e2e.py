@@ -184,3 +184,23 @@ def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, t
     rng = random.Random(derive_seed("val-inpaint", 5, validation.place_in_dataset(item)))
     mask = inpaint_masks.random_mask(64, 64, rng)
     assert torch.equal(x[0, 4], mask[::8, ::8])
+
+
+def test_sample_images_of_an_inpainting_model(dataset, tmp_path, train):
+    """sample_prompts: a prompt's --i image with a mask drawn from its seed (diffusers' inpainting
+    pipeline), and without --i the whole image generated; a missing --i file stops before loading."""
+    folder = os.path.join(dataset, "2_sks shape")
+    src = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".png"))[0])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"a photo --w 64 --h 64 --s 2 --d 7 --i {src}\na cat --w 64 --h 64 --s 2 --d 8\n")
+    out = tmp_path / "s"
+    rc, _, err, _ = train("train_lora", base("tiny-sd15-inpaint", dataset, out, "--max_train_steps", "1",
+                                             "--sample_prompts", prompts, "--sample_at_first"))
+    assert rc == 0, err
+    files = sorted(os.listdir(out / "sample"))
+    assert files == ["last_000000_00_7.png", "last_000000_01_8.png"]
+    assert all(Image.open(out / "sample" / f).size == (64, 64) for f in files)
+    prompts.write_text("a photo --w 64 --h 64 --i missing.png\n")
+    rc, _, err, _ = train("train_lora", base("tiny-sd15-inpaint", dataset, out, "--max_train_steps", "1",
+                                             "--sample_prompts", prompts, "--sample_at_first"))
+    assert rc == 2 and "--i missing.png: no such file" in err, err
