@@ -768,10 +768,10 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: 
             raise ConfigError("prompts_file is required (the LECO prompt file)")
         if v["max_train_steps"] is None:
             raise ConfigError("the training length is not set: give max_train_steps")
-        if v["output_dir"] is None:
-            raise ConfigError("output_dir is required (where the trained files are written)")
-        return
-    if v["max_train_steps"] is None and v["max_train_epochs"] is None:
+        if has_dataset_config:
+            raise ConfigError("train_leco trains from prompts only: a dataset config ([general] / "
+                              "[[datasets]] or dataset_config) cannot be used; remove it")
+    if v["max_train_steps"] is None and v["max_train_epochs"] is None:  # (train_leco: above)
         raise ConfigError("the training length is not set: give max_train_steps or max_train_epochs")
     if v["max_train_steps"] is not None and v["max_train_epochs"] is not None:
         logger.warning("both max_train_epochs (%d) and max_train_steps (%d) are given: "
@@ -781,7 +781,7 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: 
     if v["network_train_unet_only"] and v["network_train_text_encoder_only"]:
         raise ConfigError(f"{where('network_train_text_encoder_only')}: network_train_unet_only and "
                           "network_train_text_encoder_only exclude each other")
-    if not has_dataset_config:
+    if not has_dataset_config and script != "train_leco":
         if v["train_data_dir"] is None:
             raise ConfigError("train_data_dir is required (or a dataset config: [[datasets]] in the "
                               "run file, or dataset_config)")

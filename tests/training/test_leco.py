@@ -129,8 +129,9 @@ def test_leco_sdxl_writes_a_lora_diffusers_loads(tmp_path, run_script):
     from tests.conftest import diffusers_load_problems, diffusers_pipeline
 
     pytest.importorskip("peft")
-    rc, out, err = run_script("train_leco", _args(tmp_path, "tiny-sdxl"))
+    rc, out, err = run_script("train_leco", _args(tmp_path, "tiny-sdxl", "--save_every_n_steps", "1"))
     assert rc == 0, err
+    assert sorted(os.listdir(tmp_path / "out")) == ["last-step00000001.safetensors", "last.safetensors"]
     path = str(tmp_path / "out" / "last.safetensors")
     sd = load_file(path)
     assert sd and all(k.startswith("lora_unet_") for k in sd)
@@ -150,6 +151,10 @@ def test_options_that_make_no_sense_are_refused_by_name(tmp_path, run_script, mo
         rc, _, err = run_script("train_leco", _args(tmp_path, "tiny-sd15", *extra))
         assert rc == 2 and msg in err, err
         assert len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text('[[datasets]]\n[[datasets.subsets]]\nimage_dir = "x"\n')
+    rc, _, err = run_script("train_leco", _args(tmp_path, "tiny-sd15", "--config", run_toml))
+    assert rc == 2 and "train_leco trains from prompts only: a dataset config" in err, err
     rc, _, err = run_script("train_leco", _args(tmp_path, "tiny-sd15-inpaint"))
     assert rc == 2 and "is an inpainting model: LECO" in err, err
     monkeypatch.setenv("WORLD_SIZE", "2")
