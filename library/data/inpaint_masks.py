@@ -19,10 +19,23 @@ import random
 KIND_WEIGHTS = (("cloud", 0.40), ("polygon", 0.35), ("shape", 0.25))
 
 
-def random_mask(width: int, height: int, rng: random.Random):
-    """(height, width) float32 tensor, 1 = inpaint, 0 = keep."""
+def random_mask(width: int, height: int, rng: random.Random, tries: int = 8):
+    """(height, width) float32 tensor, 1 = inpaint, 0 = keep. sd-scripts' polygons can fall
+    entirely outside the image (a centre near an edge, every vertex on the far side): an empty
+    mask, which would train nothing about inpainting, is drawn again from the same generator
+    (at most ``tries`` draws)."""
     import numpy as np
     import torch
+
+    for _ in range(tries):
+        m = _draw(width, height, rng)
+        if m.any():
+            break
+    return torch.from_numpy((m > 0).astype(np.float32))
+
+
+def _draw(width: int, height: int, rng: random.Random):
+    import numpy as np
 
     kind = rng.choices([k for k, _ in KIND_WEIGHTS], weights=[w for _, w in KIND_WEIGHTS])[0]
     if kind == "cloud":
@@ -35,7 +48,7 @@ def random_mask(width: int, height: int, rng: random.Random):
         m = polygon_mask(width, height, rng.randint(1, 2), rng)
     else:
         m = shape_mask(width, height, rng)
-    return torch.from_numpy((m > 0).astype(np.float32))
+    return m
 
 
 def cloud_mask(width: int, height: int, coverage: float, rng: random.Random, octaves: int = 4,

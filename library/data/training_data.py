@@ -36,6 +36,7 @@ class TrainingSet:
     # textual inversion's use_object_template / use_style_template: every caption is one of these
     # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
     caption_templates: tuple | None = None
+    inpainting: bool = False  # train_inpainting: prepare() draws each sample's random mask
     # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -154,8 +155,11 @@ class TrainingSet:
         aug = self.color(i, epoch)
         color = None if aug is None else functools.partial(color_aug.apply, aug=aug)
         img, mask = images.load_for_item(s)
-        return images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
-                                    random_crop=s.random_crop, generator=g, mask=mask, color=color)
+        p = images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
+                                 random_crop=s.random_crop, generator=g, mask=mask, color=color)
+        if self.inpainting:  # drawn here, in the DataLoader worker, on the prepared pixels' size
+            p.inpaint_mask = self.inpaint_mask(i, epoch, *p.pixels.shape[1:])
+        return p
 
 
 def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
@@ -196,7 +200,8 @@ def build_training_set(opts, log) -> TrainingSet:
                        seed=opts.seed, batch_size=batch_size,
                        resolution=resolution,
                        text_variants=opts.text_encoder_cache_variants, stats=stats,
-                       val_items=held_out, masked=masked, caption_templates=_templates(opts))
+                       val_items=held_out, masked=masked, caption_templates=_templates(opts),
+                       inpainting=opts.train_inpainting)
     if opts.script == "train_textual_inversion" and not tset.caption_templates:
         _check_token_in_captions(tset, opts.token_string)
     return tset
@@ -388,12 +393,17 @@ class ImageBatch(list):
         import torch
 
         self.pixels = torch.stack([p.pixels for p in images]) if images else None
+        # train_inpainting: the samples' random masks (B, H, W), stacked with the pixels
+        self.inpaint_masks = (torch.stack([p.inpaint_mask for p in images])
+                              if images and images[0].inpaint_mask is not None else None)
 
     def pin_memory(self):
         """Called by the DataLoader's pinning thread (pin_memory=True): page-locked pixels, so
         the copy to the GPU can run while the host prepares the next step."""
         if self.pixels is not None:
             self.pixels = self.pixels.pin_memory()
+        if self.inpaint_masks is not None:
+            self.inpaint_masks = self.inpaint_masks.pin_memory()
         return self
 
     def pixels_on(self, device, dtype):

@@ -91,10 +91,9 @@ class BatchLoss:
             pix = loaded_images.pixels_on(device, vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(vae, pix).to(torch.float32)
-                if self.opts.train_inpainting:  # the sample's mask for this epoch, on its pixels
-                    h, w = pix.shape[2:]
-                    masks = torch.stack([self.tset.inpaint_mask(i, epoch, h, w) for i in idx])
-                    masks = masks.unsqueeze(1).to(device)
+                if self.opts.train_inpainting:  # each sample's mask for this epoch (prepare())
+                    masks = loaded_images.inpaint_masks.unsqueeze(1).to(
+                        device, non_blocking=loaded_images.inpaint_masks.is_pinned())
                     masked = latent_cache.encode_pixels(vae, inpainting.masked_pixels(pix, masks))
                     inpaint = inpainting.conditioning(masks, masked.to(torch.float32))
             size = [(*p.original_size, *p.crop_top_left, *p.target_size) for p in loaded_images]
