@@ -61,6 +61,12 @@ def test_prompt_files_read_as_sd_scripts(tmp_path):
     a, b = leco_prompts.read_prompt_file(str(p))
     assert (a.guidance_scale, a.batch_size, a.resolution, b.guidance_scale, b.resolution,
             b.neutral, b.unconditional) == (1.5, 2, (64, 64), 2.0, (64, 72), "a photo", "")
+    # the shipped example: one erase entry and one slider (4 settings)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shipped = leco_prompts.read_prompt_file(os.path.join(root, "configs", "leco", "prompts.toml"))
+    assert [(s.action, s.multiplier) for s in shipped] == [
+        ("erase", 1.0), ("erase", 1.0), ("enhance", 1.0), ("erase", -1.0), ("enhance", -1.0)]
+    assert {s.resolution for s in shipped} == {(64, 64)}
     p.write_text('[[prompts]]\ntarget = "x"\nguidance_scael = 2\n')
     with pytest.raises(leco_prompts.PromptFileError, match="prompts\\[0\\]: unknown key 'guidance_scael'"):
         leco_prompts.read_prompt_file(str(p))
