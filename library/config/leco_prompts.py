@@ -225,8 +225,10 @@ def _read(path: str):
             with open(path, encoding="utf-8") as f:
                 return yaml.safe_load(f)
         except yaml.YAMLError as e:
-            raise PromptFileError(f"prompts_file {path}: not valid YAML "
-                                  f"({str(e).splitlines()[0]})") from None
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            raise PromptFileError(f"prompts_file {path}: not valid YAML{at} "
+                                  f"({getattr(e, 'problem', None) or type(e).__name__})") from None
     import tomllib
 
     try:
