@@ -6,7 +6,8 @@
   factor) of the image with the masked pixels set to 0 in [-1, 1].
 - Two steps of each method: LoRA (above), DreamBooth on the SDXL inpainting model, fine-tune of a
   4-channel model, whose first convolution is widened to 9 channels (the new ones zero at the
-  start) and saved as an inpainting checkpoint that diffusers recognises as one.
+  start) and saved as an inpainting checkpoint that diffusers recognises as one; textual
+  inversion on an inpainting model.
 - The combinations that cannot work stop with one line.
 """
 from __future__ import annotations
@@ -93,6 +94,13 @@ def test_two_steps_dreambooth_and_widened_finetune(dataset, tmp_path, train):
     # the widened channels trained away from zero; the model is saved whole and loads back
     assert float(w[:, 4:].abs().max()) > 0
     assert inpainting.is_inpainting(run.parts.bundle.unet)
+
+    # textual inversion on an inpainting model (sd-scripts' train_textual_inversion.py has it too)
+    out = tmp_path / "ti"
+    rc, _, err, run = train("train_textual_inversion", base("tiny-sd15-inpaint", dataset, out,
+                                                            "--token_string", "sks", "--init_word", "shape"))
+    assert rc == 0, err
+    assert os.path.isfile(out / "last.safetensors")
 
 
 def test_combinations_that_cannot_work_stop_with_one_line(dataset, tmp_path, run_script):
