@@ -9,6 +9,7 @@ from library.outputs.train_state import TrainingInterrupted
 
 METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
                     "train_textual_inversion": "textual_inversion"}
+PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/training/leco.py runs them
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
@@ -16,9 +17,14 @@ def main(script: str, argv: list[str] | None = None) -> int:
 
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
-        from library.training import trainer
+        if script in PROMPT_ONLY_SCRIPTS:
+            from library.training import leco
 
-        trainer.run(opts, METHOD_OF_SCRIPT[script])
+            leco.run(opts)
+        else:
+            from library.training import trainer
+
+            trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

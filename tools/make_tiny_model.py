@@ -1,10 +1,11 @@
 """Write a built-in tiny model as a diffusers folder and as a single file.
 
-    python tools/make_tiny_model.py --arch sd15|sd2|sdxl --out DIR
+    python tools/make_tiny_model.py --arch sd15|sd2|sdxl [--inpaint] --out DIR
 
 creates DIR/diffusers/ (model_index.json, unet, vae, text encoder(s), tokenizer(s), scheduler) and
 DIR/<arch>.safetensors (original SD/SDXL key layout). The single file carries its architecture
 configs and tokenizer in its metadata, so the loader rebuilds it without network access.
+``--inpaint``: the inpainting model (a 9-channel U-Net input, built-in tiny-<arch>-inpaint).
 """
 from __future__ import annotations
 
@@ -17,26 +18,28 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def make_tiny_model(arch: str, out: str) -> tuple[str, str]:
+def make_tiny_model(arch: str, out: str, inpaint: bool = False) -> tuple[str, str]:
     """Write both forms; return (diffusers folder, single-file path)."""
     from library.models import sd_checkpoint
     from library.models import tiny_models
 
-    comps = tiny_models.build_tiny_components(arch)
+    comps = tiny_models.build_tiny_components(arch, inpaint=inpaint)
+    name = f"tiny-{arch}" + (tiny_models.INPAINT_SUFFIX if inpaint else "")
     family = tiny_models.FAMILY_OF_ARCH[arch]
     folder = os.path.join(out, "diffusers")
     single = os.path.join(out, f"{arch}.safetensors")
     sd_checkpoint.save_diffusers(comps, family, folder)
-    sd_checkpoint.save_single_file(comps, family, single, metadata={"sdtk.builtin": f"tiny-{arch}"})
+    sd_checkpoint.save_single_file(comps, family, single, metadata={"sdtk.builtin": name})
     return folder, single
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Write a built-in tiny model as a diffusers folder and a single file.")
     ap.add_argument("--arch", required=True, choices=["sd15", "sd2", "sdxl"])
+    ap.add_argument("--inpaint", action="store_true", help="the inpainting model (9-channel U-Net input)")
     ap.add_argument("--out", required=True, help="output folder (created)")
     args = ap.parse_args(argv)
-    folder, single = make_tiny_model(args.arch, args.out)
+    folder, single = make_tiny_model(args.arch, args.out, args.inpaint)
     print(f"wrote {folder}")
     print(f"wrote {single}")
     return 0

@@ -15,11 +15,14 @@ This module imports nothing heavy: `--help` must print in well under a second.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-SCRIPTS = ("train_lora", "train_dreambooth", "finetune", "train_textual_inversion")
-ALL = SCRIPTS
+# the scripts that train from images; train_leco trains from prompts only (LECO_OPTIONS below)
+IMAGE_SCRIPTS = ("train_lora", "train_dreambooth", "finetune", "train_textual_inversion")
+SCRIPTS = IMAGE_SCRIPTS + ("train_leco",)
+ALL = IMAGE_SCRIPTS
+LECO = ("train_leco",)
 LORA = ("train_lora",)
 DB_LORA = ("train_lora", "train_dreambooth")
 FULL = ("train_dreambooth", "finetune")
@@ -40,6 +43,7 @@ SECTIONS = {
     "loss": "Noise, timesteps and loss",
     "saving": "Saving",
     "logging": "Logging, validation and sample images",
+    "leco": "LECO: concept erasing and sliders from prompts (train_leco.py)",
 }
 
 # torch.compile backends for dynamo_backend (sd-scripts' choices that torch still has, and the GUI's "no")
@@ -531,6 +535,12 @@ OPTIONS: tuple[Option, ...] = (
     O("masked_loss", "bool", False, "Multiply the per-pixel loss by the image's mask (from "
       "conditioning_data_dir or alpha_mask, area-averaged to the latent size) before the mean, as "
       "sd-scripts (no renormalisation); the validation loss too.", "loss"),
+    O("train_inpainting", "bool", False, "Train an inpainting model (sd-scripts' --train_inpainting): "
+      "the U-Net takes 9 channels, the noisy latents, a random mask per sample and epoch "
+      "(cloud, polygon or shape, at the latent size) and the latents of the image with the masked "
+      "region blanked. Needed for an inpainting model (9-channel U-Net, recognised from the "
+      "weights); on a 4-channel model DreamBooth and fine-tune widen its first convolution. Not "
+      "with cache_latents (docs/MODELS.md, Inpainting models).", "model"),
     # --- saving ---
     O("output_dir", "path", None, "Folder for the trained files. Required (except with --dry_run).",
       "saving"),
@@ -620,7 +630,34 @@ OPTIONS: tuple[Option, ...] = (
       "(k_ names accepted).", "logging",
       choices=("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
                "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")),
+    # --- LECO (train_leco.py, sd-scripts' train_leco.py / sdxl_train_leco.py) ---
+    O("prompts_file", "path", None, "LECO prompt file (TOML as sd-scripts' train_leco.py, or the "
+      "original LECO's YAML): [[prompts]] with target, positive, unconditional, neutral, action "
+      "(erase / enhance), guidance_scale, resolution, dynamic_resolution, batch_size, "
+      "dynamic_crops, multiplier, weight; or slider targets (target_class, positive, negative). "
+      "Required.", "leco", scripts=LECO),
+    O("max_denoising_steps", "int", 40, "Each step denoises fresh noise part of the way with the "
+      "network on, for a random 1..N-1 of N sampler steps, then trains at the timestep reached "
+      "(sd-scripts' default 40).", "leco", scripts=LECO, min=2),
+    O("leco_denoise_guidance_scale", "float", 3.0, "Classifier-free guidance of that partial "
+      "denoising (target prompt against unconditional).", "leco", scripts=LECO, min=0),
 )
+
+# Run options that train_leco honours (library/training/leco.py); every other option of the image
+# scripts (datasets, captions, caches, text-encoder training, ...) is refused there by name.
+LECO_OPTIONS = frozenset("""
+    config pretrained_model_name_or_path v2 v_parameterization tokenizer_path allow_pickle
+    clip_skip max_token_length sdpa xformers seed mixed_precision gradient_checkpointing
+    max_train_steps max_grad_norm learning_rate unet_lr optimizer_type optimizer_args
+    lr_scheduler lr_warmup_steps lr_scheduler_num_cycles lr_scheduler_power lr_scheduler_args
+    lr_scheduler_type lr_decay_steps lr_scheduler_min_lr_ratio lr_scheduler_timescale
+    network_module network_dim network_alpha network_dropout network_args network_weights
+    dim_from_weights network_train_unet_only output_dir output_name save_model_as save_precision
+    save_every_n_steps training_comment noise_offset min_snr_gamma metadata_title
+    metadata_author metadata_description metadata_license metadata_tags metadata_usage_hint
+    metadata_thumbnail metadata_trigger_phrase""".split())
+OPTIONS = tuple(replace(o, scripts=o.scripts + LECO) if o.name in LECO_OPTIONS else o
+                for o in OPTIONS)
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 ALIASES: dict[str, str] = {a: o.name for o in OPTIONS for a in o.aliases}
@@ -816,8 +853,6 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
            "sd-scripts' SD scripts do not define it"),
     GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
-    GuiKey("train_inpainting", "ldf", "reject", "inpainting training (a U-Net with masked-image "
-           "input channels) is not supported"),
     *_gui_family("ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
                  "discrete_flow_shift model_prediction_type timestep_sampling split_mode "
                  "mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
@@ -892,6 +927,7 @@ def _check_schema() -> None:
     assert not dup, f"option names defined twice: {sorted(dup)}"
     for o in OPTIONS:
         assert o.section in SECTIONS and set(o.scripts) <= set(SCRIPTS), o.name
+    assert LECO_OPTIONS <= set(OPTIONS_BY_NAME), sorted(LECO_OPTIONS - set(OPTIONS_BY_NAME))
     for n in SD_SCRIPTS_NAMES:
         assert n.kind in ("flag", "value", "list") and n.action in (_IGN, _REJ), n.name
     gui = [k.name for k in GUI_KEYS]
@@ -923,9 +959,9 @@ def render_markdown() -> str:
            "a default-true option such as `--sdpa` is turned off. Relative paths, in a file or on the "
            "command line, are relative to the current directory (as in sd-scripts).", "",
            "Scripts: `lora` = train_lora.py, `db` = train_dreambooth.py, `ft` = finetune.py, "
-           "`ti` = train_textual_inversion.py.", ""]
+           "`ti` = train_textual_inversion.py, `leco` = train_leco.py.", ""]
     short = {"train_lora": "lora", "train_dreambooth": "db", "finetune": "ft",
-             "train_textual_inversion": "ti"}
+             "train_textual_inversion": "ti", "train_leco": "leco"}
     for sec, title in SECTIONS.items():
         out += [f"## {title}", "", "| option | type | default | scripts | allowed | description |",
                 "|---|---|---|---|---|---|"]
@@ -939,7 +975,8 @@ def render_markdown() -> str:
             else:
                 allowed = o.range_text()
             name = f"`{o.name}`" + "".join(f" (alias `{a}`)" for a in o.aliases)
-            scripts = "all" if o.scripts == ALL else ", ".join(short[s] for s in o.scripts)
+            scripts = ("all" if o.scripts == ALL else "all, leco" if o.scripts == ALL + LECO
+                       else ", ".join(short[s] for s in o.scripts))
             out.append(f"| {name} | {o.type} | {_md_default(o.default)} | {scripts} | {allowed} | "
                        f"{o.help}{' Command line only.' if o.cli_only else ''} |")
         out.append("")

@@ -160,6 +160,7 @@ class Options:
     v_pred_like_loss: float | None = ...  # default None
     debiased_estimation_loss: bool = ...  # default False
     masked_loss: bool = ...  # default False
+    train_inpainting: bool = ...  # default False
     output_dir: str | None = ...  # default None
     output_name: str = ...  # default 'last'
     metadata_title: str | None = ...  # default None
@@ -201,6 +202,9 @@ class Options:
     sample_every_n_epochs: int | None = ...  # default None
     sample_at_first: bool = ...  # default False
     sample_sampler: str = ...  # default 'ddim'
+    prompts_file: str | None = ...  # default None
+    max_denoising_steps: int = ...  # default 40
+    leco_denoise_guidance_scale: float = ...  # default 3.0
 
     def replace(self, **changes: Any) -> Options: ...
     def to_dict(self) -> dict[str, Any]: ...

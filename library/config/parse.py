@@ -713,7 +713,7 @@ def parse_args(script: str, argv: list[str] | None = None) -> Options:
         dataset_config_path = resolved["dataset_config"]
         dataset_config = _load_dataset_file(dataset_config_path)
 
-    _check_combinations(resolved, values, dataset_config is not None)
+    _check_combinations(resolved, values, dataset_config is not None, script)
     resolved["dataset_config"] = dataset_config
     return Options(script=script, given=frozenset(given), dataset_config_path=dataset_config_path,
                    ignored=ignored, **resolved)
@@ -761,14 +761,22 @@ def _apply_gui_keys(gui_names: dict) -> dict:
     return ignored
 
 
-def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
+def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: str) -> None:
     def where(name):
         return given[name][1].where() if name in given else name
 
     if v["pretrained_model_name_or_path"] is None:
         raise ConfigError("pretrained_model_name_or_path is required (a diffusers folder, a checkpoint "
                           "file or a built-in model such as tiny-sd15)")
-    if v["max_train_steps"] is None and v["max_train_epochs"] is None:
+    if script == "train_leco":  # prompts only: no dataset, the length in steps
+        if v["prompts_file"] is None:
+            raise ConfigError("prompts_file is required (the LECO prompt file)")
+        if v["max_train_steps"] is None:
+            raise ConfigError("the training length is not set: give max_train_steps")
+        if has_dataset_config:
+            raise ConfigError("train_leco trains from prompts only: a dataset config ([general] / "
+                              "[[datasets]] or dataset_config) cannot be used; remove it")
+    if v["max_train_steps"] is None and v["max_train_epochs"] is None:  # (train_leco: above)
         raise ConfigError("the training length is not set: give max_train_steps or max_train_epochs")
     if v["max_train_steps"] is not None and v["max_train_epochs"] is not None:
         logger.warning("both max_train_epochs (%d) and max_train_steps (%d) are given: "
@@ -778,7 +786,7 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool) -> None:
     if v["network_train_unet_only"] and v["network_train_text_encoder_only"]:
         raise ConfigError(f"{where('network_train_text_encoder_only')}: network_train_unet_only and "
                           "network_train_text_encoder_only exclude each other")
-    if not has_dataset_config:
+    if not has_dataset_config and script != "train_leco":
         if v["train_data_dir"] is None:
             raise ConfigError("train_data_dir is required (or a dataset config: [[datasets]] in the "
                               "run file, or dataset_config)")

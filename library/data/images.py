@@ -45,6 +45,8 @@ class PreparedImage:
     crop_top_left: tuple[int, int]  # (top, left) in resized coordinates, after flip
     target_size: tuple[int, int]  # (h, w) = bucket
     mask: torch.Tensor | None = None  # (H, W) float32 in [0, 1] (masked loss), else None
+    # (H, W) float32 in {0, 1}, 1 = regenerate: the sample's random mask (train_inpainting)
+    inpaint_mask: torch.Tensor | None = None
 
 
 def load_image(path: str) -> Image.Image:

@@ -37,6 +37,7 @@ class TrainingSet:
     # (each with the token string in it), drawn per sample and epoch, as sd-scripts replaces them
     caption_templates: tuple | None = None
     total_steps: int | None = None  # the run's steps (plan): token_warmup_step below 1 is a fraction
+    inpainting: bool = False  # train_inpainting: prepare() draws each sample's random mask
     # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -148,6 +149,14 @@ class TrainingSet:
 
         return color_aug.draw(random.Random(derive_seed("color", self.seed, epoch, i)))
 
+    def inpaint_mask(self, i: int, epoch: int, height: int, width: int):
+        """Sample ``i``'s random inpainting mask for ``epoch`` (train_inpainting), (height, width)
+        at the prepared image's size, 1 = regenerate (library/data/inpaint_masks.py)."""
+        from library.data import inpaint_masks
+
+        rng = random.Random(derive_seed("inpaint-mask", self.seed, epoch, i))
+        return inpaint_masks.random_mask(width, height, rng)
+
     def prepare(self, i: int, epoch: int):
         """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
         color_aug (when it draws a change), flip (when flip_aug draws it); its mask (masked loss)
@@ -166,8 +175,11 @@ class TrainingSet:
         aug = self.color(i, epoch)
         color = None if aug is None else functools.partial(color_aug.apply, aug=aug)
         img, mask = images.load_for_item(s)
-        return images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
-                                    random_crop=s.random_crop, generator=g, mask=mask, color=color)
+        p = images.prepare_image(img, s.bucket, s.resized_size, flip=self.flip(i, epoch),
+                                 random_crop=s.random_crop, generator=g, mask=mask, color=color)
+        if self.inpainting:  # drawn here, in the DataLoader worker, on the prepared pixels' size
+            p.inpaint_mask = self.inpaint_mask(i, epoch, *p.pixels.shape[1:])
+        return p
 
 
 def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_upscale, where=None):
@@ -209,7 +221,8 @@ def build_training_set(opts, log) -> TrainingSet:
                        seed=opts.seed, batch_size=batch_size,
                        resolution=resolution,
                        text_variants=opts.text_encoder_cache_variants, stats=stats,
-                       val_items=held_out, masked=masked, caption_templates=_templates(opts))
+                       val_items=held_out, masked=masked, caption_templates=_templates(opts),
+                       inpainting=opts.train_inpainting)
     if opts.script == "train_textual_inversion" and not tset.caption_templates:
         _check_token_in_captions(tset, opts.token_string)
     return tset
@@ -426,12 +439,17 @@ class ImageBatch(list):
         import torch
 
         self.pixels = torch.stack([p.pixels for p in images]) if images else None
+        # train_inpainting: the samples' random masks (B, H, W), stacked with the pixels
+        self.inpaint_masks = (torch.stack([p.inpaint_mask for p in images])
+                              if images and images[0].inpaint_mask is not None else None)
 
     def pin_memory(self):
         """Called by the DataLoader's pinning thread (pin_memory=True): page-locked pixels, so
         the copy to the GPU can run while the host prepares the next step."""
         if self.pixels is not None:
             self.pixels = self.pixels.pin_memory()
+        if self.inpaint_masks is not None:
+            self.inpaint_masks = self.inpaint_masks.pin_memory()
         return self
 
     def pixels_on(self, device, dtype):

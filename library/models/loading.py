@@ -30,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHIPPED_CONFIGS = os.path.join(ROOT, "configs", "models")
 SHIPPED_TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "clip")
 
-TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl"}
+TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
+                 # inpainting models (9-channel U-Net input): library/models/inpainting.py
+                 "tiny-sd15-inpaint": "sd15", "tiny-sd2-inpaint": "sd2", "tiny-sdxl-inpaint": "sdxl"}
 ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
 BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS}
 FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
@@ -244,7 +246,8 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
     arch = src.arch
     family = FAMILY_OF_ARCH[arch]
     if src.location in TINY_BUILTINS:
-        comps = tiny_models.build_tiny_components(arch)
+        comps = tiny_models.build_tiny_components(
+            arch, inpaint=src.location.endswith(tiny_models.INPAINT_SUFFIX))
         sched = tiny_models.scheduler_config(arch)
         seed = tiny_models.SEED
     else:
@@ -333,7 +336,7 @@ def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle:
             config_dir = tmp
             sched = record.get("scheduler", {})
         else:
-            config_dir = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
+            config_dir = _shipped_config_for(state_dict, family, tmp)
             sched = dict(_read_json(os.path.join(config_dir, "scheduler", "scheduler_config.json")))
             # SD2 768-v and SD2-base share weights' shape: prediction type cannot be read from the
             # weights, so (as sd-scripts) it follows --v_parameterization.
@@ -350,6 +353,27 @@ def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle:
         comps["tokenizer_2"] = toks[1]
     ident = path_identity(path)
     return comps, family, sched, ident, "vae-of:" + _sha(ident)
+
+
+def _shipped_config_for(state_dict: dict, family: str, tmp: str) -> str:
+    """The shipped architecture configs of ``family``; for an inpainting checkpoint (a 9-channel
+    first U-Net convolution, e.g. sd-v1-5-inpainting) a copy in ``tmp`` whose U-Net takes 9."""
+    import shutil
+
+    from library.models import inpainting
+
+    shipped = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
+    channels = inpainting.in_channels_of_state_dict(state_dict)
+    if channels is None or channels == _read_json(os.path.join(shipped, "unet", "config.json"))["in_channels"]:
+        return shipped
+    out = os.path.join(tmp, "shipped")
+    shutil.copytree(shipped, out)
+    cfg_path = os.path.join(out, "unet", "config.json")
+    cfg = _read_json(cfg_path)
+    cfg["in_channels"] = channels
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return out
 
 
 def _hub_snapshot(repo_id: str) -> str:

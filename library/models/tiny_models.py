@@ -10,8 +10,13 @@ import json
 import os
 from typing import Any
 
-TINY_NAMES = ("tiny-sd15", "tiny-sd2", "tiny-sdxl")
-ARCH_OF_NAME = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl"}
+TINY_NAMES = ("tiny-sd15", "tiny-sd2", "tiny-sdxl",
+              "tiny-sd15-inpaint", "tiny-sd2-inpaint", "tiny-sdxl-inpaint")
+ARCH_OF_NAME = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
+                "tiny-sd15-inpaint": "sd15", "tiny-sd2-inpaint": "sd2", "tiny-sdxl-inpaint": "sdxl"}
+# An inpainting model's U-Net takes 9 channels: 4 noisy latent, 1 mask, 4 masked-image latent
+# (library/models/inpainting.py); everything else is the base architecture's.
+INPAINT_SUFFIX = "-inpaint"
 FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
 SEED = 20240601
 
@@ -78,7 +83,14 @@ def _vocab_size() -> int:
 
 # --- architecture configs (diffusers / transformers config dicts) ---------------------------
 
-def unet_config(arch: str) -> dict[str, Any]:
+def unet_config(arch: str, inpaint: bool = False) -> dict[str, Any]:
+    cfg = _unet_config(arch)
+    if inpaint:
+        cfg["in_channels"] = 9
+    return cfg
+
+
+def _unet_config(arch: str) -> dict[str, Any]:
     if arch == "sd15":
         return dict(sample_size=8, in_channels=4, out_channels=4,
                     down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
@@ -136,8 +148,9 @@ def scheduler_config(arch: str) -> dict[str, Any]:
                 steps_offset=1, prediction_type="v_prediction" if arch == "sd2" else "epsilon")
 
 
-def build_tiny_components(arch: str) -> dict[str, Any]:
-    """Build the components of a tiny model: unet, vae, text_encoder(s), tokenizer(s), scheduler.
+def build_tiny_components(arch: str, inpaint: bool = False) -> dict[str, Any]:
+    """Build the components of a tiny model: unet, vae, text_encoder(s), tokenizer(s), scheduler;
+    ``inpaint``: the U-Net of an inpainting model (9 input channels).
 
     Keys follow diffusers pipelines: text_encoder / tokenizer, and for SDXL text_encoder_2 /
     tokenizer_2 (a CLIPTextModelWithProjection, whose pooled projection feeds the U-Net).
@@ -153,7 +166,7 @@ def build_tiny_components(arch: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        out["unet"] = UNet2DConditionModel(**unet_config(arch))
+        out["unet"] = UNet2DConditionModel(**unet_config(arch, inpaint))
         torch.manual_seed(SEED + 1)
         out["vae"] = AutoencoderKL(**vae_config(arch))
         for i, cfg in enumerate(text_encoder_configs(arch)):

@@ -1,6 +1,6 @@
 """The one per-sample loss of a batch, used by training and by validation (library/training/validation.py).
 
-    per_sample(latents, draw, conditioning, size_cond, mask, forward, preserve)
+    per_sample(latents, draw, conditioning, size_cond, mask, forward, preserve, inpaint)
                                                                 (B,) loss of each sample
     training(epoch, idx, loaded_images, n_global, step)         a micro-step's weighted loss
     end_step()                                                  the network back at the run's multiplier
@@ -24,6 +24,7 @@ Two dataset-config keys act on the network here, as in sd-scripts' train_network
 from __future__ import annotations
 
 from library.data import step_plan
+from library.models import inpainting
 
 
 def latent_slot(item, flipped: bool) -> tuple:
@@ -50,22 +51,24 @@ class BatchLoss:
         self._switched = False  # the network runs at a dataset's multiplier (end_step restores)
 
     def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None, preserve=(),
-                   multiplier=None):
+                   multiplier=None, inpaint=None):
         """(B,) per-sample loss of latents (B,C,h,w) noised by ``draw``; ``conditioning()``
         gives the text conditioning (called under autocast: cached, or encoded now).
         ``forward(fn)`` runs the text encoding and the U-Net (training: the strategy's, so that
         DDP sees the forward); None calls it directly (validation). ``preserve``: the rows whose
         target is the prior prediction (DOP); the network is then back at ``multiplier``
-        (None: the run's) after it."""
+        (None: the run's) after it. ``inpaint``: an inpainting model's (B,5,h,w) mask and
+        masked-image latents, concatenated after the noisy latents (the prior's input too)."""
         c = self.c
         noisy = c.losses.noisy_latents(latents, draw)
+        x = inpainting.unet_input(noisy, inpaint)
         size = size_cond if c.bundle.family == "sdxl" else None
         held = {}
 
         def denoise():
             with c.accelerator.autocast():
                 held["cond"] = cond = conditioning()
-                return c.adapter.unet_forward(noisy.to(c.placement.input_dtype(c.placement.unet)),
+                return c.adapter.unet_forward(x.to(c.placement.input_dtype(c.placement.unet)),
                                               draw.timesteps, cond, size)
 
         pred = denoise() if forward is None else forward(denoise)
@@ -73,11 +76,11 @@ class BatchLoss:
         if preserve:
             target = c.losses.target(latents, draw).clone()
             rows = list(preserve)
-            target[rows] = self._prior(noisy, draw.timesteps, held["cond"], size, rows,
+            target[rows] = self._prior(x, draw.timesteps, held["cond"], size, rows,
                                        multiplier).to(target.dtype)
         return c.losses.per_sample_loss(pred, latents, draw, mask, target=target)  # loss_type, SNR
 
-    def _prior(self, noisy, timesteps, cond, size_cond, rows, multiplier):
+    def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
         import torch
 
@@ -91,7 +94,7 @@ class BatchLoss:
         try:
             with torch.no_grad(), c.accelerator.autocast():
                 return c.adapter.unet_forward(
-                    noisy[rows].to(c.placement.input_dtype(c.placement.unet)), timesteps[rows],
+                    x[rows].to(c.placement.input_dtype(c.placement.unet)), timesteps[rows],
                     cond, None if size_cond is None else size_cond[rows])
         finally:
             # the backward (and gradient checkpointing's recomputation in it) runs at this one
@@ -116,7 +119,7 @@ class BatchLoss:
             c.method.network.set_multiplier(multiplier)
             self._switched = True
         preserve = [k for k, i in enumerate(idx) if self.tset.samples[i].dop]
-        latents, size_cond = self._latents(idx, loaded_images, epoch)
+        latents, size_cond, inpaint = self._latents(idx, loaded_images, epoch)
         # Sample-keyed randomness: every draw for a sample (noise, timestep, noise variants) comes
         # from its own generator, whatever the process count, batch split or resume point.
         d = c.losses.draw(latents, [torch.Generator().manual_seed(
@@ -124,22 +127,23 @@ class BatchLoss:
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
         per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch, step), size_cond,
                                      mask, forward=c.strategy.forward, preserve=preserve,
-                                     multiplier=multiplier)
+                                     multiplier=multiplier, inpaint=inpaint)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=c.accelerator.device)
         return (per_sample * weights).sum() / n_global
 
     def _latents(self, idx: list[int], loaded_images, epoch: int):
-        """Latents (B,C,h,w) and SDXL size conditioning (B,6) for this process's samples; with
-        cached latents the sample's flip for this epoch picks the variant."""
+        """Latents (B,C,h,w), SDXL size conditioning (B,6) and (train_inpainting) the inpainting
+        conditioning (B,5,h,w) for this process's samples; with cached latents the sample's flip
+        for this epoch picks the variant."""
         import torch
 
         from library.data import latent_cache
 
         c = self.c
         device, cache = c.accelerator.device, c.caches
-        lat, size = [], []
-        if cache.latents is not None:
+        lat, size, inpaint = [], [], None
+        if cache.latents is not None:  # never with train_inpainting (inpainting.check_options)
             for i in idx:
                 slot = latent_slot(self.tset.samples[i], self.tset.flip(i, epoch))
                 e = cache.latents[cache.latent_key[slot]]
@@ -151,8 +155,13 @@ class BatchLoss:
             pix = loaded_images.pixels_on(device, vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(vae, pix).to(torch.float32)
+                if self.opts.train_inpainting:  # each sample's mask for this epoch (prepare())
+                    masks = loaded_images.inpaint_masks.unsqueeze(1).to(
+                        device, non_blocking=loaded_images.inpaint_masks.is_pinned())
+                    masked = latent_cache.encode_pixels(vae, inpainting.masked_pixels(pix, masks))
+                    inpaint = inpainting.conditioning(masks, masked.to(torch.float32))
             size = [(*p.original_size, *p.crop_top_left, *p.target_size) for p in loaded_images]
-        return latents, torch.tensor(size, dtype=torch.float32, device=device)
+        return latents, torch.tensor(size, dtype=torch.float32, device=device), inpaint
 
     def _masks(self, idx: list[int], loaded_images, epoch: int, latent_hw):
         """Masked loss: (B,1,h,w) masks at the latent size, from the latent cache (stored beside

@@ -170,7 +170,8 @@ def fake_components(opts) -> tuple[str, dict]:
         if src.location in models.TINY_BUILTINS:
             from library.models import tiny_models
 
-            comps = tiny_models.build_tiny_components(src.arch)
+            comps = tiny_models.build_tiny_components(
+                src.arch, inpaint=src.location.endswith(tiny_models.INPAINT_SUFFIX))
         else:
             comps = models._build_arch(src.arch)
     elif src.kind == "diffusers":
@@ -492,7 +493,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
                     cond = adapter.encode(ids, opts.clip_skip)
             pred = adapter.unet_forward(noisy, t, cond, size_cond if family == "sdxl" else None)
         with outer.hooks():
-            loss = ((pred.float() - latents) ** 2).mean()
+            # an inpainting U-Net takes 9 channels and predicts the 4 latent ones
+            loss = ((pred.float() - latents[:, :pred.shape[1]]) ** 2).mean()
         del loss
     return ActivationCount(outer.total(), blocks[0], sum(outer.weight_copies.values()), tuple(bucket),
                            latent)

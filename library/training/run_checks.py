@@ -13,6 +13,7 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     from library.outputs import metadata
     from library.training import network_options
     from library.training import nonfinite
+    from library.models import inpainting
     from library.models import placement
     from library.outputs import tracking
     from library.distributed import deepspeed_zero as zero
@@ -35,6 +36,7 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     tracking.check_options(opts)  # logging_dir / log_with, validation and sample options
     network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms
     placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
+    inpainting.check_options(opts)  # train_inpainting vs latent caching, samples, validation
     metadata.check_options(opts)  # metadata_thumbnail exists
     from library.training.compile_unet import check_options as check_compile
 

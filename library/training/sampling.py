@@ -11,7 +11,8 @@ seed is the prompt's ``--d``, else ``seed + prompt index``; each image is genera
 ``torch.Generator`` with that seed (initial latents and any ancestral noise), so an image depends
 on its prompt and the weights only, not on the process that renders it (prompt i is rendered by
 process i mod P) nor on the other prompts. The pipeline is a diffusers StableDiffusionPipeline /
-StableDiffusionXLPipeline over the in-memory components (a LoRA acts through the forward hooks it
+StableDiffusionXLPipeline (an inpainting model: their Inpaint pipelines, with the prompt's ``--i``
+image and a mask drawn from its seed) over the in-memory components (a LoRA acts through the forward hooks it
 installed, so the pipeline sees it); the prompt conditioning is the trainer's own (``clip_skip``,
 SDXL's penultimate layers), passed as embeddings. Sampling runs in eval mode (no network dropout),
 under the optimizer's eval weights (schedule-free), without gradients and inside
@@ -48,12 +49,13 @@ SAMPLER_CHOICES = tuple(SAMPLERS) + tuple(ALIASES)
 
 # sd-scripts' defaults of a prompt line
 DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": 30, "scale": 7.5,
-            "seed": None, "sample_sampler": None}
+            "seed": None, "sample_sampler": None, "image": None}
 # --x flags of a .txt line -> keys (also the keys of .toml / .json prompts)
+# --i: the source image of an inpainting model's sample (sd-scripts' train_inpainting)
 FLAGS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps",
-         "l": "scale", "ss": "sample_sampler"}
+         "l": "scale", "ss": "sample_sampler", "i": "image"}
 TYPES = {"negative_prompt": str, "width": int, "height": int, "seed": int, "sample_steps": int,
-         "scale": float, "sample_sampler": str, "prompt": str}
+         "scale": float, "sample_sampler": str, "prompt": str, "image": str}
 
 
 class SamplingError(UserError):
@@ -81,6 +83,8 @@ def _prompt(raw: dict, where: str) -> dict:
     s = p["sample_sampler"]
     if s is not None:
         p["sample_sampler"] = _sampler_name(s, where)
+    if p["image"] is not None and not os.path.isfile(p["image"]):
+        raise SamplingError(f"{where}: --i {p['image']}: no such file")
     return p
 
 
@@ -178,7 +182,7 @@ def make_scheduler(name: str, config):
     return getattr(diffusers, cls_name).from_config(config, **kw)
 
 
-def _pipeline(b):
+def _pipeline(b, inpaint: bool):
     # diffusers' pipeline module imports image processors it does not use here; without
     # torchvision transformers then announces a fallback that says nothing about this run.
     logging.getLogger("transformers.utils.import_utils").addFilter(
@@ -188,12 +192,34 @@ def _pipeline(b):
     comps = b.components()
     comps.pop("scheduler")
     if b.family == "sdxl":
-        pipe = diffusers.StableDiffusionXLPipeline(**comps, scheduler=None, add_watermarker=False)
+        cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+        pipe = cls(**comps, scheduler=None, add_watermarker=False)
     else:
-        pipe = diffusers.StableDiffusionPipeline(**comps, scheduler=None, safety_checker=None,
-                                                 feature_extractor=None, requires_safety_checker=False)
+        cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
+        pipe = cls(**comps, scheduler=None, safety_checker=None, feature_extractor=None,
+                   requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def inpaint_inputs(p: dict, seed: int):
+    """An inpainting model's source image and mask for prompt ``p`` (sd-scripts' ``--i``): the
+    image resized to the sample size with a random mask drawn from the prompt's seed
+    (library/data/inpaint_masks.py); without ``--i`` a mid-grey image entirely masked, i.e. the
+    model generates the whole image (text to image for an inpainting model)."""
+    import random
+
+    from PIL import Image
+
+    from library.data import images
+    from library.data import inpaint_masks
+
+    w, h = p["width"], p["height"]
+    if p["image"] is None:
+        return Image.new("RGB", (w, h), (128, 128, 128)), Image.new("L", (w, h), 255)
+    img = images.load_image(p["image"]).resize((w, h), Image.LANCZOS)
+    m = inpaint_masks.random_mask(w, h, random.Random(seed))
+    return img, Image.fromarray((m.numpy() * 255).astype("uint8"), mode="L")
 
 
 def _embeds(adapter, device, clip_skip, text: str):
@@ -221,7 +247,10 @@ def sample_images(opts, c, step: int) -> list[str]:
                 c.frozen.available():
             for root in mods:
                 root.eval()
-            pipe = _pipeline(c.bundle)
+            from library.models import inpainting
+
+            inpaint = inpainting.is_inpainting(c.bundle.unet)
+            pipe = _pipeline(c.bundle, inpaint)
             for i, kept in c.strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
                 p = prompts[i]
                 seed = prompt_seed(opts, p, i)
@@ -232,6 +261,12 @@ def sample_images(opts, c, step: int) -> list[str]:
                     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
                     if c.bundle.family == "sdxl":
                         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
+                    if inpaint:
+                        src, mask = inpaint_inputs(p, seed)
+                        kw.update(image=src, mask_image=mask, strength=1.0)
+                    elif p["image"] is not None:
+                        raise SamplingError(f"sample_prompts: --i {p['image']} is the source image "
+                                            "of an inpainting model's sample; this model is not one")
                     image = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
                                  guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(seed),
                                  **kw).images[0]

@@ -45,6 +45,7 @@ class Run:
         from accelerate.utils import set_seed
 
         from library.models import family
+        from library.models import inpainting
         from library.data import latent_cache
         from library.training import losses
         from library.models import loading as models
@@ -64,6 +65,9 @@ class Run:
         c.bundle = b = models.load_from_options(opts)
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
+        # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
+        # of a 4-channel model with train_inpainting widen its first convolution
+        inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
         c.adapter = family.adapter_for(b, max_token_length=opts.max_token_length,
                                        weighted=opts.weighted_captions)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now

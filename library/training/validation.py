@@ -19,7 +19,8 @@ The number is comparable across runs, batch sizes and process counts:
   noise from a generator seeded by (validation_seed, "val", image index, k). The K evaluations of
   one image are one batch, whatever the process count, and the loss is the run's loss function
   (loss_type and SNR weighting, the image's mask with masked loss, without the training noise
-  variants).
+  variants). An inpainting model (train_inpainting) gets each held-out image's random mask drawn
+  once from (validation_seed, the image's place in its dataset), and its masked-image latents.
 - Image i is evaluated by process i mod P; each process writes its images' losses into a vector
   of zeros and the vectors are summed across processes (adding zeros is exact), then every process
   averages the same vector in the same order: 1 and 2 processes give bit-identical numbers.
@@ -135,6 +136,7 @@ class Validation:
         self.items = tset.val_items
         self._latents: dict = {}  # key -> (latent (C,h,w) float32, size conditioning (6,))
         self._masks: dict = {}    # key -> (h, w) at the latent size, or None
+        self._inpaint: dict = {}  # key -> (5, h, w) inpainting conditioning (train_inpainting)
 
     def latents(self, vae, device, item):
         """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
@@ -151,9 +153,29 @@ class Validation:
             with torch.no_grad():
                 lat = latent_cache.encode_pixels(vae, pix).to(torch.float32)[0].cpu()
             self._masks[key] = None if p.mask is None else images.latent_mask(p.mask, tuple(lat.shape[1:]))
+            if self.opts.train_inpainting:
+                self._inpaint[key] = self._inpaint_conditioning(vae, pix, item)
             self._latents[key] = (lat, torch.tensor([*p.original_size, *p.crop_top_left, *p.target_size],
                                                     dtype=torch.float32))
         return self._latents[key]
+
+    def _inpaint_conditioning(self, vae, pix, item):
+        """(5, h, w): the held-out image's mask, keyed by (validation_seed, its place in its
+        dataset) as the split is, and the latents of the image masked by it."""
+        import random
+
+        import torch
+
+        from library.data import inpaint_masks
+        from library.data import latent_cache
+        from library.models import inpainting
+
+        h, w = pix.shape[2:]
+        rng = random.Random(_derive("val-inpaint", _seed(self.opts), place_in_dataset(item)))
+        mask = inpaint_masks.random_mask(w, h, rng)[None, None].to(pix.device)
+        with torch.no_grad():
+            masked = latent_cache.encode_pixels(vae, inpainting.masked_pixels(pix, mask))
+        return inpainting.conditioning(mask, masked.to(torch.float32))[0].cpu()
 
     def encode_held_out(self, vae, device, strategy) -> None:
         """Encode the held-out images this process evaluates now (the cache stage), so that
@@ -209,7 +231,11 @@ class Validation:
 
                     sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
                     mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
-                    per_sample = c.batch_loss.per_sample(x0, d, conditioning, sc, mask)
+                    inpaint = self._inpaint.get(_key(items[i]))
+                    if inpaint is not None:
+                        inpaint = inpaint.unsqueeze(0).expand(len(ts), *inpaint.shape).to(acc.device)
+                    per_sample = c.batch_loss.per_sample(x0, d, conditioning, sc, mask,
+                                                         inpaint=inpaint)
                     if kept:
                         mine[i] = float(per_sample.double().mean())
         finally:

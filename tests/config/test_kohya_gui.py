@@ -220,8 +220,7 @@ def test_gui_only_keys_warn_or_reject(tmp_path, caplog):
     assert opts.ignored == {"epoch": 10, "noise_offset_type": "Original"}
     assert "option epoch has no effect" in caplog.text
     assert "vae_chunk_size" not in caplog.text  # the GUI's unset value: silent
-    with pytest.raises(ConfigError, match=r"run.toml:6: train_inpainting: cannot be used here: inpainting"):
-        _parse(tmp_path, "train_inpainting = true\n")
+    assert _parse(tmp_path, "train_inpainting = true\n").train_inpainting  # an option now
     with pytest.raises(ConfigError, match="t5xxl: cannot be used here: an option of the GUI.s FLUX.1"):
         _parse(tmp_path, 't5xxl = "t5.safetensors"\n')
     with pytest.raises(ConfigError, match="unknown option 'epochs'"):  # a typo is still an error

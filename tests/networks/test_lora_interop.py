@@ -26,9 +26,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff if ref == 0 else diff / ref)
 
 
-@pytest.mark.parametrize("arch,conv", [("sd15", False), ("sd15", True), ("sdxl", False), ("sdxl", True)])
-def test_diffusers_consumes_every_key_and_fuses_exactly(arch, conv, tmp_path):
-    c = build_tiny_components(arch)
+def _inpaint_pipeline(arch, c):
+    """diffusers' own inpainting pipeline over an inpainting model's components (its check:
+    the U-Net takes latents + mask + masked-image latents channels)."""
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
+
+    if arch == "sdxl":
+        return StableDiffusionXLInpaintPipeline(
+            vae=c["vae"], text_encoder=c["text_encoder"], text_encoder_2=c["text_encoder_2"],
+            tokenizer=c["tokenizer"], tokenizer_2=c["tokenizer_2"], unet=c["unet"],
+            scheduler=c["scheduler"])
+    return StableDiffusionInpaintPipeline(vae=c["vae"], text_encoder=c["text_encoder"],
+                                          tokenizer=c["tokenizer"], unet=c["unet"],
+                                          scheduler=c["scheduler"], safety_checker=None,
+                                          feature_extractor=None, requires_safety_checker=False)
+
+
+# inpaint: a LoRA of an inpainting model (9-channel U-Net input) is an ordinary LoRA file that
+# diffusers' inpainting pipeline loads with every key consumed
+@pytest.mark.parametrize("arch,conv,inpaint", [("sd15", False, False), ("sd15", True, False),
+                                               ("sdxl", False, False), ("sdxl", True, False),
+                                               ("sd15", True, True), ("sdxl", False, True)])
+def test_diffusers_consumes_every_key_and_fuses_exactly(arch, conv, inpaint, tmp_path):
+    c = build_tiny_components(arch, inpaint=inpaint)
     roots = {"unet": c["unet"], "text_encoder": c["text_encoder"]}
     if arch == "sdxl":
         roots["text_encoder_2"] = c["text_encoder_2"]
@@ -61,7 +81,8 @@ def test_diffusers_consumes_every_key_and_fuses_exactly(arch, conv, tmp_path):
     assert has_conv3x3 == conv
 
     # A fresh model with the same base weights goes through diffusers.
-    pipe = diffusers_pipeline(arch, build_tiny_components(arch))
+    fresh = build_tiny_components(arch, inpaint=inpaint)
+    pipe = (_inpaint_pipeline if inpaint else diffusers_pipeline)(arch, fresh)
     problems = diffusers_load_problems(pipe, path)
     assert problems == [], problems
 

@@ -29,7 +29,8 @@ def test_prompt_files(tmp_path):
     txt.write_text(PROMPTS)
     a, b = load_prompts(str(txt))
     assert a == {"prompt": "sks shape, red", "negative_prompt": "blurry, dark", "width": 64,
-                 "height": 64, "sample_steps": 2, "scale": 5.0, "seed": None, "sample_sampler": None}
+                 "height": 64, "sample_steps": 2, "scale": 5.0, "seed": None, "sample_sampler": None,
+                 "image": None}
     assert (b["width"], b["seed"], b["sample_sampler"], b["scale"]) == (72, 123, "euler_a", 7.5)
     assert parse_line("x --w 100 --ss k_euler", "f")["width"] == 96  # multiple of 8; k_ alias
     toml = tmp_path / "p.toml"

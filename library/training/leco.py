@@ -1,0 +1,351 @@
+"""LECO (train_leco.py): concept erasing and sliders trained from prompts only, as sd-scripts'
+``train_leco.py`` / ``sdxl_train_leco.py``; the result is an ordinary U-Net LoRA file.
+
+One step (sd-scripts' loop, every draw from a generator keyed by (seed, step)):
+
+1. pick a prompt setting (library/config/leco_prompts.py) and a stop point ``k`` in
+   [1, max_denoising_steps - 1]; draw Gaussian noise of the setting's batch and resolution
+   (times the sampler's initial sigma, plus ``noise_offset`` per channel);
+2. denoise it ``k`` of ``max_denoising_steps`` sampler steps with the network on at the
+   setting's multiplier, classifier-free guided (target prompt against the unconditional one,
+   ``leco_denoise_guidance_scale``) -> ``x``; without gradient, as the original LECO (sd-scripts
+   keeps the graph of these steps; their gradient only moves the starting point of the target);
+3. at the timestep ``t`` the full 1000-step schedule reaches at ``k``, the model with the network
+   off predicts ``positive``, ``neutral`` and ``unconditional`` on ``x``; the LECO target is
+   ``neutral - guidance_scale * (positive - unconditional)`` (erase) or ``+`` (enhance);
+4. the model with the network on, on the target prompt, is trained toward it: the mean squared
+   error per sample (times min-SNR's weight at ``t`` when set), mean, times the setting's weight.
+
+The noise and sampler are the model's own (its prediction type: a v-prediction model's
+"predictions" are v, and the target is formed from them in the same way). One process only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from library.config import leco_prompts
+from library.errors import UserError
+from library.log import logger, setup_logging
+from library.models import family, inpainting
+from library.models import loading
+from library.models.family import TextConditioning
+
+
+class LecoError(UserError, ValueError):
+    """An option or combination train_leco cannot honour; one line naming it."""
+
+
+@dataclasses.dataclass
+class LecoRun:
+    """What a finished run leaves (for tests): the bundle, the method (its network), the loss
+    per step and the files written."""
+    bundle: object
+    method: object
+    losses: list
+    saved: list
+
+
+def check_options(opts) -> None:
+    """Before any weight loads."""
+    from library.distributed import accelerator
+
+    if accelerator.launched_world_size() > 1:
+        raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
+                        "shard): launch it without --num_processes / --nproc_per_node")
+    if opts.mixed_precision == "fp16":
+        raise LecoError("train_leco: mixed_precision fp16 needs loss scaling, which train_leco "
+                        "does not have; use bf16 or no")
+    if opts.network_train_unet_only is False and "network_train_unet_only" in opts.given:
+        raise LecoError("train_leco trains the U-Net only (the text encoders only encode the "
+                        "prompts, once): network_train_unet_only = false cannot apply")
+
+
+def run(opts) -> LecoRun:
+    setup_logging()
+    import torch
+    from accelerate.utils import set_seed
+
+    from library.distributed import accelerator
+    from library.models import placement
+    from library.outputs import output_checks
+    from library.outputs.saving import output_file
+    from library.training import methods, optim
+
+    started = time.time()
+    check_options(opts)
+    settings = leco_prompts.read_prompt_file(opts.prompts_file)
+    total = opts.max_train_steps
+    warmup = optim.steps_of(opts.lr_warmup_steps, total)
+    optim.check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
+                          learning_rate=opts.learning_rate)
+    optim.check_scheduler(opts, warmup_steps=warmup, total_steps=total)
+    # the LoRA of train_lora, on the U-Net only
+    opts = dataclasses.replace(opts, network_train_unet_only=True)
+    methods.make_method("lora", opts, None)  # network module and its args, before the weights
+    logger.info(f"LECO: {len(settings)} prompt setting(s) from {opts.prompts_file}, {total} steps")
+    lock = output_checks.prepare(opts, "lora", True, logger)
+    with lock:
+        acc = accelerator.accelerator_for(opts)
+        set_seed(opts.seed)
+        b = loading.load_from_options(opts)
+        if inpainting.is_inpainting(b.unet):
+            raise LecoError(f"{opts.pretrained_model_name_or_path} is an inpainting model: LECO "
+                            "denoises from noise alone, with no image and mask to condition on")
+        loading.set_attention(b, opts)
+        adapter = family.adapter_for(b, max_token_length=opts.max_token_length)
+        pl = placement.dtype_placement(opts, "lora", False, len(b.text_encoders))
+        device = acc.device
+        for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
+            placement.place(te, te_dtype, pl.compute, device)
+        prompts = encode_prompts(adapter, settings, opts.clip_skip, device)
+        for te in b.text_encoders:  # the prompts are all they were needed for
+            te.to("cpu")
+        placement.place(b.unet, pl.unet, pl.compute, device)
+        torch.manual_seed(opts.seed)  # network init is part of the seeded run
+        method = methods.make_method("lora", opts, b)
+        groups = method.setup()
+        net = method.network
+        net.to(device, dtype=pl.network)
+        if opts.gradient_checkpointing:
+            b.unet.enable_gradient_checkpointing()
+        b.unet.train()
+        net.train()
+        optimizer = optim.build_optimizer(opts.optimizer_type, opts.optimizer_args, groups,
+                                          opts.learning_rate)
+        scheduler = optim.build_scheduler(
+            optim.schedule_spec(opts, warmup_steps=warmup, total_steps=total), optimizer)
+        sampler = make_sampler(b)
+        params = method.trainable_parameters()
+        base_md = leco_metadata(opts, b, method, settings, started)
+        losses, saved = [], []
+        ext = method.extension()
+        for step in range(total):
+            d = draw(opts, settings, step)
+            with acc.autocast():
+                loss, _ = leco_loss(b, adapter, net, sampler, prompts, d, opts)
+            loss.backward()
+            if opts.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            if not torch.isfinite(torch.tensor(losses[-1])):
+                raise LecoError(f"step {step + 1}: the loss is not finite; nothing was saved "
+                                "(lower learning_rate or guidance_scale)")
+            logger.info(f"step {step + 1}/{total}: loss {losses[-1]:.6f} ({d.setting.action} "
+                        f"{d.setting.target!r}, multiplier {d.setting.multiplier})")
+            n = opts.save_every_n_steps
+            if n and (step + 1) % n == 0 and step + 1 < total:
+                saved.append(_save(method, opts, base_md, output_file(
+                    opts.output_dir, opts.output_name, ext, step=step + 1), step + 1))
+        saved.append(_save(method, opts, base_md, output_file(opts.output_dir, opts.output_name, ext),
+                           total))
+    print(f"done: steps {total}, loss first {losses[0]:.4f} last {losses[-1]:.4f}", flush=True)
+    return LecoRun(b, method, losses, saved)
+
+
+def _save(method, opts, base_md: dict, path: str, step: int) -> str:
+    md = dict(base_md, ss_steps=str(step), ss_training_finished_at=str(time.time()))
+    os.makedirs(opts.output_dir, exist_ok=True)
+    method.save(path, opts.save_precision, md)
+    logger.info(f"saved {path}")
+    return path
+
+
+# -- prompts --------------------------------------------------------------------------------------
+
+def encode_prompts(adapter, settings, clip_skip, device) -> dict:
+    """Every distinct prompt of the settings, encoded once: prompt -> TextConditioning (1, ...)."""
+    import torch
+
+    texts = sorted({p for s in settings for p in (s.target, s.positive, s.unconditional, s.neutral)})
+    out = {}
+    with torch.no_grad():
+        for t in texts:
+            tokens = [x.to(device) for x in adapter.tokenize([t])]
+            out[t] = adapter.encode(tokens, clip_skip)
+    return out
+
+
+def _repeat(cond, n: int):
+    return TextConditioning(cond.hidden_states.expand(n, *cond.hidden_states.shape[1:]),
+                            None if cond.pooled is None else cond.pooled.expand(n, *cond.pooled.shape[1:]))
+
+
+# -- one step ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Draw:
+    """The random choices of one step (keyed by (seed, step))."""
+    setting: object
+    stop: int          # denoising steps taken, in [1, max_denoising_steps - 1]
+    height: int
+    width: int
+    noise: object      # (batch, 4, h/8, w/8) float32, before the initial sigma
+    offset: object     # (batch, 4, 1, 1) noise_offset's per-channel noise, or None
+    size_cond: tuple   # SDXL (original h, w, crop top, left, target h, w)
+    denoise_seed: int  # the sampler's own noise (DDPM steps add some) during the partial denoising
+
+
+def draw(opts, settings, step: int) -> Draw:
+    """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
+    import torch
+
+    from library.data.step_plan import derive_seed
+
+    g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
+    s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
+    stop = int(torch.randint(1, opts.max_denoising_steps, (1,), generator=g))
+    h, w = s.resolution
+    if s.dynamic_resolution and h == w:  # sd-scripts: a random 64-multiple in [res/2, res] each side
+        lo, hi = (h // 2) // 64, h // 64
+        h = int(torch.randint(lo, hi + 1, (1,), generator=g)) * 64
+        w = int(torch.randint(lo, hi + 1, (1,), generator=g)) * 64
+    noise = torch.randn((s.batch_size, 4, h // 8, w // 8), generator=g)
+    offset = None
+    if opts.noise_offset:
+        offset = torch.randn((s.batch_size, 4, 1, 1), generator=g)
+    size = (h, w, 0, 0, h, w)
+    if s.dynamic_crops:  # sd-scripts' get_add_time_ids: a random upscale and crop origin
+        scale = float(torch.rand(1, generator=g)) * 2 + 1
+        oh, ow = int(h * scale), int(w * scale)
+        top = int(torch.randint(0, max(oh - h, 1), (1,), generator=g))
+        left = int(torch.randint(0, max(ow - w, 1), (1,), generator=g))
+        size = (oh, ow, top, left, h, w)
+    return Draw(s, stop, h, w, noise, offset, size, derive_seed("leco-denoise", opts.seed, step))
+
+
+def make_sampler(bundle):
+    """The model's own scheduler (its betas and prediction type), as a DDPM sampler."""
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler.from_config(bundle.noise_scheduler.config)
+
+
+def predict(bundle, adapter, x, t, cond, size_cond):
+    """The model's prediction for latents ``x`` (B,...) at timestep ``t`` on ``cond`` (1, ...)."""
+    import torch
+
+    n = x.shape[0]
+    ts = torch.full((n,), int(t), device=x.device, dtype=torch.long)
+    sc = None
+    if bundle.family == "sdxl":
+        sc = torch.tensor([size_cond] * n, dtype=torch.float32, device=x.device)
+    return adapter.unet_forward(x, ts, _repeat(cond, n), sc)
+
+
+def denoise_partway(bundle, adapter, sampler, x, cond, uncond, steps: int, stop: int,
+                    guidance: float, size_cond, generator=None):
+    """``stop`` of ``steps`` sampler steps from ``x``, classifier-free guided (sd-scripts'
+    ``diffusion``); ``generator`` (CPU): the noise a stochastic sampler step adds."""
+    import torch
+
+    sampler.set_timesteps(steps, device=x.device)
+    for t in sampler.timesteps[:stop]:
+        both = torch.cat([x, x])
+        model_in = sampler.scale_model_input(both, t)
+        pair = torch.cat([uncond.hidden_states, cond.hidden_states])
+        pooled = None if cond.pooled is None else torch.cat([uncond.pooled, cond.pooled])
+        ctx = TextConditioning(pair.repeat_interleave(x.shape[0], 0),
+                               None if pooled is None else pooled.repeat_interleave(x.shape[0], 0))
+        ts = torch.full((model_in.shape[0],), int(t), device=x.device, dtype=torch.long)
+        sc = None
+        if bundle.family == "sdxl":
+            sc = torch.tensor([size_cond] * model_in.shape[0], dtype=torch.float32, device=x.device)
+        pred = adapter.unet_forward(model_in, ts, ctx, sc)
+        p_uncond, p_text = pred.chunk(2)
+        guided = p_uncond + guidance * (p_text - p_uncond)
+        x = sampler.step(guided, t, x, generator=generator).prev_sample
+    return x
+
+
+def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
+    """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
+    positive, neutral, unconditional, target, prediction}."""
+    import torch
+
+    from library.training import losses
+
+    s = d.setting
+    device = next(bundle.unet.parameters()).device
+    dtype = next(bundle.unet.parameters()).dtype
+    x = (d.noise.to(device) * sampler.init_noise_sigma)
+    if d.offset is not None:
+        x = x + opts.noise_offset * d.offset.to(device)
+    x = x.to(dtype)
+    network.set_multiplier(s.multiplier)
+    with torch.no_grad():
+        x = denoise_partway(bundle, adapter, sampler, x, prompts[s.target], prompts[s.unconditional],
+                            opts.max_denoising_steps, d.stop, opts.leco_denoise_guidance_scale,
+                            d.size_cond, torch.Generator().manual_seed(d.denoise_seed))
+    sampler.set_timesteps(1000, device=x.device)
+    index = int(d.stop * 1000 / opts.max_denoising_steps)
+    t = sampler.timesteps[index]
+    network.set_multiplier(0.0)
+    with torch.no_grad():
+        pos = predict(bundle, adapter, x, t, prompts[s.positive], d.size_cond)
+        neu = predict(bundle, adapter, x, t, prompts[s.neutral], d.size_cond)
+        unc = predict(bundle, adapter, x, t, prompts[s.unconditional], d.size_cond)
+    network.set_multiplier(s.multiplier)
+    pred = predict(bundle, adapter, x, t, prompts[s.target], d.size_cond)
+    target = s.build_target(pos.float(), neu.float(), unc.float())
+    loss = torch.nn.functional.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
+    if opts.min_snr_gamma:
+        ac = sampler.alphas_cumprod[int(t)].to(torch.float64)
+        snr = torch.tensor([float(ac / (1 - ac))], dtype=torch.float32, device=loss.device)
+        loss = loss * losses.min_snr_weight(snr, opts.min_snr_gamma, bundle.v_parameterization)
+    loss = loss.mean() * s.weight
+    parts = dict(latents=x, timestep=int(t), positive=pos, neutral=neu, unconditional=unc,
+                 target=target, prediction=pred)
+    return loss, parts
+
+
+# -- metadata -------------------------------------------------------------------------------------
+
+def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
+    """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
+    import datetime
+
+    from library.outputs import metadata
+
+    h, w = settings[0].resolution
+    out = {
+        "ss_training_started_at": str(started),
+        "ss_output_name": opts.output_name,
+        "ss_learning_rate": str(opts.learning_rate),
+        "ss_unet_lr": str(opts.unet_lr),
+        "ss_max_train_steps": str(opts.max_train_steps),
+        "ss_lr_scheduler": str(opts.lr_scheduler),
+        "ss_optimizer": str(opts.optimizer_type),
+        "ss_seed": str(opts.seed),
+        "ss_mixed_precision": str(opts.mixed_precision),
+        "ss_base_model_version": metadata.BASE_MODEL_VERSION[bundle.family],
+        "ss_v2": str(bundle.family == "sd2"),
+        "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
+        "ss_leco_prompt_count": str(len(settings)),
+        "ss_leco_prompts_file": os.path.basename(opts.prompts_file),
+        "ss_leco_max_denoising_steps": str(opts.max_denoising_steps),
+        "ss_leco_denoise_guidance_scale": str(opts.leco_denoise_guidance_scale),
+        "ss_leco_preview": json.dumps(
+            [{"target": p.target, "positive": p.positive, "unconditional": p.unconditional,
+              "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
+              "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": metadata.modelspec_architecture(bundle.family, bundle.v_parameterization,
+                                                            "lora"),
+        "modelspec.implementation": (metadata.IMPL_STABILITY_AI if bundle.family == "sdxl"
+                                     else metadata.IMPL_DIFFUSERS),
+        "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
+        "modelspec.resolution": f"{w}x{h}",
+        "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+        "modelspec.prediction_type": "v" if bundle.v_parameterization else "epsilon",
+    }
+    out.update(metadata.model_spec_fields(opts))
+    if opts.training_comment is not None:
+        out["ss_training_comment"] = opts.training_comment
+    out.update({k: str(v) for k, v in method.info.items()})
+    return out
