@@ -603,6 +603,16 @@ OPTIONS: tuple[Option, ...] = (
       "(k_ names accepted).", "logging",
       choices=("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
                "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")),
+    # --- progress stream and control channel (library/outputs/progress_stream.py, docs/UI.md) ---
+    O("progress_file", "path", None, "Append the run's progress to this file as JSON lines (main "
+      "process): the plan, each step's loss, learning rate and gradient norm, saves, samples, "
+      "validation losses, non-finite events and the end with its exit code; a shell can follow it "
+      "with tail -f. The values are those the step already reads: no extra device read.", "logging"),
+    O("control_file", "path", None, "Read commands from this file at each step boundary: JSON "
+      "lines {\"command\": \"save_now\" | \"sample_now\" | \"stop\"} (or the bare word per line), "
+      "appended by the UI or a script; read from its start, so remove it before a new run. One "
+      "process only (several processes: stop with SIGINT, which every process agrees on).",
+      "logging"),
 )
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
