@@ -115,9 +115,8 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
             opt = OPTIONS_BY_NAME[name]
             if _unset(value) and opt.type in ("path", "str", "path_list") or value is None:
                 continue  # the GUI's empty field
-            if value == 0 and not isinstance(value, bool) and opt.default is None \
-                    and opt.type in ("int", "float") and (opt.min or 0) > 0:
-                continue  # the GUI's 0 = unset (e.g. max_train_epochs)
+            if from_json and value == 0 and not isinstance(value, bool) and opt.default is None:
+                continue  # the GUI writes its 0 fields as unset (`value or None`)
             if script not in opt.scripts:
                 notes.append(f"{key}: dropped; not an option of {script} (it applies to: "
                              f"{', '.join(opt.scripts)})")

@@ -335,12 +335,12 @@ class Runner:
         """save_now / sample_now: appended to the running job's control file."""
         with self._lock:
             job = self.store.get(jid)
-            if job["state"] != "running" or jid not in self.procs:
-                raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
             if job["processes"] > 1:
-                raise ValueError(f"job {jid} runs {job['processes']} processes: {command} works "
+                raise ValueError(f"job {jid} has {job['processes']} processes: {command} works "
                                  "for one-process jobs only (each process would read the command "
                                  "at a different step)")
+            if job["state"] != "running" or jid not in self.procs:
+                raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
             with open(os.path.join(job_dir(self.data_dir, jid), "control"), "a", encoding="utf-8") as f:
                 f.write(json.dumps({"command": command}) + "\n")
 
