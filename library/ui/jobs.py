@@ -304,7 +304,8 @@ class Runner:
         end = read_end(os.path.join(folder, "progress.jsonl")) or {}
         if rc == 0:
             state, error = "done", None
-        elif rc in (130, 143) or end.get("status") == "stopped":
+        elif rc in (130, 143) or end.get("status") == "stopped" or job["state"] == "stopping":
+            # stopped as asked (SIGINT before training began leaves no state: resume starts anew)
             state, error = "stopped", end.get("message") or last_error(os.path.join(folder, "log.txt"))
         else:
             state = "failed"
