@@ -28,6 +28,9 @@ from library.training import plan as run_plan
 PROCESS_COUNTS = (1, 2, 4, 8)
 CONFIG_NAME = "config"
 _LOCK = threading.Lock()  # the parser warns through the shared "sdtk" logger: one check at a time
+_MEMORY_LOCK = threading.Lock()
+_MEMORY: dict = {}  # (script, text, processes) -> (memory dict or None, note)
+MEMORY_CACHE = 16
 _WHERE = re.compile(r"^config(?::\d+)?: ([A-Za-z0-9_.\-]+)[:\s]")
 _HINT = re.compile(r"did you mean ([A-Za-z0-9_]+)\?")
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -125,16 +128,26 @@ def check_config(script: str, text: str, processes: int = 1, memory: bool = True
                 train_state.check_resume(opts, method, plan, tset, None)
             output_checks.check_name(opts.output_name)
             run_checks.check_before_loading(opts, method, plan)
-            if memory:
-                try:
-                    out["memory"] = memory_dict(memory_estimate.estimate(opts, method, tset, processes))
-                except Exception as e:  # noqa: BLE001 - advice, never a reason to refuse (as --dry_run)
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    out["warnings"].append(f"memory estimate: not available ({first})")
             out["ok"] = True
         except UserError as e:
             out["errors"].append(_error(str(e)))
         finally:
             logger.removeHandler(handler)
-    out["warnings"] = handler.lines + out["warnings"]
+    out["warnings"] = handler.lines
+    if memory and out["ok"]:
+        # seconds, not milliseconds: under its own lock, so that the quick checks of the next
+        # edits do not wait for it (fake-tensor modes are per thread); the last few are kept
+        key = (script, text, processes)
+        with _MEMORY_LOCK:
+            if key not in _MEMORY:
+                try:
+                    _MEMORY[key] = memory_dict(memory_estimate.estimate(opts, method, tset, processes)), None
+                except Exception as e:  # noqa: BLE001 - advice, never a reason to refuse (as --dry_run)
+                    first = (str(e).strip().splitlines() or [""])[0]
+                    _MEMORY[key] = None, f"memory estimate: not available ({first})"
+                while len(_MEMORY) > MEMORY_CACHE:
+                    _MEMORY.pop(next(iter(_MEMORY)))
+            out["memory"], note = _MEMORY[key]
+        if note:
+            out["warnings"].append(note)
     return out
