@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         token = a.token
         if not loopback and not token:
             token = secrets.token_urlsafe(24)
-            print(f"token (give it as 'Authorization: Bearer {token}' or log in with it): {token}",
+            print(f"token: {token}  (send 'Authorization: Bearer <token>', or log in on the page)",
                   flush=True)
         for d in a.allowed_paths:
             if not os.path.isdir(d):

@@ -85,3 +85,23 @@ def test_control_channel_reads_appended_whole_lines_once(tmp_path):
     assert ch.poll() == ["sample_now", "stop"]
     assert ch.poll() == []
     assert progress_stream.ControlChannel(None).poll() == []
+
+
+def test_validation_and_nonfinite_events(train, dataset, tmp_path):
+    prog, out = tmp_path / "p.jsonl", tmp_path / "out"
+
+    def poison(run, epoch, idx, loss):  # step 2's loss is NaN: skipped (on_nonfinite skip)
+        return loss * float("nan") if run.progress.global_step == 1 else loss
+
+    with HOOKS.add(after_micro_step=poison):
+        rc, _, err, run = train("train_lora", [
+            "--train_data_dir", dataset, "--output_dir", out, "--max_train_steps", "3",
+            "--validation_split", "0.5", "--validate_every_n_steps", "2", "--on_nonfinite", "skip",
+            "--progress_file", prog, *TINY])
+    assert rc == 0, err
+    ev = events(prog)
+    bad = [e for e in ev if e["event"] == "nonfinite"]
+    assert [(e["step"], e["action"]) for e in bad] == [(2, "skip")] and "loss" in bad[0]["what"]
+    val = [e for e in ev if e["event"] == "validation"]
+    assert [(e["step"], e["loss"]) for e in val] == [tuple(v) for v in run.progress.val_log]
+    assert [e["step"] for e in val] == [2, 3]  # every 2 steps, and at the end of epoch 1 (the last step)

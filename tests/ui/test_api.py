@@ -338,3 +338,80 @@ def test_queue_save_now_stop_resume_matches_an_uninterrupted_run(ui, data, tmp_p
     assert kinds.count("plan") == 2 and kinds[-1] == "end" and events[-1]["status"] == "done"
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, steps + 1))
     assert 'event: state\ndata: {"state": "done"}' in text
+
+
+FAKE_INTERPRETER = """#!{python}
+# stands in for the Python interpreter a job is started with: records its devices and argument
+# list, then waits until the test releases it (exit code in the release file)
+import json, os, sys, time
+args = sys.argv[1:]
+folder = os.path.dirname(args[args.index("--config") + 1])
+with open(os.path.join(folder, "seen.json"), "w") as f:
+    json.dump({{"devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "args": args}}, f)
+release = os.path.join(folder, "release")
+while not os.path.exists(release):
+    time.sleep(0.02)
+sys.exit(int(open(release).read() or 0))
+"""
+
+
+def test_one_job_per_device_set_first_come_first_served_and_failures_do_not_stop_the_queue(tmp_path):
+    from library.ui.jobs import JobStore, Runner, job_dir
+
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_INTERPRETER.format(python=sys.executable))
+    fake.chmod(0o755)
+    store = JobStore(str(tmp_path / "db.sqlite3"))
+    runner = Runner(store, str(tmp_path / "files"), ["0", "1"], python=str(fake))
+    a, b, c, d = (store.add("train_lora", "# x\n", n, str(tmp_path / f"o{i}"), "last")
+                  for i, n in enumerate((1, 2, 1, 1)))
+
+    def seen(jid):
+        path = os.path.join(job_dir(runner.data_dir, jid), "seen.json")
+        t0 = time.time()
+        while not os.path.exists(path):
+            assert time.time() - t0 < 30
+            time.sleep(0.02)
+        time.sleep(0.05)
+        with open(path) as f:
+            return json.load(f)
+
+    def release(jid, code=0):
+        with open(os.path.join(job_dir(runner.data_dir, jid), "release"), "w") as f:
+            f.write(str(code))
+        t0 = time.time()
+        while runner.procs.get(jid) is not None and runner.procs[jid][0].poll() is None:
+            assert time.time() - t0 < 30
+            time.sleep(0.02)
+
+    def states():
+        runner.tick()
+        return [store.get(j)["state"] for j in (a, b, c, d)]
+
+    try:
+        assert states() == ["running", "queued", "queued", "queued"]
+        assert seen(a)["devices"] == "0"
+        # b needs both devices: it waits, and c (which would fit on device 1) waits behind it
+        assert states() == ["running", "queued", "queued", "queued"]
+        release(a)
+        assert states() == ["done", "running", "queued", "queued"]
+        s = seen(b)
+        assert s["devices"] == "0,1"
+        launch = s["args"]  # python -m accelerate.commands.launch ... train_lora.py --config ...
+        assert launch[:2] == ["-m", "accelerate.commands.launch"] and "--multi_gpu" in launch
+        assert launch[launch.index("--num_processes") + 1] == "2"
+        assert launch[launch.index("--config") - 1].endswith("train_lora.py")
+        release(b)
+        assert states() == ["done", "done", "running", "queued"]
+        assert seen(c)["args"][0].endswith("train_lora.py")  # one process: the script itself
+        release(c, 3)  # a failed job: the next one starts
+        assert states() == ["done", "done", "failed", "running"]
+        assert store.get(c)["exit_code"] == 3
+        release(d)
+        assert states() == ["done", "done", "failed", "done"]
+    finally:
+        for j in (a, b, c, d):
+            os.makedirs(job_dir(runner.data_dir, j), exist_ok=True)
+            open(os.path.join(job_dir(runner.data_dir, j), "release"), "w").close()
+        runner.close()
+        store.close()
