@@ -257,7 +257,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
             return JSONResponse({"errors": [{"option": "processes", "suggestion": None, "message":
                                  f"processes {processes}: the queue has {len(runner.devices)} "
                                  f"device(s) ({', '.join(runner.devices)})"}]}, status_code=422)
-        jid = store.add(script, text, processes, os.path.abspath(opts.output_dir), opts.output_name)
+        jid = store.add(script, checks.snapshot(text, opts), processes,
+                        os.path.abspath(opts.output_dir), opts.output_name)
         runner.tick()
         return JSONResponse({"id": jid}, status_code=201)
 

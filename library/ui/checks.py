@@ -68,6 +68,24 @@ def parse_config(script: str, text: str, extra: list | None = None):
             raise type(e)(str(e).replace(path, CONFIG_NAME)) from None
 
 
+def snapshot(text: str, opts) -> str:
+    """The TOML a job keeps: ``text`` itself, or, when it names a ``dataset_config`` file, the
+    same run with that file's [general] / [[datasets]] tables in place of the key, so that editing
+    the file later does not change a queued job."""
+    if not opts.dataset_config_path or "dataset_config" not in opts.given:
+        return text
+    import tomllib
+
+    import toml
+
+    data = tomllib.loads(text)
+    for table in [data] + [v for v in data.values() if isinstance(v, dict)]:
+        table.pop("dataset_config", None)
+    with open(opts.dataset_config_path, "rb") as f:
+        data.update(tomllib.load(f))
+    return toml.dumps(data)
+
+
 def plan_dict(p) -> dict:
     return {"total_steps": p.total_steps, "global_batch": p.global_batch,
             "steps_per_epoch": p.steps_per_epoch, "epochs": p.epochs, "processes": p.processes,

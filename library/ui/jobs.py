@@ -20,6 +20,7 @@ state and exits); ``resume`` queues it again with ``--resume latest`` when a sta
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -29,6 +30,8 @@ import threading
 import time
 
 from library.outputs import train_state
+
+logger = logging.getLogger("sdtk")
 
 STATES = ("queued", "running", "stopping", "stopped", "done", "failed", "interrupted")
 FINISHED = ("stopped", "done", "failed", "interrupted")
@@ -211,7 +214,10 @@ class Runner:
 
     def _loop(self) -> None:
         while not self._quit.wait(self.poll_s):
-            self.tick()
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the queue keeps running; the error is logged
+                logger.exception("job runner")
 
     def close(self, stop_jobs: bool = True) -> None:
         self._quit.set()
@@ -271,30 +277,34 @@ class Runner:
         return [self.python, "-m", "accelerate.commands.launch", *launcher, *args]
 
     def _launch(self, job: dict, devs: list[str]) -> None:
+        # claimed first: a job deleted or cancelled since the queue was read is not started
+        if not self.store.set_state_if(job["id"], ("queued",), state="running", pid=None,
+                                       started=time.time(), ended=None, exit_code=None, error=None,
+                                       devices=",".join(devs)):
+            return
         folder = job_dir(self.data_dir, job["id"])
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "config.toml"), "w", encoding="utf-8") as f:
-            f.write(job["config"])
-        try:
-            os.remove(os.path.join(folder, "control"))  # commands of an earlier attempt
-        except FileNotFoundError:
-            pass
         env = dict(self.env)
         if devs != ["cpu"]:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devs)
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
-        log = open(os.path.join(folder, "log.txt"), "ab")
+        log = None
         try:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "config.toml"), "w", encoding="utf-8") as f:
+                f.write(job["config"])
+            if os.path.exists(os.path.join(folder, "control")):
+                os.remove(os.path.join(folder, "control"))  # commands of an earlier attempt
+            log = open(os.path.join(folder, "log.txt"), "ab")
             p = subprocess.Popen(self.command(job), stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         except OSError as e:
-            log.close()
+            if log is not None:
+                log.close()
             self.store.update(job["id"], state="failed", error=f"cannot start: {e}", ended=time.time())
             return
         self.procs[job["id"]] = (p, devs, log)
-        self.store.update(job["id"], state="running", pid=p.pid, started=time.time(), ended=None,
-                          exit_code=None, error=None, resume=0, devices=",".join(devs))
+        self.store.update(job["id"], pid=p.pid, resume=0)
 
     def _finish(self, jid: int, rc: int) -> None:
         job = self.store.get(jid)

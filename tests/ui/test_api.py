@@ -415,3 +415,22 @@ def test_one_job_per_device_set_first_come_first_served_and_failures_do_not_stop
             open(os.path.join(job_dir(runner.data_dir, j), "release"), "w").close()
         runner.close()
         store.close()
+
+
+def test_a_job_is_a_snapshot_of_its_config_and_dataset_config(ui, data, tmp_path):
+    ds = tmp_path / "dataset.toml"
+    ds.write_text(f'[general]\nresolution = 64\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{data}/2_sks shape"\n'
+                  "num_repeats = 3\n")
+    text = (f'pretrained_model_name_or_path = "tiny-sd15"\noutput_dir = "{tmp_path}/o"\n'
+            f'max_train_steps = 3\n[data]\ndataset_config = "{ds}"\n')
+    jid = ui.client.post("/api/jobs", json={"script": "train_lora", "config": text}).json()["id"]
+    ui.client.post(f"/api/jobs/{jid}/stop")  # not needed to run: the snapshot is what it runs
+    ds.write_text("[general]\nresolution = 128\n")  # edited after the job was queued
+    ui.wait(jid, lambda j: j["state"] == "stopped")
+    snap = ui.store.get(jid)["config"]
+    path = tmp_path / "snap.toml"
+    path.write_text(snap)
+    opts = parse_args("train_lora", ["--config", str(path)])
+    assert opts.dataset_config_path == str(path) and "dataset_config" not in snap
+    sub = opts.dataset_config["datasets"][0]["subsets"][0]
+    assert sub["num_repeats"] == 3 and opts.dataset_config["general"]["resolution"] == 64
