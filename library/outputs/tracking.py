@@ -40,6 +40,7 @@ import os
 import time
 
 from library.errors import UserError
+from library.outputs import progress_stream
 
 logger = logging.getLogger("sdtk")
 
@@ -248,8 +249,6 @@ class Reporter:
     process), scalars and images to the main process's trackers."""
 
     def __init__(self, opts, plan, tset, c):
-        from library.outputs import progress_stream
-
         self.opts, self.plan, self.tset, self.c = opts, plan, tset, c
         self.tracker: Tracker | None = None
         self._started = False

@@ -18,12 +18,20 @@ import os
 import re
 import tempfile
 import threading
+import tomllib
+
+import toml
 
 from library.cli import METHOD_OF_SCRIPT
 from library.config.options import OPTIONS_BY_NAME, SCRIPTS
 from library.config.parse import parse_args
+from library.distributed import deepspeed_zero
 from library.errors import UserError
-from library.training import plan as run_plan
+from library.outputs import output_checks
+from library.outputs import train_state
+from library.training import memory_estimate
+from library.training.plan import plan_for, plan_run
+from library.training import run_checks
 
 PROCESS_COUNTS = (1, 2, 4, 8)
 CONFIG_NAME = "config"
@@ -74,10 +82,6 @@ def snapshot(text: str, opts) -> str:
     the file later does not change a queued job."""
     if not opts.dataset_config_path or "dataset_config" not in opts.given:
         return text
-    import tomllib
-
-    import toml
-
     data = tomllib.loads(text)
     for table in [data] + [v for v in data.values() if isinstance(v, dict)]:
         table.pop("dataset_config", None)
@@ -122,12 +126,6 @@ def dataset_dict(tset, captions: int = 6) -> dict:
 
 
 def check_config(script: str, text: str, processes: int = 1, memory: bool = True) -> dict:
-    from library.distributed import deepspeed_zero as zero
-    from library.outputs import output_checks
-    from library.outputs import train_state
-    from library.training import memory_estimate
-    from library.training import run_checks
-
     out = {"ok": False, "errors": [], "warnings": [], "plan": None, "plans": {}, "memory": None,
            "dataset": None}
     handler = _Collect()
@@ -137,10 +135,10 @@ def check_config(script: str, text: str, processes: int = 1, memory: bool = True
         try:
             opts = parse_config(script, text)
             method = METHOD_OF_SCRIPT[script]
-            opts = zero.resolve_options(opts)
-            opts, tset, plan = run_plan.plan_run(opts, processes)
+            opts = deepspeed_zero.resolve_options(opts)
+            opts, tset, plan = plan_run(opts, processes)
             out["plan"] = plan_dict(plan)
-            out["plans"] = {str(n): plan_dict(run_plan.plan_for(opts, tset, n)) for n in PROCESS_COUNTS}
+            out["plans"] = {str(n): plan_dict(plan_for(opts, tset, n)) for n in PROCESS_COUNTS}
             out["dataset"] = dataset_dict(tset)
             if opts.resume:
                 train_state.check_resume(opts, method, plan, tset, None)
