@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sdtk UI: http://{'127.0.0.1' if host == '0.0.0.0' else host}:{a.port}/  (jobs: {db})",
           flush=True)
     try:
-        uvicorn.run(app, host=host, port=a.port, log_level="warning")
+        # open event streams end when their job does: do not wait for them on Ctrl-C
+        uvicorn.run(app, host=host, port=a.port, log_level="warning", timeout_graceful_shutdown=3)
     finally:
         runner.close(stop_jobs=True)
         store.close()

@@ -6,10 +6,7 @@ import time
 
 import pytest
 
-pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
-
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT
 
 HOST = "testserver"  # the TestClient's Host
 

@@ -22,6 +22,9 @@ from library.config.options import OPTIONS
 from library.config.parse import parse_args
 from library.errors import UserError
 
+pytest.importorskip("fastapi", reason="the ui extra (pip install -e \".[ui]\")")
+pytest.importorskip("httpx", reason="the ui extra (pip install -e \".[ui]\")")
+
 
 @pytest.fixture
 def data(tmp_path):

@@ -39,6 +39,8 @@ def _need(what: str):
 @pytest.fixture
 def server(tmp_path):
     try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
         import uvicorn
         from playwright.sync_api import sync_playwright  # noqa: F401
     except ImportError as e:
