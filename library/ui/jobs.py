@@ -312,7 +312,8 @@ class Runner:
             return
         folder = job_dir(self.data_dir, jid)
         end = read_end(os.path.join(folder, "progress.jsonl")) or {}
-        if rc == 0:
+        if rc == 0 or end.get("status") == "done":
+            # (a launcher that got the stop signal as the run finished may exit non-zero)
             state, error = "done", None
         elif rc in (130, 143) or end.get("status") == "stopped" or job["state"] == "stopping":
             # stopped as asked (SIGINT before training began leaves no state: resume starts anew)

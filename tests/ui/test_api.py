@@ -354,7 +354,11 @@ with open(os.path.join(folder, "seen.json"), "w") as f:
 release = os.path.join(folder, "release")
 while not os.path.exists(release):
     time.sleep(0.02)
-sys.exit(int(open(release).read() or 0))
+code, _, end = open(release).read().partition(",")
+if end:  # the run's own last line, e.g. done, before the launcher's exit code
+    with open(args[args.index("--progress_file") + 1], "a") as f:
+        f.write(json.dumps({{"event": "end", "status": end, "exit_code": 0}}) + "\\n")
+sys.exit(int(code or 0))
 """
 
 
@@ -410,7 +414,7 @@ def test_one_job_per_device_set_first_come_first_served_and_failures_do_not_stop
         release(c, 3)  # a failed job: the next one starts
         assert states() == ["done", "done", "failed", "running"]
         assert store.get(c)["exit_code"] == 3
-        release(d)
+        release(d, "130,done")  # the run ended, then its launcher got a stop signal
         assert states() == ["done", "done", "failed", "done"]
     finally:
         for j in (a, b, c, d):
@@ -437,3 +441,23 @@ def test_a_job_is_a_snapshot_of_its_config_and_dataset_config(ui, data, tmp_path
     assert opts.dataset_config_path == str(path) and "dataset_config" not in snap
     sub = opts.dataset_config["datasets"][0]["subsets"][0]
     assert sub["num_repeats"] == 3 and opts.dataset_config["general"]["resolution"] == 64
+
+
+@pytest.mark.slow
+def test_a_two_process_job_stops_and_resumes(ui, data, tmp_path):
+    """accelerate launch of two CPU processes (gloo): save_now refused, stop writes a state in
+    every process's agreed step, resume runs to the end (about a minute: slow)."""
+    c = ui.client
+    jid = c.post("/api/jobs", json={"script": "train_lora", "processes": 2, "config": tiny_config(
+        data, str(tmp_path / "two"), steps=40)}).json()["id"]
+    j = ui.wait(jid, lambda j: j["state"] == "running" and j["step"] >= 2, timeout=300)
+    r = c.post(f"/api/jobs/{jid}/save_now")
+    assert r.status_code == 409 and "one-process jobs only" in r.json()["error"]
+    assert c.post(f"/api/jobs/{jid}/stop").status_code == 200
+    j = ui.wait(jid, lambda j: j["state"] not in ("running", "stopping"), timeout=300)
+    assert j["state"] == "stopped" and "training state written" in j["error"], j
+    assert os.path.isdir(tmp_path / "two" / f"last-step{j['step']:08d}-state")
+    c.post(f"/api/jobs/{jid}/resume")
+    j = ui.wait(jid, lambda j: j["state"] in ("done", "failed"), timeout=300)
+    assert j["state"] == "done" and j["step"] == 40, c.get(f"/api/jobs/{jid}/log").text
+    assert "processes: 2" in c.get(f"/api/jobs/{jid}/log", params={"lines": 2000}).text
