@@ -1,9 +1,11 @@
 """Entry-point glue: parse options, run, and turn user errors into one line without traceback."""
 from __future__ import annotations
 
+import os
 import sys
 
 from library.errors import UserError
+from library.outputs import progress_stream
 from library.training.nonfinite import NonFiniteStop
 from library.outputs.train_state import TrainingInterrupted
 
@@ -15,6 +17,8 @@ PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/training/leco.py ru
 def main(script: str, argv: list[str] | None = None) -> int:
     from library.config.parse import parse_args
 
+    opts = None
+    status, code, message, state = "done", 0, "", None
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
         if script in PROMPT_ONLY_SCRIPTS:
@@ -27,22 +31,31 @@ def main(script: str, argv: list[str] | None = None) -> int:
             trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        status, code, message = "failed", 2, str(e)
     except NonFiniteStop as e:  # a non-finite loss / gradient / weight: exit code 3
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        status, code, message = "failed", e.exit_code, str(e)
     except TrainingInterrupted as e:  # SIGINT/SIGTERM: a state was written; 130 / 143
         print(f"interrupted by {e}", file=sys.stderr)
-        return e.exit_code
+        status, code, message, state = "stopped", e.exit_code, f"interrupted by {e}", e.state_dir
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        status, code, message = "interrupted", 130, "interrupted"
     except RuntimeError as e:  # several processes: another one ended (its own line says why)
         from library.distributed.accelerator import peer_failure
 
         line = peer_failure(e)
         if line is None:
+            _end(opts, "failed", 1, f"{type(e).__name__}: {e}", None)
             raise
         print(f"error: {line}", file=sys.stderr)
-        return 2
-    return 0
+        status, code, message = "failed", 2, line
+    _end(opts, status, code, message, state)
+    return code
+
+
+def _end(opts, status: str, code: int, message: str, state: str | None) -> None:
+    """The progress stream's last line (progress_file, main process; not for a dry run)."""
+    if opts is None or not opts.progress_file or opts.dry_run or int(os.environ.get("RANK", "0")):
+        return
+    progress_stream.write_end(opts.progress_file, status, code, message, state)

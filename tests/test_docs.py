@@ -203,5 +203,6 @@ def test_readme_keeps_the_ci_test_command():
     assert m, "README.md: no ```bash block right after <!-- test-command --> (.ci/run reads it)"
     # two pytest-xdist workers, one per core of CI's 2-core machine; a file stays on one worker
     # (its module fixtures run once)
-    assert 'pip install -e ".[test]"' in m.group(1) and \
+    # the ui extra: the API and browser tests (tests/ui) run in CI
+    assert 'pip install -e ".[test,ui]"' in m.group(1) and \
         m.group(1).endswith("python -m pytest -q -n 2 --dist loadfile")

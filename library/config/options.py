@@ -641,6 +641,16 @@ OPTIONS: tuple[Option, ...] = (
       "(sd-scripts' default 40).", "leco", scripts=LECO, min=2),
     O("leco_denoise_guidance_scale", "float", 3.0, "Classifier-free guidance of that partial "
       "denoising (target prompt against unconditional).", "leco", scripts=LECO, min=0),
+    # --- progress stream and control channel (library/outputs/progress_stream.py, docs/UI.md) ---
+    O("progress_file", "path", None, "Append the run's progress to this file as JSON lines (main "
+      "process): the plan, each step's loss, learning rate and gradient norm, saves, samples, "
+      "validation losses, non-finite events and the end with its exit code; a shell can follow it "
+      "with tail -f. The values are those the step already reads: no extra device read.", "logging"),
+    O("control_file", "path", None, "Read commands from this file at each step boundary: JSON "
+      "lines {\"command\": \"save_now\" | \"sample_now\" | \"stop\"} (or the bare word per line), "
+      "appended by the UI or a script; read from its start, so remove it before a new run. One "
+      "process only (several processes: stop with SIGINT, which every process agrees on).",
+      "logging"),
 )
 
 # Run options that train_leco honours (library/training/leco.py); every other option of the image

@@ -205,6 +205,8 @@ class Options:
     prompts_file: str | None = ...  # default None
     max_denoising_steps: int = ...  # default 40
     leco_denoise_guidance_scale: float = ...  # default 3.0
+    progress_file: str | None = ...  # default None
+    control_file: str | None = ...  # default None
 
     def replace(self, **changes: Any) -> Options: ...
     def to_dict(self) -> dict[str, Any]: ...

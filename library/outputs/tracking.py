@@ -40,6 +40,7 @@ import os
 import time
 
 from library.errors import UserError, first_line
+from library.outputs import progress_stream
 
 logger = logging.getLogger("sdtk")
 
@@ -252,6 +253,10 @@ class Reporter:
         self._started = False
         self.validated_at: int | None = None  # the step of the last validation / samples
         self.sampled_at: int | None = None
+        # progress_file (library/outputs/progress_stream.py): main process only
+        self.stream = progress_stream.open_stream(opts, c.accelerator.is_main_process)
+        self._saves_reported = 0
+        self._state_reported = None
 
     def _tracker(self) -> Tracker | None:
         """The main process's Tracker when the run logs anywhere (logging_dir, log_with)."""
@@ -267,6 +272,15 @@ class Reporter:
         step); announce the held-out images; sample_at_first: the samples of the starting
         weights."""
         self._tracker()
+        if self.stream is not None:
+            p = self.plan
+            self.stream.event("plan", total_steps=p.total_steps, global_batch=p.global_batch,
+                              steps_per_epoch=p.steps_per_epoch, epochs=p.epochs,
+                              processes=p.processes, train_batch_size=p.train_batch_size,
+                              gradient_accumulation_steps=p.gradient_accumulation_steps,
+                              images=p.images, repeats_total=p.repeats_total,
+                              start_step=progress.global_step, output_dir=self.opts.output_dir,
+                              output_name=self.opts.output_name)
         n = len(self.tset.val_items)
         if n and self.c.accelerator.is_main_process:
             logger.info(f"validation_split {self.opts.validation_split}: {n} image(s) held out for "
@@ -274,11 +288,17 @@ class Reporter:
         if self.opts.sample_at_first and self.opts.sample_prompts:
             self._sample(progress)
 
-    def after_step(self, progress) -> None:
+    def after_step(self, progress, norm: float | None = None) -> None:
+        """``norm``: the step's gradient norm as the step read it (None: not computed)."""
         from library.training import sampling
         from library.training import validation
 
         step = progress.global_step
+        if self.stream is not None:  # the host values of this step's one read: no device read
+            epoch = progress.position[0] - (progress.position[1] == 0)
+            self.stream.event("step", step=step, epoch=epoch, loss=progress.loss_log[-1],
+                              lr=progress.lr_log[-1], grad_norm=norm,
+                              samples_seen=progress.samples_seen)
         if validation.due(self.opts, self.tset, step=step):
             self._validate(progress, "")
         if sampling.due(self.opts, step=step):
@@ -320,6 +340,8 @@ class Reporter:
 
         value = validation.run_validation(self.c, progress, label)
         self.validated_at = progress.global_step
+        if self.stream is not None:
+            self.stream.event("validation", step=progress.global_step, loss=value)
         t = self._tracker()
         if t is not None:
             t.scalar("loss/validation", value, progress.global_step)
@@ -332,18 +354,51 @@ class Reporter:
         step = progress.global_step
         sampling.sample_images(self.opts, self.c, step)
         self.sampled_at = step
+        o = self.opts
+        files = [sampling.image_path(o, step, i, sampling.prompt_seed(o, p, i))
+                 for i, p in enumerate(sampling.load_prompts(o.sample_prompts))]
+        if self.stream is not None:
+            self.stream.event("samples", step=step, files=files)
         t = self._tracker()
         if t is None:
             return
         import numpy as np
         from PIL import Image
 
-        o = self.opts
-        for i, p in enumerate(sampling.load_prompts(o.sample_prompts)):
-            with Image.open(sampling.image_path(o, step, i, sampling.prompt_seed(o, p, i))) as im:
+        for i, path in enumerate(files):
+            with Image.open(path) as im:
                 t.image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), step)
+
+    def sample_now(self, progress) -> None:
+        """The control channel's sample_now: the samples of this step's weights."""
+        if self.opts.sample_prompts:
+            self._sample(progress)
+        else:
+            logger.warning("sample_now: no sample_prompts are set; nothing to sample")
+
+    def saves(self, saved: list, progress) -> None:
+        """The model files and training state written since the last call, to the stream."""
+        if self.stream is None:
+            return
+        for path in saved[self._saves_reported:]:
+            self.stream.event("save", step=progress.global_step, file=path)
+        self._saves_reported = len(saved)
+        if progress.last_state is not None and progress.last_state != self._state_reported:
+            self._state_reported = progress.last_state
+            self.stream.event("state", step=progress.last_state[1], folder=progress.last_state[0])
+
+    def nonfinite(self, what: str, step: int, action: str) -> None:
+        if self.stream is not None:
+            self.stream.event("nonfinite", step=step, what=what, action=action)
+
+    def control(self, command: str, step: int) -> None:
+        if self.stream is not None:
+            self.stream.event("control", step=step, command=command)
 
     def finish(self) -> None:
         if self.tracker is not None:
             self.tracker.close()
         self.tracker = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None

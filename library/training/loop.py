@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 
 from library.training import nonfinite
 from library.training import step_sync
+from library.outputs import progress_stream
 from library.outputs import saver
 from library.data import step_plan
 from library.training.run_state import HOOKS
@@ -39,6 +41,7 @@ def train(run) -> None:
     P, rank = acc.num_processes, acc.process_index
     bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
     signals = run.stop_signals
+    control = progress_stream.control_channel(opts, P)  # control_file: save_now / sample_now / stop
     start_epoch, start_batch = progress.position
     c.reporter.before_training(progress)  # validation images held out; sample_at_first
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
@@ -146,14 +149,28 @@ def train(run) -> None:
                 # device statistics: read for the bar only every BAR_READ_EVERY steps
                 norm_postfix = max_norm_postfix(progress.max_norm_stats)
             bar.set_postfix(**norm_postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
-            c.reporter.after_step(progress)  # validation and samples when due, scalars
+            # validation and samples when due, scalars, the progress stream (the norm as read)
+            c.reporter.after_step(progress, read.norm)
+            saved_now = False
             if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
                     and progress.global_step < plan.total_steps:
                 saver.save(run, epoch=None, step=progress.global_step)
+                saved_now = True
             # SIGINT/SIGTERM in any process: every process stops after this same step (agreed
             # in the step's read; one arriving after it, e.g. during a save, in the next step's;
             # with one process nothing needs agreeing: after this step)
             stop = read.stop or (signals.signum if signals is not None and P == 1 else 0)
+            for command in control.poll():  # one process only (progress_stream.control_channel)
+                c.reporter.control(command, progress.global_step)
+                if command == "stop":
+                    stop = stop or signal.SIGINT
+                elif command == "sample_now":
+                    c.reporter.sample_now(progress)
+                elif command == "save_now" and not saved_now \
+                        and progress.global_step < plan.total_steps:  # the final save follows
+                    saver.save(run, epoch=None, step=progress.global_step)
+                    saved_now = True
+            c.reporter.saves(run.saved, progress)
             if progress.global_step >= plan.total_steps:
                 done = True
                 break
@@ -166,6 +183,7 @@ def train(run) -> None:
             break
         if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
             saver.save(run, epoch=epoch, step=None)
+            c.reporter.saves(run.saved, progress)
         if stop:  # the signal came in the epoch's last step: after the epoch's saves
             bar.close()
             interrupt(run, stop)
@@ -179,6 +197,7 @@ def on_nonfinite(run, what: str, bar) -> None:
     stepper, progress = run.parts.stepper, run.progress
     step = progress.global_step + 1
     partial = stepper.partial_update
+    run.parts.reporter.nonfinite(what, step, run.opts.on_nonfinite)
     if run.opts.on_nonfinite == "skip":
         stepper.skip()
         logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"

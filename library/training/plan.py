@@ -33,7 +33,14 @@ def plan_run(opts, processes: int):
         if opts.script != "train_lora" and opts.train_text_encoder:
             raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
                             "a trained text encoder's outputs change every step")
-    plan = step_plan.make_plan(
+    plan = plan_for(opts, tset, processes)
+    tset = dataclasses.replace(tset, total_steps=plan.total_steps)  # token_warmup_step's fraction
+    return opts, tset, plan
+
+
+def plan_for(opts, tset, processes: int):
+    """The step plan of a planned run's options and training set at ``processes`` processes."""
+    return step_plan.make_plan(
         bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),
         repeats_total=tset.repeats_total, reg_images=len(tset.reg_items),
         reg_samples=tset.reg_samples, processes=processes,
@@ -41,8 +48,6 @@ def plan_run(opts, processes: int):
         gradient_accumulation_steps=opts.gradient_accumulation_steps,
         max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
         lr_warmup_steps=opts.lr_warmup_steps)
-    tset = dataclasses.replace(tset, total_steps=plan.total_steps)  # token_warmup_step's fraction
-    return opts, tset, plan
 
 
 def print_plan(plan, main: bool):

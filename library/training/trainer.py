@@ -251,6 +251,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
         r.train()
     r.stop_signals = None
     r.save(final=True)
+    c.reporter.saves(r.saved, r.progress)
     c.reporter.finish()  # close the TensorBoard log
     p = r.progress
     if p.loss_log and c.accelerator.is_main_process:

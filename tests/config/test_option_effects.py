@@ -349,6 +349,8 @@ REFERENCE = {
     "sample_every_n_epochs": T + "outputs/test_tracking.py::test_tensorboard_holds_loss_and_lr_scalars",
     "sample_at_first": T + "training/test_sampling.py::test_samples_are_deterministic_show_the_lora_and_leave_training_untouched",
     "sample_sampler": T + "training/test_sampling.py::test_prompt_files",
+    "progress_file": T + "outputs/test_progress_stream.py::test_stream_and_control_on_a_three_step_run",
+    "control_file": T + "outputs/test_progress_stream.py::test_stream_and_control_on_a_three_step_run",
     "token_string": T + "training/test_textual_inversion.py::"
                         "test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_resume_exact",
     "init_word": T + "training/test_textual_inversion.py::"

@@ -1,0 +1,131 @@
+"""The pages end to end in a real headless browser (chromium driven by Playwright): load the page,
+type a misspelled option and see the error with its suggestion, start a run on the built-in tiny
+model and watch the step counter reach the end and a sample image appear, stop a longer run and
+see its state saved.
+
+Skipped when Playwright or a chromium is missing, unless SDTK_BROWSER_TEST=required (.ci/run sets
+it), which makes that a failure. SDTK_UI_SCREENSHOTS=<folder> writes the pages' screenshots
+(docs/images/ holds the ones docs/UI.md shows).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.conftest import free_port
+from tests.ui.conftest import UI, tiny_config
+
+REQUIRED = os.environ.get("SDTK_BROWSER_TEST") == "required"
+
+
+def _browser() -> str | None:
+    for p in (os.environ.get("SDTK_BROWSER"), "/usr/bin/chromium", shutil.which("chromium"),
+              shutil.which("chromium-browser")):
+        if p and os.path.exists(p):
+            return p
+    return None
+
+
+def _need(what: str):
+    if REQUIRED:
+        pytest.fail(f"SDTK_BROWSER_TEST=required but {what}")
+    pytest.skip(what)
+
+
+@pytest.fixture
+def server(tmp_path):
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import uvicorn
+        from playwright.sync_api import sync_playwright  # noqa: F401
+    except ImportError as e:
+        _need(f"{e.name} is not installed (the ui extra)")
+    browser = _browser()
+    if browser is None:
+        _need("no chromium found (apt-get install chromium)")
+    ui = UI(tmp_path)
+    port = free_port()
+    ui.settings.allowed_hosts = ("127.0.0.1",)
+    srv = uvicorn.Server(uvicorn.Config(ui.client.app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    ui.runner.poll_s = 0.2
+    ui.runner.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield ui, f"http://127.0.0.1:{port}/", browser
+    srv.should_exit = True
+    t.join(timeout=10)
+    ui.close()
+
+
+def test_new_run_typo_start_watch_samples_and_stop(server, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+    from tools.make_sample_dataset import make_sample_dataset
+
+    ui, url, browser = server
+    data = str(tmp_path / "data")
+    make_sample_dataset(data, n_images=2, size=64, repeats=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 1\n")
+    shots = os.environ.get("SDTK_UI_SCREENSHOTS")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=browser, args=["--no-sandbox"], headless=True)
+        page = b.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url + "#/new")
+        expect(page.locator("#opt-pretrained_model_name_or_path")).to_be_visible()
+        good = tiny_config(data, str(tmp_path / "out"), steps=3, sample_prompts=str(prompts),
+                           sample_every_n_steps=3)
+        page.fill("#toml", good)
+        page.locator("#toml").press("End")
+        page.locator("#toml").type("netwrk_dim = 8")  # typed: validation as you type
+        expect(page.locator("#errors")).to_contain_text("unknown option 'netwrk_dim'; did you mean network_dim?")
+        page.fill("#toml", good)
+        page.locator("#toml").type("\n")
+        expect(page.locator("#errors")).to_contain_text("config OK")
+        expect(page.locator("#opt-network_dim")).to_have_value("4")  # the form follows the TOML
+        expect(page.locator("#plans")).to_contain_text("total steps")
+        expect(page.locator("#memory")).to_contain_text("GiB per process", timeout=30000)
+        if shots:
+            page.screenshot(path=os.path.join(shots, "new_run.png"), full_page=False)
+        page.click("#start")
+        page.wait_for_url("**#/run/*")
+        expect(page.locator("#run-state")).to_have_text("done", timeout=120000)
+        expect(page.locator("#run-step")).to_have_text("3")
+        expect(page.locator("#run-total")).to_have_text("3")
+        img = page.locator("#samples img").first
+        expect(img).to_be_visible()
+        page.wait_for_function("document.querySelector('#samples img').naturalWidth === 64")
+        if shots:
+            page.screenshot(path=os.path.join(shots, "run.png"), full_page=True)
+            page.goto(url + "#/dataset")
+            expect(page.locator("#captions")).to_contain_text("sks shape, a red circle")
+            page.screenshot(path=os.path.join(shots, "dataset.png"))
+        # a longer run, stopped from its page: its state is written, and it can be resumed
+        page.goto(url + "#/new")
+        page.fill("#toml", tiny_config(data, str(tmp_path / "long"), steps=500))
+        page.locator("#toml").type("\n")
+        expect(page.locator("#errors")).to_contain_text("config OK")
+        page.click("#start")
+        page.wait_for_url("**#/run/2")
+        expect(page.locator("#run-id")).to_have_text("#2")
+        page.wait_for_function("document.querySelector('#run-state').textContent === 'running' && "
+                               "Number(document.querySelector('#run-step').textContent) >= 1",
+                               timeout=120000)
+        page.click("#btn-stop")
+        expect(page.locator("#run-state")).to_have_text("stopped", timeout=60000)
+        expect(page.locator("#run-error")).to_contain_text("training state written to")
+        expect(page.locator("#btn-resume")).to_be_enabled()
+        states = [d for d in os.listdir(tmp_path / "long") if d.endswith("-state")]
+        assert len(states) == 1, os.listdir(tmp_path / "long")
+        page.goto(url + "#/queue")
+        expect(page.locator("#jobs tr[data-id]")).to_have_count(2)
+        expect(page.locator("#jobs")).to_contain_text("stopped")
+        if shots:
+            page.screenshot(path=os.path.join(shots, "queue.png"))
+        b.close()
