@@ -648,8 +648,9 @@ OPTIONS: tuple[Option, ...] = (
       "with tail -f. The values are those the step already reads: no extra device read.", "logging"),
     O("control_file", "path", None, "Read commands from this file at each step boundary: JSON "
       "lines {\"command\": \"save_now\" | \"sample_now\" | \"stop\"} (or the bare word per line), "
-      "appended by the UI or a script; read from its start, so remove it before a new run. One "
-      "process only (several processes: stop with SIGINT, which every process agrees on).",
+      "appended by the UI or a script; read from its start, so remove it before a new run. With "
+      "several processes the main process reads it and every process takes the command after "
+      "the same step (agreed in the step's one small all-reduce).",
       "logging"),
 )
 

@@ -15,7 +15,9 @@ read. The web UI (ui.py) follows the file; so can ``tail -f`` in a shell.
 
 Commands: ``save_now`` (the model, and a state when save_state is set, after this step),
 ``sample_now`` (the sample images of this step's weights), ``stop`` (a resumable state after this
-step, then exit 130, as SIGINT). A line is JSON ``{"command": ...}`` or the bare word.
+step, then exit 130, as SIGINT). A line is JSON ``{"command": ...}`` or the bare word. The
+main process reads the file at each step's start; with several processes the step's read
+(step_sync.agree) carries the commands to every process, which all take them after that step.
 """
 from __future__ import annotations
 
@@ -121,11 +123,8 @@ class ControlChannel:
         return out
 
 
-def control_channel(opts, processes: int) -> ControlChannel:
-    """``control_file`` for a one-process run; with several processes a warning, and no channel
-    (each process would read the file at a slightly different moment and they must agree)."""
-    if opts.control_file and processes > 1:
-        logger.warning("control_file has no effect with several processes (stop the run with "
-                       "SIGINT, which every process agrees on)")
-        return ControlChannel(None)
-    return ControlChannel(opts.control_file)
+def control_channel(opts, main: bool) -> ControlChannel:
+    """``control_file``, read by the main process only: the commands it reads go into the step's
+    read, which every process agrees on (library/training/step_sync.py), so that all processes
+    save, sample or stop after the same step; the others hold an empty channel."""
+    return ControlChannel(opts.control_file if main else None)

@@ -41,7 +41,9 @@ def train(run) -> None:
     P, rank = acc.num_processes, acc.process_index
     bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
     signals = run.stop_signals
-    control = progress_stream.control_channel(opts, P)  # control_file: save_now / sample_now / stop
+    # control_file (save_now / sample_now / stop): read by the main process at each step's
+    # start, agreed by every process in the step's read, run by all after the step
+    control = progress_stream.control_channel(opts, acc.is_main_process)
     start_epoch, start_batch = progress.position
     c.reporter.before_training(progress)  # validation images held out; sample_at_first
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
@@ -67,6 +69,7 @@ def train(run) -> None:
         for j, gb in enumerate(batches, start=skip):
             c.method.before_step(progress.global_step)  # e.g. stop_text_encoder_training
             loss_sum, read = None, None  # loss_sum: a device tensor (no host read per micro-step)
+            requested = tuple(control.poll())
             for a in range(A):
                 idx = list(mine[k])
                 images = next(loader) if loader is not None else None
@@ -100,7 +103,7 @@ def train(run) -> None:
                     # its hooks update parameters during this backward: the global batch's
                     # loss is checked first (library/training/nonfinite.py), alike in every
                     # process: the step's one read (library/training/step_sync.py)
-                    read = step_sync.agree(signals, acc.device, loss_sum)
+                    read = step_sync.agree(signals, acc.device, loss_sum, requested=requested)
                     if not read.finite:
                         break
                 with strategy.micro_step(last):  # the backward of that forward, alike
@@ -112,7 +115,8 @@ def train(run) -> None:
                 # stop signal together), which it returns
                 if loss_sum is None:
                     loss_sum = step_sync.zero_loss(acc.device)
-                read = stepper.step(functools.partial(step_sync.agree, signals, acc.device, loss_sum))
+                read = stepper.step(functools.partial(step_sync.agree, signals, acc.device, loss_sum,
+                                                      requested=requested))
                 if read is None:
                     raise RuntimeError(f"{type(stepper).__name__}.step() made no read of the step")
                 bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
@@ -160,7 +164,7 @@ def train(run) -> None:
             # in the step's read; one arriving after it, e.g. during a save, in the next step's;
             # with one process nothing needs agreeing: after this step)
             stop = read.stop or (signals.signum if signals is not None and P == 1 else 0)
-            for command in control.poll():  # one process only (progress_stream.control_channel)
+            for command in read.commands:  # every process, the same (agreed in the read)
                 c.reporter.control(command, progress.global_step)
                 if command == "stop":
                     stop = stop or signal.SIGINT

@@ -27,6 +27,7 @@ class StepRead(NamedTuple):
     loss: float           # the global batch's loss (sum over micro-steps and processes)
     norm: float | None    # the gradient norm the stepper checks, or None
     stop: int             # the signal every process stops for after this step (0: none)
+    commands: tuple = ()  # control_file commands every process runs after this step, in order
 
     @property
     def finite(self) -> bool:
@@ -55,17 +56,21 @@ def zero_loss(device):
     return torch.zeros((), dtype=value_dtype(device), device=device)
 
 
-def exchange(device, signum: int, signals: tuple, summed=None, along=None):
+def exchange(device, signum: int, signals: tuple, summed=None, along=None,
+             requested: tuple = (), names: tuple = ()):
     """The one collective and the one read: (``summed`` summed over processes, ``along`` as
-    given, the agreed signal) as host lists and an int. ``signals``: the stop signals in a fixed
-    order; each process contributes 1 to the counter of its pending one, and the agreed signal
-    is the largest with a non-zero count (what an all-reduce MAX of the signal numbers gave).
+    given, the agreed signal, the agreed requests) as host lists, an int and a tuple.
+    ``signals``: the stop signals in a fixed order; each process contributes 1 to the counter of
+    its pending one, and the agreed signal is the largest with a non-zero count (what an
+    all-reduce MAX of the signal numbers gave). ``names``: the possible requests (control_file
+    commands) in a fixed order, ``requested`` those this process asks for (the main process
+    reads the control file): a request any process made is agreed by all, in ``names`` order.
     With one process and nothing to read, no device work at all."""
     from library.distributed import accelerator as distributed
 
     multi = distributed._is_multi_process()
     if summed is None and along is None and not multi:
-        return [], [], signum
+        return [], [], signum, _in_order(requested, names)
     import torch
 
     dtype = value_dtype(device)
@@ -74,9 +79,11 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None):
     if multi:
         import torch.distributed as dist
 
-        flags = torch.zeros(len(signals), dtype=dtype, device=device)
+        flags = torch.zeros(len(signals) + len(names), dtype=dtype, device=device)
         if signum in signals:
             flags[signals.index(signum)].fill_(1)  # a kernel argument: no host-to-device copy
+        for r in set(requested):
+            flags[len(signals) + names.index(r)].fill_(1)
         parts.append(flags)
         reduced = torch.cat(parts)
         dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
@@ -89,17 +96,26 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None):
     if multi:
         counts = host[n:n + len(signals)]
         agreed = max((s for s, c in zip(signals, counts) if c > 0), default=0)
-        rest = host[n + len(signals):]
+        asked = host[n + len(signals):n + len(signals) + len(names)]
+        commands = tuple(name for name, c in zip(names, asked) if c > 0)
+        rest = host[n + len(signals) + len(names):]
     else:
-        agreed, rest = signum, host[n:]
-    return sums, rest, agreed
+        agreed, rest, commands = signum, host[n:], _in_order(requested, names)
+    return sums, rest, agreed, commands
 
 
-def agree(signals, device, loss_sum, norm=None) -> StepRead:
+def _in_order(requested, names) -> tuple:
+    return tuple(name for name in names if name in requested)
+
+
+def agree(signals, device, loss_sum, norm=None, requested: tuple = ()) -> StepRead:
     """The step's read (see the module docstring), every process once per step: with the
-    signal pending in ``signals`` (train_state.StopSignals; None: no signal)."""
+    signal pending in ``signals`` (train_state.StopSignals; None: no signal) and the
+    control_file commands this process read (``requested``: the main process's)."""
+    from library.outputs.progress_stream import COMMANDS
     from library.outputs.train_state import StopSignals
 
     signum = 0 if signals is None else signals.signum
-    sums, along, stop = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm)
-    return StepRead(sums[0], along[0] if along else None, stop)
+    sums, along, stop, commands = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm,
+                                           tuple(requested), COMMANDS)
+    return StepRead(sums[0], along[0] if along else None, stop, commands)

@@ -344,13 +344,10 @@ class Runner:
             raise ValueError(f"job {jid} is {job['state']}: only a queued or running job can be stopped")
 
     def control(self, jid: int, command: str) -> None:
-        """save_now / sample_now: appended to the running job's control file."""
+        """save_now / sample_now: appended to the running job's control file (read by its main
+        process; with several processes all take it after the same step)."""
         with self._lock:
             job = self.store.get(jid)
-            if job["processes"] > 1:
-                raise ValueError(f"job {jid} has {job['processes']} processes: {command} works "
-                                 "for one-process jobs only (each process would read the command "
-                                 "at a different step)")
             if job["state"] != "running" or jid not in self.procs:
                 raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
             with open(os.path.join(job_dir(self.data_dir, jid), "control"), "a", encoding="utf-8") as f:

@@ -198,8 +198,14 @@ def two_process_run(tmp_path_factory, data_dir):
     report = str(tmp_path_factory.mktemp("report"))
     # states at steps 2 and 4 (mid-epoch), for test_resumed_twice_on_two_processes_is_bit_identical
     saves = ["--save_every_n_steps", "2", "--save_state"]
+    # control_file: a save_now waiting before the run starts, read by the main process at step
+    # 1's start and taken by both after step 1 (test_control_file_commands_are_agreed)
+    control, progress = os.path.join(report, "control"), os.path.join(report, "progress.jsonl")
+    with open(control, "w") as f:
+        f.write("save_now\n")
     proc = launch_two_processes(report, train_args(data, out, "--train_batch_size", "1", *common,
-                                                   *saves))
+                                                   *saves, "--control_file", control,
+                                                   "--progress_file", progress))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = []
     for r in (0, 1):
@@ -223,6 +229,21 @@ def test_two_processes_are_one_gloo_job(two_process_run):
     for r in ranks:
         assert r["world_size"] == 2 and r["num_processes"] == 2
         assert r["backend"] == "gloo" and r["distributed_type"].endswith("MULTI_CPU")
+
+
+def test_control_file_commands_are_agreed(two_process_run):
+    """save_now, read by the main process alone, is taken by both after step 1: the model file
+    and the training state of step 1 (whose rng file holds both processes' generators, written
+    only when both took part), and one control event in the progress stream."""
+    import torch
+
+    out = two_process_run["out"]
+    assert os.path.isfile(os.path.join(out, "last-step00000001.safetensors"))
+    rng = torch.load(os.path.join(out, "last-step00000001-state", "rng.pt"), weights_only=True)
+    assert rng["processes"] == 2 and len(rng["ranks"]) == 2
+    with open(os.path.join(two_process_run["report"], "progress.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [(e["step"], e["command"]) for e in events if e["event"] == "control"] == [(1, "save_now")]
 
 
 def test_plan_of_two_processes_is_what_happened(two_process_run):

@@ -46,15 +46,16 @@ def test_stream_and_control_on_a_three_step_run(train, dataset, tmp_path):
     assert [s["lr"] for s in steps] == run.progress.lr_log
     assert all(s["grad_norm"] is not None and s["grad_norm"] > 0 for s in steps)  # max_grad_norm
     assert all(s["epoch"] == 1 for s in steps)
-    # appended in step 1's after_step hook, which runs before that step's poll: taken at step 1
+    # appended in step 1's after_step hook: read at step 2's start (the main process reads the
+    # file before the step's read, which carries the commands to every process), taken after it
     ctl_ev = [e for e in ev if e["event"] == "control"]
-    assert [(e["command"], e["step"]) for e in ctl_ev] == [("save_now", 1), ("sample_now", 1)]
+    assert [(e["command"], e["step"]) for e in ctl_ev] == [("save_now", 2), ("sample_now", 2)]
     saves = [e for e in ev if e["event"] == "save"]
-    assert saves[0]["step"] == 1 and saves[0]["file"].endswith("last-step00000001.safetensors")
+    assert saves[0]["step"] == 2 and saves[0]["file"].endswith("last-step00000002.safetensors")
     assert os.path.exists(saves[0]["file"])
     assert saves[-1]["file"].endswith("last.safetensors") and os.path.exists(saves[-1]["file"])
     samples = [e for e in ev if e["event"] == "samples"]
-    assert len(samples) == 1 and samples[0]["step"] == 1 and os.path.exists(samples[0]["files"][0])
+    assert len(samples) == 1 and samples[0]["step"] == 2 and os.path.exists(samples[0]["files"][0])
     assert "ignored line 'bogus'" in err
     assert ev[-1]["status"] == "done" and ev[-1]["exit_code"] == 0
 
