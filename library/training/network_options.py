@@ -17,10 +17,33 @@ class NetworkOptionError(UserError, ValueError):
     pass
 
 
+# LyCORIS algorithms that the kohya_ss GUI offers and the supported lycoris-lora (3.x; 4.x stops on
+# diffusers U-Nets, pyproject) cannot train here: network_args algo -> (GUI LoRA type, why)
+LYCORIS_UNSUPPORTED = {
+    "ia3": ("LyCORIS/iA3", "lycoris-lora 3.x's kohya wrapper has no 'ia3' algorithm (LyCORIS 2.x had it; "
+                           "4.x stops on diffusers U-Nets)"),
+    "full": ("LyCORIS/Native Fine-Tuning", "lycoris-lora 3.x's FullModule removes the layer's weight and then "
+                                           "calls the layer's own forward, which reads it (4.x stops on "
+                                           "diffusers U-Nets)"),
+}
+
+
+def check_lycoris_algo(network_module: str, network_args: dict) -> None:
+    """One line for a LyCORIS algorithm that cannot train here (before any weight loads)."""
+    if network_module.split(".")[0] != "lycoris":
+        return
+    algo = str(network_args.get("algo") or "lora").strip().strip('"').lower()
+    if algo in LYCORIS_UNSUPPORTED:
+        gui_type, why = LYCORIS_UNSUPPORTED[algo]
+        raise NetworkOptionError(f"network_args algo={algo} (kohya_ss GUI LoRA type {gui_type}) cannot train "
+                                 f"here: {why}")
+
+
 def check_options(opts) -> None:
     """Before any weight loads."""
     if opts.script != "train_lora":
         return
+    check_lycoris_algo(opts.network_module, dict(opts.network_args or {}))
     if opts.dim_from_weights and not opts.network_weights:
         raise NetworkOptionError("dim_from_weights needs network_weights (the file whose ranks and "
                                  "alphas shape the network)")
