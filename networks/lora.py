@@ -248,13 +248,15 @@ class AdapterNetwork(torch.nn.Module):
                  modules_alpha: dict[str, Any] | None = None, is_sdxl: bool | None = None,
                  block_dims: list[int] | None = None, block_alphas: list[float] | None = None,
                  conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None,
-                 module_factory=None):
+                 module_factory=None, unet_targets: tuple[str, ...] | None = None,
+                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = names.PREFIX_UNET):
         """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
         modules_alpha per kohya name (from a file; then 3x3 convs are included when named), or
         per U-Net block (networks/lora_blocks.py) block_dims/block_alphas (+ conv_block_dims /
         conv_block_alphas for the 3x3 convs); a dim of 0 creates no module. module_factory(lora_name,
         org_module, multiplier, dim, alpha, dropout, rank_dropout, module_dropout) makes each
-        module (default: LoRAModule)."""
+        module (default: LoRAModule). unet_targets / text_encoder_targets / unet_prefix: the module
+        classes searched and the U-Net name prefix, when not LoRA's (OFT)."""
         super().__init__()
         factory = module_factory or LoRAModule
         self.multiplier = multiplier
@@ -301,7 +303,7 @@ class AdapterNetwork(torch.nn.Module):
                         continue
                     lora_name = names.kohya_name(prefix, name_of(name + "." + child_name))
                     dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1),
-                                          prefix == names.PREFIX_UNET)
+                                          prefix == unet_prefix)
                     if not dim:
                         continue
                     loras.append(factory(lora_name, child, self.multiplier, dim, alpha, dropout,
@@ -311,12 +313,13 @@ class AdapterNetwork(torch.nn.Module):
         self.text_encoder_loras: list[LoRAModule] = []
         for i, te in enumerate(text_encoders):
             prefix = names.text_encoder_prefix(i, len(text_encoders))
-            self.text_encoder_loras += create_modules(prefix, te, TEXT_ENCODER_TARGET_MODULES,
-                                                      names.text_encoder_path)
+            self.text_encoder_loras += create_modules(
+                prefix, te, TEXT_ENCODER_TARGET_MODULES if text_encoder_targets is None else text_encoder_targets,
+                names.text_encoder_path)
 
         self.unet_loras: list[LoRAModule] = []
         if unet is not None:
-            targets = UNET_TARGET_MODULES
+            targets = UNET_TARGET_MODULES if unet_targets is None else unet_targets
             if modules_dim is not None or self.conv_lora_dim is not None or conv_block_dims is not None:
                 targets = targets + UNET_TARGET_MODULES_CONV3X3
             if self.is_sdxl:
@@ -324,7 +327,7 @@ class AdapterNetwork(torch.nn.Module):
                 name_of = lambda path: names.sdxl_module_path(path, block_map)  # noqa: E731
             else:
                 name_of = lambda path: path  # noqa: E731
-            self.unet_loras = create_modules(names.PREFIX_UNET, unet, targets, name_of)
+            self.unet_loras = create_modules(unet_prefix, unet, targets, name_of)
 
         if modules_dim is not None:
             found = {lora.lora_name for lora in self.text_encoder_loras + self.unet_loras}
