@@ -9,6 +9,7 @@ own weights (networks/merge_lora.py ``merge_lora_into``), in the order given.
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, version
 
 from library.errors import UserError
 
@@ -18,13 +19,13 @@ class NetworkOptionError(UserError, ValueError):
 
 
 # LyCORIS algorithms that the kohya_ss GUI offers and the supported lycoris-lora (3.x; 4.x stops on
-# diffusers U-Nets, pyproject) cannot train here: network_args algo -> (GUI LoRA type, why)
+# diffusers U-Nets with duplicated time_embedding names, pyproject) cannot train here:
+# network_args algo -> (GUI LoRA type, why, after "lycoris-lora <installed version>")
 LYCORIS_UNSUPPORTED = {
-    "ia3": ("LyCORIS/iA3", "lycoris-lora 3.x's kohya wrapper has no 'ia3' algorithm (LyCORIS 2.x had it; "
-                           "4.x stops on diffusers U-Nets)"),
-    "full": ("LyCORIS/Native Fine-Tuning", "lycoris-lora 3.x's FullModule removes the layer's weight and then "
-                                           "calls the layer's own forward, which reads it (4.x stops on "
-                                           "diffusers U-Nets)"),
+    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper (LyCORIS 2.x and 4.x have it; 4.x "
+                           "stops on diffusers U-Nets, so no LyCORIS that runs here has it)"),
+    "full": ("LyCORIS/Native Fine-Tuning", "has a FullModule that removes the layer's weight and then calls the "
+                                           "layer's own forward, which reads it (4.x stops on diffusers U-Nets)"),
 }
 
 
@@ -34,9 +35,13 @@ def check_lycoris_algo(network_module: str, network_args: dict) -> None:
         return
     algo = str(network_args.get("algo") or "lora").strip().strip('"').lower()
     if algo in LYCORIS_UNSUPPORTED:
+        try:
+            installed = f"lycoris-lora {version('lycoris-lora')}"
+        except PackageNotFoundError:
+            installed = "lycoris-lora (not installed; the supported 3.x)"
         gui_type, why = LYCORIS_UNSUPPORTED[algo]
         raise NetworkOptionError(f"network_args algo={algo} (kohya_ss GUI LoRA type {gui_type}) cannot train "
-                                 f"here: {why}")
+                                 f"here: {installed} {why}")
 
 
 def check_options(opts) -> None:
