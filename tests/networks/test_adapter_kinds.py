@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from library.models.tiny_models import build_tiny_components
-from networks import dylora, extract_lora_from_dylora, loha, lokr, lora_fa, merge_lora, oft, resize_lora
+from networks import (dylora, extract_lora_from_dylora, loha, lokr, lora_fa, merge_lora, oft, resize_lora,
+                      svd_merge_lora)
 from tests import client_key_tables as clients
 
 
@@ -118,7 +119,7 @@ def test_oft_rotates_each_block_of_output_rows():
     tight = OFTModule("oft_unet_y", lin, lora_dim=2, alpha=1e-3)
     with torch.no_grad():
         tight.oft_blocks.copy_(m.oft_blocks)
-    q = tight.oft_blocks - tight.oft_blocks.transpose(1, 2)
+    q = (tight.oft_blocks - tight.oft_blocks.transpose(1, 2)).detach()
     from networks.adapter_weights import oft_rotation
     r = oft_rotation(tight.oft_blocks.detach(), tight.constraint)
     qq = torch.linalg.solve((r + torch.eye(4)).transpose(1, 2), (r - torch.eye(4)).transpose(1, 2)).transpose(1, 2)
@@ -290,12 +291,27 @@ def test_merge_into_the_model_equals_each_kinds_delta(models, tmp_path):
         assert torch.allclose(merged, want, rtol=1e-5, atol=1e-6), kind
 
 
-def test_svd_tools_refuse_other_kinds_by_name(models, tmp_path, capsys):
-    path = str(tmp_path / "h.safetensors")
-    _save("loha", models["sd15"], path)
-    assert resize_lora.main(["--model", path, "--save_to", str(tmp_path / "o.safetensors")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a LoHa file; this tool handles LoRA files only" in err[0]
+@pytest.mark.parametrize("kind, name", [("loha", "LoHa"), ("lokr", "LoKr"), ("oft", "OFT")])
+def test_svd_tools_refuse_other_kinds_by_name(kind, name, models, tmp_path, capsys):
+    path = str(tmp_path / f"{kind}.safetensors")
+    _save(kind, models["sd15"], path)
+    out = str(tmp_path / "o.safetensors")
+    for main, argv in ((resize_lora.main, ["--model", path, "--save_to", out]),
+                       (svd_merge_lora.main, ["--models", path, "--save_to", out]),
+                       (merge_lora.main, ["--models", path, "--save_to", out, "--concat"])):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"a {name} file; this tool handles LoRA files only" in err[0], (main, err)
+    assert not os.path.exists(out)
+
+
+def test_scale_weight_norms_stops_on_kinds_without_it(dataset, tmp_path, run_script):
+    rc, out, err = run_script("train_lora", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir", tmp_path / "o",
+        "--resolution", "64", "--max_train_steps", "2", "--network_module", "networks.loha",
+        "--scale_weight_norms", "1.0"])
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("error: scale_weight_norms: the network of networks.loha has no "), err[-800:]
 
 
 def test_extract_lora_from_dylora_cuts_each_rank(models, tmp_path):
