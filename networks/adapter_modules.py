@@ -9,6 +9,7 @@ computes its weight from networks/adapter_weights.py.
 from __future__ import annotations
 
 import math
+import random
 from typing import Optional
 
 import torch
@@ -159,7 +160,7 @@ class LoKrModule(DeltaModule):
 
     def __init__(self, lora_name, org_module, multiplier=1.0, lora_dim=4, alpha=1.0, dropout=None,
                  rank_dropout=None, module_dropout=None, factor: int = -1, use_tucker: bool = False,
-                 w1_shape: Optional[tuple[int, int]] = None):
+                 w1_shape: Optional[tuple[int, int]] = None, full_w2: Optional[bool] = None):
         super().__init__(lora_name, org_module, multiplier, lora_dim, alpha, dropout, rank_dropout, module_dropout)
         r = self.lora_dim
         P = torch.nn.Parameter
@@ -170,7 +171,8 @@ class LoKrModule(DeltaModule):
             (out_l, in_m) = w1_shape
             out_k, in_n = self.out_dim // out_l, self.in_dim // in_m
         self.lokr_w1 = P(torch.empty(out_l, in_m))
-        self.use_w2 = r >= max(out_k, in_n) / 2
+        # full_w2: as a file has it; else sd-scripts' rule (a rank of at least half the larger side)
+        self.use_w2 = r >= max(out_k, in_n) / 2 if full_w2 is None else bool(full_w2)
         self.tucker = bool(use_tucker) and self.conv3x3 and not self.use_w2
         if self.use_w2:
             self.lokr_w2 = P(torch.empty(out_k, in_n, *self.kernel) if self.conv3x3 else torch.empty(out_k, in_n))
@@ -198,7 +200,7 @@ class LoKrModule(DeltaModule):
 
 class DyLoRAModule(HookedModule):
     """sd-scripts' networks.dylora module. Each forward draws b in [0, rank) rounded down to a
-    multiple of ``unit`` (torch's global generator); ranks [b, b + unit) are the only ones with a
+    multiple of ``unit`` (Python's random, as sd-scripts; the training state keeps it); ranks [b, b + unit) are the only ones with a
     gradient this step (each rank is its own parameter, the others get requires_grad False, as
     sd-scripts), the output is ``up @ down * alpha / rank * sqrt(rank / (b + unit))`` over all
     ranks. Saved as a LoRA (``lora_down.weight``, ``lora_up.weight``, ``alpha``)."""
@@ -230,7 +232,7 @@ class DyLoRAModule(HookedModule):
         org = self.org_forward(x)
         factor = 1.0
         if self.training:
-            b = int(torch.randint(0, self.lora_dim, (1,)))
+            b = random.randint(0, self.lora_dim - 1)  # sd-scripts' draw (Python's generator, in the state)
             b -= b % self.unit
             for i, (a_i, b_i) in enumerate(zip(self.lora_A, self.lora_B)):
                 trains = b <= i < b + self.unit

@@ -77,7 +77,7 @@ def _factory(module_class, module_kwargs: dict[str, Any], file_parts: dict | Non
             p = file_parts[lora_name]
             kw["use_tucker"] = "hada_t1" in p or "lokr_t2" in p
             if module_class is LoKrModule:
-                kw["w1_shape"] = tuple(p["lokr_w1"].shape)
+                kw["w1_shape"], kw["full_w2"] = tuple(p["lokr_w1"].shape), "lokr_w2" in p
         return module_class(lora_name, org_module, multiplier, dim, alpha, dropout, rank_dropout, module_dropout, **kw)
     return make
 
