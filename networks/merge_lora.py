@@ -9,6 +9,8 @@ into one LoRA file.
 MODEL is anything `pretrained_model_name_or_path` accepts (diffusers folder, single file, built-in
 name). --save_to ending in .safetensors/.ckpt/.pt writes a single file in the original SD layout;
 any other path is written as a diffusers folder. Flag names follow sd-scripts' merge_lora.py.
+Into a model, LoHa, LoKr (their deltas) and OFT files (the rotated weights) merge too; LoRA + LoRA
+takes LoRA-layout files only (LoRA, LoCon, DyLoRA, LoRA-FA) and names any other kind.
 
 LoRA + LoRA: --concat stacks the modules' ranks (down rows, up columns) with each file's
 ratio * alpha / rank folded into its factors, so the result is exactly sum_i ratio_i * delta_i.
