@@ -31,6 +31,10 @@ def _parse(kwargs: dict[str, Any]) -> tuple[dict[str, Any], int]:
             logger.warning(f"network_args: {key} has no effect on networks.dylora (sd-scripts' DyLoRA does not "
                            "read it)")
             kwargs.pop(key)
+    if "conv_alpha" in kwargs and kwargs.get("conv_dim") is None:
+        # the GUI writes conv_alpha whenever it is not 0; sd-scripts reads it only with conv_dim
+        logger.warning("network_args: conv_alpha has no effect on networks.dylora without conv_dim")
+        kwargs.pop("conv_alpha")
     unit = lora.parse_number("network_args: unit", kwargs.pop("unit", 1), int, 1)
     return lora.parse_network_args(kwargs, "networks.dylora", KNOWN[1:]), unit
 

@@ -365,3 +365,19 @@ def test_dylora_resume_is_exact(dataset, tmp_path, run_script):
     assert rc == 0, err[-1500:]
     a, b = load_file(str(tmp_path / "a" / "last.safetensors")), load_file(str(tmp_path / "b" / "last.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_network_args_of_the_gui_that_sd_scripts_ignores_warn(caplog):
+    # GUI "Kohya DyLoRA" with conv_dim 0: conv_alpha is still written; sd-scripts reads it only with conv_dim
+    dylora.check_network_args({"conv_alpha": "1", "unit": "1"})
+    assert "conv_alpha has no effect on networks.dylora without conv_dim" in caplog.text
+    # the LyCORIS keys of the GUI's LyCORIS types: not read by sd-scripts' native LoKr
+    lokr.check_network_args({"use_scalar": "False", "train_norm": "False", "factor": "4"})
+    assert "use_scalar has no effect on networks.lokr" in caplog.text
+    from networks.lora import LoRAError
+    with pytest.raises(LoRAError, match="network_args: unknown key 'factr' for networks.lokr"):
+        lokr.check_network_args({"factr": "4"})
+    with pytest.raises(LoRAError, match="network_args: network_reg_dims .* of sd-scripts' networks.loha is not"):
+        loha.check_network_args({"network_reg_dims": "a=4"})
+    with pytest.raises(LoRAError, match="network_args: unit=.0. must be >= 1"):
+        dylora.check_network_args({"unit": "0"})
