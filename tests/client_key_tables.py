@@ -19,6 +19,7 @@ loaders (our code, their rules), for the tiny models:
 """
 from __future__ import annotations
 
+import math
 import re
 
 from library.models import sd_checkpoint
@@ -36,23 +37,47 @@ _RESNET = {"conv1": "in_layers_2", "conv2": "out_layers_3", "norm1": "in_layers_
            "time_emb_proj": "emb_layers_1", "conv_shortcut": "skip_connection"}
 
 
-def a1111_module_names(components: dict, family: str) -> set[str]:
-    """A1111's network_layer_mapping keys for the model (modules with weights)."""
-    out = set()
-    for key in sd_checkpoint.original_state_dict(components, family):
+def a1111_module_shapes(components: dict, family: str) -> dict[str, tuple]:
+    """A1111's network_layer_mapping keys for the model (modules with weights) -> weight shape
+    (a MultiheadAttention module: its in_proj_weight, q/k/v stacked)."""
+    out = {}
+    for key, value in sd_checkpoint.original_state_dict(components, family).items():
         for suffix in (".weight", ".in_proj_weight"):
             if key.endswith(suffix):
                 path = key[:-len(suffix)]
                 break
         else:
             continue
-        if path.startswith("model.diffusion_model."):
-            out.add(path[len("model."):].replace(".", "_"))
-        elif path.startswith("cond_stage_model."):
-            out.add(path[len("cond_stage_model."):].replace(".", "_"))
-        elif path.startswith("conditioner.embedders."):
-            out.add(path[len("conditioner.embedders."):].replace(".", "_"))
+        for prefix, cut in (("model.diffusion_model.", len("model.")), ("cond_stage_model.", len("cond_stage_model.")),
+                            ("conditioner.embedders.", len("conditioner.embedders."))):
+            if path.startswith(prefix):
+                out[path[cut:].replace(".", "_")] = tuple(value.shape)
     return out
+
+
+def client_delta(parts: dict) -> tuple[int, int]:
+    """(output rows, elements) of the weight a module's tensors make under the clients' formulas:
+    LoRA up @ down, LoHa (w1a @ w1b) * (w2a @ w2b) or Tucker einsum, LoKr kron(w1, w2), OFT blocks."""
+    if "lora_up.weight" in parts:
+        up, down = parts["lora_up.weight"], parts["lora_down.weight"]
+        return up.shape[0], up.shape[0] * math.prod(down.shape[1:])
+    if "hada_w1_a" in parts:
+        if "hada_t1" in parts:  # einsum("i j k l, j r, i p -> p r k l", t1, w1b, w1a)
+            t, a, b = parts["hada_t1"], parts["hada_w1_a"], parts["hada_w1_b"]
+            return a.shape[1], a.shape[1] * b.shape[1] * math.prod(t.shape[2:])
+        return parts["hada_w1_a"].shape[0], parts["hada_w1_a"].shape[0] * parts["hada_w1_b"].shape[1]
+    if "lokr_w1" in parts:
+        w1 = parts["lokr_w1"]
+        if "lokr_w2" in parts:
+            w2 = parts["lokr_w2"].shape
+        elif "lokr_t2" in parts:
+            t, a, b = parts["lokr_t2"], parts["lokr_w2_a"], parts["lokr_w2_b"]
+            w2 = (a.shape[1], b.shape[1], *t.shape[2:])
+        else:
+            w2 = (parts["lokr_w2_a"].shape[0], parts["lokr_w2_b"].shape[1])
+        return w1.shape[0] * w2[0], w1.numel() * math.prod(w2)
+    blocks = parts["oft_blocks"]
+    return blocks.shape[0] * blocks.shape[1], None
 
 
 def _compvis(key: str, is_sd2: bool) -> str:
@@ -92,7 +117,7 @@ def _compvis(key: str, is_sd2: bool) -> str:
 
 def a1111_target(name: str, mapping: set[str]) -> str | None:
     """The compvis module A1111 applies a file's module ``name`` to, or None (key not matched)."""
-    is_sd2 = any(k.startswith("model_transformer_resblocks") for k in mapping)
+    is_sd2 = any(k.startswith("model_transformer_resblocks") for k in mapping)  # mapping: names or a dict
     key = _compvis(name, is_sd2)
     if key in mapping:
         return key

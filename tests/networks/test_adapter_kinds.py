@@ -209,8 +209,17 @@ def test_files_resolve_in_a1111_and_comfyui(kind, arch, models, tmp_path):
     modules = clients.modules_of_file(sd)
     client_kind = KINDS[kind][2]
     assert all(clients.A1111_TYPES[client_kind](p) for p in modules.values())
-    mapping = clients.a1111_module_names(c, ARCH_FAMILY[arch])
-    unmatched = sorted(n for n in modules if clients.a1111_target(n, mapping) is None)
+    mapping = clients.a1111_module_shapes(c, ARCH_FAMILY[arch])
+    targets = {n: clients.a1111_target(n, mapping) for n in modules}
+    unmatched = sorted(n for n, t in targets.items() if t is None)
+    for n, t in targets.items():  # the client's product has the shape of the weight it is added to
+        if t is None:
+            continue
+        rows, numel = clients.client_delta({p: sd[n + "." + p] for p in modules[n]})
+        shape = mapping[t]
+        if t.endswith("_attn") and len(shape) == 2 and shape[0] == 3 * shape[1]:  # MHA: q, k or v rows
+            shape = (shape[1], shape[1])
+        assert rows == shape[0] and numel in (None, math.prod(shape)), (n, t, shape, rows, numel)
     comfy = clients.comfy_names(c, ARCH_FAMILY[arch])
     if kind == "oft":
         # sd-scripts' OFT names: A1111 maps oft_unet_ + SAI paths (SDXL) only; ComfyUI has no oft_unet_
