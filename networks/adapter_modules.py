@@ -47,6 +47,17 @@ class HookedModule(torch.nn.Module):
             self.org_forward = None
 
 
+def merge_delta(org_module: torch.nn.Module, parts: dict, multiplier: float, dtype=None, device=None) -> None:
+    """Add ``multiplier`` times the delta of a module's tensors (by part name, alpha included) to
+    the layer's weight, in float32, stored in ``dtype`` (default: the weight's)."""
+    weight = org_module.weight
+    device = device or weight.device
+    delta = adapter_weights.module_delta({k: v.to(device) for k, v in parts.items()}, weight)
+    with torch.no_grad():
+        merged = weight.detach().to(device, torch.float32) + delta * multiplier
+        weight.data = merged.to(dtype or weight.dtype)
+
+
 def _alpha(alpha, rank: int) -> float:
     if isinstance(alpha, torch.Tensor):
         alpha = float(alpha.detach().float())
@@ -100,13 +111,9 @@ class DeltaModule(HookedModule):
         return org + (y * scale).to(org.dtype)
 
     def merge_to(self, sd: dict, dtype=None, device=None) -> None:
-        parts = {k: v for k, v in sd.items()} or {k: v.detach() for k, v in self.parts().items()}
+        parts = dict(sd) or {k: v.detach() for k, v in self.parts().items()}
         parts.setdefault("alpha", self.alpha)
-        weight = self.org_module.weight
-        device = device or weight.device
-        delta = adapter_weights.module_delta({k: v.to(device) for k, v in parts.items()}, weight)
-        with torch.no_grad():
-            weight.data = (weight.detach().to(device, torch.float32) + delta * self.multiplier).to(dtype or weight.dtype)
+        merge_delta(self.org_module, parts, self.multiplier, dtype, device)
 
 
 class LoHaModule(DeltaModule):
@@ -200,10 +207,11 @@ class LoKrModule(DeltaModule):
 
 class DyLoRAModule(HookedModule):
     """sd-scripts' networks.dylora module. Each forward draws b in [0, rank) rounded down to a
-    multiple of ``unit`` (Python's random, as sd-scripts; the training state keeps it); ranks [b, b + unit) are the only ones with a
-    gradient this step (each rank is its own parameter, the others get requires_grad False, as
-    sd-scripts), the output is ``up @ down * alpha / rank * sqrt(rank / (b + unit))`` over all
-    ranks. Saved as a LoRA (``lora_down.weight``, ``lora_up.weight``, ``alpha``)."""
+    multiple of ``unit`` (Python's random, as sd-scripts; the training state keeps it); ranks
+    [b, b + unit) are the only ones with a gradient this step (each rank is its own parameter,
+    the others get requires_grad False, as sd-scripts), the output is
+    ``up @ down * alpha / rank * sqrt(rank / (b + unit))`` over all ranks. Saved as a LoRA
+    (``lora_down.weight``, ``lora_up.weight``, ``alpha``)."""
 
     PLUS_PARAMS = ("lora_B",)
 
@@ -216,8 +224,9 @@ class DyLoRAModule(HookedModule):
         k = tuple(w.shape[2:])
         self.lora_A = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.zeros(1, in_dim, *k)) for _ in range(self.lora_dim)])
+        up_shape = (out_dim, 1, 1, 1) if self.is_conv else (out_dim, 1)
         self.lora_B = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.zeros(out_dim, 1, *((1, 1) if self.is_conv else ()))) for _ in range(self.lora_dim)])
+            [torch.nn.Parameter(torch.zeros(up_shape)) for _ in range(self.lora_dim)])
         for p in self.lora_A:
             torch.nn.init.kaiming_uniform_(p, a=math.sqrt(5))
         a = _alpha(alpha, self.lora_dim)
@@ -274,11 +283,7 @@ class DyLoRAModule(HookedModule):
         down, up = self.down_up()
         parts = {"lora_down.weight": sd.get("lora_down.weight", down.detach()),
                  "lora_up.weight": sd.get("lora_up.weight", up.detach()), "alpha": sd.get("alpha", self.alpha)}
-        weight = self.org_module.weight
-        device = device or weight.device
-        delta = adapter_weights.module_delta({k: v.to(device) for k, v in parts.items()}, weight)
-        with torch.no_grad():
-            weight.data = (weight.detach().to(device, torch.float32) + delta * self.multiplier).to(dtype or weight.dtype)
+        merge_delta(self.org_module, parts, self.multiplier, dtype, device)
 
 
 class OFTModule(HookedModule):
@@ -316,4 +321,5 @@ class OFTModule(HookedModule):
         device = device or weight.device
         r = adapter_weights.oft_rotation(blocks.to(device).float(), self.constraint, self.multiplier)
         with torch.no_grad():
-            weight.data = adapter_weights.oft_apply(weight.detach().to(device, torch.float32), r).to(dtype or weight.dtype)
+            rotated = adapter_weights.oft_apply(weight.detach().to(device, torch.float32), r)
+            weight.data = rotated.to(dtype or weight.dtype)

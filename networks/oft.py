@@ -103,8 +103,8 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     dims, alphas = dims_from_weights(weights_sd)
     if not dims:
         found = file_kinds(weights_sd)
-        raise lora.LoRAError(f"weights {file or '(state dict)'}: {'a ' + '/'.join(found) + ' file' if found else 'no adapter keys'}"
-                             ", not an OFT file of networks.oft")
+        what = f"a {'/'.join(found)} file" if found else "no adapter keys"
+        raise lora.LoRAError(f"weights {file or '(state dict)'}: {what}, not an OFT file of networks.oft")
     network = lora.AdapterNetwork(None, unet, multiplier=multiplier, modules_dim=dims, modules_alpha=alphas,
                                   is_sdxl=_is_sdxl(text_encoder, unet), module_factory=_factory,
                                   unet_targets=ALL_LINEAR, text_encoder_targets=(), unet_prefix=PREFIX)
