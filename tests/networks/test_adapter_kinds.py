@@ -390,3 +390,20 @@ def test_network_args_of_the_gui_that_sd_scripts_ignores_warn(caplog):
         loha.check_network_args({"network_reg_dims": "a=4"})
     with pytest.raises(LoRAError, match="network_args: unit=.0. must be >= 1"):
         dylora.check_network_args({"unit": "0"})
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr", "oft", "dylora"])
+def test_check_lora_weights_lists_every_kinds_tensors(kind, models, tmp_path, capsys):
+    from networks import check_lora_weights
+
+    path = str(tmp_path / f"{kind}.safetensors")
+    sd = _save(kind, models["sd15"], path)
+    assert check_lora_weights.main([path]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    tensors = [k for k in sd if not k.endswith(".alpha")]
+    assert lines[0] == f"adapter kinds: {KINDS[kind][2]}" and lines[1] == f"number of LoRA modules: {len(tensors)}"
+    first = lines[2].split(",")
+    v = sd[first[0]].float().abs()
+    assert first[1] == str(tuple(v.shape)).replace(", ", "-")
+    assert math.isclose(float(first[2]), float(v.mean()), rel_tol=1e-6)
+    assert {line.split(",")[0] for line in lines[2:]} == set(tensors)
