@@ -6,7 +6,8 @@ One line per adapter tensor, ``key,shape,mean |x|,min |x|`` (shape as ``(a-b)``)
 "number of LoRA modules: N" (sd-scripts' words; N counts the tensors), as sd-scripts prints them.
 Every kind's tensors are listed (LoRA / LoCon / DyLoRA / LoRA-FA ``lora_down`` / ``lora_up``, LoHa
 ``hada_*``, LoKr ``lokr_*``, OFT ``oft_*``; sd-scripts lists only LoRA's and OFT's, the latter
-with their alphas, whose keys contain ``oft_``), after one line naming the file's kinds. ``--show_all_keys`` adds the other tensors (alphas, embeddings).
+with their alphas, whose keys contain ``oft_``), after one line naming the file's kinds.
+``--show_all_keys`` adds the other tensors (alphas, embeddings).
 """
 from __future__ import annotations
 
