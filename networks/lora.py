@@ -21,6 +21,8 @@ from library.errors import UserError, first_line
 from library.outputs.saving import atomic_path
 from networks import lora_blocks as blocks
 from networks import lora_names as names
+from networks.adapter_modules import HookedModule
+from networks.adapter_weights import file_kinds
 
 UNET_TARGET_MODULES = ("Transformer2DModel",)  # LoRA-LierLa
 UNET_TARGET_MODULES_CONV3X3 = ("ResnetBlock2D", "Downsample2D", "Upsample2D")  # + LoRA-C3Lier
@@ -42,7 +44,7 @@ class LoRAError(UserError, ValueError):
 
 # --- helpers ----------------------------------------------------------------------------------
 
-def _parse_number(key: str, value: Any, kind: type, low: float, high: float | None = None,
+def parse_number(key: str, value: Any, kind: type, low: float, high: float | None = None,
                   low_inclusive: bool = True) -> Any:
     """Parse a network option (strings from network_args, or numbers) and check its range."""
     try:
@@ -61,25 +63,26 @@ def _parse_number(key: str, value: Any, kind: type, low: float, high: float | No
     return number
 
 
-def _parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(k for k in kwargs if k not in KNOWN_NETWORK_ARGS)
+def parse_network_args(kwargs: dict[str, Any], module: str = "networks.lora",
+                        known: tuple[str, ...] = KNOWN_NETWORK_ARGS) -> dict[str, Any]:
+    unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
-        raise LoRAError(f"network_args: unknown key {unknown[0]!r} for networks.lora; "
-                        f"known keys: {', '.join(KNOWN_NETWORK_ARGS)}")
+        raise LoRAError(f"network_args: unknown key {unknown[0]!r} for {module}; "
+                        f"known keys: {', '.join(known)}")
     out: dict[str, Any] = {}
     if kwargs.get("conv_dim") is not None:
-        out["conv_dim"] = _parse_number("network_args: conv_dim", kwargs["conv_dim"], int, 1)
+        out["conv_dim"] = parse_number("network_args: conv_dim", kwargs["conv_dim"], int, 1)
         # sd-scripts: conv_alpha defaults to 1.0 when conv_dim is given
-        out["conv_alpha"] = (_parse_number("network_args: conv_alpha", kwargs["conv_alpha"], float, 0)
+        out["conv_alpha"] = (parse_number("network_args: conv_alpha", kwargs["conv_alpha"], float, 0)
                              if kwargs.get("conv_alpha") is not None else 1.0)
     elif kwargs.get("conv_alpha") is not None:
         raise LoRAError("network_args: conv_alpha is given without conv_dim")
     for key in ("rank_dropout", "module_dropout"):
         if kwargs.get(key) is not None:
-            out[key] = _parse_number("network_args: " + key, kwargs[key], float, 0.0, 1.0)
+            out[key] = parse_number("network_args: " + key, kwargs[key], float, 0.0, 1.0)
     for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
         if kwargs.get(key) is not None:
-            out[key] = _parse_number("network_args: " + key, kwargs[key], float, 0.0, low_inclusive=False)
+            out[key] = parse_number("network_args: " + key, kwargs[key], float, 0.0, low_inclusive=False)
     try:
         blocks.check_syntax(kwargs)  # the counts need the model family: checked in create_network
     except blocks.BlockArgError as e:
@@ -92,7 +95,7 @@ def _parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def check_network_args(kwargs: dict[str, Any]) -> None:
     """Validate network_args before any weight is loaded (called by the trainer when present)."""
-    _parse_network_args(dict(kwargs))
+    parse_network_args(dict(kwargs))
 
 
 def lora_delta(down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
@@ -157,14 +160,15 @@ def _atomic_save(file: str, write) -> None:
 
 # --- modules ----------------------------------------------------------------------------------
 
-class LoRAModule(torch.nn.Module):
+class LoRAModule(HookedModule):
     """LoRA for one Linear or Conv2d: hooks the original module's forward (no weight copied)."""
+
+    PLUS_PARAMS = ("lora_up",)
 
     def __init__(self, lora_name: str, org_module: torch.nn.Module, multiplier: float = 1.0,
                  lora_dim: int = 4, alpha: float | torch.Tensor | None = 1.0, dropout: float | None = None,
                  rank_dropout: float | None = None, module_dropout: float | None = None):
-        super().__init__()
-        self.lora_name = lora_name
+        super().__init__(lora_name, org_module, multiplier)
         self.lora_dim = int(lora_dim)
         if isinstance(org_module, torch.nn.Conv2d):
             in_dim, out_dim = org_module.in_channels, org_module.out_channels
@@ -185,29 +189,9 @@ class LoRAModule(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
         torch.nn.init.zeros_(self.lora_up.weight)
 
-        self.multiplier = multiplier
         self.dropout = dropout
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
-        # In a list so that the original module is not registered as our child (not saved/trained).
-        self.org_module_ref = [org_module]
-        self.org_forward = None
-
-    @property
-    def org_module(self) -> torch.nn.Module:
-        return self.org_module_ref[0]
-
-    def apply_to(self) -> None:
-        if self.org_forward is not None:
-            return
-        self.org_forward = self.org_module.forward
-        self.org_module.forward = self.forward
-
-    def restore(self) -> None:
-        """Undo apply_to: the original module's forward is its own again."""
-        if self.org_forward is not None:
-            del self.org_module.forward  # drops the instance attribute set by apply_to
-            self.org_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         org_forwarded = self.org_forward(x)
@@ -244,7 +228,11 @@ class LoRAModule(torch.nn.Module):
             weight.data = merged.to(dtype or weight.dtype)
 
 
-class LoRANetwork(torch.nn.Module):
+class AdapterNetwork(torch.nn.Module):
+    """The kohya network of hooked modules: selection, names, apply/merge/save and the optimizer
+    groups of sd-scripts' networks/lora.py, for any module kind (``module_factory``); LoRA adds
+    max-norm regularisation (LoRANetwork)."""
+
     UNET_TARGET_REPLACE_MODULE = list(UNET_TARGET_MODULES)
     UNET_TARGET_REPLACE_MODULE_CONV2D_3X3 = list(UNET_TARGET_MODULES_CONV3X3)
     TEXT_ENCODER_TARGET_REPLACE_MODULE = list(TEXT_ENCODER_TARGET_MODULES)
@@ -259,12 +247,18 @@ class LoRANetwork(torch.nn.Module):
                  conv_alpha: float | None = None, modules_dim: dict[str, int] | None = None,
                  modules_alpha: dict[str, Any] | None = None, is_sdxl: bool | None = None,
                  block_dims: list[int] | None = None, block_alphas: list[float] | None = None,
-                 conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None):
+                 conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None,
+                 module_factory=None, unet_targets: tuple[str, ...] | None = None,
+                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = names.PREFIX_UNET):
         """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
         modules_alpha per kohya name (from a file; then 3x3 convs are included when named), or
         per U-Net block (networks/lora_blocks.py) block_dims/block_alphas (+ conv_block_dims /
-        conv_block_alphas for the 3x3 convs); a dim of 0 creates no module."""
+        conv_block_alphas for the 3x3 convs); a dim of 0 creates no module. module_factory(lora_name,
+        org_module, multiplier, dim, alpha, dropout, rank_dropout, module_dropout) makes each
+        module (default: LoRAModule). unet_targets / text_encoder_targets / unet_prefix: the module
+        classes searched and the U-Net name prefix, when not LoRA's (OFT)."""
         super().__init__()
+        factory = module_factory or LoRAModule
         self.multiplier = multiplier
         self.lora_dim, self.alpha = lora_dim, alpha
         self.conv_lora_dim, self.conv_alpha = conv_lora_dim, conv_alpha
@@ -309,22 +303,23 @@ class LoRANetwork(torch.nn.Module):
                         continue
                     lora_name = names.kohya_name(prefix, name_of(name + "." + child_name))
                     dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1),
-                                          prefix == names.PREFIX_UNET)
+                                          prefix == unet_prefix)
                     if not dim:
                         continue
-                    loras.append(LoRAModule(lora_name, child, self.multiplier, dim, alpha, dropout=dropout,
-                                            rank_dropout=rank_dropout, module_dropout=module_dropout))
+                    loras.append(factory(lora_name, child, self.multiplier, dim, alpha, dropout,
+                                         rank_dropout, module_dropout))
             return loras
 
         self.text_encoder_loras: list[LoRAModule] = []
         for i, te in enumerate(text_encoders):
             prefix = names.text_encoder_prefix(i, len(text_encoders))
-            self.text_encoder_loras += create_modules(prefix, te, TEXT_ENCODER_TARGET_MODULES,
-                                                      names.text_encoder_path)
+            self.text_encoder_loras += create_modules(
+                prefix, te, TEXT_ENCODER_TARGET_MODULES if text_encoder_targets is None else text_encoder_targets,
+                names.text_encoder_path)
 
         self.unet_loras: list[LoRAModule] = []
         if unet is not None:
-            targets = UNET_TARGET_MODULES
+            targets = UNET_TARGET_MODULES if unet_targets is None else unet_targets
             if modules_dim is not None or self.conv_lora_dim is not None or conv_block_dims is not None:
                 targets = targets + UNET_TARGET_MODULES_CONV3X3
             if self.is_sdxl:
@@ -332,7 +327,7 @@ class LoRANetwork(torch.nn.Module):
                 name_of = lambda path: names.sdxl_module_path(path, block_map)  # noqa: E731
             else:
                 name_of = lambda path: path  # noqa: E731
-            self.unet_loras = create_modules(names.PREFIX_UNET, unet, targets, name_of)
+            self.unet_loras = create_modules(unet_prefix, unet, targets, name_of)
 
         if modules_dim is not None:
             found = {lora.lora_name for lora in self.text_encoder_loras + self.unet_loras}
@@ -423,7 +418,8 @@ class LoRANetwork(torch.nn.Module):
             groups: dict[str, list] = {"lora": [], "plus": []}
             for lora in loras:
                 for pname, param in lora.named_parameters():
-                    groups["plus" if ratio is not None and "lora_up" in pname else "lora"].append(param)
+                    plus = ratio is not None and any(p in pname for p in lora.PLUS_PARAMS)
+                    groups["plus" if plus else "lora"].append(param)
             for key, params in groups.items():
                 if not params:
                     continue
@@ -471,6 +467,29 @@ class LoRANetwork(torch.nn.Module):
         """One learning-rate factor per U-Net block (networks/lora_blocks.py), or None."""
         self.block_lr_weight = block_lr_weight
 
+    # sd-scripts' name for a network whose prepare_optimizer_params takes one rate per text
+    # encoder (train_network.py then passes text_encoder_lr as the list it was given)
+    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
+
+    def enable_gradient_checkpointing(self) -> None:
+        pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
+
+    def prepare_grad_etc(self, text_encoder, unet) -> None:
+        self.requires_grad_(True)
+
+    def on_epoch_start(self, text_encoder, unet) -> None:
+        self.train()
+
+    def get_trainable_params(self):
+        return self.parameters()
+
+    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
+        write_weights(file, self.state_dict(), dtype, metadata)
+
+
+class LoRANetwork(AdapterNetwork):
+    """sd-scripts' LoRA network: LoRAModule (or a subclass) with max-norm regularisation."""
+
     @torch.no_grad()
     def apply_max_norm_regularization(self, max_norm_value: float, device) -> tuple[int, float, float]:
         """sd-scripts' max-norm regularisation, after an optimizer step: each module whose
@@ -502,25 +521,6 @@ class LoRANetwork(torch.nn.Module):
             ratios.append(ratio)
         return torch.stack([torch.stack(norms), torch.stack(ratios)])
 
-    # sd-scripts' name for a network whose prepare_optimizer_params takes one rate per text
-    # encoder (train_network.py then passes text_encoder_lr as the list it was given)
-    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass  # nothing to checkpoint inside a LoRA module (sd-scripts does the same)
-
-    def prepare_grad_etc(self, text_encoder, unet) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder, unet) -> None:
-        self.train()
-
-    def get_trainable_params(self):
-        return self.parameters()
-
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
-        write_weights(file, self.state_dict(), dtype, metadata)
-
 
 def write_weights(file: str, state_dict: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
                   metadata: Optional[dict[str, str]]) -> None:
@@ -542,11 +542,18 @@ def write_weights(file: str, state_dict: dict[str, torch.Tensor], dtype: Optiona
 
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
                    text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs) -> LoRANetwork:
-    args = _parse_network_args(kwargs)
-    network_dim = 4 if network_dim is None else _parse_number("network_dim", network_dim, int, 1)
-    network_alpha = 1.0 if network_alpha is None else _parse_number("network_alpha", network_alpha, float, 0)
+    return build_network(multiplier, network_dim, network_alpha, text_encoder, unet, neuron_dropout,
+                         parse_network_args(kwargs))
+
+
+def build_network(multiplier, network_dim, network_alpha, text_encoder, unet, neuron_dropout,
+                  args: dict[str, Any], module_factory=None, network_class=None) -> AdapterNetwork:
+    """The network of parsed network_args (LoRA's, or a kind's that shares them), with
+    module_factory's modules in network_class (default: LoRA in LoRANetwork)."""
+    network_dim = 4 if network_dim is None else parse_number("network_dim", network_dim, int, 1)
+    network_alpha = 1.0 if network_alpha is None else parse_number("network_alpha", network_alpha, float, 0)
     if neuron_dropout is not None:
-        neuron_dropout = _parse_number("network_dropout", neuron_dropout, float, 0.0, 1.0)
+        neuron_dropout = parse_number("network_dropout", neuron_dropout, float, 0.0, 1.0)
     is_sdxl = _is_sdxl(text_encoder, unet)
     block_lr_weight = _lr_weights(args, is_sdxl)
     per_block = {}
@@ -560,10 +567,11 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
             raise LoRAError(str(e)) from None
         per_block = dict(block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims,
                          conv_block_alphas=conv_alphas)
-    network = LoRANetwork(text_encoder, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
-                          dropout=neuron_dropout, rank_dropout=args.get("rank_dropout"),
-                          module_dropout=args.get("module_dropout"), conv_lora_dim=args.get("conv_dim"),
-                          conv_alpha=args.get("conv_alpha"), is_sdxl=is_sdxl, **per_block)
+    network = (network_class or LoRANetwork)(
+        text_encoder, unet, multiplier=multiplier, lora_dim=network_dim, alpha=network_alpha,
+        dropout=neuron_dropout, rank_dropout=args.get("rank_dropout"), module_dropout=args.get("module_dropout"),
+        conv_lora_dim=args.get("conv_dim"), conv_alpha=args.get("conv_alpha"), is_sdxl=is_sdxl,
+        module_factory=module_factory, **per_block)
     _set_lr_options(network, args, block_lr_weight)
     return network
 
@@ -610,19 +618,29 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
                                 **kwargs) -> tuple[LoRANetwork, dict[str, torch.Tensor]]:
     """Network shaped like the file (dims and alphas per module, 3x3 convs included); weights are
     not loaded here (call load_weights / load_state_dict, or merge_to)."""
-    args = _parse_network_args(kwargs)
     if weights_sd is None:
         weights_sd = load_state_dict_file(file)
-    modules_dim, modules_alpha = dims_from_weights(weights_sd)
+    return build_network_from_weights(multiplier, file, text_encoder, unet, weights_sd, parse_network_args(kwargs))
+
+
+def build_network_from_weights(multiplier, file, text_encoder, unet, weights_sd, args: dict[str, Any],
+                               module_factory=None, network_class=None, kind: str = "LoRA",
+                               dims_reader=None) -> tuple[AdapterNetwork, dict[str, torch.Tensor]]:
+    """create_network_from_weights for any kind: dims_reader(weights_sd) -> (dims, alphas) per
+    module name (default: LoRA's ``lora_down`` rows)."""
+    modules_dim, modules_alpha = (dims_reader or dims_from_weights)(weights_sd)
     if not modules_dim:
-        raise LoRAError(f"LoRA weights {file or '(state dict)'}: no '*.lora_down.weight' keys, not a kohya LoRA file")
+        found = file_kinds(weights_sd)
+        what = f"a {'/'.join(found)} file" if found else "no adapter module keys"
+        raise LoRAError(f"weights {file or '(state dict)'}: {what}, not a {kind} file of this network_module")
     unused = sorted(k for k in ("conv_dim", "conv_alpha", *blocks.BLOCK_LIST_ARGS) if k in args)
     if unused:  # the file fixes every module's rank and alpha
         raise LoRAError(f"network_args: {unused[0]} has no effect on a network shaped by a weights file "
                         "(dim_from_weights: the ranks and alphas come from network_weights); remove it")
     is_sdxl = _is_sdxl(text_encoder, unet)
-    network = LoRANetwork(text_encoder, unet, multiplier=multiplier, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha, is_sdxl=is_sdxl)
+    network = (network_class or LoRANetwork)(text_encoder, unet, multiplier=multiplier, modules_dim=modules_dim,
+                                             modules_alpha=modules_alpha, is_sdxl=is_sdxl,
+                                             module_factory=module_factory)
     _set_lr_options(network, args, _lr_weights(args, is_sdxl))  # sd-scripts: lr weights apply here too
     return network, weights_sd
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from networks.adapter_weights import file_kinds
 from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, precalculate_safetensors_hashes
 
 PRECISIONS = {"float": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -80,6 +81,10 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
             raise LoRAError(f"{source}: key {key!r} is not a LoRA module key (expected <name>.lora_down.weight ...)")
         name, rest = key.split(".", 1)
         parts.setdefault(name, {})[rest] = value
+    other = [k for k in file_kinds(sd) if k != "LoRA"]
+    if other:  # LoHa / LoKr / OFT / LyCORIS: not a product of two matrices
+        raise LoRAError(f"{source}: a {'/'.join(other)} file; this tool handles LoRA files only (LoRA, LoCon, "
+                        "DyLoRA, LoRA-FA: lora_down/lora_up/alpha)")
     if not any("lora_down.weight" in p for p in parts.values()):
         raise LoRAError(f"{source}: no '*.lora_down.weight' keys, not a kohya LoRA file")
     _, alphas = dims_from_weights(sd)  # the loader's rule: no .alpha means alpha = rank

@@ -9,6 +9,8 @@ into one LoRA file.
 MODEL is anything `pretrained_model_name_or_path` accepts (diffusers folder, single file, built-in
 name). --save_to ending in .safetensors/.ckpt/.pt writes a single file in the original SD layout;
 any other path is written as a diffusers folder. Flag names follow sd-scripts' merge_lora.py.
+Into a model, LoHa, LoKr (their deltas) and OFT files (the rotated weights) merge too; LoRA + LoRA
+takes LoRA-layout files only (LoRA, LoCon, DyLoRA, LoRA-FA) and names any other kind.
 
 LoRA + LoRA: --concat stacks the modules' ranks (down rows, up columns) with each file's
 ratio * alpha / rank folded into its factors, so the result is exactly sum_i ratio_i * delta_i.
@@ -30,17 +32,29 @@ import math  # noqa: E402
 import torch  # noqa: E402
 
 from networks import lora_svd  # noqa: E402
+from networks import loha, lokr, oft  # noqa: E402
+from networks.adapter_weights import file_kinds  # noqa: E402
 from networks.lora import LoRAError, create_network_from_weights, load_state_dict_file  # noqa: E402
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt")
 PRECISIONS = {"float": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+# a file's kind (networks/adapter_weights.py) -> the network module that reads it back
+FROM_WEIGHTS = {"LoRA": create_network_from_weights, "LoHa": loha.create_network_from_weights,
+                "LoKr": lokr.create_network_from_weights, "OFT": oft.create_network_from_weights}
+
+
 def merge_lora_into(text_encoders, unet, weights_sd: dict, ratio: float) -> int:
-    """Add ratio * up @ down * alpha / rank of every module in weights_sd to the model's own
-    weights, in place (the sum is formed in float32, stored in each weight's dtype).
+    """Merge every module of weights_sd, times ratio, into the model's own weights, in place (in
+    float32, stored in each weight's dtype): LoRA / LoCon / DyLoRA / LoRA-FA add
+    up @ down * alpha / rank, LoHa and LoKr their deltas, OFT rotates the weights.
     Returns the number of modules merged. Raises LoRAError when the file does not fit the model."""
-    network, _ = create_network_from_weights(ratio, None, None, list(text_encoders), unet, weights_sd=weights_sd)
+    kinds = file_kinds(weights_sd)
+    if len(kinds) != 1 or kinds[0] not in FROM_WEIGHTS:
+        raise LoRAError(f"a {'/'.join(kinds) or 'non-adapter'} file: merging handles one kind per file of "
+                        f"{', '.join(FROM_WEIGHTS)}")
+    network, _ = FROM_WEIGHTS[kinds[0]](ratio, None, None, list(text_encoders), unet, weights_sd=weights_sd)
     network.merge_to(text_encoders, unet, weights_sd)
     return len(network.text_encoder_loras) + len(network.unet_loras)
 

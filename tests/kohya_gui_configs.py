@@ -162,8 +162,26 @@ def normalize(preset: dict, tab: str) -> dict:
     return d
 
 
+# The LoRA_type dropdown of lora_gui.py (v26), and the types for other model families
+LORA_TYPES = ("Anima", "Flux1", "Flux1 OFT", "HunyuanImage-2.1", "Kohya DyLoRA", "Kohya LoCon", "Kohya LoHa",
+              "Kohya LoKr", "LoRA-FA", "Lumina", "LyCORIS/iA3", "LyCORIS/BOFT", "LyCORIS/Diag-OFT",
+              "LyCORIS/DyLoRA", "LyCORIS/GLoRA", "LyCORIS/LoCon", "LyCORIS/LoHa", "LyCORIS/LoKr",
+              "LyCORIS/Native Fine-Tuning", "Standard")
+OTHER_FAMILY_TYPES = {"Anima": "Anima", "Flux1": "FLUX.1", "Flux1 OFT": "FLUX.1", "HunyuanImage-2.1":
+                      "HunyuanImage-2.1", "Lumina": "Lumina"}
+
+
 def _lora_network(d: dict) -> tuple[str, str]:
-    """(network_module, network_args string) as lora_gui.py builds them from LoRA_type."""
+    """(network_module, network_args string) as lora_gui.py builds them from LoRA_type
+    (append_loraplus_network_args comes last for every type)."""
+    module, args = _lora_network_by_type(d)
+    for k in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if d.get(k):
+            args += f" {k}={d[k]}"
+    return module, args
+
+
+def _lora_network_by_type(d: dict) -> tuple[str, str]:
     t, args = d["LoRA_type"], ""
     common = (f" preset={d['LyCORIS_preset']} conv_dim={d['conv_dim']} conv_alpha={d['conv_alpha']}")
     if t in ("LoCon", "LyCORIS/LoCon", "LyCORIS/LoHa"):
@@ -187,6 +205,50 @@ def _lora_network(d: dict) -> tuple[str, str]:
             f"{common} use_tucker={d['use_tucker']} rank_dropout={d['rank_dropout']} "
             f"module_dropout={d['module_dropout']} rank_dropout_scale={d['rank_dropout_scale']} "
             f'algo="glora" train_norm={d["train_norm"]}')
+    if t == "LyCORIS/BOFT":
+        return "lycoris.kohya", (
+            f"{common} module_dropout={d['module_dropout']} use_tucker={d['use_tucker']} "
+            f"rank_dropout={d['rank_dropout']} rank_dropout_scale={d['rank_dropout_scale']} algo=boft "
+            f"train_norm={d['train_norm']}")
+    if t == "LyCORIS/Diag-OFT":
+        return "lycoris.kohya", (
+            f"{common} module_dropout={d['module_dropout']} use_tucker={d['use_tucker']} "
+            f"rank_dropout={d['rank_dropout']} rank_dropout_scale={d['rank_dropout_scale']} "
+            f"constraint={d['constrain']} rescaled={d['rescaled']} algo=diag-oft train_norm={d['train_norm']}")
+    if t == "LyCORIS/DyLoRA":
+        return "lycoris.kohya", (
+            f"{common} use_tucker={d['use_tucker']} block_size={d['unit']} rank_dropout={d['rank_dropout']} "
+            f'module_dropout={d["module_dropout"]} algo="dylora" train_norm={d["train_norm"]}')
+    if t == "LyCORIS/Native Fine-Tuning":
+        return "lycoris.kohya", (
+            f" preset={d['LyCORIS_preset']} rank_dropout={d['rank_dropout']} module_dropout={d['module_dropout']} "
+            f"rank_dropout_scale={d['rank_dropout_scale']} algo=full train_norm={d['train_norm']}")
+    if t in ("Kohya LoHa", "Kohya LoKr"):
+        # lora_gui.py build_native_loha_lokr_network_args: only non-default values
+        parts = []
+        if d["conv_dim"] is not None and float(d["conv_dim"]) > 0:
+            parts.append(f"conv_dim={int(d['conv_dim'])}")
+            if d["conv_alpha"] is not None:
+                a = d["conv_alpha"]
+                parts.append(f"conv_alpha={int(a) if float(a) == int(a) else a}")
+        if d["use_tucker"]:
+            parts.append("use_tucker=True")
+        if t == "Kohya LoKr" and d["factor"] is not None and int(d["factor"]) != -1:
+            parts.append(f"factor={int(d['factor'])}")
+        for k in ("rank_dropout", "module_dropout"):
+            if d[k] is not None and float(d[k]) > 0:
+                parts.append(f"{k}={d[k]}")
+        return ("networks.loha" if t == "Kohya LoHa" else "networks.lokr"), (" " + " ".join(parts)) if parts else ""
+    if t == "LoRA-FA":
+        for k in (*BLOCK_FIELDS, "rank_dropout", "module_dropout"):
+            if d.get(k):
+                args += f" {k}={d[k]}"
+        return "networks.lora_fa", args
+    if t == "Kohya DyLoRA":
+        for k in ("conv_dim", "conv_alpha", *BLOCK_FIELDS, "rank_dropout", "module_dropout", "unit"):
+            if d.get(k):
+                args += f" {k}={d[k]}"
+        return "networks.dylora", args
     if t in ("Standard", "Kohya LoCon"):
         if t == "Kohya LoCon":
             args += f' conv_dim="{d["conv_dim"]}" conv_alpha="{d["conv_alpha"]}"'
@@ -196,9 +258,6 @@ def _lora_network(d: dict) -> tuple[str, str]:
         module = "networks.lora"
     else:
         raise NotImplementedError(f"LoRA_type {t!r} is not covered by this converter")
-    for k in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
-        if d.get(k):
-            args += f" {k}={d[k]}"
     return module, args
 
 

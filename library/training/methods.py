@@ -40,6 +40,7 @@ class NetworkMethod:
     saves_full_model = False
     network = None  # the kohya network module, built by setup()
     group_names = None  # one name per optimizer parameter group, when setup() knows them
+    network_params: list = []  # the network's trained parameters, fixed by setup()
 
     def __init__(self, opts, bundle):
         self.opts = opts
@@ -126,6 +127,9 @@ class NetworkMethod:
             if self.group_names is not None:
                 self.group_names.append("embeddings")
         self.param_groups = groups
+        # fixed here: a network may switch requires_grad per forward (networks.dylora trains one
+        # unit of ranks per step), and the training state and the EMA keep one layout for the run
+        self.network_params = [p for p in network.parameters() if p.requires_grad]
         self.info = {
             "ss_network_module": opts.network_module,
             "ss_network_dim": opts.network_dim,
@@ -193,7 +197,7 @@ class NetworkMethod:
         return {"params": self.tokens.parameters(), "lr": self._pivotal_lr()}
 
     def trainable_parameters(self):
-        params = [p for p in self.network.parameters() if p.requires_grad]
+        params = list(self.network_params)
         # the embedding rows stay listed after stop_pivotal_training froze them: the training
         # state and the EMA keep one layout for the whole run
         return params + (self.tokens.parameters() if self.tokens is not None else [])

@@ -9,6 +9,7 @@ own weights (networks/merge_lora.py ``merge_lora_into``), in the order given.
 from __future__ import annotations
 
 import os
+from importlib.metadata import PackageNotFoundError, version
 
 from library.errors import UserError
 
@@ -17,10 +18,37 @@ class NetworkOptionError(UserError, ValueError):
     pass
 
 
+# LyCORIS algorithms that the kohya_ss GUI offers and the supported lycoris-lora (3.x; 4.x stops on
+# diffusers U-Nets with duplicated time_embedding names, pyproject) cannot train here:
+# network_args algo -> (GUI LoRA type, why, after "lycoris-lora <installed version>")
+LYCORIS_UNSUPPORTED = {
+    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper (LyCORIS 2.x and 4.x have it; 4.x "
+                           "stops on diffusers U-Nets, so no LyCORIS that runs here has it)"),
+    "full": ("LyCORIS/Native Fine-Tuning", "has a FullModule that removes the layer's weight and then calls the "
+                                           "layer's own forward, which reads it (4.x stops on diffusers U-Nets)"),
+}
+
+
+def check_lycoris_algo(network_module: str, network_args: dict) -> None:
+    """One line for a LyCORIS algorithm that cannot train here (before any weight loads)."""
+    if network_module.split(".")[0] != "lycoris":
+        return
+    algo = str(network_args.get("algo") or "lora").strip().strip('"').lower()
+    if algo in LYCORIS_UNSUPPORTED:
+        try:
+            installed = f"lycoris-lora {version('lycoris-lora')}"
+        except PackageNotFoundError:
+            installed = "lycoris-lora (not installed; the supported 3.x)"
+        gui_type, why = LYCORIS_UNSUPPORTED[algo]
+        raise NetworkOptionError(f"network_args algo={algo} (kohya_ss GUI LoRA type {gui_type}) cannot train "
+                                 f"here: {installed} {why}")
+
+
 def check_options(opts) -> None:
     """Before any weight loads."""
     if opts.script != "train_lora":
         return
+    check_lycoris_algo(opts.network_module, dict(opts.network_args or {}))
     if opts.dim_from_weights and not opts.network_weights:
         raise NetworkOptionError("dim_from_weights needs network_weights (the file whose ranks and "
                                  "alphas shape the network)")

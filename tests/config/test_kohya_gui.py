@@ -17,15 +17,15 @@ from tests import kohya_gui_configs as gui
 SCRIPT = {"lora": "train_lora", "dreambooth": "train_dreambooth", "finetune": "finetune",
           "textual_inversion": "train_textual_inversion"}
 
-# Presets sd-scripts itself stops on, rejected here with one line naming the key (none now:
-# sd-scripts stops on the LyCORIS presets' bucket_reso_steps = 1, which we round up to 8).
-REJECTED = {}
-# Presets that load but cannot train with the installed packages: the run stops with one line.
-TRAIN_REJECTED = {
-    # LyCORIS 3.x's kohya wrapper has no "ia3" algorithm (lycoris.kohya network_module_dict)
-    "lora/iA3-Prodigy-sd15": "'ia3'",
-    "lora/ia3-sd15": "'ia3'",
+# Presets rejected before any weight loads with one line naming the key (sd-scripts stops on the
+# LyCORIS presets' bucket_reso_steps = 1, which we round up to 8): LyCORIS 3.x's kohya wrapper has
+# no "ia3" algorithm (library/training/network_options.py LYCORIS_UNSUPPORTED).
+REJECTED = {
+    "lora/iA3-Prodigy-sd15": "algo=ia3",
+    "lora/ia3-sd15": "algo=ia3",
 }
+# Presets that load but cannot train with the installed packages: the run stops with one line.
+TRAIN_REJECTED = {}
 
 
 def _cases():
