@@ -105,6 +105,7 @@ def ours_worker(a) -> list:
 
     from library.distributed import strategy
 
+    production = strategy.DDP
     if not STRATEGIES[a.strategy]["reducer"]:
         # this worker process only: for_run builds the benchmark's DDP subclass
         strategy.DDP = sum_after_backward_ddp()
@@ -117,6 +118,10 @@ def ours_worker(a) -> list:
     if a.method == "lora":
         args += ["--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only"]
     times, run = step_timer.timed_run(script, args)
+    used = run.parts.strategy
+    if isinstance(used, production) and used.engine != STRATEGIES[a.strategy]["reducer"]:
+        raise SystemExit(f"--strategy {a.strategy}: the run's DDP strategy "
+                         f"{'used' if used.engine else 'did not use'} DDP's reducer")
     return {"times": times, "params": sum(p.numel() for p in run.parts.params if p.requires_grad)}
 
 
