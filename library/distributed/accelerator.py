@@ -272,7 +272,8 @@ class BucketedSum:
       (``sum_gradients``: the "who has a gradient" collective, then flat ~25 MB buckets).
     - ``unit(params)``: one fused unit, synchronously inside its last hook: one parameter's
       gradient all-reduced in place, a group's as ``sum_gradients``.
-    - ``launch(params)``: one fused unit launched (``UnitReduction``; ``fused_reductions_in_flight``).
+    - ``launch(params)``: one fused unit launched (``UnitReduction``,
+      ``fused_reductions_in_flight``).
     """
 
     @property

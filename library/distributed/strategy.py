@@ -166,7 +166,8 @@ class SingleProcess:
         from library.outputs.train_state import ResumeError
 
         if info.get("sharded") and not self.weights_sharded:
-            raise ResumeError(f"resume: {path} was written with fsdp (sharded); resume it with fsdp")
+            raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
+                              "resume it with fsdp")
 
     def save_process_state(self, path: str, named: list, c) -> None:
         """This process's part of the state folder ``path`` (in its ``state_dir``; every process

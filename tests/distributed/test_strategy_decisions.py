@@ -33,8 +33,9 @@ def _opts(**extra):
 
 def _strategy(kind: str, processes: int, **extra):
     acc, opts = _Acc(processes), _opts(**extra)
-    return {"single": lambda: strategy.SingleProcess(acc), "ddp": lambda: strategy.DDP(acc, opts),
-            "fsdp": lambda: strategy.FSDP(acc), "deepspeed": lambda: strategy.DeepSpeed(acc)}[kind]()
+    make = {"single": lambda: strategy.SingleProcess(acc), "ddp": lambda: strategy.DDP(acc, opts),
+            "fsdp": lambda: strategy.FSDP(acc), "deepspeed": lambda: strategy.DeepSpeed(acc)}
+    return make[kind]()
 
 
 R, Z, S = strategy.RUN, strategy.ZERO_WEIGHT, strategy.SKIP
