@@ -12,7 +12,7 @@ batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-
             all-reduced during the backward, library/distributed/ddp.py); "sum" the path before
             it (each process backpropagates its share, then ``library.distributed.accelerator
             .sum_gradients`` all-reduces flat buckets after the backward), selected in the
-            worker by ``strategy.DDP.use_reducer = False`` (not a user option)
+            worker by ``sum_after_backward_ddp`` (this benchmark's DDP subclass; not a user option)
   bare DDP  the same U-Net in ``torch.nn.parallel.DistributedDataParallel`` (gloo), SGD, random
             inputs: what PyTorch itself reaches on this machine
   sd-scripts  train_db.py / train_network.py when ``--sd-scripts`` names a checkout, run by
@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 
 # Per gradient strategy: extra trainer options, and whether the DDP strategy runs PyTorch's
 # DistributedDataParallel ("ddp", the trainer's engine) or the old synchronous bucketed sum after
-# the backward ("sum"; strategy.DDP.use_reducer set in the worker process).
+# the backward ("sum"; the worker process runs sum_after_backward_ddp's strategy).
 STRATEGIES = {"ddp": {"args": [], "reducer": True}, "sum": {"args": [], "reducer": False}}
 METHOD_SCRIPT = {"dreambooth": "train_dreambooth", "lora": "train_lora"}
 SD_SCRIPTS_ENTRY = {"dreambooth": "train_db.py", "lora": "train_network.py"}
@@ -87,12 +87,28 @@ def launch(procs: int, worker_args: list, result: str) -> dict:
 
 
 # -- workers (one per process, under torchrun) ------------------------------------------------
+def sum_after_backward_ddp():
+    """The DDP strategy of the path before DistributedDataParallel: no reducer, the plain
+    stepper sums the gradients after the backward (``BucketedSum``, chosen by the strategy's
+    ``make_stepper``). A subclass of the trainer's, for this benchmark's "sum" column only."""
+    from library.distributed import strategy
+
+    class SumAfterBackward(strategy.DDP):
+        def uses_reducer(self, opts) -> bool:
+            return False
+
+    return SumAfterBackward
+
+
 def ours_worker(a) -> list:
     import step_timer
 
     from library.distributed import strategy
 
-    strategy.DDP.use_reducer = STRATEGIES[a.strategy]["reducer"]
+    production = strategy.DDP
+    if not STRATEGIES[a.strategy]["reducer"]:
+        # this worker process only: for_run builds the benchmark's DDP subclass
+        strategy.DDP = sum_after_backward_ddp()
     script = METHOD_SCRIPT[a.method]
     args = ["--pretrained_model_name_or_path", "sd15-arch", "--train_data_dir", a.data,
             "--output_dir", a.out, "--resolution", "64", "--train_batch_size", a.batch,
@@ -102,6 +118,10 @@ def ours_worker(a) -> list:
     if a.method == "lora":
         args += ["--network_dim", "16", "--network_alpha", "16", "--network_train_unet_only"]
     times, run = step_timer.timed_run(script, args)
+    used = run.parts.strategy
+    if isinstance(used, production) and used.engine != STRATEGIES[a.strategy]["reducer"]:
+        raise SystemExit(f"--strategy {a.strategy}: the run's DDP strategy "
+                         f"{'used' if used.engine else 'did not use'} DDP's reducer")
     return {"times": times, "params": sum(p.numel() for p in run.parts.params if p.requires_grad)}
 
 

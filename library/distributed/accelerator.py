@@ -5,10 +5,13 @@ Each process backpropagates its share of the global batch (loss already weighted
 the one-process gradient of the whole global batch and takes the same optimizer step. With the
 plain stepper on several processes PyTorch's DistributedDataParallel sums them during the
 backward pass (library/distributed/ddp.py). ``sum_gradients`` here is the synchronous sum after
-the backward in flat buckets: the fused steppers' groups use it, and benchmarks/ddp_scaling.py
-selects it (``strategy.DDP.use_reducer = False``) as the comparison. Every process joins the
-gradient sum and the loop's one small collective (library/training/step_sync.py) once per step,
-whatever its share (an empty share contributes zeros).
+the backward in flat buckets; ``BucketedSum`` (``BUCKETED_SUM``) is that sum as a stepper is given
+it by its strategy (library/distributed/strategy.py): after the backward (the plain stepper, when
+nothing summed during the backward) or one fused unit at a time, synchronously or launched
+(``UnitReduction``). benchmarks/ddp_scaling.py's "sum" column gives it to the plain stepper as the
+comparison. Every process joins the gradient sum and the loop's one small collective
+(library/training/step_sync.py) once per step, whatever its share (an empty share contributes
+zeros).
 
 If one process fails, the launcher (``accelerate launch`` / ``torchrun``) terminates the others;
 the process group's timeout bounds the wait of a process whose peer hangs without exiting.
@@ -205,3 +208,94 @@ def sum_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> None:
         if n == 0:
             p.grad = None
 
+
+
+class UnitReduction:
+    """The sum across processes of one fused unit's gradients, launched (``async_op``) when the
+    unit is complete; ``wait()`` puts the sums into ``p.grad``.
+
+    The same collectives as the synchronous ``BucketedSum.unit``, so the same sums bit for bit:
+    one parameter's gradient is all-reduced in place; a group's gradients in the flat buckets of
+    ``gradient_buckets`` (the layout of ``sum_gradients``, which decides the order in which a ring
+    all-reduce adds up each element). Each gradient is copied into its bucket and freed at once,
+    so a sum in flight holds one copy of the unit's gradients, not two; ``wait()`` copies the sums
+    back into tensors of the gradients' own shapes and strides, one bucket at a time, freeing each
+    bucket after it. Every parameter of a complete unit has a gradient (its hook fired), so the
+    synchronous sum's "who has a gradient" collective would find all of them everywhere and is
+    not needed."""
+
+    def __init__(self, params):
+        import torch
+        import torch.distributed as dist
+
+        self.works, self.buckets = [], []
+        if len(params) == 1:
+            self.works.append(dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM,
+                                              async_op=True))
+            return
+        for bucket in gradient_buckets(params):
+            first = bucket[0].grad
+            flat = torch.empty(sum(p.grad.numel() for p in bucket), dtype=first.dtype,
+                               device=first.device)
+            layout, offset = [], 0
+            for p in bucket:
+                g, n = p.grad, p.grad.numel()
+                flat[offset:offset + n].copy_(g.reshape(-1))
+                layout.append((p, offset, g.shape, g.stride()))
+                p.grad = None
+                offset += n
+            self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
+            self.buckets.append((flat, layout))
+
+    def wait(self) -> None:
+        import torch
+
+        for w in self.works:
+            w.wait()
+        self.works = []
+        while self.buckets:
+            flat, layout = self.buckets.pop(0)
+            for p, offset, shape, stride in layout:
+                g = torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device)
+                g.copy_(flat[offset:offset + g.numel()].view(shape))
+                p.grad = g
+            del flat
+
+
+class BucketedSum:
+    """How a stepper sums its gradients across processes when nothing summed them during the
+    backward: the strategy (library/distributed/strategy.py) hands it to the stepper it builds, or
+    None where the gradients arrive summed (DDP's reducer, FSDP's reduce-scatter) or there is one
+    process. In one process (no process group) every method sums nothing.
+
+    - ``after_backward(params)``: the plain stepper's sum before its norm and update
+      (``sum_gradients``: the "who has a gradient" collective, then flat ~25 MB buckets).
+    - ``unit(params)``: one fused unit, synchronously inside its last hook: one parameter's
+      gradient all-reduced in place, a group's as ``sum_gradients``.
+    - ``launch(params)``: one fused unit launched (``UnitReduction``,
+      ``fused_reductions_in_flight``).
+    """
+
+    @property
+    def across_processes(self) -> bool:
+        """Whether there is anything to sum (several processes in one process group)."""
+        return _is_multi_process()
+
+    def after_backward(self, params) -> None:
+        sum_gradients(params)
+
+    def unit(self, params) -> None:
+        if len(params) == 1 and params[0].grad is not None:
+            if _is_multi_process():
+                import torch.distributed as dist
+
+                dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM)
+        else:
+            sum_gradients(params)
+
+    def launch(self, params) -> UnitReduction:
+        return UnitReduction(params)
+
+
+# The one instance the strategies (and direct callers of make_stepper) pass.
+BUCKETED_SUM = BucketedSum()

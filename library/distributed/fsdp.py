@@ -13,8 +13,8 @@ data parallelism, and the toolkit never hands its model to ``accelerator.prepare
   The param groups are re-pointed at the sharded parameters (same names, same order).
 - Gradients: the loss of each process is already divided by the global batch, so the gradients
   must be summed across processes, not averaged: the reduce-scatter runs with divide factor 1
-  and plain SUM (gloo has no PREMUL_SUM). The stepper therefore skips its own all-reduce
-  (``distributed.sum_gradients``); global-norm clipping runs on the sharded gradients
+  and plain SUM (gloo has no PREMUL_SUM). The FSDP strategy therefore gives the stepper no
+  gradient sum of its own (``grad_sum`` None); global-norm clipping runs on the sharded gradients
   (``clip_grad_norm_`` computes the norm of the whole DTensor gradient).
 - Every process must run every forward (each one all-gathers the block's weights): a process
   with an empty share of a micro-step runs a zero-weight forward and backward

@@ -8,13 +8,27 @@
     DeepSpeed       ``deepspeed``: ZeRO stages 0-2 (library/distributed/deepspeed_zero.py)
 
 A strategy owns everything that differs between them: wrapping or sharding the trained modules
-(``prepare``), the stepper (``make_stepper``), the full weights for a model save
-(``full_weights``, ``ema_weights``), its part of the training state (``state_dir``,
-``save_process_state`` / ``load_process_state``), which validation images and sample prompts
-each process runs (``share``), the training forward (``forward``) and the context of each
-micro-step (``micro_step``: DDP's ``no_sync`` before the last), and the flags the loop reads
-(``steps_in_backward``, ``forward_in_every_process``, ``last_micro_step_in_every_process``). The
-loop, the saver and the training state ask it and contain no branch on the kind of run.
+(``prepare``), the stepper and how it sums the gradients across processes (``make_stepper``: the
+``grad_sum`` it passes, library/distributed/accelerator.py ``BucketedSum`` or None), the full
+weights for a model save (``full_weights``, ``ema_weights``), where its training state lives and
+how it is written and read (``state_dir``, ``weights_sharded``, ``state_flags``,
+``check_state``, ``save_process_state``, ``load_sharded_state`` before the stepper's state,
+``load_process_state`` after it), which validation images and sample prompts each process runs
+(``share``), the training forward (``forward``), the context of each micro-step (``micro_step``:
+DDP's ``no_sync`` before the last) and whether a process takes part in a micro-step of an empty
+share (``takes_part``). The loop, the saver and the training state ask it and contain no branch
+on the kind of run.
+
+How each stepper mode sums the gradients across processes (the one table):
+
+    strategy        plain stepper                         fused / grouped steppers
+    SingleProcess   nothing (one process)                 nothing
+    DDP             DDP's reducer, in the last backward   BucketedSum per unit, in its hooks
+    FSDP            FSDP's reduce-scatter, in backward    (rejected before)
+    DeepSpeed       its engine (ZeRO's reduction)         (rejected before)
+
+(benchmarks/ddp_scaling.py's "sum" column: a DDP subclass whose plain stepper sums with
+``BucketedSum`` after the backward, the path before DDP's reducer.)
 """
 from __future__ import annotations
 
@@ -23,27 +37,27 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.distributed.accelerator import BUCKETED_SUM
 from library.errors import first_line
 from library.outputs.train_state import DEEPSPEED_DIR, SHARDED_DIR
 
 logger = logging.getLogger("sdtk")
 
 
+# What ``takes_part`` answers for one micro-step of one process.
+RUN, ZERO_WEIGHT, SKIP = "run", "zero_weight", "skip"
+
+
 class Strategy(Protocol):
     name: str
-    # every process runs every micro-step's forward (a zero-weight one for an empty share)
-    forward_in_every_process: bool
-    # every process runs the last micro-step's forward and backward (a zero-weight one for an
-    # empty share): DDP's reducer all-reduces in that backward
-    last_micro_step_in_every_process: bool
     # the training state's weights, optimizer state and EMA are the shards every process writes
+    # (the main process writes no weights file)
     weights_sharded: bool
     # a sub-folder of the training state every process writes into (None: the main process
     # writes the whole state)
     state_dir: str | None
 
-    @property
-    def steps_in_backward(self) -> bool: ...
+    def takes_part(self, empty: bool, last: bool) -> str: ...
 
     def prepare(self, c, groups: list[dict]) -> None: ...
 
@@ -63,9 +77,13 @@ class Strategy(Protocol):
 
     def state_note(self) -> str: ...
 
-    def save_process_state(self, folder: str, named: list, c) -> None: ...
+    def check_state(self, path: str, info: dict) -> None: ...
 
-    def load_process_state(self, folder: str, named: list, c) -> None: ...
+    def save_process_state(self, path: str, named: list, c) -> None: ...
+
+    def load_sharded_state(self, path: str, named: list, c) -> None: ...
+
+    def load_process_state(self, path: str, named: list, c) -> None: ...
 
     def close(self) -> None: ...
 
@@ -74,7 +92,10 @@ class SingleProcess:
     """One process: nothing to wrap, share or gather."""
 
     name = "single process"
+    # every process runs every micro-step's forward (a zero-weight one for an empty share)
     forward_in_every_process = False
+    # every process runs the last micro-step's forward and backward (a zero-weight one for an
+    # empty share): DDP's reducer all-reduces in that backward
     last_micro_step_in_every_process = False
     weights_sharded = False
     state_dir = None
@@ -83,9 +104,21 @@ class SingleProcess:
         self.accelerator = accelerator
         self.stepper = None
 
-    @property
-    def steps_in_backward(self) -> bool:
-        return self.stepper.steps_in_backward
+    def takes_part(self, empty: bool, last: bool) -> str:
+        """Whether this process runs a micro-step (``last``: the step's last one) whose share
+        here is ``empty`` (a partial global batch): ``RUN`` its share; ``SKIP`` it (no forward:
+        this process contributes zeros to the gradient sum, which it still joins);
+        ``ZERO_WEIGHT``: a zero-weight forward and backward of one sample of the global batch,
+        where the other processes need this one in a collective of that micro-step: a stepper
+        that steps inside backward hooks (which fire only in a backward, for the same parameters
+        in the same order in every process) or DDP's reducer in the last micro-step; FSDP's
+        all-gather in every forward; ZeRO's reduction in every backward."""
+        if not empty:
+            return RUN
+        if self.forward_in_every_process or (last and (
+                self.stepper.steps_in_backward or self.last_micro_step_in_every_process)):
+            return ZERO_WEIGHT
+        return SKIP
 
     def prepare(self, c, groups: list[dict]) -> None:
         pass
@@ -99,12 +132,13 @@ class SingleProcess:
         return contextlib.nullcontext()
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
-        """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s);
-        the plain stepper sums the gradients across processes (a no-op for one)."""
+        """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s),
+        summing nothing (one process)."""
         from library.training.stepper import make_stepper
 
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
-                                    warmup_steps=plan.warmup_steps, total_steps=plan.total_steps)
+                                    warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
+                                    grad_sum=None)
         return self.stepper
 
     def full_weights(self, c) -> ContextManager:
@@ -125,11 +159,26 @@ class SingleProcess:
         """What the log line of a saved training state adds."""
         return ""
 
-    def save_process_state(self, folder: str, named: list, c) -> None:
-        pass
+    def check_state(self, path: str, info: dict) -> None:
+        """A ResumeError where the state at ``path`` (its state.json ``info``) was written in a
+        layout this strategy cannot read (the config check names fsdp first; kept for direct
+        callers)."""
+        from library.outputs.train_state import ResumeError
 
-    def load_process_state(self, folder: str, named: list, c) -> None:
-        pass
+        if info.get("sharded") and not self.weights_sharded:
+            raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
+                              "resume it with fsdp")
+
+    def save_process_state(self, path: str, named: list, c) -> None:
+        """This process's part of the state folder ``path`` (in its ``state_dir``; every process
+        writes it where ``state_dir`` is set, nothing here)."""
+
+    def load_sharded_state(self, path: str, named: list, c) -> None:
+        """For a sharded state (state.json ``sharded``), before the stepper's state: the weights,
+        optimizer state and EMA from the shards in ``state_dir``."""
+
+    def load_process_state(self, path: str, named: list, c) -> None:
+        """After the stepper's state: the rest of this process's part (DeepSpeed's partitions)."""
 
     def close(self) -> None:
         pass
@@ -146,31 +195,34 @@ class DDP(SingleProcess):
     nothing itself. With fused_backward_pass / fused_optimizer_groups nothing is wrapped: their
     hooks reduce each gradient (library/training/stepper.py).
 
-    ``use_reducer = False`` selects the path before DDP (the plain stepper's synchronous
-    bucketed sum after the backward, ``accelerator.sum_gradients``): the comparison column of
-    benchmarks/ddp_scaling.py, not a user setting.
+    benchmarks/ddp_scaling.py subclasses it (``uses_reducer`` False) for its comparison column:
+    the path before DDP, the plain stepper's synchronous bucketed sum after the backward.
     """
 
     name = "data parallel"
-    use_reducer = True
 
     def __init__(self, accelerator, opts):
         super().__init__(accelerator)
-        from library.training.stepper import fused_mode
-
         self.opts = opts
-        self.engine = self.use_reducer and fused_mode(opts) is None
+        self.engine = self.uses_reducer(opts)
         # DDP's reducer all-reduces in the last micro-step's backward of every process
         self.last_micro_step_in_every_process = self.engine
         self.denoiser = None   # the wrapped module (None: not wrapped)
         self.ddp = None        # its DistributedDataParallel (None: nothing trains in it)
         self._trained = None   # the trained parameters it was built over
 
+    def uses_reducer(self, opts) -> bool:
+        """Whether DistributedDataParallel's reducer sums the gradients: with the plain stepper;
+        the fused steppers reduce each unit in their hooks."""
+        from library.training.stepper import fused_mode
+
+        return fused_mode(opts) is None
+
     def prepare(self, c, groups: list[dict]) -> None:
         from library.distributed import ddp
 
         if not self.engine:
-            given = ddp.speed_options_given(self.opts) if self.use_reducer else []
+            given = ddp.speed_options_given(self.opts)
             if given:
                 logger.warning(f"{', '.join(given)}: no effect here (the fused step reduces each "
                                "gradient in its own backward hook, without DDP)")
@@ -207,12 +259,13 @@ class DDP(SingleProcess):
             yield
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
-        """The plain stepper without its sum when DDP sums during backward; else as one process."""
+        """The plain stepper summing nothing when DDP's reducer sums during the backward; else
+        (the fused steppers' units, or no reducer) the bucketed sum (``BucketedSum``)."""
         from library.training.stepper import make_stepper
 
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
-                                    grads_summed=self.engine)
+                                    grad_sum=None if self.engine else BUCKETED_SUM)
         return self.stepper
 
     def close(self) -> None:
@@ -241,13 +294,13 @@ class FSDP(SingleProcess):
         self.roots = fsdp.shard(self.accelerator, self.modules, groups)
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
-        """The plain stepper without its all-reduce (FSDP's reduce-scatter sums the gradients)
-        and without the optimizer in its state (written with the shards)."""
+        """The plain stepper summing nothing (FSDP's reduce-scatter sums the gradients during
+        the backward) and without the optimizer in its state (written with the shards)."""
         from library.training.stepper import make_stepper
 
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
-                                    sharded=True)
+                                    grad_sum=None, optimizer_in_state=False)
         return self.stepper
 
     def full_weights(self, c) -> ContextManager:
@@ -274,19 +327,22 @@ class FSDP(SingleProcess):
     def state_note(self) -> str:
         return ", sharded"
 
-    def save_process_state(self, folder: str, named: list, c) -> None:
+    def save_process_state(self, path: str, named: list, c) -> None:
         from library.distributed import fsdp
 
-        fsdp.save_sharded(self.modules, self.stepper.optimizer, c.ema, folder, named)
+        fsdp.save_sharded(self.modules, self.stepper.optimizer, c.ema,
+                          os.path.join(path, self.state_dir), named)
 
-    def load_process_state(self, folder: str, named: list, c) -> None:
+    def load_sharded_state(self, path: str, named: list, c) -> None:
         from library.distributed import fsdp
         from library.outputs.train_state import ResumeError
 
         try:
-            fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema, folder, named)
+            fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema,
+                              os.path.join(path, self.state_dir), named)
         except (KeyError, ValueError, RuntimeError) as e:
-            raise ResumeError(f"resume: {os.path.dirname(folder)}: the sharded weights or optimizer "
+            where = os.path.dirname(os.path.join(path, self.state_dir))
+            raise ResumeError(f"resume: {where}: the sharded weights or optimizer "
                               "state do not fit this run "
                               f"({first_line(e)})") from None
 
@@ -326,11 +382,11 @@ class DeepSpeed(SingleProcess):
         return (f", with DeepSpeed's partitioned optimizer state of "
                 f"{self.accelerator.num_processes} process(es)")
 
-    def save_process_state(self, folder: str, named: list, c) -> None:
-        self.stepper.save_partitions(folder)  # ZeRO's partitioned optimizer state
+    def save_process_state(self, path: str, named: list, c) -> None:
+        self.stepper.save_partitions(os.path.join(path, self.state_dir))  # ZeRO's optimizer state
 
-    def load_process_state(self, folder: str, named: list, c) -> None:
-        self.stepper.load_partitions(folder)
+    def load_process_state(self, path: str, named: list, c) -> None:
+        self.stepper.load_partitions(os.path.join(path, self.state_dir))
 
     def close(self) -> None:
         if self.stepper is not None:

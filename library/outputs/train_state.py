@@ -446,9 +446,9 @@ def write_state(run, path: str, log) -> None:
     nonfinite.check_before_save(saved_tensors(c) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
-    if strategy.state_dir is not None:
+    if strategy.state_dir is not None:  # the strategy's own part, written by every process
         with _shared_atomic_dir(path, acc) as tmp:
-            strategy.save_process_state(os.path.join(tmp, strategy.state_dir), named_trainable(c), c)
+            strategy.save_process_state(tmp, named_trainable(c), c)
             if acc.is_main_process:
                 _write_files(run, tmp, stepper_state, rngs)
     elif acc.is_main_process:
@@ -511,7 +511,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
     from library.outputs import content_hash
 
     plan, opts, c, progress = run.plan, run.opts, run.parts, run.progress
-    flags = c.strategy.state_flags()  # {"sharded": fsdp, "deepspeed": deepspeed}
+    flags = c.strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
     info = {
         "version": STATE_VERSION,
         **progress.state_dict(),  # epoch, batch: the next global batch to train
@@ -526,7 +526,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
         "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
         **flags,
     }
-    if not c.strategy.weights_sharded:  # (sharded: in SHARDED_DIR, written by every process)
+    if not c.strategy.weights_sharded:  # (sharded: in its state_dir, written by every process)
         weights = {n: p.detach().to("cpu", copy=True).contiguous()
                    for n, p in named_trainable(c)}
         save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
@@ -549,11 +549,10 @@ def load_state(run, path: str, info: dict, log):
     c = run.parts
     acc, strategy = c.accelerator, c.strategy
     named = named_trainable(c)
+    strategy.check_state(path, info)  # a layout this strategy cannot read: one line
     if info.get("sharded"):
-        if not strategy.weights_sharded:  # the config check names fsdp first; kept for direct callers
-            raise ResumeError(f"resume: {path} was written with fsdp (sharded); resume it with fsdp")
         # the weights, optimizer state and EMA from the shards (resharded to this run)
-        strategy.load_process_state(os.path.join(path, strategy.state_dir), named, c)
+        strategy.load_sharded_state(path, named, c)
     else:
         _load_weights(c, path, named)
     try:
@@ -568,9 +567,7 @@ def load_state(run, path: str, info: dict, log):
     fresh = [list(sc.base_lrs) for sc in c.stepper.schedulers]  # this run's learning rates
     try:
         c.stepper.load_state_dict(st)
-        if strategy.state_dir is not None and not strategy.weights_sharded:
-            # deepspeed: ZeRO's own partitioned optimizer state
-            strategy.load_process_state(os.path.join(path, strategy.state_dir), named, c)
+        strategy.load_process_state(path, named, c)  # e.g. DeepSpeed's partitioned optimizer state
     except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
                           f"({first_line(e)})") from None

@@ -6,10 +6,11 @@ Per global batch: the method's ``before_step``; for each micro-step the batch lo
 (library/training/batch_loss.py) and the stepper's backward; the step (every process, every step: it
 joins the gradient sum); the non-finite guard; ``scale_weight_norms`` and the EMA; progress,
 reports (library/outputs/tracking.py Reporter), step saves and SIGINT/SIGTERM. What differs between a
-single process, DDP, FSDP and DeepSpeed is read from the strategy's flags
-(``steps_in_backward``, ``forward_in_every_process``, ``last_micro_step_in_every_process``) and
-its ``micro_step`` context (DDP's ``no_sync`` in all but the last micro-step), never from the
-options.
+single process, DDP, FSDP and DeepSpeed is asked of the strategy (library/distributed/strategy.py):
+whether this process runs a micro-step of an empty share (``takes_part``) and the context of each
+micro-step (``micro_step``: DDP's ``no_sync`` in all but the last), never read from the options or
+from strategy flags; whether the step is read before the last backward is the stepper's
+(``steps_in_backward``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import functools
 import logging
 import signal
 
+from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.training import nonfinite
 from library.training import step_sync
 from library.outputs import progress_stream
@@ -75,20 +77,16 @@ def train(run) -> None:
                 images = next(loader) if loader is not None else None
                 k += 1
                 last = a == A - 1
-                zero_weight = False
-                if not idx:
-                    if not (last and (strategy.steps_in_backward
-                                      or strategy.last_micro_step_in_every_process)) and \
-                            not strategy.forward_in_every_process:
-                        # An empty share of a partial global batch: no forward; this process
-                        # contributes zeros to the gradient sum below (which it still joins).
-                        continue
-                    # The stepper steps inside backward hooks (DDP's reducer all-reduces in
-                    # them), which fire only in a backward: a zero-weight backward of one
-                    # sample of the global batch makes them fire for the same parameters in the same order as in the other processes.
-                    # fsdp / deepspeed: every forward all-gathers weights, or every backward
-                    # joins ZeRO's reduction, so every process runs it.
-                    idx, zero_weight = [gb.indices[0]], True
+                # An empty share of a partial global batch: skipped (this process contributes
+                # zeros to the gradient sum, which it still joins), or a zero-weight micro-step
+                # of one sample of the global batch where the other processes need this one in
+                # its collectives (the strategy's takes_part says which)
+                part = strategy.takes_part(empty=not idx, last=last)
+                if part == SKIP:
+                    continue
+                zero_weight = part == ZERO_WEIGHT
+                if zero_weight:
+                    idx = [gb.indices[0]]
                     if loader is not None:
                         images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(run, epoch, idx)
@@ -99,7 +97,7 @@ def train(run) -> None:
                 if zero_weight:
                     loss = loss * 0.0
                 loss_sum = step_sync.add_loss(loss_sum, loss)
-                if last and strategy.steps_in_backward:
+                if last and stepper.steps_in_backward:
                     # its hooks update parameters during this backward: the global batch's
                     # loss is checked first (library/training/nonfinite.py), alike in every
                     # process: the step's one read (library/training/step_sync.py)

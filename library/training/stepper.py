@@ -10,9 +10,9 @@ the backward takes no read (the loop read the step before the last backward) and
 so does step() called with no read (the norm is then read here). ``make_stepper`` picks the
 stepper from the options:
 
-- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (unless
-  the strategy's engine summed them during the backward: DDP, FSDP), clip the global norm, one
-  optimizer and one scheduler step.
+- ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (with
+  the ``grad_sum`` its strategy gives it; none where DDP's reducer or FSDP's reduce-scatter summed
+  them during the backward), clip the global norm, one optimizer and one scheduler step.
 - ``FusedStepper`` (``fused_backward_pass``) steps each parameter inside its
   ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
   gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
@@ -39,7 +39,7 @@ import logging
 import math
 from typing import ContextManager, Protocol
 
-from library.distributed import accelerator as distributed
+from library.distributed.accelerator import BUCKETED_SUM
 
 logger = logging.getLogger("sdtk")
 
@@ -160,15 +160,15 @@ class PlainStepper:
 
     def __init__(self, accelerator, optimizer, scheduler, params, max_grad_norm: float,
                  precision: str = "float32", loss_scaler: LossScaler | None = None,
-                 sharded: bool = False, grads_summed: bool = False):
+                 grad_sum=None, optimizer_in_state: bool = True):
         self.accelerator = accelerator
-        # sharded (fsdp, library/distributed/fsdp.py): FSDP's reduce-scatter sums the gradients into the
-        # shards, so no all-reduce here; the optimizer state is written sharded by the
-        # training state, not state_dict()
-        self.sharded = sharded
-        # grads_summed (the DDP strategy, library/distributed/ddp.py): DDP's reducer summed the
-        # gradients during the backward pass; otherwise step() sums them (sum_gradients)
-        self.sum_after_backward = not (sharded or grads_summed)
+        # grad_sum (library/distributed/accelerator.py BucketedSum, chosen by the strategy): what
+        # step() sums the gradients across processes with; None: nothing to sum (one process, or
+        # DDP's reducer / FSDP's reduce-scatter summed them during the backward)
+        self.grad_sum = grad_sum
+        # optimizer_in_state False (fsdp): the optimizer state is written sharded by the strategy's
+        # part of the training state (library/distributed/fsdp.py), not by state_dict()
+        self.optimizer_in_state = optimizer_in_state
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = params
@@ -210,7 +210,7 @@ class PlainStepper:
         """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
         with full_bf16/full_fp16 the rounding generator and the loss scale)."""
         state = {"scheduler": self.scheduler.state_dict()}
-        if not self.sharded:  # fsdp: library/fsdp.save_sharded writes the optimizer state
+        if self.optimizer_in_state:  # fsdp: library/fsdp.save_sharded writes the optimizer state
             state["optimizer"] = self.optimizer.state_dict()
         if self._generator is not None:
             state["rounding_generator"] = self._generator.get_state()
@@ -219,7 +219,7 @@ class PlainStepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not self.sharded:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+        if self.optimizer_in_state:  # fsdp: library/fsdp.load_sharded reads the optimizer state
             check_same_settings(self.optimizer, state["optimizer"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -257,8 +257,8 @@ class PlainStepper:
         # (no update, no scheduler step, gradients kept) and says so in ``nonfinite``: every
         # process sees the same summed gradients, so all decide alike.
         self.nonfinite = None
-        if self.sum_after_backward:
-            distributed.sum_gradients(self.params)
+        if self.grad_sum is not None:
+            self.grad_sum.after_backward(self.params)
         if self.precision != "float32":
             norm_t = grad_norm_fp32_tensor(self.params)  # the non-finite guard needs it too
         else:
@@ -353,58 +353,6 @@ def _unit_is_finite(norm) -> bool:
     return bool(torch.isfinite(norm))
 
 
-class _UnitReduction:
-    """The sum across processes of one unit's gradients, launched (``async_op``) when the unit
-    is complete; ``wait()`` puts the sums into ``p.grad``.
-
-    The same collectives as the synchronous sum of ``_HookStepper._step_unit``, so the same sums
-    bit for bit: one parameter's gradient is all-reduced in place; a group's gradients in the
-    flat buckets of ``distributed.gradient_buckets`` (the layout of ``sum_gradients``, which
-    decides the order in which a ring all-reduce adds up each element). Each gradient is copied
-    into its bucket and freed at once, so a sum in flight holds one copy of the unit's
-    gradients, not two; ``wait()`` copies the sums back into tensors of the gradients' own
-    shapes and strides, one bucket at a time, freeing each bucket after it. Every parameter of
-    a complete unit has a gradient (its hook fired), so the synchronous sum's "who has a
-    gradient" collective would find all of them everywhere and is not needed."""
-
-    def __init__(self, params):
-        import torch
-        import torch.distributed as dist
-
-        self.works, self.buckets = [], []
-        if len(params) == 1:
-            self.works.append(dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM,
-                                              async_op=True))
-            return
-        for bucket in distributed.gradient_buckets(params):
-            first = bucket[0].grad
-            flat = torch.empty(sum(p.grad.numel() for p in bucket), dtype=first.dtype,
-                               device=first.device)
-            layout, offset = [], 0
-            for p in bucket:
-                g, n = p.grad, p.grad.numel()
-                flat[offset:offset + n].copy_(g.reshape(-1))
-                layout.append((p, offset, g.shape, g.stride()))
-                p.grad = None
-                offset += n
-            self.works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True))
-            self.buckets.append((flat, layout))
-
-    def wait(self) -> None:
-        import torch
-
-        for w in self.works:
-            w.wait()
-        self.works = []
-        while self.buckets:
-            flat, layout = self.buckets.pop(0)
-            for p, offset, shape, stride in layout:
-                g = torch.empty_strided(shape, stride, dtype=flat.dtype, device=flat.device)
-                g.copy_(flat[offset:offset + g.numel()].view(shape))
-                p.grad = g
-            del flat
-
-
 class _HookStepper:
     """Steps units of parameters (one parameter, or one group) inside the backward pass.
 
@@ -412,9 +360,11 @@ class _HookStepper:
     groups' hyperparameters, and its own scheduler; all schedulers are stepped once per
     ``step()``, so every unit follows the unfused run's learning-rate schedule.
 
-    Several processes: a unit's gradient is the sum over the processes. With
+    Several processes: a unit's gradient is the sum over the processes, made by the ``grad_sum``
+    the strategy gives (library/distributed/accelerator.py ``BucketedSum``; None: one process,
+    nothing summed). With
     ``reductions_in_flight`` k >= 1 (``fused_reductions_in_flight``) the unit's last hook only
-    launches that sum (``_UnitReduction``, ``async_op``) and the backward goes on; the unit is
+    launches that sum (``grad_sum.launch``, ``async_op``) and the backward goes on; the unit is
     stepped when its sum is waited for, oldest first: when k sums are in flight and another unit
     is complete, and at the end of ``backward()``. So the communication overlaps the rest of
     the backward, at most k sums are in flight, and k + 1 units' gradients are alive (k summed
@@ -428,7 +378,7 @@ class _HookStepper:
     steps_in_backward = True
 
     def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
-                 first_param=None, reductions_in_flight: int = 0):
+                 first_param=None, reductions_in_flight: int = 0, grad_sum=None):
         import collections
 
         from library.training import fused_optim
@@ -457,8 +407,9 @@ class _HookStepper:
         self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
         self._stepped = [False] * len(units)
         self.reductions_in_flight = reductions_in_flight
+        self.grad_sum = grad_sum               # BucketedSum, or None: nothing to sum
         self._overlap = False                # this backward launches sums asynchronously
-        self._in_flight = collections.deque()  # (unit, _UnitReduction), oldest first
+        self._in_flight = collections.deque()  # (unit, UnitReduction), oldest first
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     # the trainer keeps these names
@@ -476,7 +427,7 @@ class _HookStepper:
     def backward(self, loss, last_micro_step: bool = True) -> None:
         self._final = last_micro_step
         self._overlap = last_micro_step and self.reductions_in_flight > 0 \
-            and distributed._is_multi_process()
+            and self.grad_sum is not None and self.grad_sum.across_processes
         try:
             self.accelerator.backward(loss)
             # every sum launched in this backward is waited for and its unit stepped before
@@ -512,7 +463,7 @@ class _HookStepper:
             for p in self.units[u]:
                 p.grad = None
             return
-        self._in_flight.append((u, _UnitReduction(self.units[u])))
+        self._in_flight.append((u, self.grad_sum.launch(self.units[u])))
 
     def _finish_oldest(self) -> None:
         u, reduction = self._in_flight.popleft()
@@ -525,15 +476,8 @@ class _HookStepper:
 
     def _step_unit(self, u: int) -> None:
         """Sum unit ``u``'s gradients across processes now (synchronously), then step it."""
-        params = self.units[u]
-        if len(params) == 1 and params[0].grad is not None:
-            p = params[0]
-            if distributed._is_multi_process():
-                import torch.distributed as dist
-
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        else:
-            distributed.sum_gradients(params)
+        if self.grad_sum is not None:
+            self.grad_sum.unit(self.units[u])
         self._step_summed(u)
 
     def _step_summed(self, u: int) -> None:
@@ -758,10 +702,13 @@ def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int)
 
 
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
-                 sharded: bool = False, grads_summed: bool = False):
-    """The stepper for these options: plain, fused (per parameter) or grouped. ``sharded``: the
-    parameters are FSDP shards (the FSDP strategy; plain stepper only, checked before).
-    ``grads_summed``: the plain stepper's gradients arrive summed across processes (DDP)."""
+                 grad_sum=BUCKETED_SUM, optimizer_in_state: bool = True):
+    """The stepper for these options: plain, fused (per parameter) or grouped. ``grad_sum``: how
+    it sums the gradients across processes (library/distributed/accelerator.py ``BucketedSum``;
+    None: nothing to sum), chosen by the strategy (library/distributed/strategy.py
+    ``make_stepper``); direct callers get the bucketed sum (nothing in one process).
+    ``optimizer_in_state`` False: the strategy writes the optimizer state itself (FSDP's shards;
+    plain stepper only, checked before)."""
     from library.training.optim import build_optimizer
 
     def scheduler_for(optimizer):
@@ -789,7 +736,7 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         scheduler = scheduler_for(getattr(optimizer, "optimizer", optimizer))
         return PlainStepper(accelerator, optimizer, scheduler, params, opts.max_grad_norm,
                             precision=precision, loss_scaler=loss_scaler,
-                            sharded=sharded, grads_summed=grads_summed)
+                            grad_sum=grad_sum, optimizer_in_state=optimizer_in_state)
     check_stepper_options(opts)
     unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
     if mode == "fused_optimizer_groups":
@@ -826,4 +773,4 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
                 "the backward pass")
     return cls(accelerator, units, optimizers, schedulers, opts.max_grad_norm,
                first_param=unique[0] if unique else None,
-               reductions_in_flight=opts.fused_reductions_in_flight)
+               reductions_in_flight=opts.fused_reductions_in_flight, grad_sum=grad_sum)

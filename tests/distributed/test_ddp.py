@@ -143,7 +143,7 @@ def test_ddp_reduces_the_gradients(lora_reference, ddp_strategy, data, tmp_path,
     res = _trained(monkeypatch, lora_args(data, str(tmp_path / "out")))
     run, spy = res["run"], res["spy"]
     assert type(run.parts.strategy).__name__ == "DDP" and run.parts.strategy.engine
-    assert not run.parts.stepper.sum_after_backward
+    assert run.parts.stepper.grad_sum is None
     assert spy.sums == []
     logs = spy.logging[-1]
     assert logs["module_name"] == "Denoiser" and logs["comm_hook"] == "sum_hook"

@@ -47,11 +47,11 @@ class GradNorms:
         self._stepper, self._step = stepper, stepper.PlainStepper.step
         real = self._step
 
-        def step(stepper_self):
+        def step(stepper_self, read=None):
             grads = [p.grad for p in stepper_self.params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
             self.norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            return real(stepper_self)
+            return real(stepper_self, read)
 
         stepper.PlainStepper.step = step
         return self
