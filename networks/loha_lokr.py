@@ -13,7 +13,7 @@ A1111, ComfyUI and LyCORIS read.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,15 +34,6 @@ NOT_HERE = {"exclude_patterns": "module selection by pattern", "include_patterns
             "train_llm_adapter": "Anima's LLM adapter"}
 
 
-def _bool(module: str, key: str, value: Any) -> bool:
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", "none", ""):
-        return False
-    raise lora.LoRAError(f"network_args: {key}={value!r} for {module} is not true or false")
-
-
 def parse_args(module: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(LoRA-style args, module kwargs) from network_args strings, checked."""
     kwargs = dict(kwargs)
@@ -55,7 +46,7 @@ def parse_args(module: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dic
             logger.warning(f"network_args: {key} has no effect on {module} (sd-scripts' native module does "
                            "not read it; it is a LyCORIS option)")
             kwargs.pop(key)
-    module_kwargs = {"use_tucker": _bool(module, "use_tucker", kwargs.pop("use_tucker", False))}
+    module_kwargs = {"use_tucker": lora.parse_bool(module, "use_tucker", kwargs.pop("use_tucker", False))}
     kwargs.pop("verbose", None)
     if module == "networks.lokr":
         factor = kwargs.pop("factor", -1)
@@ -130,3 +121,23 @@ def create_network_from_weights(module: str, multiplier, file, text_encoder, une
         multiplier, file, text_encoder, unet, weights_sd, args,
         module_factory=_factory(MODULE_CLASS[module], module_kwargs, _parts(weights_sd)),
         network_class=lora.AdapterNetwork, kind=KIND[module], dims_reader=lambda sd: dims_from_weights(module, sd))
+
+
+def entry_points(module: str):
+    """``check_network_args``, ``create_network`` and ``create_network_from_weights`` of the
+    network module ``module`` (networks/loha.py, networks/lokr.py), with sd-scripts' signatures."""
+
+    def check(kwargs: dict[str, Any]) -> None:
+        check_network_args(module, kwargs)
+
+    def create(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
+               text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs):
+        return create_network(module, multiplier, network_dim, network_alpha, text_encoder, unet,
+                              neuron_dropout, kwargs)
+
+    def from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
+                     for_inference: bool = False, **kwargs):
+        return create_network_from_weights(module, multiplier, file, text_encoder, unet, weights_sd,
+                                           kwargs)
+
+    return check, create, from_weights

@@ -63,6 +63,17 @@ def parse_number(key: str, value: Any, kind: type, low: float, high: float | Non
     return number
 
 
+def parse_bool(module: str, key: str, value: Any) -> bool:
+    """A switch of network_args as written (a string from the command line or TOML, or a bool):
+    "False" is false (sd-scripts' ``bool("False")`` is true)."""
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", "none", ""):
+        return False
+    raise LoRAError(f"network_args: {key}={value!r} for {module} is not true or false")
+
+
 def parse_network_args(kwargs: dict[str, Any], module: str = "networks.lora",
                         known: tuple[str, ...] = KNOWN_NETWORK_ARGS) -> dict[str, Any]:
     unknown = sorted(k for k in kwargs if k not in known)

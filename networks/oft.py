@@ -29,22 +29,13 @@ ALL_LINEAR = ("Transformer2DModel",)
 KNOWN = ("enable_all_linear", "enable_conv")
 
 
-def _bool(key: str, value: Any) -> bool:
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", "none", ""):
-        return False
-    raise lora.LoRAError(f"network_args: {key}={value!r} for networks.oft is not true or false")
-
-
 def _parse(kwargs: dict[str, Any]) -> tuple[bool, bool]:
     unknown = sorted(k for k in kwargs if k not in KNOWN)
     if unknown:
         raise lora.LoRAError(f"network_args: unknown key {unknown[0]!r} for networks.oft; known keys: "
                              f"{', '.join(KNOWN)}")
-    return (_bool("enable_all_linear", kwargs.get("enable_all_linear", False)),
-            _bool("enable_conv", kwargs.get("enable_conv", False)))
+    return (lora.parse_bool("networks.oft", "enable_all_linear", kwargs.get("enable_all_linear", False)),
+            lora.parse_bool("networks.oft", "enable_conv", kwargs.get("enable_conv", False)))
 
 
 def check_network_args(kwargs: dict[str, Any]) -> None:
