@@ -27,6 +27,7 @@ from library.config.options import IMAGE_SCRIPTS, OPTIONS_BY_NAME
 from library.config.parse import parse_args
 from library.distributed import deepspeed_zero
 from library.errors import UserError
+from library.models import prompt_weights
 from library.outputs import output_checks
 from library.outputs import train_state
 from library.training import memory_estimate
@@ -108,9 +109,11 @@ def memory_dict(est) -> dict:
             "lines": est.lines()}
 
 
-def dataset_dict(tset, captions: int = 6) -> dict:
+def dataset_dict(tset, weighted: bool = False, captions: int = 6) -> dict:
     """Per subset (concept folder) images x repeats, the bucket histogram, and the first
-    captions of epoch 1 as they will be trained (shuffle, tag dropout, caption dropout applied)."""
+    captions of epoch 1 as they will be trained (shuffle, tag dropout, caption dropout applied);
+    ``weighted`` (weighted_captions): each caption's pieces with their weights, as the text
+    encoder's output is scaled (library/models/prompt_weights.py)."""
     subsets: dict = {}
     for it in list(tset.train_items) + list(tset.reg_items):
         s = subsets.setdefault(it.image_dir, {"folder": it.image_dir, "images": 0,
@@ -120,9 +123,16 @@ def dataset_dict(tset, captions: int = 6) -> dict:
     n = min(captions, len(tset.samples))
     return {"subsets": list(subsets.values()),
             "buckets": [{"width": b[0], "height": b[1], "samples": k} for b, k in buckets],
-            "captions": [{"image": os.path.basename(tset.samples[i].path),
-                          "caption": tset.caption(i, 1)} for i in range(n)],
+            "captions": [_caption(os.path.basename(tset.samples[i].path), tset.caption(i, 1), weighted)
+                         for i in range(n)],
             "validation_images": len(tset.val_items)}
+
+
+def _caption(image: str, caption: str, weighted: bool) -> dict:
+    out = {"image": image, "caption": caption}
+    if weighted:
+        out["weights"] = [[piece, weight] for piece, weight in prompt_weights.parse(caption)]
+    return out
 
 
 def check_config(script: str, text: str, processes: int = 1, memory: bool = True) -> dict:
@@ -139,7 +149,7 @@ def check_config(script: str, text: str, processes: int = 1, memory: bool = True
             opts, tset, plan = plan_run(opts, processes)
             out["plan"] = plan_dict(plan)
             out["plans"] = {str(n): plan_dict(plan_for(opts, tset, n)) for n in PROCESS_COUNTS}
-            out["dataset"] = dataset_dict(tset)
+            out["dataset"] = dataset_dict(tset, opts.weighted_captions)
             if opts.resume:
                 train_state.check_resume(opts, method, plan, tset, None)
             output_checks.check_name(opts.output_name)

@@ -463,3 +463,14 @@ def test_a_two_process_job_stops_and_resumes(ui, data, tmp_path):
     j = ui.wait(jid, lambda j: j["state"] in ("done", "failed"), timeout=300)
     assert j["state"] == "done" and j["step"] == 40, c.get(f"/api/jobs/{jid}/log").text
     assert "processes: 2" in c.get(f"/api/jobs/{jid}/log", params={"lines": 2000}).text
+
+
+def test_dataset_view_shows_caption_weights():
+    """weighted_captions: the dataset page's captions carry each piece's weight, as the text
+    encoder's output is scaled (A1111 syntax: (x:1.2), nesting multiplies by 1.1)."""
+    from library.ui import checks
+
+    c = checks._caption("a.png", "a (red:1.2) ((big)) circle", weighted=True)
+    assert c["weights"] == [["a ", 1.0], ["red", 1.2], [" ", 1.0], ["big", pytest.approx(1.21)],
+                            [" circle", 1.0]]
+    assert "weights" not in checks._caption("a.png", "a (red:1.2)", weighted=False)

@@ -219,7 +219,9 @@ async function showDataset() {
   });
   $("buckets").append(svg);
   $("captions").append(el("tr", {}, el("th", { text: "image" }), el("th", { text: "caption" })));
-  for (const c of d.captions) $("captions").append(el("tr", {}, el("td", { class: "l", text: c.image }), el("td", { class: "l", text: c.caption })));
+  // weighted_captions: each piece with the weight its tokens get (x1.00 pieces as plain text)
+  const shown = (c) => c.weights ? c.weights.map(([p, w]) => w === 1 ? p : `${p}[x${w.toFixed(2)}]`).join("") : c.caption;
+  for (const c of d.captions) $("captions").append(el("tr", {}, el("td", { class: "l", text: c.image }), el("td", { class: "l", text: shown(c) })));
 }
 
 function fmtTime(s) {
