@@ -97,6 +97,7 @@ RESUMABLE_CHANGES = {
     "validate_every_n_steps": "reporting", "validate_every_n_epochs": "reporting",
     "sample_prompts": "reporting", "sample_every_n_steps": "reporting",
     "sample_every_n_epochs": "reporting", "sample_at_first": "reporting", "sample_sampler": "reporting",
+    "progress_file": "reporting", "control_file": "run control",
 }
 
 _STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")

@@ -84,7 +84,7 @@ def _wait_for_signal(report_dir: str, n: int):
 
     real, calls = step_sync.agree, []
 
-    def agree(signals, device, loss_sum, norm=None):  # the step's read: every process, once per step
+    def agree(signals, device, loss_sum, norm=None, **kw):  # the step's read: every process, once per step
         calls.append(1)
         if len(calls) == n:
             with open(os.path.join(report_dir, "waiting.tmp"), "w") as f:
@@ -93,7 +93,7 @@ def _wait_for_signal(report_dir: str, n: int):
             deadline = time.time() + 120
             while not signals.signum and time.time() < deadline:
                 time.sleep(0.01)
-        return real(signals, device, loss_sum, norm)
+        return real(signals, device, loss_sum, norm, **kw)
 
     step_sync.agree = agree
 
