@@ -535,18 +535,27 @@ class LoRANetwork(AdapterNetwork):
 
 def write_weights(file: str, state_dict: dict[str, torch.Tensor], dtype: Optional[torch.dtype],
                   metadata: Optional[dict[str, str]]) -> None:
-    """Write a network's tensors atomically: .safetensors (with metadata and sshs_* hashes) or torch.save."""
-    state_dict = {k: v.detach().clone().to("cpu") for k, v in state_dict.items()}
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-    state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    """The one writer of LoRA-family and embedding files, for training and every tool.
+
+    Atomic (the previous file stays on any failure); floating tensors (alpha included, as
+    sd-scripts) in ``dtype``; a tensor with non-finite values is refused by name.
+    .safetensors: the metadata as strings, with the sshs_* hashes computed over what is written
+    (any given ones dropped); other suffixes: torch.save, without metadata."""
+    sd = {}
+    for k, v in state_dict.items():
+        v = v.detach().to("cpu", copy=True)
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        if v.is_floating_point() and not torch.isfinite(v.float()).all():
+            raise LoRAError(f"{file}: not written, {k} has non-finite values")
+        sd[k] = v.contiguous()
     if os.path.splitext(file)[1].lower() == ".safetensors":
         from safetensors.torch import save_file
-        metadata = dict(metadata or {})
-        metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = precalculate_safetensors_hashes(state_dict, metadata)
-        _atomic_save(file, lambda tmp: save_file(state_dict, tmp, metadata))
+        meta = {k: str(v) for k, v in (metadata or {}).items() if not k.startswith("sshs_")}
+        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_safetensors_hashes(sd, meta)
+        _atomic_save(file, lambda tmp: save_file(sd, tmp, meta))
     else:
-        _atomic_save(file, lambda tmp: torch.save(state_dict, tmp))
+        _atomic_save(file, lambda tmp: torch.save(sd, tmp))
 
 
 # --- module-level entry points (the network_module interface) ----------------------------------

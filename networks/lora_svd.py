@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from networks.adapter_weights import file_kinds
-from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, precalculate_safetensors_hashes
+from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, write_weights
 
 PRECISIONS = {"float": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 LORA_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth")
@@ -154,26 +154,8 @@ def state_dict_of(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
 
 
 def save_lora(path: str, modules: dict[str, Module], metadata: dict[str, str], dtype: torch.dtype | None) -> None:
-    """Write atomically; float tensors (alpha included, as sd-scripts) in dtype; .safetensors with
-    the metadata and sshs_* hashes recomputed over what is written, other suffixes by torch.save."""
-    from library.outputs.saving import atomic_path
-    sd = {}
-    for k, v in state_dict_of(modules).items():
-        v = v.detach().to("cpu")
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        if not torch.isfinite(v.float()).all():
-            raise LoRAError(f"{path}: not written, {k} has non-finite values")
-        sd[k] = v.contiguous()
-    if path.lower().endswith(".safetensors"):
-        from safetensors.torch import save_file
-        meta = {k: str(v) for k, v in metadata.items() if not k.startswith("sshs_")}
-        meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_safetensors_hashes(sd, meta)
-        with atomic_path(path) as tmp:
-            save_file(sd, tmp, meta)
-    else:
-        with atomic_path(path) as tmp:
-            torch.save(sd, tmp)
+    """The tools' modules written by the one LoRA writer (networks/lora.py ``write_weights``)."""
+    write_weights(path, state_dict_of(modules), dtype, metadata)
 
 
 # --- metadata ---------------------------------------------------------------------------------

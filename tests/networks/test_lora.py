@@ -305,3 +305,28 @@ def test_safetensors_metadata_and_hashes(tmp_path):
     assert got["sshs_model_hash"] == hashlib.sha256(data[8 + header_len:]).hexdigest()
     assert got["sshs_legacy_hash"] == hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
     assert len(data) > 0x100000  # so the legacy hash covers real bytes
+
+
+def test_one_writer_for_training_and_tools(tmp_path):
+    """networks/lora.py write_weights writes the trained network's file and every tool's
+    (lora_svd.save_lora is it): metadata as strings, stale sshs_* hashes replaced by ones
+    computed over the tensors written (here in float16, alpha included), a non-finite tensor
+    refused with the previous file kept."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    path = str(tmp_path / "w.safetensors")
+    sd = {"lora_unet_x.lora_down.weight": torch.randn(2, 8), "lora_unet_x.lora_up.weight": torch.randn(8, 2),
+          "lora_unet_x.alpha": torch.tensor(2.0)}
+    lora.write_weights(path, sd, torch.float16, {"ss_network_dim": 2, "sshs_model_hash": "stale"})
+    with safe_open(path, "pt") as f:
+        got, dtypes = f.metadata(), {k: f.get_tensor(k).dtype for k in f.keys()}
+    assert got["ss_network_dim"] == "2" and set(dtypes.values()) == {torch.float16}
+    data = save({k: v.to(torch.float16).contiguous() for k, v in sd.items()}, {"ss_network_dim": "2"})
+    header_len = int.from_bytes(data[:8], "little")
+    assert got["sshs_model_hash"] == hashlib.sha256(data[8 + header_len:]).hexdigest()
+    before = open(path, "rb").read()
+    bad = dict(sd, **{"lora_unet_x.lora_up.weight": torch.full((8, 2), float("nan"))})
+    with pytest.raises(lora.LoRAError, match="lora_unet_x.lora_up.weight has non-finite values"):
+        lora.write_weights(path, bad, None, {})
+    assert open(path, "rb").read() == before
