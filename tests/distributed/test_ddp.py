@@ -308,7 +308,11 @@ def _comm_hook_worker(rank: int, port: int, queue) -> None:
         grads = [p.grad for p in (m.a.weight, m.a.bias, m.b.weight, m.b.bias, m.c.weight,
                                   m.frozen.weight)]
         out[hook] = [[None if g is None else g.tolist() for g in gs] for gs in (local, grads)]
+        del wrapped  # DDP's reducer (and its hooks) before the process group it holds
     queue.put((rank, out))
+    # both done before either tears gloo down (a peer's teardown mid-exit aborted one process
+    # once in CI: "terminate called without an active exception", exit -6)
+    dist.barrier()
     dist.destroy_process_group()
 
 
