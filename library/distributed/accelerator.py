@@ -209,7 +209,6 @@ def sum_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> None:
             p.grad = None
 
 
-
 class UnitReduction:
     """The sum across processes of one fused unit's gradients, launched (``async_op``) when the
     unit is complete; ``wait()`` puts the sums into ``p.grad``.

@@ -341,8 +341,7 @@ class FSDP(SingleProcess):
             fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema,
                               os.path.join(path, self.state_dir), named)
         except (KeyError, ValueError, RuntimeError) as e:
-            where = os.path.dirname(os.path.join(path, self.state_dir))
-            raise ResumeError(f"resume: {where}: the sharded weights or optimizer "
+            raise ResumeError(f"resume: {path}: the sharded weights or optimizer "
                               "state do not fit this run "
                               f"({first_line(e)})") from None
 

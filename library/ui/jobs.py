@@ -36,8 +36,6 @@ logger = logging.getLogger("sdtk")
 STATES = ("queued", "running", "stopping", "stopped", "done", "failed", "interrupted")
 FINISHED = ("stopped", "done", "failed", "interrupted")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT_FILES = {"train_lora": "train_lora.py", "train_dreambooth": "train_dreambooth.py",
-                "finetune": "finetune.py", "train_textual_inversion": "train_textual_inversion.py"}
 
 _COLUMNS = ("id", "script", "config", "processes", "state", "position", "created", "started",
             "ended", "exit_code", "error", "output_dir", "output_name", "pid", "resume", "devices")
@@ -262,7 +260,7 @@ class Runner:
     def command(self, job: dict) -> list[str]:
         """The argument list of a job's process."""
         folder = job_dir(self.data_dir, job["id"])
-        script = os.path.join(ROOT, SCRIPT_FILES[job["script"]])
+        script = os.path.join(ROOT, f"{job['script']}.py")  # each entry script is <script>.py
         args = [script, "--config", os.path.join(folder, "config.toml"),
                 "--progress_file", os.path.join(folder, "progress.jsonl"),
                 "--control_file", os.path.join(folder, "control")]
