@@ -190,6 +190,11 @@ def architecture_record(components: dict, family: str) -> dict:
             rec[name] = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     if components.get("scheduler") is not None:
         rec["scheduler"] = dict(components["scheduler"].config)
+    for cfg in rec.values():
+        # diffusers lists the defaulted keys in set order, which varies with the process's
+        # string-hash seed: sorted, the same model writes the same bytes in every run
+        if isinstance(cfg, dict) and "_use_default_values" in cfg:
+            cfg["_use_default_values"] = sorted(cfg["_use_default_values"])
     for name in ("tokenizer", "tokenizer_2"):
         if components.get(name) is not None:
             rec[name] = _tokenizer_record(components[name])

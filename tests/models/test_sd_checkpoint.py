@@ -189,3 +189,23 @@ def test_real_architecture_keys_match_diffusers_detection(arch, model_type):
     if arch == "sd2":  # OpenCLIP's 24th block is written (as a copy), as A1111/sd-scripts expect
         assert "cond_stage_model.model.transformer.resblocks.23.attn.in_proj_weight" in sd
         assert sd["cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight"].shape == (3072, 1024)
+
+
+def test_the_same_model_writes_the_same_bytes_under_any_string_hash_seed(tmp_path):
+    """The embedded architecture record lists diffusers' defaulted config keys; diffusers keeps
+    them in set order, which follows the process's string-hash seed. Two processes with different
+    PYTHONHASHSEED write byte-identical files (the order was seed-dependent before)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from library.models import sd_checkpoint as s; "
+              "from library.models.tiny_models import build_tiny_components as b; "
+              "s.save_single_file(b('sd15'), 'sd1', sys.argv[1])")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = []
+    for seed in ("1", "2"):
+        path = tmp_path / f"seed{seed}.safetensors"
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1", PYTHONPATH=root)
+        subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=root, check=True)
+        files.append(path.read_bytes())
+    assert files[0] == files[1]
