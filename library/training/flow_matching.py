@@ -114,6 +114,35 @@ def check_flow_options(o: FlowOptions) -> None:
                                   "set min_timestep to 1 or more")
 
 
+def ignored_options(o: FlowOptions) -> list[tuple[str, str]]:
+    """(option, why) for each flow-matching option these settings do not read (sd-scripts reads
+    them no more): the trainer warns for those the user set."""
+    out = []
+    flux = o.family == "flux"
+    density = not flux or o.timestep_sampling == "sigma"  # weighting_scheme's density is drawn
+    if not flux:
+        for name in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type"):
+            out.append((name, "SD3 training does not use it (sd-scripts' SD3 trainer has no such "
+                              "option; its timestep shift is training_shift)"))
+    else:
+        for name in ("training_shift", "min_timestep", "max_timestep"):
+            out.append((name, "FLUX training does not use it (sd-scripts' FLUX trainer neither)"))
+        if o.timestep_sampling not in ("sigmoid", "shift", "flux_shift"):
+            out.append(("sigmoid_scale", f"timestep_sampling is {o.timestep_sampling}, not sigmoid, "
+                                         "shift or flux_shift"))
+        if o.timestep_sampling not in ("shift", "sigma"):
+            out.append(("discrete_flow_shift", f"timestep_sampling is {o.timestep_sampling}, not "
+                                               "shift or sigma"))
+        if not density and o.model_prediction_type != "sigma_scaled":
+            out.append(("weighting_scheme", f"timestep_sampling is {o.timestep_sampling} and "
+                                            f"model_prediction_type {o.model_prediction_type}"))
+    if not (density and o.weighting_scheme == "logit_normal"):
+        out += [(name, "no logit_normal density is drawn") for name in ("logit_mean", "logit_std")]
+    if not (density and o.weighting_scheme == "mode"):
+        out.append(("mode_scale", "no mode density is drawn"))
+    return out
+
+
 def sd3_timestep_range(o: FlowOptions) -> tuple[int, int]:
     t_min = 0 if o.min_timestep is None else int(o.min_timestep)
     t_max = NUM_TRAIN_TIMESTEPS if o.max_timestep is None else int(o.max_timestep)

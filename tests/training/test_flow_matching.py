@@ -517,3 +517,77 @@ def test_mode_scale_range_is_where_the_map_stays_in_the_unit_interval():
         assert bool((f[1:] <= f[:-1] + 1e-12).all())  # monotone: a density
     assert float(fm.mode_density(u, lo - 0.1).max()) > 1  # beyond: indices out of the table
     assert not bool((fm.mode_density(u, hi + 0.2)[1:] <= fm.mode_density(u, hi + 0.2)[:-1]).all())
+
+
+def test_ignored_options_are_the_ones_the_formulas_do_not_read():
+    """An option is reported ignored exactly when changing it changes no sigma, timestep input,
+    prediction, target or weight."""
+    changed = dict(timestep_sampling=None, sigmoid_scale=2.0, discrete_flow_shift=1.7,
+                   model_prediction_type=None, weighting_scheme=None, logit_mean=0.5, logit_std=0.4,
+                   mode_scale=0.5, training_shift=2.5, min_timestep=100, max_timestep=900)
+    x0, noise, out, sigmas, xt = _pred_case()
+
+    def outputs(o):
+        t = fm.sample_timesteps(o, gens(SEEDS), SHAPE[1:])
+        p, tg, w = fm.prediction_and_target(o, out, xt, x0, noise, sigmas)
+        return [t.sigmas, t.model_timesteps, p, tg, torch.zeros(1) if w is None else w]
+
+    bases = [FlowOptions("flux", timestep_sampling=ts, model_prediction_type=mp, weighting_scheme=ws)
+             for ts in fm.TIMESTEP_SAMPLINGS for mp in fm.MODEL_PREDICTION_TYPES
+             for ws in ("uniform", "logit_normal", "mode", "cosmap")]
+    bases += [FlowOptions("sd3", weighting_scheme=ws) for ws in ("uniform", "logit_normal", "mode", "cosmap")]
+    for base in bases:
+        ignored = {name for name, _ in fm.ignored_options(base)}
+        ref = outputs(base)
+        for name, value in changed.items():
+            if value is None:
+                continue  # a choice: its effect is what sets the others' relevance
+            other = outputs(FlowOptions(**{**base.__dict__, name: value}))
+            same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(ref, other))
+            assert same == (name in ignored), (base, name)
+    # the choices themselves, where one has no effect
+    sd3 = {name for name, _ in fm.ignored_options(FlowOptions("sd3"))}
+    assert {"timestep_sampling", "model_prediction_type"} <= sd3
+    flux = {name for name, _ in fm.ignored_options(FlowOptions("flux", timestep_sampling="uniform",
+                                                                model_prediction_type="raw"))}
+    assert "weighting_scheme" in flux
+
+
+N_LAW = 20000
+
+
+def test_flux_shift_has_the_law_of_the_shifted_sigmoid():
+    """sigma = time_shift(mu, sigmoid(c z)) is increasing in z: P(sigma <= x) = Phi(logit(t(x)) / c)
+    with t(x) = x / (e^mu (1 - x) + x) its inverse."""
+    c, (h, w) = 1.3, (64, 96)  # L = 32 * 48 = 1536, mu = 0.7167
+    e = math.exp(ref_mu((h // 2) * (w // 2)))
+    t = fm.sample_timesteps(FlowOptions("flux", timestep_sampling="flux_shift", sigmoid_scale=c),
+                            gens(range(300000, 300000 + N_LAW)), (h, w))
+    s = t.sigmas.double().tolist()
+    assert ks_distance(s, lambda x: phi(logit(x / (e * (1 - x) + x)) / c)) < KS_EPS
+    assert ks_distance(s, lambda x: phi(logit(x) / c)) > 2 * KS_EPS  # unshifted: rejected
+
+
+def test_mode_density_has_its_law():
+    """SD3 with the mode density: sigma = floor(1000 f(u)) / 1000 with f decreasing, so
+    P(sigma <= k / 1000) = P(f(u) < (k + 1) / 1000) = 1 - f^-1((k + 1) / 1000)."""
+    k_s = 1.29
+
+    def f(u):
+        return 1 - u - k_s * (math.cos(math.pi * u / 2) ** 2 - 1 + u)
+
+    def f_inv(y):  # bisection on the decreasing f
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) > y else (lo, mid)
+        return (lo + hi) / 2
+
+    def below(k):  # P(f(u) < k / 1000)
+        return 0.0 if k <= 0 else 1.0 if k >= 1000 else 1 - f_inv(k / 1000)
+
+    t = fm.sample_timesteps(FlowOptions("sd3", weighting_scheme="mode", mode_scale=k_s),
+                            gens(range(200000, 200000 + N_LAW)), SHAPE[1:])
+    s = t.sigmas.double().tolist()
+    assert ks_distance(s, lambda x: below(round(1000 * x) + 1), lambda x: below(round(1000 * x))) < KS_EPS
+    assert ks_distance(s, lambda x: x) > 2 * KS_EPS  # uniform: rejected
