@@ -277,11 +277,17 @@ def sample_timesteps(o: FlowOptions, generators, latent_hw: tuple[int, int], dev
 
 
 def _per_sample(sigmas, like):
-    return sigmas.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.dim() - 1)))
+    """sigmas (B,) shaped to broadcast over ``like``; never rounded to a lower precision than
+    their own (a bf16 model output times float32 sigmas is float32, as in sd-scripts)."""
+    import torch
+
+    dtype = torch.promote_types(sigmas.dtype, like.dtype)
+    return sigmas.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
 def noisy_input(latents, noise, sigmas):
-    """x_t = (1 - sigma) * x0 + sigma * noise, sigma per sample."""
+    """x_t = (1 - sigma) * x0 + sigma * noise, sigma per sample. (sd-scripts' ip_noise_gamma for
+    FLUX: pass noise + gamma * xi here and the plain noise to the target.)"""
     s = _per_sample(sigmas, latents)
     return (1 - s) * latents + s * noise
 

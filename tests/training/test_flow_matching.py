@@ -591,3 +591,11 @@ def test_mode_density_has_its_law():
     s = t.sigmas.double().tolist()
     assert ks_distance(s, lambda x: below(round(1000 * x) + 1), lambda x: below(round(1000 * x))) < KS_EPS
     assert ks_distance(s, lambda x: x) > 2 * KS_EPS  # uniform: rejected
+
+
+def test_a_bf16_output_is_scaled_by_float32_sigmas():
+    x0, noise, out, sigmas, xt = (a.float() for a in _pred_case())
+    p, _, w = fm.prediction_and_target(FlowOptions("sd3"), out.bfloat16(), xt, x0, noise, sigmas)
+    assert p.dtype == torch.float32 and w.dtype == torch.float32
+    ref = xt.double() - sigmas.double().view(-1, 1, 1, 1) * out.bfloat16().double()
+    torch.testing.assert_close(p.double(), ref, rtol=0, atol=1e-5)
