@@ -1,0 +1,258 @@
+"""FLUX.1 sources and files: the tiny built-ins, sd-scripts' separate files (BFL transformer, also
+fp8-stored; clip_l, t5xxl, ae), diffusers folders written by diffusers itself, the BFL <->
+diffusers mapping against diffusers' conversion, T5 tokenizer and files, the 16-channel AE."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from library.models import flux, flux_ae, flux_checkpoint, flux_loading, flux_saving, t5, tiny_flux
+from library.models.loading import ModelError
+from tests.models.test_flux import random_flux, reference_to_diffusers
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def tiny_dev():
+    return tiny_flux.build_tiny_flux("dev")
+
+
+@pytest.fixture(scope="module")
+def single_files(tiny_dev, tmp_path_factory):
+    return flux_saving.save_single_files(tiny_dev, str(tmp_path_factory.mktemp("flux-files")))
+
+
+# --- the BFL <-> diffusers mapping -------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [flux.TINY_FLUX_DEV, flux.TINY_FLUX_SCHNELL])
+def test_layout_mapping_matches_diffusers_conversion(config):
+    sd = random_flux(config).state_dict()
+    ref = reference_to_diffusers(sd, config.hidden_size)
+    assert _same(flux_checkpoint.bfl_to_diffusers(sd, config), ref)
+    # BFL -> diffusers (diffusers' conversion) -> BFL (ours): the same tensors
+    assert _same(flux_checkpoint.diffusers_to_bfl(ref, config), sd)
+
+
+def test_layout_and_variant_detection(tiny_dev):
+    sd = tiny_dev["transformer"].state_dict()
+    assert flux_checkpoint.layout_of(sd) == "bfl" and flux_checkpoint.variant_of(sd) == "dev"
+    assert flux_checkpoint.layout_of({"model.diffusion_model." + k for k in sd}) == "bfl"
+    ref = reference_to_diffusers(sd, 64)
+    assert flux_checkpoint.layout_of(ref) == "diffusers" and flux_checkpoint.variant_of(ref) == "dev"
+    schnell = tiny_flux.build_tiny_flux("schnell")["transformer"].state_dict()
+    assert flux_checkpoint.variant_of(schnell) == "schnell"
+    assert flux_checkpoint.layout_of(["model.diffusion_model.input_blocks.0.0.weight"]) is None
+
+
+# --- tiny built-ins --------------------------------------------------------------------------
+
+def test_tiny_builds_are_bit_identical(tiny_dev):
+    again = tiny_flux.build_tiny_flux("dev")
+    for name in ("transformer", "clip_l", "t5", "ae"):
+        assert _same(again[name].state_dict(), tiny_dev[name].state_dict()), name
+    m = flux_loading.load_flux("tiny-flux-schnell")
+    assert (m.variant, m.layout, m.t5_max_length) == ("schnell", "bfl", 256)
+    assert not m.config.guidance_embed
+
+
+# --- sd-scripts' separate files --------------------------------------------------------------
+
+def test_single_files_load_back(tiny_dev, single_files):
+    m = flux_loading.load_flux(single_files["transformer"], clip_l=single_files["clip_l"],
+                               t5xxl=single_files["t5xxl"], ae=single_files["ae"])
+    assert (m.variant, m.layout, m.t5_max_length) == ("dev", "bfl", 512)
+    assert m.config == flux.TINY_FLUX_DEV
+    for ours, name in ((m.transformer, "transformer"), (m.clip_l, "clip_l"), (m.t5, "t5"), (m.ae, "ae")):
+        assert _same(ours.state_dict(), tiny_dev[name].state_dict()), name
+    assert m.t5_tokenizer("a photo of a dog").input_ids == tiny_dev["t5_tokenizer"]("a photo of a dog").input_ids
+    assert m.clip_tokenizer("a dog").input_ids == tiny_dev["clip_tokenizer"]("a dog").input_ids
+    # the files have the key names of the released files
+    keys = set(load_file(single_files["transformer"]))
+    assert "double_blocks.0.img_attn.qkv.weight" in keys and "guidance_in.in_layer.weight" in keys
+    assert "text_model.encoder.layers.0.self_attn.q_proj.weight" in load_file(single_files["clip_l"])
+    ae_keys = set(load_file(single_files["ae"]))
+    assert {"encoder.down.0.block.0.norm1.weight", "encoder.mid.attn_1.q.weight", "decoder.up.0.block.0.conv1.weight",
+            "decoder.conv_out.weight", "encoder.conv_out.weight"} <= ae_keys
+    assert not any("quant_conv" in k or k.startswith("first_stage_model.") for k in ae_keys)
+
+
+def test_single_file_needs_the_other_files(single_files):
+    with pytest.raises(ModelError, match="^clip_l: required"):
+        flux_loading.load_flux(single_files["transformer"], t5xxl=single_files["t5xxl"], ae=single_files["ae"])
+    with pytest.raises(ModelError, match="^ae: no such file"):
+        flux_loading.load_flux(single_files["transformer"], clip_l=single_files["clip_l"],
+                               t5xxl=single_files["t5xxl"], ae="/nonexistent/ae.safetensors")
+    with pytest.raises(ModelError, match="not a FLUX.1 transformer"):
+        flux_checkpoint.read_transformer(single_files["clip_l"])
+
+
+def test_fp8_stored_and_prefixed_transformer(tiny_dev, single_files, tmp_path):
+    sd, meta = load_file(single_files["transformer"]), {}
+    from safetensors import safe_open
+
+    with safe_open(single_files["transformer"], framework="pt") as f:
+        meta = f.metadata()
+    fp8 = {"model.diffusion_model." + k: v.to(torch.float8_e4m3fn) for k, v in sd.items()}
+    fp8["text_encoders.clip_l.whatever"] = torch.zeros(2)  # other parts of a full checkpoint are ignored
+    path = str(tmp_path / "flux1-dev-fp8.safetensors")
+    save_file(fp8, path, metadata=meta)
+    model, w = flux_checkpoint.load_transformer(path, torch.bfloat16)
+    assert w.layout == "bfl" and w.variant == "dev"
+    loaded = model.state_dict()
+    for k, v in sd.items():
+        assert loaded[k].dtype == torch.bfloat16
+        assert torch.equal(loaded[k], v.to(torch.float8_e4m3fn).to(torch.bfloat16)), k
+    scaled = dict(fp8, **{"model.diffusion_model.img_in.scale_weight": torch.ones(1)})
+    save_file(scaled, path, metadata=meta)
+    with pytest.raises(ModelError, match="scaled-fp8"):
+        flux_checkpoint.read_transformer(path)
+
+
+def test_real_head_dim_without_metadata_uses_flux_axes(tmp_path):
+    # A file without our metadata (as the released ones): head dim 128 -> RoPE axes (16, 56, 56).
+    cfg = flux.FluxConfig(vec_in_dim=8, context_in_dim=8, hidden_size=256, num_heads=2, depth=1,
+                          depth_single_blocks=1, mlp_ratio=0.25)
+    sd = flux.Flux(cfg).state_dict()
+    got = flux_checkpoint.config_from_bfl(sd, "x")
+    assert got == cfg
+    with pytest.raises(ModelError, match="RoPE axes are unknown"):
+        flux_checkpoint.config_from_bfl(flux.Flux(flux.TINY_FLUX_DEV).state_dict(), "tiny.safetensors")
+
+
+# --- diffusers folders -----------------------------------------------------------------------
+
+def _diffusers_written_folder(parts, variant, out, shard=None):
+    """A FLUX folder written by diffusers / transformers themselves; the transformer converted by
+    diffusers' own single-file conversion."""
+    from diffusers import FluxTransformer2DModel
+
+    cfg = parts["transformer"].config
+    kw = {k: v for k, v in flux_checkpoint.diffusers_config(cfg).items() if not k.startswith("_")}
+    tr = FluxTransformer2DModel(**kw)
+    tr.load_state_dict(reference_to_diffusers(parts["transformer"].state_dict(), cfg.hidden_size), strict=True)
+    tr.save_pretrained(os.path.join(out, "transformer"), max_shard_size=shard or "10GB")
+    parts["clip_l"].save_pretrained(os.path.join(out, "text_encoder"))
+    parts["t5"].save_pretrained(os.path.join(out, "text_encoder_2"))
+    parts["ae"].save_pretrained(os.path.join(out, "vae"))
+    parts["clip_tokenizer"].save_pretrained(os.path.join(out, "tokenizer"))
+    parts["t5_tokenizer"].save_pretrained(os.path.join(out, "tokenizer_2"))
+    return out
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_diffusers_folder_converted_to_bfl(tiny_dev, tmp_path, shard):
+    folder = _diffusers_written_folder(tiny_dev, "dev", str(tmp_path / "flux"), shard)
+    if shard:
+        assert os.path.isfile(os.path.join(folder, "transformer", flux_checkpoint.DIFFUSERS_INDEX))
+    m = flux_loading.load_flux(folder)
+    assert (m.variant, m.layout) == ("dev", "diffusers")
+    for ours, name in ((m.transformer, "transformer"), (m.clip_l, "clip_l"), (m.t5, "t5"), (m.ae, "ae")):
+        assert _same(ours.state_dict(), tiny_dev[name].state_dict()), name
+
+
+def test_our_diffusers_folder_runs_in_flux_pipeline(tiny_dev, tmp_path):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    folder = str(tmp_path / "ours")
+    flux_saving.save_diffusers_folder(tiny_dev, "dev", folder)
+    ref = reference_to_diffusers(tiny_dev["transformer"].state_dict(), 64)
+    written = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
+    assert _same(written.state_dict(), ref)
+    pipe = FluxPipeline.from_pretrained(folder, local_files_only=True)
+    images = pipe("a photo of a dog", height=32, width=32, num_inference_steps=1, guidance_scale=3.5,
+                  max_sequence_length=16, output_type="pt").images
+    assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
+
+
+@pytest.mark.parametrize("layout", ["bfl", "diffusers"])
+def test_save_flux_transformer_round_trip(tiny_dev, tmp_path, layout):
+    tr = tiny_dev["transformer"]
+    path = str(tmp_path / ("t.safetensors" if layout == "bfl" else "transformer"))
+    flux_checkpoint.save_flux_transformer(path, tr.state_dict(), layout, tr.config, metadata={"ss_x": 1})
+    w = flux_checkpoint.read_transformer(path)
+    assert (w.layout, w.variant, w.config) == (layout, "dev", tr.config)
+    assert _same(w.state_dict, tr.state_dict())
+    # a second save replaces the first atomically: no temporaries left beside it
+    flux_checkpoint.save_flux_transformer(path, tr.state_dict(), layout, tr.config)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+
+
+# --- T5 --------------------------------------------------------------------------------------
+
+def test_t5_tokenizer_conventions():
+    tok = t5.build_tiny_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<pad>", "</s>", "<unk>"]
+    assert tok.tokenize("a photo of sks") == ["▁a", "▁photo", "▁of", "▁sks"]
+    ids, mask = t5.tokenize(tok, ["a photo of sks", "dog " * 600], t5.T5_MAX_LENGTH["dev"])
+    assert ids.shape == mask.shape == (2, 512)
+    n = len(tok.tokenize("a photo of sks"))
+    assert ids[0, n] == 1 and not ids[0, n + 1:].any()  # </s>, then padding with 0
+    assert mask[0].tolist() == [1] * (n + 1) + [0] * (511 - n)
+    assert mask[1].all() and ids[1, -1] == 1  # truncated, </s> kept last
+    ids, _ = t5.tokenize(tok, ["a"], t5.T5_MAX_LENGTH["schnell"])
+    assert ids.shape == (1, 256)
+
+
+def test_t5_encoder_mask():
+    model, tok = t5.build_tiny_t5()
+    ids, mask = t5.tokenize(tok, ["a photo of a dog"], 16)
+    with torch.no_grad():
+        masked = t5.encode(model, ids, mask, apply_t5_attn_mask=True)
+        plain = t5.encode(model, ids, mask, apply_t5_attn_mask=False)
+        ref = model(ids, attention_mask=mask).last_hidden_state
+    assert masked.shape == (1, 16, 32)
+    assert torch.equal(masked, ref) and not torch.allclose(masked, plain)
+
+
+@pytest.mark.parametrize("embedding", ["both", "shared", "embed_tokens"])
+def test_t5_file_embedding_names_and_inferred_config(tmp_path, embedding):
+    model, _ = t5.build_tiny_t5()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if embedding == "shared":
+        del sd["encoder.embed_tokens.weight"]
+    elif embedding == "embed_tokens":
+        del sd["shared.weight"]
+    path = str(tmp_path / "t5xxl_fp16.safetensors")
+    save_file({k: v.half() for k, v in sd.items()}, path)  # no metadata: config from the shapes
+    loaded, tok = t5.load_t5(path)
+    assert tok is None
+    for key in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "feed_forward_proj",
+                "relative_attention_num_buckets"):
+        assert getattr(loaded.config, key) == getattr(model.config, key), key
+    want = {k: v.half().float() for k, v in model.state_dict().items()}
+    assert _same(loaded.state_dict(), want)
+    assert loaded.shared.weight.data_ptr() == loaded.encoder.embed_tokens.weight.data_ptr()
+
+
+# --- the autoencoder -------------------------------------------------------------------------
+
+def test_ae_latents_scaling(tiny_dev):
+    vae = tiny_dev["ae"]
+    assert vae.config.latent_channels == 16 and vae.quant_conv is None
+    torch.manual_seed(0)
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        lat = flux_ae.encode_latents(vae, pixels)
+        mean = vae.encode(pixels).latent_dist.mean
+        assert torch.allclose(lat, (mean - 0.1159) * 0.3611, atol=1e-6, rtol=0)
+        assert torch.allclose(flux_ae.decode_latents(vae, lat), vae.decode(mean).sample, atol=1e-5)
+    assert lat.shape == (1, 16, 4, 4)
+
+
+def test_ae_file_loads_in_diffusers_single_file(single_files, tiny_dev, tmp_path):
+    """The ae file as diffusers' own from_single_file reads it (the FLUX VAE's config)."""
+    from diffusers import AutoencoderKL
+
+    cfg_dir = tmp_path / "cfg"
+    os.makedirs(cfg_dir / "vae")
+    cfg = {k: v for k, v in dict(tiny_dev["ae"].config).items() if not k.startswith("_")}
+    (cfg_dir / "vae" / "config.json").write_text(json.dumps(dict(cfg, _class_name="AutoencoderKL")))
+    vae = AutoencoderKL.from_single_file(single_files["ae"], config=str(cfg_dir), subfolder="vae",
+                                         local_files_only=True)
+    assert _same(vae.state_dict(), tiny_dev["ae"].state_dict())
