@@ -17,6 +17,7 @@ import tempfile
 
 import torch
 
+from library.errors import first_line
 from library.models import fp8_storage, sd_checkpoint
 from library.models.loading import ModelError
 
@@ -53,7 +54,7 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
         try:
             return AutoencoderKL.from_pretrained(path, subfolder=sub, local_files_only=True, torch_dtype=dtype).eval()
         except (OSError, ValueError, RuntimeError) as e:
-            raise ModelError(f"ae: cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise ModelError(f"ae: cannot load {path}: {first_line(e)}") from None
     sd, meta = sd_checkpoint.read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
     config = json.loads(meta[META_CONFIG_KEY]) if META_CONFIG_KEY in meta else FLUX_AE_CONFIG
@@ -61,7 +62,9 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
         os.makedirs(os.path.join(tmp, "vae"))
         with open(os.path.join(tmp, "vae", "config.json"), "w") as f:
             json.dump(dict(config, _class_name="AutoencoderKL"), f)
-        return sd_checkpoint.load_vae_from_state_dict(sd, tmp, path, dtype).eval()
+        vae = sd_checkpoint.load_vae_from_state_dict(sd, tmp, path)
+    # nn.Module.to directly: diffusers' override only adds a warning about fp32-kept modules (none here)
+    return torch.nn.Module.to(vae, dtype).eval()
 
 
 def ae_state_dict(vae) -> dict:

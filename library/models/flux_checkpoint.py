@@ -247,13 +247,23 @@ def read_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transform
                         path, BFL_PREFIX, len(others))
         sd = {k[len(BFL_PREFIX):]: v for k, v in sd.items() if k.startswith(BFL_PREFIX)}
     sd = fp8_storage.load_dtype(sd, dtype, path)
-    meta_cfg = json.loads(meta[META_CONFIG_KEY]) if META_CONFIG_KEY in meta else None
+    meta_cfg = _meta_config(meta, path)
     if layout == "diffusers":
         cfg = _diffusers_config_from_weights(sd, path, meta_cfg)
         sd = diffusers_to_bfl(sd, cfg)
     else:
         cfg = config_from_bfl(sd, path, meta_cfg)
     return TransformerWeights(sd, cfg, layout, variant_of(sd.keys()))
+
+
+def _meta_config(meta: dict, path: str) -> dict | None:
+    if META_CONFIG_KEY not in meta:
+        return None
+    try:
+        cfg = json.loads(meta[META_CONFIG_KEY])
+        return {"axes_dim": [int(d) for d in cfg["axes_dim"]], "theta": int(cfg["theta"])}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise ModelError(f"{path}: metadata {META_CONFIG_KEY} is not a FLUX config") from None
 
 
 def _diffusers_config_from_weights(sd: dict, path: str, meta_cfg: dict | None) -> FluxConfig:
@@ -302,6 +312,10 @@ def build_transformer(weights: TransformerWeights):
     """A Flux module holding the weights (built on the meta device, then assigned: no second copy)."""
     from library.models.flux import Flux
 
+    try:
+        weights.config.check()
+    except ValueError as e:
+        raise ModelError(str(e)) from None
     with torch.device("meta"):
         model = Flux(weights.config)
     missing, unexpected = model.load_state_dict(weights.state_dict, strict=False, assign=True)

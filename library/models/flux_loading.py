@@ -85,7 +85,8 @@ def _builtin(name: str, dtype: torch.dtype) -> FluxModel:
     variant = tiny_flux.TINY_FLUX_NAMES[name]
     c = tiny_flux.build_tiny_flux(variant)
     for k in ("transformer", "clip_l", "t5", "ae"):
-        c[k] = c[k].to(dtype)
+        # nn.Module.to directly: diffusers' override only adds a warning about fp32-kept modules (none here)
+        c[k] = torch.nn.Module.to(c[k], dtype)
     ident = f"builtin:{name}:{tiny_flux.SEED}"
     return FluxModel(variant, "bfl", c["transformer"].config, c["transformer"], c["clip_l"], c["t5"], c["ae"],
                      c["clip_tokenizer"], c["t5_tokenizer"], t5.T5_MAX_LENGTH[variant], ident, ident + ":ae")

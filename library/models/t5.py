@@ -177,12 +177,6 @@ def _tokenizer_from_files(files: dict[str, str]):
         return T5Tokenizer.from_pretrained(tmp, local_files_only=True)
 
 
-def t5_state_dict(model) -> dict:
-    """The encoder's tensors under transformers' names, as t5xxl files hold them (both embedding
-    names, as T5EncoderModel.state_dict gives)."""
-    return {k: v for k, v in model.state_dict().items()}
-
-
 def t5_file_metadata(model, tokenizer) -> dict[str, str]:
     """Metadata that lets load_t5 rebuild a non-standard (tiny) T5 and its tokenizer offline."""
     cfg = {k: v for k, v in model.config.to_dict().items() if k in T5XXL_CONFIG}

@@ -256,3 +256,35 @@ def test_ae_file_loads_in_diffusers_single_file(single_files, tiny_dev, tmp_path
     vae = AutoencoderKL.from_single_file(single_files["ae"], config=str(cfg_dir), subfolder="vae",
                                          local_files_only=True)
     assert _same(vae.state_dict(), tiny_dev["ae"].state_dict())
+
+
+def test_is_flux_source_and_dtype(single_files, tiny_dev, tmp_path):
+    assert flux_loading.is_flux_source(single_files["transformer"])
+    assert not flux_loading.is_flux_source(single_files["clip_l"])
+    assert not flux_loading.is_flux_source(str(tmp_path))  # no transformer/config.json
+    folder = str(tmp_path / "flux")
+    flux_saving.save_diffusers_folder(tiny_dev, "dev", folder)
+    assert flux_loading.is_flux_source(folder)
+    m = flux_loading.load_flux(single_files["transformer"], clip_l=single_files["clip_l"],
+                               t5xxl=single_files["t5xxl"], ae=single_files["ae"], dtype=torch.bfloat16)
+    for part in (m.transformer, m.clip_l, m.t5, m.ae):
+        assert {p.dtype for p in part.parameters()} == {torch.bfloat16}
+
+
+def test_bad_files_are_one_line_errors(tmp_path, tiny_dev):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelError, match="not a readable safetensors file"):
+        flux_checkpoint.read_transformer(str(junk))
+    path = str(tmp_path / "bad-meta.safetensors")
+    save_file(tiny_dev["transformer"].state_dict(), path, metadata={flux_checkpoint.META_CONFIG_KEY: "{"})
+    with pytest.raises(ModelError, match="is not a FLUX config"):
+        flux_checkpoint.read_transformer(path)
+    save_file(tiny_dev["transformer"].state_dict(), path,
+              metadata={flux_checkpoint.META_CONFIG_KEY: json.dumps({"axes_dim": [8, 8, 8], "theta": 10000})})
+    with pytest.raises(ModelError, match="axes_dim"):
+        flux_checkpoint.load_transformer(path)
+    sd = dict(tiny_dev["transformer"].state_dict())
+    del sd["single_blocks.1.linear2.bias"]
+    with pytest.raises(ModelError, match="missing tensor single_blocks.1.linear2.bias"):
+        flux_checkpoint.build_transformer(flux_checkpoint.TransformerWeights(sd, flux.TINY_FLUX_DEV, "bfl", "dev"))
