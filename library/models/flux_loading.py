@@ -71,9 +71,12 @@ def load_flux(name_or_path: str, *, clip_l: str | None = None, t5xxl: str | None
     """Load a FLUX.1 model from a built-in name, a BFL single file (+ clip_l, t5xxl, ae) or a
     diffusers folder (whose components clip_l / t5xxl / ae replace when given)."""
     with quiet_progress():
-        if name_or_path in tiny_flux.TINY_FLUX_NAMES and not os.path.exists(name_or_path):
-            return _builtin(name_or_path, dtype)
         path = os.path.expanduser(name_or_path)
+        if name_or_path in tiny_flux.TINY_FLUX_NAMES:
+            if not os.path.exists(path):
+                return _builtin(name_or_path, dtype)
+            logger.warning("pretrained_model_name_or_path: %s is an existing path; using it instead of the "
+                           "built-in model of the same name", name_or_path)
         if not os.path.exists(path):
             raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")
         if os.path.isdir(path):

@@ -288,3 +288,16 @@ def test_bad_files_are_one_line_errors(tmp_path, tiny_dev):
     del sd["single_blocks.1.linear2.bias"]
     with pytest.raises(ModelError, match="missing tensor single_blocks.1.linear2.bias"):
         flux_checkpoint.build_transformer(flux_checkpoint.TransformerWeights(sd, flux.TINY_FLUX_DEV, "bfl", "dev"))
+
+
+def test_make_tiny_model_writes_flux(tmp_path, capsys):
+    from tools.make_tiny_model import main
+
+    assert main(["--arch", "flux-schnell", "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("wrote ") == 5
+    files = {r: str(tmp_path / n) for r, n in flux_saving.SINGLE_FILE_NAMES.items()}
+    a = flux_loading.load_flux(files["transformer"], clip_l=files["clip_l"], t5xxl=files["t5xxl"], ae=files["ae"])
+    b = flux_loading.load_flux(str(tmp_path / "diffusers"))
+    assert (a.variant, a.layout, b.variant, b.layout) == ("schnell", "bfl", "schnell", "diffusers")
+    want = tiny_flux.build_tiny_flux("schnell")["transformer"].state_dict()
+    assert _same(a.transformer.state_dict(), want) and _same(b.transformer.state_dict(), want)
