@@ -22,7 +22,7 @@ import torch
 
 from library.errors import first_line
 from library.models import fp8_storage
-from library.models.flux import FluxConfig
+from library.models.flux import Flux, FluxConfig
 from library.models.loading import ModelError
 from library.models.sd_checkpoint import read_state_dict
 from library.outputs.saving import atomic_dir, atomic_path
@@ -310,8 +310,6 @@ def _read_diffusers_folder(folder: str, dtype: torch.dtype) -> TransformerWeight
 
 def build_transformer(weights: TransformerWeights):
     """A Flux module holding the weights (built on the meta device, then assigned: no second copy)."""
-    from library.models.flux import Flux
-
     try:
         weights.config.check()
     except ValueError as e:
@@ -360,6 +358,6 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
             os.makedirs(tmp, exist_ok=True)
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(dconf, f, indent=2)
-            save_file(dsd, os.path.join(tmp, DIFFUSERS_WEIGHTS), metadata={**meta, "format": "pt"})
+            save_file(dsd, os.path.join(tmp, DIFFUSERS_WEIGHTS), metadata=meta)
     else:
         raise ModelError(f"FLUX transformer: unknown layout {layout!r}; expected 'bfl' or 'diffusers'")
