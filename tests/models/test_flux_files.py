@@ -301,3 +301,25 @@ def test_make_tiny_model_writes_flux(tmp_path, capsys):
     assert (a.variant, a.layout, b.variant, b.layout) == ("schnell", "bfl", "schnell", "diffusers")
     want = tiny_flux.build_tiny_flux("schnell")["transformer"].state_dict()
     assert _same(a.transformer.state_dict(), want) and _same(b.transformer.state_dict(), want)
+
+
+def test_prompt_conditioning_matches_flux_pipeline(tiny_dev):
+    """Without apply_t5_attn_mask the conditioning is diffusers' FluxPipeline.encode_prompt's; with
+    it, T5 skips the padding (a different, finite output)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from library.models import flux_text
+
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=tiny_dev["ae"],
+                        text_encoder=tiny_dev["clip_l"], tokenizer=tiny_dev["clip_tokenizer"],
+                        text_encoder_2=tiny_dev["t5"], tokenizer_2=tiny_dev["t5_tokenizer"], transformer=None)
+    prompts = ["a photo of a dog", "a red cat in the style of a painting"]
+    tokens = flux_text.tokenize(tiny_dev["clip_tokenizer"], tiny_dev["t5_tokenizer"], prompts, 32)
+    with torch.no_grad():
+        ours = flux_text.encode(tiny_dev["clip_l"], tiny_dev["t5"], tokens, apply_t5_attn_mask=False)
+        masked = flux_text.encode(tiny_dev["clip_l"], tiny_dev["t5"], tokens, apply_t5_attn_mask=True)
+        embeds, pooled, ids = pipe.encode_prompt(prompts, prompts, max_sequence_length=32)
+    assert torch.equal(ours.t5_out, embeds) and torch.equal(ours.l_pooled, pooled)
+    assert ours.txt_ids.shape == (2, 32, 3) and torch.equal(ours.txt_ids[0], ids)
+    assert ours.t5_attn_mask[0].sum() == len(tiny_dev["t5_tokenizer"](prompts[0]).input_ids)
+    assert torch.isfinite(masked.t5_out).all() and not torch.allclose(masked.t5_out, ours.t5_out)
