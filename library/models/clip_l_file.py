@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import torch
 
 from library.errors import first_line
-from library.models import fp8_storage
+from library.models import embedded_config, fp8_storage
 from library.models.loading import SHIPPED_CONFIGS, SHIPPED_TOKENIZER, ModelError
 from library.models.sd_checkpoint import read_state_dict
 
@@ -30,7 +29,7 @@ def load_clip_l(path: str, dtype: torch.dtype = torch.float32):
 
     sd, meta = read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
-    record = json.loads(meta[CLIP_META_KEY]) if CLIP_META_KEY in meta else None
+    record = embedded_config.read_record(meta, CLIP_META_KEY, path)
     config = CLIPTextConfig(**record["config"]) if record else CLIPTextConfig.from_json_file(CLIP_L_CONFIG)
     with torch.device("meta"):
         model = CLIPTextModel(config)
@@ -51,11 +50,7 @@ def load_clip_l(path: str, dtype: torch.dtype = torch.float32):
         raise ModelError(f"{path}: not a CLIP-L text encoder ({'missing' if missing else 'unexpected'} tensor {name})")
     _reset_position_ids(model)
     if record and record.get("tokenizer"):
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, text in record["tokenizer"].items():
-                with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                    f.write(text)
-            tok = CLIPTokenizer.from_pretrained(tmp, local_files_only=True)
+        tok = embedded_config.tokenizer_from_files(CLIPTokenizer, record["tokenizer"])
     else:
         tok = CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER, local_files_only=True)
     return model.eval(), tok
@@ -76,11 +71,6 @@ def clip_l_state_dict(model) -> dict:
 
 
 def clip_l_file_metadata(model, tokenizer) -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        files = {}
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), encoding="utf-8") as f:
-                files[name] = f.read()
+    """Metadata that lets load_clip_l rebuild a non-standard (tiny) CLIP and its tokenizer offline."""
     cfg = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")}
-    return {CLIP_META_KEY: json.dumps({"config": cfg, "tokenizer": files})}
+    return {CLIP_META_KEY: json.dumps({"config": cfg, "tokenizer": embedded_config.tokenizer_files(tokenizer)})}

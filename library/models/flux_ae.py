@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 from library.errors import first_line
-from library.models import fp8_storage, sd_checkpoint
+from library.models import embedded_config, fp8_storage, sd_checkpoint
 from library.models.loading import ModelError
 
 SCALING_FACTOR = 0.3611
@@ -57,7 +57,7 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
             raise ModelError(f"ae: cannot load {path}: {first_line(e)}") from None
     sd, meta = sd_checkpoint.read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
-    config = json.loads(meta[META_CONFIG_KEY]) if META_CONFIG_KEY in meta else FLUX_AE_CONFIG
+    config = embedded_config.read_record(meta, META_CONFIG_KEY, path) or FLUX_AE_CONFIG
     with tempfile.TemporaryDirectory(prefix="sdtk-ae-") as tmp:
         os.makedirs(os.path.join(tmp, "vae"))
         with open(os.path.join(tmp, "vae", "config.json"), "w") as f:

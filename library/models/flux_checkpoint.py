@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from library.errors import first_line
-from library.models import fp8_storage
+from library.models import embedded_config, fp8_storage
 from library.models.flux import Flux, FluxConfig
 from library.models.loading import ModelError
 from library.models.sd_checkpoint import read_state_dict
@@ -257,12 +257,12 @@ def read_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transform
 
 
 def _meta_config(meta: dict, path: str) -> dict | None:
-    if META_CONFIG_KEY not in meta:
+    cfg = embedded_config.read_record(meta, META_CONFIG_KEY, path)
+    if cfg is None:
         return None
     try:
-        cfg = json.loads(meta[META_CONFIG_KEY])
         return {"axes_dim": [int(d) for d in cfg["axes_dim"]], "theta": int(cfg["theta"])}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         raise ModelError(f"{path}: metadata {META_CONFIG_KEY} is not a FLUX config") from None
 
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 
 import torch
 
 from library.errors import first_line
-from library.models import fp8_storage
+from library.models import embedded_config, fp8_storage
 from library.models.loading import ModelError
 from library.models.sd_checkpoint import read_state_dict
 
@@ -117,11 +116,11 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
     """A T5EncoderModel from a ``t5xxl`` single file (fp16 / bf16 / fp32, or fp8-stored: up-cast
     to ``dtype``). Returns (model, tokenizer or None): files this toolkit writes carry their
     tokenizer; others use T5-XXL's (load_t5_tokenizer)."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
     sd, meta = read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
-    record = json.loads(meta[META_CONFIG_KEY]) if META_CONFIG_KEY in meta else None
+    record = embedded_config.read_record(meta, META_CONFIG_KEY, path)
     cfg = record["config"] if record else config_from_state_dict(sd, path)
     # Either name of the token embedding may be missing: both are the same tensor.
     emb = sd.get("shared.weight", sd.get("encoder.embed_tokens.weight"))
@@ -140,7 +139,7 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
     model.tie_weights()
     tok = None
     if record and record.get("tokenizer"):
-        tok = _tokenizer_from_files(record["tokenizer"])
+        tok = embedded_config.tokenizer_from_files(T5Tokenizer, record["tokenizer"])
     return model.eval(), tok
 
 
@@ -157,27 +156,7 @@ def load_t5_tokenizer(location: str | None):
                          "give a folder with its tokenizer files") from None
 
 
-def tokenizer_files(tokenizer) -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        files = {}
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), encoding="utf-8") as f:
-                files[name] = f.read()
-    return files
-
-
-def _tokenizer_from_files(files: dict[str, str]):
-    from transformers import T5Tokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in files.items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        return T5Tokenizer.from_pretrained(tmp, local_files_only=True)
-
-
 def t5_file_metadata(model, tokenizer) -> dict[str, str]:
     """Metadata that lets load_t5 rebuild a non-standard (tiny) T5 and its tokenizer offline."""
     cfg = {k: v for k, v in model.config.to_dict().items() if k in T5XXL_CONFIG}
-    return {META_CONFIG_KEY: json.dumps({"config": cfg, "tokenizer": tokenizer_files(tokenizer)})}
+    return {META_CONFIG_KEY: json.dumps({"config": cfg, "tokenizer": embedded_config.tokenizer_files(tokenizer)})}

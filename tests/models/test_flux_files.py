@@ -278,7 +278,7 @@ def test_bad_files_are_one_line_errors(tmp_path, tiny_dev):
         flux_checkpoint.read_transformer(str(junk))
     path = str(tmp_path / "bad-meta.safetensors")
     save_file(tiny_dev["transformer"].state_dict(), path, metadata={flux_checkpoint.META_CONFIG_KEY: "{"})
-    with pytest.raises(ModelError, match="is not a FLUX config"):
+    with pytest.raises(ModelError, match="sdtk.flux_config is not a valid JSON object"):
         flux_checkpoint.read_transformer(path)
     save_file(tiny_dev["transformer"].state_dict(), path,
               metadata={flux_checkpoint.META_CONFIG_KEY: json.dumps({"axes_dim": [8, 8, 8], "theta": 10000})})
