@@ -81,6 +81,15 @@ def test_single_files_load_back(tiny_dev, single_files):
     assert not any("quant_conv" in k or k.startswith("first_stage_model.") for k in ae_keys)
 
 
+def test_sft_name(single_files, tmp_path):
+    import shutil
+
+    sft = str(tmp_path / "flux1-dev.sft")  # BFL's own file name
+    shutil.copy(single_files["transformer"], sft)
+    assert flux_loading.is_flux_source(sft)
+    assert flux_checkpoint.read_transformer(sft).variant == "dev"
+
+
 def test_single_file_needs_the_other_files(single_files):
     with pytest.raises(ModelError, match="^clip_l: required"):
         flux_loading.load_flux(single_files["transformer"], t5xxl=single_files["t5xxl"], ae=single_files["ae"])
