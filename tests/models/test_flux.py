@@ -215,3 +215,23 @@ def test_full_width_blocks_match_diffusers_unpatched():
     with torch.no_grad():
         # measured: max difference 3.6e-7 at an output scale of 2.0 (1.8e-7 relative)
         _close(ours(**x, txt_attention_mask=mask), _diffusers_forward(ref, x, mask))
+
+
+@pytest.mark.parametrize("config,params", [(flux.FLUX_DEV, 11_901_408_320), (flux.FLUX_SCHNELL, 11_891_178_560)])
+def test_full_size_keys_and_shapes_match_diffusers(config, params):
+    """At FLUX.1's full size (19 double, 38 single blocks), on the meta device: diffusers' unpatched
+    conversion of our state dict gives exactly the tensors (names and shapes) of diffusers'
+    FluxTransformer2DModel of the same config, and so does our mapping."""
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    kw = {k: v for k, v in flux_checkpoint.diffusers_config(config).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        ours = flux.Flux(config)
+        ref = FluxTransformer2DModel(**kw)
+    want = {k: v.shape for k, v in ref.state_dict().items()}
+    sd = ours.state_dict()
+    for converted in (convert_flux_transformer_checkpoint_to_diffusers(dict(sd)),
+                      flux_checkpoint.bfl_to_diffusers(sd, config)):
+        assert {k: v.shape for k, v in converted.items()} == want
+    assert sum(p.numel() for p in ours.parameters()) == params
