@@ -332,3 +332,32 @@ def test_prompt_conditioning_matches_flux_pipeline(tiny_dev):
     assert ours.txt_ids.shape == (2, 32, 3) and torch.equal(ours.txt_ids[0], ids)
     assert ours.t5_attn_mask[0].sum() == len(tiny_dev["t5_tokenizer"](prompts[0]).input_ids)
     assert torch.isfinite(masked.t5_out).all() and not torch.allclose(masked.t5_out, ours.t5_out)
+
+
+def test_full_size_t5xxl_config_from_shapes():
+    """T5-XXL's config (sd-scripts' T5_CONFIG_JSON values) comes back from its tensors' shapes
+    (meta device: no memory)."""
+    from transformers import T5Config, T5EncoderModel
+
+    with torch.device("meta"):
+        sd = T5EncoderModel(T5Config(**t5.T5XXL_CONFIG)).state_dict()
+    cfg = t5.config_from_state_dict(sd, "t5xxl_fp16.safetensors")
+    assert {k: cfg[k] for k in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
+                                "feed_forward_proj", "relative_attention_num_buckets")} == dict(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+        feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
+
+
+def test_full_size_ae_layout_through_diffusers_conversion():
+    """FLUX.1's autoencoder at full size (meta device): our ae.safetensors names, read back by
+    diffusers' own LDM VAE conversion, give exactly the AutoencoderKL's tensors."""
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(**flux_ae.FLUX_AE_CONFIG)
+    ours = flux_ae.ae_state_dict(vae)
+    assert "encoder.conv_out.weight" in ours and ours["encoder.conv_out.weight"].shape[0] == 32  # 2 x 16 channels
+    assert not any("quant_conv" in k for k in ours)
+    back = convert_ldm_vae_checkpoint(ours, dict(vae.config))
+    assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in vae.state_dict().items()}
