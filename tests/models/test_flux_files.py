@@ -361,3 +361,30 @@ def test_full_size_ae_layout_through_diffusers_conversion():
     assert not any("quant_conv" in k for k in ours)
     back = convert_ldm_vae_checkpoint(ours, dict(vae.config))
     assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in vae.state_dict().items()}
+
+
+@pytest.mark.parametrize("prefixed", [True, False])
+def test_clip_l_file_variants(single_files, tiny_dev, tmp_path, prefixed):
+    """clip_l files as ComfyUI / sd-scripts hold them: text_model. names (or none), plus the full
+    CLIP model's projection and logit scale and an old position-id buffer, which are not loaded."""
+    from safetensors import safe_open
+
+    from library.models import clip_l_file
+
+    with safe_open(single_files["clip_l"], framework="pt") as f:
+        meta = f.metadata()
+    sd = load_file(single_files["clip_l"])
+    if not prefixed:
+        sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+    sd["text_projection.weight"] = torch.zeros(32, 32)
+    sd["logit_scale"] = torch.tensor(4.6)
+    sd["text_model.embeddings.position_ids"] = torch.arange(77)[None]
+    path = str(tmp_path / "clip_l.safetensors")
+    save_file({k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v for k, v in sd.items()}, path,
+              metadata=meta)
+    model, _ = clip_l_file.load_clip_l(path)
+    want = {k: v.to(torch.float8_e4m3fn).float() for k, v in tiny_dev["clip_l"].state_dict().items()}
+    assert _same(model.state_dict(), want)
+    ids = tiny_dev["clip_tokenizer"](["a dog"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).pooler_output).all()
