@@ -121,7 +121,7 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
     sd, meta = read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
     record = embedded_config.read_record(meta, META_CONFIG_KEY, path)
-    cfg = record["config"] if record else config_from_state_dict(sd, path)
+    cfg = (record or {}).get("config") or config_from_state_dict(sd, path)
     # Either name of the token embedding may be missing: both are the same tensor.
     emb = sd.get("shared.weight", sd.get("encoder.embed_tokens.weight"))
     if emb is None:
