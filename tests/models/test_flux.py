@@ -235,3 +235,33 @@ def test_full_size_keys_and_shapes_match_diffusers(config, params):
                       flux_checkpoint.bfl_to_diffusers(sd, config)):
         assert {k: v.shape for k, v in converted.items()} == want
     assert sum(p.numel() for p in ours.parameters()) == params
+
+
+def test_fp8_base_machinery_covers_the_transformer():
+    """fp8_base's existing layer swap (library/models/fp8.py) takes every Linear of the FLUX
+    transformer (all of its weight matrices): the forward equals a float32 model whose weights are
+    rounded to float8, and gradients reach the input through the up-casting backward."""
+    import copy
+
+    from library.models import fp8
+
+    config = CONFIGS["dev"]
+    model = random_flux(config)
+    rounded = copy.deepcopy(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(fp8.eligible(m) for m in linears)
+    with torch.no_grad():
+        for m in linears:
+            m.weight.data = m.weight.data.to(fp8.FP8)
+        for m in rounded.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(m.weight.to(fp8.FP8).float())
+    assert fp8.install_forward(model, torch.float32) == len(linears)
+    x = _inputs(config)
+    img = x["img"].clone().requires_grad_(True)
+    out = model(**dict(x, img=img))
+    with torch.no_grad():
+        want = rounded(**x)
+    assert torch.equal(out.detach(), want)
+    out.square().mean().backward()
+    assert img.grad is not None and torch.isfinite(img.grad).all() and img.grad.abs().sum() > 0
