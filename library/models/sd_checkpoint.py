@@ -302,7 +302,7 @@ def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
 
     import torch
 
-    if path.endswith(".safetensors"):
+    if path.endswith((".safetensors", ".sft")):  # .sft: BFL's name for FLUX.1 files
         from safetensors import safe_open
         from safetensors.torch import load_file
         try:
