@@ -90,6 +90,35 @@ def detect_variant(state_dict: dict) -> str | None:
     return "sd3.5-medium" if any(".x_block.attn2." in k for k in sd) else "sd3.5-large"
 
 
+def detect_source(name_or_path: str) -> str | None:
+    """The SD3 variant of a source without loading weights (a safetensors header, a diffusers
+    transformer config, a built-in name), or None when it is not an SD3 model: what a dry run
+    and the family choice need."""
+    path = os.path.expanduser(name_or_path)
+    if not os.path.exists(path):
+        return tiny_sd3.NAMES.get(name_or_path)
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "transformer", "config.json")
+        if not os.path.isfile(cfg_path):
+            return None
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        if cfg.get("_class_name") != "SD3Transformer2DModel":
+            return None
+        if not cfg.get("qk_norm"):
+            return "sd3"
+        return "sd3.5-medium" if cfg.get("dual_attention_layers") else "sd3.5-large"
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                return detect_variant(dict.fromkeys(f.keys()))
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise SD3ModelError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+    return None
+
+
 # --- diffusers <-> SAI transformer keys ----------------------------------------------------------
 
 _TOP = {"pos_embed.proj": "x_embedder.proj",

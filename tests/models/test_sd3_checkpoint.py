@@ -181,3 +181,30 @@ def test_bad_sources_are_one_line_errors(tiny, tmp_path):
     sd3_checkpoint.save_sd3(tiny, no_meta, embed_config=False)
     with pytest.raises(sd3.SD3ModelError, match="clip_l is 32 wide, not 768"):
         sd3_checkpoint.load_sd3(no_meta)
+
+
+def test_detect_source_without_loading(tiny, tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    sd3_checkpoint.save_sd3(tiny, path)
+    assert sd3_checkpoint.detect_source(path) == "sd3.5-medium"
+    assert sd3_checkpoint.detect_source("tiny-sd3.5-large") == "sd3.5-large"
+    assert sd3_checkpoint.detect_source("tiny-sdxl") is None
+    other = str(tmp_path / "sdxl.safetensors")
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1)}, other)
+    assert sd3_checkpoint.detect_source(other) is None
+    folder = tmp_path / "pipe" / "transformer"
+    os.makedirs(folder)
+    (folder / "config.json").write_text(json.dumps(sd3_checkpoint.diffusers_config(sd3.tiny_config("sd3.5-large"))))
+    assert sd3_checkpoint.detect_source(str(tmp_path / "pipe")) == "sd3.5-large"
+
+
+def test_fp8_stored_weights_load_upcast(tiny, tmp_path):
+    # fp8-stored transformer files (as shared for SD3.5): each tensor is upcast into the float32 model
+    path = str(tmp_path / "fp8.safetensors")
+    sd = {k: (v.to(torch.float8_e4m3fn) if k.startswith(sd3.PREFIX) and not k.endswith("pos_embed") else v)
+          for k, v in sd3_checkpoint.single_file_state_dict(tiny).items()}
+    save_file(sd, path, metadata={sd3_checkpoint.META_KEY: json.dumps(sd3_checkpoint.config_record(tiny))})
+    back = sd3_checkpoint.load_sd3(path)
+    w = back.mmdit.joint_blocks[0].x_block.attn.qkv.weight
+    assert w.dtype == torch.float32
+    assert torch.equal(w, tiny.mmdit.joint_blocks[0].x_block.attn.qkv.weight.to(torch.float8_e4m3fn).float())

@@ -113,3 +113,19 @@ def test_bad_weights_are_one_line_errors():
         sd3.build_mmdit(model.config, wrong, "f.safetensors")
     with pytest.raises(sd3.SD3ModelError, match="exceed"):
         model(torch.zeros(1, 16, 40, 8), torch.zeros(1), torch.zeros(1, 96), torch.zeros(1, 3, 128))
+
+
+def test_gradient_checkpointing_same_output_and_gradients():
+    model = _random_model("sd3.5-medium").train()
+    g = torch.Generator().manual_seed(2)
+    args = (torch.randn(1, 16, 4, 4, generator=g), torch.tensor([300.0]), torch.randn(1, 96, generator=g),
+            torch.randn(1, 5, 128, generator=g))
+    plain = model(*args)
+    plain.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.enable_gradient_checkpointing()
+    ckpt = model(*args)
+    ckpt.square().mean().backward()
+    assert torch.equal(ckpt, plain)
+    assert all(torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-8) for n, p in model.named_parameters())
