@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -223,6 +223,8 @@ def _build_clip(which: str, sd: dict, config: dict, source: str):
     if sd and all(k.startswith("transformer.") for k in sd):
         sd = _without("transformer.", sd)
     sd = {k: v for k, v in sd.items() if not k.endswith("position_ids")}
+    if not sd:
+        raise SD3ModelError(f"{source}: no {which} weights")
     model = CLIPTextModelWithProjection(CLIPTextConfig(**config))
     if which == "clip_l" and "text_projection.weight" not in sd:
         sd["text_projection.weight"] = torch.eye(config["hidden_size"], dtype=next(iter(sd.values())).dtype)
@@ -369,7 +371,7 @@ def _load_file(path: str, t5_loader, allow_pickle: bool, separate: dict) -> SD3M
             raise SD3ModelError(f"{path}: metadata {META_KEY} is not valid JSON") from None
     cfg = sd3.config_from_state_dict(sd, path)
     if record and record.get("sample_size"):
-        cfg = sd3.replace(cfg, sample_size=int(record["sample_size"]))
+        cfg = replace(cfg, sample_size=int(record["sample_size"]))
     mmdit = sd3.build_mmdit(cfg, sd, path).eval()
     in_source = {"mmdit"}
     encoders: dict[str, Any] = {"clip_l": None, "clip_g": None}
@@ -415,7 +417,7 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
     try:
         ref = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True)
         sai = mmdit_from_diffusers(ref.state_dict(), os.path.join(folder, "transformer"))
-        cfg = sd3.replace(sd3.config_from_state_dict(sai, folder), sample_size=int(ref.config.sample_size))
+        cfg = replace(sd3.config_from_state_dict(sai, folder), sample_size=int(ref.config.sample_size))
         del ref
         mmdit = sd3.build_mmdit(cfg, sai, folder).eval()
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True).eval()

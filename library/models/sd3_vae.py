@@ -53,9 +53,9 @@ def load_vae(state_dict: dict, source: str = "checkpoint", config: dict | None =
     diffusers-layout ones; ``config`` defaults to the one the shapes say."""
     sd = strip_prefix(state_dict)
     if config is None:
-        if any(k.startswith("encoder.down_blocks.") for k in sd):
-            raise SD3ModelError(f"{source}: a diffusers-layout VAE needs its config.json")
-        config = config_from_state_dict(sd, source)
+        # diffusers-layout weights carry no level structure in their names to read: SD3's own VAE
+        diffusers_layout = any(k.startswith("encoder.down_blocks.") for k in sd)
+        config = vae_config() if diffusers_layout else config_from_state_dict(sd, source)
     with tempfile.TemporaryDirectory(prefix="sdtk-sd3-vae-") as tmp:
         os.makedirs(os.path.join(tmp, "vae"))
         with open(os.path.join(tmp, "vae", "config.json"), "w") as f:

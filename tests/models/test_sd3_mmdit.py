@@ -2,6 +2,7 @@
 the same weights with diffusers' own single-file conversion."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -71,7 +72,7 @@ def test_config_read_back_from_weights(variant):
     model = _random_model(variant)
     sd = {sd3.PREFIX + k: v for k, v in model.state_dict().items()}
     cfg = sd3.config_from_state_dict(sd)
-    assert cfg == sd3.replace(model.config, sample_size=sd3.MMDiTConfig(depth=1).sample_size)
+    assert cfg == dataclasses.replace(model.config, sample_size=sd3.MMDiTConfig(depth=1).sample_size)
     assert cfg.variant == variant
 
 
