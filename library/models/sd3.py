@@ -360,24 +360,29 @@ class MMDiT(nn.Module):
         return x.reshape(b, -1, H, W)
 
 
-def build_mmdit(config: MMDiTConfig, state_dict: dict | None = None, source: str = "checkpoint") -> MMDiT:
-    """An MMDiT of ``config``; with ``state_dict`` (SAI layout, prefix optional) its weights,
-    every key required and none left over (one line naming the first mismatch)."""
-    model = MMDiT(config)
-    if state_dict is not None:
-        sd = strip_prefix(state_dict)
-        try:
-            missing, unexpected = model.load_state_dict(sd, strict=False)
-        except RuntimeError as e:  # a shape mismatch: torch lists every one over many lines
-            msg = first_line(e)
-            m = re.search(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\))"
-                          r".*current model is (torch\.Size\(\[[^\]]*\]\))", str(e))
-            if m:
-                msg = f"{m.group(1)} has shape {m.group(2)[11:-1]}, the model needs {m.group(3)[11:-1]}"
-            raise SD3ModelError(f"{source}: the SD3 transformer weights do not fit: {msg}") from None
-        if missing:
-            raise SD3ModelError(f"{source}: SD3 transformer weights missing (e.g. {missing[0]}; {len(missing)} tensors)")
-        if unexpected:
-            raise SD3ModelError(f"{source}: unexpected SD3 transformer weights (e.g. {unexpected[0]}; "
-                                f"{len(unexpected)} tensors)")
+def build_mmdit(config: MMDiTConfig, state_dict: dict | None = None, source: str = "checkpoint",
+                dtype: torch.dtype = torch.float32) -> MMDiT:
+    """An MMDiT of ``config``: random weights, or with ``state_dict`` (SAI layout, prefix
+    optional) its weights cast to ``dtype`` (fp8-stored files are upcast), every key required and
+    none left over (one line naming the first mismatch). A loaded model is built on the meta
+    device and takes the file's tensors: no time spent on random weights it would overwrite."""
+    if state_dict is None:
+        return MMDiT(config)
+    with torch.device("meta"):
+        model = MMDiT(config)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in strip_prefix(state_dict).items()}
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    except RuntimeError as e:  # a shape mismatch: torch lists every one over many lines
+        msg = first_line(e)
+        m = re.search(r"size mismatch for ([^:]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\))"
+                      r".*current model is (torch\.Size\(\[[^\]]*\]\))", str(e))
+        if m:
+            msg = f"{m.group(1)} has shape {m.group(2)[11:-1]}, the model needs {m.group(3)[11:-1]}"
+        raise SD3ModelError(f"{source}: the SD3 transformer weights do not fit: {msg}") from None
+    if missing:
+        raise SD3ModelError(f"{source}: SD3 transformer weights missing (e.g. {missing[0]}; {len(missing)} tensors)")
+    if unexpected:
+        raise SD3ModelError(f"{source}: unexpected SD3 transformer weights (e.g. {unexpected[0]}; "
+                            f"{len(unexpected)} tensors)")
     return model

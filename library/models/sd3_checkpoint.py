@@ -218,18 +218,23 @@ def _without(prefix: str, sd: dict) -> dict:
 
 
 def _build_clip(which: str, sd: dict, config: dict, source: str):
+    """A CLIPTextModelWithProjection with the weights ``sd`` (transformers layout, float32). Built
+    with empty parameters that take the file's tensors (no random initialisation of a 700M-parameter
+    CLIP-G to throw away)."""
+    from accelerate import init_empty_weights
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     if sd and all(k.startswith("transformer.") for k in sd):
         sd = _without("transformer.", sd)
-    sd = {k: v for k, v in sd.items() if not k.endswith("position_ids")}
+    sd = {k: v.float() for k, v in sd.items() if not k.endswith("position_ids")}
     if not sd:
         raise SD3ModelError(f"{source}: no {which} weights")
-    model = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+    with init_empty_weights(include_buffers=False):
+        model = CLIPTextModelWithProjection(CLIPTextConfig(**config))
     if which == "clip_l" and "text_projection.weight" not in sd:
-        sd["text_projection.weight"] = torch.eye(config["hidden_size"], dtype=next(iter(sd.values())).dtype)
+        sd["text_projection.weight"] = torch.eye(config["hidden_size"])
     try:
-        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e:
         raise SD3ModelError(f"{source}: the {which} weights do not fit its configuration "
                             f"(custom sizes load only from files this toolkit wrote): {first_line(e)}") from None
