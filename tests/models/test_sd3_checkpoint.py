@@ -92,6 +92,17 @@ def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
         tiny.mmdit).state_dict().items())
     vae = AutoencoderKL.from_single_file(path, config=str(cfg_dir), subfolder="vae", local_files_only=True)
     assert all(torch.equal(v, vae.state_dict()[k]) for k, v in tiny.vae.state_dict().items())
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+    from transformers import CLIPTextModelWithProjection
+
+    state = load_file(path)
+    for which, sub in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2")):
+        os.makedirs(cfg_dir / sub)
+        (cfg_dir / sub / "config.json").write_text(json.dumps(getattr(tiny, which).config.to_dict()))
+        clip = create_diffusers_clip_model_from_ldm(CLIPTextModelWithProjection, state, subfolder=sub,
+                                                    config=str(cfg_dir), local_files_only=True)
+        ours = getattr(tiny, which).state_dict()
+        assert all(torch.equal(v, ours[k]) for k, v in clip.state_dict().items() if not k.endswith("position_ids"))
 
 
 def test_transformer_file_with_separate_component_files(tiny, tmp_path):
