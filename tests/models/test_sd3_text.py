@@ -116,3 +116,25 @@ def test_drop_one_encoder_zeros_or_empty_caption(parts):
     assert torch.equal(t.lg_out, enc.lg_out)
     with pytest.raises(ValueError, match="which"):
         sd3_text.drop_encoder(enc, "clip_x", [0])
+
+
+def test_matches_diffusers_sd3_pipeline_encode_prompt(tmp_path):
+    # diffusers' StableDiffusion3Pipeline, loaded from our diffusers-layout save of tiny-sd3, builds
+    # the same context and pooled vector (no T5: 77 zero tokens of the context width)
+    from diffusers import StableDiffusion3Pipeline
+
+    from library.models import sd3_checkpoint
+
+    model = sd3_checkpoint.load_sd3("tiny-sd3")
+    model.layout = sd3_checkpoint.LAYOUT_DIFFUSERS
+    sd3_checkpoint.save_sd3(model, str(tmp_path / "pipe"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "pipe"), text_encoder_3=None, tokenizer_3=None,
+                                                    local_files_only=True)
+    with torch.no_grad():
+        # (diffusers pads with max_sequence_length zero tokens, 256 by default; sd-scripts with 77)
+        ref_ctx, _, ref_pooled, _ = pipe.encode_prompt(CAPTIONS, CAPTIONS, CAPTIONS, do_classifier_free_guidance=False,
+                                                       max_sequence_length=77)
+        tokens = sd3_text.tokenize(CAPTIONS, model.tokenizer_l, model.tokenizer_g)
+        ctx, pooled = sd3_text.condition(sd3_text.encode(tokens, model.clip_l, model.clip_g), WIDTH)
+    assert ctx.shape == ref_ctx.shape == (2, 154, WIDTH)
+    assert torch.allclose(ctx, ref_ctx, atol=1e-6) and torch.allclose(pooled, ref_pooled, atol=1e-6)
