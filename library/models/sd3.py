@@ -25,14 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from library.errors import UserError, first_line
+from library.errors import first_line
+from library.models.loading import ModelError
 
 HEAD_DIM = 64  # SAI: hidden = 64 * depth, heads = depth
 PREFIX = "model.diffusion_model."  # the transformer's keys in an all-in-one file
 
 
-class SD3ModelError(UserError, ValueError):
-    """SD3 weights that do not form a model; the message is one line naming the file or key."""
+class SD3ModelError(ModelError):
+    """SD3 weights or sources that do not form a model; one line naming the file, key or option."""
 
 
 @dataclass(frozen=True)

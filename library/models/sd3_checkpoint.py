@@ -316,6 +316,9 @@ def load_sd3(name_or_path: str, *, clip_l: str | None = None, clip_g: str | None
     files, sd-scripts' `clip_l`, `clip_g`, `t5xxl`, `ae`) or a diffusers folder."""
     path = os.path.expanduser(name_or_path)
     separate = {"clip_l": clip_l, "clip_g": clip_g, "ae": ae, "t5xxl": t5xxl}
+    for option, given in separate.items():  # before any weight loads
+        if given and not os.path.isfile(os.path.expanduser(given)):
+            raise SD3ModelError(f"{option}: no such file: {given}")
     if os.path.isfile(path):
         return _load_file(path, t5_loader, allow_pickle, separate)
     if os.path.isdir(path):

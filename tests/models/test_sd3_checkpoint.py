@@ -183,6 +183,8 @@ def test_t5_weights_are_carried_or_given_to_the_loader(tiny, tmp_path):
 def test_bad_sources_are_one_line_errors(tiny, tmp_path):
     with pytest.raises(sd3.SD3ModelError, match="no such file"):
         sd3_checkpoint.load_sd3(str(tmp_path / "missing.safetensors"))
+    with pytest.raises(sd3.SD3ModelError, match="^clip_g: no such file: .*nope.safetensors$"):
+        sd3_checkpoint.load_sd3("tiny-sd3", clip_g=str(tmp_path / "nope.safetensors"))
     other = str(tmp_path / "sdxl.safetensors")
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(4, 4)}, other)
     with pytest.raises(sd3.SD3ModelError, match="no SD3 transformer weights"):
