@@ -130,3 +130,16 @@ def test_gradient_checkpointing_same_output_and_gradients():
     ckpt.square().mean().backward()
     assert torch.equal(ckpt, plain)
     assert all(torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-8) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("config, diffusers_type", [(sd3.SD3_MEDIUM, "sd3"), (sd3.SD35_MEDIUM, "sd35_medium"),
+                                                    (sd3.SD35_LARGE, "sd35_large")])
+def test_released_configs_are_what_diffusers_recognises(config, diffusers_type):
+    # diffusers tells the released files apart by key names and shapes: the full-size configs
+    # (built on the meta device: shapes only) must produce those
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    with torch.device("meta"):
+        sd = {sd3.PREFIX + k: v for k, v in sd3.MMDiT(config).state_dict().items()}
+    assert infer_diffusers_model_type(sd) == diffusers_type
+    assert sd3.config_from_state_dict(sd) == dataclasses.replace(config, sample_size=128)
