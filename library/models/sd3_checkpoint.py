@@ -256,7 +256,9 @@ def _clip_config(which: str, sd: dict, record: dict | None, source: str) -> dict
     return config
 
 
-def _shipped_tokenizers():
+def shipped_tokenizers():
+    """CLIP-L and CLIP-G tokenizers from CLIP's shipped vocabulary (configs/tokenizers/clip); CLIP-G pads
+    with "!" (id 0)."""
     from transformers import CLIPTokenizer
 
     return (CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER),
@@ -299,7 +301,7 @@ def _tokenizers_from_record(record: dict | None):
 
     files = (record or {}).get("tokenizer_l", {}).get("files")
     if not files:
-        return _shipped_tokenizers()
+        return shipped_tokenizers()
     with tempfile.TemporaryDirectory(prefix="sdtk-sd3-tok-") as tmp:
         for name, text in files.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
@@ -441,7 +443,7 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
         tok_l = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
         tok_g = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", pad_token="!")
     else:
-        tok_l, tok_g = _shipped_tokenizers()
+        tok_l, tok_g = shipped_tokenizers()
     model = SD3Model(mmdit, clip_l, clip_g, vae, tok_l, tok_g, source=folder, layout=LAYOUT_DIFFUSERS,
                      in_source=frozenset({"mmdit", "clip_l", "clip_g", "vae"}))
     t5_dir = os.path.join(folder, "text_encoder_3")

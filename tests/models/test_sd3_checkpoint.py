@@ -221,3 +221,27 @@ def test_fp8_stored_weights_load_upcast(tiny, tmp_path):
     w = back.mmdit.joint_blocks[0].x_block.attn.qkv.weight
     assert w.dtype == torch.float32
     assert torch.equal(w, tiny.mmdit.joint_blocks[0].x_block.attn.qkv.weight.to(torch.float8_e4m3fn).float())
+
+
+def test_diffusers_folder_t5_given_to_the_loader_or_copied(tiny, tmp_path):
+    src = str(tmp_path / "src")
+    sd3_checkpoint.save_sd3(sd3_checkpoint.SD3Model(**{**tiny.__dict__, "layout": sd3_checkpoint.LAYOUT_DIFFUSERS}), src)
+    t5 = {"shared.weight": torch.randn(10, 8)}
+    os.makedirs(os.path.join(src, "text_encoder_3"))
+    save_file(t5, os.path.join(src, "text_encoder_3", "model.safetensors"))
+    seen = {}
+    sd3_checkpoint.load_sd3(src, t5_loader=lambda sd, where: seen.update(sd) or torch.nn.Linear(1, 1))
+    assert set(seen) == set(t5) and torch.equal(seen["shared.weight"], t5["shared.weight"])
+    # without a T5 module the save keeps the source folder's T5 as it was
+    plain = sd3_checkpoint.load_sd3(src)
+    out = str(tmp_path / "out")
+    sd3_checkpoint.save_sd3(plain, out)
+    assert torch.equal(load_file(os.path.join(out, "text_encoder_3", "model.safetensors"))["shared.weight"],
+                       t5["shared.weight"])
+    assert json.loads(open(os.path.join(out, "model_index.json")).read())["text_encoder_3"][0] == "transformers"
+
+
+def test_real_files_use_clips_shipped_tokenizer():
+    tok_l, tok_g = sd3_checkpoint.shipped_tokenizers()
+    assert len(tok_l) == 49408 and tok_l.pad_token_id == 49407  # CLIP-L pads with its end token
+    assert tok_g.pad_token_id == 0  # CLIP-G with "!" (sd-scripts: pad_token_id = 0)
