@@ -77,6 +77,12 @@ def _states(out: Any) -> torch.Tensor:
     return out[0]
 
 
+def _device_of(encoder, default: torch.device) -> torch.device:
+    if isinstance(encoder, torch.nn.Module):
+        return next(iter(encoder.parameters()), torch.empty(0, device=default)).device
+    return getattr(encoder, "device", default)
+
+
 def _clip(model, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     device = model.device
     out = model(ids.to(device), mask.to(device) if mask is not None else None, output_hidden_states=True)
@@ -90,8 +96,9 @@ def encode(tokens: SD3Tokens, clip_l, clip_g, t5: Callable | None = None, *, app
     g_out, g_pooled = _clip(clip_g, tokens.g_ids, tokens.g_mask if apply_lg_attn_mask else None)
     t5_out = None
     if t5 is not None and tokens.t5_ids is not None:
-        mask = tokens.t5_mask if apply_t5_attn_mask else None
-        t5_out = _states(t5(tokens.t5_ids, mask))
+        device = _device_of(t5, tokens.t5_ids.device)
+        mask = tokens.t5_mask.to(device) if apply_t5_attn_mask else None
+        t5_out = _states(t5(tokens.t5_ids.to(device), mask))
     return SD3TextEncoding(lg_out=torch.cat([l_out, g_out], dim=-1), lg_pooled=torch.cat([l_pooled, g_pooled], dim=-1),
                            width_l=l_out.shape[-1], t5_out=t5_out, l_mask=tokens.l_mask, g_mask=tokens.g_mask,
                            t5_mask=tokens.t5_mask if t5_out is not None else None)
