@@ -1,7 +1,8 @@
 """SD3 / SD3.5 models from the sources sd-scripts takes, and saved back in the layout they came from.
 
 Sources:
-- a built-in name: `tiny-sd3`, `tiny-sd3.5-medium`, `tiny-sd3.5-large` (library/models/tiny_sd3.py);
+- a built-in name: `tiny-sd3`, `tiny-sd3.5-medium`, `tiny-sd3.5-large`, and the full-size random
+  `sd3-arch`, `sd3.5-medium-arch`, `sd3.5-large-arch` (library/models/sd3_builtins.py);
 - an SAI single file: the transformer under `model.diffusion_model.` (or without a prefix), and
   in an all-in-one file also `text_encoders.clip_l.transformer.*`, `text_encoders.clip_g.transformer.*`,
   `text_encoders.t5xxl.transformer.*` (transformers layouts) and `first_stage_model.*` (the VAE,
@@ -32,8 +33,8 @@ from typing import Any, Callable
 import torch
 
 from library.errors import first_line
-from library.models import sd3, sd3_vae, sd_checkpoint, tiny_sd3
-from library.models.loading import SHIPPED_TOKENIZER, quiet_progress
+from library.models import sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
+from library.models.loading import quiet_progress
 from library.models.sd3 import SD3ModelError
 from library.outputs.saving import atomic_dir, atomic_path
 
@@ -45,13 +46,6 @@ META_KEY = "sdtk.sd3_config"
 LAYOUT_FILE = "sai"  # an SAI single file (with separate component files or not)
 LAYOUT_DIFFUSERS = "diffusers"
 
-# SD3's CLIP encoders (sd-scripts' sd3_utils configs); SAI's CLIP-L has no projection (identity).
-CLIP_L_CONFIG = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                     num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
-                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2, projection_dim=768)
-CLIP_G_CONFIG = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
-                     num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu",
-                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2, projection_dim=1280)
 SCHEDULER_CONFIG = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
 
 
@@ -96,7 +90,7 @@ def detect_source(name_or_path: str) -> str | None:
     and the family choice need."""
     path = os.path.expanduser(name_or_path)
     if not os.path.exists(path):
-        return tiny_sd3.NAMES.get(name_or_path)
+        return sd3_builtins.variant_of(name_or_path)
     if os.path.isdir(path):
         cfg_path = os.path.join(path, "transformer", "config.json")
         if not os.path.isfile(cfg_path):
@@ -247,22 +241,13 @@ def _build_clip(which: str, sd: dict, config: dict, source: str):
 def _clip_config(which: str, sd: dict, record: dict | None, source: str) -> dict:
     if record is not None and which in record:
         return record[which]
-    config = CLIP_L_CONFIG if which == "clip_l" else CLIP_G_CONFIG
+    config = sd3_text.CLIP_L_CONFIG if which == "clip_l" else sd3_text.CLIP_G_CONFIG
     key = next((k for k in sd if k.endswith("token_embedding.weight")), None)
     if key is None or sd[key].shape[1] != config["hidden_size"]:
         width = sd[key].shape[1] if key else "unknown"
         raise SD3ModelError(f"{source}: {which} is {width} wide, not {config['hidden_size']}; custom sizes load "
                             f"only from files this toolkit wrote (they carry {META_KEY})")
     return config
-
-
-def shipped_tokenizers():
-    """CLIP-L and CLIP-G tokenizers from CLIP's shipped vocabulary (configs/tokenizers/clip); CLIP-G pads
-    with "!" (id 0)."""
-    from transformers import CLIPTokenizer
-
-    return (CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER),
-            CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER, pad_token="!"))
 
 
 # --- the record carried in files this toolkit writes ---------------------------------------------
@@ -285,7 +270,7 @@ def config_record(model: SD3Model) -> dict:
 def _tokenizer_record(tok) -> dict:
     """{"shipped": "clip"} for CLIP's own vocabulary (configs/tokenizers/clip), else the files of
     a small one (the tiny models')."""
-    if len(tok.get_vocab()) == CLIP_L_CONFIG["vocab_size"]:
+    if len(tok.get_vocab()) == sd3_text.CLIP_L_CONFIG["vocab_size"]:
         return {"shipped": "clip"}
     with tempfile.TemporaryDirectory() as tmp:
         tok.save_pretrained(tmp)
@@ -301,7 +286,7 @@ def _tokenizers_from_record(record: dict | None):
 
     files = (record or {}).get("tokenizer_l", {}).get("files")
     if not files:
-        return shipped_tokenizers()
+        return sd3_text.shipped_tokenizers()
     with tempfile.TemporaryDirectory(prefix="sdtk-sd3-tok-") as tmp:
         for name, text in files.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
@@ -326,8 +311,8 @@ def load_sd3(name_or_path: str, *, clip_l: str | None = None, clip_g: str | None
     if os.path.isdir(path):
         with quiet_progress():
             model = _load_folder(path, t5_loader)
-    elif name_or_path in tiny_sd3.NAMES:
-        comps = tiny_sd3.build_tiny_sd3(name_or_path)
+    elif sd3_builtins.variant_of(name_or_path) is not None:
+        comps = sd3_builtins.build_builtin(name_or_path)
         model = SD3Model(comps["mmdit"], comps["clip_l"], comps["clip_g"], comps["vae"], comps["tokenizer_l"],
                          comps["tokenizer_g"], source=name_or_path, layout=LAYOUT_FILE,
                          in_source=frozenset({"mmdit", "clip_l", "clip_g", "vae"}))
@@ -443,7 +428,7 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
         tok_l = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
         tok_g = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", pad_token="!")
     else:
-        tok_l, tok_g = shipped_tokenizers()
+        tok_l, tok_g = sd3_text.shipped_tokenizers()
     model = SD3Model(mmdit, clip_l, clip_g, vae, tok_l, tok_g, source=folder, layout=LAYOUT_DIFFUSERS,
                      in_source=frozenset({"mmdit", "clip_l", "clip_g", "vae"}))
     t5_dir = os.path.join(folder, "text_encoder_3")

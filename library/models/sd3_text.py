@@ -24,6 +24,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from library.models.loading import SHIPPED_TOKENIZER
+
+# SD3's CLIP encoders (sd-scripts' sd3_utils configs); SAI's CLIP-L has no projection (identity).
+CLIP_L_CONFIG = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2, projection_dim=768)
+CLIP_G_CONFIG = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                     num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu",
+                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2, projection_dim=1280)
+
 CLIP_LENGTH = 77  # both CLIP tokenizers pad / truncate to 77
 ENCODERS = ("clip_l", "clip_g", "t5")
 
@@ -49,6 +59,15 @@ class SD3TextEncoding:
     l_mask: torch.Tensor | None = None
     g_mask: torch.Tensor | None = None
     t5_mask: torch.Tensor | None = None
+
+
+def shipped_tokenizers():
+    """CLIP-L and CLIP-G tokenizers from CLIP's shipped vocabulary (configs/tokenizers/clip); CLIP-G pads
+    with "!" (id 0)."""
+    from transformers import CLIPTokenizer
+
+    return (CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER),
+            CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER, pad_token="!"))
 
 
 def tokenize(captions: str | Sequence[str], clip_l_tokenizer, clip_g_tokenizer, t5_tokenizer=None,

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import sd3, sd3_checkpoint, sd3_vae
+from library.models import sd3, sd3_checkpoint, sd3_text, sd3_vae
 
 COMPONENTS = ("mmdit", "clip_l", "clip_g", "vae")
 
@@ -242,6 +242,20 @@ def test_diffusers_folder_t5_given_to_the_loader_or_copied(tiny, tmp_path):
 
 
 def test_real_files_use_clips_shipped_tokenizer():
-    tok_l, tok_g = sd3_checkpoint.shipped_tokenizers()
+    tok_l, tok_g = sd3_text.shipped_tokenizers()
     assert len(tok_l) == 49408 and tok_l.pad_token_id == 49407  # CLIP-L pads with its end token
     assert tok_g.pad_token_id == 0  # CLIP-G with "!" (sd-scripts: pad_token_id = 0)
+
+
+@pytest.mark.parametrize("name, billions, tol", [("sd3-arch", 2.0, 0.1), ("sd3.5-medium-arch", 2.5, 0.05),
+                                                 ("sd3.5-large-arch", 8.1, 0.05)])
+def test_full_size_builtins_have_the_published_sizes(name, billions, tol):
+    # Stability AI's announced sizes (SD3 Medium 2B, SD3.5 Medium 2.5B, SD3.5 Large 8.1B) count
+    # the transformer checkpoint's tensors, the saved position table included; shapes only (meta)
+    from library.models import sd3_builtins
+
+    comps = sd3_builtins.build_builtin(name, device="meta")
+    n = sum(v.numel() for v in comps["mmdit"].state_dict().values())
+    assert abs(n / 1e9 - billions) < tol, n
+    assert comps["vae"].config.latent_channels == 16 and comps["clip_g"].config.hidden_size == 1280
+    assert sd3_checkpoint.detect_source(name) == comps["mmdit"].config.variant

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.models import sd3_text, tiny_sd3
+from library.models import sd3_text, sd3_builtins
 
 CAPTIONS = ["a photo of a sks dog", "red cat"]
 T5_LEN = 12
@@ -29,7 +29,7 @@ class T5StandIn(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def parts():
-    return tiny_sd3.build_tiny_sd3("tiny-sd3")
+    return sd3_builtins.build_builtin("tiny-sd3")
 
 
 def _tokens(parts, captions=CAPTIONS, t5=True):

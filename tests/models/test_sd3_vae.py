@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.models import sd3, sd3_vae, tiny_sd3
+from library.models import sd3, sd3_vae, sd3_builtins
 
 
 def test_real_sd3_vae_config_read_back_from_its_ldm_keys():
@@ -25,7 +25,7 @@ def test_tiny_vae_round_trip_and_scaling():
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = AutoencoderKL.from_config(tiny_sd3.vae_config()).eval()
+    vae = AutoencoderKL.from_config(sd3_builtins.vae_config()).eval()
     for prefix in (sd3_vae.PREFIX, ""):
         back = sd3_vae.load_vae(sd3_vae.to_original(vae, prefix=prefix), "ae.safetensors")
         assert all(torch.equal(v, back.state_dict()[k]) for k, v in vae.state_dict().items())
