@@ -143,3 +143,20 @@ def test_released_configs_are_what_diffusers_recognises(config, diffusers_type):
         sd = {sd3.PREFIX + k: v for k, v in sd3.MMDiT(config).state_dict().items()}
     assert infer_diffusers_model_type(sd) == diffusers_type
     assert sd3.config_from_state_dict(sd) == dataclasses.replace(config, sample_size=128)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_weight_reaches_the_output(variant):
+    # a flow-matching step (target noise - latents) gives every parameter a non-zero gradient: no
+    # weight that the file holds but the forward ignores. One exception, SAI's too: the last
+    # (pre-only) context block's outputs are dropped, so its queries, and their qk norm, reach nothing.
+    model = _random_model(variant).train()
+    g = torch.Generator().manual_seed(3)
+    latents, noise = torch.randn(2, 16, 4, 4, generator=g), torch.randn(2, 16, 4, 4, generator=g)
+    sigma = torch.tensor([0.3, 0.8])
+    noisy = (1 - sigma[:, None, None, None]) * latents + sigma[:, None, None, None] * noise
+    pred = model(noisy, sigma * 1000, torch.randn(2, 96, generator=g), torch.randn(2, 5, 128, generator=g))
+    torch.nn.functional.mse_loss(pred, noise - latents).backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    last = model.config.depth - 1
+    assert dead == ([f"joint_blocks.{last}.context_block.attn.ln_q.weight"] if model.config.qk_norm else []), dead
