@@ -262,6 +262,10 @@ def config_record(model: SD3Model) -> dict:
         rec["clip_g"] = model.clip_g.config.to_dict()
     if model.vae is not None:
         rec["vae"] = dict(model.vae.config)
+        if "_use_default_values" in rec["vae"]:
+            # a set in diffusers, in an order that follows the string-hash seed: sorted, the same
+            # model writes the same bytes in every run
+            rec["vae"]["_use_default_values"] = sorted(rec["vae"]["_use_default_values"])
     if model.tokenizer_l is not None:
         rec["tokenizer_l"] = _tokenizer_record(model.tokenizer_l)
     return json.loads(json.dumps(rec, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
