@@ -118,6 +118,7 @@ def encode(tokens: SD3Tokens, clip_l, clip_g, t5: Callable | None = None, *, app
         device = _device_of(t5, tokens.t5_ids.device)
         mask = tokens.t5_mask.to(device) if apply_t5_attn_mask else None
         t5_out = _states(t5(tokens.t5_ids.to(device), mask))
+    g_out, g_pooled = g_out.to(l_out.device), g_pooled.to(l_out.device)
     return SD3TextEncoding(lg_out=torch.cat([l_out, g_out], dim=-1), lg_pooled=torch.cat([l_pooled, g_pooled], dim=-1),
                            width_l=l_out.shape[-1], t5_out=t5_out, l_mask=tokens.l_mask, g_mask=tokens.g_mask,
                            t5_mask=tokens.t5_mask if t5_out is not None else None)
