@@ -469,16 +469,18 @@ def single_file_state_dict(model: SD3Model, components=None) -> dict:
     return out
 
 
-def save_sd3(model: SD3Model, path: str, *, dtype=None, metadata: dict | None = None, embed_config: bool = True) -> None:
-    """Save in the layout the model came from: a single file (the components its source file held)
-    or a diffusers folder. Atomic: a crash leaves the previous file or folder as it was."""
+def save_sd3(model: SD3Model, path: str, *, dtype=None, metadata: dict | None = None, embed_config: bool = True,
+             components=None) -> None:
+    """Save in the layout the model came from: a single file (the components its source file held,
+    or ``components``, e.g. with trained text encoders: sd-scripts' save_clip / save_t5xxl) or a
+    diffusers folder. Atomic: a crash leaves the previous file or folder as it was."""
     if model.layout == LAYOUT_DIFFUSERS:
         with atomic_dir(path) as tmp, quiet_progress():
             _write_diffusers(model, tmp, dtype)
         return
     from safetensors.torch import save_file
 
-    sd = _cast(single_file_state_dict(model), dtype)
+    sd = _cast(single_file_state_dict(model, components), dtype)
     meta = {k: str(v) for k, v in {**model.extra_metadata, **(metadata or {})}.items()}
     if embed_config:
         meta.setdefault(META_KEY, json.dumps(config_record(model)))

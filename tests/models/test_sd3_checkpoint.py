@@ -129,6 +129,11 @@ def test_transformer_file_with_separate_component_files(tiny, tmp_path):
     keys, _ = _keys(out)
     assert keys and all(k.startswith(sd3.PREFIX) for k in keys)
     assert keys == {sd3.PREFIX + k for k in tiny.mmdit.state_dict()}
+    # asked for (trained text encoders): the CLIPs go into the file too, in the all-in-one layout
+    sd3_checkpoint.save_sd3(back, out, components={"mmdit", "clip_l", "clip_g"})
+    with_clips = sd3_checkpoint.load_sd3(out, ae=str(tmp_path / "ae.safetensors"))
+    assert with_clips.in_source == frozenset({"mmdit", "clip_l", "clip_g"})
+    _assert_same(tiny, with_clips)
 
 
 def test_diffusers_folder_round_trip(tiny, tmp_path):
