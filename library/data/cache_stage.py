@@ -52,6 +52,6 @@ def text(opts, tset, c) -> dict:
     identity = text_cache.encoder_identity(c.bundle, te_dtype, opts.clip_skip, opts.max_token_length,
                                            weighted=opts.weighted_captions)
     return text_cache.encode_captions(
-        c.adapter, wanted, identity, clip_skip=opts.clip_skip,
+        c.family_model, wanted, identity, clip_skip=opts.clip_skip,
         batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
         to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)

@@ -36,7 +36,7 @@ def latent_slot(item, flipped: bool) -> tuple:
 
 class BatchLoss:
     """The loss of a run's batches over its components (library/training/run_state.py Components): reads
-    the losses, adapter, placement, bundle, method, accelerator and caches, writes nothing."""
+    the losses, family model, placement, bundle, method, accelerator and caches, writes nothing."""
 
     def __init__(self, opts, tset, c):
         self.opts, self.tset, self.c = opts, tset, c
@@ -68,7 +68,7 @@ class BatchLoss:
         def denoise():
             with c.accelerator.autocast():
                 held["cond"] = cond = conditioning()
-                return c.adapter.unet_forward(x.to(c.placement.input_dtype(c.placement.unet)),
+                return c.family_model.unet_forward(x.to(c.placement.input_dtype(c.placement.unet)),
                                               draw.timesteps, cond, size)
 
         pred = denoise() if forward is None else forward(denoise)
@@ -93,7 +93,7 @@ class BatchLoss:
         net.set_multiplier(0.0)
         try:
             with torch.no_grad(), c.accelerator.autocast():
-                return c.adapter.unet_forward(
+                return c.family_model.unet_forward(
                     x[rows].to(c.placement.input_dtype(c.placement.unet)), timesteps[rows],
                     cond, None if size_cond is None else size_cond[rows])
         finally:
@@ -199,8 +199,8 @@ class BatchLoss:
         # no_token_padding: unpadded ids (batch 1, checked before loading); validation and the
         # text-encoder cache always pad
         tokens = [t.to(c.accelerator.device)
-                  for t in c.adapter.tokenize(captions, pad=not opts.no_token_padding)]
+                  for t in c.family_model.tokenize(captions, pad=not opts.no_token_padding)]
         if c.method.train_text_encoder:
-            return c.adapter.encode(tokens, opts.clip_skip)
+            return c.family_model.encode(tokens, opts.clip_skip)
         with torch.no_grad():
-            return c.adapter.encode(tokens, opts.clip_skip)
+            return c.family_model.encode(tokens, opts.clip_skip)

@@ -74,7 +74,7 @@ class Components:
 
     accelerator: Any = None
     bundle: Any = None       # library/models/loading.py ModelBundle
-    adapter: Any = None      # library/models/family.py: tokenize / encode / U-Net forward of the family
+    family_model: Any = None  # library/models/family.py: tokenize / encode / U-Net forward of the family
     losses: Any = None       # library/training/losses.py Losses: noise schedule, draws, loss
     placement: Any = None    # library/models/placement.py Placement: the dtype of every part
     method: Any = None       # library/training/methods.py NetworkMethod / FullMethod

@@ -222,8 +222,8 @@ def inpaint_inputs(p: dict, seed: int):
     return img, Image.fromarray((m.numpy() * 255).astype("uint8"), mode="L")
 
 
-def _embeds(adapter, device, clip_skip, text: str):
-    return adapter.encode([t.to(device) for t in adapter.tokenize([text])], clip_skip)
+def _embeds(family_model, device, clip_skip, text: str):
+    return family_model.encode([t.to(device) for t in family_model.tokenize([text])], clip_skip)
 
 
 def sample_images(opts, c, step: int) -> list[str]:
@@ -256,7 +256,7 @@ def sample_images(opts, c, step: int) -> list[str]:
                 seed = prompt_seed(opts, p, i)
                 pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
                 with acc.autocast():
-                    pos, neg = (_embeds(c.adapter, acc.device, opts.clip_skip, p[k])
+                    pos, neg = (_embeds(c.family_model, acc.device, opts.clip_skip, p[k])
                                 for k in ("prompt", "negative_prompt"))
                     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
                     if c.bundle.family == "sdxl":

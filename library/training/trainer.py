@@ -68,7 +68,7 @@ class Run:
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
         # of a 4-channel model with train_inpainting widen its first convolution
         inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
-        c.adapter = family.adapter_for(b, max_token_length=opts.max_token_length,
+        c.family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
                                        weighted=opts.weighted_captions)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
@@ -104,7 +104,7 @@ class Run:
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = c.method.setup()
-        c.adapter.rewrite = c.method.prompt_rewrite()  # new tokens' N-vector expansion
+        c.family_model.rewrite = c.method.prompt_rewrite()  # new tokens' N-vector expansion
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 

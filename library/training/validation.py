@@ -226,8 +226,8 @@ class Validation:
                     def conditioning(text=text):
                         if c.caches.text is not None:  # encoded in the cache stage
                             return text_cache.stack([c.caches.text[text]] * len(ts), acc.device)
-                        tokens = [tk.to(acc.device) for tk in c.adapter.tokenize([text] * len(ts))]
-                        return c.adapter.encode(tokens, opts.clip_skip)
+                        tokens = [tk.to(acc.device) for tk in c.family_model.tokenize([text] * len(ts))]
+                        return c.family_model.encode(tokens, opts.clip_skip)
 
                     sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
                     mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
