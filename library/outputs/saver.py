@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.training import nonfinite
 
 logger = logging.getLogger("sdtk")
@@ -44,7 +45,7 @@ def _save_model(run, *, epoch=None, step=None) -> None:
         path = output_file(opts.output_dir, opts.output_name, ext, epoch=epoch, step=step)
         # nothing non-finite is written, and no good file replaced by it (every process)
         nonfinite.check_before_save(saved_tensors(c), path, acc)
-        if acc.is_main_process:
+        if is_main_process():
             os.makedirs(opts.output_dir, exist_ok=True)
             with frozen.available_for_save(c.frozen, c.method):  # a full model's file holds VAE and TEs
                 _write_model(run, path, meta)
@@ -69,10 +70,10 @@ def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
     if meta:
         meta["sdtk.ema_decay"] = str(c.ema.decay)
     with c.strategy.ema_weights(c):
-        if acc.is_main_process:
+        if is_main_process():
             with frozen.available_for_save(c.frozen, c.method):
                 _write_model(run, path, meta, "the EMA weights were")
-    if acc.is_main_process:
+    if is_main_process():
         logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
         run.saved.append(path)
     return path
@@ -102,7 +103,7 @@ def _save_states(run, *, epoch=None, step=None, final=False) -> None:
         path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
         train_state.write_state(run, path, logger)
         run.progress.last_state = (path, run.progress.global_step)
-    if acc.is_main_process and not final:
+    if is_main_process() and not final:
         _rotate(opts, run.parts.method, run.parts.ema is not None, epoch=epoch, step=step)
     acc.wait_for_everyone()
 

@@ -39,6 +39,7 @@ import logging
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
 from library.outputs import progress_stream
 
@@ -254,7 +255,7 @@ class Reporter:
         self.validated_at: int | None = None  # the step of the last validation / samples
         self.sampled_at: int | None = None
         # progress_file (library/outputs/progress_stream.py): main process only
-        self.stream = progress_stream.open_stream(opts, c.accelerator.is_main_process)
+        self.stream = progress_stream.open_stream(opts, is_main_process())
         self._saves_reported = 0
         self._state_reported = None
 
@@ -263,7 +264,7 @@ class Reporter:
         if not self._started:
             self._started = True
             o, c = self.opts, self.c
-            if (uses_tensorboard(o) or uses_wandb(o)) and c.accelerator.is_main_process:
+            if (uses_tensorboard(o) or uses_wandb(o)) and is_main_process():
                 self.tracker = Tracker(o, c.method, c.bundle)
         return self.tracker
 
@@ -282,7 +283,7 @@ class Reporter:
                               start_step=progress.global_step, output_dir=self.opts.output_dir,
                               output_name=self.opts.output_name)
         n = len(self.tset.val_items)
-        if n and self.c.accelerator.is_main_process:
+        if n and is_main_process():
             logger.info(f"validation_split {self.opts.validation_split}: {n} image(s) held out for "
                         f"the validation loss, {len(self.tset.train_items)} train")
         if self.opts.sample_at_first and self.opts.sample_prompts:

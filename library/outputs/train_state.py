@@ -46,6 +46,7 @@ import shutil
 import signal
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
 
 STATE_VERSION = 1
@@ -338,7 +339,7 @@ def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
 
     # the content of the model files and images (after the data check has named any new path)
     content_hash.check(info.get("content"), opts, tset, path, log)
-    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+    if log is not None and is_main_process():
         print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
               f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
               flush=True)
@@ -450,11 +451,11 @@ def write_state(run, path: str, log) -> None:
     if strategy.state_dir is not None:  # the strategy's own part, written by every process
         with _shared_atomic_dir(path, acc) as tmp:
             strategy.save_process_state(tmp, named_trainable(c), c)
-            if acc.is_main_process:
+            if is_main_process():
                 _write_files(run, tmp, stepper_state, rngs)
-    elif acc.is_main_process:
+    elif is_main_process():
         _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs))
-    if acc.is_main_process:
+    if is_main_process():
         log.info(f"saved training state {path} (step {run.progress.global_step}"
                  f"{strategy.state_note()})")
     acc.wait_for_everyone()
@@ -484,7 +485,7 @@ def _shared_atomic_dir(path: str, acc):
     from library.outputs.saving import atomic_dir
 
     multi = distributed._is_multi_process()
-    if acc.is_main_process:
+    if is_main_process():
         with atomic_dir(path) as tmp:
             if multi:
                 _broadcast_object(tmp)

@@ -26,6 +26,7 @@ import json
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.config import leco_prompts
 from library.errors import UserError
 from library.log import logger, setup_logging
@@ -64,7 +65,7 @@ def check_options(opts) -> None:
 
 
 def run(opts) -> LecoRun:
-    setup_logging()
+    setup_logging(is_main_process())
     import torch
     from accelerate.utils import set_seed
 

@@ -18,6 +18,7 @@ import functools
 import logging
 import signal
 
+from library.distributed.accelerator import is_main_process
 from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.training import nonfinite
 from library.training import step_sync
@@ -45,11 +46,11 @@ def train(run) -> None:
     signals = run.stop_signals
     # control_file (save_now / sample_now / stop): read by the main process at each step's
     # start, agreed by every process in the step's read, run by all after the step
-    control = progress_stream.control_channel(opts, acc.is_main_process)
+    control = progress_stream.control_channel(opts, is_main_process())
     start_epoch, start_batch = progress.position
     c.reporter.before_training(progress)  # validation images held out; sample_at_first
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
-               disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
+               disable=not is_main_process(), desc="steps", dynamic_ncols=True)
     done, stop = False, 0
     norm_postfix = {}  # scale_weight_norms' bar entries, as last read
     images_in = None  # without cached latents: decoded and augmented per step

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 
+from library.distributed.accelerator import is_main_process
 from library.training.host_memory import GIB, resident_bytes, trim_heap
 
 logger = logging.getLogger("sdtk")
@@ -241,7 +242,7 @@ def release_after_caching(opts, c, log: logging.Logger = logger) -> Frozen:
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
-    needed_later = bool(opts.sample_prompts) or (c.method.saves_full_model and acc.is_main_process)
+    needed_later = bool(opts.sample_prompts) or (c.method.saves_full_model and is_main_process())
     frozen.release(parts, needed_later, log)
     return frozen
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -281,7 +282,7 @@ def sample_images(opts, c, step: int) -> list[str]:
         for m, training in modes.items():
             m.training = training
     acc.wait_for_everyone()
-    if acc.is_main_process:
+    if is_main_process():
         logger.info(f"sample images at step {step}: {len(prompts)} in "
                     f"{os.path.join(opts.output_dir, 'sample')}")
     return written

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.distributed import accelerator as distributed
 from library.log import logger, setup_logging
 from library.training.plan import plan_run, print_plan
@@ -179,7 +180,7 @@ class Run:
 
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
-    setup_logging()
+    setup_logging(is_main_process())
     from library.distributed import deepspeed_zero as zero
     from library.outputs import output_checks, train_state
 
@@ -188,7 +189,7 @@ def run(opts, method_name: str) -> Run | None:
     opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
     r.tset, r.plan = tset, plan
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = is_main_process()
     resume = None
     if opts.resume:  # checked before any weight loads
         resume = train_state.check_resume(opts, method_name, plan, tset, logger)
@@ -229,7 +230,7 @@ def run(opts, method_name: str) -> Run | None:
 def _train(r: Run, opts, started: float, resume) -> Run:
     r.load()
     c = r.parts
-    print_plan(r.plan, c.accelerator.is_main_process)
+    print_plan(r.plan, is_main_process())
     r.setup_method()
     r.cache()
     if resume:
@@ -254,7 +255,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     c.reporter.saves(r.saved, r.progress)
     c.reporter.finish()  # close the TensorBoard log
     p = r.progress
-    if p.loss_log and c.accelerator.is_main_process:
+    if p.loss_log and is_main_process():
         first = sum(p.loss_log[:3]) / min(3, len(p.loss_log))
         last = sum(p.loss_log[-3:]) / min(3, len(p.loss_log))
         print(f"done: steps {p.global_step}, epochs {p.epochs_done}, loss first {first:.4f} "

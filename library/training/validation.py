@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -260,7 +261,7 @@ def run_validation(c, progress, label: str) -> float:
     """Compute, print (main process) and record (``progress.val_log``) the validation loss."""
     value = c.validation.loss(c)
     progress.val_log.append((progress.global_step, value))
-    if c.accelerator.is_main_process:
+    if is_main_process():
         from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
 
         tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "
