@@ -135,8 +135,9 @@ def capture(monkeypatch):
 
 def _reaccelerate(run):
     from library.distributed.accelerator import make_accelerator
+    from tests.helpers import reaccelerate
 
-    run.parts.accelerator = make_accelerator("no")
+    reaccelerate(run, make_accelerator("no"))
 
 
 def test_mixed_subsets_equal_a_hand_computation_of_both_targets(tmp_path, train, capture):
