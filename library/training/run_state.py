@@ -1,8 +1,9 @@
 """The declared state of one training run: what it is made of, and how far it has got.
 
-``Components`` are built by the trainer's stages (load, set-up, cache) and read by the modules
-that need them, passed as a parameter; ``Progress`` is written by the loop after each step and by
-a resume (``train_state.load_state`` returns the saved one). Both are slotted records: no module
+``Components`` are made by the trainer's stages (load, set-up, cache: each returns its parts,
+made once) and each module is passed the parts it uses, never the record; ``Progress`` is
+written by the loop after each step and by a resume (``train_state.load_state`` returns the
+saved one). Both are slotted records: no module
 can add an attribute to them, and no module keeps a cache in them (each module's own state lives
 in its own object: the Reporter's trackers, the Validation's held-out latents, the Strategy's
 sharded modules).

@@ -3,8 +3,8 @@ train_textual_inversion.py.
 
 Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/training/loop.py) ->
 save (library/outputs/saver.py). A ``Run`` holds the options, the plan and training set, and two
-declared records (library/training/run_state.py): its ``parts`` (Components, built by the stages here)
-and its ``progress``. docs/INTERNALS.md has the path of one run.
+declared records (library/training/run_state.py): its ``parts`` (Components, built once from what
+the stages here return) and its ``progress``. docs/INTERNALS.md has the path of one run.
 """
 from __future__ import annotations
 
