@@ -87,7 +87,7 @@ def run(opts) -> LecoRun:
     opts = dataclasses.replace(opts, network_train_unet_only=True)
     methods.make_method("lora", opts, None)  # network module and its args, before the weights
     logger.info(f"LECO: {len(settings)} prompt setting(s) from {opts.prompts_file}, {total} steps")
-    lock = output_checks.prepare(opts, "lora", True, logger)
+    lock = output_checks.prepare(opts, "lora", is_main_process(), logger)
     with lock:
         acc = accelerator.accelerator_for(opts)
         set_seed(opts.seed)

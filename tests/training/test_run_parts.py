@@ -125,3 +125,53 @@ def test_the_type_check_catches_a_planted_any():
         stepper: "Any | None" = None
 
     assert all("Any" in names_in(f.type) for f in dataclasses.fields(Planted))
+
+
+# -- one "main process" answer ----------------------------------------------------------------------
+MAIN_ANSWER = "library/distributed/accelerator.py"  # is_main_process(): the launcher's global rank 0
+
+
+def other_main_process_answers(source: str) -> list[int]:
+    """Lines that decide "main process?" another way than ``is_main_process()``: the
+    Accelerator's (or any object's) ``.is_main_process`` attribute, or a read of the launcher's
+    RANK (``os.environ.get("RANK")``, ``os.environ["RANK"]``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "is_main_process" and \
+                not (isinstance(node.value, ast.Name) and node.value.id == "accelerator"):
+            found.append(node.lineno)  # acc.is_main_process (the module's function is fine)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("environ.get") and \
+                node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "RANK":
+            found.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ") and \
+                isinstance(node.slice, ast.Constant) and node.slice.value == "RANK":
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_scan_finds_a_planted_main_process_decision():
+    planted = ("if acc.is_main_process:\n    pass\n"
+               "main = int(os.environ.get('RANK', '0')) == 0\n"
+               "r = os.environ['RANK']\n"
+               "x = self.c.accelerator.is_main_process\n")
+    assert other_main_process_answers(planted) == [1, 3, 4, 5]
+    fine = ("if is_main_process():\n    pass\n"
+            "from library.distributed import accelerator\naccelerator.is_main_process()\n"
+            "for k in ('WORLD_SIZE', 'RANK'):\n    env.pop(k, None)\n")
+    assert other_main_process_answers(fine) == []
+
+
+def test_one_main_process_answer():
+    """Every module of the toolkit (library/, tools/, networks/, the entry scripts; not the
+    benchmarks' workers, which seed by rank or run inside sd-scripts) asks
+    library/distributed/accelerator.py ``is_main_process()``; only it reads the launcher's RANK
+    (to answer, and to name a process in an error line)."""
+    from tests.helpers import ROOT, source_files
+
+    files = [p for p in source_files()
+             if not os.path.relpath(p, ROOT).replace(os.sep, "/").startswith("benchmarks/")]
+    assert os.path.join(ROOT, "library", "outputs", "saver.py") in files
+    found = [f"{os.path.relpath(p, ROOT)}:{line}" for p in files
+             if os.path.relpath(p, ROOT).replace(os.sep, "/") != MAIN_ANSWER
+             for line in other_main_process_answers(open(p, encoding="utf-8").read())]
+    assert not found, "ask library.distributed.accelerator.is_main_process():\n" + "\n".join(found)
