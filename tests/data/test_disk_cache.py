@@ -268,9 +268,10 @@ def te_calls(monkeypatch):
         monkeypatch.setattr(cls, "encode", spy)
     real_cache = trainer.Run.cache
 
-    def cache(self):
-        real_cache(self)
+    def cache(self, loaded, setup):
+        cached = real_cache(self, loaded, setup)
         calls["after_cache"] = calls["captions"]
+        return cached
 
     monkeypatch.setattr(trainer.Run, "cache", cache)
     return calls
