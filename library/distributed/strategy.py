@@ -142,7 +142,7 @@ class SingleProcess:
         return self.stepper
 
     def full_weights(self, bundle, params: list) -> ContextManager:
-        """Inside: the full weights of ``bundle``'s trained modules / ``params`` for a model save."""
+        """Inside: the full weights of ``bundle``'s trained modules / ``params`` (a model save)."""
         return contextlib.nullcontext()
 
     def ema_weights(self, ema, bundle, params: list) -> ContextManager:
@@ -312,7 +312,8 @@ class FSDP(SingleProcess):
 
     @contextlib.contextmanager
     def ema_weights(self, ema, bundle, params: list):
-        with ema.swapped(), self.full_weights(bundle, params):  # each process swaps its shard, then gathers
+        # each process swaps its shard, then gathers
+        with ema.swapped(), self.full_weights(bundle, params):
             yield
 
     def share(self, n: int) -> list[tuple[int, bool]]:
@@ -381,7 +382,8 @@ class DeepSpeed(SingleProcess):
 
     @contextlib.contextmanager
     def ema_weights(self, ema, bundle, params: list):
-        with self.full_weights(bundle, params), ema.swapped():  # the EMA into the float32 master copies
+        # the EMA into the float32 master copies
+        with self.full_weights(bundle, params), ema.swapped():
             yield
 
     def state_flags(self) -> dict:

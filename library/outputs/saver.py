@@ -32,9 +32,9 @@ class Saver:
     def __init__(self, opts, record, base_metadata: dict, saved: list, *, accelerator, bundle,
                  method, params: list, named: list, strategy, stepper, ema, frozen):
         self.opts, self.record, self.base_metadata, self.saved = opts, record, base_metadata, saved
-        self.accelerator, self.bundle, self.method, self.params = accelerator, bundle, method, params
-        self.named, self.strategy, self.stepper, self.ema = named, strategy, stepper, ema
-        self.frozen = frozen
+        self.accelerator, self.bundle, self.method = accelerator, bundle, method
+        self.params, self.named, self.ema = params, named, ema
+        self.strategy, self.stepper, self.frozen = strategy, stepper, frozen
 
     def save(self, progress, *, epoch=None, step=None, final=False) -> None:
         # Schedule-free optimizers save their eval iterate; every process switches, so ranks agree.
