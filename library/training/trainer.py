@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from library.config.parse import Options
+from library.data.step_plan import StepPlan
+from library.data.training_data import TrainingSet
 from library.distributed.accelerator import is_main_process
 from library.distributed import accelerator as distributed
 from library.distributed.strategy import Strategy
@@ -22,6 +25,7 @@ from library.models.family import FamilyModel
 from library.models.loading import ModelBundle
 from library.outputs.progress_stream import ProgressStream
 from library.outputs.saver import Saver
+from library.outputs.train_state import StopSignals
 from library.training.ema import EMA
 from library.training.losses import Losses
 from library.training.methods import Method
@@ -78,15 +82,16 @@ class Run:
     __slots__ = ("opts", "method_name", "tset", "plan", "parts", "progress", "base_metadata",
                  "saved", "stop_signals", "saver", "closing")
 
-    def __init__(self, opts, method_name: str):
+    def __init__(self, opts: Options, method_name: str):
         self.opts = opts
         self.method_name = method_name
-        self.tset = self.plan = None        # plan_run
+        self.tset: TrainingSet | None = None  # plan_run
+        self.plan: StepPlan | None = None
         self.parts: Components | None = None  # when every stage has made its parts
         self.progress = Progress()          # a resume replaces it with the saved one
         self.base_metadata: dict = {}
         self.saved: list[str] = []          # model files written, in order (the saver's)
-        self.stop_signals = None            # train_state.StopSignals while training
+        self.stop_signals: StopSignals | None = None  # while training
         self.saver: Saver | None = None
         self.closing: list = []             # what run() closes at the end, as it was made
 
@@ -341,8 +346,6 @@ def _train(r: Run, opts, started: float, resume) -> Run:
                     r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
                     method=c.method, params=c.params, named=named, strategy=c.strategy,
                     stepper=c.stepper, ema=c.ema, frozen=c.frozen)
-    from library.outputs.train_state import StopSignals
-
     with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
         r.train()
     r.stop_signals = None
