@@ -107,7 +107,7 @@ class FamilyModel:
     family = ""
 
     def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None,
-                 weighted: bool = False):
+                 weighted: bool = False, rewrite=None):
         self.unet = unet
         self.weighted = weighted
         self.text_encoders = list(text_encoders)
@@ -116,7 +116,7 @@ class FamilyModel:
         self.max_token_length = max_token_length if self.n_chunks > 1 else None
         # str -> str applied to every text before tokenization (the method's prompt_rewrite():
         # a multi-vector new token -> its N token strings); None = the text as given
-        self.rewrite = None
+        self.rewrite = rewrite
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
         """One LongTensor per tokenizer: (B, 77) BOS, tokens, EOS, padded, truncated to 77; with
@@ -258,12 +258,15 @@ def check_token_padding(opts, family_before_loading) -> None:
 _MODELS = {"sd1": SD1Model, "sd2": SD2Model, "sdxl": SDXLModel}
 
 
-def family_model_for(bundle, max_token_length: int | None = None, weighted: bool = False) -> FamilyModel:
+def family_model_for(bundle, max_token_length: int | None = None, weighted: bool = False,
+                     rewrite=None) -> FamilyModel:
     """The family model of a ModelBundle (anything with family, unet, text_encoders, tokenizers);
     ``max_token_length`` (None/75, 150, 225) sets how long captions are tokenized and encoded;
-    ``weighted``: captions carry A1111-style prompt weights (weighted_captions)."""
+    ``weighted``: captions carry A1111-style prompt weights (weighted_captions); ``rewrite``:
+    str -> str applied to every text first (a method's ``prompt_rewrite()``), or None."""
     try:
         cls = _MODELS[bundle.family]
     except KeyError:
         raise FamilyError(f"unknown model family {bundle.family!r}; expected one of {sorted(_MODELS)}") from None
-    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length, weighted)
+    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length, weighted,
+               rewrite)

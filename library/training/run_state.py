@@ -91,9 +91,10 @@ class Caches:
 @dataclass(slots=True)
 class Components:
     """What one run is made of: each part made once by the trainer's stage that returns it (load:
-    accelerator, bundle, family model, losses; set-up: method, placement, strategy, stepper,
-    params, EMA, validation, reporter, batch loss; cache: caches, frozen parts), the record
-    built when all are made. A module is passed the parts it uses, never this record."""
+    accelerator, bundle, losses; set-up: method, family model, placement, strategy, stepper,
+    params, EMA, validation; cache: caches, frozen parts; then the reporter and the batch loss
+    over them), the record built when all are made. A module is passed the parts it uses, never
+    this record."""
 
     accelerator: Accelerator
     bundle: ModelBundle

@@ -48,7 +48,6 @@ class Loaded:
 
     accelerator: Accelerator
     bundle: ModelBundle
-    family_model: FamilyModel
     losses: Losses
 
 
@@ -57,6 +56,7 @@ class SetUp:
     """What the set-up stage makes."""
 
     method: Method
+    family_model: FamilyModel  # with the method's prompt rewrite
     placement: Placement
     strategy: Strategy
     stepper: Stepper
@@ -129,20 +129,19 @@ class Run:
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
         # of a 4-channel model with train_inpainting widen its first convolution
         inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
-        family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
-                                               weighted=opts.weighted_captions)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
         models.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
-        return Loaded(accelerator=acc, bundle=b, family_model=family_model,
+        return Loaded(accelerator=acc, bundle=b,
                       losses=losses.Losses(opts, b.noise_scheduler, b.v_parameterization))
 
     def setup_method(self, loaded: Loaded) -> SetUp:
         import torch
 
+        from library.models import family
         from library.training import ema
         from library.models import placement
         from library.distributed import strategy
@@ -166,7 +165,10 @@ class Run:
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = method.setup()
-        loaded.family_model.rewrite = method.prompt_rewrite()  # new tokens' N-vector expansion
+        # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
+        family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
+                                               weighted=opts.weighted_captions,
+                                               rewrite=method.prompt_rewrite())
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 
@@ -205,8 +207,8 @@ class Run:
         val = validation.Validation(opts, self.tset)
         check_multiplier(opts, self.tset, method)  # network_multiplier per dataset, DOP
         stream = progress_stream.open_stream(opts, is_main_process())
-        return SetUp(method=method, placement=pl, strategy=strat, stepper=stepper, params=params,
-                     ema=averaged, validation=val, stream=stream)
+        return SetUp(method=method, family_model=family_model, placement=pl, strategy=strat,
+                     stepper=stepper, params=params, ema=averaged, validation=val, stream=stream)
 
     def cache(self, loaded: Loaded, setup: SetUp) -> Cached:
         """Latents and, with cache_text_encoder_outputs, text-encoder outputs
@@ -219,7 +221,7 @@ class Run:
         if opts.cache_latents or opts.cache_latents_to_disk:
             latents, latent_key = cache_stage.latents(opts, self.tset, acc, b)
         if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-            text = cache_stage.text(opts, self.tset, acc, b, loaded.family_model, setup.placement)
+            text = cache_stage.text(opts, self.tset, acc, b, setup.family_model, setup.placement)
         caches = Caches(latents=latents, latent_key=latent_key, text=text)
         if caches.latents is not None:
             # before the VAE leaves: the validation latents too
@@ -239,7 +241,7 @@ class Run:
         from library.training.batch_loss import BatchLoss
 
         opts = self.opts
-        acc, b, fm = loaded.accelerator, loaded.bundle, loaded.family_model
+        acc, b, fm = loaded.accelerator, loaded.bundle, setup.family_model
         batch_loss = BatchLoss(opts, self.tset, accelerator=acc, bundle=b, family_model=fm,
                                losses=loaded.losses, placement=setup.placement,
                                method=setup.method, strategy=setup.strategy, caches=cached.caches)
