@@ -1,9 +1,9 @@
 """Entry-point glue: parse options, run, and turn user errors into one line without traceback."""
 from __future__ import annotations
 
-import os
 import sys
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 from library.outputs import progress_stream
 from library.training.nonfinite import NonFiniteStop
@@ -56,6 +56,6 @@ def main(script: str, argv: list[str] | None = None) -> int:
 
 def _end(opts, status: str, code: int, message: str, state: str | None) -> None:
     """The progress stream's last line (progress_file, main process; not for a dry run)."""
-    if opts is None or not opts.progress_file or opts.dry_run or int(os.environ.get("RANK", "0")):
+    if opts is None or not opts.progress_file or opts.dry_run or not is_main_process():
         return
     progress_stream.write_end(opts.progress_file, status, code, message, state)

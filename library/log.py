@@ -3,7 +3,6 @@ per job (rank 0 logs INFO, the other ranks only problems)."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 
@@ -18,7 +17,9 @@ class _StderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def setup_logging():
+def setup_logging(main: bool):
+    """The ``sdtk`` logger: INFO on the main process (``main``: library/distributed/accelerator.py
+    ``is_main_process()``), warnings only on the others."""
     # Noise from dependencies that says nothing about this run: bitsandbytes' optional 4-bit CPU
     # kernels, and diffusers' float32-modules notice on .to() when the list is empty.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
@@ -29,7 +30,7 @@ def setup_logging():
         h.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
         logger.addHandler(h)
         # One voice per job: other ranks report only problems.
-        logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+        logger.setLevel(logging.INFO if main else logging.WARNING)
         logger.propagate = False
 
 

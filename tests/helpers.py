@@ -117,3 +117,10 @@ def lora_names_of(network, modules) -> set[str]:
     ids = {id(m) for m in modules}
     return {lora.lora_name for lora in (*network.text_encoder_loras, *network.unet_loras)
             if id(lora.org_module) in ids}
+
+
+def reaccelerate(run, acc) -> None:
+    """A finished run's parts on a new Accelerator ``acc`` (the test runner reset Accelerate's
+    state after the run): the run's record and the batch loss, which computes with it."""
+    run.parts.accelerator = acc
+    run.parts.batch_loss.accelerator = acc

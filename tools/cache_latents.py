@@ -61,6 +61,7 @@ def cache_latents(opts, log):
 
 def main(argv: list[str] | None = None) -> int:
     from library.errors import UserError
+    from library.distributed.accelerator import is_main_process
     from library.log import logger, setup_logging
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -71,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[:i] + argv[i + 2:]
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip() + f"\n\nThe options of {script}.py follow.\n", flush=True)
-    setup_logging()
+    setup_logging(is_main_process())
     try:
         opts = _parse(script, argv)
         acc, n, encoded, seconds = cache_latents(opts, logger)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if acc.is_main_process:
+    if is_main_process():
         rate = f", {encoded / seconds:.1f} images/s" if encoded and seconds > 0 else ""
         print(f"latent cache: {n} entries ready; this process encoded {encoded} in {seconds:.2f}s{rate}",
               flush=True)

@@ -1,12 +1,13 @@
 """The cache stage of a run: latents and text-encoder outputs computed once before training.
 
-    latents(opts, tset, c) -> (entries, latent_key)   every image (and its mirror under flip_aug)
-    text(opts, tset, c) -> {caption: output}          every caption variant, and validation's
+    latents(opts, tset, acc, b) -> (entries, latent_key)   every image (and its mirror under flip_aug)
+    text(opts, tset, acc, b, family_model, placement) -> {caption: output}
+                                                      every caption variant, and validation's
 
 Latents are kept in memory, and with cache_latents_to_disk also on disk: unchanged entries are
 loaded without the VAE, and the missing ones are split across processes (library/data/latent_cache.py).
-The text-encoder outputs likewise (library/data/text_cache.py). The trainer puts the results into
-its components' ``caches`` (library/training/run_state.py).
+The text-encoder outputs likewise (library/data/text_cache.py). The trainer's cache stage returns the
+results as the run's ``caches`` (library/training/run_state.py).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from library.training.batch_loss import latent_slot
 logger = logging.getLogger("sdtk")
 
 
-def latents(opts, tset, c) -> tuple[dict, dict]:
+def latents(opts, tset, acc, b) -> tuple[dict, dict]:
+    """The latent cache of ``tset``'s images, encoded by the bundle ``b``'s VAE (the processes of
+    ``acc`` split it) -> (entries, latent-cache key of each (item, flip) slot)."""
     from library.data import latent_cache
 
-    acc, b = c.accelerator, c.bundle
     items = tset.train_items + tset.reg_items
     vae = b.vae
     entries = latent_cache.encode_latents(
@@ -35,12 +37,13 @@ def latents(opts, tset, c) -> tuple[dict, dict]:
     return entries, key
 
 
-def text(opts, tset, c) -> dict:
+def text(opts, tset, acc, b, family_model, placement) -> dict:
+    """The text-encoder outputs of every caption variant of ``tset`` (and validation's
+    captions), encoded by ``family_model`` in the text encoders' dtype of ``placement``."""
     from library.data import latent_cache
     from library.data import text_cache
     from library.training import validation
 
-    acc = c.accelerator
     wanted: dict = {}
     for it in tset.train_items + tset.reg_items:
         folder = latent_cache.cache_folder(it)
@@ -48,10 +51,10 @@ def text(opts, tset, c) -> dict:
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
         wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
-    te_dtype = c.placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
-    identity = text_cache.encoder_identity(c.bundle, te_dtype, opts.clip_skip, opts.max_token_length,
+    te_dtype = placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
+    identity = text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
                                            weighted=opts.weighted_captions)
     return text_cache.encode_captions(
-        c.adapter, wanted, identity, clip_skip=opts.clip_skip,
+        family_model, wanted, identity, clip_skip=opts.clip_skip,
         batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
         to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)

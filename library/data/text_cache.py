@@ -1,6 +1,6 @@
 """Text-encoder output cache (``cache_text_encoder_outputs``, ``..._to_disk``).
 
-What is cached is exactly what the training step would compute: ``adapter.encode`` of the
+What is cached is exactly what the training step would compute: ``family_model.encode`` of the
 tokenized caption (SD1/SD2: the hidden states after clip skip; SDXL: both encoders' penultimate
 hidden states and text_encoder_2's pooled output), under the run's autocast.
 
@@ -85,7 +85,7 @@ def _save(path: str, key: str, cond: TextConditioning) -> None:
         save_file(tensors, tmp, metadata={"sdtk.text_key": key})
 
 
-def encode_captions(adapter, wanted: dict[str, str | None], identity: str, *, clip_skip,
+def encode_captions(family_model, wanted: dict[str, str | None], identity: str, *, clip_skip,
                     batch_size: int, device, autocast, to_disk: bool,
                     log: logging.Logger = logger) -> dict[str, TextConditioning]:
     """``wanted``: caption -> disk folder (None: memory only). -> caption -> (CPU) conditioning
@@ -116,9 +116,9 @@ def encode_captions(adapter, wanted: dict[str, str | None], identity: str, *, cl
              + (f", {loaded} loaded from disk" if to_disk else "") + f", encoding {len(missing)}")
     for start in range(0, len(missing), batch_size):
         chunk = missing[start:start + batch_size]
-        tokens = [t.to(device) for t in adapter.tokenize(chunk)]
+        tokens = [t.to(device) for t in family_model.tokenize(chunk)]
         with torch.no_grad(), autocast():
-            cond = adapter.encode(tokens, clip_skip)
+            cond = family_model.encode(tokens, clip_skip)
         for j, caption in enumerate(chunk):
             one = TextConditioning(cond.hidden_states[j].detach().cpu().clone(),
                                    None if cond.pooled is None else cond.pooled[j].detach().cpu().clone())

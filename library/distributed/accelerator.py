@@ -38,6 +38,15 @@ def launched_world_size() -> int:
         return 1
 
 
+def is_main_process() -> bool:
+    """Whether this is the main process: the one answer every module asks (the process that prints
+    the plan and progress, logs at INFO, takes the output lock and writes the files all processes
+    agree on). Global rank 0 of the launcher (``accelerate launch`` / ``torchrun`` set RANK; a
+    plain ``python`` run is rank 0): known before torch loads and before the Accelerator exists,
+    and the same rank the Accelerator's process group is then built on."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def compute_dtype(mixed_precision: str):
     """The torch dtype of a mixed_precision setting ("no" -> float32)."""
     import torch

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import os
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -193,7 +194,7 @@ def full_weights(b, roots: list[tuple[str, object]], acc):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    main = acc.is_main_process
+    main = is_main_process()
     copies = {}
     for name, root in roots:
         full = get_model_state_dict(root, options=opts)  # every process; filled on rank 0 only

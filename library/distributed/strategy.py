@@ -59,17 +59,17 @@ class Strategy(Protocol):
 
     def takes_part(self, empty: bool, last: bool) -> str: ...
 
-    def prepare(self, c, groups: list[dict]) -> None: ...
+    def prepare(self, bundle, method, groups: list[dict]) -> None: ...
 
     def forward(self, fn): ...
 
     def micro_step(self, last: bool) -> ContextManager: ...
 
-    def make_stepper(self, opts, c, groups: list[dict], plan): ...
+    def make_stepper(self, opts, groups: list[dict], params: list, plan): ...
 
-    def full_weights(self, c) -> ContextManager: ...
+    def full_weights(self, bundle, params: list) -> ContextManager: ...
 
-    def ema_weights(self, c) -> ContextManager: ...
+    def ema_weights(self, ema, bundle, params: list) -> ContextManager: ...
 
     def share(self, n: int) -> list[tuple[int, bool]]: ...
 
@@ -79,11 +79,11 @@ class Strategy(Protocol):
 
     def check_state(self, path: str, info: dict) -> None: ...
 
-    def save_process_state(self, path: str, named: list, c) -> None: ...
+    def save_process_state(self, path: str, named: list, ema) -> None: ...
 
-    def load_sharded_state(self, path: str, named: list, c) -> None: ...
+    def load_sharded_state(self, path: str, named: list, ema) -> None: ...
 
-    def load_process_state(self, path: str, named: list, c) -> None: ...
+    def load_process_state(self, path: str, named: list, ema) -> None: ...
 
     def close(self) -> None: ...
 
@@ -120,8 +120,8 @@ class SingleProcess:
             return ZERO_WEIGHT
         return SKIP
 
-    def prepare(self, c, groups: list[dict]) -> None:
-        pass
+    def prepare(self, bundle, method, groups: list[dict]) -> None:
+        """Wrap or shard the trained modules of ``bundle`` / ``method`` (nothing here)."""
 
     def forward(self, fn):
         """The training forward: ``fn()`` (the text encoding and the U-Net)."""
@@ -131,21 +131,23 @@ class SingleProcess:
         """The context of one micro-step's forward and backward."""
         return contextlib.nullcontext()
 
-    def make_stepper(self, opts, c, groups: list[dict], plan):
+    def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s),
         summing nothing (one process)."""
         from library.training.stepper import make_stepper
 
-        self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
+        self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None)
         return self.stepper
 
-    def full_weights(self, c) -> ContextManager:
+    def full_weights(self, bundle, params: list) -> ContextManager:
+        """Inside: the full weights of ``bundle``'s trained modules / ``params`` (a model save)."""
         return contextlib.nullcontext()
 
-    def ema_weights(self, c) -> ContextManager:
-        return c.ema.swapped()
+    def ema_weights(self, ema, bundle, params: list) -> ContextManager:
+        """Inside: the full weights with the EMA's values swapped in."""
+        return ema.swapped()
 
     def share(self, n: int) -> list[tuple[int, bool]]:
         """Item i is run by process i mod P (and kept there)."""
@@ -169,15 +171,15 @@ class SingleProcess:
             raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
                               "resume it with fsdp")
 
-    def save_process_state(self, path: str, named: list, c) -> None:
+    def save_process_state(self, path: str, named: list, ema) -> None:
         """This process's part of the state folder ``path`` (in its ``state_dir``; every process
         writes it where ``state_dir`` is set, nothing here)."""
 
-    def load_sharded_state(self, path: str, named: list, c) -> None:
+    def load_sharded_state(self, path: str, named: list, ema) -> None:
         """For a sharded state (state.json ``sharded``), before the stepper's state: the weights,
         optimizer state and EMA from the shards in ``state_dir``."""
 
-    def load_process_state(self, path: str, named: list, c) -> None:
+    def load_process_state(self, path: str, named: list, ema) -> None:
         """After the stepper's state: the rest of this process's part (DeepSpeed's partitions)."""
 
     def close(self) -> None:
@@ -218,7 +220,7 @@ class DDP(SingleProcess):
 
         return fused_mode(opts) is None
 
-    def prepare(self, c, groups: list[dict]) -> None:
+    def prepare(self, bundle, method, groups: list[dict]) -> None:
         from library.distributed import ddp
 
         if not self.engine:
@@ -227,7 +229,7 @@ class DDP(SingleProcess):
                 logger.warning(f"{', '.join(given)}: no effect here (the fused step reduces each "
                                "gradient in its own backward hook, without DDP)")
             return
-        self.denoiser = ddp.Denoiser(c.bundle, c.method)
+        self.denoiser = ddp.Denoiser(bundle, method)
         self._wrap()
         logger.info(ddp.describe(self.opts, self.accelerator.num_processes))
 
@@ -258,12 +260,12 @@ class DDP(SingleProcess):
         with self.ddp.no_sync():
             yield
 
-    def make_stepper(self, opts, c, groups: list[dict], plan):
+    def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing when DDP's reducer sums during the backward; else
         (the fused steppers' units, or no reducer) the bucketed sum (``BucketedSum``)."""
         from library.training.stepper import make_stepper
 
-        self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
+        self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None if self.engine else BUCKETED_SUM)
         return self.stepper
@@ -286,31 +288,32 @@ class FSDP(SingleProcess):
         self.modules: list = []   # (name, module) trained, the training state's layout
         self.roots: list = []     # the sharded ones (none on one process)
 
-    def prepare(self, c, groups: list[dict]) -> None:
+    def prepare(self, bundle, method, groups: list[dict]) -> None:
         from library.distributed import fsdp
 
         # fixed for the run (even after stop_text_encoder_training freezes the text encoders)
-        self.modules = fsdp.trained_roots(c.bundle, c.method)
+        self.modules = fsdp.trained_roots(bundle, method)
         self.roots = fsdp.shard(self.accelerator, self.modules, groups)
 
-    def make_stepper(self, opts, c, groups: list[dict], plan):
+    def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing (FSDP's reduce-scatter sums the gradients during
         the backward) and without the optimizer in its state (written with the shards)."""
         from library.training.stepper import make_stepper
 
-        self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
+        self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None, optimizer_in_state=False)
         return self.stepper
 
-    def full_weights(self, c) -> ContextManager:
+    def full_weights(self, bundle, params: list) -> ContextManager:
         from library.distributed import fsdp
 
-        return fsdp.full_weights(c.bundle, self.roots, self.accelerator)
+        return fsdp.full_weights(bundle, self.roots, self.accelerator)
 
     @contextlib.contextmanager
-    def ema_weights(self, c):
-        with c.ema.swapped(), self.full_weights(c):  # each process swaps its shard, then gathers
+    def ema_weights(self, ema, bundle, params: list):
+        # each process swaps its shard, then gathers
+        with ema.swapped(), self.full_weights(bundle, params):
             yield
 
     def share(self, n: int) -> list[tuple[int, bool]]:
@@ -327,18 +330,18 @@ class FSDP(SingleProcess):
     def state_note(self) -> str:
         return ", sharded"
 
-    def save_process_state(self, path: str, named: list, c) -> None:
+    def save_process_state(self, path: str, named: list, ema) -> None:
         from library.distributed import fsdp
 
-        fsdp.save_sharded(self.modules, self.stepper.optimizer, c.ema,
+        fsdp.save_sharded(self.modules, self.stepper.optimizer, ema,
                           os.path.join(path, self.state_dir), named)
 
-    def load_sharded_state(self, path: str, named: list, c) -> None:
+    def load_sharded_state(self, path: str, named: list, ema) -> None:
         from library.distributed import fsdp
         from library.outputs.train_state import ResumeError
 
         try:
-            fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema,
+            fsdp.load_sharded(self.modules, self.stepper.optimizer, ema,
                               os.path.join(path, self.state_dir), named)
         except (KeyError, ValueError, RuntimeError) as e:
             raise ResumeError(f"resume: {path}: the sharded weights or optimizer "
@@ -356,22 +359,31 @@ class DeepSpeed(SingleProcess):
     forward_in_every_process = True
     state_dir = DEEPSPEED_DIR
 
-    def make_stepper(self, opts, c, groups: list[dict], plan):
+    def __init__(self, accelerator):
+        super().__init__(accelerator)
+        self.modules: list = []  # (name, module) the engine wraps (prepare)
+
+    def prepare(self, bundle, method, groups: list[dict]) -> None:
         from library.distributed import deepspeed_zero as zero
 
-        self.stepper = zero.make_stepper(opts, self.accelerator, plan,
-                                         zero.trained_modules(c.bundle, c.method), groups)
+        self.modules = zero.trained_modules(bundle, method)  # what the engine wraps
+
+    def make_stepper(self, opts, groups: list[dict], params: list, plan):
+        from library.distributed import deepspeed_zero as zero
+
+        self.stepper = zero.make_stepper(opts, self.accelerator, plan, self.modules, groups)
         return self.stepper
 
-    def full_weights(self, c) -> ContextManager:
+    def full_weights(self, bundle, params: list) -> ContextManager:
         """In bf16 / fp16 the float32 master weights are saved (a collective)."""
         from library.distributed import deepspeed_zero as zero
 
-        return zero.master_weights(c.params)
+        return zero.master_weights(params)
 
     @contextlib.contextmanager
-    def ema_weights(self, c):
-        with self.full_weights(c), c.ema.swapped():  # the EMA into the float32 master copies
+    def ema_weights(self, ema, bundle, params: list):
+        # the EMA into the float32 master copies
+        with self.full_weights(bundle, params), ema.swapped():
             yield
 
     def state_flags(self) -> dict:
@@ -381,10 +393,10 @@ class DeepSpeed(SingleProcess):
         return (f", with DeepSpeed's partitioned optimizer state of "
                 f"{self.accelerator.num_processes} process(es)")
 
-    def save_process_state(self, path: str, named: list, c) -> None:
+    def save_process_state(self, path: str, named: list, ema) -> None:
         self.stepper.save_partitions(os.path.join(path, self.state_dir))  # ZeRO's optimizer state
 
-    def load_process_state(self, path: str, named: list, c) -> None:
+    def load_process_state(self, path: str, named: list, ema) -> None:
         self.stepper.load_partitions(os.path.join(path, self.state_dir))
 
     def close(self) -> None:

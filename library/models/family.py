@@ -1,11 +1,12 @@
-"""Model-family adapters: how each family tokenizes, encodes text and calls its U-Net.
+"""Family models: how each model family tokenizes, encodes text and calls its U-Net.
 
 One class per family behind one interface, so the trainer never branches on the family:
-    adapter = adapter_for(bundle, max_token_length=None)
-    ids = adapter.tokenize(captions)                 # per tokenizer: (B, 77), or (B, n, 77) chunks
-    cond = adapter.encode(ids, clip_skip)            # TextConditioning(hidden_states, pooled)
-    pred = adapter.unet_forward(noisy, t, cond, size_cond)
+    fm = family_model_for(bundle, max_token_length=None)
+    ids = fm.tokenize(captions)                      # per tokenizer: (B, 77), or (B, n, 77) chunks
+    cond = fm.encode(ids, clip_skip)                 # TextConditioning(hidden_states, pooled)
+    pred = fm.unet_forward(noisy, t, cond, size_cond)
 Text encoding follows sd-scripts exactly (clip_skip, SDXL's penultimate layers and pooled output).
+(A run's ``family_model``; "adapter" is only the metadata's kind of trained file, ``method.adapter``.)
 
 Long captions (``max_token_length`` 150 or 225, sd-scripts' semantics): the caption is tokenized
 to max_token_length + 2 tokens, split into n = max_token_length / 75 chunks of 75 tokens, each
@@ -102,11 +103,11 @@ def _final_layer_norm(text_encoder):
     return getattr(text_encoder, "text_model", text_encoder).final_layer_norm
 
 
-class FamilyAdapter:
+class FamilyModel:
     family = ""
 
     def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None,
-                 weighted: bool = False):
+                 weighted: bool = False, rewrite=None):
         self.unet = unet
         self.weighted = weighted
         self.text_encoders = list(text_encoders)
@@ -115,7 +116,7 @@ class FamilyAdapter:
         self.max_token_length = max_token_length if self.n_chunks > 1 else None
         # str -> str applied to every text before tokenization (the method's prompt_rewrite():
         # a multi-vector new token -> its N token strings); None = the text as given
-        self.rewrite = None
+        self.rewrite = rewrite
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
         """One LongTensor per tokenizer: (B, 77) BOS, tokens, EOS, padded, truncated to 77; with
@@ -166,7 +167,7 @@ class FamilyAdapter:
         return next(te.parameters()).device
 
 
-class SD1Adapter(FamilyAdapter):
+class SD1Model(FamilyModel):
     """SD1.x / SD2.x: one CLIP text encoder; clip_skip takes hidden_states[-clip_skip] through the
     final layer norm (sd-scripts); None or 1 is the plain last layer."""
     family = "sd1"
@@ -190,11 +191,11 @@ class SD1Adapter(FamilyAdapter):
         return TextConditioning(hidden)
 
 
-class SD2Adapter(SD1Adapter):
+class SD2Model(SD1Model):
     family = "sd2"
 
 
-class SDXLAdapter(FamilyAdapter):
+class SDXLModel(FamilyModel):
     """SDXL: both encoders' penultimate hidden states (no final norm) concatenated; pooled output
     from text_encoder_2's projection; the U-Net also takes (B, 6) size conditioning.
     clip_skip does not apply (the penultimate layer is fixed by the architecture), as in sd-scripts."""
@@ -254,15 +255,18 @@ def check_token_padding(opts, family_before_loading) -> None:
                           "(sdxl_train.py) has no such option")
 
 
-_ADAPTERS = {"sd1": SD1Adapter, "sd2": SD2Adapter, "sdxl": SDXLAdapter}
+_MODELS = {"sd1": SD1Model, "sd2": SD2Model, "sdxl": SDXLModel}
 
 
-def adapter_for(bundle, max_token_length: int | None = None, weighted: bool = False) -> FamilyAdapter:
-    """The adapter for a ModelBundle (anything with family, unet, text_encoders, tokenizers);
+def family_model_for(bundle, max_token_length: int | None = None, weighted: bool = False,
+                     rewrite=None) -> FamilyModel:
+    """The family model of a ModelBundle (anything with family, unet, text_encoders, tokenizers);
     ``max_token_length`` (None/75, 150, 225) sets how long captions are tokenized and encoded;
-    ``weighted``: captions carry A1111-style prompt weights (weighted_captions)."""
+    ``weighted``: captions carry A1111-style prompt weights (weighted_captions); ``rewrite``:
+    str -> str applied to every text first (a method's ``prompt_rewrite()``), or None."""
     try:
-        cls = _ADAPTERS[bundle.family]
+        cls = _MODELS[bundle.family]
     except KeyError:
-        raise FamilyError(f"unknown model family {bundle.family!r}; expected one of {sorted(_ADAPTERS)}") from None
-    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length, weighted)
+        raise FamilyError(f"unknown model family {bundle.family!r}; expected one of {sorted(_MODELS)}") from None
+    return cls(bundle.unet, bundle.text_encoders, bundle.tokenizers, max_token_length, weighted,
+               rewrite)

@@ -1,7 +1,10 @@
 """Model saves, training states and sd-scripts' rotation of old ones, for a run (library/training/trainer.py).
 
-    save(run, epoch=, step=, final=)    the model (and its EMA), then the training state
-    state_of_this_step(run)             the state after the last step (SIGINT, non-finite stop)
+    Saver(opts, record, base_metadata, saved, accelerator=, bundle=, method=, params=, named=,
+          strategy=, stepper=, ema=, frozen=)
+        .save(progress, epoch=, step=, final=)   the model (and its EMA), then the training state
+        .save_ema(progress, epoch=, step=, metadata=)
+        .state_of_this_step(progress)            the state after the last step (SIGINT, non-finite stop)
 
 Every process calls these (gathers and shard writes are collectives); the main process writes
 the model files. How the full weights are gathered (fsdp), or the float32 master weights taken
@@ -13,110 +16,128 @@ import logging
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.training import nonfinite
 
 logger = logging.getLogger("sdtk")
 
 
-def save(run, *, epoch=None, step=None, final=False) -> None:
-    # Schedule-free optimizers save their eval iterate; every process switches, so ranks agree.
-    with run.parts.stepper.eval_mode():
-        _save_model(run, epoch=epoch, step=step)
-    # The training state holds the training iterate (outside eval_mode).
-    _save_states(run, epoch=epoch, step=step, final=final)
+class Saver:
+    """Writes a run's model files and training states: the model (its ``bundle`` and trained
+    ``method``, ``params`` and their ``named`` list, the ``ema``), through the ``strategy``'s
+    full weights, the ``stepper``'s eval mode and state, and the ``frozen`` parts a full model's
+    file needs. ``record``: what a state records of the run (train_state.RunRecord); ``saved``:
+    the list the model files written are appended to."""
 
+    def __init__(self, opts, record, base_metadata: dict, saved: list, *, accelerator, bundle,
+                 method, params: list, named: list, strategy, stepper, ema, frozen):
+        self.opts, self.record, self.base_metadata, self.saved = opts, record, base_metadata, saved
+        self.accelerator, self.bundle, self.method = accelerator, bundle, method
+        self.params, self.named, self.ema = params, named, ema
+        self.strategy, self.stepper, self.frozen = strategy, stepper, frozen
 
-def _save_model(run, *, epoch=None, step=None) -> None:
-    from library.training import offload as frozen
-    from library.outputs import metadata as md
-    from library.outputs.saving import output_file
-    from library.outputs.train_state import saved_tensors
+    def save(self, progress, *, epoch=None, step=None, final=False) -> None:
+        # Schedule-free optimizers save their eval iterate; every process switches, so ranks agree.
+        with self.stepper.eval_mode():
+            self._save_model(progress, epoch=epoch, step=step)
+        # The training state holds the training iterate (outside eval_mode).
+        self._save_states(progress, epoch=epoch, step=step, final=final)
 
-    opts, c = run.opts, run.parts
-    acc = c.accelerator
-    acc.wait_for_everyone()
-    meta = md.step_metadata(run.base_metadata, epoch=epoch or run.progress.epochs_done,
-                            step=run.progress.global_step, finished_at=time.time())
-    ext = c.method.extension()
-    # fsdp: every process joins the gather of the full weights; the main process writes them.
-    # deepspeed in bf16/fp16: the float32 master weights are saved (a collective too).
-    with c.strategy.full_weights(c):
-        path = output_file(opts.output_dir, opts.output_name, ext, epoch=epoch, step=step)
-        # nothing non-finite is written, and no good file replaced by it (every process)
-        nonfinite.check_before_save(saved_tensors(c), path, acc)
-        if acc.is_main_process:
-            os.makedirs(opts.output_dir, exist_ok=True)
-            with frozen.available_for_save(c.frozen, c.method):  # a full model's file holds VAE and TEs
-                _write_model(run, path, meta)
-                logger.info(f"saved {path}")
-                run.saved.append(path)
-    if c.ema is not None:
-        save_ema(run, epoch=epoch, step=step, metadata=meta)
-    acc.wait_for_everyone()
+    def _save_model(self, progress, *, epoch=None, step=None) -> None:
+        from library.training import offload as frozen
+        from library.outputs import metadata as md
+        from library.outputs.saving import output_file
+        from library.outputs.train_state import saved_tensors
 
+        opts, acc = self.opts, self.accelerator
+        acc.wait_for_everyone()
+        meta = md.step_metadata(self.base_metadata, epoch=epoch or progress.epochs_done,
+                                step=progress.global_step, finished_at=time.time())
+        ext = self.method.extension()
+        # fsdp: every process joins the gather of the full weights; the main process writes them.
+        # deepspeed in bf16/fp16: the float32 master weights are saved (a collective too).
+        with self.strategy.full_weights(self.bundle, self.params):
+            path = output_file(opts.output_dir, opts.output_name, ext, epoch=epoch, step=step)
+            # nothing non-finite is written, and no good file replaced by it (every process)
+            nonfinite.check_before_save(saved_tensors(self.named, self.ema), path, acc)
+            if is_main_process():
+                os.makedirs(opts.output_dir, exist_ok=True)
+                # a full model's file holds VAE and TEs
+                with frozen.available_for_save(self.frozen, self.method):
+                    self._write_model(path, meta)
+                    logger.info(f"saved {path}")
+                    self.saved.append(path)
+        if self.ema is not None:
+            self.save_ema(epoch=epoch, step=step, metadata=meta)
+        acc.wait_for_everyone()
 
-def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
-    """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
-    every process calls it), written by the main process with the method's save."""
-    from library.training import offload as frozen
-    from library.outputs.saving import output_file
+    def save_ema(self, *, epoch=None, step=None, metadata=None) -> str:
+        """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
+        every process calls it), written by the main process with the method's save."""
+        from library.training import offload as frozen
+        from library.outputs.saving import output_file
 
-    opts, c = run.opts, run.parts
-    acc = c.accelerator
-    path = output_file(opts.output_dir, opts.output_name + "-ema", c.method.extension(),
-                       epoch=epoch, step=step)
-    meta = dict(metadata or {})
-    if meta:
-        meta["sdtk.ema_decay"] = str(c.ema.decay)
-    with c.strategy.ema_weights(c):
-        if acc.is_main_process:
-            with frozen.available_for_save(c.frozen, c.method):
-                _write_model(run, path, meta, "the EMA weights were")
-    if acc.is_main_process:
-        logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
-        run.saved.append(path)
-    return path
+        opts, ema = self.opts, self.ema
+        path = output_file(opts.output_dir, opts.output_name + "-ema", self.method.extension(),
+                           epoch=epoch, step=step)
+        meta = dict(metadata or {})
+        if meta:
+            meta["sdtk.ema_decay"] = str(ema.decay)
+        with self.strategy.ema_weights(ema, self.bundle, self.params):
+            if is_main_process():
+                with frozen.available_for_save(self.frozen, self.method):
+                    self._write_model(path, meta, "the EMA weights were")
+        if is_main_process():
+            logger.info(f"saved {path} (EMA, decay {ema.decay})")
+            self.saved.append(path)
+        return path
 
+    def _write_model(self, path: str, meta: dict, what: str = "the weights were") -> None:
+        """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
+        system temp dir instead, and the run ends with one line saying where
+        (library/outputs/saving.py)."""
+        from library.outputs.saving import SaveError, save_elsewhere
 
-def _write_model(run, path: str, meta: dict, what: str = "the weights were") -> None:
-    """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
-    system temp dir instead, and the run ends with one line saying where (library/outputs/saving.py)."""
-    from library.outputs.saving import SaveError, save_elsewhere
+        def write(p):
+            self.method.save(p, self.opts.save_precision, meta)
 
-    def write(p):
-        run.parts.method.save(p, run.opts.save_precision, meta)
+        try:
+            write(path)
+        except SaveError as e:
+            raise save_elsewhere(e, write, what) from None
 
-    try:
-        write(path)
-    except SaveError as e:
-        raise save_elsewhere(e, write, what) from None
+    def _save_states(self, progress, *, epoch=None, step=None, final=False) -> None:
+        """``save_state``: a state next to each model save; ``save_state_on_train_end``: the
+        final one. Then sd-scripts' rotation of old models and states."""
+        from library.outputs import train_state
 
+        opts = self.opts
+        if opts.save_state or (final and opts.save_state_on_train_end):
+            path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
+            self.write_state(progress, path)
+            progress.last_state = (path, progress.global_step)
+        if is_main_process() and not final:
+            _rotate(opts, self.method, self.ema is not None, epoch=epoch, step=step)
+        self.accelerator.wait_for_everyone()
 
-def _save_states(run, *, epoch=None, step=None, final=False) -> None:
-    """``save_state``: a state next to each model save; ``save_state_on_train_end``: the
-    final one. Then sd-scripts' rotation of old models and states."""
-    from library.outputs import train_state
+    def write_state(self, progress, path: str) -> None:
+        """The training state of ``progress`` (after its last completed step) into ``path``."""
+        from library.outputs import train_state
 
-    opts, acc = run.opts, run.parts.accelerator
-    if opts.save_state or (final and opts.save_state_on_train_end):
-        path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
-        train_state.write_state(run, path, logger)
-        run.progress.last_state = (path, run.progress.global_step)
-    if acc.is_main_process and not final:
-        _rotate(opts, run.parts.method, run.parts.ema is not None, epoch=epoch, step=step)
-    acc.wait_for_everyone()
+        train_state.write_state(path, logger, record=self.record, progress=progress,
+                                named=self.named, ema=self.ema, stepper=self.stepper,
+                                strategy=self.strategy, accelerator=self.accelerator)
 
+    def state_of_this_step(self, progress) -> str:
+        """``<output_name>-step<N>-state`` after the last completed step, written unless a save
+        of this step wrote it already; returns its folder."""
+        from library.outputs import train_state
 
-def state_of_this_step(run) -> str:
-    """``<output_name>-step<N>-state`` after the last completed step, written unless a save of
-    this step wrote it already; returns its folder."""
-    from library.outputs import train_state
-
-    opts, progress = run.opts, run.progress
-    path = train_state.state_dir(opts.output_dir, opts.output_name, step=progress.global_step)
-    if progress.last_state != (path, progress.global_step):
-        train_state.write_state(run, path, logger)
-    return path
+        opts = self.opts
+        path = train_state.state_dir(opts.output_dir, opts.output_name, step=progress.global_step)
+        if progress.last_state != (path, progress.global_step):
+            self.write_state(progress, path)
+        return path
 
 
 def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:

@@ -38,7 +38,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
 from library.outputs import progress_stream
 
@@ -247,14 +249,19 @@ class Reporter:
     """What the loop reports, in every process: validation and samples when due (every
     process), scalars and images to the main process's trackers."""
 
-    def __init__(self, opts, plan, tset, c):
-        self.opts, self.plan, self.tset, self.c = opts, plan, tset, c
+    def __init__(self, opts, plan, tset, stream: progress_stream.ProgressStream | None, method,
+                 bundle, *, validate: Callable, sample: Callable):
+        """``stream``: progress_file's (main process; None: none); ``method`` and ``bundle``:
+        the trackers' names of the learning rates; ``validate(progress, label) -> loss`` and
+        ``sample(step) -> files``: the run's validation and sample images, when due."""
+        self.opts, self.plan, self.tset = opts, plan, tset
+        self.method, self.bundle = method, bundle
+        self._validate_fn, self._sample_fn = validate, sample
         self.tracker: Tracker | None = None
         self._started = False
         self.validated_at: int | None = None  # the step of the last validation / samples
         self.sampled_at: int | None = None
-        # progress_file (library/outputs/progress_stream.py): main process only
-        self.stream = progress_stream.open_stream(opts, c.accelerator.is_main_process)
+        self.stream = stream
         self._saves_reported = 0
         self._state_reported = None
 
@@ -262,9 +269,9 @@ class Reporter:
         """The main process's Tracker when the run logs anywhere (logging_dir, log_with)."""
         if not self._started:
             self._started = True
-            o, c = self.opts, self.c
-            if (uses_tensorboard(o) or uses_wandb(o)) and c.accelerator.is_main_process:
-                self.tracker = Tracker(o, c.method, c.bundle)
+            o = self.opts
+            if (uses_tensorboard(o) or uses_wandb(o)) and is_main_process():
+                self.tracker = Tracker(o, self.method, self.bundle)
         return self.tracker
 
     def before_training(self, progress) -> None:
@@ -282,7 +289,7 @@ class Reporter:
                               start_step=progress.global_step, output_dir=self.opts.output_dir,
                               output_name=self.opts.output_name)
         n = len(self.tset.val_items)
-        if n and self.c.accelerator.is_main_process:
+        if n and is_main_process():
             logger.info(f"validation_split {self.opts.validation_split}: {n} image(s) held out for "
                         f"the validation loss, {len(self.tset.train_items)} train")
         if self.opts.sample_at_first and self.opts.sample_prompts:
@@ -336,9 +343,7 @@ class Reporter:
         t.flush()
 
     def _validate(self, progress, label: str) -> None:
-        from library.training import validation
-
-        value = validation.run_validation(self.c, progress, label)
+        value = self._validate_fn(progress, label)
         self.validated_at = progress.global_step
         if self.stream is not None:
             self.stream.event("validation", step=progress.global_step, loss=value)
@@ -352,7 +357,7 @@ class Reporter:
         from library.training import sampling
 
         step = progress.global_step
-        sampling.sample_images(self.opts, self.c, step)
+        self._sample_fn(step)
         self.sampled_at = step
         o = self.opts
         files = [sampling.image_path(o, step, i, sampling.prompt_seed(o, p, i))

@@ -45,7 +45,12 @@ import re
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 
+from library.config.parse import Options
+from library.data.step_plan import StepPlan
+from library.data.training_data import TrainingSet
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
 
 STATE_VERSION = 1
@@ -338,7 +343,7 @@ def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
 
     # the content of the model files and images (after the data check has named any new path)
     content_hash.check(info.get("content"), opts, tset, path, log)
-    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+    if log is not None and is_main_process():
         print(f"resume: {path}: step {info['global_step']} of {plan.total_steps}, epoch "
               f"{info['epoch']} from its global batch {info['batch'] + 1} of {plan.steps_per_epoch}",
               flush=True)
@@ -362,10 +367,9 @@ def _data_diff(a: list, b: list) -> str:
 
 
 # -- trainable parameters by name -----------------------------------------------------------------
-def named_trainable(c) -> list[tuple[str, object]]:
-    """(name, parameter) for every trainable parameter of the components ``c`` (method, bundle),
-    in ``trainable_parameters()`` order."""
-    method, b = c.method, c.bundle
+def named_trainable(method, b) -> list[tuple[str, object]]:
+    """(name, parameter) for every trainable parameter of the ``method`` over the model ``b``
+    (its bundle), in ``trainable_parameters()`` order."""
     roots = []
     if method.network is not None:
         roots.append(("network", method.network))
@@ -382,13 +386,12 @@ def named_trainable(c) -> list[tuple[str, object]]:
     return out
 
 
-def saved_tensors(c) -> list:
+def saved_tensors(named: list, ema) -> list:
     """(name, tensor) of what a save writes that training changes: the trainable parameters
-    and the EMA (frozen weights come from the loaded model and stay as loaded)."""
-    named = named_trainable(c)
-    if c.ema is None:
+    (``named``) and the EMA (frozen weights come from the loaded model and stay as loaded)."""
+    if ema is None:
         return named
-    return named + [("ema." + n, e) for (n, _), e in zip(named, c.ema.shadow)]
+    return named + [("ema." + n, e) for (n, _), e in zip(named, ema.shadow)]
 
 
 # -- RNG ------------------------------------------------------------------------------------------
@@ -431,31 +434,47 @@ def _tuple(v):
 
 
 # -- write and load -------------------------------------------------------------------------------
-def write_state(run, path: str, log) -> None:
-    """Write the state of ``run`` (library/training/trainer.py Run: its options, plan, data, components
-    and progress after its last completed step) to ``path``. Every process calls this; the main
-    process writes the folder, atomically; the strategy's part (fsdp shards, DeepSpeed's
-    partitions) is written by every process into the same temporary folder."""
+@dataclass(frozen=True)
+class RunRecord:
+    """What a state records of its run besides the progress: the options, the step plan, the
+    training set (its fingerprint and content hashes) and the method's name."""
+
+    opts: Options
+    plan: StepPlan
+    tset: TrainingSet
+    method_name: str
+
+
+def write_state(path: str, log, *, record: RunRecord, progress, named: list, ema, stepper,
+                strategy, accelerator) -> None:
+    """Write a training state to ``path``: the run's ``record`` and ``progress`` (after its last
+    completed step), the trainable parameters (``named``) and ``ema``, the ``stepper``'s state
+    and the generators. Every process calls this; the main process writes the folder,
+    atomically; the ``strategy``'s part (fsdp shards, DeepSpeed's partitions) is written by
+    every process into the same temporary folder."""
     from library.distributed import accelerator as distributed
 
-    c = run.parts
-    acc, strategy = c.accelerator, c.strategy
-    stepper_state = c.stepper.state_dict()  # every process (a sharded stepper may gather)
+    acc = accelerator
+    stepper_state = stepper.state_dict()  # every process (a sharded stepper may gather)
     from library.training import nonfinite
 
     # nothing non-finite is written, and no good state replaced by it (every process checks)
-    nonfinite.check_before_save(saved_tensors(c) + _named_tensors("optimizer", stepper_state),
+    nonfinite.check_before_save(saved_tensors(named, ema) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
     rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
+
+    def write_files(tmp):
+        _write_files(tmp, record, progress, strategy, named, ema, stepper_state, rngs)
+
     if strategy.state_dir is not None:  # the strategy's own part, written by every process
         with _shared_atomic_dir(path, acc) as tmp:
-            strategy.save_process_state(tmp, named_trainable(c), c)
-            if acc.is_main_process:
-                _write_files(run, tmp, stepper_state, rngs)
-    elif acc.is_main_process:
-        _write_single(path, lambda tmp: _write_files(run, tmp, stepper_state, rngs))
-    if acc.is_main_process:
-        log.info(f"saved training state {path} (step {run.progress.global_step}"
+            strategy.save_process_state(tmp, named, ema)
+            if is_main_process():
+                write_files(tmp)
+    elif is_main_process():
+        _write_single(path, write_files)
+    if is_main_process():
+        log.info(f"saved training state {path} (step {progress.global_step}"
                  f"{strategy.state_note()})")
     acc.wait_for_everyone()
 
@@ -484,7 +503,7 @@ def _shared_atomic_dir(path: str, acc):
     from library.outputs.saving import atomic_dir
 
     multi = distributed._is_multi_process()
-    if acc.is_main_process:
+    if is_main_process():
         with atomic_dir(path) as tmp:
             if multi:
                 _broadcast_object(tmp)
@@ -504,15 +523,16 @@ def _broadcast_object(obj):
     return box[0]
 
 
-def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
+def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, ema,
+                 stepper_state: dict, rngs: list) -> None:
     """The main process's files of a state (into the temporary folder ``tmp``)."""
     import torch
     from safetensors.torch import save_file
 
     from library.outputs import content_hash
 
-    plan, opts, c, progress = run.plan, run.opts, run.parts, run.progress
-    flags = c.strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
+    plan, opts = record.plan, record.opts
+    flags = strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
     info = {
         "version": STATE_VERSION,
         **progress.state_dict(),  # epoch, batch: the next global batch to train
@@ -520,42 +540,41 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
         "processes": plan.processes, "train_batch_size": plan.train_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
         "total_steps": plan.total_steps,
-        "method": run.method_name,
+        "method": record.method_name,
         "saved_at": time.time(),
         "config": _json(opts.to_dict()),
-        "data": _json(data_fingerprint(run.tset)),
-        "content": content_hash.fingerprint(opts, run.tset),  # checked by content_hash.check
+        "data": _json(data_fingerprint(record.tset)),
+        "content": content_hash.fingerprint(opts, record.tset),  # checked by content_hash.check
         **flags,
     }
-    if not c.strategy.weights_sharded:  # (sharded: in its state_dir, written by every process)
-        weights = {n: p.detach().to("cpu", copy=True).contiguous()
-                   for n, p in named_trainable(c)}
+    if not strategy.weights_sharded:  # (sharded: in its state_dir, written by every process)
+        weights = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in named}
         save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
-        if c.ema is not None:
+        if ema is not None:
             from library.training.ema import STATE_FILE
 
-            save_file(c.ema.state_tensors([n for n, _ in named_trainable(c)]),
-                      os.path.join(tmp, STATE_FILE))
+            save_file(ema.state_tensors([n for n, _ in named]), os.path.join(tmp, STATE_FILE))
     torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
     torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
     with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
         json.dump(info, f)
 
 
-def load_state(run, path: str, info: dict, log):
-    """Put the state's weights, optimizer/scheduler and generators into the components of
-    ``run``; returns the saved Progress (library/training/run_state.py)."""
+def load_state(path: str, info: dict, log, *, accelerator, named: list, ema, stepper, strategy,
+               network_dropout: float | None):
+    """Put the state's weights (into ``named``'s parameters and the ``ema``), optimizer /
+    scheduler (the ``stepper``'s, the ``strategy``'s part) and generators into this run; returns
+    the saved Progress (library/training/run_state.py). ``network_dropout``: the run's (a
+    warning when its draws cannot continue exactly)."""
     import torch
 
-    c = run.parts
-    acc, strategy = c.accelerator, c.strategy
-    named = named_trainable(c)
+    acc = accelerator
     strategy.check_state(path, info)  # a layout this strategy cannot read: one line
     if info.get("sharded"):
         # the weights, optimizer state and EMA from the shards (resharded to this run)
-        strategy.load_sharded_state(path, named, c)
+        strategy.load_sharded_state(path, named, ema)
     else:
-        _load_weights(c, path, named)
+        _load_weights(ema, path, named)
     try:
         # Under MULTI_CPU the device is cpu:<rank>, a location torch.load cannot restore to
         device = "cpu" if acc.device.type == "cpu" else acc.device
@@ -565,15 +584,15 @@ def load_state(run, path: str, info: dict, log):
         # torch's weights_only refusal spans many lines: its first says what failed
         raise ResumeError(f"resume: {path} is damaged: cannot read the optimizer state "
                           f"({first_line(e)})") from None
-    fresh = [list(sc.base_lrs) for sc in c.stepper.schedulers]  # this run's learning rates
+    fresh = [list(sc.base_lrs) for sc in stepper.schedulers]  # this run's learning rates
     try:
-        c.stepper.load_state_dict(st)
-        strategy.load_process_state(path, named, c)  # e.g. DeepSpeed's partitioned optimizer state
+        stepper.load_state_dict(st)
+        strategy.load_process_state(path, named, ema)  # e.g. DeepSpeed's partitioned optimizer state
     except (KeyError, ValueError, RuntimeError, AssertionError) as e:
         raise ResumeError(f"resume: {path}: the optimizer state does not fit this run's optimizer "
                           f"({first_line(e)})") from None
-    _keep_learning_rates(c.stepper, fresh, path, log)
-    return _load_rest(run, info, rng, log)
+    _keep_learning_rates(stepper, fresh, path, log)
+    return _load_rest(acc, stepper, network_dropout, info, rng, log)
 
 
 def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
@@ -599,7 +618,7 @@ def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
             g["initial_lr"] = lr
 
 
-def _load_weights(c, path: str, named: list) -> None:
+def _load_weights(ema, path: str, named: list) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -622,24 +641,23 @@ def _load_weights(c, path: str, named: list) -> None:
                 raise ResumeError(f"resume: {path}: {n} has shape {tuple(w.shape)} in the state, "
                                   f"{tuple(p.shape)} in this run")
             p.copy_(w.to(p.device, p.dtype))
-    if c.ema is not None:
+    if ema is not None:
         from library.training.ema import STATE_FILE
 
         f = os.path.join(path, STATE_FILE)
         if not os.path.isfile(f):
             raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
-        c.ema.load_tensors(load_file(f), [n for n, _ in named], path)
+        ema.load_tensors(load_file(f), [n for n, _ in named], path)
 
 
-def _load_rest(run, info: dict, rng: dict, log):
+def _load_rest(acc, stepper, network_dropout, info: dict, rng: dict, log):
     from library.training.run_state import Progress
 
-    acc = run.parts.accelerator
-    resync_lr(run.parts.stepper)
+    resync_lr(stepper)
     ranks = rng["ranks"]
     rank = acc.process_index
     set_rng_state(ranks[rank] if len(ranks) == acc.num_processes else ranks[0])
-    if len(ranks) != acc.num_processes and run.opts.network_dropout:
+    if len(ranks) != acc.num_processes and network_dropout:
         log.warning("resume: the state was saved by %d process(es), this run has %d: network "
                     "dropout draws from each process's generator and does not continue exactly",
                     len(ranks), acc.num_processes)

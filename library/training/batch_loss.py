@@ -34,20 +34,29 @@ def latent_slot(item, flipped: bool) -> tuple:
             bool(item.alpha_mask), item.mask_path)
 
 
+def check_multiplier(opts, tset, method) -> None:
+    """network_multiplier per dataset and diff_output_preservation switch the ``method``'s
+    network's multiplier: a network without ``set_multiplier()`` is refused (at set-up)."""
+    acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
+    net = method.network
+    if acts and net is not None and not hasattr(net, "set_multiplier"):
+        from library.errors import UserError
+
+        raise UserError(f"network_module {opts.network_module}: its network has no "
+                        "set_multiplier(), which network_multiplier per dataset and "
+                        "diff_output_preservation need")
+
+
 class BatchLoss:
-    """The loss of a run's batches over its components (library/training/run_state.py Components): reads
-    the losses, adapter, placement, bundle, method, accelerator and caches, writes nothing."""
+    """The loss of a run's batches: reads the losses, family model, placement, bundle, method,
+    accelerator, strategy (its training forward) and caches it is given, writes nothing."""
 
-    def __init__(self, opts, tset, c):
-        self.opts, self.tset, self.c = opts, tset, c
-        acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
-        net = c.method.network
-        if acts and net is not None and not hasattr(net, "set_multiplier"):
-            from library.errors import UserError
-
-            raise UserError(f"network_module {opts.network_module}: its network has no "
-                            "set_multiplier(), which network_multiplier per dataset and "
-                            "diff_output_preservation need")
+    def __init__(self, opts, tset, *, accelerator, bundle, family_model, losses, placement, method,
+                 strategy, caches):
+        self.opts, self.tset = opts, tset
+        self.accelerator, self.bundle, self.family_model = accelerator, bundle, family_model
+        self.losses, self.placement, self.method = losses, placement, method
+        self.strategy, self.caches = strategy, caches
         self._switched = False  # the network runs at a dataset's multiplier (end_step restores)
 
     def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None, preserve=(),
@@ -59,26 +68,25 @@ class BatchLoss:
         target is the prior prediction (DOP); the network is then back at ``multiplier``
         (None: the run's) after it. ``inpaint``: an inpainting model's (B,5,h,w) mask and
         masked-image latents, concatenated after the noisy latents (the prior's input too)."""
-        c = self.c
-        noisy = c.losses.noisy_latents(latents, draw)
+        noisy = self.losses.noisy_latents(latents, draw)
         x = inpainting.unet_input(noisy, inpaint)
-        size = size_cond if c.bundle.family == "sdxl" else None
+        size = size_cond if self.bundle.family == "sdxl" else None
         held = {}
 
         def denoise():
-            with c.accelerator.autocast():
+            with self.accelerator.autocast():
                 held["cond"] = cond = conditioning()
-                return c.adapter.unet_forward(x.to(c.placement.input_dtype(c.placement.unet)),
+                return self.family_model.unet_forward(x.to(self.placement.input_dtype(self.placement.unet)),
                                               draw.timesteps, cond, size)
 
         pred = denoise() if forward is None else forward(denoise)
         target = None
         if preserve:
-            target = c.losses.target(latents, draw).clone()
+            target = self.losses.target(latents, draw).clone()
             rows = list(preserve)
             target[rows] = self._prior(x, draw.timesteps, held["cond"], size, rows,
                                        multiplier).to(target.dtype)
-        return c.losses.per_sample_loss(pred, latents, draw, mask, target=target)  # loss_type, SNR
+        return self.losses.per_sample_loss(pred, latents, draw, mask, target=target)  # loss_type, SNR
 
     def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
@@ -86,15 +94,14 @@ class BatchLoss:
 
         from library.models.family import TextConditioning
 
-        c = self.c
-        net = c.method.network
+        net = self.method.network
         cond = TextConditioning(cond.hidden_states[rows],
                                 None if cond.pooled is None else cond.pooled[rows])
         net.set_multiplier(0.0)
         try:
-            with torch.no_grad(), c.accelerator.autocast():
-                return c.adapter.unet_forward(
-                    x[rows].to(c.placement.input_dtype(c.placement.unet)), timesteps[rows],
+            with torch.no_grad(), self.accelerator.autocast():
+                return self.family_model.unet_forward(
+                    x[rows].to(self.placement.input_dtype(self.placement.unet)), timesteps[rows],
                     cond, None if size_cond is None else size_cond[rows])
         finally:
             # the backward (and gradient checkpointing's recomputation in it) runs at this one
@@ -103,7 +110,7 @@ class BatchLoss:
     def end_step(self) -> None:
         """After a step's update: the network back at the run's network_multiplier."""
         if self._switched:
-            self.c.method.network.set_multiplier(self.opts.network_multiplier)
+            self.method.network.set_multiplier(self.opts.network_multiplier)
             self._switched = False
 
     # -- training -------------------------------------------------------------------------------
@@ -113,23 +120,23 @@ class BatchLoss:
         ``step``: the optimizer steps done before this one (token warmup)."""
         import torch
 
-        opts, c = self.opts, self.c
-        multiplier = self.tset.multiplier(idx) if c.method.network is not None else None
+        opts = self.opts
+        multiplier = self.tset.multiplier(idx) if self.method.network is not None else None
         if multiplier is not None:  # the dataset's network_multiplier
-            c.method.network.set_multiplier(multiplier)
+            self.method.network.set_multiplier(multiplier)
             self._switched = True
         preserve = [k for k, i in enumerate(idx) if self.tset.samples[i].dop]
         latents, size_cond, inpaint = self._latents(idx, loaded_images, epoch)
         # Sample-keyed randomness: every draw for a sample (noise, timestep, noise variants) comes
         # from its own generator, whatever the process count, batch split or resume point.
-        d = c.losses.draw(latents, [torch.Generator().manual_seed(
+        d = self.losses.draw(latents, [torch.Generator().manual_seed(
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
         per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch, step), size_cond,
-                                     mask, forward=c.strategy.forward, preserve=preserve,
+                                     mask, forward=self.strategy.forward, preserve=preserve,
                                      multiplier=multiplier, inpaint=inpaint)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
-                                for i in idx], device=c.accelerator.device)
+                                for i in idx], device=self.accelerator.device)
         return (per_sample * weights).sum() / n_global
 
     def _latents(self, idx: list[int], loaded_images, epoch: int):
@@ -140,8 +147,7 @@ class BatchLoss:
 
         from library.data import latent_cache
 
-        c = self.c
-        device, cache = c.accelerator.device, c.caches
+        device, cache = self.accelerator.device, self.caches
         lat, size, inpaint = [], [], None
         if cache.latents is not None:  # never with train_inpainting (inpainting.check_options)
             for i in idx:
@@ -151,7 +157,7 @@ class BatchLoss:
                 size.append((*e.original_size, *e.crop_top_left, *e.target_size))
             latents = torch.stack(lat).to(device, dtype=torch.float32)
         else:
-            vae = c.bundle.vae
+            vae = self.bundle.vae
             pix = loaded_images.pixels_on(device, vae.dtype)  # pinned: non-blocking
             with torch.no_grad():
                 latents = latent_cache.encode_pixels(vae, pix).to(torch.float32)
@@ -173,7 +179,7 @@ class BatchLoss:
 
         if not self.tset.masked:
             return None
-        cache = self.c.caches
+        cache = self.caches
         if cache.latents is not None:
             out = [cache.latents[cache.latent_key[latent_slot(self.tset.samples[i],
                                                                self.tset.flip(i, epoch))]].mask
@@ -182,7 +188,7 @@ class BatchLoss:
             out = [None if p.mask is None else images.latent_mask(p.mask, tuple(latent_hw))
                    for p in loaded_images]
         masks = [torch.ones(tuple(latent_hw)) if m is None else m for m in out]
-        return torch.stack(masks).unsqueeze(1).to(self.c.accelerator.device, dtype=torch.float32)
+        return torch.stack(masks).unsqueeze(1).to(self.accelerator.device, dtype=torch.float32)
 
     def _text(self, idx: list[int], epoch: int, step: int | None = None):
         """The text conditioning of this process's samples (called under autocast): from the
@@ -191,16 +197,16 @@ class BatchLoss:
 
         from library.data import text_cache
 
-        c, opts = self.c, self.opts
-        if c.caches.text is not None:
-            return text_cache.stack([c.caches.text[self.tset.cached_caption(i, epoch)] for i in idx],
-                                    c.accelerator.device)
+        opts = self.opts
+        if self.caches.text is not None:
+            return text_cache.stack([self.caches.text[self.tset.cached_caption(i, epoch)] for i in idx],
+                                    self.accelerator.device)
         captions = [self.tset.caption(i, epoch, step) for i in idx]  # sample-keyed augmentation
         # no_token_padding: unpadded ids (batch 1, checked before loading); validation and the
         # text-encoder cache always pad
-        tokens = [t.to(c.accelerator.device)
-                  for t in c.adapter.tokenize(captions, pad=not opts.no_token_padding)]
-        if c.method.train_text_encoder:
-            return c.adapter.encode(tokens, opts.clip_skip)
+        tokens = [t.to(self.accelerator.device)
+                  for t in self.family_model.tokenize(captions, pad=not opts.no_token_padding)]
+        if self.method.train_text_encoder:
+            return self.family_model.encode(tokens, opts.clip_skip)
         with torch.no_grad():
-            return c.adapter.encode(tokens, opts.clip_skip)
+            return self.family_model.encode(tokens, opts.clip_skip)

@@ -26,6 +26,7 @@ import json
 import os
 import time
 
+from library.distributed.accelerator import is_main_process
 from library.config import leco_prompts
 from library.errors import UserError
 from library.log import logger, setup_logging
@@ -64,7 +65,7 @@ def check_options(opts) -> None:
 
 
 def run(opts) -> LecoRun:
-    setup_logging()
+    setup_logging(is_main_process())
     import torch
     from accelerate.utils import set_seed
 
@@ -86,7 +87,7 @@ def run(opts) -> LecoRun:
     opts = dataclasses.replace(opts, network_train_unet_only=True)
     methods.make_method("lora", opts, None)  # network module and its args, before the weights
     logger.info(f"LECO: {len(settings)} prompt setting(s) from {opts.prompts_file}, {total} steps")
-    lock = output_checks.prepare(opts, "lora", True, logger)
+    lock = output_checks.prepare(opts, "lora", is_main_process(), logger)
     with lock:
         acc = accelerator.accelerator_for(opts)
         set_seed(opts.seed)
@@ -95,12 +96,12 @@ def run(opts) -> LecoRun:
             raise LecoError(f"{opts.pretrained_model_name_or_path} is an inpainting model: LECO "
                             "denoises from noise alone, with no image and mask to condition on")
         loading.set_attention(b, opts)
-        adapter = family.adapter_for(b, max_token_length=opts.max_token_length)
+        family_model = family.family_model_for(b, max_token_length=opts.max_token_length)
         pl = placement.dtype_placement(opts, "lora", False, len(b.text_encoders))
         device = acc.device
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, device)
-        prompts = encode_prompts(adapter, settings, opts.clip_skip, device)
+        prompts = encode_prompts(family_model, settings, opts.clip_skip, device)
         for te in b.text_encoders:  # the prompts are all they were needed for
             te.to("cpu")
         placement.place(b.unet, pl.unet, pl.compute, device)
@@ -125,7 +126,7 @@ def run(opts) -> LecoRun:
         for step in range(total):
             d = draw(opts, settings, step)
             with acc.autocast():
-                loss, _ = leco_loss(b, adapter, net, sampler, prompts, d, opts)
+                loss, _ = leco_loss(b, family_model, net, sampler, prompts, d, opts)
             loss.backward()
             if opts.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
@@ -158,7 +159,7 @@ def _save(method, opts, base_md: dict, path: str, step: int) -> str:
 
 # -- prompts --------------------------------------------------------------------------------------
 
-def encode_prompts(adapter, settings, clip_skip, device) -> dict:
+def encode_prompts(family_model, settings, clip_skip, device) -> dict:
     """Every distinct prompt of the settings, encoded once: prompt -> TextConditioning (1, ...)."""
     import torch
 
@@ -166,8 +167,8 @@ def encode_prompts(adapter, settings, clip_skip, device) -> dict:
     out = {}
     with torch.no_grad():
         for t in texts:
-            tokens = [x.to(device) for x in adapter.tokenize([t])]
-            out[t] = adapter.encode(tokens, clip_skip)
+            tokens = [x.to(device) for x in family_model.tokenize([t])]
+            out[t] = family_model.encode(tokens, clip_skip)
     return out
 
 
@@ -226,7 +227,7 @@ def make_sampler(bundle):
     return DDPMScheduler.from_config(bundle.noise_scheduler.config)
 
 
-def predict(bundle, adapter, x, t, cond, size_cond):
+def predict(bundle, family_model, x, t, cond, size_cond):
     """The model's prediction for latents ``x`` (B,...) at timestep ``t`` on ``cond`` (1, ...)."""
     import torch
 
@@ -235,10 +236,10 @@ def predict(bundle, adapter, x, t, cond, size_cond):
     sc = None
     if bundle.family == "sdxl":
         sc = torch.tensor([size_cond] * n, dtype=torch.float32, device=x.device)
-    return adapter.unet_forward(x, ts, _repeat(cond, n), sc)
+    return family_model.unet_forward(x, ts, _repeat(cond, n), sc)
 
 
-def denoise_partway(bundle, adapter, sampler, x, cond, uncond, steps: int, stop: int,
+def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, stop: int,
                     guidance: float, size_cond, generator=None):
     """``stop`` of ``steps`` sampler steps from ``x``, classifier-free guided (sd-scripts'
     ``diffusion``); ``generator`` (CPU): the noise a stochastic sampler step adds."""
@@ -256,14 +257,14 @@ def denoise_partway(bundle, adapter, sampler, x, cond, uncond, steps: int, stop:
         sc = None
         if bundle.family == "sdxl":
             sc = torch.tensor([size_cond] * model_in.shape[0], dtype=torch.float32, device=x.device)
-        pred = adapter.unet_forward(model_in, ts, ctx, sc)
+        pred = family_model.unet_forward(model_in, ts, ctx, sc)
         p_uncond, p_text = pred.chunk(2)
         guided = p_uncond + guidance * (p_text - p_uncond)
         x = sampler.step(guided, t, x, generator=generator).prev_sample
     return x
 
 
-def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
+def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts):
     """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
     positive, neutral, unconditional, target, prediction}."""
     import torch
@@ -279,7 +280,7 @@ def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
     x = x.to(dtype)
     network.set_multiplier(s.multiplier)
     with torch.no_grad():
-        x = denoise_partway(bundle, adapter, sampler, x, prompts[s.target], prompts[s.unconditional],
+        x = denoise_partway(bundle, family_model, sampler, x, prompts[s.target], prompts[s.unconditional],
                             opts.max_denoising_steps, d.stop, opts.leco_denoise_guidance_scale,
                             d.size_cond, torch.Generator().manual_seed(d.denoise_seed))
     sampler.set_timesteps(1000, device=x.device)
@@ -287,11 +288,11 @@ def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
     t = sampler.timesteps[index]
     network.set_multiplier(0.0)
     with torch.no_grad():
-        pos = predict(bundle, adapter, x, t, prompts[s.positive], d.size_cond)
-        neu = predict(bundle, adapter, x, t, prompts[s.neutral], d.size_cond)
-        unc = predict(bundle, adapter, x, t, prompts[s.unconditional], d.size_cond)
+        pos = predict(bundle, family_model, x, t, prompts[s.positive], d.size_cond)
+        neu = predict(bundle, family_model, x, t, prompts[s.neutral], d.size_cond)
+        unc = predict(bundle, family_model, x, t, prompts[s.unconditional], d.size_cond)
     network.set_multiplier(s.multiplier)
-    pred = predict(bundle, adapter, x, t, prompts[s.target], d.size_cond)
+    pred = predict(bundle, family_model, x, t, prompts[s.target], d.size_cond)
     target = s.build_target(pos.float(), neu.float(), unc.float())
     loss = torch.nn.functional.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
     if opts.min_snr_gamma:

@@ -18,11 +18,12 @@ import functools
 import logging
 import signal
 
+from library.distributed.accelerator import is_main_process
 from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.training import nonfinite
 from library.training import step_sync
 from library.outputs import progress_stream
-from library.outputs import saver
+from library.outputs.saver import Saver
 from library.data import step_plan
 from library.training.run_state import HOOKS
 
@@ -45,11 +46,11 @@ def train(run) -> None:
     signals = run.stop_signals
     # control_file (save_now / sample_now / stop): read by the main process at each step's
     # start, agreed by every process in the step's read, run by all after the step
-    control = progress_stream.control_channel(opts, acc.is_main_process)
+    control = progress_stream.control_channel(opts, is_main_process())
     start_epoch, start_batch = progress.position
     c.reporter.before_training(progress)  # validation images held out; sample_at_first
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
-               disable=not acc.is_main_process, desc="steps", dynamic_ncols=True)
+               disable=not is_main_process(), desc="steps", dynamic_ncols=True)
     done, stop = False, 0
     norm_postfix = {}  # scale_weight_norms' bar entries, as last read
     images_in = None  # without cached latents: decoded and augmented per step
@@ -127,7 +128,8 @@ def train(run) -> None:
             step_loss = read.loss
             c.batch_loss.end_step()  # a dataset's network_multiplier: back at the run's
             if bad is not None:
-                on_nonfinite(run, bad, bar)  # stop (raises) or skip this update
+                # stop (raises) or skip this update
+                on_nonfinite(bad, bar, opts.on_nonfinite, progress, stepper, c.reporter, run.saver)
             # scale_weight_norms: after the update (every stepper has finished it here), before
             # the EMA reads the weights
             progress.max_norm_stats = c.method.after_step(acc.device)
@@ -156,7 +158,7 @@ def train(run) -> None:
             saved_now = False
             if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
                     and progress.global_step < plan.total_steps:
-                saver.save(run, epoch=None, step=progress.global_step)
+                run.saver.save(progress, epoch=None, step=progress.global_step)
                 saved_now = True
             # SIGINT/SIGTERM in any process: every process stops after this same step (agreed
             # in the step's read; one arriving after it, e.g. during a save, in the next step's;
@@ -170,7 +172,7 @@ def train(run) -> None:
                     c.reporter.sample_now(progress)
                 elif command == "save_now" and not saved_now \
                         and progress.global_step < plan.total_steps:  # the final save follows
-                    saver.save(run, epoch=None, step=progress.global_step)
+                    run.saver.save(progress, epoch=None, step=progress.global_step)
                     saved_now = True
             c.reporter.saves(run.saved, progress)
             if progress.global_step >= plan.total_steps:
@@ -178,29 +180,28 @@ def train(run) -> None:
                 break
             if stop and j + 1 < n_batches:
                 bar.close()
-                interrupt(run, stop)
+                interrupt(stop, progress, run.saver)
         progress.epochs_done = epoch
         c.reporter.after_epoch(progress, epoch)  # validation and samples when due, loss/epoch
         if done:
             break
         if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
-            saver.save(run, epoch=epoch, step=None)
+            run.saver.save(progress, epoch=epoch, step=None)
             c.reporter.saves(run.saved, progress)
         if stop:  # the signal came in the epoch's last step: after the epoch's saves
             bar.close()
-            interrupt(run, stop)
+            interrupt(stop, progress, run.saver)
     bar.close()
 
 
-def on_nonfinite(run, what: str, bar) -> None:
+def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver: Saver) -> None:
     """A non-finite loss or gradient norm in step global_step + 1, before its update (every
-    process alike). ``stop``: write the state of the last good step and raise NonFiniteStop;
-    ``skip``: drop the update and warn (library/training/nonfinite.py)."""
-    stepper, progress = run.parts.stepper, run.progress
+    process alike). ``action`` (on_nonfinite) ``stop``: write the state of the last good step
+    and raise NonFiniteStop; ``skip``: drop the update and warn (library/training/nonfinite.py)."""
     step = progress.global_step + 1
     partial = stepper.partial_update
-    run.parts.reporter.nonfinite(what, step, run.opts.on_nonfinite)
-    if run.opts.on_nonfinite == "skip":
+    reporter.nonfinite(what, step, action)
+    if action == "skip":
         stepper.skip()
         logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"
                        + ("; some parameters had already been stepped in the backward pass"
@@ -216,15 +217,15 @@ def on_nonfinite(run, what: str, bar) -> None:
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
-    path = saver.state_of_this_step(run)
+    path = saver.state_of_this_step(progress)
     raise nonfinite.NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
 
 
-def interrupt(run, signum: int) -> None:
+def interrupt(signum: int, progress, saver: Saver) -> None:
     """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
     from library.outputs import train_state
 
-    path = saver.state_of_this_step(run)
-    raise train_state.TrainingInterrupted(signum, path, run.progress.global_step)
+    path = saver.state_of_this_step(progress)
+    raise train_state.TrainingInterrupted(signum, path, progress.global_step)

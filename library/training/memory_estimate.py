@@ -473,7 +473,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     n_chunks = fam.chunk_count(opts.max_token_length)
     tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
     with mode:
-        adapter = fam.adapter_for(_Bundle(family, unet, tes, []), opts.max_token_length)
+        family_model = fam.family_model_for(_Bundle(family, unet, tes, []), opts.max_token_length)
         unet_dtype = next(unet.parameters()).dtype
         if unet_dtype == fp8.FP8:  # fp8_base: the U-Net computes in the mixed-precision dtype
             unet_dtype = dtype
@@ -490,8 +490,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
                 ids = [torch.zeros((batch, tokens) if n_chunks == 1 else (batch, n_chunks, fam.MAX_TOKENS),
                                    dtype=torch.long) for _ in tes]
                 with (contextlib.nullcontext() if method.train_text_encoder else torch.no_grad()):
-                    cond = adapter.encode(ids, opts.clip_skip)
-            pred = adapter.unet_forward(noisy, t, cond, size_cond if family == "sdxl" else None)
+                    cond = family_model.encode(ids, opts.clip_skip)
+            pred = family_model.unet_forward(noisy, t, cond, size_cond if family == "sdxl" else None)
         with outer.hooks():
             # an inpainting U-Net takes 9 channels and predicts the 4 latent ones
             loss = ((pred.float() - latents[:, :pred.shape[1]]) ** 2).mean()

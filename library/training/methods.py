@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import os
+from typing import Any, Callable, Protocol
 
 from library.errors import UserError
 
@@ -24,6 +25,36 @@ logger = logging.getLogger("sdtk")
 
 class MethodError(UserError, ValueError):
     pass
+
+
+class Method(Protocol):
+    """What trains, as the trainer, the loop, the strategies, the saver and the training state
+    use it (``NetworkMethod``, ``FullMethod``, ``TextualInversionMethod``)."""
+
+    adapter: str | None          # the metadata's kind of trained file ("lora", ...; None: a model)
+    saves_full_model: bool       # a save writes the whole model (VAE and text encoders too)
+    network: Any                 # the kohya network module after setup() (None: no network)
+    group_names: list | None     # one name per optimizer parameter group, when setup() knows them
+    train_text_encoder: bool     # the text encoders need gradients (may change at a stop step)
+    info: dict                   # the method's ss_* metadata, after setup()
+
+    def setup(self) -> list[dict]: ...  # the optimizer's parameter groups
+
+    def trainable_parameters(self) -> list: ...
+
+    def prompt_rewrite(self) -> Callable[[str], str] | None: ...
+
+    def set_train(self, epoch: int) -> None: ...
+
+    def before_step(self, global_step: int) -> None: ...
+
+    def after_step(self, device): ...  # scale_weight_norms' statistics, or None
+
+    def extension(self) -> str: ...
+
+    def save(self, path: str, dtype_name, metadata: dict) -> None: ...
+
+    def companion_files(self, path: str) -> list[str]: ...
 
 
 def _dtype(name):

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 
+from library.distributed.accelerator import is_main_process
 from library.training.host_memory import GIB, resident_bytes, trim_heap
 
 logger = logging.getLogger("sdtk")
@@ -225,14 +226,14 @@ def released_after_caching(*, latents_cached: bool, text_cached: bool,
     return out
 
 
-def release_after_caching(opts, c, log: logging.Logger = logger) -> Frozen:
-    """Release what the rest of the run (components ``c``) does not need on its device (see the
+def release_after_caching(opts, device, b, method, caches, log: logging.Logger = logger) -> Frozen:
+    """Release from ``device`` what the rest of the run does not need of the bundle ``b`` (its
+    VAE, text encoders), given the ``caches`` made and what the ``method`` trains (see the
     module doc)."""
-    b, acc = c.bundle, c.accelerator
-    frozen = Frozen(acc.device, keep_on_device=bool(opts.highvram))
+    frozen = Frozen(device, keep_on_device=bool(opts.highvram))
     released = released_after_caching(
-        latents_cached=c.caches.latents is not None, text_cached=c.caches.text is not None,
-        text_encoders_trained=c.method.train_text_encoder, highvram=bool(opts.highvram))
+        latents_cached=caches.latents is not None, text_cached=caches.text is not None,
+        text_encoders_trained=method.train_text_encoder, highvram=bool(opts.highvram))
     parts = []
     if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
@@ -241,7 +242,7 @@ def release_after_caching(opts, c, log: logging.Logger = logger) -> Frozen:
                           list(b.text_encoders)))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
-    needed_later = bool(opts.sample_prompts) or (c.method.saves_full_model and acc.is_main_process)
+    needed_later = bool(opts.sample_prompts) or (method.saves_full_model and is_main_process())
     frozen.release(parts, needed_later, log)
     return frozen
 

@@ -1,8 +1,9 @@
 """The declared state of one training run: what it is made of, and how far it has got.
 
-``Components`` are built by the trainer's stages (load, set-up, cache) and read by the modules
-that need them, passed as a parameter; ``Progress`` is written by the loop after each step and by
-a resume (``train_state.load_state`` returns the saved one). Both are slotted records: no module
+``Components`` are made by the trainer's stages (load, set-up, cache: each returns its parts,
+made once) and each module is passed the parts it uses, never the record; ``Progress`` is
+written by the loop after each step and by a resume (``train_state.load_state`` returns the
+saved one). Both are slotted records: no module
 can add an attribute to them, and no module keeps a cache in them (each module's own state lives
 in its own object: the Reporter's trackers, the Validation's held-out latents, the Strategy's
 sharded modules).
@@ -16,9 +17,27 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from library.training.network_options import host_stats
+from library.distributed.strategy import Strategy
+from library.models.family import FamilyModel
+from library.models.loading import ModelBundle
+from library.outputs.tracking import Reporter
+from library.training.batch_loss import BatchLoss
+from library.training.ema import EMA
+from library.training.losses import Losses
+from library.training.methods import Method
+from library.training.network_options import MaxNormStats, host_stats
+from library.training.offload import Frozen
+from library.training.stepper import Stepper
+from library.training.validation import Validation
+
+if TYPE_CHECKING:  # annotations only: torch, accelerate and the placement (which imports torch)
+    # load after the plan is printed (library/training/trainer.py prints it first)
+    import torch
+    from accelerate import Accelerator
+
+    from library.models.placement import Placement
 
 
 @dataclass(slots=True)
@@ -32,7 +51,8 @@ class Progress:
     loss_log: list[float] = field(default_factory=list)  # per step: the global batch's mean loss
     lr_log: list[float] = field(default_factory=list)    # per step: the first group's learning rate
     val_log: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
-    max_norm_stats: Any = None       # scale_weight_norms: the last step's statistics
+    # scale_weight_norms: the last step's statistics (on the device, or as read from a state)
+    max_norm_stats: MaxNormStats | tuple[int, float, float] | None = None
     last_state: tuple[str, int] | None = None  # (folder, step) of the last training state written
 
     def state_dict(self) -> dict:
@@ -70,23 +90,27 @@ class Caches:
 
 @dataclass(slots=True)
 class Components:
-    """What one run is made of, set by the trainer's stages in this order (None until then)."""
+    """What one run is made of: each part made once by the trainer's stage that returns it (load:
+    accelerator, bundle, losses; set-up: method, family model, placement, strategy, stepper,
+    params, EMA, validation; cache: caches, frozen parts; then the reporter and the batch loss
+    over them), the record built when all are made. A module is passed the parts it uses, never
+    this record."""
 
-    accelerator: Any = None
-    bundle: Any = None       # library/models/loading.py ModelBundle
-    adapter: Any = None      # library/models/family.py: tokenize / encode / U-Net forward of the family
-    losses: Any = None       # library/training/losses.py Losses: noise schedule, draws, loss
-    placement: Any = None    # library/models/placement.py Placement: the dtype of every part
-    method: Any = None       # library/training/methods.py NetworkMethod / FullMethod
-    strategy: Any = None     # library/distributed/strategy.py: single process, DDP, FSDP or DeepSpeed
-    stepper: Any = None      # library/training/stepper.py Stepper, built by the strategy
-    params: list = field(default_factory=list)  # the trainable parameters (method order)
-    ema: Any = None          # library/training/ema.py EMA, or None
-    caches: Caches = field(default_factory=Caches)
-    validation: Any = None   # library/training/validation.py Validation (held-out latents), or None
-    frozen: Any = None       # library/training/offload.py Frozen: parts released after caching
-    reporter: Any = None     # library/outputs/tracking.py Reporter
-    batch_loss: Any = None   # library/training/batch_loss.py BatchLoss: the one per-sample loss
+    accelerator: Accelerator
+    bundle: ModelBundle
+    family_model: FamilyModel  # tokenize / encode / U-Net forward of the model's family
+    losses: Losses             # noise schedule, draws, loss
+    placement: Placement       # the dtype of every part
+    method: Method             # NetworkMethod / FullMethod / TextualInversionMethod
+    strategy: Strategy         # single process, DDP, FSDP or DeepSpeed
+    stepper: Stepper           # built by the strategy
+    params: list[torch.nn.Parameter]  # the trainable parameters (method order)
+    ema: EMA | None            # ema_decay's moving average (None: off)
+    caches: Caches
+    validation: Validation     # the held-out images and their latents
+    frozen: Frozen             # parts released after caching
+    reporter: Reporter         # validation, samples, scalars, the progress stream
+    batch_loss: BatchLoss      # the one per-sample loss
 
 
 class Hooks:

@@ -4,7 +4,7 @@
                                        --d/--s/--l/--ss), .toml ([prompt] + [[prompt.subset]]) or .json
     check_options(opts)                before any weight is loaded: file, values, samplers
     due(opts, epoch=None, step=None)         whether this step / epoch end samples
-    sample_images(opts, c, step)             every process renders its share of the prompts
+    sample_images(opts, step, ...parts)      every process renders its share of the prompts
 
 Images are ``<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png``. The
 seed is the prompt's ``--d``, else ``seed + prompt index``; each image is generated alone from a
@@ -25,6 +25,7 @@ import json
 import logging
 import os
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -222,44 +223,46 @@ def inpaint_inputs(p: dict, seed: int):
     return img, Image.fromarray((m.numpy() * 255).astype("uint8"), mode="L")
 
 
-def _embeds(adapter, device, clip_skip, text: str):
-    return adapter.encode([t.to(device) for t in adapter.tokenize([text])], clip_skip)
+def _embeds(family_model, device, clip_skip, text: str):
+    return family_model.encode([t.to(device) for t in family_model.tokenize([text])], clip_skip)
 
 
-def sample_images(opts, c, step: int) -> list[str]:
-    """Render this process's prompts at global step ``step`` with the run's components ``c``;
-    returns the files written."""
+def sample_images(opts, step: int, *, accelerator, bundle, method, family_model, stepper, strategy,
+                  frozen) -> list[str]:
+    """Render this process's prompts (the ``strategy``'s share) at global step ``step`` with the
+    model ``bundle`` and ``method``'s network, in the ``stepper``'s eval mode, the ``frozen``
+    parts back; returns the files written."""
     import torch
 
     from library.training import validation
 
-    acc = c.accelerator
+    acc = accelerator
     prompts = load_prompts(opts.sample_prompts)
-    config = c.bundle.noise_scheduler.config
+    config = bundle.noise_scheduler.config
     written = []
-    mods = validation.modules(c)
+    mods = validation.modules(bundle, method)
     modes = {m: m.training for root in mods for m in root.modules()}
     devices = [acc.device] if acc.device.type == "cuda" else []
     os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
     try:
         # the VAE and text encoders, released after caching, are back for the samples
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode(), \
-                c.frozen.available():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), stepper.eval_mode(), \
+                frozen.available():
             for root in mods:
                 root.eval()
             from library.models import inpainting
 
-            inpaint = inpainting.is_inpainting(c.bundle.unet)
-            pipe = _pipeline(c.bundle, inpaint)
-            for i, kept in c.strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
+            inpaint = inpainting.is_inpainting(bundle.unet)
+            pipe = _pipeline(bundle, inpaint)
+            for i, kept in strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
                 p = prompts[i]
                 seed = prompt_seed(opts, p, i)
                 pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
                 with acc.autocast():
-                    pos, neg = (_embeds(c.adapter, acc.device, opts.clip_skip, p[k])
+                    pos, neg = (_embeds(family_model, acc.device, opts.clip_skip, p[k])
                                 for k in ("prompt", "negative_prompt"))
                     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-                    if c.bundle.family == "sdxl":
+                    if bundle.family == "sdxl":
                         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
                     if inpaint:
                         src, mask = inpaint_inputs(p, seed)
@@ -281,7 +284,7 @@ def sample_images(opts, c, step: int) -> list[str]:
         for m, training in modes.items():
             m.training = training
     acc.wait_for_everyone()
-    if acc.is_main_process:
+    if is_main_process():
         logger.info(f"sample images at step {step}: {len(prompts)} in "
                     f"{os.path.join(opts.output_dir, 'sample')}")
     return written

@@ -3,36 +3,97 @@ train_textual_inversion.py.
 
 Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/training/loop.py) ->
 save (library/outputs/saver.py). A ``Run`` holds the options, the plan and training set, and two
-declared records (library/training/run_state.py): its ``parts`` (Components, built by the stages here)
-and its ``progress``. docs/INTERNALS.md has the path of one run.
+declared records (library/training/run_state.py): its ``parts`` (Components, built once from what
+the stages here return) and its ``progress``. docs/INTERNALS.md has the path of one run.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from library.config.parse import Options
+from library.data.step_plan import StepPlan
+from library.data.training_data import TrainingSet
+from library.distributed.accelerator import is_main_process
 from library.distributed import accelerator as distributed
+from library.distributed.strategy import Strategy
 from library.log import logger, setup_logging
+from library.models.family import FamilyModel
+from library.models.loading import ModelBundle
+from library.outputs.progress_stream import ProgressStream
+from library.outputs.saver import Saver
+from library.outputs.train_state import StopSignals
+from library.training.ema import EMA
+from library.training.losses import Losses
+from library.training.methods import Method
+from library.training.offload import Frozen
 from library.training.plan import plan_run, print_plan
-from library.training.run_state import Components, Progress
+from library.training.run_state import Caches, Components, Progress
+from library.training.stepper import Stepper
+from library.training.validation import Validation
+
+if TYPE_CHECKING:  # annotations only: torch and accelerate load after the plan is printed
+    import torch
+    from accelerate import Accelerator
+
+    from library.models.placement import Placement
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What the load stage makes."""
+
+    accelerator: Accelerator
+    bundle: ModelBundle
+    losses: Losses
+
+
+@dataclass(frozen=True, slots=True)
+class SetUp:
+    """What the set-up stage makes."""
+
+    method: Method
+    family_model: FamilyModel  # with the method's prompt rewrite
+    placement: Placement
+    strategy: Strategy
+    stepper: Stepper
+    params: list[torch.nn.Parameter]
+    ema: EMA | None
+    validation: Validation
+    stream: ProgressStream | None  # progress_file (main process), opened before caching
+
+
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """What the cache stage makes."""
+
+    caches: Caches
+    frozen: Frozen
 
 
 class Run:
-    """One training run; its methods are the stages of ``run()``. Other modules get the parts
-    they need as parameters (mostly ``run.parts``) and write nothing into a Run."""
+    """One training run; its methods are the stages of ``run()``, each returning what it makes
+    (``Loaded``, ``SetUp``, ``Cached``), from which the run's ``parts`` (Components) are built
+    once. Other modules get the parts they use as parameters and write nothing into a Run."""
 
     __slots__ = ("opts", "method_name", "tset", "plan", "parts", "progress", "base_metadata",
-                 "saved", "stop_signals")
+                 "saved", "stop_signals", "saver", "closing")
 
-    def __init__(self, opts, method_name: str):
+    def __init__(self, opts: Options, method_name: str):
         self.opts = opts
         self.method_name = method_name
-        self.tset = self.plan = None        # plan_run
-        self.parts = Components()
+        self.tset: TrainingSet | None = None  # plan_run
+        self.plan: StepPlan | None = None
+        self.parts: Components | None = None  # when every stage has made its parts
         self.progress = Progress()          # a resume replaces it with the saved one
         self.base_metadata: dict = {}
-        self.saved: list[str] = []          # model files written, in order
-        self.stop_signals = None            # train_state.StopSignals while training
+        self.saved: list[str] = []          # model files written, in order (the saver's)
+        self.stop_signals: StopSignals | None = None  # while training
+        self.saver: Saver | None = None
+        self.closing: list = []             # what run() closes at the end, as it was made
 
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
@@ -41,7 +102,7 @@ class Run:
 
         run_checks.check_before_loading(self.opts, self.method_name, self.plan)
 
-    def load(self):
+    def load(self) -> Loaded:
         from accelerate.utils import set_seed
 
         from library.models import family
@@ -51,8 +112,8 @@ class Run:
         from library.models import loading as models
         from library.training import network_options
 
-        opts, c = self.opts, self.parts
-        c.accelerator = acc = distributed.accelerator_for(opts)
+        opts = self.opts
+        acc = distributed.accelerator_for(opts)
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
@@ -62,65 +123,68 @@ class Run:
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
         set_seed(opts.seed)
-        c.bundle = b = models.load_from_options(opts)
+        b = models.load_from_options(opts)
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
         # of a 4-channel model with train_inpainting widen its first convolution
         inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
-        c.adapter = family.adapter_for(b, max_token_length=opts.max_token_length,
-                                       weighted=opts.weighted_captions)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
         models.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
-        c.losses = losses.Losses(opts, b.noise_scheduler, b.v_parameterization)
+        return Loaded(accelerator=acc, bundle=b,
+                      losses=losses.Losses(opts, b.noise_scheduler, b.v_parameterization))
 
-    def setup_method(self):
+    def setup_method(self, loaded: Loaded) -> SetUp:
         import torch
 
+        from library.models import family
         from library.training import ema
         from library.models import placement
         from library.distributed import strategy
-        from library.outputs import tracking
+        from library.outputs import progress_stream
         from library.training import validation
-        from library.training.batch_loss import BatchLoss
+        from library.training.batch_loss import check_multiplier
         from library.training.methods import make_method
 
-        opts, c = self.opts, self.parts
-        b, acc = c.bundle, c.accelerator
+        opts = self.opts
+        b, acc = loaded.bundle, loaded.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
-        c.method = make_method(self.method_name, opts, b)
+        method = make_method(self.method_name, opts, b)
         # The dtypes of every part (library/models/placement.py, shared with the memory estimate): the
         # trained weights float32, or with full_bf16 / full_fp16 bf16 / fp16 (the stepper updates
         # them in float32 and rounds back); the frozen parts the mixed-precision dtype, or with
         # fp8_base / fp8_base_unet float8. Placed before the network hooks the modules, so its
         # hooks call the fp8 forward; after the load (and any merge of base weights into it).
-        c.placement = pl = placement.dtype_placement(opts, self.method_name,
-                                                     c.method.train_text_encoder, len(b.text_encoders))
+        pl = placement.dtype_placement(opts, self.method_name, method.train_text_encoder,
+                                       len(b.text_encoders))
         placement.place(b.unet, pl.unet, pl.compute, acc.device)
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
-        groups = c.method.setup()
-        c.adapter.rewrite = c.method.prompt_rewrite()  # new tokens' N-vector expansion
+        groups = method.setup()
+        # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
+        family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
+                                               weighted=opts.weighted_captions,
+                                               rewrite=method.prompt_rewrite())
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        if c.method.network is not None:
-            c.method.network.to(acc.device, dtype=pl.network)
+        if method.network is not None:
+            method.network.to(acc.device, dtype=pl.network)
         if opts.gradient_checkpointing:
             b.unet.enable_gradient_checkpointing()
-            if c.method.train_text_encoder:
+            if method.train_text_encoder:
                 for te in b.text_encoders:
                     (getattr(te, "activation_checkpointing_enable", None)
                      or te.gradient_checkpointing_enable)()  # transformers 5 renamed it
         b.unet.train()
         for te in b.text_encoders:
-            te.train(c.method.train_text_encoder)
+            te.train(method.train_text_encoder)
         if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
             from library.training.compile_unet import compile_unet
             from library.training.stepper import fused_mode
@@ -134,32 +198,68 @@ class Run:
             compile_unet(b.unet, opts.dynamo_backend, logger, per_block=fused is not None)
         # single process, DDP, FSDP or DeepSpeed: chosen once, it wraps or shards the trained
         # modules (groups re-pointed at FSDP's shards) and builds the stepper it needs
-        c.strategy = strategy.for_run(opts, acc)
-        c.strategy.prepare(c, groups)
-        c.params = c.method.trainable_parameters()
-        c.stepper = c.strategy.make_stepper(opts, c, groups, self.plan)
-        c.ema = ema.for_params(opts, c.params)  # ema_decay: from the initial weights (None when off)
-        c.validation = validation.Validation(opts, self.tset)
-        c.batch_loss = BatchLoss(opts, self.tset, c)
-        c.reporter = tracking.Reporter(opts, self.plan, self.tset, c)
+        strat = strategy.for_run(opts, acc)
+        self.closing.append(strat)  # e.g. the DeepSpeed engine (and the process group made for it)
+        strat.prepare(b, method, groups)
+        params = method.trainable_parameters()
+        stepper = strat.make_stepper(opts, groups, params, self.plan)
+        averaged = ema.for_params(opts, params)  # ema_decay: from the initial weights (None when off)
+        val = validation.Validation(opts, self.tset)
+        check_multiplier(opts, self.tset, method)  # network_multiplier per dataset, DOP
+        stream = progress_stream.open_stream(opts, is_main_process())
+        return SetUp(method=method, family_model=family_model, placement=pl, strategy=strat,
+                     stepper=stepper, params=params, ema=averaged, validation=val, stream=stream)
 
-    def cache(self):
+    def cache(self, loaded: Loaded, setup: SetUp) -> Cached:
         """Latents and, with cache_text_encoder_outputs, text-encoder outputs
         (library/data/cache_stage.py); then the parts no longer needed leave the device."""
         from library.data import cache_stage
         from library.training import offload as frozen
 
-        opts, c = self.opts, self.parts
+        opts, acc, b = self.opts, loaded.accelerator, loaded.bundle
+        latents = latent_key = text = None
         if opts.cache_latents or opts.cache_latents_to_disk:
-            c.caches.latents, c.caches.latent_key = cache_stage.latents(opts, self.tset, c)
+            latents, latent_key = cache_stage.latents(opts, self.tset, acc, b)
         if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-            c.caches.text = cache_stage.text(opts, self.tset, c)
-        if c.caches.latents is not None:
+            text = cache_stage.text(opts, self.tset, acc, b, setup.family_model, setup.placement)
+        caches = Caches(latents=latents, latent_key=latent_key, text=text)
+        if caches.latents is not None:
             # before the VAE leaves: the validation latents too
-            c.validation.encode_held_out(c.bundle.vae, c.accelerator.device, c.strategy)
+            setup.validation.encode_held_out(b.vae, acc.device, setup.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
-        c.frozen = frozen.release_after_caching(opts, c, logger)
+        released = frozen.release_after_caching(opts, acc.device, b, setup.method, caches, logger)
+        self.closing.append(released)  # spill files of released parts
+        return Cached(caches=caches, frozen=released)
+
+    def assemble(self, loaded: Loaded, setup: SetUp, cached: Cached) -> Components:
+        """The run's parts, once every stage has made its own: the batch loss and the reporter
+        over them."""
+        from library.outputs import tracking
+        from library.training import sampling
+        from library.training import validation
+        from library.training.batch_loss import BatchLoss
+
+        opts = self.opts
+        acc, b, fm = loaded.accelerator, loaded.bundle, setup.family_model
+        batch_loss = BatchLoss(opts, self.tset, accelerator=acc, bundle=b, family_model=fm,
+                               losses=loaded.losses, placement=setup.placement,
+                               method=setup.method, strategy=setup.strategy, caches=cached.caches)
+        validate = functools.partial(
+            validation.run_validation, setup.validation, accelerator=acc, losses=loaded.losses,
+            bundle=b, method=setup.method, family_model=fm, stepper=setup.stepper,
+            strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text)
+        sample = functools.partial(
+            sampling.sample_images, opts, accelerator=acc, bundle=b, method=setup.method,
+            family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen)
+        reporter = tracking.Reporter(opts, self.plan, self.tset, setup.stream, setup.method, b,
+                                     validate=validate, sample=sample)
+        return Components(
+            accelerator=acc, bundle=b, family_model=fm, losses=loaded.losses,
+            placement=setup.placement, method=setup.method, strategy=setup.strategy,
+            stepper=setup.stepper, params=setup.params, ema=setup.ema, caches=cached.caches,
+            validation=setup.validation, frozen=cached.frozen, reporter=reporter,
+            batch_loss=batch_loss)
 
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int,
                         step: int | None = None):
@@ -172,14 +272,12 @@ class Run:
         loop.train(self)
 
     def save(self, *, epoch=None, step=None, final=False):
-        from library.outputs import saver
-
-        saver.save(self, epoch=epoch, step=step, final=final)
+        self.saver.save(self.progress, epoch=epoch, step=step, final=final)
 
 
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
-    setup_logging()
+    setup_logging(is_main_process())
     from library.distributed import deepspeed_zero as zero
     from library.outputs import output_checks, train_state
 
@@ -188,7 +286,7 @@ def run(opts, method_name: str) -> Run | None:
     opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
     r.tset, r.plan = tset, plan
-    main = int(os.environ.get("RANK", "0")) == 0
+    main = is_main_process()
     resume = None
     if opts.resume:  # checked before any weight loads
         resume = train_state.check_resume(opts, method_name, plan, tset, logger)
@@ -220,24 +318,25 @@ def run(opts, method_name: str) -> Run | None:
         with lock:
             return _train(r, opts, started, resume)
     finally:
-        if r.parts.frozen is not None:
-            r.parts.frozen.close()  # spill files of released parts
-        if r.parts.strategy is not None:
-            r.parts.strategy.close()  # e.g. the DeepSpeed engine (and the process group made for it)
+        for part in reversed(r.closing):  # the frozen parts' spill files, then the strategy
+            part.close()
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:
-    r.load()
-    c = r.parts
-    print_plan(r.plan, c.accelerator.is_main_process)
-    r.setup_method()
-    r.cache()
-    if resume:
-        from library.outputs import train_state
+    from library.outputs import train_state
 
+    loaded = r.load()
+    print_plan(r.plan, is_main_process())
+    setup = r.setup_method(loaded)
+    cached = r.cache(loaded, setup)
+    r.parts = c = r.assemble(loaded, setup, cached)
+    named = train_state.named_trainable(c.method, c.bundle)
+    if resume:
         # again: the joined job's plan may differ from the launcher's
         resume = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
-        r.progress = train_state.load_state(r, *resume, logger)
+        r.progress = train_state.load_state(
+            *resume, logger, accelerator=c.accelerator, named=named, ema=c.ema,
+            stepper=c.stepper, strategy=c.strategy, network_dropout=r.opts.network_dropout)
     from library.outputs import metadata as md
 
     r.base_metadata = md.build_metadata(
@@ -245,8 +344,10 @@ def _train(r: Run, opts, started: float, resume) -> Run:
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
         network_info=c.method.info)
-    from library.outputs.train_state import StopSignals
-
+    r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),
+                    r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
+                    method=c.method, params=c.params, named=named, strategy=c.strategy,
+                    stepper=c.stepper, ema=c.ema, frozen=c.frozen)
     with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
         r.train()
     r.stop_signals = None
@@ -254,7 +355,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     c.reporter.saves(r.saved, r.progress)
     c.reporter.finish()  # close the TensorBoard log
     p = r.progress
-    if p.loss_log and c.accelerator.is_main_process:
+    if p.loss_log and is_main_process():
         first = sum(p.loss_log[:3]) / min(3, len(p.loss_log))
         last = sum(p.loss_log[-3:]) / min(3, len(p.loss_log))
         print(f"done: steps {p.global_step}, epochs {p.epochs_done}, loss first {first:.4f} "

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 
+from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -119,12 +120,12 @@ def _key(item) -> tuple:
     return (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
 
 
-def modules(c) -> list:
-    """The modules that run in eval mode while validating or sampling (components ``c``)."""
-    b = c.bundle
-    mods = [b.unet, *b.text_encoders]
-    if c.method.network is not None:  # a method with a network module (LoRA)
-        mods.append(c.method.network)
+def modules(bundle, method) -> list:
+    """The modules that run in eval mode while validating or sampling: the model ``bundle``'s
+    and the ``method``'s network."""
+    mods = [bundle.unet, *bundle.text_encoders]
+    if method.network is not None:  # a method with a network module (LoRA)
+        mods.append(method.network)
     return mods
 
 
@@ -196,46 +197,49 @@ class Validation:
             m = torch.ones(tuple(latent_hw))
         return m.expand(n, *m.shape).unsqueeze(1).to(device)
 
-    def loss(self, c) -> float:
-        """The mean validation loss over every held-out image and timestep (all processes), with
-        the run's components ``c`` (the batch loss of training: library/training/batch_loss.py)."""
+    def loss(self, *, accelerator, losses, bundle, method, family_model, stepper, strategy,
+             batch_loss, text_cache) -> float:
+        """The mean validation loss over every held-out image and timestep (all processes):
+        the batch loss of training (library/training/batch_loss.py) at fixed timesteps of
+        ``losses``, with the ``stepper``'s eval mode and the ``strategy``'s share; captions from
+        ``text_cache`` (None: encoded with ``family_model``)."""
         import torch
 
-        from library.training import losses
-        from library.data import text_cache
+        from library.training.losses import Draw
+        from library.data.text_cache import stack
 
-        acc, opts, items = c.accelerator, self.opts, self.items
-        ts = timesteps(c.losses)
+        acc, opts, items = accelerator, self.opts, self.items
+        ts = timesteps(losses)
         mine = torch.zeros(len(items), dtype=torch.float64)
-        mods = modules(c)
+        mods = modules(bundle, method)
         modes = {m: m.training for root in mods for m in root.modules()}
         devices = [acc.device] if acc.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), c.stepper.eval_mode():
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), stepper.eval_mode():
                 for root in mods:
                     root.eval()
-                for i, kept in c.strategy.share(len(items)):  # fsdp: all images, own slots kept
-                    lat, size = self.latents(c.bundle.vae, acc.device, items[i])
+                for i, kept in strategy.share(len(items)):  # fsdp: all images, own slots kept
+                    lat, size = self.latents(bundle.vae, acc.device, items[i])
                     x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
                     noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
                         _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
                     t = torch.tensor(ts, dtype=torch.long, device=acc.device)
-                    d = losses.Draw(noise=noise, input_noise=noise, timesteps=t)
+                    d = Draw(noise=noise, input_noise=noise, timesteps=t)
                     text = caption(items[i])
 
                     def conditioning(text=text):
-                        if c.caches.text is not None:  # encoded in the cache stage
-                            return text_cache.stack([c.caches.text[text]] * len(ts), acc.device)
-                        tokens = [tk.to(acc.device) for tk in c.adapter.tokenize([text] * len(ts))]
-                        return c.adapter.encode(tokens, opts.clip_skip)
+                        if text_cache is not None:  # encoded in the cache stage
+                            return stack([text_cache[text]] * len(ts), acc.device)
+                        tokens = [tk.to(acc.device) for tk in family_model.tokenize([text] * len(ts))]
+                        return family_model.encode(tokens, opts.clip_skip)
 
                     sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
                     mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
                     inpaint = self._inpaint.get(_key(items[i]))
                     if inpaint is not None:
                         inpaint = inpaint.unsqueeze(0).expand(len(ts), *inpaint.shape).to(acc.device)
-                    per_sample = c.batch_loss.per_sample(x0, d, conditioning, sc, mask,
-                                                         inpaint=inpaint)
+                    per_sample = batch_loss.per_sample(x0, d, conditioning, sc, mask,
+                                                       inpaint=inpaint)
                     if kept:
                         mine[i] = float(per_sample.double().mean())
         finally:
@@ -256,13 +260,17 @@ def _derive(*key) -> int:
     return derive_seed(*key)
 
 
-def run_validation(c, progress, label: str) -> float:
-    """Compute, print (main process) and record (``progress.val_log``) the validation loss."""
-    value = c.validation.loss(c)
+def run_validation(validation: Validation, progress, label: str, *, accelerator, losses, bundle,
+                   method, family_model, stepper, strategy, batch_loss, text_cache) -> float:
+    """Compute (``validation.loss`` over the parts given), print (main process) and record
+    (``progress.val_log``) the validation loss."""
+    value = validation.loss(accelerator=accelerator, losses=losses, bundle=bundle, method=method,
+                            family_model=family_model, stepper=stepper, strategy=strategy,
+                            batch_loss=batch_loss, text_cache=text_cache)
     progress.val_log.append((progress.global_step, value))
-    if c.accelerator.is_main_process:
+    if is_main_process():
         from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
 
         tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "
-                   f"({len(c.validation.items)} image(s) x {TIMESTEPS} timesteps)")
+                   f"({len(validation.items)} image(s) x {TIMESTEPS} timesteps)")
     return value

@@ -258,7 +258,7 @@ def te_calls(monkeypatch):
     from library.training import trainer
 
     calls = {"captions": 0, "after_cache": None}
-    for cls in (family.SD1Adapter, family.SDXLAdapter):
+    for cls in (family.SD1Model, family.SDXLModel):
         real = cls.encode
 
         def spy(self, token_ids, clip_skip, _real=real):
@@ -268,9 +268,10 @@ def te_calls(monkeypatch):
         monkeypatch.setattr(cls, "encode", spy)
     real_cache = trainer.Run.cache
 
-    def cache(self):
-        real_cache(self)
+    def cache(self, loaded, setup):
+        cached = real_cache(self, loaded, setup)
         calls["after_cache"] = calls["captions"]
+        return cached
 
     monkeypatch.setattr(trainer.Run, "cache", cache)
     return calls
@@ -309,7 +310,7 @@ def test_text_encoder_cache_with_shuffle_and_dropout(tmp_path, train, te_calls):
     # the cached conditioning is what the encoder gives for that caption
     c = variants[ts.train_items[0].path][1]
     with torch.no_grad():
-        direct = run.parts.adapter.encode(run.parts.adapter.tokenize([c]), None).hidden_states[0]
+        direct = run.parts.family_model.encode(run.parts.family_model.tokenize([c]), None).hidden_states[0]
     assert torch.allclose(run.parts.caches.text[c].hidden_states, direct, atol=1e-5)
     assert len([n for n in os.listdir(os.path.join(folder, ".sdcache")) if n.startswith("te-")]) == len(expected)
 
@@ -336,6 +337,6 @@ def test_text_encoder_cache_sdxl_keeps_the_pooled_output(tmp_path, train, te_cal
     assert te_calls["captions"] == te_calls["after_cache"] == 2
     for c, e in run.parts.caches.text.items():
         with torch.no_grad():
-            direct = run.parts.adapter.encode(run.parts.adapter.tokenize([c]), None)
+            direct = run.parts.family_model.encode(run.parts.family_model.tokenize([c]), None)
         assert e.pooled is not None and torch.allclose(e.pooled, direct.pooled[0], atol=1e-5)
         assert torch.allclose(e.hidden_states, direct.hidden_states[0], atol=1e-5)

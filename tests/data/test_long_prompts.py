@@ -2,7 +2,7 @@
 BOS ... EOS, encoded alone and joined (first BOS, 75 states per window, last window's final state).
 
 The reference below builds the windows by hand from the caption's plain token list and runs the
-text encoders itself; the adapter's output must match it. Then the text-encoder cache key, the
+text encoders itself; the family model's output must match it. Then the text-encoder cache key, the
 option's validation, the resume check, and end-to-end LoRA runs (with and without the cache, with
 sample prompts) on tiny-sd15 and tiny-sdxl.
 """
@@ -19,7 +19,7 @@ from PIL import Image
 
 from library.data import text_cache
 from library.config.parse import ConfigError, parse_args
-from library.models.family import FamilyError, adapter_for
+from library.models.family import FamilyError, family_model_for
 from library.models.loading import load_model_bundle
 from tests.conftest import read
 
@@ -90,7 +90,7 @@ def ref_sdxl(b, caption, n):
 
 
 def encode(b, captions, max_token_length, clip_skip=None):
-    ad = adapter_for(b, max_token_length)
+    ad = family_model_for(b, max_token_length)
     return ad.encode(ad.tokenize(captions), clip_skip)
 
 
@@ -159,7 +159,7 @@ def test_window_tokens_follow_sd_scripts(bundles):
     is BOS EOS PAD ...; the CLIP tokenizer (pad = EOS) needs no fix."""
     t1, t2 = bundles["tiny-sdxl"].tokenizers
     assert t1.pad_token_id == t1.eos_token_id and t2.pad_token_id != t2.eos_token_id
-    ad = adapter_for(bundles["tiny-sdxl"], 225)
+    ad = family_model_for(bundles["tiny-sdxl"], 225)
     cap = caption_of(t2, 100, 10)
     ids1, ids2 = ad.tokenize([cap])
     assert ids1.shape == ids2.shape == (1, 3, 77)
@@ -171,7 +171,7 @@ def test_window_tokens_follow_sd_scripts(bundles):
         assert w[2, :2].tolist() == [tok.bos_token_id, tok.eos_token_id]
         assert (w[1:, -1] == tok.pad_token_id).all() and (w[2, 2:] == tok.pad_token_id).all()
     with pytest.raises(FamilyError, match=r"max_token_length: 100 is not one of: 75, 150, 225"):
-        adapter_for(bundles["tiny-sd15"], 100)
+        family_model_for(bundles["tiny-sd15"], 100)
 
 
 def test_text_cache_key_depends_on_max_token_length(bundles):
@@ -265,7 +265,7 @@ def test_train_lora_with_long_captions(model, long_data, bundles, train, tmp_pat
         assert any(k.endswith("lora_up.weight") and t.abs().sum() > 0 for k, t in sd.items())  # trained
         assert md["ss_max_token_length"] == ("None" if name == "75" else "150")
         n_states = 77 if name == "75" else 152
-        assert r.parts.adapter.n_chunks == (1 if name == "75" else 2)
+        assert r.parts.family_model.n_chunks == (1 if name == "75" else 2)
         if name == "150-cached":
             assert r.parts.caches.text and all(e.hidden_states.shape[0] == n_states for e in r.parts.caches.text.values())
             if model == "tiny-sdxl":

@@ -14,28 +14,28 @@ def sd15():
 
 
 def test_unpadded_conditioning_is_the_text_encoder_on_the_real_tokens(sd15):
-    adapter = family.adapter_for(sd15)
+    family_model = family.family_model_for(sd15)
     tok, te = sd15.tokenizers[0], sd15.text_encoders[0]
     caption = "a photo of sks shape"
     words = tok(caption, add_special_tokens=False).input_ids
     hand = torch.tensor([[tok.bos_token_id, *words, tok.eos_token_id]])
-    ids = adapter.tokenize([caption], pad=False)
+    ids = family_model.tokenize([caption], pad=False)
     assert torch.equal(ids[0], hand)  # BOS, the caption's tokens, EOS: no padding
     with torch.no_grad():
-        cond = adapter.encode(ids, None).hidden_states
+        cond = family_model.encode(ids, None).hidden_states
         assert cond.shape[:2] == (1, len(words) + 2)
         torch.testing.assert_close(cond, te(hand).last_hidden_state, rtol=0, atol=0)
         # clip_skip applies as usual: the 2nd last layer through the final layer norm
         out = te(hand, output_hidden_states=True)
         norm = getattr(te, "text_model", te).final_layer_norm
-        torch.testing.assert_close(adapter.encode(ids, 2).hidden_states, norm(out.hidden_states[-2]))
+        torch.testing.assert_close(family_model.encode(ids, 2).hidden_states, norm(out.hidden_states[-2]))
         # CLIP's causal mask: the real tokens' states are those of the padded sequence; what
         # changes is that the U-Net no longer attends to the padding states
-        padded = adapter.encode(adapter.tokenize([caption]), None).hidden_states
+        padded = family_model.encode(family_model.tokenize([caption]), None).hidden_states
     assert padded.shape[1] == 77
     torch.testing.assert_close(padded[:, :len(words) + 2], cond, rtol=1e-5, atol=1e-5)
     with pytest.raises(family.FamilyError):
-        adapter.tokenize([caption, "two captions"], pad=False)
+        family_model.tokenize([caption, "two captions"], pad=False)
 
 
 def _args(dataset, tmp_path, *extra):
@@ -46,13 +46,13 @@ def _args(dataset, tmp_path, *extra):
 
 def test_train_dreambooth_two_steps_unet_sees_the_unpadded_context(train, dataset, tmp_path, monkeypatch):
     lengths = []
-    real = family.SD1Adapter.unet_forward
+    real = family.SD1Model.unet_forward
 
     def spy(self, noisy, t, cond, size_cond=None):
         lengths.append(tuple(cond.hidden_states.shape[:2]))
         return real(self, noisy, t, cond, size_cond)
 
-    monkeypatch.setattr(family.SD1Adapter, "unet_forward", spy)
+    monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     rc, _, err, run = train("train_dreambooth", _args(dataset, tmp_path, "--no_token_padding"))
     assert rc == 0, err[-3000:]
     assert run.progress.global_step == 2 and (tmp_path / "out" / "last.safetensors").is_file()

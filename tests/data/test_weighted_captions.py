@@ -15,7 +15,7 @@ import torch
 
 from library.models import prompt_weights as pw
 from library.data import text_cache
-from library.models.family import _final_layer_norm, adapter_for
+from library.models.family import _final_layer_norm, family_model_for
 from library.models.loading import load_model_bundle
 from tests.conftest import read
 
@@ -79,7 +79,7 @@ def hand_weights(ws, length=77):
 def test_sd1_conditioning_is_the_hand_computation(bundles, clip_skip):
     b = bundles["tiny-sd15"]
     tok, te = b.tokenizers[0], b.text_encoders[0]
-    ad = adapter_for(b, weighted=True)
+    ad = family_model_for(b, weighted=True)
     with torch.no_grad():
         got = ad.encode(ad.tokenize([CAPTION]), clip_skip).hidden_states
         ids = hand_ids(tok, "abcde")
@@ -98,7 +98,7 @@ def test_sd1_conditioning_is_the_hand_computation(bundles, clip_skip):
 def test_sdxl_weights_both_encoders_and_not_the_pooled_output(bundles):
     b = bundles["tiny-sdxl"]
     te1, te2 = b.text_encoders
-    ad = adapter_for(b, weighted=True)
+    ad = family_model_for(b, weighted=True)
     with torch.no_grad():
         got = ad.encode(ad.tokenize([CAPTION]), None)
         h1 = te1(hand_ids(b.tokenizers[0], "abcde"), output_hidden_states=True).hidden_states[-2]
@@ -112,7 +112,7 @@ def test_sdxl_weights_both_encoders_and_not_the_pooled_output(bundles):
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl"])
 def test_unweighted_caption_gives_exactly_the_plain_conditioning(bundles, name):
     b = bundles[name]
-    plain, weighted = adapter_for(b), adapter_for(b, weighted=True)
+    plain, weighted = family_model_for(b), family_model_for(b, weighted=True)
     caps = [PLAIN, "sks shape, red square", ""]
     with torch.no_grad():
         want = plain.encode(plain.tokenize(caps), None)
@@ -131,7 +131,7 @@ def test_long_caption_weights_follow_the_tokens_across_windows(bundles):
     words = ["abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(90)]
     plain_caption = " ".join(words)
     weighted_caption = " ".join(w if i != 79 else f"({w}:2)" for i, w in enumerate(words))
-    plain, weighted = adapter_for(b, 150), adapter_for(b, 150, weighted=True)
+    plain, weighted = family_model_for(b, 150), family_model_for(b, 150, weighted=True)
     with torch.no_grad():
         want = plain.encode(plain.tokenize([plain_caption]), None).hidden_states
         got = weighted.encode(weighted.tokenize([weighted_caption]), None).hidden_states
@@ -167,7 +167,7 @@ def test_train_lora_weighted_cached_equals_uncached(dataset, train, tmp_path):
                         ("plain", [])]:
         rc, _, err, r = train("train_lora", [*base, "--output_dir", str(tmp_path / name), *extra])
         assert rc == 0, err[-3000:]
-        assert r.parts.adapter.weighted == (name != "plain")
+        assert r.parts.family_model.weighted == (name != "plain")
         assert (r.parts.caches.text is not None) == (name == "cached")
         runs[name], _ = read(str(tmp_path / name / "last.safetensors"))
     assert len(os.listdir(tmp_path / "weighted" / "sample")) == 1

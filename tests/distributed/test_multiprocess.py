@@ -67,7 +67,7 @@ def _worker(report_dir: str, script: str, argv: list[str]) -> int:
             "global_step": r.progress.global_step, "epoch": r.progress.epochs_done, "samples_seen": r.progress.samples_seen,
             "scheduler_steps": r.parts.stepper.scheduler.last_epoch, "loss_log": r.progress.loss_log,
             "lr_log": r.progress.lr_log, "micro_steps": cap.micro_steps})
-        weights = {n: p.detach().cpu().contiguous() for n, p in named_trainable(r.parts)}
+        weights = {n: p.detach().cpu().contiguous() for n, p in named_trainable(r.parts.method, r.parts.bundle)}
         save_file(weights, os.path.join(report_dir, f"rank{report['rank']}.safetensors"))
     with open(os.path.join(report_dir, f"rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
@@ -417,7 +417,7 @@ def dreambooth_runs(tmp_path_factory, data_dir):
                         ("acc2", ["--train_batch_size", "1", "--gradient_accumulation_steps", "2"])):
         ref = train_in_process(dreambooth_args(data_dir, reg, str(tmp_path_factory.mktemp(name)),
                                                *split, *common), script="train_dreambooth")
-        ref["weights"] = {n: p.detach().clone() for n, p in named_trainable(ref["run"].parts)}
+        ref["weights"] = {n: p.detach().clone() for n, p in named_trainable(ref["run"].parts.method, ref["run"].parts.bundle)}
         refs[name] = ref
     return {"stdout": proc.stdout, "ranks": ranks, "refs": refs, "reg": reg,
             "tensors": read_file(os.path.join(out, "last.safetensors"))[0],

@@ -68,9 +68,8 @@ def test_takes_part(kind, processes, fused, earlier, last):
 
 def _stepper(s, opts_extra: dict):
     w = torch.nn.Parameter(torch.ones(3))
-    c = SimpleNamespace(params=[w])
     plan = SimpleNamespace(warmup_steps=0, total_steps=1)
-    stepper = s.make_stepper(_opts(**opts_extra), c, [{"params": [w]}], plan)
+    stepper = s.make_stepper(_opts(**opts_extra), [{"params": [w]}], [w], plan)
     assert s.stepper is stepper
     return stepper
 

@@ -1,8 +1,8 @@
-"""Family adapters: tokenization, text encoding (clip_skip, SDXL concat + pooled), U-Net calls."""
+"""Family models: tokenization, text encoding (clip_skip, SDXL concat + pooled), U-Net calls."""
 import pytest
 import torch
 
-from library.models.family import FamilyError, TextConditioning, adapter_for
+from library.models.family import FamilyError, TextConditioning, family_model_for
 from library.models.loading import load_model_bundle
 
 CAPTIONS = ["a photo of a sks dog", "a red cat"]
@@ -14,7 +14,7 @@ def bundles():
 
 
 def test_tokenize_pads_and_truncates(bundles):
-    ad = adapter_for(bundles["tiny-sd15"])
+    ad = family_model_for(bundles["tiny-sd15"])
     tok = bundles["tiny-sd15"].tokenizers[0]
     (ids,) = ad.tokenize(CAPTIONS + ["dog " * 200])
     assert ids.shape == (3, 77) and ids.dtype == torch.long
@@ -22,14 +22,14 @@ def test_tokenize_pads_and_truncates(bundles):
     n = len(tok("a photo of a sks dog").input_ids)
     assert ids[0, n - 1] == tok.eos_token_id and (ids[0, n:] == tok.pad_token_id).all()
     assert ids[2, -1] == tok.eos_token_id  # truncated text still ends with EOS
-    ids_xl = adapter_for(bundles["tiny-sdxl"]).tokenize(CAPTIONS)
+    ids_xl = family_model_for(bundles["tiny-sdxl"]).tokenize(CAPTIONS)
     assert len(ids_xl) == 2 and all(t.shape == (2, 77) for t in ids_xl)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sd2"])
 def test_clip_skip_matches_sd_scripts(bundles, name):
     b = bundles[name]
-    ad = adapter_for(b)
+    ad = family_model_for(b)
     ids = ad.tokenize(CAPTIONS)
     te = b.text_encoders[0]
     with torch.no_grad():
@@ -50,7 +50,7 @@ def test_clip_skip_matches_sd_scripts(bundles, name):
 
 def test_sdxl_encode_concatenates_penultimate_layers(bundles):
     b = bundles["tiny-sdxl"]
-    ad = adapter_for(b)
+    ad = family_model_for(b)
     ids = ad.tokenize(CAPTIONS)
     te1, te2 = b.text_encoders
     with torch.no_grad():
@@ -69,7 +69,7 @@ def test_sdxl_encode_concatenates_penultimate_layers(bundles):
 @pytest.mark.parametrize("name,family", [("tiny-sd15", "sd1"), ("tiny-sd2", "sd2"), ("tiny-sdxl", "sdxl")])
 def test_unet_forward_shape(bundles, name, family):
     b = bundles[name]
-    ad = adapter_for(b)
+    ad = family_model_for(b)
     assert ad.family == family
     latents = torch.randn(2, 4, 8, 8)
     t = torch.tensor([10, 500])
@@ -81,7 +81,7 @@ def test_unet_forward_shape(bundles, name, family):
 
 
 def test_sdxl_size_conditioning_is_required_and_used(bundles):
-    ad = adapter_for(bundles["tiny-sdxl"])
+    ad = family_model_for(bundles["tiny-sdxl"])
     latents = torch.randn(1, 4, 8, 8)
     t = torch.tensor([100])
     with torch.no_grad():
@@ -102,4 +102,4 @@ def test_unknown_family_is_an_error(bundles):
         family = "sd3"
 
     with pytest.raises(FamilyError, match="sd3"):
-        adapter_for(Fake())
+        family_model_for(Fake())

@@ -209,9 +209,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     file intact, no temporary left, and a complete copy in the system temp dir, named."""
     from safetensors.torch import load_file
 
-    from library.outputs import saver
     from library.outputs import train_state
-    from library.log import logger
     from library.outputs.saving import SaveError
 
     run = saved["run"]
@@ -222,10 +220,10 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     prev_ema = out / "last-ema.safetensors"
     prev_ema.write_bytes(b"previous")
     _fill(small_disk)
-    monkeypatch.setattr(run, "opts", run.opts.replace(output_dir=str(out)))
+    monkeypatch.setattr(run.saver, "opts", run.opts.replace(output_dir=str(out)))
 
     with pytest.raises(SaveError) as e:
-        train_state.write_state(run, str(prev_state), logger)
+        run.saver.write_state(run.progress, str(prev_state))
     msg = str(e.value)
     assert msg.startswith(f"cannot save {prev_state}: No space left on device; "), msg
     rescue = _rescued(msg, "the training state was", "last-state")
@@ -234,12 +232,12 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     shutil.rmtree(os.path.dirname(rescue))
 
     with pytest.raises(SaveError) as e:
-        saver.save_ema(run, metadata={})
+        run.saver.save_ema(metadata={})
     msg = str(e.value)
     assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
     rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")
     w = load_file(rescue)
-    ema = dict(zip([n for n, _ in train_state.named_trainable(run.parts)], run.parts.ema.shadow))
+    ema = dict(zip([n for n, _ in train_state.named_trainable(run.parts.method, run.parts.bundle)], run.parts.ema.shadow))
     assert any(k.endswith(".lora_up.weight") for k in w)
     assert len([k for k in w if not k.endswith(".alpha")]) == len(ema)  # every trained tensor
     shutil.rmtree(os.path.dirname(rescue))

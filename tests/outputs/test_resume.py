@@ -259,7 +259,6 @@ def test_changed_data_is_an_error_naming_it(rotated, data, tmp_path):
 
 def test_failed_save_keeps_the_previous_state(rotated, monkeypatch):
     """A save that fails half-way leaves the state of the same name as it was, and no debris."""
-    from library.log import logger
     from library.outputs import train_state
 
     out = rotated["out"]
@@ -274,7 +273,7 @@ def test_failed_save_keeps_the_previous_state(rotated, monkeypatch):
 
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="No space left"):
-        train_state.write_state(rotated["run"], path, logger)
+        rotated["run"].saver.write_state(rotated["run"].progress, path)
     monkeypatch.undo()
     assert sorted(os.listdir(out)) == listing  # no temporary folder left behind
     assert {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))} == before

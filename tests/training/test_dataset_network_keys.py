@@ -83,7 +83,7 @@ def _hand_loss(run, i, epoch, captured, scale_up):
     t = d.timesteps[k:k + 1]
     ac = c.losses.scheduler.alphas_cumprod.to(torch.float64)[t].view(-1, 1, 1, 1)
     noisy = (ac.sqrt() * latents.double() + (1 - ac).sqrt() * d.input_noise[k:k + 1].double()).float()
-    tokens = c.adapter.tokenize([run.tset.caption(i, epoch)], pad=True)
+    tokens = c.family_model.tokenize([run.tset.caption(i, epoch)], pad=True)
     net = c.method.network
     ups = {n: p for n, p in net.named_parameters() if "lora_up" in n}
     saved = {n: p.detach().clone() for n, p in ups.items()}
@@ -94,8 +94,8 @@ def _hand_loss(run, i, epoch, captured, scale_up):
                 p.copy_(saved[n] * up_factor)
             net.set_multiplier(1.0)
             try:
-                cond = c.adapter.encode(tokens, None)
-                return c.adapter.unet_forward(noisy, t, cond).double()
+                cond = c.family_model.encode(tokens, None)
+                return c.family_model.unet_forward(noisy, t, cond).double()
             finally:
                 for n, p in ups.items():
                     p.copy_(saved[n])
@@ -135,8 +135,9 @@ def capture(monkeypatch):
 
 def _reaccelerate(run):
     from library.distributed.accelerator import make_accelerator
+    from tests.helpers import reaccelerate
 
-    run.parts.accelerator = make_accelerator("no")
+    reaccelerate(run, make_accelerator("no"))
 
 
 def test_mixed_subsets_equal_a_hand_computation_of_both_targets(tmp_path, train, capture):

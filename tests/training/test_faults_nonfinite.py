@@ -115,7 +115,7 @@ def reference(train, tmp_path, extra, steps):
     rc, _, err, run = train("train_lora", [*LORA, *extra, "--train_data_dir", tmp_path / "data",
                                            "--output_dir", out, "--max_train_steps", steps])
     assert rc == 0, err[-3000:]
-    return {n: p.detach().clone() for n, p in named_trainable(run.parts)}, out
+    return {n: p.detach().clone() for n, p in named_trainable(run.parts.method, run.parts.bundle)}, out
 
 
 def assert_state_is(state: str, ref: dict):
@@ -252,7 +252,7 @@ def test_skip_drops_the_update_and_the_schedule_steps(data, train, tmp_path):
     before = {}
     def snapshot(run, epoch, idx):  # the weights after step 2, as step 3 starts
         if run.progress.global_step == 2 and not before:
-            before.update({n: p.detach().clone() for n, p in named_trainable(run.parts)})
+            before.update({n: p.detach().clone() for n, p in named_trainable(run.parts.method, run.parts.bundle)})
 
     with inject(3, "nan"), HOOKS.add(before_micro_step=snapshot):
         rc, _, err, run = train("train_lora", [*LORA, "--train_data_dir", tmp_path / "data",
@@ -264,7 +264,7 @@ def test_skip_drops_the_update_and_the_schedule_steps(data, train, tmp_path):
     # the skipped step counts: the scheduler stepped 3 times (linear from 1e-3 to 0 in 3 steps)
     assert run.progress.global_step == 3 and run.parts.stepper.scheduler.last_epoch == 3
     assert run.progress.lr_log == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])
-    after = {n: p.detach() for n, p in named_trainable(run.parts)}
+    after = {n: p.detach() for n, p in named_trainable(run.parts.method, run.parts.bundle)}
     assert before.keys() == after.keys() and before
     assert all(torch.equal(before[k], after[k]) for k in after)  # no update in step 3
     saved = read(os.path.join(tmp_path / "skip", "last.safetensors"))[0]

@@ -29,13 +29,13 @@ def base(model, data, out, *extra):
 
 def test_unet_input_is_latents_mask_and_masked_image_latents(dataset, tmp_path, train, monkeypatch):
     seen = []  # (x, timesteps) of each U-Net call
-    real = family.SD1Adapter.unet_forward
+    real = family.SD1Model.unet_forward
 
     def spy(self, x, t, cond, size_cond=None):
         seen.append(x.detach().clone())
         return real(self, x, t, cond, size_cond)
 
-    monkeypatch.setattr(family.SD1Adapter, "unet_forward", spy)
+    monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     from library.data.training_data import TrainingSet
 
     drawn = []  # (sample, epoch) of each mask, in batch order
@@ -128,7 +128,7 @@ def test_masks_follow_the_sample_not_the_batch_split(dataset, tmp_path, train, m
     rows = {}
     current = []
     real_mask = TrainingSet.inpaint_mask
-    real_fwd = family.SD1Adapter.unet_forward
+    real_fwd = family.SD1Model.unet_forward
 
     def mask_spy(self, i, epoch, h, w):
         current.append((i, epoch))
@@ -141,7 +141,7 @@ def test_masks_follow_the_sample_not_the_batch_split(dataset, tmp_path, train, m
         return real_fwd(self, x, t, cond, size_cond)
 
     monkeypatch.setattr(TrainingSet, "inpaint_mask", mask_spy)
-    monkeypatch.setattr(family.SD1Adapter, "unet_forward", fwd_spy)
+    monkeypatch.setattr(family.SD1Model, "unet_forward", fwd_spy)
     run_name = ["b2"]
     rc, _, err, _ = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "a",
                                              "--train_batch_size", "2", "--max_train_steps", "1"))
@@ -172,13 +172,13 @@ def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, t
     from library.training import validation
 
     seen = []
-    real = family.SD1Adapter.unet_forward
+    real = family.SD1Model.unet_forward
 
     def spy(self, x, t, cond, size_cond=None):
         seen.append(x.detach().clone())
         return real(self, x, t, cond, size_cond)
 
-    monkeypatch.setattr(family.SD1Adapter, "unet_forward", spy)
+    monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     rc, out, err, run = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "v",
                                                  "--validation_split", "0.5", "--max_train_steps", "1",
                                                  "--validate_every_n_steps", "1", "--seed", "5"))

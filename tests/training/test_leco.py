@@ -97,8 +97,8 @@ def test_leco_target_and_loss_match_a_hand_computation(tmp_path, run_script, mon
     seen = []
     real = leco.leco_loss
 
-    def spy(bundle, adapter, network, sampler, prompts, d, opts):
-        loss, parts = real(bundle, adapter, network, sampler, prompts, d, opts)
+    def spy(bundle, family_model, network, sampler, prompts, d, opts):
+        loss, parts = real(bundle, family_model, network, sampler, prompts, d, opts)
         seen.append((d, {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in parts.items()},
                      float(loss.detach())))
         return loss, parts
@@ -185,12 +185,12 @@ def test_partial_denoising_follows_the_guidance_and_the_step_count():
         calls.append(int(ts[0]))
         return 0.1 * x + ctx.hidden_states.mean(dim=(1, 2)).view(-1, 1, 1, 1)
 
-    adapter, bundle = SimpleNamespace(unet_forward=unet_forward), SimpleNamespace(family="sd15")
+    family_model, bundle = SimpleNamespace(unet_forward=unet_forward), SimpleNamespace(family="sd15")
     text, empty = (TextConditioning(torch.full((1, 3, 8), v), None) for v in (1.0, -2.0))
     x0 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
 
     def run(cond, uncond, guidance, steps=6, stop=3):  # DDPM's added noise: keyed, the same each run
-        return leco.denoise_partway(bundle, adapter, DDPMScheduler(), x0, cond, uncond, steps, stop,
+        return leco.denoise_partway(bundle, family_model, DDPMScheduler(), x0, cond, uncond, steps, stop,
                                     guidance, None, torch.Generator().manual_seed(1))
 
     torch.testing.assert_close(run(text, empty, 0.0), run(empty, empty, 5.0), rtol=0, atol=1e-6)

@@ -122,9 +122,9 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
 
     real_setup = trainer.Run.setup_method
 
-    def setup(run_self):
+    def setup(run_self, loaded):
         self_run.append(run_self)
-        return real_setup(run_self)
+        return real_setup(run_self, loaded)
 
     monkeypatch.setattr(NetworkMethod, "save", save)
     monkeypatch.setattr(trainer.Run, "setup_method", setup)

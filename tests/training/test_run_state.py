@@ -27,7 +27,8 @@ from tests.training.test_train_lora_e2e import base_args
 def test_records_take_no_undeclared_attribute():
     from library.training.run_state import Caches, Components, Progress
 
-    for record in (Components(), Progress(), Caches()):
+    parts = Components(**{f.name: None for f in dataclasses.fields(Components)})
+    for record in (parts, Progress(), Caches()):
         with pytest.raises(AttributeError):
             record.undeclared = 1
     p = Progress()

@@ -122,8 +122,9 @@ def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_res
 
     from library.distributed import accelerator as distributed
     from tests.conftest import reset_accelerate
+    from tests.helpers import reaccelerate
 
-    run.parts.accelerator = distributed.accelerator_for(run.opts)  # the test runner reset the last one
+    reaccelerate(run, distributed.accelerator_for(run.opts))  # the test runner reset the last one
     try:
         with_init, with_trained = training_loss(init), training_loss(trained)
     finally:

@@ -377,14 +377,22 @@ def test_reg_sample_loss_is_weighted_by_prior_loss_weight(dataset, tmp_path, tra
     from library.distributed.accelerator import make_accelerator
     from tests.conftest import reset_accelerate
 
-    run.parts.accelerator = make_accelerator("no")  # run_script reset Accelerate's state after the run
+    from library.training.batch_loss import BatchLoss
+
+    c = run.parts
+    acc = make_accelerator("no")  # run_script reset Accelerate's state after the run
+
+    def batch_loss(opts):  # the run's, over the new Accelerator
+        return BatchLoss(opts, run.tset, accelerator=acc, bundle=c.bundle,
+                         family_model=c.family_model, losses=c.losses, placement=c.placement,
+                         method=c.method, strategy=c.strategy, caches=c.caches)
+
     reg_i = next(i for i, s in enumerate(run.tset.samples) if s.is_reg)
     inst_i = next(i for i, s in enumerate(run.tset.samples) if not s.is_reg)
     with torch.no_grad():
+        c.batch_loss = batch_loss(run.opts)
         weighted = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
-        from library.training.batch_loss import BatchLoss
-
-        run.parts.batch_loss = BatchLoss(run.opts.replace(prior_loss_weight=1.0), run.tset, run.parts)
+        c.batch_loss = batch_loss(run.opts.replace(prior_loss_weight=1.0))
         plain = [float(run.micro_step_loss(7, [i], None, 1)) for i in (reg_i, inst_i)]
     reset_accelerate()
     assert weighted[0] == pytest.approx(0.25 * plain[0], rel=1e-6)
