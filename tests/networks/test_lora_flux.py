@@ -1,0 +1,278 @@
+"""networks/lora_flux.py: module names and network_args as sd-scripts' networks/lora_flux.py, files
+that diffusers' kohya FLUX converter and ComfyUI's key map load, split_qkv, tools."""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from library.models import flux_checkpoint, flux_saving, tiny_flux
+from networks import lora_dit, lora_flux, resize_lora
+from networks.lora import LoRAError, write_weights
+from tests.client_key_tables import comfy_dit_shapes
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return tiny_flux.build_tiny_flux("dev")
+
+
+def _randomize(network, seed=0, scale=0.1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def _block_weight_names(flux) -> set[str]:
+    """Independent of the module walk: the kohya name of every 2-D weight of the blocks."""
+    return {"lora_unet_" + k[:-len(".weight")].replace(".", "_") for k, v in flux.state_dict().items()
+            if k.endswith(".weight") and v.dim() == 2 and k.startswith(("double_blocks.", "single_blocks."))}
+
+
+def test_default_targets_are_every_block_linear_and_clip(parts):
+    net = lora_flux.create_network(1.0, 4, 1, None, [parts["clip_l"], parts["t5"]], parts["transformer"])
+    unet = {lora.lora_name for lora in net.unet_loras}
+    assert unet == _block_weight_names(parts["transformer"])
+    assert "lora_unet_double_blocks_0_img_attn_qkv" in unet and "lora_unet_single_blocks_1_modulation_lin" in unet
+    te = {lora.lora_name for lora in net.text_encoder_loras}
+    assert te and all(n.startswith("lora_te1_text_model_encoder_layers_") for n in te)  # no T5 by default
+    assert len(te) == 6 * parts["clip_l"].config.num_hidden_layers
+
+
+def test_block_selection_and_per_kind_ranks(parts):
+    flux = parts["transformer"]
+    net = lora_flux.create_network(1.0, 4, 1, None, [None], flux, train_blocks="single")
+    assert {lora.lora_name.split("_")[2] for lora in net.unet_loras} == {"single"}
+    net = lora_flux.create_network(1.0, 4, 1, None, [None], flux, train_double_block_indices="1",
+                                   train_single_block_indices="none")
+    assert {lora.lora_name[:len("lora_unet_double_blocks_1")] for lora in net.unet_loras} == \
+        {"lora_unet_double_blocks_1"}
+    dims = dict(img_attn_dim="8", txt_attn_dim="0", img_mlp_dim="2", txt_mlp_dim="3", img_mod_dim="5",
+                txt_mod_dim="6", single_dim="7", single_mod_dim="0", in_dims="[1, 0, 2, 3, 0]")
+    net = lora_flux.create_network(1.0, 4, 1, None, [None], flux, **dims)
+    rank = {lora.lora_name: lora.lora_dim for lora in net.unet_loras}
+    b = "lora_unet_double_blocks_0_"
+    assert (rank[b + "img_attn_qkv"], rank[b + "img_attn_proj"], rank[b + "img_mlp_2"], rank[b + "img_mod_lin"],
+            rank[b + "txt_mlp_0"], rank[b + "txt_mod_lin"]) == (8, 8, 2, 5, 3, 6)
+    assert b + "txt_attn_qkv" not in rank and "lora_unet_single_blocks_0_modulation_lin" not in rank
+    assert rank["lora_unet_single_blocks_1_linear1"] == rank["lora_unet_single_blocks_1_linear2"] == 7
+    assert (rank["lora_unet_img_in"], rank["lora_unet_vector_in_out_layer"], rank["lora_unet_guidance_in_in_layer"]) \
+        == (1, 2, 3)
+    assert not any(n.startswith(("lora_unet_time_in", "lora_unet_txt_in")) for n in rank)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"train_blocks": "both"}, "train_blocks='both'"),
+    ({"img_attn_dim": "x"}, "img_attn_dim"),
+    ({"in_dims": "1,2,3"}, "in_dims='1,2,3' for networks.lora_flux needs 5 ranks"),
+    ({"train_double_block_indices": "0-a"}, "train_double_block_indices"),
+    ({"split_qkv": "maybe"}, "split_qkv"),
+    ({"ggpo_beta": "0.01"}, "ggpo_beta (sd-scripts' LoRA-GGPO) is not supported"),
+    ({"block_dims": "1,2"}, "unknown key 'block_dims' for networks.lora_flux"),
+])
+def test_bad_network_args_are_one_line_naming_the_arg(args, message):
+    with pytest.raises(LoRAError) as e:
+        lora_flux.check_network_args(args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_block_index_beyond_the_model(parts):
+    with pytest.raises(LoRAError, match="train_single_block_indices.*block 5 does not exist.*0-1"):
+        lora_flux.create_network(1.0, 4, 1, None, [None], parts["transformer"], train_single_block_indices="0,5")
+
+
+def test_split_qkv_module_is_sd_scripts_split_lora_and_its_file_is_exact(parts, tmp_path):
+    flux = parts["transformer"]
+    net = lora_flux.create_network(1.0, 2, 3, None, [None], flux, split_qkv="True", train_blocks="single")
+    _randomize(net)
+    lora = getattr(net, "lora_unet_single_blocks_0_linear1")
+    assert isinstance(lora, lora_dit.SplitLoRAModule)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    # sd-scripts' split forward: each part has its own down (r x in) and up; the output parts concatenated
+    down = lora.lora_down.weight.double()
+    ups = [p.weight.double() for p in lora.lora_up.parts]
+    expected = torch.cat([x @ down[i * 2:(i + 1) * 2].T @ u.T for i, u in enumerate(ups)], -1) * (3 / 2)
+    lora.double()
+    net.apply_to(None, flux, apply_text_encoder=False)
+    try:
+        base = torch.nn.functional.linear(x, flux.single_blocks[0].linear1.weight.double(),
+                                          flux.single_blocks[0].linear1.bias.double())
+        flux.double()
+        got = flux.single_blocks[0].linear1(x) - base
+    finally:
+        net.remove_from()
+        flux.float()
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    path = str(tmp_path / "split.safetensors")
+    net.save_weights(path, torch.float64, None)
+    sd = load_file(path)
+    d, u, a = (sd["lora_unet_single_blocks_0_linear1." + k] for k in ("lora_down.weight", "lora_up.weight", "alpha"))
+    assert d.shape == (8, 64) and u.shape == (64 * 3 + 256, 8) and float(a) == 12.0  # 4 parts x alpha 3
+    # what a client computes from the file is the trained delta
+    torch.testing.assert_close(u @ d * (a / d.shape[0]),
+                               torch.cat([u_i @ down[i * 2:(i + 1) * 2] for i, u_i in enumerate(ups)]) * 1.5)
+    # read back by a split network; a non-block-diagonal up (e.g. a resized file) is refused by name
+    again = lora_flux.create_network(1.0, 2, 3, None, [None], flux, split_qkv="True", train_blocks="single")
+    again.load_weights(path)
+    torch.testing.assert_close(again.state_dict(), {k: v.float() for k, v in sd.items()})
+    sd["lora_unet_single_blocks_0_linear1.lora_up.weight"] += 1.0
+    write_weights(path, sd, None, None)
+    with pytest.raises(LoRAError, match="lora_unet_single_blocks_0_linear1: lora_up.weight is not block-diagonal"):
+        again.load_weights(path)
+
+
+def _capture_diffusers_log():
+    from diffusers.utils import logging as diffusers_logging
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setLevel(logging.INFO)
+    diffusers_logging.get_logger("diffusers").addHandler(handler)
+    diffusers_logging.set_verbosity_info()
+    return buf, handler
+
+
+def _expected(weights, sd, prefix, path_of):
+    """float64 W + up @ down * alpha / rank for every weight the file names, W elsewhere."""
+    out = {}
+    for k, w in weights.items():
+        exp = w.double().clone()
+        name = prefix + path_of(k.rsplit(".", 1)[0]).replace(".", "_")
+        if k.endswith(".weight") and name + ".lora_down.weight" in sd:
+            d, u, a = (sd[f"{name}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha"))
+            exp += u.double() @ d.double() * (float(a) / d.shape[0])
+        out[k] = exp
+    return out
+
+
+def test_file_loads_in_diffusers_every_key_consumed_and_weights_exact(parts, tmp_path):
+    from diffusers import FluxPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    folder = str(tmp_path / "tiny-flux")
+    flux_saving.save_diffusers_folder(parts, "dev", folder)
+    net = lora_flux.create_network(1.0, 4, 2, None, [parts["clip_l"], parts["t5"]], parts["transformer"],
+                                   in_dims="[1,2,3,4,5]", split_qkv="True")
+    _randomize(net)
+    # diffusers' converter hard-codes FLUX.1's widths for single_blocks linear1 (3072 x 3 + 12288): the
+    # tiny model's linear1 leaves the file here and is checked at full width below
+    sd = {k: v for k, v in net.state_dict().items() if "_linear1." not in k}
+    path = str(tmp_path / "flux_lora.safetensors")
+    write_weights(path, sd, torch.float64, lora_flux.file_metadata("dev"))
+    pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float64)
+    buf, handler = _capture_diffusers_log()
+    try:
+        pipe.load_lora_weights(path)
+    finally:
+        diffusers_logging.get_logger("diffusers").removeHandler(handler)
+        diffusers_logging.set_verbosity_warning()
+    log = buf.getvalue().lower()
+    assert "unsupported keys" not in log and "unexpected" not in log and "incompatible" not in log, log
+    file_sd = load_file(path)
+    n_modules = sum(1 for k in file_sd if k.endswith(".alpha"))
+    # diffusers splits each fused qkv into to_q, to_k, to_v: one PEFT layer per part
+    n_qkv = sum(1 for k in file_sd if k.endswith("_qkv.alpha"))
+    # diffusers 0.42 converts in_dims' layers (img_in, time_in, vector_in, guidance_in, txt_in) to
+    # keys without its "transformer." prefix and then drops them without a word: pinned here
+    in_layers = {n for n in (k.split(".")[0] for k in file_sd) if n.startswith(tuple(
+        "lora_unet_" + layer for layer in lora_flux.IN_LAYERS))}
+    assert len(in_layers) == 8
+    layers = [m for _, m in list(pipe.transformer.named_modules()) + list(pipe.text_encoder.named_modules())
+              if hasattr(m, "lora_A") and len(m.lora_A)]
+    assert len(layers) == n_modules - len(in_layers) + 2 * n_qkv
+    pipe.fuse_lora(components=["transformer", "text_encoder"])
+    pipe.unload_lora_weights()
+    fused = flux_checkpoint.diffusers_to_bfl(pipe.transformer.state_dict(), parts["transformer"].config)
+    applied = {k: v for k, v in file_sd.items() if k.split(".")[0] not in in_layers}
+    expected = _expected(parts["transformer"].state_dict(), applied, "lora_unet_", lambda p: p)
+    assert fused.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(fused[k], expected[k], rtol=0, atol=1e-12, msg=k)
+    te_expected = _expected(parts["clip_l"].state_dict(), file_sd, "lora_te1_",
+                            lambda p: p if p.startswith("text_model.") else "text_model." + p)
+    te_fused = pipe.text_encoder.state_dict()
+    for k in te_expected:
+        torch.testing.assert_close(te_fused[k].double(), te_expected[k], rtol=0, atol=1e-12, msg=k)
+
+
+def test_full_width_linear1_converts_in_diffusers_to_the_same_delta():
+    """single_blocks linear1 at FLUX.1's real widths (the module without the model): diffusers'
+    to_q / to_k / to_v / proj_mlp deltas are the row slices of up @ down * alpha / rank, for a
+    split_qkv file (block-diagonal up) and a plain one."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    h, mlp, r = 3072, 12288, 2
+    for split in (True, False):
+        layer = torch.nn.Linear(h, 3 * h + mlp, device="meta")
+        cls = lora_dit.SplitLoRAModule if split else lora_dit.LoRAModule
+        kwargs = {"widths": (h, h, h, mlp)} if split else {}
+        with torch.device("cpu"):
+            module = cls("lora_unet_single_blocks_0_linear1", layer, 1.0, r, 3.0, **kwargs)
+        _randomize(module, seed=1)
+        sd = {"lora_unet_single_blocks_0_linear1." + k: v.double() for k, v in module.state_dict().items()}
+        d, u, a = (sd["lora_unet_single_blocks_0_linear1." + k] for k in ("lora_down.weight", "lora_up.weight", "alpha"))
+        delta = u @ d * (float(a) / d.shape[0])
+        out = _convert_kohya_flux_lora_to_diffusers(dict(sd))
+        rows = 0
+        for part, width in (("attn.to_q", h), ("attn.to_k", h), ("attn.to_v", h), ("proj_mlp", mlp)):
+            key = f"transformer.single_transformer_blocks.0.{part}"
+            got = out.pop(key + ".lora_B.weight") @ out.pop(key + ".lora_A.weight")
+            torch.testing.assert_close(got, delta[rows:rows + width], rtol=0, atol=1e-12)
+            rows += width
+        assert not out
+
+
+def test_every_name_maps_in_comfyui(parts, tmp_path):
+    net = lora_flux.create_network(1.0, 4, 1, None, [parts["clip_l"], parts["t5"]], parts["transformer"],
+                                   in_dims="1,1,1,1,1", train_t5xxl="True", split_qkv="True")
+    path = str(tmp_path / "all.safetensors")
+    net.save_weights(path, None, lora_flux.file_metadata("dev"))
+    table = comfy_dit_shapes(parts["transformer"], clip_l=parts["clip_l"], t5=parts["t5"])
+    sd = load_file(path)
+    names = {k.split(".")[0] for k in sd}
+    assert any(n.startswith("lora_te3_encoder_block_") for n in names)
+    for name in names:
+        assert name in table, name
+        out_dim, in_dim = table[name][0], table[name][1]
+        assert (sd[name + ".lora_up.weight"].shape[0], sd[name + ".lora_down.weight"].shape[1]) == (out_dim, in_dim)
+
+
+def test_network_from_weights_and_metadata(parts, tmp_path):
+    net = lora_flux.create_network(1.0, 4, 2, None, [parts["clip_l"], parts["t5"]], parts["transformer"],
+                                   in_dims="1,0,0,2,0", train_t5xxl="True", single_dim="3")
+    _randomize(net)
+    path = str(tmp_path / "f.safetensors")
+    net.save_weights(path, None, lora_flux.file_metadata("schnell"))
+    back, _ = lora_flux.create_network_from_weights(1.0, path, None, [parts["clip_l"], parts["t5"]],
+                                                    parts["transformer"])
+    back.load_weights(path)
+    torch.testing.assert_close(back.state_dict(), load_file(path))
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"]) == \
+        ("networks.lora_flux", "flux1", "flux-1-schnell/lora")
+    # a file of another model: one line naming a module
+    with pytest.raises(LoRAError, match="do not exist in this model.*lora_unet_"):
+        lora_flux.create_network_from_weights(1.0, None, None, [None], parts["transformer"],
+                                              weights_sd={"lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight":
+                                                          torch.zeros(1, 1)})
+
+
+def test_resize_keeps_keys_and_family_metadata(parts, tmp_path):
+    net = lora_flux.create_network(1.0, 8, 4, None, [parts["clip_l"]], parts["transformer"], split_qkv="True")
+    _randomize(net)
+    src, dst = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    net.save_weights(src, None, lora_flux.file_metadata("dev"))
+    resize_lora.main(["--model", src, "--save_to", dst, "--new_rank", "4"])
+    a, b = load_file(src), load_file(dst)
+    assert a.keys() == b.keys()
+    assert b["lora_unet_double_blocks_0_img_mlp_0.lora_down.weight"].shape[0] == 4
+    with safe_open(dst, "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"]) == \
+        ("networks.lora_flux", "flux1", "flux-1-dev/lora")
