@@ -305,3 +305,51 @@ def test_lora_tools_keep_the_flux_layout(parts, tmp_path, capsys):
     assert '"ss_network_module": "networks.lora_flux"' in capsys.readouterr().out
     assert check_lora_weights.main([files[1]]) in (0, None)
     assert "lora_unet_single_blocks_0_linear1" in capsys.readouterr().out
+
+
+def test_runtime_equals_the_files_merged_weights_groups_and_max_norm(parts):
+    """The network hooked into the whole transformer (split_qkv, input layers, CLIP-L and T5 in
+    the same network) gives the output of the model whose weights are W + up @ down * alpha /
+    rank from the saved state (float64); gradients reach every LoRA parameter and no base
+    weight; one optimizer group per text encoder; max-norm keeps split ups block-diagonal."""
+    import copy
+
+    from library.models import flux
+
+    model = copy.deepcopy(parts["transformer"]).double()
+    tes = [copy.deepcopy(parts["clip_l"]), copy.deepcopy(parts["t5"])]
+    net = lora_flux.create_network(1.0, 2, 3, None, tes, model, split_qkv="True", in_dims="1,1,1,1,1",
+                                   train_t5xxl="True")
+    _randomize(net)
+    net.double()
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(img=torch.randn(1, 4, 64, generator=g, dtype=torch.float64), img_ids=flux.image_ids(2, 2),
+                  txt=torch.randn(1, 3, 32, generator=g, dtype=torch.float64), txt_ids=flux.text_ids(3),
+                  timesteps=torch.tensor([0.3], dtype=torch.float64),
+                  y=torch.randn(1, 32, generator=g, dtype=torch.float64), guidance=torch.tensor([3.5], dtype=torch.float64))
+    merged = copy.deepcopy(model)
+    weights = merged.state_dict()
+    for name, v in _expected(model.state_dict(), net.state_dict(), "lora_unet_", lambda p: p).items():
+        weights[name].copy_(v)
+    model.requires_grad_(False)
+    net.apply_to(tes, model, apply_text_encoder=True, apply_unet=True)
+    try:
+        out = model(**inputs)
+        out.square().sum().backward()
+    finally:
+        net.remove_from()
+    torch.testing.assert_close(out, merged(**inputs), rtol=1e-9, atol=1e-10)
+    unet_params = [p for lora in net.unet_loras for p in lora.parameters()]
+    assert unet_params and all(p.grad is not None and p.grad.abs().sum() > 0 for p in unet_params)
+    assert all(p.grad is None for p in model.parameters())
+    groups, names = net.prepare_optimizer_params([1e-4, 2e-4], 1e-3, 1e-3)
+    assert names == ["textencoder 1", "textencoder 3", "unet"]
+    assert [grp["lr"] for grp in groups] == [1e-4, 2e-4, 1e-3]
+    n, _, max_after = net.apply_max_norm_regularization(0.01, "cpu")
+    assert n == len(net.text_encoder_loras) + len(net.unet_loras) and max_after <= 0.01 * (1 + 1e-6)  # reported in float32
+    sd = net.state_dict()
+    for lora in net.unet_loras:
+        d, u, a = (sd[f"{lora.lora_name}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha"))
+        assert float(torch.linalg.vector_norm(u @ d * (a / d.shape[0]))) <= 0.01 * (1 + 1e-6)  # norms in float32
+    up = sd["lora_unet_single_blocks_0_linear1.lora_up.weight"]
+    assert torch.equal(up[:64, 2:], torch.zeros_like(up[:64, 2:]))
