@@ -254,6 +254,15 @@ def from_weights(targets: list[Target], weights_sd: dict[str, torch.Tensor], fil
     return [Target(t.name, t.module, dims[t.name], float(alphas[t.name])) for t in targets if t.name in dims]
 
 
+def log_modules(network: LoRANetwork, module: str, args: dict[str, Any]) -> None:
+    """The module count, and with network_args verbose=True every module's rank and alpha (sd-scripts' listing)."""
+    logger.info(f"{module}: {len(network.text_encoder_loras)} text encoder and {len(network.unet_loras)} "
+                "transformer LoRA modules")
+    if args.get("verbose"):
+        for lora in network.text_encoder_loras + network.unet_loras:
+            logger.info(f"\t{lora.lora_name:60} rank {lora.lora_dim}, alpha {float(lora.alpha):g}")
+
+
 def set_loraplus(network: LoRANetwork, args: dict[str, Any]) -> None:
     if any(k.startswith("loraplus") for k in args):
         network.set_loraplus_lr_ratio(args.get("loraplus_lr_ratio"), args.get("loraplus_unet_lr_ratio"),

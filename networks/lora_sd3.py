@@ -121,6 +121,7 @@ def build_network(multiplier, network_dim, network_alpha, text_encoders, mmdit, 
     network = lora_dit.DiTLoRANetwork(te_targets, tr_targets, multiplier, dim, alpha, dropout,
                                       args.get("rank_dropout"), args.get("module_dropout"))
     lora_dit.set_loraplus(network, args)
+    lora_dit.log_modules(network, NETWORK_MODULE, args)
     return network
 
 

@@ -353,3 +353,12 @@ def test_runtime_equals_the_files_merged_weights_groups_and_max_norm(parts):
         assert float(torch.linalg.vector_norm(u @ d * (a / d.shape[0]))) <= 0.01 * (1 + 1e-6)  # norms in float32
     up = sd["lora_unet_single_blocks_0_linear1.lora_up.weight"]
     assert torch.equal(up[:64, 2:], torch.zeros_like(up[:64, 2:]))
+
+
+def test_verbose_lists_every_module(parts, caplog):
+    with caplog.at_level(logging.INFO, logger="sdtk"):
+        net = lora_flux.create_network(1.0, 4, 1, None, [None], parts["transformer"], verbose="True",
+                                       train_blocks="double", img_mod_dim="2")
+    listed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("\t")]
+    assert len(listed) == len(net.unet_loras) == 20
+    assert any("lora_unet_double_blocks_1_img_mod_lin" in m and "rank 2, alpha 1" in m for m in listed)

@@ -146,3 +146,32 @@ def test_network_from_weights_metadata_and_resize(medium, tmp_path):
         meta = f.metadata()
     assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"]) == \
         ("networks.lora_sd3", "5-medium", "stable-diffusion-3-5-medium/lora")
+
+
+def test_runtime_equals_the_files_merged_weights(medium):
+    """The network hooked into the whole MMDiT (split_qkv, every emb_dims layer, the patch conv
+    included) gives the output of the model whose weights are W + up @ down * alpha / rank from
+    the saved state (float64)."""
+    import copy
+
+    model = copy.deepcopy(medium["mmdit"]).double()
+    net = lora_sd3.create_network(1.0, 2, 3, None, [None], model, split_qkv="True", emb_dims="1,1,2,1,1,1")
+    _randomize(net)
+    net.double()
+    merged = copy.deepcopy(model)
+    weights, sd = merged.state_dict(), net.state_dict()
+    for lora in net.unet_loras:
+        d, u, a = (sd[f"{lora.lora_name}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha"))
+        delta = (u.flatten(1) @ d.flatten(1)).reshape(u.shape[0], *d.shape[1:]) * (float(a) / d.shape[0])
+        key = next(k for k in weights if "lora_unet_" + k[:-len(".weight")].replace(".", "_") == lora.lora_name)
+        weights[key] += delta
+    g = torch.Generator().manual_seed(4)
+    inputs = (torch.randn(1, 16, 8, 8, generator=g, dtype=torch.float64), torch.tensor([500.0], dtype=torch.float64),
+              torch.randn(1, 96, generator=g, dtype=torch.float64), torch.randn(1, 5, 128, generator=g, dtype=torch.float64))
+    net.apply_to(None, model, apply_text_encoder=False)
+    try:
+        out = model(*inputs)
+    finally:
+        net.remove_from()
+    torch.testing.assert_close(out, merged(*inputs), rtol=1e-9, atol=1e-10)
+    assert not torch.allclose(out, model(*inputs))  # the LoRA changes the output
