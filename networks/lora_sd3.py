@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from networks import lora_dit
-from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
+from networks.lora import TEXT_ENCODER_TARGET_MODULES, load_state_dict_file
 from networks.lora_dit import Target
 
 NETWORK_MODULE = "networks.lora_sd3"
@@ -93,7 +93,8 @@ def transformer_targets(mmdit, args: dict[str, Any], dim: int, alpha: float) -> 
     return out
 
 
-def all_targets(text_encoders, mmdit, args: dict[str, Any], dim: int, alpha: float) -> tuple[list[Target], list[Target]]:
+def all_targets(text_encoders, mmdit, args: dict[str, Any], dim: int,
+                alpha: float) -> tuple[list[Target], list[Target]]:
     """(text-encoder targets, transformer targets). text_encoders: [CLIP-L, CLIP-G, T5-XXL] as
     sd-scripts passes them (any may be None); T5 only with train_t5xxl."""
     tes = list(text_encoders) if isinstance(text_encoders, (list, tuple)) else [text_encoders]

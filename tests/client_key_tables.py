@@ -178,7 +178,8 @@ def comfy_dit_shapes(transformer, clip_l=None, clip_g=None, t5=None) -> dict[str
     for key, value in transformer.state_dict().items():
         if key.endswith(".weight"):
             out["lora_unet_" + key[:-len(".weight")].replace(".", "_")] = tuple(value.shape)
-    for te, prefixes in ((clip_l, ("lora_te", "lora_te1")), (clip_g, ("lora_te2",) if clip_l is not None else ("lora_te",))):
+    g_prefixes = ("lora_te2",) if clip_l is not None else ("lora_te",)
+    for te, prefixes in ((clip_l, ("lora_te", "lora_te1")), (clip_g, g_prefixes)):
         if te is None:
             continue
         sd = {k if k.startswith("text_model.") else "text_model." + k: v for k, v in te.state_dict().items()}

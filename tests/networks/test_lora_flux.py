@@ -217,7 +217,8 @@ def test_full_width_linear1_converts_in_diffusers_to_the_same_delta():
             module = cls("lora_unet_single_blocks_0_linear1", layer, 1.0, r, 3.0, **kwargs)
         _randomize(module, seed=1)
         sd = {"lora_unet_single_blocks_0_linear1." + k: v.double() for k, v in module.state_dict().items()}
-        d, u, a = (sd["lora_unet_single_blocks_0_linear1." + k] for k in ("lora_down.weight", "lora_up.weight", "alpha"))
+        d, u, a = (sd["lora_unet_single_blocks_0_linear1." + k]
+                   for k in ("lora_down.weight", "lora_up.weight", "alpha"))
         delta_probe = u @ (d @ probe) * (float(a) / d.shape[0])
         out = _convert_kohya_flux_lora_to_diffusers(dict(sd))
         rows = 0
@@ -293,7 +294,8 @@ def test_lora_tools_keep_the_flux_layout(parts, tmp_path, capsys):
         files.append(str(tmp_path / f"in{seed}.safetensors"))
         net.save_weights(files[-1], None, lora_flux.file_metadata("dev"))
     keys = set(load_file(files[0]))
-    for tool, out, args in ((svd_merge_lora, "svd.safetensors", ["--new_rank", "4"]), (merge_lora, "concat.safetensors", ["--concat"])):
+    for tool, out, args in ((svd_merge_lora, "svd.safetensors", ["--new_rank", "4"]),
+                            (merge_lora, "concat.safetensors", ["--concat"])):
         dst = str(tmp_path / out)
         assert tool.main(["--models", *files, "--save_to", dst, *args]) in (0, None)
         assert set(load_file(dst)) == keys, tool.__name__
@@ -326,7 +328,8 @@ def test_runtime_equals_the_files_merged_weights_groups_and_max_norm(parts):
     inputs = dict(img=torch.randn(1, 4, 64, generator=g, dtype=torch.float64), img_ids=flux.image_ids(2, 2),
                   txt=torch.randn(1, 3, 32, generator=g, dtype=torch.float64), txt_ids=flux.text_ids(3),
                   timesteps=torch.tensor([0.3], dtype=torch.float64),
-                  y=torch.randn(1, 32, generator=g, dtype=torch.float64), guidance=torch.tensor([3.5], dtype=torch.float64))
+                  y=torch.randn(1, 32, generator=g, dtype=torch.float64),
+                  guidance=torch.tensor([3.5], dtype=torch.float64))
     merged = copy.deepcopy(model)
     weights = merged.state_dict()
     for name, v in _expected(model.state_dict(), net.state_dict(), "lora_unet_", lambda p: p).items():
@@ -346,7 +349,8 @@ def test_runtime_equals_the_files_merged_weights_groups_and_max_norm(parts):
     assert names == ["textencoder 1", "textencoder 3", "unet"]
     assert [grp["lr"] for grp in groups] == [1e-4, 2e-4, 1e-3]
     n, _, max_after = net.apply_max_norm_regularization(0.01, "cpu")
-    assert n == len(net.text_encoder_loras) + len(net.unet_loras) and max_after <= 0.01 * (1 + 1e-6)  # reported in float32
+    assert n == len(net.text_encoder_loras) + len(net.unet_loras)
+    assert max_after <= 0.01 * (1 + 1e-6)  # reported in float32
     sd = net.state_dict()
     for lora in net.unet_loras:
         d, u, a = (sd[f"{lora.lora_name}.{p}"] for p in ("lora_down.weight", "lora_up.weight", "alpha"))

@@ -167,7 +167,8 @@ def test_runtime_equals_the_files_merged_weights(medium):
         weights[key] += delta
     g = torch.Generator().manual_seed(4)
     inputs = (torch.randn(1, 16, 8, 8, generator=g, dtype=torch.float64), torch.tensor([500.0], dtype=torch.float64),
-              torch.randn(1, 96, generator=g, dtype=torch.float64), torch.randn(1, 5, 128, generator=g, dtype=torch.float64))
+              torch.randn(1, 96, generator=g, dtype=torch.float64),
+              torch.randn(1, 5, 128, generator=g, dtype=torch.float64))
     net.apply_to(None, model, apply_text_encoder=False)
     try:
         out = model(*inputs)
