@@ -366,3 +366,44 @@ def test_verbose_lists_every_module(parts, caplog):
     listed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("\t")]
     assert len(listed) == len(net.unet_loras) == 20
     assert any("lora_unet_double_blocks_1_img_mod_lin" in m and "rank 2, alpha 1" in m for m in listed)
+
+
+def test_flux_extract_lora_recovers_a_known_low_rank_change(parts, tmp_path):
+    """networks/flux_extract_lora.py: tuned = org + a known rank-2 change on two block weights
+    (and nothing elsewhere); the extracted file (dim 2, no clamp) has every default target name,
+    reproduces the change (float32 SVD, 1e-5) and is zero elsewhere; it loads as networks.lora_flux
+    weights and its names map in ComfyUI."""
+    from networks import flux_extract_lora
+
+    org = parts["transformer"].state_dict()
+    g = torch.Generator().manual_seed(5)
+    changes = {"double_blocks.1.txt_mlp.0.weight": None, "single_blocks.0.linear1.weight": None}
+    tuned = {k: v.clone() for k, v in org.items()}
+    for key in changes:
+        out_dim, in_dim = org[key].shape
+        changes[key] = torch.randn(out_dim, 2, generator=g) @ torch.randn(2, in_dim, generator=g) * 0.01
+        tuned[key] += changes[key]
+    src, dst = str(tmp_path / "org.safetensors"), str(tmp_path / "tuned.safetensors")
+    from safetensors.torch import save_file
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in org.items()}, src)  # ComfyUI-style prefix
+    save_file({k: v.contiguous() for k, v in tuned.items()}, dst)
+    out = str(tmp_path / "extracted.safetensors")
+    assert flux_extract_lora.main(["--model_org", src, "--model_tuned", dst, "--save_to", out, "--dim", "2",
+                                   "--clamp_quantile", "1"]) in (0, None)
+    sd = load_file(out)
+    names = {k.split(".")[0] for k in sd}
+    assert names == _block_weight_names(parts["transformer"])
+    for name in names:
+        d, u, a = (sd[f"{name}.{p}"].double() for p in ("lora_down.weight", "lora_up.weight", "alpha"))
+        key = next(k for k in org if "lora_unet_" + k[:-len(".weight")].replace(".", "_") == name)
+        expected = changes.get(key, torch.zeros(org[key].shape)).double()
+        torch.testing.assert_close(u @ d * (a / d.shape[0]), expected, rtol=0, atol=1e-5, msg=name)
+    with safe_open(out, "pt") as f:
+        meta = f.metadata()
+    assert (meta["ss_network_module"], meta["modelspec.architecture"]) == ("networks.lora_flux", "flux-1-dev/lora")
+    net, _ = lora_flux.create_network_from_weights(1.0, out, None, [None], parts["transformer"])
+    net.load_weights(out)
+    table = comfy_dit_shapes(parts["transformer"])
+    assert names <= set(table)
+    # a LoRA file is not a transformer: one line, exit 2
+    assert flux_extract_lora.main(["--model_org", out, "--model_tuned", dst, "--save_to", out + "2"]) == 2
