@@ -41,7 +41,9 @@ class _Transformer:
     def __init__(self, option: str, path: str):
         from safetensors import safe_open
 
-        if not os.path.isfile(path) or not path.endswith((".safetensors", ".sft")):
+        if not os.path.isfile(path):
+            raise LoRAError(f"{option} {path}: file not found")
+        if not path.endswith((".safetensors", ".sft")):
             raise LoRAError(f"{option} {path}: not a .safetensors file (a BFL-layout FLUX.1 transformer)")
         try:
             self.file = safe_open(path, framework="pt")
