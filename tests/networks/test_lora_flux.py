@@ -407,3 +407,38 @@ def test_flux_extract_lora_recovers_a_known_low_rank_change(parts, tmp_path):
     assert names <= set(table)
     # a LoRA file is not a transformer: one line, exit 2
     assert flux_extract_lora.main(["--model_org", out, "--model_tuned", dst, "--save_to", out + "2"]) == 2
+
+
+def test_flux_merge_lora_into_the_transformer(parts, tmp_path):
+    """networks/flux_merge_lora.py: two files (one split_qkv, one with input layers) at ratios 1
+    and 0.5 merged into a BFL file == W + sum of ratio x up @ down x alpha / rank (float64
+    reference); without --flux_model the files become one LoRA; text-encoder modules are refused."""
+    from networks import flux_merge_lora
+
+    flux = parts["transformer"]
+    base = str(tmp_path / "flux.safetensors")
+    flux_checkpoint.save_flux_transformer(base, flux.state_dict(), "bfl", flux.config)
+    files, expected = [], {k: v.double() for k, v in flux.state_dict().items()}
+    for seed, ratio, extra in ((0, 1.0, {"split_qkv": "True"}), (1, 0.5, {"in_dims": "1,1,1,1,1"})):
+        net = lora_flux.create_network(1.0, 2, 3, None, [None], flux, **extra)
+        _randomize(net, seed)
+        files.append(str(tmp_path / f"l{seed}.safetensors"))
+        net.save_weights(files[-1], None, lora_flux.file_metadata("dev"))
+        for k, v in _expected(flux.state_dict(), load_file(files[-1]), "lora_unet_", lambda p: p).items():
+            expected[k] += (v - flux.state_dict()[k].double()) * ratio
+    out = str(tmp_path / "merged.safetensors")
+    assert flux_merge_lora.main(["--flux_model", base, "--models", *files, "--ratios", "1", "0.5",
+                                 "--save_to", out]) in (0, None)
+    merged = flux_checkpoint.read_transformer(out).state_dict
+    assert merged.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(merged[k].double(), expected[k], rtol=1e-6, atol=1e-6, msg=k)
+    lora_out = str(tmp_path / "one.safetensors")
+    assert flux_merge_lora.main(["--models", *files, "--save_to", lora_out, "--concat"]) in (0, None)
+    assert set(load_file(lora_out)) == set(load_file(files[0])) | set(load_file(files[1]))
+    with_te = lora_flux.create_network(1.0, 2, 3, None, [parts["clip_l"]], flux)
+    te_file = str(tmp_path / "te.safetensors")
+    with_te.save_weights(te_file, None, None)
+    assert flux_merge_lora.main(["--flux_model", base, "--models", te_file, "--save_to", out]) == 2
+    assert flux_merge_lora.main(["--flux_model", base, "--models", files[0], "--save_to", out,
+                                 "--clip_l", "clip.safetensors"]) == 2
