@@ -442,3 +442,20 @@ def test_flux_merge_lora_into_the_transformer(parts, tmp_path):
     assert flux_merge_lora.main(["--flux_model", base, "--models", te_file, "--save_to", out]) == 2
     assert flux_merge_lora.main(["--flux_model", base, "--models", files[0], "--save_to", out,
                                  "--clip_l", "clip.safetensors"]) == 2
+
+
+def test_diffusers_042_drops_t5_modules(parts):
+    """Pinned: diffusers' kohya FLUX conversion keeps lora_unet_ / lora_te1_ modules and drops T5's
+    lora_te3_ ones (ComfyUI applies them: test_every_name_maps_in_comfyui)."""
+    from diffusers import FluxPipeline
+
+    net = lora_flux.create_network(1.0, 2, 1, None, [parts["clip_l"], parts["t5"]], parts["transformer"],
+                                   train_t5xxl="True", train_blocks="double")  # linear1: tiny widths
+    _randomize(net)
+    sd = net.state_dict()
+    assert any(k.startswith("lora_te3_") for k in sd)
+    converted = FluxPipeline.lora_state_dict(dict(sd))
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    assert converted and not any("encoder.block" in k or "te3" in k for k in converted)
+    assert any(k.startswith("text_encoder.") for k in converted)
+    assert any(k.startswith("transformer.") for k in converted)
