@@ -26,7 +26,9 @@ from typing import Any, Optional
 import torch
 
 from networks import lora_names as names
-from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, LoRAModule, LoRANetwork, parse_bool, parse_number
+from networks.adapter_weights import file_kinds
+from networks.lora import (TEXT_ENCODER_TARGET_MODULES, LoRAError, LoRAModule, LoRANetwork, dims_from_weights,
+                           parse_bool, parse_number)
 
 logger = logging.getLogger("sdtk")
 
@@ -243,9 +245,11 @@ def from_weights(targets: list[Target], weights_sd: dict[str, torch.Tensor], fil
     """The targets named in a LoRA file, with the file's rank and alpha (no split: a split_qkv file
     is a plain LoRA of parts x rank, as sd-scripts reads it); a name of the file that is no target
     of this model is an error."""
-    from networks.lora import dims_from_weights
-
     dims, alphas = dims_from_weights(weights_sd)
+    if not dims:
+        found = file_kinds(weights_sd)
+        what = f"a {'/'.join(found)} file" if found else "no LoRA module keys"
+        raise LoRAError(f"LoRA weights {file or '(state dict)'}: {what}, not a LoRA file of this network_module")
     by_name = {t.name: t for t in targets}
     missing = sorted(set(dims) - set(by_name))
     if missing:

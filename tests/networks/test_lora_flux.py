@@ -259,6 +259,9 @@ def test_network_from_weights_and_metadata(parts, tmp_path):
         meta = f.metadata()
     assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"]) == \
         ("networks.lora_flux", "flux1", "flux-1-schnell/lora")
+    with pytest.raises(LoRAError, match=r"\(state dict\): a LoHa file, not a LoRA file"):
+        lora_flux.create_network_from_weights(1.0, None, None, [None], parts["transformer"], weights_sd={
+            f"lora_unet_single_blocks_0_linear2.hada_{p}": torch.zeros(1, 1) for p in ("w1_a", "w1_b", "w2_a", "w2_b")})
     # a file of another model: one line naming a module
     with pytest.raises(LoRAError, match="do not exist in this model.*lora_unet_"):
         lora_flux.create_network_from_weights(1.0, None, None, [None], parts["transformer"],
