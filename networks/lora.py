@@ -450,7 +450,7 @@ class AdapterNetwork(torch.nn.Module):
                 lrs = [text_encoder_lr if text_encoder_lr is not None else default_lr]
             by_te: dict[str, list[LoRAModule]] = {}
             for lora in self.text_encoder_loras:
-                by_te.setdefault(lora.lora_name.split("_text_model_", 1)[0], []).append(lora)
+                by_te.setdefault(names.text_encoder_prefix_of(lora.lora_name), []).append(lora)
             for i, (prefix, loras) in enumerate(by_te.items()):
                 lr = lrs[i] if i < len(lrs) else lrs[0]
                 if lr is None:
@@ -527,7 +527,8 @@ class LoRANetwork(AdapterNetwork):
             # multiplying by sqrt(1) = 1 is exact: the modules within the bound stay bit-identical
             sqrt_ratio = ratio.sqrt()
             down.mul_(sqrt_ratio.to(down.device, down.dtype))
-            up.mul_(sqrt_ratio.to(up.device, up.dtype))
+            for p in lora.lora_up.parameters():  # the up weight, or split_qkv's blocks of it
+                p.mul_(sqrt_ratio.to(p.device, p.dtype))
             norms.append(norm * ratio)
             ratios.append(ratio)
         return torch.stack([torch.stack(norms), torch.stack(ratios)])

@@ -37,6 +37,12 @@ def text_encoder_prefix(index: int, count: int) -> str:
     return PREFIX_TE1 if index == 0 else PREFIX_TE2
 
 
+def text_encoder_prefix_of(lora_name: str) -> str:
+    """``lora_te``, ``lora_te1``, ``lora_te2`` or ``lora_te3`` (FLUX / SD3 T5) of a text encoder module name."""
+    head = lora_name.split("_", 2)
+    return "_".join(head[:2])
+
+
 def is_sdxl_unet(unet) -> bool:
     config = getattr(unet, "config", None)
     return getattr(config, "addition_embed_type", None) == "text_time"

@@ -159,3 +159,40 @@ def modules_of_file(sd: dict) -> dict[str, set[str]]:
         name, _, part = key.partition(".")
         out.setdefault(name, set()).add(part)
     return out
+
+
+COMFY_CLIP_MAP = {"mlp.fc1": "mlp_fc1", "mlp.fc2": "mlp_fc2", "self_attn.k_proj": "self_attn_k_proj",
+                  "self_attn.q_proj": "self_attn_q_proj", "self_attn.v_proj": "self_attn_v_proj",
+                  "self_attn.out_proj": "self_attn_out_proj"}
+
+
+def comfy_dit_shapes(transformer, clip_l=None, clip_g=None, t5=None) -> dict[str, tuple]:
+    """ComfyUI's key map (comfy/lora.py ``model_lora_keys_unet`` / ``model_lora_keys_clip``) for a
+    FLUX.1 or SD3 model -> the shape of the weight each name patches. The transformer's keys in
+    ComfyUI are ``diffusion_model.`` + BFL's (FLUX) or SAI's (SD3) layout, which our models keep,
+    so ``lora_unet_`` + the path with dots as underscores; CLIP-L ``lora_te_`` / ``lora_te1_``,
+    CLIP-G ``lora_te2_`` when CLIP-L is present, both ``text_model_encoder_layers_{i}_`` + the six
+    attention / MLP layers; T5-XXL ``lora_te{n}_`` + its ``t5xxl.transformer.`` path, n = 1 + one
+    per CLIP present, and with CLIP-L alone (FLUX) both 2 (OneTrainer) and 3."""
+    out = {}
+    for key, value in transformer.state_dict().items():
+        if key.endswith(".weight"):
+            out["lora_unet_" + key[:-len(".weight")].replace(".", "_")] = tuple(value.shape)
+    g_prefixes = ("lora_te2",) if clip_l is not None else ("lora_te",)
+    for te, prefixes in ((clip_l, ("lora_te", "lora_te1")), (clip_g, g_prefixes)):
+        if te is None:
+            continue
+        sd = {k if k.startswith("text_model.") else "text_model." + k: v for k, v in te.state_dict().items()}
+        for b in range(te.config.num_hidden_layers):
+            for path, part in COMFY_CLIP_MAP.items():
+                w = sd[f"text_model.encoder.layers.{b}.{path}.weight"]
+                for p in prefixes:
+                    out[f"{p}_text_model_encoder_layers_{b}_{part}"] = tuple(w.shape)
+    if t5 is not None:
+        index = 1 + (clip_g is not None) + (clip_l is not None)
+        indices = (2, 3) if index == 2 else (index,)
+        for key, value in t5.state_dict().items():
+            if key.endswith(".weight"):
+                for i in indices:
+                    out[f"lora_te{i}_" + key[:-len(".weight")].replace(".", "_")] = tuple(value.shape)
+    return out
