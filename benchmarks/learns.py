@@ -1,0 +1,361 @@
+"""Proof that training learns, per family: a tiny model trained on four distinct patterns samples
+latents near its training latents; untrained weights and noise do not.
+
+    python benchmarks/learns.py [--families sd15 sd2 sdxl] [--steps N] [--out DIR]
+                                [--images docs/images] [--k 2]
+
+For each family: four 64 px images of distinct patterns (solid red, solid blue, horizontal
+stripes, a checkerboard), each with its own one-word caption, train the built-in tiny model's
+whole denoiser from its random initial weights through the real entry script
+(``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW with a cosine
+schedule). Then ``k`` samples per caption from fresh noise, as training's sample images are made
+(library/training/sampling.py: the diffusers pipeline over the model's components, the trainer's
+text conditioning, a prompt line ``<caption> --w 64 --h 64 --d <seed> --l 1`` with the other
+defaults: 30 steps, the default sampler ``ddim``), for the trained and for the untrained weights;
+their final latents (before the VAE decode) are compared with the training latents (the trainer's
+own encoding, library/data/latent_cache.py: the VAE posterior mean times its scaling factor).
+
+Two choices, both measured (docs/LEARNING.md): no classifier-free guidance (``--l 1``), because
+these models never saw an unconditional caption, so the default scale 7.5 extrapolates from an
+untrained branch (tiny-sd2: d 0.26 at scale 1, 2.49 at 7.5); and the tiny VAE with a
+``scaling_factor`` that makes the training latents unit-variance (``write_unit_vae``, passed as
+``--vae``), as SD's 0.18215 was chosen for its VAE.
+
+The metric, per sample: the RMS difference to the nearest training latent; reported is the mean
+over samples for (a) the trained weights, (b) the untrained weights, (c) Gaussian noise latents of
+the same shape with the training latents' per-channel mean and standard deviation. ``hits`` is
+the fraction of samples whose nearest training latent is the one of their own caption (chance:
+1/4), which a model that collapses to one pattern cannot reach. ratio = d_trained /
+min(d_untrained, d_noise); ``learned`` passes below MARGIN. What this catches that the per-formula
+unit tests cannot: the chain wrong as a whole (a sign in the sampler or the training target, a
+target other than the sampler's, samples that are not denoised). What it cannot see on data this
+tight: a slightly shifted schedule (tests/tools/test_learns.py measures both).
+
+Grids (``--images``): ``learns_<family>_latents.png``, the first three latent channels as RGB
+(each channel mapped from the training latents' mean +- 2.5 std to 0..255, 8x8 latents shown as
+32x32), and ``learns_<family>_decoded.png``, the same samples through the tiny (random) VAE; one row
+per caption: the training latent, then k untrained samples, then k trained samples.
+
+A family is one FAMILIES entry: the built-in model, its training options and steps, and the prompt
+options of its samples. FLUX / SD3 (tiny-flux, tiny-sd3) join as entries once their tiny models
+train and their sample images exist: sample_latents then takes their sampler (flow_matching's
+euler_sample over the transformer, as their sample images are made) instead of the diffusers
+pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SIZE = 64
+PATTERNS = ("red", "blue", "stripes", "checker")
+LR = 1e-3
+SEED = 0
+MARGIN = 0.5
+SLOW_TEST_STEPS = 200
+
+
+@dataclass(frozen=True)
+class Family:
+    model: str  # the built-in name
+    steps: int  # optimizer steps
+    lr: float = LR
+    batch: int = 4  # each image repeated batch / 4 times per epoch: one epoch per step
+    script: str = "train_dreambooth.py"
+    args: tuple[str, ...] = ()
+    # a prompt line's options besides --w/--h/--d: no guidance (see the module docstring)
+    prompt_options: str = "--l 1"
+
+
+FAMILIES = {
+    "sd15": Family("tiny-sd15", 200),
+    "sd2": Family("tiny-sd2", 200),  # v-prediction
+    "sdxl": Family("tiny-sdxl", 200),
+}
+
+
+# --- the metric ------------------------------------------------------------------------------
+
+def rms_distances(samples: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    """(K, N): RMS over all latent elements of samples[k] - train[n]."""
+    s = samples.double().flatten(1)
+    t = train.double().flatten(1)
+    return ((s[:, None, :] - t[None, :, :]) ** 2).mean(-1).sqrt()
+
+
+def nearest(samples: torch.Tensor, train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the RMS distance to the nearest training latent, and that latent's index."""
+    d = rms_distances(samples, train)
+    return d.min(dim=1)
+
+
+def noise_like(train: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """k Gaussian latents shaped as the training latents, with their per-channel mean and std."""
+    t = train.double()
+    mean = t.mean(dim=(0, 2, 3), keepdim=True)
+    std = t.std(dim=(0, 2, 3), keepdim=True)
+    z = torch.randn((k, *t.shape[1:]), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (mean + std * z).to(train.dtype)
+
+
+def learned(d_trained: float, d_untrained: float, d_noise: float, margin: float = None) -> bool:
+    """The verdict: the trained samples' distance is below ``margin`` times both baselines."""
+    margin = MARGIN if margin is None else margin
+    return d_trained < margin * min(d_untrained, d_noise)
+
+
+def score(samples: torch.Tensor, labels: list[int], train: torch.Tensor) -> dict:
+    """Mean nearest-training-latent distance and the fraction of samples nearest their own one."""
+    d, idx = nearest(samples, train)
+    hits = sum(int(i) == lab for i, lab in zip(idx.tolist(), labels)) / len(labels)
+    return {"d": float(d.mean()), "hits": hits}
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def pattern_image(name: str, size: int = SIZE):
+    """One clearly distinct pattern per caption (PIL, deterministic)."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size]
+    img = np.zeros((size, size, 3), dtype=np.uint8)
+    if name == "red":
+        img[:] = (220, 30, 30)
+    elif name == "blue":
+        img[:] = (30, 60, 220)
+    elif name == "stripes":
+        img[(y // (size // 8)) % 2 == 0] = (255, 255, 255)
+    elif name == "checker":
+        on = ((x // (size // 4)) + (y // (size // 4))) % 2 == 0
+        img[on] = (240, 220, 40)
+        img[~on] = (20, 120, 40)
+    else:
+        raise ValueError(name)
+    return Image.fromarray(img)
+
+
+def write_dataset(folder: str, repeats: int = 1) -> str:
+    """``folder/<repeats>_pattern/NN.png`` + ``NN.caption``; returns the train_data_dir."""
+    concept = os.path.join(folder, f"{repeats}_pattern")
+    os.makedirs(concept, exist_ok=True)
+    for i, name in enumerate(PATTERNS):
+        pattern_image(name).save(os.path.join(concept, f"{i:02d}.png"))
+        with open(os.path.join(concept, f"{i:02d}.caption"), "w", encoding="utf-8") as f:
+            f.write(name)
+    return folder
+
+
+def training_latents(vae) -> torch.Tensor:
+    """(4, C, h, w): the patterns as the trainer caches them (posterior mean x scaling factor)."""
+    from library.data import images
+    from library.data import latent_cache
+
+    pixels = torch.stack([images.to_tensor(pattern_image(n)) for n in PATTERNS])
+    with torch.no_grad():
+        return latent_cache.encode_pixels(vae, pixels.to(vae.dtype)).float()
+
+
+def write_unit_vae(vae, folder: str) -> tuple[str, float]:
+    """The tiny model's VAE as a diffusers folder whose ``scaling_factor`` makes the training
+    latents unit-variance (1 / their std before scaling), as SD's 0.18215 was chosen for its VAE.
+    With SD's factor the random tiny VAE's latents have a std near 0.06: the diffusion would see
+    data twenty times smaller than its noise, and a model has to predict the noise to within a few
+    percent before its samples get anywhere near its data (measured: samples of std ~1 after 200
+    steps). Returns the folder and the factor."""
+    import copy
+
+    scaled = training_latents(vae)
+    factor = float(vae.config.scaling_factor / scaled.double().std())
+    unit = copy.deepcopy(vae)
+    unit.register_to_config(scaling_factor=factor)
+    unit.save_pretrained(folder)
+    return folder, factor
+
+
+# --- training --------------------------------------------------------------------------------
+
+def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, batch: int,
+          extra: tuple[str, ...] = ()) -> tuple[str, float]:
+    """Train through the entry script in a subprocess (one thread); the saved model's path and
+    the wall time."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, fam.script), "--pretrained_model_name_or_path",
+           fam.model, "--resolution", str(SIZE), "--train_data_dir", data, "--cache_latents",
+           "--max_train_steps", str(steps), "--learning_rate", str(lr), "--train_batch_size",
+           str(batch), "--seed", str(SEED), "--vae", vae, "--output_dir", out, "--output_name", "learned",
+           "--lr_scheduler", "cosine", *fam.args, *extra]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.exit(f"{fam.script} ({fam.model}) failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return os.path.join(out, "learned.safetensors"), elapsed
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+def sample_latents(bundle, k: int, options: str = "", seed: int = 1000,
+                   sampler: str = "ddim") -> tuple[torch.Tensor, list[int]]:
+    """k final latents per caption, made as training's sample images are (sampling.py), from the
+    prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
+    ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
+    from library.models import family
+    from library.training import sampling
+
+    adapter = family.adapter_for(bundle)
+    pipe = sampling._pipeline(bundle, inpaint=False)
+    device = torch.device("cpu")
+    out, labels = [], []
+    with torch.no_grad():
+        for i, name in enumerate(PATTERNS):
+            for j in range(k):
+                s = seed + i * k + j
+                p = sampling.parse_line(f"{name} --w {SIZE} --h {SIZE} --d {s} {options}".strip(), "learns")
+                pipe.scheduler = sampling.make_scheduler(p["sample_sampler"] or sampler,
+                                                         bundle.noise_scheduler.config)
+                pos, neg = (sampling._embeds(adapter, device, None, p[key])
+                            for key in ("prompt", "negative_prompt"))
+                kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
+                if bundle.family == "sdxl":
+                    kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
+                lat = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
+                           guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(p["seed"]),
+                           output_type="latent", **kw).images
+                out.append(lat[0].float())
+                labels.append(i)
+    return torch.stack(out), labels
+
+
+# --- pictures --------------------------------------------------------------------------------
+
+def latent_rgb(lat: torch.Tensor, train: torch.Tensor, scale: int = 4):
+    """The first three channels as an RGB PIL image, each channel's training mean +- 2.5 std
+    mapped to 0..255 (the same mapping for every latent of a family)."""
+    from PIL import Image
+
+    t = train[:, :3].double()
+    mean = t.mean(dim=(0, 2, 3))[:, None, None]
+    std = t.std(dim=(0, 2, 3))[:, None, None].clamp_min(1e-8)
+    x = ((lat[:3].double() - mean) / (5 * std) + 0.5).clamp(0, 1)
+    arr = (x * 255).round().byte().permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr, mode="RGB")
+    return img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+
+
+def decoded(bundle, lat: torch.Tensor):
+    from PIL import Image
+
+    with torch.no_grad():
+        x = bundle.vae.decode(lat[None].to(bundle.vae.dtype) / bundle.vae.config.scaling_factor).sample
+    arr = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    return Image.fromarray(arr, mode="RGB")
+
+
+def grid(rows: list[list], gap: int = 2):
+    """Tiles (PIL images, all the same size) in rows, on a white background."""
+    from PIL import Image
+
+    w, h = rows[0][0].size
+    cols = max(len(r) for r in rows)
+    g = Image.new("RGB", (cols * (w + gap) - gap, len(rows) * (h + gap) - gap), (255, 255, 255))
+    for r, row in enumerate(rows):
+        for c, tile in enumerate(row):
+            g.paste(tile, (c * (w + gap), r * (h + gap)))
+    return g
+
+
+def write_grids(name: str, bundle, train: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
+                k: int, folder: str) -> list[str]:
+    """One row per caption: training latent | k untrained samples | k trained samples."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for kind, tile in (("latents", lambda z: latent_rgb(z, train)), ("decoded", lambda z: decoded(bundle, z))):
+        rows = [[tile(train[i])] + [tile(before[i * k + j]) for j in range(k)]
+                + [tile(after[i * k + j]) for j in range(k)] for i in range(len(PATTERNS))]
+        path = os.path.join(folder, f"learns_{name}_{kind}.png")
+        grid(rows).save(path, optimize=True)
+        paths.append(path)
+    return paths
+
+
+# --- one family ------------------------------------------------------------------------------
+
+def run_family(name: str, work: str, steps: int | None = None, k: int = 2,
+               images_dir: str | None = None, lr: float | None = None, batch: int | None = None,
+               extra: tuple[str, ...] = ()) -> dict:
+    """Train, sample, measure one family; the table row."""
+    from library.models import loading
+
+    fam = FAMILIES[name]
+    steps = fam.steps if steps is None else steps
+    lr = fam.lr if lr is None else lr
+    batch = fam.batch if batch is None else batch
+    data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)))
+    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"))
+    model_path, train_s = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra)
+    initial = loading.load_model_bundle(fam.model, vae=vae)
+    trained = loading.load_model_bundle(model_path, vae=vae)
+    train_lat = training_latents(initial.vae)
+    before, labels = sample_latents(initial, k, fam.prompt_options)
+    after, _ = sample_latents(trained, k, fam.prompt_options)
+    noise = noise_like(train_lat, len(labels), seed=SEED + 1)
+    a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
+    row = {"family": name, "model": fam.model, "steps": steps, "lr": lr, "batch": batch, "train_s": train_s,
+           "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
+           "ratio": a["d"] / min(b["d"], c["d"]), "hits_trained": a["hits"],
+           "hits_untrained": b["hits"], "hits_noise": c["hits"], "samples": len(labels),
+           "vae_scaling_factor": factor}
+    if images_dir:
+        row["images"] = write_grids(name, initial, train_lat, before, after, k, images_dir)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| family | steps | train time | d_trained | d_untrained | d_noise | ratio | "
+            "own-caption hits (trained / untrained / noise) |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['family']} ({r['model']}) | {r['steps']} | {r['train_s']:.0f} s | "
+                     f"{r['d_trained']:.4f} | {r['d_untrained']:.4f} | {r['d_noise']:.4f} | "
+                     f"{r['ratio']:.3f} | {r['hits_trained']:.2f} / {r['hits_untrained']:.2f} / "
+                     f"{r['hits_noise']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the family's)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the family's)")
+    p.add_argument("--batch", type=int, default=None, help="batch size, a multiple of 4 (default: the family's)")
+    p.add_argument("--train_args", default="", help="more options for the entry script, one string")
+    p.add_argument("--k", type=int, default=2, help="samples per caption")
+    p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--images", default=None, help="write the grids here (e.g. docs/images)")
+    a = p.parse_args(argv)
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = a.out or tmp
+        for name in a.families:
+            rows.append(run_family(name, os.path.join(work, name), a.steps, a.k, a.images, a.lr, a.batch, tuple(a.train_args.split())))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
