@@ -1,25 +1,28 @@
 """Proof that training learns, per family: a tiny model trained on four distinct patterns samples
 latents near its training latents; untrained weights and noise do not.
 
-    python benchmarks/learns.py [--families sd15 sd2 sdxl] [--steps N] [--out DIR]
-                                [--images docs/images] [--k 2]
+    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v] [--images docs/images]
+                                [--k 2] [--steps N] [--lr X] [--size PX] [--batch B]
+                                [--train_args "--min_snr_gamma 5"] [--out DIR [--reuse]]
 
 For each family: four 64 px images of distinct patterns (solid red, solid blue, horizontal
 stripes, a checkerboard), each with its own one-word caption, train the built-in tiny model's
 whole denoiser from its random initial weights through the real entry script
-(``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW with a cosine
-schedule). Then ``k`` samples per caption from fresh noise, as training's sample images are made
+(``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW at 2e-3 with a
+cosine schedule, batch 4, 400 steps; ``sd15-v`` is tiny-sd15 trained on the v target). Then ``k``
+samples per caption from fresh noise, as training's sample images are made
 (library/training/sampling.py: the diffusers pipeline over the model's components, the trainer's
 text conditioning, a prompt line ``<caption> --w 64 --h 64 --d <seed> --l 1`` with the other
 defaults: 30 steps, the default sampler ``ddim``), for the trained and for the untrained weights;
 their final latents (before the VAE decode) are compared with the training latents (the trainer's
 own encoding, library/data/latent_cache.py: the VAE posterior mean times its scaling factor).
 
-Two choices, both measured (docs/LEARNING.md): no classifier-free guidance (``--l 1``), because
-these models never saw an unconditional caption, so the default scale 7.5 extrapolates from an
-untrained branch (tiny-sd2: d 0.26 at scale 1, 2.49 at 7.5); and the tiny VAE with a
-``scaling_factor`` that makes the training latents unit-variance (``write_unit_vae``, passed as
-``--vae``), as SD's 0.18215 was chosen for its VAE.
+Two choices, both measured (docs/SAMPLING_VALIDATION.md, "Proof that training learns", with the
+table, the grids and why the epsilon models miss the margin in this budget): no classifier-free
+guidance (``--l 1``), because these models never saw an unconditional caption, so the default
+scale 7.5 extrapolates from an untrained branch (tiny-sd2: d 0.26 at scale 1, 2.49 at 7.5); and
+the tiny VAE with a ``scaling_factor`` that makes the training latents unit-variance
+(``write_unit_vae``, passed as ``--vae``), as SD's 0.18215 was chosen for its VAE.
 
 The metric, per sample: the RMS difference to the nearest training latent; reported is the mean
 over samples for (a) the trained weights, (b) the untrained weights, (c) Gaussian noise latents of
@@ -33,8 +36,8 @@ tight: a slightly shifted schedule (tests/tools/test_learns.py measures both).
 
 Grids (``--images``): ``learns_<family>_latents.png``, the first three latent channels as RGB
 (each channel mapped from the training latents' mean +- 2.5 std to 0..255, 8x8 latents shown as
-32x32), and ``learns_<family>_decoded.png``, the same samples through the tiny (random) VAE; one row
-per caption: the training latent, then k untrained samples, then k trained samples.
+32x32), and ``learns_<family>_decoded.png``, the same samples through the tiny (random) VAE; one
+row per caption: the training latent, then k untrained samples, then k trained samples.
 
 A family is one FAMILIES entry: the built-in model, its training options and steps, and the prompt
 options of its samples. FLUX / SD3 (tiny-flux, tiny-sd3) join as entries once their tiny models
@@ -342,7 +345,8 @@ def write_grids(name: str, bundle, train: torch.Tensor, before: torch.Tensor, af
         return img.resize((32, 32), Image.BILINEAR)
 
     kinds = {"latents": (lambda i: [], lambda z: latent_rgb(z, train)),
-             "decoded": (lambda i: [small(pattern_image(PATTERNS[i], 64))], lambda z: small(decoded(bundle, z)))}
+             "decoded": (lambda i: [small(pattern_image(PATTERNS[i], 64))],
+                         lambda z: small(decoded(bundle, z)))}
     paths = []
     for kind, (first, tile) in kinds.items():
         rows = [first(i) + [tile(train[i])] + [tile(before[i * k + j]) for j in range(k)]
@@ -367,7 +371,8 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
-    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"), fam.size)
+    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"),
+                                 fam.size)
     model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)
     initial = loading.load_model_bundle(fam.model, vae=vae, v_parameterization=fam.v_parameterization)
     trained = loading.load_model_bundle(model_path, vae=vae, v_parameterization=fam.v_parameterization)
@@ -377,8 +382,10 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     noise = noise_like(train_lat, len(labels), seed=SEED + 1)
     a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
     row = {"family": name, "model": fam.model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
-           "train_s": times["wall_s"], "cpu_s": times["cpu_s"], "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
-           "ratio": a["d"] / min(b["d"], c["d"]), "hits_trained": a["hits"],
+           "train_s": times["wall_s"], "cpu_s": times["cpu_s"],
+           "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
+           "ratio": a["d"] / min(b["d"], c["d"]), "learned": learned(a["d"], b["d"], c["d"]),
+           "hits_trained": a["hits"],
            "hits_untrained": b["hits"], "hits_noise": c["hits"], "samples": len(labels),
            "vae_scaling_factor": factor, "x0_error_by_t": x0_error_by_t(trained, train_lat)}
     if images_dir:
@@ -387,14 +394,15 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| family | steps | train time (CPU) | d_trained | d_untrained | d_noise | ratio | "
-            "own-caption hits (trained / untrained / noise) |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|"]
+    head = ("| family | steps | train time (CPU) | d_trained | d_untrained | d_noise | ratio | learned | "
+            "hits (trained / untrained / noise) |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        lines.append(f"| {r['family']} ({r['model']}) | {r['steps']} | {r['train_s']:.0f} s ({r['cpu_s']:.0f} s) | "
-                     f"{r['d_trained']:.4f} | {r['d_untrained']:.4f} | {r['d_noise']:.4f} | "
-                     f"{r['ratio']:.3f} | {r['hits_trained']:.2f} / {r['hits_untrained']:.2f} / "
-                     f"{r['hits_noise']:.2f} |")
+        lines.append(f"| {r['family']} ({r['model']}) | {r['steps']} | "
+                     f"{r['train_s']:.0f} s ({r['cpu_s']:.0f} s) | {r['d_trained']:.4f} | "
+                     f"{r['d_untrained']:.4f} | {r['d_noise']:.4f} | {r['ratio']:.3f} | "
+                     f"{'yes' if r['learned'] else 'no'} | {r['hits_trained']:.2f} / "
+                     f"{r['hits_untrained']:.2f} / {r['hits_noise']:.2f} |")
     return "\n".join(lines)
 
 
@@ -404,9 +412,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the family's)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the family's)")
     p.add_argument("--size", type=int, default=None, help="image size in pixels (default: the family's)")
-    p.add_argument("--batch", type=int, default=None, help="batch size, a multiple of 4 (default: the family's)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size, a multiple of 4 (default: the family's)")
     p.add_argument("--train_args", default="", help="more options for the entry script, one string")
-    p.add_argument("--reuse", action="store_true", help="keep a model trained before in --out with the same command")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a model trained before in --out with the same command")
     p.add_argument("--k", type=int, default=2, help="samples per caption")
     p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
     p.add_argument("--images", default=None, help="write the grids here (e.g. docs/images)")

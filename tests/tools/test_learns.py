@@ -64,15 +64,15 @@ SPREAD = 0.1  # each caption's data: N(train[label], SPREAD^2 I)
 
 def _sample(scheduler_cfg, train, labels, *, prediction: str, sign: float = 1.0, alphas=None,
             steps: int = 30, seed: int = 0):
-    """Run the benchmark's scheduler (sampling.make_scheduler, ddim, 30 steps as a prompt line's
-    default, in float64) with the exact model of known data: for a caption, x0 ~ N(mu, s^2 I)
-    with mu its training latent, so E[x0 | x_t] = mu + sqrt(a) s^2 / (a s^2 + 1 - a) (x_t - sqrt(a) mu) at
-    alphas_cumprod a, and the model predicts eps = (x_t - sqrt(a) x0) / sqrt(1 - a) or
-    v = sqrt(a) eps - sqrt(1 - a) x0 from that x0. An exact sampler then draws from the data
-    (measured: mean distance 0.071 with s = 0.1). Plants: ``sign`` -1 negates the prediction; ``prediction`` the
-    model's target ("epsilon", "v_prediction", "sample" = x0) where the scheduler's config may
-    expect another; ``alphas`` the model's own alphas_cumprod (a schedule other than the
-    sampler's)."""
+    """Run the benchmark's scheduler (sampling.make_scheduler, ddim, 30 steps as a prompt
+    line's default, in float64) with the exact model of known data: for a caption,
+    x0 ~ N(mu, s^2 I) with mu its training latent, so at alphas_cumprod a
+    E[x0 | x_t] = mu + sqrt(a) s^2 / (a s^2 + 1 - a) (x_t - sqrt(a) mu), and the model predicts
+    eps = (x_t - sqrt(a) x0) / sqrt(1 - a) or v = sqrt(a) eps - sqrt(1 - a) x0 from that x0. An
+    exact sampler then draws from the data (measured: mean distance 0.071 with s = 0.1).
+    Plants: ``sign`` -1 negates the prediction; ``prediction`` the model's target ("epsilon",
+    "v_prediction", "sample" = x0) where the scheduler's config may expect another; ``alphas``
+    the model's own alphas_cumprod (a schedule other than the sampler's)."""
     from library.training import sampling
 
     sch = sampling.make_scheduler("ddim", scheduler_cfg)
