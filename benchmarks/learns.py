@@ -48,17 +48,29 @@ pipeline.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import json
 import os
+import resource
 import subprocess
 import sys
-import dataclasses
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from library.data import images  # noqa: E402
+from library.data import latent_cache  # noqa: E402
+from library.models import family  # noqa: E402
+from library.models import loading  # noqa: E402
+from library.training import sampling  # noqa: E402
 
 SIZE = 64
 PATTERNS = ("red", "blue", "stripes", "checker")
@@ -132,9 +144,6 @@ def score(samples: torch.Tensor, labels: list[int], train: torch.Tensor) -> dict
 
 def pattern_image(name: str, size: int = SIZE):
     """One clearly distinct pattern per caption (PIL, deterministic)."""
-    import numpy as np
-    from PIL import Image
-
     y, x = np.mgrid[0:size, 0:size]
     img = np.zeros((size, size, 3), dtype=np.uint8)
     if name == "red":
@@ -165,9 +174,6 @@ def write_dataset(folder: str, repeats: int = 1, size: int = SIZE) -> str:
 
 def training_latents(vae, size: int = SIZE) -> torch.Tensor:
     """(4, C, h, w): the patterns as the trainer caches them (posterior mean x scaling factor)."""
-    from library.data import images
-    from library.data import latent_cache
-
     pixels = torch.stack([images.to_tensor(pattern_image(n, size)) for n in PATTERNS])
     with torch.no_grad():
         return latent_cache.encode_pixels(vae, pixels.to(vae.dtype)).float()
@@ -180,8 +186,6 @@ def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
     data twenty times smaller than its noise, and a model has to predict the noise to within a few
     percent before its samples get anywhere near its data (measured: samples of std ~1 after 200
     steps). Returns the folder and the factor."""
-    import copy
-
     scaled = training_latents(vae, size)
     factor = float(vae.config.scaling_factor / scaled.double().std())
     unit = copy.deepcopy(vae)
@@ -197,9 +201,6 @@ def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, bat
     """Train through the entry script in a subprocess (one thread); the saved model's path and
     its times: wall seconds and the child's CPU seconds (the machine may be shared), start-up and
     latent caching included. ``reuse``: a model this function saved in ``out`` before is kept."""
-    import json
-    import resource
-
     path, record = os.path.join(out, "learned.safetensors"), os.path.join(out, "learns_train.json")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT)
@@ -234,9 +235,6 @@ def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: in
     """k final latents per caption, made as training's sample images are (sampling.py), from the
     prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
     ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
-    from library.models import family
-    from library.training import sampling
-
     adapter = family.adapter_for(bundle)
     pipe = sampling._pipeline(bundle, inpaint=False)
     device = torch.device("cpu")
@@ -267,9 +265,6 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     error of the x0 it implies. An eps model's x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) multiplies
     its error by sqrt((1 - a) / a), 14.6 at t = 999; a v model's x0 = sqrt(a) x_t - sqrt(1 - a) v
     does not amplify it."""
-    from library.models import family
-    from library.training import sampling
-
     adapter = family.adapter_for(bundle)
     ac = bundle.noise_scheduler.alphas_cumprod.double()
     out = {}
@@ -299,8 +294,6 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
 def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
     """The first three channels as an RGB PIL image, each channel's training mean +- 2.5 std
     mapped to 0..255 (the same mapping for every latent of a family)."""
-    from PIL import Image
-
     t = train[:, :3].double()
     mean = t.mean(dim=(0, 2, 3))[:, None, None]
     std = t.std(dim=(0, 2, 3))[:, None, None].clamp_min(1e-8)
@@ -311,7 +304,6 @@ def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
 
 
 def decoded(bundle, lat: torch.Tensor):
-    from PIL import Image
 
     with torch.no_grad():
         x = bundle.vae.decode(lat[None].to(bundle.vae.dtype) / bundle.vae.config.scaling_factor).sample
@@ -321,8 +313,6 @@ def decoded(bundle, lat: torch.Tensor):
 
 def grid(rows: list[list], gap: int = 2):
     """Tiles (PIL images, all the same size) in rows, on a white background."""
-    from PIL import Image
-
     w, h = rows[0][0].size
     cols = max(len(r) for r in rows)
     g = Image.new("RGB", (cols * (w + gap) - gap, len(rows) * (h + gap) - gap), (255, 255, 255))
@@ -337,8 +327,6 @@ def write_grids(name: str, bundle, train: torch.Tensor, before: torch.Tensor, af
     """One row per caption. Latents: training latent | k untrained | k trained samples. Decoded
     (32 px tiles, 64 colours, to keep the files small): the pattern | its latent decoded | k
     untrained | k trained."""
-    from PIL import Image
-
     os.makedirs(folder, exist_ok=True)
 
     def small(img):
@@ -366,8 +354,6 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
                extra: tuple[str, ...] = (), reuse: bool = False, **overrides) -> dict:
     """Train, sample, measure one family; the table row. ``overrides``: Family fields (steps,
     lr, size, batch) other than the entry's; None keeps the entry's."""
-    from library.models import loading
-
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
@@ -421,7 +407,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
     p.add_argument("--images", default=None, help="write the grids here (e.g. docs/images)")
     a = p.parse_args(argv)
-    import tempfile
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
