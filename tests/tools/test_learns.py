@@ -177,3 +177,21 @@ def test_tiny_sd15_learns(learns, tmp_path):
     eps = learns.run_family("sd15", str(tmp_path / "eps"), k=1, steps=200)
     print(learns.table([row, eps]))  # shown by pytest -rA
     assert eps["d_trained"] < 0.3 * eps["d_untrained"], eps
+
+
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl"])
+def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
+    """The benchmark's own sampling (the sample-image pipeline, 2 steps) and its x0 diagnosis on
+    the untrained tiny models: the shapes, one label per sample, the same latents from the same
+    seeds and other latents from other seeds (SDXL: its pooled embedding and size conditioning)."""
+    from library.models import loading
+
+    bundle = loading.load_model_bundle(name)
+    lat, labels = learns.sample_latents(bundle, 1, "--l 1 --s 2")
+    assert lat.shape == (4, 4, 8, 8) and labels == [0, 1, 2, 3] and torch.isfinite(lat).all()
+    again, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2")
+    other, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2", seed=7)
+    assert torch.equal(lat, again) and not torch.allclose(lat, other)
+    train = learns.training_latents(bundle.vae)
+    err = learns.x0_error_by_t(bundle, train, timesteps=(999, 1))
+    assert set(err) == {999, 1} and all(math.isfinite(e) and e > 0 for e in err.values())
