@@ -1,0 +1,426 @@
+"""Proof that training learns, per family: a tiny model trained on four distinct patterns samples
+latents near its training latents; untrained weights and noise do not.
+
+    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v] [--images docs/images]
+                                [--k 2] [--steps N] [--lr X] [--size PX] [--batch B]
+                                [--train_args "--min_snr_gamma 5"] [--out DIR [--reuse]]
+
+For each family: four 64 px images of distinct patterns (solid red, solid blue, horizontal
+stripes, a checkerboard), each with its own one-word caption, train the built-in tiny model's
+whole denoiser from its random initial weights through the real entry script
+(``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW at 2e-3 with a
+cosine schedule, batch 4, 400 steps; ``sd15-v`` is tiny-sd15 trained on the v target). Then ``k``
+samples per caption from fresh noise, as training's sample images are made
+(library/training/sampling.py: the diffusers pipeline over the model's components, the trainer's
+text conditioning, a prompt line ``<caption> --w 64 --h 64 --d <seed> --l 1`` with the other
+defaults: 30 steps, the default sampler ``ddim``), for the trained and for the untrained weights;
+their final latents (before the VAE decode) are compared with the training latents (the trainer's
+own encoding, library/data/latent_cache.py: the VAE posterior mean times its scaling factor).
+
+Two choices, both measured (docs/SAMPLING_VALIDATION.md, "Proof that training learns", with the
+table, the grids and why the epsilon models miss the margin in this budget): no classifier-free
+guidance (``--l 1``), because these models never saw an unconditional caption, so the default
+scale 7.5 extrapolates from an untrained branch (tiny-sd2: d 0.26 at scale 1, 2.49 at 7.5); and
+the tiny VAE with a ``scaling_factor`` that makes the training latents unit-variance
+(``write_unit_vae``, passed as ``--vae``), as SD's 0.18215 was chosen for its VAE.
+
+The metric, per sample: the RMS difference to the nearest training latent; reported is the mean
+over samples for (a) the trained weights, (b) the untrained weights, (c) Gaussian noise latents of
+the same shape with the training latents' per-channel mean and standard deviation. ``hits`` is
+the fraction of samples whose nearest training latent is the one of their own caption (chance:
+1/4), which a model that collapses to one pattern cannot reach. ratio = d_trained /
+min(d_untrained, d_noise); ``learned`` passes below MARGIN. What this catches that the per-formula
+unit tests cannot: the chain wrong as a whole (a sign in the sampler or the training target, a
+target other than the sampler's, samples that are not denoised). What it cannot see on data this
+tight: a slightly shifted schedule (tests/tools/test_learns.py measures both).
+
+Grids (``--images``): ``learns_<family>_latents.png``, the first three latent channels as RGB
+(each channel mapped from the training latents' mean +- 2.5 std to 0..255, 8x8 latents shown as
+32x32), and ``learns_<family>_decoded.png``, the same samples through the tiny (random) VAE; one
+row per caption: the training latent, then k untrained samples, then k trained samples.
+
+A family is one FAMILIES entry: the built-in model, its training options and steps, and the prompt
+options of its samples. FLUX / SD3 (tiny-flux, tiny-sd3) join as entries once their tiny models
+train and their sample images exist: sample_latents then takes their sampler (flow_matching's
+euler_sample over the transformer, as their sample images are made) instead of the diffusers
+pipeline.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from library.data import images  # noqa: E402
+from library.data import latent_cache  # noqa: E402
+from library.models import family  # noqa: E402
+from library.models import loading  # noqa: E402
+from library.training import sampling  # noqa: E402
+
+SIZE = 64
+PATTERNS = ("red", "blue", "stripes", "checker")
+LR = 2e-3
+STEPS = 400
+SEED = 0
+MARGIN = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model: str  # the built-in name
+    steps: int = STEPS  # optimizer steps
+    lr: float = LR
+    size: int = SIZE  # pixels, square
+    batch: int = 4  # each image repeated batch / 4 times per epoch: one epoch per step
+    script: str = "train_dreambooth.py"
+    args: tuple[str, ...] = ()
+    v_parameterization: bool = False  # trained (and so sampled) as v-prediction
+    # a prompt line's options besides --w/--h/--d: no guidance (see the module docstring)
+    prompt_options: str = "--l 1"
+
+
+FAMILIES = {
+    "sd15": Family("tiny-sd15"),
+    "sd2": Family("tiny-sd2"),  # v-prediction
+    "sdxl": Family("tiny-sdxl"),
+    # SD1's U-Net trained on the v target: tells the parametrisation from the rest of the chain
+    "sd15-v": Family("tiny-sd15", args=("--v_parameterization",), v_parameterization=True),
+}
+
+
+# --- the metric ------------------------------------------------------------------------------
+
+def rms_distances(samples: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    """(K, N): RMS over all latent elements of samples[k] - train[n]."""
+    s = samples.double().flatten(1)
+    t = train.double().flatten(1)
+    return ((s[:, None, :] - t[None, :, :]) ** 2).mean(-1).sqrt()
+
+
+def nearest(samples: torch.Tensor, train: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: the RMS distance to the nearest training latent, and that latent's index."""
+    d = rms_distances(samples, train)
+    return d.min(dim=1)
+
+
+def noise_like(train: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """k Gaussian latents shaped as the training latents, with their per-channel mean and std."""
+    t = train.double()
+    mean = t.mean(dim=(0, 2, 3), keepdim=True)
+    std = t.std(dim=(0, 2, 3), keepdim=True)
+    z = torch.randn((k, *t.shape[1:]), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (mean + std * z).to(train.dtype)
+
+
+def learned(d_trained: float, d_untrained: float, d_noise: float, margin: float | None = None) -> bool:
+    """The verdict: the trained samples' distance is below ``margin`` times both baselines."""
+    margin = MARGIN if margin is None else margin
+    return d_trained < margin * min(d_untrained, d_noise)
+
+
+def score(samples: torch.Tensor, labels: list[int], train: torch.Tensor) -> dict:
+    """Mean nearest-training-latent distance and the fraction of samples nearest their own one."""
+    d, idx = nearest(samples, train)
+    hits = sum(int(i) == lab for i, lab in zip(idx.tolist(), labels)) / len(labels)
+    return {"d": float(d.mean()), "hits": hits}
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def pattern_image(name: str, size: int = SIZE):
+    """One clearly distinct pattern per caption (PIL, deterministic)."""
+    y, x = np.mgrid[0:size, 0:size]
+    img = np.zeros((size, size, 3), dtype=np.uint8)
+    if name == "red":
+        img[:] = (220, 30, 30)
+    elif name == "blue":
+        img[:] = (30, 60, 220)
+    elif name == "stripes":
+        img[(y // (size // 8)) % 2 == 0] = (255, 255, 255)
+    elif name == "checker":
+        on = ((x // (size // 4)) + (y // (size // 4))) % 2 == 0
+        img[on] = (240, 220, 40)
+        img[~on] = (20, 120, 40)
+    else:
+        raise ValueError(name)
+    return Image.fromarray(img)
+
+
+def write_dataset(folder: str, repeats: int = 1, size: int = SIZE) -> str:
+    """``folder/<repeats>_pattern/NN.png`` + ``NN.caption``; returns the train_data_dir."""
+    concept = os.path.join(folder, f"{repeats}_pattern")
+    os.makedirs(concept, exist_ok=True)
+    for i, name in enumerate(PATTERNS):
+        pattern_image(name, size).save(os.path.join(concept, f"{i:02d}.png"))
+        with open(os.path.join(concept, f"{i:02d}.caption"), "w", encoding="utf-8") as f:
+            f.write(name)
+    return folder
+
+
+def training_latents(vae, size: int = SIZE) -> torch.Tensor:
+    """(4, C, h, w): the patterns as the trainer caches them (posterior mean x scaling factor)."""
+    pixels = torch.stack([images.to_tensor(pattern_image(n, size)) for n in PATTERNS])
+    with torch.no_grad():
+        return latent_cache.encode_pixels(vae, pixels.to(vae.dtype)).float()
+
+
+def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
+    """The tiny model's VAE as a diffusers folder whose ``scaling_factor`` makes the training
+    latents unit-variance (1 / their std before scaling), as SD's 0.18215 was chosen for its VAE.
+    With SD's factor the random tiny VAE's latents have a std near 0.06: the diffusion would see
+    data twenty times smaller than its noise, and a model has to predict the noise to within a few
+    percent before its samples get anywhere near its data (measured: samples of std ~1 after 200
+    steps). Returns the folder and the factor."""
+    scaled = training_latents(vae, size)
+    factor = float(vae.config.scaling_factor / scaled.double().std())
+    unit = copy.deepcopy(vae)
+    unit.register_to_config(scaling_factor=factor)
+    unit.save_pretrained(folder)
+    return folder, factor
+
+
+# --- training --------------------------------------------------------------------------------
+
+def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, batch: int,
+          extra: tuple[str, ...] = (), reuse: bool = False) -> tuple[str, dict]:
+    """Train through the entry script in a subprocess (one thread); the saved model's path and
+    its times: wall seconds and the child's CPU seconds (the machine may be shared), start-up and
+    latent caching included. ``reuse``: a model this function saved in ``out`` before is kept."""
+    path, record = os.path.join(out, "learned.safetensors"), os.path.join(out, "learns_train.json")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, fam.script), "--pretrained_model_name_or_path",
+           fam.model, "--resolution", str(fam.size), "--train_data_dir", data, "--cache_latents",
+           "--max_train_steps", str(steps), "--learning_rate", str(lr), "--train_batch_size",
+           str(batch), "--seed", str(SEED), "--vae", vae, "--output_dir", out, "--output_name", "learned",
+           "--lr_scheduler", "cosine", *fam.args, *extra]
+    if reuse and os.path.isfile(path) and os.path.isfile(record):
+        with open(record, encoding="utf-8") as f:
+            times = json.load(f)
+        if times.get("cmd") == cmd[2:]:
+            return path, times
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        sys.exit(f"{fam.script} ({fam.model}) failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    times = {"wall_s": wall, "cpu_s": (after.ru_utime - usage.ru_utime) + (after.ru_stime - usage.ru_stime),
+             "cmd": cmd[2:]}
+    with open(record, "w", encoding="utf-8") as f:
+        json.dump(times, f)
+    return path, times
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: int = 1000,
+                   sampler: str = "ddim") -> tuple[torch.Tensor, list[int]]:
+    """k final latents per caption, made as training's sample images are (sampling.py), from the
+    prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
+    ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
+    adapter = family.adapter_for(bundle)
+    pipe = sampling._pipeline(bundle, inpaint=False)
+    device = torch.device("cpu")
+    out, labels = [], []
+    with torch.no_grad():
+        for i, name in enumerate(PATTERNS):
+            for j in range(k):
+                s = seed + i * k + j
+                p = sampling.parse_line(f"{name} --w {size} --h {size} --d {s} {options}".strip(), "learns")
+                pipe.scheduler = sampling.make_scheduler(p["sample_sampler"] or sampler,
+                                                         bundle.noise_scheduler.config)
+                pos, neg = (sampling._embeds(adapter, device, None, p[key])
+                            for key in ("prompt", "negative_prompt"))
+                kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
+                if bundle.family == "sdxl":
+                    kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
+                lat = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
+                           guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(p["seed"]),
+                           output_type="latent", **kw).images
+                out.append(lat[0].float())
+                labels.append(i)
+    return torch.stack(out), labels
+
+
+def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50, 1)) -> dict:
+    """The diagnosis of a failing row: at each timestep, noise the training latents as training
+    does (fixed noise), let the model predict with each latent's own caption, and report the RMS
+    error of the x0 it implies. An eps model's x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) multiplies
+    its error by sqrt((1 - a) / a), 14.6 at t = 999; a v model's x0 = sqrt(a) x_t - sqrt(1 - a) v
+    does not amplify it."""
+    adapter = family.adapter_for(bundle)
+    ac = bundle.noise_scheduler.alphas_cumprod.double()
+    out = {}
+    with torch.no_grad():
+        conds = [sampling._embeds(adapter, torch.device("cpu"), None, n) for n in PATTERNS]
+        g = torch.Generator().manual_seed(SEED)
+        for t in timesteps:
+            eps = torch.randn(train.shape, generator=g)
+            a = ac[t].float()
+            xt = a.sqrt() * train + (1 - a).sqrt() * eps
+            preds = []
+            for i, c in enumerate(conds):
+                size_cond = None
+                if bundle.family == "sdxl":
+                    h, w = xt.shape[-2] * 8, xt.shape[-1] * 8
+                    size_cond = torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32)
+                preds.append(adapter.unet_forward(xt[i:i + 1], torch.tensor([t]), c, size_cond))
+            pred = torch.cat(preds)
+            x0 = a.sqrt() * xt - (1 - a).sqrt() * pred if bundle.v_parameterization else \
+                (xt - (1 - a).sqrt() * pred) / a.sqrt()
+            out[t] = float(((x0 - train) ** 2).mean().sqrt())
+    return out
+
+
+# --- pictures --------------------------------------------------------------------------------
+
+def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
+    """The first three channels as an RGB PIL image, each channel's training mean +- 2.5 std
+    mapped to 0..255 (the same mapping for every latent of a family)."""
+    t = train[:, :3].double()
+    mean = t.mean(dim=(0, 2, 3))[:, None, None]
+    std = t.std(dim=(0, 2, 3))[:, None, None].clamp_min(1e-8)
+    x = ((lat[:3].double() - mean) / (5 * std) + 0.5).clamp(0, 1)
+    arr = (x * 255).round().byte().permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr, mode="RGB")
+    return img.resize((px, px), Image.NEAREST)
+
+
+def decoded(bundle, lat: torch.Tensor):
+
+    with torch.no_grad():
+        x = bundle.vae.decode(lat[None].to(bundle.vae.dtype) / bundle.vae.config.scaling_factor).sample
+    arr = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    return Image.fromarray(arr, mode="RGB")
+
+
+def grid(rows: list[list], gap: int = 2):
+    """Tiles (PIL images, all the same size) in rows, on a white background."""
+    w, h = rows[0][0].size
+    cols = max(len(r) for r in rows)
+    g = Image.new("RGB", (cols * (w + gap) - gap, len(rows) * (h + gap) - gap), (255, 255, 255))
+    for r, row in enumerate(rows):
+        for c, tile in enumerate(row):
+            g.paste(tile, (c * (w + gap), r * (h + gap)))
+    return g
+
+
+def write_grids(name: str, bundle, train: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
+                k: int, folder: str) -> list[str]:
+    """One row per caption. Latents: training latent | k untrained | k trained samples. Decoded
+    (32 px tiles, 64 colours, to keep the files small): the pattern | its latent decoded | k
+    untrained | k trained."""
+    os.makedirs(folder, exist_ok=True)
+
+    def small(img):
+        return img.resize((32, 32), Image.BILINEAR)
+
+    kinds = {"latents": (lambda i: [], lambda z: latent_rgb(z, train)),
+             "decoded": (lambda i: [small(pattern_image(PATTERNS[i], 64))],
+                         lambda z: small(decoded(bundle, z)))}
+    paths = []
+    for kind, (first, tile) in kinds.items():
+        rows = [first(i) + [tile(train[i])] + [tile(before[i * k + j]) for j in range(k)]
+                + [tile(after[i * k + j]) for j in range(k)] for i in range(len(PATTERNS))]
+        path = os.path.join(folder, f"learns_{name}_{kind}.png")
+        img = grid(rows)
+        if kind == "decoded":
+            img = img.quantize(64)
+        img.save(path, optimize=True)
+        paths.append(path)
+    return paths
+
+
+# --- one family ------------------------------------------------------------------------------
+
+def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
+               extra: tuple[str, ...] = (), reuse: bool = False, **overrides) -> dict:
+    """Train, sample, measure one family; the table row. ``overrides``: Family fields (steps,
+    lr, size, batch) other than the entry's; None keeps the entry's."""
+    fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
+    steps, lr, batch = fam.steps, fam.lr, fam.batch
+    data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
+    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"),
+                                 fam.size)
+    model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)
+    initial = loading.load_model_bundle(fam.model, vae=vae, v_parameterization=fam.v_parameterization)
+    trained = loading.load_model_bundle(model_path, vae=vae, v_parameterization=fam.v_parameterization)
+    train_lat = training_latents(initial.vae, fam.size)
+    before, labels = sample_latents(initial, k, fam.prompt_options, fam.size)
+    after, _ = sample_latents(trained, k, fam.prompt_options, fam.size)
+    noise = noise_like(train_lat, len(labels), seed=SEED + 1)
+    a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
+    row = {"family": name, "model": fam.model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
+           "train_s": times["wall_s"], "cpu_s": times["cpu_s"],
+           "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
+           "ratio": a["d"] / min(b["d"], c["d"]), "learned": learned(a["d"], b["d"], c["d"]),
+           "hits_trained": a["hits"],
+           "hits_untrained": b["hits"], "hits_noise": c["hits"], "samples": len(labels),
+           "vae_scaling_factor": factor, "x0_error_by_t": x0_error_by_t(trained, train_lat)}
+    if images_dir:
+        row["images"] = write_grids(name, initial, train_lat, before, after, k, images_dir)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| family | steps | train time (CPU) | d_trained | d_untrained | d_noise | ratio | learned | "
+            "hits (trained / untrained / noise) |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['family']} ({r['model']}) | {r['steps']} | "
+                     f"{r['train_s']:.0f} s ({r['cpu_s']:.0f} s) | {r['d_trained']:.4f} | "
+                     f"{r['d_untrained']:.4f} | {r['d_noise']:.4f} | {r['ratio']:.3f} | "
+                     f"{'yes' if r['learned'] else 'no'} | {r['hits_trained']:.2f} / "
+                     f"{r['hits_untrained']:.2f} / {r['hits_noise']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the family's)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the family's)")
+    p.add_argument("--size", type=int, default=None, help="image size in pixels (default: the family's)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size, a multiple of 4 (default: the family's)")
+    p.add_argument("--train_args", default="", help="more options for the entry script, one string")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a model trained before in --out with the same command")
+    p.add_argument("--k", type=int, default=2, help="samples per caption")
+    p.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--images", default=None, help="write the grids here (e.g. docs/images)")
+    a = p.parse_args(argv)
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = a.out or tmp
+        for name in a.families:
+            rows.append(run_family(name, os.path.join(work, name), a.k, a.images, tuple(a.train_args.split()),
+                                   a.reuse, steps=a.steps, lr=a.lr, size=a.size, batch=a.batch))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    print("RMS error of the trained model's x0 on noised training latents, by timestep:")
+    for r in rows:
+        print(f"  {r['family']}: " + ", ".join(f"t={t} {e:.3f}" for t, e in r["x0_error_by_t"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
