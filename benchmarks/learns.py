@@ -235,7 +235,7 @@ def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: in
     """k final latents per caption, made as training's sample images are (sampling.py), from the
     prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
     ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
-    adapter = family.adapter_for(bundle)
+    family_model = family.family_model_for(bundle)
     pipe = sampling._pipeline(bundle, inpaint=False)
     device = torch.device("cpu")
     out, labels = [], []
@@ -246,7 +246,7 @@ def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: in
                 p = sampling.parse_line(f"{name} --w {size} --h {size} --d {s} {options}".strip(), "learns")
                 pipe.scheduler = sampling.make_scheduler(p["sample_sampler"] or sampler,
                                                          bundle.noise_scheduler.config)
-                pos, neg = (sampling._embeds(adapter, device, None, p[key])
+                pos, neg = (sampling._embeds(family_model, device, None, p[key])
                             for key in ("prompt", "negative_prompt"))
                 kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
                 if bundle.family == "sdxl":
@@ -265,11 +265,11 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     error of the x0 it implies. An eps model's x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) multiplies
     its error by sqrt((1 - a) / a), 14.6 at t = 999; a v model's x0 = sqrt(a) x_t - sqrt(1 - a) v
     does not amplify it."""
-    adapter = family.adapter_for(bundle)
+    family_model = family.family_model_for(bundle)
     ac = bundle.noise_scheduler.alphas_cumprod.double()
     out = {}
     with torch.no_grad():
-        conds = [sampling._embeds(adapter, torch.device("cpu"), None, n) for n in PATTERNS]
+        conds = [sampling._embeds(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
         g = torch.Generator().manual_seed(SEED)
         for t in timesteps:
             eps = torch.randn(train.shape, generator=g)
@@ -281,7 +281,7 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
                 if bundle.family == "sdxl":
                     h, w = xt.shape[-2] * 8, xt.shape[-1] * 8
                     size_cond = torch.tensor([[h, w, 0, 0, h, w]], dtype=torch.float32)
-                preds.append(adapter.unet_forward(xt[i:i + 1], torch.tensor([t]), c, size_cond))
+                preds.append(family_model.unet_forward(xt[i:i + 1], torch.tensor([t]), c, size_cond))
             pred = torch.cat(preds)
             x0 = a.sqrt() * xt - (1 - a).sqrt() * pred if bundle.v_parameterization else \
                 (xt - (1 - a).sqrt() * pred) / a.sqrt()
