@@ -53,7 +53,7 @@ def timed_calls() -> list[tuple[object, str, str]]:
     """What is timed, as (owner, attribute, key): the cache stage's two caches, a micro-step's
     latents and text conditioning, the training loop."""
     from library.data import cache_stage
-    from library.training import trainer
+    from library.run import trainer
     from library.training.batch_loss import BatchLoss
 
     return [(cache_stage, "latents", "cache_latents"), (cache_stage, "text", "cache_text"),
@@ -79,7 +79,7 @@ def write_dataset(folder: str, n: int, size: int) -> None:
 def one_run(args_list, timers):
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from library.training import trainer
+    from library.run import trainer
     from library.cli import main
 
     AcceleratorState._reset_state(True)

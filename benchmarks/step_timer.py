@@ -23,7 +23,7 @@ def timed_run(script: str, args: list, sync=lambda: None):
     """(step durations in seconds, the Run) of one training run; raises on a failed run."""
     from library import cli
     from library.outputs import tracking
-    from library.training import trainer
+    from library.run import trainer
 
     marks: list[float] = []
     runs: list = []

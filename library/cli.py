@@ -11,7 +11,7 @@ from library.outputs.train_state import TrainingInterrupted
 
 METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
                     "train_textual_inversion": "textual_inversion"}
-PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/training/leco.py runs them
+PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
@@ -22,11 +22,11 @@ def main(script: str, argv: list[str] | None = None) -> int:
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
         if script in PROMPT_ONLY_SCRIPTS:
-            from library.training import leco
+            from library.run import leco
 
             leco.run(opts)
         else:
-            from library.training import trainer
+            from library.run import trainer
 
             trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:

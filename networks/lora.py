@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from library.errors import UserError, first_line
-from library.outputs.saving import atomic_path
+from library.files import atomic_path
 from networks import lora_blocks as blocks
 from networks import lora_names as names
 from networks.adapter_modules import HookedModule

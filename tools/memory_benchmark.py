@@ -149,7 +149,7 @@ def reset():
             torch.cuda.reset_peak_memory_stats()
 
 report = {"rc": None}
-from library.training import trainer
+from library.run import trainer
 real_train = trainer.Run.train
 def train(self):
     report["load"] = peaks()  # loading, setup and caching

@@ -655,7 +655,7 @@ OPTIONS: tuple[Option, ...] = (
       "logging"),
 )
 
-# Run options that train_leco honours (library/training/leco.py); every other option of the image
+# Run options that train_leco honours (library/run/leco.py); every other option of the image
 # scripts (datasets, captions, caches, text-encoder training, ...) is refused there by name.
 LECO_OPTIONS = frozenset("""
     config pretrained_model_name_or_path v2 v_parameterization tokenizer_path allow_pickle

@@ -6,7 +6,7 @@
 Latents are kept in memory, and with cache_latents_to_disk also on disk: unchanged entries are
 loaded without the VAE, and the missing ones are split across processes (library/data/latent_cache.py).
 The text-encoder outputs likewise (library/data/text_cache.py). The trainer puts the results into
-its components' ``caches`` (library/training/run_state.py).
+its components' ``caches`` (library/run/run_state.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ Decisions (one place each):
 - On disk an entry is ``<image_dir>/.sdcache/<key>.safetensors`` (or ``cache_dir``): the latents
   plus the key and the size conditioning in the metadata. Reading checks the stored key, the
   shape and finiteness; anything else (truncated, garbled, renamed) is recomputed with a
-  warning. Writes go through ``saving.atomic_path``. The file name is the key, so no stale file
+  warning. Writes go through ``files.atomic_path``. The file name is the key, so no stale file
   can be picked up and two images with the same stem never collide.
 - Masked loss: an item with ``alpha_mask`` or a ``mask_path`` caches its mask beside the latents,
   at the latent size (``images.latent_mask``: area average, as the loss would resize it), in
@@ -163,7 +163,7 @@ def save_entry(path: str, key: str, entry: LatentEntry) -> None:
     """Write one entry atomically (a crash never leaves a half-written file under the key)."""
     from safetensors.torch import save_file
 
-    from library.outputs.saving import atomic_path
+    from library.files import atomic_path
 
     meta = {"sdtk.latent_key": key, "sdtk.format": str(CACHE_FORMAT_VERSION),
             "original_size": json.dumps(list(entry.original_size)),

@@ -76,7 +76,7 @@ def _load(path: str, key: str):
 def _save(path: str, key: str, cond: TextConditioning) -> None:
     from safetensors.torch import save_file
 
-    from library.outputs.saving import atomic_path
+    from library.files import atomic_path
 
     tensors = {"hidden_states": cond.hidden_states.contiguous()}
     if cond.pooled is not None:

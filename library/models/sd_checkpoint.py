@@ -20,7 +20,7 @@ from typing import Any
 from library.errors import first_line
 from library.models.loading import ModelError, quiet_progress
 from library.models import unet_layout
-from library.outputs.saving import atomic_dir, atomic_path
+from library.files import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 

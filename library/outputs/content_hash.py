@@ -55,7 +55,7 @@ def _load_store(path: str) -> dict:
 
 def _save_store(path: str, data: dict) -> None:
     global _store_problem_logged
-    from library.outputs.saving import atomic_path
+    from library.files import atomic_path
 
     try:
         with atomic_path(path) as tmp:

@@ -4,7 +4,7 @@
   written (a probe file is written and removed), output_name is a plain file name.
 - ``check_free_space``: output_dir has room for what one save writes at once (the model file or
   network, plus a training state with save_state), sized from the run's parameter counts.
-- ``remove_stale_temporaries``: the temporary files and folders of ``saving.atomic_path`` /
+- ``remove_stale_temporaries``: the temporary files and folders of ``files.atomic_path`` /
   ``atomic_dir`` carry the writer's pid; those of a process that no longer runs (killed mid-save)
   are removed.
 - ``OutputLock``: ``<output_dir>/.<output_name>.lock`` holds the pid of the run writing those
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from library.errors import UserError
-from library.outputs.saving import TEMP_PATTERN
+from library.files import TEMP_PATTERN
 
 
 class OutputPathError(UserError):
@@ -201,7 +201,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(folder: str, log, alive=pid_alive) -> list[str]:
-    """Remove the temporaries of saving.atomic_path/atomic_dir whose writer no longer runs."""
+    """Remove the temporaries of files.atomic_path/atomic_dir whose writer no longer runs."""
     if not os.path.isdir(folder):
         return []
     removed = []

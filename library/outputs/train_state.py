@@ -26,7 +26,7 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
   network dropout (neuron, rank, module) draws from torch's global generator, which is why it
   is kept.
 
-The folder is written under a temporary name and renamed into place (``saving.atomic_dir``): a
+The folder is written under a temporary name and renamed into place (``files.atomic_dir``): a
 save that fails leaves the previous state of that name intact.
 
 A resume may lengthen the run (``max_train_steps`` / ``max_train_epochs``; a schedule that depends
@@ -123,7 +123,7 @@ def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
               step: int | None = None) -> str:
     """sd-scripts' state folder names, next to the model files of the same save: the model's
     name with ``-state`` for its extension."""
-    from library.outputs.saving import output_file
+    from library.files import output_file
 
     return output_file(output_dir, output_name, "-state", epoch=epoch, step=step)
 
@@ -432,7 +432,7 @@ def _tuple(v):
 
 # -- write and load -------------------------------------------------------------------------------
 def write_state(run, path: str, log) -> None:
-    """Write the state of ``run`` (library/training/trainer.py Run: its options, plan, data, components
+    """Write the state of ``run`` (library/run/trainer.py Run: its options, plan, data, components
     and progress after its last completed step) to ``path``. Every process calls this; the main
     process writes the folder, atomically; the strategy's part (fsdp shards, DeepSpeed's
     partitions) is written by every process into the same temporary folder."""
@@ -463,7 +463,7 @@ def write_state(run, path: str, log) -> None:
 def _write_single(path: str, write_files) -> None:
     """A state only the main process writes; when it cannot be written (disk full, read-only),
     a rescue copy in the system temp dir and one line saying where, as for the model file."""
-    from library.outputs.saving import SaveError, atomic_dir, save_elsewhere
+    from library.files import SaveError, atomic_dir, save_elsewhere
 
     def write(p):
         with atomic_dir(p) as tmp:
@@ -481,7 +481,7 @@ def _shared_atomic_dir(path: str, acc):
     """``atomic_dir`` that every process writes into: the main process makes the temporary
     folder and tells the others its name; it is renamed into place after all have written."""
     from library.distributed import accelerator as distributed
-    from library.outputs.saving import atomic_dir
+    from library.files import atomic_dir
 
     multi = distributed._is_multi_process()
     if acc.is_main_process:
@@ -544,7 +544,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
 
 def load_state(run, path: str, info: dict, log):
     """Put the state's weights, optimizer/scheduler and generators into the components of
-    ``run``; returns the saved Progress (library/training/run_state.py)."""
+    ``run``; returns the saved Progress (library/run/run_state.py)."""
     import torch
 
     c = run.parts
@@ -632,7 +632,7 @@ def _load_weights(c, path: str, named: list) -> None:
 
 
 def _load_rest(run, info: dict, rng: dict, log):
-    from library.training.run_state import Progress
+    from library.run.run_state import Progress
 
     acc = run.parts.accelerator
     resync_lr(run.parts.stepper)

@@ -35,7 +35,7 @@ def latent_slot(item, flipped: bool) -> tuple:
 
 
 class BatchLoss:
-    """The loss of a run's batches over its components (library/training/run_state.py Components): reads
+    """The loss of a run's batches over its components (library/run/run_state.py Components): reads
     the losses, adapter, placement, bundle, method, accelerator and caches, writes nothing."""
 
     def __init__(self, opts, tset, c):

@@ -268,7 +268,7 @@ class NetworkMethod:
         return [f"{stem}_{s.token}{ext}" for s in self.pivotal]
 
     def extension(self):
-        from library.outputs.saving import EXTENSIONS
+        from library.files import EXTENSIONS
 
         fmt = self.opts.save_model_as or "safetensors"
         if fmt not in EXTENSIONS:
@@ -577,7 +577,7 @@ class TextualInversionMethod:
         return embeddings.prompt_rewriter([self.spec])
 
     def extension(self):
-        from library.outputs.saving import EXTENSIONS
+        from library.files import EXTENSIONS
 
         return EXTENSIONS[self.opts.save_model_as or "safetensors"]
 

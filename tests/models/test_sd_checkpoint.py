@@ -118,7 +118,7 @@ def test_single_file_save_is_atomic(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("safetensors.torch.save_file", crash)
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     with pytest.raises(SaveError, match=r"^cannot save .*model.safetensors: disk full; the previous file"):
         sdc.save_single_file(tiny["sd15"], "sd1", str(path))
@@ -137,7 +137,7 @@ def test_diffusers_save_is_atomic_and_loads(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(sdc, "_write_diffusers", crash)
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     with pytest.raises(SaveError, match=r"^cannot save .*model: disk full; the previous folder"):
         sdc.save_diffusers(tiny["sd2"], "sd2", str(out))

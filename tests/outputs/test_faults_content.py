@@ -209,10 +209,10 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     file intact, no temporary left, and a complete copy in the system temp dir, named."""
     from safetensors.torch import load_file
 
-    from library.outputs import saver
+    from library.outputs import checkpoints
     from library.outputs import train_state
     from library.log import logger
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     run = saved["run"]
     out = small_disk / "out"
@@ -234,7 +234,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     shutil.rmtree(os.path.dirname(rescue))
 
     with pytest.raises(SaveError) as e:
-        saver.save_ema(run, metadata={})
+        checkpoints.save_ema(run, metadata={})
     msg = str(e.value)
     assert msg.startswith(f"cannot save {prev_ema}: No space left on device; "), msg
     rescue = _rescued(msg, "the EMA weights were", "last-ema.safetensors")

@@ -1,6 +1,6 @@
 """Hostile paths end in one line before any weight loads; a save that fails keeps the previous
 file and rescues the weights; stale temporaries and locks of killed runs are cleaned up; a second
-run on the same outputs is refused (library/outputs/output_checks.py, library/outputs/saving.py)."""
+run on the same outputs is refused (library/outputs/output_checks.py, library/files.py)."""
 import json
 import os
 import subprocess
@@ -162,7 +162,7 @@ def test_disk_filled_during_training(dataset, small_disk, run_script, monkeypatc
     from safetensors.torch import load_file
 
     from library.outputs import output_checks
-    from library.training import trainer
+    from library.run import trainer
 
     out = small_disk / "out"
     out.mkdir()
@@ -244,7 +244,7 @@ def test_stale_temporaries_message(tmp_path):
 
 
 def test_atomic_temporaries_carry_the_pid(tmp_path):
-    from library.outputs.saving import TEMP_PATTERN, atomic_dir, atomic_path
+    from library.files import TEMP_PATTERN, atomic_dir, atomic_path
 
     with atomic_path(str(tmp_path / "m.safetensors")) as tmp:
         m = TEMP_PATTERN.match(os.path.basename(tmp))
@@ -274,7 +274,7 @@ def test_second_run_is_refused(dataset, previous, run_script, no_weight_loading,
 
 def test_lock_of_a_dead_run_is_taken_over(dataset, previous, run_script, loading_reached,
                                           monkeypatch, capsys):
-    from library.training import trainer
+    from library.run import trainer
 
     out, f, _ = previous
     gone = dead_pid()

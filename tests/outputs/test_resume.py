@@ -32,7 +32,7 @@ def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, 
     """Run an entry script in this process; returns (rc, stderr, the Run). ``stop_at``: steps
     during which this process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
     from library.cli import main
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
     from tests.conftest import reset_accelerate
 
     box, pending = {}, set(stop_at)

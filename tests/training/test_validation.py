@@ -25,7 +25,7 @@ def _worker(report_dir: str, argv: list[str]) -> int:
         sys.path.insert(0, ROOT)
     import torch.distributed as dist
 
-    from library.training import trainer
+    from library.run import trainer
     from library.cli import main
 
     runs = []

@@ -1,4 +1,4 @@
-"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/training/trainer.py).
+"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/run/trainer.py).
 
     save(run, epoch=, step=, final=)    the model (and its EMA), then the training state
     state_of_this_step(run)             the state after the last step (SIGINT, non-finite stop)
@@ -29,7 +29,7 @@ def save(run, *, epoch=None, step=None, final=False) -> None:
 def _save_model(run, *, epoch=None, step=None) -> None:
     from library.training import offload as frozen
     from library.outputs import metadata as md
-    from library.outputs.saving import output_file
+    from library.files import output_file
     from library.outputs.train_state import saved_tensors
 
     opts, c = run.opts, run.parts
@@ -59,7 +59,7 @@ def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
     """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
     every process calls it), written by the main process with the method's save."""
     from library.training import offload as frozen
-    from library.outputs.saving import output_file
+    from library.files import output_file
 
     opts, c = run.opts, run.parts
     acc = c.accelerator
@@ -80,8 +80,8 @@ def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
 
 def _write_model(run, path: str, meta: dict, what: str = "the weights were") -> None:
     """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
-    system temp dir instead, and the run ends with one line saying where (library/outputs/saving.py)."""
-    from library.outputs.saving import SaveError, save_elsewhere
+    system temp dir instead, and the run ends with one line saying where (library/files.py)."""
+    from library.files import SaveError, save_elsewhere
 
     def write(p):
         run.parts.method.save(p, run.opts.save_precision, meta)
@@ -125,7 +125,7 @@ def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
     import shutil
 
     from library.outputs import train_state
-    from library.outputs.saving import output_file
+    from library.files import output_file
 
     n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
     n_state = (opts.save_last_n_epochs_state if epoch is not None

@@ -22,9 +22,9 @@ from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.training import nonfinite
 from library.training import step_sync
 from library.outputs import progress_stream
-from library.outputs import saver
+from library.outputs import checkpoints
 from library.data import step_plan
-from library.training.run_state import HOOKS
+from library.run.run_state import HOOKS
 
 logger = logging.getLogger("sdtk")
 
@@ -156,7 +156,7 @@ def train(run) -> None:
             saved_now = False
             if opts.save_every_n_steps and progress.global_step % opts.save_every_n_steps == 0 \
                     and progress.global_step < plan.total_steps:
-                saver.save(run, epoch=None, step=progress.global_step)
+                checkpoints.save(run, epoch=None, step=progress.global_step)
                 saved_now = True
             # SIGINT/SIGTERM in any process: every process stops after this same step (agreed
             # in the step's read; one arriving after it, e.g. during a save, in the next step's;
@@ -170,7 +170,7 @@ def train(run) -> None:
                     c.reporter.sample_now(progress)
                 elif command == "save_now" and not saved_now \
                         and progress.global_step < plan.total_steps:  # the final save follows
-                    saver.save(run, epoch=None, step=progress.global_step)
+                    checkpoints.save(run, epoch=None, step=progress.global_step)
                     saved_now = True
             c.reporter.saves(run.saved, progress)
             if progress.global_step >= plan.total_steps:
@@ -184,7 +184,7 @@ def train(run) -> None:
         if done:
             break
         if opts.save_every_n_epochs and epoch % opts.save_every_n_epochs == 0 and epoch < plan.epochs:
-            saver.save(run, epoch=epoch, step=None)
+            checkpoints.save(run, epoch=epoch, step=None)
             c.reporter.saves(run.saved, progress)
         if stop:  # the signal came in the epoch's last step: after the epoch's saves
             bar.close()
@@ -216,7 +216,7 @@ def on_nonfinite(run, what: str, bar) -> None:
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
-    path = saver.state_of_this_step(run)
+    path = checkpoints.state_of_this_step(run)
     raise nonfinite.NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
@@ -226,5 +226,5 @@ def interrupt(run, signum: int) -> None:
     """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
     from library.outputs import train_state
 
-    path = saver.state_of_this_step(run)
+    path = checkpoints.state_of_this_step(run)
     raise train_state.TrainingInterrupted(signum, path, run.progress.global_step)

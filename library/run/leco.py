@@ -71,7 +71,7 @@ def run(opts) -> LecoRun:
     from library.distributed import accelerator
     from library.models import placement
     from library.outputs import output_checks
-    from library.outputs.saving import output_file
+    from library.files import output_file
     from library.training import methods, optim
 
     started = time.time()

@@ -1,9 +1,9 @@
 """The one training run shared by train_lora.py, train_dreambooth.py, finetune.py and
 train_textual_inversion.py.
 
-Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/training/loop.py) ->
-save (library/outputs/saver.py). A ``Run`` holds the options, the plan and training set, and two
-declared records (library/training/run_state.py): its ``parts`` (Components, built by the stages here)
+Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/run/loop.py) ->
+save (library/outputs/checkpoints.py). A ``Run`` holds the options, the plan and training set, and two
+declared records (library/run/run_state.py): its ``parts`` (Components, built by the stages here)
 and its ``progress``. docs/INTERNALS.md has the path of one run.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from library.distributed import accelerator as distributed
 from library.log import logger, setup_logging
 from library.training.plan import plan_run, print_plan
-from library.training.run_state import Components, Progress
+from library.run.run_state import Components, Progress
 
 
 class Run:
@@ -36,8 +36,8 @@ class Run:
 
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
-        """Checks that need imports but no weights (library/training/run_checks.py)."""
-        from library.training import run_checks
+        """Checks that need imports but no weights (library/run/run_checks.py)."""
+        from library.run import run_checks
 
         run_checks.check_before_loading(self.opts, self.method_name, self.plan)
 
@@ -167,14 +167,14 @@ class Run:
         return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
-        from library.training import loop
+        from library.run import loop
 
         loop.train(self)
 
     def save(self, *, epoch=None, step=None, final=False):
-        from library.outputs import saver
+        from library.outputs import checkpoints
 
-        saver.save(self, epoch=epoch, step=step, final=final)
+        checkpoints.save(self, epoch=epoch, step=step, final=final)
 
 
 def run(opts, method_name: str) -> Run | None:
