@@ -80,7 +80,7 @@ def one_run(args_list, timers):
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from library.run import trainer
-    from library.cli import main
+    from library import cli
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -94,7 +94,7 @@ def one_run(args_list, timers):
 
     trainer.run = spy
     try:
-        rc = main("train_lora", args_list)
+        rc = cli.main("train_lora", args_list)
     finally:
         trainer.run = real_run
     if rc != 0:

@@ -6,11 +6,10 @@ import sys
 
 from library.errors import UserError
 from library.outputs import progress_stream
-from library.training.nonfinite import NonFiniteStop
-from library.outputs.train_state import TrainingInterrupted
+from library.errors import NonFiniteStop
+from library.errors import TrainingInterrupted
+from library.config.options import METHOD_OF_SCRIPT
 
-METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
-                    "train_textual_inversion": "textual_inversion"}
 PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
 

@@ -121,7 +121,7 @@ def _check_family(option: str, family: str, args) -> None:
 
 
 def run(args) -> None:
-    from library.outputs.metadata import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+    from library.models.modelspec import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
     from library.models.loading import load_model_bundle
 
     if args.sdxl and args.v2:

@@ -207,7 +207,7 @@ def lora_modelspec(metadata: dict[str, str], save_to: str, merged_from: list[str
     """modelspec.* for a LoRA written by a tool: title and date of the new file, architecture from
     the inputs' ss_base_model_version / modelspec when known."""
     import datetime
-    from library.outputs.metadata import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+    from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
     out = dict(metadata)
     family = {"sd_v1": "sd1", "sd_v2": "sd2", "sdxl_base_v1-0": "sdxl"}.get(metadata.get("ss_base_model_version", ""))
     if family is not None and "modelspec.architecture" not in out:

@@ -185,7 +185,7 @@ def run_model_merge(args) -> None:
 def main(argv=None) -> int:
     args = _parse_args(argv)
     from library.errors import UserError
-    from library.models.loading import ModelError
+    from library.errors import ModelError
     try:
         run(args)
     except (LoRAError, ModelError, UserError) as e:

@@ -21,6 +21,8 @@ from typing import Any
 # the scripts that train from images; train_leco trains from prompts only (LECO_OPTIONS below)
 IMAGE_SCRIPTS = ("train_lora", "train_dreambooth", "finetune", "train_textual_inversion")
 SCRIPTS = IMAGE_SCRIPTS + ("train_leco",)
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
+                    "train_textual_inversion": "textual_inversion"}
 ALL = IMAGE_SCRIPTS
 LECO = ("train_leco",)
 LORA = ("train_lora",)

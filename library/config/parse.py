@@ -577,7 +577,7 @@ def _read_toml(path: str, what: str) -> tuple[str, dict]:
         raise ConfigError(f"{what}: no such file: {path}") from None
     except OSError as e:
         raise ConfigError(f"{what}: cannot read {path}: {e.strerror}") from None
-    from library.data import text_files
+    from library import text_files
 
     text = text_files.decode(raw, path, ConfigError)  # TOML is UTF-8 by definition
     try:

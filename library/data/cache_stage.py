@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from library.training.batch_loss import latent_slot
+from library.data.latent_cache import latent_slot
 
 logger = logging.getLogger("sdtk")
 
@@ -38,7 +38,7 @@ def latents(opts, tset, c) -> tuple[dict, dict]:
 def text(opts, tset, c) -> dict:
     from library.data import latent_cache
     from library.data import text_cache
-    from library.training import validation
+    from library.data import held_out
 
     acc = c.accelerator
     wanted: dict = {}
@@ -47,7 +47,7 @@ def text(opts, tset, c) -> dict:
         for cap in tset.caption_variants(it) + ([""] if tset.uses_empty_caption(it) else []):
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
-        wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
+        wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
     te_dtype = c.placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
     identity = text_cache.encoder_identity(c.bundle, te_dtype, opts.clip_skip, opts.max_token_length,
                                            weighted=opts.weighted_captions)

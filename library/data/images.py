@@ -35,7 +35,7 @@ import torch
 from PIL import Image, ImageOps
 
 from library.errors import first_line
-from library.data.folders import DataError
+from library.errors import DataError
 
 
 @dataclass

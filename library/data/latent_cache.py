@@ -132,7 +132,7 @@ def item_cache_key(item: ImageItem, flip: bool, vae_identity: str, dtype: torch.
 def vae_dtype(opts) -> torch.dtype:
     """The dtype the VAE encodes in, part of every cache key: float32 with no_half_vae, else the
     mixed-precision dtype. The trainer and tools/cache_latents.py both use it, so keys match."""
-    from library.distributed.accelerator import compute_dtype
+    from library.models.placement import compute_dtype
 
     return torch.float32 if opts.no_half_vae else compute_dtype(opts.mixed_precision)
 
@@ -260,7 +260,7 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
             return False
 
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
-        from library.outputs.output_checks import remove_stale_temporaries
+        from library.files import remove_stale_temporaries
 
         for folder in sorted({cache_folder(it) for it, _ in wanted.values()}):
             remove_stale_temporaries(folder, log)
@@ -302,7 +302,7 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
                 prepared.append(prepare_image(img, bucket, resized, flip=flipped, mask=mask))
             latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
             if not torch.isfinite(latents).all():
-                from library.training.nonfinite import NonFiniteStop  # one line, exit 3 (not a traceback)
+                from library.errors import NonFiniteStop  # one line, exit 3 (not a traceback)
 
                 raise NonFiniteStop(f"non-finite latents from the VAE for {chunk[0][1].path} "
                                     f"(batch of {len(chunk)}); try --no_half_vae")
@@ -333,3 +333,10 @@ def counting_encodes(vae):
         yield seen
     finally:
         del vae.encode
+
+
+def latent_slot(item, flipped: bool) -> tuple:
+    """What tells two latent-cache entries of a run apart: one image may be in two datasets at
+    different sizes, each with its flip."""
+    return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
+            bool(item.alpha_mask), item.mask_path)

@@ -95,7 +95,7 @@ def encode_captions(adapter, wanted: dict[str, str | None], identity: str, *, cl
     missing = []
     loaded = 0
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
-        from library.outputs.output_checks import remove_stale_temporaries
+        from library.files import remove_stale_temporaries
 
         for folder in sorted({f for f in wanted.values() if f is not None}):
             remove_stale_temporaries(folder, log)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from library.data import buckets
 from library.data import folders as data
 from library.data.step_plan import derive_seed
+from library.errors import DataError
 
 
 @dataclass
@@ -187,10 +188,10 @@ def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_ups
         return buckets.BucketManager(resolution=tuple(resolution), enable_bucket=enable_bucket,
                                      min_size=min_reso, max_size=max_reso, reso_steps=steps,
                                      no_upscale=no_upscale)
-    except data.DataError as e:
+    except DataError as e:
         if where is None:
             raise
-        raise data.DataError(f"{where}: {e}") from None
+        raise DataError(f"{where}: {e}") from None
 
 
 def build_training_set(opts, log) -> TrainingSet:
@@ -209,7 +210,7 @@ def build_training_set(opts, log) -> TrainingSet:
         for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
             item = next((it for it in train + reg if getattr(it, key)), None)
             if item is not None:  # sd-scripts asserts the same (is_latent_cacheable)
-                raise data.DataError(f"{key} cannot be combined with cache_latents (set for "
+                raise DataError(f"{key} cannot be combined with cache_latents (set for "
                                      f"{item.image_dir}): {why} differs per sample and epoch, "
                                      "so its latents cannot be cached; turn one of them off")
     masked = _check_masks(opts, train + reg + held_out)
@@ -240,13 +241,13 @@ def _check_network_keys(opts, items: list) -> None:
                           ("custom_attributes.diff_output_preservation", lambda it: it.dop)):
             item = next((it for it in items if used(it)), None)
             if item is not None:
-                raise data.DataError(f"{where}: {key} (set for {item.image_dir}) acts on the "
+                raise DataError(f"{where}: {key} (set for {item.image_dir}) acts on the "
                                      f"network of train_lora; {opts.script} trains no network")
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
         item = next((it for it in items if it.captions is not None
                      and it.captions.token_warmup_step > 0), None)
         if item is not None:
-            raise data.DataError(f"token_warmup_step (set for {item.image_dir}) cannot be combined "
+            raise DataError(f"token_warmup_step (set for {item.image_dir}) cannot be combined "
                                  "with cache_text_encoder_outputs: the caption changes every step "
                                  "of the warmup")
 
@@ -260,7 +261,7 @@ def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
         return  # the method says token_string is required
     word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
     if not any(word.search(tset.caption(i, 1)) for i in range(len(tset.samples))):
-        raise data.DataError(f"token_string {token!r} is in no training caption, so nothing would "
+        raise DataError(f"token_string {token!r} is in no training caption, so nothing would "
                              "train: put it in the captions (or caption_prefix), or use "
                              "use_object_template / use_style_template")
 
@@ -271,7 +272,7 @@ def _templates(opts) -> tuple | None:
         return None
     from library.models import embeddings  # torch: only for a textual-inversion run
     if opts.use_object_template and opts.use_style_template:
-        raise data.DataError("use_object_template and use_style_template exclude each other")
+        raise DataError("use_object_template and use_style_template exclude each other")
     if not (opts.use_object_template or opts.use_style_template):
         return None
     chosen = embeddings.OBJECT_TEMPLATES if opts.use_object_template else embeddings.STYLE_TEMPLATES
@@ -283,7 +284,7 @@ def _check_masks(opts, items: list) -> bool:
     error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
     masked = any(it.alpha_mask or it.mask_path for it in items)
     if opts.masked_loss and not masked:
-        raise data.DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
+        raise DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
                              "channel) or conditioning_data_dir (a folder of mask images named "
                              "like the images), as a run option or per subset")
     return masked
@@ -307,9 +308,9 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
     if not folder:
         return None
     if not opts.masked_loss:
-        raise data.DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
+        raise DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
     if alpha_mask:
-        raise data.DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
+        raise DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
                              "comes from one of them; unset the other")
     return folder
 
@@ -321,7 +322,7 @@ def _from_folders(opts, log, stats, held_out):
                                    option="in_json", log=log, stats=stats, **fields)
     else:
         if opts.dataset_repeats != 1:
-            raise data.DataError("dataset_repeats applies to in_json metadata only; N_concept "
+            raise DataError("dataset_repeats applies to in_json metadata only; N_concept "
                                  "folders give their repeats in the folder name")
         train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
                                        log=log, option="train_data_dir", stats=stats, **fields)
@@ -340,7 +341,7 @@ def _from_folders(opts, log, stats, held_out):
     train = bm.assign(train, log, stats)
     reg = bm.assign(reg, log, stats)
     if not train:
-        raise data.DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
+        raise DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
     train = _hold_out(train, opts, held_out, "train_data_dir")
     reg_used = data.balance_regularization(train, reg)
     samples = data.expand_repeats(train) + data.expand_repeats(reg_used)
@@ -358,7 +359,7 @@ def _from_dataset_config(opts, log, stats, held_out):
     sizes = {ds.batch_size for ds in datasets}
     if len(sizes) > 1:
         detail = ", ".join(f"{ds.where}: {ds.batch_size}" for ds in datasets)
-        raise data.DataError(
+        raise DataError(
             f"{path}: datasets have different batch_size ({detail}); a step is one global batch "
             "from one bucket (train_batch_size x processes x accumulation), so per-dataset batch "
             "sizes cannot be honoured exactly: give every dataset the same batch_size")
@@ -391,7 +392,7 @@ def _from_dataset_config(opts, log, stats, held_out):
                 concept = [n for n in sorted(os.listdir(sub.image_dir))
                            if data.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
                 if concept:
-                    raise data.DataError(
+                    raise DataError(
                         f"{path}: {sub.where}.image_dir: {sub.image_dir} holds N_concept folders "
                         f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
                         "the images themselves (one subset per folder, with num_repeats and "
@@ -403,7 +404,7 @@ def _from_dataset_config(opts, log, stats, held_out):
         ds_train = bm.assign(ds_train, log, stats)
         ds_reg = bm.assign(ds_reg, log, stats)
         if not ds_train:
-            raise data.DataError(f"{path}: {ds.where}: no usable training image (subsets with "
+            raise DataError(f"{path}: {ds.where}: no usable training image (subsets with "
                                  "is_reg = false)")
         ds_train = _hold_out(ds_train, opts, held_out, f"{path}: {ds.where}")
         reg_used = data.balance_regularization(ds_train, ds_reg)
@@ -417,7 +418,7 @@ def _hold_out(items: list, opts, held_out: list, where: str) -> list:
     """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
     if not opts.validation_split:
         return items
-    from library.training.validation import split_items
+    from library.data.held_out import split_items
 
     train, val = split_items(items, opts.validation_split, _validation_seed(opts), where)
     held_out.extend(val)

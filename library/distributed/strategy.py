@@ -39,9 +39,12 @@ from typing import ContextManager, Protocol
 
 from library.distributed.accelerator import BUCKETED_SUM
 from library.errors import first_line
-from library.outputs.train_state import DEEPSPEED_DIR, SHARDED_DIR
 
 logger = logging.getLogger("sdtk")
+
+# the strategy's part of a training state, a folder inside it
+SHARDED_DIR = "sharded"  # fsdp: library/distributed/fsdp.py (torch.distributed.checkpoint)
+DEEPSPEED_DIR = "deepspeed"  # deepspeed: library/distributed/deepspeed_zero.py (DeepSpeed's partitioned checkpoint)
 
 
 # What ``takes_part`` answers for one micro-step of one process.
@@ -163,7 +166,7 @@ class SingleProcess:
         """A ResumeError where the state at ``path`` (its state.json ``info``) was written in a
         layout this strategy cannot read (the config check names fsdp first; kept for direct
         callers)."""
-        from library.outputs.train_state import ResumeError
+        from library.errors import ResumeError
 
         if info.get("sharded") and not self.weights_sharded:
             raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
@@ -335,7 +338,7 @@ class FSDP(SingleProcess):
 
     def load_sharded_state(self, path: str, named: list, c) -> None:
         from library.distributed import fsdp
-        from library.outputs.train_state import ResumeError
+        from library.errors import ResumeError
 
         try:
             fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema,

@@ -12,7 +12,6 @@ file changes its mtime, so changed weights never reuse stale cache entries.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.errors import UserError, first_line
+from library.errors import ModelError, UserError, first_line
+from library.models.sd_checkpoint import quiet_progress
 
 logger = logging.getLogger("sdtk")
 
@@ -42,10 +42,6 @@ ARCH_SEED = 20240602
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ModelError(UserError, ValueError):
-    """A model cannot be found or loaded; the message is one line naming the file or option."""
-
-
 @dataclass(frozen=True)
 class ModelSource:
     kind: str  # "builtin" | "diffusers" | "single_file" | "hub"
@@ -55,7 +51,7 @@ class ModelSource:
 
 def resolve_model_source(name_or_path: str) -> ModelSource:
     """Classify `pretrained_model_name_or_path` without loading anything."""
-    from library.data import symlinks
+    from library import symlinks
 
     p = os.path.expanduser(str(name_or_path))
     if os.path.islink(p) and not os.path.exists(p):
@@ -79,24 +75,6 @@ def resolve_model_source(name_or_path: str) -> ModelSource:
         raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")
     raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path} "
                      f"(and not a built-in model: {', '.join(BUILTINS)})")
-
-
-@contextlib.contextmanager
-def quiet_progress():
-    """Hide transformers'/diffusers' per-file progress bars while loading or saving (log noise)."""
-    import diffusers.utils.logging as dlog
-    import transformers.utils.logging as tlog
-
-    t_on, d_on = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    dlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if t_on:
-            tlog.enable_progress_bar()
-        if d_on:
-            dlog.enable_progress_bar()
 
 
 # --- identities ------------------------------------------------------------------------------
@@ -405,7 +383,7 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
     if not os.path.exists(p):
         raise ModelError(f"vae: no such file or directory: {vae}")
     if os.path.isdir(p):
-        from library.data import symlinks
+        from library import symlinks
 
         broken = symlinks.first_broken(p)
         if broken:
@@ -493,3 +471,12 @@ def set_attention(b, opts) -> None:
         b.unet.set_attn_processor(AttnProcessor())
         for te in b.text_encoders:
             te.set_attn_implementation("eager")
+
+
+def load_single_file(path: str, *, vae: str | None = None, v_parameterization: bool = False,
+                     tokenizer_path: str | None = None, allow_pickle: bool = False):
+    """Load a single-file checkpoint (original layout) as a models.ModelBundle."""
+    if not os.path.isfile(path):
+        raise ModelError(f"{path}: no such file")
+    return load_model_bundle(path, vae=vae, v_parameterization=v_parameterization,
+                             tokenizer_path=tokenizer_path, allow_pickle=allow_pickle)

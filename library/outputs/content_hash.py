@@ -156,7 +156,7 @@ _WHAT = {"model": "model weights file", "vae": "vae file", "network_weights": "n
 def check(saved: list | None, opts, tset, state: str, log=None) -> None:
     """Raise ResumeError naming the first file whose content differs from the state's record;
     a state written before content hashes were kept resumes with a warning (``log``)."""
-    from library.outputs.train_state import ResumeError
+    from library.errors import ResumeError
 
     if saved is None:
         if log is not None:

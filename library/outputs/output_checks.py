@@ -4,9 +4,9 @@
   written (a probe file is written and removed), output_name is a plain file name.
 - ``check_free_space``: output_dir has room for what one save writes at once (the model file or
   network, plus a training state with save_state), sized from the run's parameter counts.
-- ``remove_stale_temporaries``: the temporary files and folders of ``files.atomic_path`` /
-  ``atomic_dir`` carry the writer's pid; those of a process that no longer runs (killed mid-save)
-  are removed.
+- stale temporaries (``library.files.remove_stale_temporaries``): the temporary files and folders
+  of ``atomic_path`` / ``atomic_dir`` carry the writer's pid; those of a process that no longer
+  runs (killed mid-save) are removed.
 - ``OutputLock``: ``<output_dir>/.<output_name>.lock`` holds the pid of the run writing those
   files; a second run is refused while that process lives, a dead one's lock is taken over.
 - ``prepare``: all of these, in a run's order, before any weight loads.
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from library.errors import UserError
-from library.files import TEMP_PATTERN
+from library.files import pid_alive, remove_stale_temporaries
 
 
 class OutputPathError(UserError):
@@ -122,7 +122,7 @@ def _save_dtype_bytes(opts) -> int:
     import torch
 
     from library.training.methods import _dtype
-    from library.training.stepper import trained_precision
+    from library.models.placement import trained_precision
 
     # unset: as trained (a full model's frozen parts may be smaller: an upper bound)
     dtype = _dtype(opts.save_precision) or getattr(torch, trained_precision(opts))
@@ -185,43 +185,6 @@ def check_free_space(opts, method_name: str, log) -> None:
     if need > have:
         raise OutputPathError(f"output_dir {opts.output_dir}: not enough free space: a save writes "
                               f"{_size(need)} at once ({what}), {_size(have)} is free")
-
-
-# -- stale temporaries ---------------------------------------------------------------------------
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: str, log, alive=pid_alive) -> list[str]:
-    """Remove the temporaries of files.atomic_path/atomic_dir whose writer no longer runs."""
-    if not os.path.isdir(folder):
-        return []
-    removed = []
-    for entry in sorted(os.listdir(folder)):
-        m = TEMP_PATTERN.match(entry)
-        if not m or alive(int(m.group("pid"))):
-            continue
-        path = os.path.join(folder, entry)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-        except FileNotFoundError:
-            continue  # removed meanwhile by another run
-        removed.append(entry)
-    if removed:
-        log.info(f"removed {len(removed)} stale temporary file(s) of killed runs in {folder}: "
-                 + ", ".join(removed))
-    return removed
 
 
 # -- the lock ------------------------------------------------------------------------------------

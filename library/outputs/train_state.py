@@ -43,18 +43,17 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 
-from library.errors import UserError, first_line
+from library.config.options import METHOD_OF_SCRIPT
+from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
+from library.errors import ResumeError, first_line
 
 STATE_VERSION = 1
 INFO_FILE = "state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 STEPPER_FILE = "stepper.pt"
 RNG_FILE = "rng.pt"
-SHARDED_DIR = "sharded"  # fsdp: library/distributed/fsdp.py (torch.distributed.checkpoint)
-DEEPSPEED_DIR = "deepspeed"  # deepspeed: library/distributed/deepspeed_zero.py (DeepSpeed's partitioned checkpoint)
 
 # Options a resume may change, and why that cannot change what the continued run computes
 # (beyond float rounding for the speed/memory ones). Everything else must match the state.
@@ -101,21 +100,6 @@ RESUMABLE_CHANGES = {
 }
 
 _STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")
-
-
-class ResumeError(UserError, ValueError):
-    """A state that cannot be resumed by this run (missing, corrupt, or another run's)."""
-
-
-class TrainingInterrupted(Exception):
-    """SIGINT/SIGTERM stopped training after a complete step; its state was written."""
-
-    def __init__(self, signum: int, state_dir: str, step: int):
-        self.signum, self.state_dir, self.step = signum, state_dir, step
-        self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
-        super().__init__(f"{name}: stopped after step {step}; training state written to {state_dir} "
-                         f"(continue with --resume {state_dir})")
 
 
 # -- names, discovery, rotation -------------------------------------------------------------------
@@ -326,8 +310,7 @@ def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
     info = read_info(path)
     saved_method = info.get("method")
     if saved_method and saved_method != method_name:  # before the option diff, which would
-        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
-
+        # name some option the two scripts set differently
         script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
         raise ResumeError(
             f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
@@ -544,7 +527,7 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
 
 def load_state(run, path: str, info: dict, log):
     """Put the state's weights, optimizer/scheduler and generators into the components of
-    ``run``; returns the saved Progress (library/run/run_state.py)."""
+    ``run``; returns the saved Progress (library/training/progress.py)."""
     import torch
 
     c = run.parts
@@ -632,7 +615,7 @@ def _load_weights(c, path: str, named: list) -> None:
 
 
 def _load_rest(run, info: dict, rng: dict, log):
-    from library.run.run_state import Progress
+    from library.training.progress import Progress
 
     acc = run.parts.accelerator
     resync_lr(run.parts.stepper)
@@ -702,41 +685,3 @@ def _gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-# -- SIGINT / SIGTERM -----------------------------------------------------------------------------
-class StopSignals:
-    """While active, SIGINT and SIGTERM ask training to stop after the current step.
-
-    A second signal stops at once (KeyboardInterrupt / exit 143). It carries the pending signal
-    only (``signum``): the step's one small all-reduce (library/training/step_sync.py ``agree``,
-    every process once per step) makes all processes stop after the same step even when the
-    signal reached only one of them.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def _handle(self, signum, frame):
-        if self.signum:  # second signal: stop now
-            self.__exit__()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        self.signum = signum

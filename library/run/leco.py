@@ -310,6 +310,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
     """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
     import datetime
 
+    from library.models import modelspec
     from library.outputs import metadata
 
     h, w = settings[0].resolution
@@ -323,7 +324,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
         "ss_optimizer": str(opts.optimizer_type),
         "ss_seed": str(opts.seed),
         "ss_mixed_precision": str(opts.mixed_precision),
-        "ss_base_model_version": metadata.BASE_MODEL_VERSION[bundle.family],
+        "ss_base_model_version": modelspec.BASE_MODEL_VERSION[bundle.family],
         "ss_v2": str(bundle.family == "sd2"),
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_leco_prompt_count": str(len(settings)),
@@ -335,10 +336,10 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
               "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
               "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": metadata.modelspec_architecture(bundle.family, bundle.v_parameterization,
+        "modelspec.architecture": modelspec.modelspec_architecture(bundle.family, bundle.v_parameterization,
                                                             "lora"),
-        "modelspec.implementation": (metadata.IMPL_STABILITY_AI if bundle.family == "sdxl"
-                                     else metadata.IMPL_DIFFUSERS),
+        "modelspec.implementation": (modelspec.IMPL_STABILITY_AI if bundle.family == "sdxl"
+                                     else modelspec.IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),

@@ -25,6 +25,7 @@ from library.outputs import progress_stream
 from library.outputs import checkpoints
 from library.data import step_plan
 from library.run.run_state import HOOKS
+from library.errors import NonFiniteStop, TrainingInterrupted
 
 logger = logging.getLogger("sdtk")
 
@@ -211,20 +212,18 @@ def on_nonfinite(run, what: str, bar) -> None:
     if partial:
         # the hooks had stepped parameters before the bad gradient appeared: no state of
         # step N exists any more; only earlier saves (all checked finite) remain
-        raise nonfinite.NonFiniteStop(
+        raise NonFiniteStop(
             f"{msg}; parameters had already been updated in the backward pass "
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
     path = checkpoints.state_of_this_step(run)
-    raise nonfinite.NonFiniteStop(
+    raise NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
 
 
 def interrupt(run, signum: int) -> None:
     """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
-    from library.outputs import train_state
-
     path = checkpoints.state_of_this_step(run)
-    raise train_state.TrainingInterrupted(signum, path, run.progress.global_step)
+    raise TrainingInterrupted(signum, path, run.progress.global_step)

@@ -14,7 +14,8 @@ import time
 from library.distributed import accelerator as distributed
 from library.log import logger, setup_logging
 from library.training.plan import plan_run, print_plan
-from library.run.run_state import Components, Progress
+from library.run.run_state import Components
+from library.training.progress import Progress
 
 
 class Run:
@@ -32,7 +33,7 @@ class Run:
         self.progress = Progress()          # a resume replaces it with the saved one
         self.base_metadata: dict = {}
         self.saved: list[str] = []          # model files written, in order
-        self.stop_signals = None            # train_state.StopSignals while training
+        self.stop_signals = None            # stop_signals.StopSignals while training
 
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
@@ -245,7 +246,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
         network_info=c.method.info)
-    from library.outputs.train_state import StopSignals
+    from library.training.stop_signals import StopSignals
 
     with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
         r.train()

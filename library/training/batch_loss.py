@@ -25,13 +25,7 @@ from __future__ import annotations
 
 from library.data import step_plan
 from library.models import inpainting
-
-
-def latent_slot(item, flipped: bool) -> tuple:
-    """What tells two latent-cache entries of a run apart: one image may be in two datasets at
-    different sizes, each with its flip."""
-    return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
-            bool(item.alpha_mask), item.mask_path)
+from library.data.latent_cache import latent_slot
 
 
 class BatchLoss:

@@ -63,7 +63,7 @@ class EMA:
     def load_tensors(self, tensors: dict, names: list[str], where: str) -> None:
         import torch
 
-        from library.outputs.train_state import ResumeError
+        from library.errors import ResumeError
 
         missing = [n for n in names if n not in tensors]
         if missing or len(tensors) != len(names):

@@ -428,9 +428,9 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
     import torch
 
-    from library.models import family as fam
+    from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, adapter_for, chunk_count
     from library.models import fp8
-    from library.distributed.accelerator import compute_dtype
+    from library.models.placement import compute_dtype
 
     unet = comps["unet"]
     tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
@@ -470,10 +470,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     w, h = bucket
     latent = (unet.config.in_channels, h // scale, w // scale)
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
-    n_chunks = fam.chunk_count(opts.max_token_length)
-    tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
+    n_chunks = chunk_count(opts.max_token_length)
+    tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
     with mode:
-        adapter = fam.adapter_for(_Bundle(family, unet, tes, []), opts.max_token_length)
+        adapter = adapter_for(_Bundle(family, unet, tes, []), opts.max_token_length)
         unet_dtype = next(unet.parameters()).dtype
         if unet_dtype == fp8.FP8:  # fp8_base: the U-Net computes in the mixed-precision dtype
             unet_dtype = dtype
@@ -484,10 +484,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
         with outer.hooks(), autocast:
             if cached_text:
                 pooled = torch.zeros(batch, tes[-1].config.projection_dim) if family == "sdxl" else None
-                cond = fam.TextConditioning(torch.zeros(batch, tokens, unet.config.cross_attention_dim,
+                cond = TextConditioning(torch.zeros(batch, tokens, unet.config.cross_attention_dim,
                                                         dtype=dtype), pooled)
             else:
-                ids = [torch.zeros((batch, tokens) if n_chunks == 1 else (batch, n_chunks, fam.MAX_TOKENS),
+                ids = [torch.zeros((batch, tokens) if n_chunks == 1 else (batch, n_chunks, MAX_TOKENS),
                                    dtype=torch.long) for _ in tes]
                 with (contextlib.nullcontext() if method.train_text_encoder else torch.no_grad()):
                     cond = adapter.encode(ids, opts.clip_skip)
@@ -691,9 +691,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
     import torch
 
-    from library.distributed.accelerator import compute_dtype
+    from library.models.placement import compute_dtype
     from library.training.methods import FullMethod, NetworkMethod
-    from library.training.stepper import fused_mode, step_units, trained_precision
+    from library.training.stepper import fused_mode, step_units
+    from library.models.placement import trained_precision
 
     if method_name == "textual_inversion":
         raise EstimateUnavailable(TI_NOT_MODELED)
@@ -823,10 +824,10 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     # -- the rest
     vae = comps["vae"]
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    from library.models import family as fam
+    from library.models.family import CHUNK, MAX_TOKENS, chunk_count
 
-    n_chunks = fam.chunk_count(opts.max_token_length)
-    tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
+    n_chunks = chunk_count(opts.max_token_length)
+    tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:

@@ -184,7 +184,7 @@ class NetworkMethod:
         import torch
 
         from library.models import embeddings
-        from library.training.stepper import trained_precision
+        from library.models.placement import trained_precision
 
         b = self.bundle
         self.tokens = embeddings.NewTokens(self.pivotal, "pivotal_tokens")
@@ -259,7 +259,7 @@ class NetworkMethod:
             for spec, emb_path in zip(self.pivotal, self.companion_files(path)):
                 tensors = self.tokens.file_tensors(spec, self.bundle.family)
                 sd.update(embeddings.bundle_keys(spec.token, tensors))
-                embeddings.write_embedding_file(emb_path, tensors, dtype, metadata)
+                write_embedding_file(emb_path, tensors, dtype, metadata)
         write_weights(path, sd, dtype, md)
 
     def companion_files(self, path: str) -> list[str]:
@@ -537,7 +537,7 @@ class TextualInversionMethod:
         import torch
 
         from library.models import embeddings
-        from library.training.stepper import trained_precision
+        from library.models.placement import trained_precision
 
         opts, b = self.opts, self.bundle
         for m in [b.unet, *b.text_encoders, b.vae]:
@@ -584,7 +584,7 @@ class TextualInversionMethod:
     def save(self, path: str, dtype_name, metadata: dict):
         from library.models import embeddings
 
-        embeddings.write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
+        write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
                                         _dtype(dtype_name), metadata)
 
     def companion_files(self, path: str) -> list[str]:
@@ -598,3 +598,11 @@ METHODS = {"lora": NetworkMethod, "dreambooth": FullMethod, "finetune": FullMeth
 def make_method(method_name: str, opts, bundle):
     """The method of a run (bundle None: the checks before loading)."""
     return METHODS[method_name](opts, bundle)
+
+
+def write_embedding_file(path: str, tensors: dict, dtype, metadata: dict | None) -> None:
+    """Atomic write: .safetensors with metadata, else torch.save of the same dictionary (what
+    sd-scripts writes for .pt / .ckpt, which A1111 also reads); ``tensors``: name -> tensor."""
+    from networks.lora import write_weights
+
+    write_weights(path, tensors, dtype, metadata if path.lower().endswith(".safetensors") else None)

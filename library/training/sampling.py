@@ -112,7 +112,7 @@ def load_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise SamplingError(f"sample_prompts: no such file: {path}")
     ext = os.path.splitext(path)[1].lower()
-    from library.data import text_files
+    from library import text_files
 
     text = text_files.read(path, SamplingError, "sample_prompts")
     if ext == ".toml":

@@ -14,7 +14,7 @@ all-reduce just before it:
                                              once per step, after the backward is enqueued
 
 ``agree`` sums ``loss_sum`` across processes together with one counter per stop signal
-(train_state.StopSignals) in one all-reduce, appends the (already summed, identical) gradient
+(stop_signals.StopSignals) in one all-reduce, appends the (already summed, identical) gradient
 norm, and reads the result to the host once.
 """
 from __future__ import annotations
@@ -110,10 +110,10 @@ def _in_order(requested, names) -> tuple:
 
 def agree(signals, device, loss_sum, norm=None, requested: tuple = ()) -> StepRead:
     """The step's read (see the module docstring), every process once per step: with the
-    signal pending in ``signals`` (train_state.StopSignals; None: no signal) and the
+    signal pending in ``signals`` (stop_signals.StopSignals; None: no signal) and the
     control_file commands this process read (``requested``: the main process's)."""
-    from library.outputs.progress_stream import COMMANDS
-    from library.outputs.train_state import StopSignals
+    from library.training.stop_signals import COMMANDS
+    from library.training.stop_signals import StopSignals
 
     signum = 0 if signals is None else signals.signum
     sums, along, stop, commands = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm,

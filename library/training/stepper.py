@@ -40,6 +40,7 @@ import math
 from typing import ContextManager, Protocol
 
 from library.distributed.accelerator import BUCKETED_SUM
+from library.models.placement import trained_precision
 
 logger = logging.getLogger("sdtk")
 
@@ -150,8 +151,6 @@ def grad_norm_fp32(params) -> float:
     """``grad_norm_fp32_tensor`` read to the host (one device sync)."""
     norm = grad_norm_fp32_tensor(params)
     return 0.0 if norm is None else float(norm)
-
-
 
 
 class PlainStepper:
@@ -620,16 +619,6 @@ def check_stepper_options(opts) -> None:
         raise FusedOptionError(f"{mode} cannot be used with optimizer_type {opts.optimizer_type}: "
                                f"{reason}; use an optimizer without global state (AdamW, "
                                "Adafactor, Lion, SGDNesterov, 8-bit ones) or drop the option")
-
-
-def trained_precision(opts) -> str:
-    """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
-    "float32"."""
-    if opts.full_bf16:
-        return "bfloat16"
-    if opts.full_fp16:
-        return "float16"
-    return "float32"
 
 
 def check_precision_options(opts) -> None:

@@ -1,7 +1,7 @@
 """Validation loss: training images held out by ``validation_split``, evaluated at fixed
 timesteps with fixed noise.
 
-    split_items(items, fraction, seed, where)   the held-out images (building the training set)
+    library/data/held_out.py                    the held-out images (building the training set)
     check_options(opts)                          before any weight is loaded
     due(opts, tset, epoch=None, step=None)       whether this step / epoch end validates
     Validation(opts, tset).loss(components)      the global mean (every process calls it)
@@ -30,49 +30,13 @@ The number is comparable across runs, batch sizes and process counts:
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 
-from library.errors import UserError
+from library.data.held_out import ValidationError, caption, place_in_dataset
 
 logger = logging.getLogger("sdtk")
 
 TIMESTEPS = 4  # evaluations per image, at fixed timesteps spread over the training range
-
-
-class ValidationError(UserError):
-    pass
-
-
-def split_items(items: list, fraction: float, seed: int, where: str) -> tuple[list, list]:
-    """(train, held out) of one dataset's images, keyed by (seed, place_in_dataset); both keep
-    scan order."""
-    if not fraction:
-        return items, []
-    n = len(items)
-    if n < 2:
-        raise ValidationError(f"validation_split: {where} has {n} image(s); holding some out "
-                              "needs at least 2 (one to train, one to validate)")
-    k = min(n - 1, max(1, round(n * fraction)))
-
-    def key(it):
-        return hashlib.sha256(f"{seed}\0{place_in_dataset(it)}".encode()).hexdigest()
-
-    held = {id(it) for it in sorted(items, key=key)[:k]}
-    return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
-
-
-def place_in_dataset(item) -> str:
-    """The image's concept folder name and its path inside that folder ("1_sks/a/x.png"), with /
-    separators: what stays when a dataset is moved (the absolute path where it has no folder)."""
-    if not item.image_dir:
-        return item.path
-    inside = os.path.relpath(item.path, item.image_dir)
-    if inside.startswith(os.pardir):
-        return item.path
-    name = os.path.basename(os.path.normpath(item.image_dir))
-    return "/".join((name, *inside.split(os.sep)))
 
 
 def check_options(opts) -> None:
@@ -100,19 +64,6 @@ def timesteps(losses) -> list[int]:
 
 def _seed(opts) -> int:
     return opts.seed if opts.validation_seed is None else opts.validation_seed
-
-
-def caption(item) -> str:
-    import dataclasses
-
-    from library.data import folders as data
-
-    o = item.captions
-    if o is None:
-        return item.caption
-    fixed = dataclasses.replace(o, shuffle_caption=False, caption_dropout_rate=0.0,
-                                caption_dropout_every_n_epochs=0, caption_tag_dropout_rate=0.0)
-    return data.process_caption(item.caption, fixed, 0, None)
 
 
 def _key(item) -> tuple:

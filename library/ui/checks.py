@@ -22,7 +22,7 @@ import tomllib
 
 import toml
 
-from library.cli import METHOD_OF_SCRIPT
+from library.config.options import METHOD_OF_SCRIPT
 from library.config.options import IMAGE_SCRIPTS, OPTIONS_BY_NAME
 from library.config.parse import parse_args
 from library.distributed import deepspeed_zero

@@ -6,8 +6,9 @@ import tempfile
 import pytest
 import torch
 
+from library.models import loading
 from library.models import sd_checkpoint as sdc
-from library.models.loading import ModelError
+from library.errors import ModelError
 from library.models.tiny_models import FAMILY_OF_ARCH, build_tiny_components
 
 ARCHS = ["sd15", "sd2", "sdxl"]
@@ -91,7 +92,7 @@ def test_ckpt_round_trip_and_pickle_refused(tiny, tmp_path):
     sdc.save_single_file(tiny["sd15"], "sd1", path)
     sd, meta = sdc.read_state_dict(path)  # plain tensors and strings: weights_only loading works
     assert "model.diffusion_model.out.2.weight" in sd and sdc.META_CONFIG_KEY in meta
-    b = sdc.load_single_file(path)  # the tiny architecture comes back from the .ckpt's own record
+    b = loading.load_single_file(path)  # the tiny architecture comes back from the .ckpt's own record
     assert torch.equal(b.unet.conv_in.weight, tiny["sd15"]["unet"].conv_in.weight)
 
     bad = str(tmp_path / "bad.ckpt")

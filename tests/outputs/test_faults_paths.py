@@ -10,6 +10,7 @@ import tempfile
 import pytest
 
 from tests.config.test_bad_input import one_error_line
+from library.errors import ResumeError
 
 
 def args(data, out, *extra):
@@ -227,7 +228,7 @@ def test_stale_temporaries_are_removed(dataset, previous, run_script, loading_re
 def test_stale_temporaries_message(tmp_path):
     import logging
 
-    from library.outputs import output_checks
+    from library import files
 
     gone = dead_pid()
     (tmp_path / f".a.safetensors.sdtk{gone}.q.tmp").write_bytes(b"x")
@@ -236,7 +237,7 @@ def test_stale_temporaries_message(tmp_path):
     log = logging.getLogger("test_stale")
     log.addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     log.setLevel(logging.INFO)
-    removed = output_checks.remove_stale_temporaries(str(tmp_path), log)
+    removed = files.remove_stale_temporaries(str(tmp_path), log)
     assert sorted(removed) == [f".a-state.sdtk{gone}.r.old", f".a.safetensors.sdtk{gone}.q.tmp"]
     assert records == [f"removed 2 stale temporary file(s) of killed runs in {tmp_path}: "
                        f".a-state.sdtk{gone}.r.old, .a.safetensors.sdtk{gone}.q.tmp"]
@@ -415,7 +416,7 @@ def test_damaged_state_is_named_and_latest_falls_back(damage, message, tmp_path,
         size = os.path.getsize(f)
         os.truncate(f, size // 2)
         message = message.format(half=size // 2, size=size)
-    with pytest.raises(train_state.ResumeError) as e:
+    with pytest.raises(ResumeError) as e:
         train_state.read_info(str(new))
     assert str(e.value).startswith(f"resume: {new} is damaged: {message}")
     assert "\n" not in str(e.value)

@@ -25,7 +25,8 @@ from tests.training.test_train_lora_e2e import base_args
 
 
 def test_records_take_no_undeclared_attribute():
-    from library.run.run_state import Caches, Components, Progress
+    from library.run.run_state import Caches, Components
+    from library.training.progress import Progress
 
     for record in (Components(), Progress(), Caches()):
         with pytest.raises(AttributeError):
@@ -48,7 +49,7 @@ def test_progress_saves_and_restores_every_field():
     (a field added to Progress without a value here fails, as one the state drops)."""
     import json
 
-    from library.run.run_state import Progress
+    from library.training.progress import Progress
 
     names = [f.name for f in dataclasses.fields(Progress)]
     assert sorted(names) == sorted(_PROGRESS_VALUES), "give every Progress field a test value"

@@ -25,7 +25,7 @@ def read(path: str, error, what: str = "") -> str:
     if os.path.isdir(path):
         raise error(f"{_name(what, path)} is a folder, not a file")
     if os.path.islink(path) and not os.path.exists(path):
-        from library.data import symlinks
+        from library import symlinks
 
         raise error(f"{_name(what, path)} is {symlinks.problem(path)}")
     try:
