@@ -4,28 +4,25 @@ from __future__ import annotations
 import os
 import sys
 
-from library.errors import UserError
-from library.outputs import progress_stream
-from library.errors import NonFiniteStop
-from library.errors import TrainingInterrupted
 from library.config.options import METHOD_OF_SCRIPT
+from library.config.parse import parse_args
+from library.errors import NonFiniteStop, TrainingInterrupted, UserError
+from library.outputs import progress_stream
 
 PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
-    from library.config.parse import parse_args
-
     opts = None
     status, code, message, state = "done", 0, "", None
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
         if script in PROMPT_ONLY_SCRIPTS:
-            from library.run import leco
+            from library.run import leco  # lazy: --help and option errors must not import torch
 
             leco.run(opts)
         else:
-            from library.run import trainer
+            from library.run import trainer  # lazy: --help and option errors must not import torch
 
             trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:
@@ -41,7 +38,7 @@ def main(script: str, argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         status, code, message = "interrupted", 130, "interrupted"
     except RuntimeError as e:  # several processes: another one ended (its own line says why)
-        from library.distributed.accelerator import peer_failure
+        from library.distributed.accelerator import peer_failure  # lazy: only after a failure
 
         line = peer_failure(e)
         if line is None:

@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+import library
+
 logger = logging.getLogger("sdtk")
 
 
@@ -35,6 +37,4 @@ def setup_logging():
 
 def seconds_since_process_start() -> float:
     """Seconds since the entry script imported ``library`` (its first import)."""
-    import library
-
     return time.time() - library.STARTED

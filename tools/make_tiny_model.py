@@ -17,12 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.models import sd_checkpoint, tiny_models  # noqa: E402
+
 
 def make_tiny_model(arch: str, out: str, inpaint: bool = False) -> tuple[str, str]:
     """Write both forms; return (diffusers folder, single-file path)."""
-    from library.models import sd_checkpoint
-    from library.models import tiny_models
-
     comps = tiny_models.build_tiny_components(arch, inpaint=inpaint)
     name = f"tiny-{arch}" + (tiny_models.INPAINT_SUFFIX if inpaint else "")
     family = tiny_models.FAMILY_OF_ARCH[arch]

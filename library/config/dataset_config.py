@@ -27,6 +27,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from library.config.parse import _Bad, _to_resolution
 from library.errors import DataError
 
 # key -> (type, default when no level and no run option sets it)
@@ -201,8 +202,6 @@ def _convert(kind: str, v):
             return v
         raise ValueError(f"expected a string, got {_desc(v)}")
     if kind == "resolution":
-        from library.config.parse import _Bad, _to_resolution
-
         try:
             return _to_resolution(v, False)
         except _Bad as e:

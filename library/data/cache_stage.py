@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from library.data import held_out, latent_cache, text_cache
 from library.data.latent_cache import latent_slot
 
 logger = logging.getLogger("sdtk")
 
 
 def latents(opts, tset, c) -> tuple[dict, dict]:
-    from library.data import latent_cache
-
     acc, b = c.accelerator, c.bundle
     items = tset.train_items + tset.reg_items
     vae = b.vae
@@ -36,10 +35,6 @@ def latents(opts, tset, c) -> tuple[dict, dict]:
 
 
 def text(opts, tset, c) -> dict:
-    from library.data import latent_cache
-    from library.data import text_cache
-    from library.data import held_out
-
     acc = c.accelerator
     wanted: dict = {}
     for it in tset.train_items + tset.reg_items:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from library import symlinks
+from library import symlinks, text_files
 from library.config.dataset_config import CaptionOptions
 from library.errors import DataError, first_line
 
@@ -214,8 +214,6 @@ def read_caption(image_path: str, caption_extension: str, all_lines: bool = Fals
     scanned, before any weight loads (sd-scripts raises too; guessing an encoding would train on
     mojibake).
     """
-    from library import text_files
-
     cap_path = os.path.splitext(image_path)[0] + caption_extension
     if not os.path.lexists(cap_path):
         return None
@@ -386,7 +384,6 @@ def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
 
     if not os.path.isfile(path):
         raise DataError(f"{option} {path!r} does not exist or is not a file")
-    from library import text_files
 
     text = text_files.read(path, DataError, option)
     if path.lower().endswith(".jsonl"):

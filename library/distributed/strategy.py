@@ -37,8 +37,10 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.distributed import ddp, deepspeed_zero, fsdp
 from library.distributed.accelerator import BUCKETED_SUM
-from library.errors import first_line
+from library.errors import ResumeError, first_line
+from library.training.stepper import fused_mode, make_stepper
 
 logger = logging.getLogger("sdtk")
 
@@ -137,8 +139,6 @@ class SingleProcess:
     def make_stepper(self, opts, c, groups: list[dict], plan):
         """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s),
         summing nothing (one process)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None)
@@ -166,8 +166,6 @@ class SingleProcess:
         """A ResumeError where the state at ``path`` (its state.json ``info``) was written in a
         layout this strategy cannot read (the config check names fsdp first; kept for direct
         callers)."""
-        from library.errors import ResumeError
-
         if info.get("sharded") and not self.weights_sharded:
             raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
                               "resume it with fsdp")
@@ -217,13 +215,9 @@ class DDP(SingleProcess):
     def uses_reducer(self, opts) -> bool:
         """Whether DistributedDataParallel's reducer sums the gradients: with the plain stepper;
         the fused steppers reduce each unit in their hooks."""
-        from library.training.stepper import fused_mode
-
         return fused_mode(opts) is None
 
     def prepare(self, c, groups: list[dict]) -> None:
-        from library.distributed import ddp
-
         if not self.engine:
             given = ddp.speed_options_given(self.opts)
             if given:
@@ -235,8 +229,6 @@ class DDP(SingleProcess):
         logger.info(ddp.describe(self.opts, self.accelerator.num_processes))
 
     def _wrap(self) -> None:
-        from library.distributed import ddp
-
         first = self._trained is None
         self.ddp = None  # the old reducer (and its autograd hooks) go first
         self.ddp = ddp.wrap(self.denoiser, self.opts, self.accelerator, first=first)
@@ -264,8 +256,6 @@ class DDP(SingleProcess):
     def make_stepper(self, opts, c, groups: list[dict], plan):
         """The plain stepper summing nothing when DDP's reducer sums during the backward; else
         (the fused steppers' units, or no reducer) the bucketed sum (``BucketedSum``)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None if self.engine else BUCKETED_SUM)
@@ -290,8 +280,6 @@ class FSDP(SingleProcess):
         self.roots: list = []     # the sharded ones (none on one process)
 
     def prepare(self, c, groups: list[dict]) -> None:
-        from library.distributed import fsdp
-
         # fixed for the run (even after stop_text_encoder_training freezes the text encoders)
         self.modules = fsdp.trained_roots(c.bundle, c.method)
         self.roots = fsdp.shard(self.accelerator, self.modules, groups)
@@ -299,16 +287,12 @@ class FSDP(SingleProcess):
     def make_stepper(self, opts, c, groups: list[dict], plan):
         """The plain stepper summing nothing (FSDP's reduce-scatter sums the gradients during
         the backward) and without the optimizer in its state (written with the shards)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, c.params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None, optimizer_in_state=False)
         return self.stepper
 
     def full_weights(self, c) -> ContextManager:
-        from library.distributed import fsdp
-
         return fsdp.full_weights(c.bundle, self.roots, self.accelerator)
 
     @contextlib.contextmanager
@@ -331,15 +315,10 @@ class FSDP(SingleProcess):
         return ", sharded"
 
     def save_process_state(self, path: str, named: list, c) -> None:
-        from library.distributed import fsdp
-
         fsdp.save_sharded(self.modules, self.stepper.optimizer, c.ema,
                           os.path.join(path, self.state_dir), named)
 
     def load_sharded_state(self, path: str, named: list, c) -> None:
-        from library.distributed import fsdp
-        from library.errors import ResumeError
-
         try:
             fsdp.load_sharded(self.modules, self.stepper.optimizer, c.ema,
                               os.path.join(path, self.state_dir), named)
@@ -360,17 +339,13 @@ class DeepSpeed(SingleProcess):
     state_dir = DEEPSPEED_DIR
 
     def make_stepper(self, opts, c, groups: list[dict], plan):
-        from library.distributed import deepspeed_zero as zero
-
-        self.stepper = zero.make_stepper(opts, self.accelerator, plan,
-                                         zero.trained_modules(c.bundle, c.method), groups)
+        self.stepper = deepspeed_zero.make_stepper(opts, self.accelerator, plan,
+                                         deepspeed_zero.trained_modules(c.bundle, c.method), groups)
         return self.stepper
 
     def full_weights(self, c) -> ContextManager:
         """In bf16 / fp16 the float32 master weights are saved (a collective)."""
-        from library.distributed import deepspeed_zero as zero
-
-        return zero.master_weights(c.params)
+        return deepspeed_zero.master_weights(c.params)
 
     @contextlib.contextmanager
     def ema_weights(self, c):
@@ -397,8 +372,6 @@ class DeepSpeed(SingleProcess):
 
 def for_run(opts, accelerator) -> Strategy:
     if (opts.deepspeed or opts.fsdp) and accelerator.num_processes > 1:
-        from library.distributed import ddp
-
         given = ddp.speed_options_given(opts)
         if given:
             engine = "deepspeed" if opts.deepspeed else "fsdp"

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from library.models import fp8
 from library.errors import UserError
+from library.models import fp8
 
 
 class Fp8OptionError(UserError, ValueError):

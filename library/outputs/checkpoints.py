@@ -13,7 +13,10 @@ import logging
 import os
 import time
 
-from library.training import nonfinite
+from library.files import SaveError, output_file, save_elsewhere
+from library.outputs import metadata, train_state
+from library.outputs.train_state import saved_tensors
+from library.training import nonfinite, offload
 
 logger = logging.getLogger("sdtk")
 
@@ -27,15 +30,10 @@ def save(run, *, epoch=None, step=None, final=False) -> None:
 
 
 def _save_model(run, *, epoch=None, step=None) -> None:
-    from library.training import offload as frozen
-    from library.outputs import metadata as md
-    from library.files import output_file
-    from library.outputs.train_state import saved_tensors
-
     opts, c = run.opts, run.parts
     acc = c.accelerator
     acc.wait_for_everyone()
-    meta = md.step_metadata(run.base_metadata, epoch=epoch or run.progress.epochs_done,
+    meta = metadata.step_metadata(run.base_metadata, epoch=epoch or run.progress.epochs_done,
                             step=run.progress.global_step, finished_at=time.time())
     ext = c.method.extension()
     # fsdp: every process joins the gather of the full weights; the main process writes them.
@@ -46,7 +44,7 @@ def _save_model(run, *, epoch=None, step=None) -> None:
         nonfinite.check_before_save(saved_tensors(c), path, acc)
         if acc.is_main_process:
             os.makedirs(opts.output_dir, exist_ok=True)
-            with frozen.available_for_save(c.frozen, c.method):  # a full model's file holds VAE and TEs
+            with offload.available_for_save(c.frozen, c.method):  # a full model's file holds VAE and TEs
                 _write_model(run, path, meta)
                 logger.info(f"saved {path}")
                 run.saved.append(path)
@@ -58,9 +56,6 @@ def _save_model(run, *, epoch=None, step=None) -> None:
 def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
     """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
     every process calls it), written by the main process with the method's save."""
-    from library.training import offload as frozen
-    from library.files import output_file
-
     opts, c = run.opts, run.parts
     acc = c.accelerator
     path = output_file(opts.output_dir, opts.output_name + "-ema", c.method.extension(),
@@ -70,7 +65,7 @@ def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
         meta["sdtk.ema_decay"] = str(c.ema.decay)
     with c.strategy.ema_weights(c):
         if acc.is_main_process:
-            with frozen.available_for_save(c.frozen, c.method):
+            with offload.available_for_save(c.frozen, c.method):
                 _write_model(run, path, meta, "the EMA weights were")
     if acc.is_main_process:
         logger.info(f"saved {path} (EMA, decay {c.ema.decay})")
@@ -81,8 +76,6 @@ def save_ema(run, *, epoch=None, step=None, metadata=None) -> str:
 def _write_model(run, path: str, meta: dict, what: str = "the weights were") -> None:
     """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
     system temp dir instead, and the run ends with one line saying where (library/files.py)."""
-    from library.files import SaveError, save_elsewhere
-
     def write(p):
         run.parts.method.save(p, run.opts.save_precision, meta)
 
@@ -95,8 +88,6 @@ def _write_model(run, path: str, meta: dict, what: str = "the weights were") -> 
 def _save_states(run, *, epoch=None, step=None, final=False) -> None:
     """``save_state``: a state next to each model save; ``save_state_on_train_end``: the
     final one. Then sd-scripts' rotation of old models and states."""
-    from library.outputs import train_state
-
     opts, acc = run.opts, run.parts.accelerator
     if opts.save_state or (final and opts.save_state_on_train_end):
         path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
@@ -110,8 +101,6 @@ def _save_states(run, *, epoch=None, step=None, final=False) -> None:
 def state_of_this_step(run) -> str:
     """``<output_name>-step<N>-state`` after the last completed step, written unless a save of
     this step wrote it already; returns its folder."""
-    from library.outputs import train_state
-
     opts, progress = run.opts, run.progress
     path = train_state.state_dir(opts.output_dir, opts.output_name, step=progress.global_step)
     if progress.last_state != (path, progress.global_step):
@@ -123,9 +112,6 @@ def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
     """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
     than n steps (steps) before this one."""
     import shutil
-
-    from library.outputs import train_state
-    from library.files import output_file
 
     n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
     n_state = (opts.save_last_n_epochs_state if epoch is not None

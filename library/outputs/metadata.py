@@ -10,7 +10,8 @@ import os
 from collections import Counter
 
 from library.errors import UserError
-from library.models.modelspec import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI,
+                                      modelspec_architecture)
 
 
 def tag_frequency(items) -> dict:

@@ -22,6 +22,7 @@ import time
 
 from library.errors import UserError
 from library.files import pid_alive, remove_stale_temporaries
+from library.models import loading
 
 
 class OutputPathError(UserError):
@@ -92,6 +93,7 @@ def save_bytes(opts, method_name: str) -> tuple[int, str]:
     """(bytes, what) one save writes at once: the model file (or network), its EMA twin, and with
     save_state a state (trained weights in float32, the EMA copy, the optimizer state). From the
     run's parameter counts (memory_estimate.saved_parameters: the model built on fake tensors)."""
+    # lazy: the path checks run before torch is imported
     from library.training import memory_estimate
 
     saved, trained_shapes = memory_estimate.saved_parameters(opts, method_name)
@@ -119,6 +121,7 @@ def _numel(shape) -> int:
 
 
 def _save_dtype_bytes(opts) -> int:
+    # lazy: the path checks run before torch is imported
     import torch
 
     from library.training.methods import _dtype
@@ -145,16 +148,14 @@ def quick_upper_bound(opts) -> int | None:
     """A bound on ``save_bytes`` from the size of the model on disk, without building anything
     (None when unknown: the full-size built-ins, hub ids). A file holds at least one byte per
     parameter (fp8), so four times its size bounds its float32 size."""
-    from library.models import loading as models
-
-    src = models.resolve_model_source(opts.pretrained_model_name_or_path)
+    src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
-        base = TINY_MODEL_BYTES if src.location in models.TINY_BUILTINS else None
+        base = TINY_MODEL_BYTES if src.location in loading.TINY_BUILTINS else None
     elif src.kind == "single_file":
         base = 4 * os.path.getsize(src.location)
     elif src.kind == "diffusers":
         base = 4 * sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(src.location)
-                       for f in files if f.endswith(models.WEIGHT_SUFFIXES))
+                       for f in files if f.endswith(loading.WEIGHT_SUFFIXES))
     else:
         base = None
     return None if base is None else SAVE_BOUND_FACTOR * base + 64 * 1024 ** 2
@@ -165,6 +166,7 @@ def check_free_space(opts, method_name: str, log) -> None:
     so an overwrite needs the full size too. An estimate that cannot be made is logged, not fatal.
     When the free space exceeds a bound from the model's size on disk, the exact count (which
     builds the model on fake tensors, a second or more) is not needed."""
+    # lazy: the path checks run before torch is imported
     from library.training.memory_estimate import EstimateUnavailable
 
     have = disk_free(os.path.abspath(os.path.expanduser(opts.output_dir)))

@@ -45,9 +45,16 @@ import re
 import shutil
 import time
 
-from library.config.options import METHOD_OF_SCRIPT
+from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
+from library.distributed import accelerator
 from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
 from library.errors import ResumeError, first_line
+from library.files import SaveError, atomic_dir, output_file, save_elsewhere
+from library.outputs import content_hash
+from library.training import nonfinite
+from library.training.ema import STATE_FILE
+from library.training.nonfinite import first_nonfinite
+from library.training.progress import Progress
 
 STATE_VERSION = 1
 INFO_FILE = "state.json"
@@ -107,8 +114,6 @@ def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
               step: int | None = None) -> str:
     """sd-scripts' state folder names, next to the model files of the same save: the model's
     name with ``-state`` for its extension."""
-    from library.files import output_file
-
     return output_file(output_dir, output_name, "-state", epoch=epoch, step=step)
 
 
@@ -261,8 +266,6 @@ def _json(v):
 
 def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
     """Raise ResumeError naming the first thing that differs between the state and this run."""
-    from library.config.options import OPTIONS_BY_NAME
-
     saved, now = info["config"], _json(opts.to_dict())
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
@@ -317,7 +320,6 @@ def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
             f".py ({saved_method}), this is {script.get(method_name, method_name)}.py; resume it "
             "with the script that wrote it")
     check_resumable(info, path, opts, plan, tset)
-    from library.outputs import content_hash
 
     # the content of the model files and images (after the data check has named any new path)
     content_hash.check(info.get("content"), opts, tset, path, log)
@@ -419,17 +421,14 @@ def write_state(run, path: str, log) -> None:
     and progress after its last completed step) to ``path``. Every process calls this; the main
     process writes the folder, atomically; the strategy's part (fsdp shards, DeepSpeed's
     partitions) is written by every process into the same temporary folder."""
-    from library.distributed import accelerator as distributed
-
     c = run.parts
     acc, strategy = c.accelerator, c.strategy
     stepper_state = c.stepper.state_dict()  # every process (a sharded stepper may gather)
-    from library.training import nonfinite
 
     # nothing non-finite is written, and no good state replaced by it (every process checks)
     nonfinite.check_before_save(saved_tensors(c) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
-    rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
+    rngs = _gather_objects(rng_state()) if accelerator._is_multi_process() else [rng_state()]
     if strategy.state_dir is not None:  # the strategy's own part, written by every process
         with _shared_atomic_dir(path, acc) as tmp:
             strategy.save_process_state(tmp, named_trainable(c), c)
@@ -446,8 +445,6 @@ def write_state(run, path: str, log) -> None:
 def _write_single(path: str, write_files) -> None:
     """A state only the main process writes; when it cannot be written (disk full, read-only),
     a rescue copy in the system temp dir and one line saying where, as for the model file."""
-    from library.files import SaveError, atomic_dir, save_elsewhere
-
     def write(p):
         with atomic_dir(p) as tmp:
             write_files(tmp)
@@ -463,10 +460,7 @@ def _write_single(path: str, write_files) -> None:
 def _shared_atomic_dir(path: str, acc):
     """``atomic_dir`` that every process writes into: the main process makes the temporary
     folder and tells the others its name; it is renamed into place after all have written."""
-    from library.distributed import accelerator as distributed
-    from library.files import atomic_dir
-
-    multi = distributed._is_multi_process()
+    multi = accelerator._is_multi_process()
     if acc.is_main_process:
         with atomic_dir(path) as tmp:
             if multi:
@@ -492,8 +486,6 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from library.outputs import content_hash
-
     plan, opts, c, progress = run.plan, run.opts, run.parts, run.progress
     flags = c.strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
     info = {
@@ -515,8 +507,6 @@ def _write_files(run, tmp: str, stepper_state: dict, rngs: list) -> None:
                    for n, p in named_trainable(c)}
         save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
         if c.ema is not None:
-            from library.training.ema import STATE_FILE
-
             save_file(c.ema.state_tensors([n for n, _ in named_trainable(c)]),
                       os.path.join(tmp, STATE_FILE))
     torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
@@ -587,7 +577,6 @@ def _load_weights(c, path: str, named: list) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
-    from library.training.nonfinite import first_nonfinite
 
     bad = first_nonfinite(weights.items())
     if bad is not None:
@@ -606,8 +595,6 @@ def _load_weights(c, path: str, named: list) -> None:
                                   f"{tuple(p.shape)} in this run")
             p.copy_(w.to(p.device, p.dtype))
     if c.ema is not None:
-        from library.training.ema import STATE_FILE
-
         f = os.path.join(path, STATE_FILE)
         if not os.path.isfile(f):
             raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
@@ -615,8 +602,6 @@ def _load_weights(c, path: str, named: list) -> None:
 
 
 def _load_rest(run, info: dict, rng: dict, log):
-    from library.training.progress import Progress
-
     acc = run.parts.accelerator
     resync_lr(run.parts.stepper)
     ranks = rng["ranks"]

@@ -27,11 +27,15 @@ import os
 import time
 
 from library.config import leco_prompts
+from library.data.step_plan import derive_seed
+from library.distributed import accelerator
 from library.errors import UserError
+from library.files import output_file
 from library.log import logger, setup_logging
-from library.models import family, inpainting
-from library.models import loading
+from library.models import family, inpainting, loading, modelspec, placement
 from library.models.family import TextConditioning
+from library.outputs import metadata, output_checks
+from library.training import losses, methods, optim
 
 
 class LecoError(UserError, ValueError):
@@ -50,8 +54,6 @@ class LecoRun:
 
 def check_options(opts) -> None:
     """Before any weight loads."""
-    from library.distributed import accelerator
-
     if accelerator.launched_world_size() > 1:
         raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
                         "shard): launch it without --num_processes / --nproc_per_node")
@@ -67,12 +69,6 @@ def run(opts) -> LecoRun:
     setup_logging()
     import torch
     from accelerate.utils import set_seed
-
-    from library.distributed import accelerator
-    from library.models import placement
-    from library.outputs import output_checks
-    from library.files import output_file
-    from library.training import methods, optim
 
     started = time.time()
     check_options(opts)
@@ -195,8 +191,6 @@ def draw(opts, settings, step: int) -> Draw:
     """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
     import torch
 
-    from library.data.step_plan import derive_seed
-
     g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
     s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
     stop = int(torch.randint(1, opts.max_denoising_steps, (1,), generator=g))
@@ -268,8 +262,6 @@ def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
     positive, neutral, unconditional, target, prediction}."""
     import torch
 
-    from library.training import losses
-
     s = d.setting
     device = next(bundle.unet.parameters()).device
     dtype = next(bundle.unet.parameters()).dtype
@@ -309,9 +301,6 @@ def leco_loss(bundle, adapter, network, sampler, prompts: dict, d: Draw, opts):
 def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
     """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
     import datetime
-
-    from library.models import modelspec
-    from library.outputs import metadata
 
     h, w = settings[0].resolution
     out = {

@@ -18,14 +18,15 @@ import functools
 import logging
 import signal
 
-from library.distributed.strategy import SKIP, ZERO_WEIGHT
-from library.training import nonfinite
-from library.training import step_sync
-from library.outputs import progress_stream
-from library.outputs import checkpoints
 from library.data import step_plan
-from library.run.run_state import HOOKS
+from library.data.training_data import ImageLoader, loader_workers
+from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.errors import NonFiniteStop, TrainingInterrupted
+from library.log import seconds_since_process_start
+from library.outputs import checkpoints, progress_stream
+from library.run.run_state import HOOKS
+from library.training import nonfinite, step_sync
+from library.training.network_options import max_norm_postfix
 
 logger = logging.getLogger("sdtk")
 
@@ -36,8 +37,6 @@ BAR_READ_EVERY = 10
 
 def train(run) -> None:
     from tqdm.auto import tqdm
-
-    from library.data.training_data import ImageLoader, loader_workers
 
     opts, c, plan, progress = run.opts, run.parts, run.plan, run.progress
     acc, strategy, stepper = c.accelerator, c.strategy, c.stepper
@@ -138,8 +137,6 @@ def train(run) -> None:
             progress.samples_seen += len(gb.indices)
             progress.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
             if progress.global_step == 1:
-                from library.log import seconds_since_process_start
-
                 logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
             progress.loss_log.append(step_loss)
             progress.lr_log.append(step_lr)
@@ -147,8 +144,6 @@ def train(run) -> None:
             bar.update(1)
             if progress.max_norm_stats is not None and (
                     not norm_postfix or progress.global_step % BAR_READ_EVERY == 0):
-                from library.training.network_options import max_norm_postfix
-
                 # device statistics: read for the bar only every BAR_READ_EVERY steps
                 norm_postfix = max_norm_postfix(progress.max_norm_stats)
             bar.set_postfix(**norm_postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")

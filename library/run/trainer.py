@@ -11,11 +11,18 @@ from __future__ import annotations
 import os
 import time
 
-from library.distributed import accelerator as distributed
+from library.data import debug_dataset
+from library.distributed import accelerator, deepspeed_zero
+from library.errors import UserError
 from library.log import logger, setup_logging
-from library.training.plan import plan_run, print_plan
+from library.models import family, inpainting, loading
+from library.outputs import metadata, output_checks
 from library.run.run_state import Components
+from library.training import ema, host_memory, losses, offload
+from library.training.compile_unet import compile_unet
+from library.training.plan import plan_run, print_plan
 from library.training.progress import Progress
+from library.training.stop_signals import StopSignals
 
 
 class Run:
@@ -38,32 +45,28 @@ class Run:
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
         """Checks that need imports but no weights (library/run/run_checks.py)."""
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.run import run_checks
 
         run_checks.check_before_loading(self.opts, self.method_name, self.plan)
 
     def load(self):
+        # lazy: the plan and the checks before loading come before torch is imported
         from accelerate.utils import set_seed
 
-        from library.models import family
-        from library.models import inpainting
         from library.data import latent_cache
-        from library.training import losses
-        from library.models import loading as models
         from library.training import network_options
 
         opts, c = self.opts, self.parts
-        c.accelerator = acc = distributed.accelerator_for(opts)
+        c.accelerator = acc = accelerator.accelerator_for(opts)
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
         if acc.device.type == "cpu":
-            from library.training import host_memory
-
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
         set_seed(opts.seed)
-        c.bundle = b = models.load_from_options(opts)
+        c.bundle = b = loading.load_from_options(opts)
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
@@ -75,14 +78,14 @@ class Run:
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
-        models.set_attention(b, opts)
+        loading.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
         c.losses = losses.Losses(opts, b.noise_scheduler, b.v_parameterization)
 
     def setup_method(self):
+        # lazy: the plan and the checks before loading come before torch is imported
         import torch
 
-        from library.training import ema
         from library.models import placement
         from library.distributed import strategy
         from library.outputs import tracking
@@ -107,8 +110,6 @@ class Run:
         groups = c.method.setup()
         c.adapter.rewrite = c.method.prompt_rewrite()  # new tokens' N-vector expansion
         if not any(p.requires_grad for g in groups for p in g["params"]):
-            from library.errors import UserError
-
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
         if c.method.network is not None:
@@ -123,7 +124,7 @@ class Run:
         for te in b.text_encoders:
             te.train(c.method.train_text_encoder)
         if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
-            from library.training.compile_unet import compile_unet
+            # lazy: the plan and the checks before loading come before torch is imported
             from library.training.stepper import fused_mode
 
             # a fused stepper steps in each gradient's hook: one graph per block, not one for all
@@ -147,8 +148,8 @@ class Run:
     def cache(self):
         """Latents and, with cache_text_encoder_outputs, text-encoder outputs
         (library/data/cache_stage.py); then the parts no longer needed leave the device."""
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.data import cache_stage
-        from library.training import offload as frozen
 
         opts, c = self.opts, self.parts
         if opts.cache_latents or opts.cache_latents_to_disk:
@@ -160,7 +161,7 @@ class Run:
             c.validation.encode_held_out(c.bundle.vae, c.accelerator.device, c.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
-        c.frozen = frozen.release_after_caching(opts, c, logger)
+        c.frozen = offload.release_after_caching(opts, c, logger)
 
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int,
                         step: int | None = None):
@@ -168,11 +169,13 @@ class Run:
         return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.run import loop
 
         loop.train(self)
 
     def save(self, *, epoch=None, step=None, final=False):
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.outputs import checkpoints
 
         checkpoints.save(self, epoch=epoch, step=step, final=final)
@@ -181,26 +184,22 @@ class Run:
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging()
-    from library.distributed import deepspeed_zero as zero
-    from library.outputs import output_checks, train_state
-
-    opts = zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
-    processes = distributed.launched_world_size()
+    opts = deepspeed_zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
+    processes = accelerator.launched_world_size()
     opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
     r.tset, r.plan = tset, plan
     main = int(os.environ.get("RANK", "0")) == 0
     resume = None
     if opts.resume:  # checked before any weight loads
+        # lazy: the plan and the checks before loading come before torch is imported
+        from library.outputs import train_state
+
         resume = train_state.check_resume(opts, method_name, plan, tset, logger)
     output_checks.check_name(opts.output_name)  # a dry run too: "" would write ".safetensors"
     if opts.debug_dataset:  # sd-scripts: show the dataset, then exit without training
         if main:
-            from library.data import debug_dataset
-
             if not opts.output_dir:
-                from library.errors import UserError
-
                 raise UserError("debug_dataset: output_dir is required (the contact sheet is "
                                 "written there)")
             path = os.path.join(opts.output_dir, f"{opts.output_name}_debug_dataset.png")
@@ -210,6 +209,7 @@ def run(opts, method_name: str) -> Run | None:
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
         r.validate()  # optimizer, network module, combinations: a dry run stops on them too
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.training import memory_estimate
 
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
@@ -234,19 +234,18 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     r.setup_method()
     r.cache()
     if resume:
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.outputs import train_state
 
         # again: the joined job's plan may differ from the launcher's
         resume = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
         r.progress = train_state.load_state(r, *resume, logger)
-    from library.outputs import metadata as md
 
-    r.base_metadata = md.build_metadata(
+    r.base_metadata = metadata.build_metadata(
         opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
         network_info=c.method.info)
-    from library.training.stop_signals import StopSignals
 
     with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
         r.train()

@@ -23,9 +23,11 @@ Two dataset-config keys act on the network here, as in sd-scripts' train_network
 """
 from __future__ import annotations
 
-from library.data import step_plan
-from library.models import inpainting
+from library.data import images, latent_cache, step_plan, text_cache
 from library.data.latent_cache import latent_slot
+from library.errors import UserError
+from library.models import inpainting
+from library.models.family import TextConditioning
 
 
 class BatchLoss:
@@ -37,8 +39,6 @@ class BatchLoss:
         acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
         net = c.method.network
         if acts and net is not None and not hasattr(net, "set_multiplier"):
-            from library.errors import UserError
-
             raise UserError(f"network_module {opts.network_module}: its network has no "
                             "set_multiplier(), which network_multiplier per dataset and "
                             "diff_output_preservation need")
@@ -77,8 +77,6 @@ class BatchLoss:
     def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
         import torch
-
-        from library.models.family import TextConditioning
 
         c = self.c
         net = c.method.network
@@ -132,8 +130,6 @@ class BatchLoss:
         for this epoch picks the variant."""
         import torch
 
-        from library.data import latent_cache
-
         c = self.c
         device, cache = c.accelerator.device, c.caches
         lat, size, inpaint = [], [], None
@@ -163,8 +159,6 @@ class BatchLoss:
         image without a mask. None when no image of the run has a mask."""
         import torch
 
-        from library.data import images
-
         if not self.tset.masked:
             return None
         cache = self.c.caches
@@ -182,8 +176,6 @@ class BatchLoss:
         """The text conditioning of this process's samples (called under autocast): from the
         text-encoder cache, or encoded now (with gradients when the text encoders train)."""
         import torch
-
-        from library.data import text_cache
 
         c, opts = self.c, self.opts
         if c.caches.text is not None:

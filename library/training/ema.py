@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from library.errors import ResumeError
+
 logger = logging.getLogger("sdtk")
 
 STATE_FILE = "ema.safetensors"
@@ -62,8 +64,6 @@ class EMA:
 
     def load_tensors(self, tensors: dict, names: list[str], where: str) -> None:
         import torch
-
-        from library.errors import ResumeError
 
         missing = [n for n in names if n not in tensors]
         if missing or len(tensors) != len(names):

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 
+from library.distributed.accelerator import _is_multi_process
 from library.errors import NonFiniteStop, UserError
+from networks.lora import LoRAError, load_state_dict_file
 
 MODES = ("stop", "skip")
 
@@ -51,8 +53,6 @@ def first_nonfinite(named) -> str | None:
 
 def check_file(path: str, what: str) -> None:
     """``what`` (the option naming it): the file's first non-finite tensor is an error."""
-    from networks.lora import LoRAError, load_state_dict_file
-
     try:
         sd = load_state_dict_file(path)
     except LoRAError:
@@ -81,8 +81,6 @@ def check_options(opts) -> None:
 def agree_flag(flag: bool, accelerator) -> bool:
     """True in every process when ``flag`` is true in any (one tiny all-reduce; the
     accelerator's device is read only then)."""
-    from library.distributed.accelerator import _is_multi_process
-
     if not _is_multi_process():
         return bool(flag)
     import torch

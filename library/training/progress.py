@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.training.network_options import host_stats
-
 
 @dataclass(slots=True)
 class Progress:
@@ -26,6 +24,9 @@ class Progress:
     def state_dict(self) -> dict:
         """Every field, JSON-ready (a training state's ``state.json`` holds these keys; the
         position as its ``epoch`` / ``batch``). The max-norm statistics are read to the host."""
+        # lazy: the record is made before torch is imported (the statistics' module imports it)
+        from library.training.network_options import host_stats
+
         epoch, batch = self.position
         stats = None if self.max_norm_stats is None else list(host_stats(self.max_norm_stats))
         return {"global_step": self.global_step, "epoch": epoch, "batch": batch,

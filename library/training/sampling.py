@@ -25,7 +25,11 @@ import json
 import logging
 import os
 
+from library import text_files
+from library.data import images, inpaint_masks
 from library.errors import UserError
+from library.models import inpainting
+from library.training import validation
 
 logger = logging.getLogger("sdtk")
 
@@ -112,7 +116,6 @@ def load_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise SamplingError(f"sample_prompts: no such file: {path}")
     ext = os.path.splitext(path)[1].lower()
-    from library import text_files
 
     text = text_files.read(path, SamplingError, "sample_prompts")
     if ext == ".toml":
@@ -211,9 +214,6 @@ def inpaint_inputs(p: dict, seed: int):
 
     from PIL import Image
 
-    from library.data import images
-    from library.data import inpaint_masks
-
     w, h = p["width"], p["height"]
     if p["image"] is None:
         return Image.new("RGB", (w, h), (128, 128, 128)), Image.new("L", (w, h), 255)
@@ -231,8 +231,6 @@ def sample_images(opts, c, step: int) -> list[str]:
     returns the files written."""
     import torch
 
-    from library.training import validation
-
     acc = c.accelerator
     prompts = load_prompts(opts.sample_prompts)
     config = c.bundle.noise_scheduler.config
@@ -247,7 +245,6 @@ def sample_images(opts, c, step: int) -> list[str]:
                 c.frozen.available():
             for root in mods:
                 root.eval()
-            from library.models import inpainting
 
             inpaint = inpainting.is_inpainting(c.bundle.unet)
             pipe = _pipeline(c.bundle, inpaint)

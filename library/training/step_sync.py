@@ -22,6 +22,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from library.distributed import accelerator
+from library.training.stop_signals import COMMANDS, StopSignals
+
 
 class StepRead(NamedTuple):
     loss: float           # the global batch's loss (sum over micro-steps and processes)
@@ -66,9 +69,7 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None,
     commands) in a fixed order, ``requested`` those this process asks for (the main process
     reads the control file): a request any process made is agreed by all, in ``names`` order.
     With one process and nothing to read, no device work at all."""
-    from library.distributed import accelerator as distributed
-
-    multi = distributed._is_multi_process()
+    multi = accelerator._is_multi_process()
     if summed is None and along is None and not multi:
         return [], [], signum, _in_order(requested, names)
     import torch
@@ -112,9 +113,6 @@ def agree(signals, device, loss_sum, norm=None, requested: tuple = ()) -> StepRe
     """The step's read (see the module docstring), every process once per step: with the
     signal pending in ``signals`` (stop_signals.StopSignals; None: no signal) and the
     control_file commands this process read (``requested``: the main process's)."""
-    from library.training.stop_signals import COMMANDS
-    from library.training.stop_signals import StopSignals
-
     signum = 0 if signals is None else signals.signum
     sums, along, stop, commands = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm,
                                            tuple(requested), COMMANDS)

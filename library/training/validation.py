@@ -32,7 +32,11 @@ from __future__ import annotations
 
 import logging
 
+from library.data import images, inpaint_masks, latent_cache, text_cache
 from library.data.held_out import ValidationError, caption, place_in_dataset
+from library.data.step_plan import derive_seed
+from library.models import inpainting
+from library.training import losses
 
 logger = logging.getLogger("sdtk")
 
@@ -93,9 +97,6 @@ class Validation:
         """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
         import torch
 
-        from library.data import images
-        from library.data import latent_cache
-
         key = _key(item)
         if key not in self._latents:
             img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
@@ -116,10 +117,6 @@ class Validation:
         import random
 
         import torch
-
-        from library.data import inpaint_masks
-        from library.data import latent_cache
-        from library.models import inpainting
 
         h, w = pix.shape[2:]
         rng = random.Random(_derive("val-inpaint", _seed(self.opts), place_in_dataset(item)))
@@ -151,9 +148,6 @@ class Validation:
         """The mean validation loss over every held-out image and timestep (all processes), with
         the run's components ``c`` (the batch loss of training: library/training/batch_loss.py)."""
         import torch
-
-        from library.training import losses
-        from library.data import text_cache
 
         acc, opts, items = c.accelerator, self.opts, self.items
         ts = timesteps(c.losses)
@@ -202,8 +196,6 @@ class Validation:
 
 
 def _derive(*key) -> int:
-    from library.data.step_plan import derive_seed
-
     return derive_seed(*key)
 
 

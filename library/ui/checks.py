@@ -22,17 +22,15 @@ import tomllib
 
 import toml
 
-from library.config.options import METHOD_OF_SCRIPT
-from library.config.options import IMAGE_SCRIPTS, OPTIONS_BY_NAME
+from library.config.options import IMAGE_SCRIPTS, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import parse_args
 from library.distributed import deepspeed_zero
 from library.errors import UserError
 from library.models import prompt_weights
-from library.outputs import output_checks
-from library.outputs import train_state
+from library.outputs import output_checks, train_state
+from library.run import run_checks
 from library.training import memory_estimate
 from library.training.plan import plan_for, plan_run
-from library.run import run_checks
 
 PROCESS_COUNTS = (1, 2, 4, 8)
 CONFIG_NAME = "config"
