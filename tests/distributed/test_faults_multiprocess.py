@@ -20,9 +20,9 @@ def _worker(argv: list[str]) -> int:
     """Launched by accelerate: train_lora where rank 0's final model save fails (disk full)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from library.training import trainer
+    from library.run import trainer
     from library.cli import main
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     real = trainer.Run._write_model
 
