@@ -23,6 +23,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from library import cli  # noqa: E402
+from library.data import cache_stage  # noqa: E402
+from library.run import trainer  # noqa: E402
+from library.training.batch_loss import BatchLoss  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -52,10 +57,6 @@ class Timers:
 def timed_calls() -> list[tuple[object, str, str]]:
     """What is timed, as (owner, attribute, key): the cache stage's two caches, a micro-step's
     latents and text conditioning, the training loop."""
-    from library.data import cache_stage
-    from library.training import trainer
-    from library.training.batch_loss import BatchLoss
-
     return [(cache_stage, "latents", "cache_latents"), (cache_stage, "text", "cache_text"),
             (BatchLoss, "_latents", "sample_latents"), (BatchLoss, "_text", "text_conditioning"),
             (trainer.Run, "train", "train")]
@@ -79,9 +80,6 @@ def write_dataset(folder: str, n: int, size: int) -> None:
 def one_run(args_list, timers):
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from library.training import trainer
-    from library.cli import main
-
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -94,7 +92,7 @@ def one_run(args_list, timers):
 
     trainer.run = spy
     try:
-        rc = main("train_lora", args_list)
+        rc = cli.main("train_lora", args_list)
     finally:
         trainer.run = real_run
     if rc != 0:

@@ -47,9 +47,13 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import sd_scripts_launch, step_timer  # noqa: E402
+from library.distributed import strategy  # noqa: E402
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Per gradient strategy: extra trainer options, and whether the DDP strategy runs PyTorch's
 # DistributedDataParallel ("ddp", the trainer's engine) or the old synchronous bucketed sum after
@@ -91,8 +95,6 @@ def sum_after_backward_ddp():
     """The DDP strategy of the path before DistributedDataParallel: no reducer, the plain
     stepper sums the gradients after the backward (``BucketedSum``, chosen by the strategy's
     ``make_stepper``). A subclass of the trainer's, for this benchmark's "sum" column only."""
-    from library.distributed import strategy
-
     class SumAfterBackward(strategy.DDP):
         def uses_reducer(self, opts) -> bool:
             return False
@@ -101,10 +103,6 @@ def sum_after_backward_ddp():
 
 
 def ours_worker(a) -> list:
-    import step_timer
-
-    from library.distributed import strategy
-
     production = strategy.DDP
     if not STRATEGIES[a.strategy]["reducer"]:
         # this worker process only: for_run builds the benchmark's DDP subclass
@@ -175,15 +173,13 @@ def sd_scripts_args(method: str, model: str, tokenizers: str, data: str, out: st
 def sd_scripts_run(path: str, python: str, method: str, procs: int, data: str, work: str, a) -> dict:
     """sd-scripts' train_db.py / train_network.py under accelerate launch: rank 0's step times and
     trainable parameter count (benchmarks/sd_scripts_launch.py)."""
-    import sd_scripts_launch as sdl
-
-    model = sdl.random_weights_file(work, "sd15")
-    tokenizers = sdl.tokenizer_cache(work)
+    model = sd_scripts_launch.random_weights_file(work, "sd15")
+    tokenizers = sd_scripts_launch.tokenizer_cache(work)
     out = os.path.join(work, f"sd-{method}-{procs}")
-    cmd = sdl.command(python, path, SD_SCRIPTS_ENTRY[method], sd_scripts_args(method, model, tokenizers, data, out, a),
+    cmd = sd_scripts_launch.command(python, path, SD_SCRIPTS_ENTRY[method], sd_scripts_args(method, model, tokenizers, data, out, a),
                       procs, _free_port())
     try:
-        return sdl.run(cmd, cwd=path, env=sdl.clean_env({"OMP_NUM_THREADS": "1"}))
+        return sd_scripts_launch.run(cmd, cwd=path, env=sd_scripts_launch.clean_env({"OMP_NUM_THREADS": "1"}))
     finally:
         shutil.rmtree(out, ignore_errors=True)  # a DreamBooth output is a 4 GB checkpoint
 
@@ -236,15 +232,13 @@ def main(argv=None) -> int:
             with open(a.result, "w", encoding="utf-8") as f:
                 json.dump(result, f)
         return 0
-    import sd_scripts_launch as sdl
-
     try:
-        sdl.check_paths(a.sd_scripts, a.sd_scripts_python, "train_db.py")
+        sd_scripts_launch.check_paths(a.sd_scripts, a.sd_scripts_python, "train_db.py")
         if a.sd_scripts and a.warmup < 1:
-            raise sdl.SdScriptsError("--warmup 0 with --sd-scripts: sd-scripts' first step has no start "
+            raise sd_scripts_launch.SdScriptsError("--warmup 0 with --sd-scripts: sd-scripts' first step has no start "
                                      "mark (see benchmarks/sd_scripts_launch.py); use --warmup 1 or more")
-        missing = sdl.missing_modules(a.sd_scripts_python or sys.executable) if a.sd_scripts else []
-    except sdl.SdScriptsError as e:
+        missing = sd_scripts_launch.missing_modules(a.sd_scripts_python or sys.executable) if a.sd_scripts else []
+    except sd_scripts_launch.SdScriptsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="sdtk-ddp-bench-")
@@ -255,9 +249,6 @@ def main(argv=None) -> int:
 
 
 def _measure(a, work: str, missing: list) -> int:
-    import step_timer  # (puts the repo root on sys.path)
-    from tools.make_sample_dataset import make_sample_dataset
-
     n = 2 * a.batch * (a.warmup + a.steps)  # enough samples for every step of 2 processes
     data = os.path.dirname(make_sample_dataset(os.path.join(work, "data"), n_images=n, size=64, repeats=1))
     rows = []

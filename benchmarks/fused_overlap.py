@@ -32,6 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.config.parse import options_from_values  # noqa: E402
+from library.training.stepper import make_stepper  # noqa: E402
+
 
 class _Accelerator:
     """The one Accelerator call a stepper makes for a plain module."""
@@ -69,9 +72,6 @@ class _Run:
 
     def __init__(self, rank, extra, args):
         import torch
-
-        from library.config.parse import options_from_values
-        from library.training.stepper import make_stepper
 
         self.args, self.block = args, _block(args.channels)
         self.params = list(self.block.parameters())

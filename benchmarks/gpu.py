@@ -35,9 +35,12 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import step_timer  # noqa: E402  (benchmarks/step_timer.py; puts the repo root on sys.path)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import sd_scripts_launch, step_timer  # noqa: E402
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
 PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("GH200", 989.4),
@@ -139,15 +142,13 @@ def sd_scripts_args(name: str, model: str, tokenizers: str, data: str, out: str,
 def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict:
     """One LoRA case through sd-scripts on the same random weights (a single file written once
     per architecture): it/s over the steps after ``warmup`` (benchmarks/sd_scripts_launch.py)."""
-    import sd_scripts_launch as sdl
-
     script, arch, size, batch = CASES[name]
     if script != "train_lora":
         return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
-    entry, args = sd_scripts_args(name, sdl.random_weights_file(work, arch), sdl.tokenizer_cache(work),
+    entry, args = sd_scripts_args(name, sd_scripts_launch.random_weights_file(work, arch), sd_scripts_launch.tokenizer_cache(work),
                                   data, os.path.join(work, f"sd-{name}"), steps)
     try:
-        r = sdl.run(sdl.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sdl.clean_env({}))
+        r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sd_scripts_launch.clean_env({}))
     except RuntimeError as e:
         return {"case": name, "sd_scripts": f"failed: {e}"}
     timed = r["times"][max(warmup - 1, 0):] or r["times"][-1:]  # r["times"] starts at step 2
@@ -196,18 +197,16 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import sd_scripts_launch as sdl
-
     try:
-        sdl.check_paths(args.sd_scripts, args.sd_scripts_python, "train_network.py")
+        sd_scripts_launch.check_paths(args.sd_scripts, args.sd_scripts_python, "train_network.py")
         if args.sd_scripts and args.dry_run:
-            raise sdl.SdScriptsError("--sd-scripts with --dry-run: sd-scripts cannot load the tiny models "
+            raise sd_scripts_launch.SdScriptsError("--sd-scripts with --dry-run: sd-scripts cannot load the tiny models "
                                      "(it builds the full-size architectures)")
         python = args.sd_scripts_python or sys.executable
-        missing = sdl.missing_modules(python) if args.sd_scripts else []
+        missing = sd_scripts_launch.missing_modules(python) if args.sd_scripts else []
         if missing:
-            raise sdl.SdScriptsError(f"--sd-scripts: {python} lacks {', '.join(missing)}")
-    except sdl.SdScriptsError as e:
+            raise sd_scripts_launch.SdScriptsError(f"--sd-scripts: {python} lacks {', '.join(missing)}")
+    except sd_scripts_launch.SdScriptsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
@@ -219,7 +218,6 @@ def main(argv=None) -> int:
         return 2
     steps, warmup = (1, 0) if args.dry_run else (args.steps + args.warmup, args.warmup)
     names = args.only or list(CASES)
-    from tools.make_sample_dataset import make_sample_dataset
 
     work = args.work or tempfile.mkdtemp(prefix="sdtk-gpu-bench-")
     device = torch.cuda.get_device_name() if cuda else "cpu (dry run)"

@@ -30,6 +30,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
+
 TIME_KEYS = ("ss_training_started_at", "ss_training_finished_at", "modelspec.date", "saved_at")
 COMMON = ["--pretrained_model_name_or_path", "tiny-sd15", "--resolution", "64",
           "--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state", "--seed", "7"]
@@ -132,9 +137,6 @@ def manifest_of(out: str, root: str) -> dict:
 
 
 def cmd_run(a) -> None:
-    sys.path.insert(0, ROOT)
-    from tools.make_sample_dataset import make_sample_dataset
-
     os.makedirs(a.out, exist_ok=True)
     data = os.path.join(a.out, "data")
     make_sample_dataset(data, n_images=2, size=64, repeats=2)

@@ -22,6 +22,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from library.config.parse import parse_args  # noqa: E402
+from library.training import memory_estimate  # noqa: E402
+from library.training.memory_estimate import GIB  # noqa: E402
+from tools import memory_benchmark  # noqa: E402
+from tools.memory_benchmark import variant_flags  # noqa: E402
+
 # (name, role, method, network_dim, resolution, batch, variant of tools/memory_benchmark.py)
 CASES = [
     ("ft-fused-256-b1", "calibration", "finetune", None, 256, 1, "fused"),
@@ -52,10 +58,6 @@ def bench_argv(case, out: str, threads: int, model: str) -> list[str]:
 
 def estimate_for(case, model: str):
     """The estimate of the options tools/memory_benchmark.py gives the entry script."""
-    from library.training import memory_estimate
-    from library.config.parse import parse_args
-    from tools.memory_benchmark import variant_flags
-
     _, _, method, dim, res, batch, variant = case
     script = "train_dreambooth" if method == "finetune" else "train_lora"
     argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", ROOT,
@@ -82,8 +84,6 @@ def main(argv=None) -> int:
     store = os.path.join(args.out, "measured.json")
     measured = json.load(open(store)) if os.path.isfile(store) else {}
     if not args.compare:
-        from tools import memory_benchmark
-
         for case in cases:
             bargv = bench_argv(case, args.out, args.threads, args.model)
             rc = memory_benchmark.main(bargv)
@@ -94,7 +94,6 @@ def main(argv=None) -> int:
                                  "rc": rc, "command": "python tools/memory_benchmark.py " + " ".join(bargv)}
             with open(store, "w") as f:
                 json.dump(measured, f, indent=1)
-    from library.training.memory_estimate import GIB
 
     lines = ["| case | role | estimate (GiB) | measured (GiB) | error |", "|---|---|---|---|---|"]
     worst = 0.0

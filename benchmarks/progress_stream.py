@@ -23,6 +23,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.step_timer import timed_run  # noqa: E402
+from library.outputs import progress_stream  # noqa: E402
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 
 def main() -> None:
@@ -31,9 +33,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     import torch
-
-    from library.outputs import progress_stream
-    from tools.make_sample_dataset import make_sample_dataset
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="sdtk-progress-bench-")

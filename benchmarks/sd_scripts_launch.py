@@ -34,6 +34,14 @@ import re
 import subprocess
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make the repository root importable
+    sys.path.insert(0, ROOT)
+
+from library.models import loading  # noqa: E402
+from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
+from library.models.sd_checkpoint import save_single_file  # noqa: E402
+
 # Top-level modules sd-scripts' train_db.py / train_network.py (and its library) import.
 SD_SCRIPTS_MODULES = ("torch", "torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
                       "einops", "safetensors", "toml", "voluptuous", "imagesize", "huggingface_hub")
@@ -85,10 +93,7 @@ def random_weights_file(work: str, arch: str) -> str:
     in ``work``, written once: the model sd-scripts loads, the same weights as our rows."""
     path = os.path.join(work, f"{arch}-arch.safetensors")
     if not os.path.exists(path):
-        from library.models import loading as models
-        from library.models.sd_checkpoint import save_single_file
-
-        bundle = models.load_model_bundle(f"{arch}-arch")
+        bundle = loading.load_model_bundle(f"{arch}-arch")
         save_single_file(bundle.components(), bundle.family, path, embed_config=False)
     return path
 
@@ -97,8 +102,6 @@ def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
     id it looks for, so it never goes to the hub."""
     import shutil
-
-    from library.models.loading import SHIPPED_TOKENIZER
 
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:

@@ -29,6 +29,14 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make the repository root importable
+    sys.path.insert(0, ROOT)
+
+from library.models import sd_checkpoint  # noqa: E402
+from library.models.tiny_models import build_tiny_components  # noqa: E402
+from networks import lora  # noqa: E402
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
+
 
 # Run before an sd-scripts script; argv: the script, then its arguments.
 PRELUDE = '''\
@@ -153,10 +161,6 @@ class Runner:
 
 def make_inputs(r: Runner, arch: str, steps: int) -> dict:
     import torch
-    from library.models import sd_checkpoint
-    from library.models.tiny_models import build_tiny_components
-    from networks import lora
-    from tools.make_sample_dataset import make_sample_dataset
 
     d = os.path.join(r.work, arch)
     os.makedirs(d, exist_ok=True)
@@ -248,8 +252,6 @@ def compare(ours_path, theirs_path) -> dict:
 
 
 def our_loader(arch, path) -> str:
-    from library.models.tiny_models import build_tiny_components
-    from networks import lora
     c = build_tiny_components(arch)
     tes = [c["text_encoder"]] + ([c["text_encoder_2"]] if "text_encoder_2" in c else [])
     try:

@@ -22,6 +22,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
+
 BARE = "import torch, diffusers, transformers"
 
 
@@ -63,7 +65,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    from tools.make_sample_dataset import make_sample_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         make_sample_dataset(os.path.join(tmp, "data"), n_images=4, size=64, repeats=1)

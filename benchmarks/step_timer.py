@@ -15,16 +15,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from library import cli  # noqa: E402
+from library.outputs import tracking  # noqa: E402
+from library.run import trainer  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def timed_run(script: str, args: list, sync=lambda: None):
     """(step durations in seconds, the Run) of one training run; raises on a failed run."""
-    from library import cli
-    from library.outputs import tracking
-    from library.training import trainer
-
     marks: list[float] = []
     runs: list = []
     R = tracking.Reporter  # the loop calls its before_training / after_step once per step

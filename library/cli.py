@@ -3,30 +3,26 @@ from __future__ import annotations
 
 import sys
 
+from library.config.options import METHOD_OF_SCRIPT
+from library.config.parse import parse_args
 from library.distributed.accelerator import is_main_process
-from library.errors import UserError
+from library.errors import NonFiniteStop, TrainingInterrupted, UserError
 from library.outputs import progress_stream
-from library.training.nonfinite import NonFiniteStop
-from library.outputs.train_state import TrainingInterrupted
 
-METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
-                    "train_textual_inversion": "textual_inversion"}
-PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/training/leco.py runs them
+PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
 
 def main(script: str, argv: list[str] | None = None) -> int:
-    from library.config.parse import parse_args
-
     opts = None
     status, code, message, state = "done", 0, "", None
     try:
         opts = parse_args(script, sys.argv[1:] if argv is None else argv)
         if script in PROMPT_ONLY_SCRIPTS:
-            from library.training import leco
+            from library.run import leco  # lazy: --help and option errors must not import torch
 
             leco.run(opts)
         else:
-            from library.training import trainer
+            from library.run import trainer  # lazy: --help and option errors must not import torch
 
             trainer.run(opts, METHOD_OF_SCRIPT[script])
     except UserError as e:
@@ -42,7 +38,7 @@ def main(script: str, argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         status, code, message = "interrupted", 130, "interrupted"
     except RuntimeError as e:  # several processes: another one ended (its own line says why)
-        from library.distributed.accelerator import peer_failure
+        from library.distributed.accelerator import peer_failure  # lazy: only after a failure
 
         line = peer_failure(e)
         if line is None:

@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+import library
+
 logger = logging.getLogger("sdtk")
 
 
@@ -36,6 +38,4 @@ def setup_logging(main: bool):
 
 def seconds_since_process_start() -> float:
     """Seconds since the entry script imported ``library`` (its first import)."""
-    import library
-
     return time.time() - library.STARTED

@@ -23,8 +23,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from library.models.loading import load_model_bundle  # noqa: E402
+from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS,  # noqa: E402
+                                      IMPL_STABILITY_AI, modelspec_architecture)
 from networks import lora_svd  # noqa: E402
-from networks.lora import LoRAError  # noqa: E402
+from networks.lora import LoRAError, LoRANetwork  # noqa: E402
 
 FAMILY_NAMES = {"sd1": "SD1", "sd2": "SD2", "sdxl": "SDXL"}
 
@@ -37,7 +40,6 @@ def target_modules(bundle, with_conv3x3: bool) -> dict:
     """kohya name -> the model's own Linear/Conv2d, exactly as training selects them (with
     conv_dim: the 3x3 convs too). Built at rank 1: only the selection and names are used, so a
     large --dim does not allocate two throw-away networks."""
-    from networks.lora import LoRANetwork
     net = LoRANetwork(bundle.text_encoders, bundle.unet, lora_dim=1, alpha=1,
                       conv_lora_dim=1 if with_conv3x3 else None, conv_alpha=1 if with_conv3x3 else None)
     return {m.lora_name: m.org_module for m in net.text_encoder_loras + net.unet_loras}
@@ -121,9 +123,6 @@ def _check_family(option: str, family: str, args) -> None:
 
 
 def run(args) -> None:
-    from library.outputs.metadata import BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
-    from library.models.loading import load_model_bundle
-
     if args.sdxl and args.v2:
         raise LoRAError("--sdxl and --v2 cannot both be given")
     for option, value in (("--dim", args.dim), ("--conv_dim", args.conv_dim)):

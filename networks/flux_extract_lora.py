@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from library.errors import first_line  # noqa: E402
 from networks import lora_flux, lora_svd  # noqa: E402
 from networks.lora import LoRAError  # noqa: E402
 
@@ -48,7 +49,7 @@ class _Transformer:
         try:
             self.file = safe_open(path, framework="pt")
         except Exception as e:  # a truncated or foreign file
-            raise LoRAError(f"{option} {path}: cannot read: {str(e).splitlines()[0]}") from None
+            raise LoRAError(f"{option} {path}: cannot read: {first_line(e)}") from None
         names = list(self.file.keys())
         self.prefix = BFL_PREFIX if any(k.startswith(BFL_PREFIX) for k in names) else ""
         self.keys = {k[len(self.prefix):] for k in names if k.startswith(self.prefix)}

@@ -18,9 +18,8 @@ from typing import Any, Optional
 import torch
 
 from library.errors import UserError, first_line
-from library.outputs.saving import atomic_path
-from networks import lora_blocks as blocks
-from networks import lora_names as names
+from library.files import atomic_path
+from networks import lora_blocks, lora_names
 from networks.adapter_modules import HookedModule
 from networks.adapter_weights import file_kinds
 
@@ -32,7 +31,7 @@ TEXT_ENCODER_TARGET_MODULES = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashA
 # network_args keys this module understands (values arrive as strings).
 KNOWN_NETWORK_ARGS = ("conv_dim", "conv_alpha", "rank_dropout", "module_dropout",
                       "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio",
-                      *blocks.BLOCK_LIST_ARGS, *blocks.LR_WEIGHT_ARGS, "block_lr_zero_threshold")
+                      *lora_blocks.BLOCK_LIST_ARGS, *lora_blocks.LR_WEIGHT_ARGS, "block_lr_zero_threshold")
 
 
 logger = logging.getLogger("sdtk")
@@ -95,10 +94,10 @@ def parse_network_args(kwargs: dict[str, Any], module: str = "networks.lora",
         if kwargs.get(key) is not None:
             out[key] = parse_number("network_args: " + key, kwargs[key], float, 0.0, low_inclusive=False)
     try:
-        blocks.check_syntax(kwargs)  # the counts need the model family: checked in create_network
-    except blocks.BlockArgError as e:
+        lora_blocks.check_syntax(kwargs)  # the counts need the model family: checked in create_network
+    except lora_blocks.BlockArgError as e:
         raise LoRAError(str(e)) from None
-    for key in blocks.BLOCK_LIST_ARGS + blocks.LR_WEIGHT_ARGS + ("block_lr_zero_threshold",):
+    for key in lora_blocks.BLOCK_LIST_ARGS + lora_blocks.LR_WEIGHT_ARGS + ("block_lr_zero_threshold",):
         if kwargs.get(key) is not None:
             out[key] = kwargs[key]
     return out
@@ -247,10 +246,10 @@ class AdapterNetwork(torch.nn.Module):
     UNET_TARGET_REPLACE_MODULE = list(UNET_TARGET_MODULES)
     UNET_TARGET_REPLACE_MODULE_CONV2D_3X3 = list(UNET_TARGET_MODULES_CONV3X3)
     TEXT_ENCODER_TARGET_REPLACE_MODULE = list(TEXT_ENCODER_TARGET_MODULES)
-    LORA_PREFIX_UNET = names.PREFIX_UNET
-    LORA_PREFIX_TEXT_ENCODER = names.PREFIX_TE
-    LORA_PREFIX_TEXT_ENCODER1 = names.PREFIX_TE1
-    LORA_PREFIX_TEXT_ENCODER2 = names.PREFIX_TE2
+    LORA_PREFIX_UNET = lora_names.PREFIX_UNET
+    LORA_PREFIX_TEXT_ENCODER = lora_names.PREFIX_TE
+    LORA_PREFIX_TEXT_ENCODER1 = lora_names.PREFIX_TE1
+    LORA_PREFIX_TEXT_ENCODER2 = lora_names.PREFIX_TE2
 
     def __init__(self, text_encoder, unet, multiplier: float = 1.0, lora_dim: int = 4, alpha: float = 1.0,
                  dropout: float | None = None, rank_dropout: float | None = None,
@@ -260,7 +259,7 @@ class AdapterNetwork(torch.nn.Module):
                  block_dims: list[int] | None = None, block_alphas: list[float] | None = None,
                  conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None,
                  module_factory=None, unet_targets: tuple[str, ...] | None = None,
-                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = names.PREFIX_UNET):
+                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = lora_names.PREFIX_UNET):
         """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
         modules_alpha per kohya name (from a file; then 3x3 convs are included when named), or
         per U-Net block (networks/lora_blocks.py) block_dims/block_alphas (+ conv_block_dims /
@@ -280,7 +279,7 @@ class AdapterNetwork(torch.nn.Module):
         text_encoders = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder])
                          if te is not None]
         self.is_sdxl = bool(is_sdxl) if is_sdxl is not None else (
-            len(text_encoders) == 2 or (unet is not None and names.is_sdxl_unet(unet)))
+            len(text_encoders) == 2 or (unet is not None and lora_names.is_sdxl_unet(unet)))
 
         def dims_for(lora_name: str, is_small: bool, is_unet: bool):
             if modules_dim is not None:
@@ -288,7 +287,7 @@ class AdapterNetwork(torch.nn.Module):
                     return modules_dim[lora_name], modules_alpha[lora_name]
                 return None, None
             if is_unet and block_dims is not None:
-                i = blocks.block_index(lora_name, self.is_sdxl)
+                i = lora_blocks.block_index(lora_name, self.is_sdxl)
                 if i < 0:
                     raise LoRAError(f"block_dims: U-Net module {lora_name} is in no block")
                 if is_small:
@@ -312,7 +311,7 @@ class AdapterNetwork(torch.nn.Module):
                     is_conv2d = child.__class__.__name__ == "Conv2d"
                     if not (is_linear or is_conv2d):
                         continue
-                    lora_name = names.kohya_name(prefix, name_of(name + "." + child_name))
+                    lora_name = lora_names.kohya_name(prefix, name_of(name + "." + child_name))
                     dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1),
                                           prefix == unet_prefix)
                     if not dim:
@@ -323,10 +322,10 @@ class AdapterNetwork(torch.nn.Module):
 
         self.text_encoder_loras: list[LoRAModule] = []
         for i, te in enumerate(text_encoders):
-            prefix = names.text_encoder_prefix(i, len(text_encoders))
+            prefix = lora_names.text_encoder_prefix(i, len(text_encoders))
             self.text_encoder_loras += create_modules(
                 prefix, te, TEXT_ENCODER_TARGET_MODULES if text_encoder_targets is None else text_encoder_targets,
-                names.text_encoder_path)
+                lora_names.text_encoder_path)
 
         self.unet_loras: list[LoRAModule] = []
         if unet is not None:
@@ -334,8 +333,8 @@ class AdapterNetwork(torch.nn.Module):
             if modules_dim is not None or self.conv_lora_dim is not None or conv_block_dims is not None:
                 targets = targets + UNET_TARGET_MODULES_CONV3X3
             if self.is_sdxl:
-                block_map = names.sdxl_block_map(unet)
-                name_of = lambda path: names.sdxl_module_path(path, block_map)  # noqa: E731
+                block_map = lora_names.sdxl_block_map(unet)
+                name_of = lambda path: lora_names.sdxl_module_path(path, block_map)  # noqa: E731
             else:
                 name_of = lambda path: path  # noqa: E731
             self.unet_loras = create_modules(unet_prefix, unet, targets, name_of)
@@ -450,12 +449,12 @@ class AdapterNetwork(torch.nn.Module):
                 lrs = [text_encoder_lr if text_encoder_lr is not None else default_lr]
             by_te: dict[str, list[LoRAModule]] = {}
             for lora in self.text_encoder_loras:
-                by_te.setdefault(names.text_encoder_prefix_of(lora.lora_name), []).append(lora)
+                by_te.setdefault(lora_names.text_encoder_prefix_of(lora.lora_name), []).append(lora)
             for i, (prefix, loras) in enumerate(by_te.items()):
                 lr = lrs[i] if i < len(lrs) else lrs[0]
                 if lr is None:
                     lr = default_lr
-                label = "textencoder" if len(by_te) == 1 else f"textencoder {prefix[len(names.PREFIX_TE):]}"
+                label = "textencoder" if len(by_te) == 1 else f"textencoder {prefix[len(lora_names.PREFIX_TE):]}"
                 assemble(loras, lr, te_ratio, label)
 
         if self.unet_loras:
@@ -468,7 +467,7 @@ class AdapterNetwork(torch.nn.Module):
                 # at lr * the block's weight; weight 0 leaves the block's modules out (frozen)
                 by_block: dict[int, list[LoRAModule]] = {}
                 for lora in self.unet_loras:
-                    by_block.setdefault(blocks.block_index(lora.lora_name, self.is_sdxl), []).append(lora)
+                    by_block.setdefault(lora_blocks.block_index(lora.lora_name, self.is_sdxl), []).append(lora)
                 for i, loras in by_block.items():
                     assemble(loras, None if lr is None else lr * self.block_lr_weight[i], ratio,
                              f"unet_block{i}")
@@ -581,10 +580,10 @@ def build_network(multiplier, network_dim, network_alpha, text_encoder, unet, ne
     if args.get("block_dims") is not None or block_lr_weight is not None:
         # sd-scripts: block_dims or an lr weight switches on per-block ranks
         try:
-            dims, alphas, conv_dims, conv_alphas = blocks.block_dims_and_alphas(
+            dims, alphas, conv_dims, conv_alphas = lora_blocks.block_dims_and_alphas(
                 args, is_sdxl, network_dim, network_alpha, args.get("conv_dim"), args.get("conv_alpha"),
                 block_lr_weight)
-        except blocks.BlockArgError as e:
+        except lora_blocks.BlockArgError as e:
             raise LoRAError(str(e)) from None
         per_block = dict(block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims,
                          conv_block_alphas=conv_alphas)
@@ -599,13 +598,13 @@ def build_network(multiplier, network_dim, network_alpha, text_encoder, unet, ne
 
 def _is_sdxl(text_encoder, unet) -> bool:
     tes = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]) if te is not None]
-    return len(tes) == 2 or (unet is not None and names.is_sdxl_unet(unet))
+    return len(tes) == 2 or (unet is not None and lora_names.is_sdxl_unet(unet))
 
 
 def _lr_weights(args: dict[str, Any], is_sdxl: bool) -> list[float] | None:
     try:
-        return blocks.lr_weights(args, is_sdxl, log=logger.warning)
-    except blocks.BlockArgError as e:
+        return lora_blocks.lr_weights(args, is_sdxl, log=logger.warning)
+    except lora_blocks.BlockArgError as e:
         raise LoRAError(str(e)) from None
 
 
@@ -654,7 +653,7 @@ def build_network_from_weights(multiplier, file, text_encoder, unet, weights_sd,
         found = file_kinds(weights_sd)
         what = f"a {'/'.join(found)} file" if found else "no adapter module keys"
         raise LoRAError(f"weights {file or '(state dict)'}: {what}, not a {kind} file of this network_module")
-    unused = sorted(k for k in ("conv_dim", "conv_alpha", *blocks.BLOCK_LIST_ARGS) if k in args)
+    unused = sorted(k for k in ("conv_dim", "conv_alpha", *lora_blocks.BLOCK_LIST_ARGS) if k in args)
     if unused:  # the file fixes every module's rank and alpha
         raise LoRAError(f"network_args: {unused[0]} has no effect on a network shaped by a weights file "
                         "(dim_from_weights: the ranks and alphas come from network_weights); remove it")

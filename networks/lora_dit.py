@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from networks import lora_names as names
+from networks import lora_names
 from networks.adapter_weights import file_kinds
 from networks.lora import (TEXT_ENCODER_TARGET_MODULES, LoRAError, LoRAModule, LoRANetwork, dims_from_weights,
                            parse_bool, parse_number)
@@ -236,7 +236,7 @@ def text_encoder_targets(text_encoder, prefix: str, classes: tuple[str, ...], di
             if child.__class__.__name__ != "Linear":
                 continue
             path = name + "." + child_name
-            out.append(Target(names.kohya_name(prefix, names.text_encoder_path(path) if is_clip else path),
+            out.append(Target(lora_names.kohya_name(prefix, lora_names.text_encoder_path(path) if is_clip else path),
                               child, dim, alpha))
     return out
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from library.errors import UserError
+from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
 from networks.adapter_weights import file_kinds
 from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, write_weights
 
@@ -207,7 +209,6 @@ def lora_modelspec(metadata: dict[str, str], save_to: str, merged_from: list[str
     """modelspec.* for a LoRA written by a tool: title and date of the new file, architecture from
     the inputs' ss_base_model_version / modelspec when known."""
     import datetime
-    from library.outputs.metadata import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
     out = dict(metadata)
     family = {"sd_v1": "sd1", "sd_v2": "sd2", "sdxl_base_v1-0": "sdxl"}.get(metadata.get("ss_base_model_version", ""))
     if family is not None and "modelspec.architecture" not in out:
@@ -389,8 +390,6 @@ def concat(inputs: list[LoRAInput], shuffle: bool = False,
 
 def tool_main(parse_args, run, argv=None) -> int:
     """The LoRA tools' main: parse the flags, run, and print a user error as one line (exit 2)."""
-    from library.errors import UserError
-
     args = parse_args(argv)
     try:
         run(args)

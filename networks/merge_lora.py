@@ -31,6 +31,9 @@ import math  # noqa: E402
 
 import torch  # noqa: E402
 
+from library.errors import ModelError, UserError  # noqa: E402
+from library.models.loading import load_model_bundle  # noqa: E402
+from library.models.sd_checkpoint import save_diffusers, save_single_file  # noqa: E402
 from networks import lora_svd  # noqa: E402
 from networks import loha, lokr, oft  # noqa: E402
 from networks.adapter_weights import file_kinds  # noqa: E402
@@ -156,9 +159,6 @@ def run(args) -> None:
 
 def run_model_merge(args) -> None:
     """LoRA files merged into the weights of --sd_model."""
-    from library.models.loading import load_model_bundle
-    from library.models.sd_checkpoint import save_diffusers, save_single_file
-
     # Read every LoRA before the model, so a bad file fails fast.
     loras = [(path, load_state_dict_file(path), ratio) for path, ratio in zip(args.models, args.ratios)]
     bundle = load_model_bundle(args.sd_model, v2=args.v2, v_parameterization=args.v_parameterization,
@@ -184,8 +184,6 @@ def run_model_merge(args) -> None:
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
-    from library.errors import UserError
-    from library.models.loading import ModelError
     try:
         run(args)
     except (LoRAError, ModelError, UserError) as e:

@@ -67,7 +67,7 @@ def run_script(capsys):
 def train(run_script, monkeypatch):
     """``train(script, args) -> (rc, stdout, stderr, run)``: like run_script, keeping the trainer's
     Run (its in-memory model) for comparison with what was saved."""
-    from library.training import trainer
+    from library.run import trainer
 
     runs = []
     real_run = trainer.run

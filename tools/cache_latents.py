@@ -22,10 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.config.parse import ConfigError, parse_args  # noqa: E402
+from library.data import latent_cache  # noqa: E402
+from library.data.training_data import build_training_set  # noqa: E402
+from library.distributed import accelerator  # noqa: E402
+from library.errors import UserError  # noqa: E402
+from library.log import logger, setup_logging  # noqa: E402
+from library.models import loading  # noqa: E402
+
 
 def _parse(script: str, argv: list[str]):
-    from library.config.parse import ConfigError, parse_args
-
     argv = list(argv) + ["--dry_run"]  # nothing is trained: output_dir is not required
     try:
         return parse_args(script, argv)
@@ -37,15 +43,10 @@ def _parse(script: str, argv: list[str]):
 
 def cache_latents(opts, log):
     """Encode what is missing from the disk cache; -> (entries, images encoded, seconds)."""
-    from library.distributed import accelerator as distributed
-    from library.data import latent_cache
-    from library.models import loading as models
-    from library.data.training_data import build_training_set
-
     opts = opts.replace(cache_latents_to_disk=True)  # e.g. random_crop is then refused, as in training
     tset = build_training_set(opts, log)
-    acc = distributed.accelerator_for(opts)
-    bundle = models.load_from_options(opts)
+    acc = accelerator.accelerator_for(opts)
+    bundle = loading.load_from_options(opts)
     dtype = latent_cache.vae_dtype(opts)  # the trainer's, so the keys match
     vae = bundle.vae.to(acc.device, dtype=dtype).eval()
     started = time.perf_counter()
@@ -60,10 +61,6 @@ def cache_latents(opts, log):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from library.errors import UserError
-    from library.distributed.accelerator import is_main_process
-    from library.log import logger, setup_logging
-
     argv = sys.argv[1:] if argv is None else list(argv)
     script = "train_lora"
     if "--script" in argv:
@@ -72,14 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[:i] + argv[i + 2:]
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip() + f"\n\nThe options of {script}.py follow.\n", flush=True)
-    setup_logging(is_main_process())
+    setup_logging(accelerator.is_main_process())
     try:
         opts = _parse(script, argv)
         acc, n, encoded, seconds = cache_latents(opts, logger)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if is_main_process():
+    if accelerator.is_main_process():
         rate = f", {encoded / seconds:.1f} images/s" if encoded and seconds > 0 else ""
         print(f"latent cache: {n} entries ready; this process encoded {encoded} in {seconds:.2f}s{rate}",
               flush=True)

@@ -20,12 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.models import flux_saving, sd_checkpoint, tiny_flux, tiny_models  # noqa: E402
+
 
 def make_tiny_model(arch: str, out: str, inpaint: bool = False) -> tuple[str, str]:
     """Write both forms; return (diffusers folder, single-file path)."""
-    from library.models import sd_checkpoint
-    from library.models import tiny_models
-
     comps = tiny_models.build_tiny_components(arch, inpaint=inpaint)
     name = f"tiny-{arch}" + (tiny_models.INPAINT_SUFFIX if inpaint else "")
     family = tiny_models.FAMILY_OF_ARCH[arch]
@@ -38,9 +37,6 @@ def make_tiny_model(arch: str, out: str, inpaint: bool = False) -> tuple[str, st
 
 def make_tiny_flux(variant: str, out: str) -> tuple[str, dict[str, str]]:
     """Write tiny-flux (dev) or tiny-flux-schnell; return (diffusers folder, {role: file path})."""
-    from library.models import flux_saving
-    from library.models import tiny_flux
-
     parts = tiny_flux.build_tiny_flux(variant)
     folder = os.path.join(out, "diffusers")
     flux_saving.save_diffusers_folder(parts, variant, folder)

@@ -46,6 +46,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script: make the repository root importable
+    sys.path.insert(0, ROOT)
+
+from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
+
 
 ADAFACTOR_ARGS = ["relative_step=False", "scale_parameter=False", "warmup_init=False"]
 OPTIMIZERS = {
@@ -149,7 +154,7 @@ def reset():
             torch.cuda.reset_peak_memory_stats()
 
 report = {"rc": None}
-from library.training import trainer
+from library.run import trainer
 real_train = trainer.Run.train
 def train(self):
     report["load"] = peaks()  # loading, setup and caching
@@ -370,7 +375,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     sys.path.insert(0, ROOT)
-    from tools.make_sample_dataset import make_sample_dataset
 
     work = os.path.join(args.out, "work")
     data = os.path.join(work, "data")

@@ -27,7 +27,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from library.data.folders import CaptionOptions, DataError
+from library.config.parse import _Bad, _to_resolution
+from library.errors import DataError
 
 # key -> (type, default when no level and no run option sets it)
 SUBSET_KEYS: dict[str, tuple[str, object]] = {
@@ -87,6 +88,40 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "system_prompt": ("system prompts are not supported", (None, "")),
     "resize_interpolation": ("resize_interpolation is not supported yet", (None, "")),
 }
+
+@dataclass(frozen=True)
+class CaptionOptions:
+    """sd-scripts' caption processing settings of one subset (train_util.BaseSubset)."""
+    shuffle_caption: bool = False
+    caption_separator: str = ","
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    # sd-scripts' {a|b} wildcards (drawn per sample and epoch; a caption file's lines are then
+    # alternatives, one drawn), joined-tag separator, and token warmup (the first
+    # token_warmup_min flexible tags, growing to all of them by token_warmup_step: a step count,
+    # or a fraction of the run's steps when below 1)
+    enable_wildcard: bool = False
+    secondary_separator: str | None = None
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0
+
+    @property
+    def is_identity(self) -> bool:
+        return self == CaptionOptions(caption_separator=self.caption_separator,
+                                      keep_tokens=self.keep_tokens,
+                                      keep_tokens_separator=self.keep_tokens_separator,
+                                      token_warmup_min=self.token_warmup_min)
+
+    @property
+    def draws(self) -> bool:
+        """Whether the processed caption varies between draws (beyond caption dropout)."""
+        return self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
+
 
 CAPTION_FIELDS = ("shuffle_caption", "caption_separator", "keep_tokens", "keep_tokens_separator",
                   "caption_prefix", "caption_suffix", "caption_dropout_rate",
@@ -167,8 +202,6 @@ def _convert(kind: str, v):
             return v
         raise ValueError(f"expected a string, got {_desc(v)}")
     if kind == "resolution":
-        from library.config.parse import _Bad, _to_resolution
-
         try:
             return _to_resolution(v, False)
         except _Bad as e:

@@ -21,6 +21,8 @@ from typing import Any
 # the scripts that train from images; train_leco trains from prompts only (LECO_OPTIONS below)
 IMAGE_SCRIPTS = ("train_lora", "train_dreambooth", "finetune", "train_textual_inversion")
 SCRIPTS = IMAGE_SCRIPTS + ("train_leco",)
+METHOD_OF_SCRIPT = {"train_lora": "lora", "train_dreambooth": "dreambooth", "finetune": "finetune",
+                    "train_textual_inversion": "textual_inversion"}
 ALL = IMAGE_SCRIPTS
 LECO = ("train_leco",)
 LORA = ("train_lora",)
@@ -655,7 +657,7 @@ OPTIONS: tuple[Option, ...] = (
       "logging"),
 )
 
-# Run options that train_leco honours (library/training/leco.py); every other option of the image
+# Run options that train_leco honours (library/run/leco.py); every other option of the image
 # scripts (datasets, captions, caches, text-encoder training, ...) is refused there by name.
 LECO_OPTIONS = frozenset("""
     config pretrained_model_name_or_path v2 v_parameterization tokenizer_path allow_pickle

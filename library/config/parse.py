@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any
 
+from library import text_files
+from library.config.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, Option, SCRIPTS,
+                                    SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECTIONS, SdScriptsName,
+                                    options_for)
 from library.errors import UserError
-from library.config.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, SCRIPTS,
-                             SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECTIONS, Option,
-                             SdScriptsName, options_for)
 
 logger = logging.getLogger("sdtk")
 
@@ -577,7 +578,6 @@ def _read_toml(path: str, what: str) -> tuple[str, dict]:
         raise ConfigError(f"{what}: no such file: {path}") from None
     except OSError as e:
         raise ConfigError(f"{what}: cannot read {path}: {e.strerror}") from None
-    from library.data import text_files
 
     text = text_files.decode(raw, path, ConfigError)  # TOML is UTF-8 by definition
     try:

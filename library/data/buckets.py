@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import math
 
-from library.data.folders import DataError, ImageItem
+from library.data.folders import ImageItem
+from library.errors import DataError
 
 logger = logging.getLogger(__name__)
 

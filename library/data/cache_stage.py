@@ -7,13 +7,14 @@
 Latents are kept in memory, and with cache_latents_to_disk also on disk: unchanged entries are
 loaded without the VAE, and the missing ones are split across processes (library/data/latent_cache.py).
 The text-encoder outputs likewise (library/data/text_cache.py). The trainer's cache stage returns the
-results as the run's ``caches`` (library/training/run_state.py).
+results as the run's ``caches`` (library/run/run_state.py).
 """
 from __future__ import annotations
 
 import logging
 
-from library.training.batch_loss import latent_slot
+from library.data import held_out, latent_cache, text_cache
+from library.data.latent_cache import latent_slot
 
 logger = logging.getLogger("sdtk")
 
@@ -21,8 +22,6 @@ logger = logging.getLogger("sdtk")
 def latents(opts, tset, acc, b) -> tuple[dict, dict]:
     """The latent cache of ``tset``'s images, encoded by the bundle ``b``'s VAE (the processes of
     ``acc`` split it) -> (entries, latent-cache key of each (item, flip) slot)."""
-    from library.data import latent_cache
-
     items = tset.train_items + tset.reg_items
     vae = b.vae
     entries = latent_cache.encode_latents(
@@ -40,17 +39,13 @@ def latents(opts, tset, acc, b) -> tuple[dict, dict]:
 def text(opts, tset, acc, b, family_model, placement) -> dict:
     """The text-encoder outputs of every caption variant of ``tset`` (and validation's
     captions), encoded by ``family_model`` in the text encoders' dtype of ``placement``."""
-    from library.data import latent_cache
-    from library.data import text_cache
-    from library.training import validation
-
     wanted: dict = {}
     for it in tset.train_items + tset.reg_items:
         folder = latent_cache.cache_folder(it)
         for cap in tset.caption_variants(it) + ([""] if tset.uses_empty_caption(it) else []):
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
-        wanted.setdefault(validation.caption(it), latent_cache.cache_folder(it))
+        wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
     te_dtype = placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
     identity = text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
                                            weighted=opts.weighted_captions)

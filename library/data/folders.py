@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from library.data import symlinks
-from library.errors import UserError, first_line
+from library import symlinks, text_files
+from library.config.dataset_config import CaptionOptions
+from library.errors import DataError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # EXIF orientations that rotate by 90 or 270 degrees, i.e. swap width and height.
 _EXIF_ORIENTATION = 0x0112
 _SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
-
-
-class DataError(UserError):
-    """Bad dataset input. The message is one line naming the file, folder or option."""
 
 
 @dataclass
@@ -66,40 +63,6 @@ class ImageItem:
     # target is the model's own prediction with the network disabled)
     network_multiplier: float | None = None
     dop: bool = False
-
-
-@dataclass(frozen=True)
-class CaptionOptions:
-    """sd-scripts' caption processing settings of one subset (train_util.BaseSubset)."""
-    shuffle_caption: bool = False
-    caption_separator: str = ","
-    keep_tokens: int = 0
-    keep_tokens_separator: str = ""
-    caption_prefix: str | None = None
-    caption_suffix: str | None = None
-    caption_dropout_rate: float = 0.0
-    caption_dropout_every_n_epochs: int = 0
-    caption_tag_dropout_rate: float = 0.0
-    # sd-scripts' {a|b} wildcards (drawn per sample and epoch; a caption file's lines are then
-    # alternatives, one drawn), joined-tag separator, and token warmup (the first
-    # token_warmup_min flexible tags, growing to all of them by token_warmup_step: a step count,
-    # or a fraction of the run's steps when below 1)
-    enable_wildcard: bool = False
-    secondary_separator: str | None = None
-    token_warmup_min: int = 1
-    token_warmup_step: float = 0
-
-    @property
-    def is_identity(self) -> bool:
-        return self == CaptionOptions(caption_separator=self.caption_separator,
-                                      keep_tokens=self.keep_tokens,
-                                      keep_tokens_separator=self.keep_tokens_separator,
-                                      token_warmup_min=self.token_warmup_min)
-
-    @property
-    def draws(self) -> bool:
-        """Whether the processed caption varies between draws (beyond caption dropout)."""
-        return self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
 
 
 def warmup_steps(o: CaptionOptions, total_steps: int | None) -> float:
@@ -251,8 +214,6 @@ def read_caption(image_path: str, caption_extension: str, all_lines: bool = Fals
     scanned, before any weight loads (sd-scripts raises too; guessing an encoding would train on
     mojibake).
     """
-    from library.data import text_files
-
     cap_path = os.path.splitext(image_path)[0] + caption_extension
     if not os.path.lexists(cap_path):
         return None
@@ -423,7 +384,6 @@ def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
 
     if not os.path.isfile(path):
         raise DataError(f"{option} {path!r} does not exist or is not a file")
-    from library.data import text_files
 
     text = text_files.read(path, DataError, option)
     if path.lower().endswith(".jsonl"):

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from library.errors import first_line
-from library.data.folders import DataError
+from library.errors import DataError, first_line
 
 
 @dataclass

@@ -14,7 +14,7 @@ Decisions (one place each):
 - On disk an entry is ``<image_dir>/.sdcache/<key>.safetensors`` (or ``cache_dir``): the latents
   plus the key and the size conditioning in the metadata. Reading checks the stored key, the
   shape and finiteness; anything else (truncated, garbled, renamed) is recomputed with a
-  warning. Writes go through ``saving.atomic_path``. The file name is the key, so no stale file
+  warning. Writes go through ``files.atomic_path``. The file name is the key, so no stale file
   can be picked up and two images with the same stem never collide.
 - Masked loss: an item with ``alpha_mask`` or a ``mask_path`` caches its mask beside the latents,
   at the latent size (``images.latent_mask``: area average, as the loss would resize it), in
@@ -34,9 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from library.errors import first_line
 from library.data.folders import ImageItem
 from library.data.images import latent_mask, load_for_item, prepare_image
+from library.errors import NonFiniteStop, first_line
+from library.files import atomic_path, remove_stale_temporaries
+from library.models.placement import compute_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,6 @@ def item_cache_key(item: ImageItem, flip: bool, vae_identity: str, dtype: torch.
 def vae_dtype(opts) -> torch.dtype:
     """The dtype the VAE encodes in, part of every cache key: float32 with no_half_vae, else the
     mixed-precision dtype. The trainer and tools/cache_latents.py both use it, so keys match."""
-    from library.distributed.accelerator import compute_dtype
-
     return torch.float32 if opts.no_half_vae else compute_dtype(opts.mixed_precision)
 
 
@@ -162,8 +162,6 @@ def entry_path(item: ImageItem, key: str) -> str:
 def save_entry(path: str, key: str, entry: LatentEntry) -> None:
     """Write one entry atomically (a crash never leaves a half-written file under the key)."""
     from safetensors.torch import save_file
-
-    from library.outputs.saving import atomic_path
 
     meta = {"sdtk.latent_key": key, "sdtk.format": str(CACHE_FORMAT_VERSION),
             "original_size": json.dumps(list(entry.original_size)),
@@ -260,8 +258,6 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
             return False
 
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
-        from library.outputs.output_checks import remove_stale_temporaries
-
         for folder in sorted({cache_folder(it) for it, _ in wanted.values()}):
             remove_stale_temporaries(folder, log)
     missing = [k for k in wanted if not (to_disk and try_load(k))]
@@ -302,8 +298,6 @@ def _encode(vae, todo: list, batch_size: int, out: dict, to_disk: bool) -> None:
                 prepared.append(prepare_image(img, bucket, resized, flip=flipped, mask=mask))
             latents = encode_pixels(vae, torch.stack([p.pixels for p in prepared])).float().cpu()
             if not torch.isfinite(latents).all():
-                from library.training.nonfinite import NonFiniteStop  # one line, exit 3 (not a traceback)
-
                 raise NonFiniteStop(f"non-finite latents from the VAE for {chunk[0][1].path} "
                                     f"(batch of {len(chunk)}); try --no_half_vae")
             for (key, it), prep, lat in zip(chunk, prepared, latents):
@@ -333,3 +327,10 @@ def counting_encodes(vae):
         yield seen
     finally:
         del vae.encode
+
+
+def latent_slot(item, flipped: bool) -> tuple:
+    """What tells two latent-cache entries of a run apart: one image may be in two datasets at
+    different sizes, each with its flip."""
+    return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
+            bool(item.alpha_mask), item.mask_path)

@@ -24,6 +24,7 @@ import os
 import torch
 
 from library.errors import first_line
+from library.files import atomic_path, remove_stale_temporaries
 from library.models.family import CHUNK, TextConditioning, chunk_count
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ def _load(path: str, key: str):
 def _save(path: str, key: str, cond: TextConditioning) -> None:
     from safetensors.torch import save_file
 
-    from library.outputs.saving import atomic_path
-
     tensors = {"hidden_states": cond.hidden_states.contiguous()}
     if cond.pooled is not None:
         tensors["pooled"] = cond.pooled.contiguous()
@@ -95,8 +94,6 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
     missing = []
     loaded = 0
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
-        from library.outputs.output_checks import remove_stale_temporaries
-
         for folder in sorted({f for f in wanted.values() if f is not None}):
             remove_stale_temporaries(folder, log)
     for caption, folder in wanted.items():

@@ -16,9 +16,11 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from library.data import buckets
-from library.data import folders as data
+from library.config.dataset_config import resolve_dataset_config, run_caption_options
+from library.data import buckets, color_aug, folders, inpaint_masks
+from library.data.held_out import split_items
 from library.data.step_plan import derive_seed
+from library.errors import DataError
 
 
 @dataclass
@@ -30,7 +32,7 @@ class TrainingSet:
     batch_size: int | None = None  # set when the dataset config fixes the per-process batch size
     resolution: tuple | None = None  # the (first) dataset's resolution, for the metadata
     text_variants: int = 4  # text_encoder_cache_variants
-    stats: data.ScanStats = field(default_factory=data.ScanStats)
+    stats: folders.ScanStats = field(default_factory=folders.ScanStats)
     val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
     masked: bool = False  # masked loss: some image has a mask (alpha_mask or conditioning_data_dir)
     # textual inversion's use_object_template / use_style_template: every caption is one of these
@@ -87,7 +89,7 @@ class TrainingSet:
         if s.captions is None:
             return s.caption
         rng = random.Random(derive_seed("caption", self.seed, epoch, i))
-        return data.process_caption(s.caption, s.captions, epoch, rng, step, self.total_steps)
+        return folders.process_caption(s.caption, s.captions, epoch, rng, step, self.total_steps)
 
     def caption_variants(self, item) -> list[str]:
         """The processed captions the text-encoder cache holds for ``item`` (dropout aside): one
@@ -103,7 +105,7 @@ class TrainingSet:
         # that many; a bounded number of draws keeps it deterministic and finite.
         out: list[str] = []
         for v in range(8 * n):
-            c = data.process_caption(item.caption, nodrop, 0,
+            c = folders.process_caption(item.caption, nodrop, 0,
                                      random.Random(derive_seed("te-variant", self.seed, item.path, v)))
             if c not in out:
                 out.append(c)
@@ -145,15 +147,12 @@ class TrainingSet:
         """Sample ``i``'s color_aug decision for ``epoch`` (None: unchanged)."""
         if not self.samples[i].color_aug:
             return None
-        from library.data import color_aug
 
         return color_aug.draw(random.Random(derive_seed("color", self.seed, epoch, i)))
 
     def inpaint_mask(self, i: int, epoch: int, height: int, width: int):
         """Sample ``i``'s random inpainting mask for ``epoch`` (train_inpainting), (height, width)
         at the prepared image's size, 1 = regenerate (library/data/inpaint_masks.py)."""
-        from library.data import inpaint_masks
-
         rng = random.Random(derive_seed("inpaint-mask", self.seed, epoch, i))
         return inpaint_masks.random_mask(width, height, rng)
 
@@ -161,11 +160,11 @@ class TrainingSet:
         """Sample ``i``'s pixels for ``epoch``: resize, crop (random when the subset says so),
         color_aug (when it draws a change), flip (when flip_aug draws it); its mask (masked loss)
         gets the same geometry."""
+        # lazy: the training set (the plan) is built without torch
         import functools
 
         import torch
 
-        from library.data import color_aug
         from library.data import images
 
         s = self.samples[i]
@@ -187,16 +186,16 @@ def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_ups
         return buckets.BucketManager(resolution=tuple(resolution), enable_bucket=enable_bucket,
                                      min_size=min_reso, max_size=max_reso, reso_steps=steps,
                                      no_upscale=no_upscale)
-    except data.DataError as e:
+    except DataError as e:
         if where is None:
             raise
-        raise data.DataError(f"{where}: {e}") from None
+        raise DataError(f"{where}: {e}") from None
 
 
 def build_training_set(opts, log) -> TrainingSet:
     """Scan the images (dataset config or train_data_dir/reg_data_dir), assign buckets, balance
     the reg images per dataset (sd-scripts' rule) and expand repeats into the epoch's list."""
-    stats = data.ScanStats()
+    stats = folders.ScanStats()
     batch_size = None
     held_out: list = []  # validation_split: training images held out (each dataset's own share)
     resolution = opts.resolution
@@ -209,7 +208,7 @@ def build_training_set(opts, log) -> TrainingSet:
         for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
             item = next((it for it in train + reg if getattr(it, key)), None)
             if item is not None:  # sd-scripts asserts the same (is_latent_cacheable)
-                raise data.DataError(f"{key} cannot be combined with cache_latents (set for "
+                raise DataError(f"{key} cannot be combined with cache_latents (set for "
                                      f"{item.image_dir}): {why} differs per sample and epoch, "
                                      "so its latents cannot be cached; turn one of them off")
     masked = _check_masks(opts, train + reg + held_out)
@@ -240,13 +239,13 @@ def _check_network_keys(opts, items: list) -> None:
                           ("custom_attributes.diff_output_preservation", lambda it: it.dop)):
             item = next((it for it in items if used(it)), None)
             if item is not None:
-                raise data.DataError(f"{where}: {key} (set for {item.image_dir}) acts on the "
+                raise DataError(f"{where}: {key} (set for {item.image_dir}) acts on the "
                                      f"network of train_lora; {opts.script} trains no network")
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
         item = next((it for it in items if it.captions is not None
                      and it.captions.token_warmup_step > 0), None)
         if item is not None:
-            raise data.DataError(f"token_warmup_step (set for {item.image_dir}) cannot be combined "
+            raise DataError(f"token_warmup_step (set for {item.image_dir}) cannot be combined "
                                  "with cache_text_encoder_outputs: the caption changes every step "
                                  "of the warmup")
 
@@ -260,7 +259,7 @@ def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
         return  # the method says token_string is required
     word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
     if not any(word.search(tset.caption(i, 1)) for i in range(len(tset.samples))):
-        raise data.DataError(f"token_string {token!r} is in no training caption, so nothing would "
+        raise DataError(f"token_string {token!r} is in no training caption, so nothing would "
                              "train: put it in the captions (or caption_prefix), or use "
                              "use_object_template / use_style_template")
 
@@ -269,9 +268,10 @@ def _templates(opts) -> tuple | None:
     """sd-scripts' template captions of textual inversion, with the token string filled in."""
     if opts.script != "train_textual_inversion":
         return None
+    # lazy: the training set (the plan) is built without torch
     from library.models import embeddings  # torch: only for a textual-inversion run
     if opts.use_object_template and opts.use_style_template:
-        raise data.DataError("use_object_template and use_style_template exclude each other")
+        raise DataError("use_object_template and use_style_template exclude each other")
     if not (opts.use_object_template or opts.use_style_template):
         return None
     chosen = embeddings.OBJECT_TEMPLATES if opts.use_object_template else embeddings.STYLE_TEMPLATES
@@ -283,15 +283,13 @@ def _check_masks(opts, items: list) -> bool:
     error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
     masked = any(it.alpha_mask or it.mask_path for it in items)
     if opts.masked_loss and not masked:
-        raise data.DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
+        raise DataError("masked_loss: no image has a mask; set alpha_mask (the images' alpha "
                              "channel) or conditioning_data_dir (a folder of mask images named "
                              "like the images), as a run option or per subset")
     return masked
 
 
 def _item_fields(opts) -> dict:
-    from library.config.dataset_config import run_caption_options
-
     captions = run_caption_options(opts)
     return dict(captions=None if captions.is_identity else captions,
                 flip_aug=opts.flip_aug,
@@ -307,9 +305,9 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
     if not folder:
         return None
     if not opts.masked_loss:
-        raise data.DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
+        raise DataError(f"{where}: conditioning_data_dir (mask images) needs masked_loss = true")
     if alpha_mask:
-        raise data.DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
+        raise DataError(f"{where}: alpha_mask and conditioning_data_dir are both set: the mask "
                              "comes from one of them; unset the other")
     return folder
 
@@ -317,39 +315,37 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
 def _from_folders(opts, log, stats, held_out):
     fields = _item_fields(opts)
     if opts.in_json:  # fine-tuning metadata; train_data_dir is the image folder
-        train = data.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
+        train = folders.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
                                    option="in_json", log=log, stats=stats, **fields)
     else:
         if opts.dataset_repeats != 1:
-            raise data.DataError("dataset_repeats applies to in_json metadata only; N_concept "
+            raise DataError("dataset_repeats applies to in_json metadata only; N_concept "
                                  "folders give their repeats in the folder name")
-        train = data.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
+        train = folders.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
                                        log=log, option="train_data_dir", stats=stats, **fields)
     # conditioning_data_dir (a run option): masks of the training images, looked up by stem;
     # regularisation images are trained unmasked
     folder = _mask_folder(opts, fields["alpha_mask"], opts.conditioning_data_dir,
                           "conditioning_data_dir")
     if folder:
-        data.attach_masks(train, folder, "conditioning_data_dir")
+        folders.attach_masks(train, folder, "conditioning_data_dir")
     reg = []
     if opts.reg_data_dir:
-        reg = data.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
+        reg = folders.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
                                      log=log, option="reg_data_dir", stats=stats, **fields)
     bm = _bucket_manager(opts.resolution, opts.enable_bucket, opts.min_bucket_reso,
                          opts.max_bucket_reso, opts.bucket_reso_steps, opts.bucket_no_upscale)
     train = bm.assign(train, log, stats)
     reg = bm.assign(reg, log, stats)
     if not train:
-        raise data.DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
+        raise DataError(f"train_data_dir {opts.train_data_dir}: no image fits a bucket")
     train = _hold_out(train, opts, held_out, "train_data_dir")
-    reg_used = data.balance_regularization(train, reg)
-    samples = data.expand_repeats(train) + data.expand_repeats(reg_used)
+    reg_used = folders.balance_regularization(train, reg)
+    samples = folders.expand_repeats(train) + folders.expand_repeats(reg_used)
     return train, reg, samples
 
 
 def _from_dataset_config(opts, log, stats, held_out):
-    from library.config.dataset_config import resolve_dataset_config
-
     path = opts.dataset_config_path or "the run config"
     datasets = resolve_dataset_config(opts.dataset_config, path, opts)
     for name in ("train_data_dir", "reg_data_dir"):
@@ -358,7 +354,7 @@ def _from_dataset_config(opts, log, stats, held_out):
     sizes = {ds.batch_size for ds in datasets}
     if len(sizes) > 1:
         detail = ", ".join(f"{ds.where}: {ds.batch_size}" for ds in datasets)
-        raise data.DataError(
+        raise DataError(
             f"{path}: datasets have different batch_size ({detail}); a step is one global batch "
             "from one bucket (train_batch_size x processes x accumulation), so per-dataset batch "
             "sizes cannot be honoured exactly: give every dataset the same batch_size")
@@ -378,38 +374,38 @@ def _from_dataset_config(opts, log, stats, held_out):
             where = f"{path}: {sub.where}.conditioning_data_dir"
             folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
             if getattr(sub, "metadata_file", None):  # a fine-tuning subset
-                items = data.scan_metadata(sub.metadata_file, sub.image_dir,
+                items = folders.scan_metadata(sub.metadata_file, sub.image_dir,
                                            num_repeats=sub.num_repeats, is_reg=sub.is_reg,
                                            option=f"{path}: {sub.where}.metadata_file", log=log,
                                            stats=stats, **sub_fields)
             else:
-                items = data.scan_image_folder(
+                items = folders.scan_image_folder(
                     sub.image_dir, num_repeats=sub.num_repeats, class_tokens=sub.class_tokens,
                     caption_extension=sub.caption_extension, is_reg=sub.is_reg, log=log,
                     stats=stats, **sub_fields)
             if not items:
                 concept = [n for n in sorted(os.listdir(sub.image_dir))
-                           if data.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
+                           if folders.parse_concept_dir_name(n) and os.path.isdir(os.path.join(sub.image_dir, n))]
                 if concept:
-                    raise data.DataError(
+                    raise DataError(
                         f"{path}: {sub.where}.image_dir: {sub.image_dir} holds N_concept folders "
                         f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
                         "the images themselves (one subset per folder, with num_repeats and "
                         "class_tokens), or use train_data_dir")
                 log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
             if folder:
-                data.attach_masks(items, folder, where)
+                folders.attach_masks(items, folder, where)
             (ds_reg if sub.is_reg else ds_train).extend(items)
         ds_train = bm.assign(ds_train, log, stats)
         ds_reg = bm.assign(ds_reg, log, stats)
         if not ds_train:
-            raise data.DataError(f"{path}: {ds.where}: no usable training image (subsets with "
+            raise DataError(f"{path}: {ds.where}: no usable training image (subsets with "
                                  "is_reg = false)")
         ds_train = _hold_out(ds_train, opts, held_out, f"{path}: {ds.where}")
-        reg_used = data.balance_regularization(ds_train, ds_reg)
+        reg_used = folders.balance_regularization(ds_train, ds_reg)
         train += ds_train
         reg += ds_reg
-        samples += data.expand_repeats(ds_train) + data.expand_repeats(reg_used)
+        samples += folders.expand_repeats(ds_train) + folders.expand_repeats(reg_used)
     return train, reg, samples, sizes.pop(), datasets[0].resolution
 
 
@@ -417,7 +413,6 @@ def _hold_out(items: list, opts, held_out: list, where: str) -> list:
     """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
     if not opts.validation_split:
         return items
-    from library.training.validation import split_items
 
     train, val = split_items(items, opts.validation_split, _validation_seed(opts), where)
     held_out.extend(val)

@@ -47,13 +47,6 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def compute_dtype(mixed_precision: str):
-    """The torch dtype of a mixed_precision setting ("no" -> float32)."""
-    import torch
-
-    return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
-
-
 def accelerator_precision(opts) -> str:
     """The mixed precision the run's Accelerator gets; a UserError where it cannot work here
     (checked again by make_accelerator; Run.validate calls this before any folder or weight)."""

@@ -45,7 +45,10 @@ import json
 import logging
 import os
 
+from library.config.options import OPTIONS_BY_NAME
+from library.distributed.fsdp import trained_roots
 from library.errors import UserError
+from library.training.optim import build_optimizer, resolve_optimizer_class
 
 logger = logging.getLogger("sdtk")
 
@@ -94,8 +97,6 @@ def resolve_options(opts):
     (``deepspeed_config_file``, from the options or the launch) into the run's options: returns
     them with those values (the options are frozen; the run holds the returned copy). A value
     set differently in two places is an error naming both."""
-    from library.config.options import OPTIONS_BY_NAME
-
     changes = {}
     launch = launched_with_deepspeed()
     env_path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "") if launch else ""
@@ -177,8 +178,6 @@ def elementwise_reason(cls) -> str | None:
 def check_options(opts) -> None:
     """Combinations that cannot work with deepspeed (and its options without it), before any
     weight is loaded."""
-    from library.config.options import OPTIONS_BY_NAME
-
     if not enabled(opts):
         for key in ("offload_optimizer_device", "offload_param_device", "deepspeed_config_file"):
             if getattr(opts, key) != OPTIONS_BY_NAME[key].default:
@@ -224,7 +223,6 @@ def check_options(opts) -> None:
     if importlib.util.find_spec("deepspeed") is None:  # (importing it takes seconds)
         raise DeepSpeedError("deepspeed is not installed: pip install deepspeed (or the "
                              "deepspeed extra)")
-    from library.training.optim import resolve_optimizer_class
 
     cls, _ = resolve_optimizer_class(opts.optimizer_type)
     reason = elementwise_reason(cls)
@@ -328,16 +326,15 @@ def trained_modules(b, method) -> list[tuple[str, object]]:
     """(name, module) the engine wraps: the LoRA network, or the U-Net / trained text encoders."""
     if method.network is not None:  # a method with a network module (LoRA)
         return [("network", method.network)]
-    from library.distributed.fsdp import trained_roots
 
     return trained_roots(b, method)
 
 
 def make_stepper(opts, acc, plan, modules: list[tuple[str, object]], groups: list[dict]):
     """The DeepSpeed engine over the trained ``modules`` and the run's optimizer, as a stepper."""
+    # lazy: its options are resolved before the plan, without torch
     import torch
 
-    from library.training.optim import build_optimizer
     from library.training.stepper import build_run_scheduler
 
     deepspeed = _import_deepspeed()

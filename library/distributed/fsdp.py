@@ -40,7 +40,7 @@ import contextlib
 import logging
 import os
 
-from library.distributed.accelerator import is_main_process
+from library.distributed.accelerator import DistributedError, _is_multi_process, is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -123,8 +123,6 @@ def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tupl
                     "state is written in the sharded format all the same)")
         return []
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != acc.num_processes:
-        from library.distributed.accelerator import DistributedError
-
         raise DistributedError(f"fsdp: {acc.num_processes} processes but no process group of that "
                                "size; launch with accelerate launch --num_processes N or torchrun")
     from torch.distributed.device_mesh import init_device_mesh
@@ -247,8 +245,6 @@ def save_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, ob
     (``torch.distributed.checkpoint``: one file per process and a metadata file)."""
     import torch.distributed.checkpoint as dcp
 
-    from library.distributed.accelerator import _is_multi_process
-
     with _quiet_single_process():
         dcp.save(_state(modules, optimizer, ema, named), checkpoint_id=folder, no_dist=not _is_multi_process())
 
@@ -258,8 +254,6 @@ def load_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, ob
     this run's process count."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    from library.distributed.accelerator import _is_multi_process
 
     with _quiet_single_process():
         state = _state(modules, optimizer, ema, named)

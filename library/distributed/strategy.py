@@ -37,11 +37,16 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.distributed import ddp, deepspeed_zero, fsdp
 from library.distributed.accelerator import BUCKETED_SUM
-from library.errors import first_line
-from library.outputs.train_state import DEEPSPEED_DIR, SHARDED_DIR
+from library.errors import ResumeError, first_line
+from library.training.stepper import fused_mode, make_stepper
 
 logger = logging.getLogger("sdtk")
+
+# the strategy's part of a training state, a folder inside it
+SHARDED_DIR = "sharded"  # fsdp: library/distributed/fsdp.py (torch.distributed.checkpoint)
+DEEPSPEED_DIR = "deepspeed"  # deepspeed: library/distributed/deepspeed_zero.py (DeepSpeed's partitioned checkpoint)
 
 
 # What ``takes_part`` answers for one micro-step of one process.
@@ -134,8 +139,6 @@ class SingleProcess:
     def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s),
         summing nothing (one process)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None)
@@ -165,8 +168,6 @@ class SingleProcess:
         """A ResumeError where the state at ``path`` (its state.json ``info``) was written in a
         layout this strategy cannot read (the config check names fsdp first; kept for direct
         callers)."""
-        from library.outputs.train_state import ResumeError
-
         if info.get("sharded") and not self.weights_sharded:
             raise ResumeError(f"resume: {path} was written with fsdp (sharded); "
                               "resume it with fsdp")
@@ -216,13 +217,9 @@ class DDP(SingleProcess):
     def uses_reducer(self, opts) -> bool:
         """Whether DistributedDataParallel's reducer sums the gradients: with the plain stepper;
         the fused steppers reduce each unit in their hooks."""
-        from library.training.stepper import fused_mode
-
         return fused_mode(opts) is None
 
     def prepare(self, bundle, method, groups: list[dict]) -> None:
-        from library.distributed import ddp
-
         if not self.engine:
             given = ddp.speed_options_given(self.opts)
             if given:
@@ -234,8 +231,6 @@ class DDP(SingleProcess):
         logger.info(ddp.describe(self.opts, self.accelerator.num_processes))
 
     def _wrap(self) -> None:
-        from library.distributed import ddp
-
         first = self._trained is None
         self.ddp = None  # the old reducer (and its autograd hooks) go first
         self.ddp = ddp.wrap(self.denoiser, self.opts, self.accelerator, first=first)
@@ -263,8 +258,6 @@ class DDP(SingleProcess):
     def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing when DDP's reducer sums during the backward; else
         (the fused steppers' units, or no reducer) the bucketed sum (``BucketedSum``)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None if self.engine else BUCKETED_SUM)
@@ -289,8 +282,6 @@ class FSDP(SingleProcess):
         self.roots: list = []     # the sharded ones (none on one process)
 
     def prepare(self, bundle, method, groups: list[dict]) -> None:
-        from library.distributed import fsdp
-
         # fixed for the run (even after stop_text_encoder_training freezes the text encoders)
         self.modules = fsdp.trained_roots(bundle, method)
         self.roots = fsdp.shard(self.accelerator, self.modules, groups)
@@ -298,16 +289,12 @@ class FSDP(SingleProcess):
     def make_stepper(self, opts, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing (FSDP's reduce-scatter sums the gradients during
         the backward) and without the optimizer in its state (written with the shards)."""
-        from library.training.stepper import make_stepper
-
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
                                     warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                                     grad_sum=None, optimizer_in_state=False)
         return self.stepper
 
     def full_weights(self, bundle, params: list) -> ContextManager:
-        from library.distributed import fsdp
-
         return fsdp.full_weights(bundle, self.roots, self.accelerator)
 
     @contextlib.contextmanager
@@ -331,15 +318,10 @@ class FSDP(SingleProcess):
         return ", sharded"
 
     def save_process_state(self, path: str, named: list, ema) -> None:
-        from library.distributed import fsdp
-
         fsdp.save_sharded(self.modules, self.stepper.optimizer, ema,
                           os.path.join(path, self.state_dir), named)
 
     def load_sharded_state(self, path: str, named: list, ema) -> None:
-        from library.distributed import fsdp
-        from library.outputs.train_state import ResumeError
-
         try:
             fsdp.load_sharded(self.modules, self.stepper.optimizer, ema,
                               os.path.join(path, self.state_dir), named)
@@ -364,21 +346,15 @@ class DeepSpeed(SingleProcess):
         self.modules: list = []  # (name, module) the engine wraps (prepare)
 
     def prepare(self, bundle, method, groups: list[dict]) -> None:
-        from library.distributed import deepspeed_zero as zero
-
-        self.modules = zero.trained_modules(bundle, method)  # what the engine wraps
+        self.modules = deepspeed_zero.trained_modules(bundle, method)  # what the engine wraps
 
     def make_stepper(self, opts, groups: list[dict], params: list, plan):
-        from library.distributed import deepspeed_zero as zero
-
-        self.stepper = zero.make_stepper(opts, self.accelerator, plan, self.modules, groups)
+        self.stepper = deepspeed_zero.make_stepper(opts, self.accelerator, plan, self.modules, groups)
         return self.stepper
 
     def full_weights(self, bundle, params: list) -> ContextManager:
         """In bf16 / fp16 the float32 master weights are saved (a collective)."""
-        from library.distributed import deepspeed_zero as zero
-
-        return zero.master_weights(params)
+        return deepspeed_zero.master_weights(params)
 
     @contextlib.contextmanager
     def ema_weights(self, ema, bundle, params: list):
@@ -406,8 +382,6 @@ class DeepSpeed(SingleProcess):
 
 def for_run(opts, accelerator) -> Strategy:
     if (opts.deepspeed or opts.fsdp) and accelerator.num_processes > 1:
-        from library.distributed import ddp
-
         given = ddp.speed_options_given(opts)
         if given:
             engine = "deepspeed" if opts.deepspeed else "fsdp"

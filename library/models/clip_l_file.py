@@ -8,9 +8,9 @@ import os
 
 import torch
 
-from library.errors import first_line
+from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage
-from library.models.loading import SHIPPED_CONFIGS, SHIPPED_TOKENIZER, ModelError
+from library.models.loading import SHIPPED_CONFIGS, SHIPPED_TOKENIZER
 from library.models.sd_checkpoint import read_state_dict
 
 CLIP_META_KEY = "sdtk.clip_config"  # config and tokenizer of clip_l files this toolkit writes

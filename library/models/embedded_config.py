@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 
-from library.models.loading import ModelError
+from library.errors import ModelError
 
 
 def read_record(meta: dict, key: str, path: str) -> dict | None:

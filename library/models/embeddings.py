@@ -277,9 +277,3 @@ def _2d(t, path: str) -> torch.Tensor:
     return (t.unsqueeze(0) if t.dim() == 1 else t).float()
 
 
-def write_embedding_file(path: str, tensors: dict[str, torch.Tensor], dtype, metadata: dict | None) -> None:
-    """Atomic write: .safetensors with metadata, else torch.save of the same dictionary (what
-    sd-scripts writes for .pt / .ckpt, which A1111 also reads)."""
-    from networks.lora import write_weights
-
-    write_weights(path, tensors, dtype, metadata if path.lower().endswith(".safetensors") else None)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from library.errors import UserError
+from library.models import prompt_weights
 
 MAX_TOKENS = 77  # one CLIP window: BOS + 75 tokens + EOS
 CHUNK = MAX_TOKENS - 2
@@ -132,8 +133,6 @@ class FamilyModel:
             return [tok(list(captions), padding=False, max_length=MAX_TOKENS, truncation=True,
                         return_tensors="pt").input_ids for tok in self.tokenizers]
         if self.weighted:
-            from library.models import prompt_weights
-
             pairs = [prompt_weights.tokenize(tok, list(captions), n * CHUNK) for tok in self.tokenizers]
             ids = [i if n == 1 else chunk_ids(i, tok, n) for (i, _), tok in zip(pairs, self.tokenizers)]
             return ids + [w for _, w in pairs]
@@ -185,8 +184,6 @@ class SD1Model(FamilyModel):
             out = te(ids, output_hidden_states=True)
             hidden = join_chunks(_final_layer_norm(te)(out.hidden_states[-clip_skip]), n)
         if weights is not None:  # after clip_skip's final norm, as sd-scripts
-            from library.models import prompt_weights
-
             hidden = prompt_weights.apply(hidden, weights[0])
         return TextConditioning(hidden)
 
@@ -213,8 +210,6 @@ class SDXLModel(FamilyModel):
         h1 = join_chunks(out1.hidden_states[-2], n)
         h2 = join_chunks(out2.hidden_states[-2].to(h1.dtype), n)
         if weights is not None:  # each encoder's states by its own tokenizer's weights; pooled unweighted
-            from library.models import prompt_weights
-
             h1, h2 = prompt_weights.apply(h1, weights[0]), prompt_weights.apply(h2, weights[1])
         hidden = torch.cat([h1, h2], dim=-1)
         # long captions: the pooled output of each caption's first window (sd-scripts pool2[::n])

@@ -17,9 +17,8 @@ import tempfile
 
 import torch
 
-from library.errors import first_line
+from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage, sd_checkpoint
-from library.models.loading import ModelError
 
 SCALING_FACTOR = 0.3611
 SHIFT_FACTOR = 0.1159

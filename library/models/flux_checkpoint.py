@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 
-from library.errors import first_line
+from library.errors import ModelError, first_line
+from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, fp8_storage
 from library.models.flux import Flux, FluxConfig
-from library.models.loading import ModelError
 from library.models.sd_checkpoint import read_state_dict
-from library.outputs.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 

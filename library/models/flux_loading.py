@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from library.errors import first_line
+from library.errors import ModelError, first_line
 from library.models import clip_l_file
 from library.models import flux_ae, flux_checkpoint, t5, tiny_flux
 from library.models.flux import Flux, FluxConfig
-from library.models.loading import ModelError, path_identity, quiet_progress
+from library.models.loading import path_identity, quiet_progress
 
 logger = logging.getLogger("sdtk")
 

@@ -12,8 +12,8 @@ import os
 
 import torch
 
+from library.files import atomic_dir, atomic_path
 from library.models import clip_l_file, flux_ae, flux_checkpoint, t5
-from library.outputs.saving import atomic_dir, atomic_path
 
 SINGLE_FILE_NAMES = {"transformer": "flux1.safetensors", "clip_l": "clip_l.safetensors",
                      "t5xxl": "t5xxl.safetensors", "ae": "ae.safetensors"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.loading import ModelError
+from library.errors import ModelError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

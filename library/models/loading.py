@@ -12,7 +12,6 @@ file changes its mtime, so changed weights never reuse stale cache entries.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +21,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.errors import UserError, first_line
+from library import symlinks
+from library.errors import ModelError, UserError, first_line
+from library.models import inpainting, sd_checkpoint, tiny_models
+from library.models.sd_checkpoint import quiet_progress
 
 logger = logging.getLogger("sdtk")
 
@@ -42,10 +44,6 @@ ARCH_SEED = 20240602
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ModelError(UserError, ValueError):
-    """A model cannot be found or loaded; the message is one line naming the file or option."""
-
-
 @dataclass(frozen=True)
 class ModelSource:
     kind: str  # "builtin" | "diffusers" | "single_file" | "hub"
@@ -55,8 +53,6 @@ class ModelSource:
 
 def resolve_model_source(name_or_path: str) -> ModelSource:
     """Classify `pretrained_model_name_or_path` without loading anything."""
-    from library.data import symlinks
-
     p = os.path.expanduser(str(name_or_path))
     if os.path.islink(p) and not os.path.exists(p):
         raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is {symlinks.problem(p)}")
@@ -79,24 +75,6 @@ def resolve_model_source(name_or_path: str) -> ModelSource:
         raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")
     raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path} "
                      f"(and not a built-in model: {', '.join(BUILTINS)})")
-
-
-@contextlib.contextmanager
-def quiet_progress():
-    """Hide transformers'/diffusers' per-file progress bars while loading or saving (log noise)."""
-    import diffusers.utils.logging as dlog
-    import transformers.utils.logging as tlog
-
-    t_on, d_on = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    dlog.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if t_on:
-            tlog.enable_progress_bar()
-        if d_on:
-            dlog.enable_progress_bar()
 
 
 # --- identities ------------------------------------------------------------------------------
@@ -241,8 +219,6 @@ def _build_arch(arch: str) -> dict:
 
 
 def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, str, dict, str, str]:
-    from library.models import tiny_models
-
     arch = src.arch
     family = FAMILY_OF_ARCH[arch]
     if src.location in TINY_BUILTINS:
@@ -318,21 +294,19 @@ def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[
 
 def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle: bool,
                v_parameterization: bool) -> tuple[dict, str, dict, str, str]:
-    from library.models import sd_checkpoint as sdc
-
-    state_dict, meta = sdc.read_state_dict(path, allow_pickle=allow_pickle)
-    family = sdc.detect_family(state_dict, path)
+    state_dict, meta = sd_checkpoint.read_state_dict(path, allow_pickle=allow_pickle)
+    family = sd_checkpoint.detect_family(state_dict, path)
     record = None
-    if sdc.META_CONFIG_KEY in meta:
+    if sd_checkpoint.META_CONFIG_KEY in meta:
         try:
-            record = json.loads(meta[sdc.META_CONFIG_KEY])
+            record = json.loads(meta[sd_checkpoint.META_CONFIG_KEY])
         except json.JSONDecodeError:
-            raise ModelError(f"{path}: metadata {sdc.META_CONFIG_KEY} is not valid JSON") from None
+            raise ModelError(f"{path}: metadata {sd_checkpoint.META_CONFIG_KEY} is not valid JSON") from None
         if record.get("family") != family:
             raise ModelError(f"{path}: metadata says family {record.get('family')!r} but the weights are {family}")
     with tempfile.TemporaryDirectory(prefix="sdtk-config-") as tmp:
         if record is not None:
-            sdc.write_config_dir(record, tmp)
+            sd_checkpoint.write_config_dir(record, tmp)
             config_dir = tmp
             sched = record.get("scheduler", {})
         else:
@@ -344,7 +318,7 @@ def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle:
             if family == "sd2" and not v_parameterization:
                 logger.warning("%s: SD2 checkpoint without --v_parameterization: using epsilon prediction "
                                "(SD2.x-base); pass --v_parameterization for 768-v models", path)
-        comps = sdc.load_unet_vae_te(state_dict, family, config_dir, path)
+        comps = sd_checkpoint.load_unet_vae_te(state_dict, family, config_dir, path)
         tes = [comps["text_encoder"]] + ([comps["text_encoder_2"]] if family == "sdxl" else [])
         toks = _load_tokenizers(family, tes, path, folder=None, tokenizer_path=tokenizer_path,
                                 record=record, record_dir=tmp if record is not None else None)
@@ -359,8 +333,6 @@ def _shipped_config_for(state_dict: dict, family: str, tmp: str) -> str:
     """The shipped architecture configs of ``family``; for an inpainting checkpoint (a 9-channel
     first U-Net convolution, e.g. sd-v1-5-inpainting) a copy in ``tmp`` whose U-Net takes 9."""
     import shutil
-
-    from library.models import inpainting
 
     shipped = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
     channels = inpainting.in_channels_of_state_dict(state_dict)
@@ -399,14 +371,10 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
     single file is read with the base model's VAE architecture."""
     from diffusers import AutoencoderKL
 
-    from library.models import sd_checkpoint as sdc
-
     p = os.path.expanduser(vae)
     if not os.path.exists(p):
         raise ModelError(f"vae: no such file or directory: {vae}")
     if os.path.isdir(p):
-        from library.data import symlinks
-
         broken = symlinks.first_broken(p)
         if broken:
             raise ModelError(f"vae: {broken} is {symlinks.problem(broken)}")
@@ -417,13 +385,13 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
             return AutoencoderKL.from_pretrained(p, subfolder=sub, local_files_only=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelError(f"vae: cannot load {vae}: {first_line(e)}") from None
-    state_dict, _ = sdc.read_state_dict(p)
+    state_dict, _ = sd_checkpoint.read_state_dict(p)
     with tempfile.TemporaryDirectory(prefix="sdtk-vae-") as tmp:
         os.makedirs(os.path.join(tmp, "vae"))
         with open(os.path.join(tmp, "vae", "config.json"), "w") as f:
             json.dump({k: v for k, v in base_vae_config.items() if not k.startswith("_")}
                       | {"_class_name": "AutoencoderKL"}, f)
-        return sdc.load_vae_from_state_dict(state_dict, tmp, vae)
+        return sd_checkpoint.load_vae_from_state_dict(state_dict, tmp, vae)
 
 
 # --- entry point -----------------------------------------------------------------------------
@@ -493,3 +461,12 @@ def set_attention(b, opts) -> None:
         b.unet.set_attn_processor(AttnProcessor())
         for te in b.text_encoders:
             te.set_attn_implementation("eager")
+
+
+def load_single_file(path: str, *, vae: str | None = None, v_parameterization: bool = False,
+                     tokenizer_path: str | None = None, allow_pickle: bool = False):
+    """Load a single-file checkpoint (original layout) as a models.ModelBundle."""
+    if not os.path.isfile(path):
+        raise ModelError(f"{path}: no such file")
+    return load_model_bundle(path, vae=vae, v_parameterization=v_parameterization,
+                             tokenizer_path=tokenizer_path, allow_pickle=allow_pickle)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from library.models import fp8
 from library.errors import UserError
+from library.models import fp8
 
 
 class Fp8OptionError(UserError, ValueError):
@@ -65,11 +65,23 @@ def check_options(opts) -> None:
                              "(its default forward computes with the fp8 base weight itself)")
 
 
+def compute_dtype(mixed_precision: str):
+    """The torch dtype of a mixed_precision setting ("no" -> float32)."""
+    return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
+
+
+def trained_precision(opts) -> str:
+    """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
+    "float32"."""
+    if opts.full_bf16:
+        return "bfloat16"
+    if opts.full_fp16:
+        return "float16"
+    return "float32"
+
+
 def dtype_placement(opts, method_name: str, train_text_encoder: bool, n_text_encoders: int) -> Placement:
     """The dtypes of this run's U-Net, text encoders and network."""
-    from library.distributed.accelerator import compute_dtype
-    from library.training.stepper import trained_precision
-
     compute = compute_dtype(opts.mixed_precision)
     trained = getattr(torch, trained_precision(opts))
     if method_name == "textual_inversion":  # only the new rows train (their own tensor, `trained`)

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from library.errors import first_line
-from library.models.loading import ModelError
+from library.errors import ModelError, first_line
 
 HEAD_DIM = 64  # SAI: hidden = 64 * depth, heads = depth
 PREFIX = "model.diffusion_model."  # the transformer's keys in an all-in-one file

@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 
 from library.errors import first_line
+from library.files import atomic_dir, atomic_path
 from library.models import sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
 from library.models.loading import quiet_progress
 from library.models.sd3 import SD3ModelError
-from library.outputs.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 

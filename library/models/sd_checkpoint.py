@@ -10,6 +10,7 @@ Every save is atomic: written under a temporary name in the target folder, then 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,10 +18,9 @@ import re
 import tempfile
 from typing import Any
 
-from library.errors import first_line
-from library.models.loading import ModelError, quiet_progress
+from library.errors import ModelError, first_line
+from library.files import atomic_dir, atomic_path
 from library.models import unet_layout
-from library.outputs.saving import atomic_dir, atomic_path
 
 logger = logging.getLogger("sdtk")
 
@@ -219,6 +219,24 @@ def write_config_dir(record: dict, out_dir: str) -> None:
             for fname, text in files.items():
                 with open(os.path.join(out_dir, name, fname), "w", encoding="utf-8") as f:
                     f.write(text)
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """Hide transformers'/diffusers' per-file progress bars while loading or saving (log noise)."""
+    import diffusers.utils.logging as dlog
+    import transformers.utils.logging as tlog
+
+    t_on, d_on = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    dlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if t_on:
+            tlog.enable_progress_bar()
+        if d_on:
+            dlog.enable_progress_bar()
 
 
 # --- saving ----------------------------------------------------------------------------------
@@ -421,12 +439,3 @@ def load_vae_from_state_dict(state_dict: dict, config_dir: str, path: str, dtype
     return vae
 
 
-def load_single_file(path: str, *, vae: str | None = None, v_parameterization: bool = False,
-                     tokenizer_path: str | None = None, allow_pickle: bool = False):
-    """Load a single-file checkpoint (original layout) as a models.ModelBundle."""
-    from library.models.loading import load_model_bundle
-
-    if not os.path.isfile(path):
-        raise ModelError(f"{path}: no such file")
-    return load_model_bundle(path, vae=vae, v_parameterization=v_parameterization,
-                             tokenizer_path=tokenizer_path, allow_pickle=allow_pickle)

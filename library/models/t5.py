@@ -19,9 +19,8 @@ import os
 
 import torch
 
-from library.errors import first_line
+from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage
-from library.models.loading import ModelError
 from library.models.sd_checkpoint import read_state_dict
 
 logger = logging.getLogger("sdtk")

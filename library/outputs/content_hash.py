@@ -25,6 +25,10 @@ import json
 import logging
 import os
 
+from library.data.latent_cache import file_sha256
+from library.errors import ResumeError
+from library.files import atomic_path
+
 logger = logging.getLogger("sdtk")
 
 CHUNK = 16 << 20
@@ -55,7 +59,6 @@ def _load_store(path: str) -> dict:
 
 def _save_store(path: str, data: dict) -> None:
     global _store_problem_logged
-    from library.outputs.saving import atomic_path
 
     try:
         with atomic_path(path) as tmp:
@@ -135,8 +138,6 @@ def _digest_or_missing(fn, path: str) -> str:
 
 def fingerprint(opts, tset) -> list[list[str]]:
     """[role, absolute path, sha256] of every model file, image and mask of the run."""
-    from library.data.latent_cache import file_sha256
-
     out = []
     for role, path in model_inputs(opts):
         for f in weight_files(path):
@@ -156,8 +157,6 @@ _WHAT = {"model": "model weights file", "vae": "vae file", "network_weights": "n
 def check(saved: list | None, opts, tset, state: str, log=None) -> None:
     """Raise ResumeError naming the first file whose content differs from the state's record;
     a state written before content hashes were kept resumes with a warning (``log``)."""
-    from library.outputs.train_state import ResumeError
-
     if saved is None:
         if log is not None:
             log.warning(f"resume: the state in {state} was written before content hashes were "

@@ -10,19 +10,8 @@ import os
 from collections import Counter
 
 from library.errors import UserError
-
-ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}
-BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
-IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
-IMPL_DIFFUSERS = "diffusers"
-
-
-def modelspec_architecture(family: str, v_parameterization: bool, adapter: str | None) -> str:
-    if family == "sd2":
-        arch = "stable-diffusion-v2-768-v" if v_parameterization else "stable-diffusion-v2-512"
-    else:
-        arch = ARCH[family]
-    return f"{arch}/{adapter}" if adapter else arch
+from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI,
+                                      modelspec_architecture)
 
 
 def tag_frequency(items) -> dict:

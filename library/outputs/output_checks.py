@@ -4,9 +4,9 @@
   written (a probe file is written and removed), output_name is a plain file name.
 - ``check_free_space``: output_dir has room for what one save writes at once (the model file or
   network, plus a training state with save_state), sized from the run's parameter counts.
-- ``remove_stale_temporaries``: the temporary files and folders of ``saving.atomic_path`` /
-  ``atomic_dir`` carry the writer's pid; those of a process that no longer runs (killed mid-save)
-  are removed.
+- stale temporaries (``library.files.remove_stale_temporaries``): the temporary files and folders
+  of ``atomic_path`` / ``atomic_dir`` carry the writer's pid; those of a process that no longer
+  runs (killed mid-save) are removed.
 - ``OutputLock``: ``<output_dir>/.<output_name>.lock`` holds the pid of the run writing those
   files; a second run is refused while that process lives, a dead one's lock is taken over.
 - ``prepare``: all of these, in a run's order, before any weight loads.
@@ -21,7 +21,8 @@ import tempfile
 import time
 
 from library.errors import UserError
-from library.outputs.saving import TEMP_PATTERN
+from library.files import pid_alive, remove_stale_temporaries
+from library.models import loading
 
 
 class OutputPathError(UserError):
@@ -92,6 +93,7 @@ def save_bytes(opts, method_name: str) -> tuple[int, str]:
     """(bytes, what) one save writes at once: the model file (or network), its EMA twin, and with
     save_state a state (trained weights in float32, the EMA copy, the optimizer state). From the
     run's parameter counts (memory_estimate.saved_parameters: the model built on fake tensors)."""
+    # lazy: the path checks run before torch is imported
     from library.training import memory_estimate
 
     saved, trained_shapes = memory_estimate.saved_parameters(opts, method_name)
@@ -119,10 +121,11 @@ def _numel(shape) -> int:
 
 
 def _save_dtype_bytes(opts) -> int:
+    # lazy: the path checks run before torch is imported
     import torch
 
     from library.training.methods import _dtype
-    from library.training.stepper import trained_precision
+    from library.models.placement import trained_precision
 
     # unset: as trained (a full model's frozen parts may be smaller: an upper bound)
     dtype = _dtype(opts.save_precision) or getattr(torch, trained_precision(opts))
@@ -145,16 +148,14 @@ def quick_upper_bound(opts) -> int | None:
     """A bound on ``save_bytes`` from the size of the model on disk, without building anything
     (None when unknown: the full-size built-ins, hub ids). A file holds at least one byte per
     parameter (fp8), so four times its size bounds its float32 size."""
-    from library.models import loading as models
-
-    src = models.resolve_model_source(opts.pretrained_model_name_or_path)
+    src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
-        base = TINY_MODEL_BYTES if src.location in models.TINY_BUILTINS else None
+        base = TINY_MODEL_BYTES if src.location in loading.TINY_BUILTINS else None
     elif src.kind == "single_file":
         base = 4 * os.path.getsize(src.location)
     elif src.kind == "diffusers":
         base = 4 * sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(src.location)
-                       for f in files if f.endswith(models.WEIGHT_SUFFIXES))
+                       for f in files if f.endswith(loading.WEIGHT_SUFFIXES))
     else:
         base = None
     return None if base is None else SAVE_BOUND_FACTOR * base + 64 * 1024 ** 2
@@ -165,6 +166,7 @@ def check_free_space(opts, method_name: str, log) -> None:
     so an overwrite needs the full size too. An estimate that cannot be made is logged, not fatal.
     When the free space exceeds a bound from the model's size on disk, the exact count (which
     builds the model on fake tensors, a second or more) is not needed."""
+    # lazy: the path checks run before torch is imported
     from library.training.memory_estimate import EstimateUnavailable
 
     have = disk_free(os.path.abspath(os.path.expanduser(opts.output_dir)))
@@ -185,43 +187,6 @@ def check_free_space(opts, method_name: str, log) -> None:
     if need > have:
         raise OutputPathError(f"output_dir {opts.output_dir}: not enough free space: a save writes "
                               f"{_size(need)} at once ({what}), {_size(have)} is free")
-
-
-# -- stale temporaries ---------------------------------------------------------------------------
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temporaries(folder: str, log, alive=pid_alive) -> list[str]:
-    """Remove the temporaries of saving.atomic_path/atomic_dir whose writer no longer runs."""
-    if not os.path.isdir(folder):
-        return []
-    removed = []
-    for entry in sorted(os.listdir(folder)):
-        m = TEMP_PATTERN.match(entry)
-        if not m or alive(int(m.group("pid"))):
-            continue
-        path = os.path.join(folder, entry)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-        except FileNotFoundError:
-            continue  # removed meanwhile by another run
-        removed.append(entry)
-    if removed:
-        log.info(f"removed {len(removed)} stale temporary file(s) of killed runs in {folder}: "
-                 + ", ".join(removed))
-    return removed
 
 
 # -- the lock ------------------------------------------------------------------------------------

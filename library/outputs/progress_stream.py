@@ -27,10 +27,9 @@ import os
 import time
 
 from library.errors import UserError
+from library.training.stop_signals import COMMANDS
 
 logger = logging.getLogger("sdtk")
-
-COMMANDS = ("save_now", "sample_now", "stop")
 
 
 class ProgressStreamError(UserError):

@@ -43,6 +43,8 @@ from typing import Callable
 from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
 from library.outputs import progress_stream
+from library.training import sampling, validation
+from library.training.network_options import max_norm_scalars
 
 logger = logging.getLogger("sdtk")
 
@@ -53,9 +55,6 @@ class TrackingError(UserError):
 
 def check_options(opts) -> None:
     """Before any weight is loaded: the tracker exists and is installed."""
-    from library.training import sampling
-    from library.training import validation
-
     validation.check_options(opts)
     sampling.check_options(opts)
     if opts.log_with in ("tensorboard", "all") and not opts.logging_dir:
@@ -297,9 +296,6 @@ class Reporter:
 
     def after_step(self, progress, norm: float | None = None) -> None:
         """``norm``: the step's gradient norm as the step read it (None: not computed)."""
-        from library.training import sampling
-        from library.training import validation
-
         step = progress.global_step
         if self.stream is not None:  # the host values of this step's one read: no device read
             epoch = progress.position[0] - (progress.position[1] == 0)
@@ -319,15 +315,10 @@ class Reporter:
         for name, lr in zip(t.names, t.lrs(progress.lr_log[-1])):
             values[f"lr/{name}"] = lr
         if progress.max_norm_stats is not None:  # scale_weight_norms
-            from library.training.network_options import max_norm_scalars
-
             values.update(max_norm_scalars(progress.max_norm_stats))
         t.scalars(values, step)
 
     def after_epoch(self, progress, epoch: int) -> None:
-        from library.training import sampling
-        from library.training import validation
-
         step = progress.global_step
         if validation.due(self.opts, self.tset, epoch=epoch) and self.validated_at != step:
             self._validate(progress, f", end of epoch {epoch}")
@@ -354,8 +345,6 @@ class Reporter:
     def _sample(self, progress) -> None:
         """Every process renders its share; the main process logs all of them (after the
         barrier)."""
-        from library.training import sampling
-
         step = progress.global_step
         self._sample_fn(step)
         self.sampled_at = step

@@ -26,7 +26,7 @@ per epoch save, ``<output_name>-step00000100-state`` per step save (and on SIGIN
   network dropout (neuron, rank, module) draws from torch's global generator, which is why it
   is kept.
 
-The folder is written under a temporary name and renamed into place (``saving.atomic_dir``): a
+The folder is written under a temporary name and renamed into place (``files.atomic_dir``): a
 save that fails leaves the previous state of that name intact.
 
 A resume may lengthen the run (``max_train_steps`` / ``max_train_epochs``; a schedule that depends
@@ -43,23 +43,28 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 
+from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import Options
 from library.data.step_plan import StepPlan
 from library.data.training_data import TrainingSet
-from library.distributed.accelerator import is_main_process
-from library.errors import UserError, first_line
+from library.distributed.accelerator import _is_multi_process, is_main_process
+from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
+from library.errors import ResumeError, first_line
+from library.files import SaveError, atomic_dir, output_file, save_elsewhere
+from library.outputs import content_hash
+from library.training import nonfinite
+from library.training.ema import STATE_FILE
+from library.training.nonfinite import first_nonfinite
+from library.training.progress import Progress
 
 STATE_VERSION = 1
 INFO_FILE = "state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 STEPPER_FILE = "stepper.pt"
 RNG_FILE = "rng.pt"
-SHARDED_DIR = "sharded"  # fsdp: library/distributed/fsdp.py (torch.distributed.checkpoint)
-DEEPSPEED_DIR = "deepspeed"  # deepspeed: library/distributed/deepspeed_zero.py (DeepSpeed's partitioned checkpoint)
 
 # Options a resume may change, and why that cannot change what the continued run computes
 # (beyond float rounding for the speed/memory ones). Everything else must match the state.
@@ -108,28 +113,11 @@ RESUMABLE_CHANGES = {
 _STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")
 
 
-class ResumeError(UserError, ValueError):
-    """A state that cannot be resumed by this run (missing, corrupt, or another run's)."""
-
-
-class TrainingInterrupted(Exception):
-    """SIGINT/SIGTERM stopped training after a complete step; its state was written."""
-
-    def __init__(self, signum: int, state_dir: str, step: int):
-        self.signum, self.state_dir, self.step = signum, state_dir, step
-        self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
-        super().__init__(f"{name}: stopped after step {step}; training state written to {state_dir} "
-                         f"(continue with --resume {state_dir})")
-
-
 # -- names, discovery, rotation -------------------------------------------------------------------
 def state_dir(output_dir: str, output_name: str, *, epoch: int | None = None,
               step: int | None = None) -> str:
     """sd-scripts' state folder names, next to the model files of the same save: the model's
     name with ``-state`` for its extension."""
-    from library.outputs.saving import output_file
-
     return output_file(output_dir, output_name, "-state", epoch=epoch, step=step)
 
 
@@ -282,8 +270,6 @@ def _json(v):
 
 def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
     """Raise ResumeError naming the first thing that differs between the state and this run."""
-    from library.config.options import OPTIONS_BY_NAME
-
     saved, now = info["config"], _json(opts.to_dict())
     for key in sorted(set(saved) | set(now)):
         if key in RESUMABLE_CHANGES:
@@ -331,15 +317,13 @@ def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
     info = read_info(path)
     saved_method = info.get("method")
     if saved_method and saved_method != method_name:  # before the option diff, which would
-        from library.cli import METHOD_OF_SCRIPT  # name some option the two scripts set differently
-
+        # name some option the two scripts set differently
         script = {m: s for s, m in METHOD_OF_SCRIPT.items()}
         raise ResumeError(
             f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
             f".py ({saved_method}), this is {script.get(method_name, method_name)}.py; resume it "
             "with the script that wrote it")
     check_resumable(info, path, opts, plan, tset)
-    from library.outputs import content_hash
 
     # the content of the model files and images (after the data check has named any new path)
     content_hash.check(info.get("content"), opts, tset, path, log)
@@ -452,16 +436,12 @@ def write_state(path: str, log, *, record: RunRecord, progress, named: list, ema
     and the generators. Every process calls this; the main process writes the folder,
     atomically; the ``strategy``'s part (fsdp shards, DeepSpeed's partitions) is written by
     every process into the same temporary folder."""
-    from library.distributed import accelerator as distributed
-
     acc = accelerator
     stepper_state = stepper.state_dict()  # every process (a sharded stepper may gather)
-    from library.training import nonfinite
-
     # nothing non-finite is written, and no good state replaced by it (every process checks)
     nonfinite.check_before_save(saved_tensors(named, ema) + _named_tensors("optimizer", stepper_state),
                                 path, acc)
-    rngs = _gather_objects(rng_state()) if distributed._is_multi_process() else [rng_state()]
+    rngs = _gather_objects(rng_state()) if _is_multi_process() else [rng_state()]
 
     def write_files(tmp):
         _write_files(tmp, record, progress, strategy, named, ema, stepper_state, rngs)
@@ -482,8 +462,6 @@ def write_state(path: str, log, *, record: RunRecord, progress, named: list, ema
 def _write_single(path: str, write_files) -> None:
     """A state only the main process writes; when it cannot be written (disk full, read-only),
     a rescue copy in the system temp dir and one line saying where, as for the model file."""
-    from library.outputs.saving import SaveError, atomic_dir, save_elsewhere
-
     def write(p):
         with atomic_dir(p) as tmp:
             write_files(tmp)
@@ -499,10 +477,7 @@ def _write_single(path: str, write_files) -> None:
 def _shared_atomic_dir(path: str, acc):
     """``atomic_dir`` that every process writes into: the main process makes the temporary
     folder and tells the others its name; it is renamed into place after all have written."""
-    from library.distributed import accelerator as distributed
-    from library.outputs.saving import atomic_dir
-
-    multi = distributed._is_multi_process()
+    multi = _is_multi_process()
     if is_main_process():
         with atomic_dir(path) as tmp:
             if multi:
@@ -529,8 +504,6 @@ def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, e
     import torch
     from safetensors.torch import save_file
 
-    from library.outputs import content_hash
-
     plan, opts = record.plan, record.opts
     flags = strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
     info = {
@@ -551,8 +524,6 @@ def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, e
         weights = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in named}
         save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
         if ema is not None:
-            from library.training.ema import STATE_FILE
-
             save_file(ema.state_tensors([n for n, _ in named]), os.path.join(tmp, STATE_FILE))
     torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
     torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
@@ -564,7 +535,7 @@ def load_state(path: str, info: dict, log, *, accelerator, named: list, ema, ste
                network_dropout: float | None):
     """Put the state's weights (into ``named``'s parameters and the ``ema``), optimizer /
     scheduler (the ``stepper``'s, the ``strategy``'s part) and generators into this run; returns
-    the saved Progress (library/training/run_state.py). ``network_dropout``: the run's (a
+    the saved Progress (library/training/progress.py). ``network_dropout``: the run's (a
     warning when its draws cannot continue exactly)."""
     import torch
 
@@ -623,7 +594,6 @@ def _load_weights(ema, path: str, named: list) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
-    from library.training.nonfinite import first_nonfinite
 
     bad = first_nonfinite(weights.items())
     if bad is not None:
@@ -642,8 +612,6 @@ def _load_weights(ema, path: str, named: list) -> None:
                                   f"{tuple(p.shape)} in this run")
             p.copy_(w.to(p.device, p.dtype))
     if ema is not None:
-        from library.training.ema import STATE_FILE
-
         f = os.path.join(path, STATE_FILE)
         if not os.path.isfile(f):
             raise ResumeError(f"resume: {path} has no {STATE_FILE} (saved without ema_decay)")
@@ -651,8 +619,6 @@ def _load_weights(ema, path: str, named: list) -> None:
 
 
 def _load_rest(acc, stepper, network_dropout, info: dict, rng: dict, log):
-    from library.training.run_state import Progress
-
     resync_lr(stepper)
     ranks = rng["ranks"]
     rank = acc.process_index
@@ -720,41 +686,3 @@ def _gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-# -- SIGINT / SIGTERM -----------------------------------------------------------------------------
-class StopSignals:
-    """While active, SIGINT and SIGTERM ask training to stop after the current step.
-
-    A second signal stops at once (KeyboardInterrupt / exit 143). It carries the pending signal
-    only (``signum``): the step's one small all-reduce (library/training/step_sync.py ``agree``,
-    every process once per step) makes all processes stop after the same step even when the
-    signal reached only one of them.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def _handle(self, signum, frame):
-        if self.signum:  # second signal: stop now
-            self.__exit__()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        self.signum = signum

@@ -23,15 +23,11 @@ Two dataset-config keys act on the network here, as in sd-scripts' train_network
 """
 from __future__ import annotations
 
-from library.data import step_plan
+from library.data import images, latent_cache, step_plan, text_cache
+from library.data.latent_cache import latent_slot
+from library.errors import UserError
 from library.models import inpainting
-
-
-def latent_slot(item, flipped: bool) -> tuple:
-    """What tells two latent-cache entries of a run apart: one image may be in two datasets at
-    different sizes, each with its flip."""
-    return (item.path, tuple(item.bucket), tuple(item.resized_size), bool(flipped),
-            bool(item.alpha_mask), item.mask_path)
+from library.models.family import TextConditioning
 
 
 def check_multiplier(opts, tset, method) -> None:
@@ -40,8 +36,6 @@ def check_multiplier(opts, tset, method) -> None:
     acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
     net = method.network
     if acts and net is not None and not hasattr(net, "set_multiplier"):
-        from library.errors import UserError
-
         raise UserError(f"network_module {opts.network_module}: its network has no "
                         "set_multiplier(), which network_multiplier per dataset and "
                         "diff_output_preservation need")
@@ -91,8 +85,6 @@ class BatchLoss:
     def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
         import torch
-
-        from library.models.family import TextConditioning
 
         net = self.method.network
         cond = TextConditioning(cond.hidden_states[rows],
@@ -145,8 +137,6 @@ class BatchLoss:
         for this epoch picks the variant."""
         import torch
 
-        from library.data import latent_cache
-
         device, cache = self.accelerator.device, self.caches
         lat, size, inpaint = [], [], None
         if cache.latents is not None:  # never with train_inpainting (inpainting.check_options)
@@ -175,8 +165,6 @@ class BatchLoss:
         image without a mask. None when no image of the run has a mask."""
         import torch
 
-        from library.data import images
-
         if not self.tset.masked:
             return None
         cache = self.caches
@@ -194,8 +182,6 @@ class BatchLoss:
         """The text conditioning of this process's samples (called under autocast): from the
         text-encoder cache, or encoded now (with gradients when the text encoders train)."""
         import torch
-
-        from library.data import text_cache
 
         opts = self.opts
         if self.caches.text is not None:

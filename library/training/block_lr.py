@@ -9,6 +9,7 @@ whose rate is 0 is not trained (no gradient, not in the optimizer).
 from __future__ import annotations
 
 from library.errors import UserError
+from library.models import loading, unet_layout
 
 NUM_BLOCKS = 23
 
@@ -32,13 +33,11 @@ def check_family(family: str) -> None:
 def family_before_loading(name_or_path: str) -> str | None:
     """The family of a built-in model or diffusers folder from its configuration (no weights);
     None for the other sources (their family is known once they load)."""
-    from library.models import loading as models
-
-    src = models.resolve_model_source(name_or_path)
+    src = loading.resolve_model_source(name_or_path)
     if src.kind == "builtin":
-        return models.FAMILY_OF_ARCH[src.arch]
+        return loading.FAMILY_OF_ARCH[src.arch]
     if src.kind == "diffusers":
-        return models._family_of_folder(src.location)
+        return loading._family_of_folder(src.location)
     return None
 
 
@@ -57,8 +56,6 @@ def block_of(original_name: str) -> int:
 
 def param_groups(unet, family: str, block_lr: list[float]):
     """(optimizer groups, their names "block<i>") of the U-Net's parameters by block."""
-    from library.models import unet_layout
-
     check_family(family)
     check_count(block_lr)
     layout = unet_layout.block_map(unet.config)

@@ -4,7 +4,7 @@ After each optimizer step: ``ema = d * ema + (1 - d) * w`` for every trainable p
 average starting from the initial weights (before the first step). It is saved beside every
 model save as ``<output_name>-ema`` (same format and naming as the raw weights: the method's own
 save, with the averaged values swapped into the parameters for the duration of the save, by
-library/outputs/saver.py through the strategy's ``ema_weights``) and is
+library/outputs/checkpoints.py through the strategy's ``ema_weights``) and is
 part of the training state (``ema.safetensors``), so a resume continues it exactly.
 
 Every process keeps the same average (the weights are identical in every process after a step);
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+
+from library.errors import ResumeError
 
 logger = logging.getLogger("sdtk")
 
@@ -62,8 +64,6 @@ class EMA:
 
     def load_tensors(self, tensors: dict, names: list[str], where: str) -> None:
         import torch
-
-        from library.outputs.train_state import ResumeError
 
         missing = [n for n in names if n not in tensors]
         if missing or len(tensors) != len(names):

@@ -41,8 +41,17 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
+from library.models import fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
+from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
+from library.models.placement import compute_dtype, trained_precision
 from library.training.host_memory import GIB
+from library.training.methods import FullMethod, NetworkMethod
+from library.training.offload import released_after_caching
+from library.training.optim import build_optimizer, check_optimizer
+from library.training.stepper import fused_mode, step_units
 
 logger = logging.getLogger("sdtk")
 
@@ -135,9 +144,6 @@ class _Shape:
 def _single_file_components(path: str) -> tuple[str, dict]:
     import tempfile
 
-    from library.models import sd_checkpoint as sdc
-    from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
-
     if path.endswith(".safetensors"):
         shapes, meta = safetensors_header(path)
     else:
@@ -151,10 +157,10 @@ def _single_file_components(path: str) -> tuple[str, dict]:
             sd = sd["state_dict"]
         shapes = {k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")}
         meta = {}
-    family = sdc.detect_family({k: _Shape(s) for k, s in shapes.items()}, path)
-    if sdc.META_CONFIG_KEY in meta:
+    family = sd_checkpoint.detect_family({k: _Shape(s) for k, s in shapes.items()}, path)
+    if sd_checkpoint.META_CONFIG_KEY in meta:
         with tempfile.TemporaryDirectory(prefix="sdtk-estimate-") as tmp:
-            sdc.write_config_dir(json.loads(meta[sdc.META_CONFIG_KEY]), tmp)
+            sd_checkpoint.write_config_dir(json.loads(meta[sd_checkpoint.META_CONFIG_KEY]), tmp)
             return family, _from_config_dir(tmp, family)
     return family, _from_config_dir(os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family]), family)
 
@@ -162,20 +168,16 @@ def _single_file_components(path: str) -> tuple[str, dict]:
 def fake_components(opts) -> tuple[str, dict]:
     """(family, {unet, vae, text_encoder[, text_encoder_2]}) with fake tensors, from the model's
     configuration; must be called inside a FakeTensorMode."""
-    from library.models import loading as models
-
-    src = models.resolve_model_source(opts.pretrained_model_name_or_path)
+    src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
-        family = models.FAMILY_OF_ARCH[src.arch]
-        if src.location in models.TINY_BUILTINS:
-            from library.models import tiny_models
-
+        family = loading.FAMILY_OF_ARCH[src.arch]
+        if src.location in loading.TINY_BUILTINS:
             comps = tiny_models.build_tiny_components(
                 src.arch, inpaint=src.location.endswith(tiny_models.INPAINT_SUFFIX))
         else:
-            comps = models._build_arch(src.arch)
+            comps = loading._build_arch(src.arch)
     elif src.kind == "diffusers":
-        family = models._family_of_folder(src.location)
+        family = loading._family_of_folder(src.location)
         comps = _from_config_dir(src.location, family)
     elif src.kind == "single_file":
         family, comps = _single_file_components(src.location)
@@ -188,7 +190,7 @@ def fake_components(opts) -> tuple[str, dict]:
         except Exception:  # noqa: BLE001 - not in the local cache
             raise EstimateUnavailable(f"{src.location}: the hub model's configs are not in the "
                                       "local cache yet") from None
-        family = models._family_of_folder(folder)
+        family = loading._family_of_folder(folder)
         comps = _from_config_dir(folder, family)
     vae = opts.vae
     if vae:
@@ -310,16 +312,12 @@ class OptimizerRule:
 
 def optimizer_rule(opts) -> OptimizerRule:
     """The state rule of the run's optimizer (resolved as the trainer resolves it)."""
-    from library.training.optim import check_optimizer
-
     cls, fixed, args = check_optimizer(opts.optimizer_type, opts.optimizer_args)
     kwargs = {**fixed, **args}
     kind = _optimizer_kind(cls, kwargs)
     rule = OptimizerRule(kind, cls.__name__, kwargs)
     if kind in ("bnb", "probed"):
         import torch
-
-        from library.training.optim import build_optimizer
 
         def probe(shape):
             p = torch.nn.Parameter(torch.zeros(shape))
@@ -428,10 +426,6 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
     import torch
 
-    from library.models import family as fam
-    from library.models import fp8
-    from library.distributed.accelerator import compute_dtype
-
     unet = comps["unet"]
     tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
     params = [p for m in comps.values() for p in m.parameters()]
@@ -470,10 +464,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
     w, h = bucket
     latent = (unet.config.in_channels, h // scale, w // scale)
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
-    n_chunks = fam.chunk_count(opts.max_token_length)
-    tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
+    n_chunks = chunk_count(opts.max_token_length)
+    tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
     with mode:
-        family_model = fam.family_model_for(_Bundle(family, unet, tes, []), opts.max_token_length)
+        family_model = family_model_for(_Bundle(family, unet, tes, []), opts.max_token_length)
         unet_dtype = next(unet.parameters()).dtype
         if unet_dtype == fp8.FP8:  # fp8_base: the U-Net computes in the mixed-precision dtype
             unet_dtype = dtype
@@ -484,10 +478,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
         with outer.hooks(), autocast:
             if cached_text:
                 pooled = torch.zeros(batch, tes[-1].config.projection_dim) if family == "sdxl" else None
-                cond = fam.TextConditioning(torch.zeros(batch, tokens, unet.config.cross_attention_dim,
+                cond = TextConditioning(torch.zeros(batch, tokens, unet.config.cross_attention_dim,
                                                         dtype=dtype), pooled)
             else:
-                ids = [torch.zeros((batch, tokens) if n_chunks == 1 else (batch, n_chunks, fam.MAX_TOKENS),
+                ids = [torch.zeros((batch, tokens) if n_chunks == 1 else (batch, n_chunks, MAX_TOKENS),
                                    dtype=torch.long) for _ in tes]
                 with (contextlib.nullcontext() if method.train_text_encoder else torch.no_grad()):
                     cond = family_model.encode(ids, opts.clip_skip)
@@ -506,9 +500,6 @@ def _cast_module(module, dtype, compute=None) -> dict:
     gives (fp8: float8 Linear/Conv2d weights, with the up-casting forward); returns
     {id(old parameter): new parameter}."""
     import torch
-
-    from library.models import fp8
-    from library.models import placement
 
     new = {}
     for m, kind, name, target in list(placement.tensor_dtypes(module, dtype, compute)):
@@ -664,7 +655,6 @@ def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     if method_name == "lora" and opts.dim_from_weights:
         raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                   "network_weights, which is not read before loading")
-    from library.training.methods import FullMethod, NetworkMethod
 
     with _fake_mode(), _quiet():
         family, comps, bundle = _fake_bundle(opts)
@@ -691,10 +681,6 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
     import torch
 
-    from library.distributed.accelerator import compute_dtype
-    from library.training.methods import FullMethod, NetworkMethod
-    from library.training.stepper import fused_mode, step_units, trained_precision
-
     if method_name == "textual_inversion":
         raise EstimateUnavailable(TI_NOT_MODELED)
     if opts.deepspeed:
@@ -715,8 +701,6 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
             method = FullMethod(opts, bundle)
         # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
         # cast before the method picks its parameters, the network after it is built
-        from library.models import placement
-        from library.data.latent_cache import vae_dtype
 
         trained_dtype = getattr(torch, trained_precision(opts))
         frozen_dtype = compute_dtype(opts.mixed_precision)
@@ -738,7 +722,6 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     cached_latents = bool(opts.cache_latents or opts.cache_latents_to_disk)
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
     # the parts the run releases after caching, by the run's own rule (library/training/offload.py)
-    from library.training.offload import released_after_caching
 
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,
@@ -823,10 +806,9 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     # -- the rest
     vae = comps["vae"]
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    from library.models import family as fam
 
-    n_chunks = fam.chunk_count(opts.max_token_length)
-    tokens = n_chunks * fam.CHUNK + 2 if n_chunks > 1 else fam.MAX_TOKENS
+    n_chunks = chunk_count(opts.max_token_length)
+    tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
     est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:

@@ -19,6 +19,13 @@ import os
 from typing import Any, Callable, Protocol
 
 from library.errors import UserError
+from library.files import EXTENSIONS
+from library.models import embeddings, sd_checkpoint
+from library.models.placement import trained_precision
+from library.training import block_lr
+from library.training.network_options import MaxNormStats, base_multipliers
+from networks import lora_names
+from networks.lora import load_state_dict_file, write_weights
 
 logger = logging.getLogger("sdtk")
 
@@ -107,8 +114,6 @@ class NetworkMethod:
         # text encoders under text_model) in every file written and read
         self.renames = None
         if opts.network_module.split(".")[0] == "lycoris":
-            from networks import lora_names
-
             self.renames = lora_names.plain_to_kohya_names(b.text_encoders, b.unet)
         try:
             if opts.dim_from_weights:  # the file's ranks and alphas, per module
@@ -179,17 +184,12 @@ class NetworkMethod:
             if self.stop_pivotal_at is not None:
                 self.info["ss_stop_pivotal_training"] = self.stop_pivotal_at
         if opts.base_weights:
-            from library.training.network_options import base_multipliers
-
             # not in sd-scripts' metadata: the file's weights are relative to these merged files
             self.info["ss_base_weights"] = json.dumps([os.path.basename(p) for p in opts.base_weights])
             self.info["ss_base_weights_multiplier"] = json.dumps(base_multipliers(opts))
         return groups
 
     def _read_weights(self, path: str) -> dict:
-        from networks import lora_names
-        from networks.lora import load_state_dict_file
-
         sd = load_state_dict_file(path)
         if self.renames:  # kohya names in the file -> the module's own names
             sd = lora_names.rename_keys(sd, {v: k for k, v in self.renames.items()})
@@ -213,9 +213,6 @@ class NetworkMethod:
         more optimizer group. The text encoders then run with gradients (to reach the rows) even
         when the network trains only the U-Net: apply_to has already used the network's choice."""
         import torch
-
-        from library.models import embeddings
-        from library.training.stepper import trained_precision
 
         b = self.bundle
         self.tokens = embeddings.NewTokens(self.pivotal, "pivotal_tokens")
@@ -248,8 +245,6 @@ class NetworkMethod:
         logger.info(f"stop_pivotal_training: the pivotal embeddings are frozen after step {global_step}")
 
     def prompt_rewrite(self):
-        from library.models import embeddings
-
         return embeddings.prompt_rewriter(self.pivotal) if self.pivotal else None
 
     def after_step(self, device):
@@ -261,8 +256,6 @@ class NetworkMethod:
             return None
         scale = getattr(self.network, "scale_max_norms", None)  # other networks: sd-scripts' API
         if callable(scale):
-            from library.training.network_options import MaxNormStats
-
             return MaxNormStats(scale(self.opts.scale_weight_norms, device))
         return self.network.apply_max_norm_regularization(self.opts.scale_weight_norms, device)
 
@@ -277,20 +270,16 @@ class NetworkMethod:
         if self.renames is None and self.tokens is None:
             self.network.save_weights(path, dtype, md)
             return
-        from networks import lora_names
-        from networks.lora import write_weights
 
         sd = self.network.state_dict()
         if self.renames is not None:
             sd = lora_names.rename_keys(sd, self.renames)
         if self.tokens is not None:
-            from library.models import embeddings
-
             # A1111's bundled embeddings in the LoRA file, and each token as its own file
             for spec, emb_path in zip(self.pivotal, self.companion_files(path)):
                 tensors = self.tokens.file_tensors(spec, self.bundle.family)
                 sd.update(embeddings.bundle_keys(spec.token, tensors))
-                embeddings.write_embedding_file(emb_path, tensors, dtype, metadata)
+                write_embedding_file(emb_path, tensors, dtype, metadata)
         write_weights(path, sd, dtype, md)
 
     def companion_files(self, path: str) -> list[str]:
@@ -299,8 +288,6 @@ class NetworkMethod:
         return [f"{stem}_{s.token}{ext}" for s in self.pivotal]
 
     def extension(self):
-        from library.outputs.saving import EXTENSIONS
-
         fmt = self.opts.save_model_as or "safetensors"
         if fmt not in EXTENSIONS:
             raise MethodError(f"save_model_as {fmt!r} is not available for a network; "
@@ -362,8 +349,6 @@ class FullMethod:
         self.train_text_encoder = wants_te and any(te_lrs)
         self.block_lr = opts.block_lr
         if self.block_lr is not None:
-            from library.training import block_lr
-
             block_lr.check_count(self.block_lr)
             if bundle is None:  # the validate stage: the family now where the config tells it
                 family = block_lr.family_before_loading(opts.pretrained_model_name_or_path)
@@ -431,8 +416,6 @@ class FullMethod:
         b.unet.requires_grad_(self.train_unet)
         groups, self.group_names = [], None
         if self.block_lr is not None and self.train_unet:
-            from library.training import block_lr
-
             # sdxl_train.py: one group per U-Net block; a block at 0 is not trained
             groups, self.group_names = block_lr.param_groups(b.unet, b.family, self.block_lr)
         elif self.train_unet:
@@ -477,8 +460,6 @@ class FullMethod:
         return self.FORMATS[fmt]
 
     def save(self, path: str, dtype_name, metadata: dict):
-        from library.models import sd_checkpoint
-
         dtype = _dtype(dtype_name)
         comps = self.bundle.components()
         fmt = self.opts.save_model_as or "safetensors"
@@ -492,8 +473,6 @@ class FullMethod:
 def _pivotal_specs(opts) -> list:
     """pivotal_tokens with their init words and vector counts (one value, or one per token),
     checked before any weight loads."""
-    from library.models import embeddings
-
     tokens = opts.pivotal_tokens or []
     if not tokens:
         given = {"pivotal_init_words": opts.pivotal_init_words,
@@ -544,8 +523,6 @@ class TextualInversionMethod:
     group_names = None  # one name per optimizer parameter group, when setup() knows them
 
     def __init__(self, opts, bundle):
-        from library.models import embeddings
-
         self.opts = opts
         self.bundle = bundle
         if not opts.token_string:
@@ -566,9 +543,6 @@ class TextualInversionMethod:
 
     def setup(self):
         import torch
-
-        from library.models import embeddings
-        from library.training.stepper import trained_precision
 
         opts, b = self.opts, self.bundle
         for m in [b.unet, *b.text_encoders, b.vae]:
@@ -603,19 +577,13 @@ class TextualInversionMethod:
         pass
 
     def prompt_rewrite(self):
-        from library.models import embeddings
-
         return embeddings.prompt_rewriter([self.spec])
 
     def extension(self):
-        from library.outputs.saving import EXTENSIONS
-
         return EXTENSIONS[self.opts.save_model_as or "safetensors"]
 
     def save(self, path: str, dtype_name, metadata: dict):
-        from library.models import embeddings
-
-        embeddings.write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
+        write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
                                         _dtype(dtype_name), metadata)
 
     def companion_files(self, path: str) -> list[str]:
@@ -629,3 +597,9 @@ METHODS = {"lora": NetworkMethod, "dreambooth": FullMethod, "finetune": FullMeth
 def make_method(method_name: str, opts, bundle):
     """The method of a run (bundle None: the checks before loading)."""
     return METHODS[method_name](opts, bundle)
+
+
+def write_embedding_file(path: str, tensors: dict, dtype, metadata: dict | None) -> None:
+    """Atomic write: .safetensors with metadata, else torch.save of the same dictionary (what
+    sd-scripts writes for .pt / .ckpt, which A1111 also reads); ``tensors``: name -> tensor."""
+    write_weights(path, tensors, dtype, metadata if path.lower().endswith(".safetensors") else None)

@@ -12,6 +12,8 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 
 from library.errors import UserError
+from networks import lora
+from networks.merge_lora import merge_lora_into
 
 
 class NetworkOptionError(UserError, ValueError):
@@ -76,13 +78,11 @@ def merge_base_weights(bundle, opts, log) -> None:
     """Merge each base_weights file, with its multiplier, into the loaded model (in place)."""
     if not opts.base_weights:
         return
-    from networks.lora import LoRAError, load_state_dict_file
-    from networks.merge_lora import merge_lora_into
 
     for path, m in zip(opts.base_weights, base_multipliers(opts)):
         try:
-            n = merge_lora_into(bundle.text_encoders, bundle.unet, load_state_dict_file(path), m)
-        except LoRAError as e:
+            n = merge_lora_into(bundle.text_encoders, bundle.unet, lora.load_state_dict_file(path), m)
+        except lora.LoRAError as e:
             raise NetworkOptionError(f"base_weights: {path}: {e}") from None
         log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
 
@@ -96,9 +96,7 @@ class MaxNormStats:
 
     def host(self) -> tuple[int, float, float]:
         if self._host is None:
-            from networks.lora import max_norm_summary
-
-            self._host = max_norm_summary(self._stacked)
+            self._host = lora.max_norm_summary(self._stacked)
         return self._host
 
 

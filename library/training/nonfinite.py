@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import math
 
-from library.errors import UserError
+from library.distributed.accelerator import _is_multi_process
+from library.errors import NonFiniteStop, UserError
+from networks.lora import LoRAError, load_state_dict_file
 
-EXIT_CODE = 3  # distinct from 2 (user error) and 128+signal (interrupted)
 MODES = ("stop", "skip")
-
-
-class NonFiniteStop(Exception):
-    """Training stopped on a non-finite loss or gradient (not a user error: exit code 3)."""
-
-    exit_code = EXIT_CODE
 
 
 class NonFiniteInput(UserError, ValueError):
@@ -58,8 +53,6 @@ def first_nonfinite(named) -> str | None:
 
 def check_file(path: str, what: str) -> None:
     """``what`` (the option naming it): the file's first non-finite tensor is an error."""
-    from networks.lora import LoRAError, load_state_dict_file
-
     try:
         sd = load_state_dict_file(path)
     except LoRAError:
@@ -88,9 +81,7 @@ def check_options(opts) -> None:
 def agree_flag(flag: bool, accelerator) -> bool:
     """True in every process when ``flag`` is true in any (one tiny all-reduce; the
     accelerator's device is read only then)."""
-    from library.distributed import accelerator as distributed
-
-    if not distributed._is_multi_process():
+    if not _is_multi_process():
         return bool(flag)
     import torch
     import torch.distributed as dist

@@ -12,8 +12,8 @@ cached the text encoders, leave the training device for the rest of the run.
 The run logs what it released and the memory that saved (CUDA: allocated bytes; CPU: resident
 set, after returning freed heap pages to the system).
 
-    release_after_caching(opts, c, log) -> Frozen   at the end of the cache stage
-    Frozen.available(*names)                  context: the named parts are usable inside
+    release_after_caching(opts, device, b, method, caches, log) -> Frozen   at the end of the cache stage
+    Frozen.available(*names)                                                context: the named parts are usable inside
 """
 from __future__ import annotations
 

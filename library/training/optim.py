@@ -8,8 +8,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from library.errors import UserError, first_line
 from library.config.options import LR_SCHEDULERS
+from library.errors import UserError, first_line
 
 logger = logging.getLogger("sdtk")
 

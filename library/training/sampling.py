@@ -25,8 +25,12 @@ import json
 import logging
 import os
 
+from library import text_files
+from library.data import images, inpaint_masks
 from library.distributed.accelerator import is_main_process
 from library.errors import UserError
+from library.models import inpainting
+from library.training import validation
 
 logger = logging.getLogger("sdtk")
 
@@ -113,7 +117,6 @@ def load_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise SamplingError(f"sample_prompts: no such file: {path}")
     ext = os.path.splitext(path)[1].lower()
-    from library.data import text_files
 
     text = text_files.read(path, SamplingError, "sample_prompts")
     if ext == ".toml":
@@ -212,9 +215,6 @@ def inpaint_inputs(p: dict, seed: int):
 
     from PIL import Image
 
-    from library.data import images
-    from library.data import inpaint_masks
-
     w, h = p["width"], p["height"]
     if p["image"] is None:
         return Image.new("RGB", (w, h), (128, 128, 128)), Image.new("L", (w, h), 255)
@@ -234,8 +234,6 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
     parts back; returns the files written."""
     import torch
 
-    from library.training import validation
-
     acc = accelerator
     prompts = load_prompts(opts.sample_prompts)
     config = bundle.noise_scheduler.config
@@ -250,7 +248,6 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
                 frozen.available():
             for root in mods:
                 root.eval()
-            from library.models import inpainting
 
             inpaint = inpainting.is_inpainting(bundle.unet)
             pipe = _pipeline(bundle, inpaint)

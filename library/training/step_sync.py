@@ -14,13 +14,16 @@ all-reduce just before it:
                                              once per step, after the backward is enqueued
 
 ``agree`` sums ``loss_sum`` across processes together with one counter per stop signal
-(train_state.StopSignals) in one all-reduce, appends the (already summed, identical) gradient
+(stop_signals.StopSignals) in one all-reduce, appends the (already summed, identical) gradient
 norm, and reads the result to the host once.
 """
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from library.distributed import accelerator
+from library.training.stop_signals import COMMANDS, StopSignals
 
 
 class StepRead(NamedTuple):
@@ -66,9 +69,7 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None,
     commands) in a fixed order, ``requested`` those this process asks for (the main process
     reads the control file): a request any process made is agreed by all, in ``names`` order.
     With one process and nothing to read, no device work at all."""
-    from library.distributed import accelerator as distributed
-
-    multi = distributed._is_multi_process()
+    multi = accelerator._is_multi_process()
     if summed is None and along is None and not multi:
         return [], [], signum, _in_order(requested, names)
     import torch
@@ -110,11 +111,8 @@ def _in_order(requested, names) -> tuple:
 
 def agree(signals, device, loss_sum, norm=None, requested: tuple = ()) -> StepRead:
     """The step's read (see the module docstring), every process once per step: with the
-    signal pending in ``signals`` (train_state.StopSignals; None: no signal) and the
+    signal pending in ``signals`` (stop_signals.StopSignals; None: no signal) and the
     control_file commands this process read (``requested``: the main process's)."""
-    from library.outputs.progress_stream import COMMANDS
-    from library.outputs.train_state import StopSignals
-
     signum = 0 if signals is None else signals.signum
     sums, along, stop, commands = exchange(device, signum, StopSignals.SIGNALS, loss_sum, norm,
                                            tuple(requested), COMMANDS)

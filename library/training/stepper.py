@@ -40,6 +40,11 @@ import math
 from typing import ContextManager, Protocol
 
 from library.distributed.accelerator import BUCKETED_SUM
+from library.models.placement import trained_precision
+from library.training import fused_optim
+from library.training.fused_optim import FusedOptionError, global_state_reason
+from library.training.nonfinite import describe
+from library.training.optim import build_optimizer, build_scheduler, check_optimizer, schedule_spec
 
 logger = logging.getLogger("sdtk")
 
@@ -152,8 +157,6 @@ def grad_norm_fp32(params) -> float:
     return 0.0 if norm is None else float(norm)
 
 
-
-
 class PlainStepper:
     steps_in_backward = False
     partial_update = False
@@ -184,8 +187,6 @@ class PlainStepper:
         self.nonfinite = None  # why the last step() made no update (non-finite), or None
         self._generator = None
         if precision != "float32":
-            from library.training import fused_optim
-
             self._generator = fused_optim.stochastic_round_generator(params[0].device)
 
     @property
@@ -224,8 +225,6 @@ class PlainStepper:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.precision != "float32":
-            from library.training import fused_optim
-
             fused_optim.restore_float_state(getattr(self.optimizer, "optimizer", self.optimizer),
                                             state["optimizer"])
             if "rounding_generator" not in state:
@@ -315,8 +314,6 @@ class PlainStepper:
         and the clipping factor are applied to each float32 gradient copy, not to the
         low-precision gradients, so neither loses digits. False: a non-finite norm (bf16), no
         update (``nonfinite`` says why)."""
-        from library.training import fused_optim
-
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         clip = bool(self.max_grad_norm and self.max_grad_norm > 0)
         if self.loss_scaler is not None:
@@ -339,8 +336,6 @@ class PlainStepper:
 
 
 def _describe(value: float) -> str:
-    from library.training.nonfinite import describe
-
     return describe(value)
 
 
@@ -380,8 +375,6 @@ class _HookStepper:
     def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
                  first_param=None, reductions_in_flight: int = 0, grad_sum=None):
         import collections
-
-        from library.training import fused_optim
 
         self.accelerator = accelerator
         self.units = units                  # list of parameter lists, in backward order
@@ -484,8 +477,6 @@ class _HookStepper:
         """Step unit ``u`` on its summed gradients (the non-finite guard first), then free them."""
         import torch
 
-        from library.training import fused_optim
-
         params = self.units[u]
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
@@ -559,8 +550,6 @@ class _HookStepper:
         for sc, s in zip(self.schedulers, scheds):
             sc.load_state_dict(s)
         if self._low_precision():
-            from library.training import fused_optim
-
             for o, s in zip(self.optimizers, opts):
                 fused_optim.restore_float_state(o, s)
             if "rounding_generator" not in state:
@@ -601,9 +590,6 @@ def fused_mode(opts) -> str | None:
 
 def check_stepper_options(opts) -> None:
     """Combinations that cannot be fused, rejected before any weight is loaded."""
-    from library.training.fused_optim import FusedOptionError, global_state_reason
-    from library.training.optim import check_optimizer
-
     check_precision_options(opts)
     mode = fused_mode(opts)
     if mode is None:
@@ -622,21 +608,8 @@ def check_stepper_options(opts) -> None:
                                "Adafactor, Lion, SGDNesterov, 8-bit ones) or drop the option")
 
 
-def trained_precision(opts) -> str:
-    """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
-    "float32"."""
-    if opts.full_bf16:
-        return "bfloat16"
-    if opts.full_fp16:
-        return "float16"
-    return "float32"
-
-
 def check_precision_options(opts) -> None:
     """full_bf16 / full_fp16 combinations, before any weight is loaded."""
-    from library.training.fused_optim import FusedOptionError, global_state_reason
-    from library.training.optim import check_optimizer
-
     bf16, fp16 = opts.full_bf16, opts.full_fp16
     if bf16 and fp16:
         raise FusedOptionError("full_bf16 and full_fp16 cannot be combined: choose one weight dtype")
@@ -695,8 +668,6 @@ def step_units(param_groups, params, mode: str | None, n_groups: int | None):
 
 def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
     """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
-    from library.training.optim import build_scheduler, schedule_spec
-
     return build_scheduler(schedule_spec(opts, warmup_steps=warmup_steps, total_steps=total_steps),
                            optimizer)
 
@@ -709,8 +680,6 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     ``make_stepper``); direct callers get the bucketed sum (nothing in one process).
     ``optimizer_in_state`` False: the strategy writes the optimizer state itself (FSDP's shards;
     plain stepper only, checked before)."""
-    from library.training.optim import build_optimizer
-
     def scheduler_for(optimizer):
         return build_run_scheduler(opts, optimizer, warmup_steps=warmup_steps,
                                    total_steps=total_steps)

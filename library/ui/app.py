@@ -28,9 +28,7 @@ from fastapi.staticfiles import StaticFiles
 
 from library.config.options import IMAGE_SCRIPTS, OPTIONS, SECTIONS
 from library.errors import UserError
-from library.ui import checks
-from library.ui import gui_import
-from library.ui import paths
+from library.ui import gui_import, paths
 from library.ui.jobs import FINISHED, JobStore, Runner, job_dir
 from library.ui.progress import ProgressReader
 
@@ -237,6 +235,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         data = await body(request)
         script, text = script_field(data), text_field(data, "config")
         processes, memory = processes_field(data), bool(data.get("memory", True))
+        from library.ui import checks  # lazy: the server starts without torch
+
         return await asyncio.to_thread(checks.check_config, script, text, processes, memory)
 
     @app.post("/api/import")
@@ -253,6 +253,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     async def create_job(request: Request):
         data = await body(request)
         script, text, processes = script_field(data), text_field(data, "config"), processes_field(data)
+        from library.ui import checks  # lazy: the server starts without torch
+
         result = await asyncio.to_thread(checks.check_config, script, text, processes, False)
         if not result["ok"]:
             return JSONResponse({"errors": result["errors"], "warnings": result["warnings"]},

@@ -1,5 +1,5 @@
 """What the UI asks of a config before it runs: the same checks, messages, step plan and memory
-estimate as ``--dry_run`` (library/training/trainer.py), with no weight loaded.
+estimate as ``--dry_run`` (library/run/trainer.py), with no weight loaded.
 
     check_config(script, text, processes=1, memory=True) -> dict
         {"ok", "errors": [{"option", "message"}], "warnings": [...], "plan": {...} | None,
@@ -22,17 +22,15 @@ import tomllib
 
 import toml
 
-from library.cli import METHOD_OF_SCRIPT
-from library.config.options import IMAGE_SCRIPTS, OPTIONS_BY_NAME
+from library.config.options import IMAGE_SCRIPTS, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import parse_args
 from library.distributed import deepspeed_zero
 from library.errors import UserError
 from library.models import prompt_weights
-from library.outputs import output_checks
-from library.outputs import train_state
+from library.outputs import output_checks, train_state
+from library.run import run_checks
 from library.training import memory_estimate
 from library.training.plan import plan_for, plan_run
-from library.training import run_checks
 
 PROCESS_COUNTS = (1, 2, 4, 8)
 CONFIG_NAME = "config"

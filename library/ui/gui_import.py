@@ -25,7 +25,7 @@ import tomllib
 
 import toml
 
-from library.config.options import (ALIASES, GUI_ONLY, GUI_KEYS_BY_NAME, OPTIONS_BY_NAME,
+from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS_BY_NAME,
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
 

@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 
-from library.outputs import train_state
 
 logger = logging.getLogger("sdtk")
 
@@ -264,6 +263,9 @@ class Runner:
         args = [script, "--config", os.path.join(folder, "config.toml"),
                 "--progress_file", os.path.join(folder, "progress.jsonl"),
                 "--control_file", os.path.join(folder, "control")]
+        # lazy: the server starts without torch (the training state's module imports the strategies)
+        from library.outputs import train_state
+
         if job["resume"] and job["output_dir"] and train_state.list_states(job["output_dir"]):
             args += ["--resume", "latest"]
         if job["processes"] == 1:

@@ -12,6 +12,8 @@ import secrets
 import sys
 
 from library.errors import UserError
+from library.ui.app import LOOPBACK_HOSTS, Settings, create_app
+from library.ui.jobs import JobStore, Runner
 
 
 def default_db() -> str:
@@ -53,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from library.ui.app import LOOPBACK_HOSTS, Settings, create_app
-        from library.ui.jobs import JobStore, Runner
     except ImportError as e:
         print(f"error: the UI needs the ui extra ({e.name} is missing): pip install -e \".[ui]\"",
               file=sys.stderr)

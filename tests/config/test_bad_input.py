@@ -94,7 +94,7 @@ def test_dry_run_imports_no_model_code(dataset, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The plan comes before any model code is imported; the memory estimate that follows it
     # builds the model on fake tensors (library/training/memory_estimate.py), which needs torch.
-    code = ("import sys; from library.training import trainer; real = trainer.print_plan\n"
+    code = ("import sys; from library.run import trainer; real = trainer.print_plan\n"
             "def spy(*a, **k):\n"
             "    bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]\n"
             "    print('heavy:', bad); real(*a, **k)\n"

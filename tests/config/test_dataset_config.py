@@ -10,7 +10,9 @@ from PIL import Image
 
 from library.config import dataset_config as dc
 from library.config.parse import parse_args
-from library.data.folders import CaptionOptions, DataError, process_caption
+from library.data.folders import process_caption
+from library.config.dataset_config import CaptionOptions
+from library.errors import DataError
 from library.data.training_data import build_training_set
 from tests.conftest import read
 from tools.make_sample_dataset import make_sample_dataset

@@ -127,8 +127,8 @@ def deepspeed_check(opts):
 def rotation(opts, tmp_path, *, epoch=None, step=None):
     """The saves and states that remain after the run's rotation at this epoch or step, from
     saves 1..epoch (every epoch) or every 2 steps up to step."""
-    from library.outputs import saver
-    from library.outputs.saving import output_file
+    from library.outputs import checkpoints
+    from library.files import output_file
     from library.outputs.train_state import state_dir
 
     out = str(tmp_path / f"rot-{len(os.listdir(tmp_path))}")
@@ -140,7 +140,7 @@ def rotation(opts, tmp_path, *, epoch=None, step=None):
         open(output_file(out, opts.output_name, ".safetensors", **m), "w").close()
         os.makedirs(state_dir(out, opts.output_name, **m))
     method = types.SimpleNamespace(extension=lambda: ".safetensors", companion_files=lambda p: [])
-    saver._rotate(opts, method, False, epoch=epoch, step=step)
+    checkpoints._rotate(opts, method, False, epoch=epoch, step=step)
     return sorted(os.listdir(out))
 
 

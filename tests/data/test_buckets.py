@@ -3,7 +3,8 @@ import logging
 import pytest
 
 from library.data.buckets import BucketManager, make_bucket_resolutions
-from library.data.folders import DataError, ImageItem
+from library.data.folders import ImageItem
+from library.errors import DataError
 
 # Worked out by hand from sd-scripts' make_bucket_resolutions((512, 512), 256, 1024, 64):
 # the 512 square, then for widths 256..1024 step 64 the height (262144 // w) // 64 * 64 capped

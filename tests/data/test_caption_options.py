@@ -6,7 +6,8 @@ import math
 import random
 import re
 
-from library.data.folders import CaptionOptions, process_caption
+from library.data.folders import process_caption
+from library.config.dataset_config import CaptionOptions
 from library.data.step_plan import derive_seed
 
 LOG = logging.getLogger("test")

@@ -148,7 +148,7 @@ def test_subset_key_is_honoured_and_rejected_with_cached_latents(dataset, tmp_pa
     import logging
 
     from library.config.parse import parse_args
-    from library.data.folders import DataError
+    from library.errors import DataError
     from library.data.training_data import build_training_set
 
     image_dir = os.path.join(dataset, sorted(os.listdir(dataset))[0])

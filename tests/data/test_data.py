@@ -6,8 +6,8 @@ import sys
 import pytest
 from PIL import Image
 
-from library.data.folders import (DataError, ImageItem, balance_regularization, expand_repeats,
-                          parse_concept_dir_name, scan_concept_dirs)
+from library.data.folders import ImageItem, balance_regularization, expand_repeats, parse_concept_dir_name, scan_concept_dirs
+from library.errors import DataError
 from tools.make_sample_dataset import make_sample_dataset
 
 LOG = "library.data.folders"

@@ -161,7 +161,7 @@ def _args(dataset, out, *extra):
 
 def test_tool_fills_the_cache_and_training_then_encodes_nothing(dataset, tmp_path, train, encode_calls,
                                                                capsys):
-    from library.training.trainer import Run
+    from library.run.trainer import Run
     from tools.cache_latents import main as cache_main
 
     rc = cache_main(["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
@@ -255,7 +255,7 @@ def test_training_run_recomputes_for_another_vae_or_resolution(dataset, tmp_path
 def te_calls(monkeypatch):
     """Captions passed through the text encoders, and how many of them were before training."""
     from library.models import family
-    from library.training import trainer
+    from library.run import trainer
 
     calls = {"captions": 0, "after_cache": None}
     for cls in (family.SD1Model, family.SDXLModel):

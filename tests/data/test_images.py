@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from library.data.folders import DataError
+from library.errors import DataError
 from library.data.images import load_image, prepare_image, to_tensor
 
 

@@ -88,7 +88,7 @@ class Spy:
         monkeypatch.setattr(distributed, "sum_gradients", sum_gradients)
 
     def hooks(self):
-        from library.training.run_state import HOOKS
+        from library.run.run_state import HOOKS
 
         def before_micro_step(run, epoch, idx):
             step = run.progress.global_step

@@ -20,18 +20,18 @@ def _worker(argv: list[str]) -> int:
     """Launched by accelerate: train_lora where rank 0's final model save fails (disk full)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from library.training import trainer
     from library.cli import main
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
+    from library.outputs import checkpoints
 
-    real = trainer.Run._write_model
+    real = checkpoints.Saver._write_model
 
-    def write_model(self, path, meta):
+    def write_model(self, path, meta, *rest):
         if os.environ.get("RANK") == "0" and os.environ.get("SDTK_TEST_FAIL_SAVE"):
             raise SaveError(path, os.strerror(28))
-        return real(self, path, meta)
+        return real(self, path, meta, *rest)
 
-    trainer.Run._write_model = write_model
+    checkpoints.Saver._write_model = write_model
     return main("train_lora", argv)
 
 

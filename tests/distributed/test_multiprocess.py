@@ -99,7 +99,7 @@ def _wait_for_signal(report_dir: str, n: int):
 
 
 def _inject_failure(at_step: int):
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     def before_micro_step(run, epoch, idx):
         if run.progress.global_step == at_step:

@@ -13,7 +13,7 @@ import torch
 
 from library.distributed import strategy
 from library.distributed.accelerator import BUCKETED_SUM
-from library.outputs.train_state import ResumeError
+from library.errors import ResumeError
 from tests.conftest import FakeAccelerator
 from tests.helpers import make_opts
 

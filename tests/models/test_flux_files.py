@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from library.errors import ModelError
 from library.models import flux, flux_ae, flux_checkpoint, flux_loading, flux_saving, t5, tiny_flux
-from library.models.loading import ModelError
 from tests.models.test_flux import random_flux, reference_to_diffusers
 
 

@@ -99,7 +99,7 @@ def _rel(a: dict, b: dict, names) -> float:
                                             ("tiny-sdxl", "lora_")])
 def test_lora_trains_on_an_fp8_base_close_to_a_bf16_base(model, compared, dataset, tmp_path, train,
                                                           monkeypatch):
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     seen, stack = [], contextlib.ExitStack()
 

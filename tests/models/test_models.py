@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from library.models.loading import ModelError, load_model_bundle, resolve_model_source
+from library.models.loading import load_model_bundle, resolve_model_source
+from library.errors import ModelError
 from tools.make_tiny_model import main as make_tiny_main
 
 ARCHS = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl"}

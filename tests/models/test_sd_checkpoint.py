@@ -6,8 +6,9 @@ import tempfile
 import pytest
 import torch
 
+from library.models import loading
 from library.models import sd_checkpoint as sdc
-from library.models.loading import ModelError
+from library.errors import ModelError
 from library.models.tiny_models import FAMILY_OF_ARCH, build_tiny_components
 
 ARCHS = ["sd15", "sd2", "sdxl"]
@@ -91,7 +92,7 @@ def test_ckpt_round_trip_and_pickle_refused(tiny, tmp_path):
     sdc.save_single_file(tiny["sd15"], "sd1", path)
     sd, meta = sdc.read_state_dict(path)  # plain tensors and strings: weights_only loading works
     assert "model.diffusion_model.out.2.weight" in sd and sdc.META_CONFIG_KEY in meta
-    b = sdc.load_single_file(path)  # the tiny architecture comes back from the .ckpt's own record
+    b = loading.load_single_file(path)  # the tiny architecture comes back from the .ckpt's own record
     assert torch.equal(b.unet.conv_in.weight, tiny["sd15"]["unet"].conv_in.weight)
 
     bad = str(tmp_path / "bad.ckpt")
@@ -118,7 +119,7 @@ def test_single_file_save_is_atomic(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("safetensors.torch.save_file", crash)
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     with pytest.raises(SaveError, match=r"^cannot save .*model.safetensors: disk full; the previous file"):
         sdc.save_single_file(tiny["sd15"], "sd1", str(path))
@@ -137,7 +138,7 @@ def test_diffusers_save_is_atomic_and_loads(tiny, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(sdc, "_write_diffusers", crash)
-    from library.outputs.saving import SaveError
+    from library.files import SaveError
 
     with pytest.raises(SaveError, match=r"^cannot save .*model: disk full; the previous folder"):
         sdc.save_diffusers(tiny["sd2"], "sd2", str(out))

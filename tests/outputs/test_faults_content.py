@@ -15,6 +15,7 @@ from PIL import Image
 
 from tests.conftest import read
 from tests.outputs.test_faults_paths import small_disk  # noqa: F401 - a fixture (a 2 MiB tmpfs)
+from library.errors import ResumeError
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +210,8 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     file intact, no temporary left, and a complete copy in the system temp dir, named."""
     from safetensors.torch import load_file
 
+    from library.files import SaveError
     from library.outputs import train_state
-    from library.outputs.saving import SaveError
 
     run = saved["run"]
     out = small_disk / "out"
@@ -248,7 +249,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
 
 def test_damaged_content_record_is_named(saved, tmp_path):
     from library.outputs import content_hash
-    from library.outputs.train_state import ResumeError
+    from library.errors import ResumeError
 
     for bad in ({"a": 1}, [["model", "x"]], [["weights", "p", "h"]]):
         with pytest.raises(ResumeError, match="is damaged: the content hashes"):
@@ -263,6 +264,6 @@ def test_state_of_another_method_is_named(saved, tmp_path):
 
     opts, tset, plan = _lora_run_resuming(saved, tmp_path, "db-state",
                                           lambda info: info.update(method="dreambooth"))
-    with pytest.raises(train_state.ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), "
+    with pytest.raises(ResumeError, match=r"written by train_dreambooth.py \(dreambooth\), "
                                                       r"this is train_lora.py"):
         train_state.check_resume(opts, "lora", plan, tset, logger)

@@ -1,6 +1,6 @@
 """Hostile paths end in one line before any weight loads; a save that fails keeps the previous
 file and rescues the weights; stale temporaries and locks of killed runs are cleaned up; a second
-run on the same outputs is refused (library/outputs/output_checks.py, library/outputs/saving.py)."""
+run on the same outputs is refused (library/outputs/output_checks.py, library/files.py)."""
 import json
 import os
 import subprocess
@@ -10,6 +10,7 @@ import tempfile
 import pytest
 
 from tests.config.test_bad_input import one_error_line
+from library.errors import ResumeError
 
 
 def args(data, out, *extra):
@@ -162,7 +163,7 @@ def test_disk_filled_during_training(dataset, small_disk, run_script, monkeypatc
     from safetensors.torch import load_file
 
     from library.outputs import output_checks
-    from library.training import trainer
+    from library.run import trainer
 
     out = small_disk / "out"
     out.mkdir()
@@ -227,7 +228,7 @@ def test_stale_temporaries_are_removed(dataset, previous, run_script, loading_re
 def test_stale_temporaries_message(tmp_path):
     import logging
 
-    from library.outputs import output_checks
+    from library import files
 
     gone = dead_pid()
     (tmp_path / f".a.safetensors.sdtk{gone}.q.tmp").write_bytes(b"x")
@@ -236,7 +237,7 @@ def test_stale_temporaries_message(tmp_path):
     log = logging.getLogger("test_stale")
     log.addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     log.setLevel(logging.INFO)
-    removed = output_checks.remove_stale_temporaries(str(tmp_path), log)
+    removed = files.remove_stale_temporaries(str(tmp_path), log)
     assert sorted(removed) == [f".a-state.sdtk{gone}.r.old", f".a.safetensors.sdtk{gone}.q.tmp"]
     assert records == [f"removed 2 stale temporary file(s) of killed runs in {tmp_path}: "
                        f".a-state.sdtk{gone}.r.old, .a.safetensors.sdtk{gone}.q.tmp"]
@@ -244,7 +245,7 @@ def test_stale_temporaries_message(tmp_path):
 
 
 def test_atomic_temporaries_carry_the_pid(tmp_path):
-    from library.outputs.saving import TEMP_PATTERN, atomic_dir, atomic_path
+    from library.files import TEMP_PATTERN, atomic_dir, atomic_path
 
     with atomic_path(str(tmp_path / "m.safetensors")) as tmp:
         m = TEMP_PATTERN.match(os.path.basename(tmp))
@@ -274,7 +275,7 @@ def test_second_run_is_refused(dataset, previous, run_script, no_weight_loading,
 
 def test_lock_of_a_dead_run_is_taken_over(dataset, previous, run_script, loading_reached,
                                           monkeypatch, capsys):
-    from library.training import trainer
+    from library.run import trainer
 
     out, f, _ = previous
     gone = dead_pid()
@@ -415,7 +416,7 @@ def test_damaged_state_is_named_and_latest_falls_back(damage, message, tmp_path,
         size = os.path.getsize(f)
         os.truncate(f, size // 2)
         message = message.format(half=size // 2, size=size)
-    with pytest.raises(train_state.ResumeError) as e:
+    with pytest.raises(ResumeError) as e:
         train_state.read_info(str(new))
     assert str(e.value).startswith(f"resume: {new} is damaged: {message}")
     assert "\n" not in str(e.value)

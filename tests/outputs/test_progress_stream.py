@@ -10,7 +10,7 @@ import json
 import os
 
 from library.outputs import progress_stream
-from library.training.run_state import HOOKS
+from library.run.run_state import HOOKS
 
 TINY = ["--pretrained_model_name_or_path", "tiny-sd15", "--resolution", "64", "--cache_latents",
         "--network_dim", "4", "--learning_rate", "1e-3", "--max_grad_norm", "1.0", "--seed", "1"]

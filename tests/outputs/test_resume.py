@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import read
+from library.errors import ResumeError
 
 LORA = ["--pretrained_model_name_or_path", "tiny-sd15", "--resolution", "64", "--cache_latents",
         "--network_dim", "4", "--network_alpha", "2", "--network_dropout", "0.1",
@@ -32,7 +33,7 @@ def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, 
     """Run an entry script in this process; returns (rc, stderr, the Run). ``stop_at``: steps
     during which this process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
     from library.cli import main
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
     from tests.conftest import reset_accelerate
 
     box, pending = {}, set(stop_at)
@@ -217,7 +218,7 @@ def test_latest_is_the_highest_step(rotated, tmp_path):
     assert train_state.resolve("latest", out) == os.path.join(out, "last-step00000009-state")
     shutil.copytree(os.path.join(rotated["out"], "last-state"), os.path.join(out, "other-state"))
     assert train_state.resolve("latest", out) == os.path.join(out, "other-state")  # step 10
-    with pytest.raises(train_state.ResumeError, match="step00000099-state is damaged: stepper.pt is missing"):
+    with pytest.raises(ResumeError, match="step00000099-state is damaged: stepper.pt is missing"):
         train_state.read_info(os.path.join(out, "last-step00000099-state"))
 
 

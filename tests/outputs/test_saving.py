@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from library.outputs.saving import atomic_dir, atomic_path, output_file
+from library.files import atomic_dir, atomic_path, output_file
 
 
 def test_failed_write_keeps_the_previous_file(tmp_path):

@@ -103,7 +103,7 @@ def dreambooth_args(data: str, reg: str, out: str, *extra) -> list[str]:
 
 
 class TrainingCapture:
-    """Records, while active, the Run that ``library.training.trainer.run`` returns and every micro-step's
+    """Records, while active, the Run that ``library.run.trainer.run`` returns and every micro-step's
     samples as (completed steps, epoch, sample indices). Used in-process and in the workers of
     tests/distributed/test_multiprocess.py."""
 
@@ -112,10 +112,10 @@ class TrainingCapture:
         self.micro_steps: list[tuple[int, int, tuple[int, ...]]] = []
 
     def __enter__(self):
-        from library.training import trainer
+        from library.run import trainer
 
         self._trainer = trainer
-        from library.training.run_state import HOOKS
+        from library.run.run_state import HOOKS
 
         self._run = trainer.run
         real_run = self._run

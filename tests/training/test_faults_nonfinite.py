@@ -39,7 +39,7 @@ class _Blow(torch.autograd.Function):
 def inject(at_step: int, kind: str):
     """Make step ``at_step`` (1-based) go non-finite: ``nan`` loss or ``blow`` gradient (the
     loop's declared micro-step hook; a context manager)."""
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     def after_micro_step(run, epoch, idx, loss):
         if run.progress.global_step + 1 == at_step:
@@ -167,7 +167,7 @@ def test_fused_gradient_non_finite_after_other_steps(data, train, tmp_path):
     """With fused_backward_pass a finite loss whose gradient goes non-finite only for a parameter
     reached late in the backward pass: parameters before it were already stepped, so no state of
     the last good step exists; the run stops saying so, and writes nothing non-finite."""
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     hooked = []
 
@@ -246,7 +246,7 @@ def test_plain_clipping_inf_norm_stops_instead_of_zeroing(data, train, tmp_path)
 
 
 def test_skip_drops_the_update_and_the_schedule_steps(data, train, tmp_path):
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
     from library.outputs.train_state import named_trainable
 
     before = {}
@@ -331,7 +331,7 @@ if __name__ == "__main__":  # one process of the two-process test: NaN loss in o
     import sys
 
     from library.cli import main
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     rank_s, step_s = os.environ["SDTK_TEST_NAN_AT"].split(":")
 

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import read
 
 from library.data import folders as data
+from library.errors import DataError
 
 
 def tensors(module):
@@ -79,12 +80,12 @@ def test_scan_metadata_json_and_jsonl(dataset, tmp_path, caplog):
 
     for text, msg in [("[1, 2]", "expected an object"), ("{", "is not JSON")]:
         (tmp_path / "bad.json").write_text(text)
-        with pytest.raises(data.DataError, match=msg):
+        with pytest.raises(DataError, match=msg):
             data.scan_metadata(str(tmp_path / "bad.json"), folder, num_repeats=1)
     (tmp_path / "bad.jsonl").write_text('{"caption": "x"}\n')
-    with pytest.raises(data.DataError, match="line 1 is not an object with an image_path"):
+    with pytest.raises(DataError, match="line 1 is not an object with an image_path"):
         data.scan_metadata(str(tmp_path / "bad.jsonl"), folder, num_repeats=1)
-    with pytest.raises(data.DataError, match="no usable entry"):
+    with pytest.raises(DataError, match="no usable entry"):
         data.scan_metadata(write_json(tmp_path / "none.json", {"x": {"caption": "y"}}), folder,
                            num_repeats=1)
 

@@ -81,7 +81,7 @@ class HostSyncCounter:
         import torch.distributed as dist
 
         from library.distributed import accelerator as distributed
-        from library.training.run_state import HOOKS
+        from library.run.run_state import HOOKS
 
         def read(name):
             def wrapper(real):

@@ -167,7 +167,7 @@ def test_dry_run_estimates_an_inpainting_model(dataset, tmp_path, run_script):
 def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, train, monkeypatch):
     import random
 
-    from library.data import inpaint_masks
+    from library.data import held_out, inpaint_masks
     from library.data.step_plan import derive_seed
     from library.training import validation
 
@@ -189,7 +189,7 @@ def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, t
     assert len(val) == 1
     x = val[0]
     assert x.shape[1] == 9 and all(torch.equal(x[0, 4:], x[k, 4:]) for k in range(1, x.shape[0]))
-    rng = random.Random(derive_seed("val-inpaint", 5, validation.place_in_dataset(item)))
+    rng = random.Random(derive_seed("val-inpaint", 5, held_out.place_in_dataset(item)))
     mask = inpaint_masks.random_mask(64, 64, rng)
     assert torch.equal(x[0, 4], mask[::8, ::8])
 

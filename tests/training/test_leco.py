@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from library.config import leco_prompts
-from library.training import leco
+from library.run import leco
 
 PROMPTS = """
 [[prompts]]

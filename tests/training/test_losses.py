@@ -452,7 +452,7 @@ SPLIT_VARIANTS = ["--noise_offset", "0.1", "--noise_offset_random_strength", "--
 def split_runs(tmp_path_factory):
     """The two-bucket dataset of tests/training/test_equivalence.py trained with every noise variant as
     batch 2 and as batch 1 x accumulation 2, recording each sample's draws and loss."""
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
     from tests.training.test_equivalence import make_two_bucket_dataset, train_args, train_in_process
 
     data = make_two_bucket_dataset(str(tmp_path_factory.mktemp("twobuckets")))

@@ -21,7 +21,7 @@ from PIL import Image
 
 from library.training import losses
 from library.config.parse import parse_args
-from library.data.folders import DataError
+from library.errors import DataError
 from library.data.training_data import build_training_set
 from tests.training.test_losses import make_losses
 

@@ -113,7 +113,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path, monkeypatch):
-    from library.cli import METHOD_OF_SCRIPT
+    from library.config.options import METHOD_OF_SCRIPT
     from library.config.parse import parse_args
 
     script, model, extra = CASES[case]

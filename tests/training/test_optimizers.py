@@ -118,7 +118,7 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
         return real_save(self, path, dtype, metadata)
 
     self_run = []
-    from library.training import trainer
+    from library.run import trainer
 
     real_setup = trainer.Run.setup_method
 

@@ -1,4 +1,4 @@
-"""The declared run state (library/training/run_state.py) and the strategy chosen at set-up
+"""The declared run state (library/run/run_state.py) and the strategy chosen at set-up
 (library/distributed/strategy.py).
 
 - Components and Progress are slotted records: a module cannot add an attribute to them.
@@ -25,7 +25,8 @@ from tests.training.test_train_lora_e2e import base_args
 
 
 def test_records_take_no_undeclared_attribute():
-    from library.training.run_state import Caches, Components, Progress
+    from library.run.run_state import Caches, Components
+    from library.training.progress import Progress
 
     parts = Components(**{f.name: None for f in dataclasses.fields(Components)})
     for record in (parts, Progress(), Caches()):
@@ -49,7 +50,7 @@ def test_progress_saves_and_restores_every_field():
     (a field added to Progress without a value here fails, as one the state drops)."""
     import json
 
-    from library.training.run_state import Progress
+    from library.training.progress import Progress
 
     names = [f.name for f in dataclasses.fields(Progress)]
     assert sorted(names) == sorted(_PROGRESS_VALUES), "give every Progress field a test value"
@@ -109,7 +110,7 @@ def test_hooks_observe_and_feed_the_loop(dataset, tmp_path, train):
     """2 steps x 2 micro-steps (batch 1, accumulation 2): the micro-step hooks see 4 calls with
     one sample each, the step hook 2 calls whose (loss, lr) are the run's logs, and a loss the
     after-hook makes non-finite stops the run at that step."""
-    from library.training.run_state import HOOKS
+    from library.run.run_state import HOOKS
 
     micro, steps = [], []
 
@@ -143,7 +144,7 @@ def _run_state_names() -> set[str]:
     """The names a run's state goes by: the Run and its records (and their usual short names),
     and each component, whose interface (method, strategy, stepper, ...) is declared. Not the
     accelerator: accelerate's object, whose optional parts (``scaler``) are its own API."""
-    from library.training.run_state import Components
+    from library.run.run_state import Components
 
     parts = {f.name for f in dataclasses.fields(Components)} - {"accelerator"}
     return {"run", "r", "parts", "c", "progress", "caches", *parts}
@@ -181,14 +182,14 @@ def test_the_scan_finds_access_by_name():
 
 
 def test_no_module_reads_or_writes_run_state_by_attribute_name():
-    """Outside library/training/trainer.py (which builds the parts), every module reads the run's
+    """Outside library/run/trainer.py (which builds the parts), every module reads the run's
     declared parts as attributes: no probing with getattr/hasattr, no setattr, no __dict__."""
     from tests.helpers import ROOT, source_files
 
     names = _run_state_names()
     files = [p for p in source_files()
-             if os.path.relpath(p, ROOT) != os.path.join("library", "training", "trainer.py")]
-    assert os.path.join(ROOT, "library", "training", "loop.py") in files  # sub-packages too
+             if os.path.relpath(p, ROOT) != os.path.join("library", "run", "trainer.py")]
+    assert os.path.join(ROOT, "library", "run", "loop.py") in files  # sub-packages too
     found = [f"{os.path.relpath(path, ROOT)}:{line}: {code}" for path in files
              for line, code in _by_name(open(path, encoding="utf-8").read(), names)]
     assert not found, "\n".join(found)

@@ -170,7 +170,7 @@ def test_lycoris_loha_trains_and_saves(dataset, tmp_path, run_script):
 
 def test_tiny_overfit_lowers_the_loss(tmp_path):
     """One image, 30 steps: the loss on a fixed set of (noise, timestep) draws goes down."""
-    from library.training import trainer
+    from library.run import trainer
     from library.config.parse import parse_args
     from tests.conftest import reset_accelerate
     from tools.make_sample_dataset import make_sample_dataset

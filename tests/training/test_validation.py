@@ -25,7 +25,7 @@ def _worker(report_dir: str, argv: list[str]) -> int:
         sys.path.insert(0, ROOT)
     import torch.distributed as dist
 
-    from library.training import trainer
+    from library.run import trainer
     from library.cli import main
 
     runs = []
@@ -66,7 +66,7 @@ def four_images(tmp_path):
 
 def test_split_is_keyed_by_seed_and_path():
     from library.data.folders import ImageItem
-    from library.training.validation import ValidationError, split_items
+    from library.data.held_out import ValidationError, split_items
 
     items = [ImageItem(path=f"/d/{i}.png", caption="", num_repeats=1, is_reg=False,
                        class_tokens=None, size=(64, 64)) for i in range(10)]

@@ -72,7 +72,7 @@ def test_validate_typo_gets_the_parsers_error_with_the_closest_name(ui, data, tm
 
 
 def test_validate_gives_the_dry_runs_plan_and_memory_estimate(ui, data, tmp_path):
-    from library.cli import METHOD_OF_SCRIPT
+    from library.config.options import METHOD_OF_SCRIPT
     from library.training import memory_estimate
     from library.training.plan import plan_run
 

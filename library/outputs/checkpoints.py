@@ -1,4 +1,4 @@
-"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/training/trainer.py).
+"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/run/trainer.py).
 
     Saver(opts, record, base_metadata, saved, accelerator=, bundle=, method=, params=, named=,
           strategy=, stepper=, ema=, frozen=)
@@ -17,7 +17,10 @@ import os
 import time
 
 from library.distributed.accelerator import is_main_process
-from library.training import nonfinite
+from library.files import SaveError, output_file, save_elsewhere
+from library.outputs import metadata, train_state
+from library.outputs.train_state import saved_tensors
+from library.training import nonfinite, offload
 
 logger = logging.getLogger("sdtk")
 
@@ -44,15 +47,10 @@ class Saver:
         self._save_states(progress, epoch=epoch, step=step, final=final)
 
     def _save_model(self, progress, *, epoch=None, step=None) -> None:
-        from library.training import offload as frozen
-        from library.outputs import metadata as md
-        from library.outputs.saving import output_file
-        from library.outputs.train_state import saved_tensors
-
         opts, acc = self.opts, self.accelerator
         acc.wait_for_everyone()
-        meta = md.step_metadata(self.base_metadata, epoch=epoch or progress.epochs_done,
-                                step=progress.global_step, finished_at=time.time())
+        meta = metadata.step_metadata(self.base_metadata, epoch=epoch or progress.epochs_done,
+                                      step=progress.global_step, finished_at=time.time())
         ext = self.method.extension()
         # fsdp: every process joins the gather of the full weights; the main process writes them.
         # deepspeed in bf16/fp16: the float32 master weights are saved (a collective too).
@@ -63,7 +61,7 @@ class Saver:
             if is_main_process():
                 os.makedirs(opts.output_dir, exist_ok=True)
                 # a full model's file holds VAE and TEs
-                with frozen.available_for_save(self.frozen, self.method):
+                with offload.available_for_save(self.frozen, self.method):
                     self._write_model(path, meta)
                     logger.info(f"saved {path}")
                     self.saved.append(path)
@@ -74,9 +72,6 @@ class Saver:
     def save_ema(self, *, epoch=None, step=None, metadata=None) -> str:
         """``<output_name>-ema[-epoch|-step]``: the EMA swapped into the parameters (and gathered:
         every process calls it), written by the main process with the method's save."""
-        from library.training import offload as frozen
-        from library.outputs.saving import output_file
-
         opts, ema = self.opts, self.ema
         path = output_file(opts.output_dir, opts.output_name + "-ema", self.method.extension(),
                            epoch=epoch, step=step)
@@ -85,7 +80,7 @@ class Saver:
             meta["sdtk.ema_decay"] = str(ema.decay)
         with self.strategy.ema_weights(ema, self.bundle, self.params):
             if is_main_process():
-                with frozen.available_for_save(self.frozen, self.method):
+                with offload.available_for_save(self.frozen, self.method):
                     self._write_model(path, meta, "the EMA weights were")
         if is_main_process():
             logger.info(f"saved {path} (EMA, decay {ema.decay})")
@@ -94,10 +89,7 @@ class Saver:
 
     def _write_model(self, path: str, meta: dict, what: str = "the weights were") -> None:
         """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
-        system temp dir instead, and the run ends with one line saying where
-        (library/outputs/saving.py)."""
-        from library.outputs.saving import SaveError, save_elsewhere
-
+        system temp dir instead, and the run ends with one line saying where (library/files.py)."""
         def write(p):
             self.method.save(p, self.opts.save_precision, meta)
 
@@ -109,8 +101,6 @@ class Saver:
     def _save_states(self, progress, *, epoch=None, step=None, final=False) -> None:
         """``save_state``: a state next to each model save; ``save_state_on_train_end``: the
         final one. Then sd-scripts' rotation of old models and states."""
-        from library.outputs import train_state
-
         opts = self.opts
         if opts.save_state or (final and opts.save_state_on_train_end):
             path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
@@ -122,8 +112,6 @@ class Saver:
 
     def write_state(self, progress, path: str) -> None:
         """The training state of ``progress`` (after its last completed step) into ``path``."""
-        from library.outputs import train_state
-
         train_state.write_state(path, logger, record=self.record, progress=progress,
                                 named=self.named, ema=self.ema, stepper=self.stepper,
                                 strategy=self.strategy, accelerator=self.accelerator)
@@ -131,8 +119,6 @@ class Saver:
     def state_of_this_step(self, progress) -> str:
         """``<output_name>-step<N>-state`` after the last completed step, written unless a save
         of this step wrote it already; returns its folder."""
-        from library.outputs import train_state
-
         opts = self.opts
         path = train_state.state_dir(opts.output_dir, opts.output_name, step=progress.global_step)
         if progress.last_state != (path, progress.global_step):
@@ -144,9 +130,6 @@ def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
     """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
     than n steps (steps) before this one."""
     import shutil
-
-    from library.outputs import train_state
-    from library.outputs.saving import output_file
 
     n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
     n_state = (opts.save_last_n_epochs_state if epoch is not None

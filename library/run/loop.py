@@ -18,14 +18,17 @@ import functools
 import logging
 import signal
 
+from library.data import step_plan
+from library.data.training_data import ImageLoader, loader_workers
 from library.distributed.accelerator import is_main_process
 from library.distributed.strategy import SKIP, ZERO_WEIGHT
-from library.training import nonfinite
-from library.training import step_sync
+from library.errors import NonFiniteStop, TrainingInterrupted
+from library.log import seconds_since_process_start
 from library.outputs import progress_stream
-from library.outputs.saver import Saver
-from library.data import step_plan
-from library.training.run_state import HOOKS
+from library.outputs.checkpoints import Saver
+from library.run.run_state import HOOKS
+from library.training import nonfinite, step_sync
+from library.training.network_options import max_norm_postfix
 
 logger = logging.getLogger("sdtk")
 
@@ -36,8 +39,6 @@ BAR_READ_EVERY = 10
 
 def train(run) -> None:
     from tqdm.auto import tqdm
-
-    from library.data.training_data import ImageLoader, loader_workers
 
     opts, c, plan, progress = run.opts, run.parts, run.plan, run.progress
     acc, strategy, stepper = c.accelerator, c.strategy, c.stepper
@@ -139,8 +140,6 @@ def train(run) -> None:
             progress.samples_seen += len(gb.indices)
             progress.position = (epoch, j + 1) if j + 1 < n_batches else (epoch + 1, 0)
             if progress.global_step == 1:
-                from library.log import seconds_since_process_start
-
                 logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
             progress.loss_log.append(step_loss)
             progress.lr_log.append(step_lr)
@@ -148,8 +147,6 @@ def train(run) -> None:
             bar.update(1)
             if progress.max_norm_stats is not None and (
                     not norm_postfix or progress.global_step % BAR_READ_EVERY == 0):
-                from library.training.network_options import max_norm_postfix
-
                 # device statistics: read for the bar only every BAR_READ_EVERY steps
                 norm_postfix = max_norm_postfix(progress.max_norm_stats)
             bar.set_postfix(**norm_postfix, loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}")
@@ -212,20 +209,18 @@ def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver
     if partial:
         # the hooks had stepped parameters before the bad gradient appeared: no state of
         # step N exists any more; only earlier saves (all checked finite) remain
-        raise nonfinite.NonFiniteStop(
+        raise NonFiniteStop(
             f"{msg}; parameters had already been updated in the backward pass "
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
     path = saver.state_of_this_step(progress)
-    raise nonfinite.NonFiniteStop(
+    raise NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
 
 
 def interrupt(signum: int, progress, saver: Saver) -> None:
     """Write ``<output_name>-step<N>-state`` (unless this step's state exists) and stop."""
-    from library.outputs import train_state
-
     path = saver.state_of_this_step(progress)
-    raise train_state.TrainingInterrupted(signum, path, progress.global_step)
+    raise TrainingInterrupted(signum, path, progress.global_step)

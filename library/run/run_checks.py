@@ -2,34 +2,27 @@
 module's option combinations, in this order (an error names the first problem)."""
 from __future__ import annotations
 
+from library.distributed import accelerator, ddp, deepspeed_zero, fsdp
+from library.models import family, inpainting, placement
+from library.outputs import metadata, tracking
+from library.training import block_lr, network_options, nonfinite
+from library.training.compile_unet import check_options as check_compile
+from library.training.losses import check_options as check_loss_options
+from library.training.methods import make_method
+from library.training.optim import check_optimizer, check_scheduler
+from library.training.stepper import check_stepper_options
+
 
 def check_before_loading(opts, method_name: str, plan) -> None:
     """Checks that need imports but no weights: optimizer, scheduler, network module, and the
     combinations of every module's options."""
-    from library.training import block_lr
-    from library.distributed import accelerator as distributed
-    from library.models import family
-    from library.distributed import fsdp
-    from library.outputs import metadata
-    from library.training import network_options
-    from library.training import nonfinite
-    from library.models import inpainting
-    from library.models import placement
-    from library.outputs import tracking
-    from library.distributed import deepspeed_zero as zero
-    from library.training.losses import check_options as check_loss_options
-    from library.training.methods import make_method
-    from library.training.optim import check_optimizer, check_scheduler
-    from library.training.stepper import check_stepper_options
-
     check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                     learning_rate=opts.learning_rate)
     check_scheduler(opts, warmup_steps=plan.warmup_steps,
                     total_steps=plan.total_steps)  # lr_scheduler and the lr_* options
     check_stepper_options(opts)  # fused_backward_pass / fused_optimizer_groups combinations
     fsdp.check_options(opts)  # fsdp combinations; Accelerate-FSDP launch configs
-    zero.check_options(opts)  # deepspeed combinations and optimizer
-    from library.distributed import ddp
+    deepspeed_zero.check_options(opts)  # deepspeed combinations and optimizer
 
     ddp.check_options(opts, plan.processes)  # ddp_comm_hook, ddp_static_graph combinations
     check_loss_options(opts)  # noise / loss variant combinations
@@ -38,10 +31,9 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
     inpainting.check_options(opts)  # train_inpainting vs latent caching, samples, validation
     metadata.check_options(opts)  # metadata_thumbnail exists
-    from library.training.compile_unet import check_options as check_compile
 
     check_compile(opts)  # torch_compile / dynamo_backend combinations
     family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
     nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
-    distributed.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
+    accelerator.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
     make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights

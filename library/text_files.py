@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from library import symlinks
+
 
 def decode(raw: bytes, path: str, error, what: str = "") -> str:
     """``raw`` as UTF-8 (a byte-order mark dropped), else ``error("<what> <path>: line N: not
@@ -25,8 +27,6 @@ def read(path: str, error, what: str = "") -> str:
     if os.path.isdir(path):
         raise error(f"{_name(what, path)} is a folder, not a file")
     if os.path.islink(path) and not os.path.exists(path):
-        from library.data import symlinks
-
         raise error(f"{_name(what, path)} is {symlinks.problem(path)}")
     try:
         with open(path, "rb") as f:

@@ -1,9 +1,9 @@
 """The declared state of one training run: what it is made of, and how far it has got.
 
 ``Components`` are made by the trainer's stages (load, set-up, cache: each returns its parts,
-made once) and each module is passed the parts it uses, never the record; ``Progress`` is
-written by the loop after each step and by a resume (``train_state.load_state`` returns the
-saved one). Both are slotted records: no module
+made once) and each module is passed the parts it uses, never the record; ``Progress``
+(library/training/progress.py) is written by the loop after each step and by a resume
+(``train_state.load_state`` returns the saved one). Both are slotted records: no module
 can add an attribute to them, and no module keeps a cache in them (each module's own state lives
 in its own object: the Reporter's trackers, the Validation's held-out latents, the Strategy's
 sharded modules).
@@ -16,67 +16,26 @@ rate.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from library.distributed.strategy import Strategy
-from library.models.family import FamilyModel
-from library.models.loading import ModelBundle
-from library.outputs.tracking import Reporter
-from library.training.batch_loss import BatchLoss
-from library.training.ema import EMA
-from library.training.losses import Losses
-from library.training.methods import Method
-from library.training.network_options import MaxNormStats, host_stats
-from library.training.offload import Frozen
-from library.training.stepper import Stepper
-from library.training.validation import Validation
-
-if TYPE_CHECKING:  # annotations only: torch, accelerate and the placement (which imports torch)
-    # load after the plan is printed (library/training/trainer.py prints it first)
+if TYPE_CHECKING:  # annotations only: the parts' modules import torch, which loads after the plan
+    # is printed (library/run/trainer.py prints it first, and imports this module at its top)
     import torch
     from accelerate import Accelerator
 
+    from library.distributed.strategy import Strategy
+    from library.models.family import FamilyModel
+    from library.models.loading import ModelBundle
     from library.models.placement import Placement
-
-
-@dataclass(slots=True)
-class Progress:
-    """Counters and logs of a run; a training state saves and restores exactly this."""
-
-    global_step: int = 0
-    epochs_done: int = 0             # epochs completed (the metadata's ss_epoch)
-    samples_seen: int = 0
-    position: tuple[int, int] = (1, 0)  # (epoch, index of the next global batch in it)
-    loss_log: list[float] = field(default_factory=list)  # per step: the global batch's mean loss
-    lr_log: list[float] = field(default_factory=list)    # per step: the first group's learning rate
-    val_log: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
-    # scale_weight_norms: the last step's statistics (on the device, or as read from a state)
-    max_norm_stats: MaxNormStats | tuple[int, float, float] | None = None
-    last_state: tuple[str, int] | None = None  # (folder, step) of the last training state written
-
-    def state_dict(self) -> dict:
-        """Every field, JSON-ready (a training state's ``state.json`` holds these keys; the
-        position as its ``epoch`` / ``batch``). The max-norm statistics are read to the host."""
-        epoch, batch = self.position
-        stats = None if self.max_norm_stats is None else list(host_stats(self.max_norm_stats))
-        return {"global_step": self.global_step, "epoch": epoch, "batch": batch,
-                "epochs_done": self.epochs_done, "samples_seen": self.samples_seen,
-                "loss_log": list(self.loss_log), "lr_log": list(self.lr_log),
-                "val_log": [list(v) for v in self.val_log], "max_norm_stats": stats,
-                "last_state": None if self.last_state is None else list(self.last_state)}
-
-    @classmethod
-    def from_state(cls, d: dict) -> "Progress":
-        """The record ``state_dict`` wrote (a state written before ``val_log``,
-        ``max_norm_stats`` and ``last_state`` were saved restores them empty)."""
-        stats, last = d.get("max_norm_stats"), d.get("last_state")
-        return cls(global_step=int(d["global_step"]), epochs_done=int(d["epochs_done"]),
-                   samples_seen=int(d["samples_seen"]), position=(int(d["epoch"]), int(d["batch"])),
-                   loss_log=list(d["loss_log"]), lr_log=list(d["lr_log"]),
-                   val_log=[(int(s), v) for s, v in d.get("val_log", [])],
-                   max_norm_stats=None if stats is None else (int(stats[0]), stats[1], stats[2]),
-                   last_state=None if last is None else (last[0], int(last[1])))
+    from library.outputs.tracking import Reporter
+    from library.training.batch_loss import BatchLoss
+    from library.training.ema import EMA
+    from library.training.losses import Losses
+    from library.training.methods import Method
+    from library.training.offload import Frozen
+    from library.training.stepper import Stepper
+    from library.training.validation import Validation
 
 
 @dataclass(slots=True)

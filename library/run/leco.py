@@ -28,11 +28,15 @@ import time
 
 from library.distributed.accelerator import is_main_process
 from library.config import leco_prompts
+from library.data.step_plan import derive_seed
+from library.distributed import accelerator
 from library.errors import UserError
+from library.files import output_file
 from library.log import logger, setup_logging
-from library.models import family, inpainting
-from library.models import loading
+from library.models import family, inpainting, loading, modelspec, placement
 from library.models.family import TextConditioning
+from library.outputs import metadata, output_checks
+from library.training import losses, methods, optim
 
 
 class LecoError(UserError, ValueError):
@@ -51,8 +55,6 @@ class LecoRun:
 
 def check_options(opts) -> None:
     """Before any weight loads."""
-    from library.distributed import accelerator
-
     if accelerator.launched_world_size() > 1:
         raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
                         "shard): launch it without --num_processes / --nproc_per_node")
@@ -68,12 +70,6 @@ def run(opts) -> LecoRun:
     setup_logging(is_main_process())
     import torch
     from accelerate.utils import set_seed
-
-    from library.distributed import accelerator
-    from library.models import placement
-    from library.outputs import output_checks
-    from library.outputs.saving import output_file
-    from library.training import methods, optim
 
     started = time.time()
     check_options(opts)
@@ -196,8 +192,6 @@ def draw(opts, settings, step: int) -> Draw:
     """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
     import torch
 
-    from library.data.step_plan import derive_seed
-
     g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
     s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
     stop = int(torch.randint(1, opts.max_denoising_steps, (1,), generator=g))
@@ -269,8 +263,6 @@ def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, op
     positive, neutral, unconditional, target, prediction}."""
     import torch
 
-    from library.training import losses
-
     s = d.setting
     device = next(bundle.unet.parameters()).device
     dtype = next(bundle.unet.parameters()).dtype
@@ -311,8 +303,6 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
     """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
     import datetime
 
-    from library.outputs import metadata
-
     h, w = settings[0].resolution
     out = {
         "ss_training_started_at": str(started),
@@ -324,7 +314,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
         "ss_optimizer": str(opts.optimizer_type),
         "ss_seed": str(opts.seed),
         "ss_mixed_precision": str(opts.mixed_precision),
-        "ss_base_model_version": metadata.BASE_MODEL_VERSION[bundle.family],
+        "ss_base_model_version": modelspec.BASE_MODEL_VERSION[bundle.family],
         "ss_v2": str(bundle.family == "sd2"),
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_leco_prompt_count": str(len(settings)),
@@ -336,10 +326,10 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
               "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
               "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": metadata.modelspec_architecture(bundle.family, bundle.v_parameterization,
+        "modelspec.architecture": modelspec.modelspec_architecture(bundle.family, bundle.v_parameterization,
                                                             "lora"),
-        "modelspec.implementation": (metadata.IMPL_STABILITY_AI if bundle.family == "sdxl"
-                                     else metadata.IMPL_DIFFUSERS),
+        "modelspec.implementation": (modelspec.IMPL_STABILITY_AI if bundle.family == "sdxl"
+                                     else modelspec.IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),

@@ -1,9 +1,9 @@
 """The one training run shared by train_lora.py, train_dreambooth.py, finetune.py and
 train_textual_inversion.py.
 
-Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/training/loop.py) ->
-save (library/outputs/saver.py). A ``Run`` holds the options, the plan and training set, and two
-declared records (library/training/run_state.py): its ``parts`` (Components, built once from what
+Stages: plan (no weights) -> validate -> load -> set-up -> cache -> train (library/run/loop.py) ->
+save (library/outputs/checkpoints.py). A ``Run`` holds the options, the plan and training set, and
+two declared records (library/run/run_state.py): its ``parts`` (Components, built once from what
 the stages here return) and its ``progress``. docs/INTERNALS.md has the path of one run.
 """
 from __future__ import annotations
@@ -14,32 +14,40 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from library.config.parse import Options
-from library.data.step_plan import StepPlan
-from library.data.training_data import TrainingSet
+from library.data import debug_dataset
+from library.distributed import accelerator, deepspeed_zero
 from library.distributed.accelerator import is_main_process
-from library.distributed import accelerator as distributed
-from library.distributed.strategy import Strategy
+from library.errors import UserError
 from library.log import logger, setup_logging
-from library.models.family import FamilyModel
-from library.models.loading import ModelBundle
-from library.outputs.progress_stream import ProgressStream
-from library.outputs.saver import Saver
-from library.outputs.train_state import StopSignals
-from library.training.ema import EMA
-from library.training.losses import Losses
-from library.training.methods import Method
-from library.training.offload import Frozen
+from library.models import family, inpainting, loading
+from library.outputs import metadata, output_checks
+from library.run.run_state import Caches, Components
+from library.training import ema, host_memory, losses, offload
+from library.training.compile_unet import compile_unet
 from library.training.plan import plan_run, print_plan
-from library.training.run_state import Caches, Components, Progress
-from library.training.stepper import Stepper
-from library.training.validation import Validation
+from library.training.progress import Progress
+from library.training.stop_signals import StopSignals
 
-if TYPE_CHECKING:  # annotations only: torch and accelerate load after the plan is printed
+if TYPE_CHECKING:  # annotations only: torch, accelerate and the parts' modules (which import
+    # torch) load after the plan is printed; each stage imports what it uses
     import torch
     from accelerate import Accelerator
 
+    from library.config.parse import Options
+    from library.data.step_plan import StepPlan
+    from library.data.training_data import TrainingSet
+    from library.distributed.strategy import Strategy
+    from library.models.family import FamilyModel
+    from library.models.loading import ModelBundle
     from library.models.placement import Placement
+    from library.outputs.checkpoints import Saver
+    from library.outputs.progress_stream import ProgressStream
+    from library.training.ema import EMA
+    from library.training.losses import Losses
+    from library.training.methods import Method
+    from library.training.offload import Frozen
+    from library.training.stepper import Stepper
+    from library.training.validation import Validation
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,33 +105,29 @@ class Run:
 
     # -- stages -------------------------------------------------------------------------------
     def validate(self):
-        """Checks that need imports but no weights (library/training/run_checks.py)."""
-        from library.training import run_checks
+        """Checks that need imports but no weights (library/run/run_checks.py)."""
+        # lazy: the plan and the checks before loading come before torch is imported
+        from library.run import run_checks
 
         run_checks.check_before_loading(self.opts, self.method_name, self.plan)
 
     def load(self) -> Loaded:
+        # lazy: the plan and the checks before loading come before torch is imported
         from accelerate.utils import set_seed
 
-        from library.models import family
-        from library.models import inpainting
         from library.data import latent_cache
-        from library.training import losses
-        from library.models import loading as models
         from library.training import network_options
 
         opts = self.opts
-        acc = distributed.accelerator_for(opts)
+        acc = accelerator.accelerator_for(opts)
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
         if acc.device.type == "cpu":
-            from library.training import host_memory
-
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
         set_seed(opts.seed)
-        b = models.load_from_options(opts)
+        b = loading.load_from_options(opts)
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
@@ -133,18 +137,17 @@ class Run:
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
-        models.set_attention(b, opts)
+        loading.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
         return Loaded(accelerator=acc, bundle=b,
                       losses=losses.Losses(opts, b.noise_scheduler, b.v_parameterization))
 
     def setup_method(self, loaded: Loaded) -> SetUp:
+        # lazy: the plan and the checks before loading come before torch is imported
         import torch
 
-        from library.models import family
-        from library.training import ema
-        from library.models import placement
         from library.distributed import strategy
+        from library.models import placement
         from library.outputs import progress_stream
         from library.training import validation
         from library.training.batch_loss import check_multiplier
@@ -170,8 +173,6 @@ class Run:
                                                weighted=opts.weighted_captions,
                                                rewrite=method.prompt_rewrite())
         if not any(p.requires_grad for g in groups for p in g["params"]):
-            from library.errors import UserError
-
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
         if method.network is not None:
@@ -186,7 +187,7 @@ class Run:
         for te in b.text_encoders:
             te.train(method.train_text_encoder)
         if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
-            from library.training.compile_unet import compile_unet
+            # lazy: the plan and the checks before loading come before torch is imported
             from library.training.stepper import fused_mode
 
             # a fused stepper steps in each gradient's hook: one graph per block, not one for all
@@ -213,8 +214,8 @@ class Run:
     def cache(self, loaded: Loaded, setup: SetUp) -> Cached:
         """Latents and, with cache_text_encoder_outputs, text-encoder outputs
         (library/data/cache_stage.py); then the parts no longer needed leave the device."""
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.data import cache_stage
-        from library.training import offload as frozen
 
         opts, acc, b = self.opts, loaded.accelerator, loaded.bundle
         latents = latent_key = text = None
@@ -228,16 +229,16 @@ class Run:
             setup.validation.encode_held_out(b.vae, acc.device, setup.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
-        released = frozen.release_after_caching(opts, acc.device, b, setup.method, caches, logger)
+        released = offload.release_after_caching(opts, acc.device, b, setup.method, caches, logger)
         self.closing.append(released)  # spill files of released parts
         return Cached(caches=caches, frozen=released)
 
     def assemble(self, loaded: Loaded, setup: SetUp, cached: Cached) -> Components:
         """The run's parts, once every stage has made its own: the batch loss and the reporter
         over them."""
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.outputs import tracking
-        from library.training import sampling
-        from library.training import validation
+        from library.training import sampling, validation
         from library.training.batch_loss import BatchLoss
 
         opts = self.opts
@@ -267,7 +268,8 @@ class Run:
         return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
-        from library.training import loop
+        # lazy: the plan and the checks before loading come before torch is imported
+        from library.run import loop
 
         loop.train(self)
 
@@ -278,26 +280,22 @@ class Run:
 def run(opts, method_name: str) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
     setup_logging(is_main_process())
-    from library.distributed import deepspeed_zero as zero
-    from library.outputs import output_checks, train_state
-
-    opts = zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
-    processes = distributed.launched_world_size()
+    opts = deepspeed_zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
+    processes = accelerator.launched_world_size()
     opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
     r.tset, r.plan = tset, plan
     main = is_main_process()
     resume = None
     if opts.resume:  # checked before any weight loads
+        # lazy: the plan and the checks before loading come before torch is imported
+        from library.outputs import train_state
+
         resume = train_state.check_resume(opts, method_name, plan, tset, logger)
     output_checks.check_name(opts.output_name)  # a dry run too: "" would write ".safetensors"
     if opts.debug_dataset:  # sd-scripts: show the dataset, then exit without training
         if main:
-            from library.data import debug_dataset
-
             if not opts.output_dir:
-                from library.errors import UserError
-
                 raise UserError("debug_dataset: output_dir is required (the contact sheet is "
                                 "written there)")
             path = os.path.join(opts.output_dir, f"{opts.output_name}_debug_dataset.png")
@@ -307,6 +305,7 @@ def run(opts, method_name: str) -> Run | None:
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
         r.validate()  # optimizer, network module, combinations: a dry run stops on them too
+        # lazy: the plan and the checks before loading come before torch is imported
         from library.training import memory_estimate
 
         memory_estimate.report(opts, method_name, r.tset, r.plan.processes, main)  # no weights
@@ -323,7 +322,9 @@ def run(opts, method_name: str) -> Run | None:
 
 
 def _train(r: Run, opts, started: float, resume) -> Run:
+    # lazy: the plan and the checks before loading come before torch is imported
     from library.outputs import train_state
+    from library.outputs.checkpoints import Saver
 
     loaded = r.load()
     print_plan(r.plan, is_main_process())
@@ -337,9 +338,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
         r.progress = train_state.load_state(
             *resume, logger, accelerator=c.accelerator, named=named, ema=c.ema,
             stepper=c.stepper, strategy=c.strategy, network_dropout=r.opts.network_dropout)
-    from library.outputs import metadata as md
-
-    r.base_metadata = md.build_metadata(
+    r.base_metadata = metadata.build_metadata(
         opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,

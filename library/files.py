@@ -1,4 +1,5 @@
-"""Atomic writes and sd-scripts' output file names."""
+"""Atomic writes, the removal of killed writers' temporaries, and sd-scripts' output file names
+(the bottom layer: used by data, models, networks and outputs alike)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,7 @@ import tempfile
 from library.errors import UserError
 
 # Temporary names carry the writer's pid, so that a later run can tell the leftovers of a killed
-# process (output_checks.remove_stale_temporaries) from a live writer's files.
+# process (remove_stale_temporaries) from a live writer's files.
 TEMP_PATTERN = re.compile(r"^\..+\.sdtk(?P<pid>\d+)\.[^.]+\.(?:tmp|old)$")
 
 
@@ -142,3 +143,40 @@ def output_file(output_dir: str, output_name: str, ext: str, *, epoch: int | Non
     else:
         name = output_name
     return os.path.join(output_dir, name + ext)
+
+
+# -- stale temporaries ---------------------------------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str, log, alive=pid_alive) -> list[str]:
+    """Remove the temporaries of files.atomic_path/atomic_dir whose writer no longer runs."""
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for entry in sorted(os.listdir(folder)):
+        m = TEMP_PATTERN.match(entry)
+        if not m or alive(int(m.group("pid"))):
+            continue
+        path = os.path.join(folder, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another run
+        removed.append(entry)
+    if removed:
+        log.info(f"removed {len(removed)} stale temporary file(s) of killed runs in {folder}: "
+                 + ", ".join(removed))
+    return removed
