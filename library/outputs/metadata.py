@@ -11,10 +11,11 @@ from collections import Counter
 
 from library.errors import UserError
 
-ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base"}
-BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
+ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base", "flux": "flux-1-dev"}
+BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0", "flux": "flux1"}
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
+IMPL = {"sdxl": IMPL_STABILITY_AI, "flux": "https://github.com/black-forest-labs/flux"}  # sd-scripts
 
 
 def modelspec_architecture(family: str, v_parameterization: bool, adapter: str | None) -> str:
@@ -73,7 +74,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-        "modelspec.implementation": IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS,
+        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),

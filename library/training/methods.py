@@ -480,6 +480,11 @@ class FullMethod:
         from library.models import sd_checkpoint
 
         dtype = _dtype(dtype_name)
+        if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
+            from library.models import flow_family
+
+            flow_family.save_full(self.bundle, path, dtype, metadata)
+            return
         comps = self.bundle.components()
         fmt = self.opts.save_model_as or "safetensors"
         if fmt.startswith("diffusers"):

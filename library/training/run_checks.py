@@ -22,6 +22,9 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     from library.training.optim import check_optimizer, check_scheduler
     from library.training.stepper import check_stepper_options
 
+    from library.models import flow_family
+
+    flow_family.check_options(opts, method_name)  # FLUX.1's options, or none with an SD model
     check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                     learning_rate=opts.learning_rate)
     check_scheduler(opts, warmup_steps=plan.warmup_steps,

@@ -108,8 +108,9 @@ class Run:
         from library.models import family
         from library.models import inpainting
         from library.data import latent_cache
-        from library.training import losses
+        from library.models import flow_family
         from library.models import loading as models
+        from library.training import flow_loss
         from library.training import network_options
 
         opts = self.opts
@@ -123,12 +124,13 @@ class Run:
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
         set_seed(opts.seed)
-        b = models.load_from_options(opts)
+        b = flow_family.load_from_options(opts)  # SD's loader, or FLUX.1's
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
         # of a 4-channel model with train_inpainting widen its first convolution
-        inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
+        if b.flow is None:  # an SD U-Net (FLUX.1's options: flow_family.check_options)
+            inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
@@ -136,12 +138,12 @@ class Run:
         models.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
         return Loaded(accelerator=acc, bundle=b,
-                      losses=losses.Losses(opts, b.noise_scheduler, b.v_parameterization))
+                      losses=flow_loss.losses_for(opts, b))
 
     def setup_method(self, loaded: Loaded) -> SetUp:
         import torch
 
-        from library.models import family
+        from library.models import flow_family
         from library.training import ema
         from library.models import placement
         from library.distributed import strategy
@@ -166,9 +168,7 @@ class Run:
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = method.setup()
         # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
-        family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
-                                               weighted=opts.weighted_captions,
-                                               rewrite=method.prompt_rewrite())
+        family_model = flow_family.family_model_for(b, opts, rewrite=method.prompt_rewrite())
         if not any(p.requires_grad for g in groups for p in g["params"]):
             from library.errors import UserError
 

@@ -1,0 +1,244 @@
+"""FLUX.1 as a family the trainer runs (full fine-tuning of the transformer): which sources are
+FLUX, the checks before any weight loads, the model bundle, the family model (tokenize / encode /
+forward) and the full-model save in the layout the transformer was loaded from.
+
+    family_before_loading(name_or_path)      "flux" (built-in name, BFL file or diffusers FLUX
+                                             folder, from its keys / config), else None
+    check_options(opts, method_name)         one line per option this family cannot honour
+    load_from_options(opts)                  ModelBundle (FLUX: flow = the FluxModel), else the
+                                             SD loader's bundle
+    family_model_for(bundle, opts, ...)      FluxFamilyModel, else family.family_model_for
+    save_full(bundle, path, dtype, metadata) the trained transformer (save_flux_transformer)
+
+The bundle's slots: ``unet`` the FLUX transformer (the denoiser), ``vae`` the 16-channel
+autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels computes them),
+``text_encoders`` [CLIP-L, T5], ``tokenizers`` [CLIP, T5]; no DDPM scheduler
+(library/training/flow_loss.py draws the noise levels). SD3 is not wired here yet.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from library.config.options import OPTIONS_BY_NAME
+from library.errors import UserError
+from library.models import family as sd_family
+from library.models import loading
+
+FLOW_FAMILIES = ("flux",)
+# the options only a FLUX.1 (or SD3) run reads: refused with an SD model
+FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
+                "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
+                "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae")
+# options of the SD trainer this family does not honour (yet): name -> why
+UNSUPPORTED = {
+    "v2": "a FLUX.1 model is not SD2",
+    "v_parameterization": "FLUX.1 predicts the flow velocity (see model_prediction_type)",
+    "min_snr_gamma": "an SNR weighting of the DDPM schedule; use weighting_scheme",
+    "scale_v_pred_loss_like_noise_pred": "an SNR weighting of the DDPM schedule",
+    "v_pred_like_loss": "an SNR weighting of the DDPM schedule",
+    "debiased_estimation_loss": "an SNR weighting of the DDPM schedule",
+    "zero_terminal_snr": "a change of the DDPM schedule",
+    "noise_offset": "sd-scripts' FLUX.1 trainer does not apply it",
+    "adaptive_noise_scale": "sd-scripts' FLUX.1 trainer does not apply it",
+    "multires_noise_iterations": "sd-scripts' FLUX.1 trainer does not apply it",
+    "ip_noise_gamma": "not wired for FLUX.1 yet",
+    "min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+    "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+    "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer",
+    "max_token_length": "use t5xxl_max_token_length",
+    "weighted_captions": "not wired for FLUX.1 yet",
+    "no_token_padding": "an SD1/SD2 DreamBooth option",
+    "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
+    "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
+    "train_text_encoder": "the transformer trains; CLIP-L and T5 stay frozen here",
+    "validation_split": "the validation loss is not wired for FLUX.1 yet",
+    "sample_prompts": "FLUX.1 sample images are not wired yet",
+    "vae": "FLUX.1's autoencoder is the ae option",
+    "tokenizer_path": "FLUX.1's tokenizers come with the model",
+    "xformers": "the FLUX.1 transformer uses SDPA",
+    "torch_compile": "not wired for FLUX.1 yet",
+    "fp8_base": "not wired for FLUX.1 yet",
+    "fp8_base_unet": "not wired for FLUX.1 yet",
+    "train_inpainting": "an SD option",
+    "block_lr": "SDXL's U-Net blocks",
+    "deepspeed": "not wired for FLUX.1 yet",
+    "fsdp": "not wired for FLUX.1 yet",
+    "dry_run": "the memory estimate does not cover FLUX.1 yet",
+}
+LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
+
+
+class FlowFamilyError(UserError, ValueError):
+    """An option a FLUX.1 run cannot honour; one line naming it."""
+
+
+def family_before_loading(name_or_path: str | None) -> str | None:
+    """"flux" when ``name_or_path`` is a FLUX.1 source (a built-in name, a BFL / diffusers-layout
+    transformer file or a diffusers FLUX folder, told from its keys or config: no weights read),
+    else None."""
+    from library.models import flux_loading, tiny_flux
+
+    if not name_or_path:
+        return None
+    path = os.path.expanduser(str(name_or_path))
+    if not os.path.exists(path):
+        return "flux" if name_or_path in tiny_flux.TINY_FLUX_NAMES else None
+    return "flux" if flux_loading.is_flux_source(path) else None
+
+
+def _is_set(opts, name: str) -> bool:
+    value = getattr(opts, name)
+    return value not in (None, False, 0, 0.0, "", (), []) and value != OPTIONS_BY_NAME[name].default
+
+
+def flow_options(opts, family: str):
+    """The run's FlowOptions (library/training/flow_matching.py)."""
+    from library.training.flow_matching import FlowOptions
+
+    return FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
+                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
+                       model_prediction_type=opts.model_prediction_type,
+                       weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
+                       logit_std=opts.logit_std, mode_scale=opts.mode_scale)
+
+
+def check_options(opts, method_name: str) -> str | None:
+    """Before any weight loads: with an SD model no FLUX option may be given; with a FLUX.1
+    model every option the run sets must be one this family honours. Returns the family (None:
+    SD, decided when the weights load)."""
+    from library.training.flow_matching import check_flow_options
+
+    src = opts.pretrained_model_name_or_path
+    fam = family_before_loading(src)
+    if fam is None:
+        for name in FLOW_OPTIONS:
+            if name in opts.given and _is_set(opts, name):
+                raise FlowFamilyError(f"{name}: an option of FLUX.1 models; {src} is not one")
+        return None
+    if method_name not in ("dreambooth", "finetune"):
+        raise FlowFamilyError(f"{src} is a FLUX.1 model: train_dreambooth / finetune fine-tune it "
+                              f"fully; this trainer's {method_name} does not train FLUX.1 yet")
+    if opts.clip_g:
+        raise FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a FLUX.1 model (CLIP-L and T5)")
+    for name, why in UNSUPPORTED.items():
+        if _is_set(opts, name):
+            raise FlowFamilyError(f"{name}: not with a FLUX.1 model ({src}): {why}")
+    if not opts.sdpa:
+        raise FlowFamilyError("sdpa = false: the FLUX.1 transformer always uses SDPA attention")
+    if opts.loss_type not in LOSS_TYPES:
+        raise FlowFamilyError(f"loss_type {opts.loss_type}: FLUX.1 trains with l2 or l1 here "
+                              "(huber's threshold follows the DDPM timesteps)")
+    if (opts.save_model_as or "safetensors") != "safetensors":
+        raise FlowFamilyError(f"save_model_as {opts.save_model_as}: a FLUX.1 transformer is saved "
+                              "in the layout it was loaded from (save_model_as = \"safetensors\")")
+    if os.path.isfile(os.path.expanduser(src)):
+        for name in ("clip_l", "t5xxl", "ae"):
+            value = getattr(opts, name)
+            if not value:
+                raise FlowFamilyError(f"{name}: required with a single-file FLUX.1 transformer "
+                                      f"({src}); give the {name} file")
+            if not os.path.exists(os.path.expanduser(value)):
+                raise FlowFamilyError(f"{name}: no such file or directory: {value}")
+    check_flow_options(flow_options(opts, fam))
+    return fam
+
+
+def load_from_options(opts) -> loading.ModelBundle:
+    """The run's model: a FLUX.1 source as a bundle over its FluxModel, any other through the SD
+    loader (library/models/loading.py)."""
+    from library.models import flux_loading
+
+    src = opts.pretrained_model_name_or_path
+    if family_before_loading(src) != "flux":
+        return loading.load_from_options(opts)
+    m = flux_loading.load_flux(src, clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
+    for part in (m.transformer, m.clip_l, m.t5, m.ae):
+        part.eval()
+    return loading.ModelBundle(family="flux", unet=m.transformer, vae=m.ae,
+                               text_encoders=[m.clip_l, m.t5],
+                               tokenizers=[m.clip_tokenizer, m.t5_tokenizer], noise_scheduler=None,
+                               v_parameterization=False, source=str(src), identity=m.identity,
+                               vae_identity=m.ae_identity, flow=m)
+
+
+@dataclass
+class FluxTextConditioning(sd_family.TextConditioning):
+    """T5's states (hidden_states), CLIP-L's pooled output (pooled) and the T5 attention mask."""
+
+    t5_attn_mask: Any = None
+
+    def to(self, *args, **kwargs) -> "FluxTextConditioning":
+        return FluxTextConditioning(self.hidden_states.to(*args, **kwargs),
+                                    self.pooled.to(*args, **kwargs), self.t5_attn_mask)
+
+
+class FluxFamilyModel(sd_family.FamilyModel):
+    """tokenize -> [CLIP ids (B, 77), T5 ids (B, L), T5 mask (B, L)]; encode -> T5 states, CLIP-L
+    pooled, mask (library/models/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
+    2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity."""
+
+    family = "flux"
+
+    def __init__(self, transformer, text_encoders, tokenizers, *, t5_max_length: int,
+                 guidance_scale: float, apply_t5_attn_mask: bool, rewrite=None):
+        super().__init__(transformer, text_encoders, tokenizers, None, False, rewrite)
+        self.t5_max_length = t5_max_length
+        self.guidance_scale = guidance_scale
+        self.apply_t5_attn_mask = apply_t5_attn_mask
+
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
+        from library.models import flux_text
+
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
+        t = flux_text.tokenize(self.tokenizers[0], self.tokenizers[1], list(captions), self.t5_max_length)
+        return [t.clip_ids, t.t5_ids, t.t5_attn_mask]
+
+    def encode(self, token_ids: list, clip_skip: int | None) -> FluxTextConditioning:
+        from library.models import flux_text
+
+        clip_l, t5_model = self.text_encoders
+        c = flux_text.encode(clip_l, t5_model, flux_text.FluxTokens(*token_ids), self.apply_t5_attn_mask)
+        return FluxTextConditioning(c.t5_out, c.l_pooled, c.t5_attn_mask)
+
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+        import torch
+
+        from library.models import flux
+
+        b, _, h, w = noisy_latents.shape
+        dtype, dev = noisy_latents.dtype, noisy_latents.device
+        img = flux.pack_latents(noisy_latents)
+        txt = cond.hidden_states.to(dev, dtype)
+        guidance = None
+        if self.unet.config.guidance_embed:
+            guidance = torch.full((b,), float(self.guidance_scale), device=dev, dtype=dtype)
+        out = self.unet(img, flux.image_ids(h // 2, w // 2, b, dev).to(dtype), txt,
+                        flux.text_ids(txt.shape[1], b, dev).to(dtype), timesteps.to(dev, dtype),
+                        cond.pooled.to(dev, dtype), guidance,
+                        cond.t5_attn_mask.to(dev) if self.apply_t5_attn_mask else None)
+        return flux.unpack_latents(out, h // 2, w // 2)
+
+
+def family_model_for(bundle, opts, *, rewrite=None) -> sd_family.FamilyModel:
+    """The run's family model: FLUX.1's, or the SD family's (library/models/family.py)."""
+    if bundle.family != "flux":
+        return sd_family.family_model_for(bundle, max_token_length=opts.max_token_length,
+                                          weighted=opts.weighted_captions, rewrite=rewrite)
+    t5_len = opts.t5xxl_max_token_length or bundle.flow.t5_max_length
+    return FluxFamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers, t5_max_length=t5_len,
+                           guidance_scale=opts.guidance_scale,
+                           apply_t5_attn_mask=opts.apply_t5_attn_mask, rewrite=rewrite)
+
+
+def save_full(bundle, path: str, dtype, metadata: dict) -> None:
+    """The trained FLUX.1 transformer in the layout it was loaded from (BFL: one .safetensors
+    file; diffusers: a transformer folder), atomically; the text encoders and autoencoder did not
+    train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone)."""
+    from library.models import flux_checkpoint
+
+    m = bundle.flow
+    flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
+                                          metadata=metadata, dtype=dtype)
