@@ -1,0 +1,157 @@
+"""FLUX.1 full fine-tuning through the entry scripts on the built-in tiny-flux (64 px, 2 steps).
+
+- the first micro-step's loss equals an independent float64 recomputation: the image encoded by a
+  fresh copy of the tiny autoencoder, the sample's generator drawing its noise and then its
+  sigma (sd-scripts' sigma table, shift 3), x_t = (1 - sigma) x0 + sigma noise, the initial
+  transformer's output (a fresh copy, float64, dev's guidance 3.5), target noise - x0 (raw);
+- the saved transformer is one file in BFL's layout that reloads equal to the trained weights;
+- batch 2 == batch 1 with gradient accumulation 2 (same global batch, SGD);
+- the options this family cannot honour fail before any weight loads, in one line.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from library.training.run_state import HOOKS
+
+
+def flux_args(data, out, *extra):
+    return ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", data,
+            "--output_dir", out, "--resolution", "64", "--max_train_steps", "2",
+            "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
+
+
+def _reference_loss(run, epoch, i):
+    """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64."""
+    from library.data import step_plan
+    from library.models import flux, flux_ae, flux_text, tiny_flux
+
+    parts = tiny_flux.build_tiny_flux("dev")  # the initial weights (fixed seed), a fresh copy
+    model = parts["transformer"].double().eval()
+    ae, clip_l, t5_model = parts["ae"].double(), parts["clip_l"].double(), parts["t5"].double()
+    item = run.tset.samples[i]
+    assert not run.tset.flip(i, epoch)
+    rgb = np.asarray(Image.open(item.path).convert("RGB"), dtype=np.float64)
+    pixels = torch.from_numpy(rgb / 127.5 - 1.0).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        x0 = flux_ae.encode_latents(ae, pixels)  # (mean - shift) * scale
+        g = torch.Generator().manual_seed(step_plan.derive_seed("sample", 7, epoch, i))
+        noise = torch.randn(tuple(x0.shape[1:]), generator=g)[None].double()
+        u = float(torch.rand(1, generator=g))  # weighting_scheme uniform: sigma's table index
+        index = min(int(u * 1000), 999)
+        t, s = (1000 - index) / 1000, 3.0  # discrete_flow_shift 3.0
+        sigma = s * t / (1 + (s - 1) * t)
+        x_t = (1 - sigma) * x0 + sigma * noise
+        tokens = flux_text.tokenize(parts["clip_tokenizer"], parts["t5_tokenizer"],
+                                    [run.tset.caption(i, epoch)], 512)
+        cond = flux_text.encode(clip_l, t5_model, tokens, False)
+        h, w = x0.shape[2] // 2, x0.shape[3] // 2
+        out = model(flux.pack_latents(x_t), flux.image_ids(h, w, 1).double(), cond.t5_out.double(),
+                    torch.zeros(1, cond.t5_out.shape[1], 3, dtype=torch.float64),
+                    torch.tensor([sigma], dtype=torch.float64), cond.l_pooled.double(),
+                    torch.tensor([3.5], dtype=torch.float64))
+        v = flux.unpack_latents(out, h, w)
+    return float(((v - (noise - x0)) ** 2).mean())
+
+
+def test_flux_full_finetune_loss_and_saved_transformer(dataset, tmp_path, train):
+    from library.models import flux_checkpoint
+    from library.models.tiny_flux import build_tiny_flux
+
+    losses = []
+
+    def first_loss(run, epoch, idx, loss):
+        losses.append((epoch, list(idx), float(loss.detach())))
+        return loss
+
+    out = tmp_path / "out"
+    with HOOKS.add(after_micro_step=first_loss):
+        rc, stdout, err, run = train("train_dreambooth", flux_args(
+            dataset, str(out), "--model_prediction_type", "raw"))
+    assert rc == 0, err
+    assert sorted(os.listdir(out)) == ["last.safetensors"]
+    assert len(losses) == 2
+    epoch, idx, loss = losses[0]
+    ref = _reference_loss(run, epoch, idx[0])
+    assert loss == pytest.approx(ref, rel=1e-4, abs=1e-7)
+
+    # one file in BFL's layout, reloading equal to the trained weights, which moved
+    path = str(out / "last.safetensors")
+    weights = flux_checkpoint.read_transformer(path)
+    assert weights.layout == "bfl" and weights.variant == "dev"
+    assert "double_blocks.0.img_attn.qkv.weight" in weights.state_dict
+    reloaded, _ = flux_checkpoint.load_transformer(path)
+    trained = run.parts.bundle.unet.state_dict()
+    assert reloaded.state_dict().keys() == trained.keys()
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, trained[k].float()), k
+    initial = build_tiny_flux("dev")["transformer"].state_dict()
+    assert not torch.equal(initial["img_in.weight"], trained["img_in.weight"])
+
+
+def _final_weights(train, dataset, out, *extra):
+    rc, _, err, run = train("finetune", flux_args(
+        dataset, out, "--optimizer_type", "SGD", "--learning_rate", "0.5", *extra))
+    assert rc == 0, err
+    return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}, run
+
+
+def test_flux_batch_2_equals_batch_1_with_accumulation_2(dataset, tmp_path, train):
+    a, ra = _final_weights(train, dataset, str(tmp_path / "a"), "--train_batch_size", "2")
+    b, rb = _final_weights(train, dataset, str(tmp_path / "b"), "--gradient_accumulation_steps", "2")
+    assert ra.progress.loss_log == pytest.approx(rb.progress.loss_log, rel=1e-5)
+    initial = build_initial()
+    moved = 0
+    for k in a:
+        scale = float((a[k] - initial[k]).abs().max())
+        moved += scale > 0
+        assert float((a[k] - b[k]).abs().max()) <= 1e-5 * max(scale, 1e-3), k
+    assert moved > len(a) // 2
+
+
+def build_initial():
+    from library.models.tiny_flux import build_tiny_flux
+
+    return build_tiny_flux("dev")["transformer"].state_dict()
+
+
+@pytest.fixture
+def no_flux_loading(monkeypatch, no_weight_loading):
+    """Fails the test if FLUX weights (or any model's) are loaded."""
+    from library.models import flux_loading
+
+    def refuse(*a, **k):
+        raise AssertionError("FLUX weights were loaded before the options were checked")
+
+    monkeypatch.setattr(flux_loading, "load_flux", refuse)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--min_snr_gamma", "5"], "min_snr_gamma: not with a FLUX.1 model"),
+    (["--v_parameterization"], "v_parameterization: not with a FLUX.1 model"),
+    (["--noise_offset", "0.1"], "noise_offset: not with a FLUX.1 model"),
+    (["--clip_g", "x.safetensors"], "clip_g: SD3's CLIP-G"),
+    (["--timestep_sampling", "logit"], "timestep_sampling"),
+    (["--loss_type", "huber"], "loss_type huber"),
+])
+def test_flux_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, no_flux_loading,
+                                                      extra, message):
+    rc, _, err = run_script("train_dreambooth", flux_args(dataset, str(tmp_path / "o"), *extra))
+    assert rc != 0 and message in err and "Traceback" not in err
+
+
+def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no_weight_loading):
+    rc, _, err = run_script("train_dreambooth", [
+        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
+        str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", "--guidance_scale", "1.0"])
+    assert rc != 0 and "guidance_scale: an option of FLUX.1 models" in err
+
+
+def test_flux_lora_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
+    rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))
+    assert rc != 0 and "is a FLUX.1 model" in err and "Traceback" not in err
