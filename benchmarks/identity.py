@@ -173,12 +173,24 @@ def differences(a, b, where: str):
         yield where, a, b
 
 
+def new_option_at_default(where: str, before, after) -> bool:
+    """A training state's record of an option added since the before run, at its default: the
+    same run (the rule of train_state.check_resumable, which resumes such a state)."""
+    from library.config.options import OPTIONS_BY_NAME
+
+    head, _, name = where.rpartition("/")
+    option = OPTIONS_BY_NAME.get(name)
+    return (head.endswith("/state.json/config") and before == "<missing>" and option is not None
+            and after == json.loads(json.dumps(option.default)))
+
+
 def cmd_compare(a) -> int:
+    sys.path.insert(0, ROOT)  # this checkout's option schema (new_option_at_default)
     with open(a.before, encoding="utf-8") as f:
         before = json.load(f)
     with open(a.after, encoding="utf-8") as f:
         after = json.load(f)
-    diffs = list(differences(before, after, ""))
+    diffs = [d for d in differences(before, after, "") if not new_option_at_default(*d)]
     for where, x, y in diffs:
         print(f"{where}: {str(x)[:120]} -> {str(y)[:120]}")
     n_files = sum(len(v) for v in before.values())

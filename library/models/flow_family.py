@@ -17,6 +17,7 @@ autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels compu
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from library.config.options import OPTIONS_BY_NAME
 from library.errors import UserError
 from library.models import family as sd_family
 from library.models import loading
+
+logger = logging.getLogger("sdtk")
 
 FLOW_FAMILIES = ("flux",)
 # the options only a FLUX.1 (or SD3) run reads: refused with an SD model
@@ -108,7 +111,7 @@ def check_options(opts, method_name: str) -> str | None:
     """Before any weight loads: with an SD model no FLUX option may be given; with a FLUX.1
     model every option the run sets must be one this family honours. Returns the family (None:
     SD, decided when the weights load)."""
-    from library.training.flow_matching import check_flow_options
+    from library.training.flow_matching import check_flow_options, ignored_options
 
     src = opts.pretrained_model_name_or_path
     fam = family_before_loading(src)
@@ -141,7 +144,11 @@ def check_options(opts, method_name: str) -> str | None:
                                       f"({src}); give the {name} file")
             if not os.path.exists(os.path.expanduser(value)):
                 raise FlowFamilyError(f"{name}: no such file or directory: {value}")
-    check_flow_options(flow_options(opts, fam))
+    flow = flow_options(opts, fam)
+    check_flow_options(flow)
+    for name, why in ignored_options(flow):
+        if name in opts.given:
+            logger.warning("option %s has no effect here (%s)", name, why)
     return fam
 
 

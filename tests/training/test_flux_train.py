@@ -155,3 +155,112 @@ def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no
 def test_flux_lora_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
     rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))
     assert rc != 0 and "is a FLUX.1 model" in err and "Traceback" not in err
+
+
+def _flux_opts(dataset, *argv):
+    from library.config.parse import parse_args
+
+    return parse_args("train_dreambooth", ["--pretrained_model_name_or_path", "tiny-flux",
+                                           "--train_data_dir", dataset, "--resolution", "64",
+                                           "--max_train_steps", "2", "--output_dir", "unused",
+                                           *[str(a) for a in argv]])
+
+
+# option -> (settings both runs share, the changed setting): what the flow-matching loss reads
+LOSS_OPTION_CASES = {
+    "timestep_sampling": ([], ["--timestep_sampling", "shift"]),
+    "sigmoid_scale": (["--timestep_sampling", "sigmoid"], ["--sigmoid_scale", "2.0"]),
+    "discrete_flow_shift": ([], ["--discrete_flow_shift", "1.0"]),
+    "model_prediction_type": ([], ["--model_prediction_type", "raw"]),
+    "weighting_scheme": ([], ["--weighting_scheme", "logit_normal"]),
+    "logit_mean": (["--weighting_scheme", "logit_normal"], ["--logit_mean", "1.0"]),
+    "logit_std": (["--weighting_scheme", "logit_normal"], ["--logit_std", "0.5"]),
+    "mode_scale": (["--weighting_scheme", "mode"], ["--mode_scale", "0.5"]),
+}
+
+
+def _loss_of(opts):
+    """(sigmas, per-sample loss) of four fixed samples under the run's flow losses."""
+    from library.training.flow_loss import FlowLosses
+    from library.models.flow_family import flow_options
+
+    losses = FlowLosses(opts, flow_options(opts, "flux"))
+    latents = torch.randn(4, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+    pred = torch.randn(4, 16, 8, 8, generator=torch.Generator().manual_seed(2))
+    d = losses.draw(latents, [torch.Generator().manual_seed(10 + k) for k in range(4)])
+    return d.sigmas, losses.per_sample_loss(pred, latents, d)
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_OPTION_CASES))
+def test_flux_loss_options_change_the_loss(dataset, name):
+    shared, changed = LOSS_OPTION_CASES[name]
+    s0, l0 = _loss_of(_flux_opts(dataset, *shared))
+    s1, l1 = _loss_of(_flux_opts(dataset, *shared, *changed))
+    assert not torch.equal(l0, l1), name
+    if name != "model_prediction_type":
+        assert not torch.equal(s0, s1), name
+
+
+@pytest.fixture(scope="module")
+def flux_bundle():
+    from library.models.flow_family import load_from_options
+    from types import SimpleNamespace
+
+    return load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-flux", clip_l=None,
+                                             t5xxl=None, ae=None))
+
+
+@pytest.mark.parametrize("name, changed", [
+    ("guidance_scale", ["--guidance_scale", "1.0"]),
+    ("t5xxl_max_token_length", ["--t5xxl_max_token_length", "16"]),
+    ("apply_t5_attn_mask", ["--apply_t5_attn_mask"]),
+])
+def test_flux_text_and_guidance_options_change_the_prediction(dataset, flux_bundle, name, changed):
+    from library.models.flow_family import family_model_for
+
+    def prediction(opts):
+        fm = family_model_for(flux_bundle, opts)
+        with torch.no_grad():
+            cond = fm.encode(fm.tokenize(["a red square"]), None)
+            x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(3))
+            return cond, fm.unet_forward(x, torch.tensor([0.7]), cond)
+
+    c0, p0 = prediction(_flux_opts(dataset))
+    c1, p1 = prediction(_flux_opts(dataset, *changed))
+    assert c0.hidden_states.shape[1] == 512  # dev's default T5 length
+    if name == "t5xxl_max_token_length":
+        assert c1.hidden_states.shape[1] == 16
+    assert not torch.allclose(p0, p1), name
+
+
+def test_flux_trains_from_single_files(dataset, tmp_path, train):
+    """A BFL transformer file with sd-scripts' clip_l, t5xxl and ae files trains like the
+    built-in (the same weights: the same first loss) and saves back one BFL file."""
+    from library.models import flux_saving
+    from library.models.tiny_flux import build_tiny_flux
+
+    paths = flux_saving.save_single_files(build_tiny_flux("dev"), str(tmp_path))
+    losses = {}
+
+    def record(key):
+        def f(run, epoch, idx, loss):
+            losses.setdefault(key, float(loss.detach()))
+            return loss
+        return f
+
+    with HOOKS.add(after_micro_step=record("builtin")):
+        rc, _, err, _ = train("train_dreambooth", flux_args(dataset, str(tmp_path / "a")))
+    assert rc == 0, err
+    args = flux_args(dataset, str(tmp_path / "b"), "--clip_l", paths["clip_l"], "--t5xxl",
+                     paths["t5xxl"], "--ae", paths["ae"])
+    args[1] = paths["transformer"]
+    with HOOKS.add(after_micro_step=record("files")):
+        rc, _, err, run = train("train_dreambooth", args)
+    assert rc == 0, err
+    assert losses["files"] == pytest.approx(losses["builtin"], rel=1e-6)
+    from library.models import flux_checkpoint
+
+    assert flux_checkpoint.read_transformer(str(tmp_path / "b" / "last.safetensors")).layout == "bfl"
+    # without the text encoder files: one line before loading
+    rc, _, err, _ = train("train_dreambooth", args[:-6])
+    assert rc != 0 and "clip_l: required with a single-file FLUX.1 transformer" in err
