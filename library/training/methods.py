@@ -474,6 +474,9 @@ class FullMethod:
         fmt = self.opts.save_model_as or "safetensors"
         if fmt not in self.FORMATS:
             raise MethodError(f"save_model_as {fmt!r}: use one of {', '.join(self.FORMATS)}")
+        flow = None if self.bundle is None else self.bundle.flow
+        if flow is not None and flow.layout == "diffusers":  # FLUX.1: a transformer folder
+            return ""
         return self.FORMATS[fmt]
 
     def save(self, path: str, dtype_name, metadata: dict):

@@ -264,3 +264,24 @@ def test_flux_trains_from_single_files(dataset, tmp_path, train):
     # without the text encoder files: one line before loading
     rc, _, err, _ = train("train_dreambooth", args[:-6])
     assert rc != 0 and "clip_l: required with a single-file FLUX.1 transformer" in err
+
+
+def test_flux_diffusers_folder_saves_a_transformer_folder(dataset, tmp_path, train):
+    """A diffusers FLUX folder trains and its transformer is saved back in the diffusers layout
+    (a folder with config.json), reloading equal to the trained weights."""
+    from library.models import flux_checkpoint, flux_saving
+    from library.models.tiny_flux import build_tiny_flux
+
+    src = str(tmp_path / "flux-diffusers")
+    flux_saving.save_diffusers_folder(build_tiny_flux("dev"), "dev", src)
+    args = flux_args(dataset, str(tmp_path / "out"))
+    args[1] = src
+    rc, _, err, run = train("finetune", args)
+    assert rc == 0, err
+    saved = tmp_path / "out" / "last"
+    assert (saved / "config.json").is_file()
+    reloaded, w = flux_checkpoint.load_transformer(str(saved))
+    assert w.layout == "diffusers"
+    trained = run.parts.bundle.unet.state_dict()
+    for k, v in reloaded.state_dict().items():
+        assert torch.equal(v, trained[k]), k
