@@ -129,8 +129,9 @@ OPTIONS: tuple[Option, ...] = (
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
       ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "
-      "tiny-sdxl, sd15-arch, sdxl-arch, tiny-flux, tiny-flux-schnell (FLUX.1: train_dreambooth / finetune). A "
-      "FLUX.1 transformer file (BFL layout) or diffusers FLUX folder is detected from its keys. Required.", "model"),
+      "tiny-sdxl, sd15-arch, sdxl-arch, tiny-flux, tiny-flux-schnell (FLUX.1: train_dreambooth / "
+      "finetune). A FLUX.1 transformer file (BFL layout) or diffusers FLUX folder is detected from "
+      "its keys. Required.", "model"),
     O("v2", "bool", False, "The base model is Stable Diffusion 2.x (normally detected from the weights).",
       "model"),
     O("v_parameterization", "bool", False, "Train with the v-prediction target (SD 2.x 768-v models; "

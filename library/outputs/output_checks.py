@@ -149,7 +149,8 @@ def quick_upper_bound(opts) -> int | None:
 
     src = models.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
-        base = TINY_MODEL_BYTES if src.location in models.TINY_BUILTINS else None
+        tiny = src.location in models.TINY_BUILTINS or src.location in models.FLOW_BUILTINS
+        base = TINY_MODEL_BYTES if tiny else None
     elif src.kind == "single_file":
         base = 4 * os.path.getsize(src.location)
     elif src.kind == "diffusers":
