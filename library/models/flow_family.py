@@ -29,14 +29,15 @@ from library.models import loading
 
 logger = logging.getLogger("sdtk")
 
-FLOW_FAMILIES = ("flux",)
+FLOW_FAMILIES = ("flux", "sd3")
+NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 # the options only a FLUX.1 (or SD3) run reads: refused with an SD model
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
-    "v2": "a FLUX.1 model is not SD2",
+    "v2": "the model is not SD2",
     "v_parameterization": "FLUX.1 predicts the flow velocity (see model_prediction_type)",
     "min_snr_gamma": "an SNR weighting of the DDPM schedule; use weighting_scheme",
     "scale_v_pred_loss_like_noise_pred": "an SNR weighting of the DDPM schedule",
@@ -47,20 +48,18 @@ UNSUPPORTED = {
     "adaptive_noise_scale": "sd-scripts' FLUX.1 trainer does not apply it",
     "multires_noise_iterations": "sd-scripts' FLUX.1 trainer does not apply it",
     "ip_noise_gamma": "not wired for FLUX.1 yet",
-    "min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-    "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
     "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer",
     "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "not wired for FLUX.1 yet",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
     "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
     "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
-    "train_text_encoder": "the transformer trains; CLIP-L and T5 stay frozen here",
+    "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
     "validation_split": "the validation loss is not wired for FLUX.1 yet",
     "sample_prompts": "FLUX.1 sample images are not wired yet",
-    "vae": "FLUX.1's autoencoder is the ae option",
-    "tokenizer_path": "FLUX.1's tokenizers come with the model",
-    "xformers": "the FLUX.1 transformer uses SDPA",
+    "vae": "the 16-channel autoencoder is the ae option",
+    "tokenizer_path": "the tokenizers come with the model",
+    "xformers": "the transformer uses SDPA",
     "torch_compile": "not wired for FLUX.1 yet",
     "fp8_base": "not wired for FLUX.1 yet",
     "fp8_base_unet": "not wired for FLUX.1 yet",
@@ -68,7 +67,18 @@ UNSUPPORTED = {
     "block_lr": "SDXL's U-Net blocks",
     "deepspeed": "not wired for FLUX.1 yet",
     "fsdp": "not wired for FLUX.1 yet",
-    "dry_run": "the memory estimate does not cover FLUX.1 yet",
+    "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
+}
+# per family: what only the other one honours (SD3's sampling is weighting_scheme with
+# training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
+UNSUPPORTED_BY_FAMILY = {
+    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling"},
+    "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
+                     "without t5xxl); T5 is not wired yet",
+            "t5xxl_max_token_length": "SD3 trains without T5 here",
+            "apply_t5_attn_mask": "SD3 trains without T5 here",
+            "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
 
@@ -78,17 +88,22 @@ class FlowFamilyError(UserError, ValueError):
 
 
 def family_before_loading(name_or_path: str | None) -> str | None:
-    """"flux" when ``name_or_path`` is a FLUX.1 source (a built-in name, a BFL / diffusers-layout
-    transformer file or a diffusers FLUX folder, told from its keys or config: no weights read),
-    else None."""
-    from library.models import flux_loading, tiny_flux
+    """"flux" for a FLUX.1 source (a built-in name, a BFL / diffusers-layout transformer file or a
+    diffusers FLUX folder), "sd3" for an SD3 / SD3.5 one (built-in, SAI file, diffusers folder),
+    told from names, keys or configs (no weights read); else None."""
+    from library.models import flux_loading, sd3_checkpoint, tiny_flux
 
     if not name_or_path:
         return None
     path = os.path.expanduser(str(name_or_path))
-    if not os.path.exists(path):
-        return "flux" if name_or_path in tiny_flux.TINY_FLUX_NAMES else None
-    return "flux" if flux_loading.is_flux_source(path) else None
+    if not os.path.exists(path) and name_or_path in tiny_flux.TINY_FLUX_NAMES:
+        return "flux"
+    if os.path.exists(path) and flux_loading.is_flux_source(path):
+        return "flux"
+    try:
+        return "sd3" if sd3_checkpoint.detect_source(str(name_or_path)) is not None else None
+    except UserError:  # an unreadable file: the SD loader names the problem
+        return None
 
 
 def _is_set(opts, name: str) -> bool:
@@ -100,11 +115,14 @@ def flow_options(opts, family: str):
     """The run's FlowOptions (library/training/flow_matching.py)."""
     from library.training.flow_matching import FlowOptions
 
+    sd3 = family == "sd3"  # SD3 reads the timestep bounds (FLUX.1 refuses them)
     return FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
                        sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
                        model_prediction_type=opts.model_prediction_type,
                        weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
-                       logit_std=opts.logit_std, mode_scale=opts.mode_scale)
+                       logit_std=opts.logit_std, mode_scale=opts.mode_scale,
+                       min_timestep=opts.min_timestep if sd3 else None,
+                       max_timestep=opts.max_timestep if sd3 else None)
 
 
 def check_options(opts, method_name: str) -> str | None:
@@ -118,25 +136,26 @@ def check_options(opts, method_name: str) -> str | None:
     if fam is None:
         for name in FLOW_OPTIONS:
             if name in opts.given and _is_set(opts, name):
-                raise FlowFamilyError(f"{name}: an option of FLUX.1 models; {src} is not one")
+                raise FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
         return None
+    what = NAMES[fam]
     if method_name not in ("dreambooth", "finetune"):
-        raise FlowFamilyError(f"{src} is a FLUX.1 model: train_dreambooth / finetune fine-tune it "
-                              f"fully; this trainer's {method_name} does not train FLUX.1 yet")
-    if opts.clip_g:
+        raise FlowFamilyError(f"{src} is a {what} model ({fam}): train_dreambooth / finetune fine-tune it "
+                              f"fully; this trainer's {method_name} does not train {what} yet")
+    if fam == "flux" and opts.clip_g:
         raise FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a FLUX.1 model (CLIP-L and T5)")
-    for name, why in UNSUPPORTED.items():
+    for name, why in {**UNSUPPORTED, **UNSUPPORTED_BY_FAMILY[fam]}.items():
         if _is_set(opts, name):
-            raise FlowFamilyError(f"{name}: not with a FLUX.1 model ({src}): {why}")
+            raise FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
     if not opts.sdpa:
-        raise FlowFamilyError("sdpa = false: the FLUX.1 transformer always uses SDPA attention")
+        raise FlowFamilyError(f"sdpa = false: the {what} transformer always uses SDPA attention")
     if opts.loss_type not in LOSS_TYPES:
-        raise FlowFamilyError(f"loss_type {opts.loss_type}: FLUX.1 trains with l2 or l1 here "
+        raise FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
                               "(huber's threshold follows the DDPM timesteps)")
     if (opts.save_model_as or "safetensors") != "safetensors":
-        raise FlowFamilyError(f"save_model_as {opts.save_model_as}: a FLUX.1 transformer is saved "
+        raise FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")
-    if os.path.isfile(os.path.expanduser(src)):
+    if fam == "flux" and os.path.isfile(os.path.expanduser(src)):
         for name in ("clip_l", "t5xxl", "ae"):
             value = getattr(opts, name)
             if not value:
@@ -158,7 +177,10 @@ def load_from_options(opts) -> loading.ModelBundle:
     from library.models import flux_loading
 
     src = opts.pretrained_model_name_or_path
-    if family_before_loading(src) != "flux":
+    fam = family_before_loading(src)
+    if fam == "sd3":
+        return _load_sd3(opts)
+    if fam != "flux":
         return loading.load_from_options(opts)
     m = flux_loading.load_flux(src, clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
     for part in (m.transformer, m.clip_l, m.t5, m.ae):
@@ -168,6 +190,24 @@ def load_from_options(opts) -> loading.ModelBundle:
                                tokenizers=[m.clip_tokenizer, m.t5_tokenizer], noise_scheduler=None,
                                v_parameterization=False, source=str(src), identity=m.identity,
                                vae_identity=m.ae_identity, flow=m)
+
+
+def _load_sd3(opts) -> loading.ModelBundle:
+    from library.models import sd3_checkpoint
+
+    src = opts.pretrained_model_name_or_path
+    with loading.quiet_progress():
+        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, ae=opts.ae,
+                                    allow_pickle=opts.allow_pickle)
+    for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
+        part.eval()
+    path = os.path.expanduser(str(src))
+    ident = loading.path_identity(path) if os.path.exists(path) else f"builtin:{src}"
+    ae_ident = loading.path_identity(os.path.expanduser(opts.ae)) if opts.ae else ident + ":vae"
+    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=[m.clip_l, m.clip_g],
+                               tokenizers=[m.tokenizer_l, m.tokenizer_g], noise_scheduler=None,
+                               v_parameterization=False, source=str(src), identity=ident,
+                               vae_identity=ae_ident, flow=m)
 
 
 @dataclass
@@ -229,8 +269,42 @@ class FluxFamilyModel(sd_family.FamilyModel):
         return flux.unpack_latents(out, h // 2, w // 2)
 
 
+class SD3FamilyModel(sd_family.FamilyModel):
+    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each); encode -> the MMDiT's context
+    (CLIP-L | CLIP-G penultimate states zero-padded to the context width, then 77 zero tokens in
+    T5's place) and pooled CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the
+    MMDiT with the timestep 1000 sigma (flow_matching.model_timesteps)."""
+
+    family = "sd3"
+
+    def __init__(self, mmdit, text_encoders, tokenizers, *, rewrite=None):
+        super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
+
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
+        from library.models import sd3_text
+
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
+        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1])
+        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask]
+
+    def encode(self, token_ids: list, clip_skip: int | None) -> sd_family.TextConditioning:
+        from library.models import sd3_text
+
+        enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders)
+        context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
+        return sd_family.TextConditioning(context, pooled)
+
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+        dtype, dev = noisy_latents.dtype, noisy_latents.device
+        return self.unet(noisy_latents, timesteps.to(dev, dtype), cond.pooled.to(dev, dtype),
+                         cond.hidden_states.to(dev, dtype))
+
+
 def family_model_for(bundle, opts, *, rewrite=None) -> sd_family.FamilyModel:
-    """The run's family model: FLUX.1's, or the SD family's (library/models/family.py)."""
+    """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
+    if bundle.family == "sd3":
+        return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family.family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)
@@ -244,8 +318,11 @@ def save_full(bundle, path: str, dtype, metadata: dict) -> None:
     """The trained FLUX.1 transformer in the layout it was loaded from (BFL: one .safetensors
     file; diffusers: a transformer folder), atomically; the text encoders and autoencoder did not
     train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone)."""
-    from library.models import flux_checkpoint
+    from library.models import flux_checkpoint, sd3_checkpoint
 
     m = bundle.flow
+    if bundle.family == "sd3":  # the source's layout and components (the trained MMDiT in them)
+        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata)
+        return
     flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
                                           metadata=metadata, dtype=dtype)

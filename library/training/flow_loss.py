@@ -23,10 +23,10 @@ class FlowDraw(ddpm_losses.Draw):
 
 def losses_for(opts, bundle):
     """The run's losses: flow matching for a FLUX.1 bundle, else the DDPM noise schedule's."""
-    if bundle.family == "flux":
+    if bundle.family in ("flux", "sd3"):
         from library.models.flow_family import flow_options
 
-        return FlowLosses(opts, flow_options(opts, "flux"))
+        return FlowLosses(opts, flow_options(opts, bundle.family))
     return ddpm_losses.Losses(opts, bundle.noise_scheduler, bundle.v_parameterization)
 
 

@@ -132,9 +132,9 @@ def no_flux_loading(monkeypatch, no_weight_loading):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--min_snr_gamma", "5"], "min_snr_gamma: not with a FLUX.1 model"),
-    (["--v_parameterization"], "v_parameterization: not with a FLUX.1 model"),
-    (["--noise_offset", "0.1"], "noise_offset: not with a FLUX.1 model"),
+    (["--min_snr_gamma", "5"], "min_snr_gamma: not with the FLUX.1 model"),
+    (["--v_parameterization"], "v_parameterization: not with the FLUX.1 model"),
+    (["--noise_offset", "0.1"], "noise_offset: not with the FLUX.1 model"),
     (["--clip_g", "x.safetensors"], "clip_g: SD3's CLIP-G"),
     (["--timestep_sampling", "logit"], "timestep_sampling"),
     (["--loss_type", "huber"], "loss_type huber"),
@@ -154,7 +154,7 @@ def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no
 
 def test_flux_lora_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
     rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))
-    assert rc != 0 and "is a FLUX.1 model" in err and "Traceback" not in err
+    assert rc != 0 and "is a FLUX.1 model (flux)" in err and "Traceback" not in err
 
 
 def _flux_opts(dataset, *argv):
