@@ -158,14 +158,15 @@ OPTIONS: tuple[Option, ...] = (
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
       "arbitrary code). Without it .ckpt files load with torch.load(weights_only=True).", "model"),
     # FLUX.1 / SD3 sources and text options (sd-scripts' names; library/models/flow_family.py)
-    O("clip_l", "path", None, "FLUX.1: the CLIP-L text encoder file beside a single-file transformer "
-      "(sd-scripts' --clip_l); a diffusers folder's own is replaced by it.", "model", scripts=NOT_TI),
-    O("clip_g", "path", None, "SD3: the CLIP-G text encoder file (sd-scripts' --clip_g). SD3 "
-      "training is not wired yet: refused.", "model", scripts=NOT_TI),
+    O("clip_l", "path", None, "FLUX.1 / SD3: the CLIP-L text encoder file beside a single-file "
+      "transformer (sd-scripts' --clip_l); a diffusers folder's own is replaced by it.", "model",
+      scripts=NOT_TI),
+    O("clip_g", "path", None, "SD3: the CLIP-G text encoder file (sd-scripts' --clip_g); replaces "
+      "the main file's own.", "model", scripts=NOT_TI),
     O("t5xxl", "path", None, "FLUX.1: the T5-XXL text encoder file beside a single-file transformer "
-      "(sd-scripts' --t5xxl).", "model", scripts=NOT_TI),
-    O("ae", "path", None, "FLUX.1: the 16-channel autoencoder file beside a single-file transformer "
-      "(sd-scripts' --ae).", "model", scripts=NOT_TI),
+      "(sd-scripts' --t5xxl). SD3 trains without T5 here (refused).", "model", scripts=NOT_TI),
+    O("ae", "path", None, "FLUX.1 / SD3: the 16-channel autoencoder file beside a single-file "
+      "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
     O("t5xxl_max_token_length", "int", None, "FLUX.1: T5 prompt length in tokens; unset = sd-scripts' "
       "default of the variant (dev 512, schnell 256).", "model", scripts=NOT_TI, min=1),
     O("apply_t5_attn_mask", "bool", False, "FLUX.1: pass the T5 padding mask to T5 and to the "
@@ -555,8 +556,9 @@ OPTIONS: tuple[Option, ...] = (
       "velocity against noise - latents), additive, sigma_scaled (sd-scripts' default; the clean "
       "latent it implies against the latents, docs/FLOW_MATCHING.md).", "loss", scripts=NOT_TI,
       choices=("raw", "additive", "sigma_scaled")),
-    O("weighting_scheme", "str", "uniform", "FLUX.1: the density of timestep_sampling sigma and "
-      "the loss weight of sigma_scaled (sd-scripts' names).", "loss", scripts=NOT_TI,
+    O("weighting_scheme", "str", "uniform", "FLUX.1 / SD3: the density of the noise level (SD3; "
+      "FLUX.1 with timestep_sampling sigma) and the loss weight of the sigma-scaled prediction "
+      "(sd-scripts' names).", "loss", scripts=NOT_TI,
       choices=("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")),
     O("logit_mean", "float", 0.0, "Mean of weighting_scheme logit_normal.", "loss", scripts=NOT_TI),
     O("logit_std", "float", 1.0, "Standard deviation of weighting_scheme logit_normal.", "loss",
