@@ -88,3 +88,36 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
     assert rc != 0 and message in err and "Traceback" not in err
+
+
+def test_sd3_batch_2_equals_batch_1_with_accumulation_2_and_resume_is_exact(dataset, tmp_path, train):
+    """Batch 2 == batch 1 with gradient accumulation 2 (SGD); 4 steps in one run == 2 steps, a
+    training state and a resumed run of the other 2, bit for bit (one thread)."""
+    from safetensors.torch import load_file
+
+    from library.models import sd3_builtins
+
+    def final(out, *extra):
+        rc, _, err, run = train("finetune", sd3_args(dataset, str(tmp_path / out), "--optimizer_type",
+                                                     "SGD", "--learning_rate", "0.5", *extra))
+        assert rc == 0, err
+        return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}
+
+    a, b = final("bs2", "--train_batch_size", "2"), final("ga2", "--gradient_accumulation_steps", "2")
+    initial = sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
+    moved = 0
+    for k in a:
+        scale = float((a[k] - initial[k]).abs().max())
+        moved += scale > 0
+        assert float((a[k] - b[k]).abs().max()) <= 1e-5 * max(scale, 1e-3), k
+    assert moved > len(a) // 2
+
+    four = ["--max_train_steps", "4"]
+    final("full", *four, "--save_every_n_steps", "2", "--save_state")
+    final("resumed", *four, "--resume", str(tmp_path / "full" / "last-step00000002-state"))
+    x = load_file(str(tmp_path / "full" / "last.safetensors"))
+    y = load_file(str(tmp_path / "resumed" / "last.safetensors"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    mid = load_file(str(tmp_path / "full" / "last-step00000002.safetensors"))
+    key = "model.diffusion_model.x_embedder.proj.weight"
+    assert not torch.equal(mid[key], x[key])  # the resumed steps trained
