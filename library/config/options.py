@@ -169,6 +169,8 @@ OPTIONS: tuple[Option, ...] = (
       "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
     O("t5xxl_max_token_length", "int", None, "FLUX.1: T5 prompt length in tokens; unset = sd-scripts' "
       "default of the variant (dev 512, schnell 256).", "model", scripts=NOT_TI, min=1),
+    O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
+      "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
     O("apply_t5_attn_mask", "bool", False, "FLUX.1: pass the T5 padding mask to T5 and to the "
       "transformer's attention (sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
@@ -564,6 +566,9 @@ OPTIONS: tuple[Option, ...] = (
     O("logit_std", "float", 1.0, "Standard deviation of weighting_scheme logit_normal.", "loss",
       scripts=NOT_TI, min=0),
     O("mode_scale", "float", 1.29, "Scale of weighting_scheme mode.", "loss", scripts=NOT_TI),
+    O("training_shift", "float", 1.0, "SD3: the shift s of the drawn noise level before it becomes "
+      "the integer timestep (sd-scripts' --training_shift; 1 = none).", "loss", scripts=NOT_TI, min=0,
+      min_exclusive=True),
     O("min_snr_gamma", "float", None, "Min-SNR weighting (Hang et al. 2023): weight each sample by "
       "min(SNR, gamma)/SNR (v-prediction: /(SNR+1)); 5 is the paper's value; unset or 0 = off.", "loss",
       min=0),

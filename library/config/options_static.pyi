@@ -30,6 +30,7 @@ class Options:
     t5xxl: str | None = ...  # default None
     ae: str | None = ...  # default None
     t5xxl_max_token_length: int | None = ...  # default None
+    apply_lg_attn_mask: bool = ...  # default False
     apply_t5_attn_mask: bool = ...  # default False
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
@@ -170,6 +171,7 @@ class Options:
     logit_mean: float = ...  # default 0.0
     logit_std: float = ...  # default 1.0
     mode_scale: float = ...  # default 1.29
+    training_shift: float = ...  # default 1.0
     min_snr_gamma: float | None = ...  # default None
     scale_v_pred_loss_like_noise_pred: bool = ...  # default False
     v_pred_like_loss: float | None = ...  # default None

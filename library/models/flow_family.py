@@ -34,7 +34,8 @@ NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 # the options only a FLUX.1 (or SD3) run reads: refused with an SD model
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
-                "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae")
+                "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
+                "training_shift", "apply_lg_attn_mask")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -73,7 +74,9 @@ UNSUPPORTED = {
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
 UNSUPPORTED_BY_FAMILY = {
     "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling"},
+             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
+             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
     "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
                      "without t5xxl); T5 is not wired yet",
             "t5xxl_max_token_length": "SD3 trains without T5 here",
@@ -121,6 +124,7 @@ def flow_options(opts, family: str):
                        model_prediction_type=opts.model_prediction_type,
                        weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
                        logit_std=opts.logit_std, mode_scale=opts.mode_scale,
+                       training_shift=opts.training_shift,
                        min_timestep=opts.min_timestep if sd3 else None,
                        max_timestep=opts.max_timestep if sd3 else None)
 
@@ -277,8 +281,10 @@ class SD3FamilyModel(sd_family.FamilyModel):
 
     family = "sd3"
 
-    def __init__(self, mmdit, text_encoders, tokenizers, *, rewrite=None):
+    def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
+                 rewrite=None):
         super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
+        self.apply_lg_attn_mask = apply_lg_attn_mask
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
         from library.models import sd3_text
@@ -291,7 +297,8 @@ class SD3FamilyModel(sd_family.FamilyModel):
     def encode(self, token_ids: list, clip_skip: int | None) -> sd_family.TextConditioning:
         from library.models import sd3_text
 
-        enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders)
+        enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders,
+                              apply_lg_attn_mask=self.apply_lg_attn_mask)
         context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
         return sd_family.TextConditioning(context, pooled)
 
@@ -304,7 +311,8 @@ class SD3FamilyModel(sd_family.FamilyModel):
 def family_model_for(bundle, opts, *, rewrite=None) -> sd_family.FamilyModel:
     """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
     if bundle.family == "sd3":
-        return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers, rewrite=rewrite)
+        return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
+                              apply_lg_attn_mask=opts.apply_lg_attn_mask, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family.family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)

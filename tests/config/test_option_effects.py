@@ -224,7 +224,9 @@ REFERENCE = {
     "clip_l": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "t5xxl": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "ae": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
-    "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused (SD3 not wired)
+    "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
+    "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
+    "apply_lg_attn_mask": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
     "dataset_config": T + "config/test_config.py::test_separate_dataset_config_file_and_not_both",
     "dry_run": T + "config/test_bad_input.py::test_dry_run_imports_no_model_code",
     "pretrained_model_name_or_path": T + "training/test_train_lora_e2e.py::test_tiny_overfit_lowers_the_loss",

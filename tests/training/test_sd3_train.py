@@ -121,3 +121,34 @@ def test_sd3_batch_2_equals_batch_1_with_accumulation_2_and_resume_is_exact(data
     mid = load_file(str(tmp_path / "full" / "last-step00000002.safetensors"))
     key = "model.diffusion_model.x_embedder.proj.weight"
     assert not torch.equal(mid[key], x[key])  # the resumed steps trained
+
+
+def test_sd3_options_change_the_loss_or_the_encoding(dataset):
+    """training_shift moves SD3's drawn timesteps (and the loss); apply_lg_attn_mask changes the
+    CLIP states of a padded caption; neither is read by FLUX.1's loss."""
+    from types import SimpleNamespace
+
+    from library.config.parse import parse_args
+    from library.models.flow_family import family_model_for, flow_options, load_from_options
+    from library.training.flow_loss import FlowLosses
+
+    def opts(*argv):
+        return parse_args("finetune", sd3_args(dataset, "unused", *argv))
+
+    def draw(o):
+        losses = FlowLosses(o, flow_options(o, "sd3"))
+        latents = torch.randn(4, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+        d = losses.draw(latents, [torch.Generator().manual_seed(10 + k) for k in range(4)])
+        return d.timesteps
+
+    t1, t3 = draw(opts()), draw(opts("--training_shift", "3.0"))
+    assert bool((t3 >= t1).all()) and bool((t3 > t1).any())  # a shift above 1 moves toward noise
+    bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
+                                               clip_g=None, ae=None, allow_pickle=False))
+
+    def states(o):
+        fm = family_model_for(bundle, o)
+        with torch.no_grad():
+            return fm.encode(fm.tokenize(["a red square"]), None).hidden_states
+
+    assert not torch.allclose(states(opts()), states(opts("--apply_lg_attn_mask")))
