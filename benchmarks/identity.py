@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.config.options import OPTIONS_BY_NAME  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 TIME_KEYS = ("ss_training_started_at", "ss_training_finished_at", "modelspec.date", "saved_at")
@@ -175,12 +176,22 @@ def differences(a, b, where: str):
         yield where, a, b
 
 
+def new_option_at_default(where: str, before, after) -> bool:
+    """A training state's record of an option added since the before run, at its default: the
+    same run (the rule of train_state.check_resumable, which resumes such a state)."""
+    head, _, name = where.rpartition("/")
+    option = OPTIONS_BY_NAME.get(name)
+    return (head.endswith("/state.json/config") and before == "<missing>" and option is not None
+            and after == json.loads(json.dumps(option.default)))
+
+
 def cmd_compare(a) -> int:
+    sys.path.insert(0, ROOT)  # this checkout's option schema (new_option_at_default)
     with open(a.before, encoding="utf-8") as f:
         before = json.load(f)
     with open(a.after, encoding="utf-8") as f:
         after = json.load(f)
-    diffs = list(differences(before, after, ""))
+    diffs = [d for d in differences(before, after, "") if not new_option_at_default(*d)]
     for where, x, y in diffs:
         print(f"{where}: {str(x)[:120]} -> {str(y)[:120]}")
     n_files = sum(len(v) for v in before.values())

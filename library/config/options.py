@@ -131,7 +131,9 @@ OPTIONS: tuple[Option, ...] = (
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
       ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "
-      "tiny-sdxl, sd15-arch, sdxl-arch. Required.", "model"),
+      "tiny-sdxl, sd15-arch, sdxl-arch, tiny-flux, tiny-flux-schnell (FLUX.1: train_dreambooth / "
+      "finetune). A FLUX.1 transformer file (BFL layout) or diffusers FLUX folder is detected from "
+      "its keys. Required.", "model"),
     O("v2", "bool", False, "The base model is Stable Diffusion 2.x (normally detected from the weights).",
       "model"),
     O("v_parameterization", "bool", False, "Train with the v-prediction target (SD 2.x 768-v models; "
@@ -157,6 +159,25 @@ OPTIONS: tuple[Option, ...] = (
       "whose tokenizer is not next to them; the project ships CLIP's).", "model"),
     O("allow_pickle", "bool", False, "Allow loading a .ckpt that needs full pickle unpickling (can run "
       "arbitrary code). Without it .ckpt files load with torch.load(weights_only=True).", "model"),
+    # FLUX.1 / SD3 sources and text options (sd-scripts' names; library/models/flow_family.py)
+    O("clip_l", "path", None, "FLUX.1 / SD3: the CLIP-L text encoder file beside a single-file "
+      "transformer (sd-scripts' --clip_l); a diffusers folder's own is replaced by it.", "model",
+      scripts=NOT_TI),
+    O("clip_g", "path", None, "SD3: the CLIP-G text encoder file (sd-scripts' --clip_g); replaces "
+      "the main file's own.", "model", scripts=NOT_TI),
+    O("t5xxl", "path", None, "FLUX.1: the T5-XXL text encoder file beside a single-file transformer "
+      "(sd-scripts' --t5xxl). SD3 trains without T5 here (refused).", "model", scripts=NOT_TI),
+    O("ae", "path", None, "FLUX.1 / SD3: the 16-channel autoencoder file beside a single-file "
+      "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
+    O("t5xxl_max_token_length", "int", None, "FLUX.1: T5 prompt length in tokens; unset = sd-scripts' "
+      "default of the variant (dev 512, schnell 256).", "model", scripts=NOT_TI, min=1),
+    O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
+      "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
+    O("apply_t5_attn_mask", "bool", False, "FLUX.1: pass the T5 padding mask to T5 and to the "
+      "transformer's attention (sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
+    O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
+      "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
+      scripts=NOT_TI),
     O("sdpa", "bool", True, "Use PyTorch scaled-dot-product attention (default).", "model"),
     O("xformers", "bool", False, "Use xformers memory-efficient attention (needs the xformers extra); "
       "takes precedence over sdpa.", "model"),
@@ -526,6 +547,30 @@ OPTIONS: tuple[Option, ...] = (
       min_exclusive=True),
     O("huber_scale", "float", 1.0, "Scale of the huber threshold (constant and exponential "
       "schedules).", "loss", min=0, min_exclusive=True),
+    # flow matching (FLUX.1): library/training/flow_matching.py, docs/FLOW_MATCHING.md
+    O("timestep_sampling", "str", "sigma", "FLUX.1: how a sample's noise level sigma is drawn "
+      "(sd-scripts' names and default; its docs recommend shift or flux_shift).", "loss",
+      scripts=NOT_TI, choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift")),
+    O("sigmoid_scale", "float", 1.0, "FLUX.1: scale of the normal draw inside the sigmoid of "
+      "timestep_sampling sigmoid, shift and flux_shift.", "loss", scripts=NOT_TI),
+    O("discrete_flow_shift", "float", 3.0, "FLUX.1: the shift s of timestep_sampling shift and of "
+      "the sigma table (sigma' = s sigma / (1 + (s - 1) sigma)).", "loss", scripts=NOT_TI, min=0,
+      min_exclusive=True),
+    O("model_prediction_type", "str", "sigma_scaled", "FLUX.1: what the loss compares: raw (the "
+      "velocity against noise - latents), additive, sigma_scaled (sd-scripts' default; the clean "
+      "latent it implies against the latents, docs/FLOW_MATCHING.md).", "loss", scripts=NOT_TI,
+      choices=("raw", "additive", "sigma_scaled")),
+    O("weighting_scheme", "str", "uniform", "FLUX.1 / SD3: the density of the noise level (SD3; "
+      "FLUX.1 with timestep_sampling sigma) and the loss weight of the sigma-scaled prediction "
+      "(sd-scripts' names).", "loss", scripts=NOT_TI,
+      choices=("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")),
+    O("logit_mean", "float", 0.0, "Mean of weighting_scheme logit_normal.", "loss", scripts=NOT_TI),
+    O("logit_std", "float", 1.0, "Standard deviation of weighting_scheme logit_normal.", "loss",
+      scripts=NOT_TI, min=0),
+    O("mode_scale", "float", 1.29, "Scale of weighting_scheme mode.", "loss", scripts=NOT_TI),
+    O("training_shift", "float", 1.0, "SD3: the shift s of the drawn noise level before it becomes "
+      "the integer timestep (sd-scripts' --training_shift; 1 = none).", "loss", scripts=NOT_TI, min=0,
+      min_exclusive=True),
     O("min_snr_gamma", "float", None, "Min-SNR weighting (Hang et al. 2023): weight each sample by "
       "min(SNR, gamma)/SNR (v-prediction: /(SNR+1)); 5 is the paper's value; unset or 0 = off.", "loss",
       min=0),
@@ -867,17 +912,20 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
            "sd-scripts' SD scripts do not define it"),
     GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
-    *_gui_family("ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
-                 "discrete_flow_shift model_prediction_type timestep_sampling split_mode "
-                 "mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
+    *(GuiKey(n, "ldf", "option") for n in (  # FLUX.1 / SD3: library/models/flow_family.py
+        "ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
+        "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
+        "mode_scale weighting_scheme").split()),
+    *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
-    *_gui_family("clip_g logit_mean logit_std mode_scale save_clip save_t5xxl t5xxl_device "
-                 "t5xxl_dtype text_encoder_batch_size weighting_scheme", "ldf", "SD3"),
+    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
+                 "SD3"),
     *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
                  "pos_emb_random_crop_rate", "l", "SD3"),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
-    *_gui_family("attn_mode split_attn sigmoid_scale qwen3 qwen3_max_token_length llm_adapter_path "
+    GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
+    *_gui_family("attn_mode split_attn qwen3 qwen3_max_token_length llm_adapter_path "
                  "t5_tokenizer_path t5_max_token_length vae_disable_cache "
                  "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",

@@ -36,8 +36,12 @@ TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
                  # inpainting models (9-channel U-Net input): library/models/inpainting.py
                  "tiny-sd15-inpaint": "sd15", "tiny-sd2-inpaint": "sd2", "tiny-sdxl-inpaint": "sdxl"}
 ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
-BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS}
-FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl"}
+# FLUX.1's and SD3's built-ins (library/models/tiny_flux.py, sd3_builtins.py), loaded by
+# library/models/flow_family.py
+FLOW_BUILTINS = {"tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-sd3": "sd3",
+                 "tiny-sd3.5-medium": "sd3", "tiny-sd3.5-large": "sd3"}
+BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS, **FLOW_BUILTINS}
+FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", "flux": "flux", "sd3": "sd3"}
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 ARCH_SEED = 20240602
@@ -103,7 +107,7 @@ def path_identity(path: str) -> str:
 
 @dataclass
 class ModelBundle:
-    family: str  # "sd1" | "sd2" | "sdxl"
+    family: str  # "sd1" | "sd2" | "sdxl" | "flux"
     unet: Any
     vae: Any
     text_encoders: list
@@ -114,6 +118,7 @@ class ModelBundle:
     identity: str
     vae_identity: str
     scheduler_config: dict = field(default_factory=dict)  # the model's own (inference) scheduler config
+    flow: Any = None  # FLUX.1: the FluxModel (variant, layout, config) the parts came from
 
     def components(self) -> dict:
         """Components under diffusers pipeline names (what sd_checkpoint.save_* take)."""
@@ -417,6 +422,9 @@ def load_model_bundle(name_or_path: str, *, vae: str | None = None, v2: bool = F
 
 
 def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path, allow_pickle) -> ModelBundle:
+    if src.location in FLOW_BUILTINS:
+        raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is a FLUX.1 / SD3 model; it loads "
+                         "through library/models/flow_family.py (train_dreambooth / finetune)")
     if src.kind == "builtin":
         comps, family, sched, ident, vae_ident = _load_builtin(src, tokenizer_path)
     elif src.kind == "diffusers":

@@ -10,7 +10,7 @@ import os
 from collections import Counter
 
 from library.errors import UserError
-from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS, IMPL_STABILITY_AI,
+from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS,
                                       modelspec_architecture)
 
 
@@ -62,7 +62,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-        "modelspec.implementation": IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS,
+        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),

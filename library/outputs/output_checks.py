@@ -150,7 +150,8 @@ def quick_upper_bound(opts) -> int | None:
     parameter (fp8), so four times its size bounds its float32 size."""
     src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
-        base = TINY_MODEL_BYTES if src.location in loading.TINY_BUILTINS else None
+        tiny = src.location in loading.TINY_BUILTINS or src.location in loading.FLOW_BUILTINS
+        base = TINY_MODEL_BYTES if tiny else None
     elif src.kind == "single_file":
         base = 4 * os.path.getsize(src.location)
     elif src.kind == "diffusers":

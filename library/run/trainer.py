@@ -22,7 +22,7 @@ from library.log import logger, setup_logging
 from library.models import family, inpainting, loading
 from library.outputs import metadata, output_checks
 from library.run.run_state import Caches, Components
-from library.training import ema, host_memory, losses, offload
+from library.training import ema, host_memory, offload
 from library.training.compile_unet import compile_unet
 from library.training.plan import plan_run, print_plan
 from library.training.progress import Progress
@@ -116,7 +116,8 @@ class Run:
         from accelerate.utils import set_seed
 
         from library.data import latent_cache
-        from library.training import network_options
+        from library.models import flow_family
+        from library.training import flow_loss, network_options
 
         opts = self.opts
         acc = accelerator.accelerator_for(opts)
@@ -127,12 +128,13 @@ class Run:
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
         set_seed(opts.seed)
-        b = loading.load_from_options(opts)
+        b = flow_family.load_from_options(opts)  # SD's loader, or FLUX.1's / SD3's
         # base_weights: merged into the model as loaded, before any dtype cast (set-up)
         network_options.merge_base_weights(b, opts, logger)
         # a 9-channel (inpainting) U-Net and train_inpainting must agree; DreamBooth / fine-tune
         # of a 4-channel model with train_inpainting widen its first convolution
-        inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
+        if b.flow is None:  # an SD U-Net (FLUX.1's options: flow_loss.check_options)
+            inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
         if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
@@ -140,14 +142,14 @@ class Run:
         loading.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
         return Loaded(accelerator=acc, bundle=b,
-                      losses=losses.Losses(opts, b.noise_scheduler, b.v_parameterization))
+                      losses=flow_loss.losses_for(opts, b))
 
     def setup_method(self, loaded: Loaded) -> SetUp:
         # lazy: the plan and the checks before loading come before torch is imported
         import torch
 
         from library.distributed import strategy
-        from library.models import placement
+        from library.models import flow_family, placement
         from library.outputs import progress_stream
         from library.training import validation
         from library.training.batch_loss import check_multiplier
@@ -169,9 +171,7 @@ class Run:
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = method.setup()
         # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
-        family_model = family.family_model_for(b, max_token_length=opts.max_token_length,
-                                               weighted=opts.weighted_captions,
-                                               rewrite=method.prompt_rewrite())
+        family_model = flow_family.family_model_for(b, opts, rewrite=method.prompt_rewrite())
         if not any(p.requires_grad for g in groups for p in g["params"]):
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")

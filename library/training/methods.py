@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, sd_checkpoint
+from library.models import embeddings, flow_family, sd_checkpoint
 from library.models.placement import trained_precision
 from library.training import block_lr
 from library.training.network_options import MaxNormStats, base_multipliers
@@ -457,10 +457,16 @@ class FullMethod:
         fmt = self.opts.save_model_as or "safetensors"
         if fmt not in self.FORMATS:
             raise MethodError(f"save_model_as {fmt!r}: use one of {', '.join(self.FORMATS)}")
+        flow = None if self.bundle is None else self.bundle.flow
+        if flow is not None and flow.layout == "diffusers":  # FLUX.1: a transformer folder
+            return ""
         return self.FORMATS[fmt]
 
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
+        if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
+            flow_family.save_full(self.bundle, path, dtype, metadata)
+            return
         comps = self.bundle.components()
         fmt = self.opts.save_model_as or "safetensors"
         if fmt.startswith("diffusers"):

@@ -221,8 +221,8 @@ def test_gui_only_keys_warn_or_reject(tmp_path, caplog):
     assert "option epoch has no effect" in caplog.text
     assert "vae_chunk_size" not in caplog.text  # the GUI's unset value: silent
     assert _parse(tmp_path, "train_inpainting = true\n").train_inpainting  # an option now
-    with pytest.raises(ConfigError, match="t5xxl: cannot be used here: an option of the GUI.s FLUX.1"):
-        _parse(tmp_path, 't5xxl = "t5.safetensors"\n')
+    with pytest.raises(ConfigError, match="split_mode: cannot be used here: an option of the GUI.s FLUX.1"):
+        _parse(tmp_path, "split_mode = true\n")
     with pytest.raises(ConfigError, match="unknown option 'epochs'"):  # a typo is still an error
         _parse(tmp_path, "epochs = 10\n")
     with pytest.raises(ConfigError, match="unknown option 'epoch'"):  # GUI keys are file keys only

@@ -210,6 +210,23 @@ DIRECT["metadata_thumbnail"] = (metadata, [], ["--metadata_thumbnail", "{dataset
 T = "tests/"
 REFERENCE = {
     "config": T + "config/test_config.py::test_cli_beats_toml_and_given_records_both",
+    "timestep_sampling": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "sigmoid_scale": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "discrete_flow_shift": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "model_prediction_type": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "weighting_scheme": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "logit_mean": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "logit_std": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "mode_scale": T + "training/test_flux_train.py::test_flux_loss_options_change_the_loss",
+    "guidance_scale": T + "training/test_flux_train.py::test_flux_text_and_guidance_options_change_the_prediction",
+    "t5xxl_max_token_length": T + "training/test_flux_train.py::test_flux_text_and_guidance_options_change_the_prediction",
+    "apply_t5_attn_mask": T + "training/test_flux_train.py::test_flux_text_and_guidance_options_change_the_prediction",
+    "clip_l": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
+    "t5xxl": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
+    "ae": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
+    "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
+    "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
+    "apply_lg_attn_mask": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
     "dataset_config": T + "config/test_config.py::test_separate_dataset_config_file_and_not_both",
     "dry_run": T + "config/test_bad_input.py::test_dry_run_imports_no_model_code",
     "pretrained_model_name_or_path": T + "training/test_train_lora_e2e.py::test_tiny_overfit_lowers_the_loss",

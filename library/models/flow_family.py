@@ -1,0 +1,267 @@
+"""FLUX.1 as a family the trainer runs (full fine-tuning of the transformer): which sources are
+FLUX, the checks before any weight loads, the model bundle, the family model (tokenize / encode /
+forward) and the full-model save in the layout the transformer was loaded from.
+
+    family_before_loading(name_or_path)      "flux" (built-in name, BFL file or diffusers FLUX
+                                             folder, from its keys / config), else None
+    check_options(opts, method_name)         one line per option this family cannot honour
+    load_from_options(opts)                  ModelBundle (FLUX: flow = the FluxModel), else the
+                                             SD loader's bundle
+    family_model_for(bundle, opts, ...)      FluxFamilyModel, else family.family_model_for
+    save_full(bundle, path, dtype, metadata) the trained transformer (save_flux_transformer)
+
+The bundle's slots: ``unet`` the FLUX transformer (the denoiser), ``vae`` the 16-channel
+autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels computes them),
+``text_encoders`` [CLIP-L, T5], ``tokenizers`` [CLIP, T5]; no DDPM scheduler
+(library/training/flow_loss.py draws the noise levels). SD3 is not wired here yet.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from library.config.options import OPTIONS_BY_NAME
+from library.errors import UserError
+from library.models.family import FamilyModel, TextConditioning
+from library.models.family import family_model_for as sd_family_model_for
+from library.models import flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, tiny_flux
+
+logger = logging.getLogger("sdtk")
+
+FLOW_FAMILIES = ("flux", "sd3")
+NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
+# the options only a FLUX.1 (or SD3) run reads: refused with an SD model
+FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
+                "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
+                "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
+                "training_shift", "apply_lg_attn_mask")
+# options of the SD trainer this family does not honour (yet): name -> why
+UNSUPPORTED = {
+    "v2": "the model is not SD2",
+    "v_parameterization": "FLUX.1 predicts the flow velocity (see model_prediction_type)",
+    "min_snr_gamma": "an SNR weighting of the DDPM schedule; use weighting_scheme",
+    "scale_v_pred_loss_like_noise_pred": "an SNR weighting of the DDPM schedule",
+    "v_pred_like_loss": "an SNR weighting of the DDPM schedule",
+    "debiased_estimation_loss": "an SNR weighting of the DDPM schedule",
+    "zero_terminal_snr": "a change of the DDPM schedule",
+    "noise_offset": "sd-scripts' FLUX.1 trainer does not apply it",
+    "adaptive_noise_scale": "sd-scripts' FLUX.1 trainer does not apply it",
+    "multires_noise_iterations": "sd-scripts' FLUX.1 trainer does not apply it",
+    "ip_noise_gamma": "not wired for FLUX.1 yet",
+    "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer",
+    "max_token_length": "use t5xxl_max_token_length",
+    "weighted_captions": "not wired for FLUX.1 yet",
+    "no_token_padding": "an SD1/SD2 DreamBooth option",
+    "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
+    "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
+    "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
+    "validation_split": "the validation loss is not wired for FLUX.1 yet",
+    "sample_prompts": "FLUX.1 sample images are not wired yet",
+    "vae": "the 16-channel autoencoder is the ae option",
+    "tokenizer_path": "the tokenizers come with the model",
+    "xformers": "the transformer uses SDPA",
+    "torch_compile": "not wired for FLUX.1 yet",
+    "fp8_base": "not wired for FLUX.1 yet",
+    "fp8_base_unet": "not wired for FLUX.1 yet",
+    "train_inpainting": "an SD option",
+    "block_lr": "SDXL's U-Net blocks",
+    "deepspeed": "not wired for FLUX.1 yet",
+    "fsdp": "not wired for FLUX.1 yet",
+    "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
+}
+# per family: what only the other one honours (SD3's sampling is weighting_scheme with
+# training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
+UNSUPPORTED_BY_FAMILY = {
+    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
+             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
+             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
+    "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
+                     "without t5xxl); T5 is not wired yet",
+            "t5xxl_max_token_length": "SD3 trains without T5 here",
+            "apply_t5_attn_mask": "SD3 trains without T5 here",
+            "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
+}
+LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
+
+
+class FlowFamilyError(UserError, ValueError):
+    """An option a FLUX.1 run cannot honour; one line naming it."""
+
+
+def family_before_loading(name_or_path: str | None) -> str | None:
+    """"flux" for a FLUX.1 source (a built-in name, a BFL / diffusers-layout transformer file or a
+    diffusers FLUX folder), "sd3" for an SD3 / SD3.5 one (built-in, SAI file, diffusers folder),
+    told from names, keys or configs (no weights read); else None."""
+
+    if not name_or_path:
+        return None
+    path = os.path.expanduser(str(name_or_path))
+    if not os.path.exists(path) and name_or_path in tiny_flux.TINY_FLUX_NAMES:
+        return "flux"
+    if os.path.exists(path) and flux_loading.is_flux_source(path):
+        return "flux"
+    try:
+        return "sd3" if sd3_checkpoint.detect_source(str(name_or_path)) is not None else None
+    except UserError:  # an unreadable file: the SD loader names the problem
+        return None
+
+
+def _is_set(opts, name: str) -> bool:
+    value = getattr(opts, name)
+    return value not in (None, False, 0, 0.0, "", (), []) and value != OPTIONS_BY_NAME[name].default
+
+
+def load_from_options(opts) -> loading.ModelBundle:
+    """The run's model: a FLUX.1 source as a bundle over its FluxModel, any other through the SD
+    loader (library/models/loading.py)."""
+
+    src = opts.pretrained_model_name_or_path
+    fam = family_before_loading(src)
+    if fam == "sd3":
+        return _load_sd3(opts)
+    if fam != "flux":
+        return loading.load_from_options(opts)
+    m = flux_loading.load_flux(src, clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
+    for part in (m.transformer, m.clip_l, m.t5, m.ae):
+        part.eval()
+    return loading.ModelBundle(family="flux", unet=m.transformer, vae=m.ae,
+                               text_encoders=[m.clip_l, m.t5],
+                               tokenizers=[m.clip_tokenizer, m.t5_tokenizer], noise_scheduler=None,
+                               v_parameterization=False, source=str(src), identity=m.identity,
+                               vae_identity=m.ae_identity, flow=m)
+
+
+def _load_sd3(opts) -> loading.ModelBundle:
+
+    src = opts.pretrained_model_name_or_path
+    with loading.quiet_progress():
+        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, ae=opts.ae,
+                                    allow_pickle=opts.allow_pickle)
+    for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
+        part.eval()
+    path = os.path.expanduser(str(src))
+    ident = loading.path_identity(path) if os.path.exists(path) else f"builtin:{src}"
+    ae_ident = loading.path_identity(os.path.expanduser(opts.ae)) if opts.ae else ident + ":vae"
+    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=[m.clip_l, m.clip_g],
+                               tokenizers=[m.tokenizer_l, m.tokenizer_g], noise_scheduler=None,
+                               v_parameterization=False, source=str(src), identity=ident,
+                               vae_identity=ae_ident, flow=m)
+
+
+@dataclass
+class FluxTextConditioning(TextConditioning):
+    """T5's states (hidden_states), CLIP-L's pooled output (pooled) and the T5 attention mask."""
+
+    t5_attn_mask: Any = None
+
+    def to(self, *args, **kwargs) -> "FluxTextConditioning":
+        return FluxTextConditioning(self.hidden_states.to(*args, **kwargs),
+                                    self.pooled.to(*args, **kwargs), self.t5_attn_mask)
+
+
+class FluxFamilyModel(FamilyModel):
+    """tokenize -> [CLIP ids (B, 77), T5 ids (B, L), T5 mask (B, L)]; encode -> T5 states, CLIP-L
+    pooled, mask (library/models/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
+    2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity."""
+
+    family = "flux"
+
+    def __init__(self, transformer, text_encoders, tokenizers, *, t5_max_length: int,
+                 guidance_scale: float, apply_t5_attn_mask: bool, rewrite=None):
+        super().__init__(transformer, text_encoders, tokenizers, None, False, rewrite)
+        self.t5_max_length = t5_max_length
+        self.guidance_scale = guidance_scale
+        self.apply_t5_attn_mask = apply_t5_attn_mask
+
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
+
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
+        t = flux_text.tokenize(self.tokenizers[0], self.tokenizers[1], list(captions), self.t5_max_length)
+        return [t.clip_ids, t.t5_ids, t.t5_attn_mask]
+
+    def encode(self, token_ids: list, clip_skip: int | None) -> FluxTextConditioning:
+
+        clip_l, t5_model = self.text_encoders
+        c = flux_text.encode(clip_l, t5_model, flux_text.FluxTokens(*token_ids), self.apply_t5_attn_mask)
+        return FluxTextConditioning(c.t5_out, c.l_pooled, c.t5_attn_mask)
+
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+        import torch
+
+
+        b, _, h, w = noisy_latents.shape
+        dtype, dev = noisy_latents.dtype, noisy_latents.device
+        img = flux.pack_latents(noisy_latents)
+        txt = cond.hidden_states.to(dev, dtype)
+        guidance = None
+        if self.unet.config.guidance_embed:
+            guidance = torch.full((b,), float(self.guidance_scale), device=dev, dtype=dtype)
+        out = self.unet(img, flux.image_ids(h // 2, w // 2, b, dev).to(dtype), txt,
+                        flux.text_ids(txt.shape[1], b, dev).to(dtype), timesteps.to(dev, dtype),
+                        cond.pooled.to(dev, dtype), guidance,
+                        cond.t5_attn_mask.to(dev) if self.apply_t5_attn_mask else None)
+        return flux.unpack_latents(out, h // 2, w // 2)
+
+
+class SD3FamilyModel(FamilyModel):
+    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each); encode -> the MMDiT's context
+    (CLIP-L | CLIP-G penultimate states zero-padded to the context width, then 77 zero tokens in
+    T5's place) and pooled CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the
+    MMDiT with the timestep 1000 sigma (flow_matching.model_timesteps)."""
+
+    family = "sd3"
+
+    def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
+                 rewrite=None):
+        super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
+        self.apply_lg_attn_mask = apply_lg_attn_mask
+
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
+
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
+        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1])
+        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask]
+
+    def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
+
+        enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders,
+                              apply_lg_attn_mask=self.apply_lg_attn_mask)
+        context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
+        return TextConditioning(context, pooled)
+
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+        dtype, dev = noisy_latents.dtype, noisy_latents.device
+        return self.unet(noisy_latents, timesteps.to(dev, dtype), cond.pooled.to(dev, dtype),
+                         cond.hidden_states.to(dev, dtype))
+
+
+def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
+    """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
+    if bundle.family == "sd3":
+        return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
+                              apply_lg_attn_mask=opts.apply_lg_attn_mask, rewrite=rewrite)
+    if bundle.family != "flux":
+        return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
+                                          weighted=opts.weighted_captions, rewrite=rewrite)
+    t5_len = opts.t5xxl_max_token_length or bundle.flow.t5_max_length
+    return FluxFamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers, t5_max_length=t5_len,
+                           guidance_scale=opts.guidance_scale,
+                           apply_t5_attn_mask=opts.apply_t5_attn_mask, rewrite=rewrite)
+
+
+def save_full(bundle, path: str, dtype, metadata: dict) -> None:
+    """The trained FLUX.1 transformer in the layout it was loaded from (BFL: one .safetensors
+    file; diffusers: a transformer folder), atomically; the text encoders and autoencoder did not
+    train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone)."""
+
+    m = bundle.flow
+    if bundle.family == "sd3":  # the source's layout and components (the trained MMDiT in them)
+        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata)
+        return
+    flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
+                                          metadata=metadata, dtype=dtype)

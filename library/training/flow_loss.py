@@ -1,0 +1,134 @@
+"""The losses of a flow-matching family (FLUX.1), behind the interface the batch loss calls on
+library/training/losses.py's ``Losses``: ``draw`` (per-sample noise, then the sample's noise
+level, each from the sample's own generator), ``noisy_latents`` (x_t = (1 - sigma) x0 + sigma
+noise), ``per_sample_loss`` (prediction and target by model_prediction_type, the elementwise
+loss, masks, the scheme's per-sample weight). The formulas are library/training/flow_matching.py's.
+
+    losses = losses_for(opts, bundle)      FlowLosses for FLUX.1, the DDPM Losses otherwise
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from library.models import flow_family
+from library.training import flow_matching
+from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
+
+logger = logging.getLogger("sdtk")
+
+
+@dataclass
+class FlowDraw(Draw):
+    """Draw plus the (B,) float32 noise levels; ``timesteps`` is the model's timestep input."""
+
+    sigmas: object = None
+
+
+def losses_for(opts, bundle):
+    """The run's losses: flow matching for a FLUX.1 bundle, else the DDPM noise schedule's."""
+    if bundle.family in ("flux", "sd3"):
+        return FlowLosses(opts, flow_options(opts, bundle.family))
+    return Losses(opts, bundle.noise_scheduler, bundle.v_parameterization)
+
+
+class FlowLosses:
+    """Noise levels, noisy input and loss of one flow-matching run (FlowOptions ``flow``)."""
+
+    v_prediction = False
+
+    def __init__(self, opts, flow: flow_matching.FlowOptions):
+        flow_matching.check_flow_options(flow)
+        self.opts = opts
+        self.flow = flow
+
+    def draw(self, latents, generators) -> FlowDraw:
+        """Sample k's noise (randn of its latent's shape) and then its noise level, both from
+        generators[k] only (noise before the level, as losses.py orders noise before timestep)."""
+        import torch
+
+        c, h, w = latents.shape[1:]
+        noise = torch.stack([torch.randn((c, h, w), generator=g) for g in generators])
+        t = flow_matching.sample_timesteps(self.flow, generators, (h, w))
+        dev = latents.device
+        noise = noise.to(dev)
+        return FlowDraw(noise, noise, t.model_timesteps.to(dev), t.sigmas.to(dev))
+
+    def noisy_latents(self, latents, d: FlowDraw):
+        return flow_matching.noisy_input(latents, d.input_noise, d.sigmas)
+
+    def target(self, latents, d: FlowDraw):
+        """What a raw prediction is compared with: the velocity noise - x0."""
+        return flow_matching.flow_target(latents, d.noise)
+
+    def per_sample_loss(self, pred, latents, d: FlowDraw, mask=None, target=None):
+        """(B,) loss of each sample: prediction and target by model_prediction_type, the
+        elementwise loss (times the mask), averaged per sample, times the scheme's weight."""
+        noisy = self.noisy_latents(latents, d)
+        p, t, weight = flow_matching.prediction_and_target(self.flow, pred.float(), noisy.float(),
+                                                           latents.float(), d.noise.float(), d.sigmas)
+        if target is not None:
+            t = target
+        loss = elementwise_loss(p, t.float(), self.opts.loss_type)
+        if mask is not None:
+            loss = apply_masked_loss(loss, mask)
+        loss = loss.mean(dim=(1, 2, 3))
+        return loss if weight is None else loss * weight.to(loss.device, loss.dtype)
+
+
+def flow_options(opts, family: str):
+    """The run's FlowOptions (library/training/flow_matching.py)."""
+    sd3 = family == "sd3"  # SD3 reads the timestep bounds (FLUX.1 refuses them)
+    return flow_matching.FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
+                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
+                       model_prediction_type=opts.model_prediction_type,
+                       weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
+                       logit_std=opts.logit_std, mode_scale=opts.mode_scale,
+                       training_shift=opts.training_shift,
+                       min_timestep=opts.min_timestep if sd3 else None,
+                       max_timestep=opts.max_timestep if sd3 else None)
+
+
+def check_options(opts, method_name: str) -> str | None:
+    """Before any weight loads: with an SD model no FLUX option may be given; with a FLUX.1
+    model every option the run sets must be one this family honours. Returns the family (None:
+    SD, decided when the weights load)."""
+    src = opts.pretrained_model_name_or_path
+    fam = flow_family.family_before_loading(src)
+    if fam is None:
+        for name in flow_family.FLOW_OPTIONS:
+            if name in opts.given and flow_family._is_set(opts, name):
+                raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
+        return None
+    what = flow_family.NAMES[fam]
+    if method_name not in ("dreambooth", "finetune"):
+        raise flow_family.FlowFamilyError(f"{src} is a {what} model ({fam}): train_dreambooth / finetune fine-tune it "
+                              f"fully; this trainer's {method_name} does not train {what} yet")
+    if fam == "flux" and opts.clip_g:
+        raise flow_family.FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a FLUX.1 model (CLIP-L and T5)")
+    for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
+        if flow_family._is_set(opts, name):
+            raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
+    if not opts.sdpa:
+        raise flow_family.FlowFamilyError(f"sdpa = false: the {what} transformer always uses SDPA attention")
+    if opts.loss_type not in flow_family.LOSS_TYPES:
+        raise flow_family.FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
+                              "(huber's threshold follows the DDPM timesteps)")
+    if (opts.save_model_as or "safetensors") != "safetensors":
+        raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
+                              "in the layout it was loaded from (save_model_as = \"safetensors\")")
+    if fam == "flux" and os.path.isfile(os.path.expanduser(src)):
+        for name in ("clip_l", "t5xxl", "ae"):
+            value = getattr(opts, name)
+            if not value:
+                raise flow_family.FlowFamilyError(f"{name}: required with a single-file FLUX.1 transformer "
+                                      f"({src}); give the {name} file")
+            if not os.path.exists(os.path.expanduser(value)):
+                raise flow_family.FlowFamilyError(f"{name}: no such file or directory: {value}")
+    flow = flow_options(opts, fam)
+    flow_matching.check_flow_options(flow)
+    for name, why in flow_matching.ignored_options(flow):
+        if name in opts.given:
+            logger.warning("option %s has no effect here (%s)", name, why)
+    return fam
