@@ -186,7 +186,6 @@ def new_option_at_default(where: str, before, after) -> bool:
 
 
 def cmd_compare(a) -> int:
-    sys.path.insert(0, ROOT)  # this checkout's option schema (new_option_at_default)
     with open(a.before, encoding="utf-8") as f:
         before = json.load(f)
     with open(a.after, encoding="utf-8") as f:
