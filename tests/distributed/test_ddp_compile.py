@@ -104,7 +104,7 @@ def _train(strategy_kind: str, backend: str | None = None, *, processes: int = 1
     parts = types.SimpleNamespace(bundle=types.SimpleNamespace(unet=unet, text_encoders=[te]),
                                   method=types.SimpleNamespace(network=None))
     s = strategy.DDP(acc, opts) if strategy_kind == "ddp" else strategy.SingleProcess(acc)
-    s.prepare(parts, [])
+    s.prepare(parts.bundle, parts.method, [])
     params = [*unet.parameters(), *te.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
     data, wrappers = _batches(STEPS * accum), []
