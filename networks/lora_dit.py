@@ -279,3 +279,16 @@ def base_dims(network_dim, network_alpha, neuron_dropout) -> tuple[int, float, f
     if neuron_dropout is not None:
         neuron_dropout = parse_number("network_dropout", neuron_dropout, float, 0.0, 1.0)
     return dim, alpha, neuron_dropout
+
+
+def build_network(all_targets, network_module: str, multiplier, network_dim, network_alpha,
+                  text_encoders, model, neuron_dropout, args: dict) -> "DiTLoRANetwork":
+    """The network of one DiT family: ``all_targets(text_encoders, model, args, dim, alpha)``
+    -> (text-encoder targets, transformer targets), with LoRA+ and the module log."""
+    dim, alpha, dropout = base_dims(network_dim, network_alpha, neuron_dropout)
+    te_targets, tr_targets = all_targets(text_encoders, model, args, dim, alpha)
+    network = DiTLoRANetwork(te_targets, tr_targets, multiplier, dim, alpha, dropout,
+                             args.get("rank_dropout"), args.get("module_dropout"))
+    set_loraplus(network, args)
+    log_modules(network, network_module, args)
+    return network

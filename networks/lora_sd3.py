@@ -117,13 +117,8 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
 
 def build_network(multiplier, network_dim, network_alpha, text_encoders, mmdit, neuron_dropout,
                   args: dict[str, Any]) -> lora_dit.DiTLoRANetwork:
-    dim, alpha, dropout = lora_dit.base_dims(network_dim, network_alpha, neuron_dropout)
-    te_targets, tr_targets = all_targets(text_encoders, mmdit, args, dim, alpha)
-    network = lora_dit.DiTLoRANetwork(te_targets, tr_targets, multiplier, dim, alpha, dropout,
-                                      args.get("rank_dropout"), args.get("module_dropout"))
-    lora_dit.set_loraplus(network, args)
-    lora_dit.log_modules(network, NETWORK_MODULE, args)
-    return network
+    return lora_dit.build_network(all_targets, NETWORK_MODULE, multiplier, network_dim, network_alpha,
+                                  text_encoders, mmdit, neuron_dropout, args)
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoders, mmdit, weights_sd=None,

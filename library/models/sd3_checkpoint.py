@@ -34,7 +34,7 @@ import torch
 
 from library.errors import first_line
 from library.files import atomic_dir, atomic_path
-from library.models import sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
+from library.models import embedded_config, sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
 from library.models.loading import quiet_progress
 from library.models.sd3 import SD3ModelError
 
@@ -276,13 +276,7 @@ def _tokenizer_record(tok) -> dict:
     a small one (the tiny models')."""
     if len(tok.get_vocab()) == sd3_text.CLIP_L_CONFIG["vocab_size"]:
         return {"shipped": "clip"}
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save_pretrained(tmp)
-        files = {}
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), encoding="utf-8") as f:
-                files[name] = f.read()
-    return {"files": files}
+    return {"files": embedded_config.tokenizer_files(tok)}
 
 
 def _tokenizers_from_record(record: dict | None):

@@ -15,12 +15,11 @@ import json
 import logging
 import os
 import re
-import tempfile
 from typing import Any
 
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
-from library.models import unet_layout
+from library.models import embedded_config, unet_layout
 
 logger = logging.getLogger("sdtk")
 
@@ -171,13 +170,7 @@ def _tokenizer_record(tok) -> Any:
         with open(os.path.join(SHIPPED_TOKENIZER, "vocab.json"), encoding="utf-8") as f:
             if json.load(f) == vocab:
                 return {"shipped": "clip", "pad_token": str(tok.pad_token)}
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save_pretrained(tmp)
-        files = {}
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), encoding="utf-8") as f:
-                files[name] = f.read()
-    return {"files": files}
+    return {"files": embedded_config.tokenizer_files(tok)}
 
 
 def architecture_record(components: dict, family: str) -> dict:
