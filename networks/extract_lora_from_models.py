@@ -78,10 +78,7 @@ def extract(org: dict, tuned: dict, dim: int, conv_dim: int | None, clamp_quanti
         shape = tuple(delta.shape)
         conv3x3 = delta.dim() == 4 and shape[2:] != (1, 1)
         rank = min(conv_dim if conv3x3 else dim, lora_svd.max_rank(shape))
-        U, S, Vh = lora_svd.svd(delta, device)
-        down, up = lora_svd.factor(U, S, Vh, rank, shape)
-        down, up = lora_svd.clamp_quantile(down, up, clamp_quantile)
-        out[name] = lora_svd.Module(name, down, up, float(rank))
+        out[name] = lora_svd.module_from_delta(name, delta, rank, device, clamp_quantile)
     return out
 
 

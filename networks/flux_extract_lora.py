@@ -79,10 +79,7 @@ def extract(org: _Transformer, tuned: _Transformer, dim: int, clamp_quantile: fl
         name = "lora_unet_" + key[:-len(".weight")].replace(".", "_")
         shape = tuple(delta.shape)
         rank = min(dim, lora_svd.max_rank(shape))
-        U, S, Vh = lora_svd.svd(delta, device)
-        down, up = lora_svd.factor(U, S, Vh, rank, shape)
-        down, up = lora_svd.clamp_quantile(down, up, clamp_quantile)
-        out[name] = lora_svd.Module(name, down, up, float(rank))
+        out[name] = lora_svd.module_from_delta(name, delta, rank, device, clamp_quantile)
     return out
 
 

@@ -274,6 +274,15 @@ def clamp_quantile(down: torch.Tensor, up: torch.Tensor, quantile: float) -> tup
     return down.clamp(-hi, hi), up.clamp(-hi, hi)
 
 
+def module_from_delta(name: str, delta: torch.Tensor, rank: int, device, quantile: float) -> Module:
+    """The rank-``rank`` LoRA module of a weight difference (the extract tools): its SVD
+    truncated, split into down / up, clamped at ``quantile``; alpha = rank."""
+    U, S, Vh = svd(delta, device)
+    down, up = factor(U, S, Vh, rank, tuple(delta.shape))
+    down, up = clamp_quantile(down, up, quantile)
+    return Module(name, down, up, float(rank))
+
+
 def check_dynamic(method: str | None, param: float | None) -> None:
     """The range each criterion's parameter must have (one line naming the option)."""
     if method is None:
