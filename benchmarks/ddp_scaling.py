@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ if ROOT not in sys.path:
 
 from benchmarks import sd_scripts_launch, step_timer  # noqa: E402
 from library.distributed import strategy  # noqa: E402
+from library.distributed.accelerator import free_port  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Per gradient strategy: extra trainer options, and whether the DDP strategy runs PyTorch's
@@ -61,12 +61,6 @@ from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 STRATEGIES = {"ddp": {"args": [], "reducer": True}, "sum": {"args": [], "reducer": False}}
 METHOD_SCRIPT = {"dreambooth": "train_dreambooth", "lora": "train_lora"}
 SD_SCRIPTS_ENTRY = {"dreambooth": "train_db.py", "lora": "train_network.py"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -80,7 +74,7 @@ def _env() -> dict:
 def launch(procs: int, worker_args: list, result: str) -> dict:
     """Run this script's worker under torchrun with ``procs`` processes; its rank-0 result."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), os.path.abspath(__file__),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
            "--worker", *map(str, worker_args), "--result", result]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if p.returncode != 0:
@@ -177,7 +171,7 @@ def sd_scripts_run(path: str, python: str, method: str, procs: int, data: str, w
     tokenizers = sd_scripts_launch.tokenizer_cache(work)
     out = os.path.join(work, f"sd-{method}-{procs}")
     cmd = sd_scripts_launch.command(python, path, SD_SCRIPTS_ENTRY[method], sd_scripts_args(method, model, tokenizers, data, out, a),
-                      procs, _free_port())
+                      procs, free_port())
     try:
         return sd_scripts_launch.run(cmd, cwd=path, env=sd_scripts_launch.clean_env({"OMP_NUM_THREADS": "1"}))
     finally:

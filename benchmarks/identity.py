@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.config.options import OPTIONS_BY_NAME  # noqa: E402
+from library.distributed.accelerator import free_port  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 TIME_KEYS = ("ss_training_started_at", "ss_training_finished_at", "modelspec.date", "saved_at")
@@ -64,12 +64,6 @@ def runs(data: str, meta: str) -> dict[str, tuple[str, list[str], int]]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, args: list[str], procs: int, out: str) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT)
@@ -81,7 +75,7 @@ def launch(script: str, args: list[str], procs: int, out: str) -> None:
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                str(procs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-               "no", "--main_process_port", str(_free_port()), *target]
+               "no", "--main_process_port", str(free_port()), *target]
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"{script} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")

@@ -5,7 +5,7 @@ import sys
 
 from library.config.options import METHOD_OF_SCRIPT
 from library.config.parse import parse_args
-from library.distributed.accelerator import is_main_process
+from library.distributed.accelerator import is_main_process, leave_process_group_at_exit
 from library.errors import NonFiniteStop, TrainingInterrupted, UserError
 from library.outputs import progress_stream
 
@@ -43,10 +43,12 @@ def main(script: str, argv: list[str] | None = None) -> int:
         line = peer_failure(e)
         if line is None:
             _end(opts, "failed", 1, f"{type(e).__name__}: {e}", None)
+            leave_process_group_at_exit(finished=False)
             raise
         print(f"error: {line}", file=sys.stderr)
         status, code, message = "failed", 2, line
     _end(opts, status, code, message, state)
+    leave_process_group_at_exit(finished=code == 0)
     return code
 
 

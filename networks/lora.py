@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from library import safetensors_file
 from library.errors import UserError, first_line
 from library.files import atomic_path
 from networks import lora_blocks, lora_names
@@ -550,10 +551,9 @@ def write_weights(file: str, state_dict: dict[str, torch.Tensor], dtype: Optiona
             raise LoRAError(f"{file}: not written, {k} has non-finite values")
         sd[k] = v.contiguous()
     if os.path.splitext(file)[1].lower() == ".safetensors":
-        from safetensors.torch import save_file
         meta = {k: str(v) for k, v in (metadata or {}).items() if not k.startswith("sshs_")}
         meta["sshs_model_hash"], meta["sshs_legacy_hash"] = precalculate_safetensors_hashes(sd, meta)
-        _atomic_save(file, lambda tmp: save_file(sd, tmp, meta))
+        _atomic_save(file, lambda tmp: safetensors_file.save(sd, tmp, meta))
     else:
         _atomic_save(file, lambda tmp: torch.save(sd, tmp))
 

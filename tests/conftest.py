@@ -8,6 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.distributed.accelerator import free_port  # noqa: E402  (after ROOT is importable)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the resume check's model-hash cache: one per test session, never the user's ~/.cache/sdtk
@@ -105,14 +107,6 @@ class FakeAccelerator:
 
     def prepare(self, optimizer):
         return optimizer
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_process_command(target: str, args: list, launcher=("--multi_gpu",), **env_extra):

@@ -19,6 +19,7 @@ import glob
 import os
 
 from library.config.parse import Options, options_from_values
+from library.distributed.accelerator import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +43,6 @@ def spawn_two_processes(worker, timeout: float) -> list:
     must exit 0. Much cheaper than launching an entry script: no accelerate, no model."""
     import multiprocessing
 
-    from tests.conftest import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -70,7 +70,6 @@ def run_with_one_spawned_process(worker, timeout: float) -> list:
     import multiprocessing
     import queue as queues
 
-    from tests.conftest import free_port
 
     ctx = multiprocessing.get_context("spawn")
     remote, local = ctx.Queue(), queues.SimpleQueue()

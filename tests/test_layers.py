@@ -17,7 +17,8 @@ The order, and why it is this one:
 0. ``library`` itself, ``library.errors`` (the user-error base, and the errors lower layers raise
    and the entry glue answers: ``DataError``, ``ModelError``, ``ResumeError``, ``NonFiniteStop``,
    ``TrainingInterrupted``), ``library.log``, ``library.files`` (atomic writes, stale
-   temporaries, output names), ``library.text_files`` (UTF-8 text a user writes) and
+   temporaries, output names), ``library.safetensors_file`` (reproducible safetensors
+   headers), ``library.text_files`` (UTF-8 text a user writes) and
    ``library.symlinks``: used by every layer, importing nothing of ours but each other.
 1. ``library.config``: what the user writes (the schema, the run and dataset configs, which
    script trains which method). Below data and models: the dataset config owns
@@ -55,8 +56,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("library", "networks", "tools", "benchmarks")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("library", "library.errors", "library.log", "library.files", "library.text_files",
-     "library.symlinks"),
+    ("library", "library.errors", "library.log", "library.files", "library.safetensors_file",
+     "library.text_files", "library.symlinks"),
     ("library.config",),
     ("library.models",),
     ("library.data",),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from library import safetensors_file
 from library.data.folders import ImageItem
 from library.data.images import latent_mask, load_for_item, prepare_image
 from library.errors import NonFiniteStop, first_line
@@ -73,7 +74,6 @@ def file_sha256(path: str) -> str:
 
 def vae_fingerprint(vae: torch.nn.Module) -> str:
     """A hash of the VAE's config and weights (names, shapes, dtypes and bytes).
-
     Two loads of the same VAE agree; another VAE file or a half-precision copy does not. Costs
     one pass over the weights (a fraction of a second for the SD VAE's 84M parameters).
     """
@@ -161,8 +161,6 @@ def entry_path(item: ImageItem, key: str) -> str:
 
 def save_entry(path: str, key: str, entry: LatentEntry) -> None:
     """Write one entry atomically (a crash never leaves a half-written file under the key)."""
-    from safetensors.torch import save_file
-
     meta = {"sdtk.latent_key": key, "sdtk.format": str(CACHE_FORMAT_VERSION),
             "original_size": json.dumps(list(entry.original_size)),
             "crop_top_left": json.dumps(list(entry.crop_top_left)),
@@ -171,7 +169,7 @@ def save_entry(path: str, key: str, entry: LatentEntry) -> None:
     if entry.mask is not None:
         tensors["mask"] = entry.mask.contiguous()
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=meta)
+        safetensors_file.save(tensors, tmp, metadata=meta)
 
 
 class CorruptEntry(Exception):

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_path, remove_stale_temporaries
 from library.models.family import CHUNK, TextConditioning, chunk_count
@@ -75,13 +76,11 @@ def _load(path: str, key: str):
 
 
 def _save(path: str, key: str, cond: TextConditioning) -> None:
-    from safetensors.torch import save_file
-
     tensors = {"hidden_states": cond.hidden_states.contiguous()}
     if cond.pooled is not None:
         tensors["pooled"] = cond.pooled.contiguous()
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata={"sdtk.text_key": key})
+        safetensors_file.save(tensors, tmp, metadata={"sdtk.text_key": key})
 
 
 def encode_captions(family_model, wanted: dict[str, str | None], identity: str, *, clip_skip,

@@ -112,6 +112,58 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     return acc
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a launcher's rendezvous: the UI's jobs, the
+    benchmarks' and tests' launches)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_LEAVE_REGISTERED = []
+
+
+def leave_process_group_at_exit(finished: bool) -> None:
+    """Have this process leave its process group at interpreter exit (once per process).
+
+    A gloo group left standing is torn down by C++ static destruction after Python has finished,
+    where its threads (rank 0's TCP store among them) can abort the process ("terminate called
+    without an active exception", exit -6) after every file was written. At exit, after whatever
+    the caller still reads from the group (a test worker's rank), the processes of a finished run
+    meet once more, then each destroys its group; a failed run's process only destroys its own
+    (its peers may be gone)."""
+    if _LEAVE_REGISTERED:
+        return
+    _LEAVE_REGISTERED.append(finished)
+    import atexit
+
+    atexit.register(_leave_process_group, finished)
+
+
+def _leave_process_group(finished: bool) -> None:
+    import sys
+
+    if "torch.distributed" not in sys.modules:  # no run got as far as a process group
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if finished and dist.get_world_size() > 1:
+        from datetime import timedelta
+
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except RuntimeError:  # a peer already gone: leave anyway
+            pass
+    dist.destroy_process_group()
+
+
 def _is_multi_process() -> bool:
     import torch.distributed as dist
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, fp8_storage
@@ -337,7 +338,6 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
     """Save BFL-layout transformer weights in ``layout``: 'bfl' writes one .safetensors file,
     'diffusers' a transformer folder (config.json + diffusion_pytorch_model.safetensors).
     Atomic: a crash leaves the previous file or folder as it was."""
-    from safetensors.torch import save_file
 
     sd = {}
     for k, v in state_dict.items():
@@ -349,7 +349,7 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
     meta[META_CONFIG_KEY] = config_record(config)
     if layout == "bfl":
         with atomic_path(path) as tmp:
-            save_file(sd, tmp, metadata=meta)
+            safetensors_file.save(sd, tmp, metadata=meta)
     elif layout == "diffusers":
         dconf = diffusers_config(config)
         dsd = {k: v.contiguous() for k, v in bfl_to_diffusers(sd, config).items()}
@@ -357,6 +357,6 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
             os.makedirs(tmp, exist_ok=True)
             with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(dconf, f, indent=2)
-            save_file(dsd, os.path.join(tmp, DIFFUSERS_WEIGHTS), metadata=meta)
+            safetensors_file.save(dsd, os.path.join(tmp, DIFFUSERS_WEIGHTS), metadata=meta)
     else:
         raise ModelError(f"FLUX transformer: unknown layout {layout!r}; expected 'bfl' or 'diffusers'")

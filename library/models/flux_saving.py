@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from library import safetensors_file
 from library.files import atomic_dir, atomic_path
 from library.models import clip_l_file, flux_ae, flux_checkpoint, t5
 
@@ -20,11 +21,9 @@ SINGLE_FILE_NAMES = {"transformer": "flux1.safetensors", "clip_l": "clip_l.safet
 
 
 def _save(sd: dict, path: str, metadata: dict) -> None:
-    from safetensors.torch import save_file
-
     sd = {k: v.detach().contiguous().cpu() for k, v in sd.items()}
     with atomic_path(path) as tmp:
-        save_file(sd, tmp, metadata=metadata)
+        safetensors_file.save(sd, tmp, metadata=metadata)
 
 
 def save_single_files(parts: dict, out_dir: str) -> dict[str, str]:

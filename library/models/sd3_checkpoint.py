@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
@@ -472,7 +473,6 @@ def save_sd3(model: SD3Model, path: str, *, dtype=None, metadata: dict | None = 
         with atomic_dir(path) as tmp, quiet_progress():
             _write_diffusers(model, tmp, dtype)
         return
-    from safetensors.torch import save_file
 
     sd = _cast(single_file_state_dict(model, components), dtype)
     meta = {k: str(v) for k, v in {**model.extra_metadata, **(metadata or {})}.items()}
@@ -480,7 +480,7 @@ def save_sd3(model: SD3Model, path: str, *, dtype=None, metadata: dict | None = 
         meta.setdefault(META_KEY, json.dumps(config_record(model)))
     with atomic_path(path) as tmp:
         if path.endswith(".safetensors"):
-            save_file(sd, tmp, metadata=meta)
+            safetensors_file.save(sd, tmp, metadata=meta)
         else:
             torch.save({"state_dict": sd, "sdtk_metadata": meta}, tmp)
 

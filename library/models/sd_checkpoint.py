@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any
 
+from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, unet_layout
@@ -253,7 +254,6 @@ def save_single_file(components: dict, family: str, path: str, dtype=None, metad
     writes a file like any third-party one (loaded with the shipped configs).
     """
     import torch
-    from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sd = _cast(original_state_dict(components, family), dtype)
@@ -262,7 +262,7 @@ def save_single_file(components: dict, family: str, path: str, dtype=None, metad
         meta.setdefault(META_CONFIG_KEY, json.dumps(architecture_record(components, family)))
     with atomic_path(path) as tmp:
         if path.endswith(".safetensors"):
-            save_file(sd, tmp, metadata=meta)
+            safetensors_file.save(sd, tmp, metadata=meta)
         else:
             # Plain strings keep the file loadable with weights_only=True.
             torch.save({"state_dict": sd, "sdtk_metadata": meta}, tmp)
@@ -305,7 +305,6 @@ def _write_diffusers(components: dict, family: str, tmp: str, dtype) -> None:
 
 def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
     """(state dict, metadata) of a .safetensors or .ckpt/.pt/.bin file.
-
     Pickled files load with torch.load(weights_only=True); any other pickled content can run
     code, so it needs allow_pickle.
     """

@@ -46,6 +46,7 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from library import safetensors_file
 from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import Options
 from library.data.step_plan import StepPlan
@@ -502,7 +503,6 @@ def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, e
                  stepper_state: dict, rngs: list) -> None:
     """The main process's files of a state (into the temporary folder ``tmp``)."""
     import torch
-    from safetensors.torch import save_file
 
     plan, opts = record.plan, record.opts
     flags = strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
@@ -522,9 +522,9 @@ def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, e
     }
     if not strategy.weights_sharded:  # (sharded: in its state_dir, written by every process)
         weights = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in named}
-        save_file(weights, os.path.join(tmp, WEIGHTS_FILE))
+        safetensors_file.save(weights, os.path.join(tmp, WEIGHTS_FILE))
         if ema is not None:
-            save_file(ema.state_tensors([n for n, _ in named]), os.path.join(tmp, STATE_FILE))
+            safetensors_file.save(ema.state_tensors([n for n, _ in named]), os.path.join(tmp, STATE_FILE))
     torch.save(_to_cpu(stepper_state), os.path.join(tmp, STEPPER_FILE))
     torch.save({"processes": len(rngs), "ranks": rngs}, os.path.join(tmp, RNG_FILE))
     with open(os.path.join(tmp, INFO_FILE), "w", encoding="utf-8") as f:
@@ -632,7 +632,6 @@ def _load_rest(acc, stepper, network_dropout, info: dict, rng: dict, log):
 
 def resync_lr(stepper) -> None:
     """Recompute the learning rates of the next step from each scheduler's own curve.
-
     A resumed LambdaLR keeps the learning rate the saving run computed for its next step; when
     the resume lengthened the run, the curve (cosine, linear, polynomial) is the new one's. Same
     length: the same values, bit for bit (LambdaLR computes base_lr * lambda(last_epoch))."""

@@ -26,7 +26,7 @@ from library.errors import NonFiniteStop, TrainingInterrupted
 from library.log import seconds_since_process_start
 from library.outputs import progress_stream
 from library.outputs.checkpoints import Saver
-from library.run.run_state import HOOKS
+from library.run.run_state import HOOKS, LoopView
 from library.training import nonfinite, step_sync
 from library.training.network_options import max_norm_postfix
 
@@ -45,6 +45,7 @@ def train(run) -> None:
     P, rank = acc.num_processes, acc.process_index
     bs, A = opts.train_batch_size, opts.gradient_accumulation_steps
     signals = run.stop_signals
+    view = LoopView(progress, c)  # what the hooks see
     # control_file (save_now / sample_now / stop): read by the main process at each step's
     # start, agreed by every process in the step's read, run by all after the step
     control = progress_stream.control_channel(opts, is_main_process())
@@ -91,11 +92,11 @@ def train(run) -> None:
                     idx = [gb.indices[0]]
                     if loader is not None:
                         images = images_in.load(epoch, idx)
-                HOOKS.before_micro_step(run, epoch, idx)
+                HOOKS.before_micro_step(view, epoch, idx)
                 with strategy.micro_step(last):  # DDP: no_sync() but in the last micro-step
                     loss = c.batch_loss.training(epoch, idx, images, len(gb.indices),
                                                  progress.global_step)
-                loss = HOOKS.after_micro_step(run, epoch, idx, loss)
+                loss = HOOKS.after_micro_step(view, epoch, idx, loss)
                 if zero_weight:
                     loss = loss * 0.0
                 loss_sum = step_sync.add_loss(loss_sum, loss)
@@ -143,7 +144,7 @@ def train(run) -> None:
                 logger.info(f"first step done {seconds_since_process_start():.2f}s after start")
             progress.loss_log.append(step_loss)
             progress.lr_log.append(step_lr)
-            HOOKS.after_step(run, step_loss, step_lr)
+            HOOKS.after_step(view, step_loss, step_lr)
             bar.update(1)
             if progress.max_norm_stats is not None and (
                     not norm_postfix or progress.global_step % BAR_READ_EVERY == 0):

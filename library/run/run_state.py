@@ -11,7 +11,8 @@ sharded modules).
 ``Hooks`` is the declared observation point of the loop (tests, tools): ``before_micro_step``
 before a micro-step's loss is computed, ``after_micro_step`` with its loss (it returns the loss to
 use, so a fault test can make it non-finite), ``after_step`` with the step's loss and learning
-rate.
+rate. A hook is given a ``LoopView`` (the run's progress record and parts), not the run: it
+cannot reach the options, the saver or the training set.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # annotations only: the parts' modules import torch, which lo
     from library.training.losses import Losses
     from library.training.methods import Method
     from library.training.offload import Frozen
+    from library.training.progress import Progress
     from library.training.stepper import Stepper
     from library.training.validation import Validation
 
@@ -72,6 +74,14 @@ class Components:
     batch_loss: BatchLoss      # the one per-sample loss
 
 
+@dataclass(frozen=True, slots=True)
+class LoopView:
+    """What a hook sees of the run the loop trains: how far it has got and what it is made of."""
+
+    progress: Progress
+    parts: Components
+
+
 class Hooks:
     """Callbacks the loop calls (every process); empty in a normal run. Register with
     ``with hooks.add(before_micro_step=f): ...`` (module-level ``HOOKS``)."""
@@ -83,8 +93,9 @@ class Hooks:
 
     @contextlib.contextmanager
     def add(self, *, before_micro_step=None, after_micro_step=None, after_step=None):
-        """``before_micro_step(run, epoch, idx)``, ``after_micro_step(run, epoch, idx, loss) ->
-        loss``, ``after_step(run, loss, lr)``; removed again on leaving the block."""
+        """``before_micro_step(view, epoch, idx)``, ``after_micro_step(view, epoch, idx, loss) ->
+        loss``, ``after_step(view, loss, lr)`` (``view``: a ``LoopView``); removed again on
+        leaving the block."""
         added = [(lst, f) for lst, f in ((self._before, before_micro_step),
                                          (self._after, after_micro_step),
                                          (self._step, after_step)) if f is not None]
@@ -96,18 +107,18 @@ class Hooks:
             for lst, f in added:
                 lst.remove(f)
 
-    def before_micro_step(self, run, epoch: int, idx: list[int]) -> None:
+    def before_micro_step(self, view: LoopView, epoch: int, idx: list[int]) -> None:
         for f in self._before:
-            f(run, epoch, idx)
+            f(view, epoch, idx)
 
-    def after_micro_step(self, run, epoch: int, idx: list[int], loss):
+    def after_micro_step(self, view: LoopView, epoch: int, idx: list[int], loss):
         for f in self._after:
-            loss = f(run, epoch, idx, loss)
+            loss = f(view, epoch, idx, loss)
         return loss
 
-    def after_step(self, run, loss: float, lr: float) -> None:
+    def after_step(self, view: LoopView, loss: float, lr: float) -> None:
         for f in self._step:
-            f(run, loss, lr)
+            f(view, loss, lr)
 
 
 HOOKS = Hooks()

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 
+from library import safetensors_file
 from library.distributed.accelerator import is_main_process
 from library.training.host_memory import GIB, resident_bytes, trim_heap
 
@@ -71,15 +72,13 @@ def module_bytes(module) -> int:
 
 def _write_spill(module, path: str) -> None:
     """All tensors of ``module`` (CPU) in a safetensors file (written from the tensors, no copy)."""
-    from safetensors.torch import save_file
-
     tensors, seen = {}, {}
     for name, t in _tensors(module).items():
         if t.data_ptr() in seen:  # a shared tensor is stored once
             continue
         seen[t.data_ptr()] = name
         tensors[name] = t.detach().contiguous()
-    save_file(tensors, path)
+    safetensors_file.save(tensors, path)
 
 
 def _read_spill(module, path: str) -> None:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from library.distributed.accelerator import free_port
 
 logger = logging.getLogger("sdtk")
 
@@ -134,14 +135,6 @@ def _alive(pid: int | None, marker: str) -> bool:
             return marker.encode() in f.read()
     except OSError:
         return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def last_error(log_path: str) -> str:
@@ -271,7 +264,7 @@ class Runner:
         if job["processes"] == 1:
             return [self.python, *args]
         launcher = ["--multi_gpu", "--num_processes", str(job["processes"]), "--num_machines", "1",
-                    "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+                    "--dynamo_backend", "no", "--main_process_port", str(free_port())]
         if self.devices == ["cpu"]:
             launcher += ["--mixed_precision", "no"]  # the run's own mixed_precision applies
         return [self.python, "-m", "accelerate.commands.launch", *launcher, *args]

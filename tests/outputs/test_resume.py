@@ -30,32 +30,41 @@ STEPS = 12  # 4 steps per epoch (2 images x 2 repeats, batch 1): 3 epochs
 
 
 def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, str, object]:
-    """Run an entry script in this process; returns (rc, stderr, the Run). ``stop_at``: steps
-    during which this process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
+    """Run an entry script in this process; returns (rc, stderr, the Run, or for an interrupted
+    run the loop's view of it: its progress and parts). ``stop_at``: steps during which this
+    process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
     from library.cli import main
+    from library.run import trainer
     from library.run.run_state import HOOKS
     from tests.conftest import reset_accelerate
 
     box, pending = {}, set(stop_at)
+    real_run = trainer.run
 
-    def before_micro_step(run, epoch, idx):
-        box["run"] = run
-        if run.progress.global_step + 1 in pending:
-            pending.discard(run.progress.global_step + 1)
+    def run_kept(opts, method_name):
+        box["run"] = real_run(opts, method_name)
+        return box["run"]
+
+    def before_micro_step(view, epoch, idx):
+        box["view"] = view
+        if view.progress.global_step + 1 in pending:
+            pending.discard(view.progress.global_step + 1)
             os.kill(os.getpid(), sig)
 
     err = io.StringIO()
     reset_accelerate()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as conftest's autouse fixture, also for module-scoped fixtures
+    trainer.run = run_kept
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
                 HOOKS.add(before_micro_step=before_micro_step):
             rc = main(script, [str(x) for x in args])
     finally:
+        trainer.run = real_run
         torch.set_num_threads(threads)
         reset_accelerate()
-    return rc, err.getvalue(), box.get("run")
+    return rc, err.getvalue(), box.get("run", box.get("view"))
 
 
 def weights(path):

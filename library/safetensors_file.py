@@ -1,0 +1,60 @@
+"""Safetensors files that are the same, byte for byte, whichever process writes them.
+
+safetensors (0.8) writes the ``__metadata__`` of a file in the order of a per-process hash map, so
+two runs that train the same weights wrote different bytes. ``save`` writes the file with
+safetensors and then rewrites its header with the metadata keys sorted (the tensors' entries and
+data are untouched: their offsets count from the end of the header). Every writer of a
+safetensors file (models, LoRA files, states, caches) calls it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+from safetensors.torch import save_file
+
+_ALIGN = 8  # safetensors pads its header with spaces to a multiple of 8 bytes
+
+
+def save(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with a reproducible header."""
+    save_file(tensors, path, metadata=metadata)
+    if metadata:
+        sort_metadata(path)
+
+
+def read_header(path: str) -> tuple[int, dict]:
+    """(header length in bytes, the header as written: key order kept)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def sort_metadata(path: str) -> None:
+    """Rewrite ``path``'s header with ``__metadata__`` first and its keys sorted."""
+    n, header = read_header(path)
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        return
+    write_header(path, n, {"__metadata__": dict(sorted(meta.items())), **header})
+
+
+def write_header(path: str, old_length: int, header: dict) -> None:
+    """Replace the header of ``path`` (``old_length`` bytes now) by ``header``: in place, padded
+    with spaces, where it fits; else the file is rewritten beside and moved over it."""
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(text) <= old_length:
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(text + b" " * (old_length - len(text)))
+        return
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    tmp = f"{path}.header"
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        src.seek(8 + old_length)
+        dst.write(struct.pack("<Q", len(text)))
+        dst.write(text)
+        shutil.copyfileobj(src, dst, 1 << 24)
+    os.replace(tmp, path)
