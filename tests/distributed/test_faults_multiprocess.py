@@ -55,7 +55,9 @@ def test_rank0_save_failure_ends_rank1_with_one_line(tmp_path):
     assert errors[0].startswith(f"error: cannot save {tmp_path / 'out' / 'last.safetensors'}: "
                                 "No space left on device"), p.stderr[-3000:]
     # rank 1: its one line (or the launcher's SIGTERM first), never a traceback of its own
-    assert "[rank1]: Traceback" not in p.stderr and "[rank1]:" not in p.stderr, p.stderr[-3000:]
+    # (torch's own once-per-rank warnings, e.g. DDP's find_unused_parameters note, may appear)
+    rank1 = [ln for ln in p.stderr.splitlines() if ln.startswith("[rank1]:")]
+    assert not [ln for ln in rank1 if "Traceback" in ln or "Error" in ln], p.stderr[-3000:]
     assert len(errors) <= 2
     if len(errors) == 2:
         assert errors[1].startswith("error: process 1 of 2: stopped because another process "
