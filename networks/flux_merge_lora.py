@@ -35,8 +35,7 @@ def _parse_args(argv):
     p.add_argument("--flux_model", default=None,
                    help="FLUX.1 transformer (BFL .safetensors or diffusers folder); without it the LoRAs are merged "
                         "into one LoRA file")
-    p.add_argument("--models", nargs="+", required=True, help="LoRA files (.safetensors, .ckpt, .pt)")
-    p.add_argument("--ratios", nargs="+", type=float, default=None, help="one ratio per LoRA file (default 1.0 each)")
+    merge_lora.add_models_and_ratios(p)
     p.add_argument("--save_to", required=True, help="output transformer (with --flux_model) or LoRA file")
     p.add_argument("--precision", default="float", choices=["float", "fp16", "bf16"],
                    help="dtype the transformer is loaded and merged in (default float)")
@@ -48,12 +47,7 @@ def _parse_args(argv):
     p.add_argument("--shuffle", action="store_true", help="with --concat: permute the stacked ranks (as sd-scripts)")
     for flag in NOT_BUILT:
         p.add_argument("--" + flag, default=None, nargs="?", const=True, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.ratios is None:
-        args.ratios = [1.0] * len(args.models)
-    if len(args.ratios) != len(args.models):
-        p.error(f"--ratios: {len(args.ratios)} value(s) given for {len(args.models)} file(s) in --models")
-    return args
+    return merge_lora.parse_with_ratios(p, argv)
 
 
 def merge_into(flux, weights_sd: dict, ratio: float, device=None, source: str = "(state dict)") -> int:

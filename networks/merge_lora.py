@@ -97,8 +97,7 @@ def _parse_args(argv):
     p.add_argument("--sd_model", default=None,
                    help="base model: diffusers folder, single .safetensors/.ckpt, or a built-in name (tiny-sd15 "
                         "...); without it the LoRA files are merged into one LoRA file")
-    p.add_argument("--models", nargs="+", required=True, help="LoRA files (.safetensors, .ckpt, .pt)")
-    p.add_argument("--ratios", nargs="+", type=float, default=None, help="one ratio per LoRA file (default 1.0 each)")
+    add_models_and_ratios(p)
     p.add_argument("--save_to", required=True,
                    help="output: a .safetensors/.ckpt/.pt single file, or a folder for the diffusers layout")
     p.add_argument("--save_precision", choices=sorted(PRECISIONS), default=None,
@@ -113,6 +112,17 @@ def _parse_args(argv):
     p.add_argument("--concat", action="store_true",
                    help="LoRA output: stack the ranks (rank = the sum of the inputs'), exactly the weighted sum")
     p.add_argument("--shuffle", action="store_true", help="with --concat: permute the stacked ranks (as sd-scripts)")
+    return parse_with_ratios(p, argv)
+
+
+def add_models_and_ratios(p: argparse.ArgumentParser) -> None:
+    """The merge tools' --models and --ratios (sd-scripts' names)."""
+    p.add_argument("--models", nargs="+", required=True, help="LoRA files (.safetensors, .ckpt, .pt)")
+    p.add_argument("--ratios", nargs="+", type=float, default=None, help="one ratio per LoRA file (default 1.0 each)")
+
+
+def parse_with_ratios(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse; --ratios defaults to 1.0 per file of --models and must give one per file."""
     args = p.parse_args(argv)
     if args.ratios is None:
         args.ratios = [1.0] * len(args.models)
