@@ -120,6 +120,41 @@ def test_flux_lora_trains_and_loads_in_diffusers(dataset, tmp_path, train):
         assert table[name] == (u.shape[0], d.shape[1]), name
 
 
+def test_flux_lora_network_args_and_t5_through_the_entry_script(dataset, tmp_path, train):
+    """sd-scripts' lora_flux network_args as a run gives them: train_blocks, block indices, per-kind
+    and in_dims ranks, and train_t5xxl (a T5 LoRA, lora_te3_, at text_encoder_lr's second rate)."""
+    out = tmp_path / "out"
+    rc, _, err, run = train("train_lora", lora_args(
+        "tiny-flux", "networks.lora_flux", dataset, str(out), "--text_encoder_lr", "1e-2", "5e-3",
+        "--network_args", "train_blocks=double", "train_double_block_indices=1", "img_attn_dim=2",
+        "txt_mlp_dim=0", "in_dims=[0,0,0,0,3]", "train_t5xxl=True"))
+    assert rc == 0, err
+    path = str(out / "last.safetensors")
+    _assert_saved_is_trained(path, run.parts.method.network)
+    sd, meta = read(path)
+    unet = {k.split(".")[0]: v.shape[0] for k, v in sd.items()
+            if k.startswith("lora_unet_") and k.endswith("lora_down.weight")}
+    parts = tiny_flux.build_tiny_flux("dev")
+    flux, t5 = parts["transformer"], parts["t5"]
+    expected = {"lora_unet_" + k[:-len(".weight")].replace(".", "_") for k, v in flux.state_dict().items()
+                if k.startswith("double_blocks.1.") and k.endswith(".weight") and v.dim() == 2
+                and ".txt_mlp." not in k}
+    assert set(unet) == expected | {"lora_unet_txt_in"}
+    assert {n: r for n, r in unet.items() if r != 4} == {
+        "lora_unet_double_blocks_1_img_attn_qkv": 2, "lora_unet_double_blocks_1_img_attn_proj": 2,
+        "lora_unet_txt_in": 3}
+    table = comfy_dit_shapes(flux, clip_l=parts["clip_l"], t5=t5)
+    te3 = {k.split(".")[0] for k in sd if k.startswith("lora_te3_")}
+    # sd-scripts' T5 targets: every Linear of T5's attention and gated MLP
+    assert te3 == {"lora_te3_" + k[:-len(".weight")].replace(".", "_") for k in t5.state_dict()
+                   if ".layer." in k and k.endswith(("q.weight", "k.weight", "v.weight", "o.weight", "wi_0.weight",
+                                                     "wi_1.weight", "wo.weight"))}
+    assert all(n in table for n in te3)
+    groups = dict(zip(run.parts.method.group_names, (g["lr"] for g in run.parts.method.param_groups)))
+    assert groups == {"textencoder 1": 1e-2, "textencoder 3": 5e-3, "unet": 1e-2}
+    assert json.loads(meta["ss_network_args"])["train_t5xxl"] == "True"
+
+
 def _patched_mmdit(sd: dict):
     """A fresh tiny SD3 MMDiT in float64, each weight the file names patched as the clients do:
     W + up @ down * alpha / rank."""
