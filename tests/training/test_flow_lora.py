@@ -238,6 +238,7 @@ def test_flux_lora_resume_is_bit_identical(dataset, tmp_path, train):
      'network_module networks.lora_sd3: not for the FLUX.1 model tiny-flux; its LoRA is network_module = '
      '"networks.lora_flux"'),
     ("tiny-flux", ["--network_module", "networks.lora"], 'its LoRA is network_module = "networks.lora_flux"'),
+    ("tiny-flux", ["--network_module", "networks.oft_flux"], "network_module networks.oft_flux: not for the FLUX.1"),
     ("tiny-sd3", ["--network_module", "networks.lora_flux"],
      'not for the SD3 model tiny-sd3; its LoRA is network_module = "networks.lora_sd3"'),
     ("tiny-sd15", ["--network_module", "networks.lora_flux"],
