@@ -127,7 +127,7 @@ def check_options(opts, method_name: str) -> str | None:
     if opts.loss_type not in flow_family.LOSS_TYPES:
         raise flow_family.FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
                               "(huber's threshold follows the DDPM timesteps)")
-    if (opts.save_model_as or "safetensors") != "safetensors":
+    if method_name != "lora" and (opts.save_model_as or "safetensors") != "safetensors":
         raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")
     if fam == "flux" and os.path.isfile(os.path.expanduser(src)):
