@@ -283,7 +283,7 @@ def test_family_fields_are_sd_scripts_strings():
         "modelspec.architecture": "stable-diffusion-3-5-medium"}
 
 
-def test_lora_may_be_saved_as_pt_the_full_model_may_not(dataset):
+def test_lora_may_be_saved_as_ckpt_the_full_model_may_not(dataset):
     """A LoRA file is the network's (any of save_model_as' formats, as for SD); a full FLUX.1 model
     is saved in the layout it was loaded from."""
     from library.config.parse import parse_args
@@ -292,9 +292,9 @@ def test_lora_may_be_saved_as_pt_the_full_model_may_not(dataset):
 
     def opts(script):
         return parse_args(script, ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
-                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2", "--save_model_as", "pt",
+                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2", "--save_model_as", "ckpt",
                                    *(["--network_module", "networks.lora_flux"] if script == "train_lora" else [])])
 
     assert flow_loss.check_options(opts("train_lora"), "lora") == "flux"
-    with pytest.raises(FlowFamilyError, match="save_model_as pt: a FLUX.1 model is saved in the layout"):
+    with pytest.raises(FlowFamilyError, match="save_model_as ckpt: a FLUX.1 model is saved in the layout"):
         flow_loss.check_options(opts("train_dreambooth"), "dreambooth")
