@@ -298,3 +298,16 @@ def test_lora_may_be_saved_as_ckpt_the_full_model_may_not(dataset):
     assert flow_loss.check_options(opts("train_lora"), "lora") == "flux"
     with pytest.raises(FlowFamilyError, match="save_model_as ckpt: a FLUX.1 model is saved in the layout"):
         flow_loss.check_options(opts("train_dreambooth"), "dreambooth")
+
+
+@pytest.mark.parametrize("model, module, version, arch", [
+    ("tiny-flux-schnell", "networks.lora_flux", "flux1", "flux-1-schnell/lora"),
+    ("tiny-sd3.5-large", "networks.lora_sd3", "5-large", "stable-diffusion-3-5-large/lora"),
+])
+def test_the_files_metadata_names_the_variant_trained(dataset, tmp_path, train, model, module, version, arch):
+    rc, _, err, _ = train("train_lora", lora_args(model, module, dataset, str(tmp_path), "--max_train_steps", "1",
+                                                  "--network_train_unet_only"))
+    assert rc == 0, err
+    sd, meta = read(str(tmp_path / "last.safetensors"))
+    assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == (version, arch)
+    assert not any(k.startswith("lora_te") for k in sd)  # network_train_unet_only
