@@ -155,6 +155,9 @@ def _check_network(opts, fam: str, src: str) -> None:
         raise flow_family.FlowFamilyError(
             f"network_module {opts.network_module}: not for the {what} model {src}; its LoRA is "
             f"network_module = \"{module.NETWORK_MODULE}\" (sd-scripts' {fam}_train_network.py needs it too)")
+    if opts.pivotal_tokens:
+        raise flow_family.FlowFamilyError(f"pivotal_tokens: pivotal tuning trains SD / SDXL embeddings; not with the "
+                                          f"{what} model {src} (sd-scripts has no {what} textual inversion)")
     args = module.parse_network_args(dict(opts.network_args or {}))
     if args.get("train_t5xxl"):
         if fam == "sd3":

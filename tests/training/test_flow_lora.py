@@ -247,6 +247,8 @@ def test_flux_lora_resume_is_bit_identical(dataset, tmp_path, train):
                    "train_t5xxl=True"], "train_t5xxl trains a LoRA on T5, a text encoder; network_train_unet_only"),
     ("tiny-sd3", ["--network_module", "networks.lora_sd3", "--network_args", "train_t5xxl=True"],
      "train_t5xxl: SD3 trains without T5 here"),
+    ("tiny-sd3", ["--network_module", "networks.lora_sd3", "--pivotal_tokens", "sksx", "--pivotal_init_words", "dog"],
+     "pivotal_tokens: pivotal tuning trains SD / SDXL embeddings; not with the SD3 model tiny-sd3"),
     ("tiny-flux", ["--network_module", "networks.lora_flux", "--network_args", "train_blocks=some"],
      "train_blocks='some' for networks.lora_flux must be all, single or double"),
 ])
