@@ -13,15 +13,10 @@ import os
 from dataclasses import dataclass
 
 from library.models import flow_family
-from library.training import flow_matching
+from library.training import flow_matching, network_options
 from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
-from networks import lora_flux, lora_sd3
 
 logger = logging.getLogger("sdtk")
-
-# train_lora's network_module per family (sd-scripts' flux_train_network.py / sd3_train_network.py
-# need the same one) and its network_args parser
-LORA_MODULES = {"flux": lora_flux, "sd3": lora_sd3}
 
 
 @dataclass
@@ -106,7 +101,7 @@ def check_options(opts, method_name: str) -> str | None:
             if name in opts.given and flow_family._is_set(opts, name):
                 raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
         if method_name == "lora":
-            for f, module in LORA_MODULES.items():
+            for f, module in network_options.FAMILY_LORA_MODULES.items():
                 if opts.network_module == module.NETWORK_MODULE:
                     raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the LoRA of "
                                                       f"{flow_family.NAMES[f]} models; {src} is not one")
@@ -150,7 +145,7 @@ def _check_network(opts, fam: str, src: str) -> None:
     """train_lora on a FLUX.1 / SD3 model: the family's network module (as sd-scripts'
     flux_train_network.py / sd3_train_network.py need it), and train_t5xxl only where the run
     has T5 and trains the text encoders."""
-    what, module = flow_family.NAMES[fam], LORA_MODULES[fam]
+    what, module = flow_family.NAMES[fam], network_options.FAMILY_LORA_MODULES[fam]
     if opts.network_module != module.NETWORK_MODULE:
         raise flow_family.FlowFamilyError(
             f"network_module {opts.network_module}: not for the {what} model {src}; its LoRA is "

@@ -313,3 +313,39 @@ def test_the_files_metadata_names_the_variant_trained(dataset, tmp_path, train, 
     sd, meta = read(str(tmp_path / "last.safetensors"))
     assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == (version, arch)
     assert not any(k.startswith("lora_te") for k in sd)  # network_train_unet_only
+
+
+def test_flux_base_weights_are_merged_as_the_clients_patch(dataset, tmp_path, train):
+    """base_weights with a FLUX.1 LoRA file (split_qkv, CLIP-L too): merged into the loaded model
+    before training (sd-scripts merges through the network module's create_network_from_weights);
+    the model's weights are W + multiplier x up @ down x alpha / rank of the file."""
+    from networks import lora_flux
+
+    parts = tiny_flux.build_tiny_flux("dev")
+    net = lora_flux.create_network(1.0, 4, 2, None, [parts["clip_l"], parts["t5"]], parts["transformer"],
+                                   split_qkv="True")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    base = str(tmp_path / "base.safetensors")
+    net.save_weights(base, None, lora_flux.file_metadata("dev"))
+    net.remove_from()
+    rc, _, err, run = train("train_lora", lora_args(
+        "tiny-flux", "networks.lora_flux", dataset, str(tmp_path / "out"), "--max_train_steps", "1",
+        "--base_weights", base, "--base_weights_multiplier", "0.5", "--network_train_unet_only"))
+    assert rc == 0, err
+    sd = load_file(base)
+    sd = {k: v * 0.5 if k.endswith("lora_up.weight") else v for k, v in sd.items()}  # the multiplier
+    expected = _expected(parts["transformer"].state_dict(), sd, "lora_unet_", lambda p: p)
+    merged = run.parts.bundle.unet.state_dict()
+    changed = 0
+    for k, v in expected.items():
+        torch.testing.assert_close(merged[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
+        changed += not torch.equal(v, parts["transformer"].state_dict()[k].double())
+    assert changed == sum(1 for k in sd if k.startswith("lora_unet_") and k.endswith(".alpha"))
+    te = run.parts.bundle.text_encoders[0].state_dict()
+    te_expected = _expected(parts["clip_l"].state_dict(), sd, "lora_te1_",
+                            lambda p: p if p.startswith("text_model.") else "text_model." + p)
+    for k, v in te_expected.items():
+        torch.testing.assert_close(te[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
