@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from library.models import modelspec
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -166,8 +167,4 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
 def file_metadata(variant: str) -> dict[str, str]:
     """The family's keys of a FLUX.1 LoRA file, as sd-scripts writes them (flux_train_network.py,
     library/sai_model_spec.py): variant "dev" or "schnell"."""
-    if variant not in ("dev", "schnell"):
-        raise ValueError(f"FLUX variant {variant!r}; expected dev or schnell")
-    return {"ss_network_module": NETWORK_MODULE, "ss_base_model_version": "flux1", "ss_v2": "False",
-            "modelspec.architecture": f"flux-1-{variant}/lora",
-            "modelspec.implementation": "https://github.com/black-forest-labs/flux"}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("flux", variant, "lora")}

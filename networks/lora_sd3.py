@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from library.models import modelspec
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, load_state_dict_file
 from networks.lora_dit import Target
@@ -30,9 +31,6 @@ KNOWN_NETWORK_ARGS = ("train_block_indices", *TYPE_DIM_ARGS, "emb_dims", "split_
                       "rank_dropout", "module_dropout", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
                       "loraplus_text_encoder_lr_ratio")
 NO_EFFECT = ("conv_dim", "conv_alpha")
-# sd-scripts' model_type of library/sd3_utils.py, its ss_base_model_version and the suffix of
-# modelspec.architecture "stable-diffusion-3-<type>"
-MODEL_TYPE = {"sd3": "medium", "sd3.5-medium": "5-medium", "sd3.5-large": "5-large"}
 
 
 def parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -142,9 +140,4 @@ def file_metadata(variant: str) -> dict[str, str]:
     library/sai_model_spec.py): variant "sd3", "sd3.5-medium" or "sd3.5-large" (MMDiTConfig.variant).
     sd-scripts' modelspec for an SD3 LoRA says implementation "diffusers" and prediction type
     "epsilon" (its SD1 defaults); written the same so that tools reading them agree."""
-    if variant not in MODEL_TYPE:
-        raise ValueError(f"SD3 variant {variant!r}; expected {', '.join(MODEL_TYPE)}")
-    t = MODEL_TYPE[variant]
-    return {"ss_network_module": NETWORK_MODULE, "ss_base_model_version": t, "ss_v2": "False",
-            "modelspec.architecture": f"stable-diffusion-3-{t}/lora", "modelspec.implementation": "diffusers",
-            "modelspec.prediction_type": "epsilon"}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("sd3", variant, "lora")}

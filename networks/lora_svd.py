@@ -362,8 +362,11 @@ def read_inputs(paths: list[str], ratios: list[float]) -> list[LoRAInput]:
 
 def common_metadata(inputs: list[LoRAInput]) -> dict[str, str]:
     """The minimum ss_* metadata of a file made from several: base model and v2 from the first
-    file that records them (sd-scripts' rule)."""
-    out = {"ss_network_module": "networks.lora"}
+    file that records them (sd-scripts' rule). The network module is networks.lora, or the
+    FLUX.1 / SD3 module when every input names that one (a file networks.lora_flux can read back)."""
+    modules = {inp.metadata.get("ss_network_module") for inp in inputs}
+    dit = modules & {"networks.lora_flux", "networks.lora_sd3"}
+    out = {"ss_network_module": dit.pop() if len(modules) == 1 and dit else "networks.lora"}
     for key in ("ss_v2", "ss_base_model_version", "modelspec.architecture", "modelspec.implementation",
                 "modelspec.prediction_type"):
         for inp in inputs:

@@ -10,8 +10,16 @@ import os
 from collections import Counter
 
 from library.errors import UserError
-from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS,
+from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
                                       modelspec_architecture)
+
+# the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py record
+# (update_metadata), each as ss_<option>
+FLOW_METADATA = {"flux": ("apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+                          "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
+                          "discrete_flow_shift"),
+                 "sd3": ("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
+                         "logit_std", "mode_scale")}
 
 
 def tag_frequency(items) -> dict:
@@ -28,8 +36,9 @@ def tag_frequency(items) -> dict:
 
 def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str | None,
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
-                   network_info: dict | None = None) -> dict:
-    """Static metadata for every save; ``step_metadata`` adds the per-save values."""
+                   network_info: dict | None = None, variant: str | None = None) -> dict:
+    """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
+    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields)."""
     w, h = opts.resolution
     md = {
         "ss_training_started_at": str(started_at),
@@ -82,6 +91,10 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name))
+    if family in FLOW_METADATA:
+        del md["modelspec.prediction_type"]  # FLUX.1 writes none; SD3's comes with flow_fields
+        md.update(flow_fields(family, variant, adapter))
+        md.update({f"ss_{name}": str(getattr(opts, name)) for name in FLOW_METADATA[family]})
     md.update(model_spec_fields(opts))
     if opts.training_comment is not None:
         md["ss_training_comment"] = opts.training_comment

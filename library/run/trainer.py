@@ -342,7 +342,7 @@ def _train(r: Run, opts, started: float, resume) -> Run:
         opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
-        network_info=c.method.info)
+        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else None)
     r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),
                     r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
                     method=c.method, params=c.params, named=named, strategy=c.strategy,

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from library.models import flow_family
-from library.training import flow_matching
+from library.training import flow_matching, network_options
 from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
 
 logger = logging.getLogger("sdtk")
@@ -100,11 +100,18 @@ def check_options(opts, method_name: str) -> str | None:
         for name in flow_family.FLOW_OPTIONS:
             if name in opts.given and flow_family._is_set(opts, name):
                 raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
+        if method_name == "lora":
+            for f, module in network_options.FAMILY_LORA_MODULES.items():
+                if opts.network_module == module.NETWORK_MODULE:
+                    raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the LoRA of "
+                                                      f"{flow_family.NAMES[f]} models; {src} is not one")
         return None
     what = flow_family.NAMES[fam]
-    if method_name not in ("dreambooth", "finetune"):
-        raise flow_family.FlowFamilyError(f"{src} is a {what} model ({fam}): train_dreambooth / finetune fine-tune it "
-                              f"fully; this trainer's {method_name} does not train {what} yet")
+    if method_name not in ("dreambooth", "finetune", "lora"):
+        raise flow_family.FlowFamilyError(f"{src} is a {what} model ({fam}): train_lora, train_dreambooth and finetune "
+                              f"train it; this trainer's {method_name} does not train {what} yet")
+    if method_name == "lora":
+        _check_network(opts, fam, src)
     if fam == "flux" and opts.clip_g:
         raise flow_family.FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a FLUX.1 model (CLIP-L and T5)")
     for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
@@ -115,7 +122,7 @@ def check_options(opts, method_name: str) -> str | None:
     if opts.loss_type not in flow_family.LOSS_TYPES:
         raise flow_family.FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
                               "(huber's threshold follows the DDPM timesteps)")
-    if (opts.save_model_as or "safetensors") != "safetensors":
+    if method_name != "lora" and (opts.save_model_as or "safetensors") != "safetensors":
         raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")
     if fam == "flux" and os.path.isfile(os.path.expanduser(src)):
@@ -132,3 +139,25 @@ def check_options(opts, method_name: str) -> str | None:
         if name in opts.given:
             logger.warning("option %s has no effect here (%s)", name, why)
     return fam
+
+
+def _check_network(opts, fam: str, src: str) -> None:
+    """train_lora on a FLUX.1 / SD3 model: the family's network module (as sd-scripts'
+    flux_train_network.py / sd3_train_network.py need it), and train_t5xxl only where the run
+    has T5 and trains the text encoders."""
+    what, module = flow_family.NAMES[fam], network_options.FAMILY_LORA_MODULES[fam]
+    if opts.network_module != module.NETWORK_MODULE:
+        raise flow_family.FlowFamilyError(
+            f"network_module {opts.network_module}: not for the {what} model {src}; its LoRA is "
+            f"network_module = \"{module.NETWORK_MODULE}\" (sd-scripts' {fam}_train_network.py needs it too)")
+    if opts.pivotal_tokens:
+        raise flow_family.FlowFamilyError(f"pivotal_tokens: pivotal tuning trains SD / SDXL embeddings; not with the "
+                                          f"{what} model {src} (sd-scripts has no {what} textual inversion)")
+    args = module.parse_network_args(dict(opts.network_args or {}))
+    if args.get("train_t5xxl"):
+        if fam == "sd3":
+            raise flow_family.FlowFamilyError("network_args: train_t5xxl: SD3 trains without T5 here (77 zero "
+                                              "tokens in its place), so T5 has no LoRA to train")
+        if opts.network_train_unet_only:
+            raise flow_family.FlowFamilyError("network_args: train_t5xxl trains a LoRA on T5, a text encoder; "
+                                              "network_train_unet_only = true trains none (drop one of them)")

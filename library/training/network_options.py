@@ -12,8 +12,12 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 
 from library.errors import UserError
-from networks import lora
+from networks import lora, lora_flux, lora_sd3
 from networks.merge_lora import merge_lora_into
+
+# train_lora's network_module of a FLUX.1 / SD3 model (sd-scripts' flux_train_network.py /
+# sd3_train_network.py need the same one): it also reads their base_weights
+FAMILY_LORA_MODULES = {"flux": lora_flux, "sd3": lora_sd3}
 
 
 class NetworkOptionError(UserError, ValueError):
@@ -81,10 +85,23 @@ def merge_base_weights(bundle, opts, log) -> None:
 
     for path, m in zip(opts.base_weights, base_multipliers(opts)):
         try:
-            n = merge_lora_into(bundle.text_encoders, bundle.unet, lora.load_state_dict_file(path), m)
+            n = _merge(bundle, lora.load_state_dict_file(path), m)
         except lora.LoRAError as e:
             raise NetworkOptionError(f"base_weights: {path}: {e}") from None
         log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
+
+
+def _merge(bundle, weights_sd: dict, multiplier: float) -> int:
+    """One base_weights file into the model: a FLUX.1 / SD3 LoRA through its family's module (as
+    sd-scripts' train_network.py merges with network_module's create_network_from_weights), any
+    SD adapter file through merge_lora. Returns the number of modules merged."""
+    module = FAMILY_LORA_MODULES.get(bundle.family)
+    if module is None:
+        return merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, multiplier)
+    network, _ = module.create_network_from_weights(multiplier, None, None, bundle.text_encoders, bundle.unet,
+                                                    weights_sd=weights_sd)
+    network.merge_to(bundle.text_encoders, bundle.unet, weights_sd)
+    return len(network.text_encoder_loras) + len(network.unet_loras)
 
 
 class MaxNormStats:

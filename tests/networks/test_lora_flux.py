@@ -304,7 +304,8 @@ def test_lora_tools_keep_the_flux_layout(parts, tmp_path, capsys):
         assert set(load_file(dst)) == keys, tool.__name__
         with safe_open(dst, "pt") as f:
             meta = f.metadata()
-        assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == ("flux1", "flux-1-dev/lora")
+        assert (meta["ss_base_model_version"], meta["modelspec.architecture"], meta["ss_network_module"]) == \
+            ("flux1", "flux-1-dev/lora", "networks.lora_flux")
     capsys.readouterr()
     assert show_metadata.main(["--model", files[1], "--json"]) in (0, None)
     assert '"ss_network_module": "networks.lora_flux"' in capsys.readouterr().out

@@ -152,9 +152,9 @@ def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no
     assert rc != 0 and "guidance_scale: an option of FLUX.1 and SD3 models" in err
 
 
-def test_flux_lora_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
-    rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))
-    assert rc != 0 and "is a FLUX.1 model (flux)" in err and "Traceback" not in err
+def test_flux_lora_with_an_sd_network_module_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
+    rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))  # networks.lora
+    assert rc != 0 and 'its LoRA is network_module = "networks.lora_flux"' in err and "Traceback" not in err
 
 
 def _flux_opts(dataset, *argv):
