@@ -165,16 +165,17 @@ OPTIONS: tuple[Option, ...] = (
       scripts=NOT_TI),
     O("clip_g", "path", None, "SD3: the CLIP-G text encoder file (sd-scripts' --clip_g); replaces "
       "the main file's own.", "model", scripts=NOT_TI),
-    O("t5xxl", "path", None, "FLUX.1: the T5-XXL text encoder file beside a single-file transformer "
-      "(sd-scripts' --t5xxl). SD3 trains without T5 here (refused).", "model", scripts=NOT_TI),
+    O("t5xxl", "path", None, "FLUX.1 / SD3: the T5-XXL text encoder file beside a single-file "
+      "transformer (sd-scripts' --t5xxl); SD3 without one (and with none in its file) trains with "
+      "77 zero tokens in T5's place, as sd-scripts.", "model", scripts=NOT_TI),
     O("ae", "path", None, "FLUX.1 / SD3: the 16-channel autoencoder file beside a single-file "
       "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
-    O("t5xxl_max_token_length", "int", None, "FLUX.1: T5 prompt length in tokens; unset = sd-scripts' "
-      "default of the variant (dev 512, schnell 256).", "model", scripts=NOT_TI, min=1),
+    O("t5xxl_max_token_length", "int", None, "FLUX.1 / SD3: T5 prompt length in tokens; unset = "
+      "sd-scripts' default (FLUX.1 dev 512, schnell 256; SD3 256).", "model", scripts=NOT_TI, min=1),
     O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
       "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
-    O("apply_t5_attn_mask", "bool", False, "FLUX.1: pass the T5 padding mask to T5 and to the "
-      "transformer's attention (sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
+    O("apply_t5_attn_mask", "bool", False, "FLUX.1 / SD3: pass the T5 padding mask to T5 (FLUX.1: "
+      "also to the transformer's attention; sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),

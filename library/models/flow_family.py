@@ -13,7 +13,8 @@ forward) and the full-model save in the layout the transformer was loaded from.
 The bundle's slots: ``unet`` the FLUX transformer (the denoiser), ``vae`` the 16-channel
 autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels computes them),
 ``text_encoders`` [CLIP-L, T5], ``tokenizers`` [CLIP, T5]; no DDPM scheduler
-(library/training/flow_loss.py draws the noise levels). SD3 is not wired here yet.
+(library/training/flow_loss.py draws the noise levels). SD3's bundle: ``text_encoders`` [CLIP-L,
+CLIP-G] and T5 when the model has one, ``tokenizers`` likewise.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from library.config.options import OPTIONS_BY_NAME
 from library.errors import UserError
 from library.models.family import FamilyModel, TextConditioning
 from library.models.family import family_model_for as sd_family_model_for
-from library.models import flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, tiny_flux
+from library.models import (flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, t5,
+                            tiny_flux)
 
 logger = logging.getLogger("sdtk")
 
@@ -78,12 +80,9 @@ UNSUPPORTED_BY_FAMILY = {
              "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
              "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
-    "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
-                     "without t5xxl); T5 is not wired yet",
-            "t5xxl_max_token_length": "SD3 trains without T5 here",
-            "apply_t5_attn_mask": "SD3 trains without T5 here",
-            "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
+    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
+SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
 
 
@@ -138,15 +137,25 @@ def _load_sd3(opts) -> loading.ModelBundle:
 
     src = opts.pretrained_model_name_or_path
     with loading.quiet_progress():
-        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, ae=opts.ae,
-                                    allow_pickle=opts.allow_pickle)
+        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=opts.ae,
+                                    t5_loader=t5.model_from_state_dict, allow_pickle=opts.allow_pickle)
     for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
         part.eval()
+    encoders, tokenizers = [m.clip_l, m.clip_g], [m.tokenizer_l, m.tokenizer_g]
+    if m.t5xxl is not None:  # without T5: 77 zero tokens in its place (sd-scripts without t5xxl)
+        width, ctx = m.t5xxl.config.d_model, m.mmdit.config.context_dim
+        if width != ctx:
+            raise FlowFamilyError(f"t5xxl: the T5 encoder is {width} wide; the SD3 model {src} reads "
+                                  f"{ctx}-wide text tokens")
+        if m.tokenizer_t5 is None:
+            m.tokenizer_t5 = t5.load_t5_tokenizer(None)
+        encoders.append(m.t5xxl.eval())
+        tokenizers.append(m.tokenizer_t5)
     path = os.path.expanduser(str(src))
     ident = loading.path_identity(path) if os.path.exists(path) else f"builtin:{src}"
     ae_ident = loading.path_identity(os.path.expanduser(opts.ae)) if opts.ae else ident + ":vae"
-    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=[m.clip_l, m.clip_g],
-                               tokenizers=[m.tokenizer_l, m.tokenizer_g], noise_scheduler=None,
+    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=encoders,
+                               tokenizers=tokenizers, noise_scheduler=None,
                                v_parameterization=False, source=str(src), identity=ident,
                                vae_identity=ae_ident, flow=m)
 
@@ -208,29 +217,35 @@ class FluxFamilyModel(FamilyModel):
 
 
 class SD3FamilyModel(FamilyModel):
-    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each); encode -> the MMDiT's context
-    (CLIP-L | CLIP-G penultimate states zero-padded to the context width, then 77 zero tokens in
-    T5's place) and pooled CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the
-    MMDiT with the timestep 1000 sigma (flow_matching.model_timesteps)."""
+    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each), then with T5 [T5 ids, T5 mask]
+    (t5_max_length each); encode -> the MMDiT's context (CLIP-L | CLIP-G penultimate states
+    zero-padded to the context width, then T5's states, or 77 zero tokens without T5) and pooled
+    CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the MMDiT with the timestep
+    1000 sigma (flow_matching.model_timesteps). The masks only reach the encoders (with
+    apply_lg_attn_mask / apply_t5_attn_mask): sd-scripts' MMDiT attends to every token."""
 
     family = "sd3"
 
     def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
-                 rewrite=None):
+                 apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH, rewrite=None):
         super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
         self.apply_lg_attn_mask = apply_lg_attn_mask
+        self.apply_t5_attn_mask = apply_t5_attn_mask
+        self.t5_max_length = t5_max_length
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
 
         if self.rewrite is not None:
             captions = [self.rewrite(c) for c in captions]
-        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1])
-        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask]
+        t5_tok = self.tokenizers[2] if len(self.tokenizers) > 2 else None
+        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1], t5_tok, self.t5_max_length)
+        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask] + ([t.t5_ids, t.t5_mask] if t5_tok is not None else [])
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
 
         enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders,
-                              apply_lg_attn_mask=self.apply_lg_attn_mask)
+                              apply_lg_attn_mask=self.apply_lg_attn_mask,
+                              apply_t5_attn_mask=self.apply_t5_attn_mask)
         context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
         return TextConditioning(context, pooled)
 
@@ -244,7 +259,9 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
     """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
     if bundle.family == "sd3":
         return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
-                              apply_lg_attn_mask=opts.apply_lg_attn_mask, rewrite=rewrite)
+                              apply_lg_attn_mask=opts.apply_lg_attn_mask,
+                              apply_t5_attn_mask=opts.apply_t5_attn_mask,
+                              t5_max_length=opts.t5xxl_max_token_length or SD3_T5_MAX_LENGTH, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)

@@ -1,9 +1,10 @@
 """SD3 full fine-tuning through the entry scripts on the built-in tiny-sd3 (64 px, 2 steps): the
 first micro-step's loss against an independent float64 recomputation (a fresh copy of the
 initial weights; the sample's generator draws its noise and then u; weighting_scheme uniform,
-training_shift 1: timestep floor(1000 u), sigma = t / 1000; the MMDiT given 1000 sigma, 77 zero
-tokens in T5's place; prediction x_t - sigma * output against x0), and the saved single file
-reloading with the trained MMDiT and the untouched VAE."""
+training_shift 1: timestep floor(1000 u), sigma = t / 1000; the MMDiT given 1000 sigma and the
+context CLIP-L | CLIP-G penultimate states zero-padded to the context width, then the tiny T5's
+last states of the caption padded to 256 tokens, unmasked; prediction x_t - sigma * output against
+x0), and the saved single file reloading with the trained MMDiT, the untouched VAE and T5."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ def _reference_loss(run, epoch, i):
 
     c = sd3_builtins.build_builtin("tiny-sd3")  # the initial weights (fixed seed), a fresh copy
     mmdit, vae = c["mmdit"].double().eval(), c["vae"].double()
-    clip_l, clip_g = c["clip_l"].double(), c["clip_g"].double()
+    clip_l, clip_g, t5_model = c["clip_l"].double(), c["clip_g"].double(), c["t5xxl"].double()
     item = run.tset.samples[i]
     assert not run.tset.flip(i, epoch)
     rgb = np.asarray(Image.open(item.path).convert("RGB"), dtype=np.float64)
@@ -45,8 +46,11 @@ def _reference_loss(run, epoch, i):
         lg = torch.cat([l_states.hidden_states[-2], g_states.hidden_states[-2]], dim=-1)
         pooled = torch.cat([l_states.text_embeds, g_states.text_embeds], dim=-1)
         width = mmdit.config.context_dim
-        context = torch.cat([torch.nn.functional.pad(lg, (0, width - lg.shape[-1])),
-                             torch.zeros(1, 77, width, dtype=torch.float64)], dim=1)
+        t5_ids = c["tokenizer_t5"]([run.tset.caption(i, epoch)], max_length=256, padding="max_length",
+                                   truncation=True, return_tensors="pt")["input_ids"]
+        t5_states = t5_model(input_ids=t5_ids).last_hidden_state
+        assert t5_states.shape == (1, 256, width)
+        context = torch.cat([torch.nn.functional.pad(lg, (0, width - lg.shape[-1])), t5_states], dim=1)
         out = mmdit(x_t, torch.tensor([float(t)], dtype=torch.float64), pooled, context)
     return float(((x_t - sigma * out - x0) ** 2).mean())
 
@@ -76,12 +80,16 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
     initial = sd3_builtins.build_builtin("tiny-sd3")
     for k, v in m.vae.state_dict().items():
         assert torch.equal(v, initial["vae"].state_dict()[k]), k
+    assert "t5xxl" in m.in_source and m.t5xxl is None  # carried through: no T5 loader given here
+    for k, v in initial["t5xxl"].state_dict().items():
+        if k != "encoder.embed_tokens.weight":  # tied to shared.weight
+            assert torch.equal(m.t5xxl_state_dict[k], v), k
     assert not torch.equal(initial["mmdit"].state_dict()["x_embedder.proj.weight"],
                            trained["x_embedder.proj.weight"])
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--t5xxl", "t5.safetensors"], "t5xxl: not with the SD3 model"),
+    (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
     (["--min_snr_gamma", "5"], "min_snr_gamma: not with the SD3 model"),
 ])
@@ -145,7 +153,7 @@ def test_sd3_options_change_the_loss_or_the_encoding(dataset):
     t1, t3 = draw(opts()), draw(opts("--training_shift", "3.0"))
     assert bool((t3 >= t1).all()) and bool((t3 > t1).any())  # a shift above 1 moves toward noise
     bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
-                                               clip_g=None, ae=None, allow_pickle=False))
+                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
 
     def states(o):
         fm = family_model_for(bundle, o)
@@ -153,3 +161,54 @@ def test_sd3_options_change_the_loss_or_the_encoding(dataset):
             return fm.encode(fm.tokenize(["a red square"]), None).hidden_states
 
     assert not torch.allclose(states(opts()), states(opts("--apply_lg_attn_mask")))
+
+
+@pytest.mark.parametrize("argv", [[], ["--apply_t5_attn_mask", "--t5xxl_max_token_length", "16"],
+                                  ["--apply_lg_attn_mask"]])
+def test_sd3_context_is_clip_padded_then_t5(dataset, argv):
+    """The SD3 family model's conditioning against a hand computation from the built-in
+    components in float64: context = [CLIP-L | CLIP-G penultimate states, zero-padded to the
+    context width] then T5's last states (t5xxl_max_token_length tokens, default 256, as sd-scripts'
+    SD3), the masks given to the encoders only with apply_lg_attn_mask / apply_t5_attn_mask;
+    pooled = CLIP-L pooled | CLIP-G projected pooled."""
+    from types import SimpleNamespace
+
+    from library.config.parse import parse_args
+    from library.models import sd3_builtins
+    from library.models.flow_family import family_model_for, load_from_options
+
+    opts = parse_args("finetune", sd3_args(dataset, "unused", *argv))
+    bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
+                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
+    for enc in bundle.text_encoders:
+        enc.double()
+    fm = family_model_for(bundle, opts)
+    captions = ["a red square", "a photo of sks dog in the style of blue painting"]
+    with torch.no_grad():
+        got = fm.encode(fm.tokenize(captions), None)
+
+    c = sd3_builtins.build_builtin("tiny-sd3")
+    length = 16 if "--t5xxl_max_token_length" in argv else 256
+    lg_mask, t5_mask = "--apply_lg_attn_mask" in argv, "--apply_t5_attn_mask" in argv
+
+    def tok(tokenizer, n):
+        return tokenizer(captions, max_length=n, padding="max_length", truncation=True, return_tensors="pt")
+
+    with torch.no_grad():
+        states, pooled = [], []
+        for enc, tk in ((c["clip_l"], c["tokenizer_l"]), (c["clip_g"], c["tokenizer_g"])):
+            t = tok(tk, 77)
+            out = enc.double()(input_ids=t["input_ids"], attention_mask=t["attention_mask"] if lg_mask else None,
+                               output_hidden_states=True)
+            states.append(out.hidden_states[-2])
+            pooled.append(out.text_embeds)
+        t = tok(c["tokenizer_t5"], length)
+        t5_states = c["t5xxl"].double()(input_ids=t["input_ids"],
+                                        attention_mask=t["attention_mask"] if t5_mask else None).last_hidden_state
+    width = bundle.unet.config.context_dim
+    lg = torch.cat(states, dim=-1)
+    want = torch.cat([torch.cat([lg, torch.zeros(2, 77, width - lg.shape[-1], dtype=lg.dtype)], dim=-1),
+                      t5_states], dim=1)
+    assert got.hidden_states.shape == (2, 77 + length, width)
+    assert float((got.hidden_states - want).abs().max()) <= 1e-10
+    assert float((got.pooled - torch.cat(pooled, dim=-1)).abs().max()) <= 1e-10
