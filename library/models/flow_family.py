@@ -56,8 +56,6 @@ UNSUPPORTED = {
     "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "not wired for FLUX.1 yet",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
-    "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
-    "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
     "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
     "validation_split": "the validation loss is not wired for FLUX.1 yet",
     "sample_prompts": "FLUX.1 sample images are not wired yet",
@@ -177,6 +175,7 @@ class FluxFamilyModel(FamilyModel):
     2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity."""
 
     family = "flux"
+    conditioning_type = FluxTextConditioning
 
     def __init__(self, transformer, text_encoders, tokenizers, *, t5_max_length: int,
                  guidance_scale: float, apply_t5_attn_mask: bool, rewrite=None):
@@ -191,6 +190,9 @@ class FluxFamilyModel(FamilyModel):
             captions = [self.rewrite(c) for c in captions]
         t = flux_text.tokenize(self.tokenizers[0], self.tokenizers[1], list(captions), self.t5_max_length)
         return [t.clip_ids, t.t5_ids, t.t5_attn_mask]
+
+    def cache_identity(self) -> dict:
+        return {"t5_max_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask}
 
     def encode(self, token_ids: list, clip_skip: int | None) -> FluxTextConditioning:
 
@@ -240,6 +242,12 @@ class SD3FamilyModel(FamilyModel):
         t5_tok = self.tokenizers[2] if len(self.tokenizers) > 2 else None
         t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1], t5_tok, self.t5_max_length)
         return [t.l_ids, t.g_ids, t.l_mask, t.g_mask] + ([t.t5_ids, t.t5_mask] if t5_tok is not None else [])
+
+    def cache_identity(self) -> dict:
+        with_t5 = len(self.tokenizers) > 2
+        return {"t5_max_length": self.t5_max_length if with_t5 else None, "with_t5": with_t5,
+                "apply_lg_attn_mask": self.apply_lg_attn_mask,
+                "apply_t5_attn_mask": self.apply_t5_attn_mask and with_t5}
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
 

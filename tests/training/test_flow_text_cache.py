@@ -1,0 +1,79 @@
+"""The text-encoder output cache for FLUX.1 and SD3 (cache_text_encoder_outputs, ..._to_disk):
+a cached run trains the same weights as an uncached one (SGD, one thread; the cache holds what the
+step would compute: FLUX.1's T5 states, CLIP-L pooled and T5 mask, SD3's context and pooled); a
+second run over the same data loads every entry from disk; changing t5xxl_max_token_length (or
+apply_t5_attn_mask) misses, and the entries then hold the new length."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from tests.conftest import read
+
+MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3"}
+
+
+def _args(model, data, out, *extra):
+    return ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
+            "--resolution", "64", "--max_train_steps", "2", "--learning_rate", "0.5",
+            "--optimizer_type", "SGD", "--cache_latents", "--seed", "7", "--train_batch_size", "2",
+            "--t5xxl_max_token_length", "16", "--apply_t5_attn_mask", *extra]
+
+
+def _initial(family):
+    from library.models import sd3_builtins, tiny_flux
+
+    if family == "flux":
+        return tiny_flux.build_tiny_flux("dev")["transformer"].state_dict()
+    return sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
+
+
+def _weights(run):
+    return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_cached_run_equals_uncached_and_the_disk_cache_is_keyed(family, dataset, tmp_path, train):
+    model = MODELS[family]
+    cache = str(tmp_path / "cache")
+    rc, _, err, plain = train("finetune", _args(model, dataset, str(tmp_path / "plain")))
+    assert rc == 0, err[-2000:]
+    assert plain.parts.caches.text is None
+    rc, _, err, cached = train("finetune", _args(model, dataset, str(tmp_path / "cached"),
+                                                 "--cache_text_encoder_outputs_to_disk", "--cache_dir", cache))
+    assert rc == 0, err[-2000:]
+    assert cached.parts.caches.text is not None
+    a, b = _weights(plain), _weights(cached)
+    for k in a:  # the same encodings, up to the last bits of a batch-of-2 against a batch-of-1 GEMM
+        assert float((a[k] - b[k]).norm()) / max(float(b[k].norm()), 1e-4) <= 1e-5, k
+    initial = _initial(family)  # trained: not a comparison of two untouched models
+    assert sum(not torch.equal(a[k], initial[k]) for k in a) > len(a) // 2
+
+    files = sorted(glob.glob(os.path.join(cache, "te-*.safetensors")))
+    assert len(files) == 2  # make_sample_dataset's two captions
+    tensors, _ = read(files[0])
+    if family == "flux":  # T5 states (16 tokens), CLIP-L pooled, the T5 mask
+        assert set(tensors) == {"hidden_states", "pooled", "t5_attn_mask"}
+        assert tensors["hidden_states"].shape[0] == 16 and tensors["t5_attn_mask"].shape == (16,)
+    else:  # context: 77 CLIP tokens, then 16 T5 tokens
+        assert set(tensors) == {"hidden_states", "pooled"}
+        assert tensors["hidden_states"].shape[0] == 77 + 16
+
+    def cache_line(*extra):
+        rc, out, err, _ = train("finetune", _args(model, dataset, str(tmp_path / "again"),
+                                                  "--cache_text_encoder_outputs_to_disk", "--cache_dir", cache,
+                                                  "--max_train_steps", "1", *extra))
+        assert rc == 0, err[-2000:]
+        return [line[line.index("text-encoder cache:"):] for line in (out + err).splitlines()
+                if "text-encoder cache:" in line]
+
+    assert cache_line() == ["text-encoder cache: 2 caption(s), 2 loaded from disk, encoding 0"]
+    assert cache_line("--t5xxl_max_token_length", "8") == [
+        "text-encoder cache: 2 caption(s), 0 loaded from disk, encoding 2"]
+    files = sorted(glob.glob(os.path.join(cache, "te-*.safetensors")))
+    assert len(files) == 4
+    lengths = sorted(read(f)[0]["hidden_states"].shape[0] for f in files)
+    assert lengths == ([8, 8, 16, 16] if family == "flux" else [85, 85, 93, 93])
