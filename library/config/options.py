@@ -176,6 +176,15 @@ OPTIONS: tuple[Option, ...] = (
       "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
     O("apply_t5_attn_mask", "bool", False, "FLUX.1 / SD3: pass the T5 padding mask to T5 (FLUX.1: "
       "also to the transformer's attention; sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
+    # SD3's text-encoder dropout (sd-scripts' sd3_train_utils; library/models/flow_family.py)
+    O("clip_l_dropout_rate", "float", 0.0, "SD3: probability that a training sample's CLIP-L output "
+      "(its states and pooled part) is zeros, drawn per sample and epoch (sd-scripts' "
+      "--clip_l_dropout_rate); also with cache_text_encoder_outputs.", "model", scripts=NOT_TI,
+      min=0, max=1),
+    O("clip_g_dropout_rate", "float", 0.0, "SD3: likewise for CLIP-G's output (sd-scripts' "
+      "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
+    O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
+      "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -922,8 +931,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
     *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
                  "SD3"),
-    *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
-                 "pos_emb_random_crop_rate", "l", "SD3"),
+    *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
+    *_gui_family("enable_scaled_pos_embed pos_emb_random_crop_rate", "l", "SD3"),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
     GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
     *_gui_family("attn_mode split_attn qwen3 qwen3_max_token_length llm_adapter_path "

@@ -32,6 +32,9 @@ class Options:
     t5xxl_max_token_length: int | None = ...  # default None
     apply_lg_attn_mask: bool = ...  # default False
     apply_t5_attn_mask: bool = ...  # default False
+    clip_l_dropout_rate: float = ...  # default 0.0
+    clip_g_dropout_rate: float = ...  # default 0.0
+    t5_dropout_rate: float = ...  # default 0.0
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False

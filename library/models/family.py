@@ -168,6 +168,11 @@ class FamilyModel:
         families': nothing beyond text_cache.encoder_identity's own parts)."""
         return {}
 
+    def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:
+        """A training batch's conditioning with per-sample text-encoder dropout (``seeds``: one
+        per sample); only SD3 has one (clip_l / clip_g / t5_dropout_rate)."""
+        return cond
+
     def _device(self, te):
         return next(te.parameters()).device
 

@@ -38,7 +38,8 @@ NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
-                "training_shift", "apply_lg_attn_mask")
+                "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
+                "t5_dropout_rate")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -77,7 +78,9 @@ UNSUPPORTED_BY_FAMILY = {
     "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
              "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
              "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
-             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
+             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
+             **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
+                for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")}},
     "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
@@ -229,8 +232,10 @@ class SD3FamilyModel(FamilyModel):
     family = "sd3"
 
     def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
-                 apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH, rewrite=None):
+                 apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH,
+                 dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0), rewrite=None):
         super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
+        self.dropout_rates = tuple(dropout_rates)  # CLIP-L, CLIP-G, T5
         self.apply_lg_attn_mask = apply_lg_attn_mask
         self.apply_t5_attn_mask = apply_t5_attn_mask
         self.t5_max_length = t5_max_length
@@ -257,6 +262,42 @@ class SD3FamilyModel(FamilyModel):
         context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
         return TextConditioning(context, pooled)
 
+    def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:
+        """sd-scripts' SD3 text-encoder dropout: per sample, CLIP-L, then CLIP-G, then T5 is
+        dropped with its rate (a draw only for a rate above 0, as sd-scripts' ``rate > 0 and
+        random() < rate``, here from random.Random(seed) of the sample): its states and its part
+        of the pooled vector become zeros (its mask too in sd-scripts, which the MMDiT does not
+        read). On the joined context: CLIP-L's states are features [0, width_l) of the first 77
+        tokens, CLIP-G's the next width_g, T5's every token after them."""
+        import random
+
+        import torch
+
+        if not any(self.dropout_rates):
+            return cond
+        drops = []
+        for seed in seeds:
+            rng = random.Random(seed)
+            drops.append([rate > 0 and rng.random() < rate for rate in self.dropout_rates])
+        if not any(any(d) for d in drops):
+            return cond
+        ctx, pooled = cond.hidden_states, cond.pooled
+        wl, wg = (enc.config.hidden_size for enc in self.text_encoders[:2])
+        pl = self.text_encoders[0].config.projection_dim
+        n = sd3_text.CLIP_LENGTH
+        zero_ctx = torch.zeros(ctx.shape, dtype=torch.bool, device=ctx.device)
+        zero_pooled = torch.zeros(pooled.shape, dtype=torch.bool, device=pooled.device)
+        for k, (l, g, t) in enumerate(drops):
+            if l:
+                zero_ctx[k, :n, :wl] = True
+                zero_pooled[k, :pl] = True
+            if g:
+                zero_ctx[k, :n, wl:wl + wg] = True
+                zero_pooled[k, pl:] = True
+            if t:
+                zero_ctx[k, n:] = True
+        return TextConditioning(torch.where(zero_ctx, 0.0, ctx), torch.where(zero_pooled, 0.0, pooled))
+
     def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
         dtype, dev = noisy_latents.dtype, noisy_latents.device
         return self.unet(noisy_latents, timesteps.to(dev, dtype), cond.pooled.to(dev, dtype),
@@ -269,7 +310,9 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
         return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
                               apply_lg_attn_mask=opts.apply_lg_attn_mask,
                               apply_t5_attn_mask=opts.apply_t5_attn_mask,
-                              t5_max_length=opts.t5xxl_max_token_length or SD3_T5_MAX_LENGTH, rewrite=rewrite)
+                              t5_max_length=opts.t5xxl_max_token_length or SD3_T5_MAX_LENGTH,
+                              dropout_rates=(opts.clip_l_dropout_rate, opts.clip_g_dropout_rate,
+                                             opts.t5_dropout_rate), rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)

@@ -21,7 +21,9 @@ def sd3_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i):
+def _reference_loss(run, epoch, i, text_dropped=False):
+    """``text_dropped``: every encoder dropped (clip_l / clip_g / t5_dropout_rate 1): the context
+    and the pooled vector all zeros."""
     from library.data import step_plan
     from library.models import sd3_builtins, sd3_text
 
@@ -51,6 +53,8 @@ def _reference_loss(run, epoch, i):
         t5_states = t5_model(input_ids=t5_ids).last_hidden_state
         assert t5_states.shape == (1, 256, width)
         context = torch.cat([torch.nn.functional.pad(lg, (0, width - lg.shape[-1])), t5_states], dim=1)
+        if text_dropped:
+            context, pooled = torch.zeros_like(context), torch.zeros_like(pooled)
         out = mmdit(x_t, torch.tensor([float(t)], dtype=torch.float64), pooled, context)
     return float(((x_t - sigma * out - x0) ** 2).mean())
 
@@ -163,6 +167,40 @@ def test_sd3_options_change_the_loss_or_the_encoding(dataset):
     assert not torch.allclose(states(opts()), states(opts("--apply_lg_attn_mask")))
 
 
+def _hand_conditioning(captions, length, lg_mask, t5_mask, drops=None):
+    """SD3's (context, pooled) in float64 from the built-in components called directly: CLIP-L |
+    CLIP-G penultimate states zero-padded to the context width, then T5's last states; pooled
+    CLIP-L | CLIP-G. ``drops``: per caption (clip_l, clip_g, t5) booleans: that encoder's states
+    and pooled part zeros."""
+    from library.models import sd3_builtins
+
+    c = sd3_builtins.build_builtin("tiny-sd3")
+    drops = drops or [(False, False, False)] * len(captions)
+
+    def tok(tokenizer, n):
+        return tokenizer(captions, max_length=n, padding="max_length", truncation=True, return_tensors="pt")
+
+    def keep(x, which):  # zeros for the captions that drop encoder ``which``
+        return torch.stack([torch.zeros_like(x[k]) if d[which] else x[k] for k, d in enumerate(drops)])
+
+    with torch.no_grad():
+        states, pooled = [], []
+        for which, (enc, tk) in enumerate(((c["clip_l"], c["tokenizer_l"]), (c["clip_g"], c["tokenizer_g"]))):
+            t = tok(tk, 77)
+            out = enc.double()(input_ids=t["input_ids"], attention_mask=t["attention_mask"] if lg_mask else None,
+                               output_hidden_states=True)
+            states.append(keep(out.hidden_states[-2], which))
+            pooled.append(keep(out.text_embeds, which))
+        t = tok(c["tokenizer_t5"], length)
+        t5_states = c["t5xxl"].double()(input_ids=t["input_ids"],
+                                        attention_mask=t["attention_mask"] if t5_mask else None).last_hidden_state
+    width = c["mmdit"].config.context_dim
+    lg = torch.cat(states, dim=-1)
+    context = torch.cat([torch.cat([lg, torch.zeros(len(captions), 77, width - lg.shape[-1], dtype=lg.dtype)],
+                                   dim=-1), keep(t5_states, 2)], dim=1)
+    return context, torch.cat(pooled, dim=-1)
+
+
 @pytest.mark.parametrize("argv", [[], ["--apply_t5_attn_mask", "--t5xxl_max_token_length", "16"],
                                   ["--apply_lg_attn_mask"]])
 def test_sd3_context_is_clip_padded_then_t5(dataset, argv):
@@ -174,7 +212,6 @@ def test_sd3_context_is_clip_padded_then_t5(dataset, argv):
     from types import SimpleNamespace
 
     from library.config.parse import parse_args
-    from library.models import sd3_builtins
     from library.models.flow_family import family_model_for, load_from_options
 
     opts = parse_args("finetune", sd3_args(dataset, "unused", *argv))
@@ -187,28 +224,75 @@ def test_sd3_context_is_clip_padded_then_t5(dataset, argv):
     with torch.no_grad():
         got = fm.encode(fm.tokenize(captions), None)
 
-    c = sd3_builtins.build_builtin("tiny-sd3")
     length = 16 if "--t5xxl_max_token_length" in argv else 256
-    lg_mask, t5_mask = "--apply_lg_attn_mask" in argv, "--apply_t5_attn_mask" in argv
-
-    def tok(tokenizer, n):
-        return tokenizer(captions, max_length=n, padding="max_length", truncation=True, return_tensors="pt")
-
-    with torch.no_grad():
-        states, pooled = [], []
-        for enc, tk in ((c["clip_l"], c["tokenizer_l"]), (c["clip_g"], c["tokenizer_g"])):
-            t = tok(tk, 77)
-            out = enc.double()(input_ids=t["input_ids"], attention_mask=t["attention_mask"] if lg_mask else None,
-                               output_hidden_states=True)
-            states.append(out.hidden_states[-2])
-            pooled.append(out.text_embeds)
-        t = tok(c["tokenizer_t5"], length)
-        t5_states = c["t5xxl"].double()(input_ids=t["input_ids"],
-                                        attention_mask=t["attention_mask"] if t5_mask else None).last_hidden_state
+    want, want_pooled = _hand_conditioning(captions, length, "--apply_lg_attn_mask" in argv,
+                                           "--apply_t5_attn_mask" in argv)
     width = bundle.unet.config.context_dim
-    lg = torch.cat(states, dim=-1)
-    want = torch.cat([torch.cat([lg, torch.zeros(2, 77, width - lg.shape[-1], dtype=lg.dtype)], dim=-1),
-                      t5_states], dim=1)
     assert got.hidden_states.shape == (2, 77 + length, width)
     assert float((got.hidden_states - want).abs().max()) <= 1e-10
-    assert float((got.pooled - torch.cat(pooled, dim=-1)).abs().max()) <= 1e-10
+    assert float((got.pooled - want_pooled).abs().max()) <= 1e-10
+
+
+def test_sd3_text_encoder_dropout_against_a_seeded_hand_computation(dataset):
+    """clip_l / clip_g / t5_dropout_rate (sd-scripts' SD3 semantics): per sample, with
+    random.Random(its seed), CLIP-L then CLIP-G then T5 is dropped when random() < its rate, a
+    draw only for a rate above 0; a dropped encoder's states and pooled part are zeros. Checked
+    against the float64 conditioning with those encoders zeroed by hand."""
+    import random
+    from types import SimpleNamespace
+
+    from library.config.parse import parse_args
+    from library.models.flow_family import family_model_for, load_from_options
+
+    rates = (0.5, 0.0, 0.5)  # CLIP-G's 0: no draw, T5 takes the second one
+    opts = parse_args("finetune", sd3_args(dataset, "unused", "--t5xxl_max_token_length", "8",
+                                           "--clip_l_dropout_rate", "0.5", "--t5_dropout_rate", "0.5"))
+    bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
+                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
+    for enc in bundle.text_encoders:
+        enc.double()
+    fm = family_model_for(bundle, opts)
+    captions = ["a red square", "a blue circle", "sks dog", "a photo", "green", "the cat"]
+    seeds = [1000 + k for k in range(len(captions))]
+    with torch.no_grad():
+        got = fm.drop_encoders(fm.encode(fm.tokenize(captions), None), seeds)
+    drops = []
+    for seed in seeds:
+        r = random.Random(seed)
+        dl = r.random() < rates[0]
+        dt = r.random() < rates[2]
+        drops.append((dl, False, dt))
+    assert any(d[0] for d in drops) and any(d[2] for d in drops) and not all(d[0] and d[2] for d in drops)
+    want, want_pooled = _hand_conditioning(captions, 8, False, False, drops)
+    assert float((got.hidden_states - want).abs().max()) <= 1e-10
+    assert float((got.pooled - want_pooled).abs().max()) <= 1e-10
+    # the rate is a probability per sample: of 1000 samples about half drop CLIP-L, about half T5
+    from library.models.family import TextConditioning
+
+    ones = TextConditioning(torch.ones(1000, 77 + 8, 128), torch.ones(1000, 96))
+    out = fm.drop_encoders(ones, list(range(1000)))
+    l_dropped = (out.pooled[:, :32] == 0).all(dim=1)
+    t5_dropped = (out.hidden_states[:, 77:] == 0).flatten(1).all(dim=1)
+    assert 430 < int(l_dropped.sum()) < 570 and 430 < int(t5_dropped.sum()) < 570
+    assert bool((out.pooled[:, 32:] == 1).all())  # CLIP-G's rate 0: never dropped
+    assert bool(((out.hidden_states[:, :77, :32] == 0).flatten(1).all(dim=1) == l_dropped).all())
+
+
+def test_sd3_every_encoder_dropped_trains_on_zero_text(dataset, tmp_path, train):
+    """With all three dropout rates 1 the first micro-step's loss is the float64 reference's with
+    a zero context and pooled vector; the dropout also applies to cached outputs."""
+    losses = []
+
+    def record(run, epoch, idx, loss):
+        losses.append((epoch, list(idx), float(loss.detach())))
+        return loss
+
+    rates = ["--clip_l_dropout_rate", "1", "--clip_g_dropout_rate", "1", "--t5_dropout_rate", "1"]
+    for extra in ([], ["--cache_text_encoder_outputs"]):
+        losses.clear()
+        with HOOKS.add(after_micro_step=record):
+            rc, _, err, run = train("finetune", sd3_args(dataset, str(tmp_path / f"o{len(extra)}"), *rates,
+                                                         *extra, "--max_train_steps", "1"))
+        assert rc == 0, err
+        epoch, idx, loss = losses[0]
+        assert loss == pytest.approx(_reference_loss(run, epoch, idx[0], text_dropped=True), rel=1e-4, abs=1e-7)
