@@ -77,3 +77,28 @@ def test_cached_run_equals_uncached_and_the_disk_cache_is_keyed(family, dataset,
     assert len(files) == 4
     lengths = sorted(read(f)[0]["hidden_states"].shape[0] for f in files)
     assert lengths == ([8, 8, 16, 16] if family == "flux" else [85, 85, 93, 93])
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_caption_dropout_uses_the_empty_caption_cached_or_not(family, dataset, tmp_path, train):
+    """caption_dropout_rate (sd-scripts: the caption is replaced by the empty one before the
+    encoders): with rate 1 every sample trains on the encoding of "" (T5: only </s>), read from
+    the cache's entry of "" with cache_text_encoder_outputs; cached and uncached train the same
+    weights, and the run differs from one without dropout."""
+    model = MODELS[family]
+    base = ["--t5xxl_max_token_length", "8", "--max_train_steps", "1"]
+    plain = _weights(_ok(train, _args(model, dataset, str(tmp_path / "a"), *base)))
+    runs = [_ok(train, _args(model, dataset, str(tmp_path / f"d{k}"), *base, "--caption_dropout_rate", "1", *extra))
+            for k, extra in enumerate(([], ["--cache_text_encoder_outputs"]))]
+    assert all(runs[0].tset.caption(i, 0) == "" for i in range(len(runs[0].tset.samples)))
+    assert "" in runs[1].parts.caches.text
+    a, b = _weights(runs[0]), _weights(runs[1])
+    for k in a:
+        assert float((a[k] - b[k]).norm()) / max(float(b[k].norm()), 1e-4) <= 1e-5, k
+    assert any(not torch.equal(a[k], plain[k]) for k in a)
+
+
+def _ok(train, args):
+    rc, _, err, run = train("finetune", args)
+    assert rc == 0, err[-2000:]
+    return run
