@@ -61,6 +61,15 @@ def test_cached_run_equals_uncached_and_the_disk_cache_is_keyed(family, dataset,
     else:  # context: 77 CLIP tokens, then 16 T5 tokens
         assert set(tensors) == {"hidden_states", "pooled"}
         assert tensors["hidden_states"].shape[0] == 77 + 16
+        # the text encoders left memory after caching and came back for the save, bit for bit
+        from library.models import sd3_builtins, sd3_checkpoint
+
+        saved, _ = read(str(tmp_path / "cached" / "last.safetensors"))
+        built = sd3_builtins.build_builtin("tiny-sd3")
+        for name in ("clip_g", "t5xxl"):
+            for k, v in built[name].state_dict().items():
+                key = sd3_checkpoint.TE_PREFIX[name] + k
+                assert key in saved and torch.equal(saved[key], v), key
 
     def cache_line(*extra):
         rc, out, err, _ = train("finetune", _args(model, dataset, str(tmp_path / "again"),
