@@ -296,3 +296,40 @@ def test_sd3_every_encoder_dropped_trains_on_zero_text(dataset, tmp_path, train)
         assert rc == 0, err
         epoch, idx, loss = losses[0]
         assert loss == pytest.approx(_reference_loss(run, epoch, idx[0], text_dropped=True), rel=1e-4, abs=1e-7)
+
+
+def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp_path):
+    """``t5xxl`` with an SD3 model: a T5 file (transformers layout, as sd-scripts' t5xxl files;
+    this one carries its tiny tokenizer) replaces the model's own T5; a T5 whose width is not the
+    MMDiT's context width is refused in one line naming the option."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from library.models import t5
+    from library.models.flow_family import FlowFamilyError, load_from_options
+
+    other, tok = t5.build_tiny_t5(128)
+    with torch.no_grad():
+        for p in other.parameters():  # not the built-in's T5 (the same seed): halved
+            p.mul_(0.5)
+    sd = {k: v.contiguous() for k, v in other.state_dict().items() if k != "encoder.embed_tokens.weight"}
+    path = str(tmp_path / "t5xxl.safetensors")
+    save_file(sd, path, metadata=t5.t5_file_metadata(other, tok))
+
+    def load(p):
+        return load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
+                                                 clip_g=None, t5xxl=p, ae=None, allow_pickle=False))
+
+    b = load(path)
+    got = b.text_encoders[2].state_dict()
+    assert all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    assert b.tokenizers[2].get_vocab() == tok.get_vocab()
+
+    narrow, tok32 = t5.build_tiny_t5(32)
+    path32 = str(tmp_path / "t5_32.safetensors")
+    save_file({k: v.contiguous() for k, v in narrow.state_dict().items() if k != "encoder.embed_tokens.weight"},
+              path32, metadata=t5.t5_file_metadata(narrow, tok32))
+    with pytest.raises(FlowFamilyError, match=r"^t5xxl: the T5 encoder is 32 wide; the SD3 model tiny-sd3 "
+                                              r"reads 128-wide text tokens$"):
+        load(path32)
