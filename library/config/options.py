@@ -226,6 +226,9 @@ OPTIONS: tuple[Option, ...] = (
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),
+    O("text_encoder_batch_size", "int", None, "Captions per text-encoder batch when caching their "
+      "outputs (sd-scripts' FLUX.1 / SD3 option); unset = vae_batch_size (sd-scripts: the dataset's "
+      "batch size). Speed and memory only.", "dataset", min=1, scripts=NOT_TI),
     O("text_encoder_cache_variants", "int", 4, "With cached text-encoder outputs and shuffle_caption or "
       "caption_tag_dropout_rate: augmented variants cached per caption, one picked per sample and "
       "epoch (caption dropout uses one cached empty caption).", "dataset", min=1, scripts=NOT_TI),
@@ -929,8 +932,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
-    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
-                 "SD3"),
+    GuiKey("text_encoder_batch_size", "ldf", "option"),
+    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype", "ldf", "SD3"),
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
     *_gui_family("enable_scaled_pos_embed pos_emb_random_crop_rate", "l", "SD3"),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),

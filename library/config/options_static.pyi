@@ -51,6 +51,7 @@ class Options:
     cache_dir: str | None = ...  # default None
     cache_text_encoder_outputs: bool = ...  # default False
     cache_text_encoder_outputs_to_disk: bool = ...  # default False
+    text_encoder_batch_size: int | None = ...  # default None
     text_encoder_cache_variants: int = ...  # default 4
     flip_aug: bool = ...  # default False
     random_crop: bool = ...  # default False

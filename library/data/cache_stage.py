@@ -54,7 +54,8 @@ def text(opts, tset, acc, b, family_model, placement) -> dict:
                                            extra=_family_parts(opts, family_model))
     return text_cache.encode_captions(
         family_model, wanted, identity, clip_skip=opts.clip_skip,
-        batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
+        batch_size=opts.text_encoder_batch_size or max(1, opts.vae_batch_size), device=acc.device,
+        autocast=acc.autocast,
         to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)
 
 

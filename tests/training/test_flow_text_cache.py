@@ -111,3 +111,29 @@ def _ok(train, args):
     rc, _, err, run = train("finetune", args)
     assert rc == 0, err[-2000:]
     return run
+
+
+def test_text_encoder_batch_size_sets_the_caching_batches(dataset, tmp_path, train, monkeypatch):
+    """text_encoder_batch_size (sd-scripts' option): the captions are encoded for the cache in
+    batches of that many; unset, in batches of vae_batch_size (1); the entries are the same."""
+    from library.models.flow_family import SD3FamilyModel
+
+    sizes = []
+    real = SD3FamilyModel.encode
+
+    def spy(self, token_ids, clip_skip):
+        sizes.append(int(token_ids[0].shape[0]))
+        return real(self, token_ids, clip_skip)
+
+    monkeypatch.setattr(SD3FamilyModel, "encode", spy)
+    entries = []
+    for k, extra in enumerate(([], ["--text_encoder_batch_size", "2"])):
+        sizes.clear()
+        run = _ok(train, _args("tiny-sd3", dataset, str(tmp_path / f"o{k}"), "--cache_text_encoder_outputs",
+                               "--max_train_steps", "1", *extra))
+        assert sizes == ([1, 1] if not extra else [2])  # two captions; training reads the cache
+        entries.append(run.parts.caches.text)
+    assert entries[0].keys() == entries[1].keys()
+    for cap in entries[0]:
+        a, b = entries[0][cap].hidden_states, entries[1][cap].hidden_states
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
