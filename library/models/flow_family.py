@@ -57,7 +57,6 @@ UNSUPPORTED = {
     "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "not wired for FLUX.1 yet",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
-    "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
     "validation_split": "the validation loss is not wired for FLUX.1 yet",
     "sample_prompts": "FLUX.1 sample images are not wired yet",
     "vae": "the 16-channel autoencoder is the ae option",
@@ -80,8 +79,12 @@ UNSUPPORTED_BY_FAMILY = {
              "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
              **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
-                for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")}},
-    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
+                for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
+             "train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and "
+                                   "T5 stay frozen)"},
+    "sd3": {"train_text_encoder": "not wired for SD3 yet (sd-scripts' sd3_train.py trains CLIP-L / CLIP-G "
+                                  "at learning_rate_te1 / te2); the MMDiT trains, the text encoders stay frozen",
+            "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'

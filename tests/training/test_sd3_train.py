@@ -96,6 +96,7 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
     (["--min_snr_gamma", "5"], "min_snr_gamma: not with the SD3 model"),
+    (["--train_text_encoder"], "train_text_encoder: not with the SD3 model tiny-sd3: not wired for SD3 yet"),
 ])
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
@@ -333,3 +334,15 @@ def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp
     with pytest.raises(FlowFamilyError, match=r"^t5xxl: the T5 encoder is 32 wide; the SD3 model tiny-sd3 "
                                               r"reads 128-wide text tokens$"):
         load(path32)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--t5_dropout_rate", "0.1"], "t5_dropout_rate: not with the FLUX.1 model tiny-flux: SD3's text-encoder dropout"),
+    (["--train_text_encoder"], "train_text_encoder: not with the FLUX.1 model tiny-flux: sd-scripts' "
+                               "flux_train.py trains the transformer alone"),
+])
+def test_sd3_text_options_refused_for_flux_in_one_line(dataset, tmp_path, run_script, extra, message):
+    args = sd3_args(dataset, str(tmp_path / "o"), *extra)
+    args[args.index("tiny-sd3")] = "tiny-flux"
+    rc, _, err = run_script("finetune", args)
+    assert rc != 0 and message in err and "Traceback" not in err
