@@ -137,3 +137,39 @@ def test_text_encoder_batch_size_sets_the_caching_batches(dataset, tmp_path, tra
     for cap in entries[0]:
         a, b = entries[0][cap].hidden_states, entries[1][cap].hidden_states
         assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+
+
+def test_the_key_follows_the_separate_encoder_files_and_the_family_parts(tmp_path):
+    """The text-encoder cache key of a FLUX.1 / SD3 run changes with a rewritten t5xxl (or
+    clip_l / clip_g) file and with the family model's parts (T5 length, masks); an SD family
+    model adds no part, so SD keys are what they were."""
+    import time
+    from types import SimpleNamespace
+
+    from library.data import cache_stage, text_cache
+    from library.models.family import FamilyModel
+
+    t5_file = tmp_path / "t5xxl.safetensors"
+    t5_file.write_bytes(b"one")
+    bundle = SimpleNamespace(identity="model", family="flux", tokenizers=[])
+    opts = SimpleNamespace(clip_l=None, clip_g=None, t5xxl=str(t5_file))
+
+    def key(parts):
+        fm = SimpleNamespace(cache_identity=lambda: dict(parts))
+        extra = cache_stage._family_parts(opts, fm)
+        return text_cache.encoder_identity(bundle, "float32", None, None, extra=extra)
+
+    first = key({"t5_max_length": 512, "apply_t5_attn_mask": False})
+    assert key({"t5_max_length": 512, "apply_t5_attn_mask": False}) == first
+    assert key({"t5_max_length": 256, "apply_t5_attn_mask": False}) != first
+    assert key({"t5_max_length": 512, "apply_t5_attn_mask": True}) != first
+    time.sleep(0.01)
+    t5_file.write_bytes(b"other")  # another T5 file at the same path
+    assert key({"t5_max_length": 512, "apply_t5_attn_mask": False}) != first
+
+    assert FamilyModel.cache_identity(None) == {}
+    opts.t5xxl = None
+    sd_bundle = SimpleNamespace(identity="model", family="sd1", tokenizers=[])
+    assert text_cache.encoder_identity(sd_bundle, "float32", None, None,
+                                       extra=cache_stage._family_parts(opts, SimpleNamespace(cache_identity=dict))) == \
+        text_cache.encoder_identity(sd_bundle, "float32", None, None)
