@@ -165,16 +165,26 @@ OPTIONS: tuple[Option, ...] = (
       scripts=NOT_TI),
     O("clip_g", "path", None, "SD3: the CLIP-G text encoder file (sd-scripts' --clip_g); replaces "
       "the main file's own.", "model", scripts=NOT_TI),
-    O("t5xxl", "path", None, "FLUX.1: the T5-XXL text encoder file beside a single-file transformer "
-      "(sd-scripts' --t5xxl). SD3 trains without T5 here (refused).", "model", scripts=NOT_TI),
+    O("t5xxl", "path", None, "FLUX.1 / SD3: the T5-XXL text encoder file beside a single-file "
+      "transformer (sd-scripts' --t5xxl); SD3 without one (and with none in its file) trains with "
+      "77 zero tokens in T5's place, as sd-scripts.", "model", scripts=NOT_TI),
     O("ae", "path", None, "FLUX.1 / SD3: the 16-channel autoencoder file beside a single-file "
       "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
-    O("t5xxl_max_token_length", "int", None, "FLUX.1: T5 prompt length in tokens; unset = sd-scripts' "
-      "default of the variant (dev 512, schnell 256).", "model", scripts=NOT_TI, min=1),
+    O("t5xxl_max_token_length", "int", None, "FLUX.1 / SD3: T5 prompt length in tokens; unset = "
+      "sd-scripts' default (FLUX.1 dev 512, schnell 256; SD3 256).", "model", scripts=NOT_TI, min=1),
     O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
       "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
-    O("apply_t5_attn_mask", "bool", False, "FLUX.1: pass the T5 padding mask to T5 and to the "
-      "transformer's attention (sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
+    O("apply_t5_attn_mask", "bool", False, "FLUX.1 / SD3: pass the T5 padding mask to T5 (FLUX.1: "
+      "also to the transformer's attention; sd-scripts' --apply_t5_attn_mask).", "model", scripts=NOT_TI),
+    # SD3's text-encoder dropout (sd-scripts' sd3_train_utils; library/models/flow_family.py)
+    O("clip_l_dropout_rate", "float", 0.0, "SD3: probability that a training sample's CLIP-L output "
+      "(its states and pooled part) is zeros, drawn per sample and epoch (sd-scripts' "
+      "--clip_l_dropout_rate); also with cache_text_encoder_outputs.", "model", scripts=NOT_TI,
+      min=0, max=1),
+    O("clip_g_dropout_rate", "float", 0.0, "SD3: likewise for CLIP-G's output (sd-scripts' "
+      "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
+    O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
+      "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -216,6 +226,9 @@ OPTIONS: tuple[Option, ...] = (
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),
+    O("text_encoder_batch_size", "int", None, "Captions per text-encoder batch when caching their "
+      "outputs (sd-scripts' FLUX.1 / SD3 option); unset = vae_batch_size (sd-scripts: the dataset's "
+      "batch size). Speed and memory only.", "dataset", min=1, scripts=NOT_TI),
     O("text_encoder_cache_variants", "int", 4, "With cached text-encoder outputs and shuffle_caption or "
       "caption_tag_dropout_rate: augmented variants cached per caption, one picked per sample and "
       "epoch (caption dropout uses one cached empty caption).", "dataset", min=1, scripts=NOT_TI),
@@ -919,10 +932,10 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
-    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
-                 "SD3"),
-    *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
-                 "pos_emb_random_crop_rate", "l", "SD3"),
+    GuiKey("text_encoder_batch_size", "ldf", "option"),
+    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype", "ldf", "SD3"),
+    *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
+    *_gui_family("enable_scaled_pos_embed pos_emb_random_crop_rate", "l", "SD3"),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
     GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
     *_gui_family("attn_mode split_attn qwen3 qwen3_max_token_length llm_adapter_path "

@@ -32,6 +32,9 @@ class Options:
     t5xxl_max_token_length: int | None = ...  # default None
     apply_lg_attn_mask: bool = ...  # default False
     apply_t5_attn_mask: bool = ...  # default False
+    clip_l_dropout_rate: float = ...  # default 0.0
+    clip_g_dropout_rate: float = ...  # default 0.0
+    t5_dropout_rate: float = ...  # default 0.0
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False
@@ -48,6 +51,7 @@ class Options:
     cache_dir: str | None = ...  # default None
     cache_text_encoder_outputs: bool = ...  # default False
     cache_text_encoder_outputs_to_disk: bool = ...  # default False
+    text_encoder_batch_size: int | None = ...  # default None
     text_encoder_cache_variants: int = ...  # default 4
     flip_aug: bool = ...  # default False
     random_crop: bool = ...  # default False

@@ -12,9 +12,11 @@ results as the run's ``caches`` (library/run/run_state.py).
 from __future__ import annotations
 
 import logging
+import os
 
 from library.data import held_out, latent_cache, text_cache
 from library.data.latent_cache import latent_slot
+from library.models.loading import path_identity
 
 logger = logging.getLogger("sdtk")
 
@@ -48,8 +50,21 @@ def text(opts, tset, acc, b, family_model, placement) -> dict:
         wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
     te_dtype = placement.text_encoders[0]  # float8 with fp8_base: its outputs differ
     identity = text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
-                                           weighted=opts.weighted_captions)
+                                           weighted=opts.weighted_captions,
+                                           extra=_family_parts(opts, family_model))
     return text_cache.encode_captions(
         family_model, wanted, identity, clip_skip=opts.clip_skip,
-        batch_size=max(1, opts.vae_batch_size), device=acc.device, autocast=acc.autocast,
+        batch_size=opts.text_encoder_batch_size or max(1, opts.vae_batch_size), device=acc.device,
+        autocast=acc.autocast,
         to_disk=opts.cache_text_encoder_outputs_to_disk, log=logger)
+
+
+def _family_parts(opts, family_model) -> dict:
+    """The family model's own key parts and the identities of separate text-encoder files
+    (FLUX.1 / SD3's clip_l, clip_g, t5xxl: another T5 file is another encoding)."""
+    parts = dict(family_model.cache_identity())
+    for name in ("clip_l", "clip_g", "t5xxl"):
+        value = getattr(opts, name)
+        if value:
+            parts[name] = path_identity(os.path.expanduser(value))
+    return parts

@@ -2,7 +2,9 @@
 
 What is cached is exactly what the training step would compute: ``family_model.encode`` of the
 tokenized caption (SD1/SD2: the hidden states after clip skip; SDXL: both encoders' penultimate
-hidden states and text_encoder_2's pooled output), under the run's autocast.
+hidden states and text_encoder_2's pooled output; FLUX.1: T5's states, CLIP-L's pooled output and
+the T5 attention mask; SD3: the MMDiT's context, CLIP-L|G and T5, and the pooled CLIP-L|G), under
+the run's autocast: one tensor per field of the family model's ``conditioning_type``.
 
 Caption augmentation keeps working (beyond sd-scripts, which refuses it): caption dropout uses
 one cached encoding of the empty caption, and ``shuffle_caption`` / ``caption_tag_dropout_rate``
@@ -10,12 +12,14 @@ use ``text_encoder_cache_variants`` cached variants per caption, one picked per 
 (``TrainingSet.cached_caption``).
 
 An entry's key is sha256 over the processed caption and the encoder identity (the model's
-identity, family, tokenizer vocabularies, dtype, clip_skip, max token length, weighted_captions
-and a format version). On disk: ``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written
+identity, family, tokenizer vocabularies, dtype, clip_skip, max token length, weighted_captions,
+a format version, and what the family model adds: FLUX.1 / SD3's T5 length and attention-mask
+options, and the separate clip_l / clip_g / t5xxl files' identities). On disk: ``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written
 atomically; a file that cannot be read, or holds another key, is recomputed with a warning.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,7 +38,9 @@ FORMAT_VERSION = 1
 
 
 def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None,
-                     weighted: bool = False) -> str:
+                     weighted: bool = False, extra: dict | None = None) -> str:
+    """``extra``: more parts of the key (the family model's cache_identity, the encoder files);
+    empty for the SD families, whose keys stay as they were."""
     h = hashlib.sha256()
     # max_tokens: the tokens a caption is encoded to, BOS and EOS included (77, 152 or 227)
     parts = {"v": FORMAT_VERSION, "model": bundle.identity, "family": bundle.family,
@@ -42,6 +48,8 @@ def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = No
              "max_tokens": chunk_count(max_token_length) * CHUNK + 2}
     if weighted:  # "(red:1.2)" encodes differently with weighted_captions; unweighted keys unchanged
         parts["weighted_captions"] = True
+    if extra:
+        parts["family_parts"] = extra
     h.update(json.dumps(parts, sort_keys=True).encode())
     for tok in bundle.tokenizers:
         h.update(json.dumps(sorted(tok.get_vocab().items())).encode())
@@ -56,7 +64,11 @@ def _path(folder: str, key: str) -> str:
     return os.path.join(folder, f"te-{key}.safetensors")
 
 
-def _load(path: str, key: str):
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _load(path: str, key: str, cls=TextConditioning):
     from safetensors import safe_open
 
     if not os.path.isfile(path):
@@ -64,21 +76,21 @@ def _load(path: str, key: str):
     try:
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
-            hidden = f.get_tensor("hidden_states")
-            pooled = f.get_tensor("pooled") if "pooled" in f.keys() else None
+            names = set(f.keys())
+            values = {n: f.get_tensor(n) if n in names else None for n in _fields(cls)}
     except Exception as e:  # truncated or garbled file
         raise ValueError(first_line(e)) from None
     if meta.get("sdtk.text_key") != key:
         raise ValueError("it was written for another key")
-    if not torch.isfinite(hidden).all():
+    if values["hidden_states"] is None:
+        raise ValueError("no hidden_states")
+    if not all(torch.isfinite(v).all() for v in values.values() if v is not None and v.is_floating_point()):
         raise ValueError("non-finite values")
-    return TextConditioning(hidden, pooled)
+    return cls(**values)
 
 
 def _save(path: str, key: str, cond: TextConditioning) -> None:
-    tensors = {"hidden_states": cond.hidden_states.contiguous()}
-    if cond.pooled is not None:
-        tensors["pooled"] = cond.pooled.contiguous()
+    tensors = {n: getattr(cond, n).contiguous() for n in _fields(type(cond)) if getattr(cond, n) is not None}
     with atomic_path(path) as tmp:
         safetensors_file.save(tensors, tmp, metadata={"sdtk.text_key": key})
 
@@ -90,6 +102,7 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
     of one caption (hidden (77, D), or (n*75+2, D) with a long max_token_length; pooled (P,) or
     None). Encodes only what the disk lacks."""
     out: dict[str, TextConditioning] = {}
+    cls = family_model.conditioning_type
     missing = []
     loaded = 0
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
@@ -100,7 +113,7 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
         if to_disk and folder is not None:
             path = _path(folder, key)
             try:
-                out[caption] = _load(path, key)
+                out[caption] = _load(path, key, cls)
                 loaded += 1
                 continue
             except FileNotFoundError:
@@ -116,8 +129,8 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
         with torch.no_grad(), autocast():
             cond = family_model.encode(tokens, clip_skip)
         for j, caption in enumerate(chunk):
-            one = TextConditioning(cond.hidden_states[j].detach().cpu().clone(),
-                                   None if cond.pooled is None else cond.pooled[j].detach().cpu().clone())
+            one = type(cond)(**{n: None if getattr(cond, n) is None else getattr(cond, n)[j].detach().cpu().clone()
+                                for n in _fields(type(cond))})
             out[caption] = one
             folder = wanted[caption]
             if to_disk and folder is not None:
@@ -126,8 +139,7 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
 
 
 def stack(entries: list[TextConditioning], device) -> TextConditioning:
-    hidden = torch.stack([e.hidden_states for e in entries]).to(device)
-    pooled = None
-    if entries[0].pooled is not None:
-        pooled = torch.stack([e.pooled for e in entries]).to(device)
-    return TextConditioning(hidden, pooled)
+    """One batch of cached entries (each field stacked; a field None in the entries stays None)."""
+    cls = type(entries[0])
+    return cls(**{n: None if getattr(entries[0], n) is None else
+                  torch.stack([getattr(e, n) for e in entries]).to(device) for n in _fields(cls)})

@@ -106,6 +106,7 @@ def _final_layer_norm(text_encoder):
 
 class FamilyModel:
     family = ""
+    conditioning_type = TextConditioning  # what encode returns (a text-encoder cache entry's fields)
 
     def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None,
                  weighted: bool = False, rewrite=None):
@@ -161,6 +162,16 @@ class FamilyModel:
 
     def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(noisy_latents.dtype)).sample
+
+    def cache_identity(self) -> dict:
+        """What else changes this family's encodings, for the text-encoder cache key (the SD
+        families': nothing beyond text_cache.encoder_identity's own parts)."""
+        return {}
+
+    def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:
+        """A training batch's conditioning with per-sample text-encoder dropout (``seeds``: one
+        per sample); only SD3 has one (clip_l / clip_g / t5_dropout_rate)."""
+        return cond
 
     def _device(self, te):
         return next(te.parameters()).device

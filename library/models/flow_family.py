@@ -13,7 +13,8 @@ forward) and the full-model save in the layout the transformer was loaded from.
 The bundle's slots: ``unet`` the FLUX transformer (the denoiser), ``vae`` the 16-channel
 autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels computes them),
 ``text_encoders`` [CLIP-L, T5], ``tokenizers`` [CLIP, T5]; no DDPM scheduler
-(library/training/flow_loss.py draws the noise levels). SD3 is not wired here yet.
+(library/training/flow_loss.py draws the noise levels). SD3's bundle: ``text_encoders`` [CLIP-L,
+CLIP-G] and T5 when the model has one, ``tokenizers`` likewise.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from library.config.options import OPTIONS_BY_NAME
 from library.errors import UserError
 from library.models.family import FamilyModel, TextConditioning
 from library.models.family import family_model_for as sd_family_model_for
-from library.models import flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, tiny_flux
+from library.models import (flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, t5,
+                            tiny_flux)
 
 logger = logging.getLogger("sdtk")
 
@@ -36,7 +38,8 @@ NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
-                "training_shift", "apply_lg_attn_mask")
+                "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
+                "t5_dropout_rate")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -54,9 +57,6 @@ UNSUPPORTED = {
     "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "not wired for FLUX.1 yet",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
-    "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
-    "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
-    "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
     "validation_split": "the validation loss is not wired for FLUX.1 yet",
     "sample_prompts": "FLUX.1 sample images are not wired yet",
     "vae": "the 16-channel autoencoder is the ae option",
@@ -77,13 +77,16 @@ UNSUPPORTED_BY_FAMILY = {
     "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
              "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
              "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
-             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
-    "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
-                     "without t5xxl); T5 is not wired yet",
-            "t5xxl_max_token_length": "SD3 trains without T5 here",
-            "apply_t5_attn_mask": "SD3 trains without T5 here",
+             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
+             **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
+                for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
+             "train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and "
+                                   "T5 stay frozen)"},
+    "sd3": {"train_text_encoder": "not wired for SD3 yet (sd-scripts' sd3_train.py trains CLIP-L / CLIP-G "
+                                  "at learning_rate_te1 / te2); the MMDiT trains, the text encoders stay frozen",
             "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
+SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
 
 
@@ -138,15 +141,25 @@ def _load_sd3(opts) -> loading.ModelBundle:
 
     src = opts.pretrained_model_name_or_path
     with loading.quiet_progress():
-        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, ae=opts.ae,
-                                    allow_pickle=opts.allow_pickle)
+        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=opts.ae,
+                                    t5_loader=t5.model_from_state_dict, allow_pickle=opts.allow_pickle)
     for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
         part.eval()
+    encoders, tokenizers = [m.clip_l, m.clip_g], [m.tokenizer_l, m.tokenizer_g]
+    if m.t5xxl is not None:  # without T5: 77 zero tokens in its place (sd-scripts without t5xxl)
+        width, ctx = m.t5xxl.config.d_model, m.mmdit.config.context_dim
+        if width != ctx:
+            raise FlowFamilyError(f"t5xxl: the T5 encoder is {width} wide; the SD3 model {src} reads "
+                                  f"{ctx}-wide text tokens")
+        if m.tokenizer_t5 is None:
+            m.tokenizer_t5 = t5.load_t5_tokenizer(None)
+        encoders.append(m.t5xxl.eval())
+        tokenizers.append(m.tokenizer_t5)
     path = os.path.expanduser(str(src))
     ident = loading.path_identity(path) if os.path.exists(path) else f"builtin:{src}"
     ae_ident = loading.path_identity(os.path.expanduser(opts.ae)) if opts.ae else ident + ":vae"
-    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=[m.clip_l, m.clip_g],
-                               tokenizers=[m.tokenizer_l, m.tokenizer_g], noise_scheduler=None,
+    return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=encoders,
+                               tokenizers=tokenizers, noise_scheduler=None,
                                v_parameterization=False, source=str(src), identity=ident,
                                vae_identity=ae_ident, flow=m)
 
@@ -168,6 +181,7 @@ class FluxFamilyModel(FamilyModel):
     2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity."""
 
     family = "flux"
+    conditioning_type = FluxTextConditioning
 
     def __init__(self, transformer, text_encoders, tokenizers, *, t5_max_length: int,
                  guidance_scale: float, apply_t5_attn_mask: bool, rewrite=None):
@@ -182,6 +196,9 @@ class FluxFamilyModel(FamilyModel):
             captions = [self.rewrite(c) for c in captions]
         t = flux_text.tokenize(self.tokenizers[0], self.tokenizers[1], list(captions), self.t5_max_length)
         return [t.clip_ids, t.t5_ids, t.t5_attn_mask]
+
+    def cache_identity(self) -> dict:
+        return {"t5_max_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask}
 
     def encode(self, token_ids: list, clip_skip: int | None) -> FluxTextConditioning:
 
@@ -208,31 +225,81 @@ class FluxFamilyModel(FamilyModel):
 
 
 class SD3FamilyModel(FamilyModel):
-    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each); encode -> the MMDiT's context
-    (CLIP-L | CLIP-G penultimate states zero-padded to the context width, then 77 zero tokens in
-    T5's place) and pooled CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the
-    MMDiT with the timestep 1000 sigma (flow_matching.model_timesteps)."""
+    """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each), then with T5 [T5 ids, T5 mask]
+    (t5_max_length each); encode -> the MMDiT's context (CLIP-L | CLIP-G penultimate states
+    zero-padded to the context width, then T5's states, or 77 zero tokens without T5) and pooled
+    CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the MMDiT with the timestep
+    1000 sigma (flow_matching.model_timesteps). The masks only reach the encoders (with
+    apply_lg_attn_mask / apply_t5_attn_mask): sd-scripts' MMDiT attends to every token."""
 
     family = "sd3"
 
     def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
-                 rewrite=None):
+                 apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH,
+                 dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0), rewrite=None):
         super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
+        self.dropout_rates = tuple(dropout_rates)  # CLIP-L, CLIP-G, T5
         self.apply_lg_attn_mask = apply_lg_attn_mask
+        self.apply_t5_attn_mask = apply_t5_attn_mask
+        self.t5_max_length = t5_max_length
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
 
         if self.rewrite is not None:
             captions = [self.rewrite(c) for c in captions]
-        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1])
-        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask]
+        t5_tok = self.tokenizers[2] if len(self.tokenizers) > 2 else None
+        t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1], t5_tok, self.t5_max_length)
+        return [t.l_ids, t.g_ids, t.l_mask, t.g_mask] + ([t.t5_ids, t.t5_mask] if t5_tok is not None else [])
+
+    def cache_identity(self) -> dict:
+        with_t5 = len(self.tokenizers) > 2
+        return {"t5_max_length": self.t5_max_length if with_t5 else None, "with_t5": with_t5,
+                "apply_lg_attn_mask": self.apply_lg_attn_mask,
+                "apply_t5_attn_mask": self.apply_t5_attn_mask and with_t5}
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
 
         enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids), *self.text_encoders,
-                              apply_lg_attn_mask=self.apply_lg_attn_mask)
+                              apply_lg_attn_mask=self.apply_lg_attn_mask,
+                              apply_t5_attn_mask=self.apply_t5_attn_mask)
         context, pooled = sd3_text.condition(enc, self.unet.config.context_dim)
         return TextConditioning(context, pooled)
+
+    def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:
+        """sd-scripts' SD3 text-encoder dropout: per sample, CLIP-L, then CLIP-G, then T5 is
+        dropped with its rate (a draw only for a rate above 0, as sd-scripts' ``rate > 0 and
+        random() < rate``, here from random.Random(seed) of the sample): its states and its part
+        of the pooled vector become zeros (its mask too in sd-scripts, which the MMDiT does not
+        read). On the joined context: CLIP-L's states are features [0, width_l) of the first 77
+        tokens, CLIP-G's the next width_g, T5's every token after them."""
+        import random
+
+        import torch
+
+        if not any(self.dropout_rates):
+            return cond
+        drops = []
+        for seed in seeds:
+            rng = random.Random(seed)
+            drops.append([rate > 0 and rng.random() < rate for rate in self.dropout_rates])
+        if not any(any(d) for d in drops):
+            return cond
+        ctx, pooled = cond.hidden_states, cond.pooled
+        wl, wg = (enc.config.hidden_size for enc in self.text_encoders[:2])
+        pl = self.text_encoders[0].config.projection_dim
+        n = sd3_text.CLIP_LENGTH
+        zero_ctx = torch.zeros(ctx.shape, dtype=torch.bool, device=ctx.device)
+        zero_pooled = torch.zeros(pooled.shape, dtype=torch.bool, device=pooled.device)
+        for k, (l, g, t) in enumerate(drops):
+            if l:
+                zero_ctx[k, :n, :wl] = True
+                zero_pooled[k, :pl] = True
+            if g:
+                zero_ctx[k, :n, wl:wl + wg] = True
+                zero_pooled[k, pl:] = True
+            if t:
+                zero_ctx[k, n:] = True
+        return TextConditioning(torch.where(zero_ctx, 0.0, ctx), torch.where(zero_pooled, 0.0, pooled))
 
     def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
         dtype, dev = noisy_latents.dtype, noisy_latents.device
@@ -244,7 +311,11 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
     """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
     if bundle.family == "sd3":
         return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
-                              apply_lg_attn_mask=opts.apply_lg_attn_mask, rewrite=rewrite)
+                              apply_lg_attn_mask=opts.apply_lg_attn_mask,
+                              apply_t5_attn_mask=opts.apply_t5_attn_mask,
+                              t5_max_length=opts.t5xxl_max_token_length or SD3_T5_MAX_LENGTH,
+                              dropout_rates=(opts.clip_l_dropout_rate, opts.clip_g_dropout_rate,
+                                             opts.t5_dropout_rate), rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)

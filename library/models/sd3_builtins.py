@@ -9,8 +9,10 @@ released architectures (library/models/sd3.py), SD3's CLIP-L, CLIP-G and VAE, CL
 tokenizer.
 
 All random weights from fixed seeds (two builds are bit-identical), CLIP as
-CLIPTextModelWithProjection with CLIP-L's projection the identity (SAI's CLIP-L has none). The T5
-slot is empty: the conditioning then has 77 zero tokens (sd-scripts without t5xxl).
+CLIPTextModelWithProjection with CLIP-L's projection the identity (SAI's CLIP-L has none). The tiny
+models have a tiny T5 (t5.build_tiny_t5) as wide as their MMDiT's context (as T5-XXL's 4096 is
+SD3's) with its offline tokenizer; the full-size ones leave the T5 slot empty (T5-XXL alone is
+4.7 billion parameters; the conditioning then has 77 zero tokens, sd-scripts without t5xxl).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import tempfile
 
 import torch
 
-from library.models import sd3, sd3_text, sd3_vae, tiny_models
+from library.models import sd3, sd3_text, sd3_vae, t5, tiny_models
 
 NAMES = {"tiny-sd3": "sd3", "tiny-sd3.5-medium": "sd3.5-medium", "tiny-sd3.5-large": "sd3.5-large"}
 ARCH_NAMES = {"sd3-arch": sd3.SD3_MEDIUM, "sd3.5-medium-arch": sd3.SD35_MEDIUM, "sd3.5-large-arch": sd3.SD35_LARGE}
@@ -42,8 +44,9 @@ def variant_of(name: str) -> str | None:
 
 
 def build_builtin(name: str, device: str | torch.device | None = None) -> dict:
-    """Components of a built-in model: mmdit, clip_l, clip_g, vae, tokenizer_l, tokenizer_g;
-    ``device`` "meta" builds the shapes only (for counting parameters)."""
+    """Components of a built-in model: mmdit, clip_l, clip_g, vae, tokenizer_l, tokenizer_g (and
+    for the tiny ones t5xxl, tokenizer_t5); ``device`` "meta" builds the shapes only (for counting
+    parameters)."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -68,6 +71,8 @@ def build_builtin(name: str, device: str | torch.device | None = None) -> dict:
     if name in ARCH_NAMES:
         out["tokenizer_l"], out["tokenizer_g"] = sd3_text.shipped_tokenizers()
         return out
+    with torch.device(device or "cpu"):
+        out["t5xxl"], out["tokenizer_t5"] = t5.build_tiny_t5(mmdit_cfg.context_dim)
     with tempfile.TemporaryDirectory() as tmp:
         tiny_models.write_tokenizer(tmp)
         out["tokenizer_l"] = CLIPTokenizer.from_pretrained(tmp)

@@ -17,7 +17,9 @@ diffusers' own conversion). Files this toolkit writes carry `sdtk.sd3_config` (C
 tokenizer configs) so that tiny or custom sizes load offline; other files use SD3's real configs.
 
 The T5 encoder is not built here (another module's job): `t5_loader(state_dict, source)` builds one
-from transformers-layout T5 weights; without it, T5 weights are carried through unchanged.
+from transformers-layout T5 weights; without it, T5 weights are carried through unchanged. A T5
+tokenizer of a small vocabulary (the tiny models') travels in the record (`tokenizer_t5`), or in a
+separate t5xxl file's own (library/models/t5.py), or in a diffusers folder's `tokenizer_3`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_dir, atomic_path
-from library.models import embedded_config, sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint
+from library.models import embedded_config, sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint, t5
 from library.models.loading import quiet_progress
 from library.models.sd3 import SD3ModelError
 
@@ -269,6 +271,8 @@ def config_record(model: SD3Model) -> dict:
             rec["vae"]["_use_default_values"] = sorted(rec["vae"]["_use_default_values"])
     if model.tokenizer_l is not None:
         rec["tokenizer_l"] = _tokenizer_record(model.tokenizer_l)
+    if model.tokenizer_t5 is not None and len(model.tokenizer_t5.get_vocab()) < t5.T5XXL_CONFIG["vocab_size"] - 100:
+        rec["tokenizer_t5"] = embedded_config.tokenizer_files(model.tokenizer_t5)  # a tiny vocabulary
     return json.loads(json.dumps(rec, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
 
 
@@ -314,7 +318,9 @@ def load_sd3(name_or_path: str, *, clip_l: str | None = None, clip_g: str | None
         comps = sd3_builtins.build_builtin(name_or_path)
         model = SD3Model(comps["mmdit"], comps["clip_l"], comps["clip_g"], comps["vae"], comps["tokenizer_l"],
                          comps["tokenizer_g"], source=name_or_path, layout=LAYOUT_FILE,
-                         in_source=frozenset({"mmdit", "clip_l", "clip_g", "vae"}))
+                         in_source=frozenset({"mmdit", "clip_l", "clip_g", "vae"}
+                                             | ({"t5xxl"} if "t5xxl" in comps else set())),
+                         t5xxl=comps.get("t5xxl"), tokenizer_t5=comps.get("tokenizer_t5"))
     else:
         raise SD3ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")
     # separate files of this model's own (maybe tiny) sizes
@@ -340,9 +346,11 @@ def _replace_separate(model: SD3Model, separate: dict, record: dict | None, t5_l
         sd, _ = _read(separate["ae"], "ae", allow_pickle)
         model.vae = sd3_vae.load_vae(sd, separate["ae"], (record or {}).get("vae"))
     if separate.get("t5xxl"):
-        sd, _ = _read(separate["t5xxl"], "t5xxl", allow_pickle)
+        sd, meta = _read(separate["t5xxl"], "t5xxl", allow_pickle)
         sd = _without(TE_PREFIX["t5xxl"], sd) if any(k.startswith(TE_PREFIX["t5xxl"]) for k in sd) else sd
         _set_t5(model, sd, separate["t5xxl"], t5_loader, in_source=False)
+        model.tokenizer_t5 = t5.tokenizer_of_record(embedded_config.read_record(meta, t5.META_CONFIG_KEY,
+                                                                                separate["t5xxl"]))
 
 
 def _set_t5(model: SD3Model, sd: dict, source: str, t5_loader, in_source: bool) -> None:
@@ -385,6 +393,8 @@ def _load_file(path: str, t5_loader, allow_pickle: bool, separate: dict) -> SD3M
     if t5_part and not separate.get("t5xxl"):
         _set_t5(model, t5_part, path, t5_loader, in_source=True)
         model.in_source = model.in_source | {"t5xxl"}
+        if (record or {}).get("tokenizer_t5"):
+            model.tokenizer_t5 = t5.tokenizer_of_record({"tokenizer": record["tokenizer_t5"]})
     _replace_separate(model, separate, record, t5_loader, allow_pickle)
     for which, option in (("clip_l", "clip_l"), ("clip_g", "clip_g"), ("vae", "ae")):
         if getattr(model, which) is None:
@@ -433,6 +443,10 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
     t5_dir = os.path.join(folder, "text_encoder_3")
     if os.path.isdir(t5_dir) and t5_loader is not None:
         model.t5xxl = t5_loader(_folder_state_dict(t5_dir), t5_dir)
+    if os.path.isdir(os.path.join(folder, "tokenizer_3")):
+        from transformers import T5Tokenizer
+
+        model.tokenizer_t5 = T5Tokenizer.from_pretrained(folder, subfolder="tokenizer_3")
     return model
 
 
@@ -457,8 +471,13 @@ def single_file_state_dict(model: SD3Model, components=None) -> dict:
                 del sd["text_projection.weight"]  # SAI's CLIP-L has none (the loader restores the identity)
             out.update({TE_PREFIX[which] + k: v for k, v in sd.items()})
     if "t5xxl" in components:
-        t5 = model.t5xxl.state_dict() if model.t5xxl is not None else (model.t5xxl_state_dict or {})
-        out.update({TE_PREFIX["t5xxl"] + k: v for k, v in t5.items()})
+        t5_sd = model.t5xxl.state_dict() if model.t5xxl is not None else dict(model.t5xxl_state_dict or {})
+        tied = t5_sd.get("encoder.embed_tokens.weight")
+        if tied is not None and "shared.weight" in t5_sd and tied.data_ptr() == t5_sd["shared.weight"].data_ptr():
+            # one tensor under two names: both written (diffusers' single-file T5 loader reads
+            # encoder.embed_tokens, ComfyUI's shared), as a copy (safetensors refuses shared memory)
+            t5_sd["encoder.embed_tokens.weight"] = tied.detach().clone()
+        out.update({TE_PREFIX["t5xxl"] + k: v for k, v in t5_sd.items()})
     if "vae" in components and model.vae is not None:
         out.update(sd3_vae.to_original(model.vae))
     return out

@@ -59,18 +59,20 @@ def build_tiny_tokenizer(max_length: int = 512):
     return T5Tokenizer(vocab=tiny_vocab(), extra_ids=0, model_max_length=max_length)
 
 
-def tiny_config(vocab_size: int) -> dict:
-    return dict(T5XXL_CONFIG, vocab_size=vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
+def tiny_config(vocab_size: int, d_model: int = 32) -> dict:
+    return dict(T5XXL_CONFIG, vocab_size=vocab_size, d_model=d_model, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
 
 
-def build_tiny_t5():
-    """(T5EncoderModel, tokenizer) of the tiny built-in T5: random weights from a fixed seed."""
+def build_tiny_t5(d_model: int = 32):
+    """(T5EncoderModel, tokenizer) of the tiny built-in T5: random weights from a fixed seed;
+    ``d_model`` its output width (tiny-flux 32; tiny-sd3 the MMDiT's context width, as T5-XXL's
+    4096 is SD3's)."""
     from transformers import T5Config, T5EncoderModel
 
     tok = build_tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
-        model = T5EncoderModel(T5Config(**tiny_config(len(tok)))).eval()
+        model = T5EncoderModel(T5Config(**tiny_config(len(tok), d_model))).eval()
     return model, tok
 
 
@@ -115,12 +117,27 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
     """A T5EncoderModel from a ``t5xxl`` single file (fp16 / bf16 / fp32, or fp8-stored: up-cast
     to ``dtype``). Returns (model, tokenizer or None): files this toolkit writes carry their
     tokenizer; others use T5-XXL's (load_t5_tokenizer)."""
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
-
     sd, meta = read_state_dict(path)
-    sd = fp8_storage.load_dtype(sd, dtype, path)
     record = embedded_config.read_record(meta, META_CONFIG_KEY, path)
-    cfg = (record or {}).get("config") or config_from_state_dict(sd, path)
+    return model_from_state_dict(sd, path, dtype, (record or {}).get("config")), tokenizer_of_record(record)
+
+
+def tokenizer_of_record(record: dict | None):
+    """The tokenizer a file this toolkit wrote carries (t5_file_metadata's record), else None."""
+    from transformers import T5Tokenizer
+
+    if record and record.get("tokenizer"):
+        return embedded_config.tokenizer_from_files(T5Tokenizer, record["tokenizer"])
+    return None
+
+
+def model_from_state_dict(sd: dict, path: str, dtype: torch.dtype = torch.float32, config: dict | None = None):
+    """A T5EncoderModel from transformers-layout weights (``config`` None: read from the shapes);
+    fp8-stored weights are up-cast to ``dtype``. One line naming ``path`` when they do not fit."""
+    from transformers import T5Config, T5EncoderModel
+
+    sd = fp8_storage.load_dtype(dict(sd), dtype, path)
+    cfg = config or config_from_state_dict(sd, path)
     # Either name of the token embedding may be missing: both are the same tensor.
     emb = sd.get("shared.weight", sd.get("encoder.embed_tokens.weight"))
     if emb is None:
@@ -136,10 +153,7 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
         name = (missing or unexpected)[0]
         raise ModelError(f"{path}: T5 encoder {'missing' if missing else 'unexpected'} tensor {name}")
     model.tie_weights()
-    tok = None
-    if record and record.get("tokenizer"):
-        tok = embedded_config.tokenizer_from_files(T5Tokenizer, record["tokenizer"])
-    return model.eval(), tok
+    return model.eval()
 
 
 def load_t5_tokenizer(location: str | None):

@@ -95,7 +95,7 @@ RESUMABLE_CHANGES = {
     "fused_reductions_in_flight": "speed and memory (the same weights bit for bit)",
     "ddp_bucket_cap_mb": "speed",
     "gradient_checkpointing": "memory", "highvram": "memory", "sdpa": "speed", "xformers": "speed",
-    "vae_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
+    "vae_batch_size": "speed", "text_encoder_batch_size": "speed", "cache_latents": "speed", "cache_latents_to_disk": "speed",
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
     "cache_text_encoder_outputs": "speed (frozen text encoders only)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only)",

@@ -124,7 +124,12 @@ class BatchLoss:
         d = self.losses.draw(latents, [torch.Generator().manual_seed(
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
-        per_sample = self.per_sample(latents, d, lambda: self._text(idx, epoch, step), size_cond,
+        seeds = [step_plan.derive_seed("te-dropout", opts.seed, epoch, i) for i in idx]  # SD3's
+
+        def text():  # cached or encoded now, then the family's text-encoder dropout
+            return self.family_model.drop_encoders(self._text(idx, epoch, step), seeds)
+
+        per_sample = self.per_sample(latents, d, text, size_cond,
                                      mask, forward=self.strategy.forward, preserve=preserve,
                                      multiplier=multiplier, inpaint=inpaint)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0

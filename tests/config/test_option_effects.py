@@ -227,6 +227,11 @@ REFERENCE = {
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
     "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
     "apply_lg_attn_mask": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
+    # SD3's text-encoder dropout (flow-te)
+    "clip_l_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
+    "clip_g_dropout_rate": T + "training/test_sd3_train.py::test_sd3_every_encoder_dropped_trains_on_zero_text",
+    "t5_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
+    "text_encoder_batch_size": T + "training/test_flow_text_cache.py::test_text_encoder_batch_size_sets_the_caching_batches",
     "dataset_config": T + "config/test_config.py::test_separate_dataset_config_file_and_not_both",
     "dry_run": T + "config/test_bad_input.py::test_dry_run_imports_no_model_code",
     "pretrained_model_name_or_path": T + "training/test_train_lora_e2e.py::test_tiny_overfit_lowers_the_loss",

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import sd3, sd3_checkpoint, sd3_text, sd3_vae
+from library.models import sd3, sd3_checkpoint, sd3_text, sd3_vae, t5
 
 COMPONENTS = ("mmdit", "clip_l", "clip_g", "vae")
 
@@ -69,16 +69,17 @@ def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
     sd3_checkpoint.save_sd3(tiny, path)
     keys, meta = _keys(path)
     assert {k.split(".transformer.")[0] for k in keys if k.startswith("text_encoders.")} == {
-        "text_encoders.clip_l", "text_encoders.clip_g"}
+        "text_encoders.clip_l", "text_encoders.clip_g", "text_encoders.t5xxl"}  # the tiny T5 too
     assert "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight" in keys
     assert "text_encoders.clip_l.transformer.text_projection.weight" not in keys  # as in SAI's files
     assert "text_encoders.clip_g.transformer.text_projection.weight" in keys
     assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in keys
     assert "first_stage_model.encoder.down.0.block.0.conv1.weight" in keys
     assert not any("quant_conv" in k for k in keys)  # SD3's VAE has none
-    back = sd3_checkpoint.load_sd3(path)
-    _assert_same(tiny, back)
-    assert back.layout == sd3_checkpoint.LAYOUT_FILE and back.in_source == frozenset(COMPONENTS)
+    back = sd3_checkpoint.load_sd3(path, t5_loader=t5.model_from_state_dict)
+    _assert_same(tiny, back, COMPONENTS + ("t5xxl",))
+    assert back.layout == sd3_checkpoint.LAYOUT_FILE and back.in_source == frozenset(COMPONENTS + ("t5xxl",))
+    assert back.tokenizer_t5.get_vocab() == tiny.tokenizer_t5.get_vocab()  # from the file's record
 
     # diffusers' own single-file loaders read the file (transformer and VAE) to the same weights
     cfg_dir = tmp_path / "cfg"
@@ -103,6 +104,16 @@ def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
                                                     config=str(cfg_dir), local_files_only=True)
         ours = getattr(tiny, which).state_dict()
         assert all(torch.equal(v, ours[k]) for k, v in clip.state_dict().items() if not k.endswith("position_ids"))
+    from diffusers.loaders.single_file_utils import create_diffusers_t5_model_from_checkpoint
+    from transformers import T5EncoderModel
+
+    os.makedirs(cfg_dir / "text_encoder_3")
+    (cfg_dir / "text_encoder_3" / "config.json").write_text(json.dumps(tiny.t5xxl.config.to_dict()))
+    theirs = create_diffusers_t5_model_from_checkpoint(T5EncoderModel, state, subfolder="text_encoder_3",
+                                                       config=str(cfg_dir), local_files_only=True)
+    ours = tiny.t5xxl.state_dict()
+    assert theirs.state_dict().keys() == ours.keys()
+    assert all(torch.equal(v, ours[k]) for k, v in theirs.state_dict().items())
 
 
 def test_transformer_file_with_separate_component_files(tiny, tmp_path):
@@ -143,9 +154,11 @@ def test_diffusers_folder_round_trip(tiny, tmp_path):
     as_folder = sd3_checkpoint.SD3Model(**{**tiny.__dict__, "layout": sd3_checkpoint.LAYOUT_DIFFUSERS})
     sd3_checkpoint.save_sd3(as_folder, folder)
     index = json.loads(open(os.path.join(folder, "model_index.json")).read())
-    assert index["_class_name"] == "StableDiffusion3Pipeline" and index["text_encoder_3"] == [None, None]
-    back = sd3_checkpoint.load_sd3(folder)
-    _assert_same(tiny, back)
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["text_encoder_3"] == ["transformers", "T5EncoderModel"]
+    back = sd3_checkpoint.load_sd3(folder, t5_loader=t5.model_from_state_dict)
+    _assert_same(tiny, back, COMPONENTS + ("t5xxl",))
+    assert back.tokenizer_t5.get_vocab() == tiny.tokenizer_t5.get_vocab()  # tokenizer_3
     assert back.layout == sd3_checkpoint.LAYOUT_DIFFUSERS
     # diffusers' model from the saved folder computes what ours does
     ref = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", local_files_only=True).eval()
@@ -161,7 +174,7 @@ def test_diffusers_folder_round_trip(tiny, tmp_path):
 def test_t5_weights_are_carried_or_given_to_the_loader(tiny, tmp_path):
     t5 = {"shared.weight": torch.randn(10, 8), "encoder.block.0.layer.0.SelfAttention.k.weight": torch.randn(8, 8)}
     path = str(tmp_path / "with_t5.safetensors")
-    sd = sd3_checkpoint.single_file_state_dict(tiny)
+    sd = sd3_checkpoint.single_file_state_dict(tiny, COMPONENTS)
     sd.update({sd3_checkpoint.TE_PREFIX["t5xxl"] + k: v for k, v in t5.items()})
     save_file({k: v.contiguous() for k, v in sd.items()}, path,
               metadata={sd3_checkpoint.META_KEY: json.dumps(sd3_checkpoint.config_record(tiny))})
@@ -230,7 +243,8 @@ def test_fp8_stored_weights_load_upcast(tiny, tmp_path):
 
 def test_diffusers_folder_t5_given_to_the_loader_or_copied(tiny, tmp_path):
     src = str(tmp_path / "src")
-    sd3_checkpoint.save_sd3(sd3_checkpoint.SD3Model(**{**tiny.__dict__, "layout": sd3_checkpoint.LAYOUT_DIFFUSERS}), src)
+    sd3_checkpoint.save_sd3(sd3_checkpoint.SD3Model(**{**tiny.__dict__, "layout": sd3_checkpoint.LAYOUT_DIFFUSERS,
+                                                       "t5xxl": None, "tokenizer_t5": None}), src)
     t5 = {"shared.weight": torch.randn(10, 8)}
     os.makedirs(os.path.join(src, "text_encoder_3"))
     save_file(t5, os.path.join(src, "text_encoder_3", "model.safetensors"))
