@@ -66,10 +66,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from library.config import parse  # noqa: E402
 from library.data import images  # noqa: E402
 from library.data import latent_cache  # noqa: E402
 from library.models import family  # noqa: E402
+from library.models import flow_family  # noqa: E402
+from library.models import flux_checkpoint  # noqa: E402
 from library.models import loading  # noqa: E402
+from library.training import flow_matching  # noqa: E402
+from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402
 
 SIZE = 64
@@ -100,7 +105,52 @@ FAMILIES = {
     "sdxl": Family("tiny-sdxl"),
     # SD1's U-Net trained on the v target: tells the parametrisation from the rest of the chain
     "sd15-v": Family("tiny-sd15", args=("--v_parameterization",), v_parameterization=True),
+    # rectified flow: sampled with their own Euler sampler (FLUX.1 dev: 20 steps, guidance
+    # input 3.5; SD3: 30 steps, shift 3), no CFG
+    "flux": Family("tiny-flux"),
+    "sd3": Family("tiny-sd3"),
 }
+
+
+# --- the model -------------------------------------------------------------------------------
+
+def flow_of(model: str) -> str | None:
+    """"flux" / "sd3" for a FLUX.1 / SD3 model, None for SD."""
+    return flow_family.family_before_loading(model)
+
+
+def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
+    """The model ``fam.model`` with the autoencoder ``vae`` (SD: --vae; FLUX.1: --ae; SD3: its
+    own) and, when given, the trained ``weights`` file the entry script saved."""
+    flow = flow_of(fam.model)
+    if flow is None:
+        return loading.load_model_bundle(weights or fam.model, vae=vae, v_parameterization=fam.v_parameterization)
+    if flow == "sd3":  # the saved file is a whole SD3 model (MMDiT, CLIPs, VAE)
+        return flow_family.load_from_options(flow_options(weights or fam.model))
+    bundle = flow_family.load_from_options(flow_options(fam.model, ae=vae))
+    if weights:  # FLUX.1 saves the transformer alone (BFL layout)
+        trained, _ = flux_checkpoint.load_transformer(weights)
+        bundle.unet.load_state_dict(trained.state_dict())
+    return bundle
+
+
+def flow_options(model: str, **values):
+    return parse.options_from_values("train_dreambooth", {"pretrained_model_name_or_path": model, **values})
+
+
+def family_model_of(bundle):
+    """The trainer's family model (tokenize / encode / forward) with the default options."""
+    if sampling.is_flow(bundle):
+        return flow_family.family_model_for(bundle, flow_options(bundle.source))
+    return family.family_model_for(bundle)
+
+
+def model_args(fam: Family, vae: str | None) -> tuple[str, ...]:
+    """The entry script's options that give it the unit-variance autoencoder (none for SD3)."""
+    flow = flow_of(fam.model)
+    if flow == "sd3" or vae is None:
+        return ()
+    return ("--ae" if flow == "flux" else "--vae", vae)
 
 
 # --- the metric ------------------------------------------------------------------------------
@@ -196,7 +246,7 @@ def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
 
 # --- training --------------------------------------------------------------------------------
 
-def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, batch: int,
+def train(fam: Family, data: str, vae: str | None, out: str, steps: int, lr: float, batch: int,
           extra: tuple[str, ...] = (), reuse: bool = False) -> tuple[str, dict]:
     """Train through the entry script in a subprocess (one thread); the saved model's path and
     its times: wall seconds and the child's CPU seconds (the machine may be shared), start-up and
@@ -207,7 +257,7 @@ def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, bat
     cmd = [sys.executable, os.path.join(ROOT, fam.script), "--pretrained_model_name_or_path",
            fam.model, "--resolution", str(fam.size), "--train_data_dir", data, "--cache_latents",
            "--max_train_steps", str(steps), "--learning_rate", str(lr), "--train_batch_size",
-           str(batch), "--seed", str(SEED), "--vae", vae, "--output_dir", out, "--output_name", "learned",
+           str(batch), "--seed", str(SEED), *model_args(fam, vae), "--output_dir", out, "--output_name", "learned",
            "--lr_scheduler", "cosine", *fam.args, *extra]
     if reuse and os.path.isfile(path) and os.path.isfile(record):
         with open(record, encoding="utf-8") as f:
@@ -232,11 +282,12 @@ def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, bat
 
 def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: int = 1000,
                    sampler: str = "ddim") -> tuple[torch.Tensor, list[int]]:
-    """k final latents per caption, made as training's sample images are (sampling.py), from the
+    """k final latents per caption, made as training's sample images are
+    (sampling.sample_latents: SD's diffusers pipeline, FLUX.1's / SD3's Euler sampler), from the
     prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
     ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
-    family_model = family.family_model_for(bundle)
-    pipe = sampling._pipeline(bundle, inpaint=False)
+    family_model = family_model_of(bundle)
+    pipe = sampling.pipeline(bundle)
     device = torch.device("cpu")
     out, labels = [], []
     with torch.no_grad():
@@ -244,16 +295,8 @@ def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: in
             for j in range(k):
                 s = seed + i * k + j
                 p = sampling.parse_line(f"{name} --w {size} --h {size} --d {s} {options}".strip(), "learns")
-                pipe.scheduler = sampling.make_scheduler(p["sample_sampler"] or sampler,
-                                                         bundle.noise_scheduler.config)
-                pos, neg = (sampling._embeds(family_model, device, None, p[key])
-                            for key in ("prompt", "negative_prompt"))
-                kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-                if bundle.family == "sdxl":
-                    kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
-                lat = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
-                           guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(p["seed"]),
-                           output_type="latent", **kw).images
+                lat = sampling.sample_latents(bundle, family_model, p, p["seed"], device=device,
+                                              sampler=sampler, pipe=pipe)
                 out.append(lat[0].float())
                 labels.append(i)
     return torch.stack(out), labels
@@ -265,11 +308,13 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     error of the x0 it implies. An eps model's x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) multiplies
     its error by sqrt((1 - a) / a), 14.6 at t = 999; a v model's x0 = sqrt(a) x_t - sqrt(1 - a) v
     does not amplify it."""
+    if sampling.is_flow(bundle):
+        return x0_error_by_sigma(bundle, train, [t / 1000 for t in timesteps])
     family_model = family.family_model_for(bundle)
     ac = bundle.noise_scheduler.alphas_cumprod.double()
     out = {}
     with torch.no_grad():
-        conds = [sampling._embeds(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
+        conds = [sampling.prompt_conditioning(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
         g = torch.Generator().manual_seed(SEED)
         for t in timesteps:
             eps = torch.randn(train.shape, generator=g)
@@ -289,6 +334,25 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     return out
 
 
+def x0_error_by_sigma(bundle, train: torch.Tensor, sigmas) -> dict:
+    """x0_error_by_t of a flow model: x_t = (1 - sigma) x0 + sigma noise, x0 = x_t - sigma v
+    (the error of v times sigma); keyed by the timestep 1000 sigma."""
+    family_model = family_model_of(bundle)
+    out = {}
+    with torch.no_grad():
+        conds = [sampling.prompt_conditioning(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
+        g = torch.Generator().manual_seed(SEED)
+        for sigma in sigmas:
+            noise = torch.randn(train.shape, generator=g)
+            s = torch.full((len(train),), float(sigma))
+            xt = flow_matching.noisy_input(train, noise, s)
+            t = flow_matching.model_timesteps(bundle.family, s)
+            v = torch.cat([family_model.unet_forward(xt[i:i + 1], t[i:i + 1], c) for i, c in enumerate(conds)])
+            x0 = xt - sigma * v
+            out[round(sigma * 1000)] = float(((x0 - train) ** 2).mean().sqrt())
+    return out
+
+
 # --- pictures --------------------------------------------------------------------------------
 
 def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
@@ -305,6 +369,8 @@ def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
 
 def decoded(bundle, lat: torch.Tensor):
 
+    if sampling.is_flow(bundle):
+        return flow_sampling.decode_image(bundle.vae, lat[None])
     with torch.no_grad():
         x = bundle.vae.decode(lat[None].to(bundle.vae.dtype) / bundle.vae.config.scaling_factor).sample
     arr = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
@@ -357,11 +423,14 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
-    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"),
-                                 fam.size)
+    base = load_bundle(fam, None).vae
+    if flow_of(fam.model) == "sd3":  # its autoencoder comes with the model file (latent std 0.48)
+        vae, factor = None, float(base.config.scaling_factor)
+    else:
+        vae, factor = write_unit_vae(base, os.path.join(work, "vae"), fam.size)
     model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)
-    initial = loading.load_model_bundle(fam.model, vae=vae, v_parameterization=fam.v_parameterization)
-    trained = loading.load_model_bundle(model_path, vae=vae, v_parameterization=fam.v_parameterization)
+    initial = load_bundle(fam, vae)
+    trained = load_bundle(fam, vae, model_path)
     train_lat = training_latents(initial.vae, fam.size)
     before, labels = sample_latents(initial, k, fam.prompt_options, fam.size)
     after, _ = sample_latents(trained, k, fam.prompt_options, fam.size)
