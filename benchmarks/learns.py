@@ -73,6 +73,7 @@ from library.models import family  # noqa: E402
 from library.models import flow_family  # noqa: E402
 from library.models import flux_checkpoint  # noqa: E402
 from library.models import loading  # noqa: E402
+from library.models import sd3_checkpoint  # noqa: E402
 from library.training import flow_matching  # noqa: E402
 from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402
@@ -242,6 +243,16 @@ def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
     unit.register_to_config(scaling_factor=factor)
     unit.save_pretrained(folder)
     return folder, factor
+
+
+def write_unit_sd3(bundle, path: str, size: int = SIZE) -> tuple[str, float]:
+    """The SD3 model as a single file whose VAE record (sdtk.sd3_config) carries the unit-variance
+    scaling factor of write_unit_vae (SD3 takes no separate VAE folder); same weights."""
+    scaled = training_latents(bundle.vae, size)
+    factor = float(bundle.vae.config.scaling_factor / scaled.double().std())
+    bundle.vae.register_to_config(scaling_factor=factor)
+    sd3_checkpoint.save_sd3(bundle.flow, path)
+    return path, factor
 
 
 # --- training --------------------------------------------------------------------------------
@@ -423,11 +434,12 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
-    base = load_bundle(fam, None).vae
-    if flow_of(fam.model) == "sd3":  # its autoencoder comes with the model file (latent std 0.48)
-        vae, factor = None, float(base.config.scaling_factor)
+    base = load_bundle(fam, None)
+    if flow_of(fam.model) == "sd3":  # the autoencoder's factor is in the model file's record
+        source, factor = write_unit_sd3(base, os.path.join(work, "initial.safetensors"), fam.size)
+        fam, vae = dataclasses.replace(fam, model=source), None
     else:
-        vae, factor = write_unit_vae(base, os.path.join(work, "vae"), fam.size)
+        vae, factor = write_unit_vae(base.vae, os.path.join(work, "vae"), fam.size)
     model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)
     initial = load_bundle(fam, vae)
     trained = load_bundle(fam, vae, model_path)
@@ -436,7 +448,7 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     after, _ = sample_latents(trained, k, fam.prompt_options, fam.size)
     noise = noise_like(train_lat, len(labels), seed=SEED + 1)
     a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
-    row = {"family": name, "model": fam.model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
+    row = {"family": name, "model": FAMILIES[name].model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
            "train_s": times["wall_s"], "cpu_s": times["cpu_s"],
            "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
            "ratio": a["d"] / min(b["d"], c["d"]), "learned": learned(a["d"], b["d"], c["d"]),

@@ -57,7 +57,6 @@ UNSUPPORTED = {
     "cache_text_encoder_outputs": "not wired for FLUX.1 yet",
     "cache_text_encoder_outputs_to_disk": "not wired for FLUX.1 yet",
     "train_text_encoder": "the transformer trains; the text encoders stay frozen here",
-    "validation_split": "the validation loss is not wired for FLUX.1 yet",
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",
