@@ -1,7 +1,7 @@
 """Proof that training learns, per family: a tiny model trained on four distinct patterns samples
 latents near its training latents; untrained weights and noise do not.
 
-    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v] [--images docs/images]
+    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v flux sd3] [--images docs/images]
                                 [--k 2] [--steps N] [--lr X] [--size PX] [--batch B]
                                 [--train_args "--min_snr_gamma 5"] [--out DIR [--reuse]]
 
@@ -40,10 +40,12 @@ Grids (``--images``): ``learns_<family>_latents.png``, the first three latent ch
 row per caption: the training latent, then k untrained samples, then k trained samples.
 
 A family is one FAMILIES entry: the built-in model, its training options and steps, and the prompt
-options of its samples. FLUX / SD3 (tiny-flux, tiny-sd3) join as entries once their tiny models
-train and their sample images exist: sample_latents then takes their sampler (flow_matching's
-euler_sample over the transformer, as their sample images are made) instead of the diffusers
-pipeline.
+options of its samples. FLUX.1 and SD3 (tiny-flux, tiny-sd3) sample with their own flow-matching
+Euler sampler (sampling.sample_latents -> library/training/flow_sampling.py, as their sample
+images are made: FLUX dev 20 steps with guidance input 3.5, SD3 30 steps at shift 3, no CFG);
+their unit-variance autoencoder goes in as ``--ae`` (FLUX: a diffusers folder) or in the record
+of an SD3 model file the benchmark writes from tiny-sd3 (same weights; SD3 takes no separate VAE
+folder), and the x0 diagnosis is x_t - sigma v at sigma = t / 1000.
 """
 from __future__ import annotations
 
@@ -66,10 +68,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from library.config import parse  # noqa: E402
 from library.data import images  # noqa: E402
 from library.data import latent_cache  # noqa: E402
 from library.models import family  # noqa: E402
+from library.models import flow_family  # noqa: E402
+from library.models import flux_checkpoint  # noqa: E402
 from library.models import loading  # noqa: E402
+from library.models import sd3_checkpoint  # noqa: E402
+from library.training import flow_matching  # noqa: E402
+from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402
 
 SIZE = 64
@@ -100,7 +108,52 @@ FAMILIES = {
     "sdxl": Family("tiny-sdxl"),
     # SD1's U-Net trained on the v target: tells the parametrisation from the rest of the chain
     "sd15-v": Family("tiny-sd15", args=("--v_parameterization",), v_parameterization=True),
+    # rectified flow: sampled with their own Euler sampler (FLUX.1 dev: 20 steps, guidance
+    # input 3.5; SD3: 30 steps, shift 3), no CFG
+    "flux": Family("tiny-flux"),
+    "sd3": Family("tiny-sd3", steps=1000),  # 400: ratio 0.53, every sample its own caption's
 }
+
+
+# --- the model -------------------------------------------------------------------------------
+
+def flow_of(model: str) -> str | None:
+    """"flux" / "sd3" for a FLUX.1 / SD3 model, None for SD."""
+    return flow_family.family_before_loading(model)
+
+
+def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
+    """The model ``fam.model`` with the autoencoder ``vae`` (SD: --vae; FLUX.1: --ae; SD3: its
+    own) and, when given, the trained ``weights`` file the entry script saved."""
+    flow = flow_of(fam.model)
+    if flow is None:
+        return loading.load_model_bundle(weights or fam.model, vae=vae, v_parameterization=fam.v_parameterization)
+    if flow == "sd3":  # the saved file is a whole SD3 model (MMDiT, CLIPs, VAE)
+        return flow_family.load_from_options(flow_options(weights or fam.model))
+    bundle = flow_family.load_from_options(flow_options(fam.model, ae=vae))
+    if weights:  # FLUX.1 saves the transformer alone (BFL layout)
+        trained, _ = flux_checkpoint.load_transformer(weights)
+        bundle.unet.load_state_dict(trained.state_dict())
+    return bundle
+
+
+def flow_options(model: str, **values):
+    return parse.options_from_values("train_dreambooth", {"pretrained_model_name_or_path": model, **values})
+
+
+def family_model_of(bundle):
+    """The trainer's family model (tokenize / encode / forward) with the default options."""
+    if sampling.is_flow(bundle):
+        return flow_family.family_model_for(bundle, flow_options(bundle.source))
+    return family.family_model_for(bundle)
+
+
+def model_args(fam: Family, vae: str | None) -> tuple[str, ...]:
+    """The entry script's options that give it the unit-variance autoencoder (none for SD3)."""
+    flow = flow_of(fam.model)
+    if flow == "sd3" or vae is None:
+        return ()
+    return ("--ae" if flow == "flux" else "--vae", vae)
 
 
 # --- the metric ------------------------------------------------------------------------------
@@ -194,9 +247,19 @@ def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
     return folder, factor
 
 
+def write_unit_sd3(bundle, path: str, size: int = SIZE) -> tuple[str, float]:
+    """The SD3 model as a single file whose VAE record (sdtk.sd3_config) carries the unit-variance
+    scaling factor of write_unit_vae (SD3 takes no separate VAE folder); same weights."""
+    scaled = training_latents(bundle.vae, size)
+    factor = float(bundle.vae.config.scaling_factor / scaled.double().std())
+    bundle.vae.register_to_config(scaling_factor=factor)
+    sd3_checkpoint.save_sd3(bundle.flow, path)
+    return path, factor
+
+
 # --- training --------------------------------------------------------------------------------
 
-def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, batch: int,
+def train(fam: Family, data: str, vae: str | None, out: str, steps: int, lr: float, batch: int,
           extra: tuple[str, ...] = (), reuse: bool = False) -> tuple[str, dict]:
     """Train through the entry script in a subprocess (one thread); the saved model's path and
     its times: wall seconds and the child's CPU seconds (the machine may be shared), start-up and
@@ -207,7 +270,7 @@ def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, bat
     cmd = [sys.executable, os.path.join(ROOT, fam.script), "--pretrained_model_name_or_path",
            fam.model, "--resolution", str(fam.size), "--train_data_dir", data, "--cache_latents",
            "--max_train_steps", str(steps), "--learning_rate", str(lr), "--train_batch_size",
-           str(batch), "--seed", str(SEED), "--vae", vae, "--output_dir", out, "--output_name", "learned",
+           str(batch), "--seed", str(SEED), *model_args(fam, vae), "--output_dir", out, "--output_name", "learned",
            "--lr_scheduler", "cosine", *fam.args, *extra]
     if reuse and os.path.isfile(path) and os.path.isfile(record):
         with open(record, encoding="utf-8") as f:
@@ -232,11 +295,12 @@ def train(fam: Family, data: str, vae: str, out: str, steps: int, lr: float, bat
 
 def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: int = 1000,
                    sampler: str = "ddim") -> tuple[torch.Tensor, list[int]]:
-    """k final latents per caption, made as training's sample images are (sampling.py), from the
+    """k final latents per caption, made as training's sample images are
+    (sampling.sample_latents: SD's diffusers pipeline, FLUX.1's / SD3's Euler sampler), from the
     prompt line ``<caption> --w 64 --h 64 --d <seed> <options>`` (its defaults otherwise, and
     ``sampler``, sample_sampler's default, unless ``--ss`` says); (latents, caption index)."""
-    family_model = family.family_model_for(bundle)
-    pipe = sampling._pipeline(bundle, inpaint=False)
+    family_model = family_model_of(bundle)
+    pipe = sampling.pipeline(bundle)
     device = torch.device("cpu")
     out, labels = [], []
     with torch.no_grad():
@@ -244,16 +308,8 @@ def sample_latents(bundle, k: int, options: str = "", size: int = SIZE, seed: in
             for j in range(k):
                 s = seed + i * k + j
                 p = sampling.parse_line(f"{name} --w {size} --h {size} --d {s} {options}".strip(), "learns")
-                pipe.scheduler = sampling.make_scheduler(p["sample_sampler"] or sampler,
-                                                         bundle.noise_scheduler.config)
-                pos, neg = (sampling._embeds(family_model, device, None, p[key])
-                            for key in ("prompt", "negative_prompt"))
-                kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-                if bundle.family == "sdxl":
-                    kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
-                lat = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
-                           guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(p["seed"]),
-                           output_type="latent", **kw).images
+                lat = sampling.sample_latents(bundle, family_model, p, p["seed"], device=device,
+                                              sampler=sampler, pipe=pipe)
                 out.append(lat[0].float())
                 labels.append(i)
     return torch.stack(out), labels
@@ -265,11 +321,13 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     error of the x0 it implies. An eps model's x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) multiplies
     its error by sqrt((1 - a) / a), 14.6 at t = 999; a v model's x0 = sqrt(a) x_t - sqrt(1 - a) v
     does not amplify it."""
+    if sampling.is_flow(bundle):
+        return x0_error_by_sigma(bundle, train, [t / 1000 for t in timesteps])
     family_model = family.family_model_for(bundle)
     ac = bundle.noise_scheduler.alphas_cumprod.double()
     out = {}
     with torch.no_grad():
-        conds = [sampling._embeds(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
+        conds = [sampling.prompt_conditioning(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
         g = torch.Generator().manual_seed(SEED)
         for t in timesteps:
             eps = torch.randn(train.shape, generator=g)
@@ -289,6 +347,25 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     return out
 
 
+def x0_error_by_sigma(bundle, train: torch.Tensor, sigmas) -> dict:
+    """x0_error_by_t of a flow model: x_t = (1 - sigma) x0 + sigma noise, x0 = x_t - sigma v
+    (the error of v times sigma); keyed by the timestep 1000 sigma."""
+    family_model = family_model_of(bundle)
+    out = {}
+    with torch.no_grad():
+        conds = [sampling.prompt_conditioning(family_model, torch.device("cpu"), None, n) for n in PATTERNS]
+        g = torch.Generator().manual_seed(SEED)
+        for sigma in sigmas:
+            noise = torch.randn(train.shape, generator=g)
+            s = torch.full((len(train),), float(sigma))
+            xt = flow_matching.noisy_input(train, noise, s)
+            t = flow_matching.model_timesteps(bundle.family, s)
+            v = torch.cat([family_model.unet_forward(xt[i:i + 1], t[i:i + 1], c) for i, c in enumerate(conds)])
+            x0 = xt - sigma * v
+            out[round(sigma * 1000)] = float(((x0 - train) ** 2).mean().sqrt())
+    return out
+
+
 # --- pictures --------------------------------------------------------------------------------
 
 def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
@@ -305,6 +382,8 @@ def latent_rgb(lat: torch.Tensor, train: torch.Tensor, px: int = 32):
 
 def decoded(bundle, lat: torch.Tensor):
 
+    if sampling.is_flow(bundle):
+        return flow_sampling.decode_image(bundle.vae, lat[None])
     with torch.no_grad():
         x = bundle.vae.decode(lat[None].to(bundle.vae.dtype) / bundle.vae.config.scaling_factor).sample
     arr = ((x[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
@@ -357,17 +436,21 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
-    vae, factor = write_unit_vae(loading.load_model_bundle(fam.model).vae, os.path.join(work, "vae"),
-                                 fam.size)
+    base = load_bundle(fam, None)
+    if flow_of(fam.model) == "sd3":  # the autoencoder's factor is in the model file's record
+        source, factor = write_unit_sd3(base, os.path.join(work, "initial.safetensors"), fam.size)
+        fam, vae = dataclasses.replace(fam, model=source), None
+    else:
+        vae, factor = write_unit_vae(base.vae, os.path.join(work, "vae"), fam.size)
     model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)
-    initial = loading.load_model_bundle(fam.model, vae=vae, v_parameterization=fam.v_parameterization)
-    trained = loading.load_model_bundle(model_path, vae=vae, v_parameterization=fam.v_parameterization)
+    initial = load_bundle(fam, vae)
+    trained = load_bundle(fam, vae, model_path)
     train_lat = training_latents(initial.vae, fam.size)
     before, labels = sample_latents(initial, k, fam.prompt_options, fam.size)
     after, _ = sample_latents(trained, k, fam.prompt_options, fam.size)
     noise = noise_like(train_lat, len(labels), seed=SEED + 1)
     a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
-    row = {"family": name, "model": fam.model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
+    row = {"family": name, "model": FAMILIES[name].model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
            "train_s": times["wall_s"], "cpu_s": times["cpu_s"],
            "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
            "ratio": a["d"] / min(b["d"], c["d"]), "learned": learned(a["d"], b["d"], c["d"]),

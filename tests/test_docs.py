@@ -42,7 +42,7 @@ NOT_OPTIONS = {
     # U-Net module names, block-weight presets
     "conv_in", "conv_out", "mid_block", "time_embed", "label_emb", "reverse_linear",
     # sample prompt-file options (`--n` negative prompt, `--w` width, ...; sd-scripts' syntax)
-    "n", "w", "h", "d", "s", "l", "ss", "i",
+    "n", "w", "h", "d", "s", "l", "ss", "i", "g",
     # textual inversion's names of a multi-vector token's extra tokens
     "tok_1", "tok_2",
     # symbols in formulas

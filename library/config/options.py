@@ -676,9 +676,11 @@ OPTIONS: tuple[Option, ...] = (
       "every epoch (when validation_split is set).", "logging", min=1),
     O("sample_prompts", "path", None, "Prompt file for sample images: .txt, one prompt per line with "
       "optional --n negative prompt, --w width, --h height, --d seed, --s steps, --l CFG scale, "
-      "--ss sampler (defaults 512, 512, seed + prompt index, 30, 7.5, sample_sampler); or .toml "
+      "--g FLUX.1 dev's guidance input, --ss sampler (defaults 512, 512, seed + prompt index, "
+      "30, 7.5, -, sample_sampler; FLUX.1: 20 steps, CFG 1, --g 3.5; SD3: 30, 7.5; both with "
+      "their flow-matching Euler sampler); or .toml "
       "([prompt] defaults + [[prompt.subset]]) / .json (a list) with the keys prompt, "
-      "negative_prompt, width, height, seed, sample_steps, scale, sample_sampler. Images: "
+      "negative_prompt, width, height, seed, sample_steps, scale, guidance_scale, sample_sampler. Images: "
       "<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png.", "logging"),
     O("sample_every_n_steps", "int", None, "Generate the sample images every N steps.", "logging",
       min=1),

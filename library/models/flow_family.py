@@ -57,8 +57,6 @@ UNSUPPORTED = {
     "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "not wired for FLUX.1 yet",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
-    "validation_split": "the validation loss is not wired for FLUX.1 yet",
-    "sample_prompts": "FLUX.1 sample images are not wired yet",
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",

@@ -74,7 +74,7 @@ def load_flux(name_or_path: str, *, clip_l: str | None = None, t5xxl: str | None
         path = os.path.expanduser(name_or_path)
         if name_or_path in tiny_flux.TINY_FLUX_NAMES:
             if not os.path.exists(path):
-                return _builtin(name_or_path, dtype)
+                return _builtin(name_or_path, clip_l, t5xxl, ae, dtype)
             logger.warning("pretrained_model_name_or_path: %s is an existing path; using it instead of the "
                            "built-in model of the same name", name_or_path)
         if not os.path.exists(path):
@@ -84,15 +84,25 @@ def load_flux(name_or_path: str, *, clip_l: str | None = None, t5xxl: str | None
         return _single_file(path, clip_l, t5xxl, ae, dtype, t5_tokenizer)
 
 
-def _builtin(name: str, dtype: torch.dtype) -> FluxModel:
+def _builtin(name: str, clip_l, t5xxl, ae, dtype: torch.dtype) -> FluxModel:
+    """A built-in model; ``clip_l`` / ``t5xxl`` / ``ae`` files replace its components when given
+    (as for a diffusers folder)."""
     variant = tiny_flux.TINY_FLUX_NAMES[name]
     c = tiny_flux.build_tiny_flux(variant)
     for k in ("transformer", "clip_l", "t5", "ae"):
         # nn.Module.to directly: diffusers' override only adds a warning about fp32-kept modules (none here)
         c[k] = torch.nn.Module.to(c[k], dtype)
     ident = f"builtin:{name}:{tiny_flux.SEED}"
+    ae_ident = ident + ":ae"
+    if clip_l:
+        c["clip_l"], c["clip_tokenizer"] = clip_l_file.load_clip_l(os.path.expanduser(clip_l), dtype)
+    if t5xxl:
+        c["t5"], tok = t5.load_t5(os.path.expanduser(t5xxl), dtype)
+        c["t5_tokenizer"] = tok or c["t5_tokenizer"]
+    if ae:
+        c["ae"], ae_ident = flux_ae.load_ae(os.path.expanduser(ae), dtype), path_identity(os.path.expanduser(ae))
     return FluxModel(variant, "bfl", c["transformer"].config, c["transformer"], c["clip_l"], c["t5"], c["ae"],
-                     c["clip_tokenizer"], c["t5_tokenizer"], t5.T5_MAX_LENGTH[variant], ident, ident + ":ae")
+                     c["clip_tokenizer"], c["t5_tokenizer"], t5.T5_MAX_LENGTH[variant], ident, ae_ident)
 
 
 def _single_file(path, clip_l, t5xxl, ae, dtype, t5_tokenizer) -> FluxModel:

@@ -252,7 +252,8 @@ class Run:
             strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text)
         sample = functools.partial(
             sampling.sample_images, opts, accelerator=acc, bundle=b, method=setup.method,
-            family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen)
+            family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen,
+            placement=setup.placement)
         reporter = tracking.Reporter(opts, self.plan, self.tset, setup.stream, setup.method, b,
                                      validate=validate, sample=sample)
         return Components(

@@ -55,6 +55,24 @@ class FlowLosses:
         noise = noise.to(dev)
         return FlowDraw(noise, noise, t.model_timesteps.to(dev), t.sigmas.to(dev))
 
+    def fixed_draw(self, noise, count: int) -> FlowDraw:
+        """The validation's draw (library/training/validation.py): the given (count, C, h, w)
+        noise at ``count`` fixed noise levels, the midpoints of equal slices of the training's
+        range: FLUX.1 sigma = (k + 1/2) / count; SD3 the integer timesteps of the midpoints of
+        [min_timestep, max_timestep) (the SD rule), sigma = t / 1000."""
+        import torch
+
+        if self.flow.family == "sd3":
+            lo, hi = flow_matching.sd3_timestep_range(self.flow)
+            ts = [hi] * count if hi <= lo else \
+                [min(hi - 1, lo + int((k + 0.5) * (hi - lo) / count)) for k in range(count)]
+            sigmas = torch.tensor(ts, dtype=torch.float64) / flow_matching.NUM_TRAIN_TIMESTEPS
+        else:
+            sigmas = (torch.arange(count, dtype=torch.float64) + 0.5) / count
+        t = flow_matching.model_timesteps(self.flow.family, sigmas)
+        dev = noise.device
+        return FlowDraw(noise, noise, t.to(dev, torch.float32), sigmas.to(dev, torch.float32))
+
     def noisy_latents(self, latents, d: FlowDraw):
         return flow_matching.noisy_input(latents, d.input_noise, d.sigmas)
 

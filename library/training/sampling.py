@@ -1,9 +1,10 @@
 """Sample images during training (sd-scripts' sample_prompts, sample_every_n_*, sample_sampler).
 
     load_prompts(path)                 the prompt file: .txt (one prompt per line with --n/--w/--h/
-                                       --d/--s/--l/--ss), .toml ([prompt] + [[prompt.subset]]) or .json
+                                       --d/--s/--l/--g/--ss), .toml ([prompt] + [[prompt.subset]]) or .json
     check_options(opts)                before any weight is loaded: file, values, samplers
     due(opts, epoch=None, step=None)         whether this step / epoch end samples
+    sample_latents(bundle, family_model, prompt, seed, ...)   one prompt's final latents
     sample_images(opts, step, ...parts)      every process renders its share of the prompts
 
 Images are ``<output_dir>/sample/<output_name>_<step:06d>_<prompt index:02d>_<seed>.png``. The
@@ -14,7 +15,9 @@ process i mod P) nor on the other prompts. The pipeline is a diffusers StableDif
 StableDiffusionXLPipeline (an inpainting model: their Inpaint pipelines, with the prompt's ``--i``
 image and a mask drawn from its seed) over the in-memory components (a LoRA acts through the forward hooks it
 installed, so the pipeline sees it); the prompt conditioning is the trainer's own (``clip_skip``,
-SDXL's penultimate layers), passed as embeddings. Sampling runs in eval mode (no network dropout),
+SDXL's penultimate layers), passed as embeddings. FLUX.1 and SD3 sample with their flow-matching
+Euler sampler (library/training/flow_sampling.py: sd-scripts' schedules, defaults, dev's guidance
+input ``--g``, CFG with the negative prompt when ``--l`` is not 1) and their autoencoder. Sampling runs in eval mode (no network dropout),
 under the optimizer's eval weights (schedule-free), without gradients and inside
 ``torch.random.fork_rng``: the trained weights and every random draw of the training are the same
 with and without sampling.
@@ -29,8 +32,8 @@ from library import text_files
 from library.data import images, inpaint_masks
 from library.distributed.accelerator import is_main_process
 from library.errors import UserError
-from library.models import inpainting
-from library.training import validation
+from library.models import flow_family, inpainting
+from library.training import flow_sampling, validation
 
 logger = logging.getLogger("sdtk")
 
@@ -52,15 +55,17 @@ ALIASES = {"k_lms": "lms", "k_euler": "euler", "k_euler_a": "euler_a", "k_dpm_2"
            "k_dpm_2_a": "dpm_2_a"}
 SAMPLER_CHOICES = tuple(SAMPLERS) + tuple(ALIASES)
 
-# sd-scripts' defaults of a prompt line
-DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": 30, "scale": 7.5,
-            "seed": None, "sample_sampler": None, "image": None}
+# sd-scripts' defaults of a prompt line; steps and scale (None) are the family's (settings)
+DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": None, "scale": None,
+            "seed": None, "sample_sampler": None, "image": None, "guidance_scale": None}
+SD_STEPS, SD_SCALE = 30, 7.5  # SD's; FLUX's and SD3's: library/training/flow_sampling.py
 # --x flags of a .txt line -> keys (also the keys of .toml / .json prompts)
 # --i: the source image of an inpainting model's sample (sd-scripts' train_inpainting)
+# --g: FLUX.1 dev's distilled guidance input (sd-scripts' guidance_scale of a prompt)
 FLAGS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps",
-         "l": "scale", "ss": "sample_sampler", "i": "image"}
+         "l": "scale", "ss": "sample_sampler", "i": "image", "g": "guidance_scale"}
 TYPES = {"negative_prompt": str, "width": int, "height": int, "seed": int, "sample_steps": int,
-         "scale": float, "sample_sampler": str, "prompt": str, "image": str}
+         "scale": float, "sample_sampler": str, "prompt": str, "image": str, "guidance_scale": float}
 
 
 class SamplingError(UserError):
@@ -83,7 +88,7 @@ def _prompt(raw: dict, where: str) -> dict:
         if p[k] < 8:
             raise SamplingError(f"{where}: {k} must be at least 8, got {p[k]}")
         p[k] -= p[k] % 8  # the VAE's factor
-    if p["sample_steps"] < 1:
+    if p["sample_steps"] is not None and p["sample_steps"] < 1:
         raise SamplingError(f"{where}: sample steps must be at least 1, got {p['sample_steps']}")
     s = p["sample_sampler"]
     if s is not None:
@@ -223,25 +228,93 @@ def inpaint_inputs(p: dict, seed: int):
     return img, Image.fromarray((m.numpy() * 255).astype("uint8"), mode="L")
 
 
-def _embeds(family_model, device, clip_skip, text: str):
+def prompt_conditioning(family_model, device, clip_skip, text: str):
+    """The trainer's text conditioning of one prompt (``clip_skip``: SD's)."""
     return family_model.encode([t.to(device) for t in family_model.tokenize([text])], clip_skip)
 
 
+def is_flow(bundle) -> bool:
+    return bundle.family in flow_family.FLOW_FAMILIES
+
+
+def settings(p: dict, family: str) -> tuple[int, float, float | None]:
+    """(steps, CFG scale, FLUX.1 dev's guidance input or None) of prompt ``p``: its values, else
+    the family's defaults (SD: 30 steps, scale 7.5; FLUX.1 and SD3: flow_sampling.DEFAULTS)."""
+    if family in flow_family.FLOW_FAMILIES:
+        return flow_sampling.settings(p, family)
+    return (SD_STEPS if p["sample_steps"] is None else p["sample_steps"],
+            SD_SCALE if p["scale"] is None else p["scale"], None)
+
+
+def pipeline(bundle, inpaint: bool = False):
+    """An SD family's diffusers pipeline over the model's components (None for FLUX.1 / SD3,
+    which sample with flow_sampling)."""
+    return None if is_flow(bundle) else _pipeline(bundle, inpaint)
+
+
+def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_skip=None,
+                   sampler: str = "ddim", pipe=None, dtype=None):
+    """The final latents (1, C, h, w) of prompt ``p`` from seed ``seed``, before the VAE decode,
+    as the sample images are made: an SD family through its diffusers ``pipe`` (``pipeline``;
+    ``sampler`` unless the prompt's ``--ss`` says), FLUX.1 / SD3 with their Euler sampler
+    (library/training/flow_sampling.py; ``dtype`` the transformer's input dtype)."""
+    if not is_flow(bundle):
+        return _pipe_call(bundle, family_model, p, seed, device=device, clip_skip=clip_skip,
+                          sampler=sampler, pipe=pipe, output_type="latent")
+    steps, scale, guidance = settings(p, bundle.family)
+    pos, neg = (prompt_conditioning(family_model, device, clip_skip, p[k])
+                for k in ("prompt", "negative_prompt"))
+    h, w = flow_sampling.image_size(p, bundle.family)
+    noise = flow_sampling.initial_noise(bundle.family, h, w, seed).to(device)
+    sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]))
+    return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=scale,
+                                guidance=guidance, dtype=dtype)
+
+
+def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, sampler: str, pipe,
+               output_type: str, inpaint_kw=None):
+    """An SD family's sample through its diffusers pipeline: latents or PIL images."""
+    import torch
+
+    steps, scale, _ = settings(p, bundle.family)
+    pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(sampler, ""),
+                                    bundle.noise_scheduler.config)
+    pos, neg = (prompt_conditioning(family_model, device, clip_skip, p[k])
+                for k in ("prompt", "negative_prompt"))
+    kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
+    if bundle.family == "sdxl":
+        kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
+    kw.update(inpaint_kw or {})
+    return pipe(height=p["height"], width=p["width"], num_inference_steps=steps, guidance_scale=scale,
+                generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type,
+                **kw).images
+
+
+def _warn_unused(bundle, p: dict, i: int) -> None:
+    if bundle.family != "flux" and p["guidance_scale"] is not None:
+        logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
+                       "none (ignored)")
+    if is_flow(bundle) and p["sample_sampler"] is not None:
+        logger.warning(f"sample prompt {i}: --ss {p['sample_sampler']}: {bundle.family} samples "
+                       "with its flow-matching Euler sampler (ignored)")
+
+
 def sample_images(opts, step: int, *, accelerator, bundle, method, family_model, stepper, strategy,
-                  frozen) -> list[str]:
+                  frozen, placement) -> list[str]:
     """Render this process's prompts (the ``strategy``'s share) at global step ``step`` with the
     model ``bundle`` and ``method``'s network, in the ``stepper``'s eval mode, the ``frozen``
-    parts back; returns the files written."""
+    parts back, the transformer's inputs in ``placement``'s dtype (FLUX.1 / SD3); returns the
+    files written."""
     import torch
 
     acc = accelerator
     prompts = load_prompts(opts.sample_prompts)
-    config = bundle.noise_scheduler.config
     written = []
     mods = validation.modules(bundle, method)
     modes = {m: m.training for root in mods for m in root.modules()}
     devices = [acc.device] if acc.device.type == "cuda" else []
     os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
+    dtype = placement.input_dtype(placement.unet)
     try:
         # the VAE and text encoders, released after caching, are back for the samples
         with torch.random.fork_rng(devices=devices), torch.no_grad(), stepper.eval_mode(), \
@@ -249,27 +322,28 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
             for root in mods:
                 root.eval()
 
-            inpaint = inpainting.is_inpainting(bundle.unet)
-            pipe = _pipeline(bundle, inpaint)
+            inpaint = not is_flow(bundle) and inpainting.is_inpainting(bundle.unet)
+            pipe = pipeline(bundle, inpaint)
             for i, kept in strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
                 p = prompts[i]
                 seed = prompt_seed(opts, p, i)
-                pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(opts.sample_sampler, ""), config)
+                if p["image"] is not None and not inpaint:
+                    raise SamplingError(f"sample_prompts: --i {p['image']} is the source image "
+                                        "of an inpainting model's sample; this model is not one")
+                if kept:
+                    _warn_unused(bundle, p, i)
                 with acc.autocast():
-                    pos, neg = (_embeds(family_model, acc.device, opts.clip_skip, p[k])
-                                for k in ("prompt", "negative_prompt"))
-                    kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-                    if bundle.family == "sdxl":
-                        kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
-                    if inpaint:
-                        src, mask = inpaint_inputs(p, seed)
-                        kw.update(image=src, mask_image=mask, strength=1.0)
-                    elif p["image"] is not None:
-                        raise SamplingError(f"sample_prompts: --i {p['image']} is the source image "
-                                            "of an inpainting model's sample; this model is not one")
-                    image = pipe(height=p["height"], width=p["width"], num_inference_steps=p["sample_steps"],
-                                 guidance_scale=p["scale"], generator=torch.Generator("cpu").manual_seed(seed),
-                                 **kw).images[0]
+                    if is_flow(bundle):
+                        image = flow_sampling.decode_image(bundle.vae, sample_latents(
+                            bundle, family_model, p, seed, device=acc.device, dtype=dtype))
+                    else:
+                        kw = None
+                        if inpaint:
+                            src, mask = inpaint_inputs(p, seed)
+                            kw = dict(image=src, mask_image=mask, strength=1.0)
+                        image = _pipe_call(bundle, family_model, p, seed, device=acc.device,
+                                           clip_skip=opts.clip_skip, sampler=opts.sample_sampler,
+                                           pipe=pipe, output_type="pil", inpaint_kw=kw)[0]
                 if not kept:
                     continue
                 path = image_path(opts, step, i, seed)

@@ -19,7 +19,9 @@ The number is comparable across runs, batch sizes and process counts:
   noise from a generator seeded by (validation_seed, "val", image index, k). The K evaluations of
   one image are one batch, whatever the process count, and the loss is the run's loss function
   (loss_type and SNR weighting, the image's mask with masked loss, without the training noise
-  variants). An inpainting model (train_inpainting) gets each held-out image's random mask drawn
+  variants). FLUX.1 and SD3 take their flow loss at K fixed noise levels instead
+  (flow_loss.FlowLosses.fixed_draw: FLUX sigma = (k + 1/2) / K; SD3 the midpoint timesteps of
+  [min_timestep, max_timestep), sigma = t / 1000), the same noise. An inpainting model (train_inpainting) gets each held-out image's random mask drawn
   once from (validation_seed, the image's place in its dataset), and its masked-image latents.
 - Image i is evaluated by process i mod P; each process writes its images' losses into a vector
   of zeros and the vectors are summed across processes (adding zeros is exact), then every process
@@ -38,6 +40,7 @@ from library.data.step_plan import derive_seed
 from library.data.text_cache import stack
 from library.distributed.accelerator import is_main_process
 from library.models import inpainting
+from library.training.flow_loss import FlowLosses
 from library.training.losses import Draw
 
 logger = logging.getLogger("sdtk")
@@ -61,7 +64,20 @@ def due(opts, tset, *, epoch: int | None = None, step: int | None = None) -> boo
     return epoch % (opts.validate_every_n_epochs or 1) == 0
 
 
+def fixed_draw(losses, noise):
+    """The draw of one held-out image's K = len(noise) evaluations: ``noise`` (K, C, h, w) at
+    SD's fixed ``timesteps``, or at the flow losses' own K fixed noise levels (FLUX.1, SD3:
+    flow_loss.FlowLosses.fixed_draw)."""
+    import torch
+
+    if isinstance(losses, FlowLosses):
+        return losses.fixed_draw(noise, len(noise))
+    t = torch.tensor(timesteps(losses), dtype=torch.long, device=noise.device)
+    return Draw(noise=noise, input_noise=noise, timesteps=t)
+
+
 def timesteps(losses) -> list[int]:
+    """SD's TIMESTEPS fixed timesteps: the midpoints of equal slices of [min, max)."""
     lo, hi = losses.min_timestep, losses.max_timestep
     if hi <= lo:
         return [hi] * TIMESTEPS
@@ -155,7 +171,7 @@ class Validation:
         import torch
 
         acc, opts, items = accelerator, self.opts, self.items
-        ts = timesteps(losses)
+        n = TIMESTEPS
         mine = torch.zeros(len(items), dtype=torch.float64)
         mods = modules(bundle, method)
         modes = {m: m.training for root in mods for m in root.modules()}
@@ -166,24 +182,23 @@ class Validation:
                     root.eval()
                 for i, kept in strategy.share(len(items)):  # fsdp: all images, own slots kept
                     lat, size = self.latents(bundle.vae, acc.device, items[i])
-                    x0 = lat.unsqueeze(0).expand(len(ts), *lat.shape).to(acc.device)
+                    x0 = lat.unsqueeze(0).expand(n, *lat.shape).to(acc.device)
                     noise = torch.stack([torch.randn(lat.shape, generator=torch.Generator().manual_seed(
-                        _derive("val", _seed(opts), i, k))) for k in range(len(ts))]).to(acc.device)
-                    t = torch.tensor(ts, dtype=torch.long, device=acc.device)
-                    d = Draw(noise=noise, input_noise=noise, timesteps=t)
+                        _derive("val", _seed(opts), i, k))) for k in range(n)]).to(acc.device)
+                    d = fixed_draw(losses, noise)
                     text = caption(items[i])
 
                     def conditioning(text=text):
                         if text_cache is not None:  # encoded in the cache stage
-                            return stack([text_cache[text]] * len(ts), acc.device)
-                        tokens = [tk.to(acc.device) for tk in family_model.tokenize([text] * len(ts))]
+                            return stack([text_cache[text]] * n, acc.device)
+                        tokens = [tk.to(acc.device) for tk in family_model.tokenize([text] * n)]
                         return family_model.encode(tokens, opts.clip_skip)
 
-                    sc = size.unsqueeze(0).expand(len(ts), 6).to(acc.device)
-                    mask = self._mask(items[i], lat.shape[1:], len(ts), acc.device)
+                    sc = size.unsqueeze(0).expand(n, 6).to(acc.device)
+                    mask = self._mask(items[i], lat.shape[1:], n, acc.device)
                     inpaint = self._inpaint.get(_key(items[i]))
                     if inpaint is not None:
-                        inpaint = inpaint.unsqueeze(0).expand(len(ts), *inpaint.shape).to(acc.device)
+                        inpaint = inpaint.unsqueeze(0).expand(n, *inpaint.shape).to(acc.device)
                     per_sample = batch_loss.per_sample(x0, d, conditioning, sc, mask,
                                                        inpaint=inpaint)
                     if kept:

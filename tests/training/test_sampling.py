@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from library.training.sampling import SamplingError, load_prompts, parse_line
+from library.training.sampling import SamplingError, load_prompts, parse_line, settings
 from tests.training.test_train_lora_e2e import base_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +30,10 @@ def test_prompt_files(tmp_path):
     a, b = load_prompts(str(txt))
     assert a == {"prompt": "sks shape, red", "negative_prompt": "blurry, dark", "width": 64,
                  "height": 64, "sample_steps": 2, "scale": 5.0, "seed": None, "sample_sampler": None,
-                 "image": None}
-    assert (b["width"], b["seed"], b["sample_sampler"], b["scale"]) == (72, 123, "euler_a", 7.5)
+                 "image": None, "guidance_scale": None}
+    # steps and scale not given: the family's defaults (SD: 30, 7.5)
+    assert (b["width"], b["seed"], b["sample_sampler"], b["scale"]) == (72, 123, "euler_a", None)
+    assert settings(b, "sd15") == (2, 7.5, None)
     assert parse_line("x --w 100 --ss k_euler", "f")["width"] == 96  # multiple of 8; k_ alias
     toml = tmp_path / "p.toml"
     toml.write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 3\n\n'
