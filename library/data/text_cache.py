@@ -14,8 +14,9 @@ use ``text_encoder_cache_variants`` cached variants per caption, one picked per 
 An entry's key is sha256 over the processed caption and the encoder identity (the model's
 identity, family, tokenizer vocabularies, dtype, clip_skip, max token length, weighted_captions,
 a format version, and what the family model adds: FLUX.1 / SD3's T5 length and attention-mask
-options, and the separate clip_l / clip_g / t5xxl files' identities). On disk: ``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written
-atomically; a file that cannot be read, or holds another key, is recomputed with a warning.
+options, and the separate clip_l / clip_g / t5xxl files' identities). On disk:
+``<image_dir>/.sdcache/te-<key>.safetensors`` (or ``cache_dir``), written atomically; a file that
+cannot be read, or holds another key, is recomputed with a warning.
 """
 from __future__ import annotations
 
