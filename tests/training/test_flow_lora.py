@@ -297,7 +297,8 @@ def test_lora_may_be_saved_as_ckpt_the_full_model_may_not(dataset):
 
     def opts(script):
         return parse_args(script, ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
-                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2", "--save_model_as", "ckpt",
+                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2",
+                                   "--save_model_as", "ckpt",
                                    *(["--network_module", "networks.lora_flux"] if script == "train_lora" else [])])
 
     assert flow_loss.check_options(opts("train_lora"), "lora") == "flux"
