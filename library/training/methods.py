@@ -263,6 +263,17 @@ class NetworkMethod:
         self.network.train()
         if hasattr(self.network, "on_epoch_start"):
             self.network.on_epoch_start(self._te_arg(), self.bundle.unet)
+        for te in self._untouched_text_encoders():
+            te.eval()  # frozen and without LoRA (FLUX.1's T5 without train_t5xxl): no dropout
+
+    def _untouched_text_encoders(self) -> list:
+        """The text encoders the network puts no module on, while others train (the trainer sets
+        all of them to train mode then); [] when the network does not list its modules."""
+        loras = getattr(self.network, "text_encoder_loras", None)
+        if not self.train_text_encoder or self.tokens is not None or loras is None:
+            return []
+        hooked = {id(lora.org_module) for lora in loras}
+        return [te for te in self.bundle.text_encoders if not any(id(m) in hooked for m in te.modules())]
 
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)

@@ -69,6 +69,8 @@ def test_flux_lora_trains_and_loads_in_diffusers(dataset, tmp_path, train):
     sd, meta = read(path)
     assert {k.split(".")[0] for k in sd} == _block_and_clip_names(parts["transformer"], parts["clip_l"])
     _assert_saved_is_trained(path, run.parts.method.network)
+    clip_l, t5 = run.parts.bundle.text_encoders
+    assert clip_l.training and not t5.training  # T5 has no LoRA: frozen, no dropout (a diffusers T5 has 0.1)
     assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"],
             meta["modelspec.implementation"]) == ("networks.lora_flux", "flux1", "flux-1-dev/lora", FLUX_IMPL)
     assert "modelspec.prediction_type" not in meta  # sd-scripts writes none for FLUX.1
@@ -153,6 +155,7 @@ def test_flux_lora_network_args_and_t5_through_the_entry_script(dataset, tmp_pat
     groups = dict(zip(run.parts.method.group_names, (g["lr"] for g in run.parts.method.param_groups)))
     assert groups == {"textencoder 1": 1e-2, "textencoder 3": 5e-3, "unet": 1e-2}
     assert json.loads(meta["ss_network_args"])["train_t5xxl"] == "True"
+    assert all(te.training for te in run.parts.bundle.text_encoders)
 
 
 def _patched_mmdit(sd: dict):
@@ -294,7 +297,8 @@ def test_lora_may_be_saved_as_ckpt_the_full_model_may_not(dataset):
 
     def opts(script):
         return parse_args(script, ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
-                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2", "--save_model_as", "ckpt",
+                                   "--output_dir", "unused", "--resolution", "64", "--max_train_steps", "2",
+                                   "--save_model_as", "ckpt",
                                    *(["--network_module", "networks.lora_flux"] if script == "train_lora" else [])])
 
     assert flow_loss.check_options(opts("train_lora"), "lora") == "flux"
