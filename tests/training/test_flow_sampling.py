@@ -275,8 +275,9 @@ def test_flow_prompt_warnings(train, dataset, tmp_path, caplog):
     prompts = tmp_path / "p.txt"
     prompts.write_text("red --w 64 --h 64 --s 1 --g 2 --ss euler_a\n")
     rc, out, err, _ = train("train_dreambooth", _args("tiny-sd3", dataset, tmp_path / "o", prompts,
-                                                      "--max_train_steps", "1"))
+                                                      "--max_train_steps", "1", "--sample_sampler", "euler"))
     assert rc == 0, err
     text = caplog.text + err
+    assert "option sample_sampler has no effect here (FLUX.1 and SD3 sample with their" in text
     assert "--g is FLUX.1 dev's guidance input" in text
     assert "--ss euler_a: sd3 samples with its flow-matching Euler sampler" in text
