@@ -295,7 +295,8 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:
-    if bundle.family != "flux" and p["guidance_scale"] is not None:
+    guided = bundle.family == "flux" and bundle.unet.config.guidance_embed  # dev, not schnell
+    if not guided and p["guidance_scale"] is not None:
         logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
                        "none (ignored)")
     if is_flow(bundle) and p["sample_sampler"] is not None:

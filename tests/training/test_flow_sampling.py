@@ -132,6 +132,14 @@ def test_one_flux_euler_step_is_x_plus_dsigma_v(flux_parts):
         b.unet.float()
 
 
+def test_schnell_has_no_guidance_input():
+    b, fm = _bundle("tiny-flux-schnell")
+    with torch.no_grad():
+        a, c = (sampling.sample_latents(b, fm, sampling.parse_line(f"red --w 64 --h 64 --s 2 --g {g}", "t"), 1,
+                                        device=torch.device("cpu")) for g in (1, 6))
+    assert torch.equal(a, c)
+
+
 def test_one_sd3_euler_step_with_cfg(sd3_parts):
     b, fm = sd3_parts
     pos, neg = _cond(fm, "red"), _cond(fm, "blue, dark")
