@@ -165,6 +165,10 @@ def check_options(opts) -> None:
         else:
             load_prompts(opts.sample_prompts)
     _sampler_name(opts.sample_sampler, "sample_sampler")
+    if "sample_sampler" in opts.given and \
+            flow_family.family_before_loading(opts.pretrained_model_name_or_path) is not None:
+        logger.warning("option sample_sampler has no effect here (FLUX.1 and SD3 sample with their "
+                       "flow-matching Euler sampler, as sd-scripts)")
 
 
 def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
@@ -291,7 +295,8 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:
-    if bundle.family != "flux" and p["guidance_scale"] is not None:
+    guided = bundle.family == "flux" and bundle.unet.config.guidance_embed  # dev, not schnell
+    if not guided and p["guidance_scale"] is not None:
         logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
                        "none (ignored)")
     if is_flow(bundle) and p["sample_sampler"] is not None:

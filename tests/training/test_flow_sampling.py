@@ -132,6 +132,14 @@ def test_one_flux_euler_step_is_x_plus_dsigma_v(flux_parts):
         b.unet.float()
 
 
+def test_schnell_has_no_guidance_input():
+    b, fm = _bundle("tiny-flux-schnell")
+    with torch.no_grad():
+        a, c = (sampling.sample_latents(b, fm, sampling.parse_line(f"red --w 64 --h 64 --s 2 --g {g}", "t"), 1,
+                                        device=torch.device("cpu")) for g in (1, 6))
+    assert torch.equal(a, c)
+
+
 def test_one_sd3_euler_step_with_cfg(sd3_parts):
     b, fm = sd3_parts
     pos, neg = _cond(fm, "red"), _cond(fm, "blue, dark")
@@ -275,8 +283,9 @@ def test_flow_prompt_warnings(train, dataset, tmp_path, caplog):
     prompts = tmp_path / "p.txt"
     prompts.write_text("red --w 64 --h 64 --s 1 --g 2 --ss euler_a\n")
     rc, out, err, _ = train("train_dreambooth", _args("tiny-sd3", dataset, tmp_path / "o", prompts,
-                                                      "--max_train_steps", "1"))
+                                                      "--max_train_steps", "1", "--sample_sampler", "euler"))
     assert rc == 0, err
     text = caplog.text + err
+    assert "option sample_sampler has no effect here (FLUX.1 and SD3 sample with their" in text
     assert "--g is FLUX.1 dev's guidance input" in text
     assert "--ss euler_a: sd3 samples with its flow-matching Euler sampler" in text
