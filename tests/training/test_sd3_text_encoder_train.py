@@ -150,3 +150,47 @@ def test_options_other_families_refuse(dataset, tmp_path, run_script, model, ext
                                          "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
                                          *extra])
     assert rc != 0 and message in err and "Traceback" not in err
+
+
+def test_encoders_from_separate_files_are_written_into_the_saved_file(dataset, tmp_path, train):
+    """A transformer-only SD3 file with sd-scripts' separate clip_l / clip_g / ae files (no T5):
+    the trained CLIP-L and CLIP-G go into the saved single file (SAI's all-in-one names, as
+    sd-scripts' save_sd3_model with the trained encoders), the VAE stays in its own file."""
+    from safetensors.torch import save_file
+
+    from library.models import sd3, sd3_checkpoint, sd3_vae
+
+    tiny = sd3_checkpoint.load_sd3("tiny-sd3")
+    main = str(tmp_path / "mmdit.safetensors")
+    only_mmdit = sd3_checkpoint.SD3Model(tiny.mmdit, tiny.clip_l, tiny.clip_g, tiny.vae, tiny.tokenizer_l,
+                                         tiny.tokenizer_g, source="x", layout=sd3_checkpoint.LAYOUT_FILE,
+                                         in_source=frozenset({"mmdit"}))
+    sd3_checkpoint.save_sd3(only_mmdit, main)
+    save_file({k: v for k, v in tiny.clip_l.state_dict().items() if "projection" not in k},
+              str(tmp_path / "clip_l.safetensors"))
+    save_file(tiny.clip_g.state_dict(), str(tmp_path / "clip_g.safetensors"))
+    save_file(sd3_vae.to_original(tiny.vae, prefix=""), str(tmp_path / "ae.safetensors"))
+
+    out = tmp_path / "o"
+    rc, _, err, run = train("finetune", [
+        "--pretrained_model_name_or_path", main, "--clip_l", str(tmp_path / "clip_l.safetensors"),
+        "--clip_g", str(tmp_path / "clip_g.safetensors"), "--ae", str(tmp_path / "ae.safetensors"),
+        "--train_data_dir", dataset, "--output_dir", str(out), "--resolution", "64", "--max_train_steps", "1",
+        "--cache_latents", "--learning_rate", "1e-3", "--train_text_encoder"])
+    assert rc == 0, err
+    saved = sd3_checkpoint.load_sd3(str(out / "last.safetensors"), ae=str(tmp_path / "ae.safetensors"))
+    assert saved.in_source == frozenset({"mmdit", "clip_l", "clip_g"})
+    clip_l, clip_g = run.parts.bundle.text_encoders
+    for mine, back in ((clip_l, saved.clip_l), (clip_g, saved.clip_g)):
+        theirs = back.state_dict()
+        assert all(torch.equal(theirs[k], v) for k, v in mine.state_dict().items())
+    assert not torch.equal(clip_g.state_dict()[PROBES["clip_g"]], tiny.clip_g.state_dict()[PROBES["clip_g"]])
+    assert not any(k.startswith("first_stage_model.") for k in _keys(str(out / "last.safetensors")))
+    assert sd3.PREFIX + "x_embedder.proj.weight" in _keys(str(out / "last.safetensors"))
+
+
+def _keys(path):
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return set(f.keys())
