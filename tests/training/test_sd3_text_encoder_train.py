@@ -194,3 +194,32 @@ def _keys(path):
 
     with safe_open(path, "pt") as f:
         return set(f.keys())
+
+
+def test_a_diffusers_folder_is_saved_as_a_folder_with_the_trained_encoders(dataset, tmp_path, train):
+    """An SD3 diffusers folder trains CLIP-L, CLIP-G and T5 and is saved as a folder: its
+    text_encoder, text_encoder_2 and text_encoder_3 hold the trained weights. (The folder's
+    tokenizers are read from tokenizer.json too: before, a folder written by transformers 5 got
+    the released CLIP vocabulary, whose ids overflow a tiny model's embedding.)"""
+    from library.models import sd3_checkpoint, t5
+
+    tiny = sd3_checkpoint.load_sd3("tiny-sd3", t5_loader=t5.model_from_state_dict)
+    folder = str(tmp_path / "pipe")
+    sd3_checkpoint.save_sd3(sd3_checkpoint.SD3Model(**{**tiny.__dict__, "layout": sd3_checkpoint.LAYOUT_DIFFUSERS}),
+                            folder)
+    out = tmp_path / "o"
+    rc, _, err, run = train("finetune", ["--pretrained_model_name_or_path", folder, "--train_data_dir", dataset,
+                                         "--output_dir", str(out), "--resolution", "64", "--max_train_steps", "1",
+                                         "--cache_latents", "--learning_rate", "1e-3", "--train_text_encoder",
+                                         "--train_t5xxl"])
+    assert rc == 0, err
+    back = sd3_checkpoint.load_sd3(str(out / "last"), t5_loader=t5.model_from_state_dict)
+    assert back.layout == sd3_checkpoint.LAYOUT_DIFFUSERS
+    # the folder's own tokenizers (transformers 5 writes tokenizer.json without vocab.json)
+    assert back.tokenizer_l.get_vocab() == tiny.tokenizer_l.get_vocab()
+    assert back.tokenizer_g.get_vocab() == tiny.tokenizer_g.get_vocab()
+    for name, mine, theirs in zip(("clip_l", "clip_g", "t5xxl"), run.parts.bundle.text_encoders,
+                                  (back.clip_l, back.clip_g, back.t5xxl)):
+        saved = theirs.state_dict()
+        assert all(torch.equal(saved[k], v) for k, v in mine.state_dict().items()), name
+        assert not torch.equal(saved[PROBES[name]], getattr(tiny, name).state_dict()[PROBES[name]]), name
