@@ -77,7 +77,7 @@ def _t5_loader():
     return t5.model_from_state_dict
 
 
-def test_without_train_t5xxl_t5_stays_frozen_in_eval_and_unsaved_as_trained(dataset, tmp_path, train):
+def test_without_train_t5xxl_t5_stays_frozen_in_eval_and_out_of_the_optimizer(dataset, tmp_path, train):
     """train_text_encoder alone: CLIP-L / CLIP-G train (unset rates = learning_rate), T5 is not in
     the optimizer, gets no gradient and stays in eval mode; the metadata lists the rates."""
     from safetensors import safe_open
