@@ -282,12 +282,13 @@ def base_dims(network_dim, network_alpha, neuron_dropout) -> tuple[int, float, f
 
 
 def build_network(all_targets, network_module: str, multiplier, network_dim, network_alpha,
-                  text_encoders, model, neuron_dropout, args: dict) -> "DiTLoRANetwork":
+                  text_encoders, model, neuron_dropout, args: dict,
+                  network_class: type = DiTLoRANetwork) -> "DiTLoRANetwork":
     """The network of one DiT family: ``all_targets(text_encoders, model, args, dim, alpha)``
     -> (text-encoder targets, transformer targets), with LoRA+ and the module log."""
     dim, alpha, dropout = base_dims(network_dim, network_alpha, neuron_dropout)
     te_targets, tr_targets = all_targets(text_encoders, model, args, dim, alpha)
-    network = DiTLoRANetwork(te_targets, tr_targets, multiplier, dim, alpha, dropout,
+    network = network_class(te_targets, tr_targets, multiplier, dim, alpha, dropout,
                              args.get("rank_dropout"), args.get("module_dropout"))
     set_loraplus(network, args)
     log_modules(network, network_module, args)

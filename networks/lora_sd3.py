@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from library.models import modelspec
 from networks import lora_dit
-from networks.lora import TEXT_ENCODER_TARGET_MODULES, load_state_dict_file
+from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
 
 NETWORK_MODULE = "networks.lora_sd3"
@@ -96,6 +96,9 @@ def all_targets(text_encoders, mmdit, args: dict[str, Any], dim: int,
     """(text-encoder targets, transformer targets). text_encoders: [CLIP-L, CLIP-G, T5-XXL] as
     sd-scripts passes them (any may be None); T5 only with train_t5xxl."""
     tes = list(text_encoders) if isinstance(text_encoders, (list, tuple)) else [text_encoders]
+    if args.get("train_t5xxl") and (len(tes) < 3 or tes[2] is None):
+        raise LoRAError(f"network_args: train_t5xxl for {NETWORK_MODULE}: this SD3 model has no T5-XXL "
+                        "(give the t5xxl file)")
     te_targets: list[Target] = []
     for i, te in enumerate(tes[:3]):
         if te is None or (i == 2 and not args.get("train_t5xxl")):
@@ -103,6 +106,18 @@ def all_targets(text_encoders, mmdit, args: dict[str, Any], dim: int,
         classes = lora_dit.T5_TARGET_MODULES if i == 2 else TEXT_ENCODER_TARGET_MODULES
         te_targets += lora_dit.text_encoder_targets(te, PREFIXES[i], classes, dim, alpha)
     return te_targets, transformer_targets(mmdit, args, dim, alpha)
+
+
+class SD3LoRANetwork(lora_dit.DiTLoRANetwork):
+    """The SD3 network: text_encoder_lr as sd-scripts' lora_sd3 reads it, one rate for all three
+    encoders or [CLIP-L, CLIP-G] (T5-XXL at CLIP-G's) or [CLIP-L, CLIP-G, T5-XXL]."""
+
+    def prepare_optimizer_params(self, text_encoder_lr, unet_lr, default_lr):
+        if isinstance(text_encoder_lr, (list, tuple)) and len(text_encoder_lr) == 2:
+            text_encoder_lr = [*text_encoder_lr, text_encoder_lr[1]]
+        return super().prepare_optimizer_params(text_encoder_lr, unet_lr, default_lr)
+
+    prepare_optimizer_params_with_multiple_te_lrs = prepare_optimizer_params
 
 
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
@@ -116,7 +131,7 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
 def build_network(multiplier, network_dim, network_alpha, text_encoders, mmdit, neuron_dropout,
                   args: dict[str, Any]) -> lora_dit.DiTLoRANetwork:
     return lora_dit.build_network(all_targets, NETWORK_MODULE, multiplier, network_dim, network_alpha,
-                                  text_encoders, mmdit, neuron_dropout, args)
+                                  text_encoders, mmdit, neuron_dropout, args, SD3LoRANetwork)
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoders, mmdit, weights_sd=None,
@@ -129,7 +144,7 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     te_targets, tr_targets = all_targets(text_encoders, mmdit, args, 1, 1.0)
     chosen = lora_dit.from_weights(te_targets + tr_targets, weights_sd, file)
     te_names = {t.name for t in te_targets}
-    network = lora_dit.DiTLoRANetwork([t for t in chosen if t.name in te_names],
+    network = SD3LoRANetwork([t for t in chosen if t.name in te_names],
                                       [t for t in chosen if t.name not in te_names], multiplier, 4, 1.0)
     lora_dit.set_loraplus(network, args)
     return network, weights_sd

@@ -383,10 +383,12 @@ OPTIONS: tuple[Option, ...] = (
     O("text_encoder_lr", "float_or_list", None, "Learning rate of the text encoder(s); one value, or "
       "one per text encoder (SDXL: two). Unset = learning_rate.", "optimizer", min=0,
       aliases=("learning_rate_te",), scripts=NOT_TI),
-    O("learning_rate_te1", "float", None, "SDXL: learning rate of text encoder 1 (sd-scripts' name); "
-      "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
-    O("learning_rate_te2", "float", None, "SDXL: learning rate of text encoder 2 (sd-scripts' name); "
-      "overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
+    O("learning_rate_te1", "float", None, "SDXL / SD3: learning rate of text encoder 1 (SD3: CLIP-L; "
+      "sd-scripts' name); overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
+    O("learning_rate_te2", "float", None, "SDXL / SD3: learning rate of text encoder 2 (SD3: CLIP-G; "
+      "sd-scripts' name); overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),
+    O("learning_rate_te3", "float", None, "SD3 with train_t5xxl: learning rate of T5-XXL (sd-scripts' "
+      "sd3_train.py name); unset = learning_rate.", "optimizer", scripts=FULL, min=0),
     O("block_lr", "float_list", None, "SDXL full fine-tuning: 23 learning rates, one per U-Net block "
       "as sd-scripts' sdxl_train.py (0: time/label embedding, 1-9: input blocks 0-8 (conv_in is "
       "input block 0), 10-12: middle block, 13-21: output blocks 0-8, 22: the output layers); a "
@@ -513,7 +515,11 @@ OPTIONS: tuple[Option, ...] = (
     O("seed", "int", 42, "Random seed. Unlike sd-scripts (random when unset) the default is fixed, so "
       "that two runs of the same config give the same weights.", "training", min=0,
       max=2**32 - 1),  # NumPy's seed range (accelerate's set_seed seeds NumPy too)
-    O("train_text_encoder", "bool", False, "Also train the text encoder(s).", "training", scripts=FULL),
+    O("train_text_encoder", "bool", False, "Also train the text encoder(s) (SD3: CLIP-L and CLIP-G; "
+      "T5-XXL with train_t5xxl).", "training", scripts=FULL),
+    O("train_t5xxl", "bool", False, "SD3 with train_text_encoder: also train T5-XXL, at "
+      "learning_rate_te3 (sd-scripts' sd3_train.py). A FLUX.1 / SD3 LoRA takes it in network_args.",
+      "training", scripts=FULL),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
       "Unset = for the whole run.", "training", scripts=FULL, min=1),

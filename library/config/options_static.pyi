@@ -110,6 +110,7 @@ class Options:
     text_encoder_lr: float | list[float] | None = ...  # default None
     learning_rate_te1: float | None = ...  # default None
     learning_rate_te2: float | None = ...  # default None
+    learning_rate_te3: float | None = ...  # default None
     block_lr: list[float] | None = ...  # default None
     lr_scheduler: str = ...  # default 'constant'
     lr_warmup_steps: int | float = ...  # default 0
@@ -148,6 +149,7 @@ class Options:
     deepspeed_config_file: str | None = ...  # default None
     seed: int = ...  # default 42
     train_text_encoder: bool = ...  # default False
+    train_t5xxl: bool = ...  # default False
     stop_text_encoder_training: int | None = ...  # default None
     ema_decay: float | None = ...  # default None
     ema_device: str = ...  # default 'same'

@@ -39,7 +39,7 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
-                "t5_dropout_rate")
+                "t5_dropout_rate", "train_t5xxl", "learning_rate_te3")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -55,7 +55,8 @@ UNSUPPORTED = {
     "ip_noise_gamma": "not wired for FLUX.1 yet",
     "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer",
     "max_token_length": "use t5xxl_max_token_length",
-    "weighted_captions": "not wired for FLUX.1 yet",
+    "weighted_captions": "sd-scripts' FLUX.1 / SD3 text encodings have no prompt weighting "
+                         "(its strategy_flux / strategy_sd3 tokenize without weights)",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
@@ -79,10 +80,11 @@ UNSUPPORTED_BY_FAMILY = {
              **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
                 for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
              "train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and "
-                                   "T5 stay frozen)"},
-    "sd3": {"train_text_encoder": "not wired for SD3 yet (sd-scripts' sd3_train.py trains CLIP-L / CLIP-G "
-                                  "at learning_rate_te1 / te2); the MMDiT trains, the text encoders stay frozen",
-            "guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
+                                   "T5 stay frozen)",
+             "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
+             "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
+                                  "transformer alone)"},
+    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
@@ -323,14 +325,17 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
                            apply_t5_attn_mask=opts.apply_t5_attn_mask, rewrite=rewrite)
 
 
-def save_full(bundle, path: str, dtype, metadata: dict) -> None:
+def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[str, ...] = ()) -> None:
     """The trained FLUX.1 transformer in the layout it was loaded from (BFL: one .safetensors
     file; diffusers: a transformer folder), atomically; the text encoders and autoencoder did not
-    train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone)."""
+    train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone). SD3: the
+    source's layout and components, plus the ``trained_encoders`` ("clip_l", "clip_g", "t5xxl")
+    even when they came from separate files (sd-scripts' save_sd3_model with the trained ones)."""
 
     m = bundle.flow
-    if bundle.family == "sd3":  # the source's layout and components (the trained MMDiT in them)
-        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata)
+    if bundle.family == "sd3":
+        comps = (m.in_source | set(trained_encoders)) if trained_encoders else None
+        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata, components=comps)
         return
     flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
                                           metadata=metadata, dtype=dtype)

@@ -433,7 +433,8 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
         raise
     except (OSError, ValueError, RuntimeError) as e:
         raise SD3ModelError(f"{folder}: cannot load the diffusers SD3 folder: {first_line(e)}") from None
-    if os.path.isfile(os.path.join(folder, "tokenizer", "vocab.json")):
+    # vocab.json (the released folders) or tokenizer.json alone (transformers 5's save_pretrained)
+    if any(os.path.isfile(os.path.join(folder, "tokenizer", f)) for f in ("vocab.json", "tokenizer.json")):
         tok_l = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
         tok_g = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2", pad_token="!")
     else:

@@ -162,7 +162,7 @@ def check_options(opts, method_name: str) -> str | None:
 def _check_network(opts, fam: str, src: str) -> None:
     """train_lora on a FLUX.1 / SD3 model: the family's network module (as sd-scripts'
     flux_train_network.py / sd3_train_network.py need it), and train_t5xxl only where the run
-    has T5 and trains the text encoders."""
+    trains the text encoders (an SD3 model without T5: networks/lora_sd3.py says so when built)."""
     what, module = flow_family.NAMES[fam], network_options.FAMILY_LORA_MODULES[fam]
     if opts.network_module != module.NETWORK_MODULE:
         raise flow_family.FlowFamilyError(
@@ -173,9 +173,6 @@ def _check_network(opts, fam: str, src: str) -> None:
                                           f"{what} model {src} (sd-scripts has no {what} textual inversion)")
     args = module.parse_network_args(dict(opts.network_args or {}))
     if args.get("train_t5xxl"):
-        if fam == "sd3":
-            raise flow_family.FlowFamilyError("network_args: train_t5xxl: SD3 trains without T5 here (77 zero "
-                                              "tokens in its place), so T5 has no LoRA to train")
         if opts.network_train_unet_only:
             raise flow_family.FlowFamilyError("network_args: train_t5xxl trains a LoRA on T5, a text encoder; "
                                               "network_train_unet_only = true trains none (drop one of them)")

@@ -322,9 +322,11 @@ class FullMethod:
     Learning rates: the U-Net trains at ``learning_rate``; with ``train_text_encoder`` each text
     encoder trains at ``text_encoder_lr`` (alias ``learning_rate_te``): one value for all, or one
     per text encoder (SDXL: [te1, te2]); unset = ``learning_rate``. SDXL also takes sd-scripts'
-    ``learning_rate_te1`` / ``learning_rate_te2``, which override the value for that encoder. A
-    part whose learning rate is 0 is frozen (no gradient, not in the optimizer), as the network
-    method does.
+    ``learning_rate_te1`` / ``learning_rate_te2``, which override the value for that encoder. SD3
+    (sd-scripts' sd3_train.py): CLIP-L and CLIP-G as SDXL's two; T5-XXL trains only with
+    ``train_t5xxl``, at ``learning_rate_te3`` (else a third text_encoder_lr value, else
+    learning_rate). A part whose learning rate is 0 is frozen (no gradient, not in the optimizer,
+    in eval mode), as the network method does.
 
     ``stop_text_encoder_training = N``: the text encoders train in the first N optimizer steps
     (sd-scripts: frozen when global_step reaches N); from step N + 1 on they get no gradient, so
@@ -337,6 +339,7 @@ class FullMethod:
     saves_full_model = True
     network = None  # no adapter network: the model's own weights train
     group_names = None  # one name per optimizer parameter group, when setup() knows them
+    te_lrs: tuple = ()  # one learning rate per text encoder, set by setup()
 
     def __init__(self, opts, bundle):
         self.opts = opts
@@ -350,9 +353,14 @@ class FullMethod:
         self.implied_te = may_imply and bundle is not None and bundle.family != "sdxl"
         wants_te = wants_te or self.implied_te
         self.wants_te = wants_te
+        if opts.train_t5xxl and not wants_te:
+            raise MethodError("train_t5xxl needs train_text_encoder (sd-scripts' sd3_train.py trains T5-XXL "
+                              "only with CLIP-L / CLIP-G)")
         te_lrs = self._te_lr_values() + [v for v in (opts.learning_rate_te1,
                                                      opts.learning_rate_te2)
                                          if v is not None]
+        if opts.train_t5xxl:
+            te_lrs.append(opts.learning_rate if opts.learning_rate_te3 is None else opts.learning_rate_te3)
         self.stop_te_at = opts.stop_text_encoder_training
         if self.stop_te_at is not None and not wants_te and not (may_imply and bundle is None):
             raise MethodError("stop_text_encoder_training needs train_text_encoder (the text "
@@ -399,7 +407,22 @@ class FullMethod:
                 raise MethodError(f"{name} is for SDXL's two text encoders; this "
                                   f"{self.bundle.family} model has one: use text_encoder_lr")
             out[i] = v
+        if self.bundle.family == "sd3":
+            return self._sd3_t5_lr(out)
         return out
+
+    def _sd3_t5_lr(self, lrs: list) -> list:
+        """SD3's T5-XXL (the third encoder, when the model has one) trains only with train_t5xxl."""
+        opts = self.opts
+        if opts.train_t5xxl and len(lrs) < 3:
+            raise MethodError(f"train_t5xxl: the SD3 model {opts.pretrained_model_name_or_path} has no T5-XXL "
+                              "(give the t5xxl file)")
+        if len(lrs) < 3:
+            return lrs
+        given = self._te_lr_values()
+        t5 = opts.learning_rate_te3 if opts.learning_rate_te3 is not None else \
+            given[2] if len(given) > 2 else opts.learning_rate
+        return lrs[:2] + [t5 if opts.train_t5xxl else 0.0]
 
     def before_step(self, global_step: int) -> None:
         """Called before each optimizer step with the number of steps done."""
@@ -418,6 +441,8 @@ class FullMethod:
         for name in ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2"):
             if getattr(opts, name) is not None and not self.wants_te:
                 logger.warning(f"{name} has no effect without train_text_encoder")
+        if opts.learning_rate_te3 is not None and not opts.train_t5xxl:
+            logger.warning("learning_rate_te3 has no effect without train_t5xxl")
         if self.implied_te and self.train_text_encoder:
             logger.info("train_dreambooth: text_encoder_lr (learning_rate_te) or "
                         "stop_text_encoder_training is set and train_text_encoder is not: the "
@@ -431,7 +456,8 @@ class FullMethod:
             groups, self.group_names = block_lr.param_groups(b.unet, b.family, self.block_lr)
         elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
-        for i, (te, lr) in enumerate(zip(b.text_encoders, self.text_encoder_lrs())):
+        self.te_lrs = self.text_encoder_lrs()
+        for i, (te, lr) in enumerate(zip(b.text_encoders, self.te_lrs)):
             te.requires_grad_(bool(lr))
             if lr:
                 groups.append({"params": list(te.parameters()), "lr": lr})
@@ -439,9 +465,8 @@ class FullMethod:
                     self.group_names.append("textencoder" if len(b.text_encoders) == 1 else f"textencoder{i + 1}")
         self.param_groups = groups
         self.info = {"ss_train_text_encoder": self.train_text_encoder}
-        if opts.learning_rate_te1 is not None or \
-                opts.learning_rate_te2 is not None:
-            self.info["ss_text_encoder_lr"] = [float(v) for v in self.text_encoder_lrs()]
+        if opts.learning_rate_te1 is not None or opts.learning_rate_te2 is not None or opts.train_t5xxl:
+            self.info["ss_text_encoder_lr"] = [float(v) for v in self.te_lrs]
         if self.stop_te_at is not None:
             self.info["ss_stop_text_encoder_training"] = self.stop_te_at
         return groups
@@ -453,13 +478,19 @@ class FullMethod:
         return None  # scale_weight_norms is a network option
 
     def set_train(self, epoch: int):
-        pass
+        for te, lr in zip(self.bundle.text_encoders, self.te_lrs):
+            if not lr:  # a frozen encoder beside trained ones (SD3's T5 without train_t5xxl): eval mode
+                te.train(False)
 
     def prompt_rewrite(self):
         return None
 
     def companion_files(self, path: str) -> list[str]:
         return []
+
+    def trained_encoder_names(self) -> tuple[str, ...]:
+        """SD3's trained text encoders by sd-scripts' component name (clip_l, clip_g, t5xxl)."""
+        return tuple(name for name, lr in zip(("clip_l", "clip_g", "t5xxl"), self.te_lrs) if lr)
 
     FORMATS = {"safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": "",
                "diffusers_safetensors": ""}
@@ -476,7 +507,8 @@ class FullMethod:
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
         if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
-            flow_family.save_full(self.bundle, path, dtype, metadata)
+            trained = self.trained_encoder_names() if self.bundle.family == "sd3" else ()
+            flow_family.save_full(self.bundle, path, dtype, metadata, trained)
             return
         comps = self.bundle.components()
         fmt = self.opts.save_model_as or "safetensors"

@@ -232,6 +232,10 @@ REFERENCE = {
     "clip_g_dropout_rate": T + "training/test_sd3_train.py::test_sd3_every_encoder_dropped_trains_on_zero_text",
     "t5_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
     "text_encoder_batch_size": T + "training/test_flow_text_cache.py::test_text_encoder_batch_size_sets_the_caching_batches",
+    "train_t5xxl": T + "training/test_sd3_text_encoder_train.py::"
+                       "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",
+    "learning_rate_te3": T + "training/test_sd3_text_encoder_train.py::"
+                             "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",
     "dataset_config": T + "config/test_config.py::test_separate_dataset_config_file_and_not_both",
     "dry_run": T + "config/test_bad_input.py::test_dry_run_imports_no_model_code",
     "pretrained_model_name_or_path": T + "training/test_train_lora_e2e.py::test_tiny_overfit_lowers_the_loss",
