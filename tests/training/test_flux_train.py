@@ -26,8 +26,9 @@ def flux_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i):
-    """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64."""
+def _reference_loss(run, epoch, i, mask=None):
+    """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64
+    (``mask``: the latent-size (h, w) mask multiplying the elementwise loss before its mean)."""
     from library.data import step_plan
     from library.models import flux, flux_ae, flux_text, tiny_flux
 
@@ -56,7 +57,8 @@ def _reference_loss(run, epoch, i):
                     torch.tensor([sigma], dtype=torch.float64), cond.l_pooled.double(),
                     torch.tensor([3.5], dtype=torch.float64))
         v = flux.unpack_latents(out, h, w)
-    return float(((v - (noise - x0)) ** 2).mean())
+    err = (v - (noise - x0)) ** 2
+    return float((err if mask is None else err * mask).mean())
 
 
 def test_flux_full_finetune_loss_and_saved_transformer(dataset, tmp_path, train):

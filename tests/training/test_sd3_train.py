@@ -20,7 +20,7 @@ def sd3_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i):
+def _reference_loss(run, epoch, i, mask=None):
     from library.data import step_plan
     from library.models import sd3_builtins, sd3_text
 
@@ -48,7 +48,8 @@ def _reference_loss(run, epoch, i):
         context = torch.cat([torch.nn.functional.pad(lg, (0, width - lg.shape[-1])),
                              torch.zeros(1, 77, width, dtype=torch.float64)], dim=1)
         out = mmdit(x_t, torch.tensor([float(t)], dtype=torch.float64), pooled, context)
-    return float(((x_t - sigma * out - x0) ** 2).mean())
+    err = (x_t - sigma * out - x0) ** 2
+    return float((err if mask is None else err * mask).mean())
 
 
 def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):

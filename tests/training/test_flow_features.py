@@ -1,0 +1,152 @@
+"""The SD trainer's features on the flow-matching families (FLUX.1 and SD3 full fine-tuning on
+tiny-flux / tiny-sd3, 64 px, one thread):
+
+- masked loss: an image's alpha channel, averaged over each 8x8 pixel block under a latent
+  element, multiplies the elementwise loss of the unpacked prediction (FLUX.1 packs 2x2 latent
+  patches into tokens; the velocity is unpacked before the loss, so the mask is not packed): the
+  first micro-step's loss equals a float64 recomputation with the mask; a mask on the wrong
+  pixels (transposed) would not;
+- EMA: ``<name>-ema`` is saved in the family's layout and equals the decay formula over the
+  weights after every step;
+- SIGINT: a Ctrl-C after step 2 saves a state (exit 130, no model file), the resumed run ends
+  bit-identical to the uninterrupted one, EMA file included;
+- the non-finite guard: a NaN loss at step 2 stops the run (exit 3, one line), nothing
+  non-finite is written, and the state kept holds the weights after step 1.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from library.run.run_state import HOOKS
+from tests.outputs.test_resume import train as train_until
+from tests.training.test_ema import close, expected_ema, recorder  # noqa: F401 - recorder: a fixture
+from tests.training.test_faults_nonfinite import assert_all_finite, assert_one_error_line, inject
+from tests.training import test_flux_train, test_sd3_train
+
+MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3"}
+# what the references of test_flux_train / test_sd3_train compute
+LOSS_ARGS = {"flux": ["--model_prediction_type", "raw"], "sd3": []}
+REFERENCE = {"flux": test_flux_train._reference_loss, "sd3": test_sd3_train._reference_loss}
+
+
+def flow_args(family, data, out, *extra):
+    return ["--pretrained_model_name_or_path", MODELS[family], "--train_data_dir", data,
+            "--output_dir", str(out), "--resolution", "64", "--max_train_steps", "2",
+            "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
+
+
+def _alpha(k: int) -> np.ndarray:
+    """A fixed, asymmetric random alpha channel (64 x 64) per image, with a transparent corner."""
+    a = np.random.default_rng(100 + k).integers(0, 256, (64, 64)).astype(np.uint8)
+    a[:20, :40] = 0
+    return a
+
+
+def make_alpha_dataset(root: str) -> str:
+    folder = os.path.join(root, "2_sks shape")
+    os.makedirs(folder)
+    for k in range(2):
+        yy, xx = np.mgrid[0:64, 0:64]
+        rgb = np.stack([xx * 3 + 20 * k, yy * 2, np.full_like(xx, 80 + 50 * k)], -1).astype(np.uint8)
+        Image.fromarray(np.dstack([rgb, _alpha(k)]), "RGBA").save(os.path.join(folder, f"img_{k}.png"))
+        with open(os.path.join(folder, f"img_{k}.caption"), "w") as f:
+            f.write(f"a shape {k}")
+    return root
+
+
+def latent_mask(path: str) -> torch.Tensor:
+    """The alpha channel / 255, mean of each 8x8 block (float64, (8, 8))."""
+    a = np.asarray(Image.open(path))[..., 3].astype(np.float64) / 255.0
+    return torch.from_numpy(a.reshape(8, 8, 8, 8).mean(axis=(1, 3)).copy())
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_masked_loss_is_the_alpha_weighted_loss(family, tmp_path, train):
+    data = make_alpha_dataset(str(tmp_path / "data"))
+    losses = []
+
+    def first(run, epoch, idx, loss):
+        losses.append((epoch, list(idx), float(loss.detach())))
+        return loss
+
+    with HOOKS.add(after_micro_step=first):
+        rc, _, err, run = train("finetune", flow_args(family, data, tmp_path / "out", "--masked_loss",
+                                                      "--alpha_mask", *LOSS_ARGS[family]))
+    assert rc == 0, err
+    epoch, idx, loss = losses[0]
+    mask = latent_mask(run.tset.samples[idx[0]].path)
+    assert loss == pytest.approx(REFERENCE[family](run, epoch, idx[0], mask), rel=1e-4, abs=1e-7)
+    # the pattern matters: the same loss with the mask transposed, or without a mask, differs
+    for other in (mask.T, None):
+        assert loss != pytest.approx(REFERENCE[family](run, epoch, idx[0], other), rel=1e-3)
+
+
+def _sd3_mmdit(path):
+    from library.models import sd3_checkpoint
+
+    return sd3_checkpoint.load_sd3(path).mmdit.state_dict()
+
+
+def _transformer(family, path):
+    """The saved transformer's weights under the training module's parameter names."""
+    if family == "flux":
+        return load_file(path)
+    return _sd3_mmdit(path)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_ema_and_sigint_resume(family, dataset, tmp_path, recorder):
+    rec = recorder
+    base = flow_args(family, dataset, tmp_path / "whole", "--max_train_steps", "4", "--ema_decay", "0.5")
+    rc, err, whole = train_until("finetune", base)
+    assert rc == 0, err[-2000:]
+    names = {id(p): n for n, p in whole.parts.bundle.unet.named_parameters()}
+    ema = _transformer(family, str(tmp_path / "whole" / "last-ema.safetensors"))
+    live = dict(whole.parts.bundle.unet.named_parameters())
+    n = 0
+    for p, e in zip(whole.parts.params, expected_ema(rec, 0.5)):
+        assert close(ema[names[id(p)]], e), names[id(p)]
+        n += 1
+    assert n == len(live) and len(rec["steps"]) == 4
+    assert any(not torch.equal(ema[k], live[k].detach()) for k in live)  # not the trained weights
+
+    parts = str(tmp_path / "parts")
+    args = [*base[:base.index("--output_dir")], "--output_dir", parts,
+            *base[base.index("--output_dir") + 2:]]
+    rc, err, _ = train_until("finetune", args, stop_at={2})
+    assert rc == 130 and "interrupted by SIGINT: stopped after step 2" in err, err[-2000:]
+    assert sorted(os.listdir(parts)) == ["last-step00000002-state"]
+    rc, err, resumed = train_until("finetune", [*args, "--resume", "latest"])
+    assert rc == 0, err[-2000:]
+    assert resumed.progress.loss_log == whole.progress.loss_log
+    for name in ("last.safetensors", "last-ema.safetensors"):
+        a, b = load_file(os.path.join(parts, name)), load_file(str(tmp_path / "whole" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_nan_loss_stops_with_the_state_of_the_last_good_step(family, dataset, tmp_path, train):
+    from library.outputs.train_state import named_trainable
+
+    rc, _, err, ref = train("finetune", flow_args(family, dataset, tmp_path / "ref", "--max_train_steps", "1"))
+    assert rc == 0, err
+    good = {n: p.detach().clone() for n, p in named_trainable(ref.parts.method, ref.parts.bundle)}
+    out = str(tmp_path / "out")
+    with inject(2, "nan"):
+        rc, _, err, _ = train("finetune", flow_args(family, dataset, out, "--max_train_steps", "3",
+                                                    "--save_every_n_steps", "1"))
+    state = os.path.join(out, "last-step00000001-state")
+    assert rc == 3, err[-3000:]
+    assert_one_error_line(err, f"non-finite loss NaN at step 2: training stopped before its update; "
+                               f"the state after step 1 is in {state}")
+    assert not os.path.exists(os.path.join(out, "last.safetensors"))
+    assert_all_finite(out)
+    kept = load_file(os.path.join(state, "trainable.safetensors"))
+    assert kept.keys() == good.keys() and kept
+    assert all(torch.equal(kept[k], good[k]) for k in kept)
