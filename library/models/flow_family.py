@@ -62,7 +62,6 @@ UNSUPPORTED = {
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",
-    "torch_compile": "not wired for FLUX.1 yet",
     "fp8_base": "not wired for FLUX.1 yet",
     "fp8_base_unet": "not wired for FLUX.1 yet",
     "train_inpainting": "an SD option",
