@@ -17,6 +17,7 @@ autoencoder (latents (mean - shift) x scale, as latent_cache.encode_pixels compu
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -66,8 +67,6 @@ UNSUPPORTED = {
     "fp8_base_unet": "not wired for FLUX.1 yet",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
-    "deepspeed": "not wired for FLUX.1 yet",
-    "fsdp": "not wired for FLUX.1 yet",
     "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
 }
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
@@ -259,8 +258,10 @@ def save_full(bundle, path: str, dtype, metadata: dict) -> None:
     train and are not rewritten (sd-scripts' flux_train.py saves the transformer alone)."""
 
     m = bundle.flow
-    if bundle.family == "sd3":  # the source's layout and components (the trained MMDiT in them)
-        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata)
+    if bundle.family == "sd3":  # the source's layout and components, the trained MMDiT in them
+        # (bundle.unet: under fsdp the gathered copy library/distributed/fsdp.py puts there)
+        sd3_checkpoint.save_sd3(dataclasses.replace(m, mmdit=bundle.unet), path, dtype=dtype,
+                                metadata=metadata)
         return
     flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
                                           metadata=metadata, dtype=dtype)
