@@ -825,8 +825,14 @@ _OTHER_FAMILY = ("an option of the GUI's {} training; this toolkit trains SD1, S
                  "(the GUI writes it only with that model type checked)")
 
 
+# a key of the GUI's FLUX.1 / SD3 training that has no counterpart here yet
+_FLOW_NOT_YET = ("an option of the GUI's {} training that this toolkit does not support yet "
+                 "(the GUI writes it only with that model type checked)")
+
+
 def _gui_family(names: str, tabs: str, family: str) -> list:
-    return [GuiKey(n, tabs, "reject", _OTHER_FAMILY.format(family)) for n in names.split()]
+    why = (_FLOW_NOT_YET if family in ("FLUX.1", "SD3") else _OTHER_FAMILY).format(family)
+    return [GuiKey(n, tabs, "reject", why) for n in names.split()]
 
 
 GUI_OPTION_KEYS = """
@@ -919,8 +925,14 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
-    *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
-                 "SD3"),
+    *_gui_family("save_clip save_t5xxl", "ldf", "SD3"),
+    # the GUI's SD3 tab writes t5xxl_dtype ("bf16") and text_encoder_batch_size (1) by default
+    GuiKey("t5xxl_dtype", "ldf", "ignore", "the dtype sd-scripts loads SD3's T5-XXL in; SD3 trains "
+           "without T5 here (77 zero tokens in its place, as sd-scripts without t5xxl)"),
+    GuiKey("t5xxl_device", "ldf", "ignore", "the device of SD3's T5-XXL in sd-scripts; SD3 trains "
+           "without T5 here"),
+    GuiKey("text_encoder_batch_size", "ldf", "ignore", "sd-scripts' batch size for caching SD3's "
+           "text-encoder outputs; here they are encoded with the training batches"),
     *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
                  "pos_emb_random_crop_rate", "l", "SD3"),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),

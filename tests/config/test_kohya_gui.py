@@ -1,4 +1,4 @@
-"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL loads and trains.
+"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL, FLUX.1 and SD3 loads and trains.
 
 tests/kohya_gui_configs.py turns each GUI preset (bmaltais/kohya_ss presets/{lora,dreambooth,
 finetune}/*.json, stored in tests/config/kohya_gui_presets.json by tools/update_gui_presets.py)
@@ -26,6 +26,25 @@ REJECTED = {
 }
 # Presets that load but cannot train with the installed packages: the run stops with one line.
 TRAIN_REJECTED = {}
+
+# Keys of the GUI's FLUX.1 / SD3 presets whose features are being wired for these families
+# (issue 26) and are refused with them today: the preset cases run without them.
+# test_flow_pending_keys_are_refused_today fails once a key is accepted: then delete its entry.
+FLOW_PENDING = {
+    "cache_text_encoder_outputs": "FLUX.1 / SD3 text-encoder output caching",
+    "cache_text_encoder_outputs_to_disk": "FLUX.1 / SD3 text-encoder output caching",
+    "sample_prompts": "FLUX.1 / SD3 sample images (the GUI always writes a prompt file)",
+    "fp8_base": "FLUX.1 / SD3 fp8 base",
+}
+# Presets of a family their tab's script does not train yet: their GUI config parses (every key
+# accepted, mapped or warned) and the run stops before loading with this line. Once the script
+# trains the family the dry run fails here: delete the entry, and the preset trains as the others.
+PENDING_PRESETS = {
+    "lora/flux1D - adamw8bit fp8": "this trainer's lora does not train FLUX.1 yet",
+}
+# --dry_run (the plan and memory estimate) with a FLUX.1 / SD3 model stops with this line today (its
+# presets' configs load in test_gui_config_trains_two_steps); once it runs, delete this.
+FLOW_DRY_RUN_PENDING = "the memory estimate does not cover FLUX.1 or SD3 yet"
 
 
 def _cases():
@@ -106,6 +125,9 @@ def _config(tab, preset, tmp_path, dataset):
         weights = _earlier_lora(fam, gui.normalize(preset, tab), str(tmp_path / "phase1.safetensors"))
     cfg = gui.gui_toml(preset, tab, model=gui.tiny_model(fam), data_dir=data, output_dir=out,
                        network_weights=weights)
+    if fam in ("flux", "sd3"):
+        for key in FLOW_PENDING:
+            cfg.pop(key, None)
     if cfg.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
         # the GUI's default; fp16 loss scaling needs CUDA: bf16 autocast is the CPU's half precision
         cfg["mixed_precision"] = "bf16"
@@ -123,9 +145,19 @@ def test_gui_config_dry_run(tab, preset, pid, tmp_path, dataset, run_script, mon
     monkeypatch.setattr(memory_estimate, "report", lambda *a, **k: estimated.append(a))
     path, cfg = _config(tab, preset, tmp_path, dataset)
     rc, out, err = run_script(SCRIPT[tab], ["--config", path, "--dry_run"])
+    if pid in PENDING_PRESETS:
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line == f"error: {gui.tiny_model(gui.family_of(preset))} is a FLUX.1 model " \
+            f"(flux): train_dreambooth / finetune fine-tune it fully; {PENDING_PRESETS[pid]}", err
+        return
     if pid in REJECTED:
         line = err.strip().splitlines()[-1]
         assert rc == 2 and line.startswith("error: ") and REJECTED[pid] in line, err
+        return
+    if gui.family_of(preset) in ("flux", "sd3") and FLOW_DRY_RUN_PENDING:
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line.startswith("error: dry_run: not with the") and \
+            FLOW_DRY_RUN_PENDING in line, err[-2000:]
         return
     assert rc == 0, err[-2000:]
     assert "step plan:" in out and len(estimated) == 1
@@ -150,7 +182,7 @@ def _train_cases():
     seen, out = set(), []
     for c in CASES:
         tab, preset, pid = c.values
-        if pid in REJECTED:
+        if pid in REJECTED or pid in PENDING_PRESETS:
             continue
         if c.marks:
             out.append(c)
@@ -184,8 +216,8 @@ def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_sc
 
 
 def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
-    """Each key of every preset's and default's GUI TOML is in library.config.options GUI_KEYS, for
-    the tab that wrote it."""
+    """Each key of every preset's and default's GUI TOML (FLUX.1 / SD3 included) is in
+    library.config.options GUI_KEYS, for the tab that wrote it."""
     letter = {"lora": "l", "dreambooth": "d", "finetune": "f", "textual_inversion": "t"}
     seen = set()
     for c in CASES:
@@ -200,6 +232,26 @@ def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
             seen.add(key)
     assert {"epoch", "noise_offset_type", "network_args", "learning_rate_te", "xformers",
             "token_string", "init_word"} <= seen
+    # the FLUX.1 and SD3 presets' own keys (their model file paths are emptied here)
+    assert {"discrete_flow_shift", "model_prediction_type", "timestep_sampling", "guidance_scale",
+            "apply_t5_attn_mask", "t5xxl_max_token_length", "weighting_scheme", "logit_mean",
+            "logit_std", "mode_scale", "t5xxl_dtype", "text_encoder_batch_size"} <= seen
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
+def test_flow_pending_keys_are_refused_today(model, dataset, tmp_path, run_script, no_weight_loading):
+    """Each FLOW_PENDING key is refused with FLUX.1 / SD3 today, in one line naming it: the preset
+    cases drop exactly what cannot run yet (delete an entry when this fails for it)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a shape\n")
+    values = {"sample_prompts": [str(prompts)]}
+    for key in FLOW_PENDING:
+        rc, _, err = run_script("finetune", [
+            "--pretrained_model_name_or_path", model, "--train_data_dir", dataset, "--output_dir",
+            str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2",
+            f"--{key}", *values.get(key, [])])
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line.startswith(f"error: {key}: not with the"), (key, err[-1500:])
 
 
 # --- the rules behind it, one by one --------------------------------------------------------

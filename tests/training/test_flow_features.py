@@ -202,3 +202,24 @@ def _initial_sd3():
 
 
 MODEL_INITIAL = {"flux": test_flux_train.build_initial, "sd3": _initial_sd3}
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_options_sd_scripts_ignores_warn_and_leave_the_loss_unchanged(family, dataset, tmp_path, train):
+    """clip_skip, max_token_length, min_snr_gamma and the noise-offset options (the kohya_ss GUI
+    writes them for every model type; sd-scripts' FLUX.1 / SD3 trainers ignore them): one
+    "no effect" line each, and the same losses and weights as without them."""
+    def run(out, *extra):
+        rc, _, err, r = train("finetune", flow_args(family, dataset, tmp_path / out, *extra))
+        assert rc == 0, err
+        return r, err
+
+    plain, _ = run("plain")
+    extra = ["--clip_skip", "2", "--max_token_length", "225", "--min_snr_gamma", "5",
+             "--noise_offset", "0.1", "--adaptive_noise_scale", "0.01"]
+    ignored, err = run("ignored", *extra)
+    for name in ("clip_skip", "max_token_length", "min_snr_gamma", "noise_offset", "adaptive_noise_scale"):
+        assert f"option {name} has no effect with the" in err, name
+    assert ignored.progress.loss_log == plain.progress.loss_log
+    a, b = (dict(r.parts.bundle.unet.named_parameters()) for r in (plain, ignored))
+    assert all(torch.equal(a[k], b[k]) for k in a)

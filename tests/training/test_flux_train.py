@@ -134,9 +134,9 @@ def no_flux_loading(monkeypatch, no_weight_loading):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--min_snr_gamma", "5"], "min_snr_gamma: not with the FLUX.1 model"),
+    (["--zero_terminal_snr"], "zero_terminal_snr: not with the FLUX.1 model"),
     (["--v_parameterization"], "v_parameterization: not with the FLUX.1 model"),
-    (["--noise_offset", "0.1"], "noise_offset: not with the FLUX.1 model"),
+    (["--ip_noise_gamma", "0.1"], "ip_noise_gamma: not with the FLUX.1 model"),
     (["--clip_g", "x.safetensors"], "clip_g: SD3's CLIP-G"),
     (["--timestep_sampling", "logit"], "timestep_sampling"),
     (["--loss_type", "huber"], "loss_type huber"),

@@ -84,7 +84,7 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
 @pytest.mark.parametrize("extra, message", [
     (["--t5xxl", "t5.safetensors"], "t5xxl: not with the SD3 model"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
-    (["--min_snr_gamma", "5"], "min_snr_gamma: not with the SD3 model"),
+    (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
 ])
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
