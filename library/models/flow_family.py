@@ -66,9 +66,7 @@ UNSUPPORTED = {
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
 UNSUPPORTED_BY_FAMILY = {
-    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
+    "flux": {"apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift"},
     "sd3": {"t5xxl": "SD3 trains without T5 here (77 zero tokens in its place, as sd-scripts "
                      "without t5xxl); T5 is not wired yet",

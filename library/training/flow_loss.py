@@ -103,6 +103,13 @@ NO_EFFECT = {
     "adaptive_noise_scale": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
     "multires_noise_iterations": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
 }
+# the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
+NO_EFFECT_BY_FAMILY = {
+    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
+                             "FLUX.1 trainers ignore the timestep bounds)",
+             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
+                             "FLUX.1 trainers ignore the timestep bounds)"},
+}
 
 
 def check_options(opts, method_name: str) -> str | None:
@@ -125,7 +132,7 @@ def check_options(opts, method_name: str) -> str | None:
     for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
         if flow_family._is_set(opts, name):
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
-    for name, why in NO_EFFECT.items():
+    for name, why in {**NO_EFFECT, **NO_EFFECT_BY_FAMILY.get(fam, {})}.items():
         if flow_family._is_set(opts, name):
             logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
     if not opts.sdpa:

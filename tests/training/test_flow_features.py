@@ -206,9 +206,9 @@ MODEL_INITIAL = {"flux": test_flux_train.build_initial, "sd3": _initial_sd3}
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_options_sd_scripts_ignores_warn_and_leave_the_loss_unchanged(family, dataset, tmp_path, train):
-    """clip_skip, max_token_length, min_snr_gamma and the noise-offset options (the kohya_ss GUI
-    writes them for every model type; sd-scripts' FLUX.1 / SD3 trainers ignore them): one
-    "no effect" line each, and the same losses and weights as without them."""
+    """clip_skip, max_token_length, min_snr_gamma, the noise-offset options and FLUX.1's timestep
+    bounds (the kohya_ss GUI writes them for every model type; sd-scripts' FLUX.1 / SD3 trainers
+    ignore them): one "no effect" line each, and the same losses and weights as without them."""
     def run(out, *extra):
         rc, _, err, r = train("finetune", flow_args(family, dataset, tmp_path / out, *extra))
         assert rc == 0, err
@@ -217,9 +217,26 @@ def test_options_sd_scripts_ignores_warn_and_leave_the_loss_unchanged(family, da
     plain, _ = run("plain")
     extra = ["--clip_skip", "2", "--max_token_length", "225", "--min_snr_gamma", "5",
              "--noise_offset", "0.1", "--adaptive_noise_scale", "0.01"]
+    names = ["clip_skip", "max_token_length", "min_snr_gamma", "noise_offset", "adaptive_noise_scale"]
+    if family == "flux":  # (SD3 honours its timestep bounds)
+        extra += ["--min_timestep", "100", "--max_timestep", "900"]
+        names += ["min_timestep", "max_timestep"]
     ignored, err = run("ignored", *extra)
-    for name in ("clip_skip", "max_token_length", "min_snr_gamma", "noise_offset", "adaptive_noise_scale"):
+    for name in names:
         assert f"option {name} has no effect with the" in err, name
     assert ignored.progress.loss_log == plain.progress.loss_log
     a, b = (dict(r.parts.bundle.unet.named_parameters()) for r in (plain, ignored))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_text_encoder_rate_alone_keeps_the_encoders_frozen(family, dataset, tmp_path, train):
+    """learning_rate_te without train_text_encoder (the GUI's DreamBooth tab writes it for every
+    model type): sd-scripts' flux_train.py / sd3_train.py train only the transformer then, as
+    sdxl_train.py; train_db.py's implied text-encoder training is SD1/SD2's."""
+    rc, _, err, run = train("train_dreambooth", flow_args(family, dataset, tmp_path / "o",
+                                                          "--learning_rate_te", "1e-3"))
+    assert rc == 0, err
+    assert not run.parts.method.train_text_encoder
+    assert "text_encoder_lr has no effect without train_text_encoder" in err
+    assert not any(p.requires_grad for te in run.parts.bundle.text_encoders for p in te.parameters())
