@@ -9,7 +9,8 @@ tiny-flux / tiny-sd3, 64 px, one thread):
 - EMA: ``<name>-ema`` is saved in the family's layout and equals the decay formula over the
   weights after every step;
 - SIGINT: a Ctrl-C after step 2 saves a state (exit 130, no model file), the resumed run ends
-  bit-identical to the uninterrupted one, EMA file included;
+  bit-identical to the uninterrupted one: model and EMA files, and the final training state
+  (weights, EMA, optimizer and scheduler state);
 - the non-finite guard: a NaN loss at step 2 stops the run (exit 3, one line), nothing
   non-finite is written, and the state kept holds the weights after step 1.
 """
@@ -24,6 +25,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from library.run.run_state import HOOKS
+from tests.distributed.test_multiprocess import _same_stepper_state
 from tests.outputs.test_resume import train as train_until
 from tests.training.test_ema import close, expected_ema, recorder  # noqa: F401 - recorder: a fixture
 from tests.training.test_faults_nonfinite import assert_all_finite, assert_one_error_line, inject
@@ -103,7 +105,8 @@ def _transformer(family, path):
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_ema_and_sigint_resume(family, dataset, tmp_path, recorder):
     rec = recorder
-    base = flow_args(family, dataset, tmp_path / "whole", "--max_train_steps", "4", "--ema_decay", "0.5")
+    base = flow_args(family, dataset, tmp_path / "whole", "--max_train_steps", "4", "--ema_decay", "0.5",
+                     "--save_state_on_train_end")
     rc, err, whole = train_until("finetune", base)
     assert rc == 0, err[-2000:]
     names = {id(p): n for n, p in whole.parts.bundle.unet.named_parameters()}
@@ -128,6 +131,16 @@ def test_ema_and_sigint_resume(family, dataset, tmp_path, recorder):
     for name in ("last.safetensors", "last-ema.safetensors"):
         a, b = load_file(os.path.join(parts, name)), load_file(str(tmp_path / "whole" / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    # the final training states too: weights, EMA, optimizer and scheduler state, bit for bit
+    states = [os.path.join(d, "last-state") for d in (parts, str(tmp_path / "whole"))]
+    files = [sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".pt"))) for d in states]
+    assert files[0] == files[1] and "stepper.pt" in files[0]
+    for f in files[0]:
+        if f.endswith(".safetensors"):
+            a, b = (load_file(os.path.join(d, f)) for d in states)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+        elif f == "stepper.pt":
+            _same_stepper_state(*(torch.load(os.path.join(d, f), weights_only=True) for d in states))
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])
