@@ -1,7 +1,8 @@
 """The SD trainer's features on the flow-matching families (FLUX.1 and SD3 full fine-tuning on
 tiny-flux / tiny-sd3, 64 px, one thread):
 
-- masked loss: an image's alpha channel, averaged over each 8x8 pixel block under a latent
+- masked loss: an image's alpha channel (or its conditioning_data_dir mask), averaged over each
+  8x8 pixel block under a latent
   element, multiplies the elementwise loss of the unpacked prediction (FLUX.1 packs 2x2 latent
   patches into tokens; the velocity is unpacked before the loss, so the mask is not packed): the
   first micro-step's loss equals a float64 recomputation with the mask; a mask on the wrong
@@ -50,27 +51,37 @@ def _alpha(k: int) -> np.ndarray:
     return a
 
 
-def make_alpha_dataset(root: str) -> str:
+def make_masked_dataset(root: str, masks: str | None = None) -> str:
+    """Two 64 px images with their masks: the alpha channel, or (``masks``) greyscale mask images
+    of the same names in that folder (conditioning_data_dir) beside RGB images."""
     folder = os.path.join(root, "2_sks shape")
     os.makedirs(folder)
+    if masks:
+        os.makedirs(masks)
     for k in range(2):
         yy, xx = np.mgrid[0:64, 0:64]
         rgb = np.stack([xx * 3 + 20 * k, yy * 2, np.full_like(xx, 80 + 50 * k)], -1).astype(np.uint8)
-        Image.fromarray(np.dstack([rgb, _alpha(k)]), "RGBA").save(os.path.join(folder, f"img_{k}.png"))
+        if masks:
+            Image.fromarray(rgb, "RGB").save(os.path.join(folder, f"img_{k}.png"))
+            Image.fromarray(_alpha(k), "L").save(os.path.join(masks, f"img_{k}.png"))
+        else:
+            Image.fromarray(np.dstack([rgb, _alpha(k)]), "RGBA").save(os.path.join(folder, f"img_{k}.png"))
         with open(os.path.join(folder, f"img_{k}.caption"), "w") as f:
             f.write(f"a shape {k}")
     return root
 
 
-def latent_mask(path: str) -> torch.Tensor:
-    """The alpha channel / 255, mean of each 8x8 block (float64, (8, 8))."""
-    a = np.asarray(Image.open(path))[..., 3].astype(np.float64) / 255.0
+def latent_mask(k: int) -> torch.Tensor:
+    """Image k's mask / 255, mean of each 8x8 block (float64, (8, 8))."""
+    a = _alpha(k).astype(np.float64) / 255.0
     return torch.from_numpy(a.reshape(8, 8, 8, 8).mean(axis=(1, 3)).copy())
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_masked_loss_is_the_alpha_weighted_loss(family, tmp_path, train):
-    data = make_alpha_dataset(str(tmp_path / "data"))
+@pytest.mark.parametrize("family, source", [("flux", "alpha"), ("sd3", "alpha"), ("flux", "conditioning")])
+def test_masked_loss_is_the_mask_weighted_loss(family, source, tmp_path, train):
+    masks = str(tmp_path / "masks") if source == "conditioning" else None
+    data = make_masked_dataset(str(tmp_path / "data"), masks)
+    how = ["--conditioning_data_dir", masks] if masks else ["--alpha_mask"]
     losses = []
 
     def first(run, epoch, idx, loss):
@@ -79,10 +90,10 @@ def test_masked_loss_is_the_alpha_weighted_loss(family, tmp_path, train):
 
     with HOOKS.add(after_micro_step=first):
         rc, _, err, run = train("finetune", flow_args(family, data, tmp_path / "out", "--masked_loss",
-                                                      "--alpha_mask", *LOSS_ARGS[family]))
+                                                      *how, *LOSS_ARGS[family]))
     assert rc == 0, err
     epoch, idx, loss = losses[0]
-    mask = latent_mask(run.tset.samples[idx[0]].path)
+    mask = latent_mask(int(os.path.basename(run.tset.samples[idx[0]].path)[4]))
     assert loss == pytest.approx(REFERENCE[family](run, epoch, idx[0], mask), rel=1e-4, abs=1e-7)
     # the pattern matters: the same loss with the mask transposed, or without a mask, differs
     for other in (mask.T, None):
