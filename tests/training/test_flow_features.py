@@ -2,11 +2,14 @@
 tiny-flux / tiny-sd3, 64 px, one thread):
 
 - masked loss: an image's alpha channel (or its conditioning_data_dir mask), averaged over each
-  8x8 pixel block under a latent
-  element, multiplies the elementwise loss of the unpacked prediction (FLUX.1 packs 2x2 latent
-  patches into tokens; the velocity is unpacked before the loss, so the mask is not packed): the
-  first micro-step's loss equals a float64 recomputation with the mask; a mask on the wrong
-  pixels (transposed) would not;
+  8x8 pixel block under a latent element, multiplies the elementwise loss of the unpacked
+  prediction (FLUX.1 packs 2x2 latent patches into tokens; the velocity is unpacked before the
+  loss, so the mask is not packed): the first micro-step's loss equals a float64 recomputation
+  with the mask; a mask on the wrong pixels (transposed) would not;
+- the options sd-scripts' FLUX.1 / SD3 trainers ignore warn and change nothing; a text-encoder
+  rate alone leaves the encoders frozen (flux_train / sd3_train);
+- torch_compile (aot_eager) against eager: SD3 as one graph, FLUX.1 block by block with the
+  fused backward pass (FLUX.1 as one graph: slow);
 - EMA: ``<name>-ema`` is saved in the family's layout and equals the decay formula over the
   weights after every step;
 - SIGINT: a Ctrl-C after step 2 saves a state (exit 130, no model file), the resumed run ends
