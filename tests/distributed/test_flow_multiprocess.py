@@ -1,13 +1,13 @@
 """FLUX.1 and SD3 full fine-tuning on two CPU processes (gloo), one launch for all of it.
 
 One ``accelerate launch --multi_gpu --num_processes 2`` of this file's worker runs, in the same
-job, five 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
+job, six 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
 each epoch has one sample, so rank 1 has an empty share and runs a zero-weight forward where the
 strategy needs every process):
 
-    sd3         plain data parallelism (DDP)
-    sd3_fsdp    ``fsdp``: FSDP2, one unit per joint block, then the transformer
-    flux_fsdp   ``fsdp``: one unit per double- and single-stream block, then the transformer
+    sd3, flux   plain data parallelism (DDP)
+    sd3_fsdp    ``fsdp``: FSDP2, one unit per joint block, then the transformer; EMA (sharded)
+    flux_fsdp   ``fsdp``: one unit per double- and single-stream block, then the transformer; EMA
     sd3_zero2   ``deepspeed`` ZeRO stage 2 (the run's own options on a plain launch)
     flux_zero2  likewise for FLUX.1
 
@@ -15,9 +15,9 @@ Each rank reports its world size, logs and (gathered) weights. The tests check: 
 world size 2; SD3 2 processes x batch 1 bit-identical to 1 process x batch 1 x accumulation 2 and
 within the SD tests' bound (tests/distributed/test_multiprocess.py ISSUE_TOL: 1e-5 per tensor,
 norms floored at 1e-4; SGD) of 1 process x batch 2; under fsdp every transformer parameter is a
-DTensor sharded on dim 0, each rank holding half, and the weights and the saved file (SD3: one
-file in SAI's layout, gathered from the shards) equal the one-process run's within that bound;
-ZeRO-2 likewise.
+DTensor sharded on dim 0, each rank holding half, and the weights, the saved file (SD3: one
+file in SAI's layout, gathered from the shards) and the EMA file equal the one-process run's
+within that bound; FLUX.1 on 2 processes (DDP) and ZeRO-2 likewise.
 
 Launched as a script (``<report_dir> <out_dir> <data_dir>``) this file is the worker.
 """
@@ -31,7 +31,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = {"sd3": "tiny-sd3", "flux": "tiny-flux"}
 # name -> (family, strategy options)
-RUNS = {"sd3": ("sd3", []), "sd3_fsdp": ("sd3", ["--fsdp"]), "flux_fsdp": ("flux", ["--fsdp"]),
+EMA = ["--ema_decay", "0.5"]
+RUNS = {"sd3": ("sd3", []), "flux": ("flux", []), "sd3_fsdp": ("sd3", ["--fsdp", *EMA]),
+        "flux_fsdp": ("flux", ["--fsdp", *EMA]),
         "sd3_zero2": ("sd3", ["--deepspeed", "--zero_stage", "2"]),
         "flux_zero2": ("flux", ["--deepspeed", "--zero_stage", "2"])}
 
@@ -122,9 +124,9 @@ def flow_job(tmp_path_factory):
     rank_weights = {name: [read(os.path.join(report, f"{name}.rank{r}.safetensors"))[0] for r in (0, 1)]
                     for name in RUNS}
     refs = {}
-    for name, family, split in (("sd3_bs2", "sd3", ["--train_batch_size", "2"]),
+    for name, family, split in (("sd3_bs2", "sd3", ["--train_batch_size", "2", *EMA]),
                                 ("sd3_ga2", "sd3", ["--gradient_accumulation_steps", "2"]),
-                                ("flux_bs2", "flux", ["--train_batch_size", "2"])):
+                                ("flux_bs2", "flux", ["--train_batch_size", "2", *EMA])):
         ref_out = str(tmp_path_factory.mktemp(name))
         ref = train_in_process(flow_args(family, data, ref_out, *split), script="finetune")
         refs[name] = {"run": ref["run"], "weights": _weights(ref["run"]), "out": ref_out}
@@ -210,6 +212,18 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
         saved = dict(sd3_checkpoint.load_sd3(path).mmdit.named_parameters())
     assert {f"unet.{k}" for k in saved} == set(w)
     assert all(torch.equal(saved[k], w[f"unet.{k}"]) for k in saved)
+    # the EMA (sharded beside the weights), gathered into its file, as the one-process run's
+    ema, ref_ema = (read(os.path.join(d, "last-ema.safetensors"))[0]
+                    for d in (os.path.join(flow_job["out"], name), ref["out"]))
+    _close(ema, ref_ema, f"{name} EMA against 1 x 2")
+    end = read(path)[0]
+    assert any(not torch.equal(ema[k], end[k]) for k in end)  # the EMA is not the weights
+
+
+def test_flux_two_processes_equal_batch_2(flow_job):
+    w = flow_job["weights"]["flux"][0]
+    _close(w, flow_job["refs"]["flux_bs2"]["weights"], "flux 2 x 1 against 1 x 2")
+    assert _moved("flux", w) > len(w) // 2
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
