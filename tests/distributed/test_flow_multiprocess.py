@@ -1,11 +1,12 @@
 """FLUX.1 and SD3 full fine-tuning on two CPU processes (gloo), one launch for all of it.
 
 One ``accelerate launch --multi_gpu --num_processes 2`` of this file's worker runs, in the same
-job, six 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
+job, seven 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
 each epoch has one sample, so rank 1 has an empty share and runs a zero-weight forward where the
 strategy needs every process):
 
-    sd3, flux   plain data parallelism (DDP)
+    sd3, flux   plain data parallelism (DDP); sd3 saves a state after step 2
+    sd3_resumed sd3 resumed from that state on 2 processes
     sd3_fsdp    ``fsdp``: FSDP2, one unit per joint block, then the transformer; EMA (sharded)
     flux_fsdp   ``fsdp``: one unit per double- and single-stream block, then the transformer; EMA
     sd3_zero2   ``deepspeed`` ZeRO stage 2 (the run's own options on a plain launch)
@@ -17,7 +18,8 @@ within the SD tests' bound (tests/distributed/test_multiprocess.py ISSUE_TOL: 1e
 norms floored at 1e-4; SGD) of 1 process x batch 2; under fsdp every transformer parameter is a
 DTensor sharded on dim 0, each rank holding half, and the weights, the saved file (SD3: one
 file in SAI's layout, gathered from the shards) and the EMA file equal the one-process run's
-within that bound; FLUX.1 on 2 processes (DDP) and ZeRO-2 likewise.
+within that bound; FLUX.1 on 2 processes (DDP) and ZeRO-2 likewise; the SD3 run resumed on 2
+processes from its step-2 state ends bit-identical to it (one thread per process).
 
 Launched as a script (``<report_dir> <out_dir> <data_dir>``) this file is the worker.
 """
@@ -32,7 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODELS = {"sd3": "tiny-sd3", "flux": "tiny-flux"}
 # name -> (family, strategy options)
 EMA = ["--ema_decay", "0.5"]
-RUNS = {"sd3": ("sd3", []), "flux": ("flux", []), "sd3_fsdp": ("sd3", ["--fsdp", *EMA]),
+RUNS = {"sd3": ("sd3", ["--save_every_n_steps", "2", "--save_state"]),
+        "sd3_resumed": ("sd3", ["--resume", "{out}/sd3/last-step00000002-state"]),
+        "flux": ("flux", []), "sd3_fsdp": ("sd3", ["--fsdp", *EMA]),
         "flux_fsdp": ("flux", ["--fsdp", *EMA]),
         "sd3_zero2": ("sd3", ["--deepspeed", "--zero_stage", "2"]),
         "flux_zero2": ("flux", ["--deepspeed", "--zero_stage", "2"])}
@@ -61,6 +65,7 @@ def _worker(report_dir: str, out_dir: str, data: str) -> int:
 
     for name, (family, extra) in RUNS.items():
         out = os.path.join(out_dir, name)
+        extra = [a.replace("{out}", out_dir) for a in extra]
         sys.argv = [os.path.join(ROOT, "finetune.py"),
                     *flow_args(family, data, out, "--train_batch_size", "1", *extra)]
         with TrainingCapture() as cap:
@@ -218,6 +223,17 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
     _close(ema, ref_ema, f"{name} EMA against 1 x 2")
     end = read(path)[0]
     assert any(not torch.equal(ema[k], end[k]) for k in end)  # the EMA is not the weights
+
+
+def test_sd3_resumed_on_two_processes_is_bit_identical(flow_job):
+    ranks = flow_job["ranks"]
+    assert ranks["sd3_resumed"][0]["lr_log"] == ranks["sd3"][0]["lr_log"]
+    assert ranks["sd3_resumed"][0]["loss_log"] == ranks["sd3"][0]["loss_log"]
+    assert min(s for s, _, _ in ranks["sd3_resumed"][0]["micro_steps"]) == 2  # it resumed
+    a, b = flow_job["weights"]["sd3_resumed"][0], flow_job["weights"]["sd3"][0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x, y = (read(os.path.join(flow_job["out"], n, "last.safetensors"))[0] for n in ("sd3", "sd3_resumed"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_flux_two_processes_equal_batch_2(flow_job):
