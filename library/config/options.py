@@ -925,7 +925,9 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
-    *_gui_family("save_clip save_t5xxl", "ldf", "SD3"),
+    *(GuiKey(n, "ldf", "ignore", "sd-scripts accepts it and does nothing ([DOES NOT WORK]: no "
+             "unified checkpoint); an SD3 model is saved here in the layout it was loaded from")
+      for n in ("save_clip", "save_t5xxl")),
     # the GUI's SD3 tab writes t5xxl_dtype ("bf16") and text_encoder_batch_size (1) by default
     GuiKey("t5xxl_dtype", "ldf", "ignore", "the dtype sd-scripts loads SD3's T5-XXL in; SD3 trains "
            "without T5 here (77 zero tokens in its place, as sd-scripts without t5xxl)"),

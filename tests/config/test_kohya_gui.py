@@ -353,3 +353,14 @@ def test_gui_option_keys_are_accepted_by_the_tab_scripts():
             continue
         for t in k.tabs:
             assert script[t] in OPTIONS_BY_NAME[target].scripts, f"{k.name} ({t})"
+
+
+def test_sd3_gui_keys_without_effect_warn(tmp_path, caplog):
+    """The SD3 tab's T5 and unified-checkpoint keys (sd-scripts ignores save_clip / save_t5xxl;
+    SD3 trains without T5 here): one "no effect" warning each, not an error."""
+    keys = {"t5xxl_dtype": '"bf16"', "t5xxl_device": '"cpu"', "text_encoder_batch_size": "4",
+            "save_clip": "true", "save_t5xxl": "true"}
+    opts = _parse(tmp_path, "".join(f"{k} = {v}\n" for k, v in keys.items()), script="train_dreambooth")
+    assert set(opts.ignored) == set(keys)
+    for k in keys:
+        assert f"option {k} has no effect (a kohya_ss GUI key" in caplog.text, k
