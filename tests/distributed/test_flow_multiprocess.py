@@ -8,7 +8,8 @@ strategy needs every process):
     sd3, flux   plain data parallelism (DDP); sd3 saves a state after step 2
     sd3_resumed sd3 resumed from that state on 2 processes
     sd3_fsdp    ``fsdp``: FSDP2, one unit per joint block, then the transformer; EMA (sharded)
-    flux_fsdp   ``fsdp``: one unit per double- and single-stream block, then the transformer; EMA
+    flux_fsdp   ``fsdp``: one unit per double- and single-stream block, then the transformer; EMA;
+                gradient checkpointing (each block's recompute all-gathers it again)
     sd3_zero2   ``deepspeed`` ZeRO stage 2 (the run's own options on a plain launch)
     flux_zero2  likewise for FLUX.1
 
@@ -37,7 +38,7 @@ EMA = ["--ema_decay", "0.5"]
 RUNS = {"sd3": ("sd3", ["--save_every_n_steps", "2", "--save_state"]),
         "sd3_resumed": ("sd3", ["--resume", "{out}/sd3/last-step00000002-state"]),
         "flux": ("flux", []), "sd3_fsdp": ("sd3", ["--fsdp", *EMA]),
-        "flux_fsdp": ("flux", ["--fsdp", *EMA]),
+        "flux_fsdp": ("flux", ["--fsdp", *EMA, "--gradient_checkpointing"]),
         "sd3_zero2": ("sd3", ["--deepspeed", "--zero_stage", "2"]),
         "flux_zero2": ("flux", ["--deepspeed", "--zero_stage", "2"])}
 
@@ -87,7 +88,8 @@ def _worker(report_dir: str, out_dir: str, data: str) -> int:
         report = {"rank": rank, "world_size": dist.get_world_size(), "backend": dist.get_backend(),
                   "num_processes": r.parts.accelerator.num_processes, "strategy": r.parts.strategy.name,
                   "global_step": r.progress.global_step, "loss_log": r.progress.loss_log,
-                  "lr_log": r.progress.lr_log, "micro_steps": cap.micro_steps, "shards": shards}
+                  "lr_log": r.progress.lr_log, "micro_steps": cap.micro_steps, "shards": shards,
+                  "checkpointing": bool(r.parts.bundle.unet.gradient_checkpointing)}
         save_file(weights, os.path.join(report_dir, f"{name}.rank{rank}.safetensors"))
         with open(os.path.join(report_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(report, f)
@@ -203,6 +205,7 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
         assert p["placements"] == r1[n]["placements"] == ["Shard(dim=0)"], n
         assert p["local"] + r1[n]["local"] == p["global"], n
     assert 0.45 * total <= sum(p["local"] for p in r0.values()) <= 0.55 * total
+    assert flow_job["ranks"][name][0]["checkpointing"] == (family == "flux")
     w = flow_job["weights"][name][0]
     _close(w, ref["weights"], f"{name} against 1 x 2")
     assert flow_job["ranks"][name][0]["loss_log"] == pytest.approx(ref["run"].progress.loss_log, rel=1e-5)
