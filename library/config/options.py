@@ -929,10 +929,10 @@ GUI_KEYS: tuple[GuiKey, ...] = (
              "unified checkpoint); an SD3 model is saved here in the layout it was loaded from")
       for n in ("save_clip", "save_t5xxl")),
     # the GUI's SD3 tab writes t5xxl_dtype ("bf16") and text_encoder_batch_size (1) by default
-    GuiKey("t5xxl_dtype", "ldf", "ignore", "the dtype sd-scripts loads SD3's T5-XXL in; SD3 trains "
-           "without T5 here (77 zero tokens in its place, as sd-scripts without t5xxl)"),
-    GuiKey("t5xxl_device", "ldf", "ignore", "the device of SD3's T5-XXL in sd-scripts; SD3 trains "
-           "without T5 here"),
+    GuiKey("t5xxl_dtype", "ldf", "ignore", "the dtype sd-scripts' sd3_train loads T5-XXL in; here "
+           "T5 is loaded and run as the other text encoders are"),
+    GuiKey("t5xxl_device", "ldf", "ignore", "the device sd-scripts' sd3_train puts T5-XXL on; here "
+           "T5 is placed as the other text encoders are"),
     GuiKey("text_encoder_batch_size", "ldf", "ignore", "sd-scripts' batch size for caching SD3's "
            "text-encoder outputs; here they are encoded with the training batches"),
     *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "
