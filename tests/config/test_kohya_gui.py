@@ -61,7 +61,9 @@ def _cases():
                                         marks=pytest.mark.skip(reason=why)))
                 continue
             out.append(pytest.param(tab, preset, pid, id=pid))
-        flow = (("flux", {"flux1_checkbox": True}), ("sd3", {"sd3_checkbox": True}))
+        # (the LoRA tab trains FLUX.1 with its Flux1 type: its default type writes networks.lora)
+        flux = {"flux1_checkbox": True, **({"LoRA_type": "Flux1"} if tab == "lora" else {})}
+        flow = (("flux", flux), ("sd3", {"sd3_checkbox": True}))
         for fam, flags in (("sd1", {}), ("sdxl", {"sdxl": True}),
                            *(flow if tab != "textual_inversion" else ())):
             if tab == "finetune" and fam == "sdxl":
