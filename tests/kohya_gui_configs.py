@@ -3,8 +3,9 @@ test paths and a tiny built-in model.
 
 Our own code following the GUI's mapping (kohya_gui/{lora,dreambooth,finetune,textual_inversion}_gui.py
 `train_model`: the `config_toml_data` dict and its filter, common_gui.update_my_data for old
-preset fields), for the SD1/SD2/SDXL model types only (FLUX/SD3/... presets are skipped by the
-caller). Test-only changes, on top of what the GUI writes: the paths, the model, 64 px, two steps.
+preset fields), for the SD1/SD2/SDXL, FLUX.1 and SD3 model types (the GUI's other families'
+presets are skipped by the caller). Test-only changes, on top of what the GUI writes: the paths,
+the model, 64 px, two steps.
 """
 from __future__ import annotations
 
@@ -89,20 +90,49 @@ _NUMBER_FIELDS = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "tr
                   "rank_dropout", "module_dropout", "max_token_length", "dataset_repeats")
 
 
-OTHER_FAMILIES = {"flux1_checkbox": "FLUX.1", "sd3_checkbox": "SD3",
-                  "hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
+OTHER_FAMILIES = {"hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
                   "lumina_checkbox": "Lumina"}
+FLOW_FAMILIES = {"flux1_checkbox": "flux", "sd3_checkbox": "sd3"}
+FLOW_NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
+
+# The GUI's FLUX.1 / SD3 field defaults (kohya_gui/class_flux1.py, class_sd3.py `config.get`)
+FLOW_DEFAULTS = dict(
+    ae="", clip_l="", t5xxl="", discrete_flow_shift=3.0, model_prediction_type="sigma_scaled",
+    timestep_sampling="sigma", apply_t5_attn_mask=False, split_mode=False, train_blocks="all",
+    split_qkv=False, train_t5xxl=False, cpu_offload_checkpointing=False, guidance_scale=3.5,
+    t5xxl_max_token_length=512, mem_eff_save=False, single_blocks_to_swap=0,
+    double_blocks_to_swap=0, blocks_to_swap=0, blockwise_fused_optimizers=False,
+    flux_fused_backward_pass=False, flux1_cache_text_encoder_outputs=False,
+    flux1_cache_text_encoder_outputs_to_disk=False, img_attn_dim="", img_mlp_dim="",
+    img_mod_dim="", single_dim="", txt_attn_dim="", txt_mlp_dim="", txt_mod_dim="",
+    single_mod_dim="", in_dims="", train_double_block_indices="", train_single_block_indices="",
+    weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, clip_g="",
+    save_clip=False, save_t5xxl=False, t5xxl_device="", t5xxl_dtype="bf16",
+    sd3_text_encoder_batch_size=1, sd3_cache_text_encoder_outputs=False,
+    sd3_cache_text_encoder_outputs_to_disk=False, sd3_fused_backward_pass=False,
+    clip_l_dropout_rate=0.0, clip_g_dropout_rate=0.0, t5_dropout_rate=0.0,
+    enable_scaled_pos_embed=False, pos_emb_random_crop_rate=0.0,
+)
+FLOW_FILES = ("ae", "clip_l", "clip_g", "t5xxl")  # the preset's own model files
 
 
 def other_family(preset: dict) -> str | None:
-    """The GUI model type of a preset this toolkit does not train (FLUX.1, SD3, ...), or None."""
+    """The GUI model type of a preset this toolkit does not train (HunyuanImage, ...), or None."""
     return next((name for box, name in OTHER_FAMILIES.items() if preset.get(box)), None)
 
 
+def flow_family(preset: dict) -> str | None:
+    """'flux' or 'sd3' for a FLUX.1 / SD3 preset, else None."""
+    return next((name for box, name in FLOW_FAMILIES.items() if preset.get(box)), None)
+
+
 def family_of(preset: dict) -> str | None:
-    """'sd1' / 'sd2' / 'sdxl', or None for a model type this toolkit does not train."""
+    """'sd1' / 'sd2' / 'sdxl' / 'flux' / 'sd3', or None for a model type this toolkit does not
+    train."""
     if other_family(preset):
         return None
+    if flow_family(preset):
+        return flow_family(preset)
     if preset.get("sdxl") or preset.get("sdxl_checkbox"):
         return "sdxl"
     return "sd2" if preset.get("v2") else "sd1"
@@ -120,7 +150,7 @@ def _number(v):
 
 def normalize(preset: dict, tab: str) -> dict:
     """The GUI's field values once it has loaded the preset (update_my_data) over its defaults."""
-    d = {**COMMON_DEFAULTS, **TAB_DEFAULTS[tab]}
+    d = {**COMMON_DEFAULTS, **TAB_DEFAULTS[tab], **FLOW_DEFAULTS}
     if tab == "finetune":
         d["sdxl"] = False
     p = dict(preset)
@@ -249,6 +279,25 @@ def _lora_network_by_type(d: dict) -> tuple[str, str]:
             if d.get(k):
                 args += f" {k}={d[k]}"
         return "networks.dylora", args
+    if t == "Flux1":
+        # lora_gui.py: the per-kind dims and block indices set in the GUI, split_mode forcing
+        # train_blocks = single, split_qkv and train_t5xxl, then rank/module dropout
+        names = ("img_attn_dim", "img_mlp_dim", "img_mod_dim", "single_dim", "txt_attn_dim",
+                 "txt_mlp_dim", "txt_mod_dim", "single_mod_dim", "in_dims",
+                 "train_double_block_indices", "train_single_block_indices")
+        for k in names:
+            if d.get(k):
+                args += f" {k}={d[k]}"
+        if d["split_mode"]:
+            args += " train_blocks=single"
+        if d["split_qkv"]:
+            args += " split_qkv=True"
+        if d["train_t5xxl"]:
+            args += " train_t5xxl=True"
+        for k in ("rank_dropout", "module_dropout"):
+            if d[k] is not None and float(d[k]) > 0:
+                args += f" {k}={d[k]}"
+        return "networks.lora_flux", args
     if t in ("Standard", "Kohya LoCon"):
         if t == "Kohya LoCon":
             args += f' conv_dim="{d["conv_dim"]}" conv_alpha="{d["conv_alpha"]}"'
@@ -278,8 +327,8 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
     preset_weights = bool(d.get("network_weights"))
     d.update(train_data_dir=data_dir, output_dir=output_dir, pretrained_model_name_or_path=model)
     for k in ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
-              "log_tracker_config", "in_json", "wandb_api_key"):
-        d[k] = ""  # the preset's own paths do not exist here
+              "log_tracker_config", "in_json", "wandb_api_key", *FLOW_FILES):
+        d[k] = ""  # the preset's own paths do not exist here (the tiny models hold their encoders)
     if preset_weights:
         d["network_weights"] = network_weights
     # test size: the preset's resolution scaled to `pixels` on the short side (keeping a
@@ -455,7 +504,65 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
                 "vae_chunk_size": int(d["vae_chunk_size"]),
             })
         keep = _db_ft_keeps
+    out.update(_flow_keys(d, tab, sdxl))
     return dict(sorted((k, v) for k, v in out.items() if keep(v)))
+
+
+def _flow_keys(d: dict, tab: str, sdxl: bool) -> dict:
+    """The FLUX.1 / SD3 keys the tab writes (lora_gui.py, dreambooth_gui.py and finetune_gui.py
+    config_toml_data: each None unless its model type is checked)."""
+    flux, sd3 = bool(d.get("flux1_checkbox")), bool(d.get("sd3_checkbox"))
+    cache = ((flux and d["flux1_cache_text_encoder_outputs"])
+             or (sd3 and d["sd3_cache_text_encoder_outputs"]))
+    cache_disk = ((flux and d["flux1_cache_text_encoder_outputs_to_disk"])
+                  or (sd3 and d["sd3_cache_text_encoder_outputs_to_disk"]))
+    out = {
+        "clip_l": d["clip_l"] if flux or sd3 else None, "t5xxl": d["t5xxl"] if flux or sd3 else None,
+        "clip_g": d["clip_g"] if sd3 else None, "logit_mean": d["logit_mean"] if sd3 else None,
+        "logit_std": d["logit_std"] if sd3 else None, "mode_scale": d["mode_scale"] if sd3 else None,
+        "save_clip": d["save_clip"] if sd3 else None, "save_t5xxl": d["save_t5xxl"] if sd3 else None,
+        "t5xxl_device": d["t5xxl_device"] if sd3 else None,
+        "t5xxl_dtype": d["t5xxl_dtype"] if sd3 else None,
+        "text_encoder_batch_size": d["sd3_text_encoder_batch_size"] if sd3 else None,
+        "weighting_scheme": d["weighting_scheme"] if sd3 else None,
+        "ae": d["ae"] if flux else None,
+        "discrete_flow_shift": float(d["discrete_flow_shift"]) if flux else None,
+        "model_prediction_type": d["model_prediction_type"] if flux else None,
+        "timestep_sampling": d["timestep_sampling"] if flux else None,
+        "t5xxl_max_token_length": int(d["t5xxl_max_token_length"]) if flux else None,
+        "guidance_scale": float(d["guidance_scale"]) if flux else None,
+        "mem_eff_save": d["mem_eff_save"] if flux else None,
+        "apply_t5_attn_mask": d["apply_t5_attn_mask"] if flux else None,
+        "cpu_offload_checkpointing": d["cpu_offload_checkpointing"] if flux else None,
+        "blocks_to_swap": d["blocks_to_swap"] if flux or sd3 else None,
+        "single_blocks_to_swap": d["single_blocks_to_swap"] if flux else None,
+        "double_blocks_to_swap": d["double_blocks_to_swap"] if flux else None,
+    }
+    if tab == "lora":
+        out.update({
+            "cache_text_encoder_outputs": True if (sdxl and d["sdxl_cache_text_encoder_outputs"]) or cache else None,
+            "cache_text_encoder_outputs_to_disk": True if cache_disk else None,
+            "fp8_base_unet": d["fp8_base_unet"] if flux else None,
+            "fused_backward_pass": d["sd3_fused_backward_pass"] if sd3 else None,
+            "split_mode": d["split_mode"] if flux else None,
+            "clip_g_dropout_rate": d["clip_g_dropout_rate"] if sd3 else None,
+            "clip_l_dropout_rate": d["clip_l_dropout_rate"] if sd3 else None,
+            "t5_dropout_rate": d["t5_dropout_rate"] if sd3 else None,
+            "enable_scaled_pos_embed": d["enable_scaled_pos_embed"] if sd3 else None,
+            "pos_emb_random_crop_rate": d["pos_emb_random_crop_rate"] if sd3 else None,
+        })
+        if sd3 and d["LoRA_type"] in ("Standard", "Kohya LoCon"):
+            out["network_module"] = "networks.lora_sd3"
+    else:  # dreambooth_gui.py (finetune_gui.py writes the same model keys)
+        out.update({
+            "blockwise_fused_optimizers": d["blockwise_fused_optimizers"] if flux else None,
+            "fused_backward_pass": (d["sd3_fused_backward_pass"] if sd3 else
+                                    d["flux_fused_backward_pass"] if flux else d["fused_backward_pass"]),
+        })
+        if flux or sd3:
+            out["cache_text_encoder_outputs"] = cache
+            out["cache_text_encoder_outputs_to_disk"] = cache_disk
+    return out
 
 
 def _split(v) -> list:
@@ -515,7 +622,8 @@ def presets(tab: str) -> list[tuple[str, dict]]:
 
 
 def tiny_model(family: str) -> str:
-    return {"sd1": "tiny-sd15", "sd2": "tiny-sd2", "sdxl": "tiny-sdxl"}[family]
+    return {"sd1": "tiny-sd15", "sd2": "tiny-sd2", "sdxl": "tiny-sdxl", "flux": "tiny-flux",
+            "sd3": "tiny-sd3"}[family]
 
 
 def write_toml(path: str, data: dict) -> str:

@@ -18,6 +18,7 @@ CLIP-G] and T5 when the model has one, ``tokenizers`` likewise.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -44,38 +45,27 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
 UNSUPPORTED = {
     "v2": "the model is not SD2",
     "v_parameterization": "FLUX.1 predicts the flow velocity (see model_prediction_type)",
-    "min_snr_gamma": "an SNR weighting of the DDPM schedule; use weighting_scheme",
     "scale_v_pred_loss_like_noise_pred": "an SNR weighting of the DDPM schedule",
     "v_pred_like_loss": "an SNR weighting of the DDPM schedule",
     "debiased_estimation_loss": "an SNR weighting of the DDPM schedule",
     "zero_terminal_snr": "a change of the DDPM schedule",
-    "noise_offset": "sd-scripts' FLUX.1 trainer does not apply it",
-    "adaptive_noise_scale": "sd-scripts' FLUX.1 trainer does not apply it",
-    "multires_noise_iterations": "sd-scripts' FLUX.1 trainer does not apply it",
     "ip_noise_gamma": "not wired for FLUX.1 yet",
-    "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer",
-    "max_token_length": "use t5xxl_max_token_length",
     "weighted_captions": "sd-scripts' FLUX.1 / SD3 text encodings have no prompt weighting "
                          "(its strategy_flux / strategy_sd3 tokenize without weights)",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",
-    "torch_compile": "not wired for FLUX.1 yet",
     "fp8_base": "not wired for FLUX.1 yet",
     "fp8_base_unet": "not wired for FLUX.1 yet",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
-    "deepspeed": "not wired for FLUX.1 yet",
-    "fsdp": "not wired for FLUX.1 yet",
     "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
 }
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
 UNSUPPORTED_BY_FAMILY = {
-    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling",
-             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
+    "flux": {"apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
              **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
                 for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
@@ -333,9 +323,12 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
     even when they came from separate files (sd-scripts' save_sd3_model with the trained ones)."""
 
     m = bundle.flow
-    if bundle.family == "sd3":
+    if bundle.family == "sd3":  # the source's layout and components (and the trained encoders),
+        # the trained MMDiT in them (bundle.unet: under fsdp the gathered copy
+        # library/distributed/fsdp.py puts there)
         comps = (m.in_source | set(trained_encoders)) if trained_encoders else None
-        sd3_checkpoint.save_sd3(m, path, dtype=dtype, metadata=metadata, components=comps)
+        sd3_checkpoint.save_sd3(dataclasses.replace(m, mmdit=bundle.unet), path, dtype=dtype,
+                                metadata=metadata, components=comps)
         return
     flux_checkpoint.save_flux_transformer(path, bundle.unet.state_dict(), m.layout, m.config,
                                           metadata=metadata, dtype=dtype)

@@ -1,4 +1,6 @@
-"""``torch_compile`` / ``dynamo_backend``: the U-Net's training forward through torch.compile.
+"""``torch_compile`` / ``dynamo_backend``: the U-Net's training forward through torch.compile
+(FLUX.1's and SD3's transformer likewise: their blocks are the double/single-stream and joint
+blocks).
 
 The U-Net is compiled in place (its ``forward`` replaced by the compiled one: the module, its
 parameter names and its state dict stay what they were, so saves, resumes, EMA and the LoRA
@@ -108,15 +110,24 @@ class _Compiled:
         return out
 
 
+# the block lists compiled one by one: the U-Net's, FLUX.1's double- and single-stream blocks,
+# SD3's joint blocks (library/models/flux.py, sd3.py)
+BLOCK_LISTS = ("down_blocks", "up_blocks", "double_blocks", "single_blocks", "joint_blocks")
+
+
 def _blocks(unet) -> list:
-    """(name, module) of the U-Net's blocks that are compiled one by one in the fallback."""
+    """(name, module) of the denoiser's blocks that are compiled one by one in the fallback."""
     out = []
-    for kind in ("down_blocks", "up_blocks"):
+    for kind in BLOCK_LISTS:
         for i, m in enumerate(getattr(unet, kind, None) or []):
             out.append((f"{kind}.{i}", m))
     if getattr(unet, "mid_block", None) is not None:
         out.append(("mid_block", unet.mid_block))
     return out
+
+
+def _what(unet) -> str:
+    return "U-Net" if hasattr(unet, "down_blocks") else "transformer"
 
 
 def compile_unet(unet, backend: str, log=None, per_block: bool = False):
@@ -131,22 +142,23 @@ def compile_unet(unet, backend: str, log=None, per_block: bool = False):
     # per shape up to this limit (its default 8), then marks the size dynamic.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
     t0 = time.perf_counter()
+    what = _what(unet)
 
     def compile_blocks():
         whole.blocks = []
         for name, m in _blocks(unet):
-            w = _Compiled(m, f"U-Net {name}", backend, log)
+            w = _Compiled(m, f"{what} {name}", backend, log)
             m.forward = w
             whole.blocks.append(w)
         unet.forward = whole.eager
 
     def fallback(reason, args, kwargs):
-        log.warning(f"torch_compile: the U-Net cannot be compiled as one graph ({reason}); "
+        log.warning(f"torch_compile: the {what} cannot be compiled as one graph ({reason}); "
                     "compiling its blocks one by one")
         compile_blocks()
         return whole.eager(*args, **kwargs)
 
-    whole = _Compiled(unet, "U-Net", backend, log, on_break=fallback)
+    whole = _Compiled(unet, what, backend, log, on_break=fallback)
     whole.blocks = None
     if per_block:
         whole.state = "eager"  # the U-Net's own forward; its blocks are the graphs
@@ -154,6 +166,6 @@ def compile_unet(unet, backend: str, log=None, per_block: bool = False):
     else:
         unet.forward = whole
     how = "block by block" if per_block else "forward"
-    log.info(f"torch_compile: U-Net {how} with dynamo backend {backend} "
+    log.info(f"torch_compile: {what} {how} with dynamo backend {backend} "
              f"(set up in {time.perf_counter() - t0:.2f}s; compiled at its first call)")
     return whole

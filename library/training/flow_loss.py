@@ -108,6 +108,28 @@ def flow_options(opts, family: str):
                        max_timestep=opts.max_timestep if sd3 else None)
 
 
+# SD options that sd-scripts' FLUX.1 / SD3 scripts accept and ignore (the kohya_ss GUI writes them
+# for every model type): a warning, as there
+NO_EFFECT = {
+    "clip_skip": "FLUX.1 reads CLIP-L's pooled output and T5's last layer, SD3 the CLIP encoders' "
+                 "penultimate layers, as sd-scripts' flux_train / sd3_train, which ignore it",
+    "max_token_length": "CLIP reads 77 tokens; T5's length is t5xxl_max_token_length (sd-scripts' "
+                        "flux_train / sd3_train ignore max_token_length)",
+    "min_snr_gamma": "an SNR weighting of the DDPM schedule (use weighting_scheme); sd-scripts' "
+                     "FLUX.1 / SD3 trainers skip it",
+    "noise_offset": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
+    "adaptive_noise_scale": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
+    "multires_noise_iterations": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
+}
+# the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
+NO_EFFECT_BY_FAMILY = {
+    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
+                             "FLUX.1 trainers ignore the timestep bounds)",
+             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
+                             "FLUX.1 trainers ignore the timestep bounds)"},
+}
+
+
 def check_options(opts, method_name: str) -> str | None:
     """Before any weight loads: with an SD model no FLUX option may be given; with a FLUX.1
     model every option the run sets must be one this family honours. Returns the family (None:
@@ -135,6 +157,9 @@ def check_options(opts, method_name: str) -> str | None:
     for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
         if flow_family._is_set(opts, name):
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
+    for name, why in {**NO_EFFECT, **NO_EFFECT_BY_FAMILY.get(fam, {})}.items():
+        if flow_family._is_set(opts, name):
+            logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
     if not opts.sdpa:
         raise flow_family.FlowFamilyError(f"sdpa = false: the {what} transformer always uses SDPA attention")
     if opts.loss_type not in flow_family.LOSS_TYPES:

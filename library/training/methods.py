@@ -349,8 +349,9 @@ class FullMethod:
         may_imply = _db_implies_text_encoder(opts)
         # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text
         # encoder unless stop_text_encoder_training < 0. A config giving a text-encoder rate (or
-        # a stop step) meant that; sdxl_train.py trains them only with train_text_encoder.
-        self.implied_te = may_imply and bundle is not None and bundle.family != "sdxl"
+        # a stop step) meant that; sdxl_train.py, flux_train.py and sd3_train.py train them only
+        # with train_text_encoder (the GUI writes learning_rate_te for FLUX.1 / SD3 too).
+        self.implied_te = may_imply and bundle is not None and bundle.family not in ("sdxl", "flux", "sd3")
         wants_te = wants_te or self.implied_te
         self.wants_te = wants_te
         if opts.train_t5xxl and not wants_te:

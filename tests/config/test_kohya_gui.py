@@ -1,4 +1,4 @@
-"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL loads and trains.
+"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL, FLUX.1 and SD3 loads and trains.
 
 tests/kohya_gui_configs.py turns each GUI preset (bmaltais/kohya_ss presets/{lora,dreambooth,
 finetune}/*.json, stored in tests/config/kohya_gui_presets.json by tools/update_gui_presets.py)
@@ -27,6 +27,20 @@ REJECTED = {
 # Presets that load but cannot train with the installed packages: the run stops with one line.
 TRAIN_REJECTED = {}
 
+# Keys of the GUI's FLUX.1 / SD3 presets whose features are being wired for these families
+# (issue 26) and are refused with them today: the preset cases run without them.
+# test_flow_pending_keys_are_refused_today fails once a key is accepted: then delete its entry.
+FLOW_PENDING = {
+    "fp8_base": "FLUX.1 / SD3 fp8 base",
+}
+# Presets of a family their tab's script does not train yet: their GUI config parses (every key
+# accepted, mapped or warned) and the run stops before loading with this line. Once the script
+# trains the family the dry run fails here: delete the entry, and the preset trains as the others.
+PENDING_PRESETS: dict[str, str] = {}
+# --dry_run (the plan and memory estimate) with a FLUX.1 / SD3 model stops with this line today (its
+# presets' configs load in test_gui_config_trains_two_steps); once it runs, delete this.
+FLOW_DRY_RUN_PENDING = "the memory estimate does not cover FLUX.1 or SD3 yet"
+
 
 def _cases():
     out = []
@@ -40,7 +54,11 @@ def _cases():
                                         marks=pytest.mark.skip(reason=why)))
                 continue
             out.append(pytest.param(tab, preset, pid, id=pid))
-        for fam, flags in (("sd1", {}), ("sdxl", {"sdxl": True})):
+        # (the LoRA tab trains FLUX.1 with its Flux1 type: its default type writes networks.lora)
+        flux = {"flux1_checkbox": True, **({"LoRA_type": "Flux1"} if tab == "lora" else {})}
+        flow = (("flux", flux), ("sd3", {"sd3_checkbox": True}))
+        for fam, flags in (("sd1", {}), ("sdxl", {"sdxl": True}),
+                           *(flow if tab != "textual_inversion" else ())):
             if tab == "finetune" and fam == "sdxl":
                 flags = {"sdxl_checkbox": True}
             pid = f"{tab}/GUI defaults {fam}"
@@ -106,6 +124,9 @@ def _config(tab, preset, tmp_path, dataset):
         weights = _earlier_lora(fam, gui.normalize(preset, tab), str(tmp_path / "phase1.safetensors"))
     cfg = gui.gui_toml(preset, tab, model=gui.tiny_model(fam), data_dir=data, output_dir=out,
                        network_weights=weights)
+    if fam in ("flux", "sd3"):
+        for key in FLOW_PENDING:
+            cfg.pop(key, None)
     if cfg.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
         # the GUI's default; fp16 loss scaling needs CUDA: bf16 autocast is the CPU's half precision
         cfg["mixed_precision"] = "bf16"
@@ -123,9 +144,20 @@ def test_gui_config_dry_run(tab, preset, pid, tmp_path, dataset, run_script, mon
     monkeypatch.setattr(memory_estimate, "report", lambda *a, **k: estimated.append(a))
     path, cfg = _config(tab, preset, tmp_path, dataset)
     rc, out, err = run_script(SCRIPT[tab], ["--config", path, "--dry_run"])
+    if pid in PENDING_PRESETS:
+        line = err.strip().splitlines()[-1]
+        fam = gui.family_of(preset)
+        assert rc == 2 and line == f"error: {gui.tiny_model(fam)} is a {gui.FLOW_NAMES[fam]} model " \
+            f"({fam}): train_dreambooth / finetune fine-tune it fully; {PENDING_PRESETS[pid]}", err
+        return
     if pid in REJECTED:
         line = err.strip().splitlines()[-1]
         assert rc == 2 and line.startswith("error: ") and REJECTED[pid] in line, err
+        return
+    if gui.family_of(preset) in ("flux", "sd3") and FLOW_DRY_RUN_PENDING:
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line.startswith("error: dry_run: not with the") and \
+            FLOW_DRY_RUN_PENDING in line, err[-2000:]
         return
     assert rc == 0, err[-2000:]
     assert "step plan:" in out and len(estimated) == 1
@@ -150,7 +182,7 @@ def _train_cases():
     seen, out = set(), []
     for c in CASES:
         tab, preset, pid = c.values
-        if pid in REJECTED:
+        if pid in REJECTED or pid in PENDING_PRESETS:
             continue
         if c.marks:
             out.append(c)
@@ -175,17 +207,20 @@ def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_sc
         return
     assert rc == 0, err[-2000:]
     assert "done: steps 2" in out + err
-    if tab == "dreambooth" and gui.family_of(preset) != "sdxl" and cfg.get("learning_rate_te"):
+    if tab == "dreambooth" and gui.family_of(preset) in ("sd1", "sd2") and cfg.get("learning_rate_te"):
         # the GUI writes learning_rate_te and no train_text_encoder: trained, as train_db.py
         assert "the text encoder trains, as in sd-scripts' train_db.py" in err
+    if gui.family_of(preset) in ("flux", "sd3") and cfg.get("learning_rate_te"):
+        # flux_train.py / sd3_train.py train the text encoders only with train_text_encoder
+        assert "text_encoder_lr has no effect without train_text_encoder" in err
     name = cfg.get("output_name", "last")
     saved = [f for f in os.listdir(tmp_path / "out") if f.startswith(name)]
     assert saved, os.listdir(tmp_path / "out")
 
 
 def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
-    """Each key of every preset's and default's GUI TOML is in library.config.options GUI_KEYS, for
-    the tab that wrote it."""
+    """Each key of every preset's and default's GUI TOML (FLUX.1 / SD3 included) is in
+    library.config.options GUI_KEYS, for the tab that wrote it."""
     letter = {"lora": "l", "dreambooth": "d", "finetune": "f", "textual_inversion": "t"}
     seen = set()
     for c in CASES:
@@ -200,6 +235,26 @@ def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
             seen.add(key)
     assert {"epoch", "noise_offset_type", "network_args", "learning_rate_te", "xformers",
             "token_string", "init_word"} <= seen
+    # the FLUX.1 and SD3 presets' own keys (their model file paths are emptied here)
+    assert {"discrete_flow_shift", "model_prediction_type", "timestep_sampling", "guidance_scale",
+            "apply_t5_attn_mask", "t5xxl_max_token_length", "weighting_scheme", "logit_mean",
+            "logit_std", "mode_scale", "t5xxl_dtype", "text_encoder_batch_size"} <= seen
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
+def test_flow_pending_keys_are_refused_today(model, dataset, tmp_path, run_script, no_weight_loading):
+    """Each FLOW_PENDING key is refused with FLUX.1 / SD3 today, in one line naming it: the preset
+    cases drop exactly what cannot run yet (delete an entry when this fails for it)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a shape\n")
+    values = {"sample_prompts": [str(prompts)]}
+    for key in FLOW_PENDING:
+        rc, _, err = run_script("finetune", [
+            "--pretrained_model_name_or_path", model, "--train_data_dir", dataset, "--output_dir",
+            str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2",
+            f"--{key}", *values.get(key, [])])
+        line = err.strip().splitlines()[-1]
+        assert rc == 2 and line.startswith(f"error: {key}: not with the"), (key, err[-1500:])
 
 
 # --- the rules behind it, one by one --------------------------------------------------------
@@ -293,3 +348,14 @@ def test_gui_option_keys_are_accepted_by_the_tab_scripts():
             continue
         for t in k.tabs:
             assert script[t] in OPTIONS_BY_NAME[target].scripts, f"{k.name} ({t})"
+
+
+def test_sd3_gui_keys_without_effect_warn(tmp_path, caplog):
+    """The SD3 tab's T5 and unified-checkpoint keys (sd-scripts ignores save_clip / save_t5xxl;
+    T5's dtype and device follow the other encoders here): one "no effect" warning each, not an
+    error."""
+    keys = {"t5xxl_dtype": '"bf16"', "t5xxl_device": '"cpu"', "save_clip": "true", "save_t5xxl": "true"}
+    opts = _parse(tmp_path, "".join(f"{k} = {v}\n" for k, v in keys.items()), script="train_dreambooth")
+    assert set(opts.ignored) == set(keys)
+    for k in keys:
+        assert f"option {k} has no effect (a kohya_ss GUI key" in caplog.text, k

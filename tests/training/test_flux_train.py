@@ -26,8 +26,9 @@ def flux_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i):
-    """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64."""
+def _reference_loss(run, epoch, i, mask=None):
+    """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64
+    (``mask``: the latent-size (h, w) mask multiplying the elementwise loss before its mean)."""
     from library.data import step_plan
     from library.models import flux, flux_ae, flux_text, tiny_flux
 
@@ -56,7 +57,8 @@ def _reference_loss(run, epoch, i):
                     torch.tensor([sigma], dtype=torch.float64), cond.l_pooled.double(),
                     torch.tensor([3.5], dtype=torch.float64))
         v = flux.unpack_latents(out, h, w)
-    return float(((v - (noise - x0)) ** 2).mean())
+    err = (v - (noise - x0)) ** 2
+    return float((err if mask is None else err * mask).mean())
 
 
 def test_flux_full_finetune_loss_and_saved_transformer(dataset, tmp_path, train):
@@ -132,9 +134,9 @@ def no_flux_loading(monkeypatch, no_weight_loading):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--min_snr_gamma", "5"], "min_snr_gamma: not with the FLUX.1 model"),
+    (["--zero_terminal_snr"], "zero_terminal_snr: not with the FLUX.1 model"),
     (["--v_parameterization"], "v_parameterization: not with the FLUX.1 model"),
-    (["--noise_offset", "0.1"], "noise_offset: not with the FLUX.1 model"),
+    (["--ip_noise_gamma", "0.1"], "ip_noise_gamma: not with the FLUX.1 model"),
     (["--clip_g", "x.safetensors"], "clip_g: SD3's CLIP-G"),
     (["--timestep_sampling", "logit"], "timestep_sampling"),
     (["--loss_type", "huber"], "loss_type huber"),

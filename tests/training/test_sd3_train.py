@@ -21,9 +21,9 @@ def sd3_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i, text_dropped=False):
+def _reference_loss(run, epoch, i, text_dropped=False, mask=None):
     """``text_dropped``: every encoder dropped (clip_l / clip_g / t5_dropout_rate 1): the context
-    and the pooled vector all zeros."""
+    and the pooled vector all zeros. ``mask``: the loss mask (masked loss)."""
     from library.data import step_plan
     from library.models import sd3_builtins, sd3_text
 
@@ -56,7 +56,8 @@ def _reference_loss(run, epoch, i, text_dropped=False):
         if text_dropped:
             context, pooled = torch.zeros_like(context), torch.zeros_like(pooled)
         out = mmdit(x_t, torch.tensor([float(t)], dtype=torch.float64), pooled, context)
-    return float(((x_t - sigma * out - x0) ** 2).mean())
+    err = (x_t - sigma * out - x0) ** 2
+    return float((err if mask is None else err * mask).mean())
 
 
 def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
@@ -95,7 +96,7 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
 @pytest.mark.parametrize("extra, message", [
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
-    (["--min_snr_gamma", "5"], "min_snr_gamma: not with the SD3 model"),
+    (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
 ])
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
