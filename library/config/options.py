@@ -454,6 +454,19 @@ OPTIONS: tuple[Option, ...] = (
       "training", scripts=NOT_TI),
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
       "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),
+    # --- FLUX.1 / SD3 transformer memory (library/training/block_swap.py) ---
+    O("blocks_to_swap", "int", None, "FLUX.1 / SD3: keep this many transformer blocks in host "
+      "memory and copy each to the device just ahead of its use (a side stream overlapped with "
+      "compute on CUDA), and home again after it, in the forward and the backward pass. FLUX.1 "
+      "counts in double blocks as sd-scripts: n // 2 double and (n - n // 2) x 2 single blocks; "
+      "SD3: n joint blocks; the last ones of each list. The same weights as without it; a plain "
+      "optimizer steps the swapped blocks on the host, fused_backward_pass on the device. One "
+      "process; not with fused_optimizer_groups, cpu_offload_checkpointing, ema_decay or "
+      "torch_compile. 0 / unset = off.", "training", scripts=NOT_TI, min=0),
+    O("cpu_offload_checkpointing", "bool", False, "FLUX.1 / SD3: with gradient checkpointing, the "
+      "activations kept at each transformer block's input wait in host memory until the "
+      "backward (sd-scripts' option; turns gradient_checkpointing on, as sd-scripts). Not with "
+      "blocks_to_swap.", "training", scripts=NOT_TI),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("ddp_gradient_as_bucket_view", "bool", False, "Several processes (DDP): the gradients are "
@@ -785,8 +798,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
-    _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
-    _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
     # distributed (the ddp_*, fsdp and deepspeed options are in the table)
     _n("offload_optimizer_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_optimizer_device)"),
     _n("offload_param_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_param_device)"),
@@ -860,10 +871,11 @@ lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
 metadata_title:ldf training_comment:l
 dynamo_backend:ldf persistent_data_loader_workers:ldf torch_compile:lf
+blocks_to_swap:ldf cpu_offload_checkpointing:ldf
 """
 
 GUI_SD_KEYS = """
-async_upload:ldf blocks_to_swap:ldf cpu_offload_checkpointing:ldf
+async_upload:ldf
 disable_mmap_load_safetensors:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
