@@ -69,7 +69,6 @@ UNSUPPORTED = {
     "block_lr": "SDXL's U-Net blocks",
     "deepspeed": "not wired for FLUX.1 yet",
     "fsdp": "not wired for FLUX.1 yet",
-    "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
 }
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
