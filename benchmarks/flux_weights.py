@@ -21,6 +21,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from library.models import clip_l_file, flux, flux_ae, flux_checkpoint, t5  # noqa: E402
+from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
 
 NAMES = {"model": "flux1-dev-random.safetensors", "clip_l": "clip_l-random.safetensors",
          "t5xxl": "t5xxl-random.safetensors", "ae": "ae-random.safetensors"}
@@ -75,8 +76,6 @@ def write_flux_files(work: str, *, transformer: flux.FluxConfig = flux.FLUX_DEV,
         meta = None
         if clip_config:  # not CLIP-L: the file says its config (the shipped tokenizer)
             from transformers import CLIPTokenizer
-
-            from library.models.loading import SHIPPED_TOKENIZER
 
             meta = clip_l_file.clip_l_file_metadata(te, CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER))
         _save(_random_state(te, dtype, 2), out["clip_l"], meta)
