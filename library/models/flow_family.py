@@ -63,8 +63,6 @@ UNSUPPORTED = {
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",
     "torch_compile": "not wired for FLUX.1 yet",
-    "fp8_base": "not wired for FLUX.1 yet",
-    "fp8_base_unet": "not wired for FLUX.1 yet",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
     "deepspeed": "not wired for FLUX.1 yet",
