@@ -3,7 +3,8 @@ FLUX.1 and SD3 transformers, on the CPU (one thread: bit for bit).
 
 - a FLUX.1 full fine-tune through train_dreambooth trains the same transformer bit for bit with
   blocks_to_swap as without, with the plain AdamW step (swapped blocks stepped on the host) and
-  with fused_backward_pass (stepped on the device inside their backward, copied home);
+  with fused_backward_pass (stepped on the device inside their backward, copied home); and the
+  fused run equals the unfused one bit for bit;
 - the transformer's gradients with swap equal those without, with and without gradient
   checkpointing, for FLUX.1 and SD3;
 - the memory saving, measured: the bytes of the transformer's weights resident on the compute
@@ -197,8 +198,8 @@ def _weights(train, dataset, out, *extra):
 
 def test_flux_finetune_with_block_swap_equals_without(dataset, tmp_path, train):
     """The entry script: 2 AdamW steps with blocks_to_swap 2 == without, bit for bit; so for
-    fused_backward_pass (the swapped blocks stepped on the device, written home), and for
-    cpu_offload_checkpointing."""
+    fused_backward_pass (the swapped blocks stepped on the device, written home), which also
+    equals the unfused step bit for bit, and for cpu_offload_checkpointing."""
     plain, _ = _weights(train, dataset, str(tmp_path / "a"))
     swapped, err = _weights(train, dataset, str(tmp_path / "b"), "--blocks_to_swap", "2")
     assert "blocks_to_swap 2: 3 of the transformer's 4 blocks" in err
@@ -212,6 +213,9 @@ def test_flux_finetune_with_block_swap_equals_without(dataset, tmp_path, train):
     for k in fused:
         assert not torch.equal(fused[k], initial[k]), k
         assert torch.equal(fused[k], fused_swapped[k]), k
+        # fused == unfused for the FLUX.1 full fine-tune: AdamW stepped per parameter in its
+        # gradient hook is the same float arithmetic as the one step over all (one thread)
+        assert torch.equal(fused[k], plain[k]), k
     # cpu_offload_checkpointing turns checkpointing on (with a warning, as sd-scripts) and
     # offloads its saved inputs: the same weights as the plain run
     rc, _, err, run = train("train_dreambooth", flux_args(
