@@ -68,6 +68,12 @@ logger = logging.getLogger("sdtk")
 # Peak activation memory per byte saved for backward: the fused batch 2 - batch 1 slope,
 # 0.375 GiB per sample against 0.441 GiB saved per sample.
 ACTIVATION_FACTOR = 0.85
+# FLUX.1 / SD3: the same, measured on full-width FLUX.1 dev blocks on the CPU (one double and one
+# single block, float32, 256 px + 512 T5 tokens, benchmarks/flux_block_memory.py, 2026-12-03):
+# 1.002 bytes of peak per counted byte from one block application to two, for both kinds (a
+# whole model does not fit: the per-block slope is extrapolated to the model's depth). The
+# backward's transient of one block (0.077 GB double, 0.151 GB single at 256 px) is not added.
+FLOW_ACTIVATION_FACTOR = 1.0
 # Resident memory of the process beyond its tensors (Python, torch, diffusers, transformers,
 # accelerate, the allocator's slack): chosen so that the four cases above come out within
 # 0.5% (+0.4%, +0.4%, +0.5%, -0.4%).
@@ -823,13 +829,14 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     with _quiet():
         act = count_activations(opts, family, comps, method, mode, bucket, opts.train_batch_size)
     saved = act.saved + act.recompute
-    est.activations = int(ACTIVATION_FACTOR * saved) + act.weight_copies
+    factor = FLOW_ACTIVATION_FACTOR if family in flow_family.FLOW_FAMILIES else ACTIVATION_FACTOR
+    est.activations = int(factor * saved) + act.weight_copies
     gc = " with gradient checkpointing" if (opts.gradient_checkpointing
                                             or opts.cpu_offload_checkpointing) else ""
     copies = f" + {act.weight_copies / GIB:.3f} GiB autocast copies of weights" if act.weight_copies else ""
     est.activations_note = (f"batch {opts.train_batch_size} at {bucket[0]}x{bucket[1]} (latents "
                             f"{act.latent[1]}x{act.latent[2]}): {saved / GIB:.3f} GiB saved for "
-                            f"backward{gc} x {ACTIVATION_FACTOR:g}{copies}")
+                            f"backward{gc} x {factor:g}{copies}")
 
     # -- the rest
     vae = comps["vae"]
@@ -895,8 +902,10 @@ def report(opts, method_name: str, tset=None, processes: int = 1, main: bool = T
         # tensors: the estimate is advice, never a reason to stop a run
         print(f"memory estimate: not available ({first_line(e, typed=True)})", flush=True)
         return None
+    flow = flow_family.family_before_loading(opts.pretrained_model_name_or_path) is not None
     print("memory estimate (training loop, one process; CPU peak resident memory model "
-          "calibrated on sd15-arch):", flush=True)
+          "calibrated on sd15-arch" + ("; activations per byte on full-width FLUX.1 blocks, "
+                                       "extrapolated to the model" if flow else "") + "):", flush=True)
     for line in est.lines():
         print("  " + line, flush=True)
     return est

@@ -409,7 +409,8 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     est = me.estimate(opts, "dreambooth")
     assert counted.saved > 0 and (counted.recompute > 0) == gc
     assert est.activations == pytest.approx(
-        int(me.ACTIVATION_FACTOR * (counted.saved + counted.recompute)) + counted.weight_copies, abs=256)
+        int(me.FLOW_ACTIVATION_FACTOR * (counted.saved + counted.recompute)) + counted.weight_copies,
+        abs=256)
 
 
 def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
