@@ -250,3 +250,21 @@ def test_transformer_memory_options_refused_with_an_sd_model(dataset, tmp_path, 
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
         str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", *option])
     assert rc != 0 and f"{option[0][2:]}: an option of FLUX.1 and SD3 transformers" in err
+
+
+def test_sd3_finetune_with_block_swap_equals_without(dataset, tmp_path, train):
+    """SD3 through finetune: blocks_to_swap 1 (the last joint block on the host) trains the same
+    MMDiT bit for bit, with gradient checkpointing (the recomputation finds the block in)."""
+    from tests.training.test_sd3_train import sd3_args
+
+    def weights(out, *extra):
+        rc, _, err, run = train("finetune", sd3_args(dataset, str(tmp_path / out), "--optimizer_type",
+                                                     "AdamW", "--gradient_checkpointing", *extra))
+        assert rc == 0, err
+        return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}, run
+
+    plain, _ = weights("a")
+    swapped, run = weights("b", "--blocks_to_swap", "1")
+    assert run.parts.bundle.unet.block_swap.swapped == [1]
+    for k in plain:
+        assert torch.equal(plain[k], swapped[k]), k
