@@ -69,10 +69,11 @@ logger = logging.getLogger("sdtk")
 # 0.375 GiB per sample against 0.441 GiB saved per sample.
 ACTIVATION_FACTOR = 0.85
 # FLUX.1 / SD3: the same, measured on full-width FLUX.1 dev blocks on the CPU (one double and one
-# single block, float32, 256 px + 512 T5 tokens, benchmarks/flux_block_memory.py, 2026-12-03):
-# 1.002 bytes of peak per counted byte from one block application to two, for both kinds (a
-# whole model does not fit: the per-block slope is extrapolated to the model's depth). The
-# backward's transient of one block (0.077 GB double, 0.151 GB single at 256 px) is not added.
+# single block, float32, 256 and 512 px + 512 T5 tokens, benchmarks/flux_block_memory.py,
+# 2026-12-03): 1.002 (256 px) and 1.000 (512 px) bytes of peak per counted byte from one block
+# application to two, for both kinds (a whole model does not fit: the per-block slope is
+# extrapolated to the model's depth). The backward's transient of one block (double / single:
+# 0.077 / 0.151 GB at 256 px, 0.092 / 0.283 GB at 512 px) is not added.
 FLOW_ACTIVATION_FACTOR = 1.0
 # Resident memory of the process beyond its tensors (Python, torch, diffusers, transformers,
 # accelerate, the allocator's slack): chosen so that the four cases above come out within
