@@ -28,6 +28,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import torch  # noqa: E402
+
+from library.models import flux  # noqa: E402
+from library.training.host_memory import resident_bytes, return_large_frees, trim_heap  # noqa: E402
+from library.training.memory_estimate import _SavedCounter  # noqa: E402
+
 
 def _hand_count(kind: str, h: int = 3072, m: int = 12288, hd: int = 128) -> int:
     def lin(i, o):
@@ -42,12 +48,6 @@ def measure(kind: str, resolution: int, bf16: bool, repeats: int) -> dict:
     """In this process: the counted saved bytes and the measured peak growth of ``repeats``
     applications of one block in a row (the same weights; each application saves its own
     activations, as consecutive blocks of the model do)."""
-    import torch
-
-    from library.models import flux
-    from library.training.host_memory import resident_bytes, return_large_frees, trim_heap
-    from library.training.memory_estimate import _SavedCounter
-
     return_large_frees()
     cfg = flux.FLUX_DEV
     torch.manual_seed(0)

@@ -791,6 +791,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # saving and resuming
     _n("save_n_epoch_ratio", "value", _REJ, "the files it asks for would not be written; use save_every_n_epochs"),
     _n("use_safetensors", "flag", _IGN, "safetensors is already the default of save_model_as"),
+    _n("mem_eff_save", "flag", _IGN, "a FLUX.1 transformer file is always written one tensor at a time"),
     _n("output_config", "flag", _REJ, "writing the arguments to a config and exiting is not implemented"),
     _n("skip_until_initial_step", "flag", _REJ, "changes which steps are trained"),
     _n("initial_epoch", "value", _REJ, "changes which steps are trained"),
@@ -875,7 +876,7 @@ blocks_to_swap:ldf cpu_offload_checkpointing:ldf
 """
 
 GUI_SD_KEYS = """
-async_upload:ldf
+async_upload:ldf mem_eff_save:ldf
 disable_mmap_load_safetensors:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
@@ -928,7 +929,7 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
         "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
         "mode_scale weighting_scheme").split()),
-    *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
+    *_gui_family("split_mode single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
     *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
     *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
