@@ -467,6 +467,12 @@ OPTIONS: tuple[Option, ...] = (
       "activations kept at each transformer block's input wait in host memory until the "
       "backward (sd-scripts' option; turns gradient_checkpointing on, as sd-scripts). Not with "
       "blocks_to_swap.", "training", scripts=NOT_TI),
+    O("blockwise_fused_optimizers", "bool", False, "FLUX.1 / SD3 full fine-tune: one optimizer per "
+      "transformer block (and one for the other parameters, one per trained text encoder), each "
+      "stepped inside the backward pass as soon as its block's gradients are complete, then its "
+      "gradients freed (sd-scripts' flux_train.py option). The same update as one optimizer for "
+      "optimizers without global state; max_grad_norm then clips each block separately. Not with "
+      "fused_backward_pass, fused_optimizer_groups or fp16.", "optimizer", scripts=FULL),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("ddp_gradient_as_bucket_view", "bool", False, "Several processes (DDP): the gradients are "
@@ -872,7 +878,7 @@ lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
 metadata_title:ldf training_comment:l
 dynamo_backend:ldf persistent_data_loader_workers:ldf torch_compile:lf
-blocks_to_swap:ldf cpu_offload_checkpointing:ldf
+blocks_to_swap:ldf cpu_offload_checkpointing:ldf blockwise_fused_optimizers:df
 """
 
 GUI_SD_KEYS = """
@@ -931,7 +937,7 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "mode_scale weighting_scheme").split()),
     *_gui_family("split_mode single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
-    *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
+    *_gui_family("train_blocks", "df", "FLUX.1"),
     *_gui_family("save_clip save_t5xxl t5xxl_device t5xxl_dtype text_encoder_batch_size", "ldf",
                  "SD3"),
     *_gui_family("clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate enable_scaled_pos_embed "

@@ -29,7 +29,8 @@ On the CPU the "device" and the host are both the CPU: the swap still copies in 
 bytes resident on the compute device are the parameters not pointing at a host copy
 (``device_bytes``), which is what the tests measure.
 
-    check_options(opts, processes)           before any weight loads: one line per conflict
+    check_options(opts, processes)           before any weight loads: one line per conflict (also
+                                             blockwise_fused_optimizers: FLUX.1 / SD3 only)
     blocks_for(model, n)                     the swapped blocks of a FLUX.1 / SD3 transformer
     install(model, n, device, ...)           places the swapped blocks home, returns the BlockSwap
     device_bytes(model, swap)                the model's bytes resident on the compute device
@@ -52,13 +53,14 @@ class BlockSwapError(UserError, ValueError):
 
 
 def check_options(opts, processes: int) -> None:
-    """blocks_to_swap / cpu_offload_checkpointing: FLUX.1 and SD3 only, and the combinations the
-    swap cannot run (before any weight loads)."""
+    """blocks_to_swap / cpu_offload_checkpointing / blockwise_fused_optimizers: FLUX.1 and SD3
+    only, and the combinations the swap cannot run (before any weight loads)."""
     n = opts.blocks_to_swap or 0
-    if not (n or opts.cpu_offload_checkpointing):
+    if not (n or opts.cpu_offload_checkpointing or opts.blockwise_fused_optimizers):
         return
     src = opts.pretrained_model_name_or_path
-    name = "blocks_to_swap" if n else "cpu_offload_checkpointing"
+    name = "blocks_to_swap" if n else ("cpu_offload_checkpointing" if opts.cpu_offload_checkpointing
+                                       else "blockwise_fused_optimizers")
     if flow_family.family_before_loading(src) is None:
         raise BlockSwapError(f"{name}: an option of FLUX.1 and SD3 transformers; {src} is not one")
     if n and opts.cpu_offload_checkpointing:
@@ -68,7 +70,8 @@ def check_options(opts, processes: int) -> None:
         logger.warning("cpu_offload_checkpointing turns gradient_checkpointing on (as sd-scripts)")
     if not n:
         return
-    # each of these keeps or steps parameters where the swap moves them away
+    # each of these keeps or steps parameters where the swap moves them away (a block's
+    # optimizer, blockwise_fused_optimizers, steps it while it is on the device: allowed)
     for other, why in (("fused_optimizer_groups", "a group's step would meet parameters on the host "
                         "and on the device"),
                        ("ema_decay", "the average would read parameters on the host"),

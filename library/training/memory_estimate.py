@@ -814,7 +814,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
         fused = fmode == "fused_backward_pass"
         if alive == 1:
             est.gradients_note = ("the largest parameter's: fused_backward_pass" if fused
-                                  else f"the largest of {len(units)} groups: fused_optimizer_groups")
+                                  else f"the largest of {len(units)} groups: {fmode}")
         else:
             est.gradients_note = (f"the {alive} largest " + ("parameters'" if fused else
                                                             f"of {len(units)} groups'")

@@ -236,6 +236,8 @@ def test_flux_finetune_with_block_swap_equals_without(dataset, tmp_path, train):
     (["--blocks_to_swap", "2", "--cpu_offload_checkpointing"],
      "blocks_to_swap and cpu_offload_checkpointing cannot be combined"),
     (["--blocks_to_swap", "2", "--ema_decay", "0.9"], "blocks_to_swap with ema_decay"),
+    (["--blockwise_fused_optimizers", "--fused_backward_pass"],
+     "blockwise_fused_optimizers cannot be combined"),
 ])
 def test_block_swap_conflicts_fail_before_loading(dataset, tmp_path, run_script, no_flux_loading,
                                                   extra, message):
@@ -243,7 +245,8 @@ def test_block_swap_conflicts_fail_before_loading(dataset, tmp_path, run_script,
     assert rc != 0 and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("option", [["--blocks_to_swap", "2"], ["--cpu_offload_checkpointing"]])
+@pytest.mark.parametrize("option", [["--blocks_to_swap", "2"], ["--cpu_offload_checkpointing"],
+                                    ["--blockwise_fused_optimizers"]])
 def test_transformer_memory_options_refused_with_an_sd_model(dataset, tmp_path, run_script,
                                                              no_weight_loading, option):
     rc, _, err = run_script("train_dreambooth", [
@@ -267,4 +270,34 @@ def test_sd3_finetune_with_block_swap_equals_without(dataset, tmp_path, train):
     swapped, run = weights("b", "--blocks_to_swap", "1")
     assert run.parts.bundle.unet.block_swap.swapped == [1]
     for k in plain:
+        assert torch.equal(plain[k], swapped[k]), k
+
+
+def test_flux_blockwise_fused_optimizers_equal_one_optimizer(dataset, tmp_path, train):
+    """blockwise_fused_optimizers: one optimizer per FLUX.1 block (2 double + 2 single) and one
+    for the rest, each stepped in the backward when its block is complete: the same transformer
+    bit for bit as one AdamW (one thread), also with blocks_to_swap (a block's optimizer steps it
+    while it is on the device)."""
+    from library.training.methods import block_param_lists
+
+    def weights(out, *extra):
+        rc, _, err, run = train("train_dreambooth", flux_args(
+            dataset, str(tmp_path / out), "--optimizer_type", "AdamW", "--max_grad_norm", "0", *extra))
+        assert rc == 0, err
+        return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}, run
+
+    plain, _ = weights("a")
+    blockwise, run = weights("b", "--blockwise_fused_optimizers")
+    unet = run.parts.bundle.unet
+    units = run.parts.stepper.units
+    assert len(units) == 5  # the rest + 4 blocks, each block's parameters one unit
+    blocks = [*unet.double_blocks, *unet.single_blocks]
+    for block in blocks:
+        ids = {id(p) for p in block.parameters()}
+        assert any({id(p) for p in u} == ids for u in units)
+    lists = block_param_lists(unet)
+    assert [len(x) for x in lists[1:]] == [len(list(b.parameters())) for b in blocks]
+    swapped, _ = weights("c", "--blockwise_fused_optimizers", "--blocks_to_swap", "2")
+    for k in plain:
+        assert torch.equal(plain[k], blockwise[k]), k
         assert torch.equal(plain[k], swapped[k]), k
