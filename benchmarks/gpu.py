@@ -11,6 +11,14 @@ outputs, each eager and with ``torch_compile`` (inductor):
   sdxl-lora-b1 / -b4   train_lora, SDXL at 1024 px, rank 16, batch 1 / 4, AdamW
   sdxl-full-b1         train_dreambooth, the whole SDXL U-Net at 1024 px, batch 1,
                        Adafactor with fused_backward_pass (the memory-lean full fine-tune)
+  flux-lora-b1         train_lora, FLUX.1 dev at 1024 px, batch 1, rank 16 (networks.lora_flux),
+                       fp8_base (the frozen transformer in float8), AdamW; sd-scripts' published
+                       FLUX LoRA setting (12-16 GB there)
+  flux-full-swap-b1    train_dreambooth, the whole FLUX.1 dev transformer at 1024 px, batch 1,
+                       full_bf16, Adafactor with fused_backward_pass, blocks_to_swap 8 (sd-scripts'
+                       full fine-tune in 24 GB)
+The FLUX.1 cases run on random full-size weight files written once into the working folder
+(benchmarks/flux_weights.py, about 34 GB, bf16), text-encoder outputs cached as the SD cases.
 For each: it/s over the steps after ``--warmup`` (the first steps compile and allocate), peak
 allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
@@ -39,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import sd_scripts_launch, step_timer  # noqa: E402
+from benchmarks import flux_weights, sd_scripts_launch, step_timer  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
@@ -54,21 +62,39 @@ CASES = {
     "sdxl-lora-b1": ("train_lora", "sdxl", 1024, 1),
     "sdxl-lora-b4": ("train_lora", "sdxl", 1024, 4),
     "sdxl-full-b1": ("train_dreambooth", "sdxl", 1024, 1),
+    "flux-lora-b1": ("train_lora", "flux", 1024, 1),
+    "flux-full-swap-b1": ("train_dreambooth", "flux", 1024, 1),
 }
+FLUX_BLOCKS_TO_SWAP = 8
 
 
-def case_args(name: str, data: str, out: str, steps: int, dry: bool) -> tuple[str, list]:
+def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str = "") -> tuple[str, list]:
+    """The entry script and its options; FLUX.1 cases read their files from ``work``
+    (benchmarks/flux_weights.py)."""
     script, arch, size, batch = CASES[name]
-    model = f"tiny-{arch}" if dry else f"{arch}-arch"
+    flux = arch == "flux"
+    if dry:
+        model = f"tiny-{arch}"
+    else:
+        model = flux_weights.paths(work)["model"] if flux else f"{arch}-arch"
     size = 64 if dry else size
     args = ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
             "--resolution", size, "--train_batch_size", batch, "--max_train_steps", steps,
             "--cache_latents", "--cache_text_encoder_outputs", "--sdpa", "--seed", "1",
             "--save_model_as", "safetensors"]
+    if flux and not dry:
+        files = flux_weights.paths(work)
+        args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
+    lora = script == "train_lora"
     if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
         args += ["--mixed_precision", "bf16", "--full_bf16"]
-    if script == "train_lora":
-        return script, args + ["--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
+        if flux and lora:
+            args.append("--fp8_base")
+    if flux and not lora:
+        args += ["--blocks_to_swap", FLUX_BLOCKS_TO_SWAP]
+    if lora:
+        return script, args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
+                               "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
                                "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
     return script, args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
                            "relative_step=False", "warmup_init=False", "--fused_backward_pass",
@@ -102,7 +128,7 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
     import torch
 
     out = os.path.join(work, f"{name}-{'c' if compiled else 'e'}")
-    script, args = case_args(name, data, out, steps, dry)
+    script, args = case_args(name, data, out, steps, dry, work)
     if compiled:  # the dry run traces with dynamo only: inductor's CPU compile takes minutes
         args += ["--torch_compile", "--dynamo_backend", "eager" if dry else "inductor"]
     if cuda:
@@ -143,8 +169,8 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
     """One LoRA case through sd-scripts on the same random weights (a single file written once
     per architecture): it/s over the steps after ``warmup`` (benchmarks/sd_scripts_launch.py)."""
     script, arch, size, batch = CASES[name]
-    if script != "train_lora":
-        return {"case": name, "sd_scripts": "not run (LoRA cases only)"}
+    if script != "train_lora" or arch == "flux":
+        return {"case": name, "sd_scripts": "not run (SD LoRA cases only)"}
     entry, args = sd_scripts_args(name, sd_scripts_launch.random_weights_file(work, arch), sd_scripts_launch.tokenizer_cache(work),
                                   data, os.path.join(work, f"sd-{name}"), steps)
     try:
@@ -157,7 +183,7 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
 
 def format_table(rows: list, peak: float | None) -> list[str]:
     flops = {r["case"]: r["flops"] for r in rows if "flops" in r}
-    lines = [f"{'case':<14} {'compile':<7} {'it/s':>7} {'1st step s':>10} {'alloc GiB':>9} "
+    lines = [f"{'case':<17} {'compile':<7} {'it/s':>7} {'1st step s':>10} {'alloc GiB':>9} "
              f"{'resv GiB':>8} {'GFLOP/step':>10} {'% peak':>7}"]
     for r in rows:
         if "it_s" not in r:
@@ -167,15 +193,18 @@ def format_table(rows: list, peak: float | None) -> list[str]:
         alloc = f"{r['peak_alloc_gib']:9.2f}" if "peak_alloc_gib" in r else "      n/a"
         resv = f"{r['peak_reserved_gib']:8.2f}" if "peak_reserved_gib" in r else "     n/a"
         tf = f"{f / 1e9:10.1f}" if f else "       n/a"
-        lines.append(f"{r['case']:<14} {'yes' if r['compile'] else 'no':<7} {r['it_s']:7.2f} "
+        lines.append(f"{r['case']:<17} {'yes' if r['compile'] else 'no':<7} {r['it_s']:7.2f} "
                      f"{r['first_step_s']:10.1f} {alloc} {resv} {tf} {util}")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['case']:<17} {'yes' if r['compile'] else 'no':<7} {r['error']}")
     for r in rows:
         if "sd_scripts_it_s" in r:
             n = r.get("sd_scripts_params")
-            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
+            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
                          f"{f'{n:,}' if n else '?'} trainable parameters")
         elif "sd_scripts" in r:
-            lines.append(f"{r['case']:<14} sd-scripts {r['sd_scripts']}")
+            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts']}")
     return lines
 
 
@@ -226,13 +255,23 @@ def main(argv=None) -> int:
           flush=True)
     data = {}
     rows = []
+    if not args.dry_run and any(CASES[n][1] == "flux" for n in names):
+        print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
+        flux_weights.write_flux_files(work)
     for name in names:
         size = 64 if args.dry_run else CASES[name][2]
         if size not in data:  # 4 images: batch 4 fits one step
             data[size] = os.path.dirname(make_sample_dataset(os.path.join(work, f"data{size}"),
                                                              n_images=4, size=size, repeats=1))
-        for compiled in (False,) if args.no_compile else (False, True):
-            rows.append(run_case(name, compiled, data[size], work, steps, warmup, args.dry_run, cuda))
+        # blocks_to_swap copies between the blocks' graphs: torch_compile is refused with it
+        compile_too = not args.no_compile and "swap" not in name
+        for compiled in (False, True) if compile_too else (False,):
+            try:
+                rows.append(run_case(name, compiled, data[size], work, steps, warmup, args.dry_run, cuda))
+            except SystemExit as e:  # a failed run (printed above): the other cases still run
+                rows.append({"case": name, "compile": compiled, "error": str(e)})
+                print(f"  {name} compile={compiled}: failed ({e})", flush=True)
+                continue
             print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
         if args.sd_scripts:
             rows.append(sd_scripts_case(name, args.sd_scripts, python, data[size], work, steps, warmup))

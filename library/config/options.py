@@ -469,6 +469,25 @@ OPTIONS: tuple[Option, ...] = (
       "training", scripts=NOT_TI),
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
       "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),
+    # --- FLUX.1 / SD3 transformer memory (library/training/block_swap.py) ---
+    O("blocks_to_swap", "int", None, "FLUX.1 / SD3: keep this many transformer blocks in host "
+      "memory and copy each to the device just ahead of its use (a side stream overlapped with "
+      "compute on CUDA), and home again after it, in the forward and the backward pass. FLUX.1 "
+      "counts in double blocks as sd-scripts: n // 2 double and (n - n // 2) x 2 single blocks; "
+      "SD3: n joint blocks; the last ones of each list. The same weights as without it; a plain "
+      "optimizer steps the swapped blocks on the host, fused_backward_pass on the device. One "
+      "process; not with fused_optimizer_groups, cpu_offload_checkpointing, ema_decay or "
+      "torch_compile. 0 / unset = off.", "training", scripts=NOT_TI, min=0),
+    O("cpu_offload_checkpointing", "bool", False, "FLUX.1 / SD3: with gradient checkpointing, the "
+      "activations kept at each transformer block's input wait in host memory until the "
+      "backward (sd-scripts' option; turns gradient_checkpointing on, as sd-scripts). Not with "
+      "blocks_to_swap.", "training", scripts=NOT_TI),
+    O("blockwise_fused_optimizers", "bool", False, "FLUX.1 / SD3 full fine-tune: one optimizer per "
+      "transformer block (and one for the other parameters, one per trained text encoder), each "
+      "stepped inside the backward pass as soon as its block's gradients are complete, then its "
+      "gradients freed (sd-scripts' flux_train.py option). The same update as one optimizer for "
+      "optimizers without global state; max_grad_norm then clips each block separately. Not with "
+      "fused_backward_pass, fused_optimizer_groups or fp16.", "optimizer", scripts=FULL),
     O("ddp_timeout", "int", None, "Minutes a process waits for the others in a collective before the "
       "job fails (multi-process runs); unset = 30.", "training", min=1),
     O("ddp_gradient_as_bucket_view", "bool", False, "Several processes (DDP): the gradients are "
@@ -799,6 +818,7 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # saving and resuming
     _n("save_n_epoch_ratio", "value", _REJ, "the files it asks for would not be written; use save_every_n_epochs"),
     _n("use_safetensors", "flag", _IGN, "safetensors is already the default of save_model_as"),
+    _n("mem_eff_save", "flag", _IGN, "a FLUX.1 transformer file is always written one tensor at a time"),
     _n("output_config", "flag", _REJ, "writing the arguments to a config and exiting is not implemented"),
     _n("skip_until_initial_step", "flag", _REJ, "changes which steps are trained"),
     _n("initial_epoch", "value", _REJ, "changes which steps are trained"),
@@ -806,8 +826,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     # optimizer and schedule
     _n("use_8bit_adam", "flag", _REJ, "use optimizer_type = \"AdamW8bit\""),
     _n("use_lion_optimizer", "flag", _REJ, "use optimizer_type = \"Lion\""),
-    _n("cpu_offload_checkpointing", "flag", _REJ, "not implemented yet (a memory feature a run may depend on)"),
-    _n("blocks_to_swap", "value", _REJ, "not implemented yet (a memory feature a run may depend on)", off=(None, 0)),
     # distributed (the ddp_*, fsdp and deepspeed options are in the table)
     _n("offload_optimizer_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_optimizer_device)"),
     _n("offload_param_nvme_path", "value", _IGN, "NVMe offload is not supported (offload_param_device)"),
@@ -887,10 +905,11 @@ lr_scheduler_type:ldf lr_scheduler_args:ldf color_aug:ldf no_token_padding:d
 metadata_author:ldf metadata_description:ldf metadata_license:ldf metadata_tags:ldf
 metadata_title:ldf training_comment:l
 dynamo_backend:ldf persistent_data_loader_workers:ldf torch_compile:lf
+blocks_to_swap:ldf cpu_offload_checkpointing:ldf blockwise_fused_optimizers:df
 """
 
 GUI_SD_KEYS = """
-async_upload:ldf blocks_to_swap:ldf cpu_offload_checkpointing:ldf
+async_upload:ldf mem_eff_save:ldf
 disable_mmap_load_safetensors:ldf huggingface_path_in_repo:ldf
 huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
 huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
@@ -943,9 +962,9 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
         "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
         "mode_scale weighting_scheme").split()),
-    *_gui_family("split_mode mem_eff_save single_blocks_to_swap double_blocks_to_swap model_type",
+    *_gui_family("split_mode single_blocks_to_swap double_blocks_to_swap model_type",
                  "ldf", "FLUX.1"),
-    *_gui_family("blockwise_fused_optimizers train_blocks", "df", "FLUX.1"),
+    *_gui_family("train_blocks", "df", "FLUX.1"),
     GuiKey("text_encoder_batch_size", "ldf", "option"),
     *(GuiKey(n, "ldf", "ignore", "sd-scripts accepts it and does nothing ([DOES NOT WORK]: no "
              "unified checkpoint); an SD3 model is saved here in the layout it was loaded from")

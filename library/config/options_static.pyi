@@ -136,6 +136,9 @@ class Options:
     full_fp16: bool = ...  # default False
     fp8_base: bool = ...  # default False
     fp8_base_unet: bool = ...  # default False
+    blocks_to_swap: int | None = ...  # default None
+    cpu_offload_checkpointing: bool = ...  # default False
+    blockwise_fused_optimizers: bool = ...  # default False
     ddp_timeout: int | None = ...  # default None
     ddp_gradient_as_bucket_view: bool = ...  # default False
     ddp_static_graph: bool = ...  # default False

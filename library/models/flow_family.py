@@ -56,11 +56,8 @@ UNSUPPORTED = {
     "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
     "xformers": "the transformer uses SDPA",
-    "fp8_base": "not wired for FLUX.1 yet",
-    "fp8_base_unet": "not wired for FLUX.1 yet",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
-    "dry_run": "the memory estimate does not cover FLUX.1 or SD3 yet",
 }
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)

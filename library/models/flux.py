@@ -17,6 +17,7 @@ attention as keys, as sd-scripts does; they still attend as queries.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -342,6 +343,12 @@ class Flux(nn.Module):
             [SingleStreamBlock(h, config.num_heads, config.mlp_ratio) for _ in range(config.depth_single_blocks)])
         self.final_layer = LastLayer(h, config.in_channels)
         self.gradient_checkpointing = False
+        # blocks_to_swap: streams host-kept blocks to the device around their use (None: off;
+        # library/training/block_swap.py sets it)
+        self.block_swap = None
+        # cpu_offload_checkpointing: with gradient checkpointing, what each checkpoint keeps
+        # (the block's inputs) is held in host memory until the backward (sd-scripts' option)
+        self.cpu_offload_checkpointing = False
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each block's activations in the backward (in training mode with grad)."""
@@ -350,10 +357,19 @@ class Flux(nn.Module):
     def disable_gradient_checkpointing(self) -> None:
         self.gradient_checkpointing = False
 
-    def _run(self, block: nn.Module, *args):
+    def _call(self, block: nn.Module, *args):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if self.cpu_offload_checkpointing:  # the block's saved inputs wait on the host
+                on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+                with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
+                    return checkpoint(block, *args, use_reentrant=False)
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
+
+    def _run(self, block: nn.Module, *args):
+        if self.block_swap is not None:
+            return self.block_swap.run(block, functools.partial(self._call, block), *args)
+        return self._call(block, *args)
 
     def forward(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, timesteps: Tensor, y: Tensor,
                 guidance: Tensor | None = None, txt_attention_mask: Tensor | None = None) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
-from library.models import embedded_config, fp8_storage
+from library.models import embedded_config, fp8_storage, safetensors_stream
 from library.models.flux import Flux, FluxConfig
 from library.models.sd_checkpoint import read_state_dict
 
@@ -336,21 +336,27 @@ def load_transformer(path: str, dtype: torch.dtype = torch.float32):
 def save_flux_transformer(path: str, state_dict: dict, layout: str, config: FluxConfig,
                           metadata: dict | None = None, dtype: torch.dtype | None = None) -> None:
     """Save BFL-layout transformer weights in ``layout``: 'bfl' writes one .safetensors file,
-    'diffusers' a transformer folder (config.json + diffusion_pytorch_model.safetensors).
-    Atomic: a crash leaves the previous file or folder as it was."""
+    one tensor at a time (cast and copied to the host just before it is written: sd-scripts'
+    ``mem_eff_save``, always), 'diffusers' a transformer folder (config.json +
+    diffusion_pytorch_model.safetensors). Atomic: a crash leaves the previous file or folder as
+    it was."""
 
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    meta[META_CONFIG_KEY] = config_record(config)
+    if layout == "bfl":
+        def convert(v):
+            return v.to(dtype) if dtype is not None and v.is_floating_point() else v
+
+        with atomic_path(path) as tmp:
+            safetensors_stream.save_streaming(state_dict, tmp, meta, convert)
+        return
     sd = {}
     for k, v in state_dict.items():
         v = v.detach()
         if dtype is not None and v.is_floating_point():
             v = v.to(dtype)
         sd[k] = v.contiguous().cpu()
-    meta = {k: str(v) for k, v in (metadata or {}).items()}
-    meta[META_CONFIG_KEY] = config_record(config)
-    if layout == "bfl":
-        with atomic_path(path) as tmp:
-            safetensors_file.save(sd, tmp, metadata=meta)
-    elif layout == "diffusers":
+    if layout == "diffusers":
         dconf = diffusers_config(config)
         dsd = {k: v.contiguous() for k, v in bfl_to_diffusers(sd, config).items()}
         with atomic_dir(path) as tmp:

@@ -16,6 +16,7 @@ y the pooled text vector (B, adm_in_channels), context the token states (B, L, c
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -327,9 +328,24 @@ class MMDiT(nn.Module):
             for i in range(config.depth))
         self.final_layer = FinalLayer(hidden, p, config.in_channels)
         self.gradient_checkpointing = False
+        # blocks_to_swap: streams host-kept blocks to the device around their use (None: off;
+        # library/training/block_swap.py sets it)
+        self.block_swap = None
+        # cpu_offload_checkpointing: with gradient checkpointing, what each checkpoint keeps
+        # (the block's inputs) is held in host memory until the backward (sd-scripts' option)
+        self.cpu_offload_checkpointing = False
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
+
+    def _call(self, block: nn.Module, *args):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if self.cpu_offload_checkpointing:  # the block's saved inputs wait on the host
+                on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+                with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
+                    return checkpoint(block, *args, use_reentrant=False)
+            return checkpoint(block, *args, use_reentrant=False)
+        return block(*args)
 
     def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
         """The centre h x w patches of the table, (1, h*w, hidden) (SAI's cropped_pos_embed)."""
@@ -351,10 +367,10 @@ class MMDiT(nn.Module):
         c = self.t_embedder(timestep_embedding(t).to(x.dtype)) + self.y_embedder(y)
         context = self.context_embedder(context)
         for block in self.joint_blocks:
-            if self.gradient_checkpointing and self.training:
-                context, x = checkpoint(block, context, x, c, use_reentrant=False)
+            if self.block_swap is not None:
+                context, x = self.block_swap.run(block, functools.partial(self._call, block), context, x, c)
             else:
-                context, x = block(context, x, c)
+                context, x = self._call(block, context, x, c)
         x = self.final_layer(x, c)  # (B, h*w, p*p*C)
         x = x.view(b, h, w, p, p, -1).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(b, -1, H, W)

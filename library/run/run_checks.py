@@ -5,7 +5,7 @@ from __future__ import annotations
 from library.distributed import accelerator, ddp, deepspeed_zero, fsdp
 from library.models import family, inpainting, placement
 from library.outputs import metadata, tracking
-from library.training import block_lr, flow_loss, network_options, nonfinite
+from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite
 from library.training.compile_unet import check_options as check_compile
 from library.training.losses import check_options as check_loss_options
 from library.training.methods import make_method
@@ -30,6 +30,7 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     tracking.check_options(opts)  # logging_dir / log_with, validation and sample options
     network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms
     placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
+    block_swap.check_options(opts, plan.processes)  # blocks_to_swap, cpu_offload_checkpointing
     inpainting.check_options(opts)  # train_inpainting vs latent caching, samples, validation
     metadata.check_options(opts)  # metadata_thumbnail exists
 

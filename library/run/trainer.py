@@ -151,9 +151,10 @@ class Run:
         from library.distributed import strategy
         from library.models import flow_family, placement
         from library.outputs import progress_stream
-        from library.training import validation
+        from library.training import block_swap, validation
         from library.training.batch_loss import check_multiplier
         from library.training.methods import make_method
+        from library.training.stepper import fused_mode
 
         opts = self.opts
         b, acc = loaded.bundle, loaded.accelerator
@@ -166,7 +167,13 @@ class Run:
         # hooks call the fp8 forward; after the load (and any merge of base weights into it).
         pl = placement.dtype_placement(opts, self.method_name, method.train_text_encoder,
                                        len(b.text_encoders))
-        placement.place(b.unet, pl.unet, pl.compute, acc.device)
+        if opts.blocks_to_swap:  # FLUX.1 / SD3: those blocks stay on the host, streamed in
+            # (a fused step updates them on the device, inside their backward: copied home after)
+            block_swap.install(b.unet, opts.blocks_to_swap, acc.device, storage=pl.unet,
+                               compute=pl.compute, write_back=fused_mode(opts) is not None)
+            logger.info(f"blocks_to_swap {opts.blocks_to_swap}: {b.unet.block_swap.describe()}")
+        else:
+            placement.place(b.unet, pl.unet, pl.compute, acc.device)
         for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
             placement.place(te, te_dtype, pl.compute, acc.device)
         groups = method.setup()
@@ -177,8 +184,10 @@ class Run:
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
         if method.network is not None:
             method.network.to(acc.device, dtype=pl.network)
-        if opts.gradient_checkpointing:
+        if opts.gradient_checkpointing or opts.cpu_offload_checkpointing:
             b.unet.enable_gradient_checkpointing()
+            if opts.cpu_offload_checkpointing:  # FLUX.1 / SD3 (block_swap.check_options)
+                b.unet.cpu_offload_checkpointing = True
             if method.train_text_encoder:
                 for te in b.text_encoders:
                     (getattr(te, "activation_checkpointing_enable", None)
@@ -187,9 +196,6 @@ class Run:
         for te in b.text_encoders:
             te.train(method.train_text_encoder)
         if opts.torch_compile:  # after the network hooks and checkpointing: both are in the graph
-            # lazy: the plan and the checks before loading come before torch is imported
-            from library.training.stepper import fused_mode
-
             # a fused stepper steps in each gradient's hook: one graph per block, not one for all
             # the U-Net's gradients at once (library/training/compile_unet.py)
             fused = fused_mode(opts)

@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
-from library.models import fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models import flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
+from library.training import flow_memory
 from library.training.host_memory import GIB
 from library.training.methods import FullMethod, NetworkMethod
 from library.training.offload import released_after_caching
@@ -67,6 +68,13 @@ logger = logging.getLogger("sdtk")
 # Peak activation memory per byte saved for backward: the fused batch 2 - batch 1 slope,
 # 0.375 GiB per sample against 0.441 GiB saved per sample.
 ACTIVATION_FACTOR = 0.85
+# FLUX.1 / SD3: the same, measured on full-width FLUX.1 dev blocks on the CPU (one double and one
+# single block, float32, 256 and 512 px + 512 T5 tokens, benchmarks/flux_block_memory.py,
+# 2026-12-03): 1.002 (256 px) and 1.000 (512 px) bytes of peak per counted byte from one block
+# application to two, for both kinds (a whole model does not fit: the per-block slope is
+# extrapolated to the model's depth). The backward's transient of one block (double / single:
+# 0.077 / 0.151 GB at 256 px, 0.092 / 0.283 GB at 512 px) is not added.
+FLOW_ACTIVATION_FACTOR = 1.0
 # Resident memory of the process beyond its tensors (Python, torch, diffusers, transformers,
 # accelerate, the allocator's slack): chosen so that the four cases above come out within
 # 0.5% (+0.4%, +0.4%, +0.5%, -0.4%).
@@ -167,7 +175,13 @@ def _single_file_components(path: str) -> tuple[str, dict]:
 
 def fake_components(opts) -> tuple[str, dict]:
     """(family, {unet, vae, text_encoder[, text_encoder_2]}) with fake tensors, from the model's
-    configuration; must be called inside a FakeTensorMode."""
+    configuration; must be called inside a FakeTensorMode. FLUX.1 / SD3: library/training/flow_memory.py."""
+    flow = flow_family.family_before_loading(opts.pretrained_model_name_or_path)
+    if flow is not None:
+        try:
+            return flow, flow_memory.fake_components(opts, flow, safetensors_header)
+        except flow_memory.Unavailable as e:
+            raise EstimateUnavailable(str(e)) from None
     src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
     if src.kind == "builtin":
         family = loading.FAMILY_OF_ARCH[src.arch]
@@ -450,7 +464,10 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
         blocks[0] = max(blocks[0], inner.total())
         return out
 
-    if opts.gradient_checkpointing:
+    flow = family in flow_family.FLOW_FAMILIES
+    if flow and (opts.gradient_checkpointing or opts.cpu_offload_checkpointing):
+        flow_memory.checkpoint_with(unet, checkpointed)
+    elif opts.gradient_checkpointing:
         unet.enable_gradient_checkpointing(checkpointed)
         if method.train_text_encoder:
             for te in tes:
@@ -459,6 +476,18 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
                             hasattr(m, "_gradient_checkpointing_func"):
                         m.gradient_checkpointing = True
                         m._gradient_checkpointing_func = checkpointed
+    if flow:  # FLUX.1 / SD3: the transformer's forward on the text encoders' outputs
+        latent = flow_memory.latent_shape(bucket)
+        with mode:
+            latents = torch.zeros(batch, *latent)
+            dt = next(unet.parameters()).dtype
+            with outer.hooks(), autocast:
+                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype)
+            with outer.hooks():
+                loss = ((pred.float() - latents) ** 2).mean()
+            del loss
+        return ActivationCount(outer.total(), blocks[0], sum(outer.weight_copies.values()),
+                               tuple(bucket), latent)
     vae = comps["vae"]
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
     w, h = bucket
@@ -564,6 +593,7 @@ class Estimate:
     step_peak: int = 0
     total: int = 0
     peak_phase: str = ""
+    device_note: str = ""  # blocks_to_swap: what the compute device holds less (FLUX.1 / SD3)
 
     @property
     def resident_params(self) -> int:
@@ -594,6 +624,8 @@ class Estimate:
         out.append(f"runtime overhead: {self.runtime / GIB:.3f} GiB (Python, torch and the libraries)")
         out.append(f"total peak of the training loop: {self.total / GIB:.2f} GiB per process (at "
                    f"{self.peak_phase})")
+        if self.device_note:
+            out.append(self.device_note)
         return out
 
 
@@ -606,6 +638,8 @@ def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tok
     if tset is None:
         return 0
     items = tset.train_items + tset.reg_items
+    if not hasattr(comps["unet"].config, "cross_attention_dim"):  # FLUX.1 / SD3
+        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes)
     if opts.cache_latents or opts.cache_latents_to_disk:
         c = comps["unet"].config.in_channels
         for it in items:
@@ -780,7 +814,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
         fused = fmode == "fused_backward_pass"
         if alive == 1:
             est.gradients_note = ("the largest parameter's: fused_backward_pass" if fused
-                                  else f"the largest of {len(units)} groups: fused_optimizer_groups")
+                                  else f"the largest of {len(units)} groups: {fmode}")
         else:
             est.gradients_note = (f"the {alive} largest " + ("parameters'" if fused else
                                                             f"of {len(units)} groups'")
@@ -796,16 +830,18 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     with _quiet():
         act = count_activations(opts, family, comps, method, mode, bucket, opts.train_batch_size)
     saved = act.saved + act.recompute
-    est.activations = int(ACTIVATION_FACTOR * saved) + act.weight_copies
-    gc = " with gradient checkpointing" if opts.gradient_checkpointing else ""
+    factor = FLOW_ACTIVATION_FACTOR if family in flow_family.FLOW_FAMILIES else ACTIVATION_FACTOR
+    est.activations = int(factor * saved) + act.weight_copies
+    gc = " with gradient checkpointing" if (opts.gradient_checkpointing
+                                            or opts.cpu_offload_checkpointing) else ""
     copies = f" + {act.weight_copies / GIB:.3f} GiB autocast copies of weights" if act.weight_copies else ""
     est.activations_note = (f"batch {opts.train_batch_size} at {bucket[0]}x{bucket[1]} (latents "
                             f"{act.latent[1]}x{act.latent[2]}): {saved / GIB:.3f} GiB saved for "
-                            f"backward{gc} x {ACTIVATION_FACTOR:g}{copies}")
+                            f"backward{gc} x {factor:g}{copies}")
 
     # -- the rest
     vae = comps["vae"]
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    scale = 8 if family in flow_family.FLOW_FAMILIES else 2 ** (len(vae.config.block_out_channels) - 1)
 
     n_chunks = chunk_count(opts.max_token_length)
     tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
@@ -842,6 +878,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
         est.backward_peak = base + est.activations + overlap
         est.step_peak = base + overlap + est.step_temporaries
     est.total = int(max(est.backward_peak, est.step_peak))
+    if family in flow_family.FLOW_FAMILIES:
+        est.device_note = flow_memory.swap_line(opts, comps["unet"]) or ""
     if fmode is not None:
         est.peak_phase = "the backward pass, which steps the parameters"
     else:
@@ -865,8 +903,10 @@ def report(opts, method_name: str, tset=None, processes: int = 1, main: bool = T
         # tensors: the estimate is advice, never a reason to stop a run
         print(f"memory estimate: not available ({first_line(e, typed=True)})", flush=True)
         return None
+    flow = flow_family.family_before_loading(opts.pretrained_model_name_or_path) is not None
     print("memory estimate (training loop, one process; CPU peak resident memory model "
-          "calibrated on sd15-arch):", flush=True)
+          "calibrated on sd15-arch" + ("; activations per byte on full-width FLUX.1 blocks, "
+                                       "extrapolated to the model" if flow else "") + "):", flush=True)
     for line in est.lines():
         print("  " + line, flush=True)
     return est

@@ -316,6 +316,20 @@ def _db_implies_text_encoder(opts) -> bool:
     return "text_encoder_lr" in opts.given or opts.stop_text_encoder_training is not None
 
 
+def block_param_lists(model) -> list[list]:
+    """``model``'s parameters by block: one list per ``<list>.<index>`` module of a ModuleList
+    (FLUX.1's double_blocks.N / single_blocks.N, SD3's joint_blocks.N), one for all the others
+    (first), in registration order (sd-scripts' blockwise_fused_optimizers grouping)."""
+    by_key: dict = {}
+    for name, p in model.named_parameters():
+        head, _, rest = name.partition(".")
+        index = rest.split(".", 1)[0]
+        key = (head, int(index)) if index.isdigit() else ("other", -1)
+        by_key.setdefault(key, []).append(p)
+    other = by_key.pop(("other", -1), [])
+    return ([other] if other else []) + list(by_key.values())
+
+
 class FullMethod:
     """Train the U-Net (and optionally the text encoders) themselves: DreamBooth, fine-tuning.
 
@@ -455,6 +469,10 @@ class FullMethod:
         if self.block_lr is not None and self.train_unet:
             # sdxl_train.py: one group per U-Net block; a block at 0 is not trained
             groups, self.group_names = block_lr.param_groups(b.unet, b.family, self.block_lr)
+        elif self.train_unet and opts.blockwise_fused_optimizers:
+            # FLUX.1 / SD3 (block_swap.check_options): one group per transformer block and one
+            # for the rest, each its own optimizer (stepper.step_units), as sd-scripts' flux_train.py
+            groups += [{"params": ps, "lr": opts.learning_rate} for ps in block_param_lists(b.unet)]
         elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
         self.te_lrs = self.text_encoder_lrs()

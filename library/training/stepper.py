@@ -579,12 +579,15 @@ def fused_mode(opts) -> str | None:
     """The option that makes the stepper step inside backward, or None."""
     fused = opts.fused_backward_pass
     groups = opts.fused_optimizer_groups or 0
-    if fused and groups:
+    blockwise = opts.blockwise_fused_optimizers
+    if fused + bool(groups) + blockwise > 1:
         return "both"
     if fused:
         return "fused_backward_pass"
     if groups:
         return "fused_optimizer_groups"
+    if blockwise:  # FLUX.1 / SD3: one unit per parameter group, which the method makes per block
+        return "blockwise_fused_optimizers"
     return None
 
 
@@ -595,8 +598,10 @@ def check_stepper_options(opts) -> None:
     if mode is None:
         return
     if mode == "both":
-        raise FusedOptionError("fused_backward_pass and fused_optimizer_groups cannot be combined: "
-                               "use one (fused_backward_pass steps every parameter separately)")
+        given = [n for n in ("fused_backward_pass", "fused_optimizer_groups",
+                             "blockwise_fused_optimizers") if getattr(opts, n)]
+        raise FusedOptionError(f"{' and '.join(given)} cannot be combined: use one "
+                               "(fused_backward_pass steps every parameter separately)")
     if opts.mixed_precision == "fp16" or opts.full_fp16:
         raise FusedOptionError(f"{mode} cannot be used with fp16: loss scaling needs a global "
                                "overflow check of all gradients before any step; use bf16 or no")
@@ -663,6 +668,10 @@ def step_units(param_groups, params, mode: str | None, n_groups: int | None):
     backward_order = list(reversed(unique))
     if mode == "fused_backward_pass":
         return unique, group_of, [[p] for p in backward_order]
+    if mode == "blockwise_fused_optimizers":  # the method's groups: one per block (FullMethod)
+        units = [[p for p in reversed(g["params"]) if id(p) in trainable and group_of[id(p)] == gi]
+                 for gi, g in reversed(list(enumerate(param_groups)))]
+        return unique, group_of, [u for u in units if u]
     return unique, group_of, _split_contiguous(backward_order, n_groups)
 
 
@@ -726,8 +735,8 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
         optimizers.append(opt)
         schedulers.append(scheduler_for(opt))
     if opts.max_grad_norm and opts.max_grad_norm > 0:
-        what = "each parameter's gradient" if mode == "fused_backward_pass" else \
-            "each group's gradients"
+        what = {"fused_backward_pass": "each parameter's gradient",
+                "blockwise_fused_optimizers": "each block's gradients"}.get(mode, "each group's gradients")
         logger.info(f"{mode}: global-norm clipping cannot be fused; max_grad_norm "
                     f"{opts.max_grad_norm} clips {what} separately")
     if opts.gradient_accumulation_steps > 1:

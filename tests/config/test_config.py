@@ -319,8 +319,7 @@ def test_no_effect_name_warns_once(write, caplog):
         assert sum(m.startswith(f"option {name} has no effect in this toolkit") for m in warned) == 1
 
 
-@pytest.mark.parametrize("line", ["initial_step = 3", "cpu_offload_checkpointing = true",
-                                  "face_crop_aug_range = \"0.2,0.5\"", "blocks_to_swap = 2",
+@pytest.mark.parametrize("line", ["initial_step = 3", "face_crop_aug_range = \"0.2,0.5\"",
                                   "lowram = true"])
 def test_dangerous_not_yet_options_are_rejected(write, line):
     name = line.split(" =")[0]

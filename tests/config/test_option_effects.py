@@ -313,6 +313,9 @@ REFERENCE = {
     "full_fp16": T + "models/test_full_precision.py::test_full_fp16_dreambooth_trains_and_saves_on_cpu",
     "fp8_base": T + "models/test_fp8.py::test_lora_trains_on_an_fp8_base_close_to_a_bf16_base",
     "fp8_base_unet": T + "models/test_fp8.py::test_fp8_base_unet_keeps_the_text_encoders_in_bf16",
+    "blocks_to_swap": T + "training/test_block_swap.py::test_flux_finetune_with_block_swap_equals_without",
+    "cpu_offload_checkpointing": T + "training/test_block_swap.py::test_flux_finetune_with_block_swap_equals_without",
+    "blockwise_fused_optimizers": T + "training/test_block_swap.py::test_flux_blockwise_fused_optimizers_equal_one_optimizer",
     "fsdp": T + "distributed/test_fsdp.py::test_two_processes_are_one_gloo_job",
     "ddp_gradient_as_bucket_view": T + "distributed/test_ddp.py::"
                                        "test_static_graph_bucket_view_and_bucket_size_reach_ddp",

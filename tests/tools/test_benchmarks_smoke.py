@@ -75,12 +75,21 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
     from library.config.parse import parse_args
 
     gpu = _load("gpu")
+    flux_files = gpu.flux_weights.paths(str(tmp_path))
+    for path in flux_files.values():  # the options name them; their content is not read here
+        open(path, "wb").close()
     for name in gpu.CASES:
         for dry in (True, False):
-            script, args = gpu.case_args(name, str(tmp_path), str(tmp_path / "o"), 3, dry)
+            script, args = gpu.case_args(name, str(tmp_path), str(tmp_path / "o"), 3, dry, str(tmp_path))
             opts = parse_args(script, [str(a) for a in args] + ["--torch_compile"])
             assert opts.torch_compile and opts.cache_latents and opts.train_batch_size == gpu.CASES[name][3]
-            assert opts.fused_backward_pass == (name == "sdxl-full-b1")
+            assert opts.fused_backward_pass == (name in ("sdxl-full-b1", "flux-full-swap-b1"))
+            assert (opts.blocks_to_swap == 8) == (name == "flux-full-swap-b1")
+            if name.startswith("flux") and not dry:
+                assert opts.pretrained_model_name_or_path == flux_files["model"]
+                assert (opts.clip_l, opts.t5xxl, opts.ae) == (flux_files["clip_l"], flux_files["t5xxl"],
+                                                              flux_files["ae"])
+                assert opts.fp8_base == (name == "flux-lora-b1")
     out = tmp_path / "rows.json"
     assert gpu.main(["--dry-run", "--no-compile", "--only", "sd15-lora-b1",
                      "--json", str(out), "--work", str(tmp_path / "w")]) == 0
@@ -92,6 +101,24 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
     assert rows[0]["steps"] == 1 and rows[0]["it_s"] > 0 and not rows[0]["compile"]
     assert rows[0]["flops"] > 0
     assert "sd15-lora-b1" in text and "% peak" in text and "n/a" in text  # no peak on the CPU
+
+
+def test_flux_benchmark_weights_load(tmp_path):
+    """benchmarks/flux_weights.py at tiny widths: the four files load through the trainer's FLUX.1
+    loader (BFL layout, the config from the shapes and metadata). At full size the same code
+    writes FLUX.1 dev's shapes."""
+    from library.models import flux, flux_ae, flux_loading, t5, tiny_models
+
+    weights = _load("flux_weights")
+    tok = t5.build_tiny_tokenizer()
+    files = weights.write_flux_files(str(tmp_path / "w"), transformer=flux.TINY_FLUX_DEV,
+                                     clip_config=tiny_models.text_encoder_configs("sd15")[0],
+                                     t5_config=t5.tiny_config(len(tok)), ae_config=flux_ae.TINY_AE_CONFIG)
+    m = flux_loading.load_flux(files["model"], clip_l=files["clip_l"], t5xxl=files["t5xxl"], ae=files["ae"])
+    assert m.variant == "dev" and m.config == flux.TINY_FLUX_DEV and m.layout == "bfl"
+    assert weights.paths(str(tmp_path / "w")) == files
+    with torch.device("meta"):  # the full-size default: FLUX.1 dev's 11.9 B transformer parameters
+        assert sum(p.numel() for p in flux.Flux(flux.FLUX_DEV).parameters()) == 11_901_408_320
 
 
 def test_gpu_benchmark_flop_count_and_peak_table():
