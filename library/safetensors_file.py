@@ -4,7 +4,10 @@ safetensors (0.8) writes the ``__metadata__`` of a file in the order of a per-pr
 two runs that train the same weights wrote different bytes. ``save`` writes the file with
 safetensors and then rewrites its header with the metadata keys sorted (the tensors' entries and
 data are untouched: their offsets count from the end of the header). Every writer of a
-safetensors file (models, LoRA files, states, caches) calls it.
+safetensors file (models, LoRA files, states, caches) calls it. ``save_streaming`` writes a file
+one tensor at a time (sd-scripts' ``mem_eff_save``): the header is computed from the shapes and
+dtypes, then each tensor is converted (cast, moved to the host) and written before the next one
+is touched, so a save never holds a second copy of the whole model.
 """
 from __future__ import annotations
 
@@ -13,9 +16,14 @@ import os
 import shutil
 import struct
 
+import torch
 from safetensors.torch import save_file
 
 _ALIGN = 8  # safetensors pads its header with spaces to a multiple of 8 bytes
+DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+          torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
 
 
 def save(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
@@ -58,3 +66,29 @@ def write_header(path: str, old_length: int, header: dict) -> None:
         dst.write(text)
         shutil.copyfileobj(src, dst, 1 << 24)
     os.replace(tmp, path)
+
+
+def save_streaming(tensors: dict, path: str, metadata: dict | None = None, convert=None) -> None:
+    """Write ``{name: tensor}`` to ``path`` one tensor at a time, the header as ``save`` writes it;
+    ``convert`` (each tensor -> the tensor to store, e.g. a dtype cast) is applied to one tensor at
+    a time, twice per tensor: once on the meta device for the header's shape and dtype, once for
+    the data."""
+    convert = convert or (lambda t: t)
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = dict(sorted((k, str(v)) for k, v in metadata.items()))
+    for name, t in tensors.items():
+        m = convert(torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        n = m.numel() * m.element_size()
+        header[name] = {"dtype": DTYPES[m.dtype], "shape": list(m.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, t in tensors.items():
+            v = convert(t.detach()).contiguous().cpu()
+            if v.numel():
+                f.write(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+            del v  # before the next tensor is converted

@@ -93,7 +93,6 @@ _NUMBER_FIELDS = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "tr
 OTHER_FAMILIES = {"hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
                   "lumina_checkbox": "Lumina"}
 FLOW_FAMILIES = {"flux1_checkbox": "flux", "sd3_checkbox": "sd3"}
-FLOW_NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 
 # The GUI's FLUX.1 / SD3 field defaults (kohya_gui/class_flux1.py, class_sd3.py `config.get`)
 FLOW_DEFAULTS = dict(

@@ -23,7 +23,7 @@ import torch
 from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
-from library.models import embedded_config, fp8_storage, safetensors_stream
+from library.models import embedded_config, fp8_storage
 from library.models.flux import Flux, FluxConfig
 from library.models.sd_checkpoint import read_state_dict
 
@@ -348,7 +348,7 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
             return v.to(dtype) if dtype is not None and v.is_floating_point() else v
 
         with atomic_path(path) as tmp:
-            safetensors_stream.save_streaming(state_dict, tmp, meta, convert)
+            safetensors_file.save_streaming(state_dict, tmp, meta, convert)
         return
     sd = {}
     for k, v in state_dict.items():

@@ -27,20 +27,6 @@ REJECTED = {
 # Presets that load but cannot train with the installed packages: the run stops with one line.
 TRAIN_REJECTED = {}
 
-# Keys of the GUI's FLUX.1 / SD3 presets whose features are being wired for these families
-# (issue 26) and are refused with them today: the preset cases run without them.
-# test_flow_pending_keys_are_refused_today fails once a key is accepted: then delete its entry.
-FLOW_PENDING = {
-    "fp8_base": "FLUX.1 / SD3 fp8 base",
-}
-# Presets of a family their tab's script does not train yet: their GUI config parses (every key
-# accepted, mapped or warned) and the run stops before loading with this line. Once the script
-# trains the family the dry run fails here: delete the entry, and the preset trains as the others.
-PENDING_PRESETS: dict[str, str] = {}
-# --dry_run (the plan and memory estimate) with a FLUX.1 / SD3 model stops with this line today (its
-# presets' configs load in test_gui_config_trains_two_steps); once it runs, delete this.
-FLOW_DRY_RUN_PENDING = "the memory estimate does not cover FLUX.1 or SD3 yet"
-
 
 def _cases():
     out = []
@@ -124,9 +110,6 @@ def _config(tab, preset, tmp_path, dataset):
         weights = _earlier_lora(fam, gui.normalize(preset, tab), str(tmp_path / "phase1.safetensors"))
     cfg = gui.gui_toml(preset, tab, model=gui.tiny_model(fam), data_dir=data, output_dir=out,
                        network_weights=weights)
-    if fam in ("flux", "sd3"):
-        for key in FLOW_PENDING:
-            cfg.pop(key, None)
     if cfg.get("mixed_precision") == "fp16" and not torch.cuda.is_available():
         # the GUI's default; fp16 loss scaling needs CUDA: bf16 autocast is the CPU's half precision
         cfg["mixed_precision"] = "bf16"
@@ -144,20 +127,9 @@ def test_gui_config_dry_run(tab, preset, pid, tmp_path, dataset, run_script, mon
     monkeypatch.setattr(memory_estimate, "report", lambda *a, **k: estimated.append(a))
     path, cfg = _config(tab, preset, tmp_path, dataset)
     rc, out, err = run_script(SCRIPT[tab], ["--config", path, "--dry_run"])
-    if pid in PENDING_PRESETS:
-        line = err.strip().splitlines()[-1]
-        fam = gui.family_of(preset)
-        assert rc == 2 and line == f"error: {gui.tiny_model(fam)} is a {gui.FLOW_NAMES[fam]} model " \
-            f"({fam}): train_dreambooth / finetune fine-tune it fully; {PENDING_PRESETS[pid]}", err
-        return
     if pid in REJECTED:
         line = err.strip().splitlines()[-1]
         assert rc == 2 and line.startswith("error: ") and REJECTED[pid] in line, err
-        return
-    if gui.family_of(preset) in ("flux", "sd3") and FLOW_DRY_RUN_PENDING:
-        line = err.strip().splitlines()[-1]
-        assert rc == 2 and line.startswith("error: dry_run: not with the") and \
-            FLOW_DRY_RUN_PENDING in line, err[-2000:]
         return
     assert rc == 0, err[-2000:]
     assert "step plan:" in out and len(estimated) == 1
@@ -182,7 +154,7 @@ def _train_cases():
     seen, out = set(), []
     for c in CASES:
         tab, preset, pid = c.values
-        if pid in REJECTED or pid in PENDING_PRESETS:
+        if pid in REJECTED:
             continue
         if c.marks:
             out.append(c)
@@ -242,21 +214,6 @@ def test_gui_keys_cover_every_key_the_converter_writes(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
-def test_flow_pending_keys_are_refused_today(model, dataset, tmp_path, run_script, no_weight_loading):
-    """Each FLOW_PENDING key is refused with FLUX.1 / SD3 today, in one line naming it: the preset
-    cases drop exactly what cannot run yet (delete an entry when this fails for it)."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a shape\n")
-    values = {"sample_prompts": [str(prompts)]}
-    for key in FLOW_PENDING:
-        rc, _, err = run_script("finetune", [
-            "--pretrained_model_name_or_path", model, "--train_data_dir", dataset, "--output_dir",
-            str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2",
-            f"--{key}", *values.get(key, [])])
-        line = err.strip().splitlines()[-1]
-        assert rc == 2 and line.startswith(f"error: {key}: not with the"), (key, err[-1500:])
-
-
 # --- the rules behind it, one by one --------------------------------------------------------
 
 def _parse(tmp_path, text, *argv, script="train_lora"):

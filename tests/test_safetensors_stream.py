@@ -1,4 +1,4 @@
-"""library/models/safetensors_stream.py: a file written one tensor at a time reads back with
+"""library/safetensors_file.py's save_streaming: a file written one tensor at a time reads back with
 safetensors' own reader, tensors and metadata equal; each tensor is converted only while it is
 written (the previous one's converted copy is gone: what mem_eff_save promises)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.models import safetensors_stream
+from library import safetensors_file
 
 
 def test_streamed_file_reads_back_equal(tmp_path):
@@ -20,7 +20,7 @@ def test_streamed_file_reads_back_equal(tmp_path):
                "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3), "empty": torch.zeros(0, 3),
                "flag": torch.tensor([True, False]), "half": torch.randn(2, 2, generator=g).half()}
     path = str(tmp_path / "x.safetensors")
-    safetensors_stream.save_streaming(tensors, path, {"k": "v", "n": 3})
+    safetensors_file.save_streaming(tensors, path, {"k": "v", "n": 3})
     back = load_file(path)
     assert back.keys() == tensors.keys()
     for k, v in tensors.items():
@@ -43,7 +43,7 @@ def test_one_converted_tensor_at_a_time(tmp_path):
         return out
 
     path = str(tmp_path / "y.safetensors")
-    safetensors_stream.save_streaming(tensors, path, None, convert)
+    safetensors_file.save_streaming(tensors, path, None, convert)
     assert peak[0] == 1 and len(alive) == 5
     back = load_file(path)
     for k, v in tensors.items():
