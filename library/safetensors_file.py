@@ -16,18 +16,18 @@ import os
 import shutil
 import struct
 
-import torch
-from safetensors.torch import save_file
-
 _ALIGN = 8  # safetensors pads its header with spaces to a multiple of 8 bytes
-DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
-          torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
+# safetensors' dtype names (torch dtype names -> the header's)
+DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
+          "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
+          "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
 def save(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file`` with a reproducible header."""
+    # lazy: the checkpoint modules that write files are imported before torch on the dry run's path
+    from safetensors.torch import save_file
+
     save_file(tensors, path, metadata=metadata)
     if metadata:
         sort_metadata(path)
@@ -73,6 +73,8 @@ def save_streaming(tensors: dict, path: str, metadata: dict | None = None, conve
     ``convert`` (each tensor -> the tensor to store, e.g. a dtype cast) is applied to one tensor at
     a time, twice per tensor: once on the meta device for the header's shape and dtype, once for
     the data."""
+    import torch  # lazy: the checkpoint modules that write files are imported before torch (dry run)
+
     convert = convert or (lambda t: t)
     header, offset = {}, 0
     if metadata:
@@ -80,7 +82,7 @@ def save_streaming(tensors: dict, path: str, metadata: dict | None = None, conve
     for name, t in tensors.items():
         m = convert(torch.empty(t.shape, dtype=t.dtype, device="meta"))
         n = m.numel() * m.element_size()
-        header[name] = {"dtype": DTYPES[m.dtype], "shape": list(m.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": DTYPES[str(m.dtype).removeprefix("torch.")], "shape": list(m.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % _ALIGN)

@@ -79,7 +79,7 @@ def schedule(family: str, steps: int, latent_hw: tuple[int, int]) -> list[float]
 def with_guidance(family_model, guidance: float | None):
     """The FLUX family model with dev's guidance input set to ``guidance`` (its training value is
     opts.guidance_scale); the model itself unchanged (a shallow copy), others as they are."""
-    if guidance is None or not hasattr(family_model, "guidance_scale"):
+    if guidance is None or family_model.family != "flux":
         return family_model
     guided = copy.copy(family_model)
     guided.guidance_scale = float(guidance)
