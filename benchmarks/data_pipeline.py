@@ -21,6 +21,11 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+import torch
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from PIL import Image
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -64,9 +69,6 @@ def timed_calls() -> list[tuple[object, str, str]]:
 
 def write_dataset(folder: str, n: int, size: int) -> None:
     """n distinct images (seeded noise over a colour gradient) with 5-tag captions."""
-    import numpy as np
-    from PIL import Image
-
     os.makedirs(folder, exist_ok=True)
     for i in range(n):
         rng = np.random.RandomState(i)
@@ -78,8 +80,6 @@ def write_dataset(folder: str, n: int, size: int) -> None:
 
 
 def one_run(args_list, timers):
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -106,8 +106,6 @@ def main():
     p.add_argument("--size", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     a = p.parse_args()
-
-    import torch
 
     timed = timed_calls()
     torch.set_num_threads(1)

@@ -46,6 +46,10 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
+from diffusers import UNet2DConditionModel
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -119,10 +123,6 @@ def ours_worker(a) -> list:
 
 def bare_worker(a) -> list:
     """Bare PyTorch: the sd15 U-Net, DDP over gloo when several processes, SGD, random inputs."""
-    import torch
-    import torch.distributed as dist
-    from diffusers import UNet2DConditionModel
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
@@ -218,8 +218,6 @@ def build_parser():
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.worker:
-        import torch
-
         torch.set_num_threads(1)
         result = ours_worker(a) if a.worker == "ours" else bare_worker(a)
         if int(os.environ.get("RANK", "0")) == 0:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
+from diffusers import AutoencoderKL
+from safetensors.torch import save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -46,8 +50,6 @@ def _random_state(module: torch.nn.Module, dtype: torch.dtype, seed: int) -> dic
 
 
 def _save(sd: dict, path: str, metadata: dict | None) -> None:
-    from safetensors.torch import save_file
-
     tmp = path + ".tmp"
     save_file(sd, tmp, metadata=metadata)
     os.replace(tmp, path)
@@ -59,9 +61,6 @@ def write_flux_files(work: str, *, transformer: flux.FluxConfig = flux.FLUX_DEV,
     """The four files under ``work`` (written once: an existing file is kept). ``clip_config``
     None: CLIP-L's (the loader's default, no metadata); ``t5_config`` None: T5-XXL's with the
     tiny tokenizer's vocabulary; ``ae_config`` None: FLUX.1's autoencoder."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
     os.makedirs(work, exist_ok=True)
     out = paths(work)
     if not os.path.exists(out["model"]):
@@ -75,8 +74,6 @@ def write_flux_files(work: str, *, transformer: flux.FluxConfig = flux.FLUX_DEV,
             te = CLIPTextModel(cfg)
         meta = None
         if clip_config:  # not CLIP-L: the file says its config (the shipped tokenizer)
-            from transformers import CLIPTokenizer
-
             meta = clip_l_file.clip_l_file_metadata(te, CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER))
         _save(_random_state(te, dtype, 2), out["clip_l"], meta)
     if not os.path.exists(out["t5xxl"]):

@@ -23,10 +23,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2DCrossAttn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -47,9 +54,6 @@ class _Accelerator:
 
 
 def _block(channels: int):
-    import torch
-    from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2DCrossAttn
-
     torch.manual_seed(0)
     return UNetMidBlock2DCrossAttn(in_channels=channels, temb_channels=channels,
                                    cross_attention_dim=768, num_attention_heads=8,
@@ -71,8 +75,6 @@ class _Run:
     """One configuration: its own copy of the block (same initial weights), stepper and data."""
 
     def __init__(self, rank, extra, args):
-        import torch
-
         self.args, self.block = args, _block(args.channels)
         self.params = list(self.block.parameters())
         opts = options_from_values("train_dreambooth", {
@@ -84,8 +86,6 @@ class _Run:
         self.times = []
 
     def step(self):
-        import torch
-
         c = self.args.channels
         x = torch.randn(1, c, 8, 8, generator=self.gen)
         temb = torch.randn(1, c, generator=self.gen)
@@ -105,11 +105,6 @@ class _Run:
 
 
 def _worker(rank, port, args, queue):
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=1800))
@@ -137,9 +132,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-plain", action="store_true", help="without the plain stepper's run")
     args = ap.parse_args(argv)
-    import multiprocessing
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -43,6 +43,9 @@ import sys
 import tempfile
 import time
 
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -104,9 +107,6 @@ def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str =
 def step_flops(run, batch: int) -> float:
     """FLOPs of one micro-step's forward and backward (the U-Net, the loss), counted by torch;
     the gradients are taken with autograd.grad, so no optimizer hook steps."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     params = [p for p in run.parts.params if p.requires_grad]
     idx = list(range(min(batch, len(run.tset.samples))))
     with FlopCounterMode(display=False) as counter:
@@ -125,8 +125,6 @@ def peak_flops(device_name: str, override: float | None) -> float | None:
 
 
 def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
-    import torch
-
     out = os.path.join(work, f"{name}-{'c' if compiled else 'e'}")
     script, args = case_args(name, data, out, steps, dry, work)
     if compiled:  # the dry run traces with dynamo only: inductor's CPU compile takes minutes
@@ -238,8 +236,6 @@ def main(argv=None) -> int:
     except sd_scripts_launch.SdScriptsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
-
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("error: benchmarks/gpu.py needs a CUDA GPU (use --dry-run to check it on the CPU)",

@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -94,6 +95,8 @@ def normal_config(text: str):
 def describe(path: str, root: str):
     """The comparable content of one output file (see the module docstring)."""
     if path.endswith(".safetensors"):
+        # lazy: --help loads this module before torch; torch and safetensors are imported when
+        # describe() runs
         import torch
         from safetensors import safe_open
 
@@ -109,8 +112,6 @@ def describe(path: str, root: str):
     if os.path.basename(path) == ".metadata":
         # torch.distributed.checkpoint's index: a pickle with a random save id and the
         # temporary folder it was written in; the tensors' layout is what must match
-        import pickle
-
         with open(path, "rb") as f:
             m = pickle.load(f)
         return hashlib.sha256(repr((m.state_dict_metadata, m.storage_data)).encode()).hexdigest()

@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -32,8 +34,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    import torch
-
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="sdtk-progress-bench-")
     data = os.path.join(tmp, "data")

@@ -29,10 +29,20 @@ runs (``runpy``, as ``__main__``, its folder first on ``sys.path``):
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import re
+import runpy
+import shutil
 import subprocess
 import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make the repository root importable
@@ -101,8 +111,6 @@ def random_weights_file(work: str, arch: str) -> str:
 def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
     id it looks for, so it never goes to the hub."""
-    import shutil
-
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:
         dest = os.path.join(cache, model_id.replace("/", "_"))
@@ -156,11 +164,6 @@ def run(cmd: list, cwd: str, env: dict, timeout: int | None = None) -> dict:
 
 # -- sd-scripts' side: the launcher -----------------------------------------------------------
 def _declare_missing_torchvision_ops() -> None:
-    import glob
-    import importlib.util
-
-    import torch
-
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.origin:
         return
@@ -181,9 +184,6 @@ def _skip_ddp_for_frozen_modules_on_cpu() -> None:
     module: sd-scripts' LoRA prepares the frozen U-Net, so it cannot start on 2 CPU processes. Do
     on the CPU what accelerate does on GPUs (sd-scripts' multi-GPU path): leave such a model
     unwrapped."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-
     real = Accelerator.prepare_model
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -195,11 +195,6 @@ def _skip_ddp_for_frozen_modules_on_cpu() -> None:
 
 
 def _install_step_marks() -> None:
-    import time
-
-    import torch
-    from accelerate.optimizer import AcceleratedOptimizer
-
     rank0 = int(os.environ.get("RANK", "0")) == 0
     real_step = AcceleratedOptimizer.step
     count = [0]
@@ -237,8 +232,6 @@ def _time_text_encoders(classes: list, acc: dict) -> bool:
     """Add the seconds spent in each class's forward to acc["seconds"] (on the CPU, where calls
     are synchronous; SD1 sd-scripts has no text-encoder output cache and encodes the captions
     every step). False when there is nothing to time."""
-    import time
-
     for cls in classes:
         def timed(self, *args, _real=cls.forward, **kwargs):
             start = time.perf_counter()
@@ -251,8 +244,6 @@ def _time_text_encoders(classes: list, acc: dict) -> bool:
 
 
 def main() -> None:
-    import runpy
-
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(script))

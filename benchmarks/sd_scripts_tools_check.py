@@ -28,6 +28,10 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make the repository root importable
     sys.path.insert(0, ROOT)
@@ -160,8 +164,6 @@ class Runner:
 # --- inputs (our code) -----------------------------------------------------------------------------
 
 def make_inputs(r: Runner, arch: str, steps: int) -> dict:
-    import torch
-
     d = os.path.join(r.work, arch)
     os.makedirs(d, exist_ok=True)
     data = os.path.join(d, "data")
@@ -204,8 +206,6 @@ def make_inputs(r: Runner, arch: str, steps: int) -> dict:
 # --- comparing -------------------------------------------------------------------------------------
 
 def read(path):
-    from safetensors import safe_open
-    from safetensors.torch import load_file
     with safe_open(path, framework="pt") as f:
         md = f.metadata() or {}
     return load_file(path), md

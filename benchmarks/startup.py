@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -72,8 +73,8 @@ def main() -> int:
         first = [time_to_first_step(os.path.join(tmp, "data"), os.path.join(tmp, f"out{i}"))
                  for i in range(args.runs)]
     b, f = (statistics.median(x) for x in (bare, first))
-    import platform
 
+    # lazy: --help loads this module before torch; torch is imported when main() runs
     import torch
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpu(s), python {platform.python_version()}, "

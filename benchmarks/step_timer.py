@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from accelerate.state import AcceleratorState, GradientState, PartialState
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -59,8 +61,6 @@ def timed_run(script: str, args: list, sync=lambda: None):
 
 def _reset_accelerate():
     """A second run in the same process needs a fresh Accelerate state."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()

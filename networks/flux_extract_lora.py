@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+from safetensors import safe_open
+
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,8 +42,6 @@ class _Transformer:
     """A BFL single file's tensors by key (prefix removed), read on demand."""
 
     def __init__(self, option: str, path: str):
-        from safetensors import safe_open
-
         if not os.path.isfile(path):
             raise LoRAError(f"{option} {path}: file not found")
         if not path.endswith((".safetensors", ".sft")):

@@ -16,6 +16,7 @@ from io import BytesIO
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import save
 
 from library import safetensors_file
 from library.errors import UserError, first_line
@@ -129,6 +130,7 @@ def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
         raise LoRAError(f"LoRA weights file not found: {file}")
     try:
         if os.path.splitext(file)[1].lower() == ".safetensors":
+            # lazy: imported in a try: load_state_dict_file() answers its absence or failure
             from safetensors.torch import load_file
             return load_file(file)
         return torch.load(file, map_location="cpu", weights_only=True)
@@ -159,7 +161,6 @@ def addnet_hash_legacy(b: BytesIO) -> str:
 
 def precalculate_safetensors_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, str]:
     # Only the immutable training metadata (ss_*) enters the hash, as in sd-scripts.
-    from safetensors.torch import save
     b = BytesIO(save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")}))
     return addnet_hash_safetensors(b), addnet_hash_legacy(b)
 

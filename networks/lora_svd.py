@@ -8,13 +8,16 @@ Used by networks/resize_lora.py, extract_lora_from_models.py, svd_merge_lora.py,
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from safetensors import safe_open
 
 from library.errors import UserError
 from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
@@ -62,7 +65,6 @@ class Module:
 def read_metadata(path: str) -> dict[str, str]:
     if not path.lower().endswith(".safetensors"):
         return {}
-    from safetensors import safe_open
     with safe_open(path, framework="pt") as f:
         return dict(f.metadata() or {})
 
@@ -208,7 +210,6 @@ def title_of(path: str, metadata: dict[str, str]) -> str:
 def lora_modelspec(metadata: dict[str, str], save_to: str, merged_from: list[str] | None = None) -> dict[str, str]:
     """modelspec.* for a LoRA written by a tool: title and date of the new file, architecture from
     the inputs' ss_base_model_version / modelspec when known."""
-    import datetime
     out = dict(metadata)
     family = {"sd_v1": "sd1", "sd_v2": "sd2", "sdxl_base_v1-0": "sdxl"}.get(metadata.get("ss_base_model_version", ""))
     if family is not None and "modelspec.architecture" not in out:
@@ -269,7 +270,6 @@ def clamp_quantile(down: torch.Tensor, up: torch.Tensor, quantile: float) -> tup
     if dist.numel() <= _QUANTILE_LIMIT:
         hi = float(torch.quantile(dist, quantile))
     else:
-        import numpy as np
         hi = float(np.quantile(dist.numpy(), quantile))
     return down.clamp(-hi, hi), up.clamp(-hi, hi)
 

@@ -11,6 +11,10 @@ and:
     with its reason), and there each such import carries a ``# lazy:`` comment;
 (d) no first-party module is imported under another name (``import library.x as y``,
     ``from library.x import mod as y``): a reader sees which module is called.
+(e) no stdlib import sits inside a function without a ``# lazy:`` comment (they belong at the top);
+(f) every function-local third-party import carries a ``# lazy:`` comment: a light path (--help,
+    the dry run's plan, the UI server's start) loads its module before torch, it is an optional
+    dependency, or it would slow a run that does not use it (``unmarked_local_imports``).
 
 The order, and why it is this one:
 
@@ -321,3 +325,81 @@ def test_layer_of_takes_the_longest_prefix():
     assert layer_of("library.errors") == 0 and layer_of("library") == 0
     assert layer_of("train_lora") == len(LAYERS) - 1
     assert layer_of("library.run.trainer") < layer_of("library.cli") < layer_of("library.ui.app")
+
+
+# -- (e), (f): function-local imports of other code ------------------------------------------------
+# A stdlib or third-party import inside a function carries a "# lazy: <reason>" comment (on its line
+# or above its block of imports), as first-party ones do: stdlib imports belong at the module top
+# (they are cheap), and a heavy third-party import stays in a function only where a light path
+# (--help, the dry run's plan, the UI server's start) loads the module before torch, where it is an
+# optional dependency, or where it would slow a run that does not use it. /work's codemod_lazy.py
+# (see the lazy-imports report) hoists the others and writes these comments.
+
+
+def _lazy_commented(lines: list[str], lineno: int) -> bool:
+    i = lineno - 1
+    if "# lazy:" in lines[i]:
+        return True
+    while i > 0:
+        i -= 1
+        s = lines[i].strip()
+        if "# lazy:" in s:
+            return True
+        if s and not s.startswith(("#", "import ", "from ")):
+            return False
+    return False
+
+
+def unmarked_local_imports(root: str, packages=PACKAGES) -> dict[str, list]:
+    """``stdlib`` / ``third_party``: (module, imported module, line) of each function-local import
+    of that kind without a "# lazy:" comment (first-party ones are the edges' rule (c))."""
+    import sys
+
+    modules = find_modules(root, packages)
+    first = set(packages) | {m for m in modules if "." not in m}
+    out: dict[str, list] = {"stdlib": [], "third_party": []}
+    for name, path in sorted(modules.items()):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+
+        def visit(node, local):
+            for child in ast.iter_child_nodes(node):
+                inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if local and isinstance(child, (ast.Import, ast.ImportFrom)) and not (
+                        isinstance(child, ast.ImportFrom) and child.level):
+                    mod = child.names[0].name if isinstance(child, ast.Import) else child.module
+                    top = mod.split(".")[0]
+                    if top not in first and top != "__future__" \
+                            and not _lazy_commented(lines, child.lineno):
+                        kind = "stdlib" if top in sys.stdlib_module_names else "third_party"
+                        out[kind].append((name, mod, child.lineno))
+                visit(child, inner)
+
+        visit(ast.parse(text, path), False)
+    return out
+
+
+def test_function_local_stdlib_and_third_party_imports_carry_a_lazy_comment():
+    found = unmarked_local_imports(ROOT)
+    assert found == {"stdlib": [], "third_party": []}
+
+
+def test_checker_finds_planted_unmarked_stdlib_and_third_party_local_imports(tmp_path):
+    root = str(tmp_path)
+    _write(root, "library/__init__.py", "")
+    _write(root, "library/a.py",
+           "import os\nimport torch\n\n\ndef f():\n    import json\n    import numpy as np\n"
+           "    from torch import nn\n    return json, np, nn, os, torch\n\n\n"
+           "def g():\n    # lazy: optional dependency (wandb), imported when log_with asks for it\n"
+           "    import wandb\n    import re  # lazy: planted, on the line\n    return wandb, re\n\n\n"
+           "class C:\n    import math\n\n    def h(self):\n        from library import a\n"
+           "        from . import a as b\n        return a, b, (lambda: __import__('csv'))\n")
+    assert unmarked_local_imports(root, ("library",)) == {
+        "stdlib": [("library.a", "json", 6)],
+        "third_party": [("library.a", "numpy", 7), ("library.a", "torch", 8)]}
+    # the same tree with the comments is clean
+    _write(root, "library/a.py",
+           "def f():\n    # lazy: planted\n    import json\n    import numpy as np\n\n"
+           "    from torch import nn\n    return json, np, nn\n")
+    assert unmarked_local_imports(root, ("library",)) == {"stdlib": [], "third_party": []}

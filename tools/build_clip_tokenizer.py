@@ -66,6 +66,7 @@ def write_files(out_dir: str, merges: list[str]) -> None:
 
 
 def check(out_dir: str) -> None:
+    # lazy: --help loads this module before torch; transformers is imported when check() runs
     from transformers import CLIPTokenizer
 
     ids = CLIPTokenizer.from_pretrained(out_dir)(CHECK_TEXT).input_ids

@@ -252,6 +252,7 @@ def fits(rows, variants) -> dict:
 
 
 def machine() -> str:
+    # lazy: --help loads this module before torch; torch is imported when machine() runs
     import torch
 
     if torch.cuda.is_available():
@@ -308,9 +309,11 @@ def write_outputs(args, rows, variants, command: str) -> list[str]:
         md += ["", "Failed runs:"] + [f"- {r['variant']} batch {r['batch']}: {r.get('error', '')}"
                                        for r in failed]
     try:
+        # lazy: optional dependency (matplotlib: pip install -e ".[plots]"), imported when used
         import matplotlib
 
         matplotlib.use("Agg")
+        # lazy: optional dependency (matplotlib: pip install -e ".[plots]"), imported when used
         import matplotlib.pyplot as plt
     except ImportError:
         notes.append("plot.png skipped: matplotlib is not installed (pip install -e .[plots])")

@@ -21,7 +21,10 @@ would silently train with 1.0).
 from __future__ import annotations
 
 import os
+import tomllib
 from dataclasses import dataclass
+
+import yaml
 
 from library.errors import UserError
 
@@ -219,8 +222,6 @@ def _read(path: str):
     if not os.path.isfile(path):
         raise PromptFileError(f"prompts_file: no such file: {path}")
     if path.lower().endswith((".yaml", ".yml")):
-        import yaml
-
         try:
             with open(path, encoding="utf-8") as f:
                 return yaml.safe_load(f)
@@ -229,8 +230,6 @@ def _read(path: str):
             at = f" at line {mark.line + 1}" if mark is not None else ""
             raise PromptFileError(f"prompts_file {path}: not valid YAML{at} "
                                   f"({getattr(e, 'problem', None) or type(e).__name__})") from None
-    import tomllib
-
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

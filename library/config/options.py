@@ -15,6 +15,7 @@ This module imports nothing heavy: `--help` must print in well under a second.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -1016,8 +1017,6 @@ use_object_template use_style_template xformers max_data_loader_n_workers
 
 
 def _with_ti_tab(keys: tuple) -> tuple:
-    import dataclasses
-
     by_name = {k.name: k for k in keys}
     out = [dataclasses.replace(k, tabs=k.tabs + "t") if k.name in GUI_TI_KEYS else k for k in keys]
     out += [GuiKey(n, "t", "option") for n in GUI_TI_KEYS if n not in by_name]  # the tab's own

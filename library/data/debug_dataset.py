@@ -39,6 +39,8 @@ def sample_lines(tset, plan, seed: int, batches: int = BATCHES) -> list[tuple[in
 
 def _thumbnail(pixels):
     """(3, H, W) in [-1, 1] -> a PIL image, the longer side CELL."""
+    # lazy: the dry run's plan loads this module before torch; torch and PIL are imported when
+    # _thumbnail() runs
     import torch  # heavy: only for a debug_dataset run
     from PIL import Image
 
@@ -50,6 +52,8 @@ def _thumbnail(pixels):
 
 def write_sheet(tset, plan, seed: int, path: str, log) -> str:
     """Log the samples and write the contact sheet to ``path`` (atomically); returns ``path``."""
+    # lazy: the dry run's plan loads this module before torch; PIL is imported when write_sheet()
+    # runs
     from PIL import Image, ImageDraw
 
     rows: dict[int, list] = {}

@@ -14,6 +14,7 @@ No torch import here: ``--dry_run`` scans the dataset and prints the step plan w
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -380,8 +381,6 @@ def expand_repeats(items: list[ImageItem]) -> list[ImageItem]:
 def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
     """(image key, entry) of a metadata file: JSON ``{key: {"caption", "tags"}}`` (sd-scripts'
     format) or JSONL, one ``{"image_path", "caption", "tags"}`` object per line."""
-    import json
-
     if not os.path.isfile(path):
         raise DataError(f"{option} {path!r} does not exist or is not a file")
 

@@ -24,6 +24,8 @@ def random_mask(width: int, height: int, rng: random.Random, tries: int = 8):
     entirely outside the image (a centre near an edge, every vertex on the far side): an empty
     mask, which would train nothing about inpainting, is drawn again from the same generator
     (at most ``tries`` draws)."""
+    # lazy: the dry run's plan loads this module before torch; numpy and torch are imported when
+    # random_mask() runs
     import numpy as np
     import torch
 
@@ -35,6 +37,7 @@ def random_mask(width: int, height: int, rng: random.Random, tries: int = 8):
 
 
 def _draw(width: int, height: int, rng: random.Random):
+    # lazy: the dry run's plan loads this module before torch; numpy is imported when _draw() runs
     import numpy as np
 
     kind = rng.choices([k for k, _ in KIND_WEIGHTS], weights=[w for _, w in KIND_WEIGHTS])[0]
@@ -55,6 +58,8 @@ def cloud_mask(width: int, height: int, coverage: float, rng: random.Random, oct
                persistence: float = 0.5, base_scale: float = 16.0):
     """fBm noise: each octave a small grid of uniform noise upsampled (bicubic) to the image,
     halving in amplitude and scale; the top ``coverage`` fraction is masked."""
+    # lazy: the dry run's plan loads this module before torch; numpy and PIL are imported when
+    # cloud_mask() runs
     import numpy as np
     from PIL import Image
 
@@ -73,6 +78,8 @@ def cloud_mask(width: int, height: int, coverage: float, rng: random.Random, oct
 
 def polygon_mask(width: int, height: int, n_polygons: int, rng: random.Random, n_points: int = 6,
                  min_coverage: float = 0.1, max_coverage: float = 0.6, irregularity: float = 0.4):
+    # lazy: the dry run's plan loads this module before torch; numpy and PIL are imported when
+    # polygon_mask() runs
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -95,6 +102,8 @@ def polygon_mask(width: int, height: int, n_polygons: int, rng: random.Random, n
 
 def shape_mask(width: int, height: int, rng: random.Random, min_coverage: float = 0.1,
                max_coverage: float = 0.4):
+    # lazy: the dry run's plan loads this module before torch; numpy and PIL are imported when
+    # shape_mask() runs
     import numpy as np
     from PIL import Image, ImageDraw
 

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from library import safetensors_file
 from library.data.folders import ImageItem
@@ -180,8 +181,6 @@ def load_entry(path: str, key: str, shape: tuple[int, int, int], masked: bool = 
     """Read and check one entry: the key it was written under, the latent shape, finite values,
     and with ``masked`` a mask of the latent size in [0, 1]. Raises FileNotFoundError when
     absent, CorruptEntry (with the reason) when unusable."""
-    from safetensors import safe_open
-
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
     try:

@@ -27,6 +27,7 @@ import logging
 import os
 
 import torch
+from safetensors import safe_open
 
 from library import safetensors_file
 from library.errors import first_line
@@ -70,8 +71,6 @@ def _fields(cls) -> list[str]:
 
 
 def _load(path: str, key: str, cls=TextConditioning):
-    from safetensors import safe_open
-
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
     try:

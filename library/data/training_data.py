@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 from dataclasses import dataclass, field
 
 from library.config.dataset_config import resolve_dataset_config, run_caption_options
@@ -253,8 +254,6 @@ def _check_network_keys(opts, items: list) -> None:
 def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
     """Textual inversion learns from the captions that contain the token: with none, nothing
     would train (a zero gradient every step)."""
-    import re
-
     if not token:
         return  # the method says token_string is required
     word = re.compile(rf"(?<![\w]){re.escape(token)}(?![\w])")
@@ -431,6 +430,8 @@ class ImageBatch(list):
 
     def __init__(self, images: list):
         super().__init__(images)
+        # lazy: the dry run's plan loads this module before torch; torch is imported when __init__()
+        # runs
         import torch
 
         self.pixels = torch.stack([p.pixels for p in images]) if images else None
@@ -503,6 +504,8 @@ class ImageLoader:
     ``persistent`` workers survive from one epoch to the next."""
 
     def __init__(self, tset: TrainingSet, workers: int, persistent: bool, pin: bool):
+        # lazy: the dry run's plan loads this module before torch; torch is imported when __init__()
+        # runs
         from torch.utils.data import DataLoader
 
         self.dataset = _SampleImages(tset)

@@ -18,7 +18,11 @@ the process group's timeout bounds the wait of a process whose peer hangs withou
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import sys
+from datetime import timedelta
 
 from library.errors import UserError, first_line
 
@@ -50,6 +54,8 @@ def is_main_process() -> bool:
 def accelerator_precision(opts) -> str:
     """The mixed precision the run's Accelerator gets; a UserError where it cannot work here
     (checked again by make_accelerator; Run.validate calls this before any folder or weight)."""
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch is imported when accelerator_precision() runs
     import torch
 
     mixed = opts.mixed_precision
@@ -62,6 +68,8 @@ def accelerator_precision(opts) -> str:
 
 
 def check_mixed_precision(mixed_precision: str) -> None:
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch is imported when check_mixed_precision() runs
     import torch
 
     if mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -84,6 +92,8 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     environment and initialise a gloo process group. A launch whose processes did not join
     into one job of the launched size is an error, never N silent copies of the run.
     """
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch and accelerate are imported when make_accelerator() runs
     import torch
     from accelerate import Accelerator
 
@@ -95,8 +105,9 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
     launched = launched_world_size()
     handlers = []
     if launched > 1:
-        from datetime import timedelta
 
+        # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+        # accelerate is imported when make_accelerator() runs
         from accelerate.utils import InitProcessGroupKwargs
 
         kw = {"timeout": timedelta(seconds=float(timeout_s or DEFAULT_TIMEOUT_S))}
@@ -115,8 +126,6 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
 def free_port() -> int:
     """A TCP port free on this machine now (for a launcher's rendezvous: the UI's jobs, the
     benchmarks' and tests' launches)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -137,23 +146,19 @@ def leave_process_group_at_exit(finished: bool) -> None:
     if _LEAVE_REGISTERED:
         return
     _LEAVE_REGISTERED.append(finished)
-    import atexit
-
     atexit.register(_leave_process_group, finished)
 
 
 def _leave_process_group(finished: bool) -> None:
-    import sys
-
     if "torch.distributed" not in sys.modules:  # no run got as far as a process group
         return
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch is imported when _leave_process_group() runs
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
     if finished and dist.get_world_size() > 1:
-        from datetime import timedelta
-
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=timedelta(seconds=60))
@@ -165,6 +170,8 @@ def _leave_process_group(finished: bool) -> None:
 
 
 def _is_multi_process() -> bool:
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch is imported when _is_multi_process() runs
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -181,8 +188,6 @@ def peer_failure(e: BaseException) -> str | None:
     """One line for a process of a multi-process run whose collective failed because another
     process ended (e.g. rank 0's one-line error on a save) or hung: that process's own line says
     what went wrong, this one says why it stops. None when ``e`` is something else."""
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world < 2 or not isinstance(e, RuntimeError):
         return None
@@ -235,6 +240,8 @@ def sum_gradients(params, bucket_bytes: int = BUCKET_BYTES) -> None:
     process keeps ``grad = None`` afterwards, exactly as in a one-process run (optimizers skip
     such parameters: no weight decay, no moment update).
     """
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch is imported when sum_gradients() runs
     import torch
     import torch.distributed as dist
 
@@ -278,6 +285,8 @@ class UnitReduction:
     not needed."""
 
     def __init__(self, params):
+        # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+        # torch is imported when __init__() runs
         import torch
         import torch.distributed as dist
 
@@ -301,6 +310,8 @@ class UnitReduction:
             self.buckets.append((flat, layout))
 
     def wait(self) -> None:
+        # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+        # torch is imported when wait() runs
         import torch
 
         for w in self.works:
@@ -340,6 +351,8 @@ class BucketedSum:
     def unit(self, params) -> None:
         if len(params) == 1 and params[0].grad is not None:
             if _is_multi_process():
+                # lazy: --help, the dry run's plan and the UI server's start load this module before
+                # torch; torch is imported when unit() runs
                 import torch.distributed as dist
 
                 dist.all_reduce(params[0].grad, op=dist.ReduceOp.SUM)

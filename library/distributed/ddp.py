@@ -33,9 +33,13 @@ gradients are ready, while the rest of the backward pass still runs.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 from library.errors import UserError
 
@@ -101,8 +105,6 @@ def trained(module) -> list:
 
 def sum_hook(process_group, bucket):
     """The bucket's SUM over the processes (DDP's own reduction divides by the world size)."""
-    import torch.distributed as dist
-
     fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -110,9 +112,6 @@ def sum_hook(process_group, bucket):
 def compressed_sum_hook(dtype_name: str):
     """PyTorch's bf16/fp16 compression hook (it all-reduces the bucket cast to bf16/fp16 and
     divided by the world size), multiplied back by the world size: the sum, at half the traffic."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     inner = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[dtype_name]
 
     def hook(process_group, bucket):
@@ -130,10 +129,6 @@ def comm_hook(name: str):
 def _no_buffer_sync() -> dict:
     """DDP's argument for "no buffer sync in the forward" (every buffer is ignored anyway):
     ``forward_sync_buffers`` since torch 2.13, which deprecates ``broadcast_buffers``."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
 
@@ -144,8 +139,6 @@ def wrap(module, opts, accelerator, first: bool = True):
     part: nothing left to reduce). ``first``: DDP checks the trained parameters' shapes across
     the processes and broadcasts them from process 0 (identical already: every process loaded
     and seeded alike); a rebuild mid-run skips that."""
-    from torch.nn.parallel import DistributedDataParallel
-
     if not any(p.requires_grad for p in module.parameters()):
         return None
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored_names(module))

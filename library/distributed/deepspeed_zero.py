@@ -40,10 +40,12 @@ hands the optimizer flat slices of the parameters.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import logging
 import os
+import warnings
 
 from library.config.options import OPTIONS_BY_NAME
 from library.distributed.fsdp import trained_roots
@@ -218,8 +220,6 @@ def check_options(opts) -> None:
         raise DeepSpeedError("deepspeed cannot be combined with stop_text_encoder_training: ZeRO "
                              "steps every partition every step, so frozen text encoders would "
                              "still change (weight decay, momentum)")
-    import importlib.util
-
     if importlib.util.find_spec("deepspeed") is None:  # (importing it takes seconds)
         raise DeepSpeedError("deepspeed is not installed: pip install deepspeed (or the "
                              "deepspeed extra)")
@@ -236,10 +236,13 @@ def check_options(opts) -> None:
 def _import_deepspeed():
     """Import deepspeed quietly: its accelerator notice on CPU machines, and its shared-memory
     all-reduce op, which only serves inference and would be compiled (~35 s) on first use."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _import_deepspeed() runs
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # lazy: optional dependency (deepspeed: pip install -e ".[deepspeed]"), imported when used
     import deepspeed
     import deepspeed.ops
 
@@ -255,8 +258,6 @@ def _import_deepspeed():
             f.filter = lambda r: "untested optimizer" not in r.getMessage()
             f._sdtk = True
             log.addFilter(f)
-    import warnings
-
     # DeepSpeed's ZeRO all-gather uses a torch function deprecated in favour of another name
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
     return deepspeed
@@ -312,6 +313,8 @@ def ds_config(opts, processes: int) -> dict:
 def _process_group(acc) -> bool:
     """DeepSpeed needs a process group; one process gets a one-process group (returns True when
     this made it)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _process_group() runs
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -357,6 +360,8 @@ def make_stepper(opts, acc, plan, modules: list[tuple[str, object]], groups: lis
                 model=wrapper, optimizer=optimizer, config=config, dist_init_required=False)
     except BaseException:
         if owns_group:
+            # lazy: the dry run's plan loads this module before torch; torch is imported when
+            # make_stepper() runs
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -444,6 +449,8 @@ class DeepSpeedStepper:
         if callable(destroy):
             destroy()
         if self.owns_process_group:
+            # lazy: the dry run's plan loads this module before torch; torch is imported when
+            # close() runs
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -455,12 +462,15 @@ def master_weights(params):
     """Inside: with deepspeed in bf16 / fp16, the trained parameters hold ZeRO's float32 master
     weights (for a model save), their own half-precision values again after. Every process must
     enter it (gathering a master weight is a collective). A no-op in float32."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # master_weights() runs
     import torch
 
     params = list(params)
     if all(p.dtype == torch.float32 for p in params):
         yield
         return
+    # lazy: optional dependency (deepspeed: pip install -e ".[deepspeed]"), imported when used
     from deepspeed.utils import safe_get_full_fp32_param
 
     saved = []

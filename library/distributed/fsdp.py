@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 from library.distributed.accelerator import DistributedError, _is_multi_process, is_main_process
 from library.errors import UserError
@@ -122,6 +123,7 @@ def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tupl
     """Shard the trained modules ``roots`` across the processes and re-point ``groups`` (the
     optimizer's param groups, also the method's) at the sharded parameters; returns the sharded
     roots (none on one process)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when shard() runs
     import torch.distributed as dist
 
     if acc.num_processes == 1:
@@ -131,6 +133,7 @@ def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tupl
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != acc.num_processes:
         raise DistributedError(f"fsdp: {acc.num_processes} processes but no process group of that "
                                "size; launch with accelerate launch --num_processes N or torchrun")
+    # lazy: the dry run's plan loads this module before torch; torch is imported when shard() runs
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -166,6 +169,8 @@ def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tupl
 def _plain_copy(module, full: dict):
     """An unsharded module of ``module``'s class and config holding ``full`` (its full state dict);
     buffers (FSDP does not shard them) are taken over as they are."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when _plain_copy()
+    # runs
     import torch
 
     from torch.distributed.fsdp import FSDPModule
@@ -195,6 +200,8 @@ def full_weights(b, roots: list[tuple[str, object]], acc):
     if not roots:
         yield
         return
+    # lazy: the dry run's plan loads this module before torch; torch is imported when full_weights()
+    # runs
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -224,6 +231,8 @@ def full_weights(b, roots: list[tuple[str, object]], acc):
 
 # -- sharded training state -----------------------------------------------------------------------
 def _container(modules):
+    # lazy: the dry run's plan loads this module before torch; torch is imported when _container()
+    # runs
     import torch
 
     return torch.nn.ModuleDict({name: module for name, module in modules})
@@ -231,12 +240,15 @@ def _container(modules):
 
 def _inner(optimizer):
     """The torch optimizer inside Accelerate's wrapper."""
+    # lazy: the dry run's plan loads this module before torch; accelerate is imported when _inner()
+    # runs
     from accelerate.optimizer import AcceleratedOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
 def _state(modules, optimizer, ema, named: list[tuple[str, object]]) -> dict:
+    # lazy: the dry run's plan loads this module before torch; torch is imported when _state() runs
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = {"model": {n: p for n, p in named},
@@ -249,6 +261,8 @@ def _state(modules, optimizer, ema, named: list[tuple[str, object]]) -> dict:
 def save_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, object]]) -> None:
     """Every process writes its shards of the weights, optimizer state and EMA to ``folder``
     (``torch.distributed.checkpoint``: one file per process and a metadata file)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when save_sharded()
+    # runs
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
@@ -258,6 +272,8 @@ def save_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, ob
 def load_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, object]]) -> None:
     """Read ``folder`` into this run's (sharded or not) weights, optimizer and EMA, resharding to
     this run's process count."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when load_sharded()
+    # runs
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -272,8 +288,6 @@ def load_sharded(modules, optimizer, ema, folder: str, named: list[tuple[str, ob
 def _quiet_single_process():
     """torch.distributed.checkpoint warns on every call without a process group (one process),
     which is the intended use here."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield

@@ -7,6 +7,7 @@ import json
 import os
 
 import torch
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage
@@ -25,8 +26,6 @@ def load_clip_l(path: str, dtype: torch.dtype = torch.float32):
     """(CLIPTextModel, CLIPTokenizer) from a ``clip_l`` single file (transformers key names, with
     or without the ``text_model.`` prefix; fp8-stored up-cast). Its config and tokenizer are
     CLIP-L's (shipped), or the ones in the metadata of files this toolkit writes."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
     sd, meta = read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
     record = embedded_config.read_record(meta, CLIP_META_KEY, path)

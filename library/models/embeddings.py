@@ -245,6 +245,7 @@ def read_embedding_file(path: str, family: str) -> list[torch.Tensor]:
         raise EmbeddingError(f"weights {path}: file not found")
     try:
         if path.lower().endswith(".safetensors"):
+            # lazy: imported in a try: read_embedding_file() answers its absence or failure
             from safetensors.torch import load_file
 
             data = load_file(path)

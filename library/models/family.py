@@ -61,6 +61,8 @@ def chunk_ids(ids, tokenizer, n: int):
     ``_get_input_ids``: each window is the first BOS, its 75 tokens and the sequence's last token.
     A tokenizer whose padding is not EOS (OpenCLIP's "!"): a window full of tokens gets EOS as its
     last token, and an empty window (BOS PAD ...) becomes BOS EOS PAD ..."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when chunk_ids()
+    # runs
     import torch
 
     bos, last = ids[:, :1], ids[:, -1:]
@@ -80,6 +82,8 @@ def chunk_ids(ids, tokenizer, n: int):
 def join_chunks(hidden, n: int):
     """(B*n, 77, D) states of the windows -> (B, n*75+2, D): the first window's BOS state, every
     window's 75 token states, the last window's final state (sd-scripts)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when join_chunks()
+    # runs
     import torch
 
     if n == 1:
@@ -210,6 +214,8 @@ class SDXLModel(FamilyModel):
     family = "sdxl"
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
+        # lazy: the dry run's plan loads this module before torch; torch is imported when encode()
+        # runs
         import torch
 
         te1, te2 = self.text_encoders

@@ -21,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from library.config.options import OPTIONS_BY_NAME
 from library.errors import UserError
@@ -194,8 +197,6 @@ class FluxFamilyModel(FamilyModel):
         return FluxTextConditioning(c.t5_out, c.l_pooled, c.t5_attn_mask)
 
     def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
-        import torch
-
 
         b, _, h, w = noisy_latents.shape
         dtype, dev = noisy_latents.dtype, noisy_latents.device
@@ -259,10 +260,6 @@ class SD3FamilyModel(FamilyModel):
         of the pooled vector become zeros (its mask too in sd-scripts, which the MMDiT does not
         read). On the joined context: CLIP-L's states are features [0, width_l) of the first 77
         tokens, CLIP-G's the next width_g, T5's every token after them."""
-        import random
-
-        import torch
-
         if not any(self.dropout_rates):
             return cond
         drops = []

@@ -16,6 +16,7 @@ import os
 import tempfile
 
 import torch
+from diffusers import AutoencoderKL
 
 from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage, sd_checkpoint
@@ -33,8 +34,6 @@ TINY_AE_CONFIG = dict(_COMMON, block_out_channels=[32, 32, 64, 64], layers_per_b
 
 
 def build_ae(config: dict, seed: int | None = None):
-    from diffusers import AutoencoderKL
-
     if seed is None:
         return AutoencoderKL(**config).eval()
     with torch.random.fork_rng(devices=[]):
@@ -46,8 +45,6 @@ def load_ae(path: str, dtype: torch.dtype = torch.float32):
     """The autoencoder from an ``ae`` file (LDM layout without prefix, or diffusers layout) or a
     diffusers folder (with or without ``vae/``); files without this toolkit's config metadata are
     FLUX.1's architecture."""
-    from diffusers import AutoencoderKL
-
     if os.path.isdir(path):
         sub = "vae" if os.path.isfile(os.path.join(path, "vae", "config.json")) else None
         try:

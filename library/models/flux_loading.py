@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 from library.errors import ModelError, first_line
 from library.models import clip_l_file
@@ -57,8 +59,6 @@ def is_flux_source(path: str) -> bool:
             return False
     if not path.endswith((".safetensors", ".sft")):
         return False
-    from safetensors import safe_open
-
     try:
         with safe_open(path, framework="pt") as f:
             return flux_checkpoint.layout_of(f.keys()) is not None
@@ -122,8 +122,6 @@ def _single_file(path, clip_l, t5xxl, ae, dtype, t5_tokenizer) -> FluxModel:
 
 
 def _folder(folder, clip_l, t5xxl, ae, dtype, t5_tokenizer) -> FluxModel:
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
-
     if not os.path.isfile(os.path.join(folder, "transformer", "config.json")):
         raise ModelError(f"{folder}: not a diffusers FLUX folder (no transformer/config.json)")
     model, w = flux_checkpoint.load_transformer(folder, dtype)

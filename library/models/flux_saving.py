@@ -7,6 +7,7 @@ non-standard (tiny) architectures in their metadata, so they load offline.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -77,6 +78,4 @@ def save_diffusers_folder(parts: dict, variant: str, out_dir: str, dtype: torch.
 
 
 def _cast_copy(model, dtype):
-    import copy
-
     return torch.nn.Module.to(copy.deepcopy(model), dtype)

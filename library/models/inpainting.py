@@ -79,6 +79,8 @@ def prepare_unet(unet, opts, method_name: str, log) -> None:
 
 def widen_conv_in(unet) -> None:
     """4 -> 9 input channels: the first 4 weights kept, the 5 new ones zero, the bias kept."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # widen_conv_in() runs
     import torch
 
     old = unet.conv_in
@@ -101,6 +103,8 @@ def masked_pixels(pixels, masks):
 
 def latent_masks(masks, latent_hw):
     """(B,1,H,W) pixel masks -> (B,1,h,w) at the latent size, nearest-neighbour as diffusers."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when latent_masks()
+    # runs
     import torch
 
     return torch.nn.functional.interpolate(masks.float(), size=tuple(latent_hw))
@@ -108,6 +112,8 @@ def latent_masks(masks, latent_hw):
 
 def conditioning(masks, masked_latents):
     """The 5 channels concatenated after the noisy latents: mask (B,1,h,w), masked latents."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when conditioning()
+    # runs
     import torch
 
     return torch.cat([latent_masks(masks, masked_latents.shape[2:]).to(masked_latents.dtype),
@@ -116,6 +122,8 @@ def conditioning(masks, masked_latents):
 
 def unet_input(noisy, cond):
     """The 9-channel U-Net input: noisy latents, then the inpainting conditioning (None: as is)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when unet_input()
+    # runs
     import torch
 
     if cond is None:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,8 @@ def _load_tokenizers(family: str, text_encoders: list, source: str, *, folder: s
                      tokenizer_path: str | None, record: dict | None, record_dir: str | None) -> list:
     """One CLIPTokenizer per text encoder, from (in order) tokenizer_path, the model's own
     folder/record, or the shipped CLIP files (SDXL's second one pads with '!', as SDXL does)."""
+    # lazy: the dry run's plan loads this module before torch; transformers is imported when
+    # _load_tokenizers() runs
     from transformers import CLIPTokenizer
 
     names = ["tokenizer", "tokenizer_2"] if family == "sdxl" else ["tokenizer"]
@@ -184,6 +187,8 @@ def _load_tokenizers(family: str, text_encoders: list, source: str, *, folder: s
 # --- schedulers ------------------------------------------------------------------------------
 
 def _noise_scheduler(config: dict, v_parameterization: bool):
+    # lazy: the dry run's plan loads this module before torch; diffusers is imported when
+    # _noise_scheduler() runs
     from diffusers import DDPMScheduler
 
     # Training uses DDPM noising with the model's betas (sd-scripts does the same).
@@ -206,6 +211,8 @@ def _read_json(path: str) -> dict:
 
 def _build_arch(arch: str) -> dict:
     """Full-size random weights from the shipped real architecture configs (benchmarks)."""
+    # lazy: the dry run's plan loads this module before torch; torch, diffusers and transformers are
+    # imported when _build_arch() runs
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -265,12 +272,16 @@ def _family_of_folder(folder: str) -> str:
 
 
 def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[dict, str, dict, str, str]:
+    # lazy: the dry run's plan loads this module before torch; diffusers and transformers are
+    # imported when _load_folder() runs
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     if not os.path.isfile(os.path.join(folder, "unet", "config.json")):
         raise ModelError(f"{source}: not a diffusers model folder (no unet/config.json)")
     family = _family_of_folder(folder)
+    # lazy: the dry run's plan loads this module before torch; safetensors is imported when
+    # _load_folder() runs
     from safetensors import SafetensorError
 
     comps: dict[str, Any] = {}
@@ -337,8 +348,6 @@ def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle:
 def _shipped_config_for(state_dict: dict, family: str, tmp: str) -> str:
     """The shipped architecture configs of ``family``; for an inpainting checkpoint (a 9-channel
     first U-Net convolution, e.g. sd-v1-5-inpainting) a copy in ``tmp`` whose U-Net takes 9."""
-    import shutil
-
     shipped = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
     channels = inpainting.in_channels_of_state_dict(state_dict)
     if channels is None or channels == _read_json(os.path.join(shipped, "unet", "config.json"))["in_channels"]:
@@ -357,6 +366,8 @@ def _hub_snapshot(repo_id: str) -> str:
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ModelError(f"pretrained_model_name_or_path: {repo_id} is neither a local path nor a built-in "
                          "model, and the hub is offline (HF_HUB_OFFLINE=1)")
+    # lazy: the dry run's plan loads this module before torch; huggingface_hub is imported when
+    # _hub_snapshot() runs
     from huggingface_hub import snapshot_download
 
     try:
@@ -374,6 +385,8 @@ def _hub_snapshot(repo_id: str) -> str:
 def load_vae(vae: str, family: str, base_vae_config: dict):
     """A VAE from a diffusers folder (with or without a vae/ subfolder) or a single file; a
     single file is read with the base model's VAE architecture."""
+    # lazy: the dry run's plan loads this module before torch; diffusers is imported when load_vae()
+    # runs
     from diffusers import AutoencoderKL
 
     p = os.path.expanduser(vae)
@@ -464,6 +477,8 @@ def set_attention(b, opts) -> None:
             raise UserError(f"xformers: cannot enable xformers attention ({e}); "
                             "install the xformers extra or drop --xformers") from None
     elif not opts.sdpa:
+        # lazy: the dry run's plan loads this module before torch; diffusers is imported when
+        # set_attention() runs
         from diffusers.models.attention_processor import AttnProcessor
 
         b.unet.set_attn_processor(AttnProcessor())

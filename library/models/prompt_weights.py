@@ -77,6 +77,8 @@ def parse(text: str) -> list[tuple[str, float]]:
 def tokenize(tokenizer, captions: list[str], n_tokens: int):
     """-> (ids (B, n_tokens + 2) long, weights (B, n_tokens + 2) float32): BOS, the weighted
     caption's tokens truncated to ``n_tokens``, EOS, padding; weight 1.0 outside the caption."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when tokenize()
+    # runs
     import torch
 
     all_ids, all_w = [], []

@@ -19,6 +19,8 @@ from __future__ import annotations
 import tempfile
 
 import torch
+from diffusers import AutoencoderKL
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from library.models import sd3, sd3_text, sd3_vae, t5, tiny_models
 
@@ -47,9 +49,6 @@ def build_builtin(name: str, device: str | torch.device | None = None) -> dict:
     """Components of a built-in model: mmdit, clip_l, clip_g, vae, tokenizer_l, tokenizer_g (and
     for the tiny ones t5xxl, tokenizer_t5); ``device`` "meta" builds the shapes only (for counting
     parameters)."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
-
     if name in NAMES:
         mmdit_cfg, vae_cfg, clip_cfgs = sd3.tiny_config(NAMES[name]), vae_config(), clip_configs()
     elif name in ARCH_NAMES:

@@ -23,6 +23,7 @@ separate t5xxl file's own (library/models/t5.py), or in a diffusers folder's `to
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -33,6 +34,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKL, SD3Transformer2DModel
+from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Tokenizer
 
 from library import safetensors_file
 from library.errors import first_line
@@ -106,8 +113,6 @@ def detect_source(name_or_path: str) -> str | None:
             return "sd3"
         return "sd3.5-medium" if cfg.get("dual_attention_layers") else "sd3.5-large"
     if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
         try:
             with safe_open(path, framework="pt") as f:
                 return detect_variant(dict.fromkeys(f.keys()))
@@ -195,9 +200,6 @@ def diffusers_config(config: sd3.MMDiTConfig) -> dict:
 def mmdit_to_diffusers(mmdit: sd3.MMDiT):
     """A diffusers SD3Transformer2DModel with the MMDiT's weights, converted by diffusers' own
     single-file conversion."""
-    from diffusers import SD3Transformer2DModel
-    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
-
     sd = convert_sd3_transformer_checkpoint_to_diffusers(dict(mmdit.state_dict()))
     model = SD3Transformer2DModel.from_config(diffusers_config(mmdit.config))
     model.load_state_dict(sd, strict=True)
@@ -218,9 +220,6 @@ def _build_clip(which: str, sd: dict, config: dict, source: str):
     """A CLIPTextModelWithProjection with the weights ``sd`` (transformers layout, float32). Built
     with empty parameters that take the file's tensors (no random initialisation of a 700M-parameter
     CLIP-G to throw away)."""
-    from accelerate import init_empty_weights
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
     if sd and all(k.startswith("transformer.") for k in sd):
         sd = _without("transformer.", sd)
     sd = {k: v.float() for k, v in sd.items() if not k.endswith("position_ids")}
@@ -285,8 +284,6 @@ def _tokenizer_record(tok) -> dict:
 
 
 def _tokenizers_from_record(record: dict | None):
-    from transformers import CLIPTokenizer
-
     files = (record or {}).get("tokenizer_l", {}).get("files")
     if not files:
         return sd3_text.shipped_tokenizers()
@@ -403,8 +400,6 @@ def _load_file(path: str, t5_loader, allow_pickle: bool, separate: dict) -> SD3M
 
 
 def _folder_state_dict(folder: str) -> dict:
-    from safetensors.torch import load_file
-
     sd: dict = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
@@ -413,9 +408,6 @@ def _folder_state_dict(folder: str) -> dict:
 
 
 def _load_folder(folder: str, t5_loader) -> SD3Model:
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
-
     if not os.path.isfile(os.path.join(folder, "transformer", "config.json")):
         raise SD3ModelError(f"{folder}: not a diffusers SD3 folder (no transformer/config.json)")
     try:
@@ -445,8 +437,6 @@ def _load_folder(folder: str, t5_loader) -> SD3Model:
     if os.path.isdir(t5_dir) and t5_loader is not None:
         model.t5xxl = t5_loader(_folder_state_dict(t5_dir), t5_dir)
     if os.path.isdir(os.path.join(folder, "tokenizer_3")):
-        from transformers import T5Tokenizer
-
         model.tokenizer_t5 = T5Tokenizer.from_pretrained(folder, subfolder="tokenizer_3")
     return model
 
@@ -506,8 +496,6 @@ def save_sd3(model: SD3Model, path: str, *, dtype=None, metadata: dict | None = 
 
 
 def _write_diffusers(model: SD3Model, out: str, dtype) -> None:
-    import copy
-
     def save(module, name):
         m = torch.nn.Module.to(copy.deepcopy(module), dtype) if dtype is not None else module
         m.save_pretrained(os.path.join(out, name), safe_serialization=True)

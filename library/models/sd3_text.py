@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
+from transformers import CLIPTokenizer
 
 from library.models.loading import SHIPPED_TOKENIZER
 
@@ -64,8 +65,6 @@ class SD3TextEncoding:
 def shipped_tokenizers():
     """CLIP-L and CLIP-G tokenizers from CLIP's shipped vocabulary (configs/tokenizers/clip); CLIP-G pads
     with "!" (id 0)."""
-    from transformers import CLIPTokenizer
-
     return (CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER),
             CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER, pad_token="!"))
 

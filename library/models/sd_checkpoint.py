@@ -11,9 +11,11 @@ Every save is atomic: written under a temporary name in the target folder, then 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
+import pickle
 import re
 from typing import Any
 
@@ -103,6 +105,8 @@ def clip_to_original(model, prefix: str) -> dict:
 
 def openclip_to_original(model, prefix: str, dummy_last_layer: bool) -> dict:
     """transformers CLIP text model -> OpenCLIP layout (fused q/k/v `in_proj`)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # openclip_to_original() runs
     import torch
 
     sd = _hf_text_keys(model)
@@ -218,6 +222,8 @@ def write_config_dir(record: dict, out_dir: str) -> None:
 @contextlib.contextmanager
 def quiet_progress():
     """Hide transformers'/diffusers' per-file progress bars while loading or saving (log noise)."""
+    # lazy: the dry run's plan loads this module before torch; diffusers and transformers are
+    # imported when quiet_progress() runs
     import diffusers.utils.logging as dlog
     import transformers.utils.logging as tlog
 
@@ -253,6 +259,8 @@ def save_single_file(components: dict, family: str, path: str, dtype=None, metad
     loader rebuilds non-standard architectures offline; other tools ignore it. embed_config=False
     writes a file like any third-party one (loaded with the shipped configs).
     """
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # save_single_file() runs
     import torch
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -277,8 +285,9 @@ def save_diffusers(components: dict, family: str, out_dir: str, dtype=None) -> N
 
 
 def _write_diffusers(components: dict, family: str, tmp: str, dtype) -> None:
-    import copy
 
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _write_diffusers() runs
     import torch
 
     index: dict[str, Any] = {"_class_name": "StableDiffusionXLPipeline" if family == "sdxl" else "StableDiffusionPipeline",
@@ -308,11 +317,14 @@ def read_state_dict(path: str, allow_pickle: bool = False) -> tuple[dict, dict]:
     Pickled files load with torch.load(weights_only=True); any other pickled content can run
     code, so it needs allow_pickle.
     """
-    import pickle
 
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # read_state_dict() runs
     import torch
 
     if path.endswith((".safetensors", ".sft")):  # .sft: BFL's name for FLUX.1 files
+        # lazy: the dry run's plan loads this module before torch; safetensors is imported when
+        # read_state_dict() runs
         from safetensors import safe_open
         from safetensors.torch import load_file
         try:
@@ -380,6 +392,8 @@ def _check_materialized(model, what: str, path: str) -> None:
 
 def load_unet_vae_te(state_dict: dict, family: str, config_dir: str, path: str, dtype=None) -> dict:
     """Convert original-layout weights to diffusers/transformers models with diffusers' single-file code."""
+    # lazy: the dry run's plan loads this module before torch; diffusers and transformers are
+    # imported when load_unet_vae_te() runs
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
@@ -415,6 +429,8 @@ def load_unet_vae_te(state_dict: dict, family: str, config_dir: str, path: str, 
 def load_vae_from_state_dict(state_dict: dict, config_dir: str, path: str, dtype=None):
     """A VAE from a full checkpoint (first_stage_model.*), a standalone original-layout VAE
     (encoder.down.*), or a VAE file already in diffusers layout (encoder.down_blocks.*)."""
+    # lazy: the dry run's plan loads this module before torch; diffusers is imported when
+    # load_vae_from_state_dict() runs
     from diffusers import AutoencoderKL
 
     if any(k.startswith("encoder.down_blocks.") for k in state_dict):

@@ -18,6 +18,7 @@ import logging
 import os
 
 import torch
+from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
 from library.errors import ModelError, first_line
 from library.models import embedded_config, fp8_storage
@@ -54,8 +55,6 @@ def tiny_vocab() -> list[tuple[str, float]]:
 
 def build_tiny_tokenizer(max_length: int = 512):
     """The tiny T5 tokenizer (offline; a fixed vocabulary, so every build is the same)."""
-    from transformers import T5Tokenizer
-
     return T5Tokenizer(vocab=tiny_vocab(), extra_ids=0, model_max_length=max_length)
 
 
@@ -67,8 +66,6 @@ def build_tiny_t5(d_model: int = 32):
     """(T5EncoderModel, tokenizer) of the tiny built-in T5: random weights from a fixed seed;
     ``d_model`` its output width (tiny-flux 32; tiny-sd3 the MMDiT's context width, as T5-XXL's
     4096 is SD3's)."""
-    from transformers import T5Config, T5EncoderModel
-
     tok = build_tiny_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
@@ -124,8 +121,6 @@ def load_t5(path: str, dtype: torch.dtype = torch.float32):
 
 def tokenizer_of_record(record: dict | None):
     """The tokenizer a file this toolkit wrote carries (t5_file_metadata's record), else None."""
-    from transformers import T5Tokenizer
-
     if record and record.get("tokenizer"):
         return embedded_config.tokenizer_from_files(T5Tokenizer, record["tokenizer"])
     return None
@@ -134,8 +129,6 @@ def tokenizer_of_record(record: dict | None):
 def model_from_state_dict(sd: dict, path: str, dtype: torch.dtype = torch.float32, config: dict | None = None):
     """A T5EncoderModel from transformers-layout weights (``config`` None: read from the shapes);
     fp8-stored weights are up-cast to ``dtype``. One line naming ``path`` when they do not fit."""
-    from transformers import T5Config, T5EncoderModel
-
     sd = fp8_storage.load_dtype(dict(sd), dtype, path)
     cfg = config or config_from_state_dict(sd, path)
     # Either name of the token embedding may be missing: both are the same tensor.
@@ -159,8 +152,6 @@ def model_from_state_dict(sd: dict, path: str, dtype: torch.dtype = torch.float3
 def load_t5_tokenizer(location: str | None):
     """The T5 tokenizer: a folder with tokenizer files, or (``location`` None) T5-XXL's from the
     hub cache (downloaded only when online)."""
-    from transformers import T5Tokenizer
-
     local_only = location is not None or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
         return T5Tokenizer.from_pretrained(location or T5XXL_TOKENIZER_ID, local_files_only=local_only)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from library.models import flux, flux_ae, t5, tiny_models
 
@@ -21,8 +22,6 @@ CONFIG_OF_VARIANT = {"dev": flux.TINY_FLUX_DEV, "schnell": flux.TINY_FLUX_SCHNEL
 
 def build_tiny_flux(variant: str) -> dict:
     """The parts of a tiny FLUX.1 model: transformer, clip_l, t5, ae, clip_tokenizer, t5_tokenizer."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
     if variant not in CONFIG_OF_VARIANT:
         raise ValueError(f"unknown FLUX variant {variant!r}; expected dev or schnell")
     out = {}

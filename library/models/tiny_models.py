@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from typing import Any
 
 TINY_NAMES = ("tiny-sd15", "tiny-sd2", "tiny-sdxl",
@@ -155,8 +156,9 @@ def build_tiny_components(arch: str, inpaint: bool = False) -> dict[str, Any]:
     Keys follow diffusers pipelines: text_encoder / tokenizer, and for SDXL text_encoder_2 /
     tokenizer_2 (a CLIPTextModelWithProjection, whose pooled projection feeds the U-Net).
     """
-    import tempfile
 
+    # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
+    # torch, diffusers and transformers are imported when build_tiny_components() runs
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 from library.distributed.accelerator import is_main_process
@@ -129,8 +130,6 @@ class Saver:
 def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
     """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
     than n steps (steps) before this one."""
-    import shutil
-
     n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
     n_state = (opts.save_last_n_epochs_state if epoch is not None
                else opts.save_last_n_steps_state) or n_model

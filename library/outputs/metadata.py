@@ -4,8 +4,10 @@ All values are strings (safetensors metadata is str -> str).
 """
 from __future__ import annotations
 
+import base64
 import datetime
 import json
+import mimetypes
 import os
 from collections import Counter
 
@@ -132,9 +134,6 @@ def model_spec_fields(opts) -> dict:
         if value is None:
             continue
         if name == "thumbnail" and not value.startswith("data:"):
-            import base64
-            import mimetypes
-
             mime = mimetypes.guess_type(value)[0] or "application/octet-stream"
             with open(value, "rb") as f:
                 value = f"data:{mime};base64,{base64.b64encode(f.read()).decode('ascii')}"

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -256,8 +257,6 @@ class OutputLock:
 def prepare(opts, method_name: str, main: bool, log):
     """The folders the run writes (every process: each writes caches or shards), then on the main
     process only the free space, stale temporaries and the output lock (returned, to hold)."""
-    import contextlib
-
     check_paths(opts)
     if not main or not opts.output_dir:
         return contextlib.nullcontext()

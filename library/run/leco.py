@@ -22,9 +22,14 @@ The noise and sampler are the model's own (its prediction type: a v-prediction m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import time
+
+import torch
+from accelerate.utils import set_seed
+from diffusers import DDPMScheduler
 
 from library.distributed.accelerator import is_main_process
 from library.config import leco_prompts
@@ -68,9 +73,6 @@ def check_options(opts) -> None:
 
 def run(opts) -> LecoRun:
     setup_logging(is_main_process())
-    import torch
-    from accelerate.utils import set_seed
-
     started = time.time()
     check_options(opts)
     settings = leco_prompts.read_prompt_file(opts.prompts_file)
@@ -157,8 +159,6 @@ def _save(method, opts, base_md: dict, path: str, step: int) -> str:
 
 def encode_prompts(family_model, settings, clip_skip, device) -> dict:
     """Every distinct prompt of the settings, encoded once: prompt -> TextConditioning (1, ...)."""
-    import torch
-
     texts = sorted({p for s in settings for p in (s.target, s.positive, s.unconditional, s.neutral)})
     out = {}
     with torch.no_grad():
@@ -190,8 +190,6 @@ class Draw:
 
 def draw(opts, settings, step: int) -> Draw:
     """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
-    import torch
-
     g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
     s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
     stop = int(torch.randint(1, opts.max_denoising_steps, (1,), generator=g))
@@ -216,15 +214,11 @@ def draw(opts, settings, step: int) -> Draw:
 
 def make_sampler(bundle):
     """The model's own scheduler (its betas and prediction type), as a DDPM sampler."""
-    from diffusers import DDPMScheduler
-
     return DDPMScheduler.from_config(bundle.noise_scheduler.config)
 
 
 def predict(bundle, family_model, x, t, cond, size_cond):
     """The model's prediction for latents ``x`` (B,...) at timestep ``t`` on ``cond`` (1, ...)."""
-    import torch
-
     n = x.shape[0]
     ts = torch.full((n,), int(t), device=x.device, dtype=torch.long)
     sc = None
@@ -237,8 +231,6 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
                     guidance: float, size_cond, generator=None):
     """``stop`` of ``steps`` sampler steps from ``x``, classifier-free guided (sd-scripts'
     ``diffusion``); ``generator`` (CPU): the noise a stochastic sampler step adds."""
-    import torch
-
     sampler.set_timesteps(steps, device=x.device)
     for t in sampler.timesteps[:stop]:
         both = torch.cat([x, x])
@@ -261,8 +253,6 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
 def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts):
     """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
     positive, neutral, unconditional, target, prediction}."""
-    import torch
-
     s = d.setting
     device = next(bundle.unet.parameters()).device
     dtype = next(bundle.unet.parameters()).dtype
@@ -301,8 +291,6 @@ def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, op
 
 def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
     """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
-    import datetime
-
     h, w = settings[0].resolution
     out = {
         "ss_training_started_at": str(started),

@@ -18,6 +18,8 @@ import functools
 import logging
 import signal
 
+from tqdm.auto import tqdm
+
 from library.data import step_plan
 from library.data.training_data import ImageLoader, loader_workers
 from library.distributed.accelerator import is_main_process
@@ -38,8 +40,6 @@ BAR_READ_EVERY = 10
 
 
 def train(run) -> None:
-    from tqdm.auto import tqdm
-
     opts, c, plan, progress = run.opts, run.parts, run.plan, run.progress
     acc, strategy, stepper = c.accelerator, c.strategy, c.stepper
     P, rank = acc.num_processes, acc.process_index

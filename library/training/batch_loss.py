@@ -23,6 +23,8 @@ Two dataset-config keys act on the network here, as in sd-scripts' train_network
 """
 from __future__ import annotations
 
+import torch
+
 from library.data import images, latent_cache, step_plan, text_cache
 from library.data.latent_cache import latent_slot
 from library.errors import UserError
@@ -84,8 +86,6 @@ class BatchLoss:
 
     def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
-        import torch
-
         net = self.method.network
         cond = TextConditioning(cond.hidden_states[rows],
                                 None if cond.pooled is None else cond.pooled[rows])
@@ -110,8 +110,6 @@ class BatchLoss:
                  step: int | None = None):
         """Sum over this process's samples of weight * loss, divided by the global batch size;
         ``step``: the optimizer steps done before this one (token warmup)."""
-        import torch
-
         opts = self.opts
         multiplier = self.tset.multiplier(idx) if self.method.network is not None else None
         if multiplier is not None:  # the dataset's network_multiplier
@@ -140,8 +138,6 @@ class BatchLoss:
         """Latents (B,C,h,w), SDXL size conditioning (B,6) and (train_inpainting) the inpainting
         conditioning (B,5,h,w) for this process's samples; with cached latents the sample's flip
         for this epoch picks the variant."""
-        import torch
-
         device, cache = self.accelerator.device, self.caches
         lat, size, inpaint = [], [], None
         if cache.latents is not None:  # never with train_inpainting (inpainting.check_options)
@@ -168,8 +164,6 @@ class BatchLoss:
         """Masked loss: (B,1,h,w) masks at the latent size, from the latent cache (stored beside
         each latent variant) or from the loaded images (same resize, crop and flip); ones for an
         image without a mask. None when no image of the run has a mask."""
-        import torch
-
         if not self.tset.masked:
             return None
         cache = self.caches
@@ -186,8 +180,6 @@ class BatchLoss:
     def _text(self, idx: list[int], epoch: int, step: int | None = None):
         """The text conditioning of this process's samples (called under autocast): from the
         text-encoder cache, or encoded now (with gradients when the text encoders train)."""
-        import torch
-
         opts = self.opts
         if self.caches.text is not None:
             return text_cache.stack([self.caches.text[self.tset.cached_caption(i, epoch)] for i in idx],

@@ -61,6 +61,8 @@ def _is_graph_break(e: Exception) -> bool:
     """What fullgraph=True raises for a graph break (dynamo cannot trace some Python), as opposed
     to an error of the model itself (a shape mismatch is a TorchRuntimeError at trace time),
     which must propagate."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _is_graph_break() runs
     import torch._dynamo.exc as exc
 
     return isinstance(e, (exc.Unsupported, exc.UserError))
@@ -87,6 +89,8 @@ class _Compiled:
         # there falls back too (fullgraph raises at trace time, before anything ran)
         first, t = self.state == "new", time.perf_counter()
         if self.compiled is None:
+            # lazy: the dry run's plan loads this module before torch; torch is imported when
+            # __call__() runs
             import torch
 
             self.compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True)
@@ -136,6 +140,8 @@ def compile_unet(unet, backend: str, log=None, per_block: bool = False):
     ``per_block``: compile each block as its own graph from the start (the fused steppers: see
     the module docstring); the U-Net's own forward between the blocks runs eagerly."""
     log = log or logging.getLogger("sdtk")
+    # lazy: the dry run's plan loads this module before torch; torch is imported when compile_unet()
+    # runs
     import torch._dynamo
 
     # A bucketed run sees a few shapes (bucket sizes, a last partial batch): dynamo recompiles

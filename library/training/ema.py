@@ -25,6 +25,8 @@ STATE_FILE = "ema.safetensors"
 
 class EMA:
     def __init__(self, params, decay: float, device=None):
+        # lazy: the dry run's plan loads this module before torch; torch is imported when __init__()
+        # runs
         import torch
 
         self.decay = float(decay)
@@ -35,6 +37,8 @@ class EMA:
 
     def update(self) -> None:
         """ema = d * ema + (1 - d) * w (in float32)."""
+        # lazy: the dry run's plan loads this module before torch; torch is imported when update()
+        # runs
         import torch
 
         d = self.decay
@@ -46,6 +50,8 @@ class EMA:
     @contextlib.contextmanager
     def swapped(self):
         """The parameters hold the EMA values inside the block, their own values again after."""
+        # lazy: the dry run's plan loads this module before torch; torch is imported when swapped()
+        # runs
         import torch
 
         with torch.no_grad():
@@ -63,6 +69,8 @@ class EMA:
         return {n: e.detach().to("cpu", copy=True).contiguous() for n, e in zip(names, self.shadow)}
 
     def load_tensors(self, tensors: dict, names: list[str], where: str) -> None:
+        # lazy: the dry run's plan loads this module before torch; torch is imported when
+        # load_tensors() runs
         import torch
 
         missing = [n for n in names if n not in tensors]

@@ -12,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+import torch
+
 from library.models import flow_family
 from library.training import flow_matching, network_options
 from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
@@ -46,8 +48,6 @@ class FlowLosses:
     def draw(self, latents, generators) -> FlowDraw:
         """Sample k's noise (randn of its latent's shape) and then its noise level, both from
         generators[k] only (noise before the level, as losses.py orders noise before timestep)."""
-        import torch
-
         c, h, w = latents.shape[1:]
         noise = torch.stack([torch.randn((c, h, w), generator=g) for g in generators])
         t = flow_matching.sample_timesteps(self.flow, generators, (h, w))
@@ -60,8 +60,6 @@ class FlowLosses:
         noise at ``count`` fixed noise levels, the midpoints of equal slices of the training's
         range: FLUX.1 sigma = (k + 1/2) / count; SD3 the integer timesteps of the midpoints of
         [min_timestep, max_timestep) (the SD rule), sigma = t / 1000."""
-        import torch
-
         if self.flow.family == "sd3":
             lo, hi = flow_matching.sd3_timestep_range(self.flow)
             ts = [hi] * count if hi <= lo else \

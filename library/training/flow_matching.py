@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from library.errors import UserError
 
 FAMILIES = ("flux", "sd3")
@@ -178,16 +180,12 @@ def time_shift(mu: float, t):
 
 def mode_density(u, mode_scale: float):
     """The SD3 paper's mode sampling: 1 - u - s * (cos^2(pi u / 2) - 1 + u), u ~ U[0, 1)."""
-    import torch
-
     return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
 
 
 def loss_weighting(weighting_scheme: str, sigmas):
     """Per-sample loss weight: sigma_sqrt sigma^-2, cosmap 2 / (pi (1 - 2 sigma + 2 sigma^2)),
     any other scheme 1."""
-    import torch
-
     if weighting_scheme == "sigma_sqrt":
         return sigmas ** -2.0
     if weighting_scheme == "cosmap":
@@ -220,8 +218,6 @@ def variate_kind(o: FlowOptions) -> str:
 def sigmas_from_variates(o: FlowOptions, v, image_seq_len: int):
     """(sigmas, model timesteps), float64 (B,), from the (B,) float64 variates v of variate_kind;
     image_seq_len: the packed sequence length (flux_shift's mu)."""
-    import torch
-
     v = v.double()
     if o.family == "flux" and o.timestep_sampling != "sigma":
         ts = o.timestep_sampling
@@ -260,8 +256,6 @@ def sigmas_from_variates(o: FlowOptions, v, image_seq_len: int):
 
 def draw_variates(o: FlowOptions, generators):
     """(B,) float32: one draw from each sample's own generator."""
-    import torch
-
     draw = torch.randn if variate_kind(o) == "normal" else torch.rand
     return torch.cat([draw(1, generator=g) for g in generators])
 
@@ -269,8 +263,6 @@ def draw_variates(o: FlowOptions, generators):
 def sample_timesteps(o: FlowOptions, generators, latent_hw: tuple[int, int], device=None) -> FlowTimesteps:
     """The noise levels of a micro-batch, sample k drawn only from generators[k]; latent_hw: the
     (unpacked) latent height and width, for flux_shift. Computed in float64, returned float32."""
-    import torch
-
     sigmas, t = sigmas_from_variates(o, draw_variates(o, generators), flux_image_seq_len(*latent_hw))
     return FlowTimesteps(sigmas.to(device=device, dtype=torch.float32),
                          t.to(device=device, dtype=torch.float32))
@@ -279,8 +271,6 @@ def sample_timesteps(o: FlowOptions, generators, latent_hw: tuple[int, int], dev
 def _per_sample(sigmas, like):
     """sigmas (B,) shaped to broadcast over ``like``; never rounded to a lower precision than
     their own (a bf16 model output times float32 sigmas is float32, as in sd-scripts)."""
-    import torch
-
     dtype = torch.promote_types(sigmas.dtype, like.dtype)
     return sigmas.to(device=like.device, dtype=dtype).view(-1, *([1] * (like.dim() - 1)))
 
@@ -322,8 +312,6 @@ def flux_schedule(num_steps: int, image_seq_len: int, shift: bool = True,
     """num_steps + 1 noise levels from 1 to 0: linear, then (shift) time_shift with the mu of
     the packed sequence length (sd-scripts' get_schedule, as its samples use it for dev and
     schnell)."""
-    import torch
-
     t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
     if shift:
         t = time_shift(flux_mu(image_seq_len, base_shift, max_shift), t)
@@ -334,8 +322,6 @@ def sd3_schedule(num_steps: int, shift: float = SD3_SAMPLE_SHIFT) -> list[float]
     """num_steps + 1 noise levels: num_steps evenly spaced from 1 to the training table's lowest
     level shift(1/1000), each shifted, then 0 (sd-scripts' get_all_sigmas, diffusers'
     FlowMatchEulerDiscreteScheduler.set_timesteps; the low end is thus shifted twice)."""
-    import torch
-
     lowest = shift_sigmas(1 / NUM_TRAIN_TIMESTEPS, shift)
     t = torch.linspace(1, lowest, num_steps, dtype=torch.float64)
     return shift_sigmas(t, shift).tolist() + [0.0]
@@ -351,8 +337,6 @@ def euler_sample(model_fn, x, sigmas, *, family: str, guidance: float | None = N
     input) or None. With cfg_scale != 1, uncond_fn (same signature, the negative prompt) is called
     too and v = v_uncond + cfg_scale * (v_cond - v_uncond) (classifier-free guidance; SD3, or FLUX
     with a negative prompt). x is carried in float32 and handed to the model in its own dtype."""
-    import torch
-
     if cfg_scale != 1.0 and uncond_fn is None:
         raise ValueError("cfg_scale other than 1 needs uncond_fn")
     dtype, b = x.dtype, x.shape[0]

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import copy
 
+import torch
+from PIL import Image
+
 from library.models import flux
 from library.training import flow_matching
 
@@ -58,8 +61,6 @@ def image_size(prompt: dict, family: str) -> tuple[int, int]:
 def initial_noise(family: str, height: int, width: int, seed: int):
     """(1, 16, height/8, width/8) float32 standard normal noise from a CPU generator seeded with
     ``seed``; FLUX draws it packed, as sd-scripts does."""
-    import torch
-
     g = torch.Generator("cpu").manual_seed(int(seed))
     if family == "flux":
         h, w = height // 16, width // 16
@@ -108,9 +109,6 @@ def sample(family_model, cond, uncond, noise, sigmas, *, scale: float, guidance:
 def decode_image(vae, latents):
     """A PIL image of (1, C, h, w) training latents: latents / scale + shift, decoded, [-1, 1]
     -> 0..255 (sd-scripts' clamp and 127.5 (x + 1))."""
-    import torch
-    from PIL import Image
-
     z = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor
     shift = getattr(vae.config, "shift_factor", None)
     if shift is not None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from library.errors import UserError
 
 
@@ -57,8 +59,6 @@ def global_state_reason(cls) -> str | None:
 def stochastic_round_generator(device):
     """The generator of the rounding noise: its own stream, so that rounding does not shift the
     run's other random draws (noise, dropout)."""
-    import torch
-
     g = torch.Generator(device=device)
     g.manual_seed(0x5EED)
     return g
@@ -68,8 +68,6 @@ def copy_stochastic_(target, source, generator=None) -> None:
     """``target`` (bf16) := ``source`` (float32) rounded stochastically: up with probability equal
     to the distance from the lower bf16 neighbour, in units of the bf16 spacing. bf16 is the upper
     16 bits of float32, so adding uniform 16-bit noise to the low bits and truncating does it."""
-    import torch
-
     source = source.to(torch.float32).contiguous()
     noise = torch.randint(0, 1 << 16, source.shape, dtype=torch.int32, device=source.device,
                           generator=generator)
@@ -82,8 +80,6 @@ def adafactor_step_param(optimizer, p, group, generator=None, grad_factor: float
     with stochastic rounding when ``p`` is bf16. The float32 path is transformers' ``step``.
     ``grad_factor`` multiplies the gradient first, in float32 (loss-scale removal and clipping of
     low-precision gradients)."""
-    import torch
-
     if p.grad is None:
         return
     with torch.no_grad():
@@ -165,8 +161,6 @@ def is_transformers_adafactor(optimizer) -> bool:
 
 
 def _is_low_precision(p) -> bool:
-    import torch
-
     return p.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -186,8 +180,6 @@ def step_optimizer(optimizer, generator=None, grad_factor: float = 1.0) -> None:
         step_low_precision(optimizer, generator, grad_factor)
     else:
         if grad_factor != 1.0:
-            import torch
-
             with torch.no_grad():
                 for g in optimizer.param_groups:
                     for p in g["params"]:
@@ -211,8 +203,6 @@ def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> N
     That is why optimizers whose update of one parameter depends on the others (Prodigy,
     D-Adaptation, schedule-free) are rejected with full_bf16/full_fp16 (``global_state_reason``).
     """
-    import torch
-
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
     try:
@@ -250,8 +240,6 @@ def restore_float_state(optimizer, saved: dict) -> None:
     """After ``optimizer.load_state_dict(saved)``: torch (and bitsandbytes) cast floating state to
     the parameter's dtype on load, which would round the float32 state of bf16/fp16 weights (see
     ``step_low_precision``) to their precision. Put the saved float32 tensors back."""
-    import torch
-
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         entry = saved.get("state", {}).get(i)

@@ -40,6 +40,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+import torch
+
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -95,8 +97,6 @@ class Losses:
     """The noise schedule, noise sampling and loss of one run."""
 
     def __init__(self, opts, noise_scheduler, v_parameterization: bool):
-        import torch
-
         self.opts = opts
         self.v_prediction = bool(v_parameterization)
         n = noise_scheduler.config.num_train_timesteps
@@ -141,8 +141,6 @@ class Losses:
     # -- noise and timesteps ------------------------------------------------------------------
     def draw(self, latents, generators) -> Draw:
         """Noise and timesteps for a micro-batch, sample k drawn only from generators[k]."""
-        import torch
-
         noise, input_noise, timesteps = [], [], []
         adaptive = self.opts.noise_offset and self.opts.adaptive_noise_scale is not None
         for k, g in enumerate(generators):
@@ -157,8 +155,6 @@ class Losses:
                     torch.tensor(timesteps, dtype=torch.long, device=dev))
 
     def _draw_one(self, latent, shape, g):
-        import torch
-
         o = self.opts
         c, h, w = shape
         noise = torch.randn((c, h, w), generator=g)
@@ -193,8 +189,6 @@ class Losses:
     # -- the loss -----------------------------------------------------------------------------
     def huber_threshold(self, timesteps):
         """sd-scripts' get_huber_threshold_if_needed: (B,) or None for l1/l2."""
-        import torch
-
         o = self.opts
         if o.loss_type not in ("huber", "smooth_l1"):
             return None
@@ -239,8 +233,6 @@ class Losses:
 def apply_noise_offset(latent, noise, strength: float, adaptive_noise_scale, offset_noise):
     """noise + offset * N(0,1) per channel; with adaptive_noise_scale the offset grows with the
     channel's |mean| (clamped at 0). latent, noise: (C,H,W); offset_noise: (C,1,1)."""
-    import torch
-
     offset = strength
     if adaptive_noise_scale is not None:
         mean = torch.abs(latent.mean(dim=(1, 2), keepdim=True))
@@ -252,8 +244,6 @@ def pyramid_noise(noise, iterations: int, discount: float, g):
     """Multi-resolution noise (sd-scripts' pyramid_noise_like) of one sample (C,H,W): noise at
     ever coarser scales (factor r^i, r ~ U[2, 4)) upsampled bilinearly and added with weight
     discount^i, stopping at a 1-pixel side; then rescaled to unit standard deviation."""
-    import torch
-
     c, h, w = noise.shape
     up = torch.nn.Upsample(size=(h, w), mode="bilinear")
     noise = noise.unsqueeze(0)
@@ -269,8 +259,6 @@ def pyramid_noise(noise, iterations: int, discount: float, g):
 
 def elementwise_loss(pred, target, loss_type: str, huber_c=None):
     """sd-scripts' conditional_loss with reduction "none"; huber_c: (B,) thresholds."""
-    import torch
-
     if loss_type == "l2":
         return torch.nn.functional.mse_loss(pred, target, reduction="none")
     if loss_type == "l1":
@@ -289,8 +277,6 @@ def apply_masked_loss(loss, mask):
     resized to the loss's (h, w) by area averaging and multiplies the elementwise loss (B, C, h, w),
     broadcast over the channels. No renormalisation: the per-sample mean that follows is over
     every element, so a half-masked image contributes about half the loss (as sd-scripts)."""
-    import torch
-
     mask = mask.to(device=loss.device, dtype=loss.dtype)
     if mask.dim() == 3:
         mask = mask.unsqueeze(1)
@@ -300,8 +286,6 @@ def apply_masked_loss(loss, mask):
 
 def min_snr_weight(snr, gamma: float, v_prediction: bool):
     """Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v."""
-    import torch
-
     if v_prediction:
         return torch.minimum(snr, torch.full_like(snr, gamma)) / (snr + 1)
     return torch.clamp(gamma / snr, max=1.0)
@@ -309,8 +293,6 @@ def min_snr_weight(snr, gamma: float, v_prediction: bool):
 
 def snr_scale(snr):
     """SNR / (SNR + 1), SNR capped at 1000 (sd-scripts' get_snr_scale)."""
-    import torch
-
     snr = torch.minimum(snr, torch.full_like(snr, 1000.0))
     return snr / (snr + 1)
 
@@ -318,8 +300,6 @@ def snr_scale(snr):
 def debiased_weight(snr, v_prediction: bool):
     """Debiased estimation (Yu et al. 2024): 1/sqrt(SNR) for epsilon, 1/(SNR + 1) for v; SNR
     capped at 1000."""
-    import torch
-
     snr = torch.minimum(snr, torch.full_like(snr, 1000.0))
     return 1 / (snr + 1) if v_prediction else 1 / torch.sqrt(snr)
 
@@ -327,8 +307,6 @@ def debiased_weight(snr, v_prediction: bool):
 def zero_terminal_snr(scheduler) -> None:
     """Rescale the scheduler's betas so the last timestep has SNR 0 (Lin et al. 2023, Algorithm 1),
     in place: betas, alphas, alphas_cumprod."""
-    import torch
-
     alphas_bar_sqrt = torch.cumprod(1 - scheduler.betas, 0).sqrt()
     first, last = alphas_bar_sqrt[0].clone(), alphas_bar_sqrt[-1].clone()
     alphas_bar_sqrt = (alphas_bar_sqrt - last) * (first / (first - last))

@@ -35,11 +35,19 @@ peaks (see their comments and README "Memory estimate"); everything else is coun
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
+
+import torch
+from bitsandbytes.optim.optimizer import Optimizer2State
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
@@ -99,14 +107,10 @@ class EstimateUnavailable(Exception):
 # --- the fake model ---------------------------------------------------------------------------
 
 def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return FakeTensorMode()
 
 
 def _clip_models(folder: str, names) -> dict:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
     out = {}
     for name in names:
         cfg = os.path.join(folder, name, "config.json")
@@ -117,8 +121,6 @@ def _clip_models(folder: str, names) -> dict:
 
 
 def _from_config_dir(folder: str, family: str) -> dict:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-
     unet = UNet2DConditionModel.load_config(folder, subfolder="unet")
     comps = {"unet": UNet2DConditionModel.from_config(unet),
              "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(folder, subfolder="vae"))}
@@ -150,13 +152,9 @@ class _Shape:
 
 
 def _single_file_components(path: str) -> tuple[str, dict]:
-    import tempfile
-
     if path.endswith(".safetensors"):
         shapes, meta = safetensors_header(path)
     else:
-        import torch
-
         try:  # memory-mapped: the tensors are not read
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file: no estimate, the load will say why
@@ -197,6 +195,7 @@ def fake_components(opts) -> tuple[str, dict]:
         family, comps = _single_file_components(src.location)
     else:
         try:
+            # lazy: imported in a try: fake_components() answers its absence or failure
             from huggingface_hub import snapshot_download
 
             folder = snapshot_download(src.location, local_files_only=True, allow_patterns=[
@@ -211,8 +210,6 @@ def fake_components(opts) -> tuple[str, dict]:
         p = os.path.expanduser(vae)
         for cfg in (os.path.join(p, "vae"), p):
             if os.path.isfile(os.path.join(cfg, "config.json")):
-                from diffusers import AutoencoderKL
-
                 comps["vae"] = AutoencoderKL.from_config(AutoencoderKL.load_config(cfg))
                 break  # a single-file VAE has the base model's architecture
     return family, {k: comps[k] for k in ("unet", "vae", "text_encoder", "text_encoder_2") if k in comps}
@@ -331,8 +328,6 @@ def optimizer_rule(opts) -> OptimizerRule:
     kind = _optimizer_kind(cls, kwargs)
     rule = OptimizerRule(kind, cls.__name__, kwargs)
     if kind in ("bnb", "probed"):
-        import torch
-
         def probe(shape):
             p = torch.nn.Parameter(torch.zeros(shape))
             opt = build_optimizer(opts.optimizer_type, opts.optimizer_args, [{"params": [p]}],
@@ -340,8 +335,6 @@ def optimizer_rule(opts) -> OptimizerRule:
             return p, opt
 
         if kind == "bnb":
-            from bitsandbytes.optim.optimizer import Optimizer2State
-
             _, opt = probe((64, 64))
             rule.bnb_states = 2 if isinstance(opt, Optimizer2State) else 1
             rule.bnb_bits = int(opt.args.optim_bits)
@@ -364,8 +357,6 @@ def optimizer_rule(opts) -> OptimizerRule:
 
 def tensor_bytes(values, seen: set | None = None) -> int:
     """Bytes of the distinct tensor storages among ``values`` (nested lists/dicts allowed)."""
-    import torch
-
     seen = set() if seen is None else seen
     total = 0
     stack = list(values)
@@ -413,8 +404,6 @@ class _SavedCounter:
 
     @contextlib.contextmanager
     def hooks(self):
-        import torch
-
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             yield
 
@@ -438,8 +427,6 @@ class ActivationCount:
 
 def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> ActivationCount:
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
-    import torch
-
     unet = comps["unet"]
     tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
     params = [p for m in comps.values() for p in m.parameters()]
@@ -528,8 +515,6 @@ def _cast_module(module, dtype, compute=None) -> dict:
     parameters ``Module.to`` cannot swap): new Parameters in the dtypes ``placement.tensor_dtypes``
     gives (fp8: float8 Linear/Conv2d weights, with the up-casting forward); returns
     {id(old parameter): new parameter}."""
-    import torch
-
     new = {}
     for m, kind, name, target in list(placement.tensor_dtypes(module, dtype, compute)):
         t = getattr(m, kind)[name]
@@ -713,8 +698,6 @@ def fused_gradient_bytes(unit_bytes: list[int], alive: int) -> int:
 
 def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
-    import torch
-
     if method_name == "textual_inversion":
         raise EstimateUnavailable(TI_NOT_MODELED)
     if opts.deepspeed:
@@ -891,8 +874,6 @@ def report(opts, method_name: str, tset=None, processes: int = 1, main: bool = T
     """Print the estimate (main process); an estimate that cannot be made is said, never fatal."""
     if not main:
         return None
-    import gc
-
     try:
         est = estimate(opts, method_name, tset, processes)
         gc.collect()  # the fake model's modules hold reference cycles: free them before training

@@ -18,6 +18,8 @@ import logging
 import os
 from typing import Any, Callable, Protocol
 
+import torch
+
 from library.errors import UserError
 from library.files import EXTENSIONS
 from library.models import embeddings, flow_family, sd_checkpoint
@@ -65,8 +67,6 @@ class Method(Protocol):
 
 
 def _dtype(name):
-    import torch
-
     return {None: None, "float": torch.float32, "fp32": torch.float32, "fp16": torch.float16,
             "bf16": torch.bfloat16}[name]
 
@@ -212,8 +212,6 @@ class NetworkMethod:
         """New tokens in the tokenizers and text encoders (library/models/embeddings.py), their rows one
         more optimizer group. The text encoders then run with gradients (to reach the rows) even
         when the network trains only the U-Net: apply_to has already used the network's choice."""
-        import torch
-
         b = self.bundle
         self.tokens = embeddings.NewTokens(self.pivotal, "pivotal_tokens")
         self.tokens.install(b.tokenizers, b.text_encoders, self.opts.seed,
@@ -610,8 +608,6 @@ class TextualInversionMethod:
         self.tokens = None
 
     def setup(self):
-        import torch
-
         opts, b = self.opts, self.bundle
         for m in [b.unet, *b.text_encoders, b.vae]:
             m.requires_grad_(False)

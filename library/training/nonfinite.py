@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.distributed as dist
+
 from library.distributed.accelerator import _is_multi_process
 from library.errors import NonFiniteStop, UserError
 from networks.lora import LoRAError, load_state_dict_file
@@ -34,8 +37,6 @@ class NonFiniteInput(UserError, ValueError):
 def first_nonfinite(named) -> str | None:
     """The name of the first tensor of ``named`` ((name, tensor) pairs) holding NaN or inf, or
     None. One ``isfinite(...).all()`` per tensor and a single host synchronisation per device."""
-    import torch
-
     names, flags = [], {}
     for n, t in named:
         if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
@@ -83,9 +84,6 @@ def agree_flag(flag: bool, accelerator) -> bool:
     accelerator's device is read only then)."""
     if not _is_multi_process():
         return bool(flag)
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=accelerator.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

@@ -84,6 +84,8 @@ def _write_spill(module, path: str) -> None:
 def _read_spill(module, path: str) -> None:
     """Fill ``module``'s (just allocated) tensors from its spill file, reading straight into them
     (no second copy, no memory map left resident)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when _read_spill()
+    # runs
     import torch
 
     with open(path, "rb") as f:
@@ -121,6 +123,8 @@ class Frozen:
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def release(self, parts: list[Part], needed_later: bool, log: logging.Logger = logger) -> None:
+        # lazy: the dry run's plan loads this module before torch; torch is imported when release()
+        # runs
         import torch
 
         if self.keep or not parts:
@@ -190,6 +194,8 @@ class Frozen:
 
     def _away(self, part: Part) -> None:
         if self.device.type == "cuda":
+            # lazy: the dry run's plan loads this module before torch; torch is imported when
+            # _away() runs
             import torch
 
             for m in part.modules:

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from library.config.options import LR_SCHEDULERS
@@ -119,6 +120,8 @@ def resolve_optimizer_class(optimizer_type: str):
 
 def _torch_optim_name(name: str) -> str | None:
     """The torch.optim optimizer class called ``name`` (exact spelling first, then any case)."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _torch_optim_name() runs
     import torch
 
     def is_optimizer(attr):
@@ -148,6 +151,8 @@ def check_optimizer(optimizer_type: str, optimizer_args: dict, probe: bool = Fal
             raise OptimizerError(f"optimizer_args: {cls.__name__} has no argument {k!r}; "
                                  f"valid: {', '.join(valid)}")
     if probe and args:  # only values the user gave can be wrong here
+        # lazy: the dry run's plan loads this module before torch; torch is imported when
+        # check_optimizer() runs
         import torch
 
         _construct(cls, dict(kwargs), args, [torch.nn.Parameter(torch.zeros(4))], learning_rate,
@@ -248,8 +253,9 @@ def _paged_on_cpu(cls, param_groups, warn):
     """bitsandbytes pages optimizer state between GPU and CPU memory (CUDA unified memory); for
     CPU parameters it allocates ordinary tensors (its own warning at the first step says so):
     said here once, in our words."""
-    import warnings
 
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # _paged_on_cpu() runs
     import torch
 
     groups = param_groups if isinstance(param_groups, list) else list(param_groups)
@@ -301,6 +307,8 @@ def check_scheduler(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpe
     """Everything about the schedule that can be wrong, before any weight loads: the spec is
     built over the run's optimizer class on one dummy parameter (so the same code as the run
     raises); options that have no effect with this schedule are announced."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # check_scheduler() runs
     import torch
 
     spec = schedule_spec(opts, warmup_steps=warmup_steps, total_steps=total_steps)
@@ -400,6 +408,8 @@ def parse_step_rules(rules) -> tuple[list[tuple[int, float]], float]:
 def build_scheduler(spec: ScheduleSpec, optimizer):
     """The scheduler of ``spec`` over ``optimizer``: one scheduler step per optimizer step, all
     counts in optimizer steps."""
+    # lazy: the dry run's plan loads this module before torch; torch is imported when
+    # build_scheduler() runs
     from torch.optim.lr_scheduler import LambdaLR
 
     if spec.scheduler_type:
@@ -492,6 +502,8 @@ def _adafactor_scheduler(spec: ScheduleSpec, optimizer, relative: bool):
     """transformers' AdafactorSchedule: reports the step size Adafactor computes itself
     (relative_step=True); the update does not read it. sd-scripts builds it with
     initial_lr=learning_rate, the value reported before the first step."""
+    # lazy: the dry run's plan loads this module before torch; transformers is imported when
+    # _adafactor_scheduler() runs
     from transformers.optimization import AdafactorSchedule
 
     if not is_adafactor(type(optimizer)):

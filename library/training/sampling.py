@@ -27,6 +27,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
+
+import diffusers
+import toml
+import torch
+from PIL import Image
 
 from library import text_files
 from library.data import images, inpaint_masks
@@ -125,8 +131,6 @@ def load_prompts(path: str) -> list[dict]:
 
     text = text_files.read(path, SamplingError, "sample_prompts")
     if ext == ".toml":
-        import toml
-
         try:
             data = toml.loads(text)
         except toml.TomlDecodeError as e:
@@ -189,8 +193,6 @@ def image_path(opts, step: int, index: int, seed: int) -> str:
 
 
 def make_scheduler(name: str, config):
-    import diffusers
-
     cls_name, kw = SAMPLERS[name]
     return getattr(diffusers, cls_name).from_config(config, **kw)
 
@@ -200,8 +202,6 @@ def _pipeline(b, inpaint: bool):
     # torchvision transformers then announces a fallback that says nothing about this run.
     logging.getLogger("transformers.utils.import_utils").addFilter(
         lambda r: "requires torchvision (not installed)" not in r.getMessage())
-    import diffusers
-
     comps = b.components()
     comps.pop("scheduler")
     if b.family == "sdxl":
@@ -220,10 +220,6 @@ def inpaint_inputs(p: dict, seed: int):
     image resized to the sample size with a random mask drawn from the prompt's seed
     (library/data/inpaint_masks.py); without ``--i`` a mid-grey image entirely masked, i.e. the
     model generates the whole image (text to image for an inpainting model)."""
-    import random
-
-    from PIL import Image
-
     w, h = p["width"], p["height"]
     if p["image"] is None:
         return Image.new("RGB", (w, h), (128, 128, 128)), Image.new("L", (w, h), 255)
@@ -278,8 +274,6 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
 def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, sampler: str, pipe,
                output_type: str, inpaint_kw=None):
     """An SD family's sample through its diffusers pipeline: latents or PIL images."""
-    import torch
-
     steps, scale, _ = settings(p, bundle.family)
     pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(sampler, ""),
                                     bundle.noise_scheduler.config)
@@ -310,8 +304,6 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
     model ``bundle`` and ``method``'s network, in the ``stepper``'s eval mode, the ``frozen``
     parts back, the transformer's inputs in ``placement``'s dtype (FLUX.1 / SD3); returns the
     files written."""
-    import torch
-
     acc = accelerator
     prompts = load_prompts(opts.sample_prompts)
     written = []

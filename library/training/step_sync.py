@@ -22,6 +22,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import torch
+import torch.distributed as dist
+
 from library.distributed import accelerator
 from library.training.stop_signals import COMMANDS, StopSignals
 
@@ -41,8 +44,6 @@ class StepRead(NamedTuple):
 def value_dtype(device):
     """float64 (the loss is summed as the host used to sum Python floats) where the device
     has it."""
-    import torch
-
     return torch.float32 if getattr(device, "type", device) == "mps" else torch.float64
 
 
@@ -54,8 +55,6 @@ def add_loss(total, loss):
 
 def zero_loss(device):
     """The loss sum of a process with no micro-step in this step (an empty share)."""
-    import torch
-
     return torch.zeros((), dtype=value_dtype(device), device=device)
 
 
@@ -72,14 +71,10 @@ def exchange(device, signum: int, signals: tuple, summed=None, along=None,
     multi = accelerator._is_multi_process()
     if summed is None and along is None and not multi:
         return [], [], signum, _in_order(requested, names)
-    import torch
-
     dtype = value_dtype(device)
     parts = [] if summed is None else [summed.reshape(-1).to(dtype)]
     n = sum(p.numel() for p in parts)
     if multi:
-        import torch.distributed as dist
-
         flags = torch.zeros(len(signals) + len(names), dtype=dtype, device=device)
         if signum in signals:
             flags[signals.index(signum)].fill_(1)  # a kernel argument: no host-to-device copy

@@ -34,10 +34,14 @@ is saved only then (the earlier micro-steps accumulate them as usual).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import inspect
 import logging
 import math
 from typing import ContextManager, Protocol
+
+import torch
 
 from library.distributed.accelerator import BUCKETED_SUM
 from library.models.placement import trained_precision
@@ -125,8 +129,6 @@ def check_same_settings(optimizer, saved: dict) -> None:
     ones: the same options must have built the same optimizer. Dynamic group entries (the lr, the
     D-Adaptation / Prodigy / schedule-free estimates) are not constructor arguments and are left
     alone. ValueError: the resume code names the state directory around the message."""
-    import inspect
-
     args = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params", "lr"}
     for now, then in zip(optimizer.param_groups, saved.get("param_groups", [])):
         for key in sorted(args & set(now) & set(then)):
@@ -141,8 +143,6 @@ def grad_norm_fp32_tensor(params):
     """The global L2 norm of the gradients, accumulated in float32 (inf or NaN when a gradient
     holds one), as a 0-d tensor on the device (no host read): fp16/bf16 norms of scaled
     gradients would overflow or lose digits. None: no gradient."""
-    import torch
-
     total = None
     for p in params:
         if p.grad is not None:
@@ -286,8 +286,6 @@ class PlainStepper:
         None where a loss scaler owns overflow (mixed_precision fp16: Accelerate's GradScaler
         skips the step and lowers the scale, its documented behaviour) or no parameter has a
         gradient."""
-        import torch
-
         if getattr(self.accelerator, "scaler", None) is not None:
             if self.max_grad_norm and self.max_grad_norm > 0:
                 self.accelerator.clip_grad_norm_(self.params, self.max_grad_norm)
@@ -343,8 +341,6 @@ def _unit_is_finite(norm) -> bool:
     """Whether a fused unit's summed gradient norm (a device tensor) is finite: the fused
     steppers' one host read per unit (the guard decides, before the unit is stepped, whether
     it and the later units are stepped at all)."""
-    import torch
-
     return bool(torch.isfinite(norm))
 
 
@@ -374,8 +370,6 @@ class _HookStepper:
 
     def __init__(self, accelerator, units, optimizers, schedulers, max_grad_norm: float,
                  first_param=None, reductions_in_flight: int = 0, grad_sum=None):
-        import collections
-
         self.accelerator = accelerator
         self.units = units                  # list of parameter lists, in backward order
         self.optimizers = optimizers        # one per unit
@@ -475,8 +469,6 @@ class _HookStepper:
 
     def _step_summed(self, u: int) -> None:
         """Step unit ``u`` on its summed gradients (the non-finite guard first), then free them."""
-        import torch
-
         params = self.units[u]
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
@@ -527,8 +519,6 @@ class _HookStepper:
         self.partial_update = False
 
     def _low_precision(self) -> bool:
-        import torch
-
         return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
 
     def state_dict(self) -> dict:

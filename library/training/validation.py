@@ -33,6 +33,11 @@ The number is comparable across runs, batch sizes and process counts:
 from __future__ import annotations
 
 import logging
+import random
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from library.data import images, inpaint_masks, latent_cache
 from library.data.held_out import ValidationError, caption, place_in_dataset
@@ -68,8 +73,6 @@ def fixed_draw(losses, noise):
     """The draw of one held-out image's K = len(noise) evaluations: ``noise`` (K, C, h, w) at
     SD's fixed ``timesteps``, or at the flow losses' own K fixed noise levels (FLUX.1, SD3:
     flow_loss.FlowLosses.fixed_draw)."""
-    import torch
-
     if isinstance(losses, FlowLosses):
         return losses.fixed_draw(noise, len(noise))
     t = torch.tensor(timesteps(losses), dtype=torch.long, device=noise.device)
@@ -113,8 +116,6 @@ class Validation:
 
     def latents(self, vae, device, item):
         """(latent (C,h,w) float32, size conditioning (6,)) of a held-out image, encoded once."""
-        import torch
-
         key = _key(item)
         if key not in self._latents:
             img, mask = images.load_for_item(item)  # masked loss: the alpha channel or mask image
@@ -132,10 +133,6 @@ class Validation:
     def _inpaint_conditioning(self, vae, pix, item):
         """(5, h, w): the held-out image's mask, keyed by (validation_seed, its place in its
         dataset) as the split is, and the latents of the image masked by it."""
-        import random
-
-        import torch
-
         h, w = pix.shape[2:]
         rng = random.Random(_derive("val-inpaint", _seed(self.opts), place_in_dataset(item)))
         mask = inpaint_masks.random_mask(w, h, rng)[None, None].to(pix.device)
@@ -153,8 +150,6 @@ class Validation:
         """Masked loss (as in training, and as sd-scripts validates): the held-out image's mask
         (ones for an image without one) repeated for its ``n`` timesteps, (n,1,h,w); None when no
         image of the run has a mask."""
-        import torch
-
         if not self.tset.masked:
             return None
         m = self._masks.get(_key(item))
@@ -168,8 +163,6 @@ class Validation:
         the batch loss of training (library/training/batch_loss.py) at fixed timesteps of
         ``losses``, with the ``stepper``'s eval mode and the ``strategy``'s share; captions from
         ``text_cache`` (None: encoded with ``family_model``)."""
-        import torch
-
         acc, opts, items = accelerator, self.opts, self.items
         n = TIMESTEPS
         mine = torch.zeros(len(items), dtype=torch.float64)
@@ -207,8 +200,6 @@ class Validation:
             for m, training in modes.items():
                 m.training = training
         if acc.num_processes > 1:  # each slot is non-zero in one process only: the sum is exact
-            import torch.distributed as dist
-
             buf = mine.to(acc.device)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM)
             mine = buf.cpu()
@@ -228,8 +219,6 @@ def run_validation(validation: Validation, progress, label: str, *, accelerator,
                             batch_loss=batch_loss, text_cache=text_cache)
     progress.val_log.append((progress.global_step, value))
     if is_main_process():
-        from tqdm.auto import tqdm  # a line of its own, not inside the progress bar
-
         tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "
                    f"({len(validation.items)} image(s) x {TIMESTEPS} timesteps)")
     return value

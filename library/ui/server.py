@@ -44,6 +44,8 @@ def devices(gpus: str | None) -> list[str]:
         if not out or not all(g.isdigit() for g in out):
             raise UserError(f"--gpus {gpus!r}: expected comma-separated GPU indices, e.g. 0,1")
         return out
+    # lazy: --help and the UI server's start load this module before torch; torch is imported when
+    # devices() runs
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -53,6 +55,7 @@ def devices(gpus: str | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
+        # lazy: optional dependency (uvicorn: pip install -e ".[ui]"), imported when used
         import uvicorn
 
     except ImportError as e:
