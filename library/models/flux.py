@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from library.models import block_checkpoint
 
 # The sinusoidal timestep / guidance embedding width (BFL's MLPEmbedder input).
 TIME_EMBED_DIM = 256
@@ -358,13 +359,8 @@ class Flux(nn.Module):
         self.gradient_checkpointing = False
 
     def _call(self, block: nn.Module, *args):
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            if self.cpu_offload_checkpointing:  # the block's saved inputs wait on the host
-                on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-                with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
-                    return checkpoint(block, *args, use_reentrant=False)
-            return checkpoint(block, *args, use_reentrant=False)
-        return block(*args)
+        return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing and self.training,
+                                     offload=self.cpu_offload_checkpointing)
 
     def _run(self, block: nn.Module, *args):
         if self.block_swap is not None:

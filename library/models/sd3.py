@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from library.errors import ModelError, first_line
+from library.models import block_checkpoint
 
 HEAD_DIM = 64  # SAI: hidden = 64 * depth, heads = depth
 PREFIX = "model.diffusion_model."  # the transformer's keys in an all-in-one file
@@ -339,13 +339,8 @@ class MMDiT(nn.Module):
         self.gradient_checkpointing = enabled
 
     def _call(self, block: nn.Module, *args):
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            if self.cpu_offload_checkpointing:  # the block's saved inputs wait on the host
-                on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-                with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
-                    return checkpoint(block, *args, use_reentrant=False)
-            return checkpoint(block, *args, use_reentrant=False)
-        return block(*args)
+        return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing and self.training,
+                                     offload=self.cpu_offload_checkpointing)
 
     def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
         """The centre h x w patches of the table, (1, h*w, hidden) (SAI's cropped_pos_embed)."""
