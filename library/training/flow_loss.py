@@ -155,9 +155,11 @@ def check_options(opts, method_name: str) -> str | None:
     for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
         if flow_family._is_set(opts, name):
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
+    warned = set()  # one "no effect" line per option
     for name, why in {**NO_EFFECT, **NO_EFFECT_BY_FAMILY.get(fam, {})}.items():
         if flow_family._is_set(opts, name):
             logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
+            warned.add(name)
     if not opts.sdpa:
         raise flow_family.FlowFamilyError(f"sdpa = false: the {what} transformer always uses SDPA attention")
     if opts.loss_type not in flow_family.LOSS_TYPES:
@@ -177,7 +179,7 @@ def check_options(opts, method_name: str) -> str | None:
     flow = flow_options(opts, fam)
     flow_matching.check_flow_options(flow)
     for name, why in flow_matching.ignored_options(flow):
-        if name in opts.given:
+        if name in opts.given and name not in warned:
             logger.warning("option %s has no effect here (%s)", name, why)
     return fam
 

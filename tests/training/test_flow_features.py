@@ -251,6 +251,7 @@ def test_options_sd_scripts_ignores_warn_and_leave_the_loss_unchanged(family, da
     ignored, err = run("ignored", *extra)
     for name in names:
         assert f"option {name} has no effect with the" in err, name
+        assert err.count(f"option {name} has no effect") == 1, (name, err)  # one line each
     assert ignored.progress.loss_log == plain.progress.loss_log
     a, b = (dict(r.parts.bundle.unet.named_parameters()) for r in (plain, ignored))
     assert all(torch.equal(a[k], b[k]) for k in a)
