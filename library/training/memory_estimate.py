@@ -106,6 +106,9 @@ class EstimateUnavailable(Exception):
 
 # --- the fake model ---------------------------------------------------------------------------
 
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # SD3's third: T5-XXL
+
+
 def _fake_mode():
     return FakeTensorMode()
 
@@ -212,7 +215,7 @@ def fake_components(opts) -> tuple[str, dict]:
             if os.path.isfile(os.path.join(cfg, "config.json")):
                 comps["vae"] = AutoencoderKL.from_config(AutoencoderKL.load_config(cfg))
                 break  # a single-file VAE has the base model's architecture
-    return family, {k: comps[k] for k in ("unet", "vae", "text_encoder", "text_encoder_2") if k in comps}
+    return family, {k: comps[k] for k in ("unet", "vae", *TEXT_ENCODERS) if k in comps}
 
 
 # --- optimizer state --------------------------------------------------------------------------
@@ -428,7 +431,7 @@ class ActivationCount:
 def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> ActivationCount:
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
     unet = comps["unet"]
-    tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
+    tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
     params = [p for m in comps.values() for p in m.parameters()]
     if method.network is not None:
         params += list(method.network.parameters())
@@ -544,7 +547,7 @@ class _Bundle:
 def _fake_bundle(opts) -> tuple[str, dict, _Bundle]:
     """The run's model on fake tensors (inside ``_fake_mode``), as a ModelBundle-like record."""
     family, comps = fake_components(opts)
-    tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
+    tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
     return family, comps, _Bundle(family, comps["unet"], tes, [], comps["vae"])
 
 
