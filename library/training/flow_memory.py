@@ -38,7 +38,8 @@ from library.models.family import TextConditioning
 from library.training import block_swap
 
 LATENT_CHANNELS = 16  # both families' autoencoders
-SD3_TOKENS = 154  # 77 CLIP tokens + 77 zero tokens in T5's place (sd3_text.condition)
+SD3_CLIP_TOKENS = 77
+SD3_TOKENS = 2 * SD3_CLIP_TOKENS  # without T5: 77 zero tokens in its place (sd3_text.condition)
 
 
 class Unavailable(Exception):
@@ -208,20 +209,23 @@ def latent_shape(bucket) -> tuple:
     return (LATENT_CHANNELS, h // 8, w // 8)
 
 
-def text_tokens(opts, unet) -> tuple[int, int, int]:
+def text_tokens(opts, unet, with_t5: bool) -> tuple[int, int, int]:
     """(tokens, token width, pooled width) of the transformer's text input (FLUX.1: T5's
-    t5xxl_max_token_length, by default dev's 512 or schnell's 256)."""
+    t5xxl_max_token_length, by default dev's 512 or schnell's 256; SD3: CLIP's 77 and, ``with_t5``,
+    T5's t5xxl_max_token_length (default 256), else 77 zero tokens: sd3_text.condition)."""
     if isinstance(unet, flux.Flux):
         length = opts.t5xxl_max_token_length or t5.T5_MAX_LENGTH[
             "dev" if unet.config.guidance_embed else "schnell"]
         return length, unet.config.context_in_dim, unet.config.vec_in_dim
-    return SD3_TOKENS, unet.config.context_dim, unet.config.adm_in_channels
+    tokens = SD3_CLIP_TOKENS + (opts.t5xxl_max_token_length or flow_family.SD3_T5_MAX_LENGTH) if with_t5 \
+        else SD3_TOKENS
+    return tokens, unet.config.context_dim, unet.config.adm_in_channels
 
 
-def forward(opts, unet, noisy, dtype):
+def forward(opts, unet, noisy, dtype, with_t5: bool):
     """The transformer's forward of one micro-step, as the family model calls it."""
     b = noisy.shape[0]
-    tokens, width, pooled = text_tokens(opts, unet)
+    tokens, width, pooled = text_tokens(opts, unet, with_t5)
     hidden = torch.zeros(b, tokens, width, dtype=dtype)
     vec = torch.zeros(b, pooled, dtype=dtype)
     t = torch.full((b,), 0.5)
@@ -242,7 +246,7 @@ def checkpoint_with(unet, checkpointed) -> None:
     unet._call = lambda block, *args: checkpointed(block, *args)
 
 
-def cached_bytes(opts, items, tset, unet, text_dtype_bytes: int) -> int:
+def cached_bytes(opts, items, tset, unet, text_dtype_bytes: int, with_t5: bool) -> int:
     """Latents (float32) and text-encoder outputs of the cache stage."""
     total = 0
     if opts.cache_latents or opts.cache_latents_to_disk:
@@ -253,7 +257,7 @@ def cached_bytes(opts, items, tset, unet, text_dtype_bytes: int) -> int:
         captions = set()
         for it in items:
             captions.update(tset.caption_variants(it))
-        tokens, width, pooled = text_tokens(opts, unet)
+        tokens, width, pooled = text_tokens(opts, unet, with_t5)
         total += len(captions) * (tokens * width + pooled) * text_dtype_bytes
     return total
 

@@ -472,7 +472,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
             latents = torch.zeros(batch, *latent)
             dt = next(unet.parameters()).dtype
             with outer.hooks(), autocast:
-                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype)
+                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype,
+                                           "text_encoder_3" in comps)
             with outer.hooks():
                 loss = ((pred.float() - latents) ** 2).mean()
             del loss
@@ -627,7 +628,8 @@ def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tok
         return 0
     items = tset.train_items + tset.reg_items
     if not hasattr(comps["unet"].config, "cross_attention_dim"):  # FLUX.1 / SD3
-        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes)
+        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes,
+                                        "text_encoder_3" in comps)
     if opts.cache_latents or opts.cache_latents_to_disk:
         c = comps["unet"].config.in_channels
         for it in items:

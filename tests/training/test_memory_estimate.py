@@ -398,9 +398,11 @@ def test_flow_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path)
                                        ("tiny-sd3", False), ("tiny-sd3", True)])
 def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     """The activations the estimate counts on fake tensors are those the real transformer saves
-    for its backward (the same count on the loaded model), with and without checkpointing."""
+    for its backward (the same count on the loaded model), with and without checkpointing; its
+    text tokens are the real encoding's (SD3 with the tiny T5: 77 + 256)."""
     from library.config.parse import parse_args
     from library.models import flow_family
+    from library.training import flow_memory
     from library.training.methods import FullMethod
 
     opts = parse_args("train_dreambooth", ["--pretrained_model_name_or_path", model,
@@ -410,6 +412,13 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     real = flow_family.load_from_options(opts)
     comps = {"unet": real.unet, "vae": real.vae, "text_encoder": real.text_encoders[0],
              "text_encoder_2": real.text_encoders[1]}
+    if len(real.text_encoders) > 2:  # SD3's T5
+        comps["text_encoder_3"] = real.text_encoders[2]
+    # the text tokens the estimate feeds the transformer are those the run's encoding gives it
+    fm = flow_family.family_model_for(real, opts)
+    with torch.no_grad():
+        cond = fm.encode(fm.tokenize(["a photo"]), None)
+    assert flow_memory.text_tokens(opts, real.unet, "text_encoder_3" in comps)[0] == cond.hidden_states.shape[1]
     method = FullMethod(opts, real)
     method.setup()
     counted = me.count_activations(opts, real.family, comps, method, contextlib.nullcontext(),
