@@ -5,9 +5,8 @@ batch 1 x accumulation 2 and 1 process x batch 2, in this process: the same plan
 learning rates; 2 x 1 is bit-identical to accumulation 2 (the same batch-1 forwards, and g0 + g1
 is the same float sum whether gloo or the accumulation adds it); batch 2 is within the issue's
 1e-5 per tensor (SGD, docs/DESIGN's bound; measured 9.6e-7 for FLUX.1, 1.1e-6 for SD3). The
-two-bucket data of
-tests/training/test_equivalence.py (128 px square and 192 x 64 wide, partial global batches),
-max_grad_norm engaged, 5 steps over 2 epochs.
+two-bucket data of tests/training/test_equivalence.py (128 px square and 192 x 64 wide, partial
+global batches), max_grad_norm engaged, 5 steps over 2 epochs.
 
 Launched as a script (``<report_dir> <out_dir> <data_dir>``) this file is the worker: the runs'
 reports go to ``<report_dir>/<family>/rank<N>.json`` (and ``.safetensors``)."""
