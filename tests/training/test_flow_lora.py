@@ -216,7 +216,7 @@ def test_sd3_lora_trains_and_the_clients_patch_is_the_trained_model(dataset, tmp
 @pytest.mark.parametrize("model, module, probe", [
     ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"),
     ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight"),
-])
+], ids=["flux", "sd3"])
 def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe):
     """Stopped at step 2 of 4 (mid-epoch: 4 samples, batch 1) with its state, resumed in another
     folder: the final file (CLIP-L (and SD3's CLIP-G) and transformer LoRA, AdamW state) equals
