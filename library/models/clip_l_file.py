@@ -29,7 +29,7 @@ def load_clip_l(path: str, dtype: torch.dtype = torch.float32):
     sd, meta = read_state_dict(path)
     sd = fp8_storage.load_dtype(sd, dtype, path)
     record = embedded_config.read_record(meta, CLIP_META_KEY, path)
-    config = CLIPTextConfig(**record["config"]) if record else CLIPTextConfig.from_json_file(CLIP_L_CONFIG)
+    config = clip_l_config(meta, path)
     with torch.device("meta"):
         model = CLIPTextModel(config)
     wrapped = hasattr(model, "text_model")  # transformers < 5.6 nests the model under text_model.
@@ -53,6 +53,12 @@ def load_clip_l(path: str, dtype: torch.dtype = torch.float32):
     else:
         tok = CLIPTokenizer.from_pretrained(SHIPPED_TOKENIZER, local_files_only=True)
     return model.eval(), tok
+
+
+def clip_l_config(meta: dict, path: str) -> CLIPTextConfig:
+    """A clip_l file's config: the one in its metadata (files this toolkit writes), else CLIP-L's."""
+    record = embedded_config.read_record(meta, CLIP_META_KEY, path)
+    return CLIPTextConfig(**record["config"]) if record else CLIPTextConfig.from_json_file(CLIP_L_CONFIG)
 
 
 def _reset_position_ids(model) -> None:

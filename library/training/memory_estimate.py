@@ -106,6 +106,9 @@ class EstimateUnavailable(Exception):
 
 # --- the fake model ---------------------------------------------------------------------------
 
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # SD3's third: T5-XXL
+
+
 def _fake_mode():
     return FakeTensorMode()
 
@@ -212,7 +215,7 @@ def fake_components(opts) -> tuple[str, dict]:
             if os.path.isfile(os.path.join(cfg, "config.json")):
                 comps["vae"] = AutoencoderKL.from_config(AutoencoderKL.load_config(cfg))
                 break  # a single-file VAE has the base model's architecture
-    return family, {k: comps[k] for k in ("unet", "vae", "text_encoder", "text_encoder_2") if k in comps}
+    return family, {k: comps[k] for k in ("unet", "vae", *TEXT_ENCODERS) if k in comps}
 
 
 # --- optimizer state --------------------------------------------------------------------------
@@ -428,7 +431,7 @@ class ActivationCount:
 def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> ActivationCount:
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
     unet = comps["unet"]
-    tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
+    tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
     params = [p for m in comps.values() for p in m.parameters()]
     if method.network is not None:
         params += list(method.network.parameters())
@@ -469,7 +472,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
             latents = torch.zeros(batch, *latent)
             dt = next(unet.parameters()).dtype
             with outer.hooks(), autocast:
-                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype)
+                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype,
+                                           "text_encoder_3" in comps)
             with outer.hooks():
                 loss = ((pred.float() - latents) ** 2).mean()
             del loss
@@ -544,7 +548,7 @@ class _Bundle:
 def _fake_bundle(opts) -> tuple[str, dict, _Bundle]:
     """The run's model on fake tensors (inside ``_fake_mode``), as a ModelBundle-like record."""
     family, comps = fake_components(opts)
-    tes = [comps[n] for n in ("text_encoder", "text_encoder_2") if n in comps]
+    tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
     return family, comps, _Bundle(family, comps["unet"], tes, [], comps["vae"])
 
 
@@ -624,7 +628,8 @@ def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tok
         return 0
     items = tset.train_items + tset.reg_items
     if not hasattr(comps["unet"].config, "cross_attention_dim"):  # FLUX.1 / SD3
-        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes)
+        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes,
+                                        "text_encoder_3" in comps)
     if opts.cache_latents or opts.cache_latents_to_disk:
         c = comps["unet"].config.in_channels
         for it in items:

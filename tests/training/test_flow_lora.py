@@ -6,7 +6,7 @@ the entry script, on the built-in tiny models (64 px, 2 steps):
   and the fused weights W + up @ down * alpha / rank (float64, from the file);
 - an SD3 LoRA (split_qkv): every name is in ComfyUI's key map, and the MMDiT patched the way the
   clients patch it (float64, from the file) computes what the trained run's network computes;
-- exact resume of a FLUX.1 LoRA (stopped mid-epoch at step 2, resumed, bit-identical file);
+- exact resume of a FLUX.1 and of an SD3 LoRA (stopped mid-epoch at step 2, resumed, bit-identical file);
 - the network modules and network_args that do not apply fail before any weight loads.
 diffusers 0.42 has no kohya SD3 converter (tests/networks/test_lora_sd3.py pins it): ComfyUI's
 key map stands in for the SD3 client.
@@ -213,18 +213,22 @@ def test_sd3_lora_trains_and_the_clients_patch_is_the_trained_model(dataset, tmp
     assert float((got - want).norm()) < 1e-3 * change  # float32 against float64: the same model
 
 
-def test_flux_lora_resume_is_bit_identical(dataset, tmp_path, train):
+@pytest.mark.parametrize("model, module, probe", [
+    ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"),
+    ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight"),
+], ids=["flux", "sd3"])
+def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe):
     """Stopped at step 2 of 4 (mid-epoch: 4 samples, batch 1) with its state, resumed in another
-    folder: the final file (CLIP-L and transformer LoRA, AdamW state) equals the uninterrupted run's."""
+    folder: the final file (CLIP-L (and SD3's CLIP-G) and transformer LoRA, AdamW state) equals
+    the uninterrupted run's, one thread (conftest)."""
     args = ["--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state"]
     whole = str(tmp_path / "whole")
-    rc, _, err, u = train("train_lora", lora_args("tiny-flux", "networks.lora_flux", dataset, whole, *args))
+    rc, _, err, u = train("train_lora", lora_args(model, module, dataset, whole, *args))
     assert rc == 0, err
     state = os.path.join(whole, "last-step00000002-state")
     assert os.path.isdir(state)
     resumed = str(tmp_path / "resumed")
-    rc, _, err, r = train("train_lora", lora_args("tiny-flux", "networks.lora_flux", dataset, resumed, *args,
-                                                  "--resume", state))
+    rc, _, err, r = train("train_lora", lora_args(model, module, dataset, resumed, *args, "--resume", state))
     assert rc == 0, err
     assert r.progress.global_step == 4 and r.progress.loss_log == u.progress.loss_log
     a, b = load_file(os.path.join(whole, "last.safetensors")), load_file(os.path.join(resumed, "last.safetensors"))
@@ -232,8 +236,7 @@ def test_flux_lora_resume_is_bit_identical(dataset, tmp_path, train):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     mid = load_file(os.path.join(whole, "last-step00000002.safetensors"))
-    assert not torch.equal(mid["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"],
-                           a["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"])
+    assert not torch.equal(mid[probe], a[probe])
 
 
 @pytest.mark.parametrize("model, extra, message", [

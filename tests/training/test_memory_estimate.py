@@ -77,6 +77,8 @@ def _components_of(run):
     parts = {"unet": b.unet, "vae": b.vae, "text_encoder": b.text_encoders[0]}
     if len(b.text_encoders) > 1:
         parts["text_encoder_2"] = b.text_encoders[1]
+    if len(b.text_encoders) > 2:  # SD3's T5-XXL
+        parts["text_encoder_3"] = b.text_encoders[2]
     if run.parts.method.network is not None:
         parts["network"] = run.parts.method.network
     return parts
@@ -348,6 +350,12 @@ FLOW_CASES = {
     "sd3-bf16-groups": ("train_dreambooth", "tiny-sd3.5-medium", [
         "--mixed_precision", "bf16", "--full_bf16", "--optimizer_type", "Adafactor",
         "--fused_optimizer_groups", "2"]),
+    # LoRA (train_lora): the network's parameters, on the transformer and the CLIP encoders
+    "flux-lora-te-adamw": ("train_lora", "tiny-flux", [
+        "--network_module", "networks.lora_flux", "--network_dim", "4", "--optimizer_type", "AdamW"]),
+    "sd3-lora-split-qkv-lion": ("train_lora", "tiny-sd3", [
+        "--network_module", "networks.lora_sd3", "--network_dim", "4", "--network_args", "split_qkv=True",
+        "--optimizer_type", "Lion"]),
 }
 
 
@@ -390,9 +398,11 @@ def test_flow_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path)
                                        ("tiny-sd3", False), ("tiny-sd3", True)])
 def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     """The activations the estimate counts on fake tensors are those the real transformer saves
-    for its backward (the same count on the loaded model), with and without checkpointing."""
+    for its backward (the same count on the loaded model), with and without checkpointing; its
+    text tokens are the real encoding's (SD3 with the tiny T5: 77 + 256)."""
     from library.config.parse import parse_args
     from library.models import flow_family
+    from library.training import flow_memory
     from library.training.methods import FullMethod
 
     opts = parse_args("train_dreambooth", ["--pretrained_model_name_or_path", model,
@@ -402,6 +412,13 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     real = flow_family.load_from_options(opts)
     comps = {"unet": real.unet, "vae": real.vae, "text_encoder": real.text_encoders[0],
              "text_encoder_2": real.text_encoders[1]}
+    if len(real.text_encoders) > 2:  # SD3's T5
+        comps["text_encoder_3"] = real.text_encoders[2]
+    # the text tokens the estimate feeds the transformer are those the run's encoding gives it
+    fm = flow_family.family_model_for(real, opts)
+    with torch.no_grad():
+        cond = fm.encode(fm.tokenize(["a photo"]), None)
+    assert flow_memory.text_tokens(opts, real.unet, "text_encoder_3" in comps)[0] == cond.hidden_states.shape[1]
     method = FullMethod(opts, real)
     method.setup()
     counted = me.count_activations(opts, real.family, comps, method, contextlib.nullcontext(),
@@ -420,7 +437,7 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     from library.config.parse import parse_args
-    from library.models import flux_checkpoint
+    from library.models import clip_l_file, flux_checkpoint
     from library.models.tiny_flux import build_tiny_flux
 
     parts = build_tiny_flux("dev")
@@ -435,7 +452,9 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
             if v.data_ptr() not in seen:
                 seen.add(v.data_ptr())
                 sd[k] = v.contiguous()
-        save_file(sd, files[key])
+        # the tiny CLIP-L with its config (clip_l_file's metadata, as the toolkit writes it)
+        meta = clip_l_file.clip_l_file_metadata(parts["clip_l"], parts["clip_tokenizer"]) if key == "clip_l" else None
+        save_file(sd, files[key], metadata=meta)
         written[key] = sum(v.numel() for v in sd.values())
 
     def refuse(*a, **k):
@@ -450,8 +469,68 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
     est = me.estimate(opts, "dreambooth")
     got = {line.component: line.numel for line in est.params}
     assert got == {"unet": sum(p.numel() for p in parts["transformer"].parameters()),
-                   "vae": written["ae"], "text_encoder": written["clip_l"],
+                   "vae": written["ae"], "text_encoder": sum(p.numel() for p in parts["clip_l"].parameters()),
                    "text_encoder_2": written["t5xxl"]}
+
+
+def _flux_diffusers_folder(tmp_path) -> str:
+    from library.models import flux_saving
+    from library.models.tiny_flux import build_tiny_flux
+
+    folder = str(tmp_path / "flux-folder")
+    flux_saving.save_diffusers_folder(build_tiny_flux("dev"), "dev", folder)
+    return folder
+
+
+def _sd3_single_file(tmp_path) -> str:
+    """tiny-sd3 as one SAI-layout file (MMDiT, CLIP-L, CLIP-G, T5, VAE)."""
+    from library.models import sd3_checkpoint
+
+    path = str(tmp_path / "sd3.safetensors")
+    sd3_checkpoint.save_sd3(sd3_checkpoint.load_sd3("tiny-sd3"), path)
+    return path
+
+
+FLOW_SOURCES = {"flux-diffusers-folder": (_flux_diffusers_folder, "flux", "networks.lora_flux"),
+                "sd3-single-file": (_sd3_single_file, "sd3", "networks.lora_sd3")}
+
+
+@pytest.mark.parametrize("source", sorted(FLOW_SOURCES))
+def test_flow_files_and_folders_are_estimated_without_their_tensors(source, train, dataset, tmp_path, monkeypatch):
+    """A FLUX.1 diffusers folder and an SD3 single file, estimated from safetensors headers and
+    config files only (reading tensor data fails the test), for a LoRA run: every component's
+    parameter count and the LoRA's trained parameters equal the real run's (which loads them)."""
+    import safetensors
+    import safetensors.torch
+
+    from library.config.parse import parse_args
+    from library.models import flow_family
+
+    make, family, module = FLOW_SOURCES[source]
+    model = make(tmp_path)
+    assert flow_family.family_before_loading(model) == family
+    argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", dataset,
+            "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
+            "--learning_rate", "1e-3", "--cache_latents", "--network_module", module, "--network_dim", "4"]
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    with monkeypatch.context() as m:
+        for mod, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"),
+                          (safetensors.torch, "safe_open")):
+            m.setattr(mod, name, refuse)
+        m.setattr(flow_family, "family_before_loading", lambda src: family)  # detection reads keys
+        est = me.estimate(parse_args("train_lora", [*argv, "--dry_run"]), "lora")
+    rc, out, err, run = train("train_lora", argv)
+    assert rc == 0, err
+    got = {(line.component, line.trained, line.dtype): line.numel for line in est.params}
+    assert got == _real_lines(run)
+    assert any(c == "text_encoder" for c, _, _ in got) and ("network", True, "float32") in got
+    assert (("text_encoder_3", False, "float32") in got) == (family == "sd3")  # SD3's T5 in the file
+    trained = [p for p in run.parts.params if p.requires_grad]
+    assert est.trained_params == sum(p.numel() for p in trained) > 0
+    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
 
 
 @pytest.mark.slow
