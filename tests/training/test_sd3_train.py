@@ -101,6 +101,8 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
     (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
+    (["--double_blocks_to_swap", "4"], "double_blocks_to_swap: not with the SD3 model tiny-sd3: sd-scripts' "
+                                       "deprecated FLUX.1 block-swap name; give blocks_to_swap"),
 ])
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
@@ -418,6 +420,9 @@ def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp
     (["--t5_dropout_rate", "0.1"], "t5_dropout_rate: not with the FLUX.1 model tiny-flux: SD3's text-encoder dropout"),
     (["--train_text_encoder"], "train_text_encoder: not with the FLUX.1 model tiny-flux: sd-scripts' "
                                "flux_train.py trains the transformer alone"),
+    (["--pos_emb_random_crop_rate", "0.5"], "pos_emb_random_crop_rate: not with the FLUX.1 model tiny-flux: "
+                                            "SD3's position-embedding table"),
+    (["--enable_scaled_pos_embed"], "enable_scaled_pos_embed: not with the FLUX.1 model tiny-flux"),
 ])
 def test_sd3_text_options_refused_for_flux_in_one_line(dataset, tmp_path, run_script, extra, message):
     args = sd3_args(dataset, str(tmp_path / "o"), *extra)
