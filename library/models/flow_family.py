@@ -296,11 +296,12 @@ class SD3FamilyModel(FamilyModel):
         """``sample_seeds`` (training): each sample's pos_emb_random_crop_rate draw
         (library/models/sd3_positions.py); without them the table's centre (samples, validation)."""
         dtype, dev = noisy_latents.dtype, noisy_latents.device
-        crop = {}
-        if sample_seeds is not None and self.pos_emb_random_crop_rate > 0:
-            crop = {"crop_rate": self.pos_emb_random_crop_rate, "crop_seeds": list(sample_seeds)}
+        rate = self.pos_emb_random_crop_rate if sample_seeds is not None else 0.0
+        # computed here, eagerly: the draws and the scaled tables stay out of a compiled forward
+        pos = self.unet.cropped_pos_embed(*self.unet.patches(noisy_latents), rate,
+                                          list(sample_seeds) if rate > 0 else None, device=dev, dtype=dtype)
         return self.unet(noisy_latents, timesteps.to(dev, dtype), cond.pooled.to(dev, dtype),
-                         cond.hidden_states.to(dev, dtype), **crop)
+                         cond.hidden_states.to(dev, dtype), pos_embed=pos)
 
 
 def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:

@@ -368,17 +368,25 @@ class MMDiT(nn.Module):
                    for seed in seeds]
         return torch.stack(windows)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, context: torch.Tensor,
-                crop_rate: float = 0.0, crop_seeds=None) -> torch.Tensor:
-        """``crop_rate`` / ``crop_seeds``: pos_emb_random_crop_rate's per-sample draws (training
-        only: cropped_pos_embed); without them the centre of the table."""
-        b, _, H, W = x.shape
+    def patches(self, x: torch.Tensor) -> tuple[int, int]:
+        """(h, w): the patch grid of latents x (B, C, H, W)."""
+        H, W = x.shape[-2:]
         p = self.config.patch_size
         if H % p or W % p:
             raise SD3ModelError(f"latent size {H} x {W} is not a multiple of the patch size {p}")
-        h, w = H // p, W // p
-        pos = self.cropped_pos_embed(h, w, crop_rate, crop_seeds, device=x.device, dtype=x.dtype)
-        x = self.x_embedder(x) + pos.to(x.dtype)
+        return H // p, W // p
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, context: torch.Tensor,
+                pos_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """``pos_embed``: the position embedding (1 or B, h*w, hidden) from cropped_pos_embed,
+        computed by the caller (outside a compiled forward: a random crop's draws and the scaled
+        tables are Python); None: the table's centre."""
+        b, _, H, W = x.shape
+        p = self.config.patch_size
+        h, w = self.patches(x)
+        if pos_embed is None:
+            pos_embed = self.cropped_pos_embed(h, w, device=x.device, dtype=x.dtype)
+        x = self.x_embedder(x) + pos_embed.to(x.dtype)
         c = self.t_embedder(timestep_embedding(t).to(x.dtype)) + self.y_embedder(y)
         context = self.context_embedder(context)
         for block in self.joint_blocks:

@@ -281,9 +281,9 @@ def test_random_crop_forward_is_per_sample_and_keyed_to_its_seed():
     ctx = torch.randn(2, 3, cfg.context_dim)
     seeds = [11, 12]
     with torch.no_grad():
-        both = model(x, t, y, ctx, crop_rate=1.0, crop_seeds=seeds)
-        one = torch.cat([model(x[k:k + 1], t[k:k + 1], y[k:k + 1], ctx[k:k + 1], crop_rate=1.0,
-                               crop_seeds=[seeds[k]]) for k in range(2)])
+        both = model(x, t, y, ctx, pos_embed=model.cropped_pos_embed(4, 4, 1.0, seeds))
+        one = torch.cat([model(x[k:k + 1], t[k:k + 1], y[k:k + 1], ctx[k:k + 1],
+                               pos_embed=model.cropped_pos_embed(4, 4, 1.0, [seeds[k]])) for k in range(2)])
         centre = model(x, t, y, ctx)
     assert float((both - one).abs().max()) <= 1e-5
     assert not torch.allclose(both, centre)
