@@ -31,6 +31,8 @@ import random
 
 import torch
 
+from library.errors import ModelError
+
 POS_EMBED_MAX_RATIO = 1.5  # sd-scripts' MMDiT.POS_EMBED_MAX_RATIO: the table is 1.5 x the latent
 SCALED_BASE_SIZE = 16  # sd-scripts' base_size: the centre spans the positions of 16 patches
 
@@ -63,7 +65,7 @@ class ScaledPosEmbed:
     def __init__(self, dim: int, patched_sizes):
         sizes = sorted(set(int(s) for s in patched_sizes))
         if not sizes or sizes[0] < 1:
-            raise ValueError(f"enable_scaled_pos_embed: no usable latent size in {patched_sizes}")
+            raise ModelError(f"enable_scaled_pos_embed: no usable latent size in {patched_sizes}")
         self.dim = dim
         self.sizes = sizes
         self.limits = [(a * a + b * b) // 2 for a, b in zip(sizes, sizes[1:])]
