@@ -186,6 +186,18 @@ OPTIONS: tuple[Option, ...] = (
       "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
     O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
       "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
+    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/sd3.py)
+    O("pos_emb_random_crop_rate", "float", 0.0, "SD3: probability that a training sample's "
+      "position embedding is a random crop of the table (every offset alike) instead of its "
+      "centre, drawn per sample and epoch (sd-scripts' --pos_emb_random_crop_rate, meant for "
+      "SD3.5 medium); samples and validation use the centre.", "model", scripts=NOT_TI, min=0,
+      max=1),
+    O("enable_scaled_pos_embed", "bool", False, "SD3: position embeddings scaled per dataset "
+      "resolution for multi-resolution training (sd-scripts' --enable_scaled_pos_embed, meant for "
+      "SD3.5 medium): each dataset resolution's latent size s gets a sin-cos table of 1.5 s / 2 "
+      "patches whose centre s / 2 patches span the positions of 16 patches; a latent takes the "
+      "table of its area (the midpoints between the sizes' areas divide them), also in samples "
+      "and validation.", "model", scripts=NOT_TI),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -479,6 +491,17 @@ OPTIONS: tuple[Option, ...] = (
       "optimizer steps the swapped blocks on the host, fused_backward_pass on the device. One "
       "process; not with fused_optimizer_groups, cpu_offload_checkpointing, ema_decay or "
       "torch_compile. 0 / unset = off.", "training", scripts=NOT_TI, min=0),
+    # sd-scripts' deprecated FLUX.1 block-swap names (mapped in library/config/parse.py)
+    O("split_mode", "bool", False, "[Deprecated] FLUX.1 train_lora: use blocks_to_swap. As "
+      "sd-scripts' flux_train_network.py: sets blocks_to_swap = 18, or is ignored when "
+      "blocks_to_swap is given (a warning either way); no effect in train_dreambooth / finetune "
+      "(sd-scripts' flux_train.py has no such option).", "training", scripts=NOT_TI),
+    O("double_blocks_to_swap", "int", None, "[Deprecated] FLUX.1 train_dreambooth / finetune: "
+      "use blocks_to_swap. As sd-scripts' flux_train.py: without blocks_to_swap, blocks_to_swap = "
+      "double_blocks_to_swap + single_blocks_to_swap // 2 (a warning); no effect in train_lora "
+      "(sd-scripts' flux_train_network.py has no such option).", "training", scripts=NOT_TI, min=0),
+    O("single_blocks_to_swap", "int", None, "[Deprecated] FLUX.1 train_dreambooth / finetune: "
+      "use blocks_to_swap; see double_blocks_to_swap.", "training", scripts=NOT_TI, min=0),
     O("cpu_offload_checkpointing", "bool", False, "FLUX.1 / SD3: with gradient checkpointing, the "
       "activations kept at each transformer block's input wait in host memory until the "
       "backward (sd-scripts' option; turns gradient_checkpointing on, as sd-scripts). Not with "
@@ -963,8 +986,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "ae apply_t5_attn_mask clip_l t5xxl t5xxl_max_token_length guidance_scale "
         "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
         "mode_scale weighting_scheme").split()),
-    *_gui_family("split_mode single_blocks_to_swap double_blocks_to_swap model_type",
-                 "ldf", "FLUX.1"),
+    *(GuiKey(n, "ldf", "option") for n in "split_mode single_blocks_to_swap double_blocks_to_swap".split()),
+    *_gui_family("model_type", "ldf", "FLUX.1"),
     *_gui_family("train_blocks", "df", "FLUX.1"),
     GuiKey("text_encoder_batch_size", "ldf", "option"),
     *(GuiKey(n, "ldf", "ignore", "sd-scripts accepts it and does nothing ([DOES NOT WORK]: no "
@@ -976,7 +999,7 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("t5xxl_device", "ldf", "ignore", "the device sd-scripts' sd3_train puts T5-XXL on; here "
            "T5 is placed as the other text encoders are"),
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
-    *_gui_family("enable_scaled_pos_embed pos_emb_random_crop_rate", "l", "SD3"),
+    *(GuiKey(n, "l", "option") for n in "enable_scaled_pos_embed pos_emb_random_crop_rate".split()),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
     GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
     *_gui_family("attn_mode split_attn qwen3 qwen3_max_token_length llm_adapter_path "

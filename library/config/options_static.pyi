@@ -35,6 +35,8 @@ class Options:
     clip_l_dropout_rate: float = ...  # default 0.0
     clip_g_dropout_rate: float = ...  # default 0.0
     t5_dropout_rate: float = ...  # default 0.0
+    pos_emb_random_crop_rate: float = ...  # default 0.0
+    enable_scaled_pos_embed: bool = ...  # default False
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False
@@ -137,6 +139,9 @@ class Options:
     fp8_base: bool = ...  # default False
     fp8_base_unet: bool = ...  # default False
     blocks_to_swap: int | None = ...  # default None
+    split_mode: bool = ...  # default False
+    double_blocks_to_swap: int | None = ...  # default None
+    single_blocks_to_swap: int | None = ...  # default None
     cpu_offload_checkpointing: bool = ...  # default False
     blockwise_fused_optimizers: bool = ...  # default False
     ddp_timeout: int | None = ...  # default None

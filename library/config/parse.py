@@ -713,6 +713,7 @@ def parse_args(script: str, argv: list[str] | None = None) -> Options:
         dataset_config_path = resolved["dataset_config"]
         dataset_config = _load_dataset_file(dataset_config_path)
 
+    _deprecated_block_swap(resolved, script)
     _check_combinations(resolved, values, dataset_config is not None, script)
     resolved["dataset_config"] = dataset_config
     return Options(script=script, given=frozenset(given), dataset_config_path=dataset_config_path,
@@ -759,6 +760,44 @@ def _apply_gui_keys(gui_names: dict) -> dict:
         ignored[name] = raw
         logger.warning("option %s has no effect (a kohya_ss GUI key: %s)", name, entry.why)
     return ignored
+
+
+def _deprecated_block_swap(v: dict, script: str) -> None:
+    """sd-scripts' deprecated FLUX.1 block-swap names, as its scripts read them: split_mode
+    (flux_train_network.py: train_lora) sets blocks_to_swap = 18 unless blocks_to_swap is given;
+    double_blocks_to_swap / single_blocks_to_swap (flux_train.py: train_dreambooth, finetune)
+    without blocks_to_swap make blocks_to_swap = double + single // 2 when that is above 0. One
+    warning line each; in the other scripts (where sd-scripts has no such option) a no-effect line."""
+    lora = script == "train_lora"
+    if v["split_mode"]:
+        if not lora:
+            logger.warning("option split_mode has no effect in %s (sd-scripts' flux_train_network.py "
+                           "option, deprecated there: use blocks_to_swap)", script)
+        elif v["blocks_to_swap"] is not None:
+            logger.warning("split_mode is deprecated (sd-scripts); blocks_to_swap is given, so "
+                           "split_mode is ignored")
+        else:
+            logger.warning("split_mode is deprecated (sd-scripts): use blocks_to_swap; "
+                           "blocks_to_swap = 18 is set")
+            v["blocks_to_swap"] = 18
+    double, single = v["double_blocks_to_swap"], v["single_blocks_to_swap"]
+    if double is None and single is None:
+        return
+    if lora:
+        if double or single:
+            logger.warning("options double_blocks_to_swap / single_blocks_to_swap have no effect in "
+                           "train_lora (sd-scripts' flux_train.py options, deprecated there: use "
+                           "blocks_to_swap)")
+        return
+    n = (double or 0) + (single or 0) // 2
+    if v["blocks_to_swap"] is not None and n > 0:
+        logger.warning("double_blocks_to_swap / single_blocks_to_swap are deprecated (sd-scripts); "
+                       "blocks_to_swap is given, so they are ignored")
+    elif n > 0:
+        logger.warning("double_blocks_to_swap / single_blocks_to_swap are deprecated (sd-scripts): "
+                       "use blocks_to_swap; double_blocks_to_swap = %s and single_blocks_to_swap = "
+                       "%s give blocks_to_swap = %d", double, single, n)
+        v["blocks_to_swap"] = n
 
 
 def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: str) -> None:

@@ -32,6 +32,7 @@ class TrainingSet:
     seed: int = 0
     batch_size: int | None = None  # set when the dataset config fixes the per-process batch size
     resolution: tuple | None = None  # the (first) dataset's resolution, for the metadata
+    resolutions: tuple = ()  # every dataset's resolution (W, H) (SD3's enable_scaled_pos_embed)
     text_variants: int = 4  # text_encoder_cache_variants
     stats: folders.ScanStats = field(default_factory=folders.ScanStats)
     val_items: list = field(default_factory=list)  # held out by validation_split (validation.py)
@@ -200,8 +201,10 @@ def build_training_set(opts, log) -> TrainingSet:
     batch_size = None
     held_out: list = []  # validation_split: training images held out (each dataset's own share)
     resolution = opts.resolution
+    resolutions = () if resolution is None else (tuple(resolution),)
     if opts.dataset_config:
-        train, reg, samples, batch_size, resolution = _from_dataset_config(opts, log, stats, held_out)
+        train, reg, samples, batch_size, resolutions = _from_dataset_config(opts, log, stats, held_out)
+        resolution = resolutions[0]
     else:
         train, reg, samples = _from_folders(opts, log, stats, held_out)
     cache = opts.cache_latents or opts.cache_latents_to_disk
@@ -219,7 +222,7 @@ def build_training_set(opts, log) -> TrainingSet:
         log.warning(summary)
     tset = TrainingSet(train_items=train, reg_items=reg, samples=samples,
                        seed=opts.seed, batch_size=batch_size,
-                       resolution=resolution,
+                       resolution=resolution, resolutions=resolutions,
                        text_variants=opts.text_encoder_cache_variants, stats=stats,
                        val_items=held_out, masked=masked, caption_templates=_templates(opts),
                        inpainting=opts.train_inpainting)
@@ -405,7 +408,7 @@ def _from_dataset_config(opts, log, stats, held_out):
         train += ds_train
         reg += ds_reg
         samples += folders.expand_repeats(ds_train) + folders.expand_repeats(reg_used)
-    return train, reg, samples, sizes.pop(), datasets[0].resolution
+    return train, reg, samples, sizes.pop(), tuple(tuple(ds.resolution) for ds in datasets)
 
 
 def _hold_out(items: list, opts, held_out: list, where: str) -> list:

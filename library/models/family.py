@@ -164,7 +164,10 @@ class FamilyModel:
             return token_ids, None
         return list(token_ids[:k]), list(token_ids[k:])
 
-    def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
+    def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None,
+                     sample_seeds=None):
+        """The denoiser's prediction. ``sample_seeds``: a training batch's per-sample seeds for
+        the forward's own draws (only SD3's pos_emb_random_crop_rate has any); None elsewhere."""
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(noisy_latents.dtype)).sample
 
     def cache_identity(self) -> dict:
@@ -232,7 +235,8 @@ class SDXLModel(FamilyModel):
         # long captions: the pooled output of each caption's first window (sd-scripts pool2[::n])
         return TextConditioning(hidden, out2.text_embeds[::n])
 
-    def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None):
+    def unet_forward(self, noisy_latents, timesteps, cond: TextConditioning, size_cond=None,
+                     sample_seeds=None):
         if size_cond is None:
             raise FamilyError("SDXL needs size conditioning (original size, crop top-left, target size)")
         if cond.pooled is None:

@@ -43,7 +43,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
-                "t5_dropout_rate", "train_t5xxl", "learning_rate_te3")
+                "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
+                "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -73,8 +74,12 @@ UNSUPPORTED_BY_FAMILY = {
                                    "T5 stay frozen)",
              "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
              "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
-                                  "transformer alone)"},
-    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none"},
+                                  "transformer alone)",
+             **{name: "SD3's position-embedding table; FLUX.1 has rotary positions"
+                for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")}},
+    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
+            **{name: "sd-scripts' deprecated FLUX.1 block-swap name; give blocks_to_swap"
+               for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
@@ -196,7 +201,7 @@ class FluxFamilyModel(FamilyModel):
         c = flux_text.encode(clip_l, t5_model, flux_text.FluxTokens(*token_ids), self.apply_t5_attn_mask)
         return FluxTextConditioning(c.t5_out, c.l_pooled, c.t5_attn_mask)
 
-    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None, sample_seeds=None):
 
         b, _, h, w = noisy_latents.shape
         dtype, dev = noisy_latents.dtype, noisy_latents.device
@@ -224,9 +229,11 @@ class SD3FamilyModel(FamilyModel):
 
     def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
                  apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH,
-                 dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0), rewrite=None):
+                 dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                 pos_emb_random_crop_rate: float = 0.0, rewrite=None):
         super().__init__(mmdit, text_encoders, tokenizers, None, False, rewrite)
         self.dropout_rates = tuple(dropout_rates)  # CLIP-L, CLIP-G, T5
+        self.pos_emb_random_crop_rate = pos_emb_random_crop_rate
         self.apply_lg_attn_mask = apply_lg_attn_mask
         self.apply_t5_attn_mask = apply_t5_attn_mask
         self.t5_max_length = t5_max_length
@@ -285,10 +292,16 @@ class SD3FamilyModel(FamilyModel):
                 zero_ctx[k, n:] = True
         return TextConditioning(torch.where(zero_ctx, 0.0, ctx), torch.where(zero_pooled, 0.0, pooled))
 
-    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None):
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None, sample_seeds=None):
+        """``sample_seeds`` (training): each sample's pos_emb_random_crop_rate draw
+        (library/models/sd3_positions.py); without them the table's centre (samples, validation)."""
         dtype, dev = noisy_latents.dtype, noisy_latents.device
+        rate = self.pos_emb_random_crop_rate if sample_seeds is not None else 0.0
+        # computed here, eagerly: the draws and the scaled tables stay out of a compiled forward
+        pos = self.unet.cropped_pos_embed(*self.unet.patches(noisy_latents), rate,
+                                          list(sample_seeds) if rate > 0 else None, device=dev, dtype=dtype)
         return self.unet(noisy_latents, timesteps.to(dev, dtype), cond.pooled.to(dev, dtype),
-                         cond.hidden_states.to(dev, dtype))
+                         cond.hidden_states.to(dev, dtype), pos_embed=pos)
 
 
 def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
@@ -299,7 +312,8 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
                               apply_t5_attn_mask=opts.apply_t5_attn_mask,
                               t5_max_length=opts.t5xxl_max_token_length or SD3_T5_MAX_LENGTH,
                               dropout_rates=(opts.clip_l_dropout_rate, opts.clip_g_dropout_rate,
-                                             opts.t5_dropout_rate), rewrite=rewrite)
+                                             opts.t5_dropout_rate),
+                              pos_emb_random_crop_rate=opts.pos_emb_random_crop_rate, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)
@@ -307,6 +321,15 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
     return FluxFamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers, t5_max_length=t5_len,
                            guidance_scale=opts.guidance_scale,
                            apply_t5_attn_mask=opts.apply_t5_attn_mask, rewrite=rewrite)
+
+
+def enable_scaled_pos_embed(mmdit, resolutions, log) -> None:
+    """enable_scaled_pos_embed (SD3): the MMDiT's scaled tables for the datasets' resolutions
+    (W, H), each latent size round(sqrt(W x H)) // 8, as sd-scripts' sd3_train.py."""
+    sizes = sorted({round((w * h) ** 0.5) // 8 for w, h in resolutions})
+    log.info(f"enable_scaled_pos_embed: scaled position embeddings for resolutions {list(resolutions)} "
+             f"(latent sizes {sizes})")
+    mmdit.enable_scaled_pos_embed(sizes)
 
 
 def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[str, ...] = ()) -> None:

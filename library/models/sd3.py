@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from library.errors import ModelError, first_line
-from library.models import block_checkpoint
+from library.models import block_checkpoint, sd3_positions
 
 HEAD_DIM = 64  # SAI: hidden = 64 * depth, heads = depth
 PREFIX = "model.diffusion_model."  # the transformer's keys in an all-in-one file
@@ -141,13 +141,7 @@ def sincos_pos_embed(dim: int, grid_size: int, base_size: int) -> torch.Tensor:
     """(grid_size^2, dim): per patch (row h, column w) sin-cos features of w in the first half and
     of h in the second, positions scaled by base_size / grid_size (SAI's and diffusers' table)."""
     pos = torch.arange(grid_size, dtype=torch.float64) * (base_size / grid_size)
-    quarter = dim // 4
-    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
-    one = torch.outer(pos, omega)
-    one = torch.cat([one.sin(), one.cos()], dim=1)  # (grid, dim/2)
-    w_part = one.repeat(grid_size, 1)  # index h * grid + w -> w
-    h_part = one.repeat_interleave(grid_size, dim=0)  # -> h
-    return torch.cat([w_part, h_part], dim=1).float()
+    return sd3_positions.sincos_table(dim, pos)
 
 
 # --- modules (names as SAI's) ----------------------------------------------------------------
@@ -334,6 +328,16 @@ class MMDiT(nn.Module):
         # cpu_offload_checkpointing: with gradient checkpointing, what each checkpoint keeps
         # (the block's inputs) is held in host memory until the backward (sd-scripts' option)
         self.cpu_offload_checkpointing = False
+        # enable_scaled_pos_embed: the tables per resolution (sd3_positions.ScaledPosEmbed), used
+        # instead of pos_embed by every forward; None: the saved table
+        self.scaled_pos_embed = None
+
+    def enable_scaled_pos_embed(self, latent_sizes) -> None:
+        """sd-scripts' enable_scaled_pos_embed(True, latent_sizes): a scaled table per latent size
+        (in latent pixels); the saved pos_embed is kept (and saved) unchanged."""
+        p = self.config.patch_size
+        self.scaled_pos_embed = sd3_positions.ScaledPosEmbed(self.config.hidden_size,
+                                                             [s // p for s in latent_sizes])
 
     def enable_gradient_checkpointing(self, enabled: bool = True) -> None:
         self.gradient_checkpointing = enabled
@@ -342,23 +346,47 @@ class MMDiT(nn.Module):
         return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing and self.training,
                                      offload=self.cpu_offload_checkpointing)
 
-    def cropped_pos_embed(self, h: int, w: int) -> torch.Tensor:
-        """The centre h x w patches of the table, (1, h*w, hidden) (SAI's cropped_pos_embed)."""
-        m = self.config.pos_embed_max_size
-        if h > m or w > m:
-            raise SD3ModelError(f"latents of {h} x {w} patches exceed the model's position table "
-                                f"({m} x {m} patches, {m * self.config.patch_size * 8} px)")
-        top, left = (m - h) // 2, (m - w) // 2
-        table = self.pos_embed.reshape(1, m, m, -1)[:, top:top + h, left:left + w, :]
-        return table.reshape(1, h * w, -1)
+    def cropped_pos_embed(self, h: int, w: int, crop_rate: float = 0.0, crop_seeds=None,
+                          device=None, dtype=None) -> torch.Tensor:
+        """The position embedding of latents of h x w patches: (1, h*w, hidden), the centre of the
+        table (SAI's cropped_pos_embed; with enable_scaled_pos_embed the scaled table of the
+        latent's size), or with ``crop_seeds`` (one per sample) (B, h*w, hidden), each sample's
+        window drawn with ``crop_rate`` (sd3_positions.crop_offset: pos_emb_random_crop_rate)."""
+        if self.scaled_pos_embed is not None:
+            size = self.scaled_pos_embed.size_for(h, w)
+            m = self.scaled_pos_embed.grid(size)
+            table = self.scaled_pos_embed.table(size, device or self.pos_embed.device,
+                                                dtype or torch.float32)
+        else:
+            m = self.config.pos_embed_max_size
+            if h > m or w > m:
+                raise SD3ModelError(f"latents of {h} x {w} patches exceed the model's position table "
+                                    f"({m} x {m} patches, {m * self.config.patch_size * 8} px)")
+            table = self.pos_embed[0]
+        seeds = [None] if crop_seeds is None else list(crop_seeds)
+        windows = [sd3_positions.window(table, m, *sd3_positions.crop_offset(seed, crop_rate, m, h, w), h, w)
+                   for seed in seeds]
+        return torch.stack(windows)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        b, _, H, W = x.shape
+    def patches(self, x: torch.Tensor) -> tuple[int, int]:
+        """(h, w): the patch grid of latents x (B, C, H, W)."""
+        H, W = x.shape[-2:]
         p = self.config.patch_size
         if H % p or W % p:
             raise SD3ModelError(f"latent size {H} x {W} is not a multiple of the patch size {p}")
-        h, w = H // p, W // p
-        x = self.x_embedder(x) + self.cropped_pos_embed(h, w).to(x.dtype)
+        return H // p, W // p
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, context: torch.Tensor,
+                pos_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """``pos_embed``: the position embedding (1 or B, h*w, hidden) from cropped_pos_embed,
+        computed by the caller (outside a compiled forward: a random crop's draws and the scaled
+        tables are Python); None: the table's centre."""
+        b, _, H, W = x.shape
+        p = self.config.patch_size
+        h, w = self.patches(x)
+        if pos_embed is None:
+            pos_embed = self.cropped_pos_embed(h, w, device=x.device, dtype=x.dtype)
+        x = self.x_embedder(x) + pos_embed.to(x.dtype)
         c = self.t_embedder(timestep_embedding(t).to(x.dtype)) + self.y_embedder(y)
         context = self.context_embedder(context)
         for block in self.joint_blocks:

@@ -179,6 +179,8 @@ class Run:
         groups = method.setup()
         # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
         family_model = flow_family.family_model_for(b, opts, rewrite=method.prompt_rewrite())
+        if opts.enable_scaled_pos_embed:  # SD3 (flow_loss.check_options): every forward uses them
+            flow_family.enable_scaled_pos_embed(b.unet, self.tset.resolutions, logger)
         if not any(p.requires_grad for g in groups for p in g["params"]):
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")

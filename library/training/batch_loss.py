@@ -56,14 +56,16 @@ class BatchLoss:
         self._switched = False  # the network runs at a dataset's multiplier (end_step restores)
 
     def per_sample(self, latents, draw, conditioning, size_cond, mask, forward=None, preserve=(),
-                   multiplier=None, inpaint=None):
+                   multiplier=None, inpaint=None, seeds=None):
         """(B,) per-sample loss of latents (B,C,h,w) noised by ``draw``; ``conditioning()``
         gives the text conditioning (called under autocast: cached, or encoded now).
         ``forward(fn)`` runs the text encoding and the U-Net (training: the strategy's, so that
         DDP sees the forward); None calls it directly (validation). ``preserve``: the rows whose
         target is the prior prediction (DOP); the network is then back at ``multiplier``
         (None: the run's) after it. ``inpaint``: an inpainting model's (B,5,h,w) mask and
-        masked-image latents, concatenated after the noisy latents (the prior's input too)."""
+        masked-image latents, concatenated after the noisy latents (the prior's input too).
+        ``seeds``: training's per-sample seeds of the denoiser's own draws (SD3's
+        pos_emb_random_crop_rate); None (validation): none drawn."""
         noisy = self.losses.noisy_latents(latents, draw)
         x = inpainting.unet_input(noisy, inpaint)
         size = size_cond if self.bundle.family == "sdxl" else None
@@ -73,7 +75,7 @@ class BatchLoss:
             with self.accelerator.autocast():
                 held["cond"] = cond = conditioning()
                 return self.family_model.unet_forward(x.to(self.placement.input_dtype(self.placement.unet)),
-                                              draw.timesteps, cond, size)
+                                              draw.timesteps, cond, size, sample_seeds=seeds)
 
         pred = denoise() if forward is None else forward(denoise)
         target = None
@@ -81,10 +83,10 @@ class BatchLoss:
             target = self.losses.target(latents, draw).clone()
             rows = list(preserve)
             target[rows] = self._prior(x, draw.timesteps, held["cond"], size, rows,
-                                       multiplier).to(target.dtype)
+                                       multiplier, seeds).to(target.dtype)
         return self.losses.per_sample_loss(pred, latents, draw, mask, target=target)  # loss_type, SNR
 
-    def _prior(self, x, timesteps, cond, size_cond, rows, multiplier):
+    def _prior(self, x, timesteps, cond, size_cond, rows, multiplier, seeds=None):
         """DOP: the U-Net's prediction for ``rows`` with the network at multiplier 0, no gradient."""
         net = self.method.network
         cond = TextConditioning(cond.hidden_states[rows],
@@ -94,7 +96,8 @@ class BatchLoss:
             with torch.no_grad(), self.accelerator.autocast():
                 return self.family_model.unet_forward(
                     x[rows].to(self.placement.input_dtype(self.placement.unet)), timesteps[rows],
-                    cond, None if size_cond is None else size_cond[rows])
+                    cond, None if size_cond is None else size_cond[rows],
+                    sample_seeds=None if seeds is None else [seeds[k] for k in rows])
         finally:
             # the backward (and gradient checkpointing's recomputation in it) runs at this one
             net.set_multiplier(self.opts.network_multiplier if multiplier is None else multiplier)
@@ -123,13 +126,15 @@ class BatchLoss:
             step_plan.derive_seed("sample", opts.seed, epoch, i)) for i in idx])
         mask = self._masks(idx, loaded_images, epoch, latents.shape[2:])  # masked loss
         seeds = [step_plan.derive_seed("te-dropout", opts.seed, epoch, i) for i in idx]  # SD3's
+        # the denoiser's own per-sample draws (SD3's pos_emb_random_crop_rate), keyed alike
+        forward_seeds = [step_plan.derive_seed("pos-crop", opts.seed, epoch, i) for i in idx]
 
         def text():  # cached or encoded now, then the family's text-encoder dropout
             return self.family_model.drop_encoders(self._text(idx, epoch, step), seeds)
 
         per_sample = self.per_sample(latents, d, text, size_cond,
                                      mask, forward=self.strategy.forward, preserve=preserve,
-                                     multiplier=multiplier, inpaint=inpaint)
+                                     multiplier=multiplier, inpaint=inpaint, seeds=forward_seeds)
         weights = torch.tensor([opts.prior_loss_weight if self.tset.samples[i].is_reg else 1.0
                                 for i in idx], device=self.accelerator.device)
         return (per_sample * weights).sum() / n_global

@@ -233,12 +233,49 @@ def test_gui_only_keys_warn_or_reject(tmp_path, caplog):
     assert "option epoch has no effect" in caplog.text
     assert "vae_chunk_size" not in caplog.text  # the GUI's unset value: silent
     assert _parse(tmp_path, "train_inpainting = true\n").train_inpainting  # an option now
-    with pytest.raises(ConfigError, match="split_mode: cannot be used here: an option of the GUI.s FLUX.1"):
-        _parse(tmp_path, "split_mode = true\n")
+    with pytest.raises(ConfigError, match="model_type: cannot be used here: an option of the GUI.s FLUX.1"):
+        _parse(tmp_path, 'model_type = "dev"\n')
     with pytest.raises(ConfigError, match="unknown option 'epochs'"):  # a typo is still an error
         _parse(tmp_path, "epochs = 10\n")
     with pytest.raises(ConfigError, match="unknown option 'epoch'"):  # GUI keys are file keys only
         _parse(tmp_path, "", "--epoch", "3")
+
+
+@pytest.mark.parametrize("script, text, blocks, line", [
+    # sd-scripts' flux_train_network.py: split_mode sets blocks_to_swap 18 unless it is given
+    ("train_lora", "split_mode = true\n", 18, "split_mode is deprecated (sd-scripts): use blocks_to_swap; "
+     "blocks_to_swap = 18 is set"),
+    ("train_lora", "split_mode = true\nblocks_to_swap = 4\n", 4, "blocks_to_swap is given, so split_mode "
+     "is ignored"),
+    ("finetune", "split_mode = true\n", None, "option split_mode has no effect in finetune"),
+    # sd-scripts' flux_train.py: blocks_to_swap = double + single // 2 when blocks_to_swap is unset
+    ("finetune", "double_blocks_to_swap = 6\nsingle_blocks_to_swap = 9\n", 10,
+     "double_blocks_to_swap = 6 and single_blocks_to_swap = 9 give blocks_to_swap = 10"),
+    ("train_dreambooth", "single_blocks_to_swap = 5\n", 2, "give blocks_to_swap = 2"),
+    ("train_dreambooth", "single_blocks_to_swap = 1\n", None, None),  # 1 // 2 = 0: nothing to map
+    ("finetune", "double_blocks_to_swap = 6\nblocks_to_swap = 3\n", 3, "blocks_to_swap is given, so "
+     "they are ignored"),
+    ("train_lora", "double_blocks_to_swap = 6\n", None, "have no effect in train_lora"),
+    # what the GUI writes when they are off: nothing happens, nothing is said
+    ("train_lora", "split_mode = false\nsingle_blocks_to_swap = 0\ndouble_blocks_to_swap = 0\n", None, None),
+])
+def test_flux_deprecated_block_swap_keys(tmp_path, caplog, script, text, blocks, line):
+    """The kohya_ss GUI's FLUX.1 split_mode / double_blocks_to_swap / single_blocks_to_swap (sd-scripts'
+    deprecated names) map to blocks_to_swap as sd-scripts' scripts do, with one warning line."""
+    caplog.set_level("WARNING", logger="sdtk")
+    opts = _parse(tmp_path, text, script=script)
+    assert opts.blocks_to_swap == blocks
+    said = [r.getMessage() for r in caplog.records if "blocks_to_swap" in r.getMessage()
+            or "split_mode" in r.getMessage()]
+    if line is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and line in said[0], said
+
+
+def test_sd3_position_keys_are_options(tmp_path):
+    opts = _parse(tmp_path, "enable_scaled_pos_embed = true\npos_emb_random_crop_rate = 0.25\n")
+    assert (opts.enable_scaled_pos_embed, opts.pos_emb_random_crop_rate) == (True, 0.25)
 
 
 def test_xformers_without_the_package_falls_back_to_sdpa(tmp_path, caplog):

@@ -231,6 +231,12 @@ REFERENCE = {
     "clip_l_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
     "clip_g_dropout_rate": T + "training/test_sd3_train.py::test_sd3_every_encoder_dropped_trains_on_zero_text",
     "t5_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
+    # SD3.5's position embedding and FLUX.1's deprecated block-swap names (sd3-posemb)
+    "pos_emb_random_crop_rate": T + "training/test_sd3_train.py::test_sd3_position_options_first_loss_against_hand_computation",
+    "enable_scaled_pos_embed": T + "training/test_sd3_train.py::test_sd3_position_options_first_loss_against_hand_computation",
+    "split_mode": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
+    "double_blocks_to_swap": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
+    "single_blocks_to_swap": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
     "text_encoder_batch_size": T + "training/test_flow_text_cache.py::test_text_encoder_batch_size_sets_the_caching_batches",
     "train_t5xxl": T + "training/test_sd3_text_encoder_train.py::"
                        "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",

@@ -160,3 +160,138 @@ def test_every_weight_reaches_the_output(variant):
     dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     last = model.config.depth - 1
     assert dead == ([f"joint_blocks.{last}.context_block.attn.ln_q.weight"] if model.config.qk_norm else []), dead
+
+
+# --- SD3.5's position-embedding options (library/models/sd3_positions.py) ----------------------
+
+def _hand_table(dim: int, positions: list[float]) -> torch.Tensor:
+    """A float64 sin-cos table written out feature by feature: patch (r, c) holds
+    sin(p_c w_k), cos(p_c w_k), then sin(p_r w_k), cos(p_r w_k), w_k = 10000^(-k / (dim / 4))."""
+    import math
+
+    q = dim // 4
+    n = len(positions)
+    out = torch.zeros(n * n, dim, dtype=torch.float64)
+    for r in range(n):
+        for c in range(n):
+            for k in range(q):
+                w = 10000.0 ** (-k / q)
+                out[r * n + c, k] = math.sin(positions[c] * w)
+                out[r * n + c, q + k] = math.cos(positions[c] * w)
+                out[r * n + c, 2 * q + k] = math.sin(positions[r] * w)
+                out[r * n + c, 3 * q + k] = math.cos(positions[r] * w)
+    return out
+
+
+def _sd_scripts_positions(grid: int, sample_size: int, base: int = 16) -> list[float]:
+    """sd-scripts' get_scaled_2d_sincos_pos_embed coordinates, as its code computes them (in
+    float64): arange(grid) / grid x scale - shift, scale = base grid / sample_size, shift =
+    scale (grid - sample_size) / (2 grid)."""
+    scale = base * grid / sample_size
+    shift = scale * (grid - sample_size) / (2 * grid)
+    return [i / grid * scale - shift for i in range(grid)]
+
+
+@pytest.mark.parametrize("grid, sample_size", [(6, 4), (12, 8), (7, 5)])
+def test_scaled_table_is_sd_scripts_formula(grid, sample_size):
+    from library.models import sd3_positions
+
+    got = sd3_positions.scaled_table(32, grid, sample_size).double()
+    want = _hand_table(32, _sd_scripts_positions(grid, sample_size))
+    assert float((got - want).abs().max()) <= 1e-6  # float32 storage of values in [-1, 1]
+    # the centre sample_size x sample_size patches span the positions of 16 patches
+    pos = _sd_scripts_positions(grid, sample_size)
+    top = (grid - sample_size) // 2
+    assert pos[top + sample_size - 1] - pos[top] == pytest.approx(16 * (sample_size - 1) / sample_size)
+
+
+def test_scaled_table_choice_by_area():
+    """sd-scripts' selection: the first size whose area limit (midpoints of consecutive areas,
+    int((1.5 s)^2) for the last) holds h x w, else the largest; a side beyond that table's
+    int(1.5 s) grid gets a table of max(h, w) of its own."""
+    from library.models import sd3_positions
+
+    s = sd3_positions.ScaledPosEmbed(32, [32, 16, 32])  # patched sizes; duplicates collapse
+    assert s.sizes == [16, 32] and s.limits == [(16 * 16 + 32 * 32) // 2, 48 * 48]
+    assert s.size_for(24, 24) == 16 and s.size_for(20, 32) == 32  # 640 <= 640, but 32 > 24: its own
+    assert s.size_for(641, 1) == 641  # 641 > 640 takes size 32's table, 641 > 48: its own
+    assert s.size_for(25, 25) == 25  # 625 <= 640, but 25 > 24
+    assert s.size_for(33, 20) == 32  # 660 > 640, 33 <= 48
+    assert s.size_for(24, 24) == 16  # fits the 24-patch grid of size 16
+    assert s.size_for(27, 24) == 32  # 648 > 640
+    assert s.size_for(48, 48) == 32 and s.size_for(49, 48) == 49  # beyond the last limit: largest, then its own
+    assert tuple(s.table(16, "cpu", torch.float32).shape) == (24 * 24, 32)
+
+
+def test_scaled_pos_embed_in_the_forward_is_the_tables_centre():
+    """enable_scaled_pos_embed: a latent of a training size takes the centre of its scaled table
+    (hand-computed); the saved pos_embed is unchanged; without it the saved table's centre."""
+    model = _random_model("sd3.5-medium")
+    saved = model.pos_embed.clone()
+    cfg = model.config
+    h = w = 4
+    m = cfg.pos_embed_max_size
+    plain = model.cropped_pos_embed(h, w)
+    top = (m - h) // 2
+    want_plain = saved[0].reshape(m, m, -1)[top:top + h, top:top + w].reshape(1, h * w, -1)
+    assert torch.equal(plain, want_plain)
+    model.enable_scaled_pos_embed([8, 16])  # latent sizes: patched 4 and 8
+    got = model.cropped_pos_embed(h, w).double()[0]
+    full = _hand_table(cfg.hidden_size, _sd_scripts_positions(6, 4))  # grid int(1.5 x 4)
+    want = full.reshape(6, 6, -1)[1:5, 1:5].reshape(h * w, -1)
+    assert float((got - want).abs().max()) <= 1e-6
+    assert torch.equal(model.pos_embed, saved) and "pos_embed" in model.state_dict()
+    x = torch.randn(1, cfg.in_channels, 8, 8)
+    with torch.no_grad():
+        a = model(x, torch.tensor([500.0]), torch.randn(1, cfg.adm_in_channels), torch.randn(1, 3, cfg.context_dim))
+    assert torch.isfinite(a).all()
+
+
+def test_random_crop_rate_and_offsets_over_many_draws():
+    """pos_emb_random_crop_rate: of 4000 seeded samples a share ``rate`` take a uniform offset
+    (a uniform one is the centre with probability 1 / 13^2 here), the rest the centre; every
+    offset in range and their mean the range's middle; rate 0 draws nothing."""
+    from library.data.step_plan import derive_seed
+    from library.models import sd3_positions
+
+    size, h, w, rate, n = 16, 4, 4, 0.3, 4000
+    centre = ((size - h) // 2, (size - w) // 2)
+    offs = [sd3_positions.crop_offset(derive_seed("pos-crop", 7, 1, i), rate, size, h, w) for i in range(n)]
+    moved = sum(o != centre for o in offs) / n
+    expect = rate * (1 - 1 / 13 ** 2)
+    assert abs(moved - expect) < 4 * (expect * (1 - expect) / n) ** 0.5
+    tops = [o[0] for o in offs if o != centre]
+    assert min(tops) == 0 and max(tops) == size - h
+    assert abs(sum(tops) / len(tops) - (size - h) / 2) < 4 * (((13 ** 2 - 1) / 12) / len(tops)) ** 0.5
+    assert all(sd3_positions.crop_offset(s, 0.0, size, h, w) == centre for s in range(50))
+    assert sd3_positions.crop_offset(None, 1.0, size, h, w) == centre
+
+
+def test_random_crop_forward_is_per_sample_and_keyed_to_its_seed():
+    """Each sample's crop depends on its own seed only (batch [a, b] == [a] and [b] alone: the
+    same whatever the batch split, process count or resume point), its window is the hand-cut
+    one of the table; without seeds (samples, validation) the centre."""
+    import random
+
+    model = _random_model("sd3")
+    cfg = model.config
+    torch.manual_seed(3)
+    x = torch.randn(2, cfg.in_channels, 8, 8)
+    t, y = torch.tensor([300.0, 700.0]), torch.randn(2, cfg.adm_in_channels)
+    ctx = torch.randn(2, 3, cfg.context_dim)
+    seeds = [11, 12]
+    with torch.no_grad():
+        both = model(x, t, y, ctx, pos_embed=model.cropped_pos_embed(4, 4, 1.0, seeds))
+        one = torch.cat([model(x[k:k + 1], t[k:k + 1], y[k:k + 1], ctx[k:k + 1],
+                               pos_embed=model.cropped_pos_embed(4, 4, 1.0, [seeds[k]])) for k in range(2)])
+        centre = model(x, t, y, ctx)
+    assert float((both - one).abs().max()) <= 1e-5
+    assert not torch.allclose(both, centre)
+    m, h = cfg.pos_embed_max_size, 4
+    pe = model.cropped_pos_embed(h, h, 1.0, seeds)
+    for k, seed in enumerate(seeds):
+        r = random.Random(seed)
+        assert r.random() < 1.0
+        top, left = r.randrange(m - h + 1), r.randrange(m - h + 1)
+        want = model.pos_embed[0].reshape(m, m, -1)[top:top + h, left:left + h].reshape(h * h, -1)
+        assert torch.equal(pe[k], want)

@@ -21,9 +21,10 @@ def sd3_args(data, out, *extra):
             "--learning_rate", "1e-3", "--cache_latents", "--seed", "7", *extra]
 
 
-def _reference_loss(run, epoch, i, text_dropped=False, mask=None):
+def _reference_loss(run, epoch, i, text_dropped=False, mask=None, pos=None):
     """``text_dropped``: every encoder dropped (clip_l / clip_g / t5_dropout_rate 1): the context
-    and the pooled vector all zeros. ``mask``: the loss mask (masked loss)."""
+    and the pooled vector all zeros. ``mask``: the loss mask (masked loss). ``pos(mmdit)``: the
+    position embedding (1, h*w, hidden) the MMDiT adds instead of its table's centre."""
     from library.data import step_plan
     from library.models import sd3_builtins, sd3_text
 
@@ -55,6 +56,9 @@ def _reference_loss(run, epoch, i, text_dropped=False, mask=None):
         context = torch.cat([torch.nn.functional.pad(lg, (0, width - lg.shape[-1])), t5_states], dim=1)
         if text_dropped:
             context, pooled = torch.zeros_like(context), torch.zeros_like(pooled)
+        if pos is not None:
+            table = pos(mmdit)
+            mmdit.cropped_pos_embed = lambda *a, **k: table
         out = mmdit(x_t, torch.tensor([float(t)], dtype=torch.float64), pooled, context)
     err = (x_t - sigma * out - x0) ** 2
     return float((err if mask is None else err * mask).mean())
@@ -97,6 +101,8 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
     (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
+    (["--double_blocks_to_swap", "4"], "double_blocks_to_swap: not with the SD3 model tiny-sd3: sd-scripts' "
+                                       "deprecated FLUX.1 block-swap name; give blocks_to_swap"),
 ])
 def test_sd3_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra))
@@ -134,6 +140,80 @@ def test_sd3_batch_2_equals_batch_1_with_accumulation_2_and_resume_is_exact(data
     mid = load_file(str(tmp_path / "full" / "last-step00000002.safetensors"))
     key = "model.diffusion_model.x_embedder.proj.weight"
     assert not torch.equal(mid[key], x[key])  # the resumed steps trained
+
+
+def _hand_crop(epoch, i):
+    """pos_emb_random_crop_rate 1: the window of tiny-sd3's 16 x 16 table (4 x 4 patches of the
+    64 px latents) at the offset random.Random(derive_seed("pos-crop", seed, epoch, i)) draws
+    after its rate draw: top, then left, each uniform in [0, 12]."""
+    import random
+
+    from library.data import step_plan
+
+    def pos(mmdit):
+        r = random.Random(step_plan.derive_seed("pos-crop", 7, epoch, i))
+        assert r.random() < 1.0
+        top, left = r.randrange(13), r.randrange(13)
+        return mmdit.pos_embed[0].reshape(16, 16, -1)[top:top + 4, left:left + 4].reshape(1, 16, -1)
+    return pos
+
+
+def _hand_scaled(epoch, i):
+    """enable_scaled_pos_embed at resolution 64: latent size 8, 4 patches, a table of int(1.5 x 4)
+    = 6 patches at sd-scripts' positions i / 6 x scale - shift (scale 16 x 6 / 4, shift scale x
+    (6 - 4) / 12): the centre 4 x 4 (rows and columns 1..4), sin | cos of the column's position
+    then of the row's, frequencies 10000^(-k / 32) (width 128)."""
+    def pos(mmdit):
+        g, s, dim = 6, 4, mmdit.config.hidden_size
+        scale = 16 * g / s
+        p = torch.tensor([k / g * scale - scale * (g - s) / (2 * g) for k in range(g)], dtype=torch.float64)
+        q = dim // 4
+        omega = torch.tensor([10000.0 ** (-k / q) for k in range(q)], dtype=torch.float64)
+        feats = torch.cat([torch.sin(p[:, None] * omega), torch.cos(p[:, None] * omega)], dim=1)  # (g, dim/2)
+        table = torch.cat([feats[None, :, :].expand(g, g, -1), feats[:, None, :].expand(g, g, -1)], dim=-1)
+        return table[1:5, 1:5].reshape(1, 16, dim)
+    return pos
+
+
+@pytest.mark.parametrize("extra, hand", [(["--pos_emb_random_crop_rate", "1"], _hand_crop),
+                                         (["--enable_scaled_pos_embed"], _hand_scaled)])
+def test_sd3_position_options_first_loss_against_hand_computation(dataset, tmp_path, train, extra, hand):
+    """pos_emb_random_crop_rate / enable_scaled_pos_embed (sd-scripts' SD3.5 options): the first
+    micro-step's loss is the float64 reference's with the hand-computed position embedding."""
+    losses = []
+
+    def record(run, epoch, idx, loss):
+        losses.append((epoch, list(idx), float(loss.detach())))
+        return loss
+
+    with HOOKS.add(after_micro_step=record):
+        rc, _, err, run = train("finetune", sd3_args(dataset, str(tmp_path / "o"), *extra,
+                                                     "--max_train_steps", "1"))
+    assert rc == 0, err
+    epoch, idx, loss = losses[0]
+    plain = _reference_loss(run, epoch, idx[0])
+    want = _reference_loss(run, epoch, idx[0], pos=hand(epoch, idx[0]))
+    assert abs(want - plain) > 1e-4 * plain  # the embedding changes the loss
+    assert loss == pytest.approx(want, rel=1e-4, abs=1e-7)
+
+
+def test_sd3_random_crop_resume_is_exact(dataset, tmp_path, train):
+    """pos_emb_random_crop_rate 0.5: 4 steps in one run == 2 steps, a training state and a resumed
+    run of the other 2, bit for bit (the crops are keyed to seed, epoch and sample)."""
+    from safetensors.torch import load_file
+
+    def final(out, *extra, rate="0.5"):
+        rc, _, err, _ = train("finetune", sd3_args(dataset, str(tmp_path / out), "--optimizer_type", "SGD",
+                                                   "--learning_rate", "0.5", "--max_train_steps", "4",
+                                                   "--pos_emb_random_crop_rate", rate, *extra))
+        assert rc == 0, err
+        return load_file(str(tmp_path / out / "last.safetensors"))
+
+    x = final("full", "--save_every_n_steps", "2", "--save_state")
+    y = final("resumed", "--resume", str(tmp_path / "full" / "last-step00000002-state"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    z = final("centre", rate="0")
+    assert not all(torch.equal(x[k], z[k]) for k in x)  # some sample took a random crop
 
 
 def test_sd3_options_change_the_loss_or_the_encoding(dataset):
@@ -340,6 +420,9 @@ def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp
     (["--t5_dropout_rate", "0.1"], "t5_dropout_rate: not with the FLUX.1 model tiny-flux: SD3's text-encoder dropout"),
     (["--train_text_encoder"], "train_text_encoder: not with the FLUX.1 model tiny-flux: sd-scripts' "
                                "flux_train.py trains the transformer alone"),
+    (["--pos_emb_random_crop_rate", "0.5"], "pos_emb_random_crop_rate: not with the FLUX.1 model tiny-flux: "
+                                            "SD3's position-embedding table"),
+    (["--enable_scaled_pos_embed"], "enable_scaled_pos_embed: not with the FLUX.1 model tiny-flux"),
 ])
 def test_sd3_text_options_refused_for_flux_in_one_line(dataset, tmp_path, run_script, extra, message):
     args = sd3_args(dataset, str(tmp_path / "o"), *extra)
