@@ -213,10 +213,10 @@ def test_flow_exact_velocity_passes_and_planted_errors_fail(learns, setup, famil
 def test_tiny_sd15_learns(learns, tmp_path):
     """The whole chain on tiny-sd15 (4 samples instead of 8): trained through
     train_dreambooth.py on its own epsilon target (the ``sd15`` entry: the U-Net with 8 GroupNorm
-    groups, 400 steps) and on the v target (``sd15-v``: the built-in U-Net, SD1's text encoder,
+    groups, 1000 steps) and on the v target (``sd15-v``: the built-in U-Net, SD1's text encoder,
     trainer, pipeline and DDIM), both pass the benchmark's margin with every sample nearest its
-    own caption's latent. Measured: RATIO_EPS (v: 0.31, SD2: 0.33) against MARGIN 0.5; every
-    broken chain measured sits above it (an SD1 sampler fed a v model, the closest: 0.56; a
+    own caption's latent. Measured with 8 samples: 0.43 (v: 0.31, SD2: 0.33) against MARGIN 0.5;
+    every broken chain measured sits above it (an SD1 sampler fed a v model, the closest: 0.56; a
     negated prediction or an x0 model: 1.3 and more); the built-in U-Net (one channel per group)
     on the eps target: 1.44 (docs/SAMPLING_VALIDATION.md)."""
     rows = [learns.run_family(name, str(tmp_path / name), k=1) for name in ("sd15", "sd15-v")]
