@@ -117,7 +117,7 @@ FAMILIES = {
     # real SD: 10 and more), 1000 steps. With the built-in's one channel per group the U-Net
     # cannot predict the noise's per-channel mean, which an eps model's x0 multiplies by 14.6 at
     # t = 999 (docs/SAMPLING_VALIDATION.md; measured ratios: 32 groups 1.44 after 400 steps and
-    # no better after 1500; 8 groups 0.88 after 400, 0.43 after 1000)
+    # no better after 1500; 8 groups 0.88 after 400, 0.43 after 1000; SDXL: 1.59, 0.80, 0.502)
     "sd15": Family("tiny-sd15", steps=1000, norm_groups=8),
     "sd2": Family("tiny-sd2"),  # v-prediction
     "sdxl": Family("tiny-sdxl", steps=1000, norm_groups=8),
