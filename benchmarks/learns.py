@@ -10,8 +10,8 @@ stripes, a checkerboard), each with its own one-word caption, train the built-in
 whole denoiser from its random initial weights through the real entry script
 (``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW at 2e-3 with a
 cosine schedule, batch 4, 400 steps; ``sd15-v`` is tiny-sd15 trained on the v target; the epsilon
-entries ``sd15`` and ``sdxl`` train the built-in with 8 GroupNorm groups in its U-Net instead of
-32, written as a diffusers folder by write_grouped_model (``--norm_groups 32``: the built-in
+entries ``sd15`` and ``sdxl`` train the built-in with 8 and 4 GroupNorm groups in its U-Net instead
+of 32, written as a diffusers folder by write_grouped_model (``--norm_groups 32``: the built-in
 itself), for 1000 steps, as ``sd3``). Then ``k``
 samples per caption from fresh noise, as training's sample images are made
 (library/training/sampling.py: the diffusers pipeline over the model's components, the trainer's
@@ -113,14 +113,14 @@ class Family:
 
 
 FAMILIES = {
-    # the epsilon chains: the built-in U-Net with 8 GroupNorm groups (4 or 8 channels per group;
-    # real SD: 10 and more), 1000 steps. With the built-in's one channel per group the U-Net
+    # the epsilon chains: the built-in U-Net with 8 (SDXL: 4) GroupNorm groups (4 to 16 channels
+    # per group; real SD: 10 and more), 1000 steps. With the built-in's one channel per group the U-Net
     # cannot predict the noise's per-channel mean, which an eps model's x0 multiplies by 14.6 at
     # t = 999 (docs/SAMPLING_VALIDATION.md; measured ratios: 32 groups 1.44 after 400 steps and
-    # no better after 1500; 8 groups 0.88 after 400, 0.43 after 1000; SDXL: 1.59, 0.80, 0.502)
+    # no better after 1500; 8 groups 0.88 after 400, 0.43 after 1000; SDXL: 1.59, 0.80, 0.502, with 4 groups 0.367)
     "sd15": Family("tiny-sd15", steps=1000, norm_groups=8),
     "sd2": Family("tiny-sd2"),  # v-prediction
-    "sdxl": Family("tiny-sdxl", steps=1000, norm_groups=8),
+    "sdxl": Family("tiny-sdxl", steps=1000, norm_groups=4),
     # SD1's U-Net trained on the v target: tells the parametrisation from the rest of the chain
     "sd15-v": Family("tiny-sd15", args=("--v_parameterization",), v_parameterization=True),
     # rectified flow: sampled with their own Euler sampler (FLUX.1 dev: 20 steps, guidance

@@ -228,13 +228,14 @@ def test_tiny_sd15_learns(learns, tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl"])
 def test_grouped_model_is_the_builtin_with_other_groups(learns, tmp_path, name):
-    """The epsilon entries' model (write_grouped_model): the built-in's U-Net config with 8
-    GroupNorm groups (4 channels per group at width 32, where the built-in has one), the same
+    """The epsilon entries' model (write_grouped_model; here with sd15's 8 groups): the built-in's
+    U-Net config with 8 GroupNorm groups (4 channels per group at width 32, where the built-in has one), the same
     initial weights (the same seed; a GroupNorm's parameters are per channel), and the built-in's
     other components; the built-in stays as it is."""
     from library.models import loading, tiny_models
 
-    assert learns.FAMILIES["sd15" if name == "tiny-sd15" else "sdxl"].norm_groups == 8
+    expected = {"tiny-sd15": ("sd15", 8), "tiny-sdxl": ("sdxl", 4)}[name]
+    assert learns.FAMILIES[expected[0]].norm_groups == expected[1]
     folder = learns.write_grouped_model(name, 8, str(tmp_path / "model"))
     grouped = loading.load_model_bundle(folder)
     builtin = loading.load_model_bundle(name)
