@@ -2,14 +2,17 @@
 latents near its training latents; untrained weights and noise do not.
 
     python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v flux sd3] [--images docs/images]
-                                [--k 2] [--steps N] [--lr X] [--size PX] [--batch B]
+                                [--k 2] [--steps N] [--lr X] [--size PX] [--batch B] [--norm_groups G]
                                 [--train_args "--min_snr_gamma 5"] [--out DIR [--reuse]]
 
 For each family: four 64 px images of distinct patterns (solid red, solid blue, horizontal
 stripes, a checkerboard), each with its own one-word caption, train the built-in tiny model's
 whole denoiser from its random initial weights through the real entry script
 (``train_dreambooth.py``, full fine-tune, cached latents, one CPU thread, AdamW at 2e-3 with a
-cosine schedule, batch 4, 400 steps; ``sd15-v`` is tiny-sd15 trained on the v target). Then ``k``
+cosine schedule, batch 4, 400 steps; ``sd15-v`` is tiny-sd15 trained on the v target; the epsilon
+entries ``sd15`` and ``sdxl`` train the built-in with 8 and 4 GroupNorm groups in its U-Net instead
+of 32, written as a diffusers folder by write_grouped_model (``--norm_groups 32``: the built-in
+itself), for 1000 steps, as ``sd3``). Then ``k``
 samples per caption from fresh noise, as training's sample images are made
 (library/training/sampling.py: the diffusers pipeline over the model's components, the trainer's
 text conditioning, a prompt line ``<caption> --w 64 --h 64 --d <seed> --l 1`` with the other
@@ -18,7 +21,7 @@ their final latents (before the VAE decode) are compared with the training laten
 own encoding, library/data/latent_cache.py: the VAE posterior mean times its scaling factor).
 
 Two choices, both measured (docs/SAMPLING_VALIDATION.md, "Proof that training learns", with the
-table, the grids and why the epsilon models miss the margin in this budget): no classifier-free
+table, the grids and why the epsilon models need GroupNorms of several channels): no classifier-free
 guidance (``--l 1``), because these models never saw an unconditional caption, so the default
 scale 7.5 extrapolates from an untrained branch (tiny-sd2: d 0.26 at scale 1, 2.49 at 7.5); and
 the tiny VAE with a ``scaling_factor`` that makes the training latents unit-variance
@@ -66,6 +69,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from diffusers import UNet2DConditionModel  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from library.config import parse  # noqa: E402
@@ -76,6 +80,8 @@ from library.models import flow_family  # noqa: E402
 from library.models import flux_checkpoint  # noqa: E402
 from library.models import loading  # noqa: E402
 from library.models import sd3_checkpoint  # noqa: E402
+from library.models import sd_checkpoint  # noqa: E402
+from library.models import tiny_models  # noqa: E402
 from library.training import flow_matching  # noqa: E402
 from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402
@@ -98,14 +104,23 @@ class Family:
     script: str = "train_dreambooth.py"
     args: tuple[str, ...] = ()
     v_parameterization: bool = False  # trained (and so sampled) as v-prediction
+    # the U-Net's GroupNorm groups when not the built-in's 32 (one channel per group at width 32):
+    # the benchmark trains the built-in model written as a diffusers folder with this U-Net
+    # (write_grouped_model; same seed, same widths)
+    norm_groups: int | None = None
     # a prompt line's options besides --w/--h/--d: no guidance (see the module docstring)
     prompt_options: str = "--l 1"
 
 
 FAMILIES = {
-    "sd15": Family("tiny-sd15"),
+    # the epsilon chains: the built-in U-Net with 8 (SDXL: 4) GroupNorm groups (4 to 16 channels
+    # per group; real SD: 10 and more), 1000 steps. With the built-in's one channel per group the U-Net
+    # cannot predict the noise's per-channel mean, which an eps model's x0 multiplies by 14.6 at
+    # t = 999 (docs/SAMPLING_VALIDATION.md; measured ratios: 32 groups 1.44 after 400 steps and
+    # no better after 1500; 8 groups 0.88 after 400, 0.43 after 1000; SDXL: 1.59, 0.80, 0.502, with 4 groups 0.367)
+    "sd15": Family("tiny-sd15", steps=1000, norm_groups=8),
     "sd2": Family("tiny-sd2"),  # v-prediction
-    "sdxl": Family("tiny-sdxl"),
+    "sdxl": Family("tiny-sdxl", steps=1000, norm_groups=4),
     # SD1's U-Net trained on the v target: tells the parametrisation from the rest of the chain
     "sd15-v": Family("tiny-sd15", args=("--v_parameterization",), v_parameterization=True),
     # rectified flow: sampled with their own Euler sampler (FLUX.1 dev: 20 steps, guidance
@@ -135,6 +150,26 @@ def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
         trained, _ = flux_checkpoint.load_transformer(weights)
         bundle.unet.load_state_dict(trained.state_dict())
     return bundle
+
+
+def write_grouped_model(model: str, groups: int, folder: str) -> str:
+    """The built-in SD model ``model`` as a diffusers folder whose U-Net has ``groups`` GroupNorm
+    groups (its config otherwise, built from the built-in's seed); the other components are the
+    built-in's. Returns the folder."""
+    arch = loading.resolve_model_source(model).arch
+    comps = tiny_models.build_tiny_components(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tiny_models.SEED)
+        comps["unet"] = UNet2DConditionModel(**{**tiny_models.unet_config(arch), "norm_num_groups": groups})
+    sd_checkpoint.save_diffusers(comps, tiny_models.FAMILY_OF_ARCH[arch], folder)
+    return folder
+
+
+def builtin_groups(model: str) -> int | None:
+    """The GroupNorm groups of a built-in SD model's U-Net (None for FLUX.1 / SD3)."""
+    if flow_of(model) is not None:
+        return None
+    return tiny_models.unet_config(loading.resolve_model_source(model).arch)["norm_num_groups"]
 
 
 def flow_options(model: str, **values):
@@ -432,10 +467,13 @@ def write_grids(name: str, bundle, train: torch.Tensor, before: torch.Tensor, af
 def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
                extra: tuple[str, ...] = (), reuse: bool = False, **overrides) -> dict:
     """Train, sample, measure one family; the table row. ``overrides``: Family fields (steps,
-    lr, size, batch) other than the entry's; None keeps the entry's."""
+    lr, size, batch, norm_groups) other than the entry's; None keeps the entry's."""
     fam = dataclasses.replace(FAMILIES[name], **{f: v for f, v in overrides.items() if v is not None})
     steps, lr, batch = fam.steps, fam.lr, fam.batch
     data = write_dataset(os.path.join(work, "data"), max(1, batch // len(PATTERNS)), fam.size)
+    if fam.norm_groups is not None and fam.norm_groups != builtin_groups(fam.model):
+        fam = dataclasses.replace(fam, model=write_grouped_model(fam.model, fam.norm_groups,
+                                                                 os.path.join(work, "model")))
     base = load_bundle(fam, None)
     if flow_of(fam.model) == "sd3":  # the autoencoder's factor is in the model file's record
         source, factor = write_unit_sd3(base, os.path.join(work, "initial.safetensors"), fam.size)
@@ -450,7 +488,8 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     after, _ = sample_latents(trained, k, fam.prompt_options, fam.size)
     noise = noise_like(train_lat, len(labels), seed=SEED + 1)
     a, b, c = (score(x, labels, train_lat) for x in (after, before, noise))
-    row = {"family": name, "model": FAMILIES[name].model, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
+    groups = fam.norm_groups if fam.norm_groups != builtin_groups(FAMILIES[name].model) else None
+    row = {"family": name, "model": FAMILIES[name].model, "norm_groups": groups, "steps": steps, "lr": lr, "batch": batch, "size": fam.size,
            "train_s": times["wall_s"], "cpu_s": times["cpu_s"],
            "d_trained": a["d"], "d_untrained": b["d"], "d_noise": c["d"],
            "ratio": a["d"] / min(b["d"], c["d"]), "learned": learned(a["d"], b["d"], c["d"]),
@@ -467,7 +506,8 @@ def table(rows: list[dict]) -> str:
             "hits (trained / untrained / noise) |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        lines.append(f"| {r['family']} ({r['model']}) | {r['steps']} | "
+        groups = f", {r['norm_groups']} groups" if r.get("norm_groups") else ""
+        lines.append(f"| {r['family']} ({r['model']}{groups}) | {r['steps']} | "
                      f"{r['train_s']:.0f} s ({r['cpu_s']:.0f} s) | {r['d_trained']:.4f} | "
                      f"{r['d_untrained']:.4f} | {r['d_noise']:.4f} | {r['ratio']:.3f} | "
                      f"{'yes' if r['learned'] else 'no'} | {r['hits_trained']:.2f} / "
@@ -483,6 +523,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=None, help="image size in pixels (default: the family's)")
     p.add_argument("--batch", type=int, default=None,
                    help="batch size, a multiple of 4 (default: the family's)")
+    p.add_argument("--norm_groups", type=int, default=None,
+                   help="the SD U-Net's GroupNorm groups (default: the family's; 32: the built-in model's)")
     p.add_argument("--train_args", default="", help="more options for the entry script, one string")
     p.add_argument("--reuse", action="store_true",
                    help="keep a model trained before in --out with the same command")
@@ -496,7 +538,8 @@ def main(argv=None) -> int:
         work = a.out or tmp
         for name in a.families:
             rows.append(run_family(name, os.path.join(work, name), a.k, a.images, tuple(a.train_args.split()),
-                                   a.reuse, steps=a.steps, lr=a.lr, size=a.size, batch=a.batch))
+                                   a.reuse, steps=a.steps, lr=a.lr, size=a.size, batch=a.batch,
+                                   norm_groups=a.norm_groups))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     print("RMS error of the trained model's x0 on noised training latents, by timestep:")
