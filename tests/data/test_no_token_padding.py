@@ -48,9 +48,9 @@ def test_train_dreambooth_two_steps_unet_sees_the_unpadded_context(train, datase
     lengths = []
     real = family.SD1Model.unet_forward
 
-    def spy(self, noisy, t, cond, size_cond=None):
+    def spy(self, noisy, t, cond, size_cond=None, **kw):
         lengths.append(tuple(cond.hidden_states.shape[:2]))
-        return real(self, noisy, t, cond, size_cond)
+        return real(self, noisy, t, cond, size_cond, **kw)
 
     monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     rc, _, err, run = train("train_dreambooth", _args(dataset, tmp_path, "--no_token_padding"))

@@ -31,9 +31,9 @@ def test_unet_input_is_latents_mask_and_masked_image_latents(dataset, tmp_path, 
     seen = []  # (x, timesteps) of each U-Net call
     real = family.SD1Model.unet_forward
 
-    def spy(self, x, t, cond, size_cond=None):
+    def spy(self, x, t, cond, size_cond=None, **kw):
         seen.append(x.detach().clone())
-        return real(self, x, t, cond, size_cond)
+        return real(self, x, t, cond, size_cond, **kw)
 
     monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     from library.data.training_data import TrainingSet
@@ -134,11 +134,11 @@ def test_masks_follow_the_sample_not_the_batch_split(dataset, tmp_path, train, m
         current.append((i, epoch))
         return real_mask(self, i, epoch, h, w)
 
-    def fwd_spy(self, x, t, cond, size_cond=None):
+    def fwd_spy(self, x, t, cond, size_cond=None, **kw):
         for key, row in zip(current, x.detach()):
             rows.setdefault(run_name[0], {})[key] = row[4:].clone()
         current.clear()
-        return real_fwd(self, x, t, cond, size_cond)
+        return real_fwd(self, x, t, cond, size_cond, **kw)
 
     monkeypatch.setattr(TrainingSet, "inpaint_mask", mask_spy)
     monkeypatch.setattr(family.SD1Model, "unet_forward", fwd_spy)
@@ -174,9 +174,9 @@ def test_validation_loss_gives_each_held_out_image_its_mask(dataset, tmp_path, t
     seen = []
     real = family.SD1Model.unet_forward
 
-    def spy(self, x, t, cond, size_cond=None):
+    def spy(self, x, t, cond, size_cond=None, **kw):
         seen.append(x.detach().clone())
-        return real(self, x, t, cond, size_cond)
+        return real(self, x, t, cond, size_cond, **kw)
 
     monkeypatch.setattr(family.SD1Model, "unet_forward", spy)
     rc, out, err, run = train("train_lora", base("tiny-sd15-inpaint", dataset, tmp_path / "v",
