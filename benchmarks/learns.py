@@ -358,7 +358,7 @@ def x0_error_by_t(bundle, train: torch.Tensor, timesteps=(999, 700, 400, 200, 50
     does not amplify it."""
     if sampling.is_flow(bundle):
         return x0_error_by_sigma(bundle, train, [t / 1000 for t in timesteps])
-    family_model = family.family_model_for(bundle)
+    family_model = family_model_of(bundle)
     ac = bundle.noise_scheduler.alphas_cumprod.double()
     out = {}
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """Shared fixtures: offline mode, a generated dataset, and an in-process entry-script runner."""
+import contextlib
 import os
 import sys
 
@@ -65,28 +66,36 @@ def run_script(capsys):
     return _run
 
 
-@pytest.fixture
-def train(run_script, monkeypatch):
-    """``train(script, args) -> (rc, stdout, stderr, run)``: like run_script, keeping the trainer's
-    Run (its in-memory model) for comparison with what was saved."""
+@contextlib.contextmanager
+def runs_kept():
+    """While open, every Run the trainer returns is appended to the yielded list (the entry
+    scripts return only an exit code; a test compares the Run's in-memory model with its files)."""
     from library.run import trainer
 
-    runs = []
-    real_run = trainer.run
+    runs, real_run = [], trainer.run
 
     def spy(opts, method_name):
-        r = real_run(opts, method_name)
-        runs.append(r)
-        return r
+        runs.append(real_run(opts, method_name))
+        return runs[-1]
 
-    monkeypatch.setattr(trainer, "run", spy)
+    trainer.run = spy
+    try:
+        yield runs
+    finally:
+        trainer.run = real_run
 
-    def _train(script, args):
-        runs.clear()
-        rc, out, err = run_script(script, args)
-        return rc, out, err, (runs[0] if runs else None)
 
-    return _train
+@pytest.fixture
+def train(run_script):
+    """``train(script, args) -> (rc, stdout, stderr, run)``: like run_script, keeping the trainer's
+    Run (its in-memory model) for comparison with what was saved."""
+    with runs_kept() as runs:
+        def _train(script, args):
+            runs.clear()
+            rc, out, err = run_script(script, args)
+            return rc, out, err, (runs[0] if runs else None)
+
+        yield _train
 
 
 class FakeAccelerator:

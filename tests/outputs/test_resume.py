@@ -34,16 +34,10 @@ def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, 
     run the loop's view of it: its progress and parts). ``stop_at``: steps during which this
     process sends itself ``sig`` (SIGINT: as a user's Ctrl-C)."""
     from library.cli import main
-    from library.run import trainer
     from library.run.run_state import HOOKS
-    from tests.conftest import reset_accelerate
+    from tests.conftest import reset_accelerate, runs_kept
 
     box, pending = {}, set(stop_at)
-    real_run = trainer.run
-
-    def run_kept(opts, method_name):
-        box["run"] = real_run(opts, method_name)
-        return box["run"]
 
     def before_micro_step(view, epoch, idx):
         box["view"] = view
@@ -55,16 +49,14 @@ def train(script: str, args: list, stop_at=(), sig=signal.SIGINT) -> tuple[int, 
     reset_accelerate()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as conftest's autouse fixture, also for module-scoped fixtures
-    trainer.run = run_kept
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-                HOOKS.add(before_micro_step=before_micro_step):
+                HOOKS.add(before_micro_step=before_micro_step), runs_kept() as runs:
             rc = main(script, [str(x) for x in args])
     finally:
-        trainer.run = real_run
         torch.set_num_threads(threads)
         reset_accelerate()
-    return rc, err.getvalue(), box.get("run", box.get("view"))
+    return rc, err.getvalue(), runs[0] if runs else box.get("view")
 
 
 def weights(path):
