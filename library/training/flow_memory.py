@@ -8,32 +8,41 @@ Sources, read from safetensors headers and config files only (no tensor data):
   ``sd3-arch`` / ``sd3.5-*-arch``) are built whole;
 - a FLUX.1 transformer file in BFL's layout: built from its header (config_from_bfl on the
   shapes); CLIP-L built from its ``clip_l`` file's config (a LoRA's ``lora_te1_`` modules are on
-  it); ``t5xxl`` / ``ae`` counted from their headers;
+  it); T5 from the ``t5xxl`` file's record or header shapes (as t5.load_t5 builds it), ``ae``
+  counted from its header;
 - a FLUX.1 diffusers folder: the transformer from ``transformer/config.json``, CLIP-L from
-  ``text_encoder/config.json``, T5 and the autoencoder counted from ``text_encoder_2/`` and
-  ``vae/``'s headers (or from the ``clip_l`` / ``t5xxl`` / ``ae`` files given);
+  ``text_encoder/config.json``, T5 from ``text_encoder_2/config.json``, the autoencoder counted
+  from ``vae/``'s headers (or from the ``clip_l`` / ``t5xxl`` / ``ae`` files given);
 - an SD3 single file (SAI layout): the MMDiT from the header's shapes (config_from_state_dict),
-  CLIP-L / CLIP-G from the file's record or SD3's configs (as the loader picks them), T5 and the
-  autoencoder counted from the file's (or the separate files') headers.
+  CLIP-L / CLIP-G from the file's record or SD3's configs (as the loader picks them), T5 from the
+  file's (or the ``t5xxl`` file's) shapes, the autoencoder counted from the file's (or the ``ae``
+  file's) header;
+- an SD3 diffusers folder: the MMDiT from ``transformer/``'s headers, converted to SAI's layout
+  on meta tensors (mmdit_from_diffusers, as the loader converts the weights), CLIP-L / CLIP-G
+  from ``text_encoder/`` and ``text_encoder_2/``'s configs, T5 from ``text_encoder_3/``'s shapes,
+  the autoencoder counted from ``vae/``'s headers (or the ``clip_l`` / ``clip_g`` / ``t5xxl`` /
+  ``ae`` files given, which replace those parts as in the loader).
 
-Parts known only by their size (``Counted``) are frozen, so only their bytes matter; a LoRA of
-them (a FLUX LoRA's ``train_t5xxl``, an SD3 LoRA's T5) is not counted. SD3 diffusers folders are
-not covered. The text encoders are frozen here: the transformer's inputs are the text encoders'
-outputs (cached or computed without gradient), so only the transformer's forward saves tensors
-for backward.
+The T5 encoder is built as the run builds it, so a LoRA's T5 modules (``train_t5xxl``) are
+counted. Parts known only by their size (``Counted``: the autoencoders) are frozen, so only their
+bytes matter. The text encoders' forward is not counted: the transformer's inputs are the text
+encoders' outputs (cached or, for frozen encoders, computed without gradient), so only the
+transformer's forward saves tensors for backward (a LoRA on the text encoders adds their saved
+activations, not counted).
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from library.models import (clip_l_file, flow_family, flux, flux_checkpoint, sd3, sd3_builtins, sd3_checkpoint,
-                            sd3_vae, t5, tiny_flux)
+from library.models import (clip_l_file, embedded_config, flow_family, flux, flux_checkpoint, sd3, sd3_builtins,
+                            sd3_checkpoint, sd3_vae, t5, tiny_flux)
 from library.models.family import TextConditioning
 from library.training import block_swap
 
@@ -55,13 +64,9 @@ class Counted(nn.Module):
         self.source = name
 
 
-T5_TIED = ("shared.weight", "encoder.embed_tokens.weight")  # one tensor in the model, two in some files
-
-
 def _numel(shapes: dict) -> int:
-    """Parameters of {name: shape}; T5's tied input embedding once (files may hold both names)."""
-    tied = [k for k in shapes if k.endswith(T5_TIED[1]) and k[:-len(T5_TIED[1])] + T5_TIED[0] in shapes]
-    return sum(int(torch.Size(s).numel()) for k, s in shapes.items() if k not in tied)
+    """Parameters of {name: shape} (an autoencoder's: no tied tensors)."""
+    return sum(int(torch.Size(s).numel()) for s in shapes.values())
 
 
 def _header_numel(path: str, option: str, header, source: str = "a single-file FLUX.1 transformer") -> int:
@@ -71,12 +76,34 @@ def _header_numel(path: str, option: str, header, source: str = "a single-file F
     return _numel(shapes)
 
 
-def _folder_numel(folder: str, header) -> int:
-    """The parameters of a diffusers / transformers component folder: its .safetensors headers."""
+def _folder_shapes(folder: str, header) -> dict:
+    """{name: shape} of a diffusers / transformers component folder (all its .safetensors shards)."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise Unavailable(f"{folder}: no .safetensors weights to count")
-    return _numel({f"{f}:{k}": s for f in files for k, s in header(f)[0].items()})
+    return {k: s for f in files for k, s in header(f)[0].items()}
+
+
+def _folder_numel(folder: str, header) -> int:
+    """The parameters of a diffusers / transformers component folder: its .safetensors headers."""
+    return _numel(_folder_shapes(folder, header))
+
+
+def _t5(shapes: dict, path: str, config: dict | None = None) -> nn.Module:
+    """T5 as t5.model_from_state_dict builds it: a T5EncoderModel of ``config``, else of the
+    config the weights' shapes give."""
+    cfg = config or t5.config_from_state_dict({k: _Shape(s) for k, s in shapes.items()}, path)
+    return T5EncoderModel(T5Config(**cfg))
+
+
+def _t5_file(path: str, header, source: str) -> nn.Module:
+    """A FLUX.1 run's ``t5xxl`` file, as t5.load_t5 builds it (its record's config, else its shapes')."""
+    if not path:
+        raise Unavailable(f"t5xxl: required with {source}")
+    path = os.path.expanduser(path)
+    shapes, meta = header(path)
+    record = embedded_config.read_record(meta, t5.META_CONFIG_KEY, path)
+    return _t5(shapes, path, (record or {}).get("config"))
 
 
 def _clip_l_of_file(path: str, header) -> nn.Module:
@@ -104,7 +131,7 @@ def _flux_file(opts, src: str, path: str, header) -> dict:
     cfg = flux_checkpoint.config_from_bfl(keys, path, flux_checkpoint._meta_config(meta, path))
     return {"unet": flux.Flux(cfg), "vae": Counted(_header_numel(opts.ae, "ae", header), "ae"),
             "text_encoder": _clip_l_of_file(opts.clip_l, header),
-            "text_encoder_2": Counted(_header_numel(opts.t5xxl, "t5xxl", header), "t5xxl")}
+            "text_encoder_2": _t5_file(opts.t5xxl, header, "a single-file FLUX.1 transformer")}
 
 
 def _flux_folder(opts, folder: str, header) -> dict:
@@ -117,11 +144,57 @@ def _flux_folder(opts, folder: str, header) -> dict:
         clip = _clip_l_of_file(opts.clip_l, header)
     else:
         clip = CLIPTextModel(CLIPTextConfig(**_read_json(os.path.join(folder, "text_encoder", "config.json"))))
-    t5_n = (_header_numel(opts.t5xxl, "t5xxl", header) if opts.t5xxl
-            else _folder_numel(os.path.join(folder, "text_encoder_2"), header))
+    t5_model = (_t5_file(opts.t5xxl, header, "a FLUX.1 folder") if opts.t5xxl
+                else T5EncoderModel(T5Config(**_read_json(os.path.join(folder, "text_encoder_2", "config.json")))))
     ae_n = _header_numel(opts.ae, "ae", header) if opts.ae else _folder_numel(os.path.join(folder, "vae"), header)
-    return {"unet": flux.Flux(cfg), "vae": Counted(ae_n, "ae"), "text_encoder": clip,
-            "text_encoder_2": Counted(t5_n, "t5xxl")}
+    return {"unet": flux.Flux(cfg), "vae": Counted(ae_n, "ae"), "text_encoder": clip, "text_encoder_2": t5_model}
+
+
+def _sd3_separate(opts, which: str, header, record: dict | None):
+    """The part a ``clip_l`` / ``clip_g`` / ``t5xxl`` file given replaces, as
+    sd3_checkpoint._replace_separate builds it (``record``: the model source's config record);
+    None when no such file is given."""
+    given = getattr(opts, which)
+    if not given:
+        return None
+    path = os.path.expanduser(given)
+    shapes, _ = header(path)
+    prefix = sd3_checkpoint.TE_PREFIX[which]
+    if any(k.startswith(prefix) for k in shapes):
+        shapes = {k[len(prefix):]: s for k, s in shapes.items() if k.startswith(prefix)}
+    if which == "t5xxl":
+        return _t5(shapes, path)  # the run's t5_loader: the config from the shapes
+    part = {k: _Shape(s) for k, s in shapes.items()}
+    return CLIPTextModelWithProjection(CLIPTextConfig(**sd3_checkpoint._clip_config(which, part, record, path)))
+
+
+def _sd3_folder(opts, folder: str, header) -> dict:
+    """A diffusers SD3 folder, as sd3_checkpoint._load_folder loads it: the transformer's weights
+    (here meta tensors of the header's shapes) converted to SAI's layout and the MMDiT built from
+    their shapes; the clip_l / clip_g / t5xxl / ae files replace its parts."""
+    tdir = os.path.join(folder, "transformer")
+    cfg_path = os.path.join(tdir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise Unavailable(f"{folder}: not a diffusers SD3 folder (no transformer/config.json)")
+    meta = {k: torch.empty(s, device="meta") for k, s in _folder_shapes(tdir, header).items()}
+    cfg = sd3.config_from_state_dict(sd3_checkpoint.mmdit_from_diffusers(meta, tdir), folder)
+    cfg = replace(cfg, sample_size=int(_read_json(cfg_path).get("sample_size", sd3.MMDiTConfig.sample_size)))
+    comps: dict = {"unet": sd3.build_mmdit(cfg)}
+    clip_configs = {which: _read_json(os.path.join(folder, sub, "config.json"))
+                    for which, sub in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"))}
+    for name, which in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        comps[name] = (_sd3_separate(opts, which, header, clip_configs)
+                       or CLIPTextModelWithProjection(CLIPTextConfig(**clip_configs[which])))
+    ae_n = (_header_numel(opts.ae, "ae", header, "an SD3 folder") if opts.ae
+            else _folder_numel(os.path.join(folder, "vae"), header))
+    comps["vae"] = Counted(ae_n, "ae")
+    t5_dir = os.path.join(folder, "text_encoder_3")
+    t5_model = _sd3_separate(opts, "t5xxl", header, None)
+    if t5_model is None and os.path.isdir(t5_dir):
+        t5_model = _t5(_folder_shapes(t5_dir, header), t5_dir)
+    if t5_model is not None:  # without T5: zero tokens in its place (the run has no third encoder)
+        comps["text_encoder_3"] = t5_model
+    return comps
 
 
 def _sd3_file(opts, path: str, header) -> dict:
@@ -133,20 +206,14 @@ def _sd3_file(opts, path: str, header) -> dict:
     cfg = sd3.config_from_state_dict(keys, path)
     comps: dict = {"unet": sd3.build_mmdit(cfg)}
     for name, which in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
-        separate = getattr(opts, which)
-        if separate:
-            separate = os.path.expanduser(separate)
-            s_shapes, s_meta = header(separate)
-            part = {k: _Shape(v) for k, v in s_shapes.items()}
-            part_record, part_src = _read_json_text(s_meta.get(sd3_checkpoint.META_KEY), separate), separate
-        else:
+        comps[name] = _sd3_separate(opts, which, header, record)
+        if comps[name] is None:
             part = {k[len(sd3_checkpoint.TE_PREFIX[which]):]: v for k, v in keys.items()
                     if k.startswith(sd3_checkpoint.TE_PREFIX[which])}
-            part_record, part_src = record, path
             if not part:
                 raise Unavailable(f"{path}: holds no {which} weights; give the {which} file (--{which})")
-        config = sd3_checkpoint._clip_config(which, part, part_record, part_src)
-        comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+            config = sd3_checkpoint._clip_config(which, part, record, path)
+            comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**config))
     if opts.ae:
         ae_n = _header_numel(opts.ae, "ae", header, "an SD3 file")
     else:
@@ -155,10 +222,10 @@ def _sd3_file(opts, path: str, header) -> dict:
             raise Unavailable(f"{path}: holds no vae weights; give the ae file (--ae)")
     comps["vae"] = Counted(ae_n, "ae")
     t5_prefix = sd3_checkpoint.TE_PREFIX["t5xxl"]
-    t5_n = (_header_numel(opts.t5xxl, "t5xxl", header, "an SD3 file") if opts.t5xxl else
-            _numel({k: v.shape for k, v in keys.items() if k.startswith(t5_prefix)}))
-    if t5_n:  # without T5: zero tokens in its place (the run has no third encoder)
-        comps["text_encoder_3"] = Counted(t5_n, "t5xxl")
+    t5_part = {k[len(t5_prefix):]: v.shape for k, v in keys.items() if k.startswith(t5_prefix)}
+    t5_model = _sd3_separate(opts, "t5xxl", header, record) or (_t5(t5_part, path) if t5_part else None)
+    if t5_model is not None:  # without T5: zero tokens in its place (the run has no third encoder)
+        comps["text_encoder_3"] = t5_model
     return comps
 
 
@@ -195,8 +262,10 @@ def fake_components(opts, family: str, header) -> dict:
         return comps
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return _sd3_file(opts, path, header)
-    raise Unavailable(f"{src}: SD3 diffusers folders are not estimated yet (SAI-layout .safetensors files "
-                      "and the built-in SD3 models are)")
+    if os.path.isdir(path):
+        return _sd3_folder(opts, path, header)
+    raise Unavailable(f"{src}: only SD3 .safetensors files (SAI layout), diffusers folders and the built-in "
+                      "models are estimated")
 
 
 class _Shape:

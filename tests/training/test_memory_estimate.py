@@ -356,6 +356,13 @@ FLOW_CASES = {
     "sd3-lora-split-qkv-lion": ("train_lora", "tiny-sd3", [
         "--network_module", "networks.lora_sd3", "--network_dim", "4", "--network_args", "split_qkv=True",
         "--optimizer_type", "Lion"]),
+    # train_t5xxl: the LoRA's T5 modules too (per-kind ranks: T5 takes network_dim)
+    "flux-lora-t5-adamw": ("train_lora", "tiny-flux", [
+        "--network_module", "networks.lora_flux", "--network_dim", "4", "--network_args", "train_t5xxl=True",
+        "img_attn_dim=2", "--optimizer_type", "AdamW"]),
+    "sd3-lora-t5-adamw": ("train_lora", "tiny-sd3", [
+        "--network_module", "networks.lora_sd3", "--network_dim", "4", "--network_args", "train_t5xxl=True",
+        "--optimizer_type", "AdamW"]),
 }
 
 
@@ -491,15 +498,38 @@ def _sd3_single_file(tmp_path) -> str:
     return path
 
 
+def _sd3_diffusers_folder(tmp_path) -> str:
+    """tiny-sd3.5-medium (qk norm, attn2 layers) as a diffusers folder: transformer/, text_encoder/,
+    text_encoder_2/, text_encoder_3/ (T5), vae/, written by the toolkit's own writer."""
+    import dataclasses
+
+    from library.models import sd3_checkpoint
+
+    folder = str(tmp_path / "sd3-folder")
+    tiny = sd3_checkpoint.load_sd3("tiny-sd3.5-medium")
+    sd3_checkpoint.save_sd3(dataclasses.replace(tiny, layout=sd3_checkpoint.LAYOUT_DIFFUSERS), folder)
+    return folder
+
+
 FLOW_SOURCES = {"flux-diffusers-folder": (_flux_diffusers_folder, "flux", "networks.lora_flux"),
-                "sd3-single-file": (_sd3_single_file, "sd3", "networks.lora_sd3")}
+                "sd3-single-file": (_sd3_single_file, "sd3", "networks.lora_sd3"),
+                "sd3-diffusers-folder": (_sd3_diffusers_folder, "sd3", "networks.lora_sd3")}
+
+
+def _t5_lora_params(t5_model, dim: int) -> int:
+    """sd-scripts' T5 LoRA (train_t5xxl) counted by hand: every Linear inside a T5Attention or
+    T5DenseGatedActDense gets a down (dim x in) and an up (out x dim)."""
+    return sum(dim * (m.in_features + m.out_features)
+               for block in t5_model.modules() if type(block).__name__ in ("T5Attention", "T5DenseGatedActDense")
+               for m in block.modules() if isinstance(m, torch.nn.Linear))
 
 
 @pytest.mark.parametrize("source", sorted(FLOW_SOURCES))
 def test_flow_files_and_folders_are_estimated_without_their_tensors(source, train, dataset, tmp_path, monkeypatch):
-    """A FLUX.1 diffusers folder and an SD3 single file, estimated from safetensors headers and
-    config files only (reading tensor data fails the test), for a LoRA run: every component's
-    parameter count and the LoRA's trained parameters equal the real run's (which loads them)."""
+    """A FLUX.1 diffusers folder, an SD3 single file and an SD3 diffusers folder, estimated from
+    safetensors headers and config files only (reading tensor data fails the test), for a LoRA run
+    with T5 trained (train_t5xxl): every component's parameter count and the LoRA's trained
+    parameters (T5's modules included) equal the real run's (which loads them)."""
     import safetensors
     import safetensors.torch
 
@@ -512,6 +542,7 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
     argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", dataset,
             "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
             "--learning_rate", "1e-3", "--cache_latents", "--network_module", module, "--network_dim", "4"]
+    t5_arg = ["--network_args", "train_t5xxl=True"]
 
     def refuse(*a, **k):
         raise AssertionError("tensor data was read")
@@ -521,8 +552,9 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
                           (safetensors.torch, "safe_open")):
             m.setattr(mod, name, refuse)
         m.setattr(flow_family, "family_before_loading", lambda src: family)  # detection reads keys
-        est = me.estimate(parse_args("train_lora", [*argv, "--dry_run"]), "lora")
-    rc, out, err, run = train("train_lora", argv)
+        est = me.estimate(parse_args("train_lora", [*argv, *t5_arg, "--dry_run"]), "lora")
+        without_t5 = me.estimate(parse_args("train_lora", [*argv, "--dry_run"]), "lora")
+    rc, out, err, run = train("train_lora", [*argv, *t5_arg])
     assert rc == 0, err
     got = {(line.component, line.trained, line.dtype): line.numel for line in est.params}
     assert got == _real_lines(run)
@@ -531,6 +563,8 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
     trained = [p for p in run.parts.params if p.requires_grad]
     assert est.trained_params == sum(p.numel() for p in trained) > 0
     assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
+    # the T5 modules' share, against a hand count on the run's own T5
+    assert est.trained_params - without_t5.trained_params == _t5_lora_params(run.parts.bundle.text_encoders[-1], 4) > 0
 
 
 @pytest.mark.slow
