@@ -567,6 +567,47 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
     assert est.trained_params - without_t5.trained_params == _t5_lora_params(run.parts.bundle.text_encoders[-1], 4) > 0
 
 
+def test_sd3_folder_with_separate_files_is_estimated_as_the_loader_builds_it(tmp_path, monkeypatch):
+    """An SD3 diffusers folder with ``clip_l`` and ``t5xxl`` files (a 3-layer T5, not the
+    folder's 2): the files replace the folder's parts in the estimate as in the loader; every
+    component's parameter count equals the loaded model's; no tensor data read."""
+    import safetensors
+    import safetensors.torch
+    from safetensors.torch import save_file
+    from transformers import T5Config, T5EncoderModel
+
+    from library.config.parse import parse_args
+    from library.models import flow_family, sd3_checkpoint, t5
+
+    folder = _sd3_diffusers_folder(tmp_path)
+    tiny = sd3_checkpoint.load_sd3("tiny-sd3.5-medium")
+    clip_file, t5_file = str(tmp_path / "clip_l.safetensors"), str(tmp_path / "t5.safetensors")
+    save_file({k: v.contiguous() for k, v in tiny.clip_l.state_dict().items()}, clip_file)
+    cfg = dict(tiny.t5xxl.config.to_dict(), num_layers=3)
+    t5_sd = T5EncoderModel(T5Config(**{k: cfg[k] for k in t5.T5XXL_CONFIG})).state_dict()
+    t5_sd.pop("encoder.embed_tokens.weight")  # tied to shared.weight: stored once
+    save_file({k: v.contiguous() for k, v in t5_sd.items()}, t5_file)
+    argv = ["--pretrained_model_name_or_path", folder, "--clip_l", clip_file, "--t5xxl", t5_file,
+            "--train_data_dir", "unused", "--resolution", "64", "--max_train_steps", "1", "--dry_run"]
+    opts = parse_args("train_dreambooth", argv)
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    with monkeypatch.context() as m:
+        for mod, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"),
+                          (safetensors.torch, "safe_open")):
+            m.setattr(mod, name, refuse)
+        m.setattr(flow_family, "family_before_loading", lambda src: "sd3")  # detection reads keys
+        est = me.estimate(opts, "dreambooth")
+    real = flow_family.load_from_options(opts)
+    parts = {"unet": real.unet, "vae": real.vae, "text_encoder": real.text_encoders[0],
+             "text_encoder_2": real.text_encoders[1], "text_encoder_3": real.text_encoders[2]}
+    assert {line.component: line.numel for line in est.params} == {
+        k: sum(p.numel() for p in v.parameters()) for k, v in parts.items()}
+    assert real.text_encoders[2].config.num_layers == 3  # the file's T5, not the folder's
+
+
 @pytest.mark.slow
 def test_flux_estimate_against_a_measured_cpu_peak(tmp_path):
     """tiny-flux full fine-tune (AdamW, 64 px, 2 steps) in a fresh process: its training-loop
