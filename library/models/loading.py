@@ -199,7 +199,8 @@ def _noise_scheduler(config: dict, v_parameterization: bool):
                          prediction_type="v_prediction" if v_parameterization else "epsilon")
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+    """A JSON config file's content; unreadable or not JSON: a ModelError naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -240,7 +241,7 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
         seed = tiny_models.SEED
     else:
         comps = _build_arch(arch)
-        sched = _read_json(os.path.join(SHIPPED_CONFIGS, arch, "scheduler", "scheduler_config.json"))
+        sched = read_json(os.path.join(SHIPPED_CONFIGS, arch, "scheduler", "scheduler_config.json"))
         seed = ARCH_SEED
     # Tiny models carry their own small vocabulary; the full-size ones take CLIP's shipped files.
     if tokenizer_path or src.location not in TINY_BUILTINS:
@@ -257,14 +258,14 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
 # --- diffusers folders -----------------------------------------------------------------------
 
 def _family_of_folder(folder: str) -> str:
-    index = _read_json(os.path.join(folder, "model_index.json")) if os.path.isfile(
+    index = read_json(os.path.join(folder, "model_index.json")) if os.path.isfile(
         os.path.join(folder, "model_index.json")) else {}
     if index.get("family") in FAMILY_OF_ARCH.values():
         return index["family"]
     if "text_encoder_2" in index or os.path.isdir(os.path.join(folder, "text_encoder_2")) \
             or "XL" in str(index.get("_class_name", "")):
         return "sdxl"
-    te = _read_json(os.path.join(folder, "text_encoder", "config.json"))
+    te = read_json(os.path.join(folder, "text_encoder", "config.json"))
     # SD2's OpenCLIP-derived text encoder: plain gelu and (at full size) 1024 wide.
     if te.get("hidden_act") == "gelu" or te.get("hidden_size") == 1024:
         return "sd2"
@@ -301,7 +302,7 @@ def _load_folder(folder: str, source: str, tokenizer_path: str | None) -> tuple[
     if family == "sdxl":
         comps["tokenizer_2"] = toks[1]
     sched_path = os.path.join(folder, "scheduler", "scheduler_config.json")
-    sched = _read_json(sched_path) if os.path.isfile(sched_path) else {}
+    sched = read_json(sched_path) if os.path.isfile(sched_path) else {}
     vae_dir = os.path.join(folder, "vae")
     return comps, family, sched, path_identity(folder), path_identity(vae_dir)
 
@@ -327,7 +328,7 @@ def _load_file(path: str, source: str, tokenizer_path: str | None, allow_pickle:
             sched = record.get("scheduler", {})
         else:
             config_dir = _shipped_config_for(state_dict, family, tmp)
-            sched = dict(_read_json(os.path.join(config_dir, "scheduler", "scheduler_config.json")))
+            sched = dict(read_json(os.path.join(config_dir, "scheduler", "scheduler_config.json")))
             # SD2 768-v and SD2-base share weights' shape: prediction type cannot be read from the
             # weights, so (as sd-scripts) it follows --v_parameterization.
             sched["prediction_type"] = "v_prediction" if v_parameterization else "epsilon"
@@ -350,12 +351,12 @@ def _shipped_config_for(state_dict: dict, family: str, tmp: str) -> str:
     first U-Net convolution, e.g. sd-v1-5-inpainting) a copy in ``tmp`` whose U-Net takes 9."""
     shipped = os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family])
     channels = inpainting.in_channels_of_state_dict(state_dict)
-    if channels is None or channels == _read_json(os.path.join(shipped, "unet", "config.json"))["in_channels"]:
+    if channels is None or channels == read_json(os.path.join(shipped, "unet", "config.json"))["in_channels"]:
         return shipped
     out = os.path.join(tmp, "shipped")
     shutil.copytree(shipped, out)
     cfg_path = os.path.join(out, "unet", "config.json")
-    cfg = _read_json(cfg_path)
+    cfg = read_json(cfg_path)
     cfg["in_channels"] = channels
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)

@@ -33,7 +33,6 @@ activations, not counted).
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import replace
 
@@ -41,8 +40,8 @@ import torch
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-from library.models import (clip_l_file, embedded_config, flow_family, flux, flux_checkpoint, sd3, sd3_builtins,
-                            sd3_checkpoint, sd3_vae, t5, tiny_flux)
+from library.models import (clip_l_file, embedded_config, flow_family, flux, flux_checkpoint, loading, sd3,
+                            sd3_builtins, sd3_checkpoint, sd3_vae, t5, tiny_flux)
 from library.models.family import TextConditioning
 from library.training import block_swap
 
@@ -115,14 +114,6 @@ def _clip_l_of_file(path: str, header) -> nn.Module:
     return CLIPTextModel(clip_l_file.clip_l_config(meta, path))
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise Unavailable(f"{path}: cannot read ({e})") from None
-
-
 def _flux_file(opts, src: str, path: str, header) -> dict:
     shapes, meta = header(path)
     keys = {k: _Shape(s) for k, s in shapes.items()}
@@ -139,13 +130,15 @@ def _flux_folder(opts, folder: str, header) -> dict:
     cfg_path = os.path.join(folder, "transformer", "config.json")
     if not os.path.isfile(cfg_path):
         raise Unavailable(f"{folder}: not a diffusers FLUX folder (no transformer/config.json)")
-    cfg = flux_checkpoint.config_from_diffusers(_read_json(cfg_path), cfg_path)
+    cfg = flux_checkpoint.config_from_diffusers(loading.read_json(cfg_path), cfg_path)
     if opts.clip_l:
         clip = _clip_l_of_file(opts.clip_l, header)
     else:
-        clip = CLIPTextModel(CLIPTextConfig(**_read_json(os.path.join(folder, "text_encoder", "config.json"))))
-    t5_model = (_t5_file(opts.t5xxl, header, "a FLUX.1 folder") if opts.t5xxl
-                else T5EncoderModel(T5Config(**_read_json(os.path.join(folder, "text_encoder_2", "config.json")))))
+        clip = CLIPTextModel(CLIPTextConfig(**loading.read_json(os.path.join(folder, "text_encoder", "config.json"))))
+    if opts.t5xxl:
+        t5_model = _t5_file(opts.t5xxl, header, "a FLUX.1 folder")
+    else:
+        t5_model = T5EncoderModel(T5Config(**loading.read_json(os.path.join(folder, "text_encoder_2", "config.json"))))
     ae_n = _header_numel(opts.ae, "ae", header) if opts.ae else _folder_numel(os.path.join(folder, "vae"), header)
     return {"unet": flux.Flux(cfg), "vae": Counted(ae_n, "ae"), "text_encoder": clip, "text_encoder_2": t5_model}
 
@@ -178,9 +171,9 @@ def _sd3_folder(opts, folder: str, header) -> dict:
         raise Unavailable(f"{folder}: not a diffusers SD3 folder (no transformer/config.json)")
     meta = {k: torch.empty(s, device="meta") for k, s in _folder_shapes(tdir, header).items()}
     cfg = sd3.config_from_state_dict(sd3_checkpoint.mmdit_from_diffusers(meta, tdir), folder)
-    cfg = replace(cfg, sample_size=int(_read_json(cfg_path).get("sample_size", sd3.MMDiTConfig.sample_size)))
+    cfg = replace(cfg, sample_size=int(loading.read_json(cfg_path).get("sample_size", sd3.MMDiTConfig.sample_size)))
     comps: dict = {"unet": sd3.build_mmdit(cfg)}
-    clip_configs = {which: _read_json(os.path.join(folder, sub, "config.json"))
+    clip_configs = {which: loading.read_json(os.path.join(folder, sub, "config.json"))
                     for which, sub in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"))}
     for name, which in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
         comps[name] = (_sd3_separate(opts, which, header, clip_configs)
@@ -202,7 +195,7 @@ def _sd3_file(opts, path: str, header) -> dict:
     lacks from the clip_l / clip_g / t5xxl / ae files (which replace the file's own parts)."""
     shapes, meta = header(path)
     keys = {k: _Shape(s) for k, s in shapes.items()}
-    record = _read_json_text(meta.get(sd3_checkpoint.META_KEY), path)
+    record = embedded_config.read_record(meta, sd3_checkpoint.META_KEY, path)
     cfg = sd3.config_from_state_dict(keys, path)
     comps: dict = {"unet": sd3.build_mmdit(cfg)}
     for name, which in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
@@ -227,15 +220,6 @@ def _sd3_file(opts, path: str, header) -> dict:
     if t5_model is not None:  # without T5: zero tokens in its place (the run has no third encoder)
         comps["text_encoder_3"] = t5_model
     return comps
-
-
-def _read_json_text(text, path: str):
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise Unavailable(f"{path}: metadata {sd3_checkpoint.META_KEY} is not valid JSON") from None
 
 
 def fake_components(opts, family: str, header) -> dict:

@@ -108,33 +108,28 @@ class TrainingCapture:
     tests/distributed/test_multiprocess.py."""
 
     def __init__(self):
-        self.run = None
         self.micro_steps: list[tuple[int, int, tuple[int, ...]]] = []
+        self._stack = contextlib.ExitStack()
+        self._runs: list = []
+
+    @property
+    def run(self):
+        """The last Run the trainer returned (None before one)."""
+        return self._runs[-1] if self._runs else None
 
     def __enter__(self):
-        from library.run import trainer
-
-        self._trainer = trainer
         from library.run.run_state import HOOKS
-
-        self._run = trainer.run
-        real_run = self._run
-
-        def run(opts, method_name):
-            self.run = real_run(opts, method_name)
-            return self.run
+        from tests.conftest import runs_kept
 
         def before_micro_step(run_self, epoch, idx):
             self.micro_steps.append((run_self.progress.global_step, epoch, tuple(idx)))
 
-        trainer.run = run
-        self._hooks = HOOKS.add(before_micro_step=before_micro_step)
-        self._hooks.__enter__()
+        self._runs = self._stack.enter_context(runs_kept())
+        self._stack.enter_context(HOOKS.add(before_micro_step=before_micro_step))
         return self
 
     def __exit__(self, *exc):
-        self._trainer.run = self._run
-        self._hooks.__exit__(*exc)
+        return self._stack.__exit__(*exc)
 
     def samples_per_step(self) -> list[tuple[int, tuple[int, ...]]]:
         """(epoch, sorted sample indices) of each step, all micro-steps together."""

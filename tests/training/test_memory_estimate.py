@@ -100,6 +100,29 @@ def _optimizers(stepper):
     return [getattr(o, "optimizer", o) for o in opts]
 
 
+def assert_estimate_counts_the_run(est, run, stepping: str = "plain") -> None:
+    """The estimate's parameters (per component, trained or frozen, dtype), trained parameters,
+    optimizer state and gradients against the run's own; ``stepping``: "plain" (all gradients at
+    once), "fused" (the largest parameter's) or "groups" (the largest unit's)."""
+    got = {(line.component, line.trained, line.dtype): line.numel for line in est.params}
+    assert got == _real_lines(run)
+    trained = [p for p in run.parts.params if p.requires_grad]
+    assert est.trained_params == sum(p.numel() for p in trained) > 0
+    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
+    nbytes = [p.numel() * p.element_size() for p in trained]
+    if stepping == "fused":
+        assert est.gradients == max(nbytes)
+    elif stepping == "groups":
+        assert est.gradients == max(sum(p.numel() * p.element_size() for p in u) for u in run.parts.stepper.units)
+    else:
+        assert est.gradients == sum(nbytes)
+
+
+def _stepping(case: str) -> str:
+    """The stepping a case's name says (the cases name "fused" and "groups")."""
+    return "fused" if "fused" in case else "groups" if "groups" in case else "plain"
+
+
 CASES = {
     "lora-conv-adamw8bit-fused": ("train_lora", "tiny-sd15", [
         "--network_dim", "4", "--network_args", "conv_dim=2", "--optimizer_type", "AdamW8bit",
@@ -127,22 +150,9 @@ def test_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path, monk
     rc, out, err, run = train(script, argv)
     assert rc == 0, err
     assert "memory estimate" not in out  # a real run does not spend the time (dry_run only)
-    got = {}
-    for line in est.params:
-        got[(line.component, line.trained, line.dtype)] = line.numel
-    assert got == _real_lines(run)
-    trained = [p for p in run.parts.params if p.requires_grad]
-    assert est.trained_params == sum(p.numel() for p in trained) > 0
-    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
-    nbytes = [p.numel() * p.element_size() for p in trained]
-    if "fused" in case:
-        assert est.gradients == max(nbytes)
-    elif "groups" in case:
-        units = run.parts.stepper.units
-        assert len(units) == 3
-        assert est.gradients == max(sum(p.numel() * p.element_size() for p in u) for u in units)
-    else:
-        assert est.gradients == sum(nbytes)
+    assert_estimate_counts_the_run(est, run, _stepping(case))
+    if "groups" in case:
+        assert len(run.parts.stepper.units) == 3
     # frozen parts that the run released after caching are not counted, the others are
     released = {"vae"} if "--cache_latents" in extra else set()
     if "--cache_text_encoder_outputs" in extra:
@@ -253,6 +263,22 @@ def test_single_files_and_folders_are_estimated_from_their_configs(tmp_path, mon
     shapes, meta = me.safetensors_header(single)
     unet = sum(math.prod(s) for k, s in shapes.items() if k.startswith("model.diffusion_model."))
     assert unet == sum(p.numel() for p in bundle.unet.parameters())
+
+
+def test_broken_sd3_folder_config_is_one_line_naming_the_file(capsys, tmp_path):
+    """An SD3 diffusers folder whose text_encoder/config.json is not JSON: the estimate says so in
+    one line naming the file (the loader's ModelError), and the run goes on."""
+    from library.config.parse import parse_args
+
+    folder = _sd3_diffusers_folder(tmp_path)
+    broken = os.path.join(folder, "text_encoder", "config.json")
+    with open(broken, "w") as f:
+        f.write("{oops")
+    o = parse_args("train_lora", ["--pretrained_model_name_or_path", folder, "--train_data_dir", "unused",
+                                  "--resolution", "64", "--max_train_steps", "1", "--dry_run"])
+    assert me.report(o, "lora") is None
+    said = [line for line in capsys.readouterr().out.splitlines() if "memory estimate" in line]
+    assert len(said) == 1 and said[0].startswith(f"memory estimate: not available ({broken}: cannot read ("), said
 
 
 def test_unavailable_estimate_is_one_line_and_not_fatal(capsys, tmp_path):
@@ -380,19 +406,7 @@ def test_flow_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path)
     est = me.estimate(parse_args(script, [*argv, "--dry_run"]), METHOD_OF_SCRIPT[script])
     rc, out, err, run = train(script, argv)
     assert rc == 0, err
-    got = {(line.component, line.trained, line.dtype): line.numel for line in est.params}
-    assert got == _real_lines(run)
-    trained = [p for p in run.parts.params if p.requires_grad]
-    assert est.trained_params == sum(p.numel() for p in trained) > 0
-    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
-    nbytes = [p.numel() * p.element_size() for p in trained]
-    if "fused" in case:
-        assert est.gradients == max(nbytes)
-    elif "groups" in case:
-        assert est.gradients == max(sum(p.numel() * p.element_size() for p in u)
-                                    for u in run.parts.stepper.units)
-    else:
-        assert est.gradients == sum(nbytes)
+    assert_estimate_counts_the_run(est, run, _stepping(case))
     for line in est.params:
         assert line.resident == (line.component != "vae"), line
     if "swap" in case:  # the swapped blocks' bytes, from the run's own swap
@@ -556,15 +570,13 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
         without_t5 = me.estimate(parse_args("train_lora", [*argv, "--dry_run"]), "lora")
     rc, out, err, run = train("train_lora", [*argv, *t5_arg])
     assert rc == 0, err
-    got = {(line.component, line.trained, line.dtype): line.numel for line in est.params}
-    assert got == _real_lines(run)
-    assert any(c == "text_encoder" for c, _, _ in got) and ("network", True, "float32") in got
+    assert_estimate_counts_the_run(est, run)
+    got = {(line.component, line.trained, line.dtype) for line in est.params}
+    assert ("text_encoder", False, "float32") in got and ("network", True, "float32") in got
     assert (("text_encoder_3", False, "float32") in got) == (family == "sd3")  # SD3's T5 in the file
-    trained = [p for p in run.parts.params if p.requires_grad]
-    assert est.trained_params == sum(p.numel() for p in trained) > 0
-    assert est.optimizer == state_bytes(_optimizers(run.parts.stepper))
     # the T5 modules' share, against a hand count on the run's own T5
-    assert est.trained_params - without_t5.trained_params == _t5_lora_params(run.parts.bundle.text_encoders[-1], 4) > 0
+    t5_model = run.parts.bundle.text_encoders[-1]
+    assert est.trained_params - without_t5.trained_params == _t5_lora_params(t5_model, 4) > 0
 
 
 def test_sd3_folder_with_separate_files_is_estimated_as_the_loader_builds_it(tmp_path, monkeypatch):

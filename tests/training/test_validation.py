@@ -25,13 +25,11 @@ def _worker(report_dir: str, argv: list[str]) -> int:
         sys.path.insert(0, ROOT)
     import torch.distributed as dist
 
-    from library.run import trainer
     from library.cli import main
+    from tests.conftest import runs_kept
 
-    runs = []
-    real = trainer.run
-    trainer.run = lambda opts, m: runs.append(real(opts, m)) or runs[-1]
-    rc = main(os.environ.get("SDTK_TEST_SCRIPT", "train_lora"), argv)
+    with runs_kept() as runs:
+        rc = main(os.environ.get("SDTK_TEST_SCRIPT", "train_lora"), argv)
     if rc:
         return rc
     r = runs[0]
