@@ -176,8 +176,9 @@ def _sd3_folder(opts, folder: str, header) -> dict:
     clip_configs = {which: loading.read_json(os.path.join(folder, sub, "config.json"))
                     for which, sub in (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"))}
     for name, which in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
-        comps[name] = (_sd3_separate(opts, which, header, clip_configs)
-                       or CLIPTextModelWithProjection(CLIPTextConfig(**clip_configs[which])))
+        comps[name] = _sd3_separate(opts, which, header, clip_configs)
+        if comps[name] is None:
+            comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**clip_configs[which]))
     ae_n = (_header_numel(opts.ae, "ae", header, "an SD3 folder") if opts.ae
             else _folder_numel(os.path.join(folder, "vae"), header))
     comps["vae"] = Counted(ae_n, "ae")
@@ -216,7 +217,9 @@ def _sd3_file(opts, path: str, header) -> dict:
     comps["vae"] = Counted(ae_n, "ae")
     t5_prefix = sd3_checkpoint.TE_PREFIX["t5xxl"]
     t5_part = {k[len(t5_prefix):]: v.shape for k, v in keys.items() if k.startswith(t5_prefix)}
-    t5_model = _sd3_separate(opts, "t5xxl", header, record) or (_t5(t5_part, path) if t5_part else None)
+    t5_model = _sd3_separate(opts, "t5xxl", header, record)
+    if t5_model is None and t5_part:
+        t5_model = _t5(t5_part, path)
     if t5_model is not None:  # without T5: zero tokens in its place (the run has no third encoder)
         comps["text_encoder_3"] = t5_model
     return comps
