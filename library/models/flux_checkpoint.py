@@ -77,15 +77,22 @@ _TOP = [
 ]
 
 
-def _rules(config: FluxConfig):
-    """(bfl name, [diffusers names], kind) for every tensor of a model of this shape; names
-    without a .weight/.bias suffix stand for both."""
+def module_rules(depth: int, depth_single_blocks: int, guidance_embed: bool = True) -> list:
+    """(bfl name, [diffusers names], kind) for every module and norm scale of a model with these
+    block counts; a name without a .weight/.scale suffix is a Linear (its .weight and .bias).
+    Also the map of LoRA modules between kohya's and diffusers' layouts (networks/flux_peft_layout.py)."""
     out = []
-    for i in range(config.depth):
+    for i in range(depth):
         out += [(f"double_blocks.{i}.{b}", [f"transformer_blocks.{i}.{d}" for d in ds], k) for b, ds, k in _DOUBLE]
-    for i in range(config.depth_single_blocks):
+    for i in range(depth_single_blocks):
         out += [(f"single_blocks.{i}.{b}", [f"single_transformer_blocks.{i}.{d}" for d in ds], k) for b, ds, k in _SINGLE]
-    out += [(b, ds, k) for b, ds, k in _TOP if config.guidance_embed or not b.startswith("guidance_in")]
+    out += [(b, ds, k) for b, ds, k in _TOP if guidance_embed or not b.startswith("guidance_in")]
+    return out
+
+
+def _rules(config: FluxConfig):
+    """(bfl name, [diffusers names], kind) for every tensor of a model of this shape."""
+    out = module_rules(config.depth, config.depth_single_blocks, config.guidance_embed)
     expanded = []
     for b, ds, k in out:
         if b.endswith((".scale", ".weight")):
@@ -95,7 +102,8 @@ def _rules(config: FluxConfig):
     return expanded
 
 
-def _split(t: torch.Tensor, kind: str, hidden: int) -> list[torch.Tensor]:
+def split_fused(t: torch.Tensor, kind: str, hidden: int) -> list[torch.Tensor]:
+    """A BFL tensor's diffusers parts along dim 0 (a rule's kind; hidden: the model's width)."""
     if kind == "qkv":
         return list(t.chunk(3, dim=0))
     if kind == "qkvm":
@@ -111,7 +119,7 @@ def bfl_to_diffusers(state_dict: dict, config: FluxConfig) -> dict:
     _check_keys(state_dict, {b for b, _, _ in _rules(config)}, "BFL")
     out = {}
     for b, ds, kind in _rules(config):
-        for d, t in zip(ds, _split(state_dict[b], kind, config.hidden_size)):
+        for d, t in zip(ds, split_fused(state_dict[b], kind, config.hidden_size)):
             out[d] = t
     return out
 
