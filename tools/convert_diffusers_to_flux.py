@@ -20,7 +20,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.errors import UserError  # noqa: E402
-from library.models import flux_convert  # noqa: E402
+from library.models import flux_convert, fp8_storage  # noqa: E402
 
 
 def _parse_args(argv):
@@ -31,7 +31,7 @@ def _parse_args(argv):
     p.add_argument("--mem_eff_load_save", action="store_true",
                    help="accepted for sd-scripts' commands: the file is always written one tensor at a time")
     p.add_argument("--save_precision", default=None,
-                   help=f"dtype of the output: {', '.join(flux_convert.SAVE_PRECISIONS)} (default: as stored)")
+                   help=f"dtype of the output: {', '.join(fp8_storage.SAVE_PRECISIONS)} (default: as stored)")
     return p.parse_args(argv)
 
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     try:
         weights = flux_convert.diffusers_to_bfl_file(args.diffusers_path, args.save_to,
-                                                     flux_convert.save_dtype(args.save_precision))
+                                                     fp8_storage.save_dtype(args.save_precision))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,22 +11,7 @@ import torch
 
 from library import safetensors_file
 from library.errors import ModelError
-from library.models import flux_checkpoint
-
-# sd-scripts' --save_precision names (library/utils.py str_to_dtype) that a safetensors file can hold
-SAVE_PRECISIONS = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-                   "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-                   "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2}
-
-
-def save_dtype(name: str | None) -> torch.dtype | None:
-    """--save_precision -> dtype (None: as stored); one line naming the flag for anything else."""
-    if name is None:
-        return None
-    if name not in SAVE_PRECISIONS:
-        raise ModelError(f"--save_precision {name!r}: expected one of {', '.join(SAVE_PRECISIONS)}")
-    return SAVE_PRECISIONS[name]
+from library.models import flux_checkpoint, fp8_storage
 
 
 def _inputs(source: str) -> list[str]:
@@ -70,9 +55,6 @@ def diffusers_to_bfl_file(source: str, save_to: str, dtype: torch.dtype | None =
     weights = flux_checkpoint.read_transformer(source, None)
     if weights.layout != "diffusers":
         raise ModelError(f"--diffusers_path {source}: already a FLUX.1 transformer in the BFL layout")
-    for key, value in weights.state_dict.items():
-        if value.is_floating_point() and not torch.isfinite(value.to(dtype or value.dtype).float()).all():
-            cast = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
-            raise ModelError(f"{source}: {key} has non-finite values{cast}; not written")
+    fp8_storage.check_finite_as(weights.state_dict, dtype, source)
     flux_checkpoint.save_flux_transformer(save_to, weights.state_dict, "bfl", weights.config, dtype=dtype)
     return weights

@@ -2,6 +2,7 @@
 up-cast on load to the dtype the model is built in.
 
 This is storage only; computing with an fp8 frozen base (``fp8_base``) is library/models/fp8.py.
+Also the storage dtypes of sd-scripts' file tools' ``--save_precision``.
 """
 from __future__ import annotations
 
@@ -10,6 +11,29 @@ import torch
 from library.errors import ModelError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# sd-scripts' --save_precision names (library/utils.py str_to_dtype) that a safetensors file can hold
+SAVE_PRECISIONS = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                   "float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+                   "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3fn": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def save_dtype(name: str | None) -> torch.dtype | None:
+    """--save_precision -> dtype (None: as stored); one line naming the flag for anything else."""
+    if name is None:
+        return None
+    if name not in SAVE_PRECISIONS:
+        raise ModelError(f"--save_precision {name!r}: expected one of {', '.join(SAVE_PRECISIONS)}")
+    return SAVE_PRECISIONS[name]
+
+
+def check_finite_as(tensors: dict, dtype: torch.dtype | None, source: str) -> None:
+    """Every floating tensor finite once stored in ``dtype`` (None: as it is), else one line naming
+    it: a conversion is stopped before anything is written."""
+    for key, value in tensors.items():
+        if value.is_floating_point() and not torch.isfinite(value.to(dtype or value.dtype).float()).all():
+            cast = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+            raise ModelError(f"{source}: {key} has non-finite values{cast}; not written")
 
 
 def load_dtype(state_dict: dict, dtype: torch.dtype | None, path: str) -> dict:
