@@ -65,8 +65,9 @@ def run(args) -> None:
         if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in sd):
             raise LoRAError(f"{source}: an ai-toolkit (diffusers / PEFT) LoRA file (lora_A / lora_B keys); "
                             "use --src ai-toolkit")
-        out, dropped = flux_peft_layout.to_ai_toolkit(lora_svd.modules_of(sd, source), source)
-        n = len({k.rsplit(".", 2)[0] for k in out})
+        modules = lora_svd.modules_of(sd, source)
+        out, dropped = flux_peft_layout.to_ai_toolkit(modules, source)
+        counts = f"{len(modules) - len(dropped)} kohya modules into {len({k.rsplit('.', 2)[0] for k in out})}"
     else:
         modules, dropped = flux_peft_layout.from_ai_toolkit(sd, metadata, source)
         out = lora_svd.state_dict_of(modules)
@@ -75,14 +76,15 @@ def run(args) -> None:
         metadata.setdefault("ss_base_model_version", "flux1")
         metadata = lora_svd.rank_metadata(modules, metadata)
         metadata = lora_svd.add_comment(metadata, f"converted from ai-toolkit's layout ({os.path.basename(source)})")
-        n = len(modules)
+        counts = f"{len({k.rsplit('.', 2)[0] for k in sd if not k.startswith('text_encoder')})} modules into " \
+                 f"{len(modules)} kohya"
     if dropped:
         print(f"warning: {len(dropped)} text-encoder {'modules' if args.src == 'sd-scripts' else 'keys'} left out "
               f"(ai-toolkit's layout has none; sd-scripts' converter drops them too), e.g. {dropped[0]}",
               file=sys.stderr)
     dtype = lora_svd.PRECISIONS[args.save_precision] if args.save_precision else None
     write_weights(args.dst_path, out, dtype, metadata)
-    print(f"converted {n} modules from {args.src} to {args.dst}: {args.dst_path}")
+    print(f"converted {counts} modules ({args.src} -> {args.dst}): {args.dst_path}")
 
 
 def main(argv=None) -> int:
