@@ -18,12 +18,11 @@ import os
 import struct
 
 import torch
-from safetensors import safe_open
 
 from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_path
-from library.models import fp8_storage, sd3, sd3_checkpoint, sd3_vae
+from library.models import fp8_storage, sd3, sd3_checkpoint, sd3_vae, sd_checkpoint
 from library.models.sd3 import SD3ModelError
 
 PREFIX = {"dit": sd3.PREFIX, "vae": sd3_vae.PREFIX, **sd3_checkpoint.TE_PREFIX}
@@ -45,12 +44,17 @@ def _shapes(path: str, flag: str) -> dict[str, list[int]]:
     if not path.lower().endswith((".safetensors", ".sft")):
         raise SD3ModelError(f"{flag} {path}: not a .safetensors file")
     try:
-        header = safetensors_file.read_header(path)[1]
+        length, header = safetensors_file.read_header(path)
     except (OSError, ValueError, struct.error) as e:
         raise SD3ModelError(f"{flag} {path}: not a readable safetensors file ({first_line(e)})") from None
     if not isinstance(header, dict):
         raise SD3ModelError(f"{flag} {path}: not a readable safetensors file")
-    return {k: v.get("shape", []) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    entries = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    end = max((int(v.get("data_offsets", [0, 0])[1]) for v in entries.values()), default=0)
+    if os.path.getsize(path) < 8 + length + end:
+        raise SD3ModelError(f"{flag} {path}: truncated ({os.path.getsize(path)} bytes, its header needs "
+                            f"{8 + length + end})")
+    return {k: v.get("shape", []) for k, v in entries.items()}
 
 
 def _component(shapes: dict, which: str) -> dict:
@@ -107,8 +111,7 @@ def _check_widths(parts: dict[str, tuple[str, dict]]) -> None:
 
 
 def _read(path: str) -> tuple[dict, dict]:
-    with safe_open(path, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    return sd_checkpoint.read_state_dict(path)  # a file that cannot be read: one ModelError line
 
 
 def _prefixed(sd: dict, which: str) -> dict:

@@ -76,6 +76,7 @@ def test_merged_file_is_the_all_in_one_file_and_loads(tiny, parts, tmp_path, cap
     ("other_prefix", "--clip_g {p[clip_l]}: holds clip_l weights (text_encoders.clip_l.*), not clip_g"),
     ("diffusers_vae", "--vae {d}/vae_diffusers.safetensors: a VAE in diffusers' layout"),
     ("output_is_input", "--output {p[t5xxl]}: is --t5xxl"),
+    ("truncated", "--dit {d}/dit.safetensors: truncated ("),
     ("overflow", "first_stage_model.encoder.conv_in.weight has non-finite values in float16; not written"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny, parts, tmp_path, capsys, case, message):
@@ -83,6 +84,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny, parts, tmp_path, capsys,
     out = d + "/out.safetensors"
     if case == "diffusers_vae":
         save_file(tiny.vae.state_dict(), d + "/vae_diffusers.safetensors")
+    if case == "truncated":
+        with open(parts["dit"], "rb") as f:
+            data = f.read()
+        with open(d + "/dit.safetensors", "wb") as f:
+            f.write(data[:-100])
     if case == "swapped":
         save_file({k: v for k, v in tiny.clip_l.state_dict().items() if "projection" not in k}, d + "/clip_l.safetensors")
     if case == "overflow":
@@ -93,7 +99,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny, parts, tmp_path, capsys,
     changes = {"missing": {"clip_g": d + "/none.safetensors"}, "not_dit": {"dit": parts["vae"]},
                "t5_is_clip": {"t5xxl": parts["clip_g"]},
                "swapped": {"clip_l": parts["clip_g"], "clip_g": d + "/clip_l.safetensors"},
-               "other_prefix": {"clip_g": parts["clip_l"]},
+               "other_prefix": {"clip_g": parts["clip_l"]}, "truncated": {"dit": d + "/dit.safetensors"},
                "diffusers_vae": {"vae": d + "/vae_diffusers.safetensors"},
                "output_is_input": {}, "overflow": {"vae": d + "/big_vae.safetensors"}}[case]
     output = parts["t5xxl"] if case == "output_is_input" else out
