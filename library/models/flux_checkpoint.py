@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ DIFFUSERS_GUIDANCE = "time_text_embed.guidance_embedder.linear_1.weight"
 META_CONFIG_KEY = "sdtk.flux_config"  # the FluxConfig of files this toolkit writes (tiny widths)
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+SHARD_NAME = re.compile(r"^(.+)-(0*1)-of-(\d+)(\.safetensors)$")  # the first of a diffusers model's shards
 
 # How one BFL tensor maps to diffusers tensors: "same" (renamed), "qkv" (three equal chunks),
 # "qkvm" (q, k, v of hidden_size each, then the MLP input), "swap" (halves exchanged).
@@ -77,15 +79,22 @@ _TOP = [
 ]
 
 
-def _rules(config: FluxConfig):
-    """(bfl name, [diffusers names], kind) for every tensor of a model of this shape; names
-    without a .weight/.bias suffix stand for both."""
+def module_rules(depth: int, depth_single_blocks: int, guidance_embed: bool = True) -> list:
+    """(bfl name, [diffusers names], kind) for every module and norm scale of a model with these
+    block counts; a name without a .weight/.scale suffix is a Linear (its .weight and .bias).
+    Also the map of LoRA modules between kohya's and diffusers' layouts (networks/flux_peft_layout.py)."""
     out = []
-    for i in range(config.depth):
+    for i in range(depth):
         out += [(f"double_blocks.{i}.{b}", [f"transformer_blocks.{i}.{d}" for d in ds], k) for b, ds, k in _DOUBLE]
-    for i in range(config.depth_single_blocks):
+    for i in range(depth_single_blocks):
         out += [(f"single_blocks.{i}.{b}", [f"single_transformer_blocks.{i}.{d}" for d in ds], k) for b, ds, k in _SINGLE]
-    out += [(b, ds, k) for b, ds, k in _TOP if config.guidance_embed or not b.startswith("guidance_in")]
+    out += [(b, ds, k) for b, ds, k in _TOP if guidance_embed or not b.startswith("guidance_in")]
+    return out
+
+
+def _rules(config: FluxConfig):
+    """(bfl name, [diffusers names], kind) for every tensor of a model of this shape."""
+    out = module_rules(config.depth, config.depth_single_blocks, config.guidance_embed)
     expanded = []
     for b, ds, k in out:
         if b.endswith((".scale", ".weight")):
@@ -95,7 +104,8 @@ def _rules(config: FluxConfig):
     return expanded
 
 
-def _split(t: torch.Tensor, kind: str, hidden: int) -> list[torch.Tensor]:
+def split_fused(t: torch.Tensor, kind: str, hidden: int) -> list[torch.Tensor]:
+    """A BFL tensor's diffusers parts along dim 0 (a rule's kind; hidden: the model's width)."""
     if kind == "qkv":
         return list(t.chunk(3, dim=0))
     if kind == "qkvm":
@@ -111,7 +121,7 @@ def bfl_to_diffusers(state_dict: dict, config: FluxConfig) -> dict:
     _check_keys(state_dict, {b for b, _, _ in _rules(config)}, "BFL")
     out = {}
     for b, ds, kind in _rules(config):
-        for d, t in zip(ds, _split(state_dict[b], kind, config.hidden_size)):
+        for d, t in zip(ds, split_fused(state_dict[b], kind, config.hidden_size)):
             out[d] = t
     return out
 
@@ -227,16 +237,35 @@ class TransformerWeights:
     variant: str  # 'dev' or 'schnell'
 
 
-def read_transformer(path: str, dtype: torch.dtype = torch.float32) -> TransformerWeights:
+def shard_files(path: str) -> list[str]:
+    """A file named like diffusers' first shard (``...-00001-of-00003.safetensors``, what sd-scripts'
+    convert_diffusers_to_flux.py takes) -> all its shards, in order; any other path -> [path]."""
+    m = SHARD_NAME.match(os.path.basename(path))
+    if not m:
+        return [path]
+    head, total, tail = m.group(1), m.group(3), m.group(4)
+    files = [os.path.join(os.path.dirname(path), f"{head}-{i:0{len(total)}d}-of-{total}{tail}")
+             for i in range(1, int(total) + 1)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ModelError(f"{path}: shard {os.path.basename(missing[0])} of {total} is missing beside it")
+    return files
+
+
+def read_transformer(path: str, dtype: torch.dtype | None = torch.float32) -> TransformerWeights:
     """The transformer's weights, in BFL layout, from a BFL single file (with or without the
     ``model.diffusion_model.`` prefix, fp8-stored or not), a diffusers transformer folder (one
-    file or shards with an index), or a diffusers FLUX folder (its ``transformer/``).
-    Floating tensors are returned in ``dtype``."""
+    file or shards with an index), a diffusers FLUX folder (its ``transformer/``) or the first of
+    a diffusers transformer's shards. Floating tensors are returned in ``dtype`` (None: as stored)."""
     if os.path.isdir(path):
         sub = os.path.join(path, "transformer")
         folder = sub if os.path.isdir(sub) else path
         return _read_diffusers_folder(folder, dtype)
-    sd, meta = read_state_dict(path)
+    sd, meta = {}, {}
+    for f in shard_files(path):
+        part, part_meta = read_state_dict(f)
+        sd.update(part)
+        meta = meta or part_meta
     layout = layout_of(sd.keys())
     if layout is None:
         raise ModelError(f"{path}: not a FLUX.1 transformer (no {BFL_MARKER} or {DIFFUSERS_MARKER})")
@@ -248,8 +277,8 @@ def read_transformer(path: str, dtype: torch.dtype = torch.float32) -> Transform
         sd = {k[len(BFL_PREFIX):]: v for k, v in sd.items() if k.startswith(BFL_PREFIX)}
     sd = fp8_storage.load_dtype(sd, dtype, path)
     meta_cfg = _meta_config(meta, path)
-    if layout == "diffusers":
-        cfg = _diffusers_config_from_weights(sd, path, meta_cfg)
+    if layout == "diffusers":  # a lone file or shards: the transformer's config.json beside them, else the shapes
+        cfg = _config_beside(path) or _diffusers_config_from_weights(sd, path, meta_cfg)
         sd = diffusers_to_bfl(sd, cfg)
     else:
         cfg = config_from_bfl(sd, path, meta_cfg)
@@ -282,13 +311,27 @@ def _diffusers_config_from_weights(sd: dict, path: str, meta_cfg: dict | None) -
     return cfg
 
 
-def _read_diffusers_folder(folder: str, dtype: torch.dtype) -> TransformerWeights:
-    cfg_path = os.path.join(folder, "config.json")
+def _config_beside(path: str) -> FluxConfig | None:
+    """The FluxTransformer2DModel config.json in the file's folder (diffusers' transformer/), if any."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+    try:
+        with open(beside, encoding="utf-8") as f:
+            is_flux = json.load(f).get("_class_name") == "FluxTransformer2DModel"
+    except (OSError, ValueError, AttributeError):
+        return None
+    return _read_config(beside) if is_flux else None
+
+
+def _read_config(cfg_path: str) -> FluxConfig:
     try:
         with open(cfg_path, encoding="utf-8") as f:
-            cfg = config_from_diffusers(json.load(f), cfg_path)
+            return config_from_diffusers(json.load(f), cfg_path)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"{cfg_path}: cannot read ({first_line(e, typed=True)})") from None
+
+
+def _read_diffusers_folder(folder: str, dtype: torch.dtype | None) -> TransformerWeights:
+    cfg = _read_config(os.path.join(folder, "config.json"))
     index = os.path.join(folder, DIFFUSERS_INDEX)
     if os.path.isfile(index):
         try:
@@ -323,7 +366,7 @@ def build_transformer(weights: TransformerWeights):
     return model.eval()
 
 
-def load_transformer(path: str, dtype: torch.dtype = torch.float32):
+def load_transformer(path: str, dtype: torch.dtype | None = torch.float32):
     """(Flux module, TransformerWeights without the tensors' second reference) from ``path``."""
     weights = read_transformer(path, dtype)
     model = build_transformer(weights)

@@ -62,27 +62,11 @@ def test_builtin_builds_are_bit_identical(tiny):
     assert torch.equal(tiny.clip_l.text_projection.weight, torch.eye(32))
 
 
-def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
+def check_diffusers_reads_all_in_one(path: str, tiny, cfg_dir) -> None:
+    """diffusers' own single-file loaders (transformer, VAE, both CLIPs, T5) read the all-in-one
+    file to the tiny model's weights, bit for bit (configs written into ``cfg_dir``)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    path = str(tmp_path / "sd3.safetensors")
-    sd3_checkpoint.save_sd3(tiny, path)
-    keys, meta = _keys(path)
-    assert {k.split(".transformer.")[0] for k in keys if k.startswith("text_encoders.")} == {
-        "text_encoders.clip_l", "text_encoders.clip_g", "text_encoders.t5xxl"}  # the tiny T5 too
-    assert "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight" in keys
-    assert "text_encoders.clip_l.transformer.text_projection.weight" not in keys  # as in SAI's files
-    assert "text_encoders.clip_g.transformer.text_projection.weight" in keys
-    assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in keys
-    assert "first_stage_model.encoder.down.0.block.0.conv1.weight" in keys
-    assert not any("quant_conv" in k for k in keys)  # SD3's VAE has none
-    back = sd3_checkpoint.load_sd3(path, t5_loader=t5.model_from_state_dict)
-    _assert_same(tiny, back, COMPONENTS + ("t5xxl",))
-    assert back.layout == sd3_checkpoint.LAYOUT_FILE and back.in_source == frozenset(COMPONENTS + ("t5xxl",))
-    assert back.tokenizer_t5.get_vocab() == tiny.tokenizer_t5.get_vocab()  # from the file's record
-
-    # diffusers' own single-file loaders read the file (transformer and VAE) to the same weights
-    cfg_dir = tmp_path / "cfg"
     for sub, cfg in (("transformer", sd3_checkpoint.diffusers_config(tiny.mmdit.config)),
                      ("vae", dict(tiny.vae.config))):
         os.makedirs(cfg_dir / sub)
@@ -114,6 +98,26 @@ def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
     ours = tiny.t5xxl.state_dict()
     assert theirs.state_dict().keys() == ours.keys()
     assert all(torch.equal(v, ours[k]) for k, v in theirs.state_dict().items())
+
+
+def test_all_in_one_file_round_trip_and_diffusers_reads_it(tiny, tmp_path):
+    path = str(tmp_path / "sd3.safetensors")
+    sd3_checkpoint.save_sd3(tiny, path)
+    keys, meta = _keys(path)
+    assert {k.split(".transformer.")[0] for k in keys if k.startswith("text_encoders.")} == {
+        "text_encoders.clip_l", "text_encoders.clip_g", "text_encoders.t5xxl"}  # the tiny T5 too
+    assert "text_encoders.clip_l.transformer.text_model.embeddings.position_embedding.weight" in keys
+    assert "text_encoders.clip_l.transformer.text_projection.weight" not in keys  # as in SAI's files
+    assert "text_encoders.clip_g.transformer.text_projection.weight" in keys
+    assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in keys
+    assert "first_stage_model.encoder.down.0.block.0.conv1.weight" in keys
+    assert not any("quant_conv" in k for k in keys)  # SD3's VAE has none
+    back = sd3_checkpoint.load_sd3(path, t5_loader=t5.model_from_state_dict)
+    _assert_same(tiny, back, COMPONENTS + ("t5xxl",))
+    assert back.layout == sd3_checkpoint.LAYOUT_FILE and back.in_source == frozenset(COMPONENTS + ("t5xxl",))
+    assert back.tokenizer_t5.get_vocab() == tiny.tokenizer_t5.get_vocab()  # from the file's record
+
+    check_diffusers_reads_all_in_one(path, tiny, tmp_path / "cfg")
 
 
 def test_transformer_file_with_separate_component_files(tiny, tmp_path):
