@@ -69,10 +69,40 @@ CASES = {
     "flux-full-swap-b1": ("train_dreambooth", "flux", 1024, 1),
 }
 FLUX_BLOCKS_TO_SWAP = 8
+# FLUX.1's flow-matching settings, stated on both sides (sd-scripts' defaults, which are ours too):
+# a changed default on either side cannot make the two rows train differently.
+FLUX_FLOW = ["--timestep_sampling", "sigma", "--model_prediction_type", "sigma_scaled", "--guidance_scale", 3.5,
+             "--discrete_flow_shift", 3.0, "--weighting_scheme", "uniform", "--t5xxl_max_token_length", 512]
+# sd-scripts' script for each (our script, architecture) it has a row for.
+SD_SCRIPTS_ENTRY = {("train_lora", "sd15"): "train_network.py", ("train_lora", "sdxl"): "sdxl_train_network.py",
+                    ("train_lora", "flux"): "flux_train_network.py", ("train_dreambooth", "flux"): "flux_train.py"}
+
+
+def training_options(name: str, dry: bool) -> list:
+    """The training options of a case, in sd-scripts' names and meanings: the same list for our
+    run (case_args) and sd-scripts' (sd_scripts_args)."""
+    script, arch, size, batch = CASES[name]
+    flux, lora = arch == "flux", script == "train_lora"
+    args = ["--resolution", 64 if dry else size, "--train_batch_size", batch, "--cache_latents",
+            "--cache_text_encoder_outputs", "--sdpa", "--seed", 1]
+    if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
+        args += ["--mixed_precision", "bf16", "--full_bf16"]
+        if flux and lora:
+            args.append("--fp8_base")
+    if flux:
+        args += FLUX_FLOW
+    if flux and not lora:
+        args += ["--blocks_to_swap", FLUX_BLOCKS_TO_SWAP]
+    if lora:
+        return args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
+                       "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
+                       "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
+    return args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
+                   "relative_step=False", "warmup_init=False", "--fused_backward_pass", "--learning_rate", "1e-6"]
 
 
 def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str = "") -> tuple[str, list]:
-    """The entry script and its options; FLUX.1 cases read their files from ``work``
+    """Our entry script and its options; FLUX.1 cases read their files from ``work``
     (benchmarks/flux_weights.py)."""
     script, arch, size, batch = CASES[name]
     flux = arch == "flux"
@@ -80,28 +110,12 @@ def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str =
         model = f"tiny-{arch}"
     else:
         model = flux_weights.paths(work)["model"] if flux else f"{arch}-arch"
-    size = 64 if dry else size
     args = ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
-            "--resolution", size, "--train_batch_size", batch, "--max_train_steps", steps,
-            "--cache_latents", "--cache_text_encoder_outputs", "--sdpa", "--seed", "1",
-            "--save_model_as", "safetensors"]
+            "--max_train_steps", steps, *training_options(name, dry), "--save_model_as", "safetensors"]
     if flux and not dry:
         files = flux_weights.paths(work)
         args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
-    lora = script == "train_lora"
-    if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
-        args += ["--mixed_precision", "bf16", "--full_bf16"]
-        if flux and lora:
-            args.append("--fp8_base")
-    if flux and not lora:
-        args += ["--blocks_to_swap", FLUX_BLOCKS_TO_SWAP]
-    if lora:
-        return script, args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
-                               "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
-                               "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
-    return script, args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
-                           "relative_step=False", "warmup_init=False", "--fused_backward_pass",
-                           "--learning_rate", "1e-6"]
+    return script, args
 
 
 def step_flops(run, batch: int) -> float:
@@ -148,35 +162,44 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
     return row
 
 
-def sd_scripts_args(name: str, model: str, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
-    """sd-scripts' entry script and options for a LoRA case, the same run as case_args'."""
+def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
+    """sd-scripts' entry script and options for a case, the same run as case_args': ``files`` the
+    model file (``model``) and, for FLUX.1, ``clip_l``, ``t5xxl`` and ``ae`` (flux_weights.paths)."""
     script, arch, size, batch = CASES[name]
-    entry = "sdxl_train_network.py" if arch == "sdxl" else "train_network.py"
-    args = ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", tokenizers,
-            "--train_data_dir", data, "--output_dir", out, "--resolution", size, "--train_batch_size", batch,
-            "--max_train_steps", steps, "--network_module", "networks.lora",
-            "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
-            "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16",
-            "--full_bf16", "--sdpa", "--cache_latents", "--max_data_loader_n_workers", 0, "--seed", 1]
-    if arch == "sdxl":  # SD1's train_network.py has no text-encoder output cache
-        args.append("--cache_text_encoder_outputs")
-    return entry, args
+    opts = training_options(name, dry=False)
+    if arch == "sd15":  # SD1's train_network.py has no text-encoder output cache (it rejects the option)
+        opts.remove("--cache_text_encoder_outputs")
+    args = ["--pretrained_model_name_or_path", files["model"], "--tokenizer_cache_dir", tokenizers,
+            "--train_data_dir", data, "--output_dir", out, "--max_train_steps", steps, *opts,
+            "--max_data_loader_n_workers", 0]
+    if arch == "flux":
+        args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
+    return SD_SCRIPTS_ENTRY[(script, arch)], args
 
 
 def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict:
-    """One LoRA case through sd-scripts on the same random weights (a single file written once
-    per architecture): it/s over the steps after ``warmup`` (benchmarks/sd_scripts_launch.py)."""
+    """One case through sd-scripts on the same random weights (SD: a single file written once per
+    architecture; FLUX.1: flux_weights' four files): it/s over the steps after ``warmup`` and peak
+    CUDA memory (benchmarks/sd_scripts_launch.py)."""
     script, arch, size, batch = CASES[name]
-    if script != "train_lora" or arch == "flux":
-        return {"case": name, "sd_scripts": "not run (SD LoRA cases only)"}
-    entry, args = sd_scripts_args(name, sd_scripts_launch.random_weights_file(work, arch), sd_scripts_launch.tokenizer_cache(work),
-                                  data, os.path.join(work, f"sd-{name}"), steps)
+    if (script, arch) not in SD_SCRIPTS_ENTRY:
+        return {"case": name, "sd_scripts": "not run (no sd-scripts counterpart wired)"}
+    if arch == "flux":  # flux_train.py loads its tokenizers from the hub cache, not --tokenizer_cache_dir
+        files, env = flux_weights.paths(work), {"HF_HUB_CACHE": sd_scripts_launch.hub_cache(work)}
+    else:
+        files, env = {"model": sd_scripts_launch.random_weights_file(work, arch)}, {}
+    entry, args = sd_scripts_args(name, files, sd_scripts_launch.tokenizer_cache(work), data,
+                                  os.path.join(work, f"sd-{name}"), steps)
     try:
-        r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sd_scripts_launch.clean_env({}))
+        r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts,
+                                  env=sd_scripts_launch.clean_env(env))
     except RuntimeError as e:
         return {"case": name, "sd_scripts": f"failed: {e}"}
     timed = r["times"][max(warmup - 1, 0):] or r["times"][-1:]  # r["times"] starts at step 2
-    return {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
+    row = {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
+    if r["peak"]:
+        row["sd_scripts_peak_alloc_gib"], row["sd_scripts_peak_reserved_gib"] = (b / 2**30 for b in r["peak"])
+    return row
 
 
 def format_table(rows: list, peak: float | None) -> list[str]:
@@ -199,7 +222,9 @@ def format_table(rows: list, peak: float | None) -> list[str]:
     for r in rows:
         if "sd_scripts_it_s" in r:
             n = r.get("sd_scripts_params")
-            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
+            peak = (f"peak {r['sd_scripts_peak_alloc_gib']:.2f} GiB allocated / "
+                    f"{r['sd_scripts_peak_reserved_gib']:.2f} GiB reserved, " if "sd_scripts_peak_alloc_gib" in r else "")
+            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, {peak}"
                          f"{f'{n:,}' if n else '?'} trainable parameters")
         elif "sd_scripts" in r:
             lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts']}")

@@ -232,8 +232,10 @@ def test_sd_scripts_step_times_from_its_real_output():
     r = sdl.parse_output(text)
     assert r["times"] == pytest.approx([6.564086, 6.078225, 6.245159], abs=1e-6)
     assert r["te"] == pytest.approx([0.780152, 0.648934, 0.540599])
-    assert r["params"] == 6782976
-    assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None}
+    assert r["params"] == 6782976 and r["peak"] is None  # a CPU run: no CUDA memory line
+    assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None, "peak": None}
+    peak = sdl.parse_output(text + "sdtk-peak-memory 15569256448 17179869184\n")
+    assert peak["peak"] == (15569256448, 17179869184) and peak["times"] == r["times"]
     with pytest.raises(ValueError, match="out of order"):
         sdl.parse_output("sdtk-step 1 1.0\nsdtk-step 3 2.0\n")
 
@@ -261,17 +263,47 @@ def test_sd_scripts_command_lines():
         assert "--cache_text_encoder_outputs" not in o and "--no_token_padding" not in o
     assert (lora["--network_dim"], lora["--network_alpha"], lora["--network_train_unet_only"]) == ("16", "16", True)
     assert db["--stop_text_encoder_training"] == "-1" and "--network_module" not in db
+    files = {"model": "/m", "clip_l": "/c", "t5xxl": "/t", "ae": "/a"}
+    entries = {}
     for name, (script, arch, size, batch) in gpu.CASES.items():
-        if script != "train_lora":
+        if (script, arch) not in gpu.SD_SCRIPTS_ENTRY:
+            assert name == "sdxl-full-b1"  # the one case without an sd-scripts row
             continue
-        entry, args = gpu.sd_scripts_args(name, "/m", "/tok", "/d", "/o", 16)
-        o = opts(args)
-        assert entry == ("sdxl_train_network.py" if arch == "sdxl" else "train_network.py")
-        assert (o["--resolution"], o["--train_batch_size"], o["--network_dim"]) == (str(size), str(batch), "16")
-        assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--optimizer_type"] == "AdamW"
-        assert ("--cache_text_encoder_outputs" in o) == (arch == "sdxl")  # SD1's script has no such option
+        entry, args = gpu.sd_scripts_args(name, files, "/tok", "/d", "/o", 16)
+        entries[name] = entry
+        o, ours = opts(args), opts(gpu.case_args(name, "/d", "/o", 16, False, "/w")[1])
+        assert (o["--resolution"], o["--train_batch_size"], o["--max_train_steps"]) == (str(size), str(batch), "16")
+        assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--cache_latents"] and o["--sdpa"]
+        assert o["--pretrained_model_name_or_path"] == "/m" and o["--tokenizer_cache_dir"] == "/tok"
+        assert ("--cache_text_encoder_outputs" in o) == (arch != "sd15")  # SD1's script has no such option
+        # every training option of ours is sd-scripts' too, with the same value
+        for k in set(ours) - {"--pretrained_model_name_or_path", "--output_dir", "--save_model_as", "--clip_l",
+                              "--t5xxl", "--ae", "--cache_text_encoder_outputs"}:
+            assert o[k] == ours[k], (name, k)
+        if arch == "flux":
+            assert (o["--clip_l"], o["--t5xxl"], o["--ae"]) == ("/c", "/t", "/a")
+            assert (o["--timestep_sampling"], o["--model_prediction_type"], o["--guidance_scale"],
+                    o["--discrete_flow_shift"], o["--t5xxl_max_token_length"]) == ("sigma", "sigma_scaled", "3.5", "3.0", "512")
+    assert entries == {"sd15-lora-b1": "train_network.py", "sd15-lora-b4": "train_network.py",
+                       "sdxl-lora-b1": "sdxl_train_network.py", "sdxl-lora-b4": "sdxl_train_network.py",
+                       "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py"}
+    lora = opts(gpu.sd_scripts_args("flux-lora-b1", files, "/tok", "/d", "/o", 16)[1])
+    assert (lora["--network_module"], lora["--network_dim"], lora["--network_alpha"]) == ("networks.lora_flux", "16", "16")
+    assert lora["--fp8_base"] and lora["--network_train_unet_only"] and lora["--optimizer_type"] == "AdamW"
+    assert "--blocks_to_swap" not in lora and "--fused_backward_pass" not in lora
+    full = gpu.sd_scripts_args("flux-full-swap-b1", files, "/tok", "/d", "/o", 16)[1]
+    assert full[full.index("--optimizer_args") + 1:full.index("--optimizer_args") + 4] == [
+        "scale_parameter=False", "relative_step=False", "warmup_init=False"]
+    full = opts(full)
+    assert (full["--blocks_to_swap"], full["--optimizer_type"], full["--learning_rate"]) == ("8", "Adafactor", "1e-6")
+    assert full["--fused_backward_pass"] and "--fp8_base" not in full and "--network_module" not in full
+    assert "--gradient_checkpointing" not in full  # ours does not checkpoint either
     table = gpu.format_table([{"case": "sd15-lora-b1", "sd_scripts_it_s": 3.5, "sd_scripts_params": 6782976}], None)
     assert table[-1].split() == ["sd15-lora-b1", "sd-scripts", "3.50", "it/s,", "6,782,976", "trainable", "parameters"]
+    table = gpu.format_table([{"case": "flux-lora-b1", "sd_scripts_it_s": 1.25, "sd_scripts_params": 9,
+                               "sd_scripts_peak_alloc_gib": 14.5, "sd_scripts_peak_reserved_gib": 16.0}], None)
+    assert table[-1].split() == ["flux-lora-b1", "sd-scripts", "1.25", "it/s,", "peak", "14.50", "GiB", "allocated",
+                                 "/", "16.00", "GiB", "reserved,", "9", "trainable", "parameters"]
     two = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 2, 1234)
     one = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 1)
     plain = sdl.command("/py", "/sd", "train_network.py", ["--x", 1], None)
