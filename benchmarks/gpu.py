@@ -23,13 +23,20 @@ For each: it/s over the steps after ``--warmup`` (the first steps compile and al
 allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
 run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
-``--peak-tflops``). With ``--sd-scripts PATH`` the same LoRA cases also run through sd-scripts'
-train_network.py / sdxl_train_network.py, by ``--sd-scripts-python`` (its own venv; default: this
-Python) through benchmarks/sd_scripts_launch.py, on the same random weights written once as single
-files and our shipped CLIP tokenizer (``--tokenizer_cache_dir``): it/s over the same steps after
-``--warmup`` from the launcher's time stamps after each optimizer step (CUDA synchronised), as
-ours. What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions
-every step, frozen); SDXL caches them as ours.
+``--peak-tflops``). With ``--sd-scripts PATH`` every case with an sd-scripts counterpart also
+runs through it (SD1.5 / SDXL LoRA: train_network.py / sdxl_train_network.py; flux-lora-b1:
+flux_train_network.py with networks.lora_flux; flux-full-swap-b1: flux_train.py), by
+``--sd-scripts-python`` (its own venv; default: this Python) through
+benchmarks/sd_scripts_launch.py, with the same training options (training_options: one list for
+both sides), on the same random weights (SD: written once as single files; FLUX.1: the four files
+above, in the layouts sd-scripts' loaders read) and our tokenizers (the shipped CLIP one, the tiny
+T5 one) under ``--tokenizer_cache_dir`` and, for flux_train.py, which loads its tokenizers from
+the hub, a hub cache (HF_HUB_CACHE): it/s over the same steps after ``--warmup`` from the
+launcher's time stamps after each optimizer step (CUDA synchronised; fused steps at the
+scheduler's step), as ours, and its peak allocated / reserved CUDA memory over the whole run.
+What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions every
+step, frozen); SDXL and FLUX.1 cache them as ours. benchmarks/sd_scripts_flux_check.py checks
+sd-scripts' FLUX.1 side on the CPU (headers, loaders, options).
 
 Sized to finish within 8 minutes on one H200 (the default steps); a bigger ``--steps`` gives
 steadier numbers. Prints one table; ``--json FILE`` also writes the rows.
@@ -91,8 +98,8 @@ def training_options(name: str, dry: bool) -> list:
             args.append("--fp8_base")
     if flux:
         args += FLUX_FLOW
-    if flux and not lora:
-        args += ["--blocks_to_swap", FLUX_BLOCKS_TO_SWAP]
+    if flux and not lora:  # tiny-flux (2 double, 2 single blocks) swaps at most 2
+        args += ["--blocks_to_swap", 2 if dry else FLUX_BLOCKS_TO_SWAP]
     if lora:
         return args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
                        "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",

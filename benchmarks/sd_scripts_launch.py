@@ -54,13 +54,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script: make the repository root importable
-    sys.path.insert(0, ROOT)
-
-from library.models import loading, t5  # noqa: E402
-from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
-from library.models.sd_checkpoint import save_single_file  # noqa: E402
+# Run as a script, the launcher is in sd-scripts' process: our ``library`` package must not be
+# imported there (it would stand for sd-scripts' own ``library``), so the helpers of our side
+# import it when called, and the repository root is not put on sys.path.
 
 # Top-level modules sd-scripts' train_db.py / train_network.py (and its library) import.
 SD_SCRIPTS_MODULES = ("torch", "torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
@@ -118,6 +114,10 @@ def random_weights_file(work: str, arch: str) -> str:
     in ``work``, written once: the model sd-scripts loads, the same weights as our rows."""
     path = os.path.join(work, f"{arch}-arch.safetensors")
     if not os.path.exists(path):
+        # lazy: our library must not load in sd-scripts' process (the module's note above)
+        from library.models import loading
+        from library.models.sd_checkpoint import save_single_file
+
         bundle = loading.load_model_bundle(f"{arch}-arch")
         save_single_file(bundle.components(), bundle.family, path, embed_config=False)
     return path
@@ -126,6 +126,10 @@ def random_weights_file(work: str, arch: str) -> str:
 def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
     CLIP id it looks for and the tiny T5 tokenizer under T5-XXL's, so it never goes to the hub."""
+    # lazy: our library must not load in sd-scripts' process (the module's note above)
+    from library.models import t5
+    from library.models.loading import SHIPPED_TOKENIZER
+
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:
         dest = os.path.join(cache, model_id.replace("/", "_"))
