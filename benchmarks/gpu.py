@@ -38,14 +38,16 @@ What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the c
 step, frozen); SDXL and FLUX.1 cache them as ours. benchmarks/sd_scripts_flux_check.py checks
 sd-scripts' FLUX.1 side on the CPU (headers, loaders, options).
 
-Sized to finish within 8 minutes on one H200 (the default steps); a bigger ``--steps`` gives
-steadier numbers. Prints one table; ``--json FILE`` also writes the rows.
+Sized to finish within 8 minutes on one H200 (the default steps, without ``--sd-scripts``); a
+bigger ``--steps`` gives steadier numbers. Disk: the FLUX.1 files take 34 GB, and each run's
+output folder (the full fine-tune saves a 24 GB transformer) is deleted once its row is taken. Prints one table; ``--json FILE`` also writes the rows.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -155,7 +157,10 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
         torch.cuda.reset_peak_memory_stats()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    times, run = step_timer.timed_run(script, args, sync=sync)
+    try:
+        times, run = step_timer.timed_run(script, args, sync=sync)
+    finally:  # the saved model is not needed (FLUX.1's full one: 24 GB of the disk)
+        shutil.rmtree(out, ignore_errors=True)
     timed = times[warmup:] if len(times) > warmup else times[-1:]
     row = {"case": name, "compile": compiled, "steps": len(timed),
            "it_s": len(timed) / sum(timed), "first_step_s": times[0],
@@ -195,13 +200,15 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
         files, env = flux_weights.paths(work), {"HF_HUB_CACHE": sd_scripts_launch.hub_cache(work)}
     else:
         files, env = {"model": sd_scripts_launch.random_weights_file(work, arch)}, {}
-    entry, args = sd_scripts_args(name, files, sd_scripts_launch.tokenizer_cache(work), data,
-                                  os.path.join(work, f"sd-{name}"), steps)
+    out = os.path.join(work, f"sd-{name}")
+    entry, args = sd_scripts_args(name, files, sd_scripts_launch.tokenizer_cache(work), data, out, steps)
     try:
         r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts,
                                   env=sd_scripts_launch.clean_env(env))
     except RuntimeError as e:
         return {"case": name, "sd_scripts": f"failed: {e}"}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # flux_train.py saves the 24 GB transformer at the end
     timed = r["times"][max(warmup - 1, 0):] or r["times"][-1:]  # r["times"] starts at step 2
     row = {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
     if r["peak"]:

@@ -100,6 +100,8 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
     assert [r["case"] for r in rows] == ["sd15-lora-b1", "flux-full-swap-b1"]  # the FLUX.1 one ran (tiny-flux)
     for row in rows:
         assert row["steps"] == 1 and row["it_s"] > 0 and not row["compile"] and row["flops"] > 0
+    assert os.path.isdir(tmp_path / "w" / "data64")  # the outputs went once their rows were taken
+    assert not os.path.exists(tmp_path / "w" / "sd15-lora-b1-e") and not os.path.exists(tmp_path / "w" / "flux-full-swap-b1-e")
     assert "sd15-lora-b1" in text and "% peak" in text and "n/a" in text  # no peak on the CPU
 
 
