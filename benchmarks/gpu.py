@@ -290,10 +290,11 @@ def main(argv=None) -> int:
           flush=True)
     data = {}
     rows = []
-    if not args.dry_run and any(CASES[n][1] == "flux" for n in names):
-        print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
-        flux_weights.write_flux_files(work)
-    for name in names:
+    for i, name in enumerate(names):
+        arch = CASES[name][1]
+        if arch == "flux" and not args.dry_run and not all(map(os.path.exists, flux_weights.paths(work).values())):
+            print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
+            flux_weights.write_flux_files(work)
         size = 64 if args.dry_run else CASES[name][2]
         if size not in data:  # 4 images: batch 4 fits one step
             data[size] = os.path.dirname(make_sample_dataset(os.path.join(work, f"data{size}"),
@@ -310,6 +311,9 @@ def main(argv=None) -> int:
             print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
         if args.sd_scripts:
             rows.append(sd_scripts_case(name, args.sd_scripts, python, data[size], work, steps, warmup))
+            if arch != "flux" and all(CASES[n][1] != arch for n in names[i + 1:]):
+                # sd-scripts' copy of the SD weights: its disk goes to the FLUX.1 rows' 58 GB
+                sd_scripts_launch.remove_random_weights_file(work, arch)
     print("\n".join(format_table(rows, peak)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

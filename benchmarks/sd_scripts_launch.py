@@ -109,6 +109,13 @@ def clean_env(extra: dict) -> dict:
     return env
 
 
+def remove_random_weights_file(work: str, arch: str) -> None:
+    """Delete random_weights_file's file, if written."""
+    path = os.path.join(work, f"{arch}-arch.safetensors")
+    if os.path.exists(path):
+        os.remove(path)
+
+
 def random_weights_file(work: str, arch: str) -> str:
     """``<arch>-arch`` (our random-weight real-size architecture, "sd15" or "sdxl") as a single file
     in ``work``, written once: the model sd-scripts loads, the same weights as our rows."""
