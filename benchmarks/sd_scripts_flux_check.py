@@ -33,7 +33,7 @@ gpu.py's sd_scripts_args command lines.
    flux_train_network.py does (gpu.py's tokenizer cache); both give our tiny T5 tokenizer's ids
    (all below T5-XXL's 32128) and the shipped CLIP tokenizer's.
 
-Prints one line per check (``ok`` or what failed) and exits 1 if any failed. About a minute and
+Prints one line per check (``ok`` or what failed) and exits 1 if any failed. About 2 minutes and
 3 GB of memory (the reduced transformer file is 1.1 GB).
 """
 from __future__ import annotations
