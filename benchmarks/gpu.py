@@ -23,22 +23,31 @@ For each: it/s over the steps after ``--warmup`` (the first steps compile and al
 allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
 run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
-``--peak-tflops``). With ``--sd-scripts PATH`` the same LoRA cases also run through sd-scripts'
-train_network.py / sdxl_train_network.py, by ``--sd-scripts-python`` (its own venv; default: this
-Python) through benchmarks/sd_scripts_launch.py, on the same random weights written once as single
-files and our shipped CLIP tokenizer (``--tokenizer_cache_dir``): it/s over the same steps after
-``--warmup`` from the launcher's time stamps after each optimizer step (CUDA synchronised), as
-ours. What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions
-every step, frozen); SDXL caches them as ours.
+``--peak-tflops``). With ``--sd-scripts PATH`` every case with an sd-scripts counterpart also
+runs through it (SD1.5 / SDXL LoRA: train_network.py / sdxl_train_network.py; flux-lora-b1:
+flux_train_network.py with networks.lora_flux; flux-full-swap-b1: flux_train.py), by
+``--sd-scripts-python`` (its own venv; default: this Python) through
+benchmarks/sd_scripts_launch.py, with the same training options (training_options: one list for
+both sides), on the same random weights (SD: written once as single files; FLUX.1: the four files
+above, in the layouts sd-scripts' loaders read) and our tokenizers (the shipped CLIP one, the tiny
+T5 one) under ``--tokenizer_cache_dir`` and, for flux_train.py, which loads its tokenizers from
+the hub, a hub cache (HF_HUB_CACHE): it/s over the same steps after ``--warmup`` from the
+launcher's time stamps after each optimizer step (CUDA synchronised; fused steps at the
+scheduler's step), as ours, and its peak allocated / reserved CUDA memory over the whole run.
+What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions every
+step, frozen); SDXL and FLUX.1 cache them as ours. benchmarks/sd_scripts_flux_check.py checks
+sd-scripts' FLUX.1 side on the CPU (headers, loaders, options).
 
-Sized to finish within 8 minutes on one H200 (the default steps); a bigger ``--steps`` gives
-steadier numbers. Prints one table; ``--json FILE`` also writes the rows.
+Sized to finish within 8 minutes on one H200 (the default steps, without ``--sd-scripts``); a
+bigger ``--steps`` gives steadier numbers. Disk: the FLUX.1 files take 34 GB, and each run's
+output folder (the full fine-tune saves a 24 GB transformer) is deleted once its row is taken. Prints one table; ``--json FILE`` also writes the rows.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -69,10 +78,40 @@ CASES = {
     "flux-full-swap-b1": ("train_dreambooth", "flux", 1024, 1),
 }
 FLUX_BLOCKS_TO_SWAP = 8
+# FLUX.1's flow-matching settings, stated on both sides (sd-scripts' defaults, which are ours too):
+# a changed default on either side cannot make the two rows train differently.
+FLUX_FLOW = ["--timestep_sampling", "sigma", "--model_prediction_type", "sigma_scaled", "--guidance_scale", 3.5,
+             "--discrete_flow_shift", 3.0, "--weighting_scheme", "uniform", "--t5xxl_max_token_length", 512]
+# sd-scripts' script for each (our script, architecture) it has a row for.
+SD_SCRIPTS_ENTRY = {("train_lora", "sd15"): "train_network.py", ("train_lora", "sdxl"): "sdxl_train_network.py",
+                    ("train_lora", "flux"): "flux_train_network.py", ("train_dreambooth", "flux"): "flux_train.py"}
+
+
+def training_options(name: str, dry: bool) -> list:
+    """The training options of a case, in sd-scripts' names and meanings: the same list for our
+    run (case_args) and sd-scripts' (sd_scripts_args)."""
+    script, arch, size, batch = CASES[name]
+    flux, lora = arch == "flux", script == "train_lora"
+    args = ["--resolution", 64 if dry else size, "--train_batch_size", batch, "--cache_latents",
+            "--cache_text_encoder_outputs", "--sdpa", "--seed", 1]
+    if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
+        args += ["--mixed_precision", "bf16", "--full_bf16"]
+        if flux and lora:
+            args.append("--fp8_base")
+    if flux:
+        args += FLUX_FLOW
+    if flux and not lora:  # tiny-flux (2 double, 2 single blocks) swaps at most 2
+        args += ["--blocks_to_swap", 2 if dry else FLUX_BLOCKS_TO_SWAP]
+    if lora:
+        return args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
+                       "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
+                       "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
+    return args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
+                   "relative_step=False", "warmup_init=False", "--fused_backward_pass", "--learning_rate", "1e-6"]
 
 
 def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str = "") -> tuple[str, list]:
-    """The entry script and its options; FLUX.1 cases read their files from ``work``
+    """Our entry script and its options; FLUX.1 cases read their files from ``work``
     (benchmarks/flux_weights.py)."""
     script, arch, size, batch = CASES[name]
     flux = arch == "flux"
@@ -80,28 +119,12 @@ def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str =
         model = f"tiny-{arch}"
     else:
         model = flux_weights.paths(work)["model"] if flux else f"{arch}-arch"
-    size = 64 if dry else size
     args = ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
-            "--resolution", size, "--train_batch_size", batch, "--max_train_steps", steps,
-            "--cache_latents", "--cache_text_encoder_outputs", "--sdpa", "--seed", "1",
-            "--save_model_as", "safetensors"]
+            "--max_train_steps", steps, *training_options(name, dry), "--save_model_as", "safetensors"]
     if flux and not dry:
         files = flux_weights.paths(work)
         args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
-    lora = script == "train_lora"
-    if not dry:  # the CPU has no bf16 autocast worth timing; the dry run checks the code path
-        args += ["--mixed_precision", "bf16", "--full_bf16"]
-        if flux and lora:
-            args.append("--fp8_base")
-    if flux and not lora:
-        args += ["--blocks_to_swap", FLUX_BLOCKS_TO_SWAP]
-    if lora:
-        return script, args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
-                               "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
-                               "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
-    return script, args + ["--optimizer_type", "Adafactor", "--optimizer_args", "scale_parameter=False",
-                           "relative_step=False", "warmup_init=False", "--fused_backward_pass",
-                           "--learning_rate", "1e-6"]
+    return script, args
 
 
 def step_flops(run, batch: int) -> float:
@@ -134,7 +157,10 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
         torch.cuda.reset_peak_memory_stats()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    times, run = step_timer.timed_run(script, args, sync=sync)
+    try:
+        times, run = step_timer.timed_run(script, args, sync=sync)
+    finally:  # the saved model is not needed (FLUX.1's full one: 24 GB of the disk)
+        shutil.rmtree(out, ignore_errors=True)
     timed = times[warmup:] if len(times) > warmup else times[-1:]
     row = {"case": name, "compile": compiled, "steps": len(timed),
            "it_s": len(timed) / sum(timed), "first_step_s": times[0],
@@ -148,35 +174,46 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
     return row
 
 
-def sd_scripts_args(name: str, model: str, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
-    """sd-scripts' entry script and options for a LoRA case, the same run as case_args'."""
+def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
+    """sd-scripts' entry script and options for a case, the same run as case_args': ``files`` the
+    model file (``model``) and, for FLUX.1, ``clip_l``, ``t5xxl`` and ``ae`` (flux_weights.paths)."""
     script, arch, size, batch = CASES[name]
-    entry = "sdxl_train_network.py" if arch == "sdxl" else "train_network.py"
-    args = ["--pretrained_model_name_or_path", model, "--tokenizer_cache_dir", tokenizers,
-            "--train_data_dir", data, "--output_dir", out, "--resolution", size, "--train_batch_size", batch,
-            "--max_train_steps", steps, "--network_module", "networks.lora",
-            "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
-            "--optimizer_type", "AdamW", "--learning_rate", "1e-4", "--mixed_precision", "bf16",
-            "--full_bf16", "--sdpa", "--cache_latents", "--max_data_loader_n_workers", 0, "--seed", 1]
-    if arch == "sdxl":  # SD1's train_network.py has no text-encoder output cache
-        args.append("--cache_text_encoder_outputs")
-    return entry, args
+    opts = training_options(name, dry=False)
+    if arch == "sd15":  # SD1's train_network.py has no text-encoder output cache (it rejects the option)
+        opts.remove("--cache_text_encoder_outputs")
+    args = ["--pretrained_model_name_or_path", files["model"], "--tokenizer_cache_dir", tokenizers,
+            "--train_data_dir", data, "--output_dir", out, "--max_train_steps", steps, *opts,
+            "--max_data_loader_n_workers", 0]
+    if arch == "flux":
+        args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
+    return SD_SCRIPTS_ENTRY[(script, arch)], args
 
 
 def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict:
-    """One LoRA case through sd-scripts on the same random weights (a single file written once
-    per architecture): it/s over the steps after ``warmup`` (benchmarks/sd_scripts_launch.py)."""
+    """One case through sd-scripts on the same random weights (SD: a single file written once per
+    architecture; FLUX.1: flux_weights' four files): it/s over the steps after ``warmup`` and peak
+    CUDA memory (benchmarks/sd_scripts_launch.py)."""
     script, arch, size, batch = CASES[name]
-    if script != "train_lora" or arch == "flux":
-        return {"case": name, "sd_scripts": "not run (SD LoRA cases only)"}
-    entry, args = sd_scripts_args(name, sd_scripts_launch.random_weights_file(work, arch), sd_scripts_launch.tokenizer_cache(work),
-                                  data, os.path.join(work, f"sd-{name}"), steps)
+    if (script, arch) not in SD_SCRIPTS_ENTRY:
+        return {"case": name, "sd_scripts": "not run (no sd-scripts counterpart wired)"}
+    if arch == "flux":  # flux_train.py loads its tokenizers from the hub cache, not --tokenizer_cache_dir
+        files, env = flux_weights.paths(work), {"HF_HUB_CACHE": sd_scripts_launch.hub_cache(work)}
+    else:
+        files, env = {"model": sd_scripts_launch.random_weights_file(work, arch)}, {}
+    out = os.path.join(work, f"sd-{name}")
+    entry, args = sd_scripts_args(name, files, sd_scripts_launch.tokenizer_cache(work), data, out, steps)
     try:
-        r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts, env=sd_scripts_launch.clean_env({}))
+        r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts,
+                                  env=sd_scripts_launch.clean_env(env))
     except RuntimeError as e:
         return {"case": name, "sd_scripts": f"failed: {e}"}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # flux_train.py saves the 24 GB transformer at the end
     timed = r["times"][max(warmup - 1, 0):] or r["times"][-1:]  # r["times"] starts at step 2
-    return {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
+    row = {"case": name, "sd_scripts_it_s": len(timed) / sum(timed), "sd_scripts_params": r["params"]}
+    if r["peak"]:
+        row["sd_scripts_peak_alloc_gib"], row["sd_scripts_peak_reserved_gib"] = (b / 2**30 for b in r["peak"])
+    return row
 
 
 def format_table(rows: list, peak: float | None) -> list[str]:
@@ -199,7 +236,9 @@ def format_table(rows: list, peak: float | None) -> list[str]:
     for r in rows:
         if "sd_scripts_it_s" in r:
             n = r.get("sd_scripts_params")
-            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, "
+            peak = (f"peak {r['sd_scripts_peak_alloc_gib']:.2f} GiB allocated / "
+                    f"{r['sd_scripts_peak_reserved_gib']:.2f} GiB reserved, " if "sd_scripts_peak_alloc_gib" in r else "")
+            lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts_it_s']:7.2f} it/s, {peak}"
                          f"{f'{n:,}' if n else '?'} trainable parameters")
         elif "sd_scripts" in r:
             lines.append(f"{r['case']:<17} sd-scripts {r['sd_scripts']}")
@@ -251,10 +290,11 @@ def main(argv=None) -> int:
           flush=True)
     data = {}
     rows = []
-    if not args.dry_run and any(CASES[n][1] == "flux" for n in names):
-        print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
-        flux_weights.write_flux_files(work)
-    for name in names:
+    for i, name in enumerate(names):
+        arch = CASES[name][1]
+        if arch == "flux" and not args.dry_run and not all(map(os.path.exists, flux_weights.paths(work).values())):
+            print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
+            flux_weights.write_flux_files(work)
         size = 64 if args.dry_run else CASES[name][2]
         if size not in data:  # 4 images: batch 4 fits one step
             data[size] = os.path.dirname(make_sample_dataset(os.path.join(work, f"data{size}"),
@@ -271,6 +311,9 @@ def main(argv=None) -> int:
             print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
         if args.sd_scripts:
             rows.append(sd_scripts_case(name, args.sd_scripts, python, data[size], work, steps, warmup))
+            if arch != "flux" and all(CASES[n][1] != arch for n in names[i + 1:]):
+                # sd-scripts' copy of the SD weights: its disk goes to the FLUX.1 rows' 58 GB
+                sd_scripts_launch.remove_random_weights_file(work, arch)
     print("\n".join(format_table(rows, peak)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

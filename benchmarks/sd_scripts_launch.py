@@ -18,6 +18,14 @@ runs (``runpy``, as ``__main__``, its folder first on ``sys.path``):
   step to the end of the next, everything in between (data, forward, backward, all-reduce, clip,
   step) included, which is what ``benchmarks/step_timer.py`` measures on our side (it marks
   after each step's update). Step 1 has no start mark here, so it is always warmup.
+  A fused backward pass (flux_train.py's ``--fused_backward_pass``) steps each parameter inside
+  the backward and never calls the optimizer's ``step``: there accelerate's
+  ``AcceleratedScheduler.step``, which the training loop calls once per step after the backward,
+  marks the step instead (the trainable parameters are then counted from the scheduler's
+  optimizers); a scheduler step right after an optimizer step that marked adds no mark.
+- Memory: when the script returns, if it used CUDA, it prints ``sdtk-peak-memory ALLOCATED
+  RESERVED``: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` in bytes over the
+  whole run (loading, caching and training; the counters gpu.py reads for our rows).
 - torchvision: 0.28.0, the release built for torch 2.13, is on the package registry only as a
   CUDA build; its C++ ops library cannot load next to the CPU torch, and its import then fails
   registering fake kernels for ``torchvision::nms`` and ``::qnms`` ("operator torchvision::nms
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import re
 import runpy
@@ -42,24 +51,26 @@ import time
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a script: make the repository root importable
-    sys.path.insert(0, ROOT)
-
-from library.models import loading  # noqa: E402
-from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
-from library.models.sd_checkpoint import save_single_file  # noqa: E402
+# Run as a script, the launcher is in sd-scripts' process: our ``library`` package must not be
+# imported there (it would stand for sd-scripts' own ``library``), so the helpers of our side
+# import it when called, and the repository root is not put on sys.path.
 
 # Top-level modules sd-scripts' train_db.py / train_network.py (and its library) import.
 SD_SCRIPTS_MODULES = ("torch", "torchvision", "accelerate", "transformers", "diffusers", "ftfy", "cv2",
                       "einops", "safetensors", "toml", "voluptuous", "imagesize", "huggingface_hub")
 # The tokenizers sd-scripts loads from the hub, found offline under --tokenizer_cache_dir as
-# <cache>/<id with "/" replaced by "_">.
+# <cache>/<id with "/" replaced by "_">: the CLIP ones (our shipped CLIP tokenizer under each id)
+# and FLUX.1's / SD3's T5 one (our tiny offline T5 tokenizer, benchmarks/flux_weights.py's).
 SD_SCRIPTS_TOKENIZERS = ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k")
+T5_TOKENIZER_ID = "google/t5-v1_1-xxl"
+# The snapshot name of hub_cache's folders (any 40 hex digits: nothing is fetched).
+HUB_REVISION = "0" * 40
 STEP_LINE = re.compile(r"^sdtk-step (\d+) ([0-9.]+)(?: te=([0-9.]+))?$", re.M)
 PARAMS_LINE = re.compile(r"^sdtk-trainable-params (\d+)$", re.M)
+PEAK_LINE = re.compile(r"^sdtk-peak-memory (\d+) (\d+)$", re.M)
 
 
 # -- our side: command lines, checks, parsing -------------------------------------------------
@@ -98,11 +109,22 @@ def clean_env(extra: dict) -> dict:
     return env
 
 
+def remove_random_weights_file(work: str, arch: str) -> None:
+    """Delete random_weights_file's file, if written."""
+    path = os.path.join(work, f"{arch}-arch.safetensors")
+    if os.path.exists(path):
+        os.remove(path)
+
+
 def random_weights_file(work: str, arch: str) -> str:
     """``<arch>-arch`` (our random-weight real-size architecture, "sd15" or "sdxl") as a single file
     in ``work``, written once: the model sd-scripts loads, the same weights as our rows."""
     path = os.path.join(work, f"{arch}-arch.safetensors")
     if not os.path.exists(path):
+        # lazy: our library must not load in sd-scripts' process (the module's note above)
+        from library.models import loading
+        from library.models.sd_checkpoint import save_single_file
+
         bundle = loading.load_model_bundle(f"{arch}-arch")
         save_single_file(bundle.components(), bundle.family, path, embed_config=False)
     return path
@@ -110,12 +132,52 @@ def random_weights_file(work: str, arch: str) -> str:
 
 def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
-    id it looks for, so it never goes to the hub."""
+    CLIP id it looks for and the tiny T5 tokenizer under T5-XXL's, so it never goes to the hub."""
+    # lazy: our library must not load in sd-scripts' process (the module's note above)
+    from library.models import t5
+    from library.models.loading import SHIPPED_TOKENIZER
+
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:
         dest = os.path.join(cache, model_id.replace("/", "_"))
         if not os.path.isdir(dest):
             shutil.copytree(SHIPPED_TOKENIZER, dest)
+    dest = os.path.join(cache, T5_TOKENIZER_ID.replace("/", "_"))
+    if not os.path.isdir(dest):
+        write_t5_tokenizer(t5.build_tiny_tokenizer(), dest)
+    return cache
+
+
+def write_t5_tokenizer(tokenizer, dest: str) -> None:
+    """A T5 tokenizer folder that transformers 4 (sd-scripts' pin) and 5 both load as
+    ``T5TokenizerFast``: the tokenizers-library file and a config with only the keys both read
+    (transformers 5's own save_pretrained writes ``extra_special_tokens`` as a list, which 4
+    cannot read)."""
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tokenizer.backend_tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    config = {"tokenizer_class": "T5Tokenizer", "eos_token": "</s>", "pad_token": "<pad>",
+              "unk_token": "<unk>", "extra_ids": 0, "model_max_length": tokenizer.model_max_length}
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    os.replace(tmp, dest)
+
+
+def hub_cache(work: str) -> str:
+    """A Hugging Face hub cache (for ``HF_HUB_CACHE``) holding tokenizer_cache's tokenizers under
+    their hub ids: sd-scripts' flux_train.py builds its tokenizers without --tokenizer_cache_dir,
+    so offline it finds them only there."""
+    tokenizers = tokenizer_cache(work)
+    cache = os.path.join(work, "sd-scripts-hub")
+    for model_id in (*SD_SCRIPTS_TOKENIZERS, T5_TOKENIZER_ID):
+        repo = os.path.join(cache, "models--" + model_id.replace("/", "--"))
+        snapshot = os.path.join(repo, "snapshots", HUB_REVISION)
+        if not os.path.isdir(snapshot):
+            shutil.copytree(os.path.join(tokenizers, model_id.replace("/", "_")), snapshot)
+        os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+        with open(os.path.join(repo, "refs", "main"), "w", encoding="utf-8") as f:
+            f.write(HUB_REVISION)
     return cache
 
 
@@ -139,14 +201,17 @@ def command(python: str, sd_scripts: str, entry: str, args: list, procs: int | N
 def parse_output(text: str) -> dict:
     """The launcher's lines in an sd-scripts run's standard output: ``times``, the durations of
     steps 2..N in seconds; ``te``, the text-encoder forward seconds of those steps (CPU runs; else
-    empty); ``params``, the trainable parameter count (None if it printed none)."""
+    empty); ``params``, the trainable parameter count (None if it printed none); ``peak``, the
+    peak allocated and reserved CUDA memory in bytes (None: the run used no CUDA)."""
     marks = [(int(n), float(t), float(te) if te else None) for n, t, te in STEP_LINE.findall(text)]
     if [m[0] for m in marks] != list(range(1, len(marks) + 1)):
         raise ValueError(f"step marks out of order: {[m[0] for m in marks]}")
     params = PARAMS_LINE.findall(text)
+    peak = PEAK_LINE.findall(text)
     return {"times": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
             "te": [m[2] for m in marks[1:] if m[2] is not None],
-            "params": int(params[0]) if params else None}
+            "params": int(params[0]) if params else None,
+            "peak": (int(peak[-1][0]), int(peak[-1][1])) if peak else None}
 
 
 def run(cmd: list, cwd: str, env: dict, timeout: int | None = None) -> dict:
@@ -196,29 +261,51 @@ def _skip_ddp_for_frozen_modules_on_cpu() -> None:
 
 def _install_step_marks() -> None:
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    real_step = AcceleratedOptimizer.step
-    count = [0]
+    real_step, real_scheduler_step = AcceleratedOptimizer.step, AcceleratedScheduler.step
+    state = {"count": 0, "marked": False}  # marked: by an optimizer step since the last scheduler step
     te = {"seconds": 0.0, "on": None}
 
-    def step(self, *args, **kwargs):
+    def first_call(groups) -> None:
         if te["on"] is None:  # the first call (an accumulation micro-step, or step 1)
             if rank0:
-                n = sum(p.numel() for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad)
+                n = sum(p.numel() for g in groups for p in g["params"] if p.requires_grad)
                 print(f"sdtk-trainable-params {n}", flush=True)
             te["on"] = _time_text_encoders(_clip_classes(), te)  # from step 2 on (step 1 is warmup)
+
+    def mark() -> None:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        state["count"] += 1
+        if rank0:
+            suffix = f" te={te['seconds']:.6f}" if te["on"] and not cuda and state["count"] > 1 else ""
+            print(f"sdtk-step {state['count']} {time.perf_counter():.6f}{suffix}", flush=True)
+        te["seconds"] = 0.0
+
+    def step(self, *args, **kwargs):
+        first_call(self.optimizer.param_groups)
         out = real_step(self, *args, **kwargs)
         if self.gradient_state.sync_gradients:
-            cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-            if cuda:
-                torch.cuda.synchronize()
-            count[0] += 1
-            if rank0:
-                suffix = f" te={te['seconds']:.6f}" if te["on"] and not cuda and count[0] > 1 else ""
-                print(f"sdtk-step {count[0]} {time.perf_counter():.6f}{suffix}", flush=True)
-            te["seconds"] = 0.0
+            mark()
+            state["marked"] = True
+        return out
+
+    def scheduler_step(self, *args, **kwargs):
+        out = real_scheduler_step(self, *args, **kwargs)
+        if self.gradient_state.sync_gradients:
+            if not state["marked"]:  # no optimizer step: the parameters were stepped in the backward
+                first_call([g for opt in self.optimizers for g in opt.param_groups])
+                mark()
+            state["marked"] = False
         return out
 
     AcceleratedOptimizer.step = step
+    AcceleratedScheduler.step = scheduler_step
+
+
+def _print_peak_memory() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and int(os.environ.get("RANK", "0")) == 0:
+        print(f"sdtk-peak-memory {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}", flush=True)
 
 
 def _clip_classes() -> list:
@@ -251,6 +338,7 @@ def main() -> None:
     _skip_ddp_for_frozen_modules_on_cpu()
     _install_step_marks()
     runpy.run_path(script, run_name="__main__")
+    _print_peak_memory()
 
 
 if __name__ == "__main__":

@@ -98,6 +98,9 @@ LAZY_MODULES: dict[str, str] = {
                                  "network module (torch) only when a state is written",
     "library.ui.app": "the UI server starts without torch: a form's check loads the run's checks "
                       "when asked",
+    "benchmarks.sd_scripts_launch": "run as a script it is in sd-scripts' process, where our "
+                                    "library package would stand for sd-scripts' own: its helpers "
+                                    "for our side import it when called",
     "library.ui.jobs": "the UI server starts without torch: a resumed job's command looks for "
                        "states when built",
 }

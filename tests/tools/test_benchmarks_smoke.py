@@ -84,41 +84,87 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
             opts = parse_args(script, [str(a) for a in args] + ["--torch_compile"])
             assert opts.torch_compile and opts.cache_latents and opts.train_batch_size == gpu.CASES[name][3]
             assert opts.fused_backward_pass == (name in ("sdxl-full-b1", "flux-full-swap-b1"))
-            assert (opts.blocks_to_swap == 8) == (name == "flux-full-swap-b1")
+            assert opts.blocks_to_swap == ((2 if dry else 8) if name == "flux-full-swap-b1" else None)
             if name.startswith("flux") and not dry:
                 assert opts.pretrained_model_name_or_path == flux_files["model"]
                 assert (opts.clip_l, opts.t5xxl, opts.ae) == (flux_files["clip_l"], flux_files["t5xxl"],
                                                               flux_files["ae"])
                 assert opts.fp8_base == (name == "flux-lora-b1")
     out = tmp_path / "rows.json"
-    assert gpu.main(["--dry-run", "--no-compile", "--only", "sd15-lora-b1",
+    assert gpu.main(["--dry-run", "--no-compile", "--only", "sd15-lora-b1", "flux-full-swap-b1",
                      "--json", str(out), "--work", str(tmp_path / "w")]) == 0
     text = capsys.readouterr().out
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    assert [r["case"] for r in rows] == ["sd15-lora-b1"]
-    assert rows[0]["steps"] == 1 and rows[0]["it_s"] > 0 and not rows[0]["compile"]
-    assert rows[0]["flops"] > 0
+    assert [r["case"] for r in rows] == ["sd15-lora-b1", "flux-full-swap-b1"]  # the FLUX.1 one ran (tiny-flux)
+    for row in rows:
+        assert row["steps"] == 1 and row["it_s"] > 0 and not row["compile"] and row["flops"] > 0
+    assert os.path.isdir(tmp_path / "w" / "data64")  # the outputs went once their rows were taken
+    assert not os.path.exists(tmp_path / "w" / "sd15-lora-b1-e") and not os.path.exists(tmp_path / "w" / "flux-full-swap-b1-e")
     assert "sd15-lora-b1" in text and "% peak" in text and "n/a" in text  # no peak on the CPU
 
 
 def test_flux_benchmark_weights_load(tmp_path):
-    """benchmarks/flux_weights.py at tiny widths: the four files load through the trainer's FLUX.1
-    loader (BFL layout, the config from the shapes and metadata). At full size the same code
-    writes FLUX.1 dev's shapes."""
+    """benchmarks/flux_weights.py at tiny widths (T5 with T5-XXL's 32128-token vocabulary, as the
+    full-size file): the four files load through the trainer's FLUX.1 loader (BFL layout, the
+    autoencoder in BFL/LDM names, the config from the shapes and metadata), the T5 with the tiny
+    tokenizer whose ids stay below the vocabulary; the headers file_states computes on the meta
+    device are what the writer wrote (names, shapes, dtypes). At full size the same code writes
+    FLUX.1 dev's shapes."""
+    from safetensors import safe_open
+
     from library.models import flux, flux_ae, flux_loading, t5, tiny_models
 
     weights = _load("flux_weights")
-    tok = t5.build_tiny_tokenizer()
-    files = weights.write_flux_files(str(tmp_path / "w"), transformer=flux.TINY_FLUX_DEV,
-                                     clip_config=tiny_models.text_encoder_configs("sd15")[0],
-                                     t5_config=t5.tiny_config(len(tok)), ae_config=flux_ae.TINY_AE_CONFIG)
+    configs = dict(transformer=flux.TINY_FLUX_DEV, clip_config=tiny_models.text_encoder_configs("sd15")[0],
+                   t5_config=t5.tiny_config(32128), ae_config=flux_ae.TINY_AE_CONFIG)
+    files = weights.write_flux_files(str(tmp_path / "w"), **configs)
     m = flux_loading.load_flux(files["model"], clip_l=files["clip_l"], t5xxl=files["t5xxl"], ae=files["ae"])
     assert m.variant == "dev" and m.config == flux.TINY_FLUX_DEV and m.layout == "bfl"
+    assert m.t5.config.vocab_size == 32128 and len(m.t5_tokenizer) == len(t5.build_tiny_tokenizer()) < 32128
+    ids, mask = t5.tokenize(m.t5_tokenizer, ["a photo of sks dog"], 16)
+    assert int(ids.max()) < len(m.t5_tokenizer) and t5.encode(m.t5, ids, mask, True).shape == (1, 16, 32)
     assert weights.paths(str(tmp_path / "w")) == files
+    for name, (state, _) in weights.file_states(**configs).items():
+        with safe_open(files[name], framework="pt") as f:
+            written = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        dtypes = {torch.bfloat16: "BF16", torch.int64: "I64"}
+        assert written == {k: (list(v.shape), dtypes[v.dtype]) for k, v in state.items()}, name
     with torch.device("meta"):  # the full-size default: FLUX.1 dev's 11.9 B transformer parameters
         assert sum(p.numel() for p in flux.Flux(flux.FLUX_DEV).parameters()) == 11_901_408_320
+
+
+def test_flux_benchmark_weights_full_size_headers():
+    """The full-size files' headers (meta tensors, nothing written) in the layouts of the released
+    files sd-scripts' flux_utils and our loaders read: their tensor counts (flux1-dev 780,
+    clip_l 196, t5xxl 219 = 24 blocks x 9 + shared + relative bias + final norm, ae 244) and
+    a few names and shapes of each (BFL transformer; CLIP-L under text_model.; T5-XXL's 32128 x
+    4096 embedding stored once; the autoencoder in BFL names with 1x1-conv attention, 2 x 16
+    moment channels, no quant convs)."""
+    weights = _load("flux_weights")
+    st = {name: state for name, (state, _) in weights.file_states().items()}
+    assert {name: len(s) for name, s in st.items()} == {"model": 780, "clip_l": 196, "t5xxl": 219, "ae": 244}
+    shapes = {
+        "model": {"img_in.weight": (3072, 64), "txt_in.weight": (3072, 4096), "guidance_in.in_layer.weight": (3072, 256),
+                  "double_blocks.18.img_attn.qkv.weight": (9216, 3072), "single_blocks.37.linear1.weight": (21504, 3072),
+                  "final_layer.linear.weight": (64, 3072)},
+        "clip_l": {"text_model.embeddings.token_embedding.weight": (49408, 768),
+                   "text_model.encoder.layers.11.mlp.fc1.weight": (3072, 768), "text_model.final_layer_norm.weight": (768,)},
+        "t5xxl": {"shared.weight": (32128, 4096), "encoder.block.23.layer.1.DenseReluDense.wi_0.weight": (10240, 4096),
+                  "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": (32, 64),
+                  "encoder.final_layer_norm.weight": (4096,)},
+        "ae": {"encoder.conv_in.weight": (128, 3, 3, 3), "encoder.down.0.block.0.norm1.weight": (128,),
+               "encoder.mid.attn_1.q.weight": (512, 512, 1, 1), "encoder.conv_out.weight": (32, 512, 3, 3),
+               "decoder.conv_in.weight": (512, 16, 3, 3), "decoder.up.3.upsample.conv.weight": (512, 512, 3, 3),
+               "decoder.up.0.block.0.nin_shortcut.weight": (128, 256, 1, 1)},
+    }
+    for name, expected in shapes.items():
+        assert {k: tuple(st[name][k].shape) for k in expected} == expected, name
+        assert all(v.dtype == torch.bfloat16 for v in st[name].values())
+    assert "encoder.embed_tokens.weight" not in st["t5xxl"]
+    assert all(k.startswith("text_model.") for k in st["clip_l"])
+    assert not any("quant_conv" in k or "down_blocks" in k for k in st["ae"])
 
 
 def test_gpu_benchmark_flop_count_and_peak_table():
@@ -232,8 +278,10 @@ def test_sd_scripts_step_times_from_its_real_output():
     r = sdl.parse_output(text)
     assert r["times"] == pytest.approx([6.564086, 6.078225, 6.245159], abs=1e-6)
     assert r["te"] == pytest.approx([0.780152, 0.648934, 0.540599])
-    assert r["params"] == 6782976
-    assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None}
+    assert r["params"] == 6782976 and r["peak"] is None  # a CPU run: no CUDA memory line
+    assert sdl.parse_output("accelerator device: cpu\n") == {"times": [], "te": [], "params": None, "peak": None}
+    peak = sdl.parse_output(text + "sdtk-peak-memory 15569256448 17179869184\n")
+    assert peak["peak"] == (15569256448, 17179869184) and peak["times"] == r["times"]
     with pytest.raises(ValueError, match="out of order"):
         sdl.parse_output("sdtk-step 1 1.0\nsdtk-step 3 2.0\n")
 
@@ -261,17 +309,47 @@ def test_sd_scripts_command_lines():
         assert "--cache_text_encoder_outputs" not in o and "--no_token_padding" not in o
     assert (lora["--network_dim"], lora["--network_alpha"], lora["--network_train_unet_only"]) == ("16", "16", True)
     assert db["--stop_text_encoder_training"] == "-1" and "--network_module" not in db
+    files = {"model": "/m", "clip_l": "/c", "t5xxl": "/t", "ae": "/a"}
+    entries = {}
     for name, (script, arch, size, batch) in gpu.CASES.items():
-        if script != "train_lora":
+        if (script, arch) not in gpu.SD_SCRIPTS_ENTRY:
+            assert name == "sdxl-full-b1"  # the one case without an sd-scripts row
             continue
-        entry, args = gpu.sd_scripts_args(name, "/m", "/tok", "/d", "/o", 16)
-        o = opts(args)
-        assert entry == ("sdxl_train_network.py" if arch == "sdxl" else "train_network.py")
-        assert (o["--resolution"], o["--train_batch_size"], o["--network_dim"]) == (str(size), str(batch), "16")
-        assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--optimizer_type"] == "AdamW"
-        assert ("--cache_text_encoder_outputs" in o) == (arch == "sdxl")  # SD1's script has no such option
+        entry, args = gpu.sd_scripts_args(name, files, "/tok", "/d", "/o", 16)
+        entries[name] = entry
+        o, ours = opts(args), opts(gpu.case_args(name, "/d", "/o", 16, False, "/w")[1])
+        assert (o["--resolution"], o["--train_batch_size"], o["--max_train_steps"]) == (str(size), str(batch), "16")
+        assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--cache_latents"] and o["--sdpa"]
+        assert o["--pretrained_model_name_or_path"] == "/m" and o["--tokenizer_cache_dir"] == "/tok"
+        assert ("--cache_text_encoder_outputs" in o) == (arch != "sd15")  # SD1's script has no such option
+        # every training option of ours is sd-scripts' too, with the same value
+        for k in set(ours) - {"--pretrained_model_name_or_path", "--output_dir", "--save_model_as", "--clip_l",
+                              "--t5xxl", "--ae", "--cache_text_encoder_outputs"}:
+            assert o[k] == ours[k], (name, k)
+        if arch == "flux":
+            assert (o["--clip_l"], o["--t5xxl"], o["--ae"]) == ("/c", "/t", "/a")
+            assert (o["--timestep_sampling"], o["--model_prediction_type"], o["--guidance_scale"],
+                    o["--discrete_flow_shift"], o["--t5xxl_max_token_length"]) == ("sigma", "sigma_scaled", "3.5", "3.0", "512")
+    assert entries == {"sd15-lora-b1": "train_network.py", "sd15-lora-b4": "train_network.py",
+                       "sdxl-lora-b1": "sdxl_train_network.py", "sdxl-lora-b4": "sdxl_train_network.py",
+                       "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py"}
+    lora = opts(gpu.sd_scripts_args("flux-lora-b1", files, "/tok", "/d", "/o", 16)[1])
+    assert (lora["--network_module"], lora["--network_dim"], lora["--network_alpha"]) == ("networks.lora_flux", "16", "16")
+    assert lora["--fp8_base"] and lora["--network_train_unet_only"] and lora["--optimizer_type"] == "AdamW"
+    assert "--blocks_to_swap" not in lora and "--fused_backward_pass" not in lora
+    full = gpu.sd_scripts_args("flux-full-swap-b1", files, "/tok", "/d", "/o", 16)[1]
+    assert full[full.index("--optimizer_args") + 1:full.index("--optimizer_args") + 4] == [
+        "scale_parameter=False", "relative_step=False", "warmup_init=False"]
+    full = opts(full)
+    assert (full["--blocks_to_swap"], full["--optimizer_type"], full["--learning_rate"]) == ("8", "Adafactor", "1e-6")
+    assert full["--fused_backward_pass"] and "--fp8_base" not in full and "--network_module" not in full
+    assert "--gradient_checkpointing" not in full  # ours does not checkpoint either
     table = gpu.format_table([{"case": "sd15-lora-b1", "sd_scripts_it_s": 3.5, "sd_scripts_params": 6782976}], None)
     assert table[-1].split() == ["sd15-lora-b1", "sd-scripts", "3.50", "it/s,", "6,782,976", "trainable", "parameters"]
+    table = gpu.format_table([{"case": "flux-lora-b1", "sd_scripts_it_s": 1.25, "sd_scripts_params": 9,
+                               "sd_scripts_peak_alloc_gib": 14.5, "sd_scripts_peak_reserved_gib": 16.0}], None)
+    assert table[-1].split() == ["flux-lora-b1", "sd-scripts", "1.25", "it/s,", "peak", "14.50", "GiB", "allocated",
+                                 "/", "16.00", "GiB", "reserved,", "9", "trainable", "parameters"]
     two = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 2, 1234)
     one = sdl.command("/py", "/sd", "train_db.py", ["--x", 1], 1)
     plain = sdl.command("/py", "/sd", "train_network.py", ["--x", 1], None)
@@ -293,6 +371,7 @@ def test_sd_scripts_launcher_marks_optimizer_steps(monkeypatch, capsys):
     from step 2 on, the text encoder's forward time of that step."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
 
     sdl, step_timer = _load("sd_scripts_launch"), _load("step_timer")
 
@@ -301,6 +380,7 @@ def test_sd_scripts_launcher_marks_optimizer_steps(monkeypatch, capsys):
             return x * 2
 
     monkeypatch.setattr(AcceleratedOptimizer, "step", AcceleratedOptimizer.step)  # restored afterwards
+    monkeypatch.setattr(AcceleratedScheduler, "step", AcceleratedScheduler.step)
     monkeypatch.setattr(sdl, "_clip_classes", lambda: [Encoder])  # not transformers' own classes
     monkeypatch.delenv("RANK", raising=False)
     sdl._install_step_marks()
@@ -370,3 +450,109 @@ def test_sd_scripts_launcher_leaves_frozen_modules_unwrapped_on_cpu_processes(mo
     for self, model in ((cpus, frozen), (cpus, trained), (one, frozen)):
         Accelerator.prepare_model(self, model)
     assert calls == [True, False, False]
+
+
+def test_sd_scripts_tokenizer_caches_hold_the_tiny_t5_tokenizer(tmp_path):
+    """gpu.py's --tokenizer_cache_dir holds T5-XXL's tokenizer id as a folder transformers'
+    T5TokenizerFast loads offline (a config without transformers 5's list-valued
+    extra_special_tokens, which sd-scripts' transformers 4 cannot read), giving our tiny
+    tokenizer's ids (all below T5-XXL's 32128); the hub cache holds the same files under both
+    FLUX.1 tokenizer ids in the hub's layout (refs/main -> snapshots/<revision>)."""
+    import json
+
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from library.models import t5
+
+    sdl = _load("sd_scripts_launch")
+    cache = sdl.tokenizer_cache(str(tmp_path))
+    folder = os.path.join(cache, "google_t5-v1_1-xxl")
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        assert set(json.load(f)) == {"tokenizer_class", "eos_token", "pad_token", "unk_token", "extra_ids",
+                                     "model_max_length"}
+    tiny = t5.build_tiny_tokenizer()
+    want, want_mask = t5.tokenize(tiny, ["a photo of sks dog", "red cat"], 512)
+    hub = sdl.hub_cache(str(tmp_path))
+    for tok in (T5TokenizerFast.from_pretrained(folder, local_files_only=True),
+                T5TokenizerFast.from_pretrained("google/t5-v1_1-xxl", cache_dir=hub, local_files_only=True)):
+        got = tok(["a photo of sks dog", "red cat"], max_length=512, padding="max_length", truncation=True,
+                  return_tensors="pt")
+        assert torch.equal(got["input_ids"], want) and torch.equal(got["attention_mask"], want_mask)
+        assert int(got["input_ids"].max()) < 32128 and (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    clip = CLIPTokenizer.from_pretrained("openai/clip-vit-large-patch14", cache_dir=hub, local_files_only=True)
+    assert len(clip) == 49408
+    with open(os.path.join(hub, "models--google--t5-v1_1-xxl", "refs", "main"), encoding="utf-8") as f:
+        assert f.read() == sdl.HUB_REVISION
+
+
+def test_sd_scripts_launcher_marks_fused_steps_at_the_scheduler(monkeypatch, capsys):
+    """A fused backward pass never calls the optimizer's step (sd-scripts' flux_train.py steps each
+    parameter in a gradient hook, then calls the scheduler's step once per step): the scheduler's
+    step marks it, after counting the scheduler's optimizers' trainable parameters once (Linear(3,
+    2): 8). With an optimizer step before the scheduler step (train_network.py's loop) each step
+    is marked once, not twice."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+
+    sdl, step_timer = _load("sd_scripts_launch"), _load("step_timer")
+    for fused in (True, False):
+        monkeypatch.setattr(AcceleratedOptimizer, "step", AcceleratedOptimizer.step)  # restored by undo
+        monkeypatch.setattr(AcceleratedScheduler, "step", AcceleratedScheduler.step)
+        monkeypatch.setattr(sdl, "_clip_classes", lambda: [])
+        monkeypatch.delenv("RANK", raising=False)
+        sdl._install_step_marks()
+        step_timer._reset_accelerate()
+        try:
+            acc = Accelerator(cpu=True)
+            lin = torch.nn.Linear(3, 2)
+            opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+            lin, opt, sched = acc.prepare(lin, opt, sched)
+            for _ in range(3):
+                acc.backward(lin(torch.ones(1, 3)).sum())
+                if fused:  # what adafactor_fused's step_param does per parameter, in the backward
+                    with torch.no_grad():
+                        for p in lin.parameters():
+                            p.sub_(0.1 * p.grad)
+                            p.grad = None
+                else:
+                    opt.step()
+                    opt.zero_grad()
+                sched.step()
+        finally:
+            step_timer._reset_accelerate()
+            monkeypatch.undo()  # the real steps back: the next round wraps them afresh
+        out = capsys.readouterr().out
+        assert out.count("sdtk-trainable-params 8") == 1 and out.count("sdtk-step ") == 3, (fused, out)
+        assert len(sdl.parse_output(out)["times"]) == 2
+
+
+def test_sd_scripts_launcher_leaves_sd_scripts_library_alone(tmp_path):
+    """Run as a script, the launcher is in sd-scripts' process: the training script's own
+    ``library`` package (a stand-in beside it here) is the one it imports, not ours."""
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "__init__.py").write_text("WHOSE = 'sd-scripts'\n")
+    (tmp_path / "train.py").write_text("import library, sys\nprint('library of', library.WHOSE)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sd_scripts_launch.py"), str(tmp_path / "train.py")],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "library of sd-scripts" in p.stdout and "sdtk-peak-memory" not in p.stdout  # no CUDA here
+
+
+def test_sd_scripts_flux_check_without_sd_scripts(tmp_path, capsys):
+    """benchmarks/sd_scripts_flux_check.py without an sd-scripts checkout: a folder that is not one
+    is one line and exit 2; the headers it hands sd-scripts are the meta tensors' names, shapes
+    and safetensors dtypes; the values it expects sd-scripts to parse are gpu.py's for each row."""
+    check = _load("sd_scripts_flux_check")
+    assert check.main(["--sd-scripts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sd-scripts") and "\n" not in err
+    meta = {"a": torch.empty(2, 3, dtype=torch.bfloat16, device="meta"), "b": torch.empty(4, dtype=torch.int64, device="meta")}
+    assert check.headers({"f": (meta, None)}) == {"f": {"a": [[2, 3], "BF16"], "b": [[4], "I64"]}}
+    want = check.expected_values("flux-full-swap-b1")
+    assert (want["blocks_to_swap"], want["fused_backward_pass"], want["optimizer_type"]) == (8, True, "Adafactor")
+    assert want["resolution"] == "1024" and want["t5xxl_max_token_length"] == 512 and not want["gradient_checkpointing"]
+    assert check.expected_values("flux-lora-b1")["fp8_base"] and check.expected_values("sd15-lora-b1")["cache_text_encoder_outputs"] is None
+    assert set(check.expected_values("sdxl-lora-b4")) <= set(check.expected_values("flux-lora-b1"))
