@@ -101,6 +101,8 @@ LAZY_MODULES: dict[str, str] = {
     "benchmarks.sd_scripts_launch": "run as a script it is in sd-scripts' process, where our "
                                     "library package would stand for sd-scripts' own: its helpers "
                                     "for our side import it when called",
+    "tools.merge_sd3_safetensors": "its --help must not wait for diffusers and transformers (about "
+                                   "5 s): the merge imports them once the options are parsed",
     "library.ui.jobs": "the UI server starts without torch: a resumed job's command looks for "
                        "states when built",
 }

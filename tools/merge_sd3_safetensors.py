@@ -19,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library import log  # noqa: E402
 from library.errors import UserError  # noqa: E402
-from library.models import fp8_storage, sd3_merge  # noqa: E402
+from library.models import fp8_storage  # noqa: E402
 
 
 def _parse_args(argv):
@@ -41,6 +42,10 @@ def _parse_args(argv):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    log.setup_logging(True)  # before diffusers imports bitsandbytes, whose optional-kernel notice it quiets
+    # lazy: diffusers and transformers (about 5 s) are imported once the options are parsed, not for --help
+    from library.models import sd3_merge
+
     files = {"dit": args.dit, "vae": args.vae, "clip_l": args.clip_l, "clip_g": args.clip_g, "t5xxl": args.t5xxl}
     try:
         n = sd3_merge.merge(files, args.output, fp8_storage.save_dtype(args.save_precision))
