@@ -24,7 +24,8 @@ allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
 run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
 ``--peak-tflops``). With ``--sd-scripts PATH`` every case with an sd-scripts counterpart also
-runs through it (SD1.5 / SDXL LoRA: train_network.py / sdxl_train_network.py; flux-lora-b1:
+runs through it (SD1.5 / SDXL LoRA: train_network.py / sdxl_train_network.py; sdxl-full-b1:
+sdxl_train.py; flux-lora-b1:
 flux_train_network.py with networks.lora_flux; flux-full-swap-b1: flux_train.py), by
 ``--sd-scripts-python`` (its own venv; default: this Python) through
 benchmarks/sd_scripts_launch.py, with the same training options (training_options: one list for
@@ -84,7 +85,8 @@ FLUX_FLOW = ["--timestep_sampling", "sigma", "--model_prediction_type", "sigma_s
              "--discrete_flow_shift", 3.0, "--weighting_scheme", "uniform", "--t5xxl_max_token_length", 512]
 # sd-scripts' script for each (our script, architecture) it has a row for.
 SD_SCRIPTS_ENTRY = {("train_lora", "sd15"): "train_network.py", ("train_lora", "sdxl"): "sdxl_train_network.py",
-                    ("train_lora", "flux"): "flux_train_network.py", ("train_dreambooth", "flux"): "flux_train.py"}
+                    ("train_dreambooth", "sdxl"): "sdxl_train.py", ("train_lora", "flux"): "flux_train_network.py",
+                    ("train_dreambooth", "flux"): "flux_train.py"}
 
 
 def training_options(name: str, dry: bool) -> list:

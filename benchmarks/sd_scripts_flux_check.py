@@ -294,8 +294,9 @@ def expected_values(name: str) -> dict:
                     network_alpha=16.0, network_train_unet_only=True, optimizer_type="AdamW", learning_rate=1e-4)
     else:
         want.update(optimizer_type="Adafactor", learning_rate=1e-6, fused_backward_pass=True,
-                    optimizer_args=["scale_parameter=False", "relative_step=False", "warmup_init=False"],
-                    blocks_to_swap=gpu.FLUX_BLOCKS_TO_SWAP)
+                    optimizer_args=["scale_parameter=False", "relative_step=False", "warmup_init=False"])
+        if arch == "flux":
+            want["blocks_to_swap"] = gpu.FLUX_BLOCKS_TO_SWAP
     return want
 
 

@@ -332,7 +332,7 @@ def test_sd_scripts_command_lines():
                     o["--discrete_flow_shift"], o["--t5xxl_max_token_length"]) == ("sigma", "sigma_scaled", "3.5", "3.0", "512")
     assert entries == {"sd15-lora-b1": "train_network.py", "sd15-lora-b4": "train_network.py",
                        "sdxl-lora-b1": "sdxl_train_network.py", "sdxl-lora-b4": "sdxl_train_network.py",
-                       "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py"}
+                       "sdxl-full-b1": "sdxl_train.py", "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py"}
     lora = opts(gpu.sd_scripts_args("flux-lora-b1", files, "/tok", "/d", "/o", 16)[1])
     assert (lora["--network_module"], lora["--network_dim"], lora["--network_alpha"]) == ("networks.lora_flux", "16", "16")
     assert lora["--fp8_base"] and lora["--network_train_unet_only"] and lora["--optimizer_type"] == "AdamW"
@@ -344,6 +344,9 @@ def test_sd_scripts_command_lines():
     assert (full["--blocks_to_swap"], full["--optimizer_type"], full["--learning_rate"]) == ("8", "Adafactor", "1e-6")
     assert full["--fused_backward_pass"] and "--fp8_base" not in full and "--network_module" not in full
     assert "--gradient_checkpointing" not in full  # ours does not checkpoint either
+    sdxl = opts(gpu.sd_scripts_args("sdxl-full-b1", {"model": "/m"}, "/tok", "/d", "/o", 16)[1])
+    assert (sdxl["--optimizer_type"], sdxl["--learning_rate"], sdxl["--resolution"]) == ("Adafactor", "1e-6", "1024")
+    assert sdxl["--fused_backward_pass"] and sdxl["--cache_text_encoder_outputs"] and "--blocks_to_swap" not in sdxl
     table = gpu.format_table([{"case": "sd15-lora-b1", "sd_scripts_it_s": 3.5, "sd_scripts_params": 6782976}], None)
     assert table[-1].split() == ["sd15-lora-b1", "sd-scripts", "3.50", "it/s,", "6,782,976", "trainable", "parameters"]
     table = gpu.format_table([{"case": "flux-lora-b1", "sd_scripts_it_s": 1.25, "sd_scripts_params": 9,
