@@ -270,7 +270,8 @@ class NetworkMethod:
         loras = getattr(self.network, "text_encoder_loras", None)
         if not self.train_text_encoder or self.tokens is not None or loras is None:
             return []
-        hooked = {id(lora.org_module) for lora in loras}
+        # LyCORIS and sd-scripts' OFT keep the layer in a one-item list (out of the module tree)
+        hooked = {id(m[0] if isinstance(m, list) else m) for m in (lora.org_module for lora in loras)}
         return [te for te in self.bundle.text_encoders if not any(id(m) in hooked for m in te.modules())]
 
     def save(self, path: str, dtype_name, metadata: dict):

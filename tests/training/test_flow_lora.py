@@ -241,14 +241,29 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
 
 @pytest.mark.parametrize("model, extra, message", [
     ("tiny-flux", ["--network_module", "networks.lora_sd3"],
-     'network_module networks.lora_sd3: not for the FLUX.1 model tiny-flux; its LoRA is network_module = '
-     '"networks.lora_flux"'),
-    ("tiny-flux", ["--network_module", "networks.lora"], 'its LoRA is network_module = "networks.lora_flux"'),
-    ("tiny-flux", ["--network_module", "networks.oft_flux"], "network_module networks.oft_flux: not for the FLUX.1"),
-    ("tiny-sd3", ["--network_module", "networks.lora_flux"],
-     'not for the SD3 model tiny-sd3; its LoRA is network_module = "networks.lora_sd3"'),
+     'network_module networks.lora_sd3: not for the FLUX.1 model tiny-flux: it is the LoRA of SD3 models, whose '
+     'layer names it targets; FLUX.1 trains with network_module = "networks.lora_flux" or "networks.oft_flux" or '
+     '"lycoris.kohya"'),
+    ("tiny-flux", ["--network_module", "networks.lora"],
+     "network_module networks.lora: not for the FLUX.1 model tiny-flux: it puts its modules in the SD U-Net's "
+     "block classes (Transformer2DModel, ResnetBlock2D, ...), which the FLUX.1 transformer does not have "
+     "(sd-scripts would train none of the transformer's layers with it)"),
+    ("tiny-sd3", ["--network_module", "networks.oft_flux"],
+     'network_module networks.oft_flux: not for the SD3 model tiny-sd3: it is the OFT of FLUX.1 models, whose '
+     'layer names it targets; SD3 trains with network_module = "networks.lora_sd3" or "lycoris.kohya"'),
+    ("tiny-sd3", ["--network_module", "my_networks.custom"],
+     "this toolkit runs only sd-scripts' and LyCORIS' network modules of these transformers"),
+    ("tiny-sd3", ["--network_module", "networks.lora_flux"], "it is the LoRA of FLUX.1 models"),
     ("tiny-sd15", ["--network_module", "networks.lora_flux"],
      "network_module networks.lora_flux: the LoRA of FLUX.1 models; tiny-sd15 is not one"),
+    ("tiny-sd15", ["--network_module", "networks.oft_flux"],
+     "network_module networks.oft_flux: the OFT of FLUX.1 models; tiny-sd15 is not one"),
+    ("tiny-flux", ["--network_module", "lycoris.kohya", "--network_args", "algo=lokr", "train_t5xxl=True"],
+     "network_args: train_t5xxl with lycoris.kohya: LyCORIS puts no module on T5"),
+    ("tiny-flux", ["--network_module", "networks.oft_flux", "--network_args", "enable_all_linear=maybe"],
+     "enable_all_linear='maybe' for networks.oft_flux is not true or false"),
+    ("tiny-flux", ["--network_module", "networks.oft_flux", "--network_args", "train_blocks=single"],
+     "unknown key 'train_blocks' for networks.oft_flux"),
     ("tiny-flux", ["--network_module", "networks.lora_flux", "--network_train_unet_only", "--network_args",
                    "train_t5xxl=True"], "train_t5xxl trains a LoRA on T5, a text encoder; network_train_unet_only"),
     ("tiny-sd3", ["--network_module", "networks.lora_sd3", "--network_train_unet_only", "--network_args",
