@@ -213,15 +213,20 @@ def test_sd3_lora_trains_and_the_clients_patch_is_the_trained_model(dataset, tmp
     assert float((got - want).norm()) < 1e-3 * change  # float32 against float64: the same model
 
 
-@pytest.mark.parametrize("model, module, probe", [
-    ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"),
-    ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight"),
-], ids=["flux", "sd3"])
-def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe):
+@pytest.mark.parametrize("model, module, probe, extra", [
+    ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight", []),
+    ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight", []),
+    ("tiny-flux", "lycoris.kohya", "lora_unet_double_blocks_0_img_attn_qkv.lokr_w1",
+     ["--network_args", "algo=lokr", "factor=4"]),
+    ("tiny-sd3", "lycoris.kohya", "lora_unet_joint_blocks_0_x_block_attn_qkv.hada_w1_a", ["--network_args", "algo=loha"]),
+], ids=["flux", "sd3", "flux-lycoris-lokr", "sd3-lycoris-loha"])
+def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe, extra):
     """Stopped at step 2 of 4 (mid-epoch: 4 samples, batch 1) with its state, resumed in another
     folder: the final file (CLIP-L (and SD3's CLIP-G) and transformer LoRA, AdamW state) equals
-    the uninterrupted run's, one thread (conftest)."""
-    args = ["--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state"]
+    the uninterrupted run's, one thread (conftest). LyCORIS' file has the names LyCORIS makes on
+    sd-scripts' FLUX.1 / SD3 (tests/networks/test_lycoris_dit.py): the blocks' Linear layers and
+    CLIP-L's (and CLIP-G's)."""
+    args = ["--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state", *extra]
     whole = str(tmp_path / "whole")
     rc, _, err, u = train("train_lora", lora_args(model, module, dataset, whole, *args))
     assert rc == 0, err
@@ -237,6 +242,15 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
         assert torch.equal(a[k], b[k]), k
     mid = load_file(os.path.join(whole, "last-step00000002.safetensors"))
     assert not torch.equal(mid[probe], a[probe])
+    if module == "lycoris.kohya" and model == "tiny-flux":
+        parts = tiny_flux.build_tiny_flux("dev")
+        assert {k.split(".")[0] for k in a} == _block_and_clip_names(parts["transformer"], parts["clip_l"])
+    elif module == "lycoris.kohya":
+        parts = sd3_builtins.build_builtin("tiny-sd3")
+        table = comfy_dit_shapes(parts["mmdit"], clip_l=parts["clip_l"], clip_g=parts["clip_g"])
+        expected = {n for n in table if n.startswith(("lora_unet_joint_blocks_", "lora_te1_", "lora_te2_"))
+                    and not n.endswith("_ln_q") and not n.endswith("_ln_k")}
+        assert {k.split(".")[0] for k in a} == expected
 
 
 @pytest.mark.parametrize("model, extra, message", [
