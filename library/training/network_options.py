@@ -112,17 +112,20 @@ def merge_base_weights(bundle, opts, log) -> None:
 
     for path, m in zip(opts.base_weights, base_multipliers(opts)):
         try:
-            n = _merge(bundle, lora.load_state_dict_file(path), m)
+            n = _merge(bundle, lora.load_state_dict_file(path), m, opts.network_module)
         except lora.LoRAError as e:
             raise NetworkOptionError(f"base_weights: {path}: {e}") from None
         log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
 
 
-def _merge(bundle, weights_sd: dict, multiplier: float) -> int:
-    """One base_weights file into the model: a FLUX.1 / SD3 LoRA through its family's module (as
-    sd-scripts' train_network.py merges with network_module's create_network_from_weights), any
-    SD adapter file through merge_lora. Returns the number of modules merged."""
+def _merge(bundle, weights_sd: dict, multiplier: float, network_module: str) -> int:
+    """One base_weights file into the model: on FLUX.1 / SD3 through the run's network module when
+    it is sd-scripts' one of the family (networks.oft_flux: an OFT file), else the family's LoRA
+    (as sd-scripts' train_network.py merges with network_module's create_network_from_weights);
+    any SD adapter file through merge_lora. Returns the number of modules merged."""
     module = FAMILY_LORA_MODULES.get(bundle.family)
+    if network_module in FAMILY_NETWORK_MODULES.get(bundle.family, ()):
+        module = DIT_NETWORK_MODULES[network_module][2]
     if module is None:
         return merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, multiplier)
     network, _ = module.create_network_from_weights(multiplier, None, None, bundle.text_encoders, bundle.unet,

@@ -385,3 +385,34 @@ def test_flux_base_weights_are_merged_as_the_clients_patch(dataset, tmp_path, tr
                             lambda p: p if p.startswith("text_model.") else "text_model." + p)
     for k, v in te_expected.items():
         torch.testing.assert_close(te[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, train):
+    """base_weights with a networks.oft_flux file while training networks.oft_flux (sd-scripts
+    merges through the run's network module): each layer's weight is the file's rotation (per
+    part, multiplier 0.5: R = 0.5 (R - I) + I), against the float64 computation."""
+    from tests.networks import test_oft_flux
+
+    flux = tiny_flux.build_tiny_flux("dev")["transformer"]
+    layers = test_oft_flux._expected(flux, True)
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for name, split in layers.items():
+        for i, width in enumerate(split):
+            sd[f"{name}.oft_blocks.{i}"] = torch.randn(4, width // 4, width // 4, generator=g) * 0.05
+        sd[name + ".alpha"] = torch.tensor(0.5)
+    base = str(tmp_path / "oft_base.safetensors")
+    save_file(sd, base)
+    rc, _, err, run = train("train_lora", lora_args(
+        "tiny-flux", "networks.oft_flux", dataset, str(tmp_path / "out"), "--max_train_steps", "1",
+        "--base_weights", base, "--base_weights_multiplier", "0.5"))
+    assert rc == 0, err
+    merged, before = run.parts.bundle.unet.state_dict(), flux.state_dict()
+    for name, split in layers.items():
+        key = name[len("oft_unet_"):]
+        path = next(k for k in before if k.replace(".", "_") == key + "_weight")
+        w, b = before[path], before[path[:-len("weight")] + "bias"]
+        _, want = test_oft_flux._reference(w, b, [sd[f"{name}.oft_blocks.{i}"] for i in range(len(split))], 0.5, 0.5, split,
+                             torch.zeros(1, w.shape[1]))
+        torch.testing.assert_close(merged[path].double(), want, rtol=1e-5, atol=1e-6, msg=path)
+        assert not torch.allclose(want, w.double(), atol=1e-4)
