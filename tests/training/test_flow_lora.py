@@ -242,6 +242,10 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
         assert torch.equal(a[k], b[k]), k
     mid = load_file(os.path.join(whole, "last-step00000002.safetensors"))
     assert not torch.equal(mid[probe], a[probe])
+    if module == "lycoris.kohya":  # LyCORIS puts no module on T5: it alone runs in eval mode
+        tes = u.parts.bundle.text_encoders
+        assert [id(t) for t in u.parts.method._untouched_text_encoders()] == [id(tes[-1])]
+        assert type(tes[-1]).__name__ == "T5EncoderModel"
     if module == "lycoris.kohya" and model == "tiny-flux":
         parts = tiny_flux.build_tiny_flux("dev")
         assert {k.split(".")[0] for k in a} == _block_and_clip_names(parts["transformer"], parts["clip_l"])
