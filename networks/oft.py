@@ -23,6 +23,10 @@ from networks.adapter_weights import file_kinds
 
 logger = logging.getLogger("sdtk")
 
+# the trainer reads it (library/training/methods.py): the network puts no module on a text encoder
+# (sd-scripts' OFT ignores apply_text_encoder), so they stay frozen and their outputs may be cached
+TRAINS_TEXT_ENCODERS = False
+
 PREFIX = "oft_unet"
 ATTENTION = ("Attention",)  # diffusers' class for sd-scripts' CrossAttention
 ALL_LINEAR = ("Transformer2DModel",)

@@ -35,6 +35,10 @@ from networks.adapter_weights import file_kinds
 
 logger = logging.getLogger("sdtk")
 
+# the trainer reads it (library/training/methods.py): the network puts no module on a text encoder
+# (sd-scripts' OFT ignores apply_text_encoder), so they stay frozen and their outputs may be cached
+TRAINS_TEXT_ENCODERS = False
+
 NETWORK_MODULE = "networks.oft_flux"
 PREFIX = "oft_unet"
 ATTN_ONLY = ("SelfAttention",)

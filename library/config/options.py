@@ -235,7 +235,7 @@ OPTIONS: tuple[Option, ...] = (
       "dataset"),
     O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
       "with the text encoder(s) once, before training; the text encoders are then not trained "
-      "(LoRA: needs network_train_unet_only).", "dataset", scripts=NOT_TI),
+      "(LoRA: needs network_train_unet_only, except with OFT, which puts no module on them).", "dataset", scripts=NOT_TI),
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),

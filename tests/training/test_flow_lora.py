@@ -282,6 +282,10 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
      "enable_all_linear='maybe' for networks.oft_flux is not true or false"),
     ("tiny-flux", ["--network_module", "networks.oft_flux", "--network_args", "train_blocks=single"],
      "unknown key 'train_blocks' for networks.oft_flux"),
+    ("tiny-flux", ["--network_module", "networks.lora_flux", "--cache_text_encoder_outputs"],
+     "cache_text_encoder_outputs: the network trains the text encoders too, so their outputs change every step; "
+     "add network_train_unet_only (sd-scripts' SDXL trainer requires it; its FLUX.1 / SD3 trainers then cache T5 "
+     "alone, which is not built here)"),
     ("tiny-flux", ["--network_module", "networks.lora_flux", "--network_train_unet_only", "--network_args",
                    "train_t5xxl=True"], "train_t5xxl trains a LoRA on T5, a text encoder; network_train_unet_only"),
     ("tiny-sd3", ["--network_module", "networks.lora_sd3", "--network_train_unet_only", "--network_args",
@@ -394,7 +398,9 @@ def test_flux_base_weights_are_merged_as_the_clients_patch(dataset, tmp_path, tr
 def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, train):
     """base_weights with a networks.oft_flux file while training networks.oft_flux (sd-scripts
     merges through the run's network module): each layer's weight is the file's rotation (per
-    part, multiplier 0.5: R = 0.5 (R - I) + I), against the float64 computation."""
+    part, multiplier 0.5: R = 0.5 (R - I) + I), against the float64 computation. The OFT network
+    puts no module on a text encoder, so without network_train_unet_only they stay frozen and
+    their outputs may be cached."""
     from tests.networks import test_oft_flux
 
     flux = tiny_flux.build_tiny_flux("dev")["transformer"]
@@ -409,8 +415,10 @@ def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, tra
     save_file(sd, base)
     rc, _, err, run = train("train_lora", lora_args(
         "tiny-flux", "networks.oft_flux", dataset, str(tmp_path / "out"), "--max_train_steps", "1",
-        "--base_weights", base, "--base_weights_multiplier", "0.5"))
+        "--base_weights", base, "--base_weights_multiplier", "0.5", "--cache_text_encoder_outputs"))
     assert rc == 0, err
+    assert run.parts.method.train_text_encoder is False
+    assert not any(p.requires_grad for te in run.parts.bundle.text_encoders for p in te.parameters())
     merged, before = run.parts.bundle.unet.state_dict(), flux.state_dict()
     for name, split in layers.items():
         key = name[len("oft_unet_"):]
