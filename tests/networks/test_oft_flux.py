@@ -71,7 +71,7 @@ def _reference(weight, bias, blocks, alpha, multiplier, split, x):
     w = weight.double()
     rows, row = [], 0
     for s, width in zip(blocks, split):
-        s = s.double()
+        s = s.detach().double()
         q = s - s.transpose(1, 2)
         n = float(torch.linalg.norm(q.flatten()))
         q = q * ((min(n, alpha * width) + 1e-8) / (n + 1e-8))
