@@ -286,25 +286,12 @@ class DyLoRAModule(HookedModule):
         merge_delta(self.org_module, parts, self.multiplier, dtype, device)
 
 
-class OFTModule(HookedModule):
-    """sd-scripts' networks.oft module: ``oft_blocks`` (num_blocks = dim, block, block), zero at
-    the start (R = I); the module's output uses the rotated weight ``R^T W`` per block of output
-    rows and the original bias. alpha is the constraint per output row (clamp at alpha * out)."""
+class _RotationModule(HookedModule):
+    """OFT's forward and merge: the layer computes with its weight rotated (``rotated_weight``)
+    and its own bias."""
 
-    def __init__(self, lora_name, org_module, multiplier=1.0, lora_dim=4, alpha=1e-3):
-        super().__init__(lora_name, org_module, multiplier)
-        out_dim = org_module.weight.shape[0]
-        self.num_blocks = int(lora_dim)
-        self.block_size = out_dim // self.num_blocks
-        if isinstance(alpha, torch.Tensor):
-            alpha = float(alpha.detach().float())
-        self.constraint = float(alpha) * out_dim
-        self.register_buffer("alpha", torch.tensor(float(alpha), dtype=torch.float32))
-        self.oft_blocks = torch.nn.Parameter(torch.zeros(self.num_blocks, self.block_size, self.block_size))
-
-    def rotated_weight(self) -> torch.Tensor:
-        r = adapter_weights.oft_rotation(self.oft_blocks.float(), self.constraint, self.multiplier)
-        return adapter_weights.oft_apply(self.org_module.weight.float(), r)
+    def rotated_weight(self, blocks=None) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.multiplier == 0.0:
@@ -316,10 +303,72 @@ class OFTModule(HookedModule):
         return F.linear(x, w, m.bias)
 
     def merge_to(self, sd: dict, dtype=None, device=None) -> None:
-        blocks = sd.get("oft_blocks", self.oft_blocks.detach())
+        """Replace the layer's weight by its rotation with the blocks of ``sd`` (by part name;
+        missing: the module's own)."""
         weight = self.org_module.weight
         device = device or weight.device
-        r = adapter_weights.oft_rotation(blocks.to(device).float(), self.constraint, self.multiplier)
         with torch.no_grad():
-            rotated = adapter_weights.oft_apply(weight.detach().to(device, torch.float32), r)
+            rotated = self.rotated_weight(self._blocks_of(sd), weight.detach().to(device, torch.float32))
             weight.data = rotated.to(dtype or weight.dtype)
+
+
+def _alpha_value(alpha) -> float:
+    return float(alpha.detach().float()) if isinstance(alpha, torch.Tensor) else float(alpha)
+
+
+class OFTModule(_RotationModule):
+    """sd-scripts' networks.oft module: ``oft_blocks`` (num_blocks = dim, block, block), zero at
+    the start (R = I); the module's output uses the rotated weight ``R^T W`` per block of output
+    rows and the original bias. alpha is the constraint per output row (clamp at alpha * out)."""
+
+    def __init__(self, lora_name, org_module, multiplier=1.0, lora_dim=4, alpha=1e-3):
+        super().__init__(lora_name, org_module, multiplier)
+        out_dim = org_module.weight.shape[0]
+        self.num_blocks = int(lora_dim)
+        self.block_size = out_dim // self.num_blocks
+        alpha = _alpha_value(alpha)
+        self.constraint = alpha * out_dim
+        self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32))
+        self.oft_blocks = torch.nn.Parameter(torch.zeros(self.num_blocks, self.block_size, self.block_size))
+
+    def _blocks_of(self, sd: dict):
+        return sd.get("oft_blocks", self.oft_blocks.detach())
+
+    def rotated_weight(self, blocks=None, weight=None) -> torch.Tensor:
+        blocks = self.oft_blocks if blocks is None else blocks
+        weight = self.org_module.weight if weight is None else weight
+        r = adapter_weights.oft_rotation(blocks.to(weight.device).float(), self.constraint, self.multiplier)
+        return adapter_weights.oft_apply(weight.float(), r)
+
+
+class SplitOFTModule(_RotationModule):
+    """sd-scripts' networks.oft_flux module: OFTModule's rotation on each part of the layer's
+    output rows (``split_dims``: FLUX.1's fused q, k, v [, MLP input] rotate apart; None: one
+    part), ``oft_blocks`` a list of (num_blocks, part / num_blocks, part / num_blocks), saved as
+    ``oft_blocks.0``, ``oft_blocks.1``, ...; the constraint of a part is alpha * its width."""
+
+    def __init__(self, lora_name, org_module, multiplier=1.0, lora_dim=4, alpha=1e-3, split_dims=None):
+        super().__init__(lora_name, org_module, multiplier)
+        out_dim = org_module.weight.shape[0]
+        self.split_dims = tuple(int(d) for d in (split_dims or (out_dim,)))
+        if sum(self.split_dims) != out_dim:
+            raise ValueError(f"{lora_name}: parts {list(self.split_dims)} do not add up to {out_dim} outputs")
+        self.num_blocks = int(lora_dim)
+        alpha = _alpha_value(alpha)
+        self.constraints = [alpha * d for d in self.split_dims]
+        self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32))
+        self.oft_blocks = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(self.num_blocks, d // self.num_blocks, d // self.num_blocks))
+             for d in self.split_dims])
+
+    def _blocks_of(self, sd: dict):
+        return [sd.get(f"oft_blocks.{i}", b.detach()) for i, b in enumerate(self.oft_blocks)]
+
+    def rotated_weight(self, blocks=None, weight=None) -> torch.Tensor:
+        blocks = list(self.oft_blocks) if blocks is None else blocks
+        weight = self.org_module.weight if weight is None else weight
+        parts = []
+        for b, c, rows in zip(blocks, self.constraints, weight.float().split(self.split_dims)):
+            r = adapter_weights.oft_rotation(b.to(weight.device).float(), c, self.multiplier)
+            parts.append(adapter_weights.oft_apply(rows, r))
+        return torch.cat(parts)

@@ -117,10 +117,10 @@ def oft_apply(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.einsum("k n m, k n p -> k m p", r, w).reshape(weight.shape)
 
 
-def module_delta(p: dict[str, torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+def module_delta(p: dict[str, torch.Tensor], weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The additive delta of one module of a file (LoRA, LoHa or LoKr; tensors by part name),
-    alpha included, in the weight's shape and float32. OFT is not additive: see oft_apply."""
-    p = {k: v.float() for k, v in p.items()}
+    alpha included, in the weight's shape and ``dtype``. OFT is not additive: see oft_apply."""
+    p = {k: v.to(dtype) for k, v in p.items()}
     alpha = float(p["alpha"]) if "alpha" in p else None
     if "hada_w1_a" in p:
         rank = p["hada_w1_b"].shape[0]

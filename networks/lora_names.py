@@ -63,11 +63,16 @@ def plain_to_kohya_names(text_encoders, unet) -> dict[str, str]:
     differ. A plain walk (``<prefix>_<module path>``, as LyCORIS' lycoris.kohya names modules on
     the model it is given) names our diffusers SDXL U-Net in diffusers layout
     (``lora_unet_down_blocks_...``, which A1111 would map with SD1 numbering) and transformers 5's
-    CLIPTextModel without ``text_model``; the kohya names are those of networks.lora."""
+    CLIPTextModel without ``text_model``; the kohya names are those of networks.lora. The text
+    encoders' prefixes are LyCORIS': ``lora_te`` for one, ``lora_te1``, ``lora_te2``, ``lora_te3``
+    by position in a list (FLUX.1's [CLIP-L, T5], SD3's [CLIP-L, CLIP-G, T5], as sd-scripts' trainers
+    pass them)."""
     out: dict[str, str] = {}
     tes = [te for te in text_encoders if te is not None]
     for i, te in enumerate(tes):
-        prefix = text_encoder_prefix(i, len(tes))
+        if not is_clip(te):
+            continue  # T5 (FLUX.1, SD3): its paths are its names
+        prefix = PREFIX_TE if len(tes) == 1 else f"{PREFIX_TE}{i + 1}"  # LyCORIS: te1, te2, te3 of a list
         for path, _ in te.named_modules():
             if path:
                 plain, ours = kohya_name(prefix, path), kohya_name(prefix, text_encoder_path(path))
@@ -82,6 +87,11 @@ def plain_to_kohya_names(text_encoders, unet) -> dict[str, str]:
                 continue  # no original-layout place (e.g. time_proj, which has no weights)
             out[kohya_name(PREFIX_UNET, path)] = ours
     return out
+
+
+def is_clip(text_encoder) -> bool:
+    """A transformers CLIP text model (its kohya names are under ``text_model.``)."""
+    return str(getattr(getattr(text_encoder, "config", None), "model_type", "")).startswith("clip")
 
 
 def rename_keys(state_dict: dict, names: dict[str, str]) -> dict:

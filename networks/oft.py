@@ -23,6 +23,10 @@ from networks.adapter_weights import file_kinds
 
 logger = logging.getLogger("sdtk")
 
+# the trainer reads it (library/training/methods.py): the network puts no module on a text encoder
+# (sd-scripts' OFT ignores apply_text_encoder), so they stay frozen and their outputs may be cached
+TRAINS_TEXT_ENCODERS = False
+
 PREFIX = "oft_unet"
 ATTENTION = ("Attention",)  # diffusers' class for sd-scripts' CrossAttention
 ALL_LINEAR = ("Transformer2DModel",)
@@ -42,6 +46,22 @@ def check_network_args(kwargs: dict[str, Any]) -> None:
     _parse(kwargs)
 
 
+def dim_and_alpha(module: str, network_dim, network_alpha, neuron_dropout) -> tuple[int, float]:
+    """(blocks per layer, constraint) of sd-scripts' OFT: network_dim (default 4) and network_alpha
+    (default 1e-3, sd-scripts warns from 1 on); network_dropout does nothing (sd-scripts' neither)."""
+    dim = 4 if network_dim is None else lora.parse_number("network_dim", network_dim, int, 1)
+    if network_alpha is None:
+        logger.info(f"{module}: network_alpha is not set, using 1e-3 (sd-scripts' default)")
+        alpha = 1e-3
+    else:
+        alpha = lora.parse_number("network_alpha", network_alpha, float, 0, low_inclusive=False)
+        if alpha >= 1:
+            logger.warning(f"{module}: network_alpha >= 1 is a loose constraint; sd-scripts suggests ~1e-3")
+    if neuron_dropout:
+        logger.warning(f"network_dropout has no effect on {module} (sd-scripts' OFT does not use it)")
+    return dim, alpha
+
+
 def _factory(lora_name, org_module, multiplier, dim, alpha, dropout, rank_dropout, module_dropout):
     out_dim = org_module.weight.shape[0]
     if out_dim % int(dim):
@@ -58,16 +78,7 @@ def _is_sdxl(text_encoder, unet) -> bool:
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
                    text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs):
     all_linear, conv = _parse(kwargs)
-    dim = 4 if network_dim is None else lora.parse_number("network_dim", network_dim, int, 1)
-    if network_alpha is None:
-        logger.info("networks.oft: network_alpha is not set, using 1e-3 (sd-scripts' default)")
-        alpha = 1e-3
-    else:
-        alpha = lora.parse_number("network_alpha", network_alpha, float, 0, low_inclusive=False)
-        if alpha >= 1:
-            logger.warning("networks.oft: network_alpha >= 1 is a loose constraint; sd-scripts suggests ~1e-3")
-    if neuron_dropout:
-        logger.warning("network_dropout has no effect on networks.oft (sd-scripts' OFT does not use it)")
+    dim, alpha = dim_and_alpha("networks.oft", network_dim, network_alpha, neuron_dropout)
     return lora.AdapterNetwork(None, unet, multiplier=multiplier, lora_dim=dim, alpha=alpha,
                                conv_lora_dim=dim if conv else None, conv_alpha=alpha,
                                is_sdxl=_is_sdxl(text_encoder, unet), module_factory=_factory,

@@ -110,7 +110,7 @@ FLOW_DEFAULTS = dict(
     sd3_text_encoder_batch_size=1, sd3_cache_text_encoder_outputs=False,
     sd3_cache_text_encoder_outputs_to_disk=False, sd3_fused_backward_pass=False,
     clip_l_dropout_rate=0.0, clip_g_dropout_rate=0.0, t5_dropout_rate=0.0,
-    enable_scaled_pos_embed=False, pos_emb_random_crop_rate=0.0,
+    enable_scaled_pos_embed=False, pos_emb_random_crop_rate=0.0, enable_all_linear=False,
 )
 FLOW_FILES = ("ae", "clip_l", "clip_g", "t5xxl")  # the preset's own model files
 
@@ -196,8 +196,10 @@ LORA_TYPES = ("Anima", "Flux1", "Flux1 OFT", "HunyuanImage-2.1", "Kohya DyLoRA",
               "Kohya LoKr", "LoRA-FA", "Lumina", "LyCORIS/iA3", "LyCORIS/BOFT", "LyCORIS/Diag-OFT",
               "LyCORIS/DyLoRA", "LyCORIS/GLoRA", "LyCORIS/LoCon", "LyCORIS/LoHa", "LyCORIS/LoKr",
               "LyCORIS/Native Fine-Tuning", "Standard")
-OTHER_FAMILY_TYPES = {"Anima": "Anima", "Flux1": "FLUX.1", "Flux1 OFT": "FLUX.1", "HunyuanImage-2.1":
-                      "HunyuanImage-2.1", "Lumina": "Lumina"}
+OTHER_FAMILY_TYPES = {"Anima": "Anima", "HunyuanImage-2.1": "HunyuanImage-2.1", "Lumina": "Lumina"}
+# the types the GUI allows with its Flux1 checkbox besides the LyCORIS ones (lora_gui.py: "LoRA type
+# must be set to 'Flux1', 'Flux1 OFT' or 'LyCORIS' if Flux1 checkbox is checked")
+FLUX_TYPES = ("Flux1", "Flux1 OFT")
 
 
 def _lora_network(d: dict) -> tuple[str, str]:
@@ -297,6 +299,9 @@ def _lora_network_by_type(d: dict) -> tuple[str, str]:
             if d[k] is not None and float(d[k]) > 0:
                 args += f" {k}={d[k]}"
         return "networks.lora_flux", args
+    if t == "Flux1 OFT":
+        # lora_gui.py: network_args are the set values of its list, which holds enable_all_linear only
+        return "networks.oft_flux", " enable_all_linear=True" if d.get("enable_all_linear") else ""
     if t in ("Standard", "Kohya LoCon"):
         if t == "Kohya LoCon":
             args += f' conv_dim="{d["conv_dim"]}" conv_alpha="{d["conv_alpha"]}"'

@@ -235,7 +235,7 @@ OPTIONS: tuple[Option, ...] = (
       "dataset"),
     O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
       "with the text encoder(s) once, before training; the text encoders are then not trained "
-      "(LoRA: needs network_train_unet_only).", "dataset", scripts=NOT_TI),
+      "(LoRA: needs network_train_unet_only, except with OFT, which puts no module on them).", "dataset", scripts=NOT_TI),
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),
@@ -310,7 +310,8 @@ OPTIONS: tuple[Option, ...] = (
     # --- network ---
     O("network_module", "str", "networks.lora", "Python module with the kohya network interface "
       "(create_network, create_network_from_weights): networks.lora, sd-scripts' networks.loha, "
-      "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, or lycoris.kohya.", "network",
+      "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, or lycoris.kohya; FLUX.1: "
+      "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya.", "network",
       scripts=LORA),
     O("network_dim", "int", 4, "LoRA rank.", "network", scripts=LORA, min=1),
     O("network_alpha", "float", 1.0, "LoRA alpha; the update is scaled by alpha / rank.", "network",

@@ -193,8 +193,13 @@ def timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: float = 1000
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
-class SelfAttention(nn.Module):
-    """SAI's AttentionLinears: qkv (fused), optional ln_q/ln_k per head, proj (absent if pre-only)."""
+class AttentionLinears(nn.Module):
+    """SAI's AttentionLinears: qkv (fused), optional ln_q/ln_k per head, proj (absent if pre-only).
+
+    The block classes have sd-scripts' names (library/sd3_models.py: AttentionLinears, MLP,
+    SingleDiTBlock, MMDiTBlock, UnPatch): LyCORIS picks the layers it trains by class name
+    (SingleDiTBlock is one of its targets, its lumina "FinalLayer" and "SelfAttention" must not
+    match), so its modules here are the ones it makes on sd-scripts' SD3."""
 
     def __init__(self, dim: int, num_heads: int, qk_norm: str | None, pre_only: bool = False):
         super().__init__()
@@ -224,7 +229,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return out.transpose(1, 2).flatten(2)
 
 
-class Mlp(nn.Module):
+class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
@@ -235,8 +240,9 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class DiTBlock(nn.Module):
-    """One stream of a joint block (SAI's DismantledBlock): adaLN-modulated attention and MLP.
+class SingleDiTBlock(nn.Module):
+    """One stream of a joint block (SAI's DismantledBlock, sd-scripts' SingleDiTBlock): adaLN-modulated
+    attention and MLP.
 
     adaLN_modulation yields (shift, scale, gate) for attention and MLP (6 x hidden); 9 with the
     extra self-attention attn2 (its shift, scale, gate last); 2 (shift, scale) when pre-only."""
@@ -247,12 +253,12 @@ class DiTBlock(nn.Module):
         self.pre_only = pre_only
         self.self_attn = self_attn
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.attn = SelfAttention(dim, num_heads, qk_norm, pre_only=pre_only)
+        self.attn = AttentionLinears(dim, num_heads, qk_norm, pre_only=pre_only)
         if self_attn:
-            self.attn2 = SelfAttention(dim, num_heads, qk_norm)
+            self.attn2 = AttentionLinears(dim, num_heads, qk_norm)
         if not pre_only:
             self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-            self.mlp = Mlp(dim, int(dim * mlp_ratio))
+            self.mlp = MLP(dim, int(dim * mlp_ratio))
         n_mods = 9 if self_attn else (2 if pre_only else 6)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, n_mods * dim))
 
@@ -271,14 +277,14 @@ class DiTBlock(nn.Module):
         return x + gate_mlp.unsqueeze(1) * self.mlp(_modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
-class JointBlock(nn.Module):
+class MMDiTBlock(nn.Module):
     """Joint attention over [context tokens, image tokens]; each stream has its own weights."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qk_norm: str | None,
                  pre_only: bool, self_attn: bool):
         super().__init__()
-        self.context_block = DiTBlock(dim, num_heads, mlp_ratio, qk_norm, pre_only=pre_only)
-        self.x_block = DiTBlock(dim, num_heads, mlp_ratio, qk_norm, self_attn=self_attn)
+        self.context_block = SingleDiTBlock(dim, num_heads, mlp_ratio, qk_norm, pre_only=pre_only)
+        self.x_block = SingleDiTBlock(dim, num_heads, mlp_ratio, qk_norm, self_attn=self_attn)
 
     def forward(self, context: torch.Tensor, x: torch.Tensor, c: torch.Tensor):
         c_qkv, _, c_mods = self.context_block.pre_attention(context, c)
@@ -293,7 +299,7 @@ class JointBlock(nn.Module):
         return self.context_block.post_attention(context, attn[:, :n_ctx], None, c_mods), x
 
 
-class FinalLayer(nn.Module):
+class UnPatch(nn.Module):
     def __init__(self, dim: int, patch_size: int, out_channels: int):
         super().__init__()
         self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -317,10 +323,10 @@ class MMDiT(nn.Module):
         table = sincos_pos_embed(hidden, config.pos_embed_max_size, config.sample_size // p)
         self.register_buffer("pos_embed", table.unsqueeze(0))
         self.joint_blocks = nn.ModuleList(
-            JointBlock(hidden, config.num_heads, config.mlp_ratio, config.qk_norm,
+            MMDiTBlock(hidden, config.num_heads, config.mlp_ratio, config.qk_norm,
                        pre_only=i == config.depth - 1, self_attn=i in config.x_block_self_attn_layers)
             for i in range(config.depth))
-        self.final_layer = FinalLayer(hidden, p, config.in_channels)
+        self.final_layer = UnPatch(hidden, p, config.in_channels)
         self.gradient_checkpointing = False
         # blocks_to_swap: streams host-kept blocks to the device around their use (None: off;
         # library/training/block_swap.py sets it)

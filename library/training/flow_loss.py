@@ -139,10 +139,10 @@ def check_options(opts, method_name: str) -> str | None:
             if name in opts.given and flow_family._is_set(opts, name):
                 raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
         if method_name == "lora":
-            for f, module in network_options.FAMILY_LORA_MODULES.items():
-                if opts.network_module == module.NETWORK_MODULE:
-                    raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the LoRA of "
-                                                      f"{flow_family.NAMES[f]} models; {src} is not one")
+            if opts.network_module in network_options.DIT_NETWORK_MODULES:
+                f, kind, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
+                raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the {kind} of "
+                                                  f"{flow_family.NAMES[f]} models; {src} is not one")
         return None
     what = flow_family.NAMES[fam]
     if method_name not in ("dreambooth", "finetune", "lora"):
@@ -185,18 +185,28 @@ def check_options(opts, method_name: str) -> str | None:
 
 
 def _check_network(opts, fam: str, src: str) -> None:
-    """train_lora on a FLUX.1 / SD3 model: the family's network module (as sd-scripts'
-    flux_train_network.py / sd3_train_network.py need it), and train_t5xxl only where the run
-    trains the text encoders (an SD3 model without T5: networks/lora_sd3.py says so when built)."""
-    what, module = flow_family.NAMES[fam], network_options.FAMILY_LORA_MODULES[fam]
-    if opts.network_module != module.NETWORK_MODULE:
-        raise flow_family.FlowFamilyError(
-            f"network_module {opts.network_module}: not for the {what} model {src}; its LoRA is "
-            f"network_module = \"{module.NETWORK_MODULE}\" (sd-scripts' {fam}_train_network.py needs it too)")
+    """train_lora on a FLUX.1 / SD3 model: a network module that trains its transformer (the
+    family's LoRA, FLUX.1's OFT, LyCORIS, as sd-scripts' flux_train_network.py /
+    sd3_train_network.py train them), and train_t5xxl only where the run trains the text encoders
+    and the module puts modules on T5 (an SD3 model without T5: networks/lora_sd3.py says so when built)."""
+    what, module = flow_family.NAMES[fam], opts.network_module
+    allowed = network_options.FAMILY_NETWORK_MODULES[fam]
+    if module not in allowed and not network_options.is_lycoris(module):
+        choices = " or ".join(f'"{m}"' for m in (*allowed, "lycoris.kohya"))
+        raise flow_family.FlowFamilyError(f"network_module {module}: not for the {what} model {src}: "
+                                          f"{network_options.why_not_for(module, fam)}; {what} trains with "
+                                          f"network_module = {choices}")
     if opts.pivotal_tokens:
         raise flow_family.FlowFamilyError(f"pivotal_tokens: pivotal tuning trains SD / SDXL embeddings; not with the "
                                           f"{what} model {src} (sd-scripts has no {what} textual inversion)")
-    args = module.parse_network_args(dict(opts.network_args or {}))
+    if network_options.is_lycoris(module):
+        t5 = str((opts.network_args or {}).get("train_t5xxl", "")).strip().lower() in ("true", "1", "yes")
+        if t5:
+            raise flow_family.FlowFamilyError(
+                f"network_args: train_t5xxl with {module}: LyCORIS puts no module on T5 (its text-encoder targets "
+                "are CLIP's and mT5's layer classes), so T5 would not train; drop train_t5xxl")
+        return
+    args = network_options.DIT_NETWORK_MODULES[module][2].parse_network_args(dict(opts.network_args or {}))
     if args.get("train_t5xxl"):
         if opts.network_train_unet_only:
             raise flow_family.FlowFamilyError("network_args: train_t5xxl trains a LoRA on T5, a text encoder; "

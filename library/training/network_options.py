@@ -12,12 +12,22 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 
 from library.errors import UserError
-from networks import lora, lora_flux, lora_sd3
+from library.models import flow_family
+from networks import lora, lora_flux, lora_sd3, oft_flux
 from networks.merge_lora import merge_lora_into
 
-# train_lora's network_module of a FLUX.1 / SD3 model (sd-scripts' flux_train_network.py /
-# sd3_train_network.py need the same one): it also reads their base_weights
+# the LoRA of a FLUX.1 / SD3 model (sd-scripts' networks/lora_flux.py / lora_sd3.py): it also
+# reads their base_weights
 FAMILY_LORA_MODULES = {"flux": lora_flux, "sd3": lora_sd3}
+# sd-scripts' network modules of the FLUX.1 / SD3 transformers: name -> (family, kind, module);
+# LyCORIS (lycoris.kohya) trains both families too (its targets include their block classes)
+DIT_NETWORK_MODULES = {"networks.lora_flux": ("flux", "LoRA", lora_flux), "networks.oft_flux": ("flux", "OFT", oft_flux),
+                       "networks.lora_sd3": ("sd3", "LoRA", lora_sd3)}
+FAMILY_NETWORK_MODULES = {fam: tuple(name for name, (f, _, _) in DIT_NETWORK_MODULES.items() if f == fam)
+                          for fam in flow_family.FLOW_FAMILIES}
+# sd-scripts' network modules of SD: they target the SD U-Net's block classes
+SD_NETWORK_MODULES = ("networks.lora", "networks.loha", "networks.lokr", "networks.dylora", "networks.lora_fa",
+                      "networks.oft")
 
 
 class NetworkOptionError(UserError, ValueError):
@@ -33,6 +43,23 @@ LYCORIS_UNSUPPORTED = {
     "full": ("LyCORIS/Native Fine-Tuning", "has a FullModule that removes the layer's weight and then calls the "
                                            "layer's own forward, which reads it (4.x stops on diffusers U-Nets)"),
 }
+
+
+def is_lycoris(network_module: str) -> bool:
+    return network_module.split(".")[0] == "lycoris"
+
+
+def why_not_for(network_module: str, fam: str) -> str:
+    """Why ``network_module`` does not train a ``fam`` ("flux" / "sd3") transformer here (a true
+    statement about what it would do)."""
+    if network_module in DIT_NETWORK_MODULES:
+        f, kind, _ = DIT_NETWORK_MODULES[network_module]
+        return f"it is the {kind} of {flow_family.NAMES[f]} models, whose layer names it targets"
+    if network_module in SD_NETWORK_MODULES:
+        return ("it puts its modules in the SD U-Net's block classes (Transformer2DModel, ResnetBlock2D, ...), "
+                f"which the {flow_family.NAMES[fam]} transformer does not have (sd-scripts would train none of the "
+                "transformer's layers with it)")
+    return "this toolkit runs only sd-scripts' and LyCORIS' network modules of these transformers"
 
 
 def check_lycoris_algo(network_module: str, network_args: dict) -> None:
@@ -85,17 +112,20 @@ def merge_base_weights(bundle, opts, log) -> None:
 
     for path, m in zip(opts.base_weights, base_multipliers(opts)):
         try:
-            n = _merge(bundle, lora.load_state_dict_file(path), m)
+            n = _merge(bundle, lora.load_state_dict_file(path), m, opts.network_module)
         except lora.LoRAError as e:
             raise NetworkOptionError(f"base_weights: {path}: {e}") from None
         log.info(f"base_weights: merged {path} (multiplier {m}): {n} modules")
 
 
-def _merge(bundle, weights_sd: dict, multiplier: float) -> int:
-    """One base_weights file into the model: a FLUX.1 / SD3 LoRA through its family's module (as
-    sd-scripts' train_network.py merges with network_module's create_network_from_weights), any
-    SD adapter file through merge_lora. Returns the number of modules merged."""
+def _merge(bundle, weights_sd: dict, multiplier: float, network_module: str) -> int:
+    """One base_weights file into the model: on FLUX.1 / SD3 through the run's network module when
+    it is sd-scripts' one of the family (networks.oft_flux: an OFT file), else the family's LoRA
+    (as sd-scripts' train_network.py merges with network_module's create_network_from_weights);
+    any SD adapter file through merge_lora. Returns the number of modules merged."""
     module = FAMILY_LORA_MODULES.get(bundle.family)
+    if network_module in FAMILY_NETWORK_MODULES.get(bundle.family, ()):
+        module = DIT_NETWORK_MODULES[network_module][2]
     if module is None:
         return merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, multiplier)
     network, _ = module.create_network_from_weights(multiplier, None, None, bundle.text_encoders, bundle.unet,

@@ -27,9 +27,7 @@ def plan_run(opts, processes: int):
     if resolved:
         opts = opts.replace(**resolved)
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        if opts.script == "train_lora" and not opts.network_train_unet_only:
-            raise UserError("cache_text_encoder_outputs: the LoRA would train the text encoder "
-                            "too; add network_train_unet_only (as sd-scripts requires)")
+        # train_lora: the network method says it (library/training/methods.py), knowing its module
         if opts.script != "train_lora" and opts.train_text_encoder:
             raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
                             "a trained text encoder's outputs change every step")

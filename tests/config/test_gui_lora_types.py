@@ -1,6 +1,6 @@
-"""Every LoRA_type of the kohya_ss GUI's dropdown (lora_gui.py) for SD1/SD2/SDXL, converted with
-the GUI's own mapping (tests/kohya_gui_configs.py), trains two steps on the tiny model or stops
-with one line that says why; the file it writes has the kind's keys (docs/KOHYA_GUI.md, table
+"""Every LoRA_type of the kohya_ss GUI's dropdown (lora_gui.py) for SD1/SD2/SDXL and FLUX.1,
+converted with the GUI's own mapping (tests/kohya_gui_configs.py), trains two steps on the tiny
+model or stops with one line that says why; the file it writes has the kind's keys (docs/KOHYA_GUI.md, table
 "LoRA types")."""
 import os
 
@@ -33,14 +33,26 @@ SD_TYPES = {
 }
 
 
+# the types the GUI allows with its Flux1 checkbox (gui.FLUX_TYPES and the LyCORIS ones), on tiny-flux
+FLUX_CASES = {
+    "Flux1": ({}, ".lora_down.weight"),
+    "Flux1 OFT": ({"network_dim": 4, "network_alpha": 1e-3}, ".oft_blocks.0"),
+    "Flux1 OFT, enable_all_linear": ({"network_dim": 4, "network_alpha": 1e-3, "enable_all_linear": True},
+                                     "single_blocks_1_linear1.oft_blocks.3"),
+    "LyCORIS/LoKr": ({"factor": 4}, "double_blocks_0_img_attn_qkv.lokr_w1"),
+}
+
+
 def test_every_dropdown_type_is_covered():
-    assert {c.split(",")[0] for c in SD_TYPES} | set(gui.OTHER_FAMILY_TYPES) == set(gui.LORA_TYPES)
+    assert {c.split(",")[0] for c in SD_TYPES} | set(gui.OTHER_FAMILY_TYPES) | set(gui.FLUX_TYPES) == \
+        set(gui.LORA_TYPES)
+    assert set(gui.FLUX_TYPES) <= {c.split(",")[0] for c in FLUX_CASES}
     assert "Kohya DyLoRA" in SD_TYPES and len(gui.LORA_TYPES) == 20
 
 
 def _run(lora_type, fam, extra, tmp_path, dataset, run_script):
-    preset = {"LoRA_type": lora_type, "sdxl": fam == "sdxl", "mixed_precision": "no", "network_dim": 8,
-              "network_alpha": 4, **extra}
+    preset = {"LoRA_type": lora_type, "sdxl": fam == "sdxl", "flux1_checkbox": fam == "flux", "mixed_precision": "no",
+              "network_dim": 8, "network_alpha": 4, **extra}
     cfg = gui.gui_toml(preset, "lora", model=gui.tiny_model(fam), data_dir=dataset,
                        output_dir=str(tmp_path / "out"))
     cfg["xformers"] = False
@@ -65,3 +77,19 @@ def test_gui_lora_type_trains_two_steps_or_stops_with_one_line(case, tmp_path, d
         meta = f.metadata()
     assert any(k.endswith(expected) for k in keys), sorted(keys)[:5]
     assert meta["ss_network_module"] == cfg["network_module"]
+
+
+@pytest.mark.parametrize("case", sorted(FLUX_CASES))
+def test_gui_flux_lora_type_trains_two_steps(case, tmp_path, dataset, run_script):
+    """With the Flux1 checkbox: Flux1 (networks.lora_flux), Flux1 OFT (networks.oft_flux, sd-scripts'
+    keys oft_unet_*.oft_blocks.<part>) and a LyCORIS type train two steps on tiny-flux."""
+    extra, expected = FLUX_CASES[case]
+    cfg, (rc, out, err) = _run(case.split(",")[0], "flux", extra, tmp_path, dataset, run_script)
+    assert rc == 0, err[-2000:]
+    assert "done: steps 2" in out + err
+    files = [f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]
+    with safe_open(str(tmp_path / "out" / files[0]), "pt") as f:
+        keys = list(f.keys())
+        meta = f.metadata()
+    assert any(k.endswith(expected) for k in keys), sorted(keys)[:5]
+    assert meta["ss_network_module"] == cfg["network_module"] and meta["ss_base_model_version"] == "flux1"

@@ -213,15 +213,20 @@ def test_sd3_lora_trains_and_the_clients_patch_is_the_trained_model(dataset, tmp
     assert float((got - want).norm()) < 1e-3 * change  # float32 against float64: the same model
 
 
-@pytest.mark.parametrize("model, module, probe", [
-    ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"),
-    ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight"),
-], ids=["flux", "sd3"])
-def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe):
+@pytest.mark.parametrize("model, module, probe, extra", [
+    ("tiny-flux", "networks.lora_flux", "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight", []),
+    ("tiny-sd3", "networks.lora_sd3", "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight", []),
+    ("tiny-flux", "lycoris.kohya", "lora_unet_double_blocks_0_img_attn_qkv.lokr_w1",
+     ["--network_args", "algo=lokr", "factor=4"]),
+    ("tiny-sd3", "lycoris.kohya", "lora_unet_joint_blocks_0_x_block_attn_qkv.hada_w1_a", ["--network_args", "algo=loha"]),
+], ids=["flux", "sd3", "flux-lycoris-lokr", "sd3-lycoris-loha"])
+def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, module, probe, extra):
     """Stopped at step 2 of 4 (mid-epoch: 4 samples, batch 1) with its state, resumed in another
     folder: the final file (CLIP-L (and SD3's CLIP-G) and transformer LoRA, AdamW state) equals
-    the uninterrupted run's, one thread (conftest)."""
-    args = ["--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state"]
+    the uninterrupted run's, one thread (conftest). LyCORIS' file has the names LyCORIS makes on
+    sd-scripts' FLUX.1 / SD3 (tests/networks/test_lycoris_dit.py): the blocks' Linear layers and
+    CLIP-L's (and CLIP-G's)."""
+    args = ["--max_train_steps", "4", "--save_every_n_steps", "2", "--save_state", *extra]
     whole = str(tmp_path / "whole")
     rc, _, err, u = train("train_lora", lora_args(model, module, dataset, whole, *args))
     assert rc == 0, err
@@ -237,18 +242,50 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
         assert torch.equal(a[k], b[k]), k
     mid = load_file(os.path.join(whole, "last-step00000002.safetensors"))
     assert not torch.equal(mid[probe], a[probe])
+    if module == "lycoris.kohya":  # LyCORIS puts no module on T5: it alone runs in eval mode
+        tes = u.parts.bundle.text_encoders
+        assert [id(t) for t in u.parts.method._untouched_text_encoders()] == [id(tes[-1])]
+        assert type(tes[-1]).__name__ == "T5EncoderModel"
+    if module == "lycoris.kohya" and model == "tiny-flux":
+        parts = tiny_flux.build_tiny_flux("dev")
+        assert {k.split(".")[0] for k in a} == _block_and_clip_names(parts["transformer"], parts["clip_l"])
+    elif module == "lycoris.kohya":
+        parts = sd3_builtins.build_builtin("tiny-sd3")
+        table = comfy_dit_shapes(parts["mmdit"], clip_l=parts["clip_l"], clip_g=parts["clip_g"])
+        expected = {n for n in table if n.startswith(("lora_unet_joint_blocks_", "lora_te1_", "lora_te2_"))
+                    and not n.endswith("_ln_q") and not n.endswith("_ln_k")}
+        assert {k.split(".")[0] for k in a} == expected
 
 
 @pytest.mark.parametrize("model, extra, message", [
     ("tiny-flux", ["--network_module", "networks.lora_sd3"],
-     'network_module networks.lora_sd3: not for the FLUX.1 model tiny-flux; its LoRA is network_module = '
-     '"networks.lora_flux"'),
-    ("tiny-flux", ["--network_module", "networks.lora"], 'its LoRA is network_module = "networks.lora_flux"'),
-    ("tiny-flux", ["--network_module", "networks.oft_flux"], "network_module networks.oft_flux: not for the FLUX.1"),
-    ("tiny-sd3", ["--network_module", "networks.lora_flux"],
-     'not for the SD3 model tiny-sd3; its LoRA is network_module = "networks.lora_sd3"'),
+     'network_module networks.lora_sd3: not for the FLUX.1 model tiny-flux: it is the LoRA of SD3 models, whose '
+     'layer names it targets; FLUX.1 trains with network_module = "networks.lora_flux" or "networks.oft_flux" or '
+     '"lycoris.kohya"'),
+    ("tiny-flux", ["--network_module", "networks.lora"],
+     "network_module networks.lora: not for the FLUX.1 model tiny-flux: it puts its modules in the SD U-Net's "
+     "block classes (Transformer2DModel, ResnetBlock2D, ...), which the FLUX.1 transformer does not have "
+     "(sd-scripts would train none of the transformer's layers with it)"),
+    ("tiny-sd3", ["--network_module", "networks.oft_flux"],
+     'network_module networks.oft_flux: not for the SD3 model tiny-sd3: it is the OFT of FLUX.1 models, whose '
+     'layer names it targets; SD3 trains with network_module = "networks.lora_sd3" or "lycoris.kohya"'),
+    ("tiny-sd3", ["--network_module", "my_networks.custom"],
+     "this toolkit runs only sd-scripts' and LyCORIS' network modules of these transformers"),
+    ("tiny-sd3", ["--network_module", "networks.lora_flux"], "it is the LoRA of FLUX.1 models"),
     ("tiny-sd15", ["--network_module", "networks.lora_flux"],
      "network_module networks.lora_flux: the LoRA of FLUX.1 models; tiny-sd15 is not one"),
+    ("tiny-sd15", ["--network_module", "networks.oft_flux"],
+     "network_module networks.oft_flux: the OFT of FLUX.1 models; tiny-sd15 is not one"),
+    ("tiny-flux", ["--network_module", "lycoris.kohya", "--network_args", "algo=lokr", "train_t5xxl=True"],
+     "network_args: train_t5xxl with lycoris.kohya: LyCORIS puts no module on T5"),
+    ("tiny-flux", ["--network_module", "networks.oft_flux", "--network_args", "enable_all_linear=maybe"],
+     "enable_all_linear='maybe' for networks.oft_flux is not true or false"),
+    ("tiny-flux", ["--network_module", "networks.oft_flux", "--network_args", "train_blocks=single"],
+     "unknown key 'train_blocks' for networks.oft_flux"),
+    ("tiny-flux", ["--network_module", "networks.lora_flux", "--cache_text_encoder_outputs"],
+     "cache_text_encoder_outputs: the network trains the text encoders too, so their outputs change every step; "
+     "add network_train_unet_only (sd-scripts' SDXL trainer requires it; its FLUX.1 / SD3 trainers then cache T5 "
+     "alone, which is not built here)"),
     ("tiny-flux", ["--network_module", "networks.lora_flux", "--network_train_unet_only", "--network_args",
                    "train_t5xxl=True"], "train_t5xxl trains a LoRA on T5, a text encoder; network_train_unet_only"),
     ("tiny-sd3", ["--network_module", "networks.lora_sd3", "--network_train_unet_only", "--network_args",
@@ -356,3 +393,38 @@ def test_flux_base_weights_are_merged_as_the_clients_patch(dataset, tmp_path, tr
                             lambda p: p if p.startswith("text_model.") else "text_model." + p)
     for k, v in te_expected.items():
         torch.testing.assert_close(te[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, train):
+    """base_weights with a networks.oft_flux file while training networks.oft_flux (sd-scripts
+    merges through the run's network module): each layer's weight is the file's rotation (per
+    part, multiplier 0.5: R = 0.5 (R - I) + I), against the float64 computation. The OFT network
+    puts no module on a text encoder, so without network_train_unet_only they stay frozen and
+    their outputs may be cached."""
+    from tests.networks import test_oft_flux
+
+    flux = tiny_flux.build_tiny_flux("dev")["transformer"]
+    layers = test_oft_flux._expected(flux, True)
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for name, split in layers.items():
+        for i, width in enumerate(split):
+            sd[f"{name}.oft_blocks.{i}"] = torch.randn(4, width // 4, width // 4, generator=g) * 0.05
+        sd[name + ".alpha"] = torch.tensor(0.5)
+    base = str(tmp_path / "oft_base.safetensors")
+    save_file(sd, base)
+    rc, _, err, run = train("train_lora", lora_args(
+        "tiny-flux", "networks.oft_flux", dataset, str(tmp_path / "out"), "--max_train_steps", "1",
+        "--base_weights", base, "--base_weights_multiplier", "0.5", "--cache_text_encoder_outputs"))
+    assert rc == 0, err
+    assert run.parts.method.train_text_encoder is False
+    assert not any(p.requires_grad for te in run.parts.bundle.text_encoders for p in te.parameters())
+    merged, before = run.parts.bundle.unet.state_dict(), flux.state_dict()
+    for name, split in layers.items():
+        key = name[len("oft_unet_"):]
+        path = next(k for k in before if k.replace(".", "_") == key + "_weight")
+        w, b = before[path], before[path[:-len("weight")] + "bias"]
+        _, want = test_oft_flux._reference(w, b, [sd[f"{name}.oft_blocks.{i}"] for i in range(len(split))], 0.5, 0.5, split,
+                             torch.zeros(1, w.shape[1]))
+        torch.testing.assert_close(merged[path].double(), want, rtol=1e-5, atol=1e-6, msg=path)
+        assert not torch.allclose(want, w.double(), atol=1e-4)
