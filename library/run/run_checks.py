@@ -5,7 +5,7 @@ from __future__ import annotations
 from library.distributed import accelerator, ddp, deepspeed_zero, fsdp
 from library.models import family, inpainting, placement
 from library.outputs import metadata, tracking
-from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite
+from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite, partial_text_cache
 from library.training.compile_unet import check_options as check_compile
 from library.training.losses import check_options as check_loss_options
 from library.training.methods import make_method
@@ -16,7 +16,8 @@ from library.training.stepper import check_stepper_options
 def check_before_loading(opts, method_name: str, plan) -> None:
     """Checks that need imports but no weights: optimizer, scheduler, network module, and the
     combinations of every module's options."""
-    flow_loss.check_options(opts, method_name)  # FLUX.1 / SD3 options, or none with an SD model
+    fam = flow_loss.check_options(opts, method_name)  # FLUX.1 / SD3 options, or none with an SD model
+    partial_text_cache.check_options(opts, method_name, fam)  # the text-encoder cache and trained encoders
     check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                     learning_rate=opts.learning_rate)
     check_scheduler(opts, warmup_steps=plan.warmup_steps,

@@ -7,7 +7,6 @@ import dataclasses
 
 from library.data import step_plan
 from library.data.training_data import build_training_set
-from library.errors import UserError
 from library.log import logger
 
 
@@ -26,13 +25,6 @@ def plan_run(opts, processes: int):
         resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
     if resolved:
         opts = opts.replace(**resolved)
-    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        if opts.script == "train_lora" and not opts.network_train_unet_only:
-            raise UserError("cache_text_encoder_outputs: the LoRA would train the text encoder "
-                            "too; add network_train_unet_only (as sd-scripts requires)")
-        if opts.script != "train_lora" and opts.train_text_encoder:
-            raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
-                            "a trained text encoder's outputs change every step")
     plan = plan_for(opts, tset, processes)
     tset = dataclasses.replace(tset, total_steps=plan.total_steps)  # token_warmup_step's fraction
     return opts, tset, plan
