@@ -234,8 +234,10 @@ OPTIONS: tuple[Option, ...] = (
     O("cache_dir", "path", None, "Folder for the disk caches; unset = <image folder>/.sdcache.",
       "dataset"),
     O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
-      "with the text encoder(s) once, before training; the text encoders are then not trained "
-      "(LoRA: needs network_train_unet_only).", "dataset", scripts=NOT_TI),
+      "with the text encoder(s) once, before training; SD/SDXL: the text encoders are then not trained "
+      "(LoRA: needs network_train_unet_only). FLUX.1 / SD3 with trained CLIP encoders: only the "
+      "frozen T5's outputs are cached and CLIP runs every step (sd-scripts' partial cache; not with "
+      "train_t5xxl).", "dataset", scripts=NOT_TI),
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),

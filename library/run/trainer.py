@@ -242,7 +242,9 @@ class Run:
             setup.validation.encode_held_out(b.vae, acc.device, setup.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
-        released = offload.release_after_caching(opts, acc.device, b, setup.method, caches, logger)
+        released = offload.release_after_caching(
+            opts, acc.device, b, setup.method, caches, logger,
+            partial_encoders=setup.family_model.partial_cache_encoders if partial else ())
         self.closing.append(released)  # spill files of released parts
         return Cached(caches=caches, frozen=released)
 

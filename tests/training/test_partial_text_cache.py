@@ -99,6 +99,12 @@ def test_partial_cache_trains_as_uncached_without_running_t5(case, dataset, tmp_
     assert plain.parts.caches.text is None
     assert part.parts.caches.text is not None and part.parts.caches.text_partial
     assert "the cache holds the frozen T5-XXL's outputs" in log
+    # T5 left memory after caching (CPU: freed; nothing needs it later), as the dry run's
+    # memory estimate says (the same rule: library/training/offload.py released_after_caching)
+    assert next(part.parts.bundle.text_encoders[-1].parameters()).device.type == "meta"
+    assert next(part.parts.bundle.text_encoders[0].parameters()).device.type == "cpu"
+    t5_lines = _estimate_t5_lines(case, dataset, str(tmp_path / "dry"), *disk)
+    assert t5_lines and all(not line.resident and "released" in line.note for line in t5_lines)
     clips = plain_calls[0]["clip"]  # CLIP-L; SD3: CLIP-L and CLIP-G (their inner modules counted too)
     assert clips > 0 and plain_calls == [{"t5": 1, "clip": clips}] * 2  # the spies see the uncached T5
     assert part_calls == [{"t5": 0, "clip": clips}] * 2  # T5 never runs; the CLIP encoders every step
@@ -141,6 +147,18 @@ def test_partial_cache_trains_as_uncached_without_running_t5(case, dataset, tmp_
     assert again_calls == part_calls
     c = _weights(again, case)
     assert all(torch.equal(b[k], c[k]) for k in b)
+
+
+def _estimate_t5_lines(case, data, out, *extra):
+    """The memory estimate's parameter lines of T5 for the case's options."""
+    from library.config.options import METHOD_OF_SCRIPT
+    from library.config.parse import parse_args
+    from library.training import memory_estimate
+
+    script, args = CASES[case]
+    opts = parse_args(script, [*args, "--train_data_dir", data, "--output_dir", out, *COMMON, *extra, "--dry_run"])
+    t5 = "text_encoder_2" if case.startswith("flux") else "text_encoder_3"
+    return [line for line in memory_estimate.estimate(opts, METHOD_OF_SCRIPT[script]).params if line.component == t5]
 
 
 def _dropout_acted(run, case):
@@ -254,3 +272,44 @@ def test_a_network_file_with_t5_modules_refuses_the_cache_at_set_up():
     assert partial_text_cache.trained_text_encoders(method, [clip, t5]) == [True, False]
     method.train_text_encoder = False  # nothing trains: a full cache
     assert not partial_text_cache.is_partial(method, [clip, t5], fm)
+
+
+def test_t5_leaves_memory_and_comes_back_for_samples_and_the_save(train, tmp_path):
+    """After a partial cache T5 leaves memory (the CPU: freed, spilled for later uses; CUDA: to
+    the CPU, as sd-scripts), and comes back for sample images and the full model's save: an SD3
+    fine-tune with samples and validation writes the same file, samples and validation losses as
+    with highvram (T5 kept), and the file holds T5 as built."""
+    from library.models import sd3_builtins, sd3_checkpoint
+    from tools.make_sample_dataset import make_sample_dataset
+
+    data = str(tmp_path / "data")
+    make_sample_dataset(data, n_images=3, size=64, repeats=1)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square --d 5 --s 2 --w 64 --h 64\n")
+    runs = {}
+    for name, extra in (("released", []), ("kept", ["--highvram"])):
+        script, args = CASES["sd3-finetune"]
+        rc, out, err, run = train(script, [*args, "--train_data_dir", data, "--output_dir", str(tmp_path / name),
+                                           *COMMON, "--train_batch_size", "1", "--cache_text_encoder_outputs",
+                                           "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
+                                           "--validation_split", "0.34", "--validate_every_n_steps", "2", *extra])
+        assert rc == 0, err[-3000:]
+        runs[name] = (out + err, run)
+    log, r = runs["released"]
+    assert r.parts.caches.text_partial
+    assert "after caching: VAE (" in log and "T5-XXL (" in log and "freed (kept in a spill file" in log
+    assert next(r.parts.bundle.text_encoders[2].parameters()).device.type == "meta"
+    assert next(r.parts.bundle.text_encoders[0].parameters()).device.type == "cpu"  # CLIP-L trains
+    klog, k = runs["kept"]
+    assert "after caching" not in klog and next(k.parts.bundle.text_encoders[2].parameters()).device.type == "cpu"
+    a, _ = read(str(tmp_path / "released" / "last.safetensors"))
+    b, _ = read(str(tmp_path / "kept" / "last.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    built = sd3_builtins.build_builtin("tiny-sd3")["t5xxl"].state_dict()
+    for key, v in built.items():
+        assert torch.equal(a[sd3_checkpoint.TE_PREFIX["t5xxl"] + key], v), key
+    samples = sorted(os.listdir(tmp_path / "released" / "sample"))
+    assert samples and samples == sorted(os.listdir(tmp_path / "kept" / "sample"))
+    for f in samples:
+        assert (tmp_path / "released" / "sample" / f).read_bytes() == (tmp_path / "kept" / "sample" / f).read_bytes()
+    assert r.progress.val_log and r.progress.val_log == k.progress.val_log
