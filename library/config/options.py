@@ -565,6 +565,10 @@ OPTIONS: tuple[Option, ...] = (
     O("train_t5xxl", "bool", False, "SD3 with train_text_encoder: also train T5-XXL, at "
       "learning_rate_te3 (sd-scripts' sd3_train.py). A FLUX.1 / SD3 LoRA takes it in network_args.",
       "training", scripts=FULL),
+    O("use_t5xxl_cache_only", "bool", False, "SD3 (sd-scripts' sd3_train.py): cache only T5-XXL's "
+      "outputs; CLIP-L and CLIP-G run every step (with gradients under train_text_encoder). Implies "
+      "cache_text_encoder_outputs; not with train_t5xxl. train_text_encoder with "
+      "cache_text_encoder_outputs caches T5's outputs alone without it.", "training", scripts=FULL),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
       "Unset = for the whole run.", "training", scripts=FULL, min=1),

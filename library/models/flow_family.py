@@ -44,7 +44,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
-                "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap")
+                "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
+                "use_t5xxl_cache_only")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -75,6 +76,8 @@ UNSUPPORTED_BY_FAMILY = {
              "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
              "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
                                   "transformer alone)",
+             "use_t5xxl_cache_only": "SD3's sd3_train.py option (flux_train.py trains the transformer alone; "
+                                     "a FLUX.1 LoRA training CLIP-L caches T5's outputs alone)",
              **{name: "SD3's position-embedding table; FLUX.1 has rotary positions"
                 for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")}},
     "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",

@@ -233,7 +233,8 @@ class Run:
             latents, latent_key = cache_stage.latents(opts, self.tset, acc, b)
         if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
             # FLUX.1 / SD3 with trained CLIP encoders: T5's part only (library/training/partial_text_cache.py)
-            partial = partial_text_cache.is_partial(setup.method, b.text_encoders, setup.family_model, logger)
+            partial = partial_text_cache.is_partial(setup.method, b.text_encoders, setup.family_model, logger,
+                                                    t5_only=opts.use_t5xxl_cache_only)
             text = cache_stage.text(opts, self.tset, acc, b, setup.family_model, setup.placement,
                                     frozen_only=partial)
         caches = Caches(latents=latents, latent_key=latent_key, text=text, text_partial=partial)

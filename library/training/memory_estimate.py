@@ -746,7 +746,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     # the parts the run releases after caching, by the run's own rule (library/training/offload.py)
 
     # FLUX.1 / SD3 with trained CLIP encoders: a partial cache, T5 released (partial_text_cache.py)
-    partial_text = cached_text and method.train_text_encoder and family in ("flux", "sd3")
+    partial_text = (cached_text and (method.train_text_encoder or opts.use_t5xxl_cache_only)
+                    and family in ("flux", "sd3"))
     t5_name = {"flux": "text_encoder_2", "sd3": "text_encoder_3"}.get(family)
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,

@@ -230,10 +230,10 @@ def released_after_caching(*, latents_cached: bool, text_cached: bool,
     if highvram:
         return ()
     out = ("vae",) if latents_cached else ()
-    if text_cached and not text_encoders_trained:
-        out += ("text_encoders",)
-    elif text_cached and partial_text:
+    if text_cached and partial_text:  # the CLIP encoders run every step
         out += ("cached_text_encoders",)
+    elif text_cached and not text_encoders_trained:
+        out += ("text_encoders",)
     return out
 
 

@@ -10,7 +10,9 @@ text encoders train, as sd-scripts decides it.
   and the CLIP encoders run at every step on the same captions, with gradients
   (library/data/text_cache.py ``batch``). T5 (4.7 B parameters in FLUX.1 / SD3) then never runs
   during training. sd3_train.py asks for ``use_t5xxl_cache_only`` to cache T5 beside trained
-  CLIP encoders; the combination has that one meaning, so here it needs no extra option.
+  CLIP encoders; the combination has that one meaning, so here it needs no extra option. Given,
+  ``use_t5xxl_cache_only`` (SD3 fine-tune) implies the cache (library/training/plan.py) and makes
+  it partial even when the CLIP encoders are frozen (they then run without gradients), as there.
 - T5 trained (``train_t5xxl``, ``network_args`` ``train_t5xxl``, or a ``network_weights`` file
   with T5 modules read with ``dim_from_weights``): refused, as sd-scripts refuses it.
 
@@ -52,7 +54,8 @@ def check_options(opts, method_name: str, family: str | None) -> None:
         elif method_name != "lora" and opts.train_text_encoder and opts.train_t5xxl:
             how = "train_t5xxl"
         if how:
-            raise TextCacheError(f"cache_text_encoder_outputs cannot be combined with {how}: T5-XXL's "
+            cache = "use_t5xxl_cache_only" if opts.use_t5xxl_cache_only else "cache_text_encoder_outputs"
+            raise TextCacheError(f"{cache} cannot be combined with {how}: T5-XXL's "
                                  "outputs change every step (sd-scripts refuses it too); trained CLIP "
                                  "encoders alone keep the cache of T5's outputs")
         return
@@ -81,13 +84,14 @@ def trained_text_encoders(method, text_encoders) -> list[bool]:
     return out
 
 
-def is_partial(method, text_encoders, family_model, log: logging.Logger = logger) -> bool:
+def is_partial(method, text_encoders, family_model, log: logging.Logger = logger,
+               t5_only: bool = False) -> bool:
     """At the cache stage (the method set up): True when the cache holds the frozen encoders'
     part only (family_model.partial_cache_encoders) and the trained ones run at each step; False
-    for a full cache (no encoder trains). A trained encoder whose outputs the cache would hold
-    is refused in one line."""
+    for a full cache (no encoder trains, ``t5_only`` (use_t5xxl_cache_only) off). A trained
+    encoder whose outputs the cache would hold is refused in one line."""
     trained = trained_text_encoders(method, text_encoders)
-    if not any(trained):
+    if not any(trained) and not t5_only:
         return False
     held = [i for i in family_model.partial_cache_encoders if i < len(trained)]
     family = family_model.family
@@ -101,8 +105,10 @@ def is_partial(method, text_encoders, family_model, log: logging.Logger = logger
                              "network_weights file holds T5 modules, sd-scripts' train_t5xxl): its outputs "
                              "change every step; drop the cache")
     now = [n for n, t in zip(names, trained) if t]
+    why = (f"cache_text_encoder_outputs with {NAMES[family]}'s {' and '.join(now)} training" if now
+           else "use_t5xxl_cache_only")
     frozen = " and ".join(f"the frozen {names[i]}'s outputs" for i in held) or \
         "the zero tokens in T5-XXL's place (the model has none)"
-    log.info(f"cache_text_encoder_outputs with {NAMES[family]}'s {' and '.join(now)} training: the cache "
-             f"holds {frozen}; the CLIP encoder(s) run at every step (sd-scripts' partial cache)")
+    log.info(f"{why}: the cache holds {frozen}; the CLIP encoder(s) run at every step (sd-scripts' "
+             "partial cache)")
     return True

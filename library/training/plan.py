@@ -23,6 +23,9 @@ def plan_run(opts, processes: int):
         resolved["train_batch_size"] = tset.batch_size
     if opts.resolution is None:
         resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
+    if opts.use_t5xxl_cache_only and not opts.cache_text_encoder_outputs:  # as sd-scripts' sd3_train.py
+        logger.warning("use_t5xxl_cache_only is enabled, so cache_text_encoder_outputs is also enabled")
+        resolved["cache_text_encoder_outputs"] = True
     if resolved:
         opts = opts.replace(**resolved)
     plan = plan_for(opts, tset, processes)

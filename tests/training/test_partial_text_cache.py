@@ -237,6 +237,11 @@ def test_the_partial_key_names_what_is_cached_and_not_the_trained_encoders(tmp_p
      "cache_text_encoder_outputs cannot be combined with network_args train_t5xxl: T5-XXL's outputs change"),
     ("finetune", ["--pretrained_model_name_or_path", "tiny-sd3", "--train_text_encoder", "--train_t5xxl"],
      "cache_text_encoder_outputs cannot be combined with train_t5xxl: T5-XXL's outputs change"),
+    ("finetune", ["--pretrained_model_name_or_path", "tiny-sd3", "--train_text_encoder", "--train_t5xxl",
+                  "--use_t5xxl_cache_only"],
+     "use_t5xxl_cache_only cannot be combined with train_t5xxl: T5-XXL's outputs change"),
+    ("finetune", ["--pretrained_model_name_or_path", "tiny-flux", "--use_t5xxl_cache_only"],
+     "use_t5xxl_cache_only: not with the FLUX.1 model tiny-flux: SD3's sd3_train.py option"),
     ("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15", "--network_module", "networks.lora"],
      "cache_text_encoder_outputs: the LoRA would train the text encoder too; add network_train_unet_only"),
 ])
@@ -246,7 +251,7 @@ def test_a_trained_t5_or_an_sd_text_encoder_refuses_the_cache_in_one_line(script
                                        "--resolution", "64", "--max_train_steps", "1",
                                        "--cache_text_encoder_outputs"])
     assert rc == 2
-    lines = [line for line in (out + err).splitlines() if "cache_text_encoder_outputs" in line]
+    lines = [line for line in (out + err).splitlines() if message.split(":")[0].split()[0] in line]
     assert len(lines) == 1 and message in lines[0], out + err
     assert "Traceback" not in out + err
 
@@ -313,3 +318,31 @@ def test_t5_leaves_memory_and_comes_back_for_samples_and_the_save(train, tmp_pat
     for f in samples:
         assert (tmp_path / "released" / "sample" / f).read_bytes() == (tmp_path / "kept" / "sample" / f).read_bytes()
     assert r.progress.val_log and r.progress.val_log == k.progress.val_log
+
+
+def test_use_t5xxl_cache_only_implies_a_partial_cache_even_with_frozen_clip(dataset, tmp_path, train, monkeypatch):
+    """sd-scripts' sd3_train.py use_t5xxl_cache_only: it turns the cache on, and the cache holds
+    T5's outputs alone, also when CLIP-L / CLIP-G are frozen (they then run every step without
+    gradients): the MMDiT trains as with a full cache."""
+    calls = Calls(monkeypatch)
+    mmdit_only = ["--pretrained_model_name_or_path", "tiny-sd3", "--learning_rate", "1e-3"]
+    monkeypatch.setitem(CASES, "sd3-mmdit", ("finetune", mmdit_only))
+    full, _, full_calls = _run(train, calls, "sd3-mmdit", dataset, str(tmp_path / "full"),
+                               "--cache_text_encoder_outputs")
+    only, log, only_calls = _run(train, calls, "sd3-mmdit", dataset, str(tmp_path / "only"),
+                                 "--use_t5xxl_cache_only")
+    assert not full.parts.caches.text_partial and full_calls == [{"t5": 0, "clip": 0}] * 2
+    assert "use_t5xxl_cache_only is enabled, so cache_text_encoder_outputs is also enabled" in log
+    assert "use_t5xxl_cache_only: the cache holds the frozen T5-XXL's outputs" in log
+    assert only.parts.caches.text_partial and only_calls[0]["clip"] > 0
+    assert only_calls == [{"t5": 0, "clip": only_calls[0]["clip"]}] * 2
+    a, b = full.parts.bundle.unet.state_dict(), only.parts.bundle.unet.state_dict()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) / max(float(a[k].norm()), 1e-4) <= 1e-5, k
+    assert any(not torch.equal(a[k], v) for k, v in _initial_mmdit().items())  # trained
+
+
+def _initial_mmdit():
+    from library.models import sd3_builtins
+
+    return sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
