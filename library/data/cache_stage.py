@@ -50,9 +50,10 @@ def text(opts, tset, acc, b, family_model, placement, frozen_only: bool = False)
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
         wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
-    # float8 with fp8_base: its outputs differ; a partial cache's: the frozen encoder's dtype
-    first = family_model.partial_cache_encoders[0] if frozen_only else 0
-    te_dtype = placement.text_encoders[first]
+    # float8 with fp8_base: its outputs differ; a partial cache's: the frozen encoder's dtype (an
+    # SD3 model without T5 caches zeros: the first encoder's, as a full cache's key)
+    held = [i for i in family_model.partial_cache_encoders if i < len(placement.text_encoders)]
+    te_dtype = placement.text_encoders[held[0] if frozen_only and held else 0]
     identity = text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
                                            weighted=opts.weighted_captions,
                                            extra=_family_parts(opts, family_model, frozen_only))

@@ -107,6 +107,7 @@ RESUMABLE_CHANGES = {
     "cache_dir": "speed", "ema_device": "where the EMA lives (its values are in the state)",
     "cache_text_encoder_outputs": "speed (frozen text encoders only; FLUX.1 / SD3: T5 beside trained CLIP)",
     "cache_text_encoder_outputs_to_disk": "speed (frozen text encoders only; FLUX.1 / SD3: T5 beside trained CLIP)",
+    "use_t5xxl_cache_only": "speed (SD3: T5's outputs cached, the same training)",
     "learning_rate": "lower after a non-finite stop (the schedule continues at the new rate)",
     "unet_lr": "likewise", "text_encoder_lr": "likewise",
     "on_nonfinite": "failure handling (e.g. skip the batch that went non-finite)",

@@ -346,3 +346,37 @@ def _initial_mmdit():
     from library.models import sd3_builtins
 
     return sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
+
+
+@pytest.mark.parametrize("family, with_t5", [("flux", True), ("sd3", True), ("sd3", False)])
+def test_the_joined_conditioning_is_encode_s_bit_for_bit(family, with_t5):
+    """encode_with_frozen_part(tokens, encode_frozen_part(tokens)) is encode(tokens): the same
+    operations on the same inputs (an SD3 model without T5: the 77 zero tokens cached), and the
+    frozen part is what the MMDiT / transformer reads of T5."""
+    from library.models import sd3_builtins, tiny_flux
+    from library.models.flow_family import FluxFamilyModel, SD3FamilyModel
+
+    if family == "flux":
+        p = tiny_flux.build_tiny_flux("dev")
+        fm = FluxFamilyModel(p["transformer"], [p["clip_l"], p["t5"]], [p["clip_tokenizer"], p["t5_tokenizer"]],
+                             t5_max_length=16, guidance_scale=3.5, apply_t5_attn_mask=True)
+    else:
+        p = sd3_builtins.build_builtin("tiny-sd3")
+        encs, toks = [p["clip_l"], p["clip_g"]], [p["tokenizer_l"], p["tokenizer_g"]]
+        if with_t5:
+            encs, toks = encs + [p["t5xxl"]], toks + [p["tokenizer_t5"]]
+        fm = SD3FamilyModel(p["mmdit"], encs, toks, apply_lg_attn_mask=True, apply_t5_attn_mask=True,
+                            t5_max_length=16)
+    tokens = fm.tokenize(["a red square", "sks shape, blue"])
+    with torch.no_grad():
+        full = fm.encode(tokens, None)
+        part = fm.encode_frozen_part(tokens)
+        joined = fm.encode_with_frozen_part(tokens, part)
+    assert part.pooled is None
+    assert torch.equal(joined.hidden_states, full.hidden_states) and torch.equal(joined.pooled, full.pooled)
+    if family == "flux":
+        assert torch.equal(part.hidden_states, full.hidden_states) and torch.equal(joined.t5_attn_mask, full.t5_attn_mask)
+    else:  # the context's tokens after CLIP's 77
+        assert torch.equal(part.hidden_states, full.hidden_states[:, 77:])
+        assert part.hidden_states.shape[1] == (16 if with_t5 else 77)
+        assert with_t5 or not part.hidden_states.any()
