@@ -50,18 +50,26 @@ def text(opts, tset, acc, b, family_model, placement, frozen_only: bool = False)
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
         wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
-    # float8 with fp8_base: its outputs differ; a partial cache's: the frozen encoder's dtype (an
-    # SD3 model without T5 caches zeros: the first encoder's, as a full cache's key)
-    held = [i for i in family_model.partial_cache_encoders if i < len(placement.text_encoders)]
-    te_dtype = placement.text_encoders[held[0] if frozen_only and held else 0]
-    identity = text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
-                                           weighted=opts.weighted_captions,
-                                           extra=_family_parts(opts, family_model, frozen_only))
+    identity = text_identity(opts, b, family_model, placement, frozen_only)
     return text_cache.encode_captions(
         family_model, wanted, identity, clip_skip=opts.clip_skip,
         batch_size=opts.text_encoder_batch_size or max(1, opts.vae_batch_size), device=acc.device,
         autocast=acc.autocast,
         to_disk=opts.cache_text_encoder_outputs_to_disk, frozen_only=frozen_only, log=logger)
+
+
+def text_identity(opts, b, family_model, placement, frozen_only: bool = False) -> str:
+    """The encoder part of the text-encoder cache's keys (text_cache.encoder_identity)."""
+    # float8 with fp8_base: its outputs differ; a partial cache's: the frozen encoder's dtype (an
+    # SD3 model without T5 caches zeros: the first encoder's, as a full cache's key)
+    held = [i for i in family_model.partial_cache_encoders if i < len(placement.text_encoders)]
+    te_dtype = placement.text_encoders[held[0] if frozen_only and held else 0]
+    # a partial cache of a separate t5xxl file's outputs does not depend on the main model file
+    # (another transformer or fine-tune over the same T5 reuses it)
+    return text_cache.encoder_identity(b, te_dtype, opts.clip_skip, opts.max_token_length,
+                                       weighted=opts.weighted_captions,
+                                       extra=_family_parts(opts, family_model, frozen_only),
+                                       with_model=not (frozen_only and opts.t5xxl))
 
 
 def _family_parts(opts, family_model, frozen_only: bool = False) -> dict:

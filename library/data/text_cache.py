@@ -46,12 +46,14 @@ FORMAT_VERSION = 1
 
 
 def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None,
-                     weighted: bool = False, extra: dict | None = None) -> str:
+                     weighted: bool = False, extra: dict | None = None, with_model: bool = True) -> str:
     """``extra``: more parts of the key (the family model's cache_identity, the encoder files);
-    empty for the SD families, whose keys stay as they were."""
+    empty for the SD families, whose keys stay as they were. ``with_model`` False: the model
+    source's identity is left out (a partial cache of a separate t5xxl file's outputs, named in
+    ``extra``)."""
     h = hashlib.sha256()
     # max_tokens: the tokens a caption is encoded to, BOS and EOS included (77, 152 or 227)
-    parts = {"v": FORMAT_VERSION, "model": bundle.identity, "family": bundle.family,
+    parts = {"v": FORMAT_VERSION, "model": bundle.identity if with_model else None, "family": bundle.family,
              "dtype": str(dtype).replace("torch.", ""), "clip_skip": clip_skip,
              "max_tokens": chunk_count(max_token_length) * CHUNK + 2}
     if weighted:  # "(red:1.2)" encodes differently with weighted_captions; unweighted keys unchanged

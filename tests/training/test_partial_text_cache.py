@@ -193,33 +193,40 @@ def test_a_full_cache_is_not_a_partial_ones_entry(dataset, tmp_path, train, monk
 
 
 def test_the_partial_key_names_what_is_cached_and_not_the_trained_encoders(tmp_path):
-    """A partial entry's key differs from a full one's; it changes with the t5xxl file and the
-    T5 options, and not with the trained encoders' files (clip_l, clip_g) or SD3's CLIP masks,
-    which the full key follows."""
+    """A partial entry's key differs from a full one's; it changes with the t5xxl file, T5's
+    dtype and the T5 options, and not with the trained encoders' files (clip_l, clip_g), their
+    dtype or SD3's CLIP masks, which the full key follows; with a separate t5xxl file it does not
+    follow the main model file either (T5 comes from that file alone)."""
     import time
     from types import SimpleNamespace
 
-    from library.data import cache_stage, text_cache
+    from library.data import cache_stage
     from library.models.flow_family import SD3FamilyModel
 
     files = {}
     for name in ("clip_l", "clip_g", "t5xxl"):
         files[name] = tmp_path / f"{name}.safetensors"
         files[name].write_bytes(b"one")
-    opts = SimpleNamespace(**{n: str(p) for n, p in files.items()})
-    bundle = SimpleNamespace(identity="model", family="sd3", tokenizers=[])
 
-    def key(partial, lg_mask=False, t5_mask=False, t5_len=16):
+    def key(partial, lg_mask=False, t5_mask=False, t5_len=16, model="model", dtypes=("bf16", "bf16", "bf16"),
+            t5xxl=True):
         fm = SD3FamilyModel.__new__(SD3FamilyModel)  # the family model's key parts, without weights
         fm.tokenizers, fm.t5_max_length = [None, None, None], t5_len
         fm.apply_lg_attn_mask, fm.apply_t5_attn_mask = lg_mask, t5_mask
-        extra = cache_stage._family_parts(opts, fm, frozen_only=partial)
-        return text_cache.encoder_identity(bundle, "float32", None, None, extra=extra)
+        opts = SimpleNamespace(clip_l=str(files["clip_l"]), clip_g=str(files["clip_g"]),
+                               t5xxl=str(files["t5xxl"]) if t5xxl else None, clip_skip=None,
+                               max_token_length=None, weighted_captions=False)
+        bundle = SimpleNamespace(identity=model, family="sd3", tokenizers=[])
+        return cache_stage.text_identity(opts, bundle, fm, SimpleNamespace(text_encoders=dtypes), partial)
 
     full, part = key(False), key(True)
     assert part != full and key(True) == part
     assert key(True, lg_mask=True) == part and key(False, lg_mask=True) != full
     assert key(True, t5_mask=True) != part and key(True, t5_len=8) != part
+    assert key(True, dtypes=("fp32", "fp32", "bf16")) == part and key(False, dtypes=("fp32", "fp32", "bf16")) != full
+    assert key(True, dtypes=("bf16", "bf16", "fp8")) != part  # T5 in float8 (fp8_base)
+    assert key(True, model="fine-tuned") == part and key(False, model="fine-tuned") != full
+    assert key(True, t5xxl=False, model="fine-tuned") != key(True, t5xxl=False)  # T5 from the model file
     time.sleep(0.01)
     for name in ("clip_l", "clip_g"):  # a trained encoder's file rewritten
         files[name].write_bytes(b"other " + name.encode())
