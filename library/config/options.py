@@ -234,8 +234,10 @@ OPTIONS: tuple[Option, ...] = (
     O("cache_dir", "path", None, "Folder for the disk caches; unset = <image folder>/.sdcache.",
       "dataset"),
     O("cache_text_encoder_outputs", "bool", False, "Encode every caption (and its augmented variants) "
-      "with the text encoder(s) once, before training; the text encoders are then not trained "
-      "(LoRA: needs network_train_unet_only, except with OFT, which puts no module on them).", "dataset", scripts=NOT_TI),
+      "with the text encoder(s) once, before training; SD/SDXL: the text encoders are then not trained "
+      "(LoRA: needs network_train_unet_only, except with OFT, which puts no module on them). FLUX.1 / SD3 with trained CLIP encoders: only the "
+      "frozen T5's outputs are cached and CLIP runs every step (sd-scripts' partial cache; not with "
+      "train_t5xxl).", "dataset", scripts=NOT_TI),
     O("cache_text_encoder_outputs_to_disk", "bool", False, "Also keep the text-encoder outputs on disk "
       "(<image folder>/.sdcache or cache_dir, keyed by the processed caption, tokenizer, encoder, "
       "dtype and clip_skip); implies cache_text_encoder_outputs.", "dataset", scripts=NOT_TI),
@@ -564,6 +566,10 @@ OPTIONS: tuple[Option, ...] = (
     O("train_t5xxl", "bool", False, "SD3 with train_text_encoder: also train T5-XXL, at "
       "learning_rate_te3 (sd-scripts' sd3_train.py). A FLUX.1 / SD3 LoRA takes it in network_args.",
       "training", scripts=FULL),
+    O("use_t5xxl_cache_only", "bool", False, "SD3 (sd-scripts' sd3_train.py): cache only T5-XXL's "
+      "outputs; CLIP-L and CLIP-G run every step (with gradients under train_text_encoder). Implies "
+      "cache_text_encoder_outputs; not with train_t5xxl. train_text_encoder with "
+      "cache_text_encoder_outputs caches T5's outputs alone without it.", "training", scripts=FULL),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
       "Unset = for the whole run.", "training", scripts=FULL, min=1),

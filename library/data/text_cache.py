@@ -6,6 +6,12 @@ hidden states and text_encoder_2's pooled output; FLUX.1: T5's states, CLIP-L's 
 the T5 attention mask; SD3: the MMDiT's context, CLIP-L|G and T5, and the pooled CLIP-L|G), under
 the run's autocast: one tensor per field of the family model's ``conditioning_type``.
 
+Partial (FLUX.1 / SD3 while a CLIP encoder trains and T5 does not: sd-scripts' ``is_partial``):
+an entry holds only the frozen encoders' part (``family_model.encode_frozen_part``: FLUX.1's T5
+states and mask, SD3's context tokens after CLIP's 77), and ``batch`` runs the trained encoders on
+the same captions at each step (``encode_with_frozen_part``). Its key names the cached encoders
+and leaves out what only the trained ones read (library/data/cache_stage.py).
+
 Caption augmentation keeps working (beyond sd-scripts, which refuses it): caption dropout uses
 one cached encoding of the empty caption, and ``shuffle_caption`` / ``caption_tag_dropout_rate``
 use ``text_encoder_cache_variants`` cached variants per caption, one picked per sample and epoch
@@ -40,12 +46,14 @@ FORMAT_VERSION = 1
 
 
 def encoder_identity(bundle, dtype, clip_skip, max_token_length: int | None = None,
-                     weighted: bool = False, extra: dict | None = None) -> str:
+                     weighted: bool = False, extra: dict | None = None, with_model: bool = True) -> str:
     """``extra``: more parts of the key (the family model's cache_identity, the encoder files);
-    empty for the SD families, whose keys stay as they were."""
+    empty for the SD families, whose keys stay as they were. ``with_model`` False: the model
+    source's identity is left out (a partial cache of a separate t5xxl file's outputs, named in
+    ``extra``)."""
     h = hashlib.sha256()
     # max_tokens: the tokens a caption is encoded to, BOS and EOS included (77, 152 or 227)
-    parts = {"v": FORMAT_VERSION, "model": bundle.identity, "family": bundle.family,
+    parts = {"v": FORMAT_VERSION, "model": bundle.identity if with_model else None, "family": bundle.family,
              "dtype": str(dtype).replace("torch.", ""), "clip_skip": clip_skip,
              "max_tokens": chunk_count(max_token_length) * CHUNK + 2}
     if weighted:  # "(red:1.2)" encodes differently with weighted_captions; unweighted keys unchanged
@@ -96,11 +104,11 @@ def _save(path: str, key: str, cond: TextConditioning) -> None:
 
 
 def encode_captions(family_model, wanted: dict[str, str | None], identity: str, *, clip_skip,
-                    batch_size: int, device, autocast, to_disk: bool,
+                    batch_size: int, device, autocast, to_disk: bool, frozen_only: bool = False,
                     log: logging.Logger = logger) -> dict[str, TextConditioning]:
     """``wanted``: caption -> disk folder (None: memory only). -> caption -> (CPU) conditioning
     of one caption (hidden (77, D), or (n*75+2, D) with a long max_token_length; pooled (P,) or
-    None). Encodes only what the disk lacks."""
+    None); ``frozen_only``: the partial cache's part of it. Encodes only what the disk lacks."""
     out: dict[str, TextConditioning] = {}
     cls = family_model.conditioning_type
     missing = []
@@ -121,13 +129,13 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
             except ValueError as e:
                 log.warning(f"text-encoder cache entry {path} is unusable ({e}): recomputing")
         missing.append(caption)
-    log.info(f"text-encoder cache: {len(wanted)} caption(s)"
+    log.info(f"text-encoder cache{' (frozen encoders only)' if frozen_only else ''}: {len(wanted)} caption(s)"
              + (f", {loaded} loaded from disk" if to_disk else "") + f", encoding {len(missing)}")
     for start in range(0, len(missing), batch_size):
         chunk = missing[start:start + batch_size]
         tokens = [t.to(device) for t in family_model.tokenize(chunk)]
         with torch.no_grad(), autocast():
-            cond = family_model.encode(tokens, clip_skip)
+            cond = family_model.encode_frozen_part(tokens) if frozen_only else family_model.encode(tokens, clip_skip)
         for j, caption in enumerate(chunk):
             one = type(cond)(**{n: None if getattr(cond, n) is None else getattr(cond, n)[j].detach().cpu().clone()
                                 for n in _fields(type(cond))})
@@ -143,3 +151,14 @@ def stack(entries: list[TextConditioning], device) -> TextConditioning:
     cls = type(entries[0])
     return cls(**{n: None if getattr(entries[0], n) is None else
                   torch.stack([getattr(e, n) for e in entries]).to(device) for n in _fields(cls)})
+
+
+def batch(entries: dict, captions: list[str], device, family_model, partial: bool):
+    """The conditioning of ``captions`` from the cache ``entries``: stacked; from a partial cache
+    the trained encoders run now on the same captions (under the caller's grad mode and
+    autocast) and join the cached part."""
+    part = stack([entries[c] for c in captions], device)
+    if not partial:
+        return part
+    tokens = [t.to(device) for t in family_model.tokenize(list(captions))]
+    return family_model.encode_with_frozen_part(tokens, part)

@@ -111,6 +111,10 @@ def _final_layer_norm(text_encoder):
 class FamilyModel:
     family = ""
     conditioning_type = TextConditioning  # what encode returns (a text-encoder cache entry's fields)
+    # The text encoders (indices) whose outputs a partial text-encoder cache holds while the others
+    # train (FLUX.1 / SD3: T5, with encode_frozen_part and encode_with_frozen_part); () = none: the
+    # SD families cache all of their outputs or none (sd-scripts' is_partial is FLUX.1 / SD3's)
+    partial_cache_encoders: tuple[int, ...] = ()
 
     def __init__(self, unet, text_encoders: list, tokenizers: list, max_token_length: int | None = None,
                  weighted: bool = False, rewrite=None):
@@ -170,9 +174,10 @@ class FamilyModel:
         the forward's own draws (only SD3's pos_emb_random_crop_rate has any); None elsewhere."""
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(noisy_latents.dtype)).sample
 
-    def cache_identity(self) -> dict:
+    def cache_identity(self, partial: bool = False) -> dict:
         """What else changes this family's encodings, for the text-encoder cache key (the SD
-        families': nothing beyond text_cache.encoder_identity's own parts)."""
+        families': nothing beyond text_cache.encoder_identity's own parts); ``partial``: of a
+        partial cache's part alone."""
         return {}
 
     def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:

@@ -44,7 +44,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5xxl_max_token_length", "apply_t5_attn_mask", "clip_l", "clip_g", "t5xxl", "ae",
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
-                "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap")
+                "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
+                "use_t5xxl_cache_only")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -75,6 +76,8 @@ UNSUPPORTED_BY_FAMILY = {
              "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
              "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
                                   "transformer alone)",
+             "use_t5xxl_cache_only": "SD3's sd3_train.py option (flux_train.py trains the transformer alone; "
+                                     "a FLUX.1 LoRA training CLIP-L caches T5's outputs alone)",
              **{name: "SD3's position-embedding table; FLUX.1 has rotary positions"
                 for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")}},
     "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
@@ -167,16 +170,20 @@ class FluxTextConditioning(TextConditioning):
 
     def to(self, *args, **kwargs) -> "FluxTextConditioning":
         return FluxTextConditioning(self.hidden_states.to(*args, **kwargs),
-                                    self.pooled.to(*args, **kwargs), self.t5_attn_mask)
+                                    None if self.pooled is None else self.pooled.to(*args, **kwargs),
+                                    self.t5_attn_mask)
 
 
 class FluxFamilyModel(FamilyModel):
     """tokenize -> [CLIP ids (B, 77), T5 ids (B, L), T5 mask (B, L)]; encode -> T5 states, CLIP-L
     pooled, mask (library/models/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
-    2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity."""
+    2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity.
+    A partial text-encoder cache holds T5's states and mask; CLIP-L's pooled output is computed
+    at each step (``encode_frozen_part`` / ``encode_with_frozen_part``)."""
 
     family = "flux"
     conditioning_type = FluxTextConditioning
+    partial_cache_encoders = (1,)  # T5: its outputs are what a partial cache holds
 
     def __init__(self, transformer, text_encoders, tokenizers, *, t5_max_length: int,
                  guidance_scale: float, apply_t5_attn_mask: bool, rewrite=None):
@@ -192,8 +199,19 @@ class FluxFamilyModel(FamilyModel):
         t = flux_text.tokenize(self.tokenizers[0], self.tokenizers[1], list(captions), self.t5_max_length)
         return [t.clip_ids, t.t5_ids, t.t5_attn_mask]
 
-    def cache_identity(self) -> dict:
+    def cache_identity(self, partial: bool = False) -> dict:
         return {"t5_max_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask}
+
+    def encode_frozen_part(self, token_ids: list) -> FluxTextConditioning:
+        """What a partial cache holds: T5's states and mask (pooled None)."""
+        _, t5_ids, mask = token_ids
+        out = t5.encode(self.text_encoders[1], t5_ids, mask, self.apply_t5_attn_mask)
+        return FluxTextConditioning(out, None, mask.to(out.device))
+
+    def encode_with_frozen_part(self, token_ids: list, part: FluxTextConditioning) -> FluxTextConditioning:
+        """``encode``'s conditioning from a partial cache's ``part``: CLIP-L runs now."""
+        pooled = flux_text.clip_pooled(self.text_encoders[0], token_ids[0])
+        return FluxTextConditioning(part.hidden_states, pooled, part.t5_attn_mask)
 
     def encode(self, token_ids: list, clip_skip: int | None) -> FluxTextConditioning:
 
@@ -223,9 +241,12 @@ class SD3FamilyModel(FamilyModel):
     zero-padded to the context width, then T5's states, or 77 zero tokens without T5) and pooled
     CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the MMDiT with the timestep
     1000 sigma (flow_matching.model_timesteps). The masks only reach the encoders (with
-    apply_lg_attn_mask / apply_t5_attn_mask): sd-scripts' MMDiT attends to every token."""
+    apply_lg_attn_mask / apply_t5_attn_mask): sd-scripts' MMDiT attends to every token. A partial
+    text-encoder cache holds the context's tokens after CLIP's 77 (T5's states, or the zeros
+    without T5); CLIP-L and CLIP-G run at each step (``encode_with_frozen_part``)."""
 
     family = "sd3"
+    partial_cache_encoders = (2,)  # T5 (when the model has one): what a partial cache holds
 
     def __init__(self, mmdit, text_encoders, tokenizers, *, apply_lg_attn_mask: bool = False,
                  apply_t5_attn_mask: bool = False, t5_max_length: int = SD3_T5_MAX_LENGTH,
@@ -246,11 +267,29 @@ class SD3FamilyModel(FamilyModel):
         t = sd3_text.tokenize(list(captions), self.tokenizers[0], self.tokenizers[1], t5_tok, self.t5_max_length)
         return [t.l_ids, t.g_ids, t.l_mask, t.g_mask] + ([t.t5_ids, t.t5_mask] if t5_tok is not None else [])
 
-    def cache_identity(self) -> dict:
+    def cache_identity(self, partial: bool = False) -> dict:
+        """``partial``: the parts of the T5 tokens alone (the CLIP masks do not change them)."""
         with_t5 = len(self.tokenizers) > 2
-        return {"t5_max_length": self.t5_max_length if with_t5 else None, "with_t5": with_t5,
-                "apply_lg_attn_mask": self.apply_lg_attn_mask,
-                "apply_t5_attn_mask": self.apply_t5_attn_mask and with_t5}
+        parts = {"t5_max_length": self.t5_max_length if with_t5 else None, "with_t5": with_t5,
+                 "apply_t5_attn_mask": self.apply_t5_attn_mask and with_t5}
+        return parts if partial else {**parts, "apply_lg_attn_mask": self.apply_lg_attn_mask}
+
+    def encode_frozen_part(self, token_ids: list) -> TextConditioning:
+        """What a partial cache holds: the context's tokens after CLIP's 77 (pooled None)."""
+        tokens = sd3_text.SD3Tokens(*token_ids)
+        t5_model = self.text_encoders[2] if len(self.text_encoders) > 2 else None
+        out = sd3_text.encode_t5(tokens, t5_model, apply_t5_attn_mask=self.apply_t5_attn_mask)
+        device = self._device(self.text_encoders[0])
+        return TextConditioning(sd3_text.t5_tokens_part(out, tokens.l_ids.shape[0], self.unet.config.context_dim,
+                                                         device, torch.float32), None)
+
+    def encode_with_frozen_part(self, token_ids: list, part: TextConditioning) -> TextConditioning:
+        """``encode``'s conditioning from a partial cache's ``part``: CLIP-L and CLIP-G run now."""
+        enc = sd3_text.encode(sd3_text.SD3Tokens(*token_ids[:4]), *self.text_encoders[:2],
+                              apply_lg_attn_mask=self.apply_lg_attn_mask)
+        context, pooled = sd3_text.condition(dataclasses.replace(enc, t5_out=part.hidden_states),
+                                             self.unet.config.context_dim)
+        return TextConditioning(context, pooled)
 
     def encode(self, token_ids: list, clip_skip: int | None) -> TextConditioning:
 

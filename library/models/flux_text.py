@@ -39,8 +39,13 @@ def tokenize(clip_tokenizer, t5_tokenizer, prompts: list[str], t5_max_length: in
     return FluxTokens(clip["input_ids"], t5_ids, t5_mask)
 
 
+def clip_pooled(clip_l, clip_ids: torch.Tensor) -> torch.Tensor:
+    """CLIP-L's pooled output (B, width): the transformer's y."""
+    return clip_l(clip_ids.to(clip_l.device)).pooler_output
+
+
 def encode(clip_l, t5_model, tokens: FluxTokens, apply_t5_attn_mask: bool) -> FluxConditioning:
-    l_pooled = clip_l(tokens.clip_ids.to(clip_l.device)).pooler_output
+    l_pooled = clip_pooled(clip_l, tokens.clip_ids)
     t5_out = t5.encode(t5_model, tokens.t5_ids, tokens.t5_attn_mask, apply_t5_attn_mask)
     return FluxConditioning(l_pooled, t5_out, text_ids(t5_out.shape[1], t5_out.shape[0], t5_out.device),
                             tokens.t5_attn_mask.to(t5_out.device))

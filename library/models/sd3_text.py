@@ -112,15 +112,29 @@ def encode(tokens: SD3Tokens, clip_l, clip_g, t5: Callable | None = None, *, app
     """Run the encoders on ``tokens``; T5 only when both ``t5`` and T5 tokens are given."""
     l_out, l_pooled = _clip(clip_l, tokens.l_ids, tokens.l_mask if apply_lg_attn_mask else None)
     g_out, g_pooled = _clip(clip_g, tokens.g_ids, tokens.g_mask if apply_lg_attn_mask else None)
-    t5_out = None
-    if t5 is not None and tokens.t5_ids is not None:
-        device = _device_of(t5, tokens.t5_ids.device)
-        mask = tokens.t5_mask.to(device) if apply_t5_attn_mask else None
-        t5_out = _states(t5(tokens.t5_ids.to(device), mask))
+    t5_out = encode_t5(tokens, t5, apply_t5_attn_mask=apply_t5_attn_mask)
     g_out, g_pooled = g_out.to(l_out.device), g_pooled.to(l_out.device)
     return SD3TextEncoding(lg_out=torch.cat([l_out, g_out], dim=-1), lg_pooled=torch.cat([l_pooled, g_pooled], dim=-1),
                            width_l=l_out.shape[-1], t5_out=t5_out, l_mask=tokens.l_mask, g_mask=tokens.g_mask,
                            t5_mask=tokens.t5_mask if t5_out is not None else None)
+
+
+def encode_t5(tokens: SD3Tokens, t5: Callable | None, *, apply_t5_attn_mask: bool = False) -> torch.Tensor | None:
+    """T5's states (B, n, width) of ``tokens``; None without a T5 encoder or T5 tokens."""
+    if t5 is None or tokens.t5_ids is None:
+        return None
+    device = _device_of(t5, tokens.t5_ids.device)
+    mask = tokens.t5_mask.to(device) if apply_t5_attn_mask else None
+    return _states(t5(tokens.t5_ids.to(device), mask))
+
+
+def t5_tokens_part(t5_out: torch.Tensor | None, batch: int, context_dim: int, device, dtype) -> torch.Tensor:
+    """The context's tokens after CLIP's 77: T5's states, or 77 zero tokens without T5."""
+    if t5_out is None:
+        return torch.zeros(batch, CLIP_LENGTH, context_dim, device=device, dtype=dtype)
+    if t5_out.shape[-1] != context_dim:
+        raise ValueError(f"T5 states are {t5_out.shape[-1]} wide; the model's context width is {context_dim}")
+    return t5_out
 
 
 def condition(enc: SD3TextEncoding, context_dim: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +144,7 @@ def condition(enc: SD3TextEncoding, context_dim: int = 4096) -> tuple[torch.Tens
     if lg.shape[-1] > context_dim:
         raise ValueError(f"CLIP states are {lg.shape[-1]} wide, more than the context width {context_dim}")
     lg = torch.nn.functional.pad(lg, (0, context_dim - lg.shape[-1]))
-    t5 = enc.t5_out
-    if t5 is None:
-        t5 = torch.zeros(lg.shape[0], CLIP_LENGTH, context_dim, device=lg.device, dtype=lg.dtype)
-    elif t5.shape[-1] != context_dim:
-        raise ValueError(f"T5 states are {t5.shape[-1]} wide; the model's context width is {context_dim}")
+    t5 = t5_tokens_part(enc.t5_out, lg.shape[0], context_dim, lg.device, lg.dtype)
     return torch.cat([lg, t5.to(lg.dtype)], dim=-2), enc.lg_pooled
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from library.distributed import accelerator, ddp, deepspeed_zero, fsdp
 from library.models import family, inpainting, placement
 from library.outputs import metadata, tracking
-from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite
+from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite, partial_text_cache
 from library.training.compile_unet import check_options as check_compile
 from library.training.losses import check_options as check_loss_options
 from library.training.methods import make_method
@@ -16,7 +16,7 @@ from library.training.stepper import check_stepper_options
 def check_before_loading(opts, method_name: str, plan) -> None:
     """Checks that need imports but no weights: optimizer, scheduler, network module, and the
     combinations of every module's options."""
-    flow_loss.check_options(opts, method_name)  # FLUX.1 / SD3 options, or none with an SD model
+    fam = flow_loss.check_options(opts, method_name)  # FLUX.1 / SD3 options, or none with an SD model
     check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                     learning_rate=opts.learning_rate)
     check_scheduler(opts, warmup_steps=plan.warmup_steps,
@@ -38,4 +38,5 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
     nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
     accelerator.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
-    make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights
+    method = make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights
+    partial_text_cache.check_options(opts, method_name, fam, method)  # the text-encoder cache and trained encoders

@@ -47,6 +47,7 @@ class Caches:
     latents: dict | None = None      # latent-cache key -> entry
     latent_key: dict | None = None   # latent slot of (item, flip) -> latent-cache key
     text: dict | None = None         # caption -> cached text-encoder output
+    text_partial: bool = False       # text holds the frozen encoders' part (text_cache.batch)
 
 
 @dataclass(slots=True)

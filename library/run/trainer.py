@@ -224,20 +224,28 @@ class Run:
         (library/data/cache_stage.py); then the parts no longer needed leave the device."""
         # lazy: the plan and the checks before loading come before torch is imported
         from library.data import cache_stage
+        from library.training import partial_text_cache
 
         opts, acc, b = self.opts, loaded.accelerator, loaded.bundle
         latents = latent_key = text = None
+        partial = False
         if opts.cache_latents or opts.cache_latents_to_disk:
             latents, latent_key = cache_stage.latents(opts, self.tset, acc, b)
         if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-            text = cache_stage.text(opts, self.tset, acc, b, setup.family_model, setup.placement)
-        caches = Caches(latents=latents, latent_key=latent_key, text=text)
+            # FLUX.1 / SD3 with trained CLIP encoders: T5's part only (library/training/partial_text_cache.py)
+            partial = partial_text_cache.is_partial(setup.method, b.text_encoders, setup.family_model, logger,
+                                                    t5_only=opts.use_t5xxl_cache_only)
+            text = cache_stage.text(opts, self.tset, acc, b, setup.family_model, setup.placement,
+                                    frozen_only=partial)
+        caches = Caches(latents=latents, latent_key=latent_key, text=text, text_partial=partial)
         if caches.latents is not None:
             # before the VAE leaves: the validation latents too
             setup.validation.encode_held_out(b.vae, acc.device, setup.strategy)
         # The VAE (latents cached) and text encoders (outputs cached) leave the device, or on a
         # CPU-only machine their memory (library/training/offload.py); the log says what that saved.
-        released = offload.release_after_caching(opts, acc.device, b, setup.method, caches, logger)
+        released = offload.release_after_caching(
+            opts, acc.device, b, setup.method, caches, logger,
+            partial_encoders=setup.family_model.partial_cache_encoders if partial else ())
         self.closing.append(released)  # spill files of released parts
         return Cached(caches=caches, frozen=released)
 
@@ -257,7 +265,8 @@ class Run:
         validate = functools.partial(
             validation.run_validation, setup.validation, accelerator=acc, losses=loaded.losses,
             bundle=b, method=setup.method, family_model=fm, stepper=setup.stepper,
-            strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text)
+            strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text,
+            text_partial=cached.caches.text_partial)
         sample = functools.partial(
             sampling.sample_images, opts, accelerator=acc, bundle=b, method=setup.method,
             family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen,

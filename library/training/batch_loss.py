@@ -186,9 +186,10 @@ class BatchLoss:
         """The text conditioning of this process's samples (called under autocast): from the
         text-encoder cache, or encoded now (with gradients when the text encoders train)."""
         opts = self.opts
-        if self.caches.text is not None:
-            return text_cache.stack([self.caches.text[self.tset.cached_caption(i, epoch)] for i in idx],
-                                    self.accelerator.device)
+        if self.caches.text is not None:  # a partial cache: the trained encoders run now
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.method.train_text_encoder):
+                return text_cache.batch(self.caches.text, [self.tset.cached_caption(i, epoch) for i in idx],
+                                        self.accelerator.device, self.family_model, self.caches.text_partial)
         captions = [self.tset.caption(i, epoch, step) for i in idx]  # sample-keyed augmentation
         # no_token_padding: unpadded ids (batch 1, checked before loading); validation and the
         # text-encoder cache always pad

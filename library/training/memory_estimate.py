@@ -745,9 +745,14 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     cached_text = bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
     # the parts the run releases after caching, by the run's own rule (library/training/offload.py)
 
+    # FLUX.1 / SD3 with trained CLIP encoders: a partial cache, T5 released (partial_text_cache.py)
+    partial_text = (cached_text and (method.train_text_encoder or opts.use_t5xxl_cache_only)
+                    and family in ("flux", "sd3"))
+    t5_name = {"flux": "text_encoder_2", "sd3": "text_encoder_3"}.get(family)
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,
-        text_encoders_trained=method.train_text_encoder, highvram=opts.highvram)
+        text_encoders_trained=method.train_text_encoder, highvram=opts.highvram,
+        partial_text=partial_text)
     # fsdp (full fine-tune, several processes): each process holds 1/P of the trained weights,
     # their gradients and optimizer state, plus one all-gathered block at a time (library/distributed/fsdp.py)
     shards = processes if (opts.fsdp and method_name != "lora" and processes > 1) else 1
@@ -766,6 +771,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
                 resident, note = False, "released after its latents are cached"
             if name.startswith("text_encoder") and "text_encoders" in released:
                 resident, note = False, "released after its outputs are cached"
+            if name == t5_name and "cached_text_encoders" in released:
+                resident, note = False, "released after its outputs are cached (the CLIP encoders train)"
             if is_trained and shards > 1:
                 b, note = -(-b // shards), f"sharded over {shards} processes (fsdp)"
             est.params.append(ParamLine(name, is_trained, dt, n, b, resident, note))

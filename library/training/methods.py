@@ -103,10 +103,6 @@ class NetworkMethod:
         # OFT) leaves them frozen whatever network_train_unet_only says
         if not getattr(self.module, "TRAINS_TEXT_ENCODERS", True):
             self.train_text_encoder = False
-        if self.train_text_encoder and (opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk):
-            raise MethodError("cache_text_encoder_outputs: the network trains the text encoders too, so their "
-                              "outputs change every step; add network_train_unet_only (sd-scripts' SDXL trainer "
-                              "requires it; its FLUX.1 / SD3 trainers then cache T5 alone, which is not built here)")
 
     def _te_arg(self):
         tes = self.bundle.text_encoders
@@ -278,8 +274,7 @@ class NetworkMethod:
         loras = getattr(self.network, "text_encoder_loras", None)
         if not self.train_text_encoder or self.tokens is not None or loras is None:
             return []
-        # LyCORIS and sd-scripts' OFT keep the layer in a one-item list (out of the module tree)
-        hooked = {id(m[0] if isinstance(m, list) else m) for m in (lora.org_module for lora in loras)}
+        hooked = hooked_module_ids(loras)
         return [te for te in self.bundle.text_encoders if not any(id(m) in hooked for m in te.modules())]
 
     def save(self, path: str, dtype_name, metadata: dict):
@@ -665,6 +660,12 @@ class TextualInversionMethod:
 
 METHODS = {"lora": NetworkMethod, "dreambooth": FullMethod, "finetune": FullMethod,
            "textual_inversion": TextualInversionMethod}
+
+
+def hooked_module_ids(loras) -> set[int]:
+    """The ids of the layers a network's modules (``text_encoder_loras`` / ``unet_loras``) sit on.
+    LyCORIS and sd-scripts' OFT keep the layer in a one-item list (out of the module tree)."""
+    return {id(m[0] if isinstance(m, list) else m) for m in (lora.org_module for lora in loras)}
 
 
 def make_method(method_name: str, opts, bundle):

@@ -1,5 +1,6 @@
 """Frozen parts after caching: once latents are cached the VAE, and once text-encoder outputs are
-cached the text encoders, leave the training device for the rest of the run.
+cached the text encoders (with a FLUX.1 / SD3 partial cache: T5 alone, the CLIP encoders train),
+leave the training device for the rest of the run.
 
 - On CUDA they move to the CPU (sd-scripts' behaviour) and come back to the device for the
   moments that need them: sample images, and the save of a full model (its file holds them).
@@ -219,32 +220,42 @@ class Frozen:
 
 
 def released_after_caching(*, latents_cached: bool, text_cached: bool,
-                           text_encoders_trained: bool, highvram: bool) -> tuple[str, ...]:
-    """The parts that leave the device after caching: "vae" (its latents are cached) and
-    "text_encoders" (their outputs are cached and they do not train); none with ``highvram``.
-    The one rule for the run (``release_after_caching``) and the memory estimate."""
+                           text_encoders_trained: bool, highvram: bool,
+                           partial_text: bool = False) -> tuple[str, ...]:
+    """The parts that leave the device after caching: "vae" (its latents are cached),
+    "text_encoders" (their outputs are cached and they do not train), "cached_text_encoders"
+    (``partial_text``: FLUX.1 / SD3's T5, whose outputs a partial cache holds while the CLIP
+    encoders train, as sd-scripts moves T5 to the CPU); none with ``highvram``. The one rule
+    for the run (``release_after_caching``) and the memory estimate."""
     if highvram:
         return ()
     out = ("vae",) if latents_cached else ()
-    if text_cached and not text_encoders_trained:
+    if text_cached and partial_text:  # the CLIP encoders run every step
+        out += ("cached_text_encoders",)
+    elif text_cached and not text_encoders_trained:
         out += ("text_encoders",)
     return out
 
 
-def release_after_caching(opts, device, b, method, caches, log: logging.Logger = logger) -> Frozen:
+def release_after_caching(opts, device, b, method, caches, log: logging.Logger = logger,
+                          partial_encoders: tuple[int, ...] = ()) -> Frozen:
     """Release from ``device`` what the rest of the run does not need of the bundle ``b`` (its
     VAE, text encoders), given the ``caches`` made and what the ``method`` trains (see the
-    module doc)."""
+    module doc); ``partial_encoders``: the text encoders whose outputs a partial cache holds."""
     frozen = Frozen(device, keep_on_device=bool(opts.highvram))
     released = released_after_caching(
         latents_cached=caches.latents is not None, text_cached=caches.text is not None,
-        text_encoders_trained=method.train_text_encoder, highvram=bool(opts.highvram))
+        text_encoders_trained=method.train_text_encoder, highvram=bool(opts.highvram),
+        partial_text=caches.text_partial)
     parts = []
     if "vae" in released:
         parts.append(Part("vae", "VAE", [b.vae]))
     if "text_encoders" in released:
         parts.append(Part("text_encoders", "text encoders" if len(b.text_encoders) > 1 else "text encoder",
                           list(b.text_encoders)))
+    held = [b.text_encoders[i] for i in partial_encoders if i < len(b.text_encoders)]
+    if "cached_text_encoders" in released and held:  # T5 (an SD3 model without one: nothing)
+        parts.append(Part("cached_text_encoders", "T5-XXL", held))
     # Later uses: sample images (every process renders its share of the prompts), and a full
     # model's save (the process that writes it). Validation uses cached latents and encodings.
     needed_later = bool(opts.sample_prompts) or (method.saves_full_model and is_main_process())

@@ -7,7 +7,6 @@ import dataclasses
 
 from library.data import step_plan
 from library.data.training_data import build_training_set
-from library.errors import UserError
 from library.log import logger
 
 
@@ -24,13 +23,11 @@ def plan_run(opts, processes: int):
         resolved["train_batch_size"] = tset.batch_size
     if opts.resolution is None:
         resolved["resolution"] = tset.resolution  # set by the dataset config; recorded in the metadata
+    if opts.use_t5xxl_cache_only and not opts.cache_text_encoder_outputs:  # as sd-scripts' sd3_train.py
+        logger.warning("use_t5xxl_cache_only is enabled, so cache_text_encoder_outputs is also enabled")
+        resolved["cache_text_encoder_outputs"] = True
     if resolved:
         opts = opts.replace(**resolved)
-    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        # train_lora: the network method says it (library/training/methods.py), knowing its module
-        if opts.script != "train_lora" and opts.train_text_encoder:
-            raise UserError("cache_text_encoder_outputs cannot be combined with train_text_encoder: "
-                            "a trained text encoder's outputs change every step")
     plan = plan_for(opts, tset, processes)
     tset = dataclasses.replace(tset, total_steps=plan.total_steps)  # token_warmup_step's fraction
     return opts, tset, plan

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from library.data import images, inpaint_masks, latent_cache
 from library.data.held_out import ValidationError, caption, place_in_dataset
 from library.data.step_plan import derive_seed
-from library.data.text_cache import stack
+from library.data.text_cache import batch as cached_batch
 from library.distributed.accelerator import is_main_process
 from library.models import inpainting
 from library.training.flow_loss import FlowLosses
@@ -158,11 +158,12 @@ class Validation:
         return m.expand(n, *m.shape).unsqueeze(1).to(device)
 
     def loss(self, *, accelerator, losses, bundle, method, family_model, stepper, strategy,
-             batch_loss, text_cache) -> float:
+             batch_loss, text_cache, text_partial: bool = False) -> float:
         """The mean validation loss over every held-out image and timestep (all processes):
         the batch loss of training (library/training/batch_loss.py) at fixed timesteps of
         ``losses``, with the ``stepper``'s eval mode and the ``strategy``'s share; captions from
-        ``text_cache`` (None: encoded with ``family_model``)."""
+        ``text_cache`` (None: encoded with ``family_model``; ``text_partial``: its frozen
+        encoders' part, the trained encoders run now)."""
         acc, opts, items = accelerator, self.opts, self.items
         n = TIMESTEPS
         mine = torch.zeros(len(items), dtype=torch.float64)
@@ -182,8 +183,8 @@ class Validation:
                     text = caption(items[i])
 
                     def conditioning(text=text):
-                        if text_cache is not None:  # encoded in the cache stage
-                            return stack([text_cache[text]] * n, acc.device)
+                        if text_cache is not None:  # encoded in the cache stage (partial: joined)
+                            return cached_batch(text_cache, [text] * n, acc.device, family_model, text_partial)
                         tokens = [tk.to(acc.device) for tk in family_model.tokenize([text] * n)]
                         return family_model.encode(tokens, opts.clip_skip)
 
@@ -211,12 +212,13 @@ def _derive(*key) -> int:
 
 
 def run_validation(validation: Validation, progress, label: str, *, accelerator, losses, bundle,
-                   method, family_model, stepper, strategy, batch_loss, text_cache) -> float:
+                   method, family_model, stepper, strategy, batch_loss, text_cache,
+                   text_partial: bool = False) -> float:
     """Compute (``validation.loss`` over the parts given), print (main process) and record
     (``progress.val_log``) the validation loss."""
     value = validation.loss(accelerator=accelerator, losses=losses, bundle=bundle, method=method,
                             family_model=family_model, stepper=stepper, strategy=strategy,
-                            batch_loss=batch_loss, text_cache=text_cache)
+                            batch_loss=batch_loss, text_cache=text_cache, text_partial=text_partial)
     progress.val_log.append((progress.global_step, value))
     if is_main_process():
         tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "

@@ -242,6 +242,8 @@ REFERENCE = {
                        "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",
     "learning_rate_te3": T + "training/test_sd3_text_encoder_train.py::"
                              "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",
+    "use_t5xxl_cache_only": T + "training/test_partial_text_cache.py::"
+                                "test_use_t5xxl_cache_only_implies_a_partial_cache_even_with_frozen_clip",
     "dataset_config": T + "config/test_config.py::test_separate_dataset_config_file_and_not_both",
     "dry_run": T + "config/test_bad_input.py::test_dry_run_imports_no_model_code",
     "pretrained_model_name_or_path": T + "training/test_train_lora_e2e.py::test_tiny_overfit_lowers_the_loss",
