@@ -100,7 +100,8 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
 @pytest.mark.parametrize("extra, message", [
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
-    (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
+    (["--zero_terminal_snr"], "zero_terminal_snr: not with the SD3 model"),
+    (["--vae", "vae.safetensors"], "vae: no such file: vae.safetensors (SD3's autoencoder file)"),
     (["--double_blocks_to_swap", "4"], "double_blocks_to_swap: not with the SD3 model tiny-sd3: sd-scripts' "
                                        "deprecated FLUX.1 block-swap name; give blocks_to_swap"),
 ])
