@@ -4,7 +4,8 @@ their argparse parsers) is known to the entry script that takes its place here (
 the *_train_network.py scripts, train_dreambooth and finetune for flux_train.py / sd3_train.py):
 an option of the schema, or an sd-scripts name accepted with a "no effect" warning or refused by
 name (library/config/options.py SD_SCRIPTS_NAMES), each in one line. A new sd-scripts option in
-that file that is neither fails here, so a gap shows. Parsing only: no model is built."""
+that file that is neither fails here, so a gap shows; likewise the network_args sd-scripts'
+networks/lora_flux.py and networks/lora_sd3.py read. Parsing only: no model is built."""
 from __future__ import annotations
 
 import json
@@ -127,3 +128,15 @@ def test_docs_table_lists_every_refused_and_no_effect_flow_option():
     names |= {n for _, e, n in PAIRS if verdict(e, n) in ("ignore", "reject", "other script")}
     missing = sorted(n for n in names if f"`{n}`" not in table)
     assert not missing, f"docs/MODELS.md's FLUX.1 / SD3 option table lacks {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(DATA["network_args"]))
+def test_every_sd_scripts_flow_network_arg_is_known(module):
+    """The network_args sd-scripts' FLUX.1 / SD3 LoRA modules read: taken, refused by name or
+    "no effect" by the module of the same name here (networks/lora_flux.py, networks/lora_sd3.py)."""
+    import importlib
+
+    m = importlib.import_module(module)
+    named = set(m.KNOWN_NETWORK_ARGS) | set(getattr(m, "UNSUPPORTED", {})) | set(m.NO_EFFECT)
+    missing = sorted(set(DATA["network_args"][module]) - named)
+    assert not missing, f"{module}: sd-scripts' network_args not named here: {missing}"
