@@ -80,7 +80,9 @@ UNSUPPORTED_BY_FAMILY = {
                for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
-LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
+# huber / smooth_l1 with huber_schedule constant or exponential (at t = 1000 sigma, as sd-scripts);
+# its snr schedule needs the DDPM schedule's SNR (flow_loss.check_options)
+HUBER_SCHEDULES = ("constant", "exponential")
 
 
 class FlowFamilyError(UserError, ValueError):

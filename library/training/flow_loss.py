@@ -10,6 +10,7 @@ model_prediction_type, the elementwise loss, masks, the scheme's per-sample weig
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -90,15 +91,28 @@ class FlowLosses:
         """What a raw prediction is compared with: the velocity noise - x0."""
         return flow_matching.flow_target(latents, d.noise)
 
+    def huber_threshold(self, sigmas):
+        """sd-scripts' get_huber_threshold_if_needed at its flow timesteps t = 1000 sigma: (B,)
+        huber_c x huber_scale (constant) or exp(-alpha t) x huber_scale with alpha = -ln(huber_c)
+        / 1000, i.e. huber_c^sigma x huber_scale (exponential); None for l2 / l1."""
+        o = self.opts
+        if o.loss_type not in ("huber", "smooth_l1"):
+            return None
+        if o.huber_schedule == "constant":
+            return torch.full(sigmas.shape, o.huber_c * o.huber_scale, device=sigmas.device)
+        alpha = -math.log(o.huber_c) / flow_matching.NUM_TRAIN_TIMESTEPS
+        return torch.exp(-alpha * flow_matching.NUM_TRAIN_TIMESTEPS * sigmas.float()) * o.huber_scale
+
     def per_sample_loss(self, pred, latents, d: FlowDraw, mask=None, target=None):
         """(B,) loss of each sample: prediction and target by model_prediction_type, the
-        elementwise loss (times the mask), averaged per sample, times the scheme's weight."""
+        elementwise loss (huber / smooth_l1: at huber_threshold), times the mask, averaged per
+        sample, times the scheme's weight."""
         noisy = self.noisy_latents(latents, d)
         p, t, weight = flow_matching.prediction_and_target(self.flow, pred.float(), noisy.float(),
                                                            latents.float(), d.noise.float(), d.sigmas)
         if target is not None:
             t = target
-        loss = elementwise_loss(p, t.float(), self.opts.loss_type)
+        loss = elementwise_loss(p, t.float(), self.opts.loss_type, self.huber_threshold(d.sigmas))
         if mask is not None:
             loss = apply_masked_loss(loss, mask)
         loss = loss.mean(dim=(1, 2, 3))
@@ -184,9 +198,11 @@ def check_options(opts, method_name: str) -> str | None:
                        "with SDPA, as sd-scripts' FLUX.1 / SD3 models, which ignore it)", what)
     if fam == "sd3":
         _check_sd3_ae(opts)
-    if opts.loss_type not in flow_family.LOSS_TYPES:
-        raise flow_family.FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
-                              "(huber's threshold follows the DDPM timesteps)")
+    if opts.loss_type in ("huber", "smooth_l1") and opts.huber_schedule not in flow_family.HUBER_SCHEDULES:
+        raise flow_family.FlowFamilyError(
+            f"huber_schedule {opts.huber_schedule}: loss_type {opts.loss_type} with the {what} model takes "
+            "huber_schedule constant or exponential (snr is the DDPM schedule's SNR, which a flow model "
+            "has not; sd-scripts stops on it too)")
     if method_name != "lora" and (opts.save_model_as or "safetensors") != "safetensors":
         raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")

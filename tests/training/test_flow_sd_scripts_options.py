@@ -11,6 +11,7 @@ each against what sd-scripts' code computes, done by hand:
 from __future__ import annotations
 
 import logging
+import math
 import types
 
 import pytest
@@ -126,3 +127,45 @@ def test_num_last_block_to_freeze_freezes_the_last_x_block_tensors(dataset, tmp_
     same = {k for k, p in trained.items() if torch.equal(p.detach(), initial[k])}
     assert same == frozen
     assert all(not trained[k].requires_grad for k in frozen)
+
+
+@pytest.mark.parametrize("model, loss_type, schedule", [
+    ("tiny-flux", "huber", "constant"), ("tiny-flux", "smooth_l1", "exponential"),
+    ("tiny-sd3", "huber", "exponential")])
+def test_flow_huber_loss_against_a_hand_computation(model, loss_type, schedule):
+    """sd-scripts' FLUX.1 / SD3 trainers take huber / smooth_l1 with the constant and exponential
+    schedules at their timesteps t = 1000 sigma (get_huber_threshold_if_needed, conditional_loss):
+    c = huber_c x huber_scale, or exp(ln(huber_c) t / 1000) x huber_scale; huber 2c(sqrt(d^2 +
+    c^2) - c), smooth_l1 2(sqrt(d^2 + c^2) - c), averaged per sample."""
+    huber_c, huber_scale = 0.2, 1.5
+    fam = "flux" if model == "tiny-flux" else "sd3"
+    extra = ["--model_prediction_type", "raw"] if fam == "flux" else []
+    opts = _opts(model, "--loss_type", loss_type, "--huber_schedule", schedule, "--huber_c", huber_c,
+                 "--huber_scale", huber_scale, "--weighting_scheme", "none", *extra,
+                 script="train_dreambooth" if fam == "flux" else "finetune")
+    assert flow_loss.check_options(opts, "dreambooth") == fam
+    losses = flow_loss.losses_for(opts, types.SimpleNamespace(family=fam))
+    torch.manual_seed(1)
+    latents, pred = torch.randn(3, 16, 8, 8), torch.randn(3, 16, 8, 8)
+    d = losses.draw(latents, [torch.Generator().manual_seed(s) for s in (5, 6, 7)])
+    got = losses.per_sample_loss(pred, latents, d)
+    noisy = losses.noisy_latents(latents, d).double()
+    for k in range(3):
+        s = float(d.sigmas[k])
+        x0, n = latents[k].double(), d.noise[k].double()
+        if fam == "flux":  # raw: the velocity against noise - x0
+            p, t = pred[k].double(), n - x0
+        else:  # SD3: the clean latent x_t - sigma * output against x0
+            p, t = noisy[k] - s * pred[k].double(), x0
+        c = huber_c * huber_scale if schedule == "constant" else \
+            torch.exp(torch.tensor(math.log(huber_c) * 1000 * s / 1000, dtype=torch.float64)) * huber_scale
+        root = torch.sqrt((p - t) ** 2 + c ** 2) - c
+        ref = float((2 * c * root if loss_type == "huber" else 2 * root).mean())
+        assert abs(float(got[k]) - ref) < 1e-5 * max(1.0, ref), (k, float(got[k]), ref)
+
+
+def test_flow_huber_snr_schedule_is_refused_in_one_line():
+    from library.models import flow_family
+
+    with pytest.raises(flow_family.FlowFamilyError, match="huber_schedule snr: loss_type huber with the SD3 model"):
+        flow_loss.check_options(_opts("tiny-sd3", "--loss_type", "huber", script="finetune"), "finetune")
