@@ -570,6 +570,11 @@ OPTIONS: tuple[Option, ...] = (
       "outputs; CLIP-L and CLIP-G run every step (with gradients under train_text_encoder). Implies "
       "cache_text_encoder_outputs; not with train_t5xxl. train_text_encoder with "
       "cache_text_encoder_outputs caches T5's outputs alone without it.", "training", scripts=FULL),
+    O("num_last_block_to_freeze", "int", None, "SD3 full fine-tune: freeze the last N parameter "
+      "tensors of the joint blocks' image stream (the names containing x_block, in the model's "
+      "order: the last block's adaLN_modulation.1 bias and weight, mlp.fc2 bias, ...), as "
+      "sd-scripts' sd3_train.py counts them (tensors, not blocks); they get no gradient and no "
+      "update. Unset or 0 = off.", "training", scripts=FULL, min=0),
     O("stop_text_encoder_training", "int", None, "With train_text_encoder: train the text encoder(s) "
       "for the first N optimizer steps only; after that they are frozen (no gradient, no update). "
       "Unset = for the whole run.", "training", scripts=FULL, min=1),
@@ -863,6 +868,21 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("zero3_init_flag", "flag", _IGN, "only used with ZeRO stage 3, which is not supported"),
     _n("zero3_save_16bit_model", "flag", _IGN, "only used with ZeRO stage 3, which is not supported"),
     _n("fp16_master_weights_and_gradients", "flag", _REJ, "changes the computation"),
+    # sd-scripts' FLUX.1 / SD3 scripts (flux_train_network.py, flux_train.py, sd3_train_network.py,
+    # sd3_train.py; the audit: tests/config/sd_scripts_flow_options.json)
+    _n("model_type", "value", _REJ, "only \"flux\": Chroma (sd-scripts' model_type = \"chroma\") is "
+       "another transformer, not built here", off=(None, "", "flux")),
+    _n("controlnet_model_name_or_path", "value", _IGN, "read only by sd-scripts' separate "
+       "flux_train_control_net.py; flux_train.py and flux_train_network.py ignore it too"),
+    _n("skip_latents_validity_check", "flag", _IGN, "sd-scripts' deprecated name of skip_cache_check: "
+       "cache speed only"),
+    *(_n(k, "flag", _IGN, "marked [DOES NOT WORK] in sd-scripts, which ignores it (no unified "
+         "checkpoint); an SD3 model is saved here in the layout it was loaded from")
+      for k in ("save_clip", "save_t5xxl")),
+    _n("t5xxl_dtype", "value", _IGN, "marked [DOES NOT WORK] in sd-scripts, which ignores it; T5-XXL "
+       "is loaded and run as the other text encoders are"),
+    _n("t5xxl_device", "value", _IGN, "marked [DOES NOT WORK] in sd-scripts, which ignores it; T5-XXL "
+       "is placed as the other text encoders are"),
 )
 
 SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NAMES}
@@ -994,17 +1014,9 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
         "mode_scale weighting_scheme").split()),
     *(GuiKey(n, "ldf", "option") for n in "split_mode single_blocks_to_swap double_blocks_to_swap".split()),
-    *_gui_family("model_type", "ldf", "FLUX.1"),
+    *(GuiKey(n, "ldf", "sd") for n in "model_type save_clip save_t5xxl t5xxl_dtype t5xxl_device".split()),
     *_gui_family("train_blocks", "df", "FLUX.1"),
     GuiKey("text_encoder_batch_size", "ldf", "option"),
-    *(GuiKey(n, "ldf", "ignore", "sd-scripts accepts it and does nothing ([DOES NOT WORK]: no "
-             "unified checkpoint); an SD3 model is saved here in the layout it was loaded from")
-      for n in ("save_clip", "save_t5xxl")),
-    # the GUI's SD3 tab writes t5xxl_dtype ("bf16") by default
-    GuiKey("t5xxl_dtype", "ldf", "ignore", "the dtype sd-scripts' sd3_train loads T5-XXL in; here "
-           "T5 is loaded and run as the other text encoders are"),
-    GuiKey("t5xxl_device", "ldf", "ignore", "the device sd-scripts' sd3_train puts T5-XXL on; here "
-           "T5 is placed as the other text encoders are"),
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
     *(GuiKey(n, "l", "option") for n in "enable_scaled_pos_embed pos_emb_random_crop_rate".split()),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),

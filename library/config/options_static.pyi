@@ -159,6 +159,7 @@ class Options:
     train_text_encoder: bool = ...  # default False
     train_t5xxl: bool = ...  # default False
     use_t5xxl_cache_only: bool = ...  # default False
+    num_last_block_to_freeze: int | None = ...  # default None
     stop_text_encoder_training: int | None = ...  # default None
     ema_decay: float | None = ...  # default None
     ema_device: str = ...  # default 'same'

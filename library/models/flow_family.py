@@ -45,29 +45,26 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
-                "use_t5xxl_cache_only")
+                "use_t5xxl_cache_only", "num_last_block_to_freeze")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
     "v_parameterization": "FLUX.1 predicts the flow velocity (see model_prediction_type)",
-    "scale_v_pred_loss_like_noise_pred": "an SNR weighting of the DDPM schedule",
-    "v_pred_like_loss": "an SNR weighting of the DDPM schedule",
-    "debiased_estimation_loss": "an SNR weighting of the DDPM schedule",
     "zero_terminal_snr": "a change of the DDPM schedule",
-    "ip_noise_gamma": "not wired for FLUX.1 yet",
     "weighted_captions": "sd-scripts' FLUX.1 / SD3 text encodings have no prompt weighting "
                          "(its strategy_flux / strategy_sd3 tokenize without weights)",
     "no_token_padding": "an SD1/SD2 DreamBooth option",
-    "vae": "the 16-channel autoencoder is the ae option",
     "tokenizer_path": "the tokenizers come with the model",
-    "xformers": "the transformer uses SDPA",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
 }
 # per family: what only the other one honours (SD3's sampling is weighting_scheme with
 # training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
 UNSUPPORTED_BY_FAMILY = {
-    "flux": {"apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
+    "flux": {"vae": "FLUX.1's 16-channel autoencoder is the ae option (sd-scripts' flux_train "
+                    "reads ae; SD3's scripts read vae)",
+             "num_last_block_to_freeze": "sd-scripts' sd3_train.py option (SD3's joint blocks)",
+             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
              **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
                 for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
@@ -85,7 +82,9 @@ UNSUPPORTED_BY_FAMILY = {
                for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
-LOSS_TYPES = ("l2", "l1")  # huber's schedule is the DDPM timesteps'
+# huber / smooth_l1 with huber_schedule constant or exponential (at t = 1000 sigma, as sd-scripts);
+# its snr schedule needs the DDPM schedule's SNR (flow_loss.check_options)
+HUBER_SCHEDULES = ("constant", "exponential")
 
 
 class FlowFamilyError(UserError, ValueError):
@@ -135,11 +134,18 @@ def load_from_options(opts) -> loading.ModelBundle:
                                vae_identity=m.ae_identity, flow=m)
 
 
+def sd3_ae_file(opts) -> str | None:
+    """SD3's separate autoencoder file: sd-scripts' SD3 scripts take it as ``vae``; ``ae``
+    (FLUX.1's name) is accepted too (flow_loss.check_options refuses two different files)."""
+    return opts.ae or opts.vae
+
+
 def _load_sd3(opts) -> loading.ModelBundle:
 
     src = opts.pretrained_model_name_or_path
+    ae = sd3_ae_file(opts)
     with loading.quiet_progress():
-        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=opts.ae,
+        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=ae,
                                     t5_loader=t5.model_from_state_dict, allow_pickle=opts.allow_pickle)
     for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
         part.eval()
@@ -155,7 +161,7 @@ def _load_sd3(opts) -> loading.ModelBundle:
         tokenizers.append(m.tokenizer_t5)
     path = os.path.expanduser(str(src))
     ident = loading.path_identity(path) if os.path.exists(path) else f"builtin:{src}"
-    ae_ident = loading.path_identity(os.path.expanduser(opts.ae)) if opts.ae else ident + ":vae"
+    ae_ident = loading.path_identity(os.path.expanduser(ae)) if ae else ident + ":vae"
     return loading.ModelBundle(family="sd3", unet=m.mmdit, vae=m.vae, text_encoders=encoders,
                                tokenizers=tokenizers, noise_scheduler=None,
                                v_parameterization=False, source=str(src), identity=ident,

@@ -431,3 +431,12 @@ def build_mmdit(config: MMDiTConfig, state_dict: dict | None = None, source: str
         raise SD3ModelError(f"{source}: unexpected SD3 transformer weights (e.g. {unexpected[0]}; "
                             f"{len(unexpected)} tensors)")
     return model
+
+
+def last_x_block_parameters(mmdit: nn.Module, n: int) -> list[str]:
+    """num_last_block_to_freeze (sd-scripts' sd3_train.py): the names of the last ``n`` parameter
+    tensors (not blocks) whose name contains ``x_block`` (the joint blocks' image stream), in the
+    module's order, which follows SAI's (and sd-scripts' SingleDiTBlock's): attn, attn2, mlp,
+    adaLN_modulation."""
+    names = [name for name, _ in mmdit.named_parameters() if "x_block" in name]
+    return names[max(0, len(names) - n):] if n > 0 else []

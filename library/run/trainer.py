@@ -139,7 +139,8 @@ class Run:
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
-        loading.set_attention(b, opts)
+        if b.flow is None:  # FLUX.1 / SD3 attend with SDPA (sdpa / xformers: flow_loss.check_options)
+            loading.set_attention(b, opts)
         # model-dependent loss-option errors now, before caching
         return Loaded(accelerator=acc, bundle=b,
                       losses=flow_loss.losses_for(opts, b))

@@ -1,14 +1,16 @@
 """The losses of a flow-matching family (FLUX.1), behind the interface the batch loss calls on
 library/training/losses.py's ``Losses``: ``draw`` (per-sample noise, then the sample's noise
-level, each from the sample's own generator), ``noisy_latents`` (x_t = (1 - sigma) x0 + sigma
-noise), ``per_sample_loss`` (prediction and target by model_prediction_type, the elementwise
-loss, masks, the scheme's per-sample weight). The formulas are library/training/flow_matching.py's.
+level, then FLUX.1's ip_noise_gamma perturbation xi, each from the sample's own generator),
+``noisy_latents`` (x_t = (1 - sigma) x0 + sigma (noise + gamma xi), sd-scripts'
+flux_train_utils; the target stays noise - x0), ``per_sample_loss`` (prediction and target by
+model_prediction_type, the elementwise loss, masks, the scheme's per-sample weight). The formulas are library/training/flow_matching.py's.
 
     losses = losses_for(opts, bundle)      FlowLosses for FLUX.1, the DDPM Losses otherwise
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,9 +53,20 @@ class FlowLosses:
         c, h, w = latents.shape[1:]
         noise = torch.stack([torch.randn((c, h, w), generator=g) for g in generators])
         t = flow_matching.sample_timesteps(self.flow, generators, (h, w))
+        input_noise = noise
+        gamma = self.opts.ip_noise_gamma
+        if gamma and self.flow.family == "flux":  # (SD3: no effect, as sd-scripts; check_options)
+            input_noise = torch.stack([noise[k] + self._ip_strength(gamma, g) * torch.randn((c, h, w), generator=g)
+                                       for k, g in enumerate(generators)])
         dev = latents.device
-        noise = noise.to(dev)
-        return FlowDraw(noise, noise, t.model_timesteps.to(dev), t.sigmas.to(dev))
+        return FlowDraw(noise.to(dev), input_noise.to(dev), t.model_timesteps.to(dev), t.sigmas.to(dev))
+
+    def _ip_strength(self, gamma: float, g) -> float:
+        """ip_noise_gamma's strength for one sample: gamma, or with ip_noise_gamma_random_strength
+        u gamma, u ~ U[0, 1) from the sample's generator (sd-scripts: one u per batch)."""
+        if self.opts.ip_noise_gamma_random_strength:
+            return float(torch.rand(1, generator=g)) * gamma
+        return gamma
 
     def fixed_draw(self, noise, count: int) -> FlowDraw:
         """The validation's draw (library/training/validation.py): the given (count, C, h, w)
@@ -78,15 +91,28 @@ class FlowLosses:
         """What a raw prediction is compared with: the velocity noise - x0."""
         return flow_matching.flow_target(latents, d.noise)
 
+    def huber_threshold(self, sigmas):
+        """sd-scripts' get_huber_threshold_if_needed at its flow timesteps t = 1000 sigma: (B,)
+        huber_c x huber_scale (constant) or exp(-alpha t) x huber_scale with alpha = -ln(huber_c)
+        / 1000, i.e. huber_c^sigma x huber_scale (exponential); None for l2 / l1."""
+        o = self.opts
+        if o.loss_type not in ("huber", "smooth_l1"):
+            return None
+        if o.huber_schedule == "constant":
+            return torch.full(sigmas.shape, o.huber_c * o.huber_scale, device=sigmas.device)
+        alpha = -math.log(o.huber_c) / flow_matching.NUM_TRAIN_TIMESTEPS
+        return torch.exp(-alpha * flow_matching.NUM_TRAIN_TIMESTEPS * sigmas.float()) * o.huber_scale
+
     def per_sample_loss(self, pred, latents, d: FlowDraw, mask=None, target=None):
         """(B,) loss of each sample: prediction and target by model_prediction_type, the
-        elementwise loss (times the mask), averaged per sample, times the scheme's weight."""
+        elementwise loss (huber / smooth_l1: at huber_threshold), times the mask, averaged per
+        sample, times the scheme's weight."""
         noisy = self.noisy_latents(latents, d)
         p, t, weight = flow_matching.prediction_and_target(self.flow, pred.float(), noisy.float(),
                                                            latents.float(), d.noise.float(), d.sigmas)
         if target is not None:
             t = target
-        loss = elementwise_loss(p, t.float(), self.opts.loss_type)
+        loss = elementwise_loss(p, t.float(), self.opts.loss_type, self.huber_threshold(d.sigmas))
         if mask is not None:
             loss = apply_masked_loss(loss, mask)
         loss = loss.mean(dim=(1, 2, 3))
@@ -115,12 +141,19 @@ NO_EFFECT = {
                         "flux_train / sd3_train ignore max_token_length)",
     "min_snr_gamma": "an SNR weighting of the DDPM schedule (use weighting_scheme); sd-scripts' "
                      "FLUX.1 / SD3 trainers skip it",
+    **{name: "an SNR weighting of the DDPM schedule; sd-scripts' FLUX.1 / SD3 trainers skip it "
+             "(their post_process_loss returns the loss unchanged)"
+       for name in ("scale_v_pred_loss_like_noise_pred", "v_pred_like_loss", "debiased_estimation_loss")},
+    "xformers": "the transformer attends with SDPA, as sd-scripts' FLUX.1 / SD3 models, which ignore it",
     "noise_offset": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
     "adaptive_noise_scale": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
     "multires_noise_iterations": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
 }
 # the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
 NO_EFFECT_BY_FAMILY = {
+    "sd3": {name: "sd-scripts' SD3 trainers add no input perturbation (sd3_train_utils draws the "
+                  "noisy input from the plain noise)"
+            for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
     "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
                              "FLUX.1 trainers ignore the timestep bounds)",
              "max_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
@@ -160,11 +193,16 @@ def check_options(opts, method_name: str) -> str | None:
         if flow_family._is_set(opts, name):
             logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
             warned.add(name)
-    if not opts.sdpa:
-        raise flow_family.FlowFamilyError(f"sdpa = false: the {what} transformer always uses SDPA attention")
-    if opts.loss_type not in flow_family.LOSS_TYPES:
-        raise flow_family.FlowFamilyError(f"loss_type {opts.loss_type}: {what} trains with l2 or l1 here "
-                              "(huber's threshold follows the DDPM timesteps)")
+    if not opts.sdpa and not opts.xformers:  # (xformers turns sdpa off: warned above)
+        logger.warning("option sdpa = false has no effect with the %s model (the transformer attends "
+                       "with SDPA, as sd-scripts' FLUX.1 / SD3 models, which ignore it)", what)
+    if fam == "sd3":
+        _check_sd3_ae(opts)
+    if opts.loss_type in ("huber", "smooth_l1") and opts.huber_schedule not in flow_family.HUBER_SCHEDULES:
+        raise flow_family.FlowFamilyError(
+            f"huber_schedule {opts.huber_schedule}: loss_type {opts.loss_type} with the {what} model takes "
+            "huber_schedule constant or exponential (snr is the DDPM schedule's SNR, which a flow model "
+            "has not; sd-scripts stops on it too)")
     if method_name != "lora" and (opts.save_model_as or "safetensors") != "safetensors":
         raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")
@@ -182,6 +220,15 @@ def check_options(opts, method_name: str) -> str | None:
         if name in opts.given and name not in warned:
             logger.warning("option %s has no effect here (%s)", name, why)
     return fam
+
+
+def _check_sd3_ae(opts) -> None:
+    """SD3's autoencoder file is sd-scripts' vae (ae, FLUX.1's name, is accepted too): one file."""
+    if opts.vae and not os.path.isfile(os.path.expanduser(opts.vae)):
+        raise flow_family.FlowFamilyError(f"vae: no such file: {opts.vae} (SD3's autoencoder file)")
+    if opts.vae and opts.ae and os.path.expanduser(opts.vae) != os.path.expanduser(opts.ae):
+        raise flow_family.FlowFamilyError(f"vae ({opts.vae}) and ae ({opts.ae}) both name SD3's "
+                                          "autoencoder file; give one")
 
 
 def _check_network(opts, fam: str, src: str) -> None:

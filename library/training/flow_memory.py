@@ -179,7 +179,8 @@ def _sd3_folder(opts, folder: str, header) -> dict:
         comps[name] = _sd3_separate(opts, which, header, clip_configs)
         if comps[name] is None:
             comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**clip_configs[which]))
-    ae_n = (_header_numel(opts.ae, "ae", header, "an SD3 folder") if opts.ae
+    ae = flow_family.sd3_ae_file(opts)
+    ae_n = (_header_numel(ae, "ae", header, "an SD3 folder") if ae
             else _folder_numel(os.path.join(folder, "vae"), header))
     comps["vae"] = Counted(ae_n, "ae")
     t5_dir = os.path.join(folder, "text_encoder_3")
@@ -208,8 +209,8 @@ def _sd3_file(opts, path: str, header) -> dict:
                 raise Unavailable(f"{path}: holds no {which} weights; give the {which} file (--{which})")
             config = sd3_checkpoint._clip_config(which, part, record, path)
             comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**config))
-    if opts.ae:
-        ae_n = _header_numel(opts.ae, "ae", header, "an SD3 file")
+    if flow_family.sd3_ae_file(opts):
+        ae_n = _header_numel(flow_family.sd3_ae_file(opts), "ae", header, "an SD3 file")
     else:
         ae_n = sum(int(torch.Size(v.shape).numel()) for k, v in keys.items() if k.startswith(sd3_vae.PREFIX))
         if not ae_n:

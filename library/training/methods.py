@@ -22,7 +22,7 @@ import torch
 
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, sd_checkpoint
+from library.models import embeddings, flow_family, sd3, sd_checkpoint
 from library.models.placement import trained_precision
 from library.training import block_lr
 from library.training.network_options import MaxNormStats, base_multipliers
@@ -477,6 +477,8 @@ class FullMethod:
             groups += [{"params": ps, "lr": opts.learning_rate} for ps in block_param_lists(b.unet)]
         elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
+        if opts.num_last_block_to_freeze and self.train_unet:  # SD3 (flow_loss.check_options)
+            groups = self._freeze_last_x_block_parameters(groups, opts.num_last_block_to_freeze)
         self.te_lrs = self.text_encoder_lrs()
         for i, (te, lr) in enumerate(zip(b.text_encoders, self.te_lrs)):
             te.requires_grad_(bool(lr))
@@ -491,6 +493,23 @@ class FullMethod:
         if self.stop_te_at is not None:
             self.info["ss_stop_text_encoder_training"] = self.stop_te_at
         return groups
+
+    def _freeze_last_x_block_parameters(self, groups: list, n: int) -> list:
+        """num_last_block_to_freeze: no gradient and no optimizer slot for those tensors (a
+        blockwise group left empty is dropped)."""
+        names = sd3.last_x_block_parameters(self.bundle.unet, n)
+        params = dict(self.bundle.unet.named_parameters())
+        frozen = {id(params[name]) for name in names}
+        for name in names:
+            params[name].requires_grad_(False)
+        logger.info(f"num_last_block_to_freeze: {len(names)} parameter tensors frozen "
+                    f"({names[0]} ... {names[-1]})" if names else "num_last_block_to_freeze: nothing to freeze")
+        out = []
+        for g in groups:
+            kept = [p for p in g["params"] if id(p) not in frozen]
+            if kept:
+                out.append({**g, "params": kept})
+        return out
 
     def trainable_parameters(self):
         return [p for g in self.param_groups for p in g["params"]]

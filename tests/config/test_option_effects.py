@@ -237,6 +237,9 @@ REFERENCE = {
     "split_mode": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
     "double_blocks_to_swap": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
     "single_blocks_to_swap": T + "config/test_kohya_gui.py::test_flux_deprecated_block_swap_keys",
+    # sd-scripts' FLUX.1 / SD3 option audit (optaudit)
+    "num_last_block_to_freeze": T + "training/test_flow_sd_scripts_options.py::"
+                                    "test_num_last_block_to_freeze_freezes_the_last_x_block_tensors",
     "text_encoder_batch_size": T + "training/test_flow_text_cache.py::test_text_encoder_batch_size_sets_the_caching_batches",
     "train_t5xxl": T + "training/test_sd3_text_encoder_train.py::"
                        "test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them",

@@ -136,10 +136,11 @@ def no_flux_loading(monkeypatch, no_weight_loading):
 @pytest.mark.parametrize("extra, message", [
     (["--zero_terminal_snr"], "zero_terminal_snr: not with the FLUX.1 model"),
     (["--v_parameterization"], "v_parameterization: not with the FLUX.1 model"),
-    (["--ip_noise_gamma", "0.1"], "ip_noise_gamma: not with the FLUX.1 model"),
+    (["--vae", "x.safetensors"], "vae: not with the FLUX.1 model"),
+    (["--num_last_block_to_freeze", "2"], "num_last_block_to_freeze: not with the FLUX.1 model"),
     (["--clip_g", "x.safetensors"], "clip_g: SD3's CLIP-G"),
     (["--timestep_sampling", "logit"], "timestep_sampling"),
-    (["--loss_type", "huber"], "loss_type huber"),
+    (["--loss_type", "huber"], "huber_schedule snr: loss_type huber with the FLUX.1 model takes"),
 ])
 def test_flux_unsupported_options_fail_before_loading(dataset, tmp_path, run_script, no_flux_loading,
                                                       extra, message):

@@ -100,7 +100,8 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
 @pytest.mark.parametrize("extra, message", [
     (["--t5xxl", "t5.safetensors"], "t5xxl: no such file"),
     (["--guidance_scale", "2.0"], "guidance_scale: not with the SD3 model"),
-    (["--v_pred_like_loss", "0.5"], "v_pred_like_loss: not with the SD3 model"),
+    (["--zero_terminal_snr"], "zero_terminal_snr: not with the SD3 model"),
+    (["--vae", "vae.safetensors"], "vae: no such file: vae.safetensors (SD3's autoencoder file)"),
     (["--double_blocks_to_swap", "4"], "double_blocks_to_swap: not with the SD3 model tiny-sd3: sd-scripts' "
                                        "deprecated FLUX.1 block-swap name; give blocks_to_swap"),
 ])
@@ -238,7 +239,7 @@ def test_sd3_options_change_the_loss_or_the_encoding(dataset):
     t1, t3 = draw(opts()), draw(opts("--training_shift", "3.0"))
     assert bool((t3 >= t1).all()) and bool((t3 > t1).any())  # a shift above 1 moves toward noise
     bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
-                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
+                                               clip_g=None, t5xxl=None, ae=None, vae=None, allow_pickle=False))
 
     def states(o):
         fm = family_model_for(bundle, o)
@@ -297,7 +298,7 @@ def test_sd3_context_is_clip_padded_then_t5(dataset, argv):
 
     opts = parse_args("finetune", sd3_args(dataset, "unused", *argv))
     bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
-                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
+                                               clip_g=None, t5xxl=None, ae=None, vae=None, allow_pickle=False))
     for enc in bundle.text_encoders:
         enc.double()
     fm = family_model_for(bundle, opts)
@@ -329,7 +330,7 @@ def test_sd3_text_encoder_dropout_against_a_seeded_hand_computation(dataset):
     opts = parse_args("finetune", sd3_args(dataset, "unused", "--t5xxl_max_token_length", "8",
                                            "--clip_l_dropout_rate", "0.5", "--t5_dropout_rate", "0.5"))
     bundle = load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
-                                               clip_g=None, t5xxl=None, ae=None, allow_pickle=False))
+                                               clip_g=None, t5xxl=None, ae=None, vae=None, allow_pickle=False))
     for enc in bundle.text_encoders:
         enc.double()
     fm = family_model_for(bundle, opts)
@@ -400,7 +401,7 @@ def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp
 
     def load(p):
         return load_from_options(SimpleNamespace(pretrained_model_name_or_path="tiny-sd3", clip_l=None,
-                                                 clip_g=None, t5xxl=p, ae=None, allow_pickle=False))
+                                                 clip_g=None, t5xxl=p, ae=None, vae=None, allow_pickle=False))
 
     b = load(path)
     got = b.text_encoders[2].state_dict()
