@@ -24,7 +24,13 @@ when it writes the TOML (kohya_gui/lora_gui.py ``train_model``, kohya_ss v26):
   checked (``sd3_clip_l`` -> ``clip_l``, ``flux1_cache_text_encoder_outputs`` ->
   ``cache_text_encoder_outputs``, ...); the model checkboxes themselves are dropped (the family
   is read from the weights);
-- the LoRA tab's filter: a value of "", false or 0 is not written.
+- the LoRA tab's text encoder / U-Net / T5-XXL rates -> ``text_encoder_lr`` (one per encoder),
+  ``unet_lr``, ``network_train_unet_only`` / ``network_train_text_encoder_only``;
+- ``max_train_steps`` 0: the GUI trains ``epoch`` epochs (it counts their steps from the image
+  folders) -> ``max_train_epochs``; a missing ``max_resolution`` is the GUI's default;
+- a number held as a string (older presets) is the number the GUI's field loads; the keys every
+  tab writes as ``value if value != 0 else None`` are unset at 0, and the LoRA tab's filter drops
+  any "", false or 0.
 """
 from __future__ import annotations
 
@@ -66,6 +72,11 @@ MODEL_TYPE_FIELDS = tuple(
     for src, _, key in (n.partition(":") for n in names.split()))
 # lora_gui.py's DEFAULT_TEXT_ENCODER_LR, DEFAULT_UNET_LR and its T5-XXL rate's default
 LORA_RATE_DEFAULTS = (("text_encoder_lr", 0.0001), ("unet_lr", 0.0001), ("t5xxl_lr", 0.0))
+# the keys every tab writes as `value if value != 0 else None` (lora_gui.py, dreambooth_gui.py,
+# finetune_gui.py config_toml_data) whose default here is not None
+ZERO_IS_UNSET = ("vae_batch_size", "clip_skip", "max_timestep", "min_timestep", "seed")
+GUI_RESOLUTION = "512,512"  # the GUI's max_resolution field (class_basic_training.py)
+NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
 OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
 OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
 
@@ -97,6 +108,30 @@ def _model_type_fields(d: dict) -> None:
         del d[k]  # the fields of HunyuanImage / Anima / Lumina (their checkbox is noted)
 
 
+def _gui_number(text: str):
+    """A number the GUI's JSON holds as a string (old presets: "1", "0.0001"): the number its
+    number field loads it as (int when integral); None for an empty or unreadable one, which the
+    GUI loads as 0 (common_gui.update_my_data)."""
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return int(f) if f.is_integer() else f
+
+
+def _epochs(d: dict, notes: list) -> None:
+    """With max_train_steps 0 and no dataset config the GUI computes the steps of ``epoch`` epochs
+    from its image folders (images x repeats / batch / accumulation x epoch, x 2 with
+    regularisation images): here that is max_train_epochs."""
+    steps, epochs = (_gui_number(str(d.get(k) or 0)) or 0 for k in ("max_train_steps", "max_train_epochs"))
+    n = 1 if d.get("epoch") is None else _gui_number(str(d["epoch"]) or "0") or 0  # (the GUI's default: 1)
+    if steps == 0 and epochs == 0 and n > 0 and not d.get("dataset_config"):
+        d.pop("epoch", None)
+        d["max_train_epochs"] = n
+        notes.append(f"epoch: max_train_steps is 0, so the GUI trains {n} epoch(s) (it counts their steps from "
+                     f"the image folders) -> max_train_epochs = {n}")
+
+
 def _rate(v) -> float:
     try:
         return float(v or 0)
@@ -126,6 +161,9 @@ def _json_fields(d: dict, notes: list) -> dict:
     d = dict(d)
     if "optimizer" in d:
         d["optimizer_type"] = d.pop("optimizer")
+    if d.get("max_resolution") is None and not d.get("dataset_config"):
+        d["max_resolution"] = GUI_RESOLUTION  # a preset without it: the GUI's field default
+        notes.append(f"max_resolution: not in the file; the GUI's default {GUI_RESOLUTION} -> resolution")
     if "max_resolution" in d:
         d["resolution"] = d.pop("max_resolution")
     if "lr_warmup" in d:
@@ -137,6 +175,7 @@ def _json_fields(d: dict, notes: list) -> dict:
         if pct and not d.get("lr_warmup_steps"):
             d["lr_warmup_steps"] = pct / 100  # a fraction of all steps, as the GUI computes
             notes.append(f"lr_warmup: {pct:g} % of the steps -> lr_warmup_steps = {pct / 100:g}")
+    _epochs(d, notes)
     if "xformers" in d and isinstance(d["xformers"], str):
         choice = d.pop("xformers")
         if choice == "xformers":
@@ -203,7 +242,12 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
             opt = OPTIONS_BY_NAME[name]
             if _unset(value) and opt.type in ("path", "str", "path_list") or value is None:
                 continue  # the GUI's empty field
-            if from_json and value == 0 and not isinstance(value, bool) and opt.default is None:
+            if from_json and opt.type in NUMBER_TYPES and isinstance(value, str):
+                value = _gui_number(value)  # the GUI's number field holds a number
+                if value is None:
+                    continue
+            if from_json and value == 0 and not isinstance(value, bool) and (opt.default is None or
+                                                                            name in ZERO_IS_UNSET):
                 continue  # the GUI writes its 0 fields as unset (`value or None`)
             if lora_tab and value in ("", False, None):
                 continue  # lora_gui.py's filter `value not in ["", False, None]` (0 == False)

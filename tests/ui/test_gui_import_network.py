@@ -15,6 +15,8 @@ from safetensors import safe_open
 from tests import kohya_gui_configs as gui
 
 from library.config.options import OPTIONS_BY_NAME
+from library.config.parse import parse_args
+from library.errors import UserError
 from library.ui.gui_import import MODEL_TYPE_FIELDS, import_config
 
 # every network field of the LoRA tab set off its default (a second case per type)
@@ -182,3 +184,29 @@ def test_lora_rates_choose_the_trained_parts_as_the_gui(te, unet, tmp_path):
     assert {k: cfg.get(k) for k in RATE_KEYS} == {k: ref.get(k) for k in RATE_KEYS}
     assert (cfg.get("network_train_unet_only"), cfg.get("network_train_text_encoder_only")) == \
         ((True, None) if te == 0 else (None, True) if unet == 0 else (None, None))
+
+
+def test_every_shipped_preset_imports_a_config_the_parser_accepts(tmp_path):
+    """Every GUI preset of a family trained here (LoRA, DreamBooth, fine-tune), its paths pointed
+    at the test's folder and a tiny model, imports into a config that parses: numbers the preset
+    holds as strings are numbers, 0 fields are unset, max_train_steps 0 is the GUI's epochs."""
+    (tmp_path / "data").mkdir()
+    paths = ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
+             "log_tracker_config", "in_json", "ae", "clip_l", "clip_g", "t5xxl", "sd3_clip_l", "sd3_t5xxl")
+    n = 0
+    for tab, script in (("lora", "train_lora"), ("dreambooth", "train_dreambooth"), ("finetune", "finetune")):
+        for name, preset in gui.presets(tab):
+            fam = gui.family_of(preset)
+            if fam is None:
+                continue
+            preset = dict(preset, pretrained_model_name_or_path=gui.tiny_model(fam), train_data_dir=str(tmp_path / "data"),
+                          output_dir=str(tmp_path / "out"), **{k: "" for k in paths if k in preset})
+            text, _ = import_config(json.dumps(preset), script)
+            path = tmp_path / "config.toml"
+            path.write_text(text, encoding="utf-8")
+            try:
+                parse_args(script, ["--config", str(path)])
+            except UserError as e:
+                pytest.fail(f"{tab}/{name}: {e}")
+            n += 1
+    assert n >= 30
