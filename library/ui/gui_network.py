@@ -12,6 +12,8 @@ trained here, or where the GUI itself refuses the combination.
 """
 from __future__ import annotations
 
+from library.errors import UserError
+
 # The GUI's defaults of the fields the translation reads (lora_gui.py's widgets, class_flux1.py
 # `config.get(..., default)`; the model checkboxes are unchecked).
 DEFAULTS = dict(
@@ -52,11 +54,26 @@ FLUX_VARS = ("img_attn_dim", "img_mlp_dim", "img_mod_dim", "single_dim", "txt_at
              "train_double_block_indices", "train_single_block_indices")
 
 
+class GuiNetworkError(UserError):
+    pass
+
+
 def loaded(fields: dict) -> dict:
-    """The values the GUI holds once it has loaded ``fields`` (a null field keeps the default;
-    update_my_data renames the old LoRA_type "LoCon")."""
+    """The values the GUI holds once it has loaded ``fields`` (a null field keeps the default; a
+    number field given as a string holds the number, an empty one its default; update_my_data
+    renames the old LoRA_type "LoCon")."""
     d = dict(DEFAULTS)
     d.update({k: v for k, v in fields.items() if v is not None})
+    for k, default in DEFAULTS.items():
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(d[k], str):
+            if not d[k].strip():
+                d[k] = default  # an empty number field: its default
+                continue
+            try:
+                f = float(d[k])
+            except ValueError:
+                raise GuiNetworkError(f"{k}: expected a number (a field of the GUI's LoRA tab), got {d[k]!r}") from None
+            d[k] = int(f) if f.is_integer() and "." not in d[k] else f
     if d["LoRA_type"] == "LoCon":
         d["LoRA_type"] = "LyCORIS/LoCon"
     return d

@@ -210,3 +210,11 @@ def test_every_shipped_preset_imports_a_config_the_parser_accepts(tmp_path):
                 pytest.fail(f"{tab}/{name}: {e}")
             n += 1
     assert n >= 30
+
+
+def test_network_fields_held_as_strings_are_numbers_and_a_bad_one_is_one_line(tmp_path):
+    preset = {"LoRA_type": "Kohya LoKr", "conv_dim": "4", "conv_alpha": "2.5", "factor": "8", "rank_dropout": ""}
+    cfg, _ = _imported(preset)
+    assert set(cfg["network_args"]) == {"conv_dim=4", "conv_alpha=2.5", "factor=8"}
+    with pytest.raises(UserError, match=r"^conv_dim: expected a number .* got 'x'$"):
+        _imported({"LoRA_type": "LyCORIS/LoKr", "conv_dim": "x"})
