@@ -60,7 +60,8 @@ TAB_DEFAULTS = {
                  use_scalar=False, rank_dropout_scale=False, constrain=0.0, rescaled=False,
                  train_norm=False, decompose_both=False, train_on_input=True,
                  loraplus_lr_ratio=0, loraplus_unet_lr_ratio=0, loraplus_text_encoder_lr_ratio=0,
-                 dim_from_weights=False, fp8_base_unet=False),
+                 dim_from_weights=False, fp8_base_unet=False, train_lora_ggpo=False,
+                 ggpo_sigma=0.03, ggpo_beta=0.01),
     "dreambooth": dict(learning_rate=1e-5, lr_scheduler="cosine", lr_warmup=10,
                        learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5),
     "finetune": dict(learning_rate=1e-5, lr_scheduler="constant", lr_warmup=0,
@@ -104,7 +105,7 @@ FLOW_DEFAULTS = dict(
     flux_fused_backward_pass=False, flux1_cache_text_encoder_outputs=False,
     flux1_cache_text_encoder_outputs_to_disk=False, img_attn_dim="", img_mlp_dim="",
     img_mod_dim="", single_dim="", txt_attn_dim="", txt_mlp_dim="", txt_mod_dim="",
-    single_mod_dim="", in_dims="", train_double_block_indices="", train_single_block_indices="",
+    single_mod_dim="", in_dims="", train_double_block_indices="all", train_single_block_indices="all",
     weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, clip_g="",
     save_clip=False, save_t5xxl=False, t5xxl_device="", t5xxl_dtype="bf16",
     sd3_text_encoder_batch_size=1, sd3_cache_text_encoder_outputs=False,
@@ -283,6 +284,10 @@ def _lora_network_by_type(d: dict) -> tuple[str, str]:
     if t == "Flux1":
         # lora_gui.py: the per-kind dims and block indices set in the GUI, split_mode forcing
         # train_blocks = single, split_qkv and train_t5xxl, then rank/module dropout
+        if d["train_lora_ggpo"]:  # LoRA-GGPO: its two values join the list
+            for k in ("ggpo_sigma", "ggpo_beta"):
+                if d[k]:
+                    args += f" {k}={d[k]}"
         names = ("img_attn_dim", "img_mlp_dim", "img_mod_dim", "single_dim", "txt_attn_dim",
                  "txt_mlp_dim", "txt_mod_dim", "single_mod_dim", "in_dims",
                  "train_double_block_indices", "train_single_block_indices")
@@ -293,7 +298,7 @@ def _lora_network_by_type(d: dict) -> tuple[str, str]:
             args += " train_blocks=single"
         if d["split_qkv"]:
             args += " split_qkv=True"
-        if d["train_t5xxl"]:
+        if d["train_t5xxl"] and d.get("flux1_checkbox"):
             args += " train_t5xxl=True"
         for k in ("rank_dropout", "module_dropout"):
             if d[k] is not None and float(d[k]) > 0:

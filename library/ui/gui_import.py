@@ -12,10 +12,25 @@ SD_SCRIPTS_NAMES, GUI_KEYS), the same tables the parser and docs/KOHYA_GUI.md us
 - one that cannot be honoured (another model family, an unsupported feature): dropped when unset,
   else dropped and noted, so that the rest still imports and the user sees what is missing;
 - an unknown key: dropped, noted with the closest option name.
-The GUI's saved JSON uses its field names for a few keys (``optimizer``, ``max_resolution``,
-``lr_warmup`` in percent, ``LoRA_type``, ``xformers`` as a choice, ``sdxl``): those are translated
-as the GUI does when it writes the TOML (kohya_gui/lora_gui.py ``train_model``); a LyCORIS
-``LoRA_type`` is noted, not translated (its network_args are set by hand).
+The GUI's saved JSON (every field of its form) is first turned into the keys the GUI writes
+when it writes the TOML (kohya_gui/lora_gui.py ``train_model``, kohya_ss v26):
+- its field names for a few keys (``optimizer``, ``max_resolution``, ``lr_warmup`` in percent,
+  ``xformers`` as a choice, ``lora_network_weights``);
+- ``LoRA_type`` with its LyCORIS / LoRA / FLUX.1 fields (LyCORIS_preset, conv_dim, factor,
+  use_tucker, dropouts, block dims, LoRA+ ratios, split_qkv, img_attn_dim, ...) ->
+  ``network_module`` and ``network_args`` (library/ui/gui_network.py); a type of a model family
+  not trained here (Anima, Lumina, HunyuanImage-2.1) is a note;
+- the FLUX.1 / SD3 / SDXL fields, each written under its TOML key only with its model type
+  checked (``sd3_clip_l`` -> ``clip_l``, ``flux1_cache_text_encoder_outputs`` ->
+  ``cache_text_encoder_outputs``, ...); the model checkboxes themselves are dropped (the family
+  is read from the weights);
+- the LoRA tab's text encoder / U-Net / T5-XXL rates -> ``text_encoder_lr`` (one per encoder),
+  ``unet_lr``, ``network_train_unet_only`` / ``network_train_text_encoder_only``;
+- ``max_train_steps`` 0: the GUI trains ``epoch`` epochs (it counts their steps from the image
+  folders) -> ``max_train_epochs``; a missing ``max_resolution`` is the GUI's default;
+- a number held as a string (older presets) is the number the GUI's field loads; the keys every
+  tab writes as ``value if value != 0 else None`` are unset at 0, and the LoRA tab's filter drops
+  any "", false or 0.
 """
 from __future__ import annotations
 
@@ -28,8 +43,42 @@ import toml
 from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS_BY_NAME,
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
+from library.ui.gui_network import NETWORK_FIELDS, OTHER_FAMILY_BOXES, gui_network
 
 DATASET_KEYS = ("general", "datasets")
+FLOW_BOXES = ("flux1_checkbox", "sd3_checkbox")  # the GUI's FLUX.1 / SD3 model type
+# (the model type checkboxes that write it, its field in the GUI's JSON, the TOML key written)
+MODEL_TYPE_FIELDS = tuple(
+    (boxes, src, key or src) for boxes, names in (
+        ("flux1_checkbox", "ae split_mode t5xxl_max_token_length guidance_scale mem_eff_save "
+                           "apply_t5_attn_mask cpu_offload_checkpointing single_blocks_to_swap "
+                           "double_blocks_to_swap fp8_base_unet discrete_flow_shift model_prediction_type "
+                           "timestep_sampling clip_l t5xxl model_type blockwise_fused_optimizers "
+                           "flux1_cache_text_encoder_outputs:cache_text_encoder_outputs "
+                           "flux1_cache_text_encoder_outputs_to_disk:cache_text_encoder_outputs_to_disk "
+                           "flux_fused_backward_pass:fused_backward_pass"),
+        ("sd3_checkbox", "sd3_clip_l:clip_l sd3_t5xxl:t5xxl clip_g clip_g_dropout_rate "
+                         "sd3_clip_l_dropout_rate:clip_l_dropout_rate "
+                         "sd3_enable_scaled_pos_embed:enable_scaled_pos_embed logit_mean logit_std mode_scale "
+                         "pos_emb_random_crop_rate save_clip save_t5xxl sd3_t5_dropout_rate:t5_dropout_rate "
+                         "t5xxl_device t5xxl_dtype sd3_text_encoder_batch_size:text_encoder_batch_size "
+                         "weighting_scheme sd3_disable_mmap_load_safetensors:disable_mmap_load_safetensors "
+                         "sd3_fused_backward_pass:fused_backward_pass "
+                         "sd3_cache_text_encoder_outputs:cache_text_encoder_outputs "
+                         "sd3_cache_text_encoder_outputs_to_disk:cache_text_encoder_outputs_to_disk"),
+        ("flux1_checkbox sd3_checkbox", "blocks_to_swap show_timesteps show_timesteps_resolution"),
+        ("sdxl", "sdxl_cache_text_encoder_outputs:cache_text_encoder_outputs sdxl_no_half_vae:no_half_vae"),
+    )
+    for src, _, key in (n.partition(":") for n in names.split()))
+# lora_gui.py's DEFAULT_TEXT_ENCODER_LR, DEFAULT_UNET_LR and its T5-XXL rate's default
+LORA_RATE_DEFAULTS = (("text_encoder_lr", 0.0001), ("unet_lr", 0.0001), ("t5xxl_lr", 0.0))
+# the keys every tab writes as `value if value != 0 else None` (lora_gui.py, dreambooth_gui.py,
+# finetune_gui.py config_toml_data) whose default here is not None
+ZERO_IS_UNSET = ("vae_batch_size", "clip_skip", "max_timestep", "min_timestep", "seed")
+GUI_RESOLUTION = "512,512"  # the GUI's max_resolution field (class_basic_training.py)
+NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
+OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
+OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
 
 
 class ImportError_(UserError):
@@ -41,11 +90,80 @@ def _unset(v) -> bool:
     return v is None or v is False or v == ""
 
 
+def _model_type_fields(d: dict) -> None:
+    """The fields of one model type (FLUX.1, SD3, SDXL, and the families not trained here): the GUI
+    writes each, under its TOML key, only with that type checked (lora_gui.py config_toml_data,
+    ``... if flux1_checkbox else None``); a flag several types set is true when one of them is."""
+    checked = {box: bool(d.get(box)) for box in (*FLOW_BOXES, "sdxl")}
+    checked["sdxl"] = checked["sdxl"] or bool(d.get("sdxl_checkbox"))
+    pulled = {src: d.pop(src) for _, src, _ in MODEL_TYPE_FIELDS if src in d}
+    for boxes, src, key in MODEL_TYPE_FIELDS:
+        if src not in pulled or not any(checked[b] for b in boxes.split()):
+            continue
+        if key in OR_KEYS:
+            d[key] = bool(d.get(key)) or bool(pulled[src])
+        elif src != "model_type" or pulled[src] == "chroma":  # written for Chroma only
+            d[key] = pulled[src]
+    for k in [k for k in d if k.startswith(OTHER_FAMILY_PREFIXES) and k not in OTHER_FAMILY_BOXES]:
+        del d[k]  # the fields of HunyuanImage / Anima / Lumina (their checkbox is noted)
+
+
+def _gui_number(text: str):
+    """A number the GUI's JSON holds as a string (old presets: "1", "0.0001"): the number its
+    number field loads it as (int when integral); None for an empty or unreadable one, which the
+    GUI loads as 0 (common_gui.update_my_data)."""
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return int(f) if f.is_integer() else f
+
+
+def _epochs(d: dict, notes: list) -> None:
+    """With max_train_steps 0 and no dataset config the GUI computes the steps of ``epoch`` epochs
+    from its image folders (images x repeats / batch / accumulation x epoch, x 2 with
+    regularisation images): here that is max_train_epochs."""
+    steps, epochs = (_gui_number(str(d.get(k) or 0)) or 0 for k in ("max_train_steps", "max_train_epochs"))
+    n = 1 if d.get("epoch") is None else _gui_number(str(d["epoch"]) or "0") or 0  # (the GUI's default: 1)
+    if steps == 0 and epochs == 0 and n > 0 and not d.get("dataset_config"):
+        d.pop("epoch", None)
+        d["max_train_epochs"] = n
+        notes.append(f"epoch: max_train_steps is 0, so the GUI trains {n} epoch(s) (it counts their steps from "
+                     f"the image folders) -> max_train_epochs = {n}")
+
+
+def _rate(v) -> float:
+    try:
+        return float(v or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _lora_rates(d: dict) -> None:
+    """The LoRA tab's text encoder / U-Net / T5-XXL rates -> the keys lora_gui.py writes: a rate of
+    0 leaves that part untrained (network_train_unet_only / _text_encoder_only), the text encoder
+    rate is one per encoder (T5-XXL's own when set)."""
+    rates = []
+    for k, default in LORA_RATE_DEFAULTS:
+        v = d.pop(k, None)
+        rates.append(default if v is None else _rate(v))  # a missing field: the GUI's default
+    te, unet, t5 = rates
+    d["network_train_unet_only"] = te == 0 and unet != 0
+    d["network_train_text_encoder_only"] = te != 0 and unet == 0
+    if te > 0:
+        d["text_encoder_lr"] = [te, t5 if t5 > 0 else te]
+    if unet != 0:
+        d["unet_lr"] = unet
+
+
 def _json_fields(d: dict, notes: list) -> dict:
     """The GUI's saved field names -> the TOML keys it writes for them."""
     d = dict(d)
     if "optimizer" in d:
         d["optimizer_type"] = d.pop("optimizer")
+    if d.get("max_resolution") is None and not d.get("dataset_config"):
+        d["max_resolution"] = GUI_RESOLUTION  # a preset without it: the GUI's field default
+        notes.append(f"max_resolution: not in the file; the GUI's default {GUI_RESOLUTION} -> resolution")
     if "max_resolution" in d:
         d["resolution"] = d.pop("max_resolution")
     if "lr_warmup" in d:
@@ -57,23 +175,30 @@ def _json_fields(d: dict, notes: list) -> dict:
         if pct and not d.get("lr_warmup_steps"):
             d["lr_warmup_steps"] = pct / 100  # a fraction of all steps, as the GUI computes
             notes.append(f"lr_warmup: {pct:g} % of the steps -> lr_warmup_steps = {pct / 100:g}")
+    _epochs(d, notes)
     if "xformers" in d and isinstance(d["xformers"], str):
         choice = d.pop("xformers")
         if choice == "xformers":
             d["xformers"] = True
         elif choice == "sdpa":
             d["sdpa"] = True
-    for k in ("sdxl", "sdxl_checkbox"):
-        if k in d:
-            d.pop(k)
+    if d.get("LoRA_type"):
+        _lora_rates(d)
+        module, args, net_notes = gui_network(d)
+        notes += net_notes
+        for k in ("LoRA_type", *NETWORK_FIELDS):
+            d.pop(k, None)
+        if module:
+            d["network_module"] = module
+        if args:
+            d["network_args"] = args
+    _model_type_fields(d)
+    for k in ("sdxl", "sdxl_checkbox", *FLOW_BOXES):
+        if k in d and (d.pop(k) or k.startswith("sdxl")):
             notes.append(f"{k}: dropped; the model family is read from the weights")
-    lora_type = d.pop("LoRA_type", None)
-    if lora_type in ("Standard", None, ""):
-        if lora_type:
-            d.setdefault("network_module", "networks.lora")
-    else:
-        notes.append(f"LoRA_type {lora_type!r}: not translated; set network_module = "
-                     "\"lycoris.kohya\" and network_args (algo=...) by hand (docs/NETWORK_OPTIONS.md)")
+    for k, family in OTHER_FAMILY_BOXES.items():
+        if d.pop(k, None):
+            notes.append(f"{k}: dropped; the GUI's {family} model type is not trained here")
     if "lora_network_weights" in d:
         d["network_weights"] = d.pop("lora_network_weights")
     return d
@@ -85,6 +210,7 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
         raise ImportError_("text: empty; paste a kohya_ss GUI config (JSON or TOML)")
     notes: list[str] = []
     from_json = text.startswith("{")
+    lora_tab = False  # the LoRA tab's saved JSON
     if from_json:
         try:
             data = json.loads(text)
@@ -92,6 +218,7 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
             raise ImportError_(f"text: invalid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ImportError_("text: expected a JSON object of GUI fields")
+        lora_tab = bool(data.get("LoRA_type"))
         data = _json_fields(data, notes)
     else:
         try:
@@ -115,8 +242,15 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
             opt = OPTIONS_BY_NAME[name]
             if _unset(value) and opt.type in ("path", "str", "path_list") or value is None:
                 continue  # the GUI's empty field
-            if from_json and value == 0 and not isinstance(value, bool) and opt.default is None:
+            if from_json and opt.type in NUMBER_TYPES and isinstance(value, str):
+                value = _gui_number(value)  # the GUI's number field holds a number
+                if value is None:
+                    continue
+            if from_json and value == 0 and not isinstance(value, bool) and (opt.default is None or
+                                                                            name in ZERO_IS_UNSET):
                 continue  # the GUI writes its 0 fields as unset (`value or None`)
+            if lora_tab and value in ("", False, None):
+                continue  # lora_gui.py's filter `value not in ["", False, None]` (0 == False)
             if script not in opt.scripts:
                 notes.append(f"{key}: dropped; not an option of {script} (it applies to: "
                              f"{', '.join(opt.scripts)})")
@@ -127,7 +261,7 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
             out[name] = value
             if key != name:
                 notes.append(f"{key}: written as {name}")
-            if gui is not None and gui.why:
+            if gui is not None and gui.why and not (from_json and key == "network_args"):  # ours
                 notes.append(f"{key}: {gui.why}")
         elif name in SD_SCRIPTS_BY_NAME:
             entry = SD_SCRIPTS_BY_NAME[name]

@@ -146,9 +146,11 @@ def test_import_a_gui_preset_with_notes(ui, data, tmp_path):
     assert tomllib.loads(out["config"]) == {"network_dim": 4}
     assert any(n.startswith("model_type: dropped; cannot be used here") for n in out["notes"]), out["notes"]
     assert "netwrk_alpha: dropped; unknown key (did you mean network_alpha?)" in out["notes"]
-    lyco = dict(GUI_PRESET, LoRA_type="LyCORIS/LoHa")
+    lyco = dict(GUI_PRESET, LoRA_type="LyCORIS/LoHa", conv_dim=4)  # (tests/ui/test_gui_import_network.py)
     out = ui.client.post("/api/import", json={"script": "train_lora", "text": json.dumps(lyco)}).json()
-    assert any("LoRA_type 'LyCORIS/LoHa': not translated" in n for n in out["notes"])
+    cfg = tomllib.loads(out["config"])
+    assert cfg["network_module"] == "lycoris.kohya" and {"algo=loha", "conv_dim=4"} <= set(cfg["network_args"])
+    assert not any(n.startswith("LoRA_type") for n in out["notes"]), out["notes"]
     bad = ui.client.post("/api/import", json={"script": "train_lora", "text": "{nope"})
     assert bad.status_code == 422 and "invalid JSON" in bad.json()["error"]
 
