@@ -10,6 +10,20 @@ import torch
 from library.training import memory_estimate as me
 from tests.helpers import make_opts
 
+
+def refuse_tensor_reads(patch, family: str) -> None:
+    """Any read of tensor data fails the test (the estimate reads headers and configs only);
+    the family detection, which reads the keys, answers ``family``. ``patch``: a monkeypatch."""
+    import safetensors
+    import safetensors.torch
+
+    def refuse(*a, **k):
+        raise AssertionError("tensor data was read")
+
+    for mod, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"), (safetensors.torch, "safe_open")):
+        patch.setattr(mod, name, refuse)
+    patch.setattr("library.models.flow_family.family_before_loading", lambda src: family)
+
 # shapes that exercise every rule: vectors, a small matrix (< bitsandbytes' 4096-element 8-bit
 # minimum), matrices and 3x3 / 1x1 conv kernels (Adafactor factors only the last two dims), and a
 # zero-initialised matrix (a LoRA up weight: Prodigy keeps a 0-dim copy of it)
@@ -454,7 +468,6 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
 def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
     """A BFL transformer file with clip_l / t5xxl / ae files: the transformer built from the
     header's shapes, the other parts counted from their headers; no tensor data read."""
-    import safetensors
     from safetensors.torch import save_file
 
     from library.config.parse import parse_args
@@ -478,11 +491,7 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
         save_file(sd, files[key], metadata=meta)
         written[key] = sum(v.numel() for v in sd.values())
 
-    def refuse(*a, **k):
-        raise AssertionError("tensor data was read")
-
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr("library.models.flow_family.family_before_loading", lambda src: "flux")
+    refuse_tensor_reads(monkeypatch, "flux")
     opts = parse_args("train_dreambooth", [
         "--pretrained_model_name_or_path", model, "--clip_l", files["clip_l"], "--t5xxl",
         files["t5xxl"], "--ae", files["ae"], "--train_data_dir", "unused", "--resolution", "64",
@@ -544,8 +553,6 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
     safetensors headers and config files only (reading tensor data fails the test), for a LoRA run
     with T5 trained (train_t5xxl): every component's parameter count and the LoRA's trained
     parameters (T5's modules included) equal the real run's (which loads them)."""
-    import safetensors
-    import safetensors.torch
 
     from library.config.parse import parse_args
     from library.models import flow_family
@@ -558,14 +565,8 @@ def test_flow_files_and_folders_are_estimated_without_their_tensors(source, trai
             "--learning_rate", "1e-3", "--cache_latents", "--network_module", module, "--network_dim", "4"]
     t5_arg = ["--network_args", "train_t5xxl=True"]
 
-    def refuse(*a, **k):
-        raise AssertionError("tensor data was read")
-
     with monkeypatch.context() as m:
-        for mod, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"),
-                          (safetensors.torch, "safe_open")):
-            m.setattr(mod, name, refuse)
-        m.setattr(flow_family, "family_before_loading", lambda src: family)  # detection reads keys
+        refuse_tensor_reads(m, family)
         est = me.estimate(parse_args("train_lora", [*argv, *t5_arg, "--dry_run"]), "lora")
         without_t5 = me.estimate(parse_args("train_lora", [*argv, "--dry_run"]), "lora")
     rc, out, err, run = train("train_lora", [*argv, *t5_arg])
@@ -583,8 +584,6 @@ def test_sd3_folder_with_separate_files_is_estimated_as_the_loader_builds_it(tmp
     """An SD3 diffusers folder with ``clip_l`` and ``t5xxl`` files (a 3-layer T5, not the
     folder's 2): the files replace the folder's parts in the estimate as in the loader; every
     component's parameter count equals the loaded model's; no tensor data read."""
-    import safetensors
-    import safetensors.torch
     from safetensors.torch import save_file
     from transformers import T5Config, T5EncoderModel
 
@@ -603,14 +602,8 @@ def test_sd3_folder_with_separate_files_is_estimated_as_the_loader_builds_it(tmp
             "--train_data_dir", "unused", "--resolution", "64", "--max_train_steps", "1", "--dry_run"]
     opts = parse_args("train_dreambooth", argv)
 
-    def refuse(*a, **k):
-        raise AssertionError("tensor data was read")
-
     with monkeypatch.context() as m:
-        for mod, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file"),
-                          (safetensors.torch, "safe_open")):
-            m.setattr(mod, name, refuse)
-        m.setattr(flow_family, "family_before_loading", lambda src: "sd3")  # detection reads keys
+        refuse_tensor_reads(m, "sd3")
         est = me.estimate(opts, "dreambooth")
     real = flow_family.load_from_options(opts)
     parts = {"unet": real.unet, "vae": real.vae, "text_encoder": real.text_encoders[0],
