@@ -9,6 +9,8 @@ error, so a test cannot build options no run could have. The required options
 only what its unit reads. End-to-end tests use parse_args with an argv instead.
 
 ``source_files()`` lists the toolkit's own Python files, for the tests that scan the code.
+``load_lora_logged(pipe, path)`` runs diffusers' ``load_lora_weights`` and returns what diffusers
+logged meanwhile (lower case), for the tests that every key of a file is taken.
 ``single_token_self_attention(unet)`` finds the LoRA targets whose gradient is zero in exact
 arithmetic (a test must not assert what float noise does there).
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
+import logging
 import os
 
 from library.config.parse import Options, options_from_values
@@ -123,3 +127,21 @@ def reaccelerate(run, acc) -> None:
     state after the run): the run's record and the batch loss, which computes with it."""
     run.parts.accelerator = acc
     run.parts.batch_loss.accelerator = acc
+
+
+def load_lora_logged(pipe, path: str) -> str:
+    """``pipe.load_lora_weights(path)`` with diffusers' log at INFO captured: the log, lower case
+    (diffusers names the keys it skips or cannot place there)."""
+    from diffusers.utils import logging as diffusers_logging  # lazy: only the diffusers loader tests need it
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setLevel(logging.INFO)
+    diffusers_logging.get_logger("diffusers").addHandler(handler)
+    diffusers_logging.set_verbosity_info()
+    try:
+        pipe.load_lora_weights(path)
+    finally:
+        diffusers_logging.get_logger("diffusers").removeHandler(handler)
+        diffusers_logging.set_verbosity_warning()
+    return buf.getvalue().lower()

@@ -4,8 +4,6 @@ PEFT converted to kohya's layout loads in networks.lora_flux and ComfyUI's key m
 merged weights; sd-scripts' fused-qkv construction exactly; bad input one line, exit 2."""
 from __future__ import annotations
 
-import io
-import logging
 import os
 import subprocess
 import sys
@@ -20,6 +18,7 @@ from networks import convert_flux_lora, lora_flux
 from networks.lora import write_weights
 from tests.client_key_tables import comfy_dit_shapes
 from tests.conftest import ROOT
+from tests.helpers import load_lora_logged
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +53,6 @@ def _kohya_expected(weights: dict, sd: dict) -> dict:
     return out
 
 
-def _diffusers_log():
-    from diffusers.utils import logging as diffusers_logging
-
-    buf = io.StringIO()
-    handler = logging.StreamHandler(buf)
-    diffusers_logging.get_logger("diffusers").addHandler(handler)
-    diffusers_logging.set_verbosity_info()
-    return buf, handler
-
-
 def test_kohya_file_converted_loads_in_diffusers_with_the_kohya_deltas(parts, folder, tmp_path, capsys):
     """One file with both of sd-scripts' fused cases: split_qkv modules (block-diagonal up: cut into
     the parts' own A / B) on block 0, plain ones (each part gets the whole down) on block 1, the
@@ -71,7 +60,6 @@ def test_kohya_file_converted_loads_in_diffusers_with_the_kohya_deltas(parts, fo
     (left out with a warning). diffusers loads the PEFT keys directly: every key consumed, every
     fused weight W + up @ down * alpha / rank of the kohya file in float64."""
     from diffusers import FluxPipeline
-    from diffusers.utils import logging as diffusers_logging
 
     flux = parts["transformer"]
     split = lora_flux.create_network(1.0, 4, 3, None, [parts["clip_l"]], flux, split_qkv="True",
@@ -98,14 +86,9 @@ def test_kohya_file_converted_loads_in_diffusers_with_the_kohya_deltas(parts, fo
         assert f.metadata()["ss_network_module"] == "networks.lora_flux"  # kept, as sd-scripts
 
     pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float64)
-    buf, handler = _diffusers_log()
-    try:
-        pipe.load_lora_weights(dst)
-    finally:
-        diffusers_logging.get_logger("diffusers").removeHandler(handler)
-        diffusers_logging.set_verbosity_warning()
+    log = load_lora_logged(pipe, dst)
     # the one note diffusers gives: the file has no CLIP-L keys (ai-toolkit's layout has none)
-    log = "\n".join(line for line in buf.getvalue().lower().splitlines() if "cliptextmodel" not in line)
+    log = "\n".join(line for line in log.splitlines() if "cliptextmodel" not in line)
     assert "unexpected" not in log and "unsupported" not in log and "incompatible" not in log, log
     layers = [m for m in pipe.transformer.modules() if hasattr(m, "lora_A") and len(m.lora_A)]
     assert len(layers) == sum(k.endswith(".lora_A.weight") for k in ait)

@@ -2,7 +2,6 @@
 that diffusers' kohya FLUX converter and ComfyUI's key map load, split_qkv, tools."""
 from __future__ import annotations
 
-import io
 import logging
 
 import pytest
@@ -14,6 +13,7 @@ from library.models import flux_checkpoint, flux_saving, tiny_flux
 from networks import lora_dit, lora_flux, resize_lora
 from networks.lora import LoRAError, write_weights
 from tests.client_key_tables import comfy_dit_shapes
+from tests.helpers import load_lora_logged
 
 
 @pytest.fixture(scope="module")
@@ -126,17 +126,6 @@ def test_split_qkv_module_is_sd_scripts_split_lora_and_its_file_is_exact(parts, 
         again.load_weights(path)
 
 
-def _capture_diffusers_log():
-    from diffusers.utils import logging as diffusers_logging
-
-    buf = io.StringIO()
-    handler = logging.StreamHandler(buf)
-    handler.setLevel(logging.INFO)
-    diffusers_logging.get_logger("diffusers").addHandler(handler)
-    diffusers_logging.set_verbosity_info()
-    return buf, handler
-
-
 def _expected(weights, sd, prefix, path_of):
     """float64 W + up @ down * alpha / rank for every weight the file names, W elsewhere."""
     out = {}
@@ -152,7 +141,6 @@ def _expected(weights, sd, prefix, path_of):
 
 def test_file_loads_in_diffusers_every_key_consumed_and_weights_exact(parts, tmp_path):
     from diffusers import FluxPipeline
-    from diffusers.utils import logging as diffusers_logging
 
     folder = str(tmp_path / "tiny-flux")
     flux_saving.save_diffusers_folder(parts, "dev", folder)
@@ -165,13 +153,7 @@ def test_file_loads_in_diffusers_every_key_consumed_and_weights_exact(parts, tmp
     path = str(tmp_path / "flux_lora.safetensors")
     write_weights(path, sd, torch.float64, lora_flux.file_metadata("dev"))
     pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float64)
-    buf, handler = _capture_diffusers_log()
-    try:
-        pipe.load_lora_weights(path)
-    finally:
-        diffusers_logging.get_logger("diffusers").removeHandler(handler)
-        diffusers_logging.set_verbosity_warning()
-    log = buf.getvalue().lower()
+    log = load_lora_logged(pipe, path)
     assert "unsupported keys" not in log and "unexpected" not in log and "incompatible" not in log, log
     file_sd = load_file(path)
     n_modules = sum(1 for k in file_sd if k.endswith(".alpha"))

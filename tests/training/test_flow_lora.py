@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from library.models import flux_checkpoint, flux_saving, sd3_builtins, tiny_flux
 from tests.client_key_tables import comfy_dit_shapes
 from tests.conftest import read
-from tests.networks.test_lora_flux import _capture_diffusers_log, _expected
+from tests.helpers import load_lora_logged
+from tests.networks.test_lora_flux import _expected
 
 FLUX_IMPL = "https://github.com/black-forest-labs/flux"  # sd-scripts' IMPL_FLUX
 
@@ -59,7 +60,6 @@ def _assert_saved_is_trained(path, network):
 
 def test_flux_lora_trains_and_loads_in_diffusers(dataset, tmp_path, train):
     from diffusers import FluxPipeline
-    from diffusers.utils import logging as diffusers_logging
 
     out = tmp_path / "out"
     rc, _, err, run = train("train_lora", lora_args("tiny-flux", "networks.lora_flux", dataset, str(out)))
@@ -87,13 +87,7 @@ def test_flux_lora_trains_and_loads_in_diffusers(dataset, tmp_path, train):
     folder = str(tmp_path / "tiny-flux")
     flux_saving.save_diffusers_folder(parts, "dev", folder)
     pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float64)
-    buf, handler = _capture_diffusers_log()
-    try:
-        pipe.load_lora_weights(dpath)
-    finally:
-        diffusers_logging.get_logger("diffusers").removeHandler(handler)
-        diffusers_logging.set_verbosity_warning()
-    log = buf.getvalue().lower()
+    log = load_lora_logged(pipe, dpath)
     assert "unsupported keys" not in log and "unexpected" not in log and "incompatible" not in log, log
     n_modules = sum(1 for k in loaded if k.endswith(".alpha"))
     n_qkv = sum(1 for k in loaded if k.endswith("_qkv.alpha"))  # diffusers: to_q, to_k, to_v each
