@@ -481,7 +481,8 @@ OPTIONS: tuple[Option, ...] = (
       "mixed-precision dtype), computed in the mixed-precision dtype, one layer's weight up-cast "
       "at a time (docs/FP8.md). About half the frozen weights' bytes of a bf16 base. Needs "
       "mixed_precision bf16 or fp16. Network training only: train_dreambooth and finetune accept it "
-      "with a no-effect warning, as sd-scripts' train_db, fine_tune and sdxl_train ignore it.",
+      "with a no-effect warning, as sd-scripts' train_db, fine_tune and sdxl_train (FLUX.1 / SD3: "
+      "flux_train.py / sd3_train.py) ignore it.",
       "training", scripts=NOT_TI),
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
       "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),

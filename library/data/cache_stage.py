@@ -4,6 +4,8 @@
     text(opts, tset, acc, b, family_model, placement, frozen_only) -> {caption: output}
                                                       every caption variant, and validation's
                                                       (frozen_only: the frozen encoders' part)
+    cached_captions(tset) -> {caption: disk folder}   the captions ``text`` encodes (the memory
+                                                      estimate counts them too)
 
 Latents are kept in memory, and with cache_latents_to_disk also on disk: unchanged entries are
 loaded without the VAE, and the missing ones are split across processes (library/data/latent_cache.py).
@@ -43,6 +45,19 @@ def text(opts, tset, acc, b, family_model, placement, frozen_only: bool = False)
     """The text-encoder outputs of every caption variant of ``tset`` (and validation's
     captions), encoded by ``family_model`` in the text encoders' dtype of ``placement``;
     ``frozen_only``: a partial cache, the part of the frozen encoders (library/data/text_cache.py)."""
+    wanted = cached_captions(tset)
+    identity = text_identity(opts, b, family_model, placement, frozen_only)
+    return text_cache.encode_captions(
+        family_model, wanted, identity, clip_skip=opts.clip_skip,
+        batch_size=opts.text_encoder_batch_size or max(1, opts.vae_batch_size), device=acc.device,
+        autocast=acc.autocast,
+        to_disk=opts.cache_text_encoder_outputs_to_disk, frozen_only=frozen_only, log=logger)
+
+
+def cached_captions(tset) -> dict:
+    """caption -> disk folder of every caption the text-encoder cache holds: each variant of each
+    training and regularisation item's caption, the empty caption where caption dropout uses it,
+    and the validation items' captions."""
     wanted: dict = {}
     for it in tset.train_items + tset.reg_items:
         folder = latent_cache.cache_folder(it)
@@ -50,12 +65,7 @@ def text(opts, tset, acc, b, family_model, placement, frozen_only: bool = False)
             wanted.setdefault(cap, folder)
     for it in tset.val_items:  # the validation loss reads its captions from the cache too
         wanted.setdefault(held_out.caption(it), latent_cache.cache_folder(it))
-    identity = text_identity(opts, b, family_model, placement, frozen_only)
-    return text_cache.encode_captions(
-        family_model, wanted, identity, clip_skip=opts.clip_skip,
-        batch_size=opts.text_encoder_batch_size or max(1, opts.vae_batch_size), device=acc.device,
-        autocast=acc.autocast,
-        to_disk=opts.cache_text_encoder_outputs_to_disk, frozen_only=frozen_only, log=logger)
+    return wanted
 
 
 def text_identity(opts, b, family_model, placement, frozen_only: bool = False) -> str:

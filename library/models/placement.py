@@ -40,18 +40,26 @@ class Placement:
         return self.compute if storage == fp8.FP8 else storage
 
 
-def check_options(opts) -> None:
+# the sd-scripts full-training scripts of a family that accept fp8_base and never read it
+FULL_TRAINING_SCRIPTS = {None: "train_db, fine_tune and sdxl_train", "flux": "flux_train.py",
+                         "sd3": "sd3_train.py"}
+
+
+def check_options(opts, family: str | None = None) -> None:
     """fp8_base / fp8_base_unet combinations, before any weight is loaded (sd-scripts' rule:
-    fp8 needs a mixed-precision compute dtype)."""
+    fp8 needs a mixed-precision compute dtype); ``family``: "flux" / "sd3" for a FLUX.1 / SD3
+    model, None for an SD one (the warning names that family's sd-scripts scripts)."""
     if not (opts.fp8_base or opts.fp8_base_unet):
         return
     name = "fp8_base_unet" if opts.fp8_base_unet and not opts.fp8_base else "fp8_base"
     if opts.script != "train_lora":
-        # sd-scripts' train_db / fine_tune / sdxl_train define the flag and never read it: the
-        # trained model is not stored in fp8 (dtype_placement ignores it for full training)
+        # sd-scripts' train_db / fine_tune / sdxl_train (flux_train.py / sd3_train.py) define the
+        # flag and never read it: the trained model is not stored in fp8 (dtype_placement ignores
+        # it for full training)
         logging.getLogger("sdtk").warning(
             "option %s has no effect in %s (fp8 base weights are for network training; "
-            "sd-scripts' train_db, fine_tune and sdxl_train ignore it too)", name, opts.script)
+            "sd-scripts' %s ignore%s it too)", name, opts.script, FULL_TRAINING_SCRIPTS.get(family, FULL_TRAINING_SCRIPTS[None]),
+            "" if family is None else "s")
         return
     if opts.mixed_precision not in ("bf16", "fp16"):
         raise Fp8OptionError(f"{name} needs mixed_precision bf16 or fp16 (the fp8 weights compute in "

@@ -29,7 +29,7 @@ def check_before_loading(opts, method_name: str, plan) -> None:
     check_loss_options(opts)  # noise / loss variant combinations
     tracking.check_options(opts)  # logging_dir / log_with, validation and sample options
     network_options.check_options(opts)  # dim_from_weights, base_weights, scale_weight_norms
-    placement.check_options(opts)  # fp8_base / fp8_base_unet need mixed precision
+    placement.check_options(opts, fam)  # fp8_base / fp8_base_unet need mixed precision
     block_swap.check_options(opts, plan.processes)  # blocks_to_swap, cpu_offload_checkpointing
     inpainting.check_options(opts)  # train_inpainting vs latent caching, samples, validation
     metadata.check_options(opts)  # metadata_thumbnail exists

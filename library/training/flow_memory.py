@@ -286,14 +286,20 @@ def forward(opts, unet, noisy, dtype, with_t5: bool):
     hidden = torch.zeros(b, tokens, width, dtype=dtype)
     vec = torch.zeros(b, pooled, dtype=dtype)
     t = torch.full((b,), 0.5)
+    fm = family_model(opts, unet, [])
     if isinstance(unet, flux.Flux):
-        fm = flow_family.FluxFamilyModel(unet, [], [], t5_max_length=tokens,
-                                         guidance_scale=opts.guidance_scale,
-                                         apply_t5_attn_mask=opts.apply_t5_attn_mask)
         cond = flow_family.FluxTextConditioning(hidden, vec, torch.ones(b, tokens, dtype=torch.long))
         return fm.unet_forward(noisy, t, cond)
-    fm = flow_family.SD3FamilyModel(unet, [], [])
     return fm.unet_forward(noisy, t * 1000, TextConditioning(hidden, vec))
+
+
+def family_model(opts, unet, text_encoders: list):
+    """The run's family model over the fake transformer (no tokenizers: the estimate encodes no text)."""
+    if isinstance(unet, flux.Flux):
+        return flow_family.FluxFamilyModel(unet, text_encoders, [], t5_max_length=text_tokens(opts, unet, True)[0],
+                                           guidance_scale=opts.guidance_scale,
+                                           apply_t5_attn_mask=opts.apply_t5_attn_mask)
+    return flow_family.SD3FamilyModel(unet, text_encoders, [])
 
 
 def checkpoint_with(unet, checkpointed) -> None:
@@ -303,20 +309,32 @@ def checkpoint_with(unet, checkpointed) -> None:
     unet._call = lambda block, *args: checkpointed(block, *args)
 
 
-def cached_bytes(opts, items, tset, unet, text_dtype_bytes: int, with_t5: bool) -> int:
-    """Latents (float32) and text-encoder outputs of the cache stage."""
-    total = 0
-    if opts.cache_latents or opts.cache_latents_to_disk:
-        for it in items:
-            c, h, w = latent_shape(it.bucket)
-            total += (2 if it.flip_aug else 1) * c * h * w * 4
-    if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        captions = set()
-        for it in items:
-            captions.update(tset.caption_variants(it))
-        tokens, width, pooled = text_tokens(opts, unet, with_t5)
-        total += len(captions) * (tokens * width + pooled) * text_dtype_bytes
-    return total
+def t5_output_bytes(t5_model) -> int:
+    """Bytes per element of T5's output states: transformers' T5LayerNorm returns its weight's
+    dtype (a float32 T5 under bf16 autocast gives float32 states, a bf16 or fp8-stored one the
+    compute dtype, which its norm weights are kept in)."""
+    return t5_model.encoder.final_layer_norm.weight.element_size()
+
+
+def text_entry_bytes(opts, comps, text_dtype_bytes: int, partial: bool) -> int:
+    """One caption's entry in the text-encoder cache (library/data/text_cache.py), as the family
+    model's ``encode`` (full) or ``encode_frozen_part`` (``partial``) makes it.
+    FLUX.1: T5's states (tokens x width, in T5's output dtype) and its attention mask (int64),
+    and in a full cache CLIP-L's pooled output. SD3: a full cache holds the context (CLIP's 77
+    tokens, then T5's, in the CLIP encoders' dtype) and the pooled CLIP-L|G; a partial one only
+    the tokens after CLIP's 77: T5's states, or without T5 77 float32 zero tokens
+    (sd3_text.t5_tokens_part). ``text_dtype_bytes``: the frozen encoders' compute dtype."""
+    unet = comps["unet"]
+    with_t5 = "text_encoder_3" in comps
+    tokens, width, pooled = text_tokens(opts, unet, with_t5)
+    if isinstance(unet, flux.Flux):
+        states = tokens * width * t5_output_bytes(comps["text_encoder_2"])
+        return states + tokens * 8 + (0 if partial else pooled * text_dtype_bytes)
+    if not partial:
+        return (tokens * width + pooled) * text_dtype_bytes
+    if not with_t5:
+        return SD3_CLIP_TOKENS * width * 4
+    return (tokens - SD3_CLIP_TOKENS) * width * t5_output_bytes(comps["text_encoder_3"])
 
 
 def swap_line(opts, unet) -> str | None:

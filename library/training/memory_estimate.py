@@ -49,13 +49,14 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
 from library.models import flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
-from library.training import flow_memory
+from library.training import flow_memory, partial_text_cache
 from library.training.host_memory import GIB
 from library.training.methods import FullMethod, NetworkMethod
 from library.training.offload import released_after_caching
@@ -622,28 +623,31 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tokens: int) -> int:
+def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tokens: int,
+                       partial_text: bool) -> int:
+    """Latents (float32, each flip its own) and one text-encoder cache entry per caption the cache
+    stage encodes (cache_stage.cached_captions); ``partial_text``: FLUX.1 / SD3's partial cache,
+    the frozen T5's part only (flow_memory.text_entry_bytes)."""
     total = 0
     if tset is None:
         return 0
     items = tset.train_items + tset.reg_items
-    if not hasattr(comps["unet"].config, "cross_attention_dim"):  # FLUX.1 / SD3
-        return flow_memory.cached_bytes(opts, items, tset, comps["unet"], text_dtype_bytes,
-                                        "text_encoder_3" in comps)
+    flow = not hasattr(comps["unet"].config, "cross_attention_dim")  # FLUX.1 / SD3
     if opts.cache_latents or opts.cache_latents_to_disk:
-        c = comps["unet"].config.in_channels
         for it in items:
-            w, h = it.bucket
-            total += (2 if it.flip_aug else 1) * c * (h // scale) * (w // scale) * 4
+            if flow:
+                c, h, w = flow_memory.latent_shape(it.bucket)
+            else:
+                c, h, w = comps["unet"].config.in_channels, it.bucket[1] // scale, it.bucket[0] // scale
+            total += (2 if it.flip_aug else 1) * c * h * w * 4
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
-        captions = set()
-        for it in items:
-            captions.update(tset.caption_variants(it))
-            if tset.uses_empty_caption(it):
-                captions.add("")
-        d = comps["unet"].config.cross_attention_dim
-        pooled = comps["text_encoder_2"].config.projection_dim if "text_encoder_2" in comps else 0
-        total += len(captions) * (tokens * d + pooled) * text_dtype_bytes
+        if flow:
+            entry = flow_memory.text_entry_bytes(opts, comps, text_dtype_bytes, partial_text)
+        else:
+            d = comps["unet"].config.cross_attention_dim
+            pooled = comps["text_encoder_2"].config.projection_dim if "text_encoder_2" in comps else 0
+            entry = (tokens * d + pooled) * text_dtype_bytes
+        total += len(cache_stage.cached_captions(tset)) * entry
     return total
 
 
@@ -746,8 +750,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     # the parts the run releases after caching, by the run's own rule (library/training/offload.py)
 
     # FLUX.1 / SD3 with trained CLIP encoders: a partial cache, T5 released (partial_text_cache.py)
-    partial_text = (cached_text and (method.train_text_encoder or opts.use_t5xxl_cache_only)
-                    and family in ("flux", "sd3"))
+    partial_text = False
+    if cached_text and family in flow_family.FLOW_FAMILIES:
+        with _quiet():
+            partial_text = partial_text_cache.is_partial(
+                method, bundle.text_encoders, flow_memory.family_model(opts, comps["unet"], bundle.text_encoders),
+                logger, t5_only=opts.use_t5xxl_cache_only)
     t5_name = {"flux": "text_encoder_2", "sd3": "text_encoder_3"}.get(family)
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,
@@ -840,7 +848,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     n_chunks = chunk_count(opts.max_token_length)
     tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
-    est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens)
+    est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens, partial_text)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:
         # DDP (library/distributed/ddp.py): its buckets hold a copy of every trained gradient,

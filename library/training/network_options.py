@@ -8,12 +8,16 @@ own weights (networks/merge_lora.py ``merge_lora_into``), in the order given.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from importlib.metadata import PackageNotFoundError, version
 
+import torch
+
 from library.errors import UserError
 from library.models import flow_family
-from networks import lora, lora_flux, lora_sd3, oft_flux
+from networks import lora, lora_flux, lora_names, lora_sd3, oft_flux
+from networks.adapter_weights import file_kinds
 from networks.merge_lora import merge_lora_into
 
 # the LoRA of a FLUX.1 / SD3 model (sd-scripts' networks/lora_flux.py / lora_sd3.py): it also
@@ -119,19 +123,67 @@ def merge_base_weights(bundle, opts, log) -> None:
 
 
 def _merge(bundle, weights_sd: dict, multiplier: float, network_module: str) -> int:
-    """One base_weights file into the model: on FLUX.1 / SD3 through the run's network module when
-    it is sd-scripts' one of the family (networks.oft_flux: an OFT file), else the family's LoRA
-    (as sd-scripts' train_network.py merges with network_module's create_network_from_weights);
-    any SD adapter file through merge_lora. Returns the number of modules merged."""
+    """One base_weights file into the model: on FLUX.1 / SD3 a LyCORIS file (LoHa, LoKr, ...:
+    ``lycoris.kohya`` on these transformers) through LyCORIS (_merge_lycoris), any other through
+    the run's network module when it is sd-scripts' one of the family (networks.oft_flux: an OFT
+    file), else the family's LoRA (as sd-scripts' train_network.py merges with network_module's
+    create_network_from_weights); any SD adapter file through merge_lora. Returns the number of
+    modules merged."""
     module = FAMILY_LORA_MODULES.get(bundle.family)
-    if network_module in FAMILY_NETWORK_MODULES.get(bundle.family, ()):
-        module = DIT_NETWORK_MODULES[network_module][2]
     if module is None:
         return merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, multiplier)
+    lycoris_kinds = sorted(set(file_kinds(weights_sd)) - {"LoRA"})
+    if lycoris_kinds:
+        return _merge_lycoris(bundle, weights_sd, multiplier, "/".join(k.removeprefix("LyCORIS ") for k in lycoris_kinds))
+    if network_module in FAMILY_NETWORK_MODULES.get(bundle.family, ()):
+        module = DIT_NETWORK_MODULES[network_module][2]
     network, _ = module.create_network_from_weights(multiplier, None, None, bundle.text_encoders, bundle.unet,
                                                     weights_sd=weights_sd)
     network.merge_to(bundle.text_encoders, bundle.unet, weights_sd)
     return len(network.text_encoder_loras) + len(network.unet_loras)
+
+
+# the LyCORIS kinds (networks/adapter_weights.py file_kinds) whose run-time delta base_weights merges
+LYCORIS_MERGED = {"LoHa", "LoKr"}
+
+
+def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, kinds: str) -> int:
+    """A LyCORIS file into a FLUX.1 / SD3 model, as the LyCORIS training path builds its network
+    (library/training/methods.py): lycoris.kohya's create_network_from_weights on the transformer
+    and the text encoders as one list, the file's kohya names translated to the names LyCORIS'
+    walk gives (networks/lora_names.py); each layer then gets multiplier x the delta its module
+    adds at run time (the forward's ``get_weight(shape) x scalar``: LyCORIS 3.4's own merge_to
+    merges at 1 whatever the multiplier, and its get_diff_weight scales LoHa and LoKr by alpha /
+    rank twice). LoHa and LoKr files merge (LoRA / LoCon ones go through the family's LoRA); the
+    other LyCORIS kinds and a module of the file that names no layer of this model are errors
+    (LyCORIS would skip the latter)."""
+    unmerged = sorted(set(kinds.split("/")) - LYCORIS_MERGED)
+    if unmerged:
+        raise lora.LoRAError(f"a LyCORIS {kinds} file: base_weights merges LyCORIS LoHa and LoKr files (and "
+                             f"LoRA / LoCon ones) into {flow_family.NAMES[bundle.family]} models, not "
+                             f"{'/'.join(unmerged)}")
+    try:
+        # lazy: lycoris-lora is an optional extra (pyproject), needed only for its files
+        lycoris_kohya = importlib.import_module("lycoris.kohya")
+    except ImportError:
+        raise lora.LoRAError(f"a LyCORIS {kinds} file: merging it needs lycoris-lora (pip install "
+                             "'lycoris-lora>=3.4,<4', the lycoris extra)") from None
+    tes = list(bundle.text_encoders)
+    kohya = lora_names.plain_to_kohya_names(tes, bundle.unet)
+    sd = lora_names.rename_keys(weights_sd, {v: k for k, v in kohya.items()})
+    network, _ = lycoris_kohya.create_network_from_weights(multiplier, None, None, tes, bundle.unet, weights_sd=sd)
+    modules = network.text_encoder_loras + network.unet_loras
+    missing = sorted({k.split(".")[0] for k in sd} - {m.lora_name for m in modules})
+    if missing:
+        raise lora.LoRAError(f"a LyCORIS {kinds} file: {len(missing)} module(s) name no layer of this "
+                             f"{flow_family.NAMES[bundle.family]} model that LyCORIS can merge (wrong base "
+                             f"model?), e.g. {kohya.get(missing[0], missing[0])}")
+    with torch.no_grad():
+        for m in modules:
+            layer = m.org_module[0]
+            delta = m.get_weight(tuple(layer.weight.shape)).float() * m.scalar.float()
+            layer.weight.copy_((layer.weight.float() + multiplier * delta).to(layer.weight.dtype))
+    return len(modules)
 
 
 class MaxNormStats:

@@ -388,6 +388,121 @@ def test_flux_base_weights_are_merged_as_the_clients_patch(dataset, tmp_path, tr
         torch.testing.assert_close(te[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
 
 
+def _lycoris_file(parts: dict, tes_names: tuple[str, ...], model_name: str, algo: str, path: str) -> dict:
+    """A lycoris.kohya file of the tiny model (random values), with the kohya names the trainer
+    writes (networks/lora_names.py); returns its tensors."""
+    lycoris_kohya = pytest.importorskip("lycoris.kohya")
+    from networks import lora_names
+
+    tes, model = [parts[n] for n in tes_names], parts[model_name]
+    net = lycoris_kohya.create_network(1.0, 4, 2, None, tes, model, algo=algo, factor=4)
+    net.apply_to(tes, model, True, True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sd = {k: v.detach().contiguous() for k, v in
+          lora_names.rename_keys(net.state_dict(), lora_names.plain_to_kohya_names(tes, model)).items()}
+    net.restore()  # the tiny parts are built anew for the reference below
+    save_file(sd, path)
+    return sd
+
+
+def _lycoris_delta(sd: dict, name: str, shape) -> torch.Tensor:
+    """Independent of LyCORIS' code: a module's delta from the file in float64, as the clients
+    compute it. LoKr: kron(w1, w2) x alpha / rank, each factor whole or a @ b (rank: the inner
+    size of a factorised one; a file without one scales by 1); LoHa: (w1a @ w1b) * (w2a @ w2b) x
+    alpha / rank."""
+    t = {k[len(name) + 1:]: v.double() for k, v in sd.items() if k.startswith(name + ".")}
+    if "hada_w1_a" in t:
+        rank = t["hada_w1_b"].shape[0]
+        d = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * (float(t["alpha"]) / rank)
+        return d.reshape(shape)
+    w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
+    w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
+    rank = t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None
+    scale = float(t["alpha"]) / rank if rank else 1.0
+    return (torch.kron(w1, w2) * scale).reshape(shape)
+
+
+def _weight_paths(model, prefix: str, text_model: bool = False) -> dict:
+    """kohya module name -> the model's weight key, from the checkpoint keys (CLIP's under text_model.)."""
+    out = {}
+    for k in model.state_dict():
+        if k.endswith(".weight"):
+            path = "text_model." + k if text_model and not k.startswith("text_model.") else k
+            out[f"{prefix}_" + path[:-len(".weight")].replace(".", "_")] = k
+    return out
+
+
+@pytest.mark.parametrize("family, algo, module, multiplier", [
+    ("flux", "lokr", "networks.lora_flux", 0.5), ("sd3", "loha", "networks.lora_sd3", 1.0)])
+def test_lycoris_base_weights_are_merged_as_the_deltas(family, algo, module, multiplier, dataset, tmp_path, train):
+    """base_weights with a lycoris.kohya file (LoKr on FLUX.1 with CLIP-L, LoHa on SD3 with CLIP-L /
+    CLIP-G) while training the family's LoRA: every layer the file names is W + multiplier x the
+    file's delta (float64 from the file), every other weight unchanged."""
+    if family == "flux":
+        parts, model, tes, te_names = tiny_flux.build_tiny_flux("dev"), "transformer", ("clip_l", "t5"), ("clip_l",)
+        name = "tiny-flux"
+    else:
+        parts, model, tes, te_names = sd3_builtins.build_builtin("tiny-sd3"), "mmdit", ("clip_l", "clip_g", "t5xxl"), \
+            ("clip_l", "clip_g")
+        name = "tiny-sd3"
+    base = str(tmp_path / "lyco.safetensors")
+    sd = _lycoris_file(parts, tes, model, algo, base)
+    fresh = tiny_flux.build_tiny_flux("dev") if family == "flux" else sd3_builtins.build_builtin("tiny-sd3")
+    rc, out, err, run = train("train_lora", lora_args(
+        name, module, dataset, str(tmp_path / "out"), "--max_train_steps", "1", "--base_weights", base,
+        "--base_weights_multiplier", str(multiplier), "--network_train_unet_only"))
+    assert rc == 0, err
+    b = run.parts.bundle
+    merged_parts = [(b.unet, fresh[model], _weight_paths(fresh[model], "lora_unet"))] + [
+        (b.text_encoders[i], fresh[n], _weight_paths(fresh[n], f"lora_te{i + 1}", text_model=True))
+        for i, n in enumerate(te_names)]
+    names = {k.split(".")[0] for k in sd}
+    assert any(n.startswith("lora_te2_" if family == "sd3" else "lora_te1_") for n in names)
+    seen = set()
+    for merged_model, before_model, paths in merged_parts:
+        merged, before = merged_model.state_dict(), before_model.state_dict()
+        for kohya, key in paths.items():
+            w = before[key].double()
+            want = w + multiplier * _lycoris_delta(sd, kohya, w.shape) if kohya in names else w
+            torch.testing.assert_close(merged[key].double(), want, rtol=1e-5, atol=1e-6, msg=key)
+            seen.add(kohya)
+    assert names <= seen  # every module of the file is a layer checked above
+    assert f"base_weights: merged {base} (multiplier {multiplier}): {len(names)} modules" in out + err
+
+
+def test_lycoris_base_weights_refusals_are_one_line(tmp_path, monkeypatch):
+    """A LyCORIS file of another model: one line naming a module that is no layer of this one
+    (SD3's CLIP-G modules, lora_te2_, are T5's place in FLUX.1's list, where LyCORIS puts none);
+    a kind not merged here (GLoRA): one line naming it; without lycoris-lora installed: one line
+    naming the package."""
+    import sys
+
+    from library.training import network_options
+    from networks import lora
+
+    sd3 = sd3_builtins.build_builtin("tiny-sd3")
+    sd = _lycoris_file(sd3, ("clip_l", "clip_g", "t5xxl"), "mmdit", "lokr", str(tmp_path / "sd3.safetensors"))
+    fx = tiny_flux.build_tiny_flux("dev")
+
+    class Bundle:
+        family, unet, text_encoders = "flux", fx["transformer"], [fx["clip_l"], fx["t5"]]
+
+    with pytest.raises(lora.LoRAError, match=r"^a LyCORIS LoKr file: \d+ module\(s\) name no layer of this FLUX.1 "
+                                             r"model that LyCORIS can merge \(wrong base model\?\), e.g. lora_te2_text_model_"):
+        network_options._merge(Bundle, sd, 1.0, "networks.lora_flux")
+    glora = {"lora_unet_double_blocks_0_img_attn_qkv.a1.weight": torch.zeros(4, 32),
+             "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(4.0)}
+    with pytest.raises(lora.LoRAError, match=r"^a LyCORIS GLoRA file: base_weights merges LyCORIS LoHa and LoKr "
+                                             r"files \(and LoRA / LoCon ones\) into FLUX.1 models, not GLoRA$"):
+        network_options._merge(Bundle, glora, 1.0, "lycoris.kohya")
+    monkeypatch.setitem(sys.modules, "lycoris.kohya", None)  # import lycoris.kohya -> ImportError
+    with pytest.raises(lora.LoRAError, match=r"^a LyCORIS LoKr file: merging it needs lycoris-lora"):
+        network_options._merge(Bundle, sd, 1.0, "networks.lora_flux")
+
+
 def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, train):
     """base_weights with a networks.oft_flux file while training networks.oft_flux (sd-scripts
     merges through the run's network module): each layer's weight is the file's rotation (per

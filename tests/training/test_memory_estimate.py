@@ -1,6 +1,7 @@
 """The memory estimate (library/training/memory_estimate.py): its counted parts equal what a real run
 holds, it loads no weights, and (slow) its total is within 15% of measured peaks."""
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -463,6 +464,56 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     assert est.activations == pytest.approx(
         int(me.FLOW_ACTIVATION_FACTOR * (counted.saved + counted.recompute)) + counted.weight_copies,
         abs=256)
+
+
+def _nbytes(value) -> int:
+    """The bytes of a cache entry's tensors (a latent entry or a text conditioning's fields)."""
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value):
+        return sum(_nbytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+# the partial cache (CLIP trained, T5 frozen: T5's part only), a full cache, bf16, the empty
+# caption of caption dropout, and SD3's float32 T5 under bf16 autocast (train_text_encoder keeps it float32)
+CACHE_CASES = {
+    "flux-lora-partial": ("train_lora", "tiny-flux", True, [
+        "--network_module", "networks.lora_flux", "--network_dim", "4", "--caption_dropout_rate", "0.5"]),
+    "flux-lora-full-bf16": ("train_lora", "tiny-flux", False, [
+        "--network_module", "networks.lora_flux", "--network_dim", "4", "--network_train_unet_only",
+        "--mixed_precision", "bf16"]),
+    "sd3-lora-partial-bf16": ("train_lora", "tiny-sd3", True, [
+        "--network_module", "networks.lora_sd3", "--network_dim", "4", "--mixed_precision", "bf16"]),
+    "sd3-te-partial-fp32-t5": ("train_dreambooth", "tiny-sd3", True, [
+        "--train_text_encoder", "--mixed_precision", "bf16"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CACHE_CASES))
+def test_flow_cached_data_is_what_the_run_caches(case, train, dataset, tmp_path):
+    """The estimate's cached data (latents and text-encoder outputs) equals the bytes of the
+    entries a real 1-step run cached; with CLIP trained and T5 frozen that is T5's part alone."""
+    from library.config.options import METHOD_OF_SCRIPT
+    from library.config.parse import parse_args
+
+    script, model, partial, extra = CACHE_CASES[case]
+    argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", dataset,
+            "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
+            "--learning_rate", "1e-3", "--max_grad_norm", "0", "--cache_latents",
+            "--cache_text_encoder_outputs", *extra]
+    rc, out, err, run = train(script, argv)
+    assert rc == 0, err
+    caches = run.parts.caches
+    assert caches.text_partial == partial
+    real = sum(_nbytes(e) for e in caches.latents.values()) + sum(_nbytes(e) for e in caches.text.values())
+    est = me.estimate(parse_args(script, [*argv, "--dry_run"]), METHOD_OF_SCRIPT[script], run.tset)
+    assert est.cached_data == real
+    t5 = "text_encoder_2" if model == "tiny-flux" else "text_encoder_3"
+    for line in est.params:  # a partial cache releases T5 alone; the CLIP encoders run each step
+        if line.component.startswith("text_encoder"):
+            kept = line.component != t5 if partial else False
+            assert line.resident == (kept or line.trained), line
 
 
 def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
