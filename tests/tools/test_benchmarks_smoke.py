@@ -559,3 +559,19 @@ def test_sd_scripts_flux_check_without_sd_scripts(tmp_path, capsys):
     assert want["resolution"] == "1024" and want["t5xxl_max_token_length"] == 512 and not want["gradient_checkpointing"]
     assert check.expected_values("flux-lora-b1")["fp8_base"] and check.expected_values("sd15-lora-b1")["cache_text_encoder_outputs"] is None
     assert set(check.expected_values("sdxl-lora-b4")) <= set(check.expected_values("flux-lora-b1"))
+
+
+def test_text_cache_rate_encodes_every_caption(capsys):
+    from benchmarks import text_cache_rate
+
+    caps = text_cache_rate.captions(16)
+    assert len(set(caps)) == 16 and caps == text_cache_rate.captions(16)  # distinct, the same every run
+    threads = torch.get_num_threads()
+    try:
+        assert text_cache_rate.main(["--captions", "16", "--repeats", "2", "--batch", "4"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the benchmark measures on one thread
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("text-encoder caching, 16 captions, batch 4:") and line.endswith("captions/s")
+    assert len(line.split(":")[1].split()) == 3  # two rates and the unit
+
