@@ -44,6 +44,7 @@ from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
 from library.ui.gui_network import NETWORK_FIELDS, OTHER_FAMILY_BOXES, gui_network
+from library.ui.gui_tabs import tab_fields
 
 DATASET_KEYS = ("general", "datasets")
 FLOW_BOXES = ("flux1_checkbox", "sd3_checkbox")  # the GUI's FLUX.1 / SD3 model type
@@ -76,6 +77,11 @@ LORA_RATE_DEFAULTS = (("text_encoder_lr", 0.0001), ("unet_lr", 0.0001), ("t5xxl_
 # finetune_gui.py config_toml_data) whose default here is not None
 ZERO_IS_UNSET = ("vae_batch_size", "clip_skip", "max_timestep", "min_timestep", "seed")
 GUI_RESOLUTION = "512,512"  # the GUI's max_resolution field (class_basic_training.py)
+GUI_MAX_TRAIN_STEPS = 1600  # the GUI's max_train_steps field (class_basic_training.py)
+# the DreamBooth / fine-tune tabs' rates: their filter keeps a 0 (that encoder is not trained)
+ZERO_KEPT = ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2")
+# the tab whose saved JSON each script imports (the LoRA tab's is told by its LoRA_type)
+SCRIPT_TABS = {"train_dreambooth": "dreambooth", "finetune": "finetune"}
 NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
 OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
 OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
@@ -123,6 +129,9 @@ def _epochs(d: dict, notes: list) -> None:
     """With max_train_steps 0 and no dataset config the GUI computes the steps of ``epoch`` epochs
     from its image folders (images x repeats / batch / accumulation x epoch, x 2 with
     regularisation images): here that is max_train_epochs."""
+    if "max_train_steps" not in d:  # an older preset: the GUI's field keeps its default
+        d["max_train_steps"] = GUI_MAX_TRAIN_STEPS
+        notes.append(f"max_train_steps: not in the file; the GUI's default {GUI_MAX_TRAIN_STEPS}")
     steps, epochs = (_gui_number(str(d.get(k) or 0)) or 0 for k in ("max_train_steps", "max_train_epochs"))
     n = 1 if d.get("epoch") is None else _gui_number(str(d["epoch"]) or "0") or 0  # (the GUI's default: 1)
     if steps == 0 and epochs == 0 and n > 0 and not d.get("dataset_config"):
@@ -156,9 +165,12 @@ def _lora_rates(d: dict) -> None:
         d["unet_lr"] = unet
 
 
-def _json_fields(d: dict, notes: list) -> dict:
-    """The GUI's saved field names -> the TOML keys it writes for them."""
+def _json_fields(d: dict, tab: str | None, notes: list) -> dict:
+    """The GUI's saved field names -> the TOML keys it writes for them (``tab``: the DreamBooth
+    or fine-tune tab's own rules, library/ui/gui_tabs.py)."""
     d = dict(d)
+    if tab is not None:
+        tab_fields(d, tab, notes)
     if "optimizer" in d:
         d["optimizer_type"] = d.pop("optimizer")
     if d.get("max_resolution") is None and not d.get("dataset_config"):
@@ -211,6 +223,7 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
     notes: list[str] = []
     from_json = text.startswith("{")
     lora_tab = False  # the LoRA tab's saved JSON
+    tab = None  # the DreamBooth / fine-tune tab's saved JSON
     if from_json:
         try:
             data = json.loads(text)
@@ -219,7 +232,8 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
         if not isinstance(data, dict):
             raise ImportError_("text: expected a JSON object of GUI fields")
         lora_tab = bool(data.get("LoRA_type"))
-        data = _json_fields(data, notes)
+        tab = None if lora_tab else SCRIPT_TABS.get(script)
+        data = _json_fields(data, tab, notes)
     else:
         try:
             data = tomllib.loads(text)
@@ -247,7 +261,8 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
                 if value is None:
                     continue
             if from_json and value == 0 and not isinstance(value, bool) and (opt.default is None or
-                                                                            name in ZERO_IS_UNSET):
+                                                                            name in ZERO_IS_UNSET) \
+                    and not (tab and name in ZERO_KEPT):
                 continue  # the GUI writes its 0 fields as unset (`value or None`)
             if lora_tab and value in ("", False, None):
                 continue  # lora_gui.py's filter `value not in ["", False, None]` (0 == False)
