@@ -26,8 +26,12 @@ when it writes the TOML (kohya_gui/lora_gui.py ``train_model``, kohya_ss v26):
   is read from the weights);
 - the LoRA tab's text encoder / U-Net / T5-XXL rates -> ``text_encoder_lr`` (one per encoder),
   ``unet_lr``, ``network_train_unet_only`` / ``network_train_text_encoder_only``;
+- the DreamBooth / fine-tune tab's own rules for ``train_dreambooth`` / ``finetune``
+  (library/ui/gui_tabs.py: text encoder rates per family, ``stop_text_encoder_training``, the
+  fine-tune tab's ``in_json`` and image folder);
 - ``max_train_steps`` 0: the GUI trains ``epoch`` epochs (it counts their steps from the image
-  folders) -> ``max_train_epochs``; a missing ``max_resolution`` is the GUI's default;
+  folders) -> ``max_train_epochs``; a missing ``max_resolution`` / ``max_train_steps`` is the
+  GUI's default;
 - a number held as a string (older presets) is the number the GUI's field loads; the keys every
   tab writes as ``value if value != 0 else None`` are unset at 0, and the LoRA tab's filter drops
   any "", false or 0.
