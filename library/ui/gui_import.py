@@ -86,6 +86,7 @@ GUI_MAX_TRAIN_STEPS = 1600  # the GUI's max_train_steps field (class_basic_train
 ZERO_KEPT = ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2")
 # the tab whose saved JSON each script imports (the LoRA tab's is told by its LoRA_type)
 SCRIPT_TABS = {"train_dreambooth": "dreambooth", "finetune": "finetune"}
+TAB_LETTERS = {"dreambooth": "d", "finetune": "f"}  # GuiKey.tabs
 NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
 OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
 OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
@@ -256,10 +257,13 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
     for key, value in flat.items():
         name = ALIASES.get(key, key)
         gui = GUI_KEYS_BY_NAME.get(key)
+        if tab and gui is not None and TAB_LETTERS[tab] not in gui.tabs:
+            continue  # a field of the form that this tab does not write (finetune_gui.py: max_grad_norm, ...)
         if name in OPTIONS_BY_NAME:
             opt = OPTIONS_BY_NAME[name]
-            if _unset(value) and opt.type in ("path", "str", "path_list") or value is None:
-                continue  # the GUI's empty field
+            if _unset(value) and opt.type in ("path", "str", "path_list") or value is None or \
+                    tab and value == "":
+                continue  # the GUI's empty field (the DreamBooth / fine-tune tabs drop every "")
             if from_json and opt.type in NUMBER_TYPES and isinstance(value, str):
                 value = _gui_number(value)  # the GUI's number field holds a number
                 if value is None:

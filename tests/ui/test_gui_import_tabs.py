@@ -23,7 +23,10 @@ TAB_KEYS = {"learning_rate_te": "text_encoder_lr", "learning_rate_te1": "learnin
             "enable_bucket": "enable_bucket", "vae": "vae", "max_train_steps": "max_train_steps",
             "cache_text_encoder_outputs": "cache_text_encoder_outputs", "no_half_vae": "no_half_vae",
             "cache_text_encoder_outputs_to_disk": "cache_text_encoder_outputs_to_disk",
-            "fused_backward_pass": "fused_backward_pass"}
+            "fused_backward_pass": "fused_backward_pass",
+            # keys one of the two tabs does not write (finetune_gui.py / dreambooth_gui.py)
+            **{k: k for k in ("max_grad_norm", "lr_scheduler_num_cycles", "lr_scheduler_power", "prior_loss_weight",
+                              "reg_data_dir", "no_token_padding", "block_lr")}}
 PATHS = ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
          "log_tracker_config", "in_json", "wandb_api_key", *gui.FLOW_FILES)
 
@@ -73,7 +76,11 @@ RULES = {
                                       train_text_encoder=False)),
     "sdxl rates 0": ("dreambooth", dict(sdxl=True, learning_rate_te1=0, learning_rate_te2=0, train_text_encoder=True)),
     "sdxl string rates": ("dreambooth", dict(sdxl=True, learning_rate_te1="1e-5", learning_rate_te2="")),
-    "ft sd1": ("finetune", dict(learning_rate_te=2e-6, train_text_encoder=False, dataset_repeats="3")),
+    "ft sd1": ("finetune", dict(learning_rate_te=2e-6, train_text_encoder=False, dataset_repeats="3",
+                                max_grad_norm=0.5, lr_scheduler_num_cycles=3, prior_loss_weight=0.5,
+                                no_token_padding=True)),
+    "db off defaults": ("dreambooth", dict(max_grad_norm=0.5, lr_scheduler_num_cycles=3, prior_loss_weight=0.5,
+                                           no_token_padding=True, dataset_repeats=5)),
     "ft sdxl caption json": ("finetune", dict(sdxl_checkbox=True, use_latent_files="No", learning_rate_te1=1e-6,
                                               caption_metadata_filename="caps.json", sdxl_no_half_vae=True)),
     "ft sd3": ("finetune", dict(sd3_checkbox=True, sd3_cache_text_encoder_outputs=True)),
