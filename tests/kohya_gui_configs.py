@@ -10,7 +10,6 @@ the model, 64 px, two steps.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 # The GUI's presets, as tools/update_gui_presets.py stored them from a kohya_ss checkout (with its
@@ -64,9 +63,10 @@ TAB_DEFAULTS = {
                  ggpo_sigma=0.03, ggpo_beta=0.01),
     "dreambooth": dict(learning_rate=1e-5, lr_scheduler="cosine", lr_warmup=10,
                        learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5),
+    # finetune_gui.py: its "Dataset repeats" (40) and "Train text encoder" (on) widgets
     "finetune": dict(learning_rate=1e-5, lr_scheduler="constant", lr_warmup=0,
                      learning_rate_te=1e-5, learning_rate_te1=1e-5, learning_rate_te2=1e-5,
-                     block_lr=""),
+                     block_lr="", dataset_repeats=40, train_text_encoder=True),
     # textual_inversion_gui.py: BasicTraining(learning_rate_value=1e-5, lr_scheduler_value="cosine",
     # lr_warmup_value=10) and its own fields (token_string has no default: the GUI requires one)
     "textual_inversion": dict(learning_rate=1e-5, lr_scheduler="cosine", lr_warmup=10,
@@ -365,8 +365,7 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
     stop_te = d["stop_text_encoder_training"]
     if tab == "lora":
         stop_te = 0  # lora_gui: "not yet supported. Ignoring"
-    elif stop_te:
-        stop_te = math.ceil(float(max_train_steps) / 100 * int(stop_te))
+    # (dreambooth_gui.py writes its "% of total steps" field's value unchanged)
     warmup = _warmup(d)
     xf = d["xformers"]
     out = {
@@ -481,15 +480,17 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
             "noise_offset_random_strength": d["noise_offset_random_strength"],
             "multires_noise_discount": d["multires_noise_discount"],
             "multires_noise_iterations": d["multires_noise_iterations"] or None,
-            "cache_text_encoder_outputs": d["cache_text_encoder_outputs"],
-            "cache_text_encoder_outputs_to_disk": d["cache_text_encoder_outputs_to_disk"],
+            # dreambooth_gui.py / finetune_gui.py: from the model types' own boxes (FLUX.1 / SD3
+            # in _flow_keys)
+            "cache_text_encoder_outputs": sdxl and d["sdxl_cache_text_encoder_outputs"],
+            "cache_text_encoder_outputs_to_disk": None,
             "fused_backward_pass": d["fused_backward_pass"],
             "fused_optimizer_groups": int(d["fused_optimizer_groups"]) or None,
             "learning_rate": d["learning_rate"],
             "learning_rate_te": d["learning_rate_te"] if not sdxl else None,
             "learning_rate_te1": d["learning_rate_te1"] if sdxl else None,
             "learning_rate_te2": d["learning_rate_te2"] if sdxl else None,
-            "no_half_vae": d["no_half_vae"],
+            "no_half_vae": sdxl and d["sdxl_no_half_vae"],
         })
         if tab == "dreambooth":
             out.update({
@@ -499,7 +500,9 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
                 "optimizer_args": opt_args if d["optimizer_args"] != "" else None,
                 "prior_loss_weight": d["prior_loss_weight"], "reg_data_dir": d["reg_data_dir"],
                 "stop_text_encoder_training": stop_te or None,
-                "train_text_encoder": d["train_text_encoder"] if sdxl else None,
+                # dreambooth_gui.py: with SDXL the text encoder rates decide
+                "train_text_encoder": (_gui_float(d["learning_rate_te1"]) > 0
+                                       or _gui_float(d["learning_rate_te2"]) > 0) if sdxl else None,
             })
         else:
             out.update({
@@ -572,6 +575,10 @@ def _flow_keys(d: dict, tab: str, sdxl: bool) -> dict:
             out["cache_text_encoder_outputs"] = cache
             out["cache_text_encoder_outputs_to_disk"] = cache_disk
     return out
+
+
+def _gui_float(v) -> float:
+    return float(v) if v not in (None, "") else 0.0
 
 
 def _split(v) -> list:

@@ -981,8 +981,9 @@ GUI_NOTES = {
                     "(use_tucker) takes its last value, as sd-scripts",
     "learning_rate_te": "alias of text_encoder_lr; in train_dreambooth (SD1/SD2) it also trains the "
                         "text encoder unless train_text_encoder = false, as sd-scripts' train_db.py",
-    "stop_text_encoder_training": "the GUI writes a step count (from its percentage); the LoRA tab "
-                                  "never writes it (it resets its field to 0)",
+    "stop_text_encoder_training": "a step count: the DreamBooth tab writes its \"% of total steps\" "
+                                  "field's value unchanged; the LoRA tab never writes it (it resets "
+                                  "its field to 0)",
     "lr_warmup_steps": "the GUI writes a step count or a fraction of all steps (its percentage / 100)",
     "sample_prompts": "the GUI always writes <output_dir>/sample/prompt.txt",
 }

@@ -26,8 +26,12 @@ when it writes the TOML (kohya_gui/lora_gui.py ``train_model``, kohya_ss v26):
   is read from the weights);
 - the LoRA tab's text encoder / U-Net / T5-XXL rates -> ``text_encoder_lr`` (one per encoder),
   ``unet_lr``, ``network_train_unet_only`` / ``network_train_text_encoder_only``;
+- the DreamBooth / fine-tune tab's own rules for ``train_dreambooth`` / ``finetune``
+  (library/ui/gui_tabs.py: text encoder rates per family, ``stop_text_encoder_training``, the
+  fine-tune tab's ``in_json`` and image folder);
 - ``max_train_steps`` 0: the GUI trains ``epoch`` epochs (it counts their steps from the image
-  folders) -> ``max_train_epochs``; a missing ``max_resolution`` is the GUI's default;
+  folders) -> ``max_train_epochs``; a missing ``max_resolution`` / ``max_train_steps`` is the
+  GUI's default;
 - a number held as a string (older presets) is the number the GUI's field loads; the keys every
   tab writes as ``value if value != 0 else None`` are unset at 0, and the LoRA tab's filter drops
   any "", false or 0.
@@ -44,6 +48,7 @@ from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
 from library.ui.gui_network import NETWORK_FIELDS, OTHER_FAMILY_BOXES, gui_network
+from library.ui.gui_tabs import tab_fields
 
 DATASET_KEYS = ("general", "datasets")
 FLOW_BOXES = ("flux1_checkbox", "sd3_checkbox")  # the GUI's FLUX.1 / SD3 model type
@@ -76,6 +81,12 @@ LORA_RATE_DEFAULTS = (("text_encoder_lr", 0.0001), ("unet_lr", 0.0001), ("t5xxl_
 # finetune_gui.py config_toml_data) whose default here is not None
 ZERO_IS_UNSET = ("vae_batch_size", "clip_skip", "max_timestep", "min_timestep", "seed")
 GUI_RESOLUTION = "512,512"  # the GUI's max_resolution field (class_basic_training.py)
+GUI_MAX_TRAIN_STEPS = 1600  # the GUI's max_train_steps field (class_basic_training.py)
+# the DreamBooth / fine-tune tabs' rates: their filter keeps a 0 (that encoder is not trained)
+ZERO_KEPT = ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2")
+# the tab whose saved JSON each script imports (the LoRA tab's is told by its LoRA_type)
+SCRIPT_TABS = {"train_dreambooth": "dreambooth", "finetune": "finetune"}
+TAB_LETTERS = {"dreambooth": "d", "finetune": "f"}  # GuiKey.tabs
 NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
 OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
 OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
@@ -123,6 +134,9 @@ def _epochs(d: dict, notes: list) -> None:
     """With max_train_steps 0 and no dataset config the GUI computes the steps of ``epoch`` epochs
     from its image folders (images x repeats / batch / accumulation x epoch, x 2 with
     regularisation images): here that is max_train_epochs."""
+    if "max_train_steps" not in d:  # an older preset: the GUI's field keeps its default
+        d["max_train_steps"] = GUI_MAX_TRAIN_STEPS
+        notes.append(f"max_train_steps: not in the file; the GUI's default {GUI_MAX_TRAIN_STEPS}")
     steps, epochs = (_gui_number(str(d.get(k) or 0)) or 0 for k in ("max_train_steps", "max_train_epochs"))
     n = 1 if d.get("epoch") is None else _gui_number(str(d["epoch"]) or "0") or 0  # (the GUI's default: 1)
     if steps == 0 and epochs == 0 and n > 0 and not d.get("dataset_config"):
@@ -156,9 +170,12 @@ def _lora_rates(d: dict) -> None:
         d["unet_lr"] = unet
 
 
-def _json_fields(d: dict, notes: list) -> dict:
-    """The GUI's saved field names -> the TOML keys it writes for them."""
+def _json_fields(d: dict, tab: str | None, notes: list) -> dict:
+    """The GUI's saved field names -> the TOML keys it writes for them (``tab``: the DreamBooth
+    or fine-tune tab's own rules, library/ui/gui_tabs.py)."""
     d = dict(d)
+    if tab is not None:
+        tab_fields(d, tab, notes)
     if "optimizer" in d:
         d["optimizer_type"] = d.pop("optimizer")
     if d.get("max_resolution") is None and not d.get("dataset_config"):
@@ -211,6 +228,7 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
     notes: list[str] = []
     from_json = text.startswith("{")
     lora_tab = False  # the LoRA tab's saved JSON
+    tab = None  # the DreamBooth / fine-tune tab's saved JSON
     if from_json:
         try:
             data = json.loads(text)
@@ -219,7 +237,8 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
         if not isinstance(data, dict):
             raise ImportError_("text: expected a JSON object of GUI fields")
         lora_tab = bool(data.get("LoRA_type"))
-        data = _json_fields(data, notes)
+        tab = None if lora_tab else SCRIPT_TABS.get(script)
+        data = _json_fields(data, tab, notes)
     else:
         try:
             data = tomllib.loads(text)
@@ -238,16 +257,20 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
     for key, value in flat.items():
         name = ALIASES.get(key, key)
         gui = GUI_KEYS_BY_NAME.get(key)
+        if tab and gui is not None and TAB_LETTERS[tab] not in gui.tabs:
+            continue  # a field of the form that this tab does not write (finetune_gui.py: max_grad_norm, ...)
         if name in OPTIONS_BY_NAME:
             opt = OPTIONS_BY_NAME[name]
-            if _unset(value) and opt.type in ("path", "str", "path_list") or value is None:
-                continue  # the GUI's empty field
+            if _unset(value) and opt.type in ("path", "str", "path_list") or value is None or \
+                    tab and value == "":
+                continue  # the GUI's empty field (the DreamBooth / fine-tune tabs drop every "")
             if from_json and opt.type in NUMBER_TYPES and isinstance(value, str):
                 value = _gui_number(value)  # the GUI's number field holds a number
                 if value is None:
                     continue
             if from_json and value == 0 and not isinstance(value, bool) and (opt.default is None or
-                                                                            name in ZERO_IS_UNSET):
+                                                                            name in ZERO_IS_UNSET) \
+                    and not (tab and name in ZERO_KEPT):
                 continue  # the GUI writes its 0 fields as unset (`value or None`)
             if lora_tab and value in ("", False, None):
                 continue  # lora_gui.py's filter `value not in ["", False, None]` (0 == False)

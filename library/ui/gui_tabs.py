@@ -1,0 +1,143 @@
+"""The DreamBooth and fine-tune tabs' own rules: the keys kohya_gui/dreambooth_gui.py and
+kohya_gui/finetune_gui.py ``train_model`` (kohya_ss v26) compute from the saved fields rather than
+copy, applied to the GUI's saved JSON before library/ui/gui_import.py reads it.
+
+    tab_fields(d, tab, notes)   # d: the saved fields, changed in place; tab: "dreambooth" / "finetune"
+
+- text encoder rates: ``learning_rate_te`` for SD1/SD2, ``learning_rate_te1`` / ``learning_rate_te2``
+  for SDXL (written only with the SDXL box ticked; a 0 rate is written and leaves that encoder
+  untrained); SD3 / FLUX.1 get ``learning_rate_te``, which sd3_train.py / flux_train.py do not read
+  (dropped, noted);
+- DreamBooth with SDXL: ``train_text_encoder`` is whether te1 or te2 is above 0; without SDXL the tab
+  does not write it;
+- DreamBooth ``stop_text_encoder_training``: the field is labelled "% of total steps" but the tab
+  writes its value unchanged, which train_db.py reads as a step count (kept as such, noted); -1
+  leaves train_db.py's text encoder untrained (-> ``train_text_encoder = false``); SDXL / SD3 /
+  FLUX.1 scripts do not read it (dropped, noted); the fine-tune tab never writes it;
+- fine-tune: ``train_data_dir`` is the image folder field, ``in_json`` is
+  ``<train_dir>/<latent or caption metadata file>`` (``use_latent_files``), ``enable_bucket`` is
+  always on, ``vae`` is not written; the metadata the GUI prepares before training
+  (merge_captions_to_metadata.py, prepare_buckets_latents.py) is noted, as is the halving of the
+  computed steps with ``flip_aug``; FLUX.1 has no ``train_text_encoder`` (flux_train.py).
+"""
+from __future__ import annotations
+
+# finetune_gui.py's Dataset Preparation fields (their defaults), read for in_json
+FT_DEFAULTS = dict(train_dir="", use_latent_files="Yes", caption_metadata_filename="meta_cap.json",
+                   latent_metadata_filename="meta_lat.json")
+# its preparation steps (the saved names, then train_model's names), their default: on
+FT_PREP = (("create_caption", "generate_caption_database"), ("create_buckets", "generate_image_buckets"))
+FT_PREP_ONLY = ("full_path", "batch_size")  # settings of the preparation scripts alone
+FLOW_SCRIPTS = {"flux": "flux_train.py", "sd3": "sd3_train.py"}
+TE_RATE_DEFAULT = 1e-5  # the tabs' learning rate fields' default (BasicTraining(learning_rate_value=1e-5))
+# finetune_gui.py's widgets a file may lack: the value the GUI keeps then
+FT_WIDGETS = dict(train_text_encoder=True, dataset_repeats=40)
+
+
+def _number(v) -> float:
+    """A field the GUI loads as a number (old presets hold strings); unreadable or empty: 0."""
+    try:
+        return float(v or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def family(d: dict) -> str:
+    """The script the tab runs (train_model's run_cmd order): sdxl, sd3, flux, else sd."""
+    if d.get("sdxl") or d.get("sdxl_checkbox"):
+        return "sdxl"
+    if d.get("sd3_checkbox"):
+        return "sd3"
+    return "flux" if d.get("flux1_checkbox") else "sd"
+
+
+def _te_rates(d: dict, fam: str, tab: str, notes: list) -> None:
+    te, te1, te2 = (d.pop(k, TE_RATE_DEFAULT) for k in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"))
+    if fam == "sdxl":
+        for k, v in (("learning_rate_te1", te1), ("learning_rate_te2", te2)):
+            if v is not None and v != "":
+                d[k] = v
+        if tab == "dreambooth":  # dreambooth_gui.py: the rates decide, not a checkbox
+            on = _number(te1) > 0 or _number(te2) > 0
+            if bool(d.get("train_text_encoder")) != on:
+                notes.append(f"train_text_encoder: the GUI's SDXL DreamBooth trains the text encoders when "
+                             f"learning_rate_te1 or learning_rate_te2 is above 0 -> {str(on).lower()}")
+            d["train_text_encoder"] = on
+    elif fam in FLOW_SCRIPTS:
+        if _number(te):
+            notes.append(f"learning_rate_te: dropped; the GUI writes it for {fam.upper()} but "
+                         f"{FLOW_SCRIPTS[fam]} does not read it")
+    elif te is not None and te != "":
+        d["learning_rate_te"] = te
+
+
+def _stop_te(d: dict, fam: str, tab: str, notes: list) -> None:
+    v = _number(d.pop("stop_text_encoder_training", 0))
+    if not v:
+        return
+    n = int(v)
+    if tab == "finetune":
+        notes.append("stop_text_encoder_training: dropped; the fine-tune tab does not write it")
+    elif fam != "sd":
+        script = FLOW_SCRIPTS.get(fam, "sdxl_train.py")
+        notes.append(f"stop_text_encoder_training: dropped; the GUI writes it but {script} does not read it")
+    elif n < 0:
+        d["train_text_encoder"] = False
+        notes.append(f"stop_text_encoder_training: {n}: sd-scripts' train_db.py then leaves the text "
+                     "encoder untrained -> train_text_encoder = false")
+    else:
+        d["stop_text_encoder_training"] = n
+        notes.append(f"stop_text_encoder_training: the GUI's field reads \"% of total steps\" but "
+                     f"dreambooth_gui.py writes {n} unchanged, a step count for train_db.py: the text "
+                     f"encoder trains the first {n} steps")
+
+
+def _finetune(d: dict, fam: str, notes: list) -> None:
+    f = {k: d.pop(k, default) for k, default in FT_DEFAULTS.items()}
+    for k, v in FT_WIDGETS.items():
+        d.setdefault(k, v)
+    if "image_folder" in d:  # finetune_gui.py: "train_data_dir": image_folder
+        d["train_data_dir"] = d.pop("image_folder")
+    d["enable_bucket"] = True  # finetune_gui.py writes it always on
+    if d.pop("vae", None):
+        notes.append("vae: dropped; the fine-tune tab does not write it (the model's own VAE is used)")
+    steps = [bool(d.pop(old, True) if old in d else d.pop(new, True)) for old, new in FT_PREP]
+    for k in FT_PREP_ONLY:
+        d.pop(k, None)
+    if fam == "flux" and d.pop("train_text_encoder", False):
+        notes.append("train_text_encoder: dropped; flux_train.py does not train the text encoders")
+    computed = "max_train_steps" in d and not _number(d["max_train_steps"]) and not _number(d.get("max_train_epochs"))
+    if d.get("flip_aug") and computed:
+        notes.append("flip_aug: the GUI halves the steps it computes from the epochs (as if flipping doubled "
+                     "the images); here every epoch is trained")
+    name = f["latent_metadata_filename" if f["use_latent_files"] == "Yes" else "caption_metadata_filename"]
+    if d.get("dataset_config") or d.get("in_json"):
+        return  # the dataset config's subsets (sd-scripts reads no in_json then), or a file given
+    if not f["train_dir"]:
+        notes.append(f"train_dir: empty; the GUI would read the metadata /{name} -> in_json not set")
+        return
+    d["in_json"] = f"{f['train_dir']}/{name}"
+    what = []
+    if steps[0]:
+        what.append("the caption metadata from the image folder's caption files "
+                    "(sd-scripts' finetune/merge_captions_to_metadata.py)")
+    if steps[1]:
+        what.append("the bucket / latent metadata (finetune/prepare_buckets_latents.py)")
+    if what:
+        notes.append(f"in_json: {d['in_json']}; the GUI writes {' and '.join(what)} before training, which "
+                     "this toolkit does not: run it first (buckets and latents come from enable_bucket / "
+                     "cache_latents here)")
+
+
+def tab_fields(d: dict, tab: str, notes: list) -> None:
+    fam = family(d)
+    for k in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "no_half_vae",
+              *(("fused_backward_pass",) if fam in FLOW_SCRIPTS else ()),
+              *(("dataset_repeats",) if tab == "dreambooth" else ())):
+        d.pop(k, None)  # the tabs write these from the model types' own fields (or not at all)
+    if tab == "dreambooth" and fam != "sdxl":
+        d.pop("train_text_encoder", None)  # dreambooth_gui.py: `train_text_encoder if sdxl else None`
+    _te_rates(d, fam, tab, notes)
+    _stop_te(d, fam, tab, notes)
+    if tab == "finetune":
+        _finetune(d, fam, notes)
