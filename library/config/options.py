@@ -397,7 +397,8 @@ OPTIONS: tuple[Option, ...] = (
     O("unet_lr", "float", None, "Learning rate of the U-Net part of the network; unset = "
       "learning_rate.", "optimizer", scripts=LORA, min=0),
     O("text_encoder_lr", "float_or_list", None, "Learning rate of the text encoder(s); one value, or "
-      "one per text encoder (SDXL: two). Unset = learning_rate.", "optimizer", min=0,
+      "one per text encoder (SDXL: two). Unset = learning_rate. FLUX.1 / SD3 full fine-tunes do not read "
+      "it (sd-scripts' flux_train.py / sd3_train.py: learning_rate_te1/2/3); their LoRAs do.", "optimizer", min=0,
       aliases=("learning_rate_te",), scripts=NOT_TI),
     O("learning_rate_te1", "float", None, "SDXL / SD3: learning rate of text encoder 1 (SD3: CLIP-L; "
       "sd-scripts' name); overrides text_encoder_lr for that encoder.", "optimizer", scripts=FULL, min=0),

@@ -68,8 +68,6 @@ UNSUPPORTED_BY_FAMILY = {
              "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
              **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
                 for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
-             "train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and "
-                                   "T5 stay frozen)",
              "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
              "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
                                   "transformer alone)",

@@ -154,7 +154,10 @@ NO_EFFECT_BY_FAMILY = {
     "sd3": {name: "sd-scripts' SD3 trainers add no input perturbation (sd3_train_utils draws the "
                   "noisy input from the plain noise)"
             for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
-    "flux": {"min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
+    "flux": {"train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and T5 "
+                                   "stay frozen) and has no such option: a config's key is ignored there, "
+                                   "and the kohya_ss GUI's fine-tune tab writes it true",
+             "min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
                              "FLUX.1 trainers ignore the timestep bounds)",
              "max_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
                              "FLUX.1 trainers ignore the timestep bounds)"},

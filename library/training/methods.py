@@ -361,7 +361,10 @@ class FullMethod:
         self.opts = opts
         self.bundle = bundle
         self.train_unet = bool(opts.learning_rate)
-        wants_te = opts.train_text_encoder
+        # sd-scripts' flux_train.py has no train_text_encoder (a config's key is ignored there; the
+        # GUI's fine-tune tab writes it true): FLUX.1's encoders stay frozen (flow_loss warns)
+        self.flow = bundle is not None and bundle.family in ("flux", "sd3")
+        wants_te = opts.train_text_encoder and not (bundle is not None and bundle.family == "flux")
         may_imply = _db_implies_text_encoder(opts)
         # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text
         # encoder unless stop_text_encoder_training < 0. A config giving a text-encoder rate (or
@@ -400,9 +403,11 @@ class FullMethod:
             raise MethodError(f"nothing to train: {why}; set a learning_rate above 0")
 
     def _te_lr_values(self) -> list:
-        """The text-encoder learning rates as given (one or two values; unset -> learning_rate)."""
+        """The text-encoder learning rates as given (one or two values; unset -> learning_rate).
+        sd-scripts' sd3_train.py never reads learning_rate_te (learning_rate_te1/te2/te3, else
+        learning_rate): nor does an SD3 run here."""
         lr = self.opts.text_encoder_lr
-        if lr is None:
+        if lr is None or self.flow:
             return [self.opts.learning_rate]
         return list(lr) if isinstance(lr, (list, tuple)) else [lr]
 
@@ -456,7 +461,13 @@ class FullMethod:
     def setup(self):
         opts, b = self.opts, self.bundle
         for name in ("text_encoder_lr", "learning_rate_te1", "learning_rate_te2"):
-            if getattr(opts, name) is not None and not self.wants_te:
+            if getattr(opts, name) is None:
+                continue
+            if name == "text_encoder_lr" and self.flow:
+                logger.warning(f"text_encoder_lr (learning_rate_te) has no effect with the {b.family} model: "
+                               "sd-scripts' sd3_train.py reads learning_rate_te1 / te2 / te3 (unset: "
+                               "learning_rate) and flux_train.py trains the transformer alone")
+            elif not self.wants_te:
                 logger.warning(f"{name} has no effect without train_text_encoder")
         if opts.learning_rate_te3 is not None and not opts.train_t5xxl:
             logger.warning("learning_rate_te3 has no effect without train_t5xxl")

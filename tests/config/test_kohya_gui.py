@@ -47,11 +47,8 @@ def _cases():
                            *(flow if tab != "textual_inversion" else ())):
             if tab == "finetune" and fam == "sdxl":
                 flags = {"sdxl_checkbox": True}
-            if tab == "finetune" and fam == "flux":
-                # the tab's "Train text encoder" (on by default) is refused with FLUX.1 here
-                # (flux_train.py has no such option); the UI's import drops it with a note
-                # (tests/ui/test_gui_import_tabs.py)
-                flags = {**flags, "train_text_encoder": False}
+            # (finetune + flux: the tab's "Train text encoder" is on by default; flux_train.py has no
+            # such option and ignores the key: a warning here, checked in test_gui_config_trains_two_steps)
             pid = f"{tab}/GUI defaults {fam}"
             if tab == "textual_inversion":
                 flags = {**flags, "token_string": "sks"}  # the GUI requires one (no default)
@@ -187,9 +184,12 @@ def test_gui_config_trains_two_steps(tab, preset, pid, tmp_path, dataset, run_sc
     if tab == "dreambooth" and gui.family_of(preset) in ("sd1", "sd2") and cfg.get("learning_rate_te"):
         # the GUI writes learning_rate_te and no train_text_encoder: trained, as train_db.py
         assert "the text encoder trains, as in sd-scripts' train_db.py" in err
-    if gui.family_of(preset) in ("flux", "sd3") and cfg.get("learning_rate_te") and not cfg.get("train_text_encoder"):
-        # flux_train.py / sd3_train.py train the text encoders only with train_text_encoder
-        assert "text_encoder_lr has no effect without train_text_encoder" in err
+    if gui.family_of(preset) in ("flux", "sd3") and cfg.get("learning_rate_te"):
+        # flux_train.py / sd3_train.py never read learning_rate_te (sd3_train.py: learning_rate_te1/2/3)
+        assert "text_encoder_lr (learning_rate_te) has no effect with the" in err
+    if gui.family_of(preset) == "flux" and cfg.get("train_text_encoder"):
+        # flux_train.py has no train_text_encoder: the GUI's key is ignored there, warned here
+        assert "option train_text_encoder has no effect with the FLUX.1 model" in err
     name = cfg.get("output_name", "last")
     saved = [f for f in os.listdir(tmp_path / "out") if f.startswith(name)]
     assert saved, os.listdir(tmp_path / "out")

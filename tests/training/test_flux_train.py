@@ -328,3 +328,23 @@ def test_flux_fused_backward_pass_equals_the_plain_step(dataset, tmp_path, train
         moved = float((plain[k] - initial[k]).abs().max())
         assert moved > 0, k
         assert float((plain[k] - fused[k]).abs().max()) <= 1e-6 * max(moved, 1e-3), k
+
+
+def test_flux_train_text_encoder_has_no_effect_as_in_flux_train(dataset, tmp_path, train):
+    """flux_train.py has no train_text_encoder (the GUI's fine-tune tab writes it true; sd-scripts
+    ignores a config's key): one warning, CLIP-L and T5 untouched and out of the optimizer, the
+    transformer trained; learning_rate_te warned likewise."""
+    from library.models.tiny_flux import build_tiny_flux
+
+    rc, _, err, run = train("train_dreambooth", flux_args(dataset, str(tmp_path / "o"), "--train_text_encoder",
+                                                          "--learning_rate_te", "1e-3", "--max_train_steps", "1"))
+    assert rc == 0, err
+    assert "option train_text_encoder has no effect with the FLUX.1 model" in err
+    assert "text_encoder_lr (learning_rate_te) has no effect with the flux model" in err
+    fresh = build_tiny_flux("dev")
+    for name, te in (("clip_l", run.parts.bundle.text_encoders[0]), ("t5", run.parts.bundle.text_encoders[1])):
+        ref = fresh[name].state_dict()
+        assert all(torch.equal(v, ref[k]) for k, v in te.state_dict().items()), name
+        assert not any(p.requires_grad for p in te.parameters()), name
+    ref = fresh["transformer"].state_dict()
+    assert any(not torch.equal(v, ref[k]) for k, v in run.parts.bundle.unet.state_dict().items())

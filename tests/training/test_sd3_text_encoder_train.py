@@ -222,3 +222,16 @@ def test_a_diffusers_folder_is_saved_as_a_folder_with_the_trained_encoders(datas
         saved = theirs.state_dict()
         assert all(torch.equal(saved[k], v) for k, v in mine.state_dict().items()), name
         assert not torch.equal(saved[PROBES[name]], getattr(tiny, name).state_dict()[PROBES[name]]), name
+
+
+def test_learning_rate_te_is_not_read_as_in_sd3_train(dataset, tmp_path, train):
+    """sd3_train.py never reads learning_rate_te (the GUI writes it): CLIP-L / CLIP-G train at
+    learning_rate_te1 / te2, unset = learning_rate; here learning_rate_te 0 would have frozen them."""
+    argv = ["--pretrained_model_name_or_path", "tiny-sd3", "--train_data_dir", dataset, "--output_dir",
+            str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1", "--cache_latents",
+            "--optimizer_type", "SGD", "--learning_rate", "1e-3", "--train_text_encoder",
+            "--learning_rate_te", "0", "--learning_rate_te2", "2e-3"]
+    rc, _, err, run = train("finetune", argv)
+    assert rc == 0, err
+    assert "text_encoder_lr (learning_rate_te) has no effect with the sd3 model" in err
+    assert [g["lr"] for g in run.parts.stepper.optimizer.param_groups] == [1e-3, 1e-3, 2e-3]
