@@ -42,6 +42,19 @@ def _expected(flux, all_linear: bool) -> dict[str, tuple]:
     return out
 
 
+def write_sd_scripts_oft_file(flux, path: str, scale: float, seed: int, metadata: dict | None = None) -> dict:
+    """An all-linear OFT file in sd-scripts' layout for ``flux`` (4 blocks per part, N(0, scale)
+    oft_blocks, alpha 0.5 per module), written to ``path``; returns its tensors."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, split in _expected(flux, True).items():
+        for i, width in enumerate(split):
+            sd[f"{name}.oft_blocks.{i}"] = torch.randn(4, width // 4, width // 4, generator=g) * scale
+        sd[name + ".alpha"] = torch.tensor(0.5)
+    save_file(sd, path, metadata)
+    return sd
+
+
 @pytest.mark.parametrize("all_linear", [False, True])
 def test_file_keys_are_sd_scripts_and_no_client_maps_them(parts, tmp_path, all_linear):
     flux = parts["transformer"]
@@ -127,22 +140,15 @@ def test_a_file_in_sd_scripts_layout_loads_back(parts, tmp_path):
     alone: create_network_from_weights builds a network of exactly its keys, load_weights takes
     them, and the modules compute the float64 rotation of the file's tensors."""
     flux = _fresh()
-    expected = _expected(flux, True)
-    g = torch.Generator().manual_seed(1)
-    sd = {}
-    for name, split in expected.items():
-        for i, width in enumerate(split):
-            sd[f"{name}.oft_blocks.{i}"] = torch.randn(4, width // 4, width // 4, generator=g) * 0.02
-        sd[name + ".alpha"] = torch.tensor(0.5)
     path = str(tmp_path / "sd_scripts_oft.safetensors")
-    save_file(sd, path, {"ss_network_module": "networks.oft_flux"})
+    sd = write_sd_scripts_oft_file(flux, path, 0.02, seed=1, metadata={"ss_network_module": "networks.oft_flux"})
     net, _ = oft_flux.create_network_from_weights(1.0, path, None, [parts["clip_l"], parts["t5"]], flux)
     net.apply_to(None, flux, False, True)
     net.load_weights(path)
     assert set(net.state_dict()) == set(sd)
-    name = "oft_unet_single_blocks_0_linear1"
+    name, expected = "oft_unet_single_blocks_0_linear1", _expected(flux, True)
     layer = getattr(net, name).org_module
-    x = torch.randn(3, layer.in_features, generator=g)
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2))
     want, _ = _reference(layer.weight.detach(), layer.bias.detach(), [sd[f"{name}.oft_blocks.{i}"] for i in range(4)],
                          0.5, 1.0, expected[name], x)
     with torch.no_grad():

@@ -512,15 +512,8 @@ def test_flux_oft_base_weights_are_merged_as_the_rotation(dataset, tmp_path, tra
     from tests.networks import test_oft_flux
 
     flux = tiny_flux.build_tiny_flux("dev")["transformer"]
-    layers = test_oft_flux._expected(flux, True)
-    g = torch.Generator().manual_seed(0)
-    sd = {}
-    for name, split in layers.items():
-        for i, width in enumerate(split):
-            sd[f"{name}.oft_blocks.{i}"] = torch.randn(4, width // 4, width // 4, generator=g) * 0.05
-        sd[name + ".alpha"] = torch.tensor(0.5)
     base = str(tmp_path / "oft_base.safetensors")
-    save_file(sd, base)
+    sd, layers = test_oft_flux.write_sd_scripts_oft_file(flux, base, 0.05, seed=0), test_oft_flux._expected(flux, True)
     rc, _, err, run = train("train_lora", lora_args(
         "tiny-flux", "networks.oft_flux", dataset, str(tmp_path / "out"), "--max_train_steps", "1",
         "--base_weights", base, "--base_weights_multiplier", "0.5", "--cache_text_encoder_outputs"))
