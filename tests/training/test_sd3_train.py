@@ -419,8 +419,8 @@ def test_sd3_t5xxl_file_replaces_the_models_t5_and_a_wrong_width_is_one_line(tmp
 
 @pytest.mark.parametrize("extra, message", [
     (["--t5_dropout_rate", "0.1"], "t5_dropout_rate: not with the FLUX.1 model tiny-flux: SD3's text-encoder dropout"),
-    (["--train_text_encoder"], "train_text_encoder: not with the FLUX.1 model tiny-flux: sd-scripts' "
-                               "flux_train.py trains the transformer alone"),
+    (["--train_text_encoder", "--train_t5xxl"], "train_t5xxl: not with the FLUX.1 model tiny-flux: SD3's "
+                                                "sd3_train.py option"),
     (["--pos_emb_random_crop_rate", "0.5"], "pos_emb_random_crop_rate: not with the FLUX.1 model tiny-flux: "
                                             "SD3's position-embedding table"),
     (["--enable_scaled_pos_embed"], "enable_scaled_pos_embed: not with the FLUX.1 model tiny-flux"),
