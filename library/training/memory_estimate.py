@@ -623,16 +623,15 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _cached_data_bytes(opts, tset, comps, scale: int, text_dtype_bytes: int, tokens: int,
+def _cached_data_bytes(opts, tset, comps, flow: bool, scale: int, text_dtype_bytes: int, tokens: int,
                        partial_text: bool) -> int:
     """Latents (float32, each flip its own) and one text-encoder cache entry per caption the cache
     stage encodes (cache_stage.cached_captions); ``partial_text``: FLUX.1 / SD3's partial cache,
-    the frozen T5's part only (flow_memory.text_entry_bytes)."""
+    the frozen T5's part only (flow_memory.text_entry_bytes); ``flow``: a FLUX.1 / SD3 model."""
     total = 0
     if tset is None:
         return 0
     items = tset.train_items + tset.reg_items
-    flow = not hasattr(comps["unet"].config, "cross_attention_dim")  # FLUX.1 / SD3
     if opts.cache_latents or opts.cache_latents_to_disk:
         for it in items:
             if flow:
@@ -848,7 +847,8 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     n_chunks = chunk_count(opts.max_token_length)
     tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
-    est.cached_data = _cached_data_bytes(opts, tset, comps, scale, frozen_dtype.itemsize, tokens, partial_text)
+    est.cached_data = _cached_data_bytes(opts, tset, comps, family in flow_family.FLOW_FAMILIES, scale,
+                                         frozen_dtype.itemsize, tokens, partial_text)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:
         # DDP (library/distributed/ddp.py): its buckets hold a copy of every trained gradient,

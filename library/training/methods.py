@@ -25,7 +25,7 @@ from library.files import EXTENSIONS
 from library.models import embeddings, flow_family, sd3, sd_checkpoint
 from library.models.placement import trained_precision
 from library.training import block_lr
-from library.training.network_options import MaxNormStats, base_multipliers
+from library.training.network_options import MaxNormStats, base_multipliers, is_lycoris
 from networks import lora_names
 from networks.lora import load_state_dict_file, write_weights
 
@@ -117,7 +117,7 @@ class NetworkMethod:
         # its names are translated to the kohya names of networks.lora (SDXL U-Net in SAI layout,
         # text encoders under text_model) in every file written and read
         self.renames = None
-        if opts.network_module.split(".")[0] == "lycoris":
+        if is_lycoris(opts.network_module):
             self.renames = lora_names.plain_to_kohya_names(b.text_encoders, b.unet)
         try:
             if opts.dim_from_weights:  # the file's ranks and alphas, per module
@@ -363,7 +363,7 @@ class FullMethod:
         self.train_unet = bool(opts.learning_rate)
         # sd-scripts' flux_train.py has no train_text_encoder (a config's key is ignored there; the
         # GUI's fine-tune tab writes it true): FLUX.1's encoders stay frozen (flow_loss warns)
-        self.flow = bundle is not None and bundle.family in ("flux", "sd3")
+        self.flow = bundle is not None and bundle.family in flow_family.FLOW_FAMILIES
         wants_te = opts.train_text_encoder and not (bundle is not None and bundle.family == "flux")
         may_imply = _db_implies_text_encoder(opts)
         # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text

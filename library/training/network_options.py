@@ -68,7 +68,7 @@ def why_not_for(network_module: str, fam: str) -> str:
 
 def check_lycoris_algo(network_module: str, network_args: dict) -> None:
     """One line for a LyCORIS algorithm that cannot train here (before any weight loads)."""
-    if network_module.split(".")[0] != "lycoris":
+    if not is_lycoris(network_module):
         return
     algo = str(network_args.get("algo") or "lora").strip().strip('"').lower()
     if algo in LYCORIS_UNSUPPORTED:
@@ -132,9 +132,9 @@ def _merge(bundle, weights_sd: dict, multiplier: float, network_module: str) -> 
     module = FAMILY_LORA_MODULES.get(bundle.family)
     if module is None:
         return merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, multiplier)
-    lycoris_kinds = sorted(set(file_kinds(weights_sd)) - {"LoRA"})
+    lycoris_kinds = sorted(k.removeprefix("LyCORIS ") for k in set(file_kinds(weights_sd)) - {"LoRA"})
     if lycoris_kinds:
-        return _merge_lycoris(bundle, weights_sd, multiplier, "/".join(k.removeprefix("LyCORIS ") for k in lycoris_kinds))
+        return _merge_lycoris(bundle, weights_sd, multiplier, lycoris_kinds)
     if network_module in FAMILY_NETWORK_MODULES.get(bundle.family, ()):
         module = DIT_NETWORK_MODULES[network_module][2]
     network, _ = module.create_network_from_weights(multiplier, None, None, bundle.text_encoders, bundle.unet,
@@ -147,7 +147,7 @@ def _merge(bundle, weights_sd: dict, multiplier: float, network_module: str) -> 
 LYCORIS_MERGED = {"LoHa", "LoKr"}
 
 
-def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, kinds: str) -> int:
+def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, lycoris_kinds: list[str]) -> int:
     """A LyCORIS file into a FLUX.1 / SD3 model, as the LyCORIS training path builds its network
     (library/training/methods.py): lycoris.kohya's create_network_from_weights on the transformer
     and the text encoders as one list, the file's kohya names translated to the names LyCORIS'
@@ -157,7 +157,8 @@ def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, kinds: str) -> i
     rank twice). LoHa and LoKr files merge (LoRA / LoCon ones go through the family's LoRA); the
     other LyCORIS kinds and a module of the file that names no layer of this model are errors
     (LyCORIS would skip the latter)."""
-    unmerged = sorted(set(kinds.split("/")) - LYCORIS_MERGED)
+    kinds = "/".join(lycoris_kinds)  # file_kinds' names without "LyCORIS "
+    unmerged = sorted(set(lycoris_kinds) - LYCORIS_MERGED)
     if unmerged:
         raise lora.LoRAError(f"a LyCORIS {kinds} file: base_weights merges LyCORIS LoHa and LoKr files (and "
                              f"LoRA / LoCon ones) into {flow_family.NAMES[bundle.family]} models, not "

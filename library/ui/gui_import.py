@@ -48,7 +48,7 @@ from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
 from library.ui.gui_network import NETWORK_FIELDS, OTHER_FAMILY_BOXES, gui_network
-from library.ui.gui_tabs import tab_fields
+from library.ui.gui_tabs import gui_float, tab_fields
 
 DATASET_KEYS = ("general", "datasets")
 FLOW_BOXES = ("flux1_checkbox", "sd3_checkbox")  # the GUI's FLUX.1 / SD3 model type
@@ -146,13 +146,6 @@ def _epochs(d: dict, notes: list) -> None:
                      f"the image folders) -> max_train_epochs = {n}")
 
 
-def _rate(v) -> float:
-    try:
-        return float(v or 0)
-    except (TypeError, ValueError):
-        return 0.0
-
-
 def _lora_rates(d: dict) -> None:
     """The LoRA tab's text encoder / U-Net / T5-XXL rates -> the keys lora_gui.py writes: a rate of
     0 leaves that part untrained (network_train_unet_only / _text_encoder_only), the text encoder
@@ -160,7 +153,7 @@ def _lora_rates(d: dict) -> None:
     rates = []
     for k, default in LORA_RATE_DEFAULTS:
         v = d.pop(k, None)
-        rates.append(default if v is None else _rate(v))  # a missing field: the GUI's default
+        rates.append(default if v is None else gui_float(v))  # a missing field: the GUI's default
     te, unet, t5 = rates
     d["network_train_unet_only"] = te == 0 and unet != 0
     d["network_train_text_encoder_only"] = te != 0 and unet == 0
@@ -184,11 +177,7 @@ def _json_fields(d: dict, tab: str | None, notes: list) -> dict:
     if "max_resolution" in d:
         d["resolution"] = d.pop("max_resolution")
     if "lr_warmup" in d:
-        pct = d.pop("lr_warmup")
-        try:
-            pct = float(pct or 0)
-        except (TypeError, ValueError):
-            pct = 0.0
+        pct = gui_float(d.pop("lr_warmup"))
         if pct and not d.get("lr_warmup_steps"):
             d["lr_warmup_steps"] = pct / 100  # a fraction of all steps, as the GUI computes
             notes.append(f"lr_warmup: {pct:g} % of the steps -> lr_warmup_steps = {pct / 100:g}")

@@ -34,7 +34,7 @@ TE_RATE_DEFAULT = 1e-5  # the tabs' learning rate fields' default (BasicTraining
 FT_WIDGETS = dict(train_text_encoder=True, dataset_repeats=40)
 
 
-def _number(v) -> float:
+def gui_float(v) -> float:
     """A field the GUI loads as a number (old presets hold strings); unreadable or empty: 0."""
     try:
         return float(v or 0)
@@ -58,13 +58,13 @@ def _te_rates(d: dict, fam: str, tab: str, notes: list) -> None:
             if v is not None and v != "":
                 d[k] = v
         if tab == "dreambooth":  # dreambooth_gui.py: the rates decide, not a checkbox
-            on = _number(te1) > 0 or _number(te2) > 0
+            on = gui_float(te1) > 0 or gui_float(te2) > 0
             if bool(d.get("train_text_encoder")) != on:
                 notes.append(f"train_text_encoder: the GUI's SDXL DreamBooth trains the text encoders when "
                              f"learning_rate_te1 or learning_rate_te2 is above 0 -> {str(on).lower()}")
             d["train_text_encoder"] = on
     elif fam in FLOW_SCRIPTS:
-        if _number(te):
+        if gui_float(te):
             notes.append(f"learning_rate_te: dropped; the GUI writes it for {fam.upper()} but "
                          f"{FLOW_SCRIPTS[fam]} does not read it")
     elif te is not None and te != "":
@@ -72,7 +72,7 @@ def _te_rates(d: dict, fam: str, tab: str, notes: list) -> None:
 
 
 def _stop_te(d: dict, fam: str, tab: str, notes: list) -> None:
-    v = _number(d.pop("stop_text_encoder_training", 0))
+    v = gui_float(d.pop("stop_text_encoder_training", 0))
     if not v:
         return
     n = int(v)
@@ -106,7 +106,7 @@ def _finetune(d: dict, fam: str, notes: list) -> None:
         d.pop(k, None)
     if fam == "flux" and d.pop("train_text_encoder", False):
         notes.append("train_text_encoder: dropped; flux_train.py does not train the text encoders")
-    computed = "max_train_steps" in d and not _number(d["max_train_steps"]) and not _number(d.get("max_train_epochs"))
+    computed = "max_train_steps" in d and not gui_float(d["max_train_steps"]) and not gui_float(d.get("max_train_epochs"))
     if d.get("flip_aug") and computed:
         notes.append("flip_aug: the GUI halves the steps it computes from the epochs (as if flipping doubled "
                      "the images); here every epoch is trained")
