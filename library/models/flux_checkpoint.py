@@ -387,11 +387,8 @@ def save_flux_transformer(path: str, state_dict: dict, layout: str, config: Flux
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     meta[META_CONFIG_KEY] = config_record(config)
     if layout == "bfl":
-        def convert(v):
-            return v.to(dtype) if dtype is not None and v.is_floating_point() else v
-
         with atomic_path(path) as tmp:
-            safetensors_file.save_streaming(state_dict, tmp, meta, convert)
+            safetensors_file.save_streaming(state_dict, tmp, meta, lambda v: fp8_storage.cast_floating(v, dtype))
         return
     sd = {}
     for k, v in state_dict.items():

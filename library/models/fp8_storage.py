@@ -36,6 +36,11 @@ def check_finite_as(tensors: dict, dtype: torch.dtype | None, source: str) -> No
             raise ModelError(f"{source}: {key} has non-finite values{cast}; not written")
 
 
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is a floating tensor (None: as it is); other tensors unchanged."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
 def load_dtype(state_dict: dict, dtype: torch.dtype | None, path: str) -> dict:
     """Every floating tensor in ``dtype`` (float8-stored ones up-cast; None: as stored). ComfyUI's *scaled* fp8
     files (each weight times a ``scale_weight``) are refused by name: read as plain fp8 their
@@ -43,4 +48,4 @@ def load_dtype(state_dict: dict, dtype: torch.dtype | None, path: str) -> dict:
     if "scaled_fp8" in state_dict or any(k.endswith(".scale_weight") for k in state_dict):
         raise ModelError(f"{path}: a scaled-fp8 checkpoint (scale_weight tensors); use an unscaled one "
                          "(fp16, bf16 or plain float8_e4m3fn)")
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in state_dict.items()}
+    return {k: cast_floating(v, dtype) for k, v in state_dict.items()}

@@ -149,10 +149,6 @@ def merge(files: dict[str, str], output: str, dtype: torch.dtype | None = None, 
             log(f"{FLAGS[which]}: replaces the {which} weights of --dit {parts['dit'][0]}")
         merged.update(_prefixed(_read(parts[which][0])[0], which))
     fp8_storage.check_finite_as(merged, dtype, output)
-
-    def convert(t):
-        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
     with atomic_path(output) as tmp:
-        safetensors_file.save_streaming(merged, tmp, metadata, convert)
+        safetensors_file.save_streaming(merged, tmp, metadata, lambda t: fp8_storage.cast_floating(t, dtype))
     return len(merged)
