@@ -92,12 +92,13 @@ def targets(flux, all_linear: bool) -> dict[str, Any]:
 
 
 def _module(name: str, layer, flux, multiplier: float, dim: int, alpha) -> SplitOFTModule:
-    parts = split_dims(name, flux) or (layer.weight.shape[0],)
+    split = split_dims(name, flux)
+    parts = split or (layer.weight.shape[0],)
     bad = [p for p in parts if p % dim]
     if bad:
         raise lora.LoRAError(f"{NETWORK_MODULE}: network_dim {dim} (blocks) does not divide the {bad[0]} outputs "
                              f"of {name}{' (a part of it)' if len(parts) > 1 else ''}; choose a divisor")
-    return SplitOFTModule(name, layer, multiplier, dim, alpha, split_dims(name, flux))
+    return SplitOFTModule(name, layer, multiplier, dim, alpha, split)
 
 
 class FluxOFTNetwork(lora.AdapterNetwork):
