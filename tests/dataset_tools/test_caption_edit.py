@@ -157,3 +157,16 @@ def test_read_only_folder(folder, capsys):
     line = error_line(err)
     assert line.startswith(f"error: {folder}: cannot write there (") and line.endswith("); nothing was changed")
     assert texts(folder) == CAPTIONS
+
+
+def test_recursive_and_caption_extension(folder, capsys):
+    sub = folder / "more"
+    write_image(str(sub / "e.png"), (8, 8), seed=9)
+    write_text(str(sub / "e.txt"), "cat, cat")
+    write_text(str(sub / "e.caption"), "cat, cat")
+    assert run(["dedupe", folder, "--caption_extension", ".txt"], capsys)[1].startswith("dedupe: 0 caption(s)")
+    rc, out, _ = run(["dedupe", folder, "--caption_extension", ".txt", "--recursive"], capsys)
+    assert rc == 0 and out.startswith("dedupe: 1 caption(s) changed, 0 unchanged")
+    assert read_text(sub / "e.txt") == "cat" and read_text(sub / "e.caption") == "cat, cat"
+    assert texts(folder) == CAPTIONS
+    assert run(["undo", folder], capsys)[0] == 0 and read_text(sub / "e.txt") == "cat, cat"

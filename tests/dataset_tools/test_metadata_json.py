@@ -138,7 +138,8 @@ def test_clean_script_and_its_old_three_argument_form(tmp_path, capsys):
                                "c": {"caption": "anime girl"}}))
     out = tmp_path / "out.json"
     expected = {"a": {"caption": "a girl", "tags": "blue sky"}, "b": {"tags": "1girl"}, "c": {"caption": "girl"}}
-    assert run(clean_captions_and_tags.main, [src, out], capsys)[0] == 0
+    rc, _, err = run(clean_captions_and_tags.main, [src, out, "--debug"], capsys)
+    assert rc == 0 and "a: 'blue_sky, sky' -> 'blue sky'" in err and "c: 'anime girl' -> 'girl'" in err
     assert read_text(out) == json.dumps(expected, indent=2)
     out.unlink()
     rc, _, err = run(clean_captions_and_tags.main, [tmp_path, src, out], capsys)
