@@ -43,10 +43,14 @@ def find_images(folder: str, recursive: bool = False) -> list[Path]:
     return sorted(p for p in found if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
 
 
-def caption_files(folder: str, caption_extension: str = ".txt", recursive: bool = False) -> list[str]:
-    """The caption files of the folder's images (images without one are not listed)."""
-    if not caption_extension.startswith("."):
+def check_extension(caption_extension: str) -> None:
+    if not caption_extension.startswith(".") or len(caption_extension) < 2 or "/" in caption_extension:
         raise DataError(f"--caption_extension {caption_extension!r}: an extension starts with '.'")
+
+
+def caption_files(folder: str, caption_extension: str = ".caption", recursive: bool = False) -> list[str]:
+    """The caption files of the folder's images (images without one are not listed)."""
+    check_extension(caption_extension)
     paths = (str(p.with_suffix(caption_extension)) for p in find_images(folder, recursive))
     return [p for p in paths if os.path.isfile(p)]
 
@@ -66,7 +70,7 @@ def _per_line(text: str, edit: Callable[[list[str]], list[str]]) -> str:
     for line in text.split("\n"):
         tags = split_tags(line)
         new = edit(tags)
-        out.append(line if new == tags else ", ".join(new))
+        out.append(line if new == tags else ", ".join(new) + ("\r" if line.endswith("\r") else ""))
     return "\n".join(out)
 
 
@@ -139,7 +143,8 @@ def folder_lock(folder: str):
             break
         except FileExistsError:
             try:
-                pid = int(open(lock, encoding="utf-8").read().strip() or 0)
+                with open(lock, encoding="utf-8") as f:
+                    pid = int(f.read().strip() or 0)
             except (OSError, ValueError):
                 pid = 0
             if pid and files.pid_alive(pid):

@@ -15,7 +15,7 @@ import os
 import re
 
 from library import files, text_files
-from library.dataset_tools.captions import find_images
+from library.dataset_tools.captions import check_extension, find_images
 from library.errors import DataError
 
 logger = logging.getLogger("sdtk")
@@ -49,6 +49,7 @@ def merge_texts(train_data_dir: str, out_json: str, *, field: str, caption_exten
     of ``in_json`` (default: out_json when it exists) are kept, their ``field`` replaced."""
     if recursive and not full_path:
         raise DataError("--recursive requires --full_path (stems of several folders would collide)")
+    check_extension(caption_extension)
     images = find_images(train_data_dir, recursive)
     log.info(f"found {len(images)} images in {train_data_dir}")
     if in_json is None and os.path.isfile(out_json):

@@ -170,3 +170,10 @@ def test_recursive_and_caption_extension(folder, capsys):
     assert read_text(sub / "e.txt") == "cat" and read_text(sub / "e.caption") == "cat, cat"
     assert texts(folder) == CAPTIONS
     assert run(["undo", folder], capsys)[0] == 0 and read_text(sub / "e.txt") == "cat, cat"
+
+
+def test_crlf_lines_keep_their_ending(tmp_path, capsys):
+    write_image(str(tmp_path / "a.png"), (8, 8))
+    write_text(str(tmp_path / "a.caption"), "cat, cat\r\ndog, sky\r\n")
+    assert run(["dedupe", tmp_path], capsys)[0] == 0
+    assert read_text(tmp_path / "a.caption") == "cat\r\ndog, sky\r\n"

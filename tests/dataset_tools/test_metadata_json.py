@@ -97,6 +97,8 @@ def test_merge_errors_are_one_line_and_keep_the_previous_file(images, tmp_path, 
     rc, _, err = run(merge_captions_to_metadata.main, [images, out], capsys)
     assert rc == 2 and error_line(err) == (f"error: caption file {images}/b.caption: line 1: not UTF-8 text "
                                            "(byte 0xe9 at column 4); save the file as UTF-8")
+    rc, _, err = run(merge_dd_tags_to_metadata.main, [images, out, "--caption_extension", "txt"], capsys)
+    assert rc == 2 and error_line(err) == "error: --caption_extension 'txt': an extension starts with '.'"
     write_text(str(out), "[1, 2]")
     rc, _, err = run(merge_captions_to_metadata.main, [images, out], capsys)
     assert rc == 2 and "expected an object" in error_line(err)
