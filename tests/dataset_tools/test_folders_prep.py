@@ -8,6 +8,7 @@ import pytest
 from library.data import folders
 from library.dataset_tools import folders_prep
 from tests.dataset_tools.helpers import error_line, read_text, write_image, write_text
+from tests.outputs.test_faults_paths import _read_only
 from tools import dataset_folders
 
 
@@ -128,3 +129,17 @@ def test_balance_refuses_collisions_and_swaps_names(tmp_path, capsys):
     rc, _, err = run(["balance", root, "--steps", 0], capsys)
     assert rc == 2 and error_line(err) == "error: --steps 0.0: must be above 0"
     assert read_text(root / "10_cat" / "im0.caption") == "caption 0"
+
+
+def test_prepare_into_a_read_only_folder(tmp_path, capsys):
+    photos = image_folder(tmp_path / "photos", 1)
+    out = tmp_path / "train"
+    os.makedirs(out)
+    undo = _read_only(out)
+    try:
+        rc, _, err = run(["prepare", "--instance_prompt", "sks", "--class_prompt", "dog", "--train_images",
+                          photos, "--out_dir", out], capsys)
+    finally:
+        undo()
+    assert rc == 2 and error_line(err).startswith(f"error: cannot save {out / 'img' / '40_sks dog'}: ")
+    assert os.listdir(out) == []

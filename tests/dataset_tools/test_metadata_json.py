@@ -13,6 +13,7 @@ from library.data import folders
 from library.dataset_tools.metadata_json import clean_caption, clean_tags
 from tests.conftest import ROOT
 from tests.dataset_tools.helpers import error_line, read_text, write_image, write_text
+from tests.outputs.test_faults_paths import _read_only
 
 
 @pytest.fixture
@@ -176,3 +177,16 @@ def test_finetune_trains_on_the_merged_metadata(images, tmp_path, capsys, run_sc
     assert rc == 0, err
     assert "  images: 3\n" in stdout and "  samples_per_epoch: 6\n" in stdout
     assert os.listdir(tmp_path / "o")
+
+
+def test_read_only_output_folder_keeps_the_previous_file(images, tmp_path, capsys):
+    meta = tmp_path / "meta"
+    os.makedirs(meta)
+    write_text(str(meta / "m.json"), "{}")
+    undo = _read_only(meta)
+    try:
+        rc, _, err = run(merge_captions_to_metadata.main, [images, meta / "m.json"], capsys)
+    finally:
+        undo()
+    assert rc == 2 and error_line(err).startswith(f"error: cannot save {meta / 'm.json'}: ")
+    assert read_text(meta / "m.json") == "{}"
