@@ -106,7 +106,7 @@ def test_merge_errors_are_one_line_and_keep_the_previous_file(images, tmp_path, 
     assert read_text(out) == "[1, 2]"
 
 
-# sd-scripts' clean_tags (finetune/clean_captions_and_tags.py at 9d67f9d) on these inputs, run
+# sd-scripts' clean_tags (finetune/clean_captions_and_tags.py at 9d67f9d and 48d368fa) on these inputs, run
 # separately and recorded here
 SD_SCRIPTS_CLEAN_TAGS = [
     ("1girl, solo, long_hair, blue_eyes, shirt, white_shirt, smile, ^_^",
