@@ -74,17 +74,27 @@ def _per_line(text: str, edit: Callable[[list[str]], list[str]]) -> str:
     return "\n".join(out)
 
 
+def _tags_given(value: str, what: str) -> list[str]:
+    tags = split_tags(value)
+    if not tags:
+        raise DataError(f"{what} {value!r}: no tag")
+    return tags
+
+
 def add_trigger(text: str, word: str) -> str:
-    """``word`` as the first tag of each line (moved there if it is elsewhere in the line)."""
-    word = word.strip()
+    """``word`` (one tag, or several separated by commas) first in each line, moved there where
+    it is elsewhere in the line; a line that already starts with it is left as it is."""
+    first = _tags_given(word, "trigger word")
     if not text.strip():
-        return word
-    return _per_line(text, lambda tags: tags if tags[:1] == [word] else [word] + [t for t in tags if t != word])
+        return ", ".join(first)
+    n = len(first)
+    return _per_line(text, lambda tags: tags if tags[:n] == first else first + [t for t in tags if t not in first])
 
 
 def remove_tag(text: str, tag: str) -> str:
-    tag = tag.strip()
-    return _per_line(text, lambda tags: [t for t in tags if t != tag])
+    """Every tag equal to ``tag`` (several: separated by commas) dropped."""
+    gone = set(_tags_given(tag, "tag"))
+    return _per_line(text, lambda tags: [t for t in tags if t not in gone])
 
 
 def dedupe(text: str) -> str:

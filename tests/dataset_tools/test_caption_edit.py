@@ -177,3 +177,14 @@ def test_crlf_lines_keep_their_ending(tmp_path, capsys):
     write_text(str(tmp_path / "a.caption"), "cat, cat\r\ndog, sky\r\n")
     assert run(["dedupe", tmp_path], capsys)[0] == 0
     assert read_text(tmp_path / "a.caption") == "cat\r\ndog, sky\r\n"
+
+
+def test_several_trigger_tags_are_added_once(folder, capsys):
+    assert run(["trigger", folder, "sks, thing"], capsys)[0] == 0
+    assert read_text(folder / "b.caption") == "sks, thing, cat, sofa"
+    rc, out, _ = run(["trigger", folder, "sks,thing"], capsys)
+    assert rc == 0 and out.startswith("trigger: 0 caption(s) changed, 4 unchanged")
+    assert run(["remove", folder, "thing, cat"], capsys)[0] == 0
+    assert read_text(folder / "b.caption") == "sks, sofa"
+    rc, _, err = run(["remove", folder, " , "], capsys)
+    assert rc == 2 and error_line(err) == "error: tag ' , ': no tag"
