@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from library import files
 from library.data.folders import IMAGE_EXTENSIONS
 from library.dataset_tools.captions import JOURNAL_DIR
-from library.errors import DataError
+from library.errors import DataError, first_line
 
 logger = logging.getLogger("sdtk")
 
@@ -91,7 +91,7 @@ def prepare_folders(train_images: str, repeats: int, instance_prompt: str, class
             try:
                 shutil.copytree(src, tmp, ignore=NOT_COPIED, dirs_exist_ok=True)
             except (OSError, shutil.Error) as e:
-                raise files.SaveError(dst, str(e).splitlines()[0], "folder") from None
+                raise files.SaveError(dst, first_line(e), "folder") from None
     made = Prepared(img=copies[0][1], reg=copies[1][1] if reg_images else None,
                     log=os.path.join(out_dir, "log"), model=os.path.join(out_dir, "model"))
     for folder in (made.log, made.model):
