@@ -32,6 +32,36 @@ def _modules(sd: dict) -> dict[str, set[str]]:
     return clients.modules_of_file(sd)
 
 
+def test_full_module_forward_is_the_layer_with_its_trained_weight_at_the_multiplier():
+    """networks/lycoris_full.py FullModule on a Linear and a 3x3 Conv2d, in float64: the layer's
+    output with W0 + m * (W - W0) and b0 + m * (b - b0) (m = 1: the trained weight itself; m = 0,
+    and a module dropped by module_dropout: the layer as it was); its state dict is the change."""
+    import torch.nn.functional as F
+
+    from networks.lycoris_full import FullModule
+
+    torch.manual_seed(0)
+    for layer, x, op in ((torch.nn.Linear(6, 5), torch.randn(3, 6, dtype=torch.float64), F.linear),
+                         (torch.nn.Conv2d(3, 4, 3, padding=1), torch.randn(2, 3, 5, 5, dtype=torch.float64),
+                          lambda x, w, b: F.conv2d(x, w, b, padding=1))):
+        layer = layer.double()
+        w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
+        m = FullModule("lora_unet_x", layer, multiplier=1.0, module_dropout=0.0)
+        m.apply_to()
+        with torch.no_grad():
+            m.weight.add_(torch.randn_like(w0))
+            m.bias.add_(torch.randn_like(b0))
+        w, b = m.weight.detach(), m.bias.detach()
+        for mult in (1.0, 0.5, 0.0):
+            m.multiplier = mult
+            assert torch.allclose(layer(x), op(x, w0 + mult * (w - w0), b0 + mult * (b - b0)), rtol=1e-12, atol=1e-12)
+        m.multiplier, m.module_dropout = 1.0, 1.0 - 1e-9  # dropped: the base layer
+        m.train()
+        assert torch.allclose(layer(x), op(x, w0, b0), rtol=1e-12, atol=1e-12)
+        sd = m.state_dict()
+        assert torch.allclose(sd["diff"].double(), w - w0) and torch.allclose(sd["diff_b"].double(), b - b0)
+
+
 def test_full_trains_resumes_exactly_and_its_file_is_the_trained_layers(dataset, tmp_path, train):
     rc, _, err, run = train("train_lora", args("sd15", dataset, str(tmp_path / "a"), 4))
     assert rc == 0, err[-2000:]
