@@ -42,7 +42,8 @@ class NetworkOptionError(UserError, ValueError):
 # diffusers U-Nets with duplicated time_embedding names, pyproject) cannot train here:
 # network_args algo -> (GUI LoRA type, why, after "lycoris-lora <installed version>")
 LYCORIS_UNSUPPORTED = {
-    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper (LyCORIS 2.x and 4.x have it; 4.x "
+    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper, nor has the 3.2.0.post2 the kohya_ss GUI "
+                           "pins, so the GUI's iA3 presets stop in sd-scripts too (LyCORIS 2.x and 4.x have it; 4.x "
                            "stops on diffusers U-Nets, so no LyCORIS that runs here has it)"),
 }
 # LyCORIS algorithms trained by a module of ours over lycoris.kohya's network (its forward fixed):
