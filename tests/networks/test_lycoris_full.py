@@ -156,3 +156,22 @@ def test_full_refusals_are_one_line(dataset, tmp_path, run_script):
         rc, _, err = run_script("train_lora", args("sd15", dataset, str(tmp_path / "o"), 1) + extra)
         assert rc == 2 and message in err, err[-1500:]
         assert len([ln for ln in err.splitlines() if ln.startswith("error")]) == 1
+
+
+def test_full_on_flux_resolves_in_comfyuis_table(dataset, tmp_path, train):
+    """lycoris.kohya algo=full on FLUX.1 (the GUI's Native Fine-Tuning with its Flux1 checkbox): the
+    names LyCORIS makes there, each diff of the shape of the weight ComfyUI's key map patches."""
+    from library.models import tiny_flux
+
+    rc, _, err, _ = train("train_lora", ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
+                                         "--output_dir", str(tmp_path / "o"), "--resolution", "64",
+                                         "--max_train_steps", "1", "--network_module", "lycoris.kohya",
+                                         "--network_args", "algo=full"])
+    assert rc == 0, err[-2000:]
+    sd, _ = read(tmp_path / "o" / "last.safetensors")
+    parts = tiny_flux.build_tiny_flux("dev")
+    table = clients.comfy_dit_shapes(parts["transformer"], clip_l=parts["clip_l"])
+    modules = _modules(sd)
+    assert any(n.startswith("lora_unet_double_blocks_") for n in modules)
+    for name, p in modules.items():
+        assert p <= clients.COMFY_READS and tuple(sd[f"{name}.diff"].shape) == table[name], name
