@@ -63,7 +63,6 @@ def _our_full_module():
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, **kwargs):
     """lycoris.kohya's create_network with algo=full, its layers trained by FullModule above."""
     kwargs = {**kwargs, "algo": ALGO}
-    kwargs.pop("neuron_dropout", None)  # refused before loading when set (network_options)
     with _our_full_module():
         return lycoris_kohya.create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet,
                                             **kwargs)
