@@ -65,7 +65,7 @@ def test_dora_trains_by_name_and_resumes_exactly(dataset, tmp_path, train):
     assert set(trained) == set(modules)
     moved = 0
     for name, p in modules.items():
-        w = layers[name].weight.double()
+        w = layers[name].weight.detach().double()
         assert p["dora_scale"].shape == (w.shape[0], *[1] * (w.dim() - 1)), name
         moved += not torch.allclose(p["dora_scale"].flatten(), w.reshape(w.shape[0], -1).norm(dim=1), rtol=1e-6)
         with torch.no_grad():
