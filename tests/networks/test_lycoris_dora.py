@@ -20,8 +20,8 @@ from networks import (check_lora_weights, extract_lora_from_dylora, lora_names, 
                       svd_merge_lora)
 
 
-def args(data, out, steps, *extra, lr="1e-3", net_args=()):
-    return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data, "--output_dir", out,
+def args(data, out, steps, *extra, lr="1e-3", net_args=(), model="tiny-sd15"):
+    return ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
             "--resolution", "64", "--max_train_steps", str(steps), "--learning_rate", lr, "--seed", "5",
             "--network_dim", "4", "--network_alpha", "4", "--network_module", "lycoris.kohya",
             "--network_args", "algo=lora", "dora_wd=True", "conv_dim=4", "conv_alpha=4", *net_args, *extra]
@@ -83,19 +83,24 @@ def test_dora_trains_by_name_and_resumes_exactly(dataset, tmp_path, train):
     assert set(again) == set(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
 
 
-@pytest.mark.parametrize("axis", [0, 1], ids=["output-rows", "input-columns"])
-def test_dora_file_in_the_clients_and_merged_along_its_norm_axis(axis, dataset, tmp_path, run_script):
+@pytest.mark.parametrize("model, family, axis", [("tiny-sd15", "sd1", 0), ("tiny-sd15", "sd1", 1), ("tiny-sdxl", "sdxl", 0)],
+                         ids=["output-rows", "input-columns", "sdxl-unet"])
+def test_dora_file_in_the_clients_and_merged_along_its_norm_axis(model, family, axis, dataset, tmp_path, run_script):
+    """SDXL: the U-Net alone (SAI names); its second text encoder is a MultiheadAttention in the
+    original layout, whose stacked q/k/v rows this hand computation does not split."""
+    extra = ("--network_train_unet_only",) if family == "sdxl" else ()
     net_args = () if axis == 0 else ("wd_on_output=False",)
-    rc, _, err = run_script("train_lora", args(dataset, str(tmp_path / "o"), 2, lr="2e-2", net_args=net_args))
+    rc, _, err = run_script("train_lora", args(dataset, str(tmp_path / "o"), 2, *extra, lr="2e-2", net_args=net_args,
+                                               model=model))
     assert rc == 0, err[-2000:]
     path = tmp_path / "o" / "last.safetensors"
     sd, _ = read(path)
     modules = modules_of(sd)
-    base = load_model_bundle("tiny-sd15")
+    base = load_model_bundle(model)
     c = base.components()
-    original = {k: v.double() for k, v in sd_checkpoint.original_state_dict(c, "sd1").items()}
+    original = {k: v.double() for k, v in sd_checkpoint.original_state_dict(c, family).items()}
     keys = clients.a1111_weight_keys(original)
-    comfy = clients.comfy_names(c, "sd1")
+    comfy = clients.comfy_names(c, family)
 
     # the clients read every tensor of every module, and put it on the layer it was trained on
     for name, p in modules.items():
@@ -109,7 +114,7 @@ def test_dora_file_in_the_clients_and_merged_along_its_norm_axis(axis, dataset, 
     # merge_lora.py --sd_model at ratio 0.7 == the float64 hand computation along the file's axis,
     # rounded once to float32; the transposed axis is far from it
     out = tmp_path / "merged.safetensors"
-    assert merge_lora.main(["--sd_model", "tiny-sd15", "--models", str(path), "--ratios", "0.7",
+    assert merge_lora.main(["--sd_model", model, "--models", str(path), "--ratios", "0.7",
                             "--save_to", str(out)]) == 0
     merged, _ = read(out)
     far = 0
