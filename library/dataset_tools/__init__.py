@@ -1,0 +1,1 @@
+"""Dataset tools: tag, caption and lay out a training folder (issue 33)."""
