@@ -40,8 +40,6 @@ def parser():
 
 
 def build(args) -> caption_models.BlipCaptioner:
-    if args.caption_extention is not None:
-        args.caption_extension = args.caption_extention
     check_generation(args)
     source = caption_models.model_source(args.caption_weights, "--caption_weights")
     caption_models.check_kind(source, "--caption_weights", "BLIP captioning", ("blip",),

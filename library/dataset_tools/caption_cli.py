@@ -39,8 +39,10 @@ def parser(description: str, caption_extension: str = ".caption") -> argparse.Ar
 
 
 def job(args: argparse.Namespace) -> captioning.CaptionJob:
+    # make_captions.py keeps sd-scripts' misspelt --caption_extention, which wins when given
+    extension = getattr(args, "caption_extention", None) or args.caption_extension
     return captioning.CaptionJob(
-        folder=args.train_data_dir, caption_extension=args.caption_extension,
+        folder=args.train_data_dir, caption_extension=extension,
         recursive=args.recursive, overwrite=args.overwrite, prefix=args.prefix, suffix=args.suffix,
         batch_size=args.batch_size, workers=args.max_data_loader_n_workers, debug=args.debug)
 

@@ -78,14 +78,14 @@ def placement(device: str | None, precision: str) -> tuple[torch.device, torch.d
 
 def _loaded(option: str, source: str, what: str, load):
     """``load()``, any failure one line naming the option (transformers raises OSError,
-    ValueError, KeyError, AttributeError ... for a folder it cannot read)."""
+    ValueError, KeyError, AttributeError, ImportError ... for a folder it cannot read)."""
     try:
         return load()
     except Exception as e:
-        hint = ""
-        if what == "processor" and importlib.util.find_spec("torchvision") is None:
-            hint = " (this model's processor may need torchvision: install the build matching your torch)"
-        raise ModelError(f"{option} {source}: cannot load its {what}: {first_line(e)}{hint}") from None
+        reason = first_line(e)
+        if "torchvision" in str(e).lower() and importlib.util.find_spec("torchvision") is None:
+            reason = "it needs torchvision, which is not installed (install the build matching your torch)"
+        raise ModelError(f"{option} {source}: cannot load its {what}: {reason}") from None
 
 
 def model_type(source: str, option: str) -> str:
@@ -125,15 +125,18 @@ class Loaded:
 
 
 def load(source: str, option: str, model_class: str, *, device: str | None = None,
-         precision: str = "auto", pin_memory: bool = False) -> Loaded:
+         precision: str = "auto", pin_memory: bool = False, check_processor=None) -> Loaded:
     """The model (transformers' ``model_class``, e.g. "AutoModelForImageTextToText") and its
-    processor from ``source``, on the device in the chosen dtype, in eval mode."""
+    processor from ``source``, on the device in the chosen dtype, in eval mode;
+    ``check_processor(processor)`` runs before the weights load."""
     import transformers  # lazy: transformers takes seconds to import; --help must not wait
 
     dev, dtype = placement(device, precision)
     cls = getattr(transformers, model_class)
     processor = _loaded(option, source, "processor",
                         lambda: transformers.AutoProcessor.from_pretrained(source))
+    if check_processor is not None:
+        check_processor(processor)
     model = _loaded(option, source, "weights", lambda: cls.from_pretrained(source, dtype=dtype))
     return Loaded(model.to(dev).eval(), processor, dev, dtype, pin_memory)
 
@@ -152,11 +155,11 @@ def is_florence(source: str, option: str) -> bool:
 
 def load_vlm(source: str, option: str, florence: bool, **placement_args) -> Loaded:
     """A Florence-2 model or a chat VLM (whose processor must have a chat template)."""
-    loaded = load(source, option, "AutoModelForImageTextToText", **placement_args)
-    if not florence and getattr(loaded.processor, "chat_template", None) is None:
-        raise ModelError(f"{option} {source}: its processor has no chat template, so it takes no "
-                         f"prompt (BLIP: finetune/make_captions.py, GIT: finetune/make_captions_by_git.py)")
-    return loaded
+    def check(processor):
+        if not florence and getattr(processor, "chat_template", None) is None:
+            raise ModelError(f"{option} {source}: its processor has no chat template, so it takes no "
+                             "prompt (BLIP: finetune/make_captions.py, GIT: finetune/make_captions_by_git.py)")
+    return load(source, option, "AutoModelForImageTextToText", check_processor=check, **placement_args)
 
 
 def check_kind(source: str, option: str, kind: str, expected: tuple[str, ...], hint: str) -> str:

@@ -60,7 +60,12 @@ def build_blip(folder: str) -> str:
                          pad_token_id=v["[PAD]"]),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            image_size=SIZE, patch_size=8), projection_dim=16)
-    _scrambled(BlipForConditionalGeneration(config), 1).save_pretrained(folder)
+    model = _scrambled(BlipForConditionalGeneration(config), 1)
+    with torch.no_grad():  # as a trained BLIP: no special token but [SEP], which ends some captions early
+        bias = model.text_decoder.cls.predictions.decoder.bias
+        bias[[v[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[DEC]", "[MASK]")]] = -20.0
+        bias[v["[SEP]"]] = 3.0  # so that --min_length matters
+    model.save_pretrained(folder)
     return folder
 
 
@@ -100,7 +105,10 @@ def build_florence2(folder: str) -> str:
                          eos_token_id=v["</s>"], pad_token_id=v["<pad>"], decoder_start_token_id=v["</s>"],
                          forced_bos_token_id=None, forced_eos_token_id=None),
         image_token_id=v["<image>"])
-    _scrambled(Florence2ForConditionalGeneration(config), 3).save_pretrained(folder)
+    model = _scrambled(Florence2ForConditionalGeneration(config), 3)
+    # as a trained Florence-2, which writes no <pad>, <unk> or <image> inside a caption
+    model.generation_config.suppress_tokens = [v[t] for t in ("<pad>", "<unk>", "<image>")]
+    model.save_pretrained(folder)
     return folder
 
 
@@ -127,20 +135,35 @@ def build_llava(folder: str) -> str:
 
 
 def build_qwen2_vl(folder: str) -> str:
-    """A Qwen2-VL chat model; its processor (with a video processor) needs torchvision."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    """A Qwen2-VL chat model. Its processor holds a video processor, which needs torchvision:
+    without it the processor's parts and processor_config.json are written one by one, as a hub
+    repository holds them (transformers then cannot load it)."""
+    import importlib.util
+    import json
+
+    from transformers import Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     specials = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]
     tok, v = _tokenizer(specials, pad_token="<|endoftext|>", unk_token="<unk>", eos_token="<|im_end|>")
     image_processor = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8,
                                                temporal_patch_size=2, merge_size=2)
-    Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
-                     chat_template=_chat_template("<|vision_start|><|image_pad|><|vision_end|>")).save_pretrained(folder)
-    config = qwen2_vl_config(v)
-    _scrambled(Qwen2VLForConditionalGeneration(config), 5).save_pretrained(folder)
+    template = _chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    if importlib.util.find_spec("torchvision") is not None:
+        from transformers import Qwen2VLProcessor
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
+                         chat_template=template).save_pretrained(folder)
+    else:
+        tok.save_pretrained(folder)
+        image_processor.save_pretrained(folder)
+        with open(f"{folder}/processor_config.json", "w") as f:
+            json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+        with open(f"{folder}/chat_template.jinja", "w") as f:
+            f.write(template)
+    _scrambled(Qwen2VLForConditionalGeneration(qwen2_vl_config(v)), 5).save_pretrained(folder)
     return folder
 
 
@@ -152,7 +175,7 @@ def qwen2_vl_config(v: dict):
                            spatial_merge_size=2, temporal_patch_size=2),
         text_config=dict(vocab_size=len(v), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         eos_token_id=v["<|im_end|>"], pad_token_id=v["<|endoftext|>"],
+                         bos_token_id=None, eos_token_id=v["<|im_end|>"], pad_token_id=v["<|endoftext|>"],
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
         image_token_id=v["<|image_pad|>"], video_token_id=v["<|video_pad|>"],
         vision_start_token_id=v["<|vision_start|>"], vision_end_token_id=v["<|vision_end|>"])
