@@ -181,12 +181,12 @@ def qwen2_vl_config(v: dict):
         vision_start_token_id=v["<|vision_start|>"], vision_end_token_id=v["<|vision_end|>"])
 
 
-def write_images(folder, n: int = 3, seed: int = 0) -> list[str]:
-    """``n`` PNG images of different sizes and content."""
+def write_images(folder, n: int = 3, seed: int = 0, size: int | None = None) -> list[str]:
+    """``n`` PNG images of different content (and sizes, unless ``size`` makes them square)."""
     rng = np.random.RandomState(seed)
     paths = []
     for i in range(n):
-        h, w = 24 + 8 * i, 40 - 4 * i
+        h, w = (size, size) if size else (24 + 8 * (i % 3), 40 - 4 * (i % 3))
         pixels = (rng.rand(h, w, 3) * 255).astype("uint8")
         path = f"{folder}/img{i}.png"
         Image.fromarray(pixels).save(path)
