@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -119,8 +120,10 @@ def pending_images(job: CaptionJob, summary: Summary) -> list[str]:
     return todo
 
 
-def _decoded(paths: Sequence[str], workers: int | None) -> Iterator[tuple[str, object]]:
-    """(path, RGB image or the DataError saying why not), in order; decoded ahead in threads."""
+def _decoded(paths: Sequence[str], workers: int | None, ahead: int) -> Iterator[tuple[str, object]]:
+    """(path, RGB image or the DataError saying why not), in order; with ``workers``, decoded in
+    that many threads, at most ``ahead`` images ahead of the caller (a folder of ten thousand
+    images is not held in memory at once)."""
     def load(path):
         try:
             return path, load_image(path)
@@ -130,7 +133,13 @@ def _decoded(paths: Sequence[str], workers: int | None) -> Iterator[tuple[str, o
         yield from map(load, paths)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        yield from pool.map(load, paths)
+        pending: deque = deque()
+        for path in paths:
+            pending.append(pool.submit(load, path))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _batches(decoded, batch_size: int, summary: Summary, on_skip) -> Iterator[list[tuple[str, object]]]:
@@ -177,7 +186,8 @@ def run(job: CaptionJob, captioner: Captioner, progress: Progress | None = None)
         if progress is not None:
             progress(done, len(todo), path)
 
-    for batch in _batches(_decoded(todo, job.workers), job.batch_size, summary, advance):
+    decoded = _decoded(todo, job.workers, ahead=2 * job.batch_size + (job.workers or 0))
+    for batch in _batches(decoded, job.batch_size, summary, advance):
         captions = captioner.caption([image for _, image in batch])
         for (path, _), text in zip(batch, captions, strict=True):
             target = caption_file(path, job.caption_extension)

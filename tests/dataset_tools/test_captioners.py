@@ -115,13 +115,15 @@ def git_reference(git, path, max_length):
     return words(git.processor.decode(ids[0], skip_special_tokens=True))
 
 
-def test_git(git, images, tmp_path):
+def test_git(git, images, tmp_path, capsys):
     rc = make_captions_by_git.main([str(tmp_path), "--model_id", git.folder, "--max_length", "7",
                                     "--batch_size", "3", "--max_data_loader_n_workers", "2", "--remove_words",
-                                    "--prefix", "sks, "])
+                                    "--prefix", "sks, ", "--debug"])
     assert rc == 0
     want = [git_reference(git, p, 7) for p in images]
     assert [caption_of(p) for p in images] == [f"sks, {w}\n" for w in want]
+    err = capsys.readouterr().err
+    assert all(f"{p}: sks, {w}\n" in err for p, w in zip(images, want))  # --debug prints each caption
     assert want != [git_reference(git, p, 50) for p in images]
     assert len(set(want)) == 3  # the captions depend on the image: a mixed-up batch would show
 
@@ -149,11 +151,12 @@ def test_florence2_task(florence, images, tmp_path):
                     for p in images]
 
 
-def chat_reference(vlm, path, prompt, system=None, **generate):
+def chat_reference(vlm, path, prompt, system=None, pixel_dtype=torch.float32, **generate):
     user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}
     system = [{"role": "system", "content": [{"type": "text", "text": system}]}] if system else []
     text = vlm.processor.apply_chat_template(system + [user], add_generation_prompt=True, tokenize=False)
     inputs = vlm.processor(images=[rgb(path)], text=[text], return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].to(pixel_dtype)
     with torch.no_grad():
         ids = vlm.model.generate(**inputs, **generate)
     return words(vlm.processor.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -181,6 +184,32 @@ def test_chat_vlm_sampling(llava, images, tmp_path):
     sampling = dict(max_new_tokens=5, do_sample=True, temperature=0.7, top_p=0.9)
     want = [chat_reference(llava, p, make_captions_vlm.DEFAULT_PROMPT, **sampling) for p in images]
     assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
+
+
+def test_chat_vlm_batch_of_different_token_counts_is_padded_on_the_left(tmp_path_factory, images, tmp_path):
+    """LLaVA-NeXT gives each image as many tokens as its shape asks (as Qwen2-VL does): the batch's
+    prompts differ in length, and each reply must still equal the image's own, unpadded one."""
+    vlm = _tiny(tmp_path_factory, "llava_next", "LlavaNextForConditionalGeneration")
+    assert len({len(vlm.processor(images=[rgb(p)], text="<image>")["input_ids"][0]) for p in images}) == 3
+    rc = make_captions_vlm.main([str(tmp_path), "--model", vlm.folder, "--prompt", "describe this image .",
+                                 "--max_new_tokens", "6", "--batch_size", "3"])
+    assert rc == 0
+    want = [chat_reference(vlm, p, "describe this image .", max_new_tokens=6, do_sample=False) for p in images]
+    assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
+
+
+def test_chat_vlm_in_bf16(llava, images, tmp_path):
+    """--precision bf16 runs the weights in bfloat16 (here on the CPU): the reference is the model
+    loaded in bfloat16, pixels cast likewise; its captions differ from float32's."""
+    rc = make_captions_vlm.main([str(tmp_path), "--model", llava.folder, "--precision", "bf16", "--prompt",
+                                 "describe this image .", "--max_new_tokens", "12"])
+    assert rc == 0
+    bf16 = Tiny(llava.folder, llava.processor,
+                transformers.LlavaForConditionalGeneration.from_pretrained(llava.folder, dtype=torch.bfloat16).eval())
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    want = [chat_reference(bf16, p, "describe this image .", pixel_dtype=torch.bfloat16, **greedy) for p in images]
+    assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
+    assert want != [chat_reference(llava, p, "describe this image .", **greedy) for p in images]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
@@ -214,6 +243,7 @@ def test_wrong_models_and_flags_are_one_line(blip, git, florence, llava, images,
         (make_captions.main, [d, "--caption_weights", blip.folder, "--min_length", "9", "--max_length", "5"],
          "--min_length 9 is above --max_length 5"),
         (make_captions.main, [d, "--caption_weights", str(tmp_path / "none")], "--caption_weights"),
+        (make_captions_by_git.main, [d, "--model_id", git.folder, "--device", "nowhere"], "--device nowhere: "),
         (make_captions.main, [str(tmp_path / "none"), "--caption_weights", blip.folder], "train_data_dir"),
     ]
     for main, argv, message in cases:

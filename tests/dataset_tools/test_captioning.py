@@ -47,6 +47,23 @@ def test_captions_written_beside_each_image_with_prefix_and_suffix(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left
 
 
+def test_decoding_threads_stay_a_bounded_window_ahead(tmp_path, monkeypatch):
+    """--max_data_loader_n_workers decodes ahead, but never the whole folder before captioning:
+    at most 2 x batch + workers images wait decoded (here 2 x 1 + 2 = 4), plus the batch at hand."""
+    write_images(tmp_path, 12)
+    decoded = []
+    real = captioning.load_image
+    monkeypatch.setattr(captioning, "load_image", lambda path: decoded.append(path) or real(path))
+
+    class Watching(MeanCaptioner):
+        def caption(self, images):
+            waiting.append(len(decoded) - sum(self.batches))
+            return super().caption(images)
+    waiting = []
+    captioning.run(captioning.CaptionJob(str(tmp_path), workers=2), Watching())
+    assert len(waiting) == 12 and max(waiting) <= 5
+
+
 def test_existing_captions_are_kept_unless_overwrite(tmp_path):
     paths = write_images(tmp_path, 2)
     (tmp_path / "img0.caption").write_text("my own caption\n", encoding="utf-8")

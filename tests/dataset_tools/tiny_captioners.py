@@ -1,5 +1,5 @@
-"""Tiny captioning models built offline for the tests: BLIP, GIT, Florence-2, a LLaVA chat model
-(JoyCaption's architecture) and Qwen2-VL, each a transformers folder (config, random weights,
+"""Tiny captioning models built offline for the tests: BLIP, GIT, Florence-2, LLaVA chat models
+(JoyCaption's architecture; LLaVA-NeXT) and Qwen2-VL, each a transformers folder (config, random weights,
 a word-level tokenizer made with the tokenizers library, its processor) written by
 save_pretrained. Their matrices are redrawn with a large spread (0.6) so that the generated text
 depends on the image: at transformers' 0.02 initialisation every image gets the same caption."""
@@ -131,6 +131,34 @@ def build_llava(folder: str) -> str:
                          pad_token_id=v["<pad>"]),
         image_token_id=v["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
     _scrambled(LlavaForConditionalGeneration(config), 4).save_pretrained(folder)
+    return folder
+
+
+def build_llava_next(folder: str) -> str:
+    """A LLaVA-NeXT chat model: its image-token count follows the image's aspect ratio (tiles of a
+    grid of pinpoints), so a batch of differently shaped images is padded, as Qwen2-VL's is."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok, v = _tokenizer(["<pad>", "<unk>", "<s>", "<image>", "<|im_start|>", "<|im_end|>"], pad_token="<pad>",
+                        unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+                        extra_special_tokens={"image_token": "<image>"})
+    pinpoints = [[SIZE, SIZE], [SIZE, 2 * SIZE], [2 * SIZE, SIZE]]
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE},
+                                                 image_grid_pinpoints=pinpoints)
+    LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, chat_template=_chat_template("<image>"),
+                       patch_size=8, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1).save_pretrained(folder)
+    config = LlavaNextConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=SIZE, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=len(v), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, bos_token_id=v["<s>"], eos_token_id=v["<|im_end|>"],
+                         pad_token_id=v["<pad>"]),
+        image_token_id=v["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints)
+    _scrambled(LlavaNextForConditionalGeneration(config), 6).save_pretrained(folder)
     return folder
 
 
