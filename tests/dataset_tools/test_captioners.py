@@ -32,24 +32,21 @@ def _tiny(tmp_path_factory, name, model_class) -> Tiny:
     return Tiny(folder, processor, getattr(transformers, model_class).from_pretrained(folder).eval())
 
 
-@pytest.fixture(scope="module")
-def blip(tmp_path_factory):
-    return _tiny(tmp_path_factory, "blip", "BlipForConditionalGeneration")
+MODEL_CLASSES = {"blip": "BlipForConditionalGeneration", "git": "GitForCausalLM",
+                 "florence2": "Florence2ForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+                 "llava_next": "LlavaNextForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
-def git(tmp_path_factory):
-    return _tiny(tmp_path_factory, "git", "GitForCausalLM")
+def built(tmp_path_factory):
+    """``built(name)``: the tiny model of that name, built once per module."""
+    cache = {}
 
-
-@pytest.fixture(scope="module")
-def florence(tmp_path_factory):
-    return _tiny(tmp_path_factory, "florence2", "Florence2ForConditionalGeneration")
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return _tiny(tmp_path_factory, "llava", "LlavaForConditionalGeneration")
+    def get(name):
+        if name not in cache:
+            cache[name] = _tiny(tmp_path_factory, name, MODEL_CLASSES[name])
+        return cache[name]
+    return get
 
 
 @pytest.fixture
@@ -81,7 +78,8 @@ def blip_reference(blip, path, **generate):
     return words(text[len("a picture of"):])
 
 
-def test_blip_beam_search(blip, images, tmp_path):
+def test_blip_beam_search(built, images, tmp_path):
+    blip = built("blip")
     rc = make_captions.main([str(tmp_path), "--caption_weights", blip.folder, "--beam_search", "--num_beams", "3",
                              "--max_length", "10", "--min_length", "8", "--batch_size", "2",
                              "--caption_extension", ".txt"])
@@ -93,8 +91,9 @@ def test_blip_beam_search(blip, images, tmp_path):
         assert want != [blip_reference(blip, p, **dict(beams, **changed)) for p in images], changed
 
 
-def test_blip_nucleus_sampling_with_seed(blip, images, tmp_path):
+def test_blip_nucleus_sampling_with_seed(built, images, tmp_path):
     """Without --beam_search: sampling with top_p and BLIP's repetition penalty 1.1, seeded once."""
+    blip = built("blip")
     rc = make_captions.main([str(tmp_path), "--caption_weights", blip.folder, "--top_p", "0.8", "--seed", "7",
                              "--max_length", "12", "--min_length", "6", "--caption_extention", ".cap"])
     assert rc == 0  # sd-scripts' misspelt flag names the extension
@@ -115,7 +114,8 @@ def git_reference(git, path, max_length):
     return words(git.processor.decode(ids[0], skip_special_tokens=True))
 
 
-def test_git(git, images, tmp_path, capsys):
+def test_git(built, images, tmp_path, capsys):
+    git = built("git")
     rc = make_captions_by_git.main([str(tmp_path), "--model_id", git.folder, "--max_length", "7",
                                     "--batch_size", "3", "--max_data_loader_n_workers", "2", "--remove_words",
                                     "--prefix", "sks, ", "--debug"])
@@ -139,7 +139,8 @@ def florence_reference(florence, path, task, **generate):
     return words(florence.processor.post_process_generation(text, task=task, image_size=image.size)[task])
 
 
-def test_florence2_task(florence, images, tmp_path):
+def test_florence2_task(built, images, tmp_path):
+    florence = built("florence2")
     rc = make_captions_vlm.main([str(tmp_path), "--model", florence.folder, "--task", "<DETAILED_CAPTION>",
                                  "--max_new_tokens", "6", "--num_beams", "2", "--batch_size", "2",
                                  "--suffix", ", photo"])
@@ -162,8 +163,9 @@ def chat_reference(vlm, path, prompt, system=None, pixel_dtype=torch.float32, **
     return words(vlm.processor.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 
 
-def test_chat_vlm_prompt_and_system_prompt(llava, images, tmp_path):
+def test_chat_vlm_prompt_and_system_prompt(built, images, tmp_path):
     """JoyCaption's architecture (LLaVA): chat template, user prompt, system message, greedy."""
+    llava = built("llava")
     rc = make_captions_vlm.main([str(tmp_path), "--model", llava.folder, "--prompt", "describe this image .",
                                  "--system_prompt", "you are helpful .", "--max_new_tokens", "6",
                                  "--batch_size", "3"])
@@ -176,7 +178,8 @@ def test_chat_vlm_prompt_and_system_prompt(llava, images, tmp_path):
                     for p in images]
 
 
-def test_chat_vlm_sampling(llava, images, tmp_path):
+def test_chat_vlm_sampling(built, images, tmp_path):
+    llava = built("llava")
     rc = make_captions_vlm.main([str(tmp_path), "--model", llava.folder, "--temperature", "0.7", "--top_p", "0.9",
                                  "--seed", "3", "--max_new_tokens", "5"])
     assert rc == 0
@@ -186,11 +189,17 @@ def test_chat_vlm_sampling(llava, images, tmp_path):
     assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
 
 
-def test_chat_vlm_batch_of_different_token_counts_is_padded_on_the_left(tmp_path_factory, images, tmp_path):
-    """LLaVA-NeXT gives each image as many tokens as its shape asks (as Qwen2-VL does): the batch's
+@pytest.mark.parametrize("name, image_token", [
+    ("llava_next", "<image>"),
+    pytest.param("qwen2_vl", "<|vision_start|><|image_pad|><|vision_end|>", marks=pytest.mark.skipif(
+        importlib.util.find_spec("torchvision") is None,
+        reason="transformers builds Qwen2-VL's processor (its video part) only with torchvision")),
+])
+def test_chat_vlm_batch_of_different_token_counts_is_padded_on_the_left(built, name, image_token, images, tmp_path):
+    """LLaVA-NeXT and Qwen2-VL give each image as many tokens as its shape asks: the batch's
     prompts differ in length, and each reply must still equal the image's own, unpadded one."""
-    vlm = _tiny(tmp_path_factory, "llava_next", "LlavaNextForConditionalGeneration")
-    assert len({len(vlm.processor(images=[rgb(p)], text="<image>")["input_ids"][0]) for p in images}) == 3
+    vlm = built(name)
+    assert len({len(vlm.processor(images=[rgb(p)], text=image_token)["input_ids"][0]) for p in images}) == 3
     rc = make_captions_vlm.main([str(tmp_path), "--model", vlm.folder, "--prompt", "describe this image .",
                                  "--max_new_tokens", "6", "--batch_size", "3"])
     assert rc == 0
@@ -198,9 +207,10 @@ def test_chat_vlm_batch_of_different_token_counts_is_padded_on_the_left(tmp_path
     assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
 
 
-def test_chat_vlm_in_bf16(llava, images, tmp_path):
+def test_chat_vlm_in_bf16(built, images, tmp_path):
     """--precision bf16 runs the weights in bfloat16 (here on the CPU): the reference is the model
     loaded in bfloat16, pixels cast likewise; its captions differ from float32's."""
+    llava = built("llava")
     rc = make_captions_vlm.main([str(tmp_path), "--model", llava.folder, "--precision", "bf16", "--prompt",
                                  "describe this image .", "--max_new_tokens", "12"])
     assert rc == 0
@@ -212,18 +222,6 @@ def test_chat_vlm_in_bf16(llava, images, tmp_path):
     assert want != [chat_reference(llava, p, "describe this image .", **greedy) for p in images]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
-                    reason="transformers builds Qwen2-VL's processor (its video part) only with torchvision")
-def test_qwen2_vl_batches_of_different_image_sizes(tmp_path_factory, images, tmp_path):
-    """Qwen2-VL gives each image as many tokens as its size asks: a batch is padded on the left."""
-    qwen = _tiny(tmp_path_factory, "qwen2_vl", "Qwen2VLForConditionalGeneration")
-    rc = make_captions_vlm.main([str(tmp_path), "--model", qwen.folder, "--prompt", "describe this image .",
-                                 "--max_new_tokens", "6", "--batch_size", "3"])
-    assert rc == 0
-    want = [chat_reference(qwen, p, "describe this image .", max_new_tokens=6, do_sample=False) for p in images]
-    assert [caption_of(p, ".txt") for p in images] == [w + "\n" for w in want]
-
-
 # ---------------------------------------------------------------- bad input: one line, exit 2
 
 def run_main(capsys, main, argv):
@@ -232,7 +230,8 @@ def run_main(capsys, main, argv):
     return rc, [line for line in err if line.startswith("error:")]
 
 
-def test_wrong_models_and_flags_are_one_line(blip, git, florence, llava, images, tmp_path, capsys):
+def test_wrong_models_and_flags_are_one_line(built, images, tmp_path, capsys):
+    blip, git, florence, llava = built("blip"), built("git"), built("florence2"), built("llava")
     d = str(tmp_path)
     cases = [
         (make_captions.main, [d, "--caption_weights", git.folder], f"--caption_weights {git.folder}: a 'git' model, not BLIP"),
@@ -252,7 +251,8 @@ def test_wrong_models_and_flags_are_one_line(blip, git, florence, llava, images,
     assert not [n for n in os.listdir(tmp_path) if not n.endswith(".png")]  # nothing written
 
 
-def test_model_folder_of_the_wrong_layout(blip, images, tmp_path, capsys):
+def test_model_folder_of_the_wrong_layout(built, images, tmp_path, capsys):
+    blip = built("blip")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text(open(os.path.join(blip.folder, "config.json")).read())

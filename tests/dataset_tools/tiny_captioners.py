@@ -2,13 +2,15 @@
 (JoyCaption's architecture; LLaVA-NeXT) and Qwen2-VL, each a transformers folder (config, random weights,
 a word-level tokenizer made with the tokenizers library, its processor) written by
 save_pretrained. Their matrices are redrawn with a large spread (0.6) so that the generated text
-depends on the image: at transformers' 0.02 initialisation every image gets the same caption."""
+depends on the image: at transformers' 0.02 initialisation every image gets the same caption. The
+seeds are ones under which each flag the tests check changes the reference captions (a property of
+the random model, checked by each test before it compares)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 WORDS = ("a picture of the dog cat red blue green on in with and photo sign words says it is "
@@ -27,18 +29,24 @@ def _tokenizer(specials: list[str], cls_sep: bool = False, **named) -> tuple[Pre
     vocab = {t: i for i, t in enumerate(specials + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=named.get("unk_token", specials[1])))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])  # "<|im_end|>" one token
     if cls_sep:  # BERT's "[CLS] text [SEP]"
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, **named), vocab
 
 
-def _scrambled(model, seed: int, std: float = 0.6):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+def _scrambled(model_class, config, seed: int, std: float = 0.6):
+    """``model_class(config)`` with its matrices drawn from N(0, std) and the rest initialised as
+    transformers does, all from ``seed`` (the global generator is left as it was): the same
+    weights whatever ran before."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_class(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, std)
     return model.eval()
 
 
@@ -60,7 +68,7 @@ def build_blip(folder: str) -> str:
                          pad_token_id=v["[PAD]"]),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            image_size=SIZE, patch_size=8), projection_dim=16)
-    model = _scrambled(BlipForConditionalGeneration(config), 1)
+    model = _scrambled(BlipForConditionalGeneration, config, 4)
     with torch.no_grad():  # as a trained BLIP: no special token but [SEP], which ends some captions early
         bias = model.text_decoder.cls.predictions.decoder.bias
         bias[[v[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[DEC]", "[MASK]")]] = -20.0
@@ -81,7 +89,7 @@ def build_git(folder: str) -> str:
                            image_size=SIZE, patch_size=8),
         vocab_size=len(v), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=64, bos_token_id=v["[CLS]"], eos_token_id=v["[SEP]"], pad_token_id=v["[PAD]"])
-    _scrambled(GitForCausalLM(config), 2).save_pretrained(folder)
+    _scrambled(GitForCausalLM, config, 2).save_pretrained(folder)
     return folder
 
 
@@ -105,32 +113,40 @@ def build_florence2(folder: str) -> str:
                          eos_token_id=v["</s>"], pad_token_id=v["<pad>"], decoder_start_token_id=v["</s>"],
                          forced_bos_token_id=None, forced_eos_token_id=None),
         image_token_id=v["<image>"])
-    model = _scrambled(Florence2ForConditionalGeneration(config), 3)
+    model = _scrambled(Florence2ForConditionalGeneration, config, 3)
     # as a trained Florence-2, which writes no <pad>, <unk> or <image> inside a caption
     model.generation_config.suppress_tokens = [v[t] for t in ("<pad>", "<unk>", "<image>")]
     model.save_pretrained(folder)
     return folder
 
 
-def build_llava(folder: str) -> str:
-    """A LLaVA chat model (CLIP vision tower, Llama decoder): JoyCaption's architecture."""
-    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-
+def _llava_parts(max_positions: int) -> tuple[dict, dict]:
+    """LLaVA's and LLaVA-NeXT's shared keywords: the processor's (tokenizer, chat template) and the
+    model config's (a CLIP vision tower, a Llama decoder)."""
     tok, v = _tokenizer(["<pad>", "<unk>", "<s>", "<image>", "<|im_start|>", "<|im_end|>"], pad_token="<pad>",
                         unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
                         extra_special_tokens={"image_token": "<image>"})
-    LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"height": SIZE, "width": SIZE}, do_center_crop=False),
-                   tokenizer=tok, chat_template=_chat_template("<image>"), patch_size=8,
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(folder)
-    config = LlavaConfig(
+    config = dict(
         vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
                            num_hidden_layers=1, num_attention_heads=2, image_size=SIZE, patch_size=8),
         text_config=dict(model_type="llama", vocab_size=len(v), hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=256, bos_token_id=v["<s>"], eos_token_id=v["<|im_end|>"],
-                         pad_token_id=v["<pad>"]),
+                         max_position_embeddings=max_positions, bos_token_id=v["<s>"],
+                         eos_token_id=v["<|im_end|>"], pad_token_id=v["<pad>"]),
         image_token_id=v["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
-    _scrambled(LlavaForConditionalGeneration(config), 4).save_pretrained(folder)
+    processor = dict(tokenizer=tok, chat_template=_chat_template("<image>"), patch_size=8,
+                     vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return processor, config
+
+
+def build_llava(folder: str) -> str:
+    """A LLaVA chat model (CLIP vision tower, Llama decoder): JoyCaption's architecture."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    processor, config = _llava_parts(256)
+    image_processor = CLIPImageProcessorPil(size={"height": SIZE, "width": SIZE}, do_center_crop=False)
+    LlavaProcessor(image_processor=image_processor, **processor).save_pretrained(folder)
+    _scrambled(LlavaForConditionalGeneration, LlavaConfig(**config), 5).save_pretrained(folder)
     return folder
 
 
@@ -140,25 +156,13 @@ def build_llava_next(folder: str) -> str:
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tok, v = _tokenizer(["<pad>", "<unk>", "<s>", "<image>", "<|im_start|>", "<|im_end|>"], pad_token="<pad>",
-                        unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
-                        extra_special_tokens={"image_token": "<image>"})
+    processor, config = _llava_parts(512)
     pinpoints = [[SIZE, SIZE], [SIZE, 2 * SIZE], [2 * SIZE, SIZE]]
     image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE},
                                                  image_grid_pinpoints=pinpoints)
-    LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, chat_template=_chat_template("<image>"),
-                       patch_size=8, vision_feature_select_strategy="default",
-                       num_additional_image_tokens=1).save_pretrained(folder)
-    config = LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=2, image_size=SIZE, patch_size=8),
-        text_config=dict(model_type="llama", vocab_size=len(v), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, bos_token_id=v["<s>"], eos_token_id=v["<|im_end|>"],
-                         pad_token_id=v["<pad>"]),
-        image_token_id=v["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default",
-        image_grid_pinpoints=pinpoints)
-    _scrambled(LlavaNextForConditionalGeneration(config), 6).save_pretrained(folder)
+    LlavaNextProcessor(image_processor=image_processor, **processor).save_pretrained(folder)
+    config = LlavaNextConfig(image_grid_pinpoints=pinpoints, **config)
+    _scrambled(LlavaNextForConditionalGeneration, config, 6).save_pretrained(folder)
     return folder
 
 
@@ -175,8 +179,8 @@ def build_qwen2_vl(folder: str) -> str:
     specials = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|image_pad|>", "<|video_pad|>"]
     tok, v = _tokenizer(specials, pad_token="<|endoftext|>", unk_token="<unk>", eos_token="<|im_end|>")
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=48 * 48, patch_size=8,
-                                               temporal_patch_size=2, merge_size=2)
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+                                               patch_size=8, temporal_patch_size=2, merge_size=2)
     template = _chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     if importlib.util.find_spec("torchvision") is not None:
         from transformers import Qwen2VLProcessor
@@ -191,7 +195,7 @@ def build_qwen2_vl(folder: str) -> str:
             json.dump({"processor_class": "Qwen2VLProcessor"}, f)
         with open(f"{folder}/chat_template.jinja", "w") as f:
             f.write(template)
-    _scrambled(Qwen2VLForConditionalGeneration(qwen2_vl_config(v)), 5).save_pretrained(folder)
+    _scrambled(Qwen2VLForConditionalGeneration, qwen2_vl_config(v), 7).save_pretrained(folder)
     return folder
 
 
@@ -210,11 +214,12 @@ def qwen2_vl_config(v: dict):
 
 
 def write_images(folder, n: int = 3, seed: int = 0, size: int | None = None) -> list[str]:
-    """``n`` PNG images of different content (and sizes, unless ``size`` makes them square)."""
+    """``n`` PNG images of different content and, unless ``size`` makes them square, of three
+    shapes that LLaVA-NeXT and Qwen2-VL give different token counts."""
     rng = np.random.RandomState(seed)
     paths = []
     for i in range(n):
-        h, w = (size, size) if size else (24 + 8 * (i % 3), 40 - 4 * (i % 3))
+        h, w = (size, size) if size else ((32, 32), (48, 32), (24, 56))[i % 3]
         pixels = (rng.rand(h, w, 3) * 255).astype("uint8")
         path = f"{folder}/img{i}.png"
         Image.fromarray(pixels).save(path)
