@@ -31,11 +31,12 @@ def parser():
                    help="sd-scripts' misspelt --caption_extension, kept for old command lines (it wins when given)")
     p.add_argument("--beam_search", action="store_true",
                    help="beam search with --num_beams beams (default: nucleus sampling with --top_p)")
-    p.add_argument("--num_beams", type=int, default=1, help="beams of --beam_search")
+    whole = caption_cli.whole
+    p.add_argument("--num_beams", type=whole, default=1, help="beams of --beam_search")
     p.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling's top_p (without --beam_search)")
-    p.add_argument("--max_length", type=int, default=75, help="longest caption in tokens, with the prompt's")
-    p.add_argument("--min_length", type=int, default=5, help="shortest caption in tokens, with the prompt's")
-    p.add_argument("--seed", type=int, default=42, help="seed of the sampling (set once, before the first image)")
+    p.add_argument("--max_length", type=whole, default=75, help="longest caption in tokens, with the prompt's")
+    p.add_argument("--min_length", type=whole, default=5, help="shortest caption in tokens, with the prompt's")
+    p.add_argument("--seed", type=whole, default=42, help="seed of the sampling (set once, before the first image)")
     return p
 
 

@@ -21,7 +21,7 @@ def parser():
     p = caption_cli.parser("Caption images with GIT (sd-scripts' make_captions_by_git.py).")
     p.add_argument("--model_id", default="microsoft/git-large-textcaps",
                    help="a transformers GIT model: local folder or hub id")
-    p.add_argument("--max_length", type=int, default=50, help="longest caption in tokens")
+    p.add_argument("--max_length", type=caption_cli.whole, default=50, help="longest caption in tokens")
     p.add_argument("--remove_words", action="store_true",
                    help="remove phrases such as 'with the words xxx' and 'that says xxx' (text GIT reads or invents)")
     return p

@@ -34,13 +34,14 @@ def parser():
                    help="Florence-2's caption task (default <CAPTION>)")
     p.add_argument("--prompt", default=None, help=f"a chat model's instruction (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--system_prompt", default=None, help="a chat model's system message (default: none)")
-    p.add_argument("--max_new_tokens", type=int, default=512, help="longest reply in tokens")
-    p.add_argument("--num_beams", type=int, default=None,
+    p.add_argument("--max_new_tokens", type=caption_cli.whole, default=512, help="longest reply in tokens")
+    p.add_argument("--num_beams", type=caption_cli.whole, default=None,
                    help="beam search with this many beams (default: 3 for Florence-2, 1 for a chat model)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature (default 0: greedy or beam search)")
     p.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling's top_p (with --temperature)")
-    p.add_argument("--seed", type=int, default=42, help="seed of the sampling (set once, before the first image)")
+    p.add_argument("--seed", type=caption_cli.whole, default=42,
+                   help="seed of the sampling (set once, before the first image)")
     return p
 
 

@@ -15,13 +15,25 @@ from library.errors import UserError
 from library.log import logger, setup_logging
 
 
+def whole(text: str) -> int:
+    """An integer flag's value; "2.0" is 2: the kohya_ss GUI's GIT tab passes its number fields
+    as Gradio floats (str(2.0)), which sd-scripts' type=int refuses."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
 def parser(description: str, caption_extension: str = ".caption") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("train_data_dir", help="the folder of images to caption")
     p.add_argument("--caption_extension", default=caption_extension,
                    help=f"extension of the caption files written beside the images (default {caption_extension})")
-    p.add_argument("--batch_size", type=int, default=1, help="images per generate call")
-    p.add_argument("--max_data_loader_n_workers", type=int, default=None,
+    p.add_argument("--batch_size", type=whole, default=1, help="images per generate call")
+    p.add_argument("--max_data_loader_n_workers", type=whole, default=None,
                    help="decode images ahead in this many threads")
     p.add_argument("--pin_memory", action="store_true",
                    help="pin each batch in page-locked memory before its copy to the GPU")

@@ -114,6 +114,19 @@ def git_reference(git, path, max_length):
     return words(git.processor.decode(ids[0], skip_special_tokens=True))
 
 
+def test_git_as_the_kohya_gui_calls_it(built, images, tmp_path):
+    """The GUI's GIT tab passes its number fields as Gradio floats ("2.0"), which sd-scripts'
+    type=int refuses: they are taken when whole, and "1.5" is refused."""
+    git = built("git")
+    rc = make_captions_by_git.main(["--model_id", git.folder, "--batch_size", "2.0", "--max_data_loader_n_workers",
+                                    "2.0", "--max_length", "7.0", "--caption_extension", ".txt", str(tmp_path)])
+    assert rc == 0
+    assert [caption_of(p, ".txt") for p in images] == [git_reference(git, p, 7) + "\n" for p in images]
+    with pytest.raises(SystemExit) as e:
+        make_captions_by_git.main([str(tmp_path), "--model_id", git.folder, "--batch_size", "1.5"])
+    assert e.value.code == 2
+
+
 def test_git(built, images, tmp_path, capsys):
     git = built("git")
     rc = make_captions_by_git.main([str(tmp_path), "--model_id", git.folder, "--max_length", "7",
@@ -234,9 +247,12 @@ def test_wrong_models_and_flags_are_one_line(built, images, tmp_path, capsys):
     blip, git, florence, llava = built("blip"), built("git"), built("florence2"), built("llava")
     d = str(tmp_path)
     cases = [
-        (make_captions.main, [d, "--caption_weights", git.folder], f"--caption_weights {git.folder}: a 'git' model, not BLIP"),
-        (make_captions_by_git.main, [d, "--model_id", blip.folder], f"--model_id {blip.folder}: a 'blip' model, not GIT"),
-        (make_captions_vlm.main, [d, "--model", blip.folder], f"--model {blip.folder}: its processor has no chat template"),
+        (make_captions.main, [d, "--caption_weights", git.folder],
+         f"--caption_weights {git.folder}: a 'git' model, not BLIP"),
+        (make_captions_by_git.main, [d, "--model_id", blip.folder],
+         f"--model_id {blip.folder}: a 'blip' model, not GIT"),
+        (make_captions_vlm.main, [d, "--model", blip.folder],
+         f"--model {blip.folder}: its processor has no chat template"),
         (make_captions_vlm.main, [d, "--model", llava.folder, "--task", "<CAPTION>"], "--task: "),
         (make_captions_vlm.main, [d, "--model", florence.folder, "--prompt", "hi"], "--prompt: "),
         (make_captions.main, [d, "--caption_weights", blip.folder, "--min_length", "9", "--max_length", "5"],

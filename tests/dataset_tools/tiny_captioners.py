@@ -158,8 +158,8 @@ def build_llava_next(folder: str) -> str:
 
     processor, config = _llava_parts(512)
     pinpoints = [[SIZE, SIZE], [SIZE, 2 * SIZE], [2 * SIZE, SIZE]]
-    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE},
-                                                 image_grid_pinpoints=pinpoints)
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": SIZE}, image_grid_pinpoints=pinpoints,
+                                                 crop_size={"height": SIZE, "width": SIZE})
     LlavaNextProcessor(image_processor=image_processor, **processor).save_pretrained(folder)
     config = LlavaNextConfig(image_grid_pinpoints=pinpoints, **config)
     _scrambled(LlavaNextForConditionalGeneration, config, 6).save_pretrained(folder)
