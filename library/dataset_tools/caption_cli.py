@@ -65,7 +65,8 @@ def placement_args(args: argparse.Namespace) -> dict:
 
 def main(p: argparse.ArgumentParser, build: Callable[[argparse.Namespace], captioning.Captioner],
          argv=None) -> int:
-    """Parse, check the job (before the model loads), ``build(args)`` the captioner, run."""
+    """Parse, check the job (before the model loads), ``build(args)`` the captioner unless there
+    is nothing to caption, run."""
     args = p.parse_args(argv)
     setup_logging(True)
     bar = None
@@ -79,6 +80,10 @@ def main(p: argparse.ArgumentParser, build: Callable[[argparse.Namespace], capti
     try:
         the_job = job(args)
         captioning.check_job(the_job)
+        idle = captioning.nothing_to_do(the_job)
+        if idle:
+            logger.warning(idle)
+            return 0
         summary = captioning.run(the_job, build(args), progress)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -120,6 +120,18 @@ def pending_images(job: CaptionJob, summary: Summary) -> list[str]:
     return todo
 
 
+def nothing_to_do(job: CaptionJob) -> str | None:
+    """Why the job has no image to caption (say it, and load no model), or None."""
+    summary = Summary()
+    if pending_images(job, summary):
+        return None
+    if summary.existing:
+        return (f"all {len(summary.existing)} image(s) in {job.folder} already have a "
+                f"{job.caption_extension} file (--overwrite to caption them again)")
+    return (f"no images ({' '.join(IMAGE_EXTENSIONS)}) in {job.folder}"
+            + ("" if job.recursive else " (--recursive for its subfolders)"))
+
+
 def _decoded(paths: Sequence[str], workers: int | None, ahead: int) -> Iterator[tuple[str, object]]:
     """(path, RGB image or the DataError saying why not), in order; with ``workers``, decoded in
     that many threads, at most ``ahead`` images ahead of the caller (a folder of ten thousand

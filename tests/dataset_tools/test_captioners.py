@@ -267,6 +267,14 @@ def test_wrong_models_and_flags_are_one_line(built, images, tmp_path, capsys):
     assert not [n for n in os.listdir(tmp_path) if not n.endswith(".png")]  # nothing written
 
 
+def test_no_model_is_loaded_when_every_image_has_a_caption(tmp_path, capsys):
+    tiny.write_images(tmp_path, 1)
+    (tmp_path / "img0.caption").write_text("mine\n")
+    rc = make_captions.main([str(tmp_path), "--caption_weights", "owner/not-downloaded"])
+    assert rc == 0 and "already have a .caption file" in capsys.readouterr().err
+    assert (tmp_path / "img0.caption").read_text() == "mine\n"
+
+
 def test_model_folder_of_the_wrong_layout(built, images, tmp_path, capsys):
     blip = built("blip")
     broken = tmp_path / "broken"

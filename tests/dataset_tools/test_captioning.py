@@ -87,6 +87,18 @@ def test_corrupt_image_is_skipped_with_one_line_and_the_run_goes_on(tmp_path, ca
     assert len(lines) == 1 and "\n" not in lines[0] and lines[0].startswith("skipping")
 
 
+def test_nothing_to_do_is_said_before_a_model_loads(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write_images(tmp_path / "sub", 1)
+    assert captioning.nothing_to_do(captioning.CaptionJob(str(tmp_path))) == (
+        f"no images (.png .jpg .jpeg .webp .bmp) in {tmp_path} (--recursive for its subfolders)")
+    (tmp_path / "sub" / "img0.txt").write_text("mine\n")
+    job = captioning.CaptionJob(str(tmp_path), recursive=True, caption_extension=".txt")
+    assert captioning.nothing_to_do(job) == (f"all 1 image(s) in {tmp_path} already have a .txt file "
+                                             "(--overwrite to caption them again)")
+    assert captioning.nothing_to_do(captioning.CaptionJob(str(tmp_path), recursive=True)) is None
+
+
 def test_recursive_and_hidden_folders(tmp_path):
     write_images(tmp_path, 1)
     (tmp_path / "sub").mkdir()
