@@ -47,9 +47,9 @@ def model_source(source: str, option: str) -> str:
                              "give the folder save_pretrained wrote, or a hub id")
         return source
     if source.lower().endswith(".pth"):
-        raise ModelError(f"{option} {source}: a .pth of Salesforce's BLIP repository is not read here; "
-                         "use its transformers conversion (Salesforce/blip-image-captioning-large, "
-                         "a hub id or a local copy of that folder)")
+        raise ModelError(f"{option} {source}: a .pth checkpoint is not read here; give a transformers "
+                         "model folder or hub id (sd-scripts' BLIP model_large_caption.pth is "
+                         "Salesforce/blip-image-captioning-large)")
     if os.path.exists(source):
         raise ModelError(f"{option} {source}: a file, not a model folder; give a transformers model "
                          "folder or a hub id")

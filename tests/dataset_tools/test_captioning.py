@@ -179,7 +179,7 @@ def test_model_source(tmp_path):
     (tmp_path / "model_large_caption.pth").write_bytes(b"x")
     for source, message in [
         (tmp_path / "empty", "not a transformers model folder (no config.json)"),
-        (tmp_path / "model_large_caption.pth", "a .pth of Salesforce's BLIP repository is not read here"),
+        (tmp_path / "model_large_caption.pth", "a .pth checkpoint is not read here"),
         (tmp_path / "model" / "config.json", "a file, not a model folder"),
         (tmp_path / "nothing", "no such model folder"),
     ]:
