@@ -422,7 +422,12 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         readers.pop(job_id, None)
         return {"deleted": job_id}
 
-    dataset_routes.add_routes(app, settings, body, _err)
+    def check_train_lora(text: str) -> dict:
+        from library.ui import checks  # lazy: the server starts without torch
+
+        return checks.check_config("train_lora", text, 1, False)
+
+    dataset_routes.add_routes(app, settings, body, _err, check_train_lora)
     return app
 
 

@@ -1,7 +1,8 @@
 """The Dataset workbench's routes (docs/UI.md, "The dataset API") over library/ui/workbench.py.
 
-    add_routes(app, settings, body, err)    ``body``: the app's JSON-object reader; ``err``: its
-                                            one-line JSON error response
+    add_routes(app, settings, body, err, check)    ``body``: the app's JSON-object reader; ``err``:
+                                            its one-line JSON error response; ``check(text)``: a
+                                            train_lora TOML's dry-run check (library/ui/checks.py)
 
 A refused path is 403, a stale caption edit or an existing target 409 (the stale answer carries
 the caption's current text and hash), any other user error 422; each ``{"error": "<one line>"}``.
@@ -21,7 +22,7 @@ from library.ui import tool_jobs, workbench
 UPLOAD_PATH = "/api/dataset/upload"
 
 
-def add_routes(app, settings, body, err) -> None:
+def add_routes(app, settings, body, err, check) -> None:
     allowed = settings.allowed_paths
 
     def answer(fn):
@@ -111,9 +112,7 @@ def add_routes(app, settings, body, err) -> None:
         text = workbench.preview_config(d.get("folder"), allowed, d.get("ext", ".caption"),
                                         d.get("resolution", 512),
                                         os.path.join(settings.data_dir, "preview"))
-        from library.ui import checks  # lazy: the server starts without torch
-
-        r = await run(checks.check_config, "train_lora", text, 1, False)
+        r = await run(check, text)
         if not r["dataset"]:
             return err(422, r["errors"][0]["message"] if r["errors"] else "no dataset")
         return {**r["dataset"], "warnings": r["warnings"]}

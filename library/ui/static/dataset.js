@@ -91,7 +91,7 @@ function tile(img) {
     if (ta.value === saved) return;
     const r = await api("PUT", "/api/dataset/caption", { path: img.path, ext: $("ds-ext").value, text: ta.value, base_hash: base });
     box.classList.remove("saved", "stale", "failed");
-    if (r.status === 200) { base = r.data.hash; saved = ta.value; box.classList.add("saved"); status.textContent = "saved"; $("ds-undo").disabled = false; return; }
+    if (r.status === 200) { base = r.data.hash; saved = ta.value; box.classList.add("saved"); status.textContent = "saved"; $("ds-undo").disabled = false; showPreview().catch(() => {}); return; }
     box.classList.add(r.status === 409 ? "stale" : "failed");
     status.textContent = r.data.error;
     if (r.status === 409 && r.data.current_hash !== undefined) {
