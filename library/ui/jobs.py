@@ -351,6 +351,8 @@ class Runner:
             job = self.store.get(jid)
             if job["state"] != "running" or jid not in self.procs:
                 raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
+            if tool_jobs.is_tool(job["script"]):
+                raise ValueError(f"job {jid} runs {job['script']}, a dataset tool: it has no {command}")
             with open(os.path.join(job_dir(self.data_dir, jid), "control"), "a", encoding="utf-8") as f:
                 f.write(json.dumps({"command": command}) + "\n")
 

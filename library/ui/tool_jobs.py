@@ -12,9 +12,9 @@ sd-scripts-style argument list, checked against an allow-list and ``--allowed_pa
 
 Paths in the arguments: with ``--allowed_paths``, the job runs in the first allowed folder, so a
 relative name that does not exist (an output folder to create) lands inside it; every argument
-(and ``--flag=value``'s value) that is absolute, starts with "~", has a ".." part or names an
-existing file or folder must lie inside the allowed folders. Words that are not paths (a trigger
-word, a tag, a hub id) pass unchanged.
+(and the value of ``--flag=value`` or ``-Xvalue``) that is absolute, starts with "~", has a ".."
+part or names an existing file or folder must lie inside the allowed folders. Words that are not
+paths (a trigger word, a tag, a hub id) pass unchanged.
 """
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def _path_like(arg: str, cwd: str) -> bool:
             or os.path.lexists(os.path.join(cwd, arg)))
 
 
+def _values(arg: str) -> list[str]:
+    """What in one argument may be a path: the argument, ``--flag=value``'s value, ``-Xvalue``'s
+    value."""
+    if arg.startswith("--"):
+        return [arg.split("=", 1)[1]] if "=" in arg else []
+    if arg.startswith("-") and len(arg) > 2:
+        return [arg[2:].lstrip("=")]
+    return [arg]
+
+
 def check(script: str, args, allowed: list[str]) -> str:
     if script not in tools():
         raise DataError(f"tool {script!r}: not a dataset tool of this checkout (one of: {', '.join(tools())})")
@@ -59,9 +69,9 @@ def check(script: str, args, allowed: list[str]) -> str:
     cwd = os.path.realpath(allowed[0]) if allowed else os.getcwd()
     if allowed:
         for a in args:
-            value = a.split("=", 1)[1] if a.startswith("--") and "=" in a else a
-            if value and not value.startswith("--") and _path_like(value, cwd):
-                inside(os.path.join(cwd, os.path.expanduser(value)), allowed, "argument")
+            for value in _values(a):
+                if value and _path_like(value, cwd):
+                    inside(os.path.join(cwd, os.path.expanduser(value)), allowed, "argument")
     return json.dumps({"args": args, "cwd": cwd})
 
 

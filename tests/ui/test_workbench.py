@@ -303,6 +303,7 @@ def test_tool_jobs_allow_list_and_paths(wb, allowed, tmp_path):
     r = c.post("/api/jobs", json={"tool": "finetune/tag_images_by_wd14_tagger_typo.py", "args": []})
     assert r.status_code == 422
     for args in ([str(tmp_path / "outside"), "x"], ["--out=" + str(tmp_path / "outside")],
+                 ["-o" + str(tmp_path / "outside")], ["~/x"],
                  [str(allowed / ".." / "outside")]):
         r = c.post("/api/jobs", json={"tool": "tools/caption_edit.py", "args": ["tags"] + args})
         assert r.status_code == 403, (args, r.text)
@@ -349,6 +350,8 @@ def test_a_tool_job_waits_its_turn_and_stops(wb, allowed):
                                     "args": ["trigger", concept(allowed), "ohwx", "--caption_extension", ".txt"]}).json()["id"]
     j = wb.wait(long, lambda j: j["state"] == "running" and j["step"] >= 2, timeout=120)
     assert j["total_steps"] == 300
+    r = c.post(f"/api/jobs/{long}/save_now")
+    assert r.status_code == 409 and r.json()["error"].endswith("a dataset tool: it has no save_now")
     assert c.get(f"/api/jobs/{nxt}").json()["state"] == "queued"  # one job at a time on the CPU
     assert c.post(f"/api/jobs/{long}/stop").status_code == 200
     j = wb.wait(long, lambda j: j["state"] not in ("running", "stopping"), timeout=60)
