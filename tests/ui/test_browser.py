@@ -165,6 +165,13 @@ def test_dataset_workbench_opens_a_folder_and_saves_a_caption(server, tmp_path):
         box.press("Control+Enter")
         expect(page.locator('.tile[data-name="b.png"] .status')).to_have_text("saved")
         assert (folder / "b.caption").read_text(encoding="utf-8") == "sks cat, blue"
+        # uploads: an image is added to the grid, a file that is not an image is refused in one line
+        (tmp_path / "d.png").write_bytes((folder / "a.png").read_bytes())
+        (tmp_path / "notes.txt").write_text("x")
+        page.set_input_files("#ds-files", [str(tmp_path / "d.png"), str(tmp_path / "notes.txt")])
+        expect(page.locator("#ds-grid .tile")).to_have_count(4)
+        expect(page.locator("#ds-msg")).to_contain_text("notes.txt: not an image type the trainer reads")
+        assert (folder / "d.png").read_bytes() == (folder / "a.png").read_bytes()
         if shots:
             page.screenshot(path=os.path.join(shots, "dataset.png"))
         b.close()

@@ -149,16 +149,18 @@ $("ds-run").addEventListener("click", async () => {
 const drop = $("ds-drop");
 drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
 drop.addEventListener("dragleave", () => drop.classList.remove("over"));
-drop.addEventListener("drop", async (e) => {
-  e.preventDefault(); drop.classList.remove("over");
+async function uploadFiles(list) {
   const errors = [];
-  for (const f of e.dataTransfer.files) {
+  for (const f of list) {
     const r = await fetch("/api/dataset/upload?" + qs({ folder: ds.folder, name: f.name }),
       { method: "PUT", body: f, headers: { "content-type": "application/octet-stream" }, credentials: "same-origin" });
     if (r.status !== 200) errors.push((await r.json()).error);
   }
-  dsMsg(errors.join("; ")); openFolder();
-});
+  await openFolder();
+  dsMsg(errors.join("; "));
+}
+drop.addEventListener("drop", (e) => { e.preventDefault(); drop.classList.remove("over"); uploadFiles(e.dataTransfer.files); });
+$("ds-files").addEventListener("change", () => { uploadFiles($("ds-files").files).then(() => { $("ds-files").value = ""; }); });
 
 async function showWorkbench() {
   if (!$("ds-tool").options.length) {
