@@ -152,8 +152,13 @@ def test_dataset_workbench_opens_a_folder_and_saves_a_caption(server, tmp_path):
     with sync_playwright() as p:
         b, page = open_page(p, browser, url + "#/dataset")
         expect(page.locator("#ds-empty")).to_be_visible()
-        page.fill("#ds-folder", str(folder))
-        page.click("#ds-open")
+        # the picker: from the folder typed, into its concept folder, chosen
+        page.fill("#ds-folder", str(tmp_path / "img"))
+        page.click("#ds-browse")
+        page.click('#picker-list li:has-text("[dir] 3_sks cat")', timeout=120000)
+        expect(page.locator("#picker-list")).to_contain_text("a.caption")
+        page.click("#picker-choose")
+        expect(page.locator("#ds-folder")).to_have_value(str(folder))
         # (the first answer may wait for the server's first import of the trainer's checks)
         expect(page.locator("#ds-grid .tile")).to_have_count(3, timeout=120000)
         expect(page.locator('.tile[data-name="c.png"] .broken')).to_contain_text("cannot decode it")
