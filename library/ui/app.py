@@ -49,7 +49,7 @@ class Settings:
     allowed_paths: list = field(default_factory=list)
     allowed_hosts: tuple | None = LOOPBACK_HOSTS  # None: any (--listen)
     max_body: int = 1 << 20
-    max_upload: int = 32 << 20  # an image uploaded to the Dataset page
+    max_upload: int = workbench.MAX_UPLOAD  # an image uploaded to the Dataset page
 
 
 def _err(status: int, message: str, **extra) -> JSONResponse:

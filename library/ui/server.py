@@ -14,6 +14,7 @@ import sys
 from library.errors import UserError
 from library.ui.app import LOOPBACK_HOSTS, Settings, create_app
 from library.ui.jobs import JobStore, Runner
+from library.ui.workbench import MAX_UPLOAD
 
 
 def default_db() -> str:
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices the queue may use "
                    "(default: every CUDA device; none: one job at a time on the CPU)")
     p.add_argument("--max_body", type=int, default=1 << 20, help="request body limit in bytes")
-    p.add_argument("--max_upload", type=int, default=32 << 20,
+    p.add_argument("--max_upload", type=int, default=MAX_UPLOAD,
                    help="size limit in bytes of an image uploaded on the Dataset page")
     return p
 

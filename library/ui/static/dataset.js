@@ -20,10 +20,10 @@ async function pickerShow(path) {
   if (!r.data.entries.length) list.append(el("li", { class: "muted", text: "(empty folder)" }));
   for (const e of r.data.entries) {
     list.append(el("li", { text: (e.dir ? "[dir] " : "") + e.name, "data-path": e.path,
-      onclick: () => (e.dir ? pickerShow(e.path) : pickerFinish(e.path)) }));
+      onclick: () => (e.dir ? pickerShow(e.path) : pickerFinish(e.path, true)) }));
   }
 }
-function pickerFinish(path) { $("picker").close(); if (pickerDone && path) pickerDone(path); pickerDone = null; }
+function pickerFinish(path, isFile = false) { $("picker").close(); if (pickerDone && path) pickerDone(path, isFile); pickerDone = null; }
 function pickPath(start, done) {
   pickerDone = done;
   $("picker").showModal();
@@ -125,7 +125,8 @@ $("ds-open").addEventListener("click", openFolder);
 $("ds-folder").addEventListener("keydown", (e) => { if (e.key === "Enter") openFolder(); });
 $("ds-filter").addEventListener("input", () => { if (ds.folder) openFolder(); });
 $("ds-res").addEventListener("change", () => { if (ds.folder) showPreview(); });
-$("ds-browse").addEventListener("click", () => pickPath($("ds-folder").value, (p) => { $("ds-folder").value = p; openFolder(); }));
+$("ds-browse").addEventListener("click", () => pickPath($("ds-folder").value, (p, isFile) => {
+  $("ds-folder").value = isFile ? p.replace(/\/[^\/]*$/, "") : p; openFolder(); }));  // an image: its folder
 $("ds-undo").addEventListener("click", () => dsPost("POST", "/api/dataset/undo", { folder: ds.folder },
   (d) => alert(`restored ${d.restored.length} caption(s)` + (d.kept.length ? `; kept ${d.kept.length} changed since` : ""))));
 $("ds-apply").addEventListener("click", () => dsPost("POST", "/api/dataset/tags", {
