@@ -44,7 +44,8 @@ def find_images(folder: str, recursive: bool = False) -> list[Path]:
 
 
 def check_extension(caption_extension: str) -> None:
-    if not caption_extension.startswith(".") or len(caption_extension) < 2 or "/" in caption_extension:
+    if not isinstance(caption_extension, str) or not caption_extension.startswith(".") \
+            or len(caption_extension) < 2 or "/" in caption_extension:
         raise DataError(f"--caption_extension {caption_extension!r}: an extension starts with '.'")
 
 

@@ -193,6 +193,8 @@ def save_caption(path: str, allowed: list[str], ext: str, text: str, base_hash: 
     image = _image(path, allowed)
     if not isinstance(text, str):
         raise DataError("text: a string is required")
+    if not isinstance(base_hash, str):
+        raise DataError('base_hash: a string is required (the hash of the text edited; "" for a new caption)')
     cap = _caption_path(image, ext)
 
     def edit(before: str) -> str:

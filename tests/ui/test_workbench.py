@@ -148,6 +148,14 @@ def test_caption_edit_undo_and_a_stale_edit(wb, allowed):
     assert cap.read_text(encoding="utf-8") == "sks dog, red, solo"
     r = c.post("/api/dataset/undo", json={"folder": folder})
     assert r.status_code == 422 and r.json()["error"].startswith(f"{os.path.realpath(folder)}: no caption edit to undo")
+    # wrong types: one line each, nothing written
+    for body, expect in (({"path": a, "ext": None, "text": "x", "base_hash": ""}, "--caption_extension None"),
+                         ({"path": a, "ext": ".txt", "text": 3, "base_hash": ""}, "text: a string is required"),
+                         ({"path": a, "ext": ".txt", "text": "x"}, "base_hash: a string is required"),
+                         ({"path": None, "text": "x", "base_hash": ""}, "image: a path is required")):
+        r = c.put("/api/dataset/caption", json=body)
+        assert r.status_code == 422 and r.json()["error"].startswith(expect), r.text
+    assert cap.read_text(encoding="utf-8") == "sks dog, red, solo"
 
 
 def test_two_edits_of_one_caption_at_once_one_wins(allowed):
