@@ -159,9 +159,10 @@ def _image(path: str, allowed: list[str]) -> str:
 
 
 def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_SIZE) -> str:
-    """The image's thumbnail (longest side ``size``, alpha on white, JPEG), made once and kept in
-    ``cache_dir`` under a key of its real path, modification time and byte size: an edited image
-    gets a new one. A file that cannot be decoded is a DataError naming it."""
+    """The image's thumbnail (longest side ``size``, EXIF orientation applied, alpha on white,
+    JPEG), made once and kept in ``cache_dir`` under a key of its real path, modification time
+    and byte size: an edited image gets a new one. A file that cannot be decoded is a DataError
+    naming it."""
     real = _image(path, allowed)
     st = os.stat(real)
     key = hashlib.sha256(f"{THUMB_VERSION}\0{size}\0{real}\0{st.st_mtime_ns}\0{st.st_size}".encode()).hexdigest()
@@ -169,12 +170,12 @@ def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_S
     if os.path.isfile(out):
         return out
     # lazy: PIL only when a thumbnail is made (the server starts without it)
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     try:
-        with Image.open(real) as img:
-            img.draft("RGB", (size, size))
-            img.load()
+        with Image.open(real) as opened:
+            opened.draft("RGB", (size, size))
+            img = ImageOps.exif_transpose(opened)  # turned as the trainer turns it
             img.thumbnail((size, size))
             rgba = img.convert("RGBA")
     except Exception as e:  # PIL raises many types for a bad file

@@ -118,6 +118,13 @@ def test_thumbnails_cached_by_content_and_a_corrupt_image(wb, allowed):
     Image.new("RGBA", (512, 256), (0, 0, 0, 0)).save(img)
     t2 = Image.open(io.BytesIO(c.get("/api/dataset/thumb", params={"path": img}).content))
     assert t2.size == (256, 128) and t2.convert("RGB").getpixel((10, 10)) >= (250, 250, 250)  # alpha on white
+    # EXIF orientation 6 (turned 90 degrees): shown as the trainer reads it, 64 wide and 128 high
+    rot = Image.new("RGB", (128, 64), (0, 200, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    rot.save(allowed / "5_sks dog" / "rot.jpg", exif=exif)
+    t3 = Image.open(io.BytesIO(c.get("/api/dataset/thumb", params={"path": str(allowed / "5_sks dog" / "rot.jpg")}).content))
+    assert t3.size == (64, 128)
     (allowed / "5_sks dog" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
     r = c.get("/api/dataset/thumb", params={"path": str(allowed / "5_sks dog" / "bad.png")})
     assert r.status_code == 422
