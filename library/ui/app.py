@@ -138,6 +138,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body,
                        paths={dataset_routes.UPLOAD_PATH: settings.max_upload})
     readers: dict[int, ProgressReader] = {}
+    workbench.prune_thumbnails(os.path.join(settings.data_dir, "thumbs"))
 
     def authorised(request: Request) -> bool:
         if not settings.token:

@@ -5,6 +5,7 @@
     browse(path, allowed) -> {"path", "parent", "entries"}    the folder / file picker
     folder_view(folder, ext, tag, text) -> {"images": [...], "folders": [...], "tags", ...}
     thumbnail(image, cache_dir) -> the cached JPEG's path (keyed by path, mtime, size)
+    prune_thumbnails(cache_dir, keep_bytes) -> removed   least recently used first (server start)
     save_caption(image, ext, text, base_hash) -> {"hash", "journal"}   Stale (409) when the caption
                                                  changed since the client read it
     bulk_tags(folder, ext, op, tag, new, images) -> EditResult    rename / remove / add, undoable
@@ -28,6 +29,7 @@ from library.errors import DataError, UserError, first_line
 
 THUMB_SIZE = 256
 THUMB_VERSION = 1  # part of the cache key: a change of how thumbnails are made remakes them
+THUMB_CACHE_BYTES = 1 << 30  # the cache is pruned to this, least recently used first, at start
 MAX_UPLOAD = 32 << 20
 
 
@@ -168,6 +170,10 @@ def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_S
     key = hashlib.sha256(f"{THUMB_VERSION}\0{size}\0{real}\0{st.st_mtime_ns}\0{st.st_size}".encode()).hexdigest()
     out = os.path.join(cache_dir, key[:2], key + ".jpg")
     if os.path.isfile(out):
+        try:
+            os.utime(out)  # used: kept by prune_thumbnails
+        except OSError:
+            pass
         return out
     # lazy: PIL only when a thumbnail is made (the server starts without it)
     from PIL import Image, ImageOps
@@ -185,6 +191,30 @@ def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_S
     with files.atomic_path(out) as tmp:
         flat.save(tmp, format="JPEG", quality=85)
     return out
+
+
+def prune_thumbnails(cache_dir: str, keep_bytes: int = THUMB_CACHE_BYTES) -> int:
+    """Remove the least recently used thumbnails until the cache holds at most ``keep_bytes``;
+    returns how many were removed."""
+    found = []
+    for d, _, names in os.walk(cache_dir):
+        for n in names:
+            p = os.path.join(d, n)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, st.st_size, p))
+    total, removed = sum(f[1] for f in found), 0
+    for _, size, p in sorted(found):
+        if total <= keep_bytes:
+            break
+        try:
+            os.remove(p)
+        except OSError:
+            continue
+        total, removed = total - size, removed + 1
+    return removed
 
 
 def save_caption(path: str, allowed: list[str], ext: str, text: str, base_hash: str) -> dict:

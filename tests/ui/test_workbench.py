@@ -10,6 +10,7 @@ import io
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -111,9 +112,10 @@ def test_thumbnails_cached_by_content_and_a_corrupt_image(wb, allowed):
     cache = os.path.join(wb.data_dir, "thumbs")
     made = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs]
     assert len(made) == 1
-    stamp = os.stat(made[0]).st_mtime_ns
-    assert c.get("/api/dataset/thumb", params={"path": img}).content == r.content
-    assert os.stat(made[0]).st_mtime_ns == stamp  # served from the cache, not made again
+    marker = png((0, 255, 0))
+    with open(made[0], "wb") as f:
+        f.write(marker)  # what the cache holds is what is served: not made again
+    assert c.get("/api/dataset/thumb", params={"path": img}).content == marker
     # the image edited (another size and colour): a new thumbnail
     Image.new("RGBA", (512, 256), (0, 0, 0, 0)).save(img)
     t2 = Image.open(io.BytesIO(c.get("/api/dataset/thumb", params={"path": img}).content))
@@ -383,3 +385,16 @@ def test_log_progress_reads_the_last_bar(tmp_path):
     log.write_text("loading\nresize:  10%|#         | 3/30 [00:01<00:09,  3.0file/s]\r"
                    "resize:  20%|##        | 6/30 [00:02<00:08,  3.0file/s]")
     assert tool_jobs.log_progress(str(log)) == {"step": 6, "total_steps": 30}
+
+
+def test_the_thumbnail_cache_keeps_the_recently_used(allowed, tmp_path):
+    cache, folder = str(tmp_path / "thumbs"), allowed / "5_sks dog"
+    made = {n: workbench.thumbnail(str(folder / n), [], cache) for n in ("a.png", "b.png", "c.png")}
+    old = time.time() - 100
+    for i, p in enumerate(made.values()):
+        os.utime(p, (old + i, old + i))  # a oldest, c newest
+    workbench.thumbnail(str(folder / "a.png"), [], cache)  # a used again: now the newest
+    keep = os.path.getsize(made["a.png"]) + os.path.getsize(made["c.png"])
+    assert workbench.prune_thumbnails(cache, keep) == 1
+    assert [os.path.exists(made[n]) for n in ("a.png", "b.png", "c.png")] == [True, False, True]
+    assert workbench.prune_thumbnails(cache, keep) == 0
