@@ -41,8 +41,8 @@ def _parse_args(argv):
     p.add_argument("--metadata", default=None,
                    help="single-file output: metadata as a dict literal, e.g. '{\"name\": \"model\"}'")
     p.add_argument("--reference_model", default=None,
-                   help="diffusers output: a local diffusers folder whose tokenizer(s) and scheduler are copied "
-                        "(default: the loaded model's own)")
+                   help="diffusers output: a local diffusers folder or hub id whose tokenizer(s) and scheduler "
+                        "are copied (default: the loaded model's own)")
     p.add_argument("--use_safetensors", action="store_true",
                    help="accepted for sd-scripts' commands: diffusers folders are always written as safetensors")
     p.add_argument("model_to_load", help="single file, diffusers folder or built-in name")

@@ -24,6 +24,11 @@ logger = logging.getLogger("sdtk")
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 FAMILY_NAMES = {"sd1": "SD1", "sd2": "SD2", "sdxl": "SDXL"}
+# the kohya_ss GUI's "Source model type" choices (it passes one as --reference_model) and what
+# their schedulers predict: SD2's 768 models v, the base models and SD1 the noise
+GUI_REFERENCES = {"runwayml/stable-diffusion-v1-5": "epsilon", "CompVis/stable-diffusion-v1-4": "epsilon",
+                  "stabilityai/stable-diffusion-2-1-base": "epsilon", "stabilityai/stable-diffusion-2-base": "epsilon",
+                  "stabilityai/stable-diffusion-2-1": "v_prediction", "stabilityai/stable-diffusion-2": "v_prediction"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,42 @@ def _reference_parts(reference: str, family: str) -> dict:
     return out
 
 
+def check_reference(reference: str) -> None:
+    if not os.path.isdir(reference) and not loading.HUB_ID.match(reference):
+        raise ModelError(f"--reference_model {reference}: neither a local diffusers folder nor a hub id")
+
+
+def _hub_reference(reference: str) -> str:
+    """The scheduler and tokenizer files of a hub model (not its weights), downloaded."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ModelError("the hub is offline (HF_HUB_OFFLINE=1)")
+    # lazy: huggingface_hub only for a hub reference
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(reference, allow_patterns=["model_index.json", "scheduler/*", "tokenizer*/*"])
+    except Exception as e:  # network, auth and not-found errors all end the same way
+        raise ModelError(first_line(e)) from None
+
+
+def reference_parts(reference: str, components: dict, family: str) -> dict:
+    """What --reference_model replaces: a local folder's or a hub model's tokenizer(s) and
+    scheduler. A hub model that cannot be fetched (offline) leaves the loaded model's own, with
+    a warning; the kohya_ss GUI's model ids then still set the scheduler's prediction type."""
+    if os.path.isdir(reference):
+        return _reference_parts(reference, family)
+    try:
+        return _reference_parts(_hub_reference(reference), family)
+    except ModelError as e:
+        logger.warning("--reference_model %s: not available (%s); the loaded model's tokenizer and scheduler "
+                       "are written", reference, e)
+    prediction = GUI_REFERENCES.get(reference)
+    if prediction is None:
+        return {}
+    scheduler = components["scheduler"]
+    return {"scheduler": type(scheduler).from_config(scheduler.config, prediction_type=prediction)}
+
+
 def convert(req: Request) -> str:
     """Load, convert and write (atomically); returns a one-line summary."""
     to_file = is_single_file_target(req.model_to_save)
@@ -144,8 +185,8 @@ def convert(req: Request) -> str:
     if to_file and req.reference_model:
         logger.warning("--reference_model: no effect when saving a single file (it supplies a diffusers "
                        "folder's tokenizer and scheduler)")
-    if req.reference_model and not to_file and not os.path.isdir(req.reference_model):
-        raise ModelError(f"--reference_model {req.reference_model}: not a local diffusers folder")
+    if req.reference_model and not to_file:
+        check_reference(req.reference_model)
     bundle = _load(req.model_to_load)
     check_family(bundle.family, req.v1, req.v2, req.model_to_load)
     components = bundle.components()
@@ -164,7 +205,7 @@ def convert(req: Request) -> str:
     if req.metadata or req.epoch or req.global_step:
         logger.warning("--metadata / --epoch / --global_step: no effect when saving a diffusers folder")
     if req.reference_model:
-        components |= _reference_parts(req.reference_model, bundle.family)
+        components |= reference_parts(req.reference_model, components, bundle.family)
     if req.unet_use_linear_projection:
         components["unet"] = with_linear_projection(components["unet"])
     sd_checkpoint.save_diffusers(components, bundle.family, req.model_to_save, dtype=req.dtype)

@@ -107,13 +107,29 @@ def test_reference_model_supplies_the_scheduler(tmp_path):
     assert isinstance(pipe.scheduler, DDIMScheduler)
 
 
+def test_gui_reference_model_offline_keeps_the_model_and_sets_the_prediction(tmp_path, caplog):
+    """The kohya_ss GUI passes its "source model type" (a hub id) as --reference_model. Offline
+    (the tests' HF_HUB_OFFLINE=1) the loaded model's tokenizer and scheduler are written, with a
+    warning, and the id's prediction type is applied: tiny-sd2 predicts v, SD2-base the noise."""
+    import json
+    import logging
+
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="sdtk"):
+        assert tool.main(["--v2", "--reference_model", "stabilityai/stable-diffusion-2-1-base", "tiny-sd2",
+                          str(out)]) == 0
+    assert "--reference_model stabilityai/stable-diffusion-2-1-base: not available" in caplog.text
+    with open(out / "scheduler" / "scheduler_config.json") as f:
+        assert json.load(f)["prediction_type"] == "epsilon"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["missing.safetensors", "{out}"], "model_to_load missing.safetensors: no such file or folder"),
     (["--v1", "{sd2}", "{out}"], "--v1: {sd2} holds SD2 weights, not SD1"),
     (["--v2", "{sd2}", "{txt}"], "model_to_save {txt}: a single file ends in"),
     (["--fp16", "--bf16", "{sd2}", "{out}"], "--fp16 and --bf16: give one save precision"),
     (["--metadata", "[1]", "{sd2}", "{out}"], "--metadata '[1]': not a dict literal"),
-    (["--reference_model", "nowhere", "{sd2}", "{folder}"], "--reference_model nowhere: not a local diffusers folder"),
+    (["--reference_model", "nowhere", "{sd2}", "{folder}"], "--reference_model nowhere: neither a local diffusers folder nor a hub id"),
 ])
 def test_bad_input_is_one_line_and_keeps_the_previous_output(argv, message, tmp_path, capsys):
     sd2 = tmp_path / "sd2.safetensors"
