@@ -45,6 +45,8 @@ def _parse_args(argv):
                         "are copied (default: the loaded model's own)")
     p.add_argument("--use_safetensors", action="store_true",
                    help="accepted for sd-scripts' commands: diffusers folders are always written as safetensors")
+    p.add_argument("--allow_pickle", action="store_true",
+                   help="load a .ckpt that holds pickled objects besides tensors (can run code: trusted files only)")
     p.add_argument("model_to_load", help="single file, diffusers folder or built-in name")
     p.add_argument("model_to_save", help="single file (with an extension) or diffusers folder (without)")
     return p.parse_args(argv)
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
             unet_use_linear_projection=args.unet_use_linear_projection,
             dtype=sd_convert.save_dtype(args.fp16, args.bf16, args.float, args.save_precision_as),
             epoch=args.epoch, global_step=args.global_step, reference_model=args.reference_model,
-            metadata=sd_convert.parse_metadata(args.metadata))
+            metadata=sd_convert.parse_metadata(args.metadata), allow_pickle=args.allow_pickle)
         print(sd_convert.convert(req))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

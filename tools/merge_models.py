@@ -19,11 +19,12 @@ if ROOT not in sys.path:
 
 from library import log  # noqa: E402
 from library.errors import UserError  # noqa: E402
-from library.models import checkpoint_merge  # noqa: E402
+
+PRECISIONS = ("float", "fp16", "bf16")  # sd-scripts' choices (checkpoint_merge.PRECISIONS: their dtypes)
 
 
 def _parse_args(argv):
-    precisions = list(checkpoint_merge.PRECISIONS)
+    precisions = list(PRECISIONS)
     p = argparse.ArgumentParser(description="Merge SD1/SD2/SDXL checkpoints with weights.")
     p.add_argument("--models", nargs="+", required=True, help="the .safetensors checkpoints to merge")
     p.add_argument("--output", required=True, help="the merged file (.safetensors is appended when missing)")
@@ -40,6 +41,9 @@ def _parse_args(argv):
 def main(argv=None) -> int:
     args = _parse_args(argv)
     log.setup_logging(True)
+    # lazy: torch (seconds) is imported once the flags are parsed, not for --help
+    from library.models import checkpoint_merge
+
     path = checkpoint_merge.output_path(args.output)
     try:
         merged, metadata = checkpoint_merge.merge(args.models, args.ratios,

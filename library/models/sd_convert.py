@@ -44,6 +44,7 @@ class Request:
     global_step: int = 0
     reference_model: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    allow_pickle: bool = False  # a .ckpt with pickled objects besides tensors (Lightning's)
 
 
 def save_dtype(fp16: bool, bf16: bool, float_: bool, save_precision_as: str | None) -> torch.dtype | None:
@@ -92,12 +93,12 @@ def check_family(family: str, v1: bool, v2: bool, source: str) -> None:
         raise ModelError(f"{flag}: {source} holds {FAMILY_NAMES[family]} weights, not {FAMILY_NAMES[want]}")
 
 
-def _load(source: str):
+def _load(source: str, allow_pickle: bool):
     if not os.path.exists(source) and source not in loading.TINY_BUILTINS:
         raise ModelError(f"model_to_load {source}: no such file or folder")
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "unet", "config.json")):
         raise ModelError(f"model_to_load {source}: not a diffusers model folder (no unet/config.json)")
-    return loading.load_model_bundle(source)
+    return loading.load_model_bundle(source, allow_pickle=allow_pickle)
 
 
 def with_linear_projection(unet):
@@ -187,7 +188,7 @@ def convert(req: Request) -> str:
                        "folder's tokenizer and scheduler)")
     if req.reference_model and not to_file:
         check_reference(req.reference_model)
-    bundle = _load(req.model_to_load)
+    bundle = _load(req.model_to_load, req.allow_pickle)
     check_family(bundle.family, req.v1, req.v2, req.model_to_load)
     components = bundle.components()
     name = FAMILY_NAMES[bundle.family]

@@ -73,6 +73,16 @@ def test_precision_steps_and_metadata_flags(tmp_path):
         assert f.metadata()["name"] == "mine"
         assert f.get_tensor("model.diffusion_model.out.2.weight").dtype == torch.bfloat16
 
+    # a Lightning-style .ckpt (an object besides the tensors) needs --allow_pickle
+    lightning = tmp_path / "lightning.ckpt"
+    torch.save({**ckpt, "callbacks": _Callback()}, str(lightning))
+    assert tool.main([str(lightning), str(tmp_path / "x.safetensors")]) == 2
+    assert tool.main(["--allow_pickle", str(lightning), str(tmp_path / "x.safetensors")]) == 0
+
+
+class _Callback:
+    """A pickled non-tensor object, as Lightning checkpoints carry."""
+
 
 def test_unet_use_linear_projection_keeps_the_function(tmp_path):
     """tiny-sd15's U-Net uses 1x1-conv projections; the flag writes them as Linear layers. Reference:

@@ -164,3 +164,20 @@ def test_merged_file_has_no_stray_temporaries(files, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
     with safe_open(str(out), "pt") as f:
         assert "m0.safetensors" in f.metadata()["sdtk.merged_from"]
+
+
+@pytest.mark.parametrize("script,flag", [("tools/merge_models.py", "--saving_precision"),
+                                         ("tools/convert_diffusers20_original_sd.py", "--unet_use_linear_projection"),
+                                         ("networks/sdxl_merge_lora.py", "--lbws")])
+def test_scripts_run_from_a_plain_checkout(script, flag):
+    """As the kohya_ss GUI calls them: by path, from the repository, nothing installed on the path."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                          cwd="/", env=env, timeout=120)
+    assert proc.returncode == 0 and flag in proc.stdout, proc.stderr
