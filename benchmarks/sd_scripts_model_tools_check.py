@@ -18,11 +18,9 @@ project).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
 from safetensors.torch import load_file
@@ -32,7 +30,7 @@ if ROOT not in sys.path:  # run as a script: make the repository root importable
     sys.path.insert(0, ROOT)
 
 from benchmarks.sd_scripts_flux_tools_check import compare  # noqa: E402
-from benchmarks.sd_scripts_tools_check import Runner, last_error_line  # noqa: E402
+from benchmarks.sd_scripts_tools_check import Runner, file_tools_runner, last_error_line, side_by_side  # noqa: E402
 from library.models import checkpoint_merge, sd_checkpoint  # noqa: E402
 from library.models.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora, lora_blocks  # noqa: E402
@@ -121,6 +119,12 @@ def block_index_agreement(r: Runner, files: list[str], work: str) -> str:
     return f"{len(keys)} modules, {len(differ)} in another block" + (f" (e.g. {differ[0]})" if differ else "")
 
 
+def both_block_weighted(inputs, is_sdxl: bool):
+    """A judge: each side's block_weighted_error."""
+    return lambda ours, theirs: (f"ours: {block_weighted_error(ours, inputs, is_sdxl)}; "
+                                 f"theirs: {block_weighted_error(theirs, inputs, is_sdxl)}")
+
+
 def canonical_compare(ours: str, theirs: str) -> str:
     a = {checkpoint_merge.canonical_key(k): v for k, v in load_file(ours).items()}
     b = {checkpoint_merge.canonical_key(k): v for k, v in load_file(theirs).items()}
@@ -130,24 +134,18 @@ def canonical_compare(ours: str, theirs: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sd_scripts", required=True, help="path of a kohya-ss/sd-scripts checkout")
-    p.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
-    args = p.parse_args(argv)
-    missing = [s for s in SCRIPTS if not os.path.isfile(os.path.join(args.sd_scripts, s))]
-    if missing:
-        print(f"error: --sd_scripts {args.sd_scripts}: not an sd-scripts checkout (no {missing[0]})", file=sys.stderr)
+    setup = file_tools_runner(argv, __doc__.split("\n\n")[0], SCRIPTS, "sdtk-model-tools-")
+    if setup is None:
         return 2
-    work = args.work or tempfile.mkdtemp(prefix="sdtk-model-tools-")
-    os.makedirs(work, exist_ok=True)
-    r = Runner(args.sd_scripts, work, args.timeout)
+    r, work = setup
     w = lambda *parts: os.path.join(work, *parts)  # noqa: E731
     models = checkpoints(work)
     sd1 = [lora_file("sd15", w("a.safetensors"), 1, 4, 2.0, True), lora_file("sd15", w("b.safetensors"), 2, 2, 1.0, False)]
     xl = [lora_file("sdxl", w("xa.safetensors"), 3, 4, 2.0, True), lora_file("sdxl", w("xb.safetensors"), 4, 2, 1.0, False)]
     wa, wb = [0.1 * k - 0.7 for k in range(26)], [1.5 - 0.05 * k for k in range(26)]
     half = [0.5] * 12
+    full_half = lora_blocks.parse_lbws([json.dumps(half)] * 2, 2)[0]
+    sd1_in, xl_in = [(sd1[0], 0.8, wa), (sd1[1], -0.5, wb)], [(xl[0], 1.0, full_half[0]), (xl[1], 1.0, full_half[1])]
     merge = ["--models", *models, "--ratios", "0.5", "0.3", "0.2"]
     cases = [
         ("merge_models", "tools/merge_models.py", lambda out: [*merge, "--output", out], "merge", compare),
@@ -159,29 +157,12 @@ def main(argv=None) -> int:
          lambda out: ["--v1", w("folder"), out], "conv", canonical_compare),
         ("svd_merge_lora --lbws (26 values, rank 6)", "networks/svd_merge_lora.py",
          lambda out: ["--models", *sd1, "--ratios", "0.8", "-0.5", "--lbws", json.dumps(wa), json.dumps(wb),
-                      "--new_rank", "6", "--save_to", out], "svd",
-         lambda o, t: "ours: " + block_weighted_error(o, [(sd1[0], 0.8, wa), (sd1[1], -0.5, wb)], False)
-         + "; theirs: " + block_weighted_error(t, [(sd1[0], 0.8, wa), (sd1[1], -0.5, wb)], False)),
+                      "--new_rank", "6", "--save_to", out], "svd", both_block_weighted(sd1_in, False)),
         ("sdxl_merge_lora --concat --lbws (12 values, all 0.5)", "networks/sdxl_merge_lora.py",
          lambda out: ["--models", *xl, "--ratios", "1", "1", "--lbws", json.dumps(half), json.dumps(half),
-                      "--concat", "--save_to", out], "xl", None),
+                      "--concat", "--save_to", out], "xl", both_block_weighted(xl_in, True)),
     ]
-    full_half = lora_blocks.parse_lbws([json.dumps(half)] * 2, 2)[0]
-    rows = ["| tool | result |", "|---|---|"]
-    for title, script, args_of, stem, judge in cases:
-        ours, theirs = w(f"{stem}.ours.safetensors"), w(f"{stem}.theirs.safetensors")
-        rc_o, _, err_o = r.ours(script, args_of(ours))
-        rc_t, _, err_t = r.theirs(script, args_of(theirs))
-        if rc_o or rc_t or not os.path.isfile(theirs):
-            res = f"ours rc {rc_o} {last_error_line(err_o) if rc_o else ''}; theirs rc {rc_t} " \
-                  f"{last_error_line(err_t) if rc_t or not os.path.isfile(theirs) else ''}"
-        elif judge is None:
-            inputs = [(xl[0], 1.0, full_half[0]), (xl[1], 1.0, full_half[1])]
-            res = "ours: " + block_weighted_error(ours, inputs, True) + "; theirs: " + \
-                block_weighted_error(theirs, inputs, True)
-        else:
-            res = judge(ours, theirs)
-        rows.append(f"| {title} | {res} |")
+    rows = side_by_side(r, work, cases)
     rows.append(f"| LoRA Block Weight block of each module | {block_index_agreement(r, sd1 + xl, work)} |")
     print("\n".join(rows))
     return 0

@@ -84,7 +84,8 @@ def run(args) -> None:
     metadata = lora_svd.common_metadata(inputs)
     parts = " + ".join(f"{r:g} x {os.path.basename(p)}" for p, r in zip(args.models, ratios))
     metadata = lora_svd.add_comment(metadata, f"svd_merge_lora: {parts} at rank {args.new_rank}"
-                                              + (f" (conv: {new_conv_rank})" if new_conv_rank != args.new_rank else ""))
+                                              + (f" (conv: {new_conv_rank})" if new_conv_rank != args.new_rank else "")
+                                              + (f", block weights {' '.join(args.lbws)}" if args.lbws else ""))
     metadata = lora_svd.rank_metadata(modules, metadata)
     if not args.no_metadata:
         metadata = lora_svd.lora_modelspec(metadata, args.save_to,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from library.models.tiny_models import build_tiny_components
 from networks import lora_blocks, merge_lora, sdxl_merge_lora, svd_merge_lora
