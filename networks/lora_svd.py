@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from library.errors import UserError
 from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+from library.models.placement import parse_device  # noqa: F401  (the LoRA tools' --device, re-exported)
 from networks import lora_blocks
 from networks.adapter_weights import file_kinds
 from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, write_weights
@@ -133,20 +134,6 @@ def check_save_to(path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK):
         raise LoRAError(f"--save_to {path}: folder {existing} is not writable")
-
-
-def parse_device(value: str | None) -> torch.device:
-    if not value:
-        return torch.device("cpu")
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise LoRAError(f"--device {value!r}: not a torch device (cpu, cuda, cuda:0, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LoRAError(f"--device {value}: CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise LoRAError(f"--device {value}: MPS is not available on this machine")
-    return device
 
 
 def state_dict_of(modules: dict[str, Module]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ def _parse_args(argv):
     p.add_argument("--ratios", nargs="+", type=float, default=None,
                    help="one ratio per model (default 1/n each)")
     p.add_argument("--unet_only", action="store_true", help="merge the U-Net only; VAE and text encoders from the first model")
-    p.add_argument("--device", default="cpu", help="accepted for sd-scripts' commands: the merge runs on the CPU")
+    p.add_argument("--device", default="cpu", help="device the tensors are summed on (cpu, cuda, ...; default cpu)")
     p.add_argument("--precision", default="float", choices=precisions, help="dtype of the sums (default float)")
     p.add_argument("--saving_precision", default="float", choices=precisions, help="dtype of the output (default float)")
     p.add_argument("--show_skipped", action="store_true", help="list the keys of later models that the first lacks")
@@ -42,13 +42,14 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     log.setup_logging(True)
     # lazy: torch (seconds) is imported once the flags are parsed, not for --help
-    from library.models import checkpoint_merge
+    from library.models import checkpoint_merge, placement
 
     path = checkpoint_merge.output_path(args.output)
     try:
         merged, metadata = checkpoint_merge.merge(args.models, args.ratios,
                                                   checkpoint_merge.PRECISIONS[args.precision],
-                                                  args.unet_only, args.show_skipped)
+                                                  args.unet_only, args.show_skipped,
+                                                  placement.parse_device(args.device))
         checkpoint_merge.save(merged, metadata, path, checkpoint_merge.PRECISIONS[args.saving_precision])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ encoder keys (``cond_stage_model.transformer.encoder.``) are read as ``...text_m
 a key the first file has and a later one lacks takes the first file's value at that file's
 ratio (a warning names it); keys only later files have are left out (``--show_skipped`` lists
 them); ``--unet_only`` merges the U-Net and copies the VAE and text encoders from the first file.
+The tensors are read onto ``--device`` (default the CPU) and summed there.
 Stronger than sd-scripts: every file is checked before any tensor is read (a missing file, a
 non-safetensors file, another model family or a differently shaped tensor is one line naming
 it), non-floating tensors are copied from the first file, and the output is checked finite in
@@ -49,14 +50,14 @@ def is_unet_key(key: str) -> bool:
 class _Source:
     """One input file: its keys (canonical -> as stored), shapes, family, and an open handle."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, device: torch.device):
         if not os.path.isfile(path):
             raise ModelError(f"--models {path}: no such file")
         if not path.endswith(".safetensors"):
             raise ModelError(f"--models {path}: not a .safetensors file (convert it with "
                              "tools/convert_diffusers20_original_sd.py)")
         try:
-            self.handle = safe_open(path, framework="pt")
+            self.handle = safe_open(path, framework="pt", device=str(device))
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ModelError(f"--models {path}: not a readable safetensors file ({first_line(e)})") from None
         self.path = path
@@ -83,13 +84,14 @@ def check_sources(sources: list[_Source]) -> None:
 
 
 def merge(paths: list[str], ratios: list[float] | None, compute: torch.dtype = torch.float32,
-          unet_only: bool = False, show_skipped: bool = False) -> tuple[dict, dict[str, str]]:
-    """(merged tensors in the compute dtype, metadata); see the module docstring."""
+          unet_only: bool = False, show_skipped: bool = False,
+          device: torch.device = torch.device("cpu")) -> tuple[dict, dict[str, str]]:
+    """(merged tensors in the compute dtype, on ``device``, metadata); see the module docstring."""
     if ratios is None:
         ratios = [1.0 / len(paths)] * len(paths)
     if len(ratios) != len(paths):
         raise ModelError(f"--ratios: {len(ratios)} value(s) given for {len(paths)} file(s) in --models")
-    sources = [_Source(p) for p in paths]
+    sources = [_Source(p, device) for p in paths]
     check_sources(sources)
     first = sources[0]
     merged: dict[str, torch.Tensor] = {}
@@ -124,7 +126,7 @@ def output_path(output: str) -> str:
 
 def save(merged: dict, metadata: dict[str, str], path: str, dtype: torch.dtype) -> None:
     """Cast, check finite (nothing is written otherwise) and write atomically."""
-    out = {k: fp8_storage.cast_floating(v, dtype).contiguous() for k, v in merged.items()}
+    out = {k: fp8_storage.cast_floating(v, dtype).contiguous().cpu() for k, v in merged.items()}
     fp8_storage.check_finite_as(out, None, path)
     with atomic_path(path) as tmp:
         safetensors_file.save(out, tmp, metadata=metadata)

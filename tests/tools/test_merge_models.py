@@ -62,7 +62,7 @@ def _assert_sum(got: dict, ref: dict, sds, ratios):
 def test_merge_equals_the_float64_weighted_sum_and_loads(files, tmp_path):
     ratios = [0.5, 0.3, -0.2]
     out = tmp_path / "merged"  # .safetensors appended, as sd-scripts
-    argv = ["--models", *files, "--ratios", *map(str, ratios), "--output", str(out)]
+    argv = ["--models", *files, "--ratios", *map(str, ratios), "--output", str(out), "--device", "cpu"]
     assert tool.main(argv) == 0
     got = load_file(str(out) + ".safetensors")
     ref, sds = _reference(files, ratios)
@@ -115,6 +115,7 @@ def test_unet_only_and_saving_precision(files, tmp_path):
     ("family", "--models: {sd2} is a sd2 model but {m0} is sd1"),
     ("shape", "--models: model.diffusion_model.out.2.weight is"),
     ("overflow", "{out}: "),
+    ("device", "--device 'nodevice': not a torch device"),
 ])
 def test_bad_input_is_one_line_and_keeps_the_previous_output(files, tmp_path, capsys, case, message):
     out = tmp_path / "out.safetensors"
@@ -140,6 +141,8 @@ def test_bad_input_is_one_line_and_keeps_the_previous_output(files, tmp_path, ca
         models[1] = paths["bad"]
     elif case == "overflow":  # finite in float32, infinite in float16: nothing is written
         extra = ["--ratios", "1e6", "1e6", "--saving_precision", "fp16"]
+    elif case == "device":
+        extra = ["--device", "nodevice"]
     capsys.readouterr()
     assert tool.main(["--models", *models, "--output", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip()
