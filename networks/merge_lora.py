@@ -127,9 +127,7 @@ def _parse_args(argv, only_sdxl: bool = False):
     p.add_argument("--concat", action="store_true",
                    help="LoRA output: stack the ranks (rank = the sum of the inputs'), exactly the weighted sum")
     p.add_argument("--shuffle", action="store_true", help="with --concat: permute the stacked ranks (as sd-scripts)")
-    args = parse_with_ratios(p, argv)
-    args.only_sdxl = only_sdxl
-    return args
+    return parse_with_ratios(p, argv)
 
 
 def add_models_and_ratios(p: argparse.ArgumentParser) -> None:
@@ -148,22 +146,22 @@ def parse_with_ratios(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return args
 
 
-def run_lora_merge(args) -> None:
-    """LoRA files -> one LoRA file (no --sd_model)."""
+def run_lora_merge(args, lbws: list[str] | None = None, only_sdxl: bool = False) -> None:
+    """LoRA files -> one LoRA file (no --sd_model); lbws: --lbws; only_sdxl: SDXL files only."""
     if not args.save_to.lower().endswith(lora_svd.LORA_FILE_SUFFIXES):
         raise LoRAError(f"--save_to {args.save_to}: without --sd_model the output is a LoRA file "
                         f"({', '.join(lora_svd.LORA_FILE_SUFFIXES)})")
     if args.shuffle and not args.concat:
         raise LoRAError("--shuffle only applies with --concat")
     lora_svd.check_save_to(args.save_to)
-    lbws = lora_blocks.parse_lbws(args.lbws, len(args.models)) if args.lbws else None
+    block_weights = lora_blocks.parse_lbws(lbws, len(args.models)) if lbws else None
     inputs = lora_svd.read_inputs(args.models, args.ratios)
-    if args.only_sdxl:
+    if only_sdxl:
         for inp in inputs:
             if not lora_blocks.is_sdxl_names(inp.modules):
                 raise LoRAError(f"{inp.path}: not an SDXL LoRA (sdxl_merge_lora.py merges SDXL files; use merge_lora.py)")
-    if lbws:
-        inputs = lora_svd.block_weighted(inputs, *lbws)
+    if block_weights:
+        inputs = lora_svd.block_weighted(inputs, *block_weights)
     if args.concat:
         modules = lora_svd.concat(inputs, args.shuffle)
     else:
@@ -183,15 +181,15 @@ def run_lora_merge(args) -> None:
     print(f"merged {len(inputs)} LoRA files into {len(modules)} modules; saved {args.save_to}")
 
 
-def run(args) -> None:
+def run(args, only_sdxl: bool = False) -> None:
     if args.sd_model is None:
-        return run_lora_merge(args)
+        return run_lora_merge(args, args.lbws, only_sdxl)
     if args.concat or args.shuffle:
         raise LoRAError("--concat / --shuffle merge LoRA files into one LoRA file; leave out --sd_model to use them")
-    run_model_merge(args)
+    run_model_merge(args, only_sdxl)
 
 
-def run_model_merge(args) -> None:
+def run_model_merge(args, only_sdxl: bool = False) -> None:
     """LoRA files merged into the weights of --sd_model."""
     # Read every LoRA before the model, so a bad file fails fast.
     lbws, lbw_sdxl = ([None] * len(args.models), None)
@@ -200,7 +198,7 @@ def run_model_merge(args) -> None:
     loras = [(path, load_state_dict_file(path), ratio) for path, ratio in zip(args.models, args.ratios)]
     bundle = load_model_bundle(args.sd_model, v2=args.v2, v_parameterization=args.v_parameterization,
                                tokenizer_path=args.tokenizer_path)
-    if args.only_sdxl and bundle.family != "sdxl":
+    if only_sdxl and bundle.family != "sdxl":
         raise ModelError(f"--sd_model {args.sd_model}: a {bundle.family} model; sdxl_merge_lora.py merges into "
                          "SDXL models (use merge_lora.py)")
     if lbw_sdxl is not None:
@@ -227,7 +225,7 @@ def run_model_merge(args) -> None:
 def main(argv=None, only_sdxl: bool = False) -> int:
     args = _parse_args(argv, only_sdxl)
     try:
-        run(args)
+        run(args, only_sdxl)
     except (LoRAError, ModelError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
