@@ -104,6 +104,26 @@ def test_unet_use_linear_projection_keeps_the_function(tmp_path):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_an_sd2_folder_with_conv_projections_becomes_a_single_file_with_linear_ones(tmp_path):
+    """sd-scripts writes SD2 diffusers folders with 1x1-conv projections (use_linear_projection
+    false) unless told otherwise; a real SD2 single file holds Linear ones (2-D weights)."""
+    from diffusers import UNet2DConditionModel
+
+    from library.models import sd_checkpoint
+
+    comps = build_tiny_components("sd2")
+    linear = comps["unet"]
+    conv = UNet2DConditionModel.from_config(dict(linear.config) | {"use_linear_projection": False})
+    conv.load_state_dict({k: v[:, :, None, None] if k.endswith(("proj_in.weight", "proj_out.weight")) else v
+                          for k, v in linear.state_dict().items()})
+    folder, out = tmp_path / "conv_sd2", tmp_path / "sd2.safetensors"
+    sd_checkpoint.save_diffusers(comps | {"unet": conv}, "sd2", str(folder))
+    assert tool.main([str(folder), str(out)]) == 0
+    got = load_file(str(out))
+    key = "model.diffusion_model.input_blocks.1.1.proj_in.weight"
+    assert torch.equal(got[key], linear.state_dict()["down_blocks.0.attentions.0.proj_in.weight"])
+
+
 def test_reference_model_supplies_the_scheduler(tmp_path):
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
