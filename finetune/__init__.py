@@ -1,0 +1,1 @@
+"""sd-scripts' finetune/ tools by their names and flags (the WD tagger, ...)."""
