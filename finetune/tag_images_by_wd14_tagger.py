@@ -22,7 +22,7 @@ from tqdm import tqdm  # noqa: E402
 
 from library.dataset_tools import wd_model, wd_tagger  # noqa: E402
 from library.dataset_tools.wd_tags import TagOptions  # noqa: E402
-from library.errors import UserError  # noqa: E402
+from library.errors import tool_main  # noqa: E402
 from library.log import logger, setup_logging  # noqa: E402
 
 def setup_parser() -> argparse.ArgumentParser:
@@ -100,6 +100,7 @@ def output_options(args: argparse.Namespace) -> wd_tagger.OutputOptions:
 
 
 def run(args: argparse.Namespace) -> wd_tagger.Summary:
+    setup_logging(True)
     if not args.onnx:
         raise wd_model.TaggerError("--onnx is required: without it sd-scripts runs the Keras / "
                                    "TensorFlow model, which this toolkit does not; add --onnx")
@@ -125,14 +126,7 @@ def run(args: argparse.Namespace) -> wd_tagger.Summary:
 
 
 def main(argv=None) -> int:
-    args = setup_parser().parse_args(argv)
-    setup_logging(True)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return tool_main(setup_parser().parse_args, run, argv)
 
 
 if __name__ == "__main__":
