@@ -244,6 +244,21 @@ def test_output_path_metadata_is_read_back_by_the_fine_tuning_reader(built, fold
     assert "image_size" in (first if suffix == ".jsonl" else next(iter(first.values())))
 
 
+def test_tag_folder_reports_progress_and_returns_what_it_wrote(built, folder):
+    """The library call a UI job makes: progress(done, total) rising to (total, total), and the
+    summary's captions and frequencies are those of the files."""
+    model = wd_model.load(os.path.join(built["models"], REPO.replace("/", "_")), wd_model.SMILINGWOLF)
+    seen = []
+    summary = wd_tagger.tag_folder(str(folder), model, script.TagOptions(),
+                                   wd_tagger.OutputOptions(batch_size=3),
+                                   progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(3, 4), (4, 4)]
+    files = captions(folder)
+    assert {os.path.basename(k): v + "\n" for k, v in summary.captions.items()} == files
+    assert sum(summary.frequencies.values()) == sum(len(v.split(", ")) for v in files.values())
+    assert summary.images == 4 and not summary.failed
+
+
 # -- captions (tag_mapping layout) ----------------------------------------------------------------
 def mapping_expected(p, thr: dict, thresh=0.35, rating=None, quality=None, characters_first=False):
     """By hand: tags of General / Character / Copyright / Meta / Model / Artist over their
