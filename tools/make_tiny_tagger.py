@@ -6,7 +6,8 @@ for tests and benchmarks: no download.
 smilingwolf: OUT_DIR/model.onnx (NHWC float32 448x448 BGR 0..255 in, one sigmoid per label out)
 and OUT_DIR/selected_tags.csv (4 ratings, 12 general and 4 character tags); tag_mapping:
 OUT_DIR/model_optimized.onnx (NCHW, -1..1 in, logits out) and OUT_DIR/tag_mapping.json (a label of
-every category). Needs the onnx package (the test extra).
+every category). Needs the onnx package (the test extra). ``make_images``: the images the tests
+and benchmarks/sd_scripts_tagger_check.py tag (every preprocessing path).
 
 The graph: input -> (NHWC: Transpose to NCHW) -> AveragePool 56x56 (an 8x8 grid per channel,
 so the score depends on where the pixels are and which channel they are in) -> Flatten -> Gemm
@@ -23,6 +24,7 @@ import os
 import sys
 
 import numpy as np
+from PIL import Image
 
 SIZE = 448
 GRID = 8
@@ -113,6 +115,34 @@ def build_tag_mapping(folder: str, *, seed=1) -> str:
                    batch="N", seed=seed)
     onnx.save(model, os.path.join(folder, "model_optimized.onnx"))
     return folder
+
+
+def make_images(folder: str) -> tuple[list[str], str]:
+    """Images covering every preprocessing path, as sd-scripts' sorted glob lists them:
+    RGB smaller than 448 (Lanczos), RGBA with binary alpha at 448 (no resize), 2x2-block RGB at
+    896 x 640 (area, exact), a palette image with a transparent index, and one in a subfolder."""
+    rng = np.random.default_rng(7)
+    os.makedirs(os.path.join(folder, "sub"), exist_ok=True)
+    paths = []
+
+    def save(name, img):
+        path = os.path.join(folder, name)
+        img.save(path)
+        paths.append(path)
+
+    save("a.png", Image.fromarray(rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)))
+    rgba = rng.integers(0, 256, (300, 448, 4), dtype=np.uint8)
+    rgba[..., 3] = np.where(rng.random((300, 448)) < 0.3, 0, 255)
+    save("b.png", Image.fromarray(rgba, "RGBA"))
+    blocks = rng.integers(0, 256, (320, 448, 3), dtype=np.uint8)
+    save("C.PNG", Image.fromarray(blocks.repeat(2, axis=0).repeat(2, axis=1)))
+    pal = Image.fromarray(rng.integers(0, 16, (120, 90), dtype=np.uint8), "P")
+    pal.putpalette(list(rng.integers(0, 256, 16 * 3, dtype=np.uint8)) + [0] * (256 - 16) * 3)
+    pal.info["transparency"] = 3
+    save("d.png", pal)
+    save(os.path.join("sub", "e.png"),
+         Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)))
+    return sorted(paths[:4], key=lambda p: os.path.basename(p)), paths[4]
 
 
 def main(argv=None) -> int:

@@ -1,42 +1,13 @@
-"""The test images for the WD tagger, an independent preprocessing (numpy / PIL) and the raw
-onnxruntime scores; the tiny taggers themselves come from tools/make_tiny_tagger.py."""
+"""An independent preprocessing (numpy / PIL) of the WD tagger's input and the raw onnxruntime
+scores; the tiny taggers and the test images come from tools/make_tiny_tagger.py."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from PIL import Image
 
 from tools.make_tiny_tagger import (CHARACTERS, GENERAL, MAPPING, RATINGS, SIZE,  # noqa: F401
-                                    build_smilingwolf, build_tag_mapping)
-
-
-def make_images(folder: str) -> list[str]:
-    """Images covering every preprocessing path, as sd-scripts' sorted glob lists them:
-    RGB smaller than 448 (Lanczos), RGBA with binary alpha at 448 (no resize), 2x2-block RGB at
-    896 x 640 (area, exact), a palette image with a transparent index, and one in a subfolder."""
-    rng = np.random.default_rng(7)
-    os.makedirs(os.path.join(folder, "sub"), exist_ok=True)
-    paths = []
-
-    def save(name, img):
-        path = os.path.join(folder, name)
-        img.save(path)
-        paths.append(path)
-
-    save("a.png", Image.fromarray(rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)))
-    rgba = rng.integers(0, 256, (300, 448, 4), dtype=np.uint8)
-    rgba[..., 3] = np.where(rng.random((300, 448)) < 0.3, 0, 255)
-    save("b.png", Image.fromarray(rgba, "RGBA"))
-    blocks = rng.integers(0, 256, (320, 448, 3), dtype=np.uint8)
-    save("C.PNG", Image.fromarray(blocks.repeat(2, axis=0).repeat(2, axis=1)))
-    pal = Image.fromarray(rng.integers(0, 16, (120, 90), dtype=np.uint8), "P")
-    pal.putpalette(list(rng.integers(0, 256, 16 * 3, dtype=np.uint8)) + [0] * (256 - 16) * 3)
-    pal.info["transparency"] = 3
-    save("d.png", pal)
-    save(os.path.join("sub", "e.png"),
-         Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)))
-    return sorted(paths[:4], key=lambda p: os.path.basename(p)), paths[4]
+                                    build_smilingwolf, build_tag_mapping, make_images)
 
 
 def reference_input(path: str, size: int = SIZE) -> np.ndarray:
