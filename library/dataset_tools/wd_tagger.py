@@ -159,13 +159,12 @@ def write_metadata(path: str, entries: dict[str, dict]) -> None:
     _write_text(path, text)
 
 
-def _caption_text(path: str, tagged: wd_tags.Tagged, caption_path: str, out: OutputOptions,
-                  separator: str) -> str:
-    text = separator.join(tagged.tags)
-    if out.append_tags and os.path.exists(caption_path):
+def _caption_text(tagged: wd_tags.Tagged, caption_path: str, append: bool, separator: str) -> str:
+    """The tags joined, or with ``append`` (--append_tags) after an existing caption's tags."""
+    if append and os.path.exists(caption_path):
         return wd_tags.appended(text_files.read(caption_path, TaggerError, "caption file"),
                                 tagged.tags, separator)
-    return text
+    return separator.join(tagged.tags)
 
 
 def tag_folder(folder: str, model: TaggerModel, tags: wd_tags.TagOptions, out: OutputOptions,
@@ -196,7 +195,7 @@ def tag_folder(folder: str, model: TaggerModel, tags: wd_tags.TagOptions, out: O
             tagged = assemble(prob, labels, tags)
             caption_path = os.path.splitext(path)[0] + out.caption_extension
             try:
-                text = _caption_text(path, tagged, caption_path, out, sep)
+                text = _caption_text(tagged, caption_path, out.append_tags, sep)
             except TaggerError as e:  # an existing caption that cannot be read is kept as it is
                 log.error(f"skipping {path}: {e}")
                 summary.failed.append((path, str(e)))

@@ -471,3 +471,21 @@ def test_every_flag_of_the_script_is_exercised_here():
              if s.startswith("--") and s != "--help"]
     missing = [f for f in flags if f'"{f}"' not in text]
     assert not missing, missing
+
+
+def test_make_tiny_tagger_writes_either_layout(tmp_path):
+    from tools import make_tiny_tagger
+
+    assert make_tiny_tagger.main([str(tmp_path / "sw"), "--batch", "2"]) == 0
+    assert make_tiny_tagger.main([str(tmp_path / "tm"), "--layout", "tag_mapping"]) == 0
+    sw = wd_model.load(str(tmp_path / "sw"), wd_model.SMILINGWOLF)
+    tm = wd_model.load(str(tmp_path / "tm"), wd_model.TAG_MAPPING)
+    assert (sw.fixed_batch, tm.fixed_batch, sw.size, tm.size) == (2, None, 448, 448)
+    assert len(sw.labels.names) == 20 and set(tm.labels.categories) == set(wd_model.CATEGORIES)
+
+
+def test_the_side_by_side_check_refuses_a_folder_without_sd_scripts(tmp_path, capsys):
+    from benchmarks import sd_scripts_tagger_check
+
+    assert sd_scripts_tagger_check.main(["--sd_scripts", str(tmp_path)]) == 2
+    assert "no finetune/tag_images_by_wd14_tagger.py" in capsys.readouterr().err
