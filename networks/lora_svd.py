@@ -12,14 +12,13 @@ import datetime
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from library.errors import UserError
+from library.errors import tool_main  # noqa: F401  (the LoRA tools' main: lora_svd.tool_main)
 from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
 from library.models.placement import parse_device  # noqa: F401  (the LoRA tools' --device, re-exported)
 from networks import lora_blocks
@@ -431,13 +430,3 @@ def concat(inputs: list[LoRAInput], shuffle: bool = False,
         out[name] = Module(name, down, up, float(down.shape[0]))
     return out
 
-
-def tool_main(parse_args, run, argv=None) -> int:
-    """The LoRA tools' main: parse the flags, run, and print a user error as one line (exit 2)."""
-    args = parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
