@@ -16,8 +16,10 @@ from library.config import method_kinds
 from library.config.options import GUI_KEYS_BY_NAME, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.models import loading, sd3_builtins
 from library.models.families import base, registry
+from library.run import run_checks
 from library.training import flow_matching, flow_sampling, methods
 from library.ui import gui_import
+from tests.helpers import make_opts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOMES = os.path.join(ROOT, "library", "models", "families")
@@ -178,3 +180,18 @@ def test_method_kinds_agree_with_the_methods():
         assert sum((kind.trains_network, kind.trains_model, kind.trains_embeddings)) == 1, name
     with pytest.raises(ValueError, match="unknown training method"):
         method_kinds.get("inpainting")
+
+
+@pytest.mark.parametrize("model, expected", [("tiny-flux", "networks.lora_flux"), ("tiny-sd3", "networks.lora_sd3"),
+                                             ("tiny-sd15", "networks.lora"), ("tiny-sdxl", "networks.lora")])
+def test_an_unset_network_module_is_the_familys_lora(model, expected):
+    """train_lora is one entry for every family: network_module unset means the family's LoRA (an
+    explicit one is kept, and refused when it cannot target the family: test_flow_lora)."""
+    opts = make_opts("train_lora", pretrained_model_name_or_path=model)
+    assert "network_module" not in opts.given
+    resolved = run_checks.resolve_options(opts, "lora")
+    assert resolved.network_module == expected
+    given = make_opts("train_lora", pretrained_model_name_or_path=model, network_module="networks.lora")
+    assert run_checks.resolve_options(given, "lora").network_module == "networks.lora"
+    # full fine-tunes have no network
+    assert run_checks.resolve_options(opts, "finetune").network_module == opts.network_module
