@@ -23,7 +23,6 @@ bytes and equal metadata. The runs:
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -120,19 +119,7 @@ def cmd_run(a) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--out", required=True)
-    r.add_argument("--only", nargs="*", default=None)
-    c = sub.add_parser("compare")
-    c.add_argument("before")
-    c.add_argument("after")
-    a = p.parse_args(argv)
-    if a.cmd == "run":
-        cmd_run(a)
-        return 0
-    return identity.cmd_compare(a)
+    return identity.main(argv, run=cmd_run, doc=__doc__)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def check_options(opts, method_name: str) -> str | None:
     if fam is None:
         for name in flow_family.FLOW_OPTIONS:
             if name in opts.given and flow_family._is_set(opts, name):
-                raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
+                raise flow_family.FlowFamilyError(f"{name}: an option of {registry.titles(flow=True)} models; {src} is not one")
         if kind.trains_network:
             if opts.network_module in network_options.DIT_NETWORK_MODULES:
                 f, kind, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]

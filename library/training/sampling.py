@@ -172,8 +172,8 @@ def check_options(opts) -> None:
     _sampler_name(opts.sample_sampler, "sample_sampler")
     if "sample_sampler" in opts.given and \
             flow_family.family_before_loading(opts.pretrained_model_name_or_path) is not None:
-        logger.warning("option sample_sampler has no effect here (FLUX.1 and SD3 sample with their "
-                       "flow-matching Euler sampler, as sd-scripts)")
+        logger.warning(f"option sample_sampler has no effect here ({registry.titles(flow=True)} sample with "
+                       "their flow-matching Euler sampler, as sd-scripts)")
 
 
 def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
