@@ -36,7 +36,7 @@ if ROOT not in sys.path:
 from benchmarks import identity  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
-COMMON = ["--resolution", "64", "--max_train_steps", "2", "--seed", "7"]
+COMMON = ["--max_train_steps", "2", "--seed", "7"]  # LECO's resolution is its prompts'; the others' 64
 LECO_PROMPTS = """
 [[prompts]]
 target = "van gogh"
@@ -56,7 +56,7 @@ DOP = "custom_attributes = {diff_output_preservation = true}\nclass_tokens = \"s
 
 def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[str]]]:
     """name -> (entry script, its arguments without --output_dir)."""
-    folder = ["--train_data_dir", data, "--cache_latents"]
+    folder = ["--train_data_dir", data, "--cache_latents", "--resolution", "64"]
     lora = ["--network_dim", "4", "--network_alpha", "4", "--learning_rate", "1e-2"]
     full = ["--learning_rate", "1e-3"]
 
@@ -78,7 +78,7 @@ def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[
                                    "4", "--network_dim", "4", "--network_alpha", "2", "--learning_rate",
                                    "1e-3"]),
         "inpaint_lora": ("train_lora.py", [*model("tiny-sd15-inpaint"), *folder, *lora, "--train_inpainting"]),
-        "dop": ("train_lora.py", ["--config", dop_config, *model("tiny-sd15"), *lora]),
+        "dop": ("train_lora.py", ["--config", dop_config, *model("tiny-sd15"), "--cache_latents", *lora]),
     }
 
 
