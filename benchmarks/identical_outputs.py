@@ -77,7 +77,9 @@ def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[
         "leco": ("train_leco.py", [*model("tiny-sd15"), "--prompts_file", prompts, "--max_denoising_steps",
                                    "4", "--network_dim", "4", "--network_alpha", "2", "--learning_rate",
                                    "1e-3"]),
-        "inpaint_lora": ("train_lora.py", [*model("tiny-sd15-inpaint"), *folder, *lora, "--train_inpainting"]),
+        # (its masked image's latents are encoded every step: no latent cache)
+        "inpaint_lora": ("train_lora.py", [*model("tiny-sd15-inpaint"), "--train_data_dir", data, "--resolution", "64",
+                                           *lora, "--train_inpainting"]),
         "dop": ("train_lora.py", ["--config", dop_config, *model("tiny-sd15"), "--cache_latents", *lora]),
     }
 
