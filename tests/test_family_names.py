@@ -19,13 +19,13 @@ import os
 
 import pytest
 
+from library.config import method_kinds
 from library.models.families import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOMES = os.path.join("library", "models", "families")
 FAMILY_NAMES = frozenset(registry.FAMILIES)
-# the names methods go by (library/config/options.py METHOD_OF_SCRIPT, train_leco's "leco")
-METHOD_NAMES = frozenset(("lora", "dreambooth", "finetune", "textual_inversion", "leco"))
+METHOD_NAMES = frozenset(method_kinds.KINDS)  # lora, dreambooth, finetune, textual_inversion, leco
 # one family's code not yet moved into its folder (path -> the family folder it belongs in)
 NOT_YET_HOME = {
     "library/models/flow_family.py": "flux / sd3 (loaders, family models, saves)",
