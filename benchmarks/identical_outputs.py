@@ -17,7 +17,7 @@ bytes and equal metadata. The runs:
   sd3_finetune        finetune, tiny-sd3
   sd1_dreambooth      train_dreambooth, tiny-sd15, its text encoder too
   ti                  train_textual_inversion, tiny-sd15, 2 vectors
-  leco                train_leco, tiny-sd15, an erase and an enhance prompt
+  leco                train_leco, tiny-sd15, the shipped configs/leco/prompts.toml (erase, slider)
   inpaint_lora        train_lora, tiny-sd15-inpaint, train_inpainting
   dop                 train_lora, tiny-sd15, a diff_output_preservation subset beside a plain one
 ``compare`` prints every difference and exits 1 if there is one (benchmarks/identity.py's rule).
@@ -38,20 +38,7 @@ from benchmarks import identity  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 COMMON = ["--max_train_steps", "2", "--seed", "7"]  # LECO's resolution is its prompts'; the others' 64
-LECO_PROMPTS = """
-[[prompts]]
-target = "van gogh"
-guidance_scale = 1.5
-resolution = 64
-batch_size = 2
-
-[[prompts]]
-target = "red"
-neutral = "a photo"
-action = "enhance"
-guidance_scale = 2.0
-resolution = 64
-"""
+LECO_PROMPTS = os.path.join(ROOT, "configs", "leco", "prompts.toml")  # the shipped example (64 px)
 DOP = "custom_attributes = {diff_output_preservation = true}\nclass_tokens = \"shape\""
 
 
@@ -96,9 +83,6 @@ def cmd_run(a) -> None:
     os.makedirs(a.out, exist_ok=True)
     data = os.path.join(a.out, "data")
     make_sample_dataset(data, n_images=2, size=64, repeats=2)
-    prompts = os.path.join(a.out, "prompts.toml")
-    with open(prompts, "w", encoding="utf-8") as f:
-        f.write(LECO_PROMPTS)
     concept = os.path.join(data, "2_sks shape")
     dop_config = os.path.join(a.out, "dop.toml")
     with open(dop_config, "w", encoding="utf-8") as f:
@@ -106,7 +90,7 @@ def cmd_run(a) -> None:
                 f"[[datasets.subsets]]\nimage_dir = {json.dumps(concept)}\n"
                 f"[[datasets.subsets]]\nimage_dir = {json.dumps(concept)}\n{DOP}\n")
     manifest = {}
-    for name, (script, args) in runs(data, prompts, dop_config).items():
+    for name, (script, args) in runs(data, LECO_PROMPTS, dop_config).items():
         if a.only and name not in a.only:
             continue
         out = os.path.join(a.out, name)

@@ -27,12 +27,11 @@ def test_every_run_parses_and_every_family_and_method_is_covered(tmp_path):
     mod = _module()
     data = str(tmp_path / "data")
     make_sample_dataset(data, n_images=2, size=64, repeats=2)
-    prompts, dop = tmp_path / "prompts.toml", tmp_path / "dop.toml"
-    prompts.write_text(mod.LECO_PROMPTS)
+    dop = tmp_path / "dop.toml"
     dop.write_text("[general]\nresolution = 64\n[[datasets]]\n[[datasets.subsets]]\n"
                    f"image_dir = {str(tmp_path / 'data' / '2_sks shape')!r}\n{mod.DOP}\n")
     families, methods = set(), set()
-    for name, (script, args) in mod.runs(data, str(prompts), str(dop)).items():
+    for name, (script, args) in mod.runs(data, mod.LECO_PROMPTS, str(dop)).items():
         entry = script[:-3]
         opts = parse_args(entry, [*args, "--output_dir", str(tmp_path / name)])
         model = opts.pretrained_model_name_or_path
