@@ -194,8 +194,9 @@ def cmd_compare(a) -> int:
     return 1 if diffs else 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, run=None, doc: str = __doc__) -> int:
+    """``run`` / ``compare`` with ``run`` (default: this module's runs) writing the manifest."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     c.add_argument("after")
     a = p.parse_args(argv)
     if a.cmd == "run":
-        cmd_run(a)
+        (run or cmd_run)(a)
         return 0
     return cmd_compare(a)
 

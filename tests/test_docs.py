@@ -193,6 +193,56 @@ def test_files_named_in_the_docs_exist():
     assert not problems, "\n".join(problems)
 
 
+# sd-scripts' own files that the code names where it follows them (not files of this repository)
+SD_SCRIPTS_CODE_FILES = SD_SCRIPTS_FILES | {
+    "library/flux_utils.py", "library/leco_train_util.py", "library/sai_model_spec.py",
+    "library/mask_generator.py", "library/flux_models.py", "library/sd3_models.py",
+    "library/flux_train_utils.py", "library/sd3_train_utils.py", "library/custom_train_functions.py"}
+
+
+def _first_party_sources() -> list[str]:
+    out = []
+    for top in ("library", "networks", "tools", "benchmarks"):
+        for folder, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            out += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def test_paths_named_in_the_code_exist():
+    """A repository path in a comment or docstring (library/..., docs/..., tests/...) names a file
+    or folder that exists (a module path with an attribute, library/x.py's ``f``, counts by its
+    module); sd-scripts' own files are the exceptions above."""
+    pattern = re.compile(r"(?<![\w/.-])((?:library|networks|tools|benchmarks|tests|configs|docs)/[\w./-]*\w)")
+    problems = []
+    for f in _first_party_sources():
+        with open(f, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                for path in pattern.findall(line):
+                    base = path.rsplit(".", 1)[0] if "." in os.path.basename(path) else path
+                    if path in SD_SCRIPTS_CODE_FILES or any(
+                            os.path.exists(os.path.join(ROOT, c)) for c in (path, base, base + ".py")):
+                        continue
+                    problems.append(f"{os.path.relpath(f, ROOT)}:{n}: {path}")
+    assert not problems, "paths that do not exist:\n" + "\n".join(problems)
+
+
+def test_the_module_map_names_every_module():
+    """docs/INTERNALS.md's module map names every module of library/ and networks/: by its path,
+    or by its file name in a row that names its folder (`library/models/flux_ae.py`, `t5.py`)."""
+    with open(os.path.join(ROOT, "docs", "INTERNALS.md"), encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    missing = []
+    for f in _first_party_sources():
+        rel = os.path.relpath(f, ROOT).replace(os.sep, "/")
+        if not rel.startswith(("library/", "networks/")) or rel.endswith("__init__.py"):
+            continue
+        folder, name = rel.rsplit("/", 1)
+        if not any(rel in ln or (f"`{folder}/" in ln and f"`{name}`" in ln) for ln in lines):
+            missing.append(rel)
+    assert not missing, "docs/INTERNALS.md's module map lacks " + ", ".join(missing)
+
+
 def test_readme_keeps_the_ci_test_command():
     """.ci/run executes the first line of the bash block after the marker."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:

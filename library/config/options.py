@@ -313,7 +313,8 @@ OPTIONS: tuple[Option, ...] = (
     O("network_module", "str", "networks.lora", "Python module with the kohya network interface "
       "(create_network, create_network_from_weights): networks.lora, sd-scripts' networks.loha, "
       "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, or lycoris.kohya; FLUX.1: "
-      "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya.", "network",
+      "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya. "
+      "Unset: the model family's LoRA (networks.lora; FLUX.1 networks.lora_flux, SD3 networks.lora_sd3).", "network",
       scripts=LORA),
     O("network_dim", "int", 4, "LoRA rank.", "network", scripts=LORA, min=1),
     O("network_alpha", "float", 1.0, "LoRA alpha; the update is scaled by alpha / rank.", "network",
@@ -913,7 +914,7 @@ class GuiKey:
     target: str = ""     # "option": the option it sets, when not the key itself
 
 
-_OTHER_FAMILY = ("an option of the GUI's {} training; this toolkit trains SD1, SD2 and SDXL "
+_OTHER_FAMILY = ("an option of the GUI's {} training, a model family this toolkit does not train "
                  "(the GUI writes it only with that model type checked)")
 
 
@@ -922,8 +923,10 @@ _FLOW_NOT_YET = ("an option of the GUI's {} training that this toolkit does not 
                  "(the GUI writes it only with that model type checked)")
 
 
-def _gui_family(names: str, tabs: str, family: str) -> list:
-    why = (_FLOW_NOT_YET if family in ("FLUX.1", "SD3") else _OTHER_FAMILY).format(family)
+def _gui_family(names: str, tabs: str, family: str, trained: bool = False) -> list:
+    """GUI keys of one model type's training that are refused here: ``trained``, a family this
+    toolkit trains (library/models/families/) without that option yet, else one it does not train."""
+    why = (_FLOW_NOT_YET if trained else _OTHER_FAMILY).format(family)
     return [GuiKey(n, tabs, "reject", why) for n in names.split()]
 
 
@@ -1018,7 +1021,7 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "mode_scale weighting_scheme").split()),
     *(GuiKey(n, "ldf", "option") for n in "split_mode single_blocks_to_swap double_blocks_to_swap".split()),
     *(GuiKey(n, "ldf", "sd") for n in "model_type save_clip save_t5xxl t5xxl_dtype t5xxl_device".split()),
-    *_gui_family("train_blocks", "df", "FLUX.1"),
+    *_gui_family("train_blocks", "df", "FLUX.1", trained=True),
     GuiKey("text_encoder_batch_size", "ldf", "option"),
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
     *(GuiKey(n, "l", "option") for n in "enable_scaled_pos_embed pos_emb_random_crop_rate".split()),

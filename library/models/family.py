@@ -36,6 +36,7 @@ from typing import Any
 
 from library.errors import UserError
 from library.models import prompt_weights
+from library.models.families import registry
 
 MAX_TOKENS = 77  # one CLIP window: BOS + 75 tokens + EOS
 CHUNK = MAX_TOKENS - 2
@@ -136,7 +137,7 @@ class FamilyModel:
         if self.rewrite is not None:
             captions = [self.rewrite(c) for c in captions]
         if not pad:
-            if self.family == "sdxl" or n > 1 or len(captions) != 1:
+            if not registry.get(self.family).token_padding_option or n > 1 or len(captions) != 1:
                 raise FamilyError("no_token_padding: one caption at a time, SD1/SD2, without "
                                   "max_token_length")
             return [tok(list(captions), padding=False, max_length=MAX_TOKENS, truncation=True,
@@ -271,9 +272,9 @@ def check_token_padding(opts, family_before_loading) -> None:
         raise FamilyError("no_token_padding cannot be combined with weighted_captions: weighted "
                           "captions are tokenized padded, with one weight per position")
     family = family_before_loading(opts.pretrained_model_name_or_path)
-    if family == "sdxl":
-        raise FamilyError("no_token_padding is for SD1/SD2 (sd-scripts' train_db.py); SDXL "
-                          "(sdxl_train.py) has no such option")
+    if family is not None and not registry.get(family).token_padding_option:
+        raise FamilyError(f"no_token_padding is for SD1/SD2 (sd-scripts' train_db.py); {registry.get(family).title} "
+                          f"({registry.get(family).gui_script}) has no such option")
 
 
 _MODELS = {"sd1": SD1Model, "sd2": SD2Model, "sdxl": SDXLModel}

@@ -36,8 +36,6 @@ from library.models import (flux, flux_checkpoint, flux_loading, flux_text, load
 
 logger = logging.getLogger("sdtk")
 
-FLOW_FAMILIES = ("flux", "sd3")
-NAMES = {"flux": "FLUX.1", "sd3": "SD3"}
 # the options only a FLUX.1 (or SD3) run reads: refused with an SD model
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
@@ -57,27 +55,6 @@ UNSUPPORTED = {
     "tokenizer_path": "the tokenizers come with the model",
     "train_inpainting": "an SD option",
     "block_lr": "SDXL's U-Net blocks",
-}
-# per family: what only the other one honours (SD3's sampling is weighting_scheme with
-# training_shift and the timestep bounds; FLUX.1 has no timestep bounds)
-UNSUPPORTED_BY_FAMILY = {
-    "flux": {"vae": "FLUX.1's 16-channel autoencoder is the ae option (sd-scripts' flux_train "
-                    "reads ae; SD3's scripts read vae)",
-             "num_last_block_to_freeze": "sd-scripts' sd3_train.py option (SD3's joint blocks)",
-             "apply_lg_attn_mask": "SD3's CLIP masks; FLUX.1 has apply_t5_attn_mask",
-             "training_shift": "SD3's shift; FLUX.1 shifts with discrete_flow_shift",
-             **{name: "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
-                for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")},
-             "train_t5xxl": "SD3's sd3_train.py option; a FLUX.1 LoRA takes train_t5xxl in network_args",
-             "learning_rate_te3": "SD3's T5-XXL learning rate (sd-scripts' flux_train.py trains the "
-                                  "transformer alone)",
-             "use_t5xxl_cache_only": "SD3's sd3_train.py option (flux_train.py trains the transformer alone; "
-                                     "a FLUX.1 LoRA training CLIP-L caches T5's outputs alone)",
-             **{name: "SD3's position-embedding table; FLUX.1 has rotary positions"
-                for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")}},
-    "sd3": {"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
-            **{name: "sd-scripts' deprecated FLUX.1 block-swap name; give blocks_to_swap"
-               for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
 }
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 # huber / smooth_l1 with huber_schedule constant or exponential (at t = 1000 sigma, as sd-scripts);

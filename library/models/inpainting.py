@@ -16,6 +16,7 @@ onto that inpainting model.
 """
 from __future__ import annotations
 
+from library.config import method_kinds
 from library.errors import UserError
 
 LATENT_CHANNELS = 4
@@ -66,7 +67,7 @@ def prepare_unet(unet, opts, method_name: str, log) -> None:
             f"{opts.pretrained_model_name_or_path} is an inpainting model (its U-Net takes 9 input "
             "channels: latents, mask, masked image): set train_inpainting = true")
     if channels == LATENT_CHANNELS and opts.train_inpainting:
-        if method_name in ("lora", "textual_inversion"):
+        if not method_kinds.get(method_name).trains_model:  # an adapter or embedding
             raise InpaintingError(
                 f"train_inpainting: {opts.pretrained_model_name_or_path} is not an inpainting model "
                 "(its U-Net takes 4 input channels); a LoRA or embedding trains on an inpainting "

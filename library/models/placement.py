@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from library.config import method_kinds
 from library.errors import UserError
 from library.models import fp8
 
@@ -92,9 +93,10 @@ def dtype_placement(opts, method_name: str, train_text_encoder: bool, n_text_enc
     """The dtypes of this run's U-Net, text encoders and network."""
     compute = compute_dtype(opts.mixed_precision)
     trained = getattr(torch, trained_precision(opts))
-    if method_name == "textual_inversion":  # only the new rows train (their own tensor, `trained`)
+    kind = method_kinds.get(method_name)
+    if kind.trains_embeddings:  # only the new rows train (their own tensor, `trained`)
         return Placement(compute, compute, (compute,) * n_text_encoders, trained)
-    if method_name != "lora":  # full training: fp8 is a train_lora option (config.py rejects it)
+    if not kind.trains_network:  # full training: fp8 is a train_lora option (config.py rejects it)
         return Placement(compute, trained, (trained if train_text_encoder else compute,) * n_text_encoders,
                          None)
     fp8_unet = bool(opts.fp8_base or opts.fp8_base_unet)

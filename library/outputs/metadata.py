@@ -12,16 +12,9 @@ import os
 from collections import Counter
 
 from library.errors import UserError
+from library.models.families import registry
 from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
                                       modelspec_architecture)
-
-# the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py record
-# (update_metadata), each as ss_<option>
-FLOW_METADATA = {"flux": ("apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
-                          "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
-                          "discrete_flow_shift"),
-                 "sd3": ("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
-                         "logit_std", "mode_scale")}
 
 
 def tag_frequency(items) -> dict:
@@ -64,7 +57,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_clip_skip": str(opts.clip_skip),
         "ss_max_token_length": str(opts.max_token_length),
         "ss_resolution": str((w, h)),
-        "ss_v2": str(family == "sd2"),
+        "ss_v2": str(registry.get(family).v2_metadata),
         "ss_base_model_version": BASE_MODEL_VERSION[family],
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_tag_frequency": json.dumps(tag_frequency(train_items)),
@@ -93,10 +86,13 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name))
-    if family in FLOW_METADATA:
+    flow = registry.get(family).flow
+    if flow is not None:
         del md["modelspec.prediction_type"]  # FLUX.1 writes none; SD3's comes with flow_fields
         md.update(flow_fields(family, variant, adapter))
-        md.update({f"ss_{name}": str(getattr(opts, name)) for name in FLOW_METADATA[family]})
+        # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
+        # record (update_metadata), each as ss_<option>
+        md.update({f"ss_{name}": str(getattr(opts, name)) for name in flow.metadata_options})
     md.update(model_spec_fields(opts))
     if opts.training_comment is not None:
         md["ss_training_comment"] = opts.training_comment

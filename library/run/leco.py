@@ -39,6 +39,7 @@ from library.errors import UserError
 from library.files import output_file
 from library.log import logger, setup_logging
 from library.models import family, inpainting, loading, modelspec, placement
+from library.models.families import registry
 from library.models.family import TextConditioning
 from library.outputs import metadata, output_checks
 from library.training import losses, methods, optim
@@ -222,7 +223,7 @@ def predict(bundle, family_model, x, t, cond, size_cond):
     n = x.shape[0]
     ts = torch.full((n,), int(t), device=x.device, dtype=torch.long)
     sc = None
-    if bundle.family == "sdxl":
+    if registry.of(bundle).size_conditioning:
         sc = torch.tensor([size_cond] * n, dtype=torch.float32, device=x.device)
     return family_model.unet_forward(x, ts, _repeat(cond, n), sc)
 
@@ -241,7 +242,7 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
                                None if pooled is None else pooled.repeat_interleave(x.shape[0], 0))
         ts = torch.full((model_in.shape[0],), int(t), device=x.device, dtype=torch.long)
         sc = None
-        if bundle.family == "sdxl":
+        if registry.of(bundle).size_conditioning:
             sc = torch.tensor([size_cond] * model_in.shape[0], dtype=torch.float32, device=x.device)
         pred = family_model.unet_forward(model_in, ts, ctx, sc)
         p_uncond, p_text = pred.chunk(2)
@@ -303,7 +304,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
         "ss_seed": str(opts.seed),
         "ss_mixed_precision": str(opts.mixed_precision),
         "ss_base_model_version": modelspec.BASE_MODEL_VERSION[bundle.family],
-        "ss_v2": str(bundle.family == "sd2"),
+        "ss_v2": str(registry.of(bundle).v2_metadata),
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_leco_prompt_count": str(len(settings)),
         "ss_leco_prompts_file": os.path.basename(opts.prompts_file),
@@ -316,8 +317,7 @@ def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": modelspec.modelspec_architecture(bundle.family, bundle.v_parameterization,
                                                             "lora"),
-        "modelspec.implementation": (modelspec.IMPL_STABILITY_AI if bundle.family == "sdxl"
-                                     else modelspec.IMPL_DIFFUSERS),
+        "modelspec.implementation": modelspec.IMPL.get(bundle.family, modelspec.IMPL_DIFFUSERS),
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),

@@ -13,6 +13,12 @@ from library.training.optim import check_optimizer, check_scheduler
 from library.training.stepper import check_stepper_options
 
 
+def resolve_options(opts, method_name: str):
+    """The options as the run holds them, with what the model decides before loading: an unset
+    network_module means the family's LoRA (flow_loss.with_family_network)."""
+    return flow_loss.with_family_network(opts, method_name)
+
+
 def check_before_loading(opts, method_name: str, plan) -> None:
     """Checks that need imports but no weights: optimizer, scheduler, network module, and the
     combinations of every module's options."""

@@ -20,6 +20,7 @@ from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 from library.log import logger, setup_logging
 from library.models import family, inpainting, loading
+from library.models.families import registry
 from library.outputs import metadata, output_checks
 from library.run.run_state import Caches, Components
 from library.training import ema, host_memory, offload
@@ -109,6 +110,7 @@ class Run:
         # lazy: the plan and the checks before loading come before torch is imported
         from library.run import run_checks
 
+        self.opts = run_checks.resolve_options(self.opts, self.method_name)
         run_checks.check_before_loading(self.opts, self.method_name, self.plan)
 
     def load(self) -> Loaded:
@@ -135,7 +137,7 @@ class Run:
         # of a 4-channel model with train_inpainting widen its first convolution
         if b.flow is None:  # an SD U-Net (FLUX.1's options: flow_loss.check_options)
             inpainting.prepare_unet(b.unet, opts, self.method_name, logger)
-        if opts.no_token_padding and b.family == "sdxl":  # a single file: known only now
+        if opts.no_token_padding and not registry.of(b).token_padding_option:  # a single file: known only now
             family.check_token_padding(opts, lambda _: b.family)
         b.vae.to(acc.device, dtype=latent_cache.vae_dtype(opts))
         b.vae.eval()
@@ -324,6 +326,7 @@ def run(opts, method_name: str) -> Run | None:
     if opts.dry_run:
         print_plan(r.plan, main)  # the plan needs no torch: printed first
         r.validate()  # optimizer, network module, combinations: a dry run stops on them too
+        opts = r.opts
         # lazy: the plan and the checks before loading come before torch is imported
         from library.training import memory_estimate
 
@@ -331,6 +334,7 @@ def run(opts, method_name: str) -> Run | None:
         return None
     started = time.time()
     r.validate()  # optimizer, network module, combinations: before any folder is made
+    opts = r.opts
     lock = output_checks.prepare(opts, method_name, main, logger)  # before any weight loads
     try:
         with lock:

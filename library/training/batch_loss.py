@@ -29,6 +29,7 @@ from library.data import images, latent_cache, step_plan, text_cache
 from library.data.latent_cache import latent_slot
 from library.errors import UserError
 from library.models import inpainting
+from library.models.families import registry
 from library.models.family import TextConditioning
 
 
@@ -68,7 +69,7 @@ class BatchLoss:
         pos_emb_random_crop_rate); None (validation): none drawn."""
         noisy = self.losses.noisy_latents(latents, draw)
         x = inpainting.unet_input(noisy, inpaint)
-        size = size_cond if self.bundle.family == "sdxl" else None
+        size = size_cond if registry.of(self.bundle).size_conditioning else None
         held = {}
 
         def denoise():

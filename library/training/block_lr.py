@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from library.errors import UserError
 from library.models import loading, unet_layout
+from library.models.families import registry
 
 NUM_BLOCKS = 23
 
@@ -25,7 +26,7 @@ def check_count(block_lr: list[float]) -> None:
 
 
 def check_family(family: str) -> None:
-    if family != "sdxl":
+    if not registry.get(family).block_lr:
         raise BlockLrError(f"block_lr is for SDXL's U-Net (sd-scripts' sdxl_train.py); this model is "
                            f"{family}: use learning_rate")
 

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from library.config import method_kinds
 from library.models import flow_family
+from library.models.families import registry
+from library.models.families.base import SHIFTED_BOUNDED
 from library.training import flow_matching, network_options
 from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
 
@@ -32,7 +35,7 @@ class FlowDraw(Draw):
 
 def losses_for(opts, bundle):
     """The run's losses: flow matching for a FLUX.1 bundle, else the DDPM noise schedule's."""
-    if bundle.family in ("flux", "sd3"):
+    if registry.of(bundle).flow is not None:
         return FlowLosses(opts, flow_options(opts, bundle.family))
     return Losses(opts, bundle.noise_scheduler, bundle.v_parameterization)
 
@@ -55,7 +58,8 @@ class FlowLosses:
         t = flow_matching.sample_timesteps(self.flow, generators, (h, w))
         input_noise = noise
         gamma = self.opts.ip_noise_gamma
-        if gamma and self.flow.family == "flux":  # (SD3: no effect, as sd-scripts; check_options)
+        # (SD3: no effect, as sd-scripts; check_options)
+        if gamma and flow_matching.flow_spec(self.flow.family).input_perturbation:
             input_noise = torch.stack([noise[k] + self._ip_strength(gamma, g) * torch.randn((c, h, w), generator=g)
                                        for k, g in enumerate(generators)])
         dev = latents.device
@@ -71,9 +75,10 @@ class FlowLosses:
     def fixed_draw(self, noise, count: int) -> FlowDraw:
         """The validation's draw (library/training/validation.py): the given (count, C, h, w)
         noise at ``count`` fixed noise levels, the midpoints of equal slices of the training's
-        range: FLUX.1 sigma = (k + 1/2) / count; SD3 the integer timesteps of the midpoints of
-        [min_timestep, max_timestep) (the SD rule), sigma = t / 1000."""
-        if self.flow.family == "sd3":
+        range: FLUX.1 sigma = (k + 1/2) / count; SD3 (its timestep bounds: FlowSpec.training_draw)
+        the integer timesteps of the midpoints of [min_timestep, max_timestep) (the SD rule),
+        sigma = t / 1000."""
+        if flow_matching.flow_spec(self.flow.family).training_draw == SHIFTED_BOUNDED:
             lo, hi = flow_matching.sd3_timestep_range(self.flow)
             ts = [hi] * count if hi <= lo else \
                 [min(hi - 1, lo + int((k + 0.5) * (hi - lo) / count)) for k in range(count)]
@@ -121,7 +126,8 @@ class FlowLosses:
 
 def flow_options(opts, family: str):
     """The run's FlowOptions (library/training/flow_matching.py)."""
-    sd3 = family == "sd3"  # SD3 reads the timestep bounds (FLUX.1 refuses them)
+    # SD3 reads the timestep bounds (FLUX.1 ignores them)
+    sd3 = flow_matching.flow_spec(family).training_draw == SHIFTED_BOUNDED
     return flow_matching.FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
                        sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
                        model_prediction_type=opts.model_prediction_type,
@@ -149,19 +155,21 @@ NO_EFFECT = {
     "adaptive_noise_scale": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
     "multires_noise_iterations": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
 }
-# the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
-NO_EFFECT_BY_FAMILY = {
-    "sd3": {name: "sd-scripts' SD3 trainers add no input perturbation (sd3_train_utils draws the "
-                  "noisy input from the plain noise)"
-            for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
-    "flux": {"train_text_encoder": "sd-scripts' flux_train.py trains the transformer alone (CLIP-L and T5 "
-                                   "stay frozen) and has no such option: a config's key is ignored there, "
-                                   "and the kohya_ss GUI's fine-tune tab writes it true",
-             "min_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
-                             "FLUX.1 trainers ignore the timestep bounds)",
-             "max_timestep": "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' "
-                             "FLUX.1 trainers ignore the timestep bounds)"},
-}
+def with_family_network(opts, method_name: str):
+    """train_lora with network_module unset on a FLUX.1 / SD3 model: the family's own LoRA module
+    (train_lora.py is one entry for every family, as sd-scripts' flux_train_network.py /
+    sd3_train_network.py default to theirs); an explicit module stays as given (check_options
+    refuses one that cannot target the family)."""
+    if not method_kinds.get(method_name).trains_network or "network_module" in opts.given:
+        return opts
+    fam = flow_family.family_before_loading(opts.pretrained_model_name_or_path)
+    if fam is None:
+        return opts
+    module = registry.get(fam).lora_module
+    if module != opts.network_module:
+        logger.info("network_module: unset; the %s model trains with %s", registry.get(fam).title, module)
+        return opts.replace(network_module=module)
+    return opts
 
 
 def check_options(opts, method_name: str) -> str | None:
@@ -170,50 +178,54 @@ def check_options(opts, method_name: str) -> str | None:
     SD, decided when the weights load)."""
     src = opts.pretrained_model_name_or_path
     fam = flow_family.family_before_loading(src)
+    kind = method_kinds.get(method_name)
     if fam is None:
         for name in flow_family.FLOW_OPTIONS:
             if name in opts.given and flow_family._is_set(opts, name):
-                raise flow_family.FlowFamilyError(f"{name}: an option of FLUX.1 and SD3 models; {src} is not one")
-        if method_name == "lora":
+                raise flow_family.FlowFamilyError(f"{name}: an option of {registry.titles(flow=True)} models; {src} is not one")
+        if kind.trains_network:
             if opts.network_module in network_options.DIT_NETWORK_MODULES:
                 f, kind, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
                 raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the {kind} of "
-                                                  f"{flow_family.NAMES[f]} models; {src} is not one")
+                                                  f"{registry.get(f).title} models; {src} is not one")
         return None
-    what = flow_family.NAMES[fam]
-    if method_name not in ("dreambooth", "finetune", "lora"):
-        raise flow_family.FlowFamilyError(f"{src} is a {what} model ({fam}): train_lora, train_dreambooth and finetune "
-                              f"train it; this trainer's {method_name} does not train {what} yet")
-    if method_name == "lora":
+    family = registry.get(fam)
+    what = family.title
+    if not kind.flow_families:
+        raise flow_family.FlowFamilyError(f"{src} is a {what} model ({fam}): train_lora, train_dreambooth and "
+                                          f"finetune train it; this trainer's {method_name} does not train "
+                                          f"{what} yet")
+    if kind.trains_network:
         _check_network(opts, fam, src)
-    if fam == "flux" and opts.clip_g:
-        raise flow_family.FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a FLUX.1 model (CLIP-L and T5)")
-    for name, why in {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}.items():
+    if "CLIP-G" not in family.text_encoder_names and opts.clip_g:
+        raise flow_family.FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a {what} model "
+                                          f"({' and '.join(family.text_encoder_names)})")
+    for name, why in {**flow_family.UNSUPPORTED, **family.unsupported}.items():
         if flow_family._is_set(opts, name):
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
     warned = set()  # one "no effect" line per option
-    for name, why in {**NO_EFFECT, **NO_EFFECT_BY_FAMILY.get(fam, {})}.items():
+    for name, why in {**NO_EFFECT, **family.no_effect}.items():
         if flow_family._is_set(opts, name):
             logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
             warned.add(name)
     if not opts.sdpa and not opts.xformers:  # (xformers turns sdpa off: warned above)
         logger.warning("option sdpa = false has no effect with the %s model (the transformer attends "
                        "with SDPA, as sd-scripts' FLUX.1 / SD3 models, which ignore it)", what)
-    if fam == "sd3":
+    if family.autoencoder_option == "vae":  # SD3's file, ae accepted too
         _check_sd3_ae(opts)
     if opts.loss_type in ("huber", "smooth_l1") and opts.huber_schedule not in flow_family.HUBER_SCHEDULES:
         raise flow_family.FlowFamilyError(
             f"huber_schedule {opts.huber_schedule}: loss_type {opts.loss_type} with the {what} model takes "
             "huber_schedule constant or exponential (snr is the DDPM schedule's SNR, which a flow model "
             "has not; sd-scripts stops on it too)")
-    if method_name != "lora" and (opts.save_model_as or "safetensors") != "safetensors":
+    if kind.trains_model and (opts.save_model_as or "safetensors") != "safetensors":
         raise flow_family.FlowFamilyError(f"save_model_as {opts.save_model_as}: a {what} model is saved "
                               "in the layout it was loaded from (save_model_as = \"safetensors\")")
-    if fam == "flux" and os.path.isfile(os.path.expanduser(src)):
-        for name in ("clip_l", "t5xxl", "ae"):
+    if os.path.isfile(os.path.expanduser(src)):
+        for name in family.single_file_parts:
             value = getattr(opts, name)
             if not value:
-                raise flow_family.FlowFamilyError(f"{name}: required with a single-file FLUX.1 transformer "
+                raise flow_family.FlowFamilyError(f"{name}: required with a single-file {what} transformer "
                                       f"({src}); give the {name} file")
             if not os.path.exists(os.path.expanduser(value)):
                 raise flow_family.FlowFamilyError(f"{name}: no such file or directory: {value}")
@@ -239,7 +251,7 @@ def _check_network(opts, fam: str, src: str) -> None:
     family's LoRA, FLUX.1's OFT, LyCORIS, as sd-scripts' flux_train_network.py /
     sd3_train_network.py train them), and train_t5xxl only where the run trains the text encoders
     and the module puts modules on T5 (an SD3 model without T5: networks/lora_sd3.py says so when built)."""
-    what, module = flow_family.NAMES[fam], opts.network_module
+    what, module = registry.get(fam).title, opts.network_module
     allowed = network_options.FAMILY_NETWORK_MODULES[fam]
     if module not in allowed and not network_options.is_lycoris(module):
         choices = " or ".join(f'"{m}"' for m in (*allowed, "lycoris.kohya"))

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from library.errors import UserError
+from library.models.families import registry
+from library.models.families.base import SHIFTED_BOUNDED, TIMESTEP_SAMPLING, FlowSpec
 
-FAMILIES = ("flux", "sd3")
+FAMILIES = registry.FLOW_FAMILIES
 TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 # "uniform" (sd-scripts' default) and "none" are the same: uniform density, weight 1
@@ -85,10 +87,27 @@ class FlowTimesteps:
     model_timesteps: object
 
 
+def flow_spec(family: str) -> FlowSpec:
+    """The family's flow-matching rules (library/models/families/); a family without any is a
+    programming error."""
+    spec = registry.get(family).flow if family in registry.FAMILIES else None
+    if spec is None:
+        raise ValueError(f"unknown flow-matching family {family!r}")
+    return spec
+
+
+def _bounded(o: FlowOptions) -> bool:
+    """The SD3 rule (training_shift, the timestep bounds, always sigma-scaled), else FLUX.1's
+    timestep_sampling rule (FlowSpec.training_draw)."""
+    draw = flow_spec(o.family).training_draw
+    if draw not in (SHIFTED_BOUNDED, TIMESTEP_SAMPLING):
+        raise ValueError(f"{o.family}: unknown training_draw {draw!r}")
+    return draw == SHIFTED_BOUNDED
+
+
 def check_flow_options(o: FlowOptions) -> None:
     """Values that cannot work, as errors before any weight is loaded."""
-    if o.family not in FAMILIES:
-        raise ValueError(f"unknown flow-matching family {o.family!r}")  # a programming error
+    bounded = _bounded(o)
     for name, value, allowed in (("timestep_sampling", o.timestep_sampling, TIMESTEP_SAMPLINGS),
                                  ("model_prediction_type", o.model_prediction_type,
                                   MODEL_PREDICTION_TYPES),
@@ -105,14 +124,15 @@ def check_flow_options(o: FlowOptions) -> None:
     if o.weighting_scheme == "mode" and not lo <= o.mode_scale <= hi:
         raise FlowOptionError(f"mode_scale must be in [{lo:g}, {hi:.4f}] (the SD3 paper's range, "
                               f"where the mode density maps [0, 1] onto itself), not {o.mode_scale}")
-    if o.family == "sd3":
+    if bounded:
         t_min, t_max = sd3_timestep_range(o)
         if not 0 <= t_min <= t_max <= NUM_TRAIN_TIMESTEPS:
             raise FlowOptionError(f"min_timestep ({t_min}) and max_timestep ({t_max}) must satisfy "
                                   f"0 <= min_timestep <= max_timestep <= {NUM_TRAIN_TIMESTEPS}")
         if o.weighting_scheme == "sigma_sqrt" and t_min == 0:
             raise FlowOptionError("weighting_scheme sigma_sqrt weights the loss by sigma^-2, "
-                                  "infinite at SD3's timestep 0 (drawn once in 1000 samples): "
+                                  f"infinite at {registry.get(o.family).title}'s timestep 0 (drawn once in 1000 "
+                                  "samples): "
                                   "set min_timestep to 1 or more")
 
 
@@ -120,15 +140,16 @@ def ignored_options(o: FlowOptions) -> list[tuple[str, str]]:
     """(option, why) for each flow-matching option these settings do not read (sd-scripts reads
     them no more): the trainer warns for those the user set."""
     out = []
-    flux = o.family == "flux"
+    flux = not _bounded(o)  # FLUX.1's timestep_sampling rule
+    title = registry.get(o.family).title
     density = not flux or o.timestep_sampling == "sigma"  # weighting_scheme's density is drawn
     if not flux:
         for name in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type"):
-            out.append((name, "SD3 training does not use it (sd-scripts' SD3 trainer has no such "
+            out.append((name, f"{title} training does not use it (sd-scripts' SD3 trainer has no such "
                               "option; its timestep shift is training_shift)"))
     else:
         for name in ("training_shift", "min_timestep", "max_timestep"):
-            out.append((name, "FLUX training does not use it (sd-scripts' FLUX trainer neither)"))
+            out.append((name, f"{title} training does not use it (sd-scripts' FLUX trainer neither)"))
         if o.timestep_sampling not in ("sigmoid", "shift", "flux_shift"):
             out.append(("sigmoid_scale", f"timestep_sampling is {o.timestep_sampling}, not sigmoid, "
                                          "shift or flux_shift"))
@@ -194,13 +215,10 @@ def loss_weighting(weighting_scheme: str, sigmas):
 
 
 def model_timesteps(family: str, sigmas):
-    """The timestep input of the family's model for noise levels sigma: FLUX sigma itself (in
-    [0, 1]), SD3 1000 * sigma."""
-    if family == "flux":
-        return sigmas
-    if family == "sd3":
-        return sigmas * NUM_TRAIN_TIMESTEPS
-    raise ValueError(f"unknown flow-matching family {family!r}")
+    """The timestep input of the family's model for noise levels sigma (FlowSpec.timestep_scale):
+    FLUX sigma itself (in [0, 1]), SD3 1000 * sigma."""
+    scale = flow_spec(family).timestep_scale
+    return sigmas if scale == 1 else sigmas * scale
 
 
 # -- training draws -------------------------------------------------------------------------------
@@ -208,9 +226,10 @@ def model_timesteps(family: str, sigmas):
 def variate_kind(o: FlowOptions) -> str:
     """Which one draw a sample's noise level takes from its generator: "normal" (torch.randn(1))
     or "uniform" (torch.rand(1))."""
-    if o.family == "flux" and o.timestep_sampling in ("sigmoid", "shift", "flux_shift"):
+    flux = not _bounded(o)
+    if flux and o.timestep_sampling in ("sigmoid", "shift", "flux_shift"):
         return "normal"
-    if o.family == "flux" and o.timestep_sampling == "uniform":
+    if flux and o.timestep_sampling == "uniform":
         return "uniform"
     return "normal" if o.weighting_scheme == "logit_normal" else "uniform"
 
@@ -219,7 +238,8 @@ def sigmas_from_variates(o: FlowOptions, v, image_seq_len: int):
     """(sigmas, model timesteps), float64 (B,), from the (B,) float64 variates v of variate_kind;
     image_seq_len: the packed sequence length (flux_shift's mu)."""
     v = v.double()
-    if o.family == "flux" and o.timestep_sampling != "sigma":
+    flux = not _bounded(o)
+    if flux and o.timestep_sampling != "sigma":
         ts = o.timestep_sampling
         if ts == "uniform":
             sigmas = v
@@ -238,7 +258,7 @@ def sigmas_from_variates(o: FlowOptions, v, image_seq_len: int):
     else:
         u = v
     n = NUM_TRAIN_TIMESTEPS
-    if o.family == "flux":
+    if flux:
         # an index into the shifted training table of FlowMatchEulerDiscreteScheduler(1000,
         # discrete_flow_shift): entry i is the shifted (1000 - i) / 1000; u = 1 (the mode
         # density's image of u = 0) would index past its end in sd-scripts
@@ -297,7 +317,7 @@ def prediction_and_target(o: FlowOptions, model_output, noisy, latents, noise, s
     x_t - sigma * v is the clean latent a velocity v implies, so the sigma-scaled loss is the
     velocity loss times sigma^2 (for l2). sd-scripts' FLUX trainer compares sigma_scaled with
     noise - x0 instead, whose minimiser is no velocity (docs/FLOW_MATCHING.md)."""
-    if o.family == "sd3" or o.model_prediction_type == "sigma_scaled":
+    if _bounded(o) or o.model_prediction_type == "sigma_scaled":
         s = _per_sample(sigmas, model_output)
         return model_output * (-s) + noisy, latents, loss_weighting(o.weighting_scheme, sigmas)
     if o.model_prediction_type == "additive":

@@ -42,6 +42,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from library.models import (clip_l_file, embedded_config, flow_family, flux, flux_checkpoint, loading, sd3,
                             sd3_builtins, sd3_checkpoint, sd3_vae, t5, tiny_flux)
+from library.models.families import registry
 from library.models.family import TextConditioning
 from library.training import block_swap
 
@@ -229,19 +230,30 @@ def _sd3_file(opts, path: str, header) -> dict:
 def fake_components(opts, family: str, header) -> dict:
     """{unet, vae, text_encoder, text_encoder_2[, text_encoder_3]} on fake tensors; ``header(path)
     -> ({name: shape}, metadata)`` reads a safetensors header."""
+    if family not in _FAKES:
+        raise Unavailable(f"{opts.pretrained_model_name_or_path}: no memory estimate for "
+                          f"{registry.get(family).title} models yet")
+    return _FAKES[family](opts, header)
+
+
+def _flux_fakes(opts, header) -> dict:
     src = opts.pretrained_model_name_or_path
     path = os.path.expanduser(str(src))
-    if family == "flux":
-        if src in tiny_flux.TINY_FLUX_NAMES and not os.path.exists(path):
-            p = tiny_flux.build_tiny_flux(tiny_flux.TINY_FLUX_NAMES[src])
-            return {"unet": p["transformer"], "vae": p["ae"], "text_encoder": p["clip_l"],
-                    "text_encoder_2": p["t5"]}
-        if os.path.isfile(path) and path.endswith(".safetensors"):
-            return _flux_file(opts, src, path, header)
-        if os.path.isdir(path):
-            return _flux_folder(opts, path, header)
-        raise Unavailable(f"{src}: only FLUX.1 .safetensors files, diffusers folders and the built-in "
-                          "models are estimated")
+    if src in tiny_flux.TINY_FLUX_NAMES and not os.path.exists(path):
+        p = tiny_flux.build_tiny_flux(tiny_flux.TINY_FLUX_NAMES[src])
+        return {"unet": p["transformer"], "vae": p["ae"], "text_encoder": p["clip_l"],
+                "text_encoder_2": p["t5"]}
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return _flux_file(opts, src, path, header)
+    if os.path.isdir(path):
+        return _flux_folder(opts, path, header)
+    raise Unavailable(f"{src}: only FLUX.1 .safetensors files, diffusers folders and the built-in "
+                      "models are estimated")
+
+
+def _sd3_fakes(opts, header) -> dict:
+    src = opts.pretrained_model_name_or_path
+    path = os.path.expanduser(str(src))
     if src in {**sd3_builtins.NAMES, **sd3_builtins.ARCH_NAMES} and not os.path.exists(path):
         p = sd3_builtins.build_builtin(src)
         comps = {"unet": p["mmdit"], "vae": p["vae"], "text_encoder": p["clip_l"], "text_encoder_2": p["clip_g"]}
@@ -254,6 +266,10 @@ def fake_components(opts, family: str, header) -> dict:
         return _sd3_folder(opts, path, header)
     raise Unavailable(f"{src}: only SD3 .safetensors files (SAI layout), diffusers folders and the built-in "
                       "models are estimated")
+
+
+# the fake parts of each flow family's models (the memory estimate's; library/models/families/)
+_FAKES = {"flux": _flux_fakes, "sd3": _sd3_fakes}
 
 
 class _Shape:

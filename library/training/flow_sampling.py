@@ -33,12 +33,9 @@ import torch
 from PIL import Image
 
 from library.models import flux
+from library.models.families.base import FIXED_SHIFT, SEQUENCE_SHIFT
 from library.training import flow_matching
 
-# sd-scripts' defaults of a prompt line, per family (flux_train_utils / sd3_train_utils)
-DEFAULTS = {"flux": {"sample_steps": 20, "scale": 1.0, "guidance_scale": 3.5},
-            "sd3": {"sample_steps": 30, "scale": 7.5, "guidance_scale": None}}
-SIZE_MULTIPLE = {"flux": 16, "sd3": 8}  # FLUX: 8x VAE, then 2x2 patches
 MIN_SIZE = 64  # sd-scripts: max(64, size - size % multiple)
 LATENT_CHANNELS = 16
 
@@ -46,7 +43,8 @@ LATENT_CHANNELS = 16
 def settings(prompt: dict, family: str) -> tuple[int, float, float | None]:
     """(steps, CFG scale, FLUX's distilled guidance or None) of a prompt: its values, else
     sd-scripts' defaults of the family."""
-    d = DEFAULTS[family]
+    spec = flow_matching.flow_spec(family)  # sd-scripts' defaults of a prompt line, per family
+    d = {"sample_steps": spec.sample_steps, "scale": spec.sample_scale, "guidance_scale": spec.sample_guidance}
     pick = [prompt.get(k) if prompt.get(k) is not None else d[k]
             for k in ("sample_steps", "scale", "guidance_scale")]
     return int(pick[0]), float(pick[1]), (None if pick[2] is None else float(pick[2]))
@@ -54,7 +52,7 @@ def settings(prompt: dict, family: str) -> tuple[int, float, float | None]:
 
 def image_size(prompt: dict, family: str) -> tuple[int, int]:
     """(height, width) in pixels, rounded down to the family's multiple, at least 64."""
-    m = SIZE_MULTIPLE[family]
+    m = flow_matching.flow_spec(family).size_multiple
     return tuple(max(MIN_SIZE, v - v % m) for v in (prompt["height"], prompt["width"]))
 
 
@@ -62,7 +60,7 @@ def initial_noise(family: str, height: int, width: int, seed: int):
     """(1, 16, height/8, width/8) float32 standard normal noise from a CPU generator seeded with
     ``seed``; FLUX draws it packed, as sd-scripts does."""
     g = torch.Generator("cpu").manual_seed(int(seed))
-    if family == "flux":
+    if flow_matching.flow_spec(family).packed_noise:
         h, w = height // 16, width // 16
         packed = torch.randn((1, h * w, LATENT_CHANNELS * 4), generator=g, dtype=torch.float32)
         return flux.unpack_latents(packed, h, w)
@@ -72,15 +70,18 @@ def initial_noise(family: str, height: int, width: int, seed: int):
 def schedule(family: str, steps: int, latent_hw: tuple[int, int]) -> list[float]:
     """The steps + 1 noise levels from 1 to 0: FLUX's shifted by the packed sequence length of
     this image (dev and schnell alike, as sd-scripts), SD3's with shift 3.0."""
-    if family == "flux":
+    spec = flow_matching.flow_spec(family)
+    if spec.sample_schedule == SEQUENCE_SHIFT:
         return flow_matching.flux_schedule(steps, flow_matching.flux_image_seq_len(*latent_hw))
-    return flow_matching.sd3_schedule(steps, flow_matching.SD3_SAMPLE_SHIFT)
+    if spec.sample_schedule == FIXED_SHIFT:
+        return flow_matching.sd3_schedule(steps, spec.sample_shift)
+    raise ValueError(f"{family}: unknown sample_schedule {spec.sample_schedule!r}")
 
 
 def with_guidance(family_model, guidance: float | None):
     """The FLUX family model with dev's guidance input set to ``guidance`` (its training value is
     opts.guidance_scale); the model itself unchanged (a shallow copy), others as they are."""
-    if guidance is None or family_model.family != "flux":
+    if guidance is None or flow_matching.flow_spec(family_model.family).sample_guidance is None:
         return family_model
     guided = copy.copy(family_model)
     guided.guidance_scale = float(guidance)

@@ -51,14 +51,16 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
+from library.config import method_kinds
 from library.errors import UserError, first_line
 from library.models import flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
 from library.training import flow_memory, partial_text_cache
 from library.training.host_memory import GIB
-from library.training.methods import FullMethod, NetworkMethod
+from library.training.methods import make_method
 from library.training.offload import released_after_caching
 from library.training.optim import build_optimizer, check_optimizer
 from library.training.stepper import fused_mode, step_units
@@ -128,7 +130,7 @@ def _from_config_dir(folder: str, family: str) -> dict:
     unet = UNet2DConditionModel.load_config(folder, subfolder="unet")
     comps = {"unet": UNet2DConditionModel.from_config(unet),
              "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(folder, subfolder="vae"))}
-    names = ("text_encoder", "text_encoder_2") if family == "sdxl" else ("text_encoder",)
+    names = registry.get(family).text_encoder_components
     comps.update(_clip_models(folder, names))
     missing = [n for n in names if n not in comps]
     if missing:
@@ -455,7 +457,8 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
         blocks[0] = max(blocks[0], inner.total())
         return out
 
-    flow = family in flow_family.FLOW_FAMILIES
+    flow = registry.is_flow(family)
+    sdxl_like = registry.get(family).size_conditioning  # pooled text and size conditioning
     if flow and (opts.gradient_checkpointing or opts.cpu_offload_checkpointing):
         flow_memory.checkpoint_with(unet, checkpointed)
     elif opts.gradient_checkpointing:
@@ -498,7 +501,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
         size_cond = torch.zeros(batch, 6)
         with outer.hooks(), autocast:
             if cached_text:
-                pooled = torch.zeros(batch, tes[-1].config.projection_dim) if family == "sdxl" else None
+                pooled = torch.zeros(batch, tes[-1].config.projection_dim) if sdxl_like else None
                 cond = TextConditioning(torch.zeros(batch, tokens, unet.config.cross_attention_dim,
                                                         dtype=dtype), pooled)
             else:
@@ -506,7 +509,7 @@ def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> 
                                    dtype=torch.long) for _ in tes]
                 with (contextlib.nullcontext() if method.train_text_encoder else torch.no_grad()):
                     cond = family_model.encode(ids, opts.clip_skip)
-            pred = family_model.unet_forward(noisy, t, cond, size_cond if family == "sdxl" else None)
+            pred = family_model.unet_forward(noisy, t, cond, size_cond if sdxl_like else None)
         with outer.hooks():
             # an inpainting U-Net takes 9 channels and predicts the 4 latent ones
             loss = ((pred.float() - latents[:, :pred.shape[1]]) ** 2).mean()
@@ -661,11 +664,6 @@ def _quiet():
         logger.disabled = previous
 
 
-# Textual inversion trains a few embedding rows but keeps every frozen activation of the text
-# encoders for their backward: a profile the fitted constants were not measured on.
-TI_NOT_MODELED = "textual inversion is not modeled (the text encoders' activations are kept for its backward)"
-
-
 def _without_weights(opts):
     """The options a fake network is built from: no network_weights (the estimate reads no
     weights), and no pivotal tuning's few embedding rows (the fake model has no tokenizer)."""
@@ -674,24 +672,33 @@ def _without_weights(opts):
                         stop_pivotal_training=None)
 
 
+def _fake_method(opts, method_name: str, bundle):
+    """The run's method over the fake bundle; a network's shape comes from the options (no
+    network_weights read)."""
+    kind = method_kinds.get(method_name)
+    return make_method(method_name, _without_weights(opts) if kind.trains_network else opts, bundle)
+
+
+def _check_modeled(opts, method_name: str) -> None:
+    kind = method_kinds.get(method_name)
+    if kind.memory_estimate is not None:
+        raise EstimateUnavailable(kind.memory_estimate)
+    if kind.trains_network and opts.dim_from_weights:
+        raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
+                                  "network_weights, which the estimate does not read")
+
+
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
-    if method_name == "textual_inversion":
-        raise EstimateUnavailable(TI_NOT_MODELED)
-    if method_name == "lora" and opts.dim_from_weights:
-        raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
-                                  "network_weights, which is not read before loading")
-
+    _check_modeled(opts, method_name)
     with _fake_mode(), _quiet():
         family, comps, bundle = _fake_bundle(opts)
-        if method_name == "lora":
-            method = NetworkMethod(_without_weights(opts), bundle)  # the shape comes from the options
-        else:
-            method = FullMethod(opts, bundle)
+        method = _fake_method(opts, method_name, bundle)
         method.setup()
         trained = [tuple(p.shape) for p in method.trainable_parameters() if p.requires_grad]
-        modules = [method.network] if method_name == "lora" else list(comps.values())
+        # what a save writes, as the method says: its network, else the whole model
+        modules = [method.network] if method.network is not None else list(comps.values())
         saved = sum(p.numel() for m in modules for p in m.parameters())
     return saved, trained
 
@@ -706,8 +713,7 @@ def fused_gradient_bytes(unit_bytes: list[int], alive: int) -> int:
 
 def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
-    if method_name == "textual_inversion":
-        raise EstimateUnavailable(TI_NOT_MODELED)
+    _check_modeled(opts, method_name)
     if opts.deepspeed:
         # Measured: a one-process ZeRO-2 fine-tune of sd15-arch (AdamW8bit, 256 px) was killed
         # above 22 GiB of resident memory where this model, with ZeRO's partitioning and float32
@@ -717,13 +723,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     mode = _fake_mode()
     with mode, _quiet():
         family, comps, bundle = _fake_bundle(opts)
-        if method_name == "lora":
-            if opts.dim_from_weights:
-                raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
-                                          "network_weights, which the estimate does not read")
-            method = NetworkMethod(_without_weights(opts), bundle)  # the shape comes from the options
-        else:
-            method = FullMethod(opts, bundle)
+        method = _fake_method(opts, method_name, bundle)
         # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
         # cast before the method picks its parameters, the network after it is built
 
@@ -736,7 +736,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
         for te, te_dtype in zip(bundle.text_encoders, pl.text_encoders):
             _cast_module(te, te_dtype, pl.compute)
         groups = method.setup()
-        if method_name == "lora":
+        if method.network is not None:
             new = _cast_module(method.network, pl.network)
             groups = [{**g, "params": [new.get(id(p), p) for p in g["params"]]} for g in groups]
     trained = [p for p in method.trainable_parameters() if p.requires_grad]
@@ -750,21 +750,22 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     # FLUX.1 / SD3 with trained CLIP encoders: a partial cache, T5 released (partial_text_cache.py)
     partial_text = False
-    if cached_text and family in flow_family.FLOW_FAMILIES:
+    if cached_text and registry.get(family).partial_cache:
         with _quiet():
             partial_text = partial_text_cache.is_partial(
                 method, bundle.text_encoders, flow_memory.family_model(opts, comps["unet"], bundle.text_encoders),
                 logger, t5_only=opts.use_t5xxl_cache_only)
-    t5_name = {"flux": "text_encoder_2", "sd3": "text_encoder_3"}.get(family)
+    flow = registry.get(family).flow
+    t5_name = None if flow is None else flow.t5_component
     released = released_after_caching(
         latents_cached=cached_latents, text_cached=cached_text,
         text_encoders_trained=method.train_text_encoder, highvram=opts.highvram,
         partial_text=partial_text)
     # fsdp (full fine-tune, several processes): each process holds 1/P of the trained weights,
     # their gradients and optimizer state, plus one all-gathered block at a time (library/distributed/fsdp.py)
-    shards = processes if (opts.fsdp and method_name != "lora" and processes > 1) else 1
+    shards = processes if (opts.fsdp and method_kinds.get(method_name).trains_model and processes > 1) else 1
     parts = list(comps.items())
-    if method_name == "lora":
+    if method.network is not None:
         parts.append(("network", method.network))
     for name, module in parts:
         by_key: dict = {}
@@ -789,7 +790,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     fmode = fused_mode(opts)
     # kohya networks start their up weights at zero (Prodigy then keeps a 0-dim initial copy)
     zero_init = {id(p) for n, p in (method.network.named_parameters()
-                                    if method_name == "lora" and not opts.network_weights else [])
+                                    if method.network is not None and not opts.network_weights else [])
                  if "lora_up" in n}
     state = sum(rule.param_bytes(tuple(p.shape), id(p) in zero_init) for p in trained)
     # the units the stepper builds (one optimizer per unit), by the stepper's own rule
@@ -832,7 +833,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     with _quiet():
         act = count_activations(opts, family, comps, method, mode, bucket, opts.train_batch_size)
     saved = act.saved + act.recompute
-    factor = FLOW_ACTIVATION_FACTOR if family in flow_family.FLOW_FAMILIES else ACTIVATION_FACTOR
+    factor = FLOW_ACTIVATION_FACTOR if flow is not None else ACTIVATION_FACTOR
     est.activations = int(factor * saved) + act.weight_copies
     gc = " with gradient checkpointing" if (opts.gradient_checkpointing
                                             or opts.cpu_offload_checkpointing) else ""
@@ -843,11 +844,11 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
 
     # -- the rest
     vae = comps["vae"]
-    scale = 8 if family in flow_family.FLOW_FAMILIES else 2 ** (len(vae.config.block_out_channels) - 1)
+    scale = 8 if flow is not None else 2 ** (len(vae.config.block_out_channels) - 1)
 
     n_chunks = chunk_count(opts.max_token_length)
     tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
-    est.cached_data = _cached_data_bytes(opts, tset, comps, family in flow_family.FLOW_FAMILIES, scale,
+    est.cached_data = _cached_data_bytes(opts, tset, comps, flow is not None, scale,
                                          frozen_dtype.itemsize, tokens, partial_text)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:
@@ -881,7 +882,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
         est.backward_peak = base + est.activations + overlap
         est.step_peak = base + overlap + est.step_temporaries
     est.total = int(max(est.backward_peak, est.step_peak))
-    if family in flow_family.FLOW_FAMILIES:
+    if flow is not None:
         est.device_note = flow_memory.swap_line(opts, comps["unet"]) or ""
     if fmode is not None:
         est.peak_phase = "the backward pass, which steps the parameters"

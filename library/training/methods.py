@@ -23,6 +23,7 @@ import torch
 from library.errors import UserError
 from library.files import EXTENSIONS
 from library.models import embeddings, flow_family, sd3, sd_checkpoint
+from library.models.families import registry
 from library.models.placement import trained_precision
 from library.training import block_lr
 from library.training.network_options import MaxNormStats, base_multipliers, is_lycoris, network_module_for
@@ -365,14 +366,15 @@ class FullMethod:
         self.train_unet = bool(opts.learning_rate)
         # sd-scripts' flux_train.py has no train_text_encoder (a config's key is ignored there; the
         # GUI's fine-tune tab writes it true): FLUX.1's encoders stay frozen (flow_loss warns)
-        self.flow = bundle is not None and bundle.family in flow_family.FLOW_FAMILIES
-        wants_te = opts.train_text_encoder and not (bundle is not None and bundle.family == "flux")
+        fam = None if bundle is None else registry.of(bundle)
+        self.flow = fam is not None and fam.flow is not None
+        wants_te = opts.train_text_encoder and not (fam is not None and not fam.full_trains_text_encoders)
         may_imply = _db_implies_text_encoder(opts)
         # sd-scripts' train_db.py (SD1/SD2) has no train_text_encoder switch: it trains the text
         # encoder unless stop_text_encoder_training < 0. A config giving a text-encoder rate (or
         # a stop step) meant that; sdxl_train.py, flux_train.py and sd3_train.py train them only
         # with train_text_encoder (the GUI writes learning_rate_te for FLUX.1 / SD3 too).
-        self.implied_te = may_imply and bundle is not None and bundle.family not in ("sdxl", "flux", "sd3")
+        self.implied_te = may_imply and fam is not None and fam.rate_implies_text_encoder
         wants_te = wants_te or self.implied_te
         self.wants_te = wants_te
         if opts.train_t5xxl and not wants_te:
@@ -431,7 +433,7 @@ class FullMethod:
                 raise MethodError(f"{name} is for SDXL's two text encoders; this "
                                   f"{self.bundle.family} model has one: use text_encoder_lr")
             out[i] = v
-        if self.bundle.family == "sd3":
+        if registry.of(self.bundle).separate_t5_rate:
             return self._sd3_t5_lr(out)
         return out
 
@@ -560,7 +562,7 @@ class FullMethod:
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
         if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
-            trained = self.trained_encoder_names() if self.bundle.family == "sd3" else ()
+            trained = self.trained_encoder_names() if registry.of(self.bundle).saves_text_encoders else ()
             flow_family.save_full(self.bundle, path, dtype, metadata, trained)
             return
         comps = self.bundle.components()

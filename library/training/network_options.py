@@ -15,23 +15,25 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 
 from library.errors import UserError
-from library.models import flow_family
+from library.models.families import registry
 from networks import lora, lora_flux, lora_names, lora_sd3, oft_flux
 from networks.adapter_weights import file_kinds
 from networks.merge_lora import merge_lora_into
 
+# sd-scripts' network modules of the transformers (which family each targets: the family's
+# ``network_modules``) -> (kind, module); LyCORIS (lycoris.kohya) trains them too (its targets
+# include their block classes)
+_DIT_KINDS = {m.__name__: (kind, m) for kind, m in (("LoRA", lora_flux), ("OFT", oft_flux), ("LoRA", lora_sd3))}
+# name -> (family, kind, module)
+DIT_NETWORK_MODULES = {name: (f.name, *_DIT_KINDS[name]) for f in registry.FAMILIES.values() if f.flow is not None
+                       for name in f.network_modules}
+FAMILY_NETWORK_MODULES = {name: registry.get(name).network_modules for name in registry.FLOW_FAMILIES}
 # the LoRA of a FLUX.1 / SD3 model (sd-scripts' networks/lora_flux.py / lora_sd3.py): it also
 # reads their base_weights
-FAMILY_LORA_MODULES = {"flux": lora_flux, "sd3": lora_sd3}
-# sd-scripts' network modules of the FLUX.1 / SD3 transformers: name -> (family, kind, module);
-# LyCORIS (lycoris.kohya) trains both families too (its targets include their block classes)
-DIT_NETWORK_MODULES = {"networks.lora_flux": ("flux", "LoRA", lora_flux), "networks.oft_flux": ("flux", "OFT", oft_flux),
-                       "networks.lora_sd3": ("sd3", "LoRA", lora_sd3)}
-FAMILY_NETWORK_MODULES = {fam: tuple(name for name, (f, _, _) in DIT_NETWORK_MODULES.items() if f == fam)
-                          for fam in flow_family.FLOW_FAMILIES}
+FAMILY_LORA_MODULES = {name: DIT_NETWORK_MODULES[registry.get(name).lora_module][2] for name in registry.FLOW_FAMILIES}
 # sd-scripts' network modules of SD: they target the SD U-Net's block classes
-SD_NETWORK_MODULES = ("networks.lora", "networks.loha", "networks.lokr", "networks.dylora", "networks.lora_fa",
-                      "networks.oft")
+SD_NETWORK_MODULES = tuple(dict.fromkeys(m for f in registry.FAMILIES.values() if f.flow is None
+                                         for m in f.network_modules))
 
 
 class NetworkOptionError(UserError, ValueError):
@@ -60,10 +62,10 @@ def why_not_for(network_module: str, fam: str) -> str:
     statement about what it would do)."""
     if network_module in DIT_NETWORK_MODULES:
         f, kind, _ = DIT_NETWORK_MODULES[network_module]
-        return f"it is the {kind} of {flow_family.NAMES[f]} models, whose layer names it targets"
+        return f"it is the {kind} of {registry.get(f).title} models, whose layer names it targets"
     if network_module in SD_NETWORK_MODULES:
         return ("it puts its modules in the SD U-Net's block classes (Transformer2DModel, ResnetBlock2D, ...), "
-                f"which the {flow_family.NAMES[fam]} transformer does not have (sd-scripts would train none of the "
+                f"which the {registry.get(fam).title} transformer does not have (sd-scripts would train none of the "
                 "transformer's layers with it)")
     return "this toolkit runs only sd-scripts' and LyCORIS' network modules of these transformers"
 
@@ -188,7 +190,7 @@ def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, lycoris_kinds: l
     unmerged = sorted(set(lycoris_kinds) - LYCORIS_MERGED)
     if unmerged:
         raise lora.LoRAError(f"a LyCORIS {kinds} file: base_weights merges LyCORIS LoHa and LoKr files (and "
-                             f"LoRA / LoCon ones) into {flow_family.NAMES[bundle.family]} models, not "
+                             f"LoRA / LoCon ones) into {registry.of(bundle).title} models, not "
                              f"{'/'.join(unmerged)}")
     try:
         # lazy: lycoris-lora is an optional extra (pyproject), needed only for its files
@@ -204,7 +206,7 @@ def _merge_lycoris(bundle, weights_sd: dict, multiplier: float, lycoris_kinds: l
     missing = sorted({k.split(".")[0] for k in sd} - {m.lora_name for m in modules})
     if missing:
         raise lora.LoRAError(f"a LyCORIS {kinds} file: {len(missing)} module(s) name no layer of this "
-                             f"{flow_family.NAMES[bundle.family]} model that LyCORIS can merge (wrong base "
+                             f"{registry.of(bundle).title} model that LyCORIS can merge (wrong base "
                              f"model?), e.g. {kohya.get(missing[0], missing[0])}")
     with torch.no_grad():
         for m in modules:

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import logging
 
+from library.config import method_kinds
 from library.errors import UserError
-from library.models.flow_family import FLOW_FAMILIES, NAMES
+from library.models.families import registry
 from library.training import methods, network_options
 
 logger = logging.getLogger("sdtk")
-
-ENCODER_NAMES = {"flux": ("CLIP-L", "T5-XXL"), "sd3": ("CLIP-L", "CLIP-G", "T5-XXL")}
 
 
 class TextCacheError(UserError, ValueError):
@@ -43,18 +42,19 @@ def caching(opts) -> bool:
 
 def check_options(opts, method_name: str, family: str | None, method) -> None:
     """Before loading: the combinations of the cache with trained text encoders that cannot
-    work (``family``: "flux" / "sd3", or None for an SD model; ``method``: the run's method as
+    work (``family``: "flux" / "sd3", or None for a model whose family is known only once it loads; ``method``: the run's method as
     the checks build it, which knows whether its network module trains text encoders: sd-scripts'
     OFT puts no module on them)."""
     if not caching(opts):
         return
-    lora_te = method_name == "lora" and method.train_text_encoder
-    if family in FLOW_FAMILIES:
+    network = method_kinds.get(method_name).trains_network
+    lora_te = network and method.train_text_encoder
+    if family is not None and registry.get(family).partial_cache:
         how = None
         if lora_te and opts.network_module == network_options.FAMILY_LORA_MODULES[family].__name__:
             args = network_options.FAMILY_LORA_MODULES[family].parse_network_args(dict(opts.network_args or {}))
             how = "network_args train_t5xxl" if args.get("train_t5xxl") else None
-        elif method_name != "lora" and opts.train_text_encoder and opts.train_t5xxl:
+        elif not network and opts.train_text_encoder and opts.train_t5xxl:
             how = "train_t5xxl"
         if how:
             cache = "use_t5xxl_cache_only" if opts.use_t5xxl_cache_only else "cache_text_encoder_outputs"
@@ -98,7 +98,7 @@ def is_partial(method, text_encoders, family_model, log: logging.Logger = logger
         return False
     held = [i for i in family_model.partial_cache_encoders if i < len(trained)]
     family = family_model.family
-    names = ENCODER_NAMES.get(family, ())
+    names = registry.get(family).text_encoder_names
     if not family_model.partial_cache_encoders:
         raise TextCacheError("cache_text_encoder_outputs: the text encoder trains, so its outputs change "
                              "every step; add network_train_unet_only or drop the cache")
@@ -108,7 +108,7 @@ def is_partial(method, text_encoders, family_model, log: logging.Logger = logger
                              "network_weights file holds T5 modules, sd-scripts' train_t5xxl): its outputs "
                              "change every step; drop the cache")
     now = [n for n, t in zip(names, trained) if t]
-    why = (f"cache_text_encoder_outputs with {NAMES[family]}'s {' and '.join(now)} training" if now
+    why = (f"cache_text_encoder_outputs with {registry.get(family).title}'s {' and '.join(now)} training" if now
            else "use_t5xxl_cache_only")
     frozen = " and ".join(f"the frozen {names[i]}'s outputs" for i in held) or \
         "the zero tokens in T5-XXL's place (the model has none)"

@@ -39,6 +39,7 @@ from library.data import images, inpaint_masks
 from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 from library.models import flow_family, inpainting
+from library.models.families import registry
 from library.training import flow_sampling, validation
 
 logger = logging.getLogger("sdtk")
@@ -171,8 +172,8 @@ def check_options(opts) -> None:
     _sampler_name(opts.sample_sampler, "sample_sampler")
     if "sample_sampler" in opts.given and \
             flow_family.family_before_loading(opts.pretrained_model_name_or_path) is not None:
-        logger.warning("option sample_sampler has no effect here (FLUX.1 and SD3 sample with their "
-                       "flow-matching Euler sampler, as sd-scripts)")
+        logger.warning(f"option sample_sampler has no effect here ({registry.titles(flow=True)} sample with "
+                       "their flow-matching Euler sampler, as sd-scripts)")
 
 
 def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
@@ -204,11 +205,11 @@ def _pipeline(b, inpaint: bool):
         lambda r: "requires torchvision (not installed)" not in r.getMessage())
     comps = b.components()
     comps.pop("scheduler")
-    if b.family == "sdxl":
-        cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+    fam = registry.of(b)
+    cls = getattr(diffusers, fam.pipelines[1] if inpaint else fam.pipelines[0])
+    if fam.size_conditioning:  # SDXL's pipelines: a watermarker, no safety checker
         pipe = cls(**comps, scheduler=None, add_watermarker=False)
     else:
-        cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
         pipe = cls(**comps, scheduler=None, safety_checker=None, feature_extractor=None,
                    requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
@@ -234,13 +235,13 @@ def prompt_conditioning(family_model, device, clip_skip, text: str):
 
 
 def is_flow(bundle) -> bool:
-    return bundle.family in flow_family.FLOW_FAMILIES
+    return registry.of(bundle).flow is not None
 
 
 def settings(p: dict, family: str) -> tuple[int, float, float | None]:
     """(steps, CFG scale, FLUX.1 dev's guidance input or None) of prompt ``p``: its values, else
-    the family's defaults (SD: 30 steps, scale 7.5; FLUX.1 and SD3: flow_sampling.DEFAULTS)."""
-    if family in flow_family.FLOW_FAMILIES:
+    the family's defaults (SD: 30 steps, scale 7.5; FLUX.1 and SD3: their FlowSpec's)."""
+    if registry.is_flow(family):
         return flow_sampling.settings(p, family)
     return (SD_STEPS if p["sample_steps"] is None else p["sample_steps"],
             SD_SCALE if p["scale"] is None else p["scale"], None)
@@ -280,7 +281,7 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
     pos, neg = (prompt_conditioning(family_model, device, clip_skip, p[k])
                 for k in ("prompt", "negative_prompt"))
     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
-    if bundle.family == "sdxl":
+    if registry.of(bundle).size_conditioning:
         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
     kw.update(inpaint_kw or {})
     return pipe(height=p["height"], width=p["width"], num_inference_steps=steps, guidance_scale=scale,
@@ -289,7 +290,9 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:
-    guided = bundle.family == "flux" and bundle.unet.config.guidance_embed  # dev, not schnell
+    # FLUX.1 dev, not schnell
+    flow = registry.of(bundle).flow
+    guided = flow is not None and flow.sample_guidance is not None and bundle.unet.config.guidance_embed
     if not guided and p["guidance_scale"] is not None:
         logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
                        "none (ignored)")

@@ -211,7 +211,7 @@ class PlainStepper:
         """Everything a resume needs to continue the updates exactly (optimizer(s), scheduler;
         with full_bf16/full_fp16 the rounding generator and the loss scale)."""
         state = {"scheduler": self.scheduler.state_dict()}
-        if self.optimizer_in_state:  # fsdp: library/fsdp.save_sharded writes the optimizer state
+        if self.optimizer_in_state:  # fsdp: library/distributed/fsdp.py save_sharded writes the optimizer state
             state["optimizer"] = self.optimizer.state_dict()
         if self._generator is not None:
             state["rounding_generator"] = self._generator.get_state()
@@ -220,7 +220,7 @@ class PlainStepper:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if self.optimizer_in_state:  # fsdp: library/fsdp.load_sharded reads the optimizer state
+        if self.optimizer_in_state:  # fsdp: library/distributed/fsdp.py load_sharded reads the optimizer state
             check_same_settings(self.optimizer, state["optimizer"])
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

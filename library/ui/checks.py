@@ -151,6 +151,7 @@ def check_config(script: str, text: str, processes: int = 1, memory: bool = True
             if opts.resume:
                 train_state.check_resume(opts, method, plan, tset, None)
             output_checks.check_name(opts.output_name)
+            opts = run_checks.resolve_options(opts, method)
             run_checks.check_before_loading(opts, method, plan)
             out["ok"] = True
         except UserError as e:

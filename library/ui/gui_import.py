@@ -47,11 +47,13 @@ import toml
 from library.config.options import (ALIASES, GUI_KEYS_BY_NAME, GUI_ONLY, OPTIONS_BY_NAME,
                                     SD_SCRIPTS_BY_NAME)
 from library.errors import UserError
+from library.models.families import registry
 from library.ui.gui_network import NETWORK_FIELDS, OTHER_FAMILY_BOXES, gui_network
 from library.ui.gui_tabs import gui_float, tab_fields
 
 DATASET_KEYS = ("general", "datasets")
-FLOW_BOXES = ("flux1_checkbox", "sd3_checkbox")  # the GUI's FLUX.1 / SD3 model type
+# the GUI's model-type boxes of the families trained here (each family's gui_boxes)
+GUI_BOXES = tuple(k for f in registry.FAMILIES.values() for k in f.gui_boxes)
 # (the model type checkboxes that write it, its field in the GUI's JSON, the TOML key written)
 MODEL_TYPE_FIELDS = tuple(
     (boxes, src, key or src) for boxes, names in (
@@ -105,8 +107,9 @@ def _model_type_fields(d: dict) -> None:
     """The fields of one model type (FLUX.1, SD3, SDXL, and the families not trained here): the GUI
     writes each, under its TOML key, only with that type checked (lora_gui.py config_toml_data,
     ``... if flux1_checkbox else None``); a flag several types set is true when one of them is."""
-    checked = {box: bool(d.get(box)) for box in (*FLOW_BOXES, "sdxl")}
-    checked["sdxl"] = checked["sdxl"] or bool(d.get("sdxl_checkbox"))
+    # a family's type is checked when any of its boxes is (SDXL: sdxl or sdxl_checkbox), named by its first
+    checked = {f.gui_boxes[0]: any(bool(d.get(k)) for k in f.gui_boxes)
+               for f in registry.FAMILIES.values() if f.gui_boxes}
     pulled = {src: d.pop(src) for _, src, _ in MODEL_TYPE_FIELDS if src in d}
     for boxes, src, key in MODEL_TYPE_FIELDS:
         if src not in pulled or not any(checked[b] for b in boxes.split()):
@@ -199,7 +202,7 @@ def _json_fields(d: dict, tab: str | None, notes: list) -> dict:
         if args:
             d["network_args"] = args
     _model_type_fields(d)
-    for k in ("sdxl", "sdxl_checkbox", *FLOW_BOXES):
+    for k in GUI_BOXES:
         if k in d and (d.pop(k) or k.startswith("sdxl")):
             notes.append(f"{k}: dropped; the model family is read from the weights")
     for k, family in OTHER_FAMILY_BOXES.items():

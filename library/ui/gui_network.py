@@ -13,6 +13,7 @@ trained here, or where the GUI itself refuses the combination.
 from __future__ import annotations
 
 from library.errors import UserError
+from library.models.families import registry
 
 # The GUI's defaults of the fields the translation reads (lora_gui.py's widgets, class_flux1.py
 # `config.get(..., default)`; the model checkboxes are unchecked).
@@ -201,7 +202,7 @@ def gui_network(fields: dict) -> tuple[str | None, list[str], list[str]]:
     family = OTHER_FAMILY_TYPES.get(t) or next((f for k, f in OTHER_FAMILY_BOXES.items() if d[k]), None)
     if family:
         return None, [], [f"LoRA_type {t!r}: network_module not set; a LoRA of the GUI's {family} model type, "
-                          "which this toolkit does not train (it trains SD1, SD2, SDXL, FLUX.1 and SD3)"]
+                          f"which this toolkit does not train (it trains {registry.titles()})"]
     module, args = _module_and_args(d)
     if module is None:
         return None, [], [f"LoRA_type {t!r}: not a LoRA type of the kohya_ss GUI (v26); network_module not set"]

@@ -22,13 +22,15 @@ copy, applied to the GUI's saved JSON before library/ui/gui_import.py reads it.
 """
 from __future__ import annotations
 
+from library.models.families import registry
+from library.models.families.base import Family
+
 # finetune_gui.py's Dataset Preparation fields (their defaults), read for in_json
 FT_DEFAULTS = dict(train_dir="", use_latent_files="Yes", caption_metadata_filename="meta_cap.json",
                    latent_metadata_filename="meta_lat.json")
 # its preparation steps (the saved names, then train_model's names), their default: on
 FT_PREP = (("create_caption", "generate_caption_database"), ("create_buckets", "generate_image_buckets"))
 FT_PREP_ONLY = ("full_path", "batch_size")  # settings of the preparation scripts alone
-FLOW_SCRIPTS = {"flux": "flux_train.py", "sd3": "sd3_train.py"}
 TE_RATE_DEFAULT = 1e-5  # the tabs' learning rate fields' default (BasicTraining(learning_rate_value=1e-5))
 # finetune_gui.py's widgets a file may lack: the value the GUI keeps then
 FT_WIDGETS = dict(train_text_encoder=True, dataset_repeats=40)
@@ -42,44 +44,38 @@ def gui_float(v) -> float:
         return 0.0
 
 
-def family(d: dict) -> str:
-    """The script the tab runs (train_model's run_cmd order): sdxl, sd3, flux, else sd."""
-    if d.get("sdxl") or d.get("sdxl_checkbox"):
-        return "sdxl"
-    if d.get("sd3_checkbox"):
-        return "sd3"
-    return "flux" if d.get("flux1_checkbox") else "sd"
+def family(d: dict) -> Family:
+    """The family whose script the tab runs (train_model's run_cmd order: sdxl, sd3, flux, else
+    the SD model type, whose fields are SD1's and SD2's alike)."""
+    default = next(f for f in registry.FAMILIES.values() if not f.gui_boxes)
+    return registry.for_gui(d) or default
 
 
-def _te_rates(d: dict, fam: str, tab: str, notes: list) -> None:
-    te, te1, te2 = (d.pop(k, TE_RATE_DEFAULT) for k in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2"))
-    if fam == "sdxl":
-        for k, v in (("learning_rate_te1", te1), ("learning_rate_te2", te2)):
-            if v is not None and v != "":
-                d[k] = v
-        if tab == "dreambooth":  # dreambooth_gui.py: the rates decide, not a checkbox
-            on = gui_float(te1) > 0 or gui_float(te2) > 0
-            if bool(d.get("train_text_encoder")) != on:
-                notes.append(f"train_text_encoder: the GUI's SDXL DreamBooth trains the text encoders when "
-                             f"learning_rate_te1 or learning_rate_te2 is above 0 -> {str(on).lower()}")
-            d["train_text_encoder"] = on
-    elif fam in FLOW_SCRIPTS:
-        if gui_float(te):
-            notes.append(f"learning_rate_te: dropped; the GUI writes it for {fam.upper()} but "
-                         f"{FLOW_SCRIPTS[fam]} does not read it")
-    elif te is not None and te != "":
-        d["learning_rate_te"] = te
+def _te_rates(d: dict, fam: Family, tab: str, notes: list) -> None:
+    rates = {k: d.pop(k, TE_RATE_DEFAULT) for k in ("learning_rate_te", "learning_rate_te1", "learning_rate_te2")}
+    for k in fam.gui_te_rates:
+        if rates[k] is not None and rates[k] != "":
+            d[k] = rates[k]
+    if fam.gui_db_text_encoder and tab == "dreambooth":  # dreambooth_gui.py: the rates decide, not a checkbox
+        on = any(gui_float(rates[k]) > 0 for k in fam.gui_te_rates)
+        if bool(d.get("train_text_encoder")) != on:
+            notes.append(f"train_text_encoder: the GUI's {fam.title} DreamBooth trains the text encoders when "
+                         f"{' or '.join(fam.gui_te_rates)} is above 0 -> {str(on).lower()}")
+        d["train_text_encoder"] = on
+    if "learning_rate_te" not in fam.gui_te_rates and gui_float(rates["learning_rate_te"]) and fam.flow is not None:
+        notes.append(f"learning_rate_te: dropped; the GUI writes it for {fam.title} but "
+                     f"{fam.gui_script} does not read it")
 
 
-def _stop_te(d: dict, fam: str, tab: str, notes: list) -> None:
+def _stop_te(d: dict, fam: Family, tab: str, notes: list) -> None:
     v = gui_float(d.pop("stop_text_encoder_training", 0))
     if not v:
         return
     n = int(v)
     if tab == "finetune":
         notes.append("stop_text_encoder_training: dropped; the fine-tune tab does not write it")
-    elif fam != "sd":
-        script = FLOW_SCRIPTS.get(fam, "sdxl_train.py")
+    elif fam.gui_boxes:  # another model type's script
+        script = fam.gui_script
         notes.append(f"stop_text_encoder_training: dropped; the GUI writes it but {script} does not read it")
     elif n < 0:
         d["train_text_encoder"] = False
@@ -92,7 +88,7 @@ def _stop_te(d: dict, fam: str, tab: str, notes: list) -> None:
                      f"encoder trains the first {n} steps")
 
 
-def _finetune(d: dict, fam: str, notes: list) -> None:
+def _finetune(d: dict, fam: Family, notes: list) -> None:
     f = {k: d.pop(k, default) for k, default in FT_DEFAULTS.items()}
     for k, v in FT_WIDGETS.items():
         d.setdefault(k, v)
@@ -104,8 +100,8 @@ def _finetune(d: dict, fam: str, notes: list) -> None:
     steps = [bool(d.pop(old, True) if old in d else d.pop(new, True)) for old, new in FT_PREP]
     for k in FT_PREP_ONLY:
         d.pop(k, None)
-    if fam == "flux" and d.pop("train_text_encoder", False):
-        notes.append("train_text_encoder: dropped; flux_train.py does not train the text encoders")
+    if not fam.full_trains_text_encoders and d.pop("train_text_encoder", False):
+        notes.append(f"train_text_encoder: dropped; {fam.gui_script} does not train the text encoders")
     computed = "max_train_steps" in d and not gui_float(d["max_train_steps"]) and not gui_float(d.get("max_train_epochs"))
     if d.get("flip_aug") and computed:
         notes.append("flip_aug: the GUI halves the steps it computes from the epochs (as if flipping doubled "
@@ -132,10 +128,10 @@ def _finetune(d: dict, fam: str, notes: list) -> None:
 def tab_fields(d: dict, tab: str, notes: list) -> None:
     fam = family(d)
     for k in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "no_half_vae",
-              *(("fused_backward_pass",) if fam in FLOW_SCRIPTS else ()),
+              *(("fused_backward_pass",) if fam.flow is not None else ()),
               *(("dataset_repeats",) if tab == "dreambooth" else ())):
         d.pop(k, None)  # the tabs write these from the model types' own fields (or not at all)
-    if tab == "dreambooth" and fam != "sdxl":
+    if tab == "dreambooth" and not fam.gui_db_text_encoder:
         d.pop("train_text_encoder", None)  # dreambooth_gui.py: `train_text_encoder if sdxl else None`
     _te_rates(d, fam, tab, notes)
     _stop_te(d, fam, tab, notes)

@@ -17,6 +17,7 @@ import pytest
 from library.config.options import ALIASES, OPTIONS_BY_NAME, SD_SCRIPTS_BY_NAME
 from library.config.parse import ConfigError, parse_args
 from library.models import flow_family
+from library.models.families import registry
 from library.training import flow_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,9 +109,9 @@ def test_model_type_flux_is_accepted_and_chroma_refused():
 def test_flow_refusal_and_no_effect_tables_name_options():
     """The FLUX.1 / SD3 run-time tables (refused with the family, or warned "no effect") name
     options of the schema, and none is both refused and warned for one family."""
-    for fam in flow_family.FLOW_FAMILIES:
-        refused = {**flow_family.UNSUPPORTED, **flow_family.UNSUPPORTED_BY_FAMILY[fam]}
-        warned = {**flow_loss.NO_EFFECT, **flow_loss.NO_EFFECT_BY_FAMILY.get(fam, {})}
+    for fam in registry.FLOW_FAMILIES:
+        refused = {**flow_family.UNSUPPORTED, **registry.get(fam).unsupported}
+        warned = {**flow_loss.NO_EFFECT, **registry.get(fam).no_effect}
         assert set(refused) <= set(OPTIONS_BY_NAME) and set(warned) <= set(OPTIONS_BY_NAME)
         assert not set(refused) & set(warned), fam
 
@@ -123,8 +124,8 @@ def test_docs_table_lists_every_refused_and_no_effect_flow_option():
     end = text.find("\n## ", start)
     table = text[start:end if end >= 0 else len(text)]
     names = set(flow_family.UNSUPPORTED) | set(flow_loss.NO_EFFECT)
-    for fam in flow_family.FLOW_FAMILIES:
-        names |= set(flow_family.UNSUPPORTED_BY_FAMILY[fam]) | set(flow_loss.NO_EFFECT_BY_FAMILY.get(fam, {}))
+    for fam in registry.FLOW_FAMILIES:
+        names |= set(registry.get(fam).unsupported) | set(registry.get(fam).no_effect)
     names |= {n for _, e, n in PAIRS if verdict(e, n) in ("ignore", "reject", "other script")}
     missing = sorted(n for n in names if f"`{n}`" not in table)
     assert not missing, f"docs/MODELS.md's FLUX.1 / SD3 option table lacks {missing}"

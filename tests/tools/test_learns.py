@@ -189,12 +189,13 @@ def test_flow_exact_velocity_passes_and_planted_errors_fail(learns, setup, famil
     exact; SD3's input read as FLUX's (1000 sigma as sigma, clamped at 1: the velocity toward the
     caption's mean at every level) still lands at d 0.51, within the margin, as the SD chains'
     shifted schedules do (test_what_the_benchmark_cannot_see)."""
+    from library.models.families import registry
     from library.training import flow_sampling
 
     train, labels, _ = setup
     mu = train[labels]
     noise = torch.randn(mu.shape, generator=torch.Generator().manual_seed(0))
-    steps = flow_sampling.DEFAULTS[family]["sample_steps"]
+    steps = registry.get(family).flow.sample_steps
     sigmas = flow_sampling.schedule(family, steps, (8, 8))
 
     def run(**kw):

@@ -48,7 +48,7 @@ def _cond(fm, text):
 def test_prompt_defaults_are_the_familys():
     p = sampling.parse_line("x --w 100 --h 72", "f")
     assert (p["sample_steps"], p["scale"], p["guidance_scale"]) == (None, None, None)
-    assert sampling.settings(p, "sd15") == (30, 7.5, None)
+    assert sampling.settings(p, "sd1") == (30, 7.5, None)
     assert sampling.settings(p, "flux") == (20, 1.0, 3.5)  # sd-scripts' flux_train_utils
     assert sampling.settings(p, "sd3") == (30, 7.5, None)  # sd-scripts' sd3_train_utils
     q = sampling.parse_line("x --s 4 --l 2.5 --g 5", "f")

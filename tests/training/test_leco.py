@@ -185,7 +185,7 @@ def test_partial_denoising_follows_the_guidance_and_the_step_count():
         calls.append(int(ts[0]))
         return 0.1 * x + ctx.hidden_states.mean(dim=(1, 2)).view(-1, 1, 1, 1)
 
-    family_model, bundle = SimpleNamespace(unet_forward=unet_forward), SimpleNamespace(family="sd15")
+    family_model, bundle = SimpleNamespace(unet_forward=unet_forward), SimpleNamespace(family="sd1")
     text, empty = (TextConditioning(torch.full((1, 3, 8), v), None) for v in (1.0, -2.0))
     x0 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
 

@@ -33,7 +33,7 @@ def test_prompt_files(tmp_path):
                  "image": None, "guidance_scale": None}
     # steps and scale not given: the family's defaults (SD: 30, 7.5)
     assert (b["width"], b["seed"], b["sample_sampler"], b["scale"]) == (72, 123, "euler_a", None)
-    assert settings(b, "sd15") == (2, 7.5, None)
+    assert settings(b, "sd1") == (2, 7.5, None)
     assert parse_line("x --w 100 --ss k_euler", "f")["width"] == 96  # multiple of 8; k_ alias
     toml = tmp_path / "p.toml"
     toml.write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 3\n\n'

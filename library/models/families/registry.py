@@ -1,0 +1,48 @@
+"""The model families this toolkit trains, one ``Family`` per folder of library/models/families/
+(docs/FAMILIES.md). Light (no torch): option checks, messages, ``--help`` and the UI read it.
+
+    registry.get("flux")          the Family (unknown name: ValueError, a programming error)
+    registry.of(bundle)           the Family of a loaded model bundle
+    registry.FAMILIES             name -> Family, in the order messages list them
+    registry.FLOW_FAMILIES        the names of the rectified-flow families
+    registry.titles()             "SD1, SD2, SDXL, FLUX.1 and SD3" for messages
+"""
+from __future__ import annotations
+
+from library.models.families import flux, sd1, sd2, sd3, sdxl
+from library.models.families.base import Family
+
+# one registration per family: its folder's FAMILY
+FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY)}
+FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
+
+
+def get(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; registered: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def of(bundle) -> Family:
+    """The family of a loaded ``ModelBundle``."""
+    return get(bundle.family)
+
+
+def is_flow(name: str | None) -> bool:
+    """Whether ``name`` is a rectified-flow family (None: a model not known before loading, SD)."""
+    return name is not None and get(name).flow is not None
+
+
+def titles(flow: bool | None = None) -> str:
+    """The families' titles joined for a message ("SD1, SD2, SDXL, FLUX.1 and SD3"); ``flow``:
+    only the flow families (True) or only the others (False)."""
+    names = [f.title for f in FAMILIES.values() if flow is None or (f.flow is not None) == flow]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def for_gui(fields: dict) -> Family | None:
+    """The family whose kohya_ss GUI box is ticked in the GUI's saved ``fields`` (several: the
+    lowest ``gui_rank``, as the GUI's train_model picks the script); None: the GUI's SD model type
+    (SD1 / SD2, told apart by the model itself)."""
+    ticked = [f for f in FAMILIES.values() if any(fields.get(k) for k in f.gui_boxes)]
+    return min(ticked, key=lambda f: f.gui_rank, default=None)
