@@ -249,11 +249,11 @@ def run_model_merge(args, only_sdxl: bool = False) -> None:
     loras = [(path, load_state_dict_file(path), ratio) for path, ratio in zip(args.models, args.ratios)]
     bundle = load_model_bundle(args.sd_model, v2=args.v2, v_parameterization=args.v_parameterization,
                                tokenizer_path=args.tokenizer_path)
-    if only_sdxl and bundle.family != "sdxl":
+    if only_sdxl and not lora_names.is_sdxl_unet(bundle.unet):
         raise ModelError(f"--sd_model {args.sd_model}: a {bundle.family} model; sdxl_merge_lora.py merges into "
                          "SDXL models (use merge_lora.py)")
     if lbw_sdxl is not None:
-        lora_svd.check_lbws_family(lbw_sdxl, bundle.family == "sdxl", f"--sd_model {args.sd_model}")
+        lora_svd.check_lbws_family(lbw_sdxl, lora_names.is_sdxl_unet(bundle.unet), f"--sd_model {args.sd_model}")
     for (path, weights_sd, ratio), block_weights in zip(loras, lbws):
         try:
             n = merge_lora_into(bundle.text_encoders, bundle.unet, weights_sd, ratio, block_weights)

@@ -19,11 +19,11 @@ import torch
 
 from library.errors import ModelError, first_line
 from library.models import fp8_storage, loading, sd_checkpoint
+from library.models.families import registry
 
 logger = logging.getLogger("sdtk")
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
-FAMILY_NAMES = {"sd1": "SD1", "sd2": "SD2", "sdxl": "SDXL"}
 # the kohya_ss GUI's "Source model type" choices (it passes one as --reference_model) and what
 # their schedulers predict: SD2's 768 models v, the base models and SD1 the noise
 GUI_REFERENCES = {"runwayml/stable-diffusion-v1-5": "epsilon", "CompVis/stable-diffusion-v1-4": "epsilon",
@@ -90,7 +90,7 @@ def check_family(family: str, v1: bool, v2: bool, source: str) -> None:
     want = "sd1" if v1 else "sd2" if v2 else None
     if want is not None and family != want:
         flag = "--v1" if v1 else "--v2"
-        raise ModelError(f"{flag}: {source} holds {FAMILY_NAMES[family]} weights, not {FAMILY_NAMES[want]}")
+        raise ModelError(f"{flag}: {source} holds {registry.get(family).title} weights, not {registry.get(want).title}")
 
 
 def _load(source: str, allow_pickle: bool):
@@ -124,7 +124,7 @@ def _reference_parts(reference: str, family: str) -> dict:
     from transformers import CLIPTokenizer
 
     out = {}
-    names = ["tokenizer"] + (["tokenizer_2"] if family == "sdxl" else [])
+    names = ["tokenizer", "tokenizer_2"][:len(registry.get(family).text_encoder_components)]
     try:
         for name in names:
             out[name] = CLIPTokenizer.from_pretrained(reference, subfolder=name, local_files_only=True)
@@ -191,12 +191,12 @@ def convert(req: Request) -> str:
     bundle = _load(req.model_to_load, req.allow_pickle)
     check_family(bundle.family, req.v1, req.v2, req.model_to_load)
     components = bundle.components()
-    name = FAMILY_NAMES[bundle.family]
+    name = registry.get(bundle.family).title
     if to_file:
         if req.unet_use_linear_projection:
             logger.warning("--unet_use_linear_projection: no effect when saving a single file (the original "
                            "layout's projections are the family's: SD2 and SDXL Linear, SD1 1x1 convolutions)")
-        if bundle.family == "sd2":  # SD2 single files hold Linear projections (A1111 and ComfyUI expect them)
+        if registry.get(bundle.family).linear_projections:  # SD2 files hold Linear ones (A1111 and ComfyUI expect them)
             components["unet"] = with_linear_projection(components["unet"])
         metadata = dict(req.metadata)
         if req.epoch or req.global_step:

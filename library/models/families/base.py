@@ -70,6 +70,8 @@ class Family:
     autoencoder_option: str     # the option naming a separate autoencoder file ("vae"; FLUX.1: "ae")
     single_file_parts: tuple[str, ...]  # options a single-file backbone needs beside it (FLUX.1's
                                         # BFL transformer: clip_l, t5xxl, ae)
+    linear_projections: bool    # its original single-file layout holds Linear attention projections
+                                # (SD2, SDXL; SD1: 1x1 convolutions): a conversion to it flattens them
     lora_module: str            # the network_module an unset one means (train_lora)
     network_modules: tuple[str, ...]  # the network modules that can target it (LyCORIS aside)
     gui_boxes: tuple[str, ...]  # the kohya_ss GUI keys whose ticked box selects it (none: its

@@ -30,7 +30,7 @@ FAMILY = Family(
     # sd-scripts' flux_train.py has no train_text_encoder (a config's key is ignored there; the
     # GUI's fine-tune tab writes it true): FLUX.1's encoders stay frozen (no_effect below)
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
-    autoencoder_option="ae", single_file_parts=("clip_l", "t5xxl", "ae"),
+    autoencoder_option="ae", single_file_parts=("clip_l", "t5xxl", "ae"), linear_projections=False,
     lora_module="networks.lora_flux", network_modules=("networks.lora_flux", "networks.oft_flux"),
     gui_boxes=("flux1_checkbox",), gui_rank=2, gui_script="flux_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     # what only SD3 honours (SD3's sampling is weighting_scheme with training_shift and the timestep

@@ -15,7 +15,7 @@ FAMILY = Family(
     pipelines=("StableDiffusionPipeline", "StableDiffusionInpaintPipeline"),
     v2_metadata=False, block_lr=False, token_padding_option=True, rate_implies_text_encoder=True,
     full_trains_text_encoders=True, separate_t5_rate=False, saves_text_encoders=True,
-    autoencoder_option="vae", single_file_parts=(),
+    autoencoder_option="vae", single_file_parts=(), linear_projections=False,
     lora_module="networks.lora", network_modules=SD_NETWORK_MODULES,
     gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
     unsupported={}, no_effect={}, tiny_models=("tiny-sd15", "tiny-sd15-inpaint", "sd15-arch"),

@@ -8,6 +8,6 @@ import dataclasses
 from library.models.families import sd1
 
 FAMILY = dataclasses.replace(
-    sd1.FAMILY, name="sd2", title="SD2", text_encoder_names=("OpenCLIP-H",), v2_metadata=True,
+    sd1.FAMILY, name="sd2", title="SD2", text_encoder_names=("OpenCLIP-H",), v2_metadata=True, linear_projections=True,
     tiny_models=("tiny-sd2", "tiny-sd2-inpaint", "sd2-arch"),
 )

@@ -28,7 +28,7 @@ FAMILY = Family(
     partial_cache=True, size_conditioning=False, pipelines=None,
     v2_metadata=False, block_lr=False, token_padding_option=False, rate_implies_text_encoder=False,
     full_trains_text_encoders=True, separate_t5_rate=True, saves_text_encoders=True,
-    autoencoder_option="vae", single_file_parts=(),
+    autoencoder_option="vae", single_file_parts=(), linear_projections=False,
     lora_module="networks.lora_sd3", network_modules=("networks.lora_sd3",),
     gui_boxes=("sd3_checkbox",), gui_rank=1, gui_script="sd3_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     unsupported={"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",

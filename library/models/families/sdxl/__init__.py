@@ -15,7 +15,7 @@ FAMILY = Family(
     v2_metadata=False, block_lr=True, token_padding_option=False, rate_implies_text_encoder=False,
     full_trains_text_encoders=True,
     separate_t5_rate=False, saves_text_encoders=True,
-    autoencoder_option="vae", single_file_parts=(),
+    autoencoder_option="vae", single_file_parts=(), linear_projections=True,
     lora_module="networks.lora", network_modules=sd1.SD_NETWORK_MODULES,
     gui_boxes=("sdxl", "sdxl_checkbox"), gui_rank=0, gui_script="sdxl_train.py",
     gui_te_rates=("learning_rate_te1", "learning_rate_te2"), gui_db_text_encoder=True,
