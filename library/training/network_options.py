@@ -31,7 +31,7 @@ FAMILY_NETWORK_MODULES = {fam: tuple(name for name, (f, _, _) in DIT_NETWORK_MOD
                           for fam in flow_family.FLOW_FAMILIES}
 # sd-scripts' network modules of SD: they target the SD U-Net's block classes
 SD_NETWORK_MODULES = ("networks.lora", "networks.loha", "networks.lokr", "networks.dylora", "networks.lora_fa",
-                      "networks.oft")
+                      "networks.oft", "networks.oft_v2", "networks.boft")
 
 
 class NetworkOptionError(UserError, ValueError):

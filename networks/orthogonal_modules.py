@@ -1,0 +1,159 @@
+"""The modules and network of sd-scripts' networks.oft_v2 and networks.boft (PEFT-form orthogonal
+fine-tuning, sd-scripts PR #2428): which layers they adapt, their tensors, dropout and merge.
+
+Layers (as sd-scripts' modules, with networks.lora's kohya names: SD1/SD2 U-Net in diffusers
+layout, SDXL in SAI layout, ``lora_te`` / ``lora_te1`` / ``lora_te2``): every Linear and 1x1 Conv2d
+of the U-Net's Transformer2DModel blocks and of the text encoders' CLIP attention / MLP; with
+``enable_conv`` also every layer of the ResNet blocks and resamplers (3x3 convs included). The
+rotation acts on a layer's inputs (flattened kernels for a conv): its width must split into
+blocks. The arithmetic is networks/orthogonal.py; run time and merge use the same functions
+(merge in float64).
+"""
+from __future__ import annotations
+
+import torch
+
+from networks import lora, orthogonal
+from networks.adapter_modules import HookedModule
+
+
+def in_features(module: torch.nn.Module) -> int:
+    w = module.weight
+    if isinstance(module, torch.nn.Conv2d) and (module.groups != 1 or max(module.dilation) > 1):
+        raise lora.LoRAError(f"{type(module).__name__} with groups or dilation: orthogonal adapters need a plain conv")
+    return w[0].numel()
+
+
+class _OrthogonalModule(HookedModule):
+    """Forward with the layer's weight replaced by ``weight_of(W)`` (its own bias kept); merge
+    writes ``W + multiplier * (weight_of(W) - W)`` computed in float64."""
+
+    def weight_of(self, weight: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def interpolated(self, weight: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+        rotated = self.weight_of(weight, params)
+        return rotated if self.multiplier == 1.0 else weight + self.multiplier * (rotated - weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.multiplier == 0.0:
+            return self.org_forward(x)
+        m = self.org_module
+        w = self.interpolated(m.weight.float()).to(x.dtype)
+        bias = None if m.bias is None else m.bias.to(x.dtype)
+        if isinstance(m, torch.nn.Conv2d):
+            return torch.nn.functional.conv2d(x, w, bias, m.stride, m.padding, m.dilation, m.groups)
+        return torch.nn.functional.linear(x, w, bias)
+
+    def merge_to(self, sd: dict, dtype=None, device=None) -> None:
+        weight = self.org_module.weight
+        device = device or weight.device
+        params = {k: v.to(device, torch.float64) for k, v in (sd or {}).items()}
+        with torch.no_grad():
+            merged = self.interpolated(weight.detach().to(device, torch.float64), params)
+            weight.data = merged.to(dtype or weight.dtype)
+
+
+class _Vector(torch.nn.Module):
+    """Holds ``oft_R.weight`` under the name sd-scripts' file has."""
+
+    def __init__(self, rows: int, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(rows, n))
+
+
+class OFTv2Module(_OrthogonalModule):
+    """``oft_R.weight`` (blocks, b(b-1)/2), or (1, ...) with block_share; zero at the start (R = I).
+    COFT (``coft``) projects the stored rows in place at each training forward, as sd-scripts;
+    dropout replaces each block's rotation by I with probability p (torch's generator)."""
+
+    def __init__(self, lora_name, org_module, multiplier=1.0, block_size=32, coft=False, coft_eps=6e-5,
+                 block_share=False, dropout=0.0):
+        super().__init__(lora_name, org_module, multiplier)
+        n = in_features(org_module)
+        if n % block_size:
+            raise lora.LoRAError(f"{lora_name}: block size {block_size} does not divide its {n} inputs")
+        self.block_size, self.n_blocks = int(block_size), n // int(block_size)
+        self.is_conv = isinstance(org_module, torch.nn.Conv2d)
+        self.coft, self.coft_eps, self.dropout = bool(coft), float(coft_eps), float(dropout or 0.0)
+        self.oft_R = _Vector(1 if block_share else self.n_blocks, orthogonal.triu_size(self.block_size))
+
+    def weight_of(self, weight, params=None):
+        if params is None:
+            vec = self.oft_R.weight
+            if self.coft and self.training:
+                with torch.no_grad():
+                    vec.copy_(orthogonal.coft_project(vec, self.block_size, self.coft_eps))
+        else:
+            vec = params["oft_R.weight"]
+        rot = orthogonal.neumann_cayley(orthogonal.skew(vec.to(weight.dtype), self.block_size))
+        if params is None and self.training and self.dropout > 0 and rot.shape[0] > 1:
+            keep = torch.empty(rot.shape[0], 1, 1, dtype=rot.dtype, device=rot.device).bernoulli_(1 - self.dropout)
+            rot = keep * rot + (1 - keep) * torch.eye(self.block_size, dtype=rot.dtype, device=rot.device)
+        rot = rot.repeat(self.n_blocks // rot.shape[0], 1, 1) if rot.shape[0] != self.n_blocks else rot
+        return orthogonal.rotate_inputs(weight, rot, transpose=not self.is_conv)
+
+
+class BOFTModule(_OrthogonalModule):
+    """``boft_R`` (factors, blocks, b, b) zero at the start, ``boft_s`` (out, 1) one; dropout
+    (PEFT's): in one random factor, int(p * blocks) random blocks become I."""
+
+    def __init__(self, lora_name, org_module, multiplier=1.0, block_size=4, block_num=0, n_factors=1,
+                 dropout=0.0, auto_adjust=True):
+        super().__init__(lora_name, org_module, multiplier)
+        n = in_features(org_module)
+        try:
+            b, nb = orthogonal.boft_shape(n, block_size, block_num, int(n_factors), auto_adjust)
+        except ValueError as e:
+            raise lora.LoRAError(f"{lora_name}: {e}") from None
+        self.block_size, self.block_num, self.dropout = b, nb, float(dropout or 0.0)
+        self.boft_R = torch.nn.Parameter(torch.zeros(int(n_factors), nb, b, b))
+        self.boft_s = torch.nn.Parameter(torch.ones(org_module.weight.shape[0], 1))
+        self.register_buffer("indices", orthogonal.butterfly_indices(n, nb, b, int(n_factors)), persistent=False)
+
+    def _drop(self, blocks: torch.Tensor) -> torch.Tensor:
+        """PEFT's multiplicative dropout on the blocks' skew parameters: a zero block is R = I."""
+        m, nb = blocks.shape[:2]
+        count = int(self.dropout * nb)
+        if not (self.training and count > 0):
+            return blocks
+        factor = int(torch.randint(0, m, (1,)).item())
+        mask = torch.zeros(m, nb, 1, 1, dtype=blocks.dtype, device=blocks.device)
+        mask[factor, torch.randperm(nb)[:count].to(blocks.device)] = 1
+        return blocks * (1 - mask)
+
+    def weight_of(self, weight, params=None):
+        if params is None:
+            blocks, scale = self._drop(self.boft_R), self.boft_s
+        else:
+            blocks, scale = params["boft_R"], params.get("boft_s", self.boft_s.detach())
+            scale = scale.reshape(-1, 1)  # a (1, out) file transposed, as sd-scripts accepts
+        return orthogonal.boft_rotate(weight, blocks.to(weight.dtype), self.indices, scale.to(weight.dtype))
+
+
+def build(kind: str, text_encoder, unet, multiplier: float, factory, enable_conv: bool,
+          modules: dict[str, object] | None = None) -> lora.AdapterNetwork:
+    """The network of ``factory(lora_name, org_module, setting)`` modules on sd-scripts' targets;
+    ``modules``: name -> setting from a file (only those layers, 3x3 convs included)."""
+    def make(lora_name, org_module, mult, dim, alpha, *_):
+        return factory(lora_name, org_module, alpha)
+
+    if modules is not None:
+        kwargs = dict(modules_dim={k: 1 for k in modules}, modules_alpha=modules)
+    else:
+        kwargs = dict(lora_dim=1, alpha=None, conv_lora_dim=1 if enable_conv else None, conv_alpha=None)
+    try:
+        return lora.AdapterNetwork(text_encoder, unet, multiplier=multiplier, is_sdxl=_is_sdxl(text_encoder, unet),
+                                   module_factory=make, **kwargs)
+    except lora.LoRAError as e:
+        raise lora.LoRAError(f"{kind}: {e}") from None
+
+
+def _is_sdxl(text_encoder, unet) -> bool:
+    return lora._is_sdxl(text_encoder, unet)
+
+
+def modules_of_file(weights_sd: dict, part: str) -> dict[str, torch.Tensor]:
+    """module name -> its ``part`` tensor in a file."""
+    suffix = "." + part
+    return {k[:-len(suffix)]: v for k, v in weights_sd.items() if k.endswith(suffix) and "." not in k[:-len(suffix)]}
