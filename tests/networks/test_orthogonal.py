@@ -298,3 +298,26 @@ def test_network_args_errors_are_one_line_each():
     # auto_adjust (the default) takes the nearest divisor / valid butterfly shape, as sd-scripts
     assert BOFTModule("lora_unet_x", lin, block_size=5).block_size == 4
     assert BOFTModule("lora_unet_x", torch.nn.Linear(24, 4), block_size=3, n_factors=3).block_size == 2
+
+
+def test_base_weights_merge_the_rotation_in_float64():
+    """base_weights on an SD model goes through merge_lora_into: each layer gets W + m (W' - W), W'
+    the float64 rotation of the file (here checked for one Linear and one 3x3 conv against the
+    constructions above)."""
+    from types import SimpleNamespace
+
+    from library.training.network_options import _merge
+
+    c = build_tiny_components("sd15")
+    net = _network("oft_v2", c)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    lin = next(lo for lo in net.unet_loras if isinstance(lo.org_module, torch.nn.Linear))
+    conv = next(lo for lo in net.unet_loras if lo.org_module.weight.dim() == 4 and lo.org_module.weight.shape[-1] == 3)
+    net.remove_from()
+    want = {lo.lora_name: _oftv2_weight(lo.org_module.weight.detach().double().numpy(),
+                                        sd[lo.lora_name + ".oft_R.weight"].double().numpy(), 4,
+                                        lo.org_module.weight.dim() == 4, 0.5) for lo in (lin, conv)}
+    bundle = SimpleNamespace(family="sd1", text_encoders=[c["text_encoder"]], unet=c["unet"])
+    assert _merge(bundle, sd, 0.5, "networks.lora") == len({k.partition(".")[0] for k in sd})
+    for lo in (lin, conv):
+        assert np.allclose(lo.org_module.weight.detach().double().numpy(), want[lo.lora_name], rtol=1e-6, atol=1e-7)
