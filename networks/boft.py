@@ -10,8 +10,8 @@ network_args (sd-scripts' names): ``boft_block_size`` / ``block_size`` (default 
 else 4) or ``boft_block_num`` / ``block_num`` (not both; an explicit block number is taken over
 ``network_dim``, where sd-scripts stops), ``boft_n_butterfly_factor`` (default 1),
 ``boft_dropout`` / ``dropout`` (``network_dropout`` wins), ``enable_conv``, ``auto_adjust`` (a
-block size that gives no valid shape moves to the nearest one that does). ``network_alpha`` has
-no meaning here.
+block size that gives no valid shape moves to the nearest one that does), ``include_patterns`` /
+``exclude_patterns`` (as networks.oft_v2). ``network_alpha`` has no meaning here.
 
 File: ``<kohya name>.boft_R`` (factors, blocks, b, b) and ``.boft_s`` (out, 1) per layer, no alpha.
 """
@@ -21,7 +21,7 @@ import logging
 from typing import Any, Optional
 
 from networks import lora
-from networks.oft_v2 import parse_args
+from networks.oft_v2 import PATTERNS, parse_args
 from networks.orthogonal_modules import BOFTModule, build, in_features, modules_of_file
 
 logger = logging.getLogger("sdtk")
@@ -29,7 +29,7 @@ logger = logging.getLogger("sdtk")
 MODULE = "networks.boft"
 PART = "boft_R"
 ALIASES = {"boft_block_size": "block_size", "boft_block_num": "block_num", "boft_dropout": "dropout"}
-KNOWN = (*ALIASES, *ALIASES.values(), "boft_n_butterfly_factor", "enable_conv", "auto_adjust")
+KNOWN = (*ALIASES, *ALIASES.values(), "boft_n_butterfly_factor", "enable_conv", "auto_adjust", *PATTERNS)
 
 
 def _settings(network_dim, neuron_dropout, kwargs) -> dict:
@@ -50,7 +50,8 @@ def _settings(network_dim, neuron_dropout, kwargs) -> dict:
                                     int, 1),
         dropout=0.0 if dropout is None else lora.parse_number("network_args: dropout", dropout, float, 0.0, 1.0),
         enable_conv=lora.parse_bool(MODULE, "enable_conv", a.get("enable_conv", False)),
-        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)))
+        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)),
+        module_filter=a["module_filter"])
 
 
 def check_network_args(kwargs: dict[str, Any]) -> None:
@@ -75,7 +76,8 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
     s = _settings(network_dim, neuron_dropout, kwargs)
     logger.info(f"{MODULE}: block_size {s['block_size']}, block_num {s['block_num']}, butterfly factors "
                 f"{s['n_factors']}, dropout {s['dropout']}, enable_conv {s['enable_conv']}")
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"])
+    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"],
+                 module_filter=s["module_filter"])
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
@@ -86,4 +88,5 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     modules = modules_of_file(weights_sd, PART)
     if not modules:
         raise lora.LoRAError(f"weights {file or '(state dict)'}: no {PART} keys, not a file of {MODULE}")
+    # the file names its layers: the pattern filters are not applied to it
     return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), True, modules), weights_sd

@@ -9,9 +9,9 @@ network_args (sd-scripts' names; the second name of a pair is its alias): ``oft_
 ``block_size`` (default ``network_dim``, else 32; a block size that does not divide a layer's
 inputs moves to the nearest divisor unless ``auto_adjust=false``), ``oft_coft`` / ``coft`` with
 ``coft_eps`` (default 6e-5), ``oft_block_share`` / ``block_share``, ``dropout_probability`` /
-``dropout`` (``network_dropout`` wins, as sd-scripts), ``enable_conv``, ``auto_adjust``.
-``network_alpha`` has no meaning here (sd-scripts drops it). ``include_patterns`` /
-``exclude_patterns`` are refused by name.
+``dropout`` (``network_dropout`` wins, as sd-scripts), ``enable_conv``, ``auto_adjust``,
+``include_patterns`` / ``exclude_patterns`` (regular expressions on the layer's dotted path,
+networks/orthogonal_modules.py). ``network_alpha`` has no meaning here (sd-scripts drops it).
 
 File: ``<kohya name>.oft_R.weight`` (blocks or 1, b(b-1)/2) per layer, no alpha; metadata as any
 network (``ss_network_module`` "networks.oft_v2", ``ss_network_args``).
@@ -22,7 +22,8 @@ import logging
 from typing import Any, Optional
 
 from networks import lora, orthogonal
-from networks.orthogonal_modules import OFTv2Module, build, in_features, modules_of_file
+from networks.orthogonal_modules import (OFTv2Module, build, in_features, modules_of_file, parse_patterns,
+                                         pattern_filter)
 
 logger = logging.getLogger("sdtk")
 
@@ -30,17 +31,13 @@ MODULE = "networks.oft_v2"
 PART = "oft_R.weight"
 ALIASES = {"oft_block_size": "block_size", "oft_coft": "coft", "oft_block_share": "block_share",
            "dropout_probability": "dropout"}
-KNOWN = (*ALIASES, *ALIASES.values(), "coft_eps", "enable_conv", "auto_adjust")
-REFUSED = ("include_patterns", "exclude_patterns")
+PATTERNS = ("include_patterns", "exclude_patterns")
+KNOWN = (*ALIASES, *ALIASES.values(), "coft_eps", "enable_conv", "auto_adjust", *PATTERNS)
 
 
 def parse_args(kwargs: dict[str, Any], module: str, known: tuple[str, ...], aliases: dict[str, str]) -> dict:
-    """network_args by canonical name (the alias sd-scripts reads first wins); unknown keys and
-    the pattern filters are one-line errors."""
-    refused = sorted(k for k in kwargs if k in REFUSED)
-    if refused:
-        raise lora.LoRAError(f"network_args: {refused[0]} of {module} is not supported here (its layers are "
-                             "chosen by enable_conv); remove it")
+    """network_args by canonical name (the alias sd-scripts reads first wins; the patterns
+    compiled, as ``module_filter``); an unknown key is a one-line error."""
     unknown = sorted(k for k in kwargs if k not in known)
     if unknown:
         raise lora.LoRAError(f"network_args: unknown key {unknown[0]!r} for {module}; known keys: {', '.join(known)}")
@@ -49,6 +46,7 @@ def parse_args(kwargs: dict[str, Any], module: str, known: tuple[str, ...], alia
         name = aliases.get(key, key)
         if key in aliases or name not in out:
             out[name] = value
+    out["module_filter"] = pattern_filter(*(parse_patterns(module, k, kwargs.get(k)) for k in PATTERNS))
     return out
 
 
@@ -63,7 +61,8 @@ def _settings(network_dim, neuron_dropout, kwargs) -> dict:
         block_share=lora.parse_bool(MODULE, "block_share", a.get("block_share", False)),
         dropout=0.0 if dropout is None else lora.parse_number("network_args: dropout", dropout, float, 0.0, 1.0),
         enable_conv=lora.parse_bool(MODULE, "enable_conv", a.get("enable_conv", False)),
-        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)))
+        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)),
+        module_filter=a["module_filter"])
 
 
 def check_network_args(kwargs: dict[str, Any]) -> None:
@@ -91,7 +90,8 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
     s = _settings(network_dim, neuron_dropout, kwargs)
     logger.info(f"{MODULE}: block_size {s['block_size']}, coft {s['coft']}, block_share {s['block_share']}, "
                 f"dropout {s['dropout']}, enable_conv {s['enable_conv']}")
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"])
+    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"],
+                 module_filter=s["module_filter"])
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
@@ -102,4 +102,5 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     modules = modules_of_file(weights_sd, PART)
     if not modules:
         raise lora.LoRAError(f"weights {file or '(state dict)'}: no {PART} keys, not a file of {MODULE}")
+    # the file names its layers: the pattern filters are not applied to it
     return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), True, modules), weights_sd

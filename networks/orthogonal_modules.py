@@ -11,6 +11,9 @@ blocks. The arithmetic is networks/orthogonal.py; run time and merge use the sam
 """
 from __future__ import annotations
 
+import ast
+import re
+
 import torch
 
 from networks import lora, orthogonal
@@ -131,10 +134,41 @@ class BOFTModule(_OrthogonalModule):
         return orthogonal.boft_rotate(weight, blocks.to(weight.dtype), self.indices, scale.to(weight.dtype))
 
 
+def parse_patterns(module: str, key: str, value) -> list[re.Pattern] | None:
+    """``include_patterns`` / ``exclude_patterns``: a Python list of regular expressions (or one),
+    as sd-scripts reads them."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (SyntaxError, ValueError):
+            pass
+    items = value if isinstance(value, (list, tuple)) else [value]
+    try:
+        return [re.compile(str(p)) for p in items]
+    except re.error as e:
+        raise lora.LoRAError(f"network_args: {key} of {module}: bad regular expression ({e})") from None
+
+
+def pattern_filter(include, exclude):
+    """sd-scripts' rule on a layer's dotted path (full matches): with include patterns only the
+    layers they match; else all but those the exclude patterns match."""
+    if include is None and exclude is None:
+        return None
+
+    def allowed(path: str) -> bool:
+        if include is not None:
+            return any(p.fullmatch(path) for p in include)
+        return not any(p.fullmatch(path) for p in exclude)
+    return allowed
+
+
 def build(kind: str, text_encoder, unet, multiplier: float, factory, enable_conv: bool,
-          modules: dict[str, object] | None = None) -> lora.AdapterNetwork:
+          modules: dict[str, object] | None = None, module_filter=None) -> lora.AdapterNetwork:
     """The network of ``factory(lora_name, org_module, setting)`` modules on sd-scripts' targets;
-    ``modules``: name -> setting from a file (only those layers, 3x3 convs included)."""
+    ``modules``: name -> setting from a file (only those layers, 3x3 convs included);
+    ``module_filter``: pattern_filter's."""
     def make(lora_name, org_module, mult, dim, alpha, *_):
         return factory(lora_name, org_module, alpha)
 
@@ -144,7 +178,7 @@ def build(kind: str, text_encoder, unet, multiplier: float, factory, enable_conv
         kwargs = dict(lora_dim=1, alpha=None, conv_lora_dim=1 if enable_conv else None, conv_alpha=None)
     try:
         return lora.AdapterNetwork(text_encoder, unet, multiplier=multiplier, is_sdxl=_is_sdxl(text_encoder, unet),
-                                   module_factory=make, **kwargs)
+                                   module_factory=make, module_filter=module_filter, **kwargs)
     except lora.LoRAError as e:
         raise lora.LoRAError(f"{kind}: {e}") from None
 

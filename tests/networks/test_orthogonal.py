@@ -281,9 +281,29 @@ def test_sdxl_names_and_a_file_read_back_with_its_shapes(kind):
         module.create_network_from_weights(1.0, None, None, tes, c["unet"], weights_sd=bad)
 
 
+def test_include_and_exclude_patterns_match_the_dotted_layer_path():
+    """sd-scripts' rule: full matches on the layer's path in its model (SDXL U-Net: SAI layout;
+    text encoders under text_model); include patterns win over exclude patterns."""
+    c = build_tiny_components("sdxl")
+    tes = _tes(c)
+    every = {lo.lora_name for lo in _all(oft_v2.create_network(1.0, 4, None, None, tes, c["unet"]))}
+    no_attn2 = {lo.lora_name for lo in _all(oft_v2.create_network(1.0, 4, None, None, tes, c["unet"],
+                                                                  exclude_patterns="['.*attn2.*']"))}
+    assert no_attn2 == {n for n in every if "_attn2_" not in n} and len(no_attn2) < len(every)
+    only = {lo.lora_name for lo in _all(boft.create_network(
+        1.0, 4, None, None, tes, c["unet"], include_patterns="['input_blocks\\.4\\..*to_q', 'text_model\\..*q_proj']",
+        exclude_patterns="['.*']"))}
+    assert only and all(n.startswith("lora_unet_input_blocks_4_") and n.endswith("to_q")
+                        or n.startswith(("lora_te1_", "lora_te2_")) and n.endswith("q_proj") for n in only)
+    with pytest.raises(LoRAError, match="include_patterns of networks.boft: bad regular expression"):
+        boft.check_network_args({"include_patterns": "['(']"})
+
+
+def _all(net):
+    return net.text_encoder_loras + net.unet_loras
+
+
 def test_network_args_errors_are_one_line_each():
-    with pytest.raises(LoRAError, match="include_patterns of networks.oft_v2 is not supported"):
-        oft_v2.check_network_args({"include_patterns": "['.*']"})
     with pytest.raises(LoRAError, match="unknown key 'blocksize' for networks.oft_v2"):
         oft_v2.check_network_args({"blocksize": "4"})
     with pytest.raises(LoRAError, match="not both"):
