@@ -1,5 +1,5 @@
-"""sd-scripts' networks.boft (PR #2428): Butterfly Orthogonal Fine-Tuning in the PEFT form for SD1,
-SD2 and SDXL.
+"""sd-scripts' networks.boft (PR #2357 / #2428): Butterfly Orthogonal Fine-Tuning in the PEFT form
+for SD1, SD2 and SDXL.
 
 Each adapted layer's flattened weight W (out, inputs) becomes ``diag(s) W R^T``: R the product of
 ``boft_n_butterfly_factor`` butterfly factors, each a block-diagonal of exact Cayley rotations
@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from networks import lora
 from networks.oft_v2 import PATTERNS, parse_args
-from networks.orthogonal_modules import BOFTModule, build, in_features, modules_of_file
+from networks.orthogonal_modules import BOFTModule, build, in_features, network_from_weights
 
 logger = logging.getLogger("sdtk")
 
@@ -63,10 +63,10 @@ def _module(s: dict, multiplier: float):
         if file_tensor is None:
             return BOFTModule(lora_name, org_module, multiplier, s["block_size"], s["block_num"], s["n_factors"],
                               s["dropout"], s["auto_adjust"])
-        m, nb, b = file_tensor.shape[:3]  # the file's shape, exactly
-        if file_tensor.dim() != 4 or nb * b != in_features(org_module):
+        if file_tensor.dim() != 4 or file_tensor.shape[1] * file_tensor.shape[2] != in_features(org_module):
             raise lora.LoRAError(f"{lora_name}.{PART}: shape {tuple(file_tensor.shape)} does not fit its "
                                  f"{in_features(org_module)} inputs (wrong base model?)")
+        m, nb, b = file_tensor.shape[:3]  # the file's shape, exactly
         return BOFTModule(lora_name, org_module, multiplier, b, nb, m, s["dropout"], False)
     return make
 
@@ -82,11 +82,6 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
                                 for_inference: bool = False, **kwargs):
-    if weights_sd is None:
-        weights_sd = lora.load_state_dict_file(file)
     s = _settings(None, None, kwargs)
-    modules = modules_of_file(weights_sd, PART)
-    if not modules:
-        raise lora.LoRAError(f"weights {file or '(state dict)'}: no {PART} keys, not a file of {MODULE}")
-    # the file names its layers: the pattern filters are not applied to it
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), True, modules), weights_sd
+    return network_from_weights(MODULE, PART, _module(s, multiplier), multiplier, file, text_encoder, unet,
+                                weights_sd)

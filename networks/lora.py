@@ -372,8 +372,13 @@ class AdapterNetwork(torch.nn.Module):
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.multiplier = self.multiplier if is_enabled else 0.0
 
+    def file_keys(self, weights_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A file's tensors under this network's kohya keys (a kind that reads other key layouts
+        renames them here)."""
+        return weights_sd
+
     def load_weights(self, file: str):
-        weights_sd = load_state_dict_file(file)
+        weights_sd = self.file_keys(load_state_dict_file(file))
         try:
             info = self.load_state_dict(weights_sd, strict=False)
         except RuntimeError as e:  # shape mismatch: another dim or another base model
@@ -409,6 +414,7 @@ class AdapterNetwork(torch.nn.Module):
 
     def merge_to(self, text_encoder, unet, weights_sd: dict[str, torch.Tensor], dtype=None, device=None) -> None:
         """Merge the weights of weights_sd (kohya keys) times the multiplier into the original modules."""
+        weights_sd = self.file_keys(weights_sd)
         prefixes = {k.split(".", 1)[0] for k in weights_sd}
         for lora in self.text_encoder_loras + self.unet_loras:
             if lora.lora_name not in prefixes:

@@ -1,4 +1,4 @@
-"""sd-scripts' networks.oft_v2 (PR #2428): OFT in the PEFT form (OFTv2) for SD1, SD2 and SDXL.
+"""sd-scripts' networks.oft_v2 (PR #2357 / #2428): OFT in the PEFT form (OFTv2) for SD1, SD2, SDXL.
 
 Each adapted layer's inputs split into blocks of ``block_size``; each block rotates by PEFT's
 Neumann-series Cayley transform of a skew matrix (networks/orthogonal.py), zero at the start.
@@ -22,7 +22,7 @@ import logging
 from typing import Any, Optional
 
 from networks import lora, orthogonal
-from networks.orthogonal_modules import (OFTv2Module, build, in_features, modules_of_file, parse_patterns,
+from networks.orthogonal_modules import (OFTv2Module, build, in_features, network_from_weights, parse_patterns,
                                          pattern_filter)
 
 logger = logging.getLogger("sdtk")
@@ -96,11 +96,6 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
                                 for_inference: bool = False, **kwargs):
-    if weights_sd is None:
-        weights_sd = lora.load_state_dict_file(file)
     s = _settings(None, None, kwargs)
-    modules = modules_of_file(weights_sd, PART)
-    if not modules:
-        raise lora.LoRAError(f"weights {file or '(state dict)'}: no {PART} keys, not a file of {MODULE}")
-    # the file names its layers: the pattern filters are not applied to it
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), True, modules), weights_sd
+    return network_from_weights(MODULE, PART, _module(s, multiplier), multiplier, file, text_encoder, unet,
+                                weights_sd)

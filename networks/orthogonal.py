@@ -1,5 +1,5 @@
 """The rotation arithmetic of sd-scripts' PEFT-form orthogonal adapters (networks.oft_v2 and
-networks.boft, sd-scripts PR #2428), on plain tensors, in any float dtype (float64 for merges).
+networks.boft, sd-scripts PR #2357 / #2428), on plain tensors, in any float dtype (float64 merges).
 
 OFTv2 (a file's ``oft_R.weight``, shape (r, b(b-1)/2)): each row is the strict upper triangle of a
 b x b matrix M, row-major (``torch.triu_indices(b, b, 1)``); Q = M - M^T is skew-symmetric, and the

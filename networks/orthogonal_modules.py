@@ -1,5 +1,5 @@
 """The modules and network of sd-scripts' networks.oft_v2 and networks.boft (PEFT-form orthogonal
-fine-tuning, sd-scripts PR #2428): which layers they adapt, their tensors, dropout and merge.
+fine-tuning, sd-scripts PR #2357 / #2428): the layers they adapt, their tensors, dropout, merge.
 
 Layers (as sd-scripts' modules, with networks.lora's kohya names: SD1/SD2 U-Net in diffusers
 layout, SDXL in SAI layout, ``lora_te`` / ``lora_te1`` / ``lora_te2``): every Linear and 1x1 Conv2d
@@ -16,8 +16,10 @@ import re
 
 import torch
 
-from networks import lora, orthogonal
+from networks import lora, lora_names, orthogonal
 from networks.adapter_modules import HookedModule
+
+PARTS = ("oft_R.weight", "boft_R", "boft_s")
 
 
 def in_features(module: torch.nn.Module) -> int:
@@ -177,10 +179,74 @@ def build(kind: str, text_encoder, unet, multiplier: float, factory, enable_conv
     else:
         kwargs = dict(lora_dim=1, alpha=None, conv_lora_dim=1 if enable_conv else None, conv_alpha=None)
     try:
-        return lora.AdapterNetwork(text_encoder, unet, multiplier=multiplier, is_sdxl=_is_sdxl(text_encoder, unet),
-                                   module_factory=make, module_filter=module_filter, **kwargs)
+        network = OrthogonalNetwork(text_encoder, unet, multiplier=multiplier, is_sdxl=_is_sdxl(text_encoder, unet),
+                                    module_factory=make, module_filter=module_filter, **kwargs)
     except lora.LoRAError as e:
         raise lora.LoRAError(f"{kind}: {e}") from None
+    network.renamer = KeyRenamer(text_encoder, unet)
+    return network
+
+
+class OrthogonalNetwork(lora.AdapterNetwork):
+    """AdapterNetwork reading the other key layouts sd-scripts' loader takes (KeyRenamer)."""
+
+    renamer = None
+
+    def file_keys(self, weights_sd):
+        return weights_sd if self.renamer is None else self.renamer(weights_sd)
+
+
+class KeyRenamer:
+    """The key layouts sd-scripts' OFTv2 / BOFT loader reads besides kohya names, to kohya names:
+    OMI's ``unet.`` / ``clip_l.`` / ``clip_g.`` + the layer's dotted path in sd-scripts' model (SDXL
+    U-Net in SAI layout), and PEFT's ``base_model.model.`` + the diffusers path (an SDXL U-Net path
+    is translated to SAI; a text-encoder path on SDXL names neither encoder: an error, where
+    sd-scripts loads it into both)."""
+
+    def __init__(self, text_encoder, unet):
+        tes = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]) if te is not None]
+        self.n_tes = len(tes)
+        self.block_map = lora_names.sdxl_block_map(unet) if unet is not None and _is_sdxl(tes, unet) else None
+
+    def _name(self, head: str, path: str, key: str) -> str:
+        te1 = lora_names.PREFIX_TE if self.n_tes == 1 else lora_names.PREFIX_TE1
+        if head == "unet":
+            return lora_names.kohya_name(lora_names.PREFIX_UNET, path)
+        if head in ("clip_l", "clip_g"):
+            return lora_names.kohya_name(te1 if head == "clip_l" else lora_names.PREFIX_TE2, path)
+        if path.startswith("text_model."):
+            if self.n_tes != 1:
+                raise lora.LoRAError(f"{key}: a PEFT text-encoder key on SDXL does not say which text encoder; "
+                                     "rename it to clip_l. / clip_g.")
+            return lora_names.kohya_name(te1, path)
+        if self.block_map is not None and path.startswith(("down_blocks.", "mid_block.", "up_blocks.")):
+            path = lora_names.sdxl_module_path(path, self.block_map)
+        return lora_names.kohya_name(lora_names.PREFIX_UNET, path)
+
+    def __call__(self, weights_sd: dict) -> dict:
+        out = {}
+        for key, value in weights_sd.items():
+            part = next((p for p in PARTS if key.endswith("." + p)), None)
+            name = key[:-len(part) - 1] if part else ""
+            if part and "." in name:
+                for head in ("unet", "clip_l", "clip_g", "base_model.model"):
+                    if name.startswith(head + "."):
+                        key = self._name(head, name[len(head) + 1:], key) + "." + part
+                        break
+            out[key] = value
+        return out
+
+
+def network_from_weights(kind: str, part: str, factory, multiplier: float, file, text_encoder, unet, weights_sd):
+    """create_network_from_weights of a kind whose modules' ``part`` tensor names its layers (the
+    file names them: pattern filters are not applied) -> (network, weights_sd under kohya keys)."""
+    if weights_sd is None:
+        weights_sd = lora.load_state_dict_file(file)
+    weights_sd = KeyRenamer(text_encoder, unet)(weights_sd)
+    modules = modules_of_file(weights_sd, part)
+    if not modules:
+        raise lora.LoRAError(f"weights {file or '(state dict)'}: no {part} keys, not a file of {kind}")
+    return build(kind, text_encoder, unet, multiplier, factory, True, modules), weights_sd
 
 
 def _is_sdxl(text_encoder, unet) -> bool:

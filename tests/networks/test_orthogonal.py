@@ -73,6 +73,18 @@ def _randomize(module, seed, std=0.1):
             p.copy_((1.0 if name == "boft_s" else 0.0) + torch.randn(p.shape, generator=g) * std)
 
 
+def _output_of(org, inp):
+    """The layer's float64 output with a given weight (its own bias, padding 1 for a conv)."""
+    bias = org.bias.detach().double()
+
+    def out(weight: np.ndarray) -> np.ndarray:
+        wt = torch.from_numpy(weight)
+        if isinstance(org, torch.nn.Conv2d):
+            return F.conv2d(inp.double(), wt, bias, padding=1).numpy()
+        return (inp.double() @ wt.T + bias).numpy()
+    return out
+
+
 def _hooked(module, org, x):
     module.apply_to()
     try:
@@ -94,12 +106,8 @@ def test_oftv2_linear_and_3x3_conv_against_the_float64_neumann_cayley(share):
         m.eval()
         rows = m.oft_R.weight.detach().double().numpy()
         got = _hooked(m, org, inp)
-        w, bias = org.weight.detach().double().numpy(), org.bias.detach().double()
-        is_conv = isinstance(org, torch.nn.Conv2d)
-
-        def out(wt):
-            wt = torch.from_numpy(wt)
-            return (F.conv2d(inp.double(), wt, bias, padding=1) if is_conv else inp.double() @ wt.T + bias).numpy()
+        w, is_conv = org.weight.detach().double().numpy(), isinstance(org, torch.nn.Conv2d)
+        out = _output_of(org, inp)
 
         assert _close(got, out(_oftv2_weight(w, rows, b, is_conv, 0.7)))
         # the planted faults: the other side's rotation, the skew matrix at half scale
@@ -181,12 +189,8 @@ def test_boft_linear_and_3x3_conv_against_the_float64_butterfly_product(factors)
         m.eval()
         blocks, s = m.boft_R.detach().double().numpy(), m.boft_s.detach().double().numpy()
         got = _hooked(m, org, inp)
-        w, bias = org.weight.detach().double().numpy(), org.bias.detach().double()
-        is_conv = isinstance(org, torch.nn.Conv2d)
-
-        def out(wt):
-            wt = torch.from_numpy(wt)
-            return (F.conv2d(inp.double(), wt, bias, padding=1) if is_conv else inp.double() @ wt.T + bias).numpy()
+        w, is_conv = org.weight.detach().double().numpy(), isinstance(org, torch.nn.Conv2d)
+        out = _output_of(org, inp)
 
         assert _close(got, out(_boft_weight(w, blocks, s, 0.6)))
         assert not _close(got, out(_boft_weight(w, blocks, s, 0.6, transpose=True)))
@@ -341,3 +345,47 @@ def test_base_weights_merge_the_rotation_in_float64():
     assert _merge(bundle, sd, 0.5, "networks.lora") == len({k.partition(".")[0] for k in sd})
     for lo in (lin, conv):
         assert np.allclose(lo.org_module.weight.detach().double().numpy(), want[lo.lora_name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_omi_and_peft_key_layouts_read_as_sd_scripts_reads_them(arch):
+    """sd-scripts' loader also takes OMI's ``unet.`` / ``clip_l.`` / ``clip_g.`` + dotted path and
+    PEFT's ``base_model.model.`` + the diffusers path; each reads back to the kohya file, and a
+    merge from them equals the merge from the kohya file."""
+    from library.models.unet_layout import block_map, original_path
+
+    c = build_tiny_components(arch)
+    tes = _tes(c)
+    net = _network("oft_v2", c)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    paths = {}  # kohya name -> (head, dotted path)
+    blocks = block_map(c["unet"].config) if arch == "sdxl" else None
+    for lo in _all(net):
+        for root, head in ((c["unet"], "unet"), *((te, h) for te, h in zip(tes, ("clip_l", "clip_g")))):
+            for path, layer in root.named_modules():
+                if layer is lo.org_module:
+                    paths[lo.lora_name] = (head, path)
+    net.remove_from()
+    assert len(paths) == len({k.partition(".")[0] for k in sd})
+
+    def omi(name):
+        head, path = paths[name]
+        if head == "unet" and blocks is not None:  # OMI names the layer by sd-scripts' SAI path
+            path = original_path(path, blocks)
+        if head != "unet" and not path.startswith("text_model."):
+            path = "text_model." + path
+        return f"{head}.{path}"
+
+    omi_sd = {omi(k.partition(".")[0]) + "." + k.partition(".")[2]: v for k, v in sd.items()}
+    back, renamed = oft_v2.create_network_from_weights(1.0, None, None, tes if len(tes) > 1 else tes[0], c["unet"],
+                                                       weights_sd=omi_sd)
+    assert renamed.keys() == sd.keys() and all(torch.equal(renamed[k], sd[k]) for k in sd)
+    peft_sd = {"base_model.model." + paths[k.partition(".")[0]][1] + "." + k.partition(".")[2]: v
+               for k, v in sd.items() if paths[k.partition(".")[0]][0] == "unet"}
+    back, renamed = oft_v2.create_network_from_weights(1.0, None, None, tes if len(tes) > 1 else tes[0], c["unet"],
+                                                       weights_sd=peft_sd)
+    assert renamed == {k: v for k, v in sd.items() if k.startswith("lora_unet_")}
+    if arch == "sdxl":
+        with pytest.raises(LoRAError, match="does not say which text encoder"):
+            oft_v2.create_network_from_weights(1.0, None, None, tes, c["unet"], weights_sd={
+                "base_model.model.text_model.encoder.layers.0.self_attn.q_proj.oft_R.weight": torch.zeros(8, 6)})
