@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from library.models.tiny_models import build_tiny_components
 from networks import boft, merge_lora, oft_v2
@@ -348,7 +349,7 @@ def test_base_weights_merge_the_rotation_in_float64():
 
 
 @pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-def test_omi_and_peft_key_layouts_read_as_sd_scripts_reads_them(arch):
+def test_omi_and_peft_key_layouts_read_as_sd_scripts_reads_them(arch, tmp_path):
     """sd-scripts' loader also takes OMI's ``unet.`` / ``clip_l.`` / ``clip_g.`` + dotted path and
     PEFT's ``base_model.model.`` + the diffusers path; each reads back to the kohya file, and a
     merge from them equals the merge from the kohya file."""
@@ -380,6 +381,14 @@ def test_omi_and_peft_key_layouts_read_as_sd_scripts_reads_them(arch):
     back, renamed = oft_v2.create_network_from_weights(1.0, None, None, tes if len(tes) > 1 else tes[0], c["unet"],
                                                        weights_sd=omi_sd)
     assert renamed.keys() == sd.keys() and all(torch.equal(renamed[k], sd[k]) for k in sd)
+    save_file(omi_sd, str(tmp_path / "omi.safetensors"))  # network_weights: load_weights reads it too
+    fresh = _network("oft_v2", c)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_weights(str(tmp_path / "omi.safetensors"))
+    assert all(torch.equal(v, sd[k]) for k, v in fresh.state_dict().items())
+    fresh.remove_from()
     peft_sd = {"base_model.model." + paths[k.partition(".")[0]][1] + "." + k.partition(".")[2]: v
                for k, v in sd.items() if paths[k.partition(".")[0]][0] == "unet"}
     back, renamed = oft_v2.create_network_from_weights(1.0, None, None, tes if len(tes) > 1 else tes[0], c["unet"],
