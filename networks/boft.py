@@ -17,14 +17,9 @@ File: ``<kohya name>.boft_R`` (factors, blocks, b, b) and ``.boft_s`` (out, 1) p
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
-
 from networks import lora
-from networks.oft_v2 import PATTERNS, parse_args
-from networks.orthogonal_modules import BOFTModule, build, in_features, network_from_weights
-
-logger = logging.getLogger("sdtk")
+from networks.oft_v2 import PATTERNS, common_settings, parse_args
+from networks.orthogonal_modules import BOFTModule, entry_points, in_features
 
 MODULE = "networks.boft"
 PART = "boft_R"
@@ -41,21 +36,13 @@ def _settings(network_dim, neuron_dropout, kwargs) -> dict:
         raise lora.LoRAError("network_args: give boft_block_size or boft_block_num, not both")
     if size is None and not num:
         size = network_dim
-    dropout = neuron_dropout if neuron_dropout is not None else a.get("dropout")
     return dict(
         block_size=0 if num else (4 if size is None else lora.parse_number("network_args: boft_block_size", size, int,
                                                                            1)),
         block_num=num,
         n_factors=lora.parse_number("network_args: boft_n_butterfly_factor", a.get("boft_n_butterfly_factor", 1),
                                     int, 1),
-        dropout=0.0 if dropout is None else lora.parse_number("network_args: dropout", dropout, float, 0.0, 1.0),
-        enable_conv=lora.parse_bool(MODULE, "enable_conv", a.get("enable_conv", False)),
-        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)),
-        module_filter=a["module_filter"])
-
-
-def check_network_args(kwargs: dict[str, Any]) -> None:
-    _settings(None, None, dict(kwargs))
+        **common_settings(MODULE, a, neuron_dropout))
 
 
 def _module(s: dict, multiplier: float):
@@ -71,17 +58,6 @@ def _module(s: dict, multiplier: float):
     return make
 
 
-def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
-                   text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs):
-    s = _settings(network_dim, neuron_dropout, kwargs)
-    logger.info(f"{MODULE}: block_size {s['block_size']}, block_num {s['block_num']}, butterfly factors "
-                f"{s['n_factors']}, dropout {s['dropout']}, enable_conv {s['enable_conv']}")
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"],
-                 module_filter=s["module_filter"])
-
-
-def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
-                                for_inference: bool = False, **kwargs):
-    s = _settings(None, None, kwargs)
-    return network_from_weights(MODULE, PART, _module(s, multiplier), multiplier, file, text_encoder, unet,
-                                weights_sd)
+# the kohya network interface (train_lora.py, merge_lora.py, base_weights)
+create_network, create_network_from_weights, check_network_args = entry_points(
+    MODULE, PART, _settings, _module, ("block_size", "block_num", "n_factors", "dropout", "enable_conv"))

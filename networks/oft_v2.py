@@ -18,14 +18,10 @@ network (``ss_network_module`` "networks.oft_v2", ``ss_network_args``).
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
+from typing import Any
 
 from networks import lora, orthogonal
-from networks.orthogonal_modules import (OFTv2Module, build, in_features, network_from_weights, parse_patterns,
-                                         pattern_filter)
-
-logger = logging.getLogger("sdtk")
+from networks.orthogonal_modules import OFTv2Module, entry_points, in_features, parse_patterns, pattern_filter
 
 MODULE = "networks.oft_v2"
 PART = "oft_R.weight"
@@ -50,23 +46,26 @@ def parse_args(kwargs: dict[str, Any], module: str, known: tuple[str, ...], alia
     return out
 
 
+def common_settings(module: str, a: dict, neuron_dropout) -> dict:
+    """The settings both kinds read alike: dropout (``network_dropout`` wins), enable_conv,
+    auto_adjust and the pattern filter."""
+    dropout = neuron_dropout if neuron_dropout is not None else a.get("dropout")
+    return dict(
+        dropout=0.0 if dropout is None else lora.parse_number("network_args: dropout", dropout, float, 0.0, 1.0),
+        enable_conv=lora.parse_bool(module, "enable_conv", a.get("enable_conv", False)),
+        auto_adjust=lora.parse_bool(module, "auto_adjust", a.get("auto_adjust", True)),
+        module_filter=a["module_filter"])
+
+
 def _settings(network_dim, neuron_dropout, kwargs) -> dict:
     a = parse_args(kwargs, MODULE, KNOWN, ALIASES)
     size = a.get("block_size", network_dim)
-    dropout = neuron_dropout if neuron_dropout is not None else a.get("dropout")
     return dict(
         block_size=32 if size is None else lora.parse_number("network_args: oft_block_size", size, int, 1),
         coft=lora.parse_bool(MODULE, "coft", a.get("coft", False)),
         coft_eps=lora.parse_number("network_args: coft_eps", a.get("coft_eps", 6e-5), float, 0, low_inclusive=False),
         block_share=lora.parse_bool(MODULE, "block_share", a.get("block_share", False)),
-        dropout=0.0 if dropout is None else lora.parse_number("network_args: dropout", dropout, float, 0.0, 1.0),
-        enable_conv=lora.parse_bool(MODULE, "enable_conv", a.get("enable_conv", False)),
-        auto_adjust=lora.parse_bool(MODULE, "auto_adjust", a.get("auto_adjust", True)),
-        module_filter=a["module_filter"])
-
-
-def check_network_args(kwargs: dict[str, Any]) -> None:
-    _settings(None, None, dict(kwargs))
+        **common_settings(MODULE, a, neuron_dropout))
 
 
 def _module(s: dict, multiplier: float):
@@ -85,17 +84,6 @@ def _module(s: dict, multiplier: float):
     return make
 
 
-def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
-                   text_encoder, unet, neuron_dropout: Optional[float] = None, **kwargs):
-    s = _settings(network_dim, neuron_dropout, kwargs)
-    logger.info(f"{MODULE}: block_size {s['block_size']}, coft {s['coft']}, block_share {s['block_share']}, "
-                f"dropout {s['dropout']}, enable_conv {s['enable_conv']}")
-    return build(MODULE, text_encoder, unet, multiplier, _module(s, multiplier), s["enable_conv"],
-                 module_filter=s["module_filter"])
-
-
-def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoder, unet, weights_sd=None,
-                                for_inference: bool = False, **kwargs):
-    s = _settings(None, None, kwargs)
-    return network_from_weights(MODULE, PART, _module(s, multiplier), multiplier, file, text_encoder, unet,
-                                weights_sd)
+# the kohya network interface (train_lora.py, merge_lora.py, base_weights)
+create_network, create_network_from_weights, check_network_args = entry_points(
+    MODULE, PART, _settings, _module, ("block_size", "coft", "block_share", "dropout", "enable_conv"))

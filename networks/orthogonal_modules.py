@@ -12,12 +12,15 @@ blocks. The arithmetic is networks/orthogonal.py; run time and merge use the sam
 from __future__ import annotations
 
 import ast
+import logging
 import re
 
 import torch
 
 from networks import lora, lora_names, orthogonal
 from networks.adapter_modules import HookedModule
+
+logger = logging.getLogger("sdtk")
 
 PARTS = ("oft_R.weight", "boft_R", "boft_s")
 
@@ -204,7 +207,8 @@ class KeyRenamer:
     sd-scripts loads it into both)."""
 
     def __init__(self, text_encoder, unet):
-        tes = [te for te in (text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]) if te is not None]
+        listed = text_encoder if isinstance(text_encoder, (list, tuple)) else [text_encoder]
+        tes = [te for te in listed if te is not None]
         self.n_tes = len(tes)
         self.block_map = lora_names.sdxl_block_map(unet) if unet is not None and _is_sdxl(tes, unet) else None
 
@@ -247,6 +251,29 @@ def network_from_weights(kind: str, part: str, factory, multiplier: float, file,
     if not modules:
         raise lora.LoRAError(f"weights {file or '(state dict)'}: no {part} keys, not a file of {kind}")
     return build(kind, text_encoder, unet, multiplier, factory, True, modules), weights_sd
+
+
+def entry_points(kind: str, part: str, settings, module_factory, logged: tuple[str, ...]):
+    """The kohya interface's create_network / create_network_from_weights (and our
+    check_network_args, before any weight loads) of a kind:
+    ``settings(network_dim, neuron_dropout, network_args)`` -> dict (with ``enable_conv`` and
+    ``module_filter``), ``module_factory(settings, multiplier)`` -> build's factory; ``logged``: the
+    settings the log line names."""
+    def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None,
+                       **kwargs):
+        s = settings(network_dim, neuron_dropout, kwargs)
+        logger.info(f"{kind}: " + ", ".join(f"{k} {s[k]}" for k in logged))
+        return build(kind, text_encoder, unet, multiplier, module_factory(s, multiplier), s["enable_conv"],
+                     module_filter=s["module_filter"])
+
+    def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None,
+                                    for_inference=False, **kwargs):
+        s = settings(None, None, kwargs)
+        return network_from_weights(kind, part, module_factory(s, multiplier), multiplier, file, text_encoder, unet,
+                                    weights_sd)
+    def check_network_args(kwargs: dict) -> None:
+        settings(None, None, dict(kwargs))
+    return create_network, create_network_from_weights, check_network_args
 
 
 def _is_sdxl(text_encoder, unet) -> bool:
