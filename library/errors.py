@@ -1,14 +1,27 @@
 """The one base class of errors caused by the user's input (options, files, data), and the errors
 that lower layers raise and the entry glue answers (the bottom layer: it imports nothing of ours).
 
-Entry scripts print such an error as one line, without a traceback, and exit with status 2;
-``NonFiniteStop`` exits with 3, ``TrainingInterrupted`` with 128 + the signal.
+Entry scripts print such an error as one line, without a traceback, and exit with status 2
+(``tool_main`` for the tools); ``NonFiniteStop`` exits with 3, ``TrainingInterrupted`` with 128 +
+the signal.
 """
 import signal
+import sys
 
 
 class UserError(Exception):
     """An error in what the user gave us; its message is one line naming the option or file."""
+
+
+def tool_main(parse_args, run, argv=None) -> int:
+    """A tool's main: parse the flags, run, and print a user error as one line (exit 2)."""
+    args = parse_args(argv)
+    try:
+        run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def first_line(e: BaseException, *, typed: bool = False) -> str:

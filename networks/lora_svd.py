@@ -12,15 +12,16 @@ import datetime
 import json
 import math
 import os
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from library.errors import UserError
+from library.errors import tool_main  # noqa: F401  (the LoRA tools' main: lora_svd.tool_main)
 from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+from library.models.placement import parse_device  # noqa: F401  (the LoRA tools' --device, re-exported)
+from networks import lora_blocks
 from networks.adapter_weights import file_kinds
 from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, write_weights
 
@@ -148,20 +149,6 @@ def check_save_to(path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK):
         raise LoRAError(f"--save_to {path}: folder {existing} is not writable")
-
-
-def parse_device(value: str | None) -> torch.device:
-    if not value:
-        return torch.device("cpu")
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise LoRAError(f"--device {value!r}: not a torch device (cpu, cuda, cuda:0, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LoRAError(f"--device {value}: CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise LoRAError(f"--device {value}: MPS is not available on this machine")
-    return device
 
 
 def state_dict_of(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
@@ -376,6 +363,34 @@ def read_inputs(paths: list[str], ratios: list[float], operation: str | None = N
     return inputs
 
 
+def add_lbws(p) -> None:
+    """The merge tools' --lbws (sd-scripts' name): one LoRA Block Weight list per file."""
+    p.add_argument("--lbws", nargs="+", default=None,
+                   help="per file, block weights as a JSON list: 17 or 26 values (SD1/SD2), 12 or 20 (SDXL), "
+                        "e.g. '[1,1,1,1,1,1,1,1,1,1,1,0.5,0.5,0.5,0.5,0.5,0.5]'")
+
+
+def check_lbws_family(lbw_sdxl: bool, is_sdxl: bool, what: str) -> None:
+    """--lbws lists of one family's length for a LoRA / model of the other: one line naming it."""
+    if lbw_sdxl != is_sdxl:
+        fam = {True: "SDXL", False: "SD1/SD2"}
+        raise LoRAError(f"--lbws: the lists have {fam[lbw_sdxl]}'s lengths ({'12 or 20' if lbw_sdxl else '17 or 26'}) "
+                        f"but {what} is {fam[is_sdxl]}")
+
+
+def block_weighted(inputs: list[LoRAInput], weights: list[list[float]], lbw_sdxl: bool) -> list[LoRAInput]:
+    """Each input's modules with their block's weight (lora_blocks.lbw_factor) folded into the
+    down factor, so a module's delta is scaled by it exactly once."""
+    out = []
+    for inp, w in zip(inputs, weights):
+        is_sdxl = lora_blocks.is_sdxl_names(inp.modules)
+        check_lbws_family(lbw_sdxl, is_sdxl, inp.path)
+        modules = {name: Module(name, m.down.float() * lora_blocks.lbw_factor(w, name, is_sdxl), m.up, m.alpha)
+                   for name, m in inp.modules.items()}
+        out.append(replace(inp, modules=modules))
+    return out
+
+
 def common_metadata(inputs: list[LoRAInput]) -> dict[str, str]:
     """The minimum ss_* metadata of a file made from several: base model and v2 from the first
     file that records them (sd-scripts' rule). The network module is networks.lora, or the
@@ -415,13 +430,3 @@ def concat(inputs: list[LoRAInput], shuffle: bool = False,
         out[name] = Module(name, down, up, float(down.shape[0]))
     return out
 
-
-def tool_main(parse_args, run, argv=None) -> int:
-    """The LoRA tools' main: parse the flags, run, and print a user error as one line (exit 2)."""
-    args = parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

@@ -105,6 +105,11 @@ LAZY_MODULES: dict[str, str] = {
                                     "for our side import it when called",
     "tools.merge_sd3_safetensors": "its --help must not wait for diffusers and transformers (about "
                                    "5 s): the merge imports them once the options are parsed",
+    "tools.convert_diffusers20_original_sd": "its --help must not wait for torch, diffusers and "
+                                             "transformers: the conversion imports them once the "
+                                             "options are parsed",
+    "tools.merge_models": "its --help must not wait for torch: the merge imports it once the options "
+                          "are parsed",
     "library.ui.jobs": "the UI server starts without torch: a resumed job's command looks for "
                        "states when built",
 }

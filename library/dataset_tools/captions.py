@@ -44,7 +44,8 @@ def find_images(folder: str, recursive: bool = False) -> list[Path]:
 
 
 def check_extension(caption_extension: str) -> None:
-    if not caption_extension.startswith(".") or len(caption_extension) < 2 or "/" in caption_extension:
+    if not isinstance(caption_extension, str) or not caption_extension.startswith(".") \
+            or len(caption_extension) < 2 or "/" in caption_extension:
         raise DataError(f"--caption_extension {caption_extension!r}: an extension starts with '.'")
 
 
@@ -95,6 +96,20 @@ def remove_tag(text: str, tag: str) -> str:
     """Every tag equal to ``tag`` (several: separated by commas) dropped."""
     gone = set(_tags_given(tag, "tag"))
     return _per_line(text, lambda tags: [t for t in tags if t not in gone])
+
+
+def rename_tag(text: str, old: str, new: str) -> str:
+    """Every tag equal to ``old`` becomes ``new`` (one tag each); a tag then repeated in a line is
+    kept once, where it first stands."""
+    (src,), (dst,) = _one_tag(old, "tag"), _one_tag(new, "new tag")
+    return _per_line(text, lambda tags: list(dict.fromkeys(dst if t == src else t for t in tags)))
+
+
+def _one_tag(value: str, what: str) -> list[str]:
+    tags = _tags_given(value, what)
+    if len(tags) != 1:
+        raise DataError(f"{what} {value!r}: one tag (no comma)")
+    return tags
 
 
 def dedupe(text: str) -> str:
@@ -175,7 +190,16 @@ def folder_lock(folder: str):
             os.remove(lock)
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str | None) -> None:
+    """``text`` atomically; None: the file removed (a caption that did not exist before)."""
+    if text is None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise files.SaveError(path, e.strerror or str(e)) from None
+        return
     with files.atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
@@ -197,13 +221,14 @@ def _write_all(pairs: list[tuple[str, str, str]]) -> None:
 
 def edit_captions(folder: str, paths: list[str], edit: Callable[[str], str], operation: str) -> EditResult:
     """Apply ``edit`` to each caption file of ``paths`` (under ``folder``), with an undo journal
-    in ``folder``; files whose text does not change are not written."""
+    in ``folder``; files whose text does not change are not written. A path without a file is
+    edited from "" and written only when the edit gives text (undo removes it again)."""
     with folder_lock(folder):
         pairs = []
         for path in paths:
-            before = read_text(path)
-            after = edit(before)
-            if after != before:
+            before = read_text(path) if os.path.lexists(path) else None
+            after = edit(before or "")
+            if after != (before or ""):
                 pairs.append((path, before, after))
         result = EditResult(unchanged=len(paths) - len(pairs))
         if not pairs:

@@ -24,6 +24,7 @@ import shutil
 from dataclasses import dataclass
 
 from PIL import Image
+from tqdm import tqdm
 
 from library import files
 from library.data.folders import IMAGE_EXTENSIONS
@@ -89,7 +90,8 @@ def resize_images(src: str, dst: str, max_resolution: str = DEFAULT_RESOLUTIONS,
     except OSError as e:
         raise DataError(f"dst_img_folder {dst}: cannot create it ({e.strerror or e})") from None
     written = []
-    for name in sorted(os.listdir(src)):
+    # a progress bar on stderr (the web UI's tool jobs read it from the log)
+    for name in tqdm(sorted(os.listdir(src)), desc="resize", unit="file"):
         path = os.path.join(src, name)
         if not os.path.isfile(path):
             continue
