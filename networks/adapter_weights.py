@@ -10,6 +10,8 @@ One place for what a file's tensors mean, used by the training modules
   ``kron(w1, w2) * alpha / rank``, scale 1 when ``w2`` is a full matrix.
 - OFT (``oft_blocks``, prefix ``oft_unet``): a block-diagonal Cayley rotation of the output rows,
   ``W' = R^T W`` per block, with the skew matrix's norm clamped to ``alpha * out_dim``.
+- OFTv2 (``oft_R.weight``) and BOFT (``boft_R``, ``boft_s``), sd-scripts' PEFT-form modules: the
+  rotation of the layer's inputs, networks/orthogonal.py.
 - DoRA (LyCORIS ``dora_wd``: a LoRA / LoHa / LoKr module with ``dora_scale``): the weight
   decomposed, ``W' = m * (W + delta) / ||W + delta||``, m = ``dora_scale``, the norm taken over
   every axis but the one dora_scale runs along: the output rows (shape (out, 1, ...), LyCORIS'
@@ -24,11 +26,12 @@ from __future__ import annotations
 import torch
 
 # the tensor names that identify a module's kind in a file (first match wins)
-KIND_KEYS = (("LoHa", "hada_w1_a"), ("LoKr", "lokr_w1"), ("OFT", "oft_blocks"), ("LoRA", "lora_down.weight"),
+KIND_KEYS = (("LoHa", "hada_w1_a"), ("LoKr", "lokr_w1"), ("OFT", "oft_blocks"), ("OFTv2", "oft_R.weight"),
+             ("BOFT", "boft_R"), ("LoRA", "lora_down.weight"),
              ("LyCORIS iA3", "on_input"), ("LyCORIS GLoRA", "a1.weight"), ("LyCORIS Diag-OFT", "oft_diag"),
              ("LyCORIS full", "diff"))
 NETWORK_MODULE_OF_KIND = {"LoRA": "networks.lora", "LoHa": "networks.loha", "LoKr": "networks.lokr",
-                          "OFT": "networks.oft"}
+                          "OFT": "networks.oft", "OFTv2": "networks.oft_v2", "BOFT": "networks.boft"}
 
 
 def file_kinds(state_dict: dict) -> list[str]:

@@ -261,14 +261,17 @@ class AdapterNetwork(torch.nn.Module):
                  block_dims: list[int] | None = None, block_alphas: list[float] | None = None,
                  conv_block_dims: list[int] | None = None, conv_block_alphas: list[float | None] | None = None,
                  module_factory=None, unet_targets: tuple[str, ...] | None = None,
-                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = lora_names.PREFIX_UNET):
+                 text_encoder_targets: tuple[str, ...] | None = None, unet_prefix: str = lora_names.PREFIX_UNET,
+                 module_filter=None):
         """Either lora_dim/alpha (+ conv_lora_dim/conv_alpha) for every target, or modules_dim /
         modules_alpha per kohya name (from a file; then 3x3 convs are included when named), or
         per U-Net block (networks/lora_blocks.py) block_dims/block_alphas (+ conv_block_dims /
         conv_block_alphas for the 3x3 convs); a dim of 0 creates no module. module_factory(lora_name,
         org_module, multiplier, dim, alpha, dropout, rank_dropout, module_dropout) makes each
         module (default: LoRAModule). unet_targets / text_encoder_targets / unet_prefix: the module
-        classes searched and the U-Net name prefix, when not LoRA's (OFT)."""
+        classes searched and the U-Net name prefix, when not LoRA's (OFT). module_filter(path): whether
+        the layer at the dotted path sd-scripts' model has (SDXL U-Net in SAI layout, text encoders
+        under ``text_model``) gets a module (default: all)."""
         super().__init__()
         factory = module_factory or LoRAModule
         self.multiplier = multiplier
@@ -313,7 +316,10 @@ class AdapterNetwork(torch.nn.Module):
                     is_conv2d = child.__class__.__name__ == "Conv2d"
                     if not (is_linear or is_conv2d):
                         continue
-                    lora_name = lora_names.kohya_name(prefix, name_of(name + "." + child_name))
+                    path = name_of(name + "." + child_name)
+                    if module_filter is not None and not module_filter(path):
+                        continue
+                    lora_name = lora_names.kohya_name(prefix, path)
                     dim, alpha = dims_for(lora_name, is_linear or child.kernel_size == (1, 1),
                                           prefix == unet_prefix)
                     if not dim:
@@ -366,8 +372,13 @@ class AdapterNetwork(torch.nn.Module):
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.multiplier = self.multiplier if is_enabled else 0.0
 
+    def file_keys(self, weights_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A file's tensors under this network's kohya keys (a kind that reads other key layouts
+        renames them here)."""
+        return weights_sd
+
     def load_weights(self, file: str):
-        weights_sd = load_state_dict_file(file)
+        weights_sd = self.file_keys(load_state_dict_file(file))
         try:
             info = self.load_state_dict(weights_sd, strict=False)
         except RuntimeError as e:  # shape mismatch: another dim or another base model
@@ -403,6 +414,7 @@ class AdapterNetwork(torch.nn.Module):
 
     def merge_to(self, text_encoder, unet, weights_sd: dict[str, torch.Tensor], dtype=None, device=None) -> None:
         """Merge the weights of weights_sd (kohya keys) times the multiplier into the original modules."""
+        weights_sd = self.file_keys(weights_sd)
         prefixes = {k.split(".", 1)[0] for k in weights_sd}
         for lora in self.text_encoder_loras + self.unet_loras:
             if lora.lora_name not in prefixes:

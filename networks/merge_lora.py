@@ -9,7 +9,8 @@ into one LoRA file.
 MODEL is anything `pretrained_model_name_or_path` accepts (diffusers folder, single file, built-in
 name). --save_to ending in .safetensors/.ckpt/.pt writes a single file in the original SD layout;
 any other path is written as a diffusers folder. Flag names follow sd-scripts' merge_lora.py.
-Into a model, LoHa, LoKr (their deltas) and OFT files (the rotated weights) merge too, and LyCORIS'
+Into a model, LoHa, LoKr (their deltas) and OFT, OFTv2 and BOFT files (the rotated weights; OFTv2 /
+BOFT in float64) merge too, and LyCORIS'
 DoRA (``dora_scale``) and full (``diff``) files: W + ratio * (W' - W) with DoRA's W' =
 dora_scale * (W + delta) / ||W + delta|| (networks/adapter_weights.py), full's W + ratio * diff.
 LoRA + LoRA takes LoRA-layout files only (LoRA, LoCon, DyLoRA, LoRA-FA) and names any other kind.
@@ -43,7 +44,7 @@ from library.errors import ModelError, UserError  # noqa: E402
 from library.models.loading import load_model_bundle  # noqa: E402
 from library.models.sd_checkpoint import save_diffusers, save_single_file  # noqa: E402
 from networks import lora_blocks, lora_names, lora_svd  # noqa: E402
-from networks import loha, lokr, oft  # noqa: E402
+from networks import boft, loha, lokr, oft, oft_v2  # noqa: E402
 from networks.adapter_weights import dora_weight, file_kinds, module_delta  # noqa: E402
 from networks.lora import LoRAError, create_network_from_weights, load_state_dict_file  # noqa: E402
 
@@ -53,7 +54,8 @@ PRECISIONS = {"float": "float32", "fp32": "float32", "fp16": "float16", "bf16": 
 
 # a file's kind (networks/adapter_weights.py) -> the network module that reads it back
 FROM_WEIGHTS = {"LoRA": create_network_from_weights, "LoHa": loha.create_network_from_weights,
-                "LoKr": lokr.create_network_from_weights, "OFT": oft.create_network_from_weights}
+                "LoKr": lokr.create_network_from_weights, "OFT": oft.create_network_from_weights,
+                "OFTv2": oft_v2.create_network_from_weights, "BOFT": boft.create_network_from_weights}
 
 
 # the LyCORIS kinds merged layer by layer here (merge_layerwise): not an additive delta of a module

@@ -312,7 +312,8 @@ OPTIONS: tuple[Option, ...] = (
     # --- network ---
     O("network_module", "str", "networks.lora", "Python module with the kohya network interface "
       "(create_network, create_network_from_weights): networks.lora, sd-scripts' networks.loha, "
-      "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, or lycoris.kohya; FLUX.1: "
+      "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, networks.oft_v2, networks.boft, or "
+      "lycoris.kohya; FLUX.1: "
       "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya. "
       "Unset: the model family's LoRA (networks.lora; FLUX.1 networks.lora_flux, SD3 networks.lora_sd3).", "network",
       scripts=LORA),

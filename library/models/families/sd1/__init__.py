@@ -6,7 +6,7 @@ from __future__ import annotations
 from library.models.families.base import Family
 
 SD_NETWORK_MODULES = ("networks.lora", "networks.loha", "networks.lokr", "networks.dylora", "networks.lora_fa",
-                      "networks.oft")  # sd-scripts' network modules of the SD U-Nets' block classes
+                      "networks.oft", "networks.oft_v2", "networks.boft")  # sd-scripts' network modules of the SD U-Nets' block classes
 
 FAMILY = Family(
     name="sd1", title="SD1", flow=None,
