@@ -69,12 +69,12 @@ def initial_noise(family: str, height: int, width: int, seed: int):
     return torch.randn((1, LATENT_CHANNELS, height // 8, width // 8), generator=g, dtype=torch.float32)
 
 
-def schedule(family: str, steps: int, latent_hw: tuple[int, int]) -> list[float]:
+def schedule(family: str, steps: int, latent_hw: tuple[int, int], shift: float | None = None) -> list[float]:
     """The steps + 1 noise levels from 1 to 0: FLUX's shifted by the packed sequence length of
-    this image (dev and schnell alike, as sd-scripts), SD3's with shift 3.0."""
+    this image (dev and schnell alike, as sd-scripts), SD3's with ``shift`` (default 3.0)."""
     if family == "flux":
         return flow_matching.flux_schedule(steps, flow_matching.flux_image_seq_len(*latent_hw))
-    return flow_matching.sd3_schedule(steps, flow_matching.SD3_SAMPLE_SHIFT)
+    return flow_matching.sd3_schedule(steps, flow_matching.SD3_SAMPLE_SHIFT if shift is None else shift)
 
 
 def with_guidance(family_model, guidance: float | None):
