@@ -224,7 +224,7 @@ class Generator:
                 latents = sampling.flow_batch(
                     self.bundle, self.family_model, prompts, negatives, seeds, width=j.width, height=j.height,
                     steps=j.steps, scale=j.scale, guidance=j.guidance, device=self.device, dtype=self.dtype,
-                    shift=self.args.shift)
+                    shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
             kw = dict(device=self.device, clip_skip=self.args.clip_skip)
             if self.args.highres_fix_scale is None:

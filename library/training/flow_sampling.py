@@ -58,11 +58,13 @@ def image_size(prompt: dict, family: str) -> tuple[int, int]:
     return tuple(max(MIN_SIZE, v - v % m) for v in (prompt["height"], prompt["width"]))
 
 
-def initial_noise(family: str, height: int, width: int, seed: int):
+def initial_noise(family: str, height: int, width: int, seed: int, packed_draw: bool = True):
     """(1, 16, height/8, width/8) float32 standard normal noise from a CPU generator seeded with
-    ``seed``; FLUX draws it packed, as sd-scripts does."""
+    ``seed``; FLUX draws it packed, as sd-scripts does (the in-run samples), or with
+    ``packed_draw=False`` unpacked, as diffusers' FluxPipeline does (gen_img: a seed reproduces
+    in diffusers)."""
     g = torch.Generator("cpu").manual_seed(int(seed))
-    if family == "flux":
+    if family == "flux" and packed_draw:
         h, w = height // 16, width // 16
         packed = torch.randn((1, h * w, LATENT_CHANNELS * 4), generator=g, dtype=torch.float32)
         return flux.unpack_latents(packed, h, w)

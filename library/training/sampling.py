@@ -285,13 +285,15 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
 
 def flow_batch(bundle, family_model, prompts: list[str], negatives: list[str], seeds: list[int], *,
                width: int, height: int, steps: int, scale: float, guidance: float | None, device,
-               dtype=None, shift: float | None = None):
+               dtype=None, shift: float | None = None, packed_draw: bool = True):
     """A batch of FLUX.1 / SD3 final latents (B, 16, h/8, w/8): image i from ``prompts[i]`` /
     ``negatives[i]`` and the noise of seed ``seeds[i]`` (flow_sampling.initial_noise, as for a
-    batch of one), the family's Euler schedule (``shift``: SD3's, default sd-scripts' 3.0); the
-    one flow path of the in-run samples and gen_img."""
+    batch of one; ``packed_draw``: FLUX's noise drawn as sd-scripts, else as diffusers), the
+    family's Euler schedule (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the
+    in-run samples and gen_img."""
     pos, neg = (prompt_conditioning(family_model, device, None, texts) for texts in (prompts, negatives))
-    noise = torch.cat([flow_sampling.initial_noise(bundle.family, height, width, s) for s in seeds]).to(device)
+    noise = torch.cat([flow_sampling.initial_noise(bundle.family, height, width, s, packed_draw)
+                       for s in seeds]).to(device)
     sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]), shift=shift)
     return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=scale,
                                 guidance=guidance, dtype=dtype)

@@ -244,3 +244,42 @@ def test_textual_inversion_embedding_equals_diffusers_loader(tmp_path):
         ref = pipe(prompt="a mytok cube", height=64, width=64, num_inference_steps=3, guidance_scale=7.5,
                    generator=torch.Generator("cpu").manual_seed(2), output_type="np").images[0]
     close(pixels(ours), np.round(ref * 255).astype(int), "embedding vs diffusers' load_textual_inversion")
+
+
+def _fails(capsys, tmp_path, *args) -> str:
+    rc = gen_img.main(["--outdir", str(tmp_path / "bad"), *map(str, args)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert not os.listdir(tmp_path / "bad") if (tmp_path / "bad").exists() else True
+    return err[0]
+
+
+def test_bad_input_is_one_line_naming_the_file_and_line(capsys, tmp_path):
+    from safetensors.torch import save_file
+
+    sd15 = ["--ckpt", "tiny-sd15", "--steps", "1"]
+    assert "unknown sampler 'nope'" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--sampler", "nope")
+    assert "--W/--H: width 60 is not a multiple of 8" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--W", "60")
+    p = tmp_path / "p.txt"
+    p.write_text("fine --w 64 --h 64\nodd --w 64 --h 100\n")
+    assert f"{p}:2: height 100 is not a multiple of 8" in _fails(capsys, tmp_path, *sd15, "--from_file", p)
+    p.write_text("fine\n# comment\nbroken --q 1\n")
+    assert f"{p}:3: unknown option --q" in _fails(capsys, tmp_path, *sd15, "--from_file", p)
+    p.write_text("seeds --d 1,x\n")
+    assert f"{p}:1: --d must be ints" in _fails(capsys, tmp_path, *sd15, "--from_file", p)
+    # a LoRA of another family (SDXL's on SD1), keys that match nothing, a file of no adapter
+    xl = write_lora("sdxl", str(tmp_path / "xl.safetensors"))
+    msg = _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", xl)
+    assert msg.startswith(f"error: --network_weights {xl}: ") and "do not exist in this model" in msg and "SD1" in msg
+    stray = str(tmp_path / "stray.safetensors")
+    save_file({"lora_unet_nowhere.lora_down.weight": torch.zeros(2, 4),
+               "lora_unet_nowhere.lora_up.weight": torch.zeros(4, 2), "lora_unet_nowhere.alpha": torch.tensor(2.0)}, stray)
+    msg = _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", stray)
+    assert f"--network_weights {stray}: " in msg and "lora_unet_nowhere" in msg
+    other = str(tmp_path / "other.safetensors")
+    save_file({"weight": torch.zeros(2)}, other)
+    assert "no adapter module keys" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", other)
+    assert "--am needs unmerged networks" in _fails(capsys, tmp_path, *sd15, "--prompt", "x --am 0.5",
+                                                     "--network_weights", xl, "--network_merge")
+    assert "no such file" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", tmp_path / "none")
+    assert "the following arguments are required: --ckpt" in _fails(capsys, tmp_path, "--prompt", "x")
