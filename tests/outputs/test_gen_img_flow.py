@@ -53,19 +53,25 @@ def _fuse_float64(model, sd, mul):
                             * (float(a) / d.shape[0])).float())
 
 
+def _hooked_merged_plain(tmp_path, base: list, network: list) -> str:
+    """gen_img with the network hooked (returned), merged (the same within tolerance) and without
+    it (another image: the LoRA shows)."""
+    [ours] = run(tmp_path, "hooked", *base, *network)
+    [merged] = run(tmp_path, "merged", *base, *network, "--network_merge")
+    close(pixels(merged), pixels(ours), "--network_merge vs hooked")
+    [plain] = run(tmp_path, "plain", *base)
+    assert np.abs(pixels(plain) - pixels(ours)).max() > 10
+    return ours
+
+
 def test_flux_dev_equals_flux_pipeline_with_the_lora_fused(tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     b = _bundle("tiny-flux")
     path = str(tmp_path / "f.safetensors")
     sd = _lora(lora_flux, b, path)
-    common = ["--ckpt", "tiny-flux", "--prompt", "red cube --d 7 --w 64 --h 96 --s 4 --g 5",
-              "--network_weights", path, "--network_mul", "0.8"]
-    [ours] = run(tmp_path, "hooked", *common)
-    [merged] = run(tmp_path, "merged", *common, "--network_merge")
-    close(pixels(merged), pixels(ours), "FLUX --network_merge vs hooked")
-    [plain] = run(tmp_path, "plain", *common[:4])
-    assert np.abs(pixels(plain) - pixels(ours)).max() > 10  # the LoRA shows
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-flux", "--prompt", "red cube --d 7 --w 64 --h 96 --s 4 --g 5"],
+                                ["--network_weights", path, "--network_mul", "0.8"])
 
     _fuse_float64(b.unet, sd, 0.8)
     cfg = {k: v for k, v in flux_checkpoint.diffusers_config(b.unet.config).items() if k != "_class_name"}
@@ -92,13 +98,8 @@ def test_sd3_equals_sd3_pipeline_with_shift_cfg_and_the_lora_fused(tmp_path):
     b = _bundle("tiny-sd3")
     path = str(tmp_path / "s.safetensors")
     sd = _lora(lora_sd3, b, path)
-    common = ["--ckpt", "tiny-sd3", "--prompt", "red cube --n blue --d 8 --w 64 --h 64 --s 4 --l 4",
-              "--shift", "2.5", "--network_weights", path]
-    [ours] = run(tmp_path, "hooked", *common)
-    [merged] = run(tmp_path, "merged", *common, "--network_merge")
-    close(pixels(merged), pixels(ours), "SD3 --network_merge vs hooked")
-    [plain] = run(tmp_path, "plain", *common[:6])
-    assert np.abs(pixels(plain) - pixels(ours)).max() > 10  # the LoRA shows
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-sd3", "--prompt", "red cube --n blue --d 8 --w 64 --h 64 "
+                                           "--s 4 --l 4", "--shift", "2.5"], ["--network_weights", path])
 
     _fuse_float64(b.unet, sd, 1.0)
     m = b.flow
