@@ -7,13 +7,15 @@ Usage: python gen_img.py --ckpt MODEL --outdir OUT --prompt "a cat --n blurry --
 import logging
 import sys
 
-from library.errors import UserError
 from library.log import setup_logging
-from library.outputs import gen_options, generation
+
+setup_logging(True)  # before diffusers loads bitsandbytes, whose optional-kernel notice it silences
+
+from library.errors import UserError  # noqa: E402
+from library.outputs import gen_options, generation  # noqa: E402
 
 
 def main(argv=None) -> int:
-    setup_logging(True)
     try:
         generation.generate(gen_options.parse_args(sys.argv[1:] if argv is None else argv))
     except UserError as e:

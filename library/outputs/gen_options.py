@@ -46,6 +46,7 @@ class Job:
     height: int
     steps: int
     scale: float
+    negative_scale: float | None
     guidance: float | None
     sampler: str
     seed: int
@@ -54,7 +55,8 @@ class Job:
 
     def batch_key(self) -> tuple:
         """Images with equal keys can share a batch."""
-        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.muls)
+        return (self.width, self.height, self.steps, self.scale, self.negative_scale, self.guidance,
+                self.sampler, self.muls)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -232,10 +234,10 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
             width = _default(own.get("width"), _default(args.W, defaults["size"]))
             height = _default(own.get("height"), _default(args.H, defaults["size"]))
             check_size(width, height, defaults["grid"], where if ("width" in own or "height" in own) else "--W/--H")
-            if "negative_scale" in own or args.negative_scale is not None:
-                if own.get("negative_scale", args.negative_scale) is not None:
-                    raise GenError(f"{where}: negative scale (--negative_scale / --nl) is not supported: "
-                                   "diffusers' pipelines guide with one negative prompt")
+            negative_scale = own.get("negative_scale", args.negative_scale)
+            if negative_scale is not None and defaults["flow"]:
+                raise GenError(f"{where}: a negative scale (--negative_scale / --nl) is sd-scripts' gen_img's, "
+                               "for SD1/SD2/SDXL")
             muls = None
             if "muls" in own:
                 n = len(args.network_weights)
@@ -255,7 +257,7 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
                 jobs.append(Job(prompt=p["prompt"], negative=p["negative_prompt"], width=width,
                                 height=height,
                                 steps=_default(p["sample_steps"], _default(args.steps, defaults["steps"])),
-                                scale=scale,
+                                scale=scale, negative_scale=negative_scale,
                                 guidance=_default(p["guidance_scale"], _default(args.guidance_scale,
                                                                                 defaults["guidance"])),
                                 sampler=p["sample_sampler"] or args.sampler, seed=seed, muls=muls,

@@ -46,9 +46,10 @@ def family_defaults(family: str, flux_guided: bool) -> dict:
         d = flow_sampling.DEFAULTS[family]
         return {"size": 1024, "steps": d["sample_steps"], "scale": d["scale"],
                 "guidance": d["guidance_scale"] if flux_guided else None,
-                "grid": flow_sampling.SIZE_MULTIPLE[family], "network_module": network_options.FAMILY_LORA_MODULES[family]}
+                "grid": flow_sampling.SIZE_MULTIPLE[family], "flow": True,
+                "network_module": network_options.FAMILY_LORA_MODULES[family]}
     return {"size": 1024 if family == "sdxl" else 512, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
-            "guidance": None, "grid": 8, "network_module": lora}
+            "guidance": None, "grid": 8, "flow": False, "network_module": lora}
 
 
 def _load_options(args):
@@ -226,7 +227,7 @@ class Generator:
                     steps=j.steps, scale=j.scale, guidance=j.guidance, device=self.device, dtype=self.dtype,
                     shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
-            kw = dict(device=self.device, clip_skip=self.args.clip_skip)
+            kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
             if self.args.highres_fix_scale is None:
                 return sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
                                          width=j.width, height=j.height, steps=j.steps, scale=j.scale,
@@ -248,7 +249,9 @@ class Generator:
         args = self.args
         fields = {"Steps": job.steps,
                   "Sampler": infotext.A1111_SAMPLERS["flow_euler" if self.flow else job.sampler],
-                  "CFG scale": f"{job.scale:g}", "Seed": job.seed, "Size": f"{job.width}x{job.height}",
+                  "CFG scale": f"{job.scale:g}",
+                  "Negative scale": None if job.negative_scale is None else f"{job.negative_scale:g}",
+                  "Seed": job.seed, "Size": f"{job.width}x{job.height}",
                   "Model hash": self.model_hash,
                   "Model": os.path.splitext(os.path.basename(os.path.normpath(self.bundle.source)))[0],
                   "Distilled CFG Scale": None if job.guidance is None else f"{job.guidance:g}",
@@ -293,7 +296,8 @@ def generate(args) -> list[str]:
             path = os.path.join(args.outdir, name)
             infotext.save_png(image, path, gen.parameters(job), {
                 "prompt": job.prompt, "negative-prompt": job.negative, "seed": job.seed,
-                "sampler": job.sampler, "steps": job.steps, "scale": job.scale})
+                "sampler": job.sampler, "steps": job.steps, "scale": job.scale,
+                **({} if job.negative_scale is None else {"negative-scale": job.negative_scale})})
             written.append(path)
     logger.info(f"{len(written)} images in {args.outdir} ({time.perf_counter() - t0:.1f} s)")
     return written

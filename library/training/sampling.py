@@ -309,15 +309,43 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
                     clip_skip=clip_skip, output_type=output_type, extra=inpaint_kw)
 
 
+class NegativeScale:
+    """sd-scripts' gen_img ``negative_scale`` inside a diffusers pipeline: the pipeline's U-Net
+    (attributes passed through) that, called on the [negative prompt; prompt] halves, also
+    predicts e_u for the empty prompt and returns [n'; e_p] with n' = (g - s e_p) / (1 - s), so
+    that the pipeline's n' + s (e_p - n') is sd-scripts' guided prediction
+    g = e_u + s (e_p - e_u) - ns (e_n - e_u) (s > 1: the pipeline guides only then)."""
+
+    def __init__(self, unet, uncond, scale: float, negative_scale: float):
+        self.unet, self.uncond, self.scale, self.negative_scale = unet, uncond, scale, negative_scale
+
+    def __getattr__(self, name):
+        return getattr(self.unet, name)
+
+    def __call__(self, sample, t, encoder_hidden_states=None, added_cond_kwargs=None, return_dict=True, **kw):
+        e_n, e_p = self.unet(sample, t, encoder_hidden_states=encoder_hidden_states,
+                             added_cond_kwargs=added_cond_kwargs, return_dict=False, **kw)[0].chunk(2)
+        b = e_p.shape[0]
+        added = None
+        if added_cond_kwargs:  # SDXL: the empty prompt's pooled embedding, the same size conditioning
+            added = {"text_embeds": self.uncond.pooled.to(e_p.dtype), "time_ids": added_cond_kwargs["time_ids"][:b]}
+        e_u = self.unet(sample[:b], t, encoder_hidden_states=self.uncond.hidden_states.to(e_p.dtype),
+                        added_cond_kwargs=added, return_dict=False, **kw)[0]
+        s, ns = self.scale, self.negative_scale
+        guided = e_u + s * (e_p - e_u) - ns * (e_n - e_u)
+        return (torch.cat([(guided - s * e_p) / (1 - s), e_p]),)
+
+
 def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str], seeds: list[int], *,
              width: int, height: int, steps: int, scale: float, sampler: str, device, clip_skip,
-             output_type: str = "pil", extra=None):
+             output_type: str = "pil", extra=None, negative_scale: float | None = None):
     """A batch of SD images (or latents) through the diffusers ``pipe`` (``pipeline``), image i
     from ``prompts[i]`` / ``negatives[i]`` (the family model's conditioning) and the initial
     latents (and ancestral noise) of ``torch.Generator("cpu").manual_seed(seeds[i])``, as
     diffusers' pipeline draws them for a batch of one: the one SD path of the in-run samples and
     gen_img (library/outputs/generation.py). ``extra``: more pipeline arguments (inpainting's
-    image and mask, img2img's image and strength)."""
+    image and mask, img2img's image and strength); ``negative_scale``: sd-scripts' separate scale
+    of the negative prompt, the empty prompt then the unconditional one (``NegativeScale``)."""
     pipe.scheduler = make_scheduler(sampler, sampler_config(bundle))
     pos, neg = (prompt_conditioning(family_model, device, clip_skip, texts)
                 for texts in (prompts, negatives))
@@ -328,8 +356,16 @@ def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str
     if "image" not in kw or "mask_image" in kw:  # img2img takes no size: its image's
         kw.update(height=height, width=width)
     gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
-    return pipe(num_inference_steps=steps, guidance_scale=scale,
-                generator=gens[0] if len(gens) == 1 else gens, output_type=output_type, **kw).images
+    unet = pipe.unet
+    if negative_scale is not None and scale > 1:
+        # not pipe.unet = ...: a pipeline registers what is assigned to it in its config
+        uncond = prompt_conditioning(family_model, device, clip_skip, [""] * len(prompts))
+        object.__setattr__(pipe, "unet", NegativeScale(unet, uncond, scale, negative_scale))
+    try:
+        return pipe(num_inference_steps=steps, guidance_scale=scale,
+                    generator=gens[0] if len(gens) == 1 else gens, output_type=output_type, **kw).images
+    finally:
+        object.__setattr__(pipe, "unet", unet)
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:

@@ -283,3 +283,30 @@ def test_bad_input_is_one_line_naming_the_file_and_line(capsys, tmp_path):
                                                      "--network_weights", xl, "--network_merge")
     assert "no such file" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", tmp_path / "none")
     assert "the following arguments are required: --ckpt" in _fails(capsys, tmp_path, "--prompt", "x")
+
+
+def test_negative_scale_is_sd_scripts_three_way_guidance(tmp_path):
+    """--negative_scale against a denoising loop written here over diffusers' parts: per step
+    e = e_u + s (e_p - e_u) - ns (e_n - e_u), e_u the empty prompt's (sd-scripts' gen_img)."""
+    [ours] = run(tmp_path, "ns", "--ckpt", "tiny-sd15", "--prompt", "red cube --n blue --d 3 --w 64 --h 64 --s 4",
+                 "--scale", "6", "--negative_scale", "20", "--sampler", "euler")
+    c = build_tiny_components("sd15")
+    pipe = diffusers_pipeline("sd15", c)
+    sch = model_scheduler("EulerDiscreteScheduler", c)
+    with torch.no_grad():
+        emb = [pipe.encode_prompt(t, "cpu", 1, False)[0] for t in ("", "red cube", "blue")]
+        x = torch.randn((1, 4, 8, 8), generator=torch.Generator("cpu").manual_seed(3))
+        sch.set_timesteps(4)
+        x = x * sch.init_noise_sigma
+        for t in sch.timesteps:
+            xin = sch.scale_model_input(torch.cat([x] * 3), t)
+            e_u, e_p, e_n = c["unet"](xin, t, encoder_hidden_states=torch.cat(emb)).sample.chunk(3)
+            x = sch.step(e_u + 6 * (e_p - e_u) - 20 * (e_n - e_u), t, x).prev_sample
+        img = pipe.image_processor.postprocess(c["vae"].decode(x / c["vae"].config.scaling_factor).sample,
+                                               output_type="np")[0]
+    close(pixels(ours), np.round(img * 255).astype(int), "--negative_scale vs a three-way guided loop")
+    [plain] = run(tmp_path, "plain", "--ckpt", "tiny-sd15", "--prompt", "red cube --n blue --d 3 --w 64 --h 64 --s 4",
+                  "--scale", "6", "--sampler", "euler")
+    assert np.abs(pixels(plain) - pixels(ours)).max() > 5  # the tiny model's text matters little
+    with Image.open(ours) as im:
+        assert "Negative scale: 20" in im.text["parameters"]
