@@ -23,7 +23,7 @@ import argparse
 import os
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from library import text_files
 from library.errors import UserError
@@ -274,10 +274,6 @@ def batches(jobs: list[Job], size: int) -> list[list[Job]]:
         else:
             out.append([j])
     return out
-
-
-def with_size(job: Job, width: int, height: int, steps: int, seed: int) -> Job:
-    return replace(job, width=width, height=height, steps=steps, seed=seed)
 
 
 def check_output_dir(outdir: str) -> None:

@@ -112,7 +112,7 @@ class Generator:
         opts = _load_options(args)
         try:
             self.bundle = b = flow_family.load_from_options(opts)
-        except UserError:
+        except UserError:  # a one-line error of the loaders already
             raise
         except (OSError, ValueError, RuntimeError) as e:
             raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None

@@ -24,6 +24,7 @@ with and without sampling.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -104,10 +105,18 @@ def _prompt(raw: dict, where: str) -> dict:
     return p
 
 
+# samplers whose diffusers scheduler needs another package (diffusers raises ImportError when built)
+SAMPLER_NEEDS = {"lms": "scipy"}
+
+
 def _sampler_name(s: str, where: str) -> str:
     s = ALIASES.get(s.lower(), s.lower())
     if s not in SAMPLERS:
         raise SamplingError(f"{where}: unknown sampler {s!r}; use one of {', '.join(SAMPLER_CHOICES)}")
+    need = SAMPLER_NEEDS.get(s)
+    if need is not None and importlib.util.find_spec(need) is None:
+        raise SamplingError(f"{where}: sampler {s} needs the {need} package (pip install {need}); "
+                            "or choose another sampler")
     return s
 
 

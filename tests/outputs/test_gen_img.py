@@ -16,6 +16,7 @@ level where the value sits on a rounding boundary, and such pixels are rare.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -259,6 +260,9 @@ def test_bad_input_is_one_line_naming_the_file_and_line(capsys, tmp_path):
 
     sd15 = ["--ckpt", "tiny-sd15", "--steps", "1"]
     assert "unknown sampler 'nope'" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--sampler", "nope")
+    if importlib.util.find_spec("scipy") is None:  # diffusers' LMS scheduler needs it
+        assert "sampler lms needs the scipy package" in _fails(capsys, tmp_path, *sd15, "--prompt", "x",
+                                                               "--sampler", "k_lms")
     assert "--W/--H: width 60 is not a multiple of 8" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--W", "60")
     p = tmp_path / "p.txt"
     p.write_text("fine --w 64 --h 64\nodd --w 64 --h 100\n")
@@ -310,3 +314,26 @@ def test_negative_scale_is_sd_scripts_three_way_guidance(tmp_path):
     assert np.abs(pixels(plain) - pixels(ours)).max() > 5  # the tiny model's text matters little
     with Image.open(ours) as im:
         assert "Negative scale: 20" in im.text["parameters"]
+
+
+def test_single_file_and_folder_models_give_the_builtins_image_and_the_file_hash(tmp_path):
+    from library.models.sd_checkpoint import save_diffusers, save_single_file
+
+    c = build_tiny_components("sd15")
+    f = str(tmp_path / "model.safetensors")
+    save_single_file(c, "sd1", f)
+    folder = str(tmp_path / "folder")
+    save_diffusers(c, "sd1", folder)
+    # ddim: its timestep spacing is "leading" by default, as the saved DDPM config states it
+    # (another sampler takes the config's spacing: the folder's and the built-in's differ there)
+    line = ["--prompt", "red cube --d 2 --w 64 --h 64 --s 2", "--sampler", "ddim"]
+    [builtin] = run(tmp_path, "b", "--ckpt", "tiny-sd15", *line)
+    [single] = run(tmp_path, "f", "--ckpt", f, *line)
+    [diff] = run(tmp_path, "d", "--ckpt", folder, *line)
+    close(pixels(single), pixels(builtin), "single file vs built-in")  # the conversion's float rounding
+    close(pixels(diff), pixels(builtin), "diffusers folder vs built-in")
+    with open(f, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()[:10]
+    with Image.open(single) as im:
+        p = _a1111_parse(im.text["parameters"])
+    assert (p["Model hash"], p["Model"], p["Sampler"]) == (digest, "model", "DDIM")
