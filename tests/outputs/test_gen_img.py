@@ -337,3 +337,16 @@ def test_single_file_and_folder_models_give_the_builtins_image_and_the_file_hash
     with Image.open(single) as im:
         p = _a1111_parse(im.text["parameters"])
     assert (p["Model hash"], p["Model"], p["Sampler"]) == (digest, "model", "DDIM")
+
+
+def test_bf16_runs_the_model_in_bfloat16(tmp_path):
+    """--bf16: the same image up to bfloat16's precision (8 significant bits: a relative 2^-9 per
+    rounding over the U-Net's depth, a few percent of the latents' scale at worst, so the mean pixel
+    stays within a few levels of float32's; a wrong image, e.g. another seed, is off by tens)."""
+    line = ["--ckpt", "tiny-sd15", "--prompt", "red cube --d 4 --w 64 --h 64 --s 3", "--sampler", "euler"]
+    [full] = run(tmp_path, "f32", *line)
+    [half] = run(tmp_path, "bf16", *line, "--bf16")
+    [other] = run(tmp_path, "seed", "--ckpt", "tiny-sd15", "--prompt", "red cube --d 5 --w 64 --h 64 --s 3",
+                  "--sampler", "euler")
+    d = np.abs(pixels(half) - pixels(full)).mean()
+    assert 0 < d < 4 < np.abs(pixels(other) - pixels(full)).mean()
