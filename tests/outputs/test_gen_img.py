@@ -190,18 +190,22 @@ def test_prompt_file_seeds_multipliers_and_batches(tmp_path):
     assert len(again) == 8
 
 
-def test_equals_the_in_run_sample_of_the_same_step(train, dataset, tmp_path):
+# FLUX.1 is not here: its in-run samples draw the seed's noise packed, as sd-scripts, gen_img as
+# diffusers' FluxPipeline (docs/GENERATION.md, "Seeds")
+@pytest.mark.parametrize("model,module", [("tiny-sd15", "networks.lora"), ("tiny-sdxl", "networks.lora"),
+                                          ("tiny-sd3", "networks.lora_sd3")])
+def test_equals_the_in_run_sample_of_the_same_step(model, module, train, dataset, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("sks shape, red --n blurry --w 64 --h 64 --d 11 --s 3 --l 5 --ss euler_a\n")
     out = tmp_path / "run"
     rc, _, err, _ = train("train_lora", [
-        "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir", str(out),
+        "--pretrained_model_name_or_path", model, "--train_data_dir", dataset, "--output_dir", str(out),
         "--resolution", "64", "--max_train_steps", "2", "--learning_rate", "1e-2", "--network_dim", "4",
-        "--network_alpha", "2", "--cache_latents", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2",
-        "--output_name", "run"])
+        "--network_alpha", "2", "--network_module", module, "--cache_latents", "--sample_prompts", str(prompts),
+        "--sample_every_n_steps", "2", "--output_name", "run"])
     assert rc == 0, err
     sample = out / "sample" / "run_000002_00_11.png"
-    [ours] = run(tmp_path, "gen", "--ckpt", "tiny-sd15", "--from_file", prompts,
+    [ours] = run(tmp_path, "gen", "--ckpt", model, "--from_file", prompts,
                  "--network_weights", out / "run.safetensors")  # the weights of step 2
     assert np.array_equal(pixels(ours), pixels(sample))
 
