@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network_weights", nargs="*", default=[])
     p.add_argument("--network_mul", type=float, nargs="*", default=[])
     p.add_argument("--network_merge", action="store_true", help="merge the networks into the weights")
+    p.add_argument("--network_args", nargs="*", default=[], help="per network: 'key=value;key=value' for its module")
+    p.add_argument("--no_half_vae", action="store_true", help="with --fp16 / --bf16: the VAE stays float32")
+    p.add_argument("--opt_channels_last", action="store_true", help="the U-Net in channels-last memory format")
     p.add_argument("--textual_inversion_embeddings", nargs="*", default=[])
     p.add_argument("--sequential_file_name", action="store_true", help="im_000001.png, ... (after the folder's last)")
     return p
@@ -136,6 +139,9 @@ def check_args(args) -> None:
         raise GenError(f"--network_module: {len(args.network_module)} modules for {n} --network_weights files")
     if len(args.network_mul) not in (0, n) or (n == 0 and args.network_mul):
         raise GenError(f"--network_mul: {len(args.network_mul)} multipliers for {n} --network_weights files")
+    if len(args.network_args) > max(n, 0) or (args.network_args and n == 0):
+        raise GenError(f"--network_args: {len(args.network_args)} entries for {n} --network_weights files")
+    args.network_kwargs = [network_kwargs(a, i) for i, a in enumerate(args.network_args)]
     for path in [*args.network_weights, *args.textual_inversion_embeddings, args.from_file]:
         if path is not None and not os.path.isfile(path):
             raise GenError(f"{path}: no such file")
@@ -144,6 +150,17 @@ def check_args(args) -> None:
                        f"got {args.highres_fix_scale}")
     if args.strength is not None and not 0 < args.strength <= 1:
         raise GenError(f"--strength must be in (0, 1], got {args.strength}")
+
+
+def network_kwargs(text: str, i: int) -> dict[str, str]:
+    """sd-scripts' ``--network_args`` entry of network i: ``key=value;key=value``."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise GenError(f"--network_args entry {i + 1}: {part!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def sampler_name(name: str, where: str) -> str:

@@ -126,8 +126,11 @@ class Generator:
         self.networks = self._networks(args)
         loading.set_attention(b, opts)
         if self.dtype != torch.float32 or self.device.type != "cpu":
-            for m in [b.unet, b.vae, *b.text_encoders, *(n.network for n in self.networks if not n.merged)]:
+            for m in [b.unet, *b.text_encoders, *(n.network for n in self.networks if not n.merged)]:
                 m.to(self.device, self.dtype)
+            b.vae.to(self.device, torch.float32 if args.no_half_vae else self.dtype)
+        if args.opt_channels_last:
+            b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
         self.pipe = sampling.pipeline(b)
         self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale else None
@@ -185,7 +188,9 @@ class Generator:
             try:
                 sd = lora.load_state_dict_file(path)
                 sd = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
-                network, _ = module.create_network_from_weights(mul, path, b.vae, tes, b.unet, weights_sd=sd)
+                kwargs = args.network_kwargs[i] if i < len(args.network_kwargs) else {}
+                network, _ = module.create_network_from_weights(mul, path, b.vae, tes, b.unet, weights_sd=sd,
+                                                                **kwargs)
                 if args.network_merge:
                     network.merge_to(tes, b.unet, sd)
                 else:
@@ -198,9 +203,10 @@ class Generator:
                     network.eval()
             except UserError as e:
                 msg = str(e).replace(f"{path}: ", "").replace(f"weights {path}", "the file")
-                raise GenError(f"--network_weights {path}: {msg} (a network for another model family "
-                               f"or base model? this model is {self.family_name})") from None
-            except (OSError, RuntimeError, ValueError) as e:
+                if "exist in this model" in msg or "match no module" in msg:
+                    msg += f" (a network for another model family or base model? this model is {self.family_name})"
+                raise GenError(f"--network_weights {path}: {msg}") from None
+            except (OSError, RuntimeError, ValueError, TypeError) as e:
                 raise GenError(f"--network_weights {path}: {first_line(e)}") from None
             out.append(LoadedNetwork(path, network, mul, args.network_merge))
             logger.info(f"network {path}: {'merged' if args.network_merge else 'applied'} at {mul}")

@@ -370,11 +370,19 @@ def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str
         # not pipe.unet = ...: a pipeline registers what is assigned to it in its config
         uncond = prompt_conditioning(family_model, device, clip_skip, [""] * len(prompts))
         object.__setattr__(pipe, "unet", NegativeScale(unet, uncond, scale, negative_scale))
+    # a VAE in another dtype than the U-Net (gen_img's --no_half_vae): decoded here, in its dtype
+    own_decode = output_type == "pil" and pipe.vae.dtype != unet.dtype
     try:
-        return pipe(num_inference_steps=steps, guidance_scale=scale,
-                    generator=gens[0] if len(gens) == 1 else gens, output_type=output_type, **kw).images
+        out = pipe(num_inference_steps=steps, guidance_scale=scale, generator=gens[0] if len(gens) == 1 else gens,
+                   output_type="latent" if own_decode else output_type, **kw).images
     finally:
         object.__setattr__(pipe, "unet", unet)
+    if not own_decode:
+        return out
+    vae = pipe.vae
+    with torch.no_grad():
+        x = vae.decode(out.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(x, output_type="pil")
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:

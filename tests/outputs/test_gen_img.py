@@ -354,3 +354,15 @@ def test_bf16_runs_the_model_in_bfloat16(tmp_path):
                   "--sampler", "euler")
     d = np.abs(pixels(half) - pixels(full)).mean()
     assert 0 < d < 4 < np.abs(pixels(other) - pixels(full)).mean()
+    # --no_half_vae: the VAE decodes in float32 the bfloat16 U-Net's latents: again within bf16's precision
+    [vae32] = run(tmp_path, "vae32", *line, "--bf16", "--no_half_vae", "--opt_channels_last")
+    assert 0 < np.abs(pixels(vae32) - pixels(full)).mean() < 4
+
+
+def test_network_args_reach_the_network_module(capsys, tmp_path):
+    path = write_lora("sd15", str(tmp_path / "l.safetensors"))
+    base = ["--ckpt", "tiny-sd15", "--prompt", "x --w 64 --h 64 --s 1", "--network_weights", path]
+    assert "has no effect on a network shaped by a weights file" in _fails(
+        capsys, tmp_path, *base, "--network_args", "conv_dim=4")
+    assert "--network_args entry 1: 'conv_dim' is not key=value" in _fails(capsys, tmp_path, *base,
+                                                                            "--network_args", "conv_dim")
