@@ -69,16 +69,28 @@ def read_metadata(path: str) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def read_lora(path: str) -> tuple[dict[str, Module], dict[str, str]]:
+# why a tool that rewrites lora_down / lora_up does not take a file of these kinds (after "<operation>
+# is not done: ")
+REWRITE_REFUSALS = {
+    "DoRA": "its dora_scale sets the norm of each slice of W + s*B*A (the base weight plus the LoRA part), so a "
+            "changed LoRA part would be renormalised along another direction than the trained one; merge it "
+            "into a model with merge_lora.py --sd_model",
+    "LyCORIS full": "it holds whole weight differences (diff), not lora_down / lora_up factors; merge it into a "
+                    "model with merge_lora.py --sd_model (extract_lora_from_models.py then makes a LoRA of it)",
+}
+
+
+def read_lora(path: str, operation: str | None = None) -> tuple[dict[str, Module], dict[str, str]]:
     """The file's modules by kohya name and its metadata; a one-line LoRAError for a missing,
-    unreadable or non-LoRA file."""
+    unreadable or non-LoRA file (``operation``: what the tool does, named in a refusal)."""
     sd = load_state_dict_file(path)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise LoRAError(f"{path}: not a LoRA file (no flat tensor dictionary)")
-    return modules_of(sd, path), read_metadata(path)
+    return modules_of(sd, path, operation), read_metadata(path)
 
 
-def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, Module]:
+def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict",
+               operation: str | None = None) -> dict[str, Module]:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
         if "." not in key:
@@ -86,6 +98,10 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
         name, rest = key.split(".", 1)
         parts.setdefault(name, {})[rest] = value
     other = [k for k in file_kinds(sd) if k != "LoRA"]
+    refused = next((k for k in other if k in REWRITE_REFUSALS), None)
+    if refused:
+        raise LoRAError(f"{source}: a {refused} file: {operation or 'rewriting its lora_down / lora_up'} is not "
+                        f"done: {REWRITE_REFUSALS[refused]}")
     if other:  # LoHa / LoKr / OFT / LyCORIS: not a product of two matrices
         raise LoRAError(f"{source}: a {'/'.join(other)} file; this tool handles LoRA files only (LoRA, LoCon, "
                         "DyLoRA, LoRA-FA: lora_down/lora_up/alpha)")
@@ -338,12 +354,12 @@ class LoRAInput:
     ratio: float
 
 
-def read_inputs(paths: list[str], ratios: list[float]) -> list[LoRAInput]:
+def read_inputs(paths: list[str], ratios: list[float], operation: str | None = None) -> list[LoRAInput]:
     """Every file read and checked to belong to one base model: the same ss_base_model_version
     where recorded, and the same weight shape for every module name they share."""
     for path in paths:
         check_lora_path("--models", path)
-    inputs = [LoRAInput(path, *read_lora(path), ratio) for path, ratio in zip(paths, ratios)]
+    inputs = [LoRAInput(path, *read_lora(path, operation), ratio) for path, ratio in zip(paths, ratios)]
     first_base: tuple[str, str] | None = None
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for inp in inputs:

@@ -9,8 +9,10 @@ into one LoRA file.
 MODEL is anything `pretrained_model_name_or_path` accepts (diffusers folder, single file, built-in
 name). --save_to ending in .safetensors/.ckpt/.pt writes a single file in the original SD layout;
 any other path is written as a diffusers folder. Flag names follow sd-scripts' merge_lora.py.
-Into a model, LoHa, LoKr (their deltas) and OFT files (the rotated weights) merge too; LoRA + LoRA
-takes LoRA-layout files only (LoRA, LoCon, DyLoRA, LoRA-FA) and names any other kind.
+Into a model, LoHa, LoKr (their deltas) and OFT files (the rotated weights) merge too, and LyCORIS'
+DoRA (``dora_scale``) and full (``diff``) files: W + ratio * (W' - W) with DoRA's W' =
+dora_scale * (W + delta) / ||W + delta|| (networks/adapter_weights.py), full's W + ratio * diff.
+LoRA + LoRA takes LoRA-layout files only (LoRA, LoCon, DyLoRA, LoRA-FA) and names any other kind.
 
 LoRA + LoRA: --concat stacks the modules' ranks (down rows, up columns) with each file's
 ratio * alpha / rank folded into its factors, so the result is exactly sum_i ratio_i * delta_i.
@@ -34,9 +36,9 @@ import torch  # noqa: E402
 from library.errors import ModelError, UserError  # noqa: E402
 from library.models.loading import load_model_bundle  # noqa: E402
 from library.models.sd_checkpoint import save_diffusers, save_single_file  # noqa: E402
-from networks import lora_svd  # noqa: E402
+from networks import lora_names, lora_svd  # noqa: E402
 from networks import loha, lokr, oft  # noqa: E402
-from networks.adapter_weights import file_kinds  # noqa: E402
+from networks.adapter_weights import dora_weight, file_kinds, module_delta  # noqa: E402
 from networks.lora import LoRAError, create_network_from_weights, load_state_dict_file  # noqa: E402
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt")
@@ -48,18 +50,65 @@ FROM_WEIGHTS = {"LoRA": create_network_from_weights, "LoHa": loha.create_network
                 "LoKr": lokr.create_network_from_weights, "OFT": oft.create_network_from_weights}
 
 
+# the LyCORIS kinds merged layer by layer here (merge_layerwise): not an additive delta of a module
+LAYERWISE_KINDS = {"DoRA", "LyCORIS full"}
+
+
 def merge_lora_into(text_encoders, unet, weights_sd: dict, ratio: float) -> int:
     """Merge every module of weights_sd, times ratio, into the model's own weights, in place (in
     float32, stored in each weight's dtype): LoRA / LoCon / DyLoRA / LoRA-FA add
-    up @ down * alpha / rank, LoHa and LoKr their deltas, OFT rotates the weights.
-    Returns the number of modules merged. Raises LoRAError when the file does not fit the model."""
+    up @ down * alpha / rank, LoHa and LoKr their deltas, OFT rotates the weights; DoRA and
+    LyCORIS full files go through merge_layerwise. Returns the number of modules merged. Raises
+    LoRAError when the file does not fit the model."""
     kinds = file_kinds(weights_sd)
+    if LAYERWISE_KINDS & set(kinds):
+        return merge_layerwise(text_encoders, unet, weights_sd, ratio)
     if len(kinds) != 1 or kinds[0] not in FROM_WEIGHTS:
         raise LoRAError(f"a {'/'.join(kinds) or 'non-adapter'} file: merging handles one kind per file of "
-                        f"{', '.join(FROM_WEIGHTS)}")
+                        f"{', '.join([*FROM_WEIGHTS, *sorted(LAYERWISE_KINDS)])}")
     network, _ = FROM_WEIGHTS[kinds[0]](ratio, None, None, list(text_encoders), unet, weights_sd=weights_sd)
     network.merge_to(text_encoders, unet, weights_sd)
     return len(network.text_encoder_loras) + len(network.unet_loras)
+
+
+def merge_layerwise(text_encoders, unet, weights_sd: dict, ratio: float) -> int:
+    """A LyCORIS file with DoRA (``dora_scale``) or full (``diff`` / ``diff_b``) modules, each into
+    the layer its kohya name names, in float64: W + ratio * (W' - W), W' the module's weight
+    (DoRA: dora_scale * (W + delta) / ||W + delta|| along the file's axis; full: W + diff; any
+    other LoRA / LoHa / LoKr module: W + delta)."""
+    layers = lora_names.kohya_layers(list(text_encoders), unet)
+    modules: dict[str, dict] = {}
+    for key, value in weights_sd.items():
+        name, _, part = key.partition(".")
+        modules.setdefault(name, {})[part] = value
+    missing = sorted(n for n in modules if not hasattr(layers.get(n), "weight"))
+    if missing:
+        raise LoRAError(f"{len(missing)} module(s) name no layer of this model (wrong base model?), e.g. {missing[0]}")
+    with torch.no_grad():
+        for name, p in modules.items():
+            layer = layers[name]
+            try:
+                _merge_layer(layer, p, ratio)
+            except (RuntimeError, ValueError) as e:
+                raise LoRAError(f"module {name}: {e}") from None
+    return len(modules)
+
+
+def _merge_layer(layer, p: dict, ratio: float) -> None:
+    w = layer.weight.double()
+    if "diff" in p:
+        target = w + p["diff"].double().reshape(w.shape)
+        if "diff_b" in p:
+            if layer.bias is None:
+                raise ValueError("has diff_b but the layer has no bias")
+            b = layer.bias.double()
+            layer.bias.copy_((b + ratio * p["diff_b"].double().reshape(b.shape)).to(layer.bias.dtype))
+    elif "lora_mid.weight" in p:
+        raise ValueError("a Tucker (lora_mid) module: not merged")
+    else:
+        delta = module_delta({k: v for k, v in p.items() if k != "dora_scale"}, w, torch.float64)
+        target = dora_weight(w, delta, p["dora_scale"].double()) if "dora_scale" in p else w + delta
+    layer.weight.copy_((w + ratio * (target - w)).to(layer.weight.dtype))
 
 
 APPROXIMATE_WARNING = ("warning: without --concat the LoRAs' ups and downs are summed separately (sd-scripts' "
@@ -139,7 +188,7 @@ def run_lora_merge(args) -> None:
     if args.shuffle and not args.concat:
         raise LoRAError("--shuffle only applies with --concat")
     lora_svd.check_save_to(args.save_to)
-    inputs = lora_svd.read_inputs(args.models, args.ratios)
+    inputs = lora_svd.read_inputs(args.models, args.ratios, "merging into one LoRA")
     if args.concat:
         modules = lora_svd.concat(inputs, args.shuffle)
     else:
