@@ -112,8 +112,8 @@ class Generator:
         opts = _load_options(args)
         try:
             self.bundle = b = flow_family.load_from_options(opts)
-        except UserError:  # a one-line error of the loaders already
-            raise
+        except UserError as e:  # a one-line error of the loaders, which name the training option
+            raise GenError(str(e).replace("pretrained_model_name_or_path", "--ckpt")) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None
         self.flow = sampling.is_flow(b)

@@ -292,6 +292,8 @@ def test_bad_input_is_one_line_naming_the_file_and_line(capsys, tmp_path):
                                                      "--network_weights", xl, "--network_merge")
     assert "no such file" in _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--network_weights", tmp_path / "none")
     assert "the following arguments are required: --ckpt" in _fails(capsys, tmp_path, "--prompt", "x")
+    assert f"--ckpt: no such file or directory: {tmp_path / 'none.safetensors'}" in _fails(
+        capsys, tmp_path, "--ckpt", tmp_path / "none.safetensors", "--prompt", "x")
 
 
 def test_negative_scale_is_sd_scripts_three_way_guidance(tmp_path):
