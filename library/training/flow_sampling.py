@@ -56,25 +56,28 @@ def image_size(prompt: dict, family: str) -> tuple[int, int]:
     return tuple(max(MIN_SIZE, v - v % m) for v in (prompt["height"], prompt["width"]))
 
 
-def initial_noise(family: str, height: int, width: int, seed: int):
+def initial_noise(family: str, height: int, width: int, seed: int, packed_draw: bool = True):
     """(1, 16, height/8, width/8) float32 standard normal noise from a CPU generator seeded with
-    ``seed``; FLUX draws it packed, as sd-scripts does."""
+    ``seed``; FLUX draws it packed, as sd-scripts does (the in-run samples), or with
+    ``packed_draw=False`` unpacked, as diffusers' FluxPipeline does (gen_img: a seed reproduces
+    in diffusers)."""
     g = torch.Generator("cpu").manual_seed(int(seed))
-    if flow_matching.flow_spec(family).packed_noise:
+    if flow_matching.flow_spec(family).packed_noise and packed_draw:
         h, w = height // 16, width // 16
         packed = torch.randn((1, h * w, LATENT_CHANNELS * 4), generator=g, dtype=torch.float32)
         return flux.unpack_latents(packed, h, w)
     return torch.randn((1, LATENT_CHANNELS, height // 8, width // 8), generator=g, dtype=torch.float32)
 
 
-def schedule(family: str, steps: int, latent_hw: tuple[int, int]) -> list[float]:
+def schedule(family: str, steps: int, latent_hw: tuple[int, int], shift: float | None = None) -> list[float]:
     """The steps + 1 noise levels from 1 to 0: FLUX's shifted by the packed sequence length of
-    this image (dev and schnell alike, as sd-scripts), SD3's with shift 3.0."""
+    this image (dev and schnell alike, as sd-scripts), SD3's with ``shift`` (default: the
+    family's sample_shift, 3.0)."""
     spec = flow_matching.flow_spec(family)
     if spec.sample_schedule == SEQUENCE_SHIFT:
         return flow_matching.flux_schedule(steps, flow_matching.flux_image_seq_len(*latent_hw))
     if spec.sample_schedule == FIXED_SHIFT:
-        return flow_matching.sd3_schedule(steps, spec.sample_shift)
+        return flow_matching.sd3_schedule(steps, spec.sample_shift if shift is None else shift)
     raise ValueError(f"{family}: unknown sample_schedule {spec.sample_schedule!r}")
 
 

@@ -24,6 +24,7 @@ with and without sampling.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -105,10 +106,18 @@ def _prompt(raw: dict, where: str) -> dict:
     return p
 
 
+# samplers whose diffusers scheduler needs another package (diffusers raises ImportError when built)
+SAMPLER_NEEDS = {"lms": "scipy"}
+
+
 def _sampler_name(s: str, where: str) -> str:
     s = ALIASES.get(s.lower(), s.lower())
     if s not in SAMPLERS:
         raise SamplingError(f"{where}: unknown sampler {s!r}; use one of {', '.join(SAMPLER_CHOICES)}")
+    need = SAMPLER_NEEDS.get(s)
+    if need is not None and importlib.util.find_spec(need) is None:
+        raise SamplingError(f"{where}: sampler {s} needs the {need} package (pip install {need}); "
+                            "or choose another sampler")
     return s
 
 
@@ -193,12 +202,27 @@ def image_path(opts, step: int, index: int, seed: int) -> str:
     return os.path.join(opts.output_dir, "sample", f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
 
 
+def sampler_config(bundle) -> dict:
+    """The config a sampler is built from: the model's own inference scheduler config (what
+    diffusers' pipeline of the model holds, so ``Scheduler.from_config(pipe.scheduler.config)``
+    in diffusers reproduces an image), with the model's prediction type and no sample clipping
+    (as diffusers' SD pipelines set it); the training's DDPM config when the model has none."""
+    cfg = dict(bundle.scheduler_config or bundle.noise_scheduler.config)
+    cfg.update(prediction_type="v_prediction" if bundle.v_parameterization else "epsilon", clip_sample=False)
+    return cfg
+
+
 def make_scheduler(name: str, config):
     cls_name, kw = SAMPLERS[name]
     return getattr(diffusers, cls_name).from_config(config, **kw)
 
 
-def _pipeline(b, inpaint: bool):
+# a pipeline's kind -> (SD1/SD2 class, SDXL class)
+# the order of a family's ``pipelines`` (library/models/families/base.py)
+PIPELINE_KINDS = ("txt2img", "inpaint", "img2img")
+
+
+def _pipeline(b, kind: str):
     # diffusers' pipeline module imports image processors it does not use here; without
     # torchvision transformers then announces a fallback that says nothing about this run.
     logging.getLogger("transformers.utils.import_utils").addFilter(
@@ -206,7 +230,7 @@ def _pipeline(b, inpaint: bool):
     comps = b.components()
     comps.pop("scheduler")
     fam = registry.of(b)
-    cls = getattr(diffusers, fam.pipelines[1] if inpaint else fam.pipelines[0])
+    cls = getattr(diffusers, fam.pipelines[PIPELINE_KINDS.index(kind)])
     if fam.size_conditioning:  # SDXL's pipelines: a watermarker, no safety checker
         pipe = cls(**comps, scheduler=None, add_watermarker=False)
     else:
@@ -229,9 +253,10 @@ def inpaint_inputs(p: dict, seed: int):
     return img, Image.fromarray((m.numpy() * 255).astype("uint8"), mode="L")
 
 
-def prompt_conditioning(family_model, device, clip_skip, text: str):
-    """The trainer's text conditioning of one prompt (``clip_skip``: SD's)."""
-    return family_model.encode([t.to(device) for t in family_model.tokenize([text])], clip_skip)
+def prompt_conditioning(family_model, device, clip_skip, text: str | list[str]):
+    """The trainer's text conditioning of one prompt or a list (``clip_skip``: SD's)."""
+    texts = [text] if isinstance(text, str) else list(text)
+    return family_model.encode([t.to(device) for t in family_model.tokenize(texts)], clip_skip)
 
 
 def is_flow(bundle) -> bool:
@@ -247,10 +272,10 @@ def settings(p: dict, family: str) -> tuple[int, float, float | None]:
             SD_SCALE if p["scale"] is None else p["scale"], None)
 
 
-def pipeline(bundle, inpaint: bool = False):
+def pipeline(bundle, inpaint: bool = False, kind: str | None = None):
     """An SD family's diffusers pipeline over the model's components (None for FLUX.1 / SD3,
-    which sample with flow_sampling)."""
-    return None if is_flow(bundle) else _pipeline(bundle, inpaint)
+    which sample with flow_sampling); ``kind``: txt2img (default), inpaint or img2img."""
+    return None if is_flow(bundle) else _pipeline(bundle, kind or ("inpaint" if inpaint else "txt2img"))
 
 
 def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_skip=None,
@@ -263,11 +288,23 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
         return _pipe_call(bundle, family_model, p, seed, device=device, clip_skip=clip_skip,
                           sampler=sampler, pipe=pipe, output_type="latent")
     steps, scale, guidance = settings(p, bundle.family)
-    pos, neg = (prompt_conditioning(family_model, device, clip_skip, p[k])
-                for k in ("prompt", "negative_prompt"))
     h, w = flow_sampling.image_size(p, bundle.family)
-    noise = flow_sampling.initial_noise(bundle.family, h, w, seed).to(device)
-    sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]))
+    return flow_batch(bundle, family_model, [p["prompt"]], [p["negative_prompt"]], [seed], width=w,
+                      height=h, steps=steps, scale=scale, guidance=guidance, device=device, dtype=dtype)
+
+
+def flow_batch(bundle, family_model, prompts: list[str], negatives: list[str], seeds: list[int], *,
+               width: int, height: int, steps: int, scale: float, guidance: float | None, device,
+               dtype=None, shift: float | None = None, packed_draw: bool = True):
+    """A batch of FLUX.1 / SD3 final latents (B, 16, h/8, w/8): image i from ``prompts[i]`` /
+    ``negatives[i]`` and the noise of seed ``seeds[i]`` (flow_sampling.initial_noise, as for a
+    batch of one; ``packed_draw``: FLUX's noise drawn as sd-scripts, else as diffusers), the
+    family's Euler schedule (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the
+    in-run samples and gen_img."""
+    pos, neg = (prompt_conditioning(family_model, device, None, texts) for texts in (prompts, negatives))
+    noise = torch.cat([flow_sampling.initial_noise(bundle.family, height, width, s, packed_draw)
+                       for s in seeds]).to(device)
+    sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]), shift=shift)
     return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=scale,
                                 guidance=guidance, dtype=dtype)
 
@@ -276,17 +313,77 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
                output_type: str, inpaint_kw=None):
     """An SD family's sample through its diffusers pipeline: latents or PIL images."""
     steps, scale, _ = settings(p, bundle.family)
-    pipe.scheduler = make_scheduler(p["sample_sampler"] or _sampler_name(sampler, ""),
-                                    bundle.noise_scheduler.config)
-    pos, neg = (prompt_conditioning(family_model, device, clip_skip, p[k])
-                for k in ("prompt", "negative_prompt"))
+    return sd_batch(bundle, family_model, pipe, [p["prompt"]], [p["negative_prompt"]], [seed],
+                    width=p["width"], height=p["height"], steps=steps, scale=scale,
+                    sampler=p["sample_sampler"] or _sampler_name(sampler, ""), device=device,
+                    clip_skip=clip_skip, output_type=output_type, extra=inpaint_kw)
+
+
+class NegativeScale:
+    """sd-scripts' gen_img ``negative_scale`` inside a diffusers pipeline: the pipeline's U-Net
+    (attributes passed through) that, called on the [negative prompt; prompt] halves, also
+    predicts e_u for the empty prompt and returns [n'; e_p] with n' = (g - s e_p) / (1 - s), so
+    that the pipeline's n' + s (e_p - n') is sd-scripts' guided prediction
+    g = e_u + s (e_p - e_u) - ns (e_n - e_u) (s > 1: the pipeline guides only then)."""
+
+    def __init__(self, unet, uncond, scale: float, negative_scale: float):
+        self.unet, self.uncond, self.scale, self.negative_scale = unet, uncond, scale, negative_scale
+
+    def __getattr__(self, name):
+        return getattr(self.unet, name)
+
+    def __call__(self, sample, t, encoder_hidden_states=None, added_cond_kwargs=None, return_dict=True, **kw):
+        e_n, e_p = self.unet(sample, t, encoder_hidden_states=encoder_hidden_states,
+                             added_cond_kwargs=added_cond_kwargs, return_dict=False, **kw)[0].chunk(2)
+        b = e_p.shape[0]
+        added = None
+        if added_cond_kwargs:  # SDXL: the empty prompt's pooled embedding, the same size conditioning
+            added = {"text_embeds": self.uncond.pooled.to(e_p.dtype), "time_ids": added_cond_kwargs["time_ids"][:b]}
+        e_u = self.unet(sample[:b], t, encoder_hidden_states=self.uncond.hidden_states.to(e_p.dtype),
+                        added_cond_kwargs=added, return_dict=False, **kw)[0]
+        s, ns = self.scale, self.negative_scale
+        guided = e_u + s * (e_p - e_u) - ns * (e_n - e_u)
+        return (torch.cat([(guided - s * e_p) / (1 - s), e_p]),)
+
+
+def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str], seeds: list[int], *,
+             width: int, height: int, steps: int, scale: float, sampler: str, device, clip_skip,
+             output_type: str = "pil", extra=None, negative_scale: float | None = None):
+    """A batch of SD images (or latents) through the diffusers ``pipe`` (``pipeline``), image i
+    from ``prompts[i]`` / ``negatives[i]`` (the family model's conditioning) and the initial
+    latents (and ancestral noise) of ``torch.Generator("cpu").manual_seed(seeds[i])``, as
+    diffusers' pipeline draws them for a batch of one: the one SD path of the in-run samples and
+    gen_img (library/outputs/generation.py). ``extra``: more pipeline arguments (inpainting's
+    image and mask, img2img's image and strength); ``negative_scale``: sd-scripts' separate scale
+    of the negative prompt, the empty prompt then the unconditional one (``NegativeScale``)."""
+    pipe.scheduler = make_scheduler(sampler, sampler_config(bundle))
+    pos, neg = (prompt_conditioning(family_model, device, clip_skip, texts)
+                for texts in (prompts, negatives))
     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
     if registry.of(bundle).size_conditioning:
         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
-    kw.update(inpaint_kw or {})
-    return pipe(height=p["height"], width=p["width"], num_inference_steps=steps, guidance_scale=scale,
-                generator=torch.Generator("cpu").manual_seed(seed), output_type=output_type,
-                **kw).images
+    kw.update(extra or {})
+    if "image" not in kw or "mask_image" in kw:  # img2img takes no size: its image's
+        kw.update(height=height, width=width)
+    gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+    unet = pipe.unet
+    if negative_scale is not None and scale > 1:
+        # not pipe.unet = ...: a pipeline registers what is assigned to it in its config
+        uncond = prompt_conditioning(family_model, device, clip_skip, [""] * len(prompts))
+        object.__setattr__(pipe, "unet", NegativeScale(unet, uncond, scale, negative_scale))
+    # a VAE in another dtype than the U-Net (gen_img's --no_half_vae): decoded here, in its dtype
+    own_decode = output_type == "pil" and pipe.vae.dtype != unet.dtype
+    try:
+        out = pipe(num_inference_steps=steps, guidance_scale=scale, generator=gens[0] if len(gens) == 1 else gens,
+                   output_type="latent" if own_decode else output_type, **kw).images
+    finally:
+        object.__setattr__(pipe, "unet", unet)
+    if not own_decode:
+        return out
+    vae = pipe.vae
+    with torch.no_grad():
+        x = vae.decode(out.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(x, output_type="pil")
 
 
 def _warn_unused(bundle, p: dict, i: int) -> None:

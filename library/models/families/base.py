@@ -58,7 +58,7 @@ class Family:
     partial_cache: bool         # a text-encoder cache may hold the frozen encoders' part (T5) while
                                 # the others train (sd-scripts' is_partial)
     size_conditioning: bool     # the forward takes pooled text and SDXL's size conditioning
-    pipelines: tuple[str, str] | None  # diffusers text-to-image / inpaint pipeline classes of its
+    pipelines: tuple[str, str, str] | None  # diffusers text-to-image / inpaint / img2img pipeline classes of its
                                        # samples (None: the flow sampler)
     v2_metadata: bool           # ss_v2 = True
     block_lr: bool              # sdxl_train.py's block_lr (23 U-Net blocks)

@@ -12,7 +12,7 @@ FAMILY = Family(
     name="sd1", title="SD1", flow=None,
     text_encoder_components=("text_encoder",), text_encoder_names=("CLIP-L",), partial_cache=False,
     size_conditioning=False,
-    pipelines=("StableDiffusionPipeline", "StableDiffusionInpaintPipeline"),
+    pipelines=("StableDiffusionPipeline", "StableDiffusionInpaintPipeline", "StableDiffusionImg2ImgPipeline"),
     v2_metadata=False, block_lr=False, token_padding_option=True, rate_implies_text_encoder=True,
     full_trains_text_encoders=True, separate_t5_rate=False, saves_text_encoders=True,
     autoencoder_option="vae", single_file_parts=(), linear_projections=False,

@@ -1,0 +1,309 @@
+"""Generate images from a model, its networks and embeddings: gen_img.py's core (sd-scripts'
+gen_img, for every family the toolkit trains), callable by the UI.
+
+    gen = Generator(args)                    model, embeddings, networks (hooked or merged)
+    images = gen.render(batch)               PIL images of one batch of gen_options.Job
+    paths = generate(args)                   the whole run: jobs, batches, PNGs with A1111's text
+
+One implementation with the in-run samples (library/training/sampling.py): SD1/SD2/SDXL images come
+from ``sampling.sd_batch`` (diffusers' pipeline over the model's components, the family model's
+text conditioning with A1111 prompt weights, ``clip_skip`` and long prompts), FLUX.1 / SD3 images
+from ``sampling.flow_batch`` (the family's Euler sampler; FLUX.1 dev's guidance input, SD3's
+shift). A network acts through its hooks, at its multiplier (a prompt's ``--am``), or is merged
+into the weights (``--network_merge``) before any dtype cast. Highres fix (SD): the 1st stage at
+``highres_fix_scale`` times the size with ``highres_fix_steps`` steps, the image LANCZOS-resized
+to the size, then diffusers' img2img pipeline at ``strength`` (0.8) from seed + 1, as sd-scripts.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import re
+import time
+
+import torch
+from PIL import Image
+
+from library.config import parse
+from library.errors import UserError, first_line
+from library.models import embeddings, flow_family, loading
+from library.outputs import content_hash, gen_options, infotext
+from library.outputs.gen_options import GenError, Job
+from library.training import flow_sampling, network_options, sampling
+from networks import lora
+
+logger = logging.getLogger("sdtk")
+
+SD_GEN_STEPS, SD_GEN_SCALE, STRENGTH = 50, 7.5, 0.8  # sd-scripts gen_img's defaults
+
+
+def family_defaults(family: str, flux_guided: bool) -> dict:
+    """The one place gen_img chooses by family: default size, steps, scale, guidance, and the
+    latent grid sizes must be multiples of."""
+    if family in flow_family.FLOW_FAMILIES:
+        d = flow_sampling.DEFAULTS[family]
+        return {"size": 1024, "steps": d["sample_steps"], "scale": d["scale"],
+                "guidance": d["guidance_scale"] if flux_guided else None,
+                "grid": flow_sampling.SIZE_MULTIPLE[family], "flow": True,
+                "network_module": network_options.FAMILY_LORA_MODULES[family]}
+    return {"size": 1024 if family == "sdxl" else 512, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
+            "guidance": None, "grid": 8, "flow": False, "network_module": lora}
+
+
+def _load_options(args):
+    """The training options record the model loaders read (library/models/flow_family.py)."""
+    values = {"pretrained_model_name_or_path": args.ckpt, "v2": args.v2,
+              "v_parameterization": args.v_parameterization, "tokenizer_path": args.tokenizer_path,
+              "xformers": args.xformers, "weighted_captions": True, "clip_l": args.clip_l,
+              "clip_g": args.clip_g, "t5xxl": args.t5xxl, "ae": args.ae,
+              "apply_t5_attn_mask": args.apply_t5_attn_mask,
+              "t5xxl_max_token_length": args.t5xxl_max_token_length,
+              "max_token_length": None if (args.max_embeddings_multiples or 1) == 1
+              else 75 * args.max_embeddings_multiples}
+    fam = flow_family.family_before_loading(args.ckpt)
+    if fam is None:
+        values["vae"] = args.vae
+    elif fam == "sd3":
+        values["ae"] = args.ae or args.vae
+    elif args.vae:
+        raise GenError("--vae: a FLUX.1 model's autoencoder is --ae")
+    return parse.options_from_values("train_lora", values)
+
+
+def _file_hash(path: str) -> str:
+    return content_hash.sha256_file(path)
+
+
+def model_hash(source: str) -> str:
+    """A1111's short model hash (sha256 of the file, 10 hex digits); a folder: of its weight
+    files' hashes; a built-in model: of its name."""
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        return _file_hash(path)[:10]
+    if os.path.isdir(path):
+        digests = "".join(_file_hash(f) for f in sorted(content_hash.weight_files(path)))
+        return hashlib.sha256(digests.encode()).hexdigest()[:10]
+    return hashlib.sha256(f"builtin:{source}".encode()).hexdigest()[:10]
+
+
+def lora_hash(path: str) -> str:
+    """A1111's LoRA hash: the addnet hash of a .safetensors file (sha256 of the tensors after the
+    header), else the file's sha256; 12 hex digits."""
+    if path.lower().endswith(".safetensors"):
+        with open(path, "rb") as f:
+            return lora.addnet_hash_safetensors(f)[:12]
+    return _file_hash(path)[:12]
+
+
+class LoadedNetwork:
+    def __init__(self, path: str, network, multiplier: float, merged: bool):
+        self.path, self.network, self.multiplier, self.merged = path, network, multiplier, merged
+        self.name = os.path.splitext(os.path.basename(path))[0]
+        self.hash = lora_hash(path)
+
+
+class Generator:
+    """The model of a gen_img run with its embeddings and networks, on its device and dtype."""
+
+    def __init__(self, args):
+        self.args = args
+        opts = _load_options(args)
+        try:
+            self.bundle = b = flow_family.load_from_options(opts)
+        except UserError as e:  # a one-line error of the loaders, which name the training option
+            raise GenError(str(e).replace("pretrained_model_name_or_path", "--ckpt")) from None
+        except (OSError, ValueError, RuntimeError) as e:
+            raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None
+        self.flow = sampling.is_flow(b)
+        guided = b.family == "flux" and bool(getattr(b.unet.config, "guidance_embed", False))
+        self.defaults = family_defaults(b.family, guided)
+        self._check_family(args)
+        self.dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        rewrite = self._embeddings(args.textual_inversion_embeddings)
+        self.networks = self._networks(args)
+        loading.set_attention(b, opts)
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            for m in [b.unet, *b.text_encoders, *(n.network for n in self.networks if not n.merged)]:
+                m.to(self.device, self.dtype)
+            b.vae.to(self.device, torch.float32 if args.no_half_vae else self.dtype)
+        if args.opt_channels_last:
+            b.unet.to(memory_format=torch.channels_last)
+        self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
+        self.pipe = sampling.pipeline(b)
+        self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale else None
+        self.model_hash = model_hash(b.source)
+
+    def _check_family(self, args) -> None:
+        fam = flow_family.NAMES.get(self.bundle.family)
+        if fam is None:
+            if args.shift is not None or args.guidance_scale is not None:
+                raise GenError("--shift / --guidance_scale are FLUX.1 / SD3 options; this model is SD")
+            return
+        if args.highres_fix_scale is not None:
+            raise GenError(f"--highres_fix_scale: SD1/SD2/SDXL (sd-scripts' gen_img); this model is {fam}")
+        if args.textual_inversion_embeddings:
+            raise GenError(f"--textual_inversion_embeddings: SD1/SD2/SDXL embeddings; this model is {fam}")
+        if args.clip_skip is not None:
+            raise GenError(f"--clip_skip: an SD option; this model is {fam}")
+        if args.shift is not None and self.bundle.family != "sd3":
+            raise GenError("--shift is SD3's; FLUX.1's schedule is shifted by the image's size")
+        if args.guidance_scale is not None and self.defaults["guidance"] is None:
+            raise GenError(f"--guidance_scale is FLUX.1 dev's guidance input; this {fam} model has none")
+
+    def _embeddings(self, paths: list[str]):
+        """Textual inversion files: each file's token is its name (A1111, sd-scripts), with as many
+        vectors as the file holds; returns the prompt rewriter for multi-vector tokens."""
+        if not paths:
+            return None
+        b = self.bundle
+        loaded = [(p, embeddings.read_embedding_file(p, b.family)) for p in paths]
+        specs = [embeddings.TokenSpec(os.path.splitext(os.path.basename(p))[0], None, int(t[0].shape[0]))
+                 for p, t in loaded]
+        embeddings.check_specs(specs, "--textual_inversion_embeddings")
+        tokens = embeddings.NewTokens(specs, "--textual_inversion_embeddings")
+        tokens.install(b.tokenizers, b.text_encoders, 0, b.text_encoders[0].dtype)
+        for spec, (p, tensors) in zip(specs, loaded):
+            tokens.load_rows(spec, tensors, p)
+        for m in tokens.modules:
+            m.requires_grad_(False)
+        return embeddings.prompt_rewriter(specs)
+
+    def _networks(self, args) -> list[LoadedNetwork]:
+        b = self.bundle
+        out = []
+        tes = b.text_encoders if len(b.text_encoders) > 1 else b.text_encoders[0]
+        for i, path in enumerate(args.network_weights):
+            mods = args.network_module
+            module = self.defaults["network_module"]
+            if mods:
+                name = mods[i] if len(mods) > 1 else mods[0]
+                try:
+                    module = importlib.import_module(name)
+                except ImportError as e:
+                    raise GenError(f"--network_module {name}: cannot import it ({e})") from None
+            mul = args.network_mul[i] if args.network_mul else 1.0
+            try:
+                sd = lora.load_state_dict_file(path)
+                sd = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
+                kwargs = args.network_kwargs[i] if i < len(args.network_kwargs) else {}
+                network, _ = module.create_network_from_weights(mul, path, b.vae, tes, b.unet, weights_sd=sd,
+                                                                **kwargs)
+                if args.network_merge:
+                    network.merge_to(tes, b.unet, sd)
+                else:
+                    network.apply_to(tes, b.unet, True, True)
+                    info = network.load_state_dict(sd, strict=False)
+                    if info.unexpected_keys:
+                        raise GenError(f"{len(info.unexpected_keys)} key(s) match no module of the network, "
+                                       f"e.g. {info.unexpected_keys[0]}")
+                    network.requires_grad_(False)
+                    network.eval()
+            except UserError as e:
+                msg = str(e).replace(f"{path}: ", "").replace(f"weights {path}", "the file")
+                if "exist in this model" in msg or "match no module" in msg:
+                    msg += f" (a network for another model family or base model? this model is {self.family_name})"
+                raise GenError(f"--network_weights {path}: {msg}") from None
+            except (OSError, RuntimeError, ValueError, TypeError) as e:
+                raise GenError(f"--network_weights {path}: {first_line(e)}") from None
+            out.append(LoadedNetwork(path, network, mul, args.network_merge))
+            logger.info(f"network {path}: {'merged' if args.network_merge else 'applied'} at {mul}")
+        return out
+
+    @property
+    def family_name(self) -> str:
+        return flow_family.NAMES.get(self.bundle.family, self.bundle.family.upper())
+
+    def _set_multipliers(self, muls) -> None:
+        for n, m in zip(self.networks, muls or [n.multiplier for n in self.networks]):
+            if not n.merged:
+                n.network.set_multiplier(m)
+
+    def render(self, batch: list[Job]) -> list:
+        """The PIL images of one batch (equal settings, gen_options.batches)."""
+        j = batch[0]
+        self._set_multipliers(j.muls)
+        prompts, negatives, seeds = [x.prompt for x in batch], [x.negative for x in batch], [x.seed for x in batch]
+        with torch.no_grad():
+            if self.flow:
+                latents = sampling.flow_batch(
+                    self.bundle, self.family_model, prompts, negatives, seeds, width=j.width, height=j.height,
+                    steps=j.steps, scale=j.scale, guidance=j.guidance, device=self.device, dtype=self.dtype,
+                    shift=self.args.shift, packed_draw=False)
+                return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
+            kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
+            if self.args.highres_fix_scale is None:
+                return sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
+                                         width=j.width, height=j.height, steps=j.steps, scale=j.scale,
+                                         sampler=j.sampler, **kw)
+            w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
+            first = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
+                                      width=w1, height=h1, steps=self.args.highres_fix_steps, scale=j.scale,
+                                      sampler=j.sampler, **kw)
+            up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
+            strength = STRENGTH if self.args.strength is None else self.args.strength
+            return sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives,
+                                     [s + 1 for s in seeds], width=j.width, height=j.height, steps=j.steps,
+                                     scale=j.scale, sampler=j.sampler,
+                                     extra={"image": up, "strength": strength}, **kw)
+
+    def parameters(self, job: Job) -> str:
+        """A1111's ``parameters`` text of one image."""
+        loras = [(n.name, (job.muls[i] if job.muls else n.multiplier), n.hash) for i, n in enumerate(self.networks)]
+        args = self.args
+        fields = {"Steps": job.steps,
+                  "Sampler": infotext.A1111_SAMPLERS["flow_euler" if self.flow else job.sampler],
+                  "CFG scale": f"{job.scale:g}",
+                  "Negative scale": None if job.negative_scale is None else f"{job.negative_scale:g}",
+                  "Seed": job.seed, "Size": f"{job.width}x{job.height}",
+                  "Model hash": self.model_hash,
+                  "Model": os.path.splitext(os.path.basename(os.path.normpath(self.bundle.source)))[0],
+                  "Distilled CFG Scale": None if job.guidance is None else f"{job.guidance:g}",
+                  "Shift": None if args.shift is None else f"{args.shift:g}",
+                  "Clip skip": args.clip_skip,
+                  "Hires upscale": None if args.highres_fix_scale is None else f"{1 / args.highres_fix_scale:g}",
+                  "Hires steps": None if args.highres_fix_scale is None else job.steps,
+                  "Denoising strength": None if args.highres_fix_scale is None
+                  else f"{STRENGTH if args.strength is None else args.strength:g}",
+                  "Hires upscaler": None if args.highres_fix_scale is None else "Lanczos",
+                  "Emphasis": None if self.flow else "No norm"}
+        return infotext.parameters(job.prompt, job.negative, fields, loras)
+
+
+def _first_stage(v: int, scale: float) -> int:
+    """sd-scripts' 1st-stage size: round(v x scale), down to a multiple of 32."""
+    v1 = int(v * scale + 0.5)
+    return max(32, v1 - v1 % 32)
+
+
+def _sequential_start(outdir: str) -> int:
+    nums = [int(m.group(1)) for f in os.listdir(outdir) if (m := re.fullmatch(r"im_(\d{6})\.png", f))]
+    return max(nums, default=0)
+
+
+def generate(args) -> list[str]:
+    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+    prompts = gen_options.read_prompts(args)
+    gen_options.check_output_dir(args.outdir)
+    fam = flow_family.family_before_loading(args.ckpt)
+    # the prompt lines are checked before the weights load (the grid with the family known later)
+    gen_options.plan_jobs(args, prompts, family_defaults(fam or "sd1", True))
+    gen = Generator(args)
+    jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
+    n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0
+    stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
+    written, t0 = [], time.perf_counter()
+    for batch in gen_options.batches(jobs, args.batch_size):
+        for job, image in zip(batch, gen.render(batch)):
+            n = len(written) + 1
+            name = f"im_{n0 + n:06d}.png" if args.sequential_file_name else f"im_{stamp}_{n:03d}_{job.seed}.png"
+            path = os.path.join(args.outdir, name)
+            infotext.save_png(image, path, gen.parameters(job), {
+                "prompt": job.prompt, "negative-prompt": job.negative, "seed": job.seed,
+                "sampler": job.sampler, "steps": job.steps, "scale": job.scale,
+                **({} if job.negative_scale is None else {"negative-scale": job.negative_scale})})
+            written.append(path)
+    logger.info(f"{len(written)} images in {args.outdir} ({time.perf_counter() - t0:.1f} s)")
+    return written

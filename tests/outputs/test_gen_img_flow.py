@@ -1,0 +1,127 @@
+"""gen_img.py on the tiny FLUX.1 (dev) and SD3 models: the image equals diffusers' own FluxPipeline /
+StableDiffusion3Pipeline (guidance, shift, the seed's latents drawn as diffusers draws them) on
+weights with the LoRA fused by hand in float64; hooked equals merged; flow-specific bad input.
+
+Both sides decode the final latents with the same VAE and the same pixel formula
+(flow_sampling.decode_image), so what is compared is the sampler, the text conditioning, the seed and
+the LoRA. Tolerance: ours runs float32 with the LoRA as hooks, the reference a float64 fused weight
+cast to float32 (diffusers' own transformer): relative 1e-6 differences, far below half an 8-bit
+level, so at most one level on rare pixels (tests/outputs/test_gen_img.py's analysis).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from library.config import parse
+from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
+from library.training import flow_sampling
+from networks import lora_flux, lora_sd3
+from networks.lora import write_weights
+from tests.outputs.test_gen_img import _fails, close, pixels, run
+
+
+def _bundle(name):
+    return flow_family.load_from_options(parse.options_from_values("train_lora", {"pretrained_model_name_or_path": name}))
+
+
+def _lora(module, b, path, seed=0):
+    net = module.create_network(1.0, 4, 2, None, b.text_encoders, b.unet)
+    net.apply_to(b.text_encoders, b.unet, False, True)  # transformer modules only
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in net.unet_loras:
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    sd = net.state_dict()
+    net.remove_from()
+    write_weights(path, sd, torch.float32, {})
+    return sd
+
+
+def _fuse_float64(model, sd, mul):
+    """W + mul * up @ down * alpha / rank in float64, for every module the file names (kohya name =
+    lora_unet_ + the module's path with '_' for '.')."""
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            key = "lora_unet_" + name.replace(".", "_")
+            if key + ".lora_down.weight" not in sd:
+                continue
+            d, u, a = (sd[f"{key}.{p}"].double() for p in ("lora_down.weight", "lora_up.weight", "alpha"))
+            m.weight.copy_((m.weight.double() + mul * (u.flatten(1) @ d.flatten(1)).view(m.weight.shape)
+                            * (float(a) / d.shape[0])).float())
+
+
+def _hooked_merged_plain(tmp_path, base: list, network: list) -> str:
+    """gen_img with the network hooked (returned), merged (the same within tolerance) and without
+    it (another image: the LoRA shows)."""
+    [ours] = run(tmp_path, "hooked", *base, *network)
+    [merged] = run(tmp_path, "merged", *base, *network, "--network_merge")
+    close(pixels(merged), pixels(ours), "--network_merge vs hooked")
+    [plain] = run(tmp_path, "plain", *base)
+    assert np.abs(pixels(plain) - pixels(ours)).max() > 10
+    return ours
+
+
+def test_flux_dev_equals_flux_pipeline_with_the_lora_fused(tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    b = _bundle("tiny-flux")
+    path = str(tmp_path / "f.safetensors")
+    sd = _lora(lora_flux, b, path)
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-flux", "--prompt", "red cube --d 7 --w 64 --h 96 --s 4 --g 5"],
+                                ["--network_weights", path, "--network_mul", "0.8"])
+
+    _fuse_float64(b.unet, sd, 0.8)
+    cfg = {k: v for k, v in flux_checkpoint.diffusers_config(b.unet.config).items() if k != "_class_name"}
+    tr = FluxTransformer2DModel(**cfg).eval()
+    tr.load_state_dict(flux_checkpoint.bfl_to_diffusers(b.unet.state_dict(), b.unet.config))
+    m = b.flow
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5,
+                                                                  max_shift=1.15, base_image_seq_len=256,
+                                                                  max_image_seq_len=4096),
+                        vae=m.ae, text_encoder=m.clip_l, tokenizer=m.clip_tokenizer, text_encoder_2=m.t5,
+                        tokenizer_2=m.t5_tokenizer, transformer=tr)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        lat = pipe(prompt="red cube", height=96, width=64, num_inference_steps=4, guidance_scale=5.0,
+                   max_sequence_length=m.t5_max_length, generator=torch.Generator("cpu").manual_seed(7),
+                   output_type="latent").images
+        ref = flow_sampling.decode_image(m.ae, flux.unpack_latents(lat, 6, 4))
+    close(pixels(ours), np.asarray(ref).astype(int), "gen_img FLUX vs FluxPipeline + fused LoRA")
+
+
+def test_sd3_equals_sd3_pipeline_with_shift_cfg_and_the_lora_fused(tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    b = _bundle("tiny-sd3")
+    path = str(tmp_path / "s.safetensors")
+    sd = _lora(lora_sd3, b, path)
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-sd3", "--prompt", "red cube --n blue --d 8 --w 64 --h 64 "
+                                           "--s 4 --l 4", "--shift", "2.5"], ["--network_weights", path])
+
+    _fuse_float64(b.unet, sd, 1.0)
+    m = b.flow
+    t5 = len(b.text_encoders) > 2
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=2.5), vae=m.vae,
+        text_encoder=m.clip_l, tokenizer=m.tokenizer_l, text_encoder_2=m.clip_g, tokenizer_2=m.tokenizer_g,
+        text_encoder_3=m.t5xxl if t5 else None, tokenizer_3=m.tokenizer_t5 if t5 else None,
+        transformer=sd3_checkpoint.mmdit_to_diffusers(b.unet).eval())
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        lat = pipe(prompt="red cube", negative_prompt="blue", height=64, width=64, num_inference_steps=4,
+                   guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(8), output_type="latent").images
+    close(pixels(ours), np.asarray(flow_sampling.decode_image(m.vae, lat)).astype(int),
+          "gen_img SD3 vs StableDiffusion3Pipeline + fused LoRA")
+
+
+def test_flow_bad_input(capsys, tmp_path):
+    flux_args = ["--ckpt", "tiny-flux", "--steps", "1"]
+    assert "--W/--H: width 72 is not a multiple of 16" in _fails(capsys, tmp_path, *flux_args, "--prompt", "x",
+                                                                 "--W", "72", "--H", "64")
+    assert "--shift is SD3's" in _fails(capsys, tmp_path, *flux_args, "--prompt", "x", "--W", "64", "--H", "64",
+                                        "--shift", "2")
+    assert "--highres_fix_scale: SD1/SD2/SDXL" in _fails(capsys, tmp_path, *flux_args, "--prompt", "x",
+                                                         "--highres_fix_scale", "0.5")
