@@ -29,6 +29,8 @@ from PIL import Image
 from library.config import parse
 from library.errors import UserError, first_line
 from library.models import embeddings, flow_family, loading
+from library.models.families import registry
+from library.models.families.base import FIXED_SHIFT
 from library.outputs import content_hash, gen_options, infotext
 from library.outputs.gen_options import GenError, Job
 from library.training import flow_sampling, network_options, sampling
@@ -42,13 +44,14 @@ SD_GEN_STEPS, SD_GEN_SCALE, STRENGTH = 50, 7.5, 0.8  # sd-scripts gen_img's defa
 def family_defaults(family: str, flux_guided: bool) -> dict:
     """The one place gen_img chooses by family: default size, steps, scale, guidance, and the
     latent grid sizes must be multiples of."""
-    if family in flow_family.FLOW_FAMILIES:
-        d = flow_sampling.DEFAULTS[family]
-        return {"size": 1024, "steps": d["sample_steps"], "scale": d["scale"],
-                "guidance": d["guidance_scale"] if flux_guided else None,
-                "grid": flow_sampling.SIZE_MULTIPLE[family], "flow": True,
+    fam = registry.get(family)
+    if fam.flow is not None:
+        spec = fam.flow
+        return {"size": fam.native_size, "steps": spec.sample_steps, "scale": spec.sample_scale,
+                "guidance": spec.sample_guidance if flux_guided else None,
+                "grid": spec.size_multiple, "flow": True,
                 "network_module": network_options.FAMILY_LORA_MODULES[family]}
-    return {"size": 1024 if family == "sdxl" else 512, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
+    return {"size": registry.get(family).native_size, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
             "guidance": None, "grid": 8, "flow": False, "network_module": lora}
 
 
@@ -65,7 +68,7 @@ def _load_options(args):
     fam = flow_family.family_before_loading(args.ckpt)
     if fam is None:
         values["vae"] = args.vae
-    elif fam == "sd3":
+    elif registry.get(fam).autoencoder_option == "vae":  # SD3: its VAE is the flow loader's ae
         values["ae"] = args.ae or args.vae
     elif args.vae:
         raise GenError("--vae: a FLUX.1 model's autoencoder is --ae")
@@ -117,7 +120,9 @@ class Generator:
         except (OSError, ValueError, RuntimeError) as e:
             raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None
         self.flow = sampling.is_flow(b)
-        guided = b.family == "flux" and bool(getattr(b.unet.config, "guidance_embed", False))
+        flow = registry.of(b).flow
+        guided = flow is not None and flow.sample_guidance is not None and \
+            bool(getattr(b.unet.config, "guidance_embed", False))
         self.defaults = family_defaults(b.family, guided)
         self._check_family(args)
         self.dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
@@ -137,8 +142,9 @@ class Generator:
         self.model_hash = model_hash(b.source)
 
     def _check_family(self, args) -> None:
-        fam = flow_family.NAMES.get(self.bundle.family)
-        if fam is None:
+        family = registry.of(self.bundle)
+        fam = family.title
+        if family.flow is None:
             if args.shift is not None or args.guidance_scale is not None:
                 raise GenError("--shift / --guidance_scale are FLUX.1 / SD3 options; this model is SD")
             return
@@ -148,7 +154,7 @@ class Generator:
             raise GenError(f"--textual_inversion_embeddings: SD1/SD2/SDXL embeddings; this model is {fam}")
         if args.clip_skip is not None:
             raise GenError(f"--clip_skip: an SD option; this model is {fam}")
-        if args.shift is not None and self.bundle.family != "sd3":
+        if args.shift is not None and registry.of(self.bundle).flow.sample_schedule != FIXED_SHIFT:
             raise GenError("--shift is SD3's; FLUX.1's schedule is shifted by the image's size")
         if args.guidance_scale is not None and self.defaults["guidance"] is None:
             raise GenError(f"--guidance_scale is FLUX.1 dev's guidance input; this {fam} model has none")
@@ -214,7 +220,7 @@ class Generator:
 
     @property
     def family_name(self) -> str:
-        return flow_family.NAMES.get(self.bundle.family, self.bundle.family.upper())
+        return registry.of(self.bundle).title
 
     def _set_multipliers(self, muls) -> None:
         for n, m in zip(self.networks, muls or [n.multiplier for n in self.networks]):

@@ -83,4 +83,5 @@ class Family:
     gui_db_text_encoder: bool   # the DreamBooth tab writes train_text_encoder (from the rates)
     unsupported: dict           # option -> why it is refused with this family (before loading)
     no_effect: dict             # option -> why it is accepted with a "no effect" warning
+    native_size: int            # the side of its training images, gen_img's default size
     tiny_models: tuple[str, ...]  # built-in tiny models (pretrained_model_name_or_path)

@@ -55,5 +55,5 @@ FAMILY = Family(
                               "kohya_ss GUI's fine-tune tab writes it true",
         "min_timestep": _BOUNDS, "max_timestep": _BOUNDS,
     },
-    tiny_models=("tiny-flux", "tiny-flux-schnell"),
+    native_size=1024, tiny_models=("tiny-flux", "tiny-flux-schnell"),
 )

@@ -18,5 +18,5 @@ FAMILY = Family(
     autoencoder_option="vae", single_file_parts=(), linear_projections=False,
     lora_module="networks.lora", network_modules=SD_NETWORK_MODULES,
     gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
-    unsupported={}, no_effect={}, tiny_models=("tiny-sd15", "tiny-sd15-inpaint", "sd15-arch"),
+    unsupported={}, no_effect={}, native_size=512, tiny_models=("tiny-sd15", "tiny-sd15-inpaint", "sd15-arch"),
 )

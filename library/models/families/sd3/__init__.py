@@ -34,6 +34,6 @@ FAMILY = Family(
     unsupported={"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
                  **{name: _OLD_SWAP for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
-    tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large", "sd3-arch", "sd3.5-medium-arch",
+    native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large", "sd3-arch", "sd3.5-medium-arch",
                  "sd3.5-large-arch"),
 )
