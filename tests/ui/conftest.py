@@ -1,12 +1,15 @@
 """A UI server in process (FastAPI's TestClient) over a job store in the test's folder."""
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.step_gate import write_gate_interpreter
 
 HOST = "testserver"  # the TestClient's Host
 
@@ -28,7 +31,10 @@ def tiny_config(data: str, out: str, steps: int = 3, **extra) -> str:
 
 
 class UI:
-    def __init__(self, tmp, *, token=None, allowed_paths=(), max_body=1 << 20):
+    """``gated``: jobs start through tests/step_gate.py's interpreter, so that ``hold`` can make a
+    job wait at a step for the test (a file, or the stop signal) instead of racing it."""
+
+    def __init__(self, tmp, *, token=None, allowed_paths=(), max_body=1 << 20, gated=False):
         from fastapi.testclient import TestClient
 
         from library.ui.app import Settings, create_app
@@ -37,11 +43,27 @@ class UI:
         self.tmp = str(tmp)
         self.db = os.path.join(self.tmp, "jobs.sqlite3")
         self.data_dir = os.path.join(self.tmp, "jobs-files")
+        self.gates = os.path.join(self.tmp, "gates.json")
+        python = write_gate_interpreter(os.path.join(self.tmp, "python"), self.gates) if gated \
+            else sys.executable
         self.store = JobStore(self.db)
-        self.runner = Runner(self.store, self.data_dir, ["cpu"], env=job_env())
+        self.runner = Runner(self.store, self.data_dir, ["cpu"], env=job_env(), python=python)
         self.settings = Settings(data_dir=self.data_dir, token=token, allowed_paths=list(allowed_paths),
                                  allowed_hosts=(HOST,), max_body=max_body)
         self.client = TestClient(create_app(self.settings, self.store, self.runner))
+
+    def hold(self, job_id: int, *holds) -> None:
+        """Job ``job_id``, when it starts (a ``gated`` UI), waits at each hold: ``(n, "signal")``
+        in its n-th step until the stop signal reaches it, ``(n, "file", path)`` until the file
+        exists (tests/step_gate.py)."""
+        gates = {}
+        if os.path.exists(self.gates):
+            with open(self.gates) as f:
+                gates = json.load(f)
+        gates[str(job_id)] = [list(h) for h in holds]
+        with open(self.gates + ".tmp", "w") as f:
+            json.dump(gates, f)
+        os.replace(self.gates + ".tmp", self.gates)
 
     def wait(self, job_id: int, until, timeout: float = 180.0) -> dict:
         """Tick the runner until ``until(job view)``; the view."""
@@ -62,5 +84,12 @@ class UI:
 @pytest.fixture
 def ui(tmp_path):
     u = UI(tmp_path)
+    yield u
+    u.close()
+
+
+@pytest.fixture
+def gated_ui(tmp_path):
+    u = UI(tmp_path, gated=True)
     yield u
     u.close()
