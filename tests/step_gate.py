@@ -11,8 +11,9 @@ events (a step of the run, and a command or signal from the test) instead of rac
     write_gate_interpreter(path, gates_file) -> path
         an executable "python" for library/ui/jobs.py's Runner (its ``python`` argument): it runs
         the job's entry script in process with the holds that ``gates_file`` (JSON, read when the
-        job starts) lists for that job, ``{"<job id>": [[n, "signal"] | [n, "file", path], ...]}``;
-        any other job, and ``-m accelerate...`` launches, run as with the real interpreter
+        job starts) lists for that job, ``{"<job id>": [[n, "signal"] | [n, "file", path], ...]}``
+        (in every process of an ``accelerate launch``: the launcher starts each through this
+        interpreter, ``--no_python``); any other job runs as with the real interpreter
 
 What a hold means for a run of one process: a command written to the control file while it waits
 at step n is read at step n + 1's start and taken after step n + 1; a signal that releases it
@@ -62,7 +63,7 @@ INTERPRETER = """#!{python}
 import sys
 sys.path.insert(0, {root!r})
 from tests.step_gate import run_job
-sys.exit(run_job({gates!r}, sys.argv[1:]))
+sys.exit(run_job({gates!r}, sys.argv[1:], sys.argv[0]))
 """
 
 
@@ -73,14 +74,17 @@ def write_gate_interpreter(path: str, gates_file: str) -> str:
     return path
 
 
-def run_job(gates_file: str, args: list[str]) -> int:
-    """The job's process: ``args`` as the Runner gives them to the interpreter."""
+def run_job(gates_file: str, args: list[str], gate: str) -> int:
+    """The job's process: ``args`` as the Runner gives them to the interpreter ``gate``."""
     holds = []
-    if args[0] != "-m" and "--config" in args and os.path.exists(gates_file):
+    if "--config" in args and os.path.exists(gates_file):
         job_id = os.path.basename(os.path.dirname(args[args.index("--config") + 1]))
         with open(gates_file) as f:
             holds = json.load(f).get(job_id, [])
-    if not holds:
+    if args[0] == "-m" and holds:  # accelerate launch: each process through this interpreter
+        script = next(i for i, a in enumerate(args) if a.endswith(".py"))
+        args = [*args[:script], "--no_python", gate, *args[script:]]
+    if args[0] == "-m" or not holds:
         os.execv(sys.executable, [sys.executable, *args])
     for n, kind, *rest in holds:
         hold_at(n, SIGNAL if kind == "signal" else file_exists(rest[0]))

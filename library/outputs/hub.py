@@ -98,6 +98,8 @@ class Uploader:
 
     def close(self) -> None:
         if self._thread is not None:
+            if self._pending:
+                logger.info(f"waiting for {len(self._pending)} upload(s) to {self.target.repo_id}")
             self._queue.put(None)
             self._thread.join()
             self._thread = None
@@ -112,7 +114,8 @@ class Uploader:
                 self._upload(path)
             finally:
                 done.set()
-                self._pending.pop(os.path.abspath(path), None)
+                if self._pending.get(os.path.abspath(path)) is done:  # not a later save's
+                    del self._pending[os.path.abspath(path)]
 
     def _ensure_repo(self) -> None:
         t = self.target

@@ -476,19 +476,28 @@ def test_a_job_is_a_snapshot_of_its_config_and_dataset_config(ui, data, tmp_path
 
 
 @pytest.mark.slow
-def test_a_two_process_job_stops_and_resumes(ui, data, tmp_path):
+def test_a_two_process_job_stops_and_resumes(gated_ui, data, tmp_path):
     """accelerate launch of two CPU processes (gloo): save_now writes a model file, stop writes a
-    state in every process's agreed step, resume runs to the end (about a minute: slow)."""
-    c = ui.client
+    state in every process's agreed step, resume runs to the end (about a minute: slow). Both
+    processes wait in step 2 until save_now has been asked (taken after step 3) and in step 4 for
+    the stop signal (stopped after step 4), as in the one-process test above."""
+    ui, c = gated_ui, gated_ui.client
+    c.post("/api/queue", json={"held": True})
     jid = c.post("/api/jobs", json={"script": "train_lora", "processes": 2, "config": tiny_config(
         data, str(tmp_path / "two"), steps=40)}).json()["id"]
-    j = ui.wait(jid, lambda j: j["state"] == "running" and j["step"] >= 2, timeout=300)
+    asked = tmp_path / "save_now_asked"
+    ui.hold(jid, (2, "file", str(asked)), (4, "signal"))
+    c.post("/api/queue", json={"held": False})
+    ui.wait(jid, lambda j: j["state"] == "running" and j["step"] >= 1, timeout=300)
     assert c.post(f"/api/jobs/{jid}/save_now").status_code == 200
-    ui.wait(jid, lambda j: any("-step" in f for f in j["outputs"]), timeout=300)
-    assert c.post(f"/api/jobs/{jid}/stop").status_code == 200
+    asked.write_text("")
+    j = ui.wait(jid, lambda j: any("-step" in f for f in j["outputs"]), timeout=300)
+    assert j["outputs"] == ["last-step00000003.safetensors"], j
+    assert c.post(f"/api/jobs/{jid}/stop").json()["state"] == "stopping"
     j = ui.wait(jid, lambda j: j["state"] not in ("running", "stopping"), timeout=300)
     assert j["state"] == "stopped" and "training state written" in j["error"], j
-    assert os.path.isdir(tmp_path / "two" / f"last-step{j['step']:08d}-state")
+    assert j["step"] == 4 and os.path.isdir(tmp_path / "two" / "last-step00000004-state")
+    ui.hold(jid)
     c.post(f"/api/jobs/{jid}/resume")
     j = ui.wait(jid, lambda j: j["state"] in ("done", "failed"), timeout=300)
     assert j["state"] == "done" and j["step"] == 40, c.get(f"/api/jobs/{jid}/log").text
