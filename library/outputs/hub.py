@@ -112,6 +112,9 @@ class Uploader:
             path, done = item
             try:
                 self._upload(path)
+            except Exception as e:  # noqa: BLE001 - the thread serves the saves still queued
+                logger.warning(f"upload of {path} failed ({first_line(e, typed=True)}); the local "
+                               "file is kept")
             finally:
                 done.set()
                 if self._pending.get(os.path.abspath(path)) is done:  # not a later save's
