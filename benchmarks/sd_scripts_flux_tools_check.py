@@ -15,11 +15,9 @@ sd-scripts' library needs opencv-python-headless and einops (not dependencies of
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
 from safetensors import safe_open
@@ -29,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make the repository root importable
     sys.path.insert(0, ROOT)
 
-from benchmarks.sd_scripts_tools_check import Runner, last_error_line  # noqa: E402
+from benchmarks.sd_scripts_tools_check import file_tools_runner, side_by_side  # noqa: E402
 from library.models import flux_checkpoint, sd3_checkpoint, sd3_vae, tiny_flux  # noqa: E402
 
 
@@ -103,18 +101,10 @@ def compare(ours: str, theirs: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sd_scripts", required=True, help="path of a kohya-ss/sd-scripts checkout")
-    p.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
-    args = p.parse_args(argv)
-    missing = [s for s in SCRIPTS if not os.path.isfile(os.path.join(args.sd_scripts, s))]
-    if missing:
-        print(f"error: --sd_scripts {args.sd_scripts}: not an sd-scripts checkout (no {missing[0]})", file=sys.stderr)
+    setup = file_tools_runner(argv, __doc__.split("\n\n")[0], SCRIPTS, "sdtk-flux-tools-")
+    if setup is None:
         return 2
-    work = args.work or tempfile.mkdtemp(prefix="sdtk-flux-tools-")
-    os.makedirs(work, exist_ok=True)
-    r = Runner(args.sd_scripts, work, args.timeout)
+    r, work = setup
     w = lambda *parts: os.path.join(work, *parts)  # noqa: E731
     flux_lora(w("kohya.safetensors"))
     os.makedirs(w("flux-diffusers"), exist_ok=True)
@@ -125,26 +115,16 @@ def main(argv=None) -> int:
     cases = [
         ("convert_flux_lora sd-scripts -> ai-toolkit", "networks/convert_flux_lora.py",
          lambda out: ["--src", "sd-scripts", "--dst", "ai-toolkit", "--src_path", w("kohya.safetensors"),
-                      "--dst_path", out], "ait"),
+                      "--dst_path", out], "ait", compare),
         ("convert_flux_lora ai-toolkit -> sd-scripts (their ai-toolkit file)", "networks/convert_flux_lora.py",
          lambda out: ["--src", "ai-toolkit", "--dst", "sd-scripts", "--src_path", w("ait.theirs.safetensors"),
-                      "--dst_path", out], "back"),
+                      "--dst_path", out], "back", compare),
         ("convert_diffusers_to_flux", "tools/convert_diffusers_to_flux.py",
-         lambda out: ["--diffusers_path", w("flux-diffusers"), "--save_to", out], "bfl"),
-        ("merge_sd3_safetensors", "tools/merge_sd3_safetensors.py", lambda out: [*sd3_args, "--output", out], "sd3"),
+         lambda out: ["--diffusers_path", w("flux-diffusers"), "--save_to", out], "bfl", compare),
+        ("merge_sd3_safetensors", "tools/merge_sd3_safetensors.py", lambda out: [*sd3_args, "--output", out], "sd3",
+         compare),
     ]
-    rows = ["| tool | result |", "|---|---|"]
-    for title, script, args_of, stem in cases:
-        ours, theirs = w(f"{stem}.ours.safetensors"), w(f"{stem}.theirs.safetensors")
-        rc_o, _, err_o = r.ours(script, args_of(ours))
-        rc_t, _, err_t = r.theirs(script, args_of(theirs))
-        if rc_o or rc_t or not os.path.isfile(theirs):
-            res = f"ours rc {rc_o} {last_error_line(err_o) if rc_o else ''}; theirs rc {rc_t} " \
-                  f"{last_error_line(err_t) if rc_t or not os.path.isfile(theirs) else ''}"
-        else:
-            res = compare(ours, theirs)
-        rows.append(f"| {title} | {res} |")
-    print("\n".join(rows))
+    print("\n".join(side_by_side(r, work, cases)))
     return 0
 
 

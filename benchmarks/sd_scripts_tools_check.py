@@ -161,6 +161,40 @@ class Runner:
                    {"PYTHONPATH": self.sd}, self.timeout)
 
 
+def file_tools_runner(argv, description: str, scripts: tuple[str, ...], prefix: str):
+    """The file-tool checks' command line (--sd_scripts, --work, --timeout): (Runner, work folder),
+    or None after one error line when --sd_scripts lacks one of ``scripts``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--sd_scripts", required=True, help="path of a kohya-ss/sd-scripts checkout")
+    p.add_argument("--work", default=None, help="folder for inputs and outputs (default: a temporary one)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per subprocess")
+    args = p.parse_args(argv)
+    missing = [s for s in scripts if not os.path.isfile(os.path.join(args.sd_scripts, s))]
+    if missing:
+        print(f"error: --sd_scripts {args.sd_scripts}: not an sd-scripts checkout (no {missing[0]})", file=sys.stderr)
+        return None
+    work = args.work or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    return Runner(args.sd_scripts, work, args.timeout), work
+
+
+def side_by_side(r: Runner, work: str, cases) -> list[str]:
+    """Table rows: each case (title, script, args_of(output), stem, judge(ours, theirs) -> str) run
+    by both sides; a failed side is its return code and last error line."""
+    rows = ["| tool | result |", "|---|---|"]
+    for title, script, args_of, stem, judge in cases:
+        ours, theirs = os.path.join(work, f"{stem}.ours.safetensors"), os.path.join(work, f"{stem}.theirs.safetensors")
+        rc_o, _, err_o = r.ours(script, args_of(ours))
+        rc_t, _, err_t = r.theirs(script, args_of(theirs))
+        if rc_o or rc_t or not os.path.isfile(theirs):
+            res = f"ours rc {rc_o} {last_error_line(err_o) if rc_o else ''}; theirs rc {rc_t} " \
+                  f"{last_error_line(err_t) if rc_t or not os.path.isfile(theirs) else ''}"
+        else:
+            res = judge(ours, theirs)
+        rows.append(f"| {title} | {res} |")
+    return rows
+
+
 # --- inputs (our code) -----------------------------------------------------------------------------
 
 def make_inputs(r: Runner, arch: str, steps: int) -> dict:

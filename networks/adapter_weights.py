@@ -10,6 +10,11 @@ One place for what a file's tensors mean, used by the training modules
   ``kron(w1, w2) * alpha / rank``, scale 1 when ``w2`` is a full matrix.
 - OFT (``oft_blocks``, prefix ``oft_unet``): a block-diagonal Cayley rotation of the output rows,
   ``W' = R^T W`` per block, with the skew matrix's norm clamped to ``alpha * out_dim``.
+- DoRA (LyCORIS ``dora_wd``: a LoRA / LoHa / LoKr module with ``dora_scale``): the weight
+  decomposed, ``W' = m * (W + delta) / ||W + delta||``, m = ``dora_scale``, the norm taken over
+  every axis but the one dora_scale runs along: the output rows (shape (out, 1, ...), LyCORIS'
+  default ``wd_on_output``) or the input columns ((1, in, 1, ...), ``wd_on_output=False``).
+- LyCORIS full (``diff``, ``diff_b``): ``W' = W + diff``, ``b' = b + diff_b``.
 
 Tucker layouts follow LyCORIS (sd-scripts keeps them): ``w_a`` is (rank, out), ``w_b`` (rank, in),
 ``t`` (rank, rank, k, k), rebuilt as ``einsum("i j ..., i p, j r -> p r ...", t, w_a, w_b)``.
@@ -115,6 +120,28 @@ def oft_apply(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     k, b = r.shape[0], r.shape[1]
     w = weight.reshape(k, b, -1)
     return torch.einsum("k n m, k n p -> k m p", r, w).reshape(weight.shape)
+
+
+def dora_axis(dora_scale: torch.Tensor, weight_shape: tuple) -> int:
+    """The weight axis dora_scale gives one magnitude per slice of: 0 (output rows, shape
+    (out, 1, ...)) or 1 (input columns, (1, in, 1, ...)); ValueError for any other shape."""
+    ones = (1,) * (len(weight_shape) - 1)
+    shape = tuple(dora_scale.shape)
+    if shape == (weight_shape[0], *ones):
+        return 0
+    if len(weight_shape) > 1 and shape == (1, weight_shape[1], *ones[1:]):
+        return 1
+    raise ValueError(f"dora_scale {shape} fits neither the output rows {(weight_shape[0], *ones)} nor the "
+                     f"input columns of a weight {tuple(weight_shape)}")
+
+
+def dora_weight(weight: torch.Tensor, delta: torch.Tensor, dora_scale: torch.Tensor) -> torch.Tensor:
+    """DoRA's weight ``m * (W + delta) / ||W + delta||``, the norm over every axis but dora_axis's
+    (LyCORIS' apply_weight_decompose at multiplier 1, without its float eps)."""
+    merged = weight + delta
+    axis = dora_axis(dora_scale, tuple(weight.shape))
+    norm = torch.linalg.vector_norm(merged, dim=[d for d in range(merged.dim()) if d != axis], keepdim=True)
+    return dora_scale.to(merged.dtype) * merged / norm
 
 
 def module_delta(p: dict[str, torch.Tensor], weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:

@@ -24,7 +24,7 @@ from networks import lora_svd  # noqa: E402
 from networks.adapter_weights import file_kinds  # noqa: E402
 from networks.lora import LoRAError, load_state_dict_file  # noqa: E402
 
-ADAPTER_PARTS = ("lora_up", "lora_down", "lora_A", "lora_B", "oft_", "hada_", "lokr_")
+ADAPTER_PARTS = ("lora_up", "lora_down", "lora_A", "lora_B", "oft_", "hada_", "lokr_", "dora_scale", "diff")
 
 
 def _parse_args(argv):

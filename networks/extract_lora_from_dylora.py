@@ -46,7 +46,7 @@ def run(args) -> None:
         raise LoRAError(f"--unit {args.unit}: must be >= 1")
     lora_svd.check_lora_path("--model", args.model)
     lora_svd.check_save_to(args.save_to)
-    modules, metadata = lora_svd.read_lora(args.model)
+    modules, metadata = lora_svd.read_lora(args.model, "cutting its rank")
     if len({m.rank for m in modules.values()}) > 1:
         raise LoRAError(f"{args.model}: modules of different ranks; a DyLoRA file has one rank for all")
     max_rank, parts = split(modules, args.unit)

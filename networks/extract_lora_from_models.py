@@ -133,8 +133,8 @@ def run(args) -> None:
     device = lora_svd.parse_device(args.device)
     load_dtype = lora_svd.PRECISIONS[args.load_precision] if args.load_precision else None
 
-    places = {"--model_org": lora_svd.parse_device(args.load_original_model_to),
-              "--model_tuned": lora_svd.parse_device(args.load_tuned_model_to)}
+    places = {"--model_org": lora_svd.parse_device(args.load_original_model_to, "--load_original_model_to"),
+              "--model_tuned": lora_svd.parse_device(args.load_tuned_model_to, "--load_tuned_model_to")}
 
     def load(option: str, source: str):
         bundle = load_model_bundle(source, v_parameterization=bool(args.v_parameterization))

@@ -73,7 +73,7 @@ def run(args) -> None:
     loras = [(path, load_state_dict_file(path), ratio) for path, ratio in zip(args.models, args.ratios)]
     dtype = lora_svd.PRECISIONS[args.precision]
     flux, weights = flux_checkpoint.load_transformer(args.flux_model, dtype)
-    device = lora_svd.parse_device(args.working_device)
+    device = lora_svd.parse_device(args.working_device, "--working_device")
     with torch.no_grad():
         for path, sd, ratio in loras:
             n = merge_into(flux, sd, ratio, device, path)

@@ -17,9 +17,12 @@ Values arrive as network_args strings; lists are comma-separated as sd-scripts p
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Optional
+
+from library.errors import UserError
 
 NUM_BLOCKS, NUM_MID = 12, 1            # SD1/SD2: IN/OUT blocks per side, MID blocks
 SDXL_NUM_BLOCKS, SDXL_NUM_MID = 9, 3   # SDXL: input/output blocks, middle blocks
@@ -197,3 +200,77 @@ def block_dims_and_alphas(args: dict[str, Any], is_sdxl: bool, network_dim: int,
                 if conv_dims is not None:
                     conv_dims[i] = 0
     return dims, alphas, conv_dims, conv_alphas
+
+
+# --- LoRA Block Weight: the merge tools' --lbws ---------------------------------------------------
+# sd-scripts' svd_merge_lora.py / sdxl_merge_lora.py take, per LoRA file, a JSON list of weights
+# over the 26 blocks of the LoRA Block Weight extension: BASE (the text encoders), IN00-IN11, MID,
+# OUT00-OUT11. The list's length says which blocks it sets (the extension's presets: 17 and 26 for
+# SD1/SD2, 12 and 20 for SDXL); every other block keeps weight 1.
+
+LBW_NAMES = ("BASE",) + tuple(f"IN{i:02d}" for i in range(12)) + ("MID",) + tuple(f"OUT{i:02d}" for i in range(12))
+_IN, _OUT = (lambda *n: tuple(f"IN{i:02d}" for i in n)), (lambda *n: tuple(f"OUT{i:02d}" for i in n))
+LBW_BLOCKS = {
+    12: ("BASE",) + _IN(4, 5, 7, 8) + ("MID",) + _OUT(*range(6)),
+    17: ("BASE",) + _IN(1, 2, 4, 5, 7, 8) + ("MID",) + _OUT(*range(3, 12)),
+    20: ("BASE",) + _IN(*range(9)) + ("MID",) + _OUT(*range(9)),
+    26: LBW_NAMES,
+}
+LBW_SDXL_LENGTHS = (12, 20)
+
+
+def lbw_index(lora_name: str, is_sdxl: bool) -> int:
+    """The module's place in LBW_NAMES (sd-scripts' get_lbw_block_index), -1 for none. SD1/SD2:
+    one after block_index (BASE comes first). SDXL: the time / label embedding is IN00,
+    ``input_blocks_N`` IN0N, the three middle blocks MID, ``output_blocks_N`` OUT0N, ``out`` OUT09."""
+    if "text_model_encoder_" in lora_name:
+        return 0
+    i = block_index(lora_name, is_sdxl)
+    if i < 0:
+        return -1
+    if not is_sdxl:
+        return i + 1
+    if i == 0:
+        return 1
+    if i <= SDXL_NUM_BLOCKS:
+        return i
+    return 13 if i <= SDXL_NUM_BLOCKS + SDXL_NUM_MID else i + 1
+
+
+def parse_lbws(values: list[str], n_files: int) -> tuple[list[list[float]], bool]:
+    """--lbws (one JSON list per file) -> (26 weights per file, whether they are SDXL's blocks)."""
+    if len(values) != n_files:
+        raise UserError(f"--lbws: {len(values)} value(s) given for {n_files} file(s) in --models")
+    lists = []
+    for text in values:
+        try:
+            weights = json.loads(text)
+        except json.JSONDecodeError:
+            weights = None
+        if not isinstance(weights, list) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+            raise UserError(f"--lbws {text!r}: not a JSON list of numbers such as '[1,1,0.5,...]'")
+        if len(weights) not in LBW_BLOCKS:
+            raise UserError(f"--lbws {text!r}: {len(weights)} values; expected 17 or 26 (SD1/SD2) or 12 or 20 (SDXL)")
+        lists.append(weights)
+    if len({len(w) for w in lists}) != 1:
+        raise UserError(f"--lbws: lists of {' and '.join(sorted({str(len(w)) for w in lists}))} values; give every "
+                        "file the same length")
+    n = len(lists[0])
+    full = []
+    for weights in lists:
+        by_name = dict(zip(LBW_BLOCKS[n], weights))
+        full.append([float(by_name.get(name, 1.0)) for name in LBW_NAMES])
+    return full, n in LBW_SDXL_LENGTHS
+
+
+def is_sdxl_names(names) -> bool:
+    """Whether kohya module names are SDXL's (two text encoders, SAI U-Net blocks)."""
+    return any(n.startswith(("lora_te1_", "lora_te2_", "lora_unet_input_blocks_", "lora_unet_middle_block_",
+                             "lora_unet_output_blocks_")) for n in names)
+
+
+def lbw_factor(weights: list[float], lora_name: str, is_sdxl: bool) -> float:
+    """The block weight of one module (1 for a module in no block)."""
+    i = lbw_index(lora_name, is_sdxl)
+    return weights[i] if i >= 0 else 1.0

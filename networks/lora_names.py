@@ -89,6 +89,22 @@ def plain_to_kohya_names(text_encoders, unet) -> dict[str, str]:
     return out
 
 
+def kohya_layers(text_encoders, unet) -> dict:
+    """{kohya name: module} for every module of the text encoders and the U-Net, under the names
+    networks.lora gives and lycoris.kohya's files get (plain_to_kohya_names; text encoder prefixes
+    as there)."""
+    tes = [te for te in text_encoders if te is not None]
+    roots = [(PREFIX_TE if len(tes) == 1 else f"{PREFIX_TE}{i + 1}", te) for i, te in enumerate(tes)]
+    renames = plain_to_kohya_names(tes, unet)
+    out = {}
+    for prefix, root in roots + ([(PREFIX_UNET, unet)] if unet is not None else []):
+        for path, module in root.named_modules():
+            if path:
+                plain = kohya_name(prefix, path)
+                out[renames.get(plain, plain)] = module
+    return out
+
+
 def is_clip(text_encoder) -> bool:
     """A transformers CLIP text model (its kohya names are under ``text_model.``)."""
     return str(getattr(getattr(text_encoder, "config", None), "model_type", "")).startswith("clip")

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,6 +21,8 @@ from safetensors import safe_open
 
 from library.errors import UserError
 from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+from library.models.placement import parse_device  # noqa: F401  (the LoRA tools' --device, re-exported)
+from networks import lora_blocks
 from networks.adapter_weights import file_kinds
 from networks.lora import LoRAError, dims_from_weights, load_state_dict_file, write_weights
 
@@ -69,16 +71,28 @@ def read_metadata(path: str) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def read_lora(path: str) -> tuple[dict[str, Module], dict[str, str]]:
+# why a tool that rewrites lora_down / lora_up does not take a file of these kinds (after "<operation>
+# is not done: ")
+REWRITE_REFUSALS = {
+    "DoRA": "its dora_scale sets the norm of each slice of W + s*B*A (the base weight plus the LoRA part), so a "
+            "changed LoRA part would be renormalised along another direction than the trained one; merge it "
+            "into a model with merge_lora.py --sd_model",
+    "LyCORIS full": "it holds whole weight differences (diff), not lora_down / lora_up factors; merge it into a "
+                    "model with merge_lora.py --sd_model (extract_lora_from_models.py then makes a LoRA of it)",
+}
+
+
+def read_lora(path: str, operation: str | None = None) -> tuple[dict[str, Module], dict[str, str]]:
     """The file's modules by kohya name and its metadata; a one-line LoRAError for a missing,
-    unreadable or non-LoRA file."""
+    unreadable or non-LoRA file (``operation``: what the tool does, named in a refusal)."""
     sd = load_state_dict_file(path)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise LoRAError(f"{path}: not a LoRA file (no flat tensor dictionary)")
-    return modules_of(sd, path), read_metadata(path)
+    return modules_of(sd, path, operation), read_metadata(path)
 
 
-def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, Module]:
+def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict",
+               operation: str | None = None) -> dict[str, Module]:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
         if "." not in key:
@@ -86,6 +100,10 @@ def modules_of(sd: dict[str, torch.Tensor], source: str = "state dict") -> dict[
         name, rest = key.split(".", 1)
         parts.setdefault(name, {})[rest] = value
     other = [k for k in file_kinds(sd) if k != "LoRA"]
+    refused = next((k for k in other if k in REWRITE_REFUSALS), None)
+    if refused:
+        raise LoRAError(f"{source}: a {refused} file: {operation or 'rewriting its lora_down / lora_up'} is not "
+                        f"done: {REWRITE_REFUSALS[refused]}")
     if other:  # LoHa / LoKr / OFT / LyCORIS: not a product of two matrices
         raise LoRAError(f"{source}: a {'/'.join(other)} file; this tool handles LoRA files only (LoRA, LoCon, "
                         "DyLoRA, LoRA-FA: lora_down/lora_up/alpha)")
@@ -132,20 +150,6 @@ def check_save_to(path: str) -> None:
         existing = os.path.dirname(existing)
     if not os.access(existing, os.W_OK):
         raise LoRAError(f"--save_to {path}: folder {existing} is not writable")
-
-
-def parse_device(value: str | None) -> torch.device:
-    if not value:
-        return torch.device("cpu")
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise LoRAError(f"--device {value!r}: not a torch device (cpu, cuda, cuda:0, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LoRAError(f"--device {value}: CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise LoRAError(f"--device {value}: MPS is not available on this machine")
-    return device
 
 
 def state_dict_of(modules: dict[str, Module]) -> dict[str, torch.Tensor]:
@@ -338,12 +342,12 @@ class LoRAInput:
     ratio: float
 
 
-def read_inputs(paths: list[str], ratios: list[float]) -> list[LoRAInput]:
+def read_inputs(paths: list[str], ratios: list[float], operation: str | None = None) -> list[LoRAInput]:
     """Every file read and checked to belong to one base model: the same ss_base_model_version
     where recorded, and the same weight shape for every module name they share."""
     for path in paths:
         check_lora_path("--models", path)
-    inputs = [LoRAInput(path, *read_lora(path), ratio) for path, ratio in zip(paths, ratios)]
+    inputs = [LoRAInput(path, *read_lora(path, operation), ratio) for path, ratio in zip(paths, ratios)]
     first_base: tuple[str, str] | None = None
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for inp in inputs:
@@ -358,6 +362,34 @@ def read_inputs(paths: list[str], ratios: list[float]) -> list[LoRAInput]:
                 raise LoRAError(f"mismatched modules: {name} is {seen[0]} in {seen[1]} but {m.weight_shape} "
                                 f"in {inp.path} (LoRAs for different base models?)")
     return inputs
+
+
+def add_lbws(p) -> None:
+    """The merge tools' --lbws (sd-scripts' name): one LoRA Block Weight list per file."""
+    p.add_argument("--lbws", nargs="+", default=None,
+                   help="per file, block weights as a JSON list: 17 or 26 values (SD1/SD2), 12 or 20 (SDXL), "
+                        "e.g. '[1,1,1,1,1,1,1,1,1,1,1,0.5,0.5,0.5,0.5,0.5,0.5]'")
+
+
+def check_lbws_family(lbw_sdxl: bool, is_sdxl: bool, what: str) -> None:
+    """--lbws lists of one family's length for a LoRA / model of the other: one line naming it."""
+    if lbw_sdxl != is_sdxl:
+        fam = {True: "SDXL", False: "SD1/SD2"}
+        raise LoRAError(f"--lbws: the lists have {fam[lbw_sdxl]}'s lengths ({'12 or 20' if lbw_sdxl else '17 or 26'}) "
+                        f"but {what} is {fam[is_sdxl]}")
+
+
+def block_weighted(inputs: list[LoRAInput], weights: list[list[float]], lbw_sdxl: bool) -> list[LoRAInput]:
+    """Each input's modules with their block's weight (lora_blocks.lbw_factor) folded into the
+    down factor, so a module's delta is scaled by it exactly once."""
+    out = []
+    for inp, w in zip(inputs, weights):
+        is_sdxl = lora_blocks.is_sdxl_names(inp.modules)
+        check_lbws_family(lbw_sdxl, is_sdxl, inp.path)
+        modules = {name: Module(name, m.down.float() * lora_blocks.lbw_factor(w, name, is_sdxl), m.up, m.alpha)
+                   for name, m in inp.modules.items()}
+        out.append(replace(inp, modules=modules))
+    return out
 
 
 def common_metadata(inputs: list[LoRAInput]) -> dict[str, str]:

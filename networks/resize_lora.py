@@ -120,7 +120,7 @@ def run(args) -> None:
     lora_svd.check_save_to(args.save_to)
     device = lora_svd.parse_device(args.device)
 
-    modules, metadata = lora_svd.read_lora(args.model)
+    modules, metadata = lora_svd.read_lora(args.model, "resizing")
     resized, reports = resize_modules(modules, args.new_rank, new_conv_rank, args.dynamic_method,
                                       args.dynamic_param, device)
     _report(reports, args.verbose)

@@ -4,11 +4,15 @@
         --save_to merged.safetensors --new_rank 16 [--new_conv_rank 8] [--save_precision fp16] \\
         [--precision float] [--device cuda] [--no_metadata]
 
-Flags are those of sd-scripts' networks/svd_merge_lora.py (without --lbws). Per module the weighted
+Flags are those of sd-scripts' networks/svd_merge_lora.py. Per module the weighted
 sum of the deltas, sum_i ratio_i * up_i @ down_i * alpha_i / rank_i, is formed in float32 (as the
 stacked factors, exact) and factorised by SVD at new_rank (new_conv_rank for 3x3 convs), never above the sum of the input ranks
 (the sum's rank cannot exceed it); alpha = rank. Unlike sd-scripts the factors are not clamped at
 the 0.99 quantile, so at sufficient rank the result equals the weighted sum.
+
+--lbws '[...]' (one JSON list per file, sd-scripts' LoRA Block Weight lists: 17 or 26 values for
+SD1/SD2, 12 or 20 for SDXL; networks/lora_blocks.py) multiplies each module's delta by its block's
+weight before the sum (text-encoder modules by BASE).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from networks import lora_svd  # noqa: E402
+from networks import lora_blocks, lora_svd  # noqa: E402
 from networks.lora import LoRAError  # noqa: E402
 
 
@@ -44,6 +48,7 @@ def _parse_args(argv):
     p.add_argument("--models", nargs="+", required=True, help="LoRA files (.safetensors, .ckpt, .pt)")
     p.add_argument("--ratios", nargs="+", type=float, default=None, help="one ratio per file (default 1.0 each)")
     p.add_argument("--save_to", required=True, help="output LoRA file (.safetensors, .ckpt, .pt, .pth)")
+    lora_svd.add_lbws(p)
     p.add_argument("--new_rank", type=int, default=4, help="rank of the output's Linear/1x1 modules (default 4)")
     p.add_argument("--new_conv_rank", type=int, default=None,
                    help="rank of the output's 3x3 conv modules (default: --new_rank)")
@@ -70,13 +75,17 @@ def run(args) -> None:
     if args.precision != "float":
         print(f"note: --precision {args.precision}: the deltas are summed and factorised in float32")
 
+    lbws = lora_blocks.parse_lbws(args.lbws, len(args.models)) if args.lbws else None
     inputs = lora_svd.read_inputs(args.models, ratios)
+    if lbws:
+        inputs = lora_svd.block_weighted(inputs, *lbws)
     modules, kept = svd_merge(inputs, args.new_rank, new_conv_rank, device)
 
     metadata = lora_svd.common_metadata(inputs)
     parts = " + ".join(f"{r:g} x {os.path.basename(p)}" for p, r in zip(args.models, ratios))
     metadata = lora_svd.add_comment(metadata, f"svd_merge_lora: {parts} at rank {args.new_rank}"
-                                              + (f" (conv: {new_conv_rank})" if new_conv_rank != args.new_rank else ""))
+                                              + (f" (conv: {new_conv_rank})" if new_conv_rank != args.new_rank else "")
+                                              + (f", block weights {' '.join(args.lbws)}" if args.lbws else ""))
     metadata = lora_svd.rank_metadata(modules, metadata)
     if not args.no_metadata:
         metadata = lora_svd.lora_modelspec(metadata, args.save_to,

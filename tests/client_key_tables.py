@@ -16,11 +16,26 @@ loaders (our code, their rules), for the tiny models:
   ``lora_te2_`` (SDXL) + ``text_model_encoder_layers_{i}_{self_attn_[qkvo..]_proj, mlp_fc1,
   mlp_fc2}``; no ``oft_unet_`` mapping. Its weight adapters (comfy/weight_adapter) accept the same
   tensor sets as A1111's for LoRA, LoHa, LoKr.
+
+LyCORIS' DoRA and full modules:
+- A1111 (extensions-builtin/Lora/network.py ``NetworkModule``): any module's ``dora_scale`` is read
+  and applied in ``finalize_updown`` (``apply_weight_decompose``), always over the input axis (the
+  norm of each input column of W + updown, updown before the alpha / rank scale, which then scales
+  the result's difference from W with the multiplier); network_full.py takes a module with ``diff``
+  (``diff_b`` added to the bias), ``W + m * diff``.
+- ComfyUI (comfy/lora.py ``load_lora``): ``<name>.dora_scale`` is handed to the LoRA / LoHa / LoKr
+  adapter, whose ``weight_decompose`` (comfy/weight_adapter/base.py) takes the output axis when
+  dora_scale's first dimension is the weight's and then divides by the norm of the base W's rows
+  (not of W + delta), else the input columns of W + delta; ``W + strength * (W' - W)``. ``diff``
+  patches the weight and ``diff_b`` the layer's ``.bias`` (``W + strength * diff``). A key no adapter
+  reads is logged as "lora key not loaded".
 """
 from __future__ import annotations
 
 import math
 import re
+
+import torch
 
 from library.models import sd_checkpoint
 
@@ -31,17 +46,47 @@ A1111_TYPES = {
     and ("lokr_w2" in p or {"lokr_w2_a", "lokr_w2_b"} <= p),
     "OFT": lambda p: "oft_blocks" in p or "oft_diag" in p,
 }
-COMFY_TYPES = {k: A1111_TYPES[k] for k in ("LoRA", "LoHa", "LoKr")}
+A1111_TYPES["Full"] = lambda p: "diff" in p
+COMFY_TYPES = {k: A1111_TYPES[k] for k in ("LoRA", "LoHa", "LoKr", "Full")}
+# the tensors of a module each client reads (ComfyUI warns about any other): LoRA's, LoHa's, LoKr's
+# own, the scalars, DoRA's dora_scale, full's diff / diff_b
+A1111_READS = {"lora_up.weight", "lora_down.weight", "lora_mid.weight", "alpha", "scale", "bias", "dora_scale",
+               "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lokr_w1", "lokr_w1_a",
+               "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2", "diff", "diff_b"}
+COMFY_READS = (A1111_READS - {"scale", "bias"}) | {"reshape_weight"}
+
+
+def a1111_dora(weight, updown, dora_scale, scale: float, multiplier: float):
+    """A1111's weight of a DoRA module (network.py finalize_updown / apply_weight_decompose):
+    ``updown`` the module's product before the alpha / rank ``scale``; the norm over the input axis."""
+    merged = updown + weight
+    norm = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1, keepdim=True)
+    norm = norm.reshape(merged.shape[1], *[1] * (merged.dim() - 1)).transpose(0, 1)
+    return weight + (merged * (dora_scale / norm) - weight) * scale * multiplier
+
+
+def comfy_dora(weight, lora_diff, dora_scale, alpha: float, strength: float):
+    """ComfyUI's weight of a DoRA module (comfy/weight_adapter/base.py weight_decompose): ``alpha``
+    is alpha / rank; on the output axis the norm is the base weight's."""
+    calc = weight + lora_diff * alpha
+    if dora_scale.shape[0] == calc.shape[0]:
+        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
+        norm = norm.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    else:
+        norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True)
+        norm = norm.reshape(calc.shape[1], *[1] * (calc.dim() - 1)).transpose(0, 1)
+    norm = norm + torch.finfo(weight.dtype).eps
+    return weight + strength * (calc * (dora_scale / norm) - weight)
 
 _RESNET = {"conv1": "in_layers_2", "conv2": "out_layers_3", "norm1": "in_layers_0", "norm2": "out_layers_0",
            "time_emb_proj": "emb_layers_1", "conv_shortcut": "skip_connection"}
 
 
-def a1111_module_shapes(components: dict, family: str) -> dict[str, tuple]:
-    """A1111's network_layer_mapping keys for the model (modules with weights) -> weight shape
-    (a MultiheadAttention module: its in_proj_weight, q/k/v stacked)."""
+def a1111_weight_keys(state_dict: dict) -> dict[str, str]:
+    """A1111's network_layer_mapping keys for a model in the original single-file layout (modules
+    with weights) -> the weight's key (a MultiheadAttention module: its in_proj_weight)."""
     out = {}
-    for key, value in sd_checkpoint.original_state_dict(components, family).items():
+    for key in state_dict:
         for suffix in (".weight", ".in_proj_weight"):
             if key.endswith(suffix):
                 path = key[:-len(suffix)]
@@ -51,13 +96,22 @@ def a1111_module_shapes(components: dict, family: str) -> dict[str, tuple]:
         for prefix, cut in (("model.diffusion_model.", len("model.")), ("cond_stage_model.", len("cond_stage_model.")),
                             ("conditioner.embedders.", len("conditioner.embedders."))):
             if path.startswith(prefix):
-                out[path[cut:].replace(".", "_")] = tuple(value.shape)
+                out[path[cut:].replace(".", "_")] = key
     return out
+
+
+def a1111_module_shapes(components: dict, family: str) -> dict[str, tuple]:
+    """A1111's network_layer_mapping keys for the model -> weight shape (a MultiheadAttention
+    module: its in_proj_weight, q/k/v stacked)."""
+    sd = sd_checkpoint.original_state_dict(components, family)
+    return {name: tuple(sd[key].shape) for name, key in a1111_weight_keys(sd).items()}
 
 
 def client_delta(parts: dict) -> tuple[int, int]:
     """(output rows, elements) of the weight a module's tensors make under the clients' formulas:
     LoRA up @ down, LoHa (w1a @ w1b) * (w2a @ w2b) or Tucker einsum, LoKr kron(w1, w2), OFT blocks."""
+    if "diff" in parts:
+        return parts["diff"].shape[0], parts["diff"].numel()
     if "lora_up.weight" in parts:
         up, down = parts["lora_up.weight"], parts["lora_down.weight"]
         return up.shape[0], up.shape[0] * math.prod(down.shape[1:])

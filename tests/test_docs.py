@@ -37,8 +37,6 @@ NOT_OPTIONS = {
     # sd-scripts' default log_tracker_name of train_network.py
     "network_train",
     "get_block_index", "tokenize_with_weights", "encode_tokens_with_weights",
-    # sd-scripts' svd_merge_lora.py flag we do not implement (argparse rejects it)
-    "lbws",
     # U-Net module names, block-weight presets
     "conv_in", "conv_out", "mid_block", "time_embed", "label_emb", "reverse_linear",
     # sample prompt-file options (`--n` negative prompt, `--w` width, ...; sd-scripts' syntax)

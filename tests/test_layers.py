@@ -1,6 +1,6 @@
 """The layers of sdtk's first-party code, checked from the source (issue 23 item 2).
 
-Every first-party module (library/, networks/, tools/, benchmarks/ and the entry scripts; tests/
+Every first-party module (library/, networks/, tools/, benchmarks/, finetune/ and the entry scripts; tests/
 excluded) is parsed, every import of a first-party module is an edge (top-level and
 function-local alike; ``from pkg import mod`` is an edge to ``pkg.mod`` when ``mod`` is a module),
 and:
@@ -30,7 +30,9 @@ The order, and why it is this one:
 2. ``library.models``: loading, families, formats, dtypes (``compute_dtype`` and
    ``trained_precision`` are dtype decisions: placement), modelspec names.
 3. ``library.data``: images to micro-batches, the caches, the held-out split (``held_out``),
-   a latent-cache entry's slot (``latent_cache.latent_slot``).
+   a latent-cache entry's slot (``latent_cache.latent_slot``); beside it ``library.dataset_tools``
+   (caption edits, metadata JSON, folder preparation, the dataset check: the data layer's image
+   and caption readers, for the tools and the UI above).
 4. ``networks``: LoRA networks and the LoRA tools (they read models, never training).
 5. ``library.distributed.accelerator``: the process group's primitives (the Accelerator, the
    bucketed gradient sum, loss sums). It sits below training, and the rest of ``distributed``
@@ -46,7 +48,7 @@ The order, and why it is this one:
    ``train_state``; metadata, trackers, output checks, the progress stream).
 9. ``library.run``: the run's orchestration (the stages, the loop, the run's parts, the checks
    before loading, LECO's run), the one package that uses both training and outputs.
-10. ``library.cli``, ``tools``, ``benchmarks``: entry glue and scripts over the library.
+10. ``library.cli``, ``tools``, ``benchmarks``, ``finetune``: entry glue and scripts over the library.
 11. ``library.ui``: the web UI, which starts runs through the entry glue.
 12. The entry scripts (``train_lora.py``, ``ui.py``, ...).
 """
@@ -57,21 +59,21 @@ import os
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("library", "networks", "tools", "benchmarks")
+PACKAGES = ("library", "networks", "tools", "benchmarks", "finetune")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("library", "library.errors", "library.log", "library.files", "library.safetensors_file",
      "library.text_files", "library.symlinks"),
     ("library.config",),
     ("library.models",),
-    ("library.data",),
+    ("library.data", "library.dataset_tools"),
     ("networks",),
     ("library.distributed.accelerator",),
     ("library.training",),
     ("library.distributed",),
     ("library.outputs",),
     ("library.run",),
-    ("library.cli", "tools", "benchmarks"),
+    ("library.cli", "tools", "benchmarks", "finetune"),
     ("library.ui",),
     (),  # the entry scripts: every top-level module
 )
@@ -103,6 +105,11 @@ LAZY_MODULES: dict[str, str] = {
                                     "for our side import it when called",
     "tools.merge_sd3_safetensors": "its --help must not wait for diffusers and transformers (about "
                                    "5 s): the merge imports them once the options are parsed",
+    "tools.convert_diffusers20_original_sd": "its --help must not wait for torch, diffusers and "
+                                             "transformers: the conversion imports them once the "
+                                             "options are parsed",
+    "tools.merge_models": "its --help must not wait for torch: the merge imports it once the options "
+                          "are parsed",
     "library.ui.jobs": "the UI server starts without torch: a resumed job's command looks for "
                        "states when built",
 }

@@ -410,8 +410,11 @@ def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
 
 def _find_image(key: str, image_dir: str | None, base: str) -> str | None:
     """sd-scripts' lookup: the key as a path, else in image_dir (by name, or a stem with any image
-    extension). Relative keys are also tried next to the metadata file."""
-    candidates = [key] if os.path.isabs(key) else [os.path.join(d, key) for d in (image_dir, base) if d]
+    extension). Relative keys are tried in image_dir, next to the metadata file, then from the
+    working folder (sd-scripts' only place for them: merge_captions_to_metadata.py --full_path
+    writes the image's path as given)."""
+    candidates = [key] if os.path.isabs(key) else \
+        [os.path.join(d, key) for d in (image_dir, base) if d] + [key]
     for c in candidates:
         if os.path.isfile(c):
             return c

@@ -46,7 +46,7 @@ FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", "flux": "flux", "
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 ARCH_SEED = 20240602
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def resolve_model_source(name_or_path: str) -> ModelSource:
         return ModelSource("builtin", name_or_path, BUILTINS[name_or_path])
     looks_like_path = (p.lower().endswith(WEIGHT_SUFFIXES) or p.startswith((".", "/", "~", "\\"))
                        or p.count("/") > 1 or "\\" in p or os.path.isabs(p))
-    if _HUB_ID.match(name_or_path) and not looks_like_path:
+    if HUB_ID.match(name_or_path) and not looks_like_path:
         return ModelSource("hub", name_or_path)
     if looks_like_path or "/" in p:
         raise ModelError(f"pretrained_model_name_or_path: no such file or directory: {name_or_path}")

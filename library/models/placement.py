@@ -140,3 +140,19 @@ def place(module: torch.nn.Module, storage: torch.dtype, compute: torch.dtype, d
                 m._buffers[name] = t.to(device, dtype)
     module.to(device)  # the integer buffers (position ids)
     fp8.install_forward(module, compute)
+
+
+def parse_device(value: str | None, option: str = "--device") -> torch.device:
+    """A tool's device flag (None or empty: the CPU); one line naming ``option`` for a name torch
+    does not know or a device this machine lacks."""
+    if not value:
+        return torch.device("cpu")
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise UserError(f"{option} {value!r}: not a torch device (cpu, cuda, cuda:0, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"{option} {value}: CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"{option} {value}: MPS is not available on this machine")
+    return device

@@ -252,12 +252,13 @@ def _cast(sd: dict, dtype) -> dict:
 
 
 def save_single_file(components: dict, family: str, path: str, dtype=None, metadata: dict | None = None,
-                     embed_config: bool = True) -> None:
+                     embed_config: bool = True, ckpt_extras: dict | None = None) -> None:
     """Save the model as one file in the original layout (.safetensors, or .ckpt/.pt as {"state_dict": ...}).
 
     The file's metadata carries `sdtk.diffusers_config` (configs, family, tokenizers) so that the
     loader rebuilds non-standard architectures offline; other tools ignore it. embed_config=False
-    writes a file like any third-party one (loaded with the shipped configs).
+    writes a file like any third-party one (loaded with the shipped configs). ckpt_extras: plain
+    values beside the state dict of a .ckpt/.pt (``epoch``, ``global_step``, as sd-scripts writes them).
     """
     # lazy: the dry run's plan loads this module before torch; torch is imported when
     # save_single_file() runs
@@ -273,7 +274,7 @@ def save_single_file(components: dict, family: str, path: str, dtype=None, metad
             safetensors_file.save(sd, tmp, metadata=meta)
         else:
             # Plain strings keep the file loadable with weights_only=True.
-            torch.save({"state_dict": sd, "sdtk_metadata": meta}, tmp)
+            torch.save({"state_dict": sd, "sdtk_metadata": meta, **(ckpt_extras or {})}, tmp)
 
 
 def save_diffusers(components: dict, family: str, out_dir: str, dtype=None) -> None:

@@ -25,7 +25,7 @@ from library.files import EXTENSIONS
 from library.models import embeddings, flow_family, sd3, sd_checkpoint
 from library.models.placement import trained_precision
 from library.training import block_lr
-from library.training.network_options import MaxNormStats, base_multipliers, is_lycoris
+from library.training.network_options import MaxNormStats, base_multipliers, is_lycoris, network_module_for
 from networks import lora_names
 from networks.lora import load_state_dict_file, write_weights
 
@@ -89,7 +89,9 @@ class NetworkMethod:
         self.tokens = None
         self.stop_pivotal_at = opts.stop_pivotal_training
         try:
-            self.module = importlib.import_module(opts.network_module)
+            # lycoris.kohya's algo=full trains through our module (networks/lycoris_full.py)
+            name = network_module_for(opts.network_module, dict(opts.network_args or {}))
+            self.module = importlib.import_module(name)
         except ImportError as e:
             raise MethodError(f"network_module: cannot import {opts.network_module!r} ({e})") from None
         for fn in ("create_network",):

@@ -42,11 +42,13 @@ class NetworkOptionError(UserError, ValueError):
 # diffusers U-Nets with duplicated time_embedding names, pyproject) cannot train here:
 # network_args algo -> (GUI LoRA type, why, after "lycoris-lora <installed version>")
 LYCORIS_UNSUPPORTED = {
-    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper (LyCORIS 2.x and 4.x have it; 4.x "
+    "ia3": ("LyCORIS/iA3", "has no 'ia3' algorithm in its kohya wrapper, nor has the 3.2.0.post2 the kohya_ss GUI "
+                           "pins, so the GUI's iA3 presets stop in sd-scripts too (LyCORIS 2.x and 4.x have it; 4.x "
                            "stops on diffusers U-Nets, so no LyCORIS that runs here has it)"),
-    "full": ("LyCORIS/Native Fine-Tuning", "has a FullModule that removes the layer's weight and then calls the "
-                                           "layer's own forward, which reads it (4.x stops on diffusers U-Nets)"),
 }
+# LyCORIS algorithms trained by a module of ours over lycoris.kohya's network (its forward fixed):
+# algo -> the module the run imports instead of lycoris.kohya (the file and metadata stay LyCORIS')
+LYCORIS_OWN_MODULES = {"full": "networks.lycoris_full"}
 
 
 def is_lycoris(network_module: str) -> bool:
@@ -66,11 +68,25 @@ def why_not_for(network_module: str, fam: str) -> str:
     return "this toolkit runs only sd-scripts' and LyCORIS' network modules of these transformers"
 
 
-def check_lycoris_algo(network_module: str, network_args: dict) -> None:
-    """One line for a LyCORIS algorithm that cannot train here (before any weight loads)."""
+def lycoris_algo(network_args: dict) -> str:
+    """The algorithm lycoris.kohya reads from network_args (its default: lora)."""
+    return str(network_args.get("algo") or "lora").strip().strip('"').lower()
+
+
+def network_module_for(network_module: str, network_args: dict) -> str:
+    """The module a run imports for ``network_module``: lycoris.kohya's algorithms whose module is
+    ours (LYCORIS_OWN_MODULES) go there, every other name is itself."""
+    if is_lycoris(network_module):
+        return LYCORIS_OWN_MODULES.get(lycoris_algo(network_args), network_module)
+    return network_module
+
+
+def check_lycoris_algo(network_module: str, network_args: dict, network_dropout=None) -> None:
+    """One line for a LyCORIS algorithm, or an option of one, that cannot train here (before any
+    weight loads)."""
     if not is_lycoris(network_module):
         return
-    algo = str(network_args.get("algo") or "lora").strip().strip('"').lower()
+    algo = lycoris_algo(network_args)
     if algo in LYCORIS_UNSUPPORTED:
         try:
             installed = f"lycoris-lora {version('lycoris-lora')}"
@@ -79,13 +95,24 @@ def check_lycoris_algo(network_module: str, network_args: dict) -> None:
         gui_type, why = LYCORIS_UNSUPPORTED[algo]
         raise NetworkOptionError(f"network_args algo={algo} (kohya_ss GUI LoRA type {gui_type}) cannot train "
                                  f"here: {installed} {why}")
+    if algo == "full":
+        if float(network_args.get("rank_dropout") or 0):
+            raise NetworkOptionError("network_args rank_dropout with algo=full: a full layer has no rank to drop "
+                                     "(LyCORIS' FullModule would drop output rows on the wrong axis); set it to 0")
+        if network_dropout:
+            raise NetworkOptionError("network_dropout with algo=full: LyCORIS' FullModule has no neuron dropout "
+                                     "(it would be ignored); leave network_dropout out")
 
 
 def check_options(opts) -> None:
     """Before any weight loads."""
     if opts.script != "train_lora":
         return
-    check_lycoris_algo(opts.network_module, dict(opts.network_args or {}))
+    check_lycoris_algo(opts.network_module, dict(opts.network_args or {}), opts.network_dropout)
+    if opts.dim_from_weights and network_module_for(opts.network_module, dict(opts.network_args or {})) in \
+            LYCORIS_OWN_MODULES.values():
+        raise NetworkOptionError("dim_from_weights with algo=full: a full fine-tuning file has no ranks or alphas "
+                                 "to read; use network_weights alone")
     if opts.dim_from_weights and not opts.network_weights:
         raise NetworkOptionError("dim_from_weights needs network_weights (the file whose ranks and "
                                  "alphas shape the network)")

@@ -13,6 +13,10 @@ another origin, or that a browser marks cross-site, are refused; requests for an
 the allowed ones are refused (DNS rebinding of a loopback server); bodies over ``max_body``
 bytes are refused; a job's paths must lie inside ``allowed_paths``; files come only from a job's
 own output folder.
+
+A job is a training run (``script``, ``config``) or a dataset tool (``tool``, ``args``:
+library/ui/tool_jobs.py) in the same queue; the Dataset workbench's routes (/api/fs,
+/api/dataset/..., /api/tools) are library/ui/dataset_routes.py.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from fastapi.staticfiles import StaticFiles
 
 from library.config.options import IMAGE_SCRIPTS, OPTIONS, SECTIONS
 from library.errors import UserError
-from library.ui import gui_import, paths
+from library.ui import dataset_routes, gui_import, paths, tool_jobs, workbench
 from library.ui.jobs import FINISHED, JobStore, Runner, job_dir
 from library.ui.progress import ProgressReader
 
@@ -45,6 +49,7 @@ class Settings:
     allowed_paths: list = field(default_factory=list)
     allowed_hosts: tuple | None = LOOPBACK_HOSTS  # None: any (--listen)
     max_body: int = 1 << 20
+    max_upload: int = workbench.MAX_UPLOAD  # an image uploaded to the Dataset page
 
 
 def _err(status: int, message: str, **extra) -> JSONResponse:
@@ -80,17 +85,19 @@ def _for_ui(o) -> bool:
 
 
 class BodyLimit:
-    """Refuses a request body over ``limit`` bytes (413), announced or streamed."""
+    """Refuses a request body over ``limit`` bytes (413), announced or streamed; ``paths`` gives
+    some routes their own limit (uploads)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, paths: dict | None = None):
+        self.app, self.default, self.paths = app, limit, dict(paths or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.paths.get(scope.get("path"), self.default)
         for k, v in scope.get("headers", []):
-            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                return await _send_413(send, self.limit)
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                return await _send_413(send, limit)
         seen = 0
 
         async def limited():
@@ -98,14 +105,14 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.limit:
+                if seen > limit:
                     raise _TooLarge()
             return msg
 
         try:
             await self.app(scope, limited, send)
         except _TooLarge:
-            await _send_413(send, self.limit)
+            await _send_413(send, limit)
 
 
 class _TooLarge(Exception):
@@ -128,8 +135,10 @@ def _host_name(host: str) -> str:
 
 def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     app = FastAPI(title="sdtk", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, limit=settings.max_body)
+    app.add_middleware(BodyLimit, limit=settings.max_body,
+                       paths={dataset_routes.UPLOAD_PATH: settings.max_upload})
     readers: dict[int, ProgressReader] = {}
+    workbench.prune_thumbnails(os.path.join(settings.data_dir, "thumbs"))
 
     def authorised(request: Request) -> bool:
         if not settings.token:
@@ -200,6 +209,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
             r = readers[job["id"]] = ProgressReader(
                 os.path.join(job_dir(settings.data_dir, job["id"]), "progress.jsonl"))
         p = r.update().summary(job["output_dir"])
+        if tool_jobs.is_tool(job["script"]):  # a dataset tool: its progress bar in the log
+            p.update(tool_jobs.log_progress(os.path.join(job_dir(settings.data_dir, job["id"]), "log.txt")))
         return {"id": job["id"], "script": job["script"], "state": job["state"],
                 "processes": job["processes"], "created": job["created"], "started": job["started"],
                 "ended": job["ended"], "output_dir": job["output_dir"],
@@ -252,6 +263,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     @app.post("/api/jobs")
     async def create_job(request: Request):
         data = await body(request)
+        if "tool" in data:
+            return create_tool_job(data)
         script, text, processes = script_field(data), text_field(data, "config"), processes_field(data)
         from library.ui import checks  # lazy: the server starts without torch
 
@@ -288,6 +301,18 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         runner.held = held
         runner.tick()  # released: the next job starts now
         return queue_view()
+
+    def create_tool_job(data: dict) -> JSONResponse:
+        tool = text_field(data, "tool")
+        try:
+            config = tool_jobs.check(tool, data.get("args", []), settings.allowed_paths)
+        except UserError as e:
+            status = 403 if isinstance(e, workbench.Refused) else 422
+            return JSONResponse({"errors": [{"option": "args", "message": str(e), "suggestion": None}]},
+                                status_code=status)
+        jid = store.add(tool, config, 1, "", "")
+        runner.tick()
+        return JSONResponse({"id": jid}, status_code=201)
 
     @app.get("/api/jobs")
     def list_jobs():
@@ -357,6 +382,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     @app.get("/api/jobs/{job_id}/files/{name:path}")
     def files(job_id: int, name: str):
         job = job_or_404(job_id)
+        if not job["output_dir"]:  # a dataset tool job: no output folder of its own
+            return _err(404, f"job {job_id} has no output folder")
         try:
             path = paths.job_file(job["output_dir"], name)
         except paths.FileRefused as e:
@@ -413,6 +440,12 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         readers.pop(job_id, None)
         return {"deleted": job_id}
 
+    def check_train_lora(text: str) -> dict:
+        from library.ui import checks  # lazy: the server starts without torch
+
+        return checks.check_config("train_lora", text, 1, False)
+
+    dataset_routes.add_routes(app, settings, body, _err, check_train_lora)
     return app
 
 

@@ -43,8 +43,10 @@ OTHER_FAMILY_TYPES = {"HunyuanImage-2.1": "HunyuanImage-2.1", "Anima": "Anima", 
 OTHER_FAMILY_BOXES = {"hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
                       "lumina_checkbox": "Lumina"}
 # LyCORIS algorithms the GUI offers that stop here before any weight loads (the reason is in
-# library/training/network_options.py LYCORIS_UNSUPPORTED, which the run's check reports)
-LYCORIS_STOPS = {"LyCORIS/iA3": "ia3", "LyCORIS/Native Fine-Tuning": "full"}
+# library/training/network_options.py LYCORIS_UNSUPPORTED, which the run's check reports: the
+# supported lycoris-lora's kohya wrapper has no ia3). "LyCORIS/Native Fine-Tuning" (algo=full)
+# trains (networks/lycoris_full.py).
+LYCORIS_STOPS = {"LyCORIS/iA3": "ia3"}
 KOHYA_LOHA_LOKR = ("Kohya LoHa", "Kohya LoKr")
 # lora_gui.py's kohya_lora_var_list of Standard / Kohya LoCon / LoRA-FA (its signature's order)
 BLOCK_VARS = ("down_lr_weight", "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold",

@@ -7,6 +7,9 @@
         .stop(id) / .control(id, command) / .resume(id)
         .held               the queue is held: running jobs go on, no queued job starts
 
+A dataset tool job (library/ui/tool_jobs.py: ``script`` is the tool's path, ``config`` its
+argument list) runs ``python <tool> <args>`` the same way, in the same queue.
+
 A job runs as its own process, started from an argument list (never a shell string): the entry
 script with ``--config <job folder>/config.toml`` (the TOML snapshotted at enqueue),
 ``--progress_file`` and ``--control_file`` in the job folder, or ``accelerate launch`` of it for
@@ -33,6 +36,7 @@ import threading
 import time
 
 from library.distributed.accelerator import free_port
+from library.ui import tool_jobs
 
 logger = logging.getLogger("sdtk")
 
@@ -256,6 +260,8 @@ class Runner:
 
     def command(self, job: dict) -> list[str]:
         """The argument list of a job's process."""
+        if tool_jobs.is_tool(job["script"]):
+            return tool_jobs.command(self.python, job["script"], job["config"])[0]
         folder = job_dir(self.data_dir, job["id"])
         script = os.path.join(ROOT, f"{job['script']}.py")  # each entry script is <script>.py
         args = [script, "--config", os.path.join(folder, "config.toml"),
@@ -294,8 +300,10 @@ class Runner:
             if os.path.exists(os.path.join(folder, "control")):
                 os.remove(os.path.join(folder, "control"))  # commands of an earlier attempt
             log = open(os.path.join(folder, "log.txt"), "ab")
+            cwd = tool_jobs.command(self.python, job["script"], job["config"])[1] \
+                if tool_jobs.is_tool(job["script"]) else None
             p = subprocess.Popen(self.command(job), stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=cwd)
         except OSError as e:
             if log is not None:
                 log.close()
@@ -348,6 +356,8 @@ class Runner:
             job = self.store.get(jid)
             if job["state"] != "running" or jid not in self.procs:
                 raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
+            if tool_jobs.is_tool(job["script"]):
+                raise ValueError(f"job {jid} runs {job['script']}, a dataset tool: it has no {command}")
             with open(os.path.join(job_dir(self.data_dir, jid), "control"), "a", encoding="utf-8") as f:
                 f.write(json.dumps({"command": command}) + "\n")
 

@@ -14,6 +14,7 @@ import sys
 from library.errors import UserError
 from library.ui.app import LOOPBACK_HOSTS, Settings, create_app
 from library.ui.jobs import JobStore, Runner
+from library.ui.workbench import MAX_UPLOAD
 
 
 def default_db() -> str:
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_body", type=int, default=1 << 20, help="request body limit in bytes")
     p.add_argument("--hold", action="store_true", help="start with the queue held: jobs are "
                    "queued but none starts until the queue is released (POST /api/queue)")
+    p.add_argument("--max_upload", type=int, default=MAX_UPLOAD,
+                   help="size limit in bytes of an image uploaded on the Dataset page")
     return p
 
 
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     settings = Settings(data_dir=data_dir, token=token, allowed_paths=list(a.allowed_paths),
-                        allowed_hosts=LOOPBACK_HOSTS if loopback else None, max_body=a.max_body)
+                        allowed_hosts=LOOPBACK_HOSTS if loopback else None, max_body=a.max_body,
+                        max_upload=a.max_upload)
     app = create_app(settings, store, runner)
     runner.start()
     print(f"sdtk UI: http://{'127.0.0.1' if host == '0.0.0.0' else host}:{a.port}/  (jobs: {db})",

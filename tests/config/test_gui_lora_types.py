@@ -28,7 +28,7 @@ SD_TYPES = {
     "LyCORIS/BOFT": ("sd1", {"conv_dim": 4}, ".oft_blocks"),
     "LyCORIS/Diag-OFT": ("sd1", {}, ".oft_blocks"),
     "LyCORIS/DyLoRA": ("sd1", {}, ".lora_down.weight"),
-    "LyCORIS/Native Fine-Tuning": ("sd1", {}, "error: network_args algo=full (kohya_ss GUI LoRA type LyCORIS/"),
+    "LyCORIS/Native Fine-Tuning": ("sd1", {}, ".diff"),
     "LyCORIS/iA3": ("sd1", {}, "error: network_args algo=ia3 (kohya_ss GUI LoRA type LyCORIS/iA3)"),
 }
 

@@ -575,3 +575,29 @@ def test_text_cache_rate_encodes_every_caption(capsys):
     assert line.startswith("text-encoder caching, 16 captions, batch 4:") and line.endswith("captions/s")
     assert len(line.split(":")[1].split()) == 3  # two rates and the unit
 
+
+
+def test_model_tools_check_refuses_a_folder_that_is_not_sd_scripts_and_judges_by_hand(tmp_path, capsys):
+    """benchmarks/sd_scripts_model_tools_check.py: a non-checkout is one line; its block-weighted
+    judge gives 0 for the exact sum and the known error for a LoRA at half its weight."""
+    from safetensors.torch import save_file
+
+    from benchmarks import sd_scripts_model_tools_check as mt
+
+    assert mt.main(["--sd_scripts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sd_scripts") and "\n" not in err
+    g = torch.Generator().manual_seed(0)
+    name = "lora_unet_down_blocks_0_attentions_0_proj_in"  # SD1 block IN01
+    a = {f"{name}.lora_down.weight": torch.randn(2, 8, generator=g),
+         f"{name}.lora_up.weight": torch.randn(8, 2, generator=g), f"{name}.alpha": torch.tensor(2.0)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    weights = [1.0] * 26
+    weights[2] = 0.5  # IN01
+    half = dict(a)
+    half[f"{name}.lora_up.weight"] = a[f"{name}.lora_up.weight"] * 0.5
+    save_file(half, str(tmp_path / "half.safetensors"))
+    exact = mt.block_weighted_error(str(tmp_path / "half.safetensors"), [(str(tmp_path / "a.safetensors"), 1.0, weights)], False)
+    assert exact.startswith("relative error of the deltas: worst 0, ")
+    off = mt.block_weighted_error(str(tmp_path / "a.safetensors"), [(str(tmp_path / "a.safetensors"), 1.0, weights)], False)
+    assert "worst 1, " in off  # the unweighted delta is twice the half-weighted one

@@ -44,6 +44,7 @@ class UI:
         self.db = os.path.join(self.tmp, "jobs.sqlite3")
         self.data_dir = os.path.join(self.tmp, "jobs-files")
         self.gates = os.path.join(self.tmp, "gates.json")
+        os.makedirs(self.tmp, exist_ok=True)
         python = write_gate_interpreter(os.path.join(self.tmp, "python"), self.gates) if gated \
             else sys.executable
         self.store = JobStore(self.db)

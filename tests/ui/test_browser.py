@@ -1,7 +1,7 @@
 """The pages end to end in a real headless browser (chromium driven by Playwright): load the page,
 type a misspelled option and see the error with its suggestion, start a run on the built-in tiny
 model and watch the step counter reach the end and a sample image appear, stop a longer run and
-see its state saved.
+see its state saved; open a folder on the Dataset page, edit a caption and find it saved on disk.
 
 Skipped when Playwright or a chromium is missing, unless SDTK_BROWSER_TEST=required (.ci/run sets
 it), which makes that a failure. SDTK_UI_SCREENSHOTS=<folder> writes the pages' screenshots
@@ -64,6 +64,14 @@ def server(tmp_path):
     ui.close()
 
 
+def open_page(p, browser: str, address: str):
+    """(the headless chromium, a 1400x1000 page at ``address``)."""
+    b = p.chromium.launch(executable_path=browser, args=["--no-sandbox"], headless=True)
+    page = b.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(address)
+    return b, page
+
+
 def test_new_run_typo_start_watch_samples_and_stop(server, tmp_path):
     from playwright.sync_api import expect, sync_playwright
     from tools.make_sample_dataset import make_sample_dataset
@@ -78,9 +86,7 @@ def test_new_run_typo_start_watch_samples_and_stop(server, tmp_path):
     prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 1\n")
     shots = os.environ.get("SDTK_UI_SCREENSHOTS")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=browser, args=["--no-sandbox"], headless=True)
-        page = b.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url + "#/new")
+        b, page = open_page(p, browser, url + "#/new")
         expect(page.locator("#opt-pretrained_model_name_or_path")).to_be_visible()
         good = tiny_config(data, str(tmp_path / "out"), steps=3, sample_prompts=str(prompts),
                            sample_every_n_steps=3)
@@ -134,4 +140,49 @@ def test_new_run_typo_start_watch_samples_and_stop(server, tmp_path):
         expect(page.locator("#jobs")).to_contain_text("stopped")
         if shots:
             page.screenshot(path=os.path.join(shots, "queue.png"))
+        b.close()
+
+
+def test_dataset_workbench_opens_a_folder_and_saves_a_caption(server, tmp_path):
+    from PIL import Image
+    from playwright.sync_api import expect, sync_playwright
+
+    ui, url, browser = server
+    folder = tmp_path / "img" / "3_sks cat"
+    folder.mkdir(parents=True)
+    for name, color in (("a.png", (200, 40, 40)), ("b.png", (40, 40, 200))):
+        Image.new("RGB", (96, 64), color).save(folder / name)
+    (folder / "a.caption").write_text("sks cat, red", encoding="utf-8")
+    (folder / "c.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
+    shots = os.environ.get("SDTK_UI_SCREENSHOTS")
+    with sync_playwright() as p:
+        b, page = open_page(p, browser, url + "#/dataset")
+        expect(page.locator("#ds-empty")).to_be_visible()
+        # the picker: from the folder typed, into its concept folder, chosen
+        page.fill("#ds-folder", str(tmp_path / "img"))
+        page.click("#ds-browse")
+        page.click('#picker-list li:has-text("[dir] 3_sks cat")', timeout=120000)
+        expect(page.locator("#picker-list")).to_contain_text("a.caption")
+        page.click("#picker-choose")
+        expect(page.locator("#ds-folder")).to_have_value(str(folder))
+        # (the first answer may wait for the server's first import of the trainer's checks)
+        expect(page.locator("#ds-grid .tile")).to_have_count(3, timeout=120000)
+        expect(page.locator('.tile[data-name="c.png"] .broken')).to_contain_text("cannot decode it")
+        page.wait_for_function("document.querySelector('.tile[data-name=\"a.png\"] img').naturalWidth === 96")
+        expect(page.locator("#ds-tags")).to_contain_text("sks cat")
+        expect(page.locator("#ds-trained")).to_contain_text("sks cat, red", timeout=120000)
+        box = page.locator('.tile[data-name="b.png"] textarea')
+        box.fill("sks cat, blue")
+        box.press("Control+Enter")
+        expect(page.locator('.tile[data-name="b.png"] .status')).to_have_text("saved")
+        assert (folder / "b.caption").read_text(encoding="utf-8") == "sks cat, blue"
+        # uploads: an image is added to the grid, a file that is not an image is refused in one line
+        (tmp_path / "d.png").write_bytes((folder / "a.png").read_bytes())
+        (tmp_path / "notes.txt").write_text("x")
+        page.set_input_files("#ds-files", [str(tmp_path / "d.png"), str(tmp_path / "notes.txt")])
+        expect(page.locator("#ds-grid .tile")).to_have_count(4)
+        expect(page.locator("#ds-msg")).to_contain_text("notes.txt: not an image type the trainer reads")
+        assert (folder / "d.png").read_bytes() == (folder / "a.png").read_bytes()
+        if shots:
+            page.screenshot(path=os.path.join(shots, "dataset.png"))
         b.close()

@@ -70,7 +70,7 @@ def test_saved_json_network_is_what_the_gui_writes(lora_type, extra, tmp_path):
     assert set(cfg.get("network_args", [])) == args, notes
     for k in ("LoRA_type", "conv_dim", "LyCORIS_preset", "factor", "use_tucker", "img_attn_dim", "loraplus_lr_ratio"):
         assert k not in cfg and not any(n.startswith(f"{k}:") for n in notes), (k, notes)
-    if lora_type in ("LyCORIS/iA3", "LyCORIS/Native Fine-Tuning"):
+    if lora_type == "LyCORIS/iA3":
         assert any("a run stops on it here" in n for n in notes), notes
     elif lora_type == "Flux1" and extra:
         assert any(n.startswith("train_lora_ggpo:") for n in notes), notes

@@ -117,8 +117,9 @@ function buildForm() {
         scheduleCheck();
       });
       const range = o.min !== null || o.max !== null ? ` [${o.min ?? ""}..${o.max ?? ""}]` : "";
+      const cell = o.type === "path" || o.name === "pretrained_model_name_or_path" ? el("span", { class: "with-pick" }, input, pathButton(input)) : input;
       d.append(el("div", { class: "field", "data-name": o.name },
-        el("label", { for: input.id, text: o.name, title: o.type }), input,
+        el("label", { for: input.id, text: o.name, title: o.type }), cell,
         el("div", { class: "help", text: `${o.type}${range}. ${o.help}` }), el("div", { class: "ferr" })));
     }
     form.append(d);
@@ -192,8 +193,25 @@ function route() {
   const m = h.match(/^#\/run\/(\d+)/);
   if (m) { $("page-run").hidden = false; showRun(Number(m[1])); }
   else if (h.startsWith("#/queue")) { $("page-queue").hidden = false; showQueue(); runTimer = setInterval(showQueue, 2000); }
-  else if (h.startsWith("#/dataset")) { $("page-dataset").hidden = false; showDataset(); }
+  else if (h.startsWith("#/dataset")) { $("page-dataset").hidden = false; showWorkbench(); showDataset(); }
   else $("page-new").hidden = false;
+}
+
+function bucketChart(buckets) {
+  // an SVG bar per bucket: "<width>x<height>: <samples>"
+  const max = Math.max(1, ...buckets.map((b) => b.samples)), w = 60, hgt = 120;
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("width", String(Math.max(200, buckets.length * w + 20))); svg.setAttribute("height", String(hgt + 40));
+  buckets.forEach((b, i) => {
+    const h = (b.samples / max) * hgt, x = 10 + i * w;
+    const r = document.createElementNS(svg.namespaceURI, "rect");
+    Object.entries({ x, y: hgt - h + 5, width: w - 10, height: h, class: "bar" }).forEach(([k, v]) => r.setAttribute(k, v));
+    const t = document.createElementNS(svg.namespaceURI, "text");
+    Object.entries({ x, y: hgt + 20, "font-size": 11 }).forEach(([k, v]) => t.setAttribute(k, v));
+    t.textContent = `${b.width}x${b.height}: ${b.samples}`;
+    svg.append(r, t);
+  });
+  return svg;
 }
 
 async function showDataset() {
@@ -205,19 +223,7 @@ async function showDataset() {
   $("subsets").append(el("tr", {}, ...["folder", "images", "repeats", "images x repeats", "regularisation"].map((h) => el("th", { text: h }))));
   for (const s of d.subsets) $("subsets").append(el("tr", {}, el("td", { class: "l", text: s.folder }), el("td", { text: s.images }),
     el("td", { text: s.repeats }), el("td", { text: s.images * s.repeats }), el("td", { text: s.is_reg ? "yes" : "" })));
-  const max = Math.max(1, ...d.buckets.map((b) => b.samples)), w = 60, hgt = 120;
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("width", String(Math.max(200, d.buckets.length * w + 20))); svg.setAttribute("height", String(hgt + 40));
-  d.buckets.forEach((b, i) => {
-    const h = (b.samples / max) * hgt, x = 10 + i * w;
-    const r = document.createElementNS(svg.namespaceURI, "rect");
-    Object.entries({ x, y: hgt - h + 5, width: w - 10, height: h, class: "bar" }).forEach(([k, v]) => r.setAttribute(k, v));
-    const t = document.createElementNS(svg.namespaceURI, "text");
-    Object.entries({ x, y: hgt + 20, "font-size": 11 }).forEach(([k, v]) => t.setAttribute(k, v));
-    t.textContent = `${b.width}x${b.height}: ${b.samples}`;
-    svg.append(r, t);
-  });
-  $("buckets").append(svg);
+  $("buckets").append(bucketChart(d.buckets));
   $("captions").append(el("tr", {}, el("th", { text: "image" }), el("th", { text: "caption" })));
   // weighted_captions: each piece with the weight its tokens get (x1.00 pieces as plain text)
   const shown = (c) => c.weights ? c.weights.map(([p, w]) => w === 1 ? p : `${p}[x${w.toFixed(2)}]`).join("") : c.caption;
@@ -315,6 +321,7 @@ async function showQueue() {
   const r = await api("GET", "/api/jobs");
   const t = $("jobs"); t.textContent = "";
   t.append(el("tr", {}, ...["id", "script", "state", "step", "loss", "created", "output", ""].map((h) => el("th", { text: h }))));
+  $("jobs-empty").hidden = r.data.jobs.length > 0;
   const jobs = r.data.jobs.slice().sort((a, b) => (a.queue_index ?? 1e9) - (b.queue_index ?? 1e9) || b.id - a.id);
   for (const j of jobs) {
     const act = (label, fn) => el("button", { text: label, onclick: async () => { const x = await fn(); if (x.status >= 400) alert(x.data.error); showQueue(); } });

@@ -1,0 +1,1 @@
+"""Dataset tools with sd-scripts' names and flags (run as scripts: python finetune/<tool>.py)."""
