@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -30,6 +32,16 @@ def tiny_config(data: str, out: str, steps: int = 3, **extra) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_sigint() -> None:
+    """A job's process inherits how this one treats SIGINT, and a stop is a SIGINT. The real
+    server's jobs start with the default (uvicorn catches SIGINT, and a caught signal is reset at
+    exec); pytest run as a background job of a non-interactive shell ignores SIGINT, and its jobs
+    would ignore a stop until the trainer installs its own handler (a dataset tool: always)."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class UI:
     """``gated``: jobs start through tests/step_gate.py's interpreter, so that ``hold`` can make a
     job wait at a step for the test (a file, or the stop signal) instead of racing it."""
@@ -45,6 +57,7 @@ class UI:
         self.data_dir = os.path.join(self.tmp, "jobs-files")
         self.gates = os.path.join(self.tmp, "gates.json")
         os.makedirs(self.tmp, exist_ok=True)
+        default_sigint()
         python = write_gate_interpreter(os.path.join(self.tmp, "python"), self.gates) if gated \
             else sys.executable
         self.store = JobStore(self.db)
