@@ -709,6 +709,28 @@ OPTIONS: tuple[Option, ...] = (
       "save_last_n_epochs.", "saving", min=1),
     O("save_last_n_steps_state", "int", None, "Keep only the step states of the last N steps; unset "
       "= save_last_n_steps.", "saving", min=1),
+    # the Hugging Face Hub (library/outputs/hub.py; sd-scripts' library/huggingface_util.py)
+    O("huggingface_repo_id", "str", None, "Upload each saved model file (and, with "
+      "save_state_to_huggingface, each training state) to this Hugging Face Hub repository "
+      "(owner/name), created when it does not exist; a failed upload is a warning and the local "
+      "file stays.", "saving"),
+    O("huggingface_repo_type", "str", None, "The repository's type; unset = model.", "saving",
+      choices=("model", "dataset", "space")),
+    O("huggingface_path_in_repo", "str", None, "Folder in the repository the uploads go to "
+      "(<folder>/<file name>); unset = the repository's root.", "saving"),
+    O("huggingface_token", "str", None, "Hub token with write access, for this process only (not "
+      "written to disk: not in the saved config, state or metadata); unset = huggingface_hub's own "
+      "login (HF_TOKEN, hf auth login).", "saving"),
+    O("huggingface_repo_visibility", "str", None, "Visibility of a repository the run creates; "
+      "unset = private (sd-scripts: anything but public is private).", "saving",
+      choices=("public", "private")),
+    O("save_state_to_huggingface", "bool", False, "Also upload each training state folder that "
+      "save_state / save_state_on_train_end write.", "saving"),
+    O("resume_from_huggingface", "bool", False, "resume names a state on the Hub, as sd-scripts "
+      "reads it: <owner>/<repo>/<path in repo>[:<revision>[:<repo type>]]; its files are "
+      "downloaded into huggingface_hub's cache and resumed as a local state.", "saving"),
+    O("async_upload", "bool", False, "Upload in a background thread (one upload at a time, in save "
+      "order) while training goes on; the run waits for every upload before it ends.", "saving"),
     O("resume", "str", None, "Continue from a training state folder, or 'latest' (the state with "
       "the highest step in output_dir). The run may be made longer, and the process count changed "
       "if the global batch stays the same; any other change is an error naming it. SIGINT/SIGTERM "
@@ -799,6 +821,8 @@ OPTIONS = tuple(replace(o, scripts=o.scripts + LECO) if o.name in LECO_OPTIONS e
                 for o in OPTIONS)
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# Secrets: set for this process only, never written (saved config, state, metadata) nor shown
+SECRET_OPTIONS = ("wandb_api_key", "huggingface_token")
 ALIASES: dict[str, str] = {a: o.name for o in OPTIONS for a in o.aliases}
 
 
@@ -848,13 +872,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("dataset_class", "value", _REJ, "custom dataset classes are not supported"),
     # validation (train_network.py)
     _n("max_validation_steps", "value", _IGN, "every held-out image is evaluated at fixed timesteps"),
-    # hub
-    *(_n(k, "value", _IGN, "hub upload is not supported")
-      for k in ("huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo",
-                "huggingface_token", "huggingface_repo_visibility")),
-    _n("save_state_to_huggingface", "flag", _IGN, "hub upload is not supported"),
-    _n("resume_from_huggingface", "flag", _IGN, "hub upload is not supported"),
-    _n("async_upload", "flag", _IGN, "hub upload is not supported"),
     # saving and resuming
     _n("save_n_epoch_ratio", "value", _REJ, "the files it asks for would not be written; use save_every_n_epochs"),
     _n("use_safetensors", "flag", _IGN, "safetensors is already the default of save_model_as"),
@@ -932,6 +949,9 @@ def _gui_family(names: str, tabs: str, family: str, trained: bool = False) -> li
 
 
 GUI_OPTION_KEYS = """
+async_upload:ldf huggingface_path_in_repo:ldf huggingface_repo_id:ldf huggingface_repo_type:ldf
+huggingface_repo_visibility:ldf huggingface_token:ldf resume_from_huggingface:ldf
+save_state_to_huggingface:ldf
 adaptive_noise_scale:ldf bucket_no_upscale:ldf bucket_reso_steps:ldf cache_latents:ldf
 cache_latents_to_disk:ldf cache_text_encoder_outputs:ldf cache_text_encoder_outputs_to_disk:ldf
 caption_dropout_every_n_epochs:ldf caption_dropout_rate:ldf caption_extension:ldf clip_skip:ldf
@@ -966,11 +986,7 @@ blocks_to_swap:ldf cpu_offload_checkpointing:ldf blockwise_fused_optimizers:df
 """
 
 GUI_SD_KEYS = """
-async_upload:ldf mem_eff_save:ldf
-disable_mmap_load_safetensors:ldf huggingface_path_in_repo:ldf
-huggingface_repo_id:ldf huggingface_repo_type:ldf huggingface_repo_visibility:ldf
-huggingface_token:ldf log_config:ldf mem_eff_attn:ldf
-resume_from_huggingface:ldf save_state_to_huggingface:ldf
+mem_eff_save:ldf disable_mmap_load_safetensors:ldf log_config:ldf mem_eff_attn:ldf
 skip_cache_check:ldf
 """
 

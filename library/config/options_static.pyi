@@ -218,6 +218,14 @@ class Options:
     save_state_on_train_end: bool = ...  # default False
     save_last_n_epochs_state: int | None = ...  # default None
     save_last_n_steps_state: int | None = ...  # default None
+    huggingface_repo_id: str | None = ...  # default None
+    huggingface_repo_type: str | None = ...  # default None
+    huggingface_path_in_repo: str | None = ...  # default None
+    huggingface_token: str | None = ...  # default None
+    huggingface_repo_visibility: str | None = ...  # default None
+    save_state_to_huggingface: bool = ...  # default False
+    resume_from_huggingface: bool = ...  # default False
+    async_upload: bool = ...  # default False
     resume: str | None = ...  # default None
     logging_dir: str | None = ...  # default None
     log_with: str | None = ...  # default None

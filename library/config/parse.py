@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from library import text_files
 from library.config.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, Option, SCRIPTS,
-                                    SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECTIONS, SdScriptsName,
-                                    options_for)
+                                    SD_SCRIPTS_BY_NAME, SD_SCRIPTS_NAMES, SECRET_OPTIONS, SECTIONS,
+                                    SdScriptsName, options_for)
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")
@@ -104,7 +104,7 @@ class _OptionsMethods:
         general/datasets)."""
         out = {}
         for o in options_for(self.script):
-            if o.name in ("config", "dataset_config", "wandb_api_key"):  # a secret: never saved
+            if o.name in ("config", "dataset_config") or o.name in SECRET_OPTIONS:  # never saved
                 continue
             v = getattr(self, o.name)
             if v is None or v == {}:
@@ -117,7 +117,8 @@ class _OptionsMethods:
         return out
 
     def __repr__(self):
-        vals = ", ".join(f"{o.name}={getattr(self, o.name)!r}" for o in options_for(self.script))
+        vals = ", ".join(f"{o.name}={'***' if o.name in SECRET_OPTIONS and getattr(self, o.name) else repr(getattr(self, o.name))}"
+                         for o in options_for(self.script))
         return f"Options(script={self.script!r}, {vals})"
 
 
@@ -800,6 +801,28 @@ def _deprecated_block_swap(v: dict, script: str) -> None:
         v["blocks_to_swap"] = n
 
 
+def _check_hub(v: dict, where) -> None:
+    """The Hugging Face Hub options (library/outputs/hub.py): each needs what it works with."""
+    if v["huggingface_repo_id"] is None:
+        if v["save_state_to_huggingface"]:
+            raise ConfigError(f"{where('save_state_to_huggingface')}: uploading states needs "
+                              "huggingface_repo_id (the repository, owner/name)")
+        for name in ("huggingface_repo_type", "huggingface_path_in_repo",
+                     "huggingface_repo_visibility", "async_upload"):
+            if v[name]:
+                logger.warning("%s has no effect: nothing is uploaded without huggingface_repo_id",
+                               where(name))
+    elif v["huggingface_repo_id"].count("/") != 1 or "" in v["huggingface_repo_id"].split("/"):
+        raise ConfigError(f"{where('huggingface_repo_id')}: {v['huggingface_repo_id']!r} is not a "
+                          "repository id (owner/name)")
+    if v["save_state_to_huggingface"] and not (v["save_state"] or v["save_state_on_train_end"]):
+        logger.warning("%s has no effect: no training state is saved (set save_state or "
+                       "save_state_on_train_end)", where("save_state_to_huggingface"))
+    if v["resume_from_huggingface"] and not v["resume"]:
+        logger.warning("%s has no effect without resume (<owner>/<repo>/<path in repo>"
+                       "[:<revision>[:<repo type>]])", where("resume_from_huggingface"))
+
+
 def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: str) -> None:
     def where(name):
         return given[name][1].where() if name in given else name
@@ -822,6 +845,7 @@ def _check_combinations(v: dict, given: dict, has_dataset_config: bool, script: 
                        "max_train_epochs wins, max_train_steps is ignored",
                        v["max_train_epochs"], v["max_train_steps"])
         v["max_train_steps"] = None
+    _check_hub(v, where)
     if v["network_train_unet_only"] and v["network_train_text_encoder_only"]:
         raise ConfigError(f"{where('network_train_text_encoder_only')}: network_train_unet_only and "
                           "network_train_text_encoder_only exclude each other")

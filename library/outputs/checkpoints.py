@@ -1,8 +1,9 @@
 """Model saves, training states and sd-scripts' rotation of old ones, for a run (library/run/trainer.py).
 
     Saver(opts, record, base_metadata, saved, accelerator=, bundle=, method=, params=, named=,
-          strategy=, stepper=, ema=, frozen=)
-        .save(progress, epoch=, step=, final=)   the model (and its EMA), then the training state
+          strategy=, stepper=, ema=, frozen=, uploader=)
+        .save(progress, epoch=, step=, final=)   the model (and its EMA), then the training state;
+                                                 each uploaded to the Hub when set (library/outputs/hub.py)
         .save_ema(progress, epoch=, step=, metadata=)
         .state_of_this_step(progress)            the state after the last step (SIGINT, non-finite stop)
 
@@ -20,6 +21,7 @@ import time
 from library.distributed.accelerator import is_main_process
 from library.files import SaveError, output_file, save_elsewhere
 from library.outputs import metadata, train_state
+from library.outputs.hub import Uploader
 from library.outputs.train_state import saved_tensors
 from library.training import nonfinite, offload
 
@@ -31,11 +33,14 @@ class Saver:
     ``method``, ``params`` and their ``named`` list, the ``ema``), through the ``strategy``'s
     full weights, the ``stepper``'s eval mode and state, and the ``frozen`` parts a full model's
     file needs. ``record``: what a state records of the run (train_state.RunRecord); ``saved``:
-    the list the model files written are appended to."""
+    the list the model files written are appended to; ``uploader`` (main process, hub.Uploader):
+where each saved file (and, with save_state_to_huggingface, each state) is uploaded."""
 
     def __init__(self, opts, record, base_metadata: dict, saved: list, *, accelerator, bundle,
-                 method, params: list, named: list, strategy, stepper, ema, frozen):
+                 method, params: list, named: list, strategy, stepper, ema, frozen,
+                 uploader: Uploader | None = None):
         self.opts, self.record, self.base_metadata, self.saved = opts, record, base_metadata, saved
+        self.uploader = uploader
         self.accelerator, self.bundle, self.method = accelerator, bundle, method
         self.params, self.named, self.ema = params, named, ema
         self.strategy, self.stepper, self.frozen = strategy, stepper, frozen
@@ -66,6 +71,8 @@ class Saver:
                     self._write_model(path, meta)
                     logger.info(f"saved {path}")
                     self.saved.append(path)
+        if is_main_process():  # (the full weights released first)
+            self._upload(path, *self.method.companion_files(path))
         if self.ema is not None:
             self.save_ema(epoch=epoch, step=step, metadata=meta)
         acc.wait_for_everyone()
@@ -86,7 +93,15 @@ class Saver:
         if is_main_process():
             logger.info(f"saved {path} (EMA, decay {ema.decay})")
             self.saved.append(path)
+            self._upload(path)
         return path
+
+    def _upload(self, *paths: str) -> None:
+        """The files just saved (main process), to the Hub when huggingface_repo_id is set."""
+        if self.uploader is not None:
+            for p in paths:
+                if os.path.exists(p):
+                    self.uploader.upload(p)
 
     def _write_model(self, path: str, meta: dict, what: str = "the weights were") -> None:
         """The model (or EMA) file; when it cannot be written (disk full, read-only), into the
@@ -107,8 +122,11 @@ class Saver:
             path = train_state.state_dir(opts.output_dir, opts.output_name, epoch=epoch, step=step)
             self.write_state(progress, path)
             progress.last_state = (path, progress.global_step)
+            if opts.save_state_to_huggingface and is_main_process():
+                self._upload(path)
         if is_main_process() and not final:
-            _rotate(opts, self.method, self.ema is not None, epoch=epoch, step=step)
+            _rotate(opts, self.method, self.ema is not None, epoch=epoch, step=step,
+                    uploader=self.uploader)
         self.accelerator.wait_for_everyone()
 
     def write_state(self, progress, path: str) -> None:
@@ -127,9 +145,10 @@ class Saver:
         return path
 
 
-def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
+def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None,
+            uploader: Uploader | None = None) -> None:
     """sd-scripts' save_last_n_*: drop the model (and state) saved n saves (epochs) or more
-    than n steps (steps) before this one."""
+    than n steps (steps) before this one (once its upload, if one is in flight, has finished)."""
     n_model = opts.save_last_n_epochs if epoch is not None else opts.save_last_n_steps
     n_state = (opts.save_last_n_epochs_state if epoch is not None
                else opts.save_last_n_steps_state) or n_model
@@ -144,6 +163,8 @@ def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
         if next(iter(old.values())) <= 0:
             continue
         if kind == "state":
+            if uploader is not None:
+                uploader.settled(train_state.state_dir(opts.output_dir, opts.output_name, **old))
             train_state.remove_state(train_state.state_dir(opts.output_dir, opts.output_name,
                                                            **old), logger)
             continue
@@ -152,6 +173,9 @@ def _rotate(opts, method, with_ema: bool, *, epoch=None, step=None) -> None:
             names.append(opts.output_name + "-ema")  # the EMA saves rotate with the models
         for name in names:
             path = output_file(opts.output_dir, name, method.extension(), **old)
+            if uploader is not None:
+                for p in (path, *method.companion_files(path)):
+                    uploader.settled(p)
             for extra in method.companion_files(path):  # pivotal tuning's embeddings
                 if os.path.isfile(extra):
                     os.remove(extra)

@@ -118,6 +118,11 @@ RESUMABLE_CHANGES = {
     "sample_prompts": "reporting", "sample_every_n_steps": "reporting",
     "sample_every_n_epochs": "reporting", "sample_at_first": "reporting", "sample_sampler": "reporting",
     "progress_file": "reporting", "control_file": "run control",
+    **{k: "where saves are uploaded" for k in (
+        "huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo",
+        "huggingface_token", "huggingface_repo_visibility", "save_state_to_huggingface",
+        "async_upload")},
+    "resume_from_huggingface": "where the state to resume from is",
 }
 
 _STATE_NAME = re.compile(r"^(?P<name>.+?)(?:-(?P<epoch>\d{6})|-step(?P<step>\d{8}))?-state$")

@@ -21,7 +21,7 @@ from library.errors import UserError
 from library.log import logger, setup_logging
 from library.models import family, inpainting, loading
 from library.models.families import registry
-from library.outputs import metadata, output_checks
+from library.outputs import hub, metadata, output_checks
 from library.run.run_state import Caches, Components
 from library.training import ema, host_memory, offload
 from library.training.compile_unet import compile_unet
@@ -298,11 +298,15 @@ class Run:
         self.saver.save(self.progress, epoch=epoch, step=step, final=final)
 
 
-def run(opts, method_name: str) -> Run | None:
-    """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests."""
+def run(opts, method_name: str, hub_api=None) -> Run | None:
+    """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests.
+    ``hub_api``: the Hugging Face Hub client the run uploads to and resumes from (None:
+    huggingface_hub's HfApi with huggingface_token, made when the options ask for the Hub)."""
     setup_logging(is_main_process())
     opts = deepspeed_zero.resolve_options(opts)  # an Accelerate DeepSpeed launch config -> the deepspeed options
     processes = accelerator.launched_world_size()
+    if opts.resume and opts.resume_from_huggingface:  # every process: then a local state
+        opts = opts.replace(resume=hub.download_state(opts.resume, opts.huggingface_token, hub_api))
     opts, tset, plan = plan_run(opts, processes)
     r = Run(opts, method_name)
     r.tset, r.plan = tset, plan
@@ -338,13 +342,13 @@ def run(opts, method_name: str) -> Run | None:
     lock = output_checks.prepare(opts, method_name, main, logger)  # before any weight loads
     try:
         with lock:
-            return _train(r, opts, started, resume)
+            return _train(r, opts, started, resume, hub_api)
     finally:
         for part in reversed(r.closing):  # the frozen parts' spill files, then the strategy
             part.close()
 
 
-def _train(r: Run, opts, started: float, resume) -> Run:
+def _train(r: Run, opts, started: float, resume, hub_api) -> Run:
     # lazy: the plan and the checks before loading come before torch is imported
     from library.outputs import train_state
     from library.outputs.checkpoints import Saver
@@ -369,7 +373,10 @@ def _train(r: Run, opts, started: float, resume) -> Run:
     r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),
                     r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
                     method=c.method, params=c.params, named=named, strategy=c.strategy,
-                    stepper=c.stepper, ema=c.ema, frozen=c.frozen)
+                    stepper=c.stepper, ema=c.ema, frozen=c.frozen,
+                    uploader=hub.uploader_for(r.opts, hub_api) if is_main_process() else None)
+    if r.saver.uploader is not None:
+        r.closing.append(r.saver.uploader)  # its uploads finished before the run ends, however
     with StopSignals() as r.stop_signals:  # SIGINT/SIGTERM: stop after a step, write a state
         r.train()
     r.stop_signals = None

@@ -4,8 +4,8 @@
 
 Routes (docs/UI.md): GET /api/schema; POST /api/validate, /api/import, /api/login; jobs: POST and
 GET /api/jobs, GET /api/jobs/{id}, .../events (server-sent events), .../log, .../files/{name};
-POST .../stop, .../save_now, .../sample_now, .../resume, .../move; DELETE /api/jobs/{id}. The
-pages (static/) use only these.
+POST .../stop, .../save_now, .../sample_now, .../resume, .../move; DELETE /api/jobs/{id}; GET and
+POST /api/queue (hold or release the queue). The pages (static/) use only these.
 
 Safety (settings): a token, when set, on every API request (``Authorization: Bearer`` or the
 HttpOnly SameSite=Strict cookie that /api/login sets); state-changing requests whose Origin is
@@ -284,6 +284,23 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
                         os.path.abspath(opts.output_dir), opts.output_name)
         runner.tick()
         return JSONResponse({"id": jid}, status_code=201)
+
+    def queue_view() -> dict:
+        return {"held": runner.held, "queued": [j["id"] for j in store.queued()]}
+
+    @app.get("/api/queue")
+    def get_queue():
+        return queue_view()
+
+    @app.post("/api/queue")
+    async def set_queue(request: Request):
+        data = await body(request)
+        held = data.get("held")
+        if not isinstance(held, bool):
+            raise _BadRequest("held: true or false is required")
+        runner.held = held
+        runner.tick()  # released: the next job starts now
+        return queue_view()
 
     def create_tool_job(data: dict) -> JSONResponse:
         tool = text_field(data, "tool")

@@ -5,6 +5,7 @@
         .tick()             reap ended processes, start the next queued job that fits
         .start() / .close() the same every ``poll_s`` in a thread
         .stop(id) / .control(id, command) / .resume(id)
+        .held               the queue is held: running jobs go on, no queued job starts
 
 A dataset tool job (library/ui/tool_jobs.py: ``script`` is the tool's path, ``config`` its
 argument list) runs ``python <tool> <args>`` the same way, in the same queue.
@@ -19,6 +20,8 @@ waits for N free devices, first come first served. A job's state is one of STATE
 stream's ``end`` line and the exit code decide how a run ended. A server restart finds a job that
 was running ``interrupted`` (its process, if still alive, is sent SIGTERM: it writes a resumable
 state and exits); ``resume`` queues it again with ``--resume latest`` when a state exists.
+A held queue (``held``, ``ui.py --hold``, ``POST /api/queue``) takes jobs and starts none of them
+until it is released: to line up several runs first, or to keep the devices free for a while.
 """
 from __future__ import annotations
 
@@ -174,8 +177,10 @@ def read_end(progress_path: str) -> dict | None:
 
 class Runner:
     def __init__(self, store: JobStore, data_dir: str, devices: list[str], *,
-                 python: str = sys.executable, poll_s: float = 0.25, env: dict | None = None):
+                 python: str = sys.executable, poll_s: float = 0.25, env: dict | None = None,
+                 held: bool = False):
         self.store, self.data_dir, self.devices = store, data_dir, list(devices)
+        self.held = held  # no queued job starts while held (set by the API's /api/queue)
         self.python, self.poll_s = python, poll_s
         self.env = dict(os.environ if env is None else env)
         self.procs: dict[int, tuple[subprocess.Popen, list[str], object]] = {}
@@ -238,7 +243,7 @@ class Runner:
                     log.close()
                     del self.procs[jid]
                     self._finish(jid, rc)
-            if not start_new:
+            if not start_new or self.held:
                 return
             busy = {d for _, devs, _ in self.procs.values() for d in devs}
             free = [d for d in self.devices if d not in busy]

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices the queue may use "
                    "(default: every CUDA device; none: one job at a time on the CPU)")
     p.add_argument("--max_body", type=int, default=1 << 20, help="request body limit in bytes")
+    p.add_argument("--hold", action="store_true", help="start with the queue held: jobs are "
+                   "queued but none starts until the queue is released (POST /api/queue)")
     p.add_argument("--max_upload", type=int, default=MAX_UPLOAD,
                    help="size limit in bytes of an image uploaded on the Dataset page")
     return p
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         db = a.db or default_db()
         store = JobStore(db)
         data_dir = os.path.splitext(os.path.abspath(db))[0] + "-files"
-        runner = Runner(store, data_dir, devices(a.gpus))
+        runner = Runner(store, data_dir, devices(a.gpus), held=a.hold)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -78,24 +78,9 @@ def _wait_for_signal(report_dir: str, n: int):
     """At the end of this launch's n-th step, write this process's pid to <report_dir>/waiting
     and wait (120 s at most) until a signal from outside reaches it: the test sends it to this
     one process only, as a Ctrl-C in one rank's terminal."""
-    import time
+    from tests.step_gate import SIGNAL, hold_at
 
-    from library.training import step_sync
-
-    real, calls = step_sync.agree, []
-
-    def agree(signals, device, loss_sum, norm=None, **kw):  # the step's read: every process, once per step
-        calls.append(1)
-        if len(calls) == n:
-            with open(os.path.join(report_dir, "waiting.tmp"), "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(os.path.join(report_dir, "waiting.tmp"), os.path.join(report_dir, "waiting"))
-            deadline = time.time() + 120
-            while not signals.signum and time.time() < deadline:
-                time.sleep(0.01)
-        return real(signals, device, loss_sum, norm, **kw)
-
-    step_sync.agree = agree
+    hold_at(n, SIGNAL, report_dir)
 
 
 def _inject_failure(at_step: int):

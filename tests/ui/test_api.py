@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,6 +279,25 @@ def test_state_refusals_delete_and_move(ui, tmp_path):
     assert os.path.isdir(tmp_path / "b")  # files stay
 
 
+def test_a_held_queue_starts_no_job_until_released(ui, tmp_path):
+    c = ui.client
+    ui.runner.python = shutil.which("true")  # a job that ends at once, done
+    assert c.get("/api/queue").json() == {"held": False, "queued": []}
+    assert c.post("/api/queue", json={"held": True}).json() == {"held": True, "queued": []}
+    a, b = (_fake_job(ui, str(tmp_path / n)) for n in ("a", "b"))
+    for _ in range(3):
+        ui.runner.tick()
+    assert c.get("/api/queue").json() == {"held": True, "queued": [a, b]}
+    assert not ui.runner.procs
+    for bad in ({}, {"held": "no"}, {"held": 0}):
+        r = c.post("/api/queue", json=bad)
+        assert r.status_code == 400 and "held" in r.json()["error"], bad
+    assert c.post("/api/queue", json={"held": False}).json() == {"held": False, "queued": [b]}
+    assert c.get(f"/api/jobs/{a}").json()["state"] == "running"  # started by the release itself
+    ui.wait(b, lambda j: j["state"] == "done")
+    assert c.get(f"/api/jobs/{a}").json()["state"] == "done"
+
+
 def test_restart_keeps_the_queue_and_marks_a_running_job_interrupted(tmp_path):
     ui = UI(tmp_path)
     from library.ui.jobs import job_dir
@@ -305,15 +325,22 @@ def test_restart_keeps_the_queue_and_marks_a_running_job_interrupted(tmp_path):
         again.close()
 
 
-def test_queue_save_now_stop_resume_matches_an_uninterrupted_run(ui, data, tmp_path):
+def test_queue_save_now_stop_resume_matches_an_uninterrupted_run(gated_ui, data, tmp_path):
     """Two real jobs: the second waits for the first; it is saved and stopped mid-run, resumed,
-    and ends with the same weights as the first (uninterrupted) run, bit for bit (one thread)."""
-    c = ui.client
-    steps = 12
+    and ends with the same weights as the first (uninterrupted) run, bit for bit (one thread).
+    The second job waits for the test at two steps (tests/step_gate.py), so the commands land at
+    known steps however loaded the machine is: save_now, asked while it waits in step 2, is read at
+    step 3's start and saves after step 3; the stop signal, which releases it in step 4, stops it
+    after step 4."""
+    ui, c, steps = gated_ui, gated_ui.client, 12
+    assert c.post("/api/queue", json={"held": True}).json()["held"] is True
     ref = c.post("/api/jobs", json={"script": "train_lora", "config": tiny_config(
         data, str(tmp_path / "ref"), steps=steps)}).json()["id"]
     job = c.post("/api/jobs", json={"script": "train_lora", "config": tiny_config(
         data, str(tmp_path / "job"), steps=steps)}).json()["id"]
+    asked = tmp_path / "save_now_asked"
+    ui.hold(job, (2, "file", str(asked)), (4, "signal"))
+    assert c.post("/api/queue", json={"held": False}).json() == {"held": False, "queued": [job]}
     ui.wait(ref, lambda j: j["state"] == "running")
     assert c.get(f"/api/jobs/{job}").json()["state"] == "queued"
     seen_queued = ui.wait(ref, lambda j: j["state"] not in ("queued", "running"))
@@ -322,15 +349,16 @@ def test_queue_save_now_stop_resume_matches_an_uninterrupted_run(ui, data, tmp_p
     ui.wait(job, lambda j: j["state"] == "running" and j["step"] >= 1)
     r = c.post(f"/api/jobs/{job}/save_now")
     assert r.status_code == 200
+    asked.write_text("")
     j = ui.wait(job, lambda j: any("-step" in o for o in j["outputs"]))
-    saved_at = int(j["outputs"][0].split("-step")[1].split(".")[0])
+    assert j["outputs"] == ["last-step00000003.safetensors"], j
     r = c.post(f"/api/jobs/{job}/stop")
-    assert r.status_code == 200 and r.json()["state"] in ("stopping", "stopped")
+    assert r.status_code == 200 and r.json()["state"] == "stopping"
     j = ui.wait(job, lambda j: j["state"] not in ("running", "stopping"))
     assert j["state"] == "stopped" and j["exit_code"] == 130, (j, c.get(f"/api/jobs/{job}/log").text)
-    stopped_at = j["step"]
-    assert saved_at <= stopped_at < steps
-    assert os.path.isdir(tmp_path / "job" / f"last-step{stopped_at:08d}-state")
+    assert j["step"] == 4
+    assert os.path.isdir(tmp_path / "job" / "last-step00000004-state")
+    ui.hold(job)  # the resumed run goes straight on
     assert c.post(f"/api/jobs/{job}/resume").json()["state"] in ("queued", "running")
     j = ui.wait(job, lambda j: j["state"] in ("done", "failed"))
     assert j["state"] == "done" and j["step"] == steps, c.get(f"/api/jobs/{job}/log").text
@@ -353,8 +381,9 @@ FAKE_INTERPRETER = """#!{python}
 import json, os, sys, time
 args = sys.argv[1:]
 folder = os.path.dirname(args[args.index("--config") + 1])
-with open(os.path.join(folder, "seen.json"), "w") as f:
+with open(os.path.join(folder, "seen.tmp"), "w") as f:
     json.dump({{"devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "args": args}}, f)
+os.replace(os.path.join(folder, "seen.tmp"), os.path.join(folder, "seen.json"))  # whole when seen
 release = os.path.join(folder, "release")
 while not os.path.exists(release):
     time.sleep(0.02)
@@ -383,7 +412,6 @@ def test_one_job_per_device_set_first_come_first_served_and_failures_do_not_stop
         while not os.path.exists(path):
             assert time.time() - t0 < 30
             time.sleep(0.02)
-        time.sleep(0.05)
         with open(path) as f:
             return json.load(f)
 
@@ -434,10 +462,10 @@ def test_a_job_is_a_snapshot_of_its_config_and_dataset_config(ui, data, tmp_path
                   "num_repeats = 3\n")
     text = (f'pretrained_model_name_or_path = "tiny-sd15"\noutput_dir = "{tmp_path}/o"\n'
             f'max_train_steps = 3\n[data]\ndataset_config = "{ds}"\n')
+    ui.client.post("/api/queue", json={"held": True})  # not needed to run: the snapshot is what it runs
     jid = ui.client.post("/api/jobs", json={"script": "train_lora", "config": text}).json()["id"]
-    ui.client.post(f"/api/jobs/{jid}/stop")  # not needed to run: the snapshot is what it runs
     ds.write_text("[general]\nresolution = 128\n")  # edited after the job was queued
-    ui.wait(jid, lambda j: j["state"] == "stopped")
+    assert ui.client.post(f"/api/jobs/{jid}/stop").json()["state"] == "stopped"  # still queued
     snap = ui.store.get(jid)["config"]
     path = tmp_path / "snap.toml"
     path.write_text(snap)
@@ -448,19 +476,28 @@ def test_a_job_is_a_snapshot_of_its_config_and_dataset_config(ui, data, tmp_path
 
 
 @pytest.mark.slow
-def test_a_two_process_job_stops_and_resumes(ui, data, tmp_path):
+def test_a_two_process_job_stops_and_resumes(gated_ui, data, tmp_path):
     """accelerate launch of two CPU processes (gloo): save_now writes a model file, stop writes a
-    state in every process's agreed step, resume runs to the end (about a minute: slow)."""
-    c = ui.client
+    state in every process's agreed step, resume runs to the end (about a minute: slow). Both
+    processes wait in step 2 until save_now has been asked (taken after step 3) and in step 4 for
+    the stop signal (stopped after step 4), as in the one-process test above."""
+    ui, c = gated_ui, gated_ui.client
+    c.post("/api/queue", json={"held": True})
     jid = c.post("/api/jobs", json={"script": "train_lora", "processes": 2, "config": tiny_config(
         data, str(tmp_path / "two"), steps=40)}).json()["id"]
-    j = ui.wait(jid, lambda j: j["state"] == "running" and j["step"] >= 2, timeout=300)
+    asked = tmp_path / "save_now_asked"
+    ui.hold(jid, (2, "file", str(asked)), (4, "signal"))
+    c.post("/api/queue", json={"held": False})
+    ui.wait(jid, lambda j: j["state"] == "running" and j["step"] >= 1, timeout=300)
     assert c.post(f"/api/jobs/{jid}/save_now").status_code == 200
-    ui.wait(jid, lambda j: any("-step" in f for f in j["outputs"]), timeout=300)
-    assert c.post(f"/api/jobs/{jid}/stop").status_code == 200
+    asked.write_text("")
+    j = ui.wait(jid, lambda j: any("-step" in f for f in j["outputs"]), timeout=300)
+    assert j["outputs"] == ["last-step00000003.safetensors"], j
+    assert c.post(f"/api/jobs/{jid}/stop").json()["state"] == "stopping"
     j = ui.wait(jid, lambda j: j["state"] not in ("running", "stopping"), timeout=300)
     assert j["state"] == "stopped" and "training state written" in j["error"], j
-    assert os.path.isdir(tmp_path / "two" / f"last-step{j['step']:08d}-state")
+    assert j["step"] == 4 and os.path.isdir(tmp_path / "two" / "last-step00000004-state")
+    ui.hold(jid)
     c.post(f"/api/jobs/{jid}/resume")
     j = ui.wait(jid, lambda j: j["state"] in ("done", "failed"), timeout=300)
     assert j["state"] == "done" and j["step"] == 40, c.get(f"/api/jobs/{jid}/log").text

@@ -48,7 +48,7 @@ def allowed(tmp_path):
 
 @pytest.fixture
 def wb(tmp_path, allowed):
-    u = UI(tmp_path / "server", allowed_paths=[str(allowed)])
+    u = UI(tmp_path / "server", allowed_paths=[str(allowed)], gated=True)
     yield u
     u.close()
 
@@ -360,11 +360,14 @@ def test_a_tool_job_waits_its_turn_and_stops(wb, allowed):
     for i in range(300):
         Image.new("RGB", (8, 8), (i % 256, 0, 0)).save(src / f"{i:03d}.png")
     c = wb.client
+    c.post("/api/queue", json={"held": True})
     long = c.post("/api/jobs", json={"tool": "tools/resize_images_to_resolution.py",
                                      "args": [str(src), str(allowed / "big"), "--max_resolution", "768x768",
                                               "--interpolation", "lanczos4"]}).json()["id"]
     nxt = c.post("/api/jobs", json={"tool": "tools/caption_edit.py",
                                     "args": ["trigger", concept(allowed), "ohwx", "--caption_extension", ".txt"]}).json()["id"]
+    wb.hold(long, (2, "signal"))  # after 2 images it waits for the stop (tests/step_gate.py)
+    c.post("/api/queue", json={"held": False})
     j = wb.wait(long, lambda j: j["state"] == "running" and j["step"] >= 2, timeout=120)
     assert j["total_steps"] == 300
     r = c.post(f"/api/jobs/{long}/save_now")
@@ -372,7 +375,7 @@ def test_a_tool_job_waits_its_turn_and_stops(wb, allowed):
     assert c.get(f"/api/jobs/{nxt}").json()["state"] == "queued"  # one job at a time on the CPU
     assert c.post(f"/api/jobs/{long}/stop").status_code == 200
     j = wb.wait(long, lambda j: j["state"] not in ("running", "stopping"), timeout=60)
-    assert j["state"] == "stopped" and j["step"] < 300
+    assert j["state"] == "stopped" and j["step"] == 2
     assert len(os.listdir(allowed / "big")) < 300
     j = wb.wait(nxt, lambda j: j["state"] in ("done", "failed"), timeout=120)
     assert j["state"] == "done", _log_tail(wb, nxt)
