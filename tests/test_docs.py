@@ -199,7 +199,8 @@ def test_files_named_in_the_docs_exist():
 SD_SCRIPTS_CODE_FILES = SD_SCRIPTS_FILES | {
     "library/flux_utils.py", "library/leco_train_util.py", "library/sai_model_spec.py",
     "library/mask_generator.py", "library/flux_models.py", "library/sd3_models.py",
-    "library/flux_train_utils.py", "library/sd3_train_utils.py", "library/custom_train_functions.py"}
+    "library/flux_train_utils.py", "library/sd3_train_utils.py", "library/custom_train_functions.py",
+    "library/huggingface_util.py"}
 
 
 def _first_party_sources() -> list[str]:
