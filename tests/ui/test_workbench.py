@@ -312,7 +312,7 @@ def test_tool_jobs_allow_list_and_paths(wb, allowed, tmp_path):
     c = wb.client
     listed = c.get("/api/tools").json()["tools"]
     assert {"tools/caption_edit.py", "tools/resize_images_to_resolution.py",
-            "finetune/clean_captions_and_tags.py"} <= set(listed)
+            "finetune/clean_captions_and_tags.py", "tools/compare_checkpoints.py"} <= set(listed)
     assert all(os.path.isfile(os.path.join(tool_jobs.ROOT, t)) for t in listed)
     assert "tools/make_tiny_model.py" not in listed and "train_lora.py" not in listed
     r = c.post("/api/jobs", json={"tool": "tools/make_tiny_model.py", "args": []})
