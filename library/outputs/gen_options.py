@@ -20,9 +20,11 @@ are those of ``torch.Generator("cpu").manual_seed(seed)``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass
 
 from library import text_files
@@ -291,6 +293,21 @@ def batches(jobs: list[Job], size: int) -> list[list[Job]]:
         else:
             out.append([j])
     return out
+
+
+def run_main(work, argv: list[str] | None) -> int:
+    """An image tool's main (gen_img.py, tools/compare_checkpoints.py): ``work(argv)``; a user
+    error is one line (exit 2), Ctrl-C exits 130."""
+    try:
+        work(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    logging.shutdown()
+    return 0
 
 
 def check_output_dir(outdir: str) -> None:
