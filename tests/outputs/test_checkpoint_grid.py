@@ -135,3 +135,24 @@ def test_bad_input_is_one_line(capsys, run_dir, tmp_path):
     assert "--network_weights: not a compare_checkpoints option" in _fails(
         capsys, tmp_path, *sd15, "--prompt", "x", "--lora_dir", run_dir, "--network_weights", xl)
     assert "give one of --lora_dir or --files" in _fails(capsys, tmp_path, *sd15, "--prompt", "x")
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux"])
+def test_flow_families_cell_is_gen_img_s_image(model, tmp_path):
+    """FLUX.1 / SD3: the family's LoRA module swapped per file; a cell equals gen_img's image."""
+    from networks import lora_flux, lora_sd3
+    from tests.outputs.test_gen_img_flow import _bundle, _lora
+
+    torch.set_num_threads(1)
+    b = _bundle(model)
+    for i, name in enumerate(["x-000001", "x"]):
+        _lora({"tiny-sd3": lora_sd3, "tiny-flux": lora_flux}[model], b, str(tmp_path / f"{name}.safetensors"), seed=i)
+    common = ["--ckpt", model, "--prompt", "a cube --d 5", "--W", "64", "--H", "64", "--steps", "2"]
+    assert compare_checkpoints.main([*common, "--lora_dir", str(tmp_path), "--outdir", str(tmp_path / "g"),
+                                     "--multipliers", "0.5", "1"]) == 0
+    layout = json.loads((tmp_path / "g" / "grid.json").read_text())
+    assert [r["name"] for r in layout["rows"]] == ["x-000001", "x"]
+    cells = [[pixels(tmp_path / "g" / n) for n in row] for row in layout["cells"]]
+    [ref] = run(tmp_path, "ref", *common, "--network_weights", tmp_path / "x.safetensors", "--network_mul", "0.5")
+    assert np.array_equal(cells[1][0], pixels(ref))
+    assert np.abs(cells[1][0] - cells[0][0]).max() > 0 and np.abs(cells[1][0] - cells[1][1]).max() > 0
