@@ -108,12 +108,14 @@ def find_checkpoints(folder: str, output_name: str | None = None) -> list[Checkp
     [found] = runs.values()
     files = [(read_checkpoint(os.path.join(folder, f)), m) for f, m in found]
 
-    def order(item):
+    def by_metadata(item):
         c, m = item
-        final = not (m["epoch"] or m["step"])
-        if c.step is not None:
-            return (0, c.step, c.epoch or 0, final)
-        return (0 if not final else 1, int(m["epoch"] or m["step"] or 0), 0, final)
+        return (c.step, c.epoch or 0, not (m["epoch"] or m["step"]))
+
+    def by_name(item):  # a file without ss_steps: the name's epoch or step, the final file last
+        _, m = item
+        return (not (m["epoch"] or m["step"]), int(m["epoch"] or m["step"] or 0))
+    order = by_metadata if all(c.step is not None for c, _ in files) else by_name
     return [c for c, _ in sorted(files, key=order)]
 
 
@@ -163,8 +165,7 @@ def _cell_name(row: int, col: int, c: Checkpoint, job, mul: float) -> str:
 def compare(args) -> dict:
     """Render every cell, then the labelled grid; returns the layout written to grid.json."""
     files = find_checkpoints(args.lora_dir, args.output_name) if args.lora_dir else checkpoints_of(args.files)
-    prompts = gen_options.read_prompts(args)
-    gen_options.check_output_dir(args.outdir)
+    prompts = generation.check_before_loading(args)
     gen = generation.Generator(args)
     jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
     module = args.network_module[0] if args.network_module else None

@@ -322,13 +322,19 @@ def _sequential_start(outdir: str) -> int:
     return max(nums, default=0)
 
 
-def generate(args) -> list[str]:
-    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+def check_before_loading(args) -> list[tuple[str, str]]:
+    """The prompts (``read_prompts``), their lines and the output folder checked before the
+    weights load (the latent grid is checked again once the family is known)."""
     prompts = gen_options.read_prompts(args)
     gen_options.check_output_dir(args.outdir)
     fam = flow_family.family_before_loading(args.ckpt)
-    # the prompt lines are checked before the weights load (the grid with the family known later)
     gen_options.plan_jobs(args, prompts, family_defaults(fam or "sd1", True))
+    return prompts
+
+
+def generate(args) -> list[str]:
+    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+    prompts = check_before_loading(args)
     gen = Generator(args)
     jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
     n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0

@@ -122,6 +122,9 @@ def test_bad_input_is_one_line(capsys, run_dir, tmp_path):
                                                                        "--lora_dir", tmp_path / "nope")
     assert f"{tmp_path / 'none.txt'}: no such file" in _fails(capsys, tmp_path, *sd15, "--from_file",
                                                               tmp_path / "none.txt", "--lora_dir", run_dir)
+    bad = tmp_path / "prompts.txt"
+    bad.write_text("fine\nbroken --q 1\n")
+    assert f"{bad}:2: unknown option --q" in _fails(capsys, tmp_path, *sd15, "--from_file", bad, "--lora_dir", run_dir)
     xl = write_lora("sdxl", str(tmp_path / "xl-000001.safetensors"))
     msg = _fails(capsys, tmp_path, *sd15, "--prompt", "x", "--files", run_dir / "sks.safetensors", xl)
     assert msg.startswith(f"error: --network_weights {xl}: ") and "another model family" in msg
