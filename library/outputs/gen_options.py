@@ -66,8 +66,12 @@ class _Parser(argparse.ArgumentParser):
         raise GenError(message)
 
 
-def build_parser(prog: str = "gen_img.py", description: str = "Generate images (sd-scripts' gen_img flags) "
-                 "with SD1/SD2/SDXL/FLUX.1/SD3 models, LoRAs and embeddings; docs/GENERATION.md") -> argparse.ArgumentParser:
+GEN_IMG_DESCRIPTION = ("Generate images (sd-scripts' gen_img flags) with SD1/SD2/SDXL/FLUX.1/SD3 models, "
+                       "LoRAs and embeddings; docs/GENERATION.md")
+
+
+def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTION) -> argparse.ArgumentParser:
+    """gen_img's flags (tools/compare_checkpoints.py adds its own to them)."""
     p = _Parser(prog=prog, description=description)
     p.add_argument("--ckpt", required=True, help="model: single file, diffusers folder, hub id or built-in name (tiny-sd15, ...)")
     p.add_argument("--vae", help="another VAE (SD1/SD2/SDXL; SD3: its autoencoder file)")

@@ -69,7 +69,8 @@ def test_grid_layout_and_every_cell_is_gen_img_s_image(run_dir, tmp_path):
                                    "--batch_size", "2", *SIZE])
     assert rc == 0
     layout = json.loads((out / "grid.json").read_text())
-    assert [r["label"] for r in layout["rows"]] == [["sks-000002", "epoch 2, step 8"], ["sks-000001", "epoch 1, step 4"]]
+    assert [r["label"] for r in layout["rows"]] == [["sks-000002", "epoch 2, step 8"],
+                                                    ["sks-000001", "epoch 1, step 4"]]
     assert [c["label"] for c in layout["columns"]] == [["prompt 1", "x0.5"], ["prompt 1", "x1"],
                                                        ["prompt 2", "x0.5"], ["prompt 2", "x1"]]
     assert [c["prompt"] for c in layout["columns"]] == ["red cube", "red cube", "green ball", "green ball"]
