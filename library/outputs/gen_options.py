@@ -20,9 +20,11 @@ are those of ``torch.Generator("cpu").manual_seed(seed)``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass
 
 from library import text_files
@@ -64,9 +66,13 @@ class _Parser(argparse.ArgumentParser):
         raise GenError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gen_img.py", description="Generate images (sd-scripts' gen_img flags) with "
-                "SD1/SD2/SDXL/FLUX.1/SD3 models, LoRAs and embeddings; docs/GENERATION.md")
+GEN_IMG_DESCRIPTION = ("Generate images (sd-scripts' gen_img flags) with SD1/SD2/SDXL/FLUX.1/SD3 models, "
+                       "LoRAs and embeddings; docs/GENERATION.md")
+
+
+def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTION) -> argparse.ArgumentParser:
+    """gen_img's flags (tools/compare_checkpoints.py adds its own to them)."""
+    p = _Parser(prog=prog, description=description)
     p.add_argument("--ckpt", required=True, help="model: single file, diffusers folder, hub id or built-in name (tiny-sd15, ...)")
     p.add_argument("--vae", help="another VAE (SD1/SD2/SDXL; SD3: its autoencoder file)")
     p.add_argument("--v2", action="store_true", help="SD2 model (checked against the weights)")
@@ -291,6 +297,21 @@ def batches(jobs: list[Job], size: int) -> list[list[Job]]:
         else:
             out.append([j])
     return out
+
+
+def run_main(work, argv: list[str] | None) -> int:
+    """An image tool's main (gen_img.py, tools/compare_checkpoints.py): ``work(argv)``; a user
+    error is one line (exit 2), Ctrl-C exits 130."""
+    try:
+        work(sys.argv[1:] if argv is None else argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    logging.shutdown()
+    return 0
 
 
 def check_output_dir(outdir: str) -> None:

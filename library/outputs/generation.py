@@ -178,45 +178,65 @@ class Generator:
         return embeddings.prompt_rewriter(specs)
 
     def _networks(self, args) -> list[LoadedNetwork]:
-        b = self.bundle
         out = []
-        tes = b.text_encoders if len(b.text_encoders) > 1 else b.text_encoders[0]
         for i, path in enumerate(args.network_weights):
             mods = args.network_module
-            module = self.defaults["network_module"]
-            if mods:
-                name = mods[i] if len(mods) > 1 else mods[0]
-                try:
-                    module = importlib.import_module(name)
-                except ImportError as e:
-                    raise GenError(f"--network_module {name}: cannot import it ({e})") from None
+            module = (mods[i] if len(mods) > 1 else mods[0]) if mods else None
             mul = args.network_mul[i] if args.network_mul else 1.0
-            try:
-                sd = lora.load_state_dict_file(path)
-                sd = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
-                kwargs = args.network_kwargs[i] if i < len(args.network_kwargs) else {}
-                network, _ = module.create_network_from_weights(mul, path, b.vae, tes, b.unet, weights_sd=sd,
-                                                                **kwargs)
-                if args.network_merge:
-                    network.merge_to(tes, b.unet, sd)
-                else:
-                    network.apply_to(tes, b.unet, True, True)
-                    info = network.load_state_dict(sd, strict=False)
-                    if info.unexpected_keys:
-                        raise GenError(f"{len(info.unexpected_keys)} key(s) match no module of the network, "
-                                       f"e.g. {info.unexpected_keys[0]}")
-                    network.requires_grad_(False)
-                    network.eval()
-            except UserError as e:
-                msg = str(e).replace(f"{path}: ", "").replace(f"weights {path}", "the file")
-                if "exist in this model" in msg or "match no module" in msg:
-                    msg += f" (a network for another model family or base model? this model is {self.family_name})"
-                raise GenError(f"--network_weights {path}: {msg}") from None
-            except (OSError, RuntimeError, ValueError, TypeError) as e:
-                raise GenError(f"--network_weights {path}: {first_line(e)}") from None
-            out.append(LoadedNetwork(path, network, mul, args.network_merge))
+            kwargs = args.network_kwargs[i] if i < len(args.network_kwargs) else {}
+            out.append(self.load_network(path, module, mul, kwargs, args.network_merge))
             logger.info(f"network {path}: {'merged' if args.network_merge else 'applied'} at {mul}")
         return out
+
+    def load_network(self, path: str, module_name: str | None, mul: float, kwargs: dict,
+                     merge: bool) -> LoadedNetwork:
+        """The network in ``path`` (module ``module_name``, default the family's), hooked at
+        ``mul`` or merged into the weights; a bad file is one GenError line naming it."""
+        b = self.bundle
+        tes = b.text_encoders if len(b.text_encoders) > 1 else b.text_encoders[0]
+        module = self.defaults["network_module"]
+        if module_name:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as e:
+                raise GenError(f"--network_module {module_name}: cannot import it ({e})") from None
+        try:
+            sd = lora.load_state_dict_file(path)
+            sd = {k: v for k, v in sd.items() if not k.startswith("bundle_emb.")}
+            network, _ = module.create_network_from_weights(mul, path, b.vae, tes, b.unet, weights_sd=sd, **kwargs)
+            if merge:
+                network.merge_to(tes, b.unet, sd)
+            else:
+                network.apply_to(tes, b.unet, True, True)
+                info = network.load_state_dict(sd, strict=False)
+                if info.unexpected_keys:
+                    unhook(network)
+                    raise GenError(f"{len(info.unexpected_keys)} key(s) match no module of the network, "
+                                   f"e.g. {info.unexpected_keys[0]}")
+                network.requires_grad_(False)
+                network.eval()
+        except UserError as e:
+            msg = str(e).replace(f"{path}: ", "").replace(f"weights {path}", "the file")
+            if "exist in this model" in msg or "match no module" in msg:
+                msg += f" (a network for another model family or base model? this model is {self.family_name})"
+            raise GenError(f"--network_weights {path}: {msg}") from None
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            raise GenError(f"--network_weights {path}: {first_line(e)}") from None
+        return LoadedNetwork(path, network, mul, merge)
+
+    def swap_network(self, path: str, module_name: str | None = None, kwargs: dict | None = None) -> LoadedNetwork:
+        """Unhook the current networks and hook the one in ``path`` instead (the base model stays
+        loaded: the checkpoint grid renders a run's files one after another)."""
+        if any(n.merged for n in self.networks):
+            raise GenError("--network_merge: merged networks cannot be swapped")
+        for n in self.networks:
+            unhook(n.network)
+        self.networks = []
+        n = self.load_network(path, module_name, 1.0, kwargs or {}, False)
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            n.network.to(self.device, self.dtype)
+        self.networks = [n]
+        return n
 
     @property
     def family_name(self) -> str:
@@ -278,6 +298,19 @@ class Generator:
         return infotext.parameters(job.prompt, job.negative, fields, loras)
 
 
+def unhook(network) -> None:
+    """Restore the forwards a hooked network replaced (its ``remove_from``, else each module's
+    ``restore``)."""
+    if hasattr(network, "remove_from"):
+        network.remove_from()
+        return
+    hooked = [m for m in network.modules() if m is not network and hasattr(m, "restore")]
+    if not hooked:
+        raise GenError(f"{type(network).__name__}: this network cannot be removed from the model")
+    for m in hooked:
+        m.restore()
+
+
 def _first_stage(v: int, scale: float) -> int:
     """sd-scripts' 1st-stage size: round(v x scale), down to a multiple of 32."""
     v1 = int(v * scale + 0.5)
@@ -289,13 +322,19 @@ def _sequential_start(outdir: str) -> int:
     return max(nums, default=0)
 
 
-def generate(args) -> list[str]:
-    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+def check_before_loading(args) -> list[tuple[str, str]]:
+    """The prompts (``read_prompts``), their lines and the output folder checked before the
+    weights load (the latent grid is checked again once the family is known)."""
     prompts = gen_options.read_prompts(args)
     gen_options.check_output_dir(args.outdir)
     fam = flow_family.family_before_loading(args.ckpt)
-    # the prompt lines are checked before the weights load (the grid with the family known later)
     gen_options.plan_jobs(args, prompts, family_defaults(fam or "sd1", True))
+    return prompts
+
+
+def generate(args) -> list[str]:
+    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+    prompts = check_before_loading(args)
     gen = Generator(args)
     jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
     n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0

@@ -3,7 +3,8 @@ sd-scripts-style argument list, checked against an allow-list and ``--allowed_pa
 
     tools() -> ["finetune/...py", "tools/...py"]     the allow-list: every script of finetune/
                                   (the tagger and captioners plug in by name when they land) and the
-                                  dataset tools of tools/, those that exist in this checkout
+                                  dataset tools of tools/ and compare_checkpoints.py, those that
+                                  exist in this checkout
     is_tool(script) -> bool       a job's ``script`` names a tool (an entry script has no ".py")
     check(script, args, allowed) -> config       the stored job config (JSON: args and the working
                                   folder), or a UserError / Refused naming the argument
@@ -29,6 +30,7 @@ from library.ui.workbench import inside
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATASET_TOOLS = ("tools/caption_edit.py", "tools/check_dataset.py", "tools/dataset_folders.py",
                  "tools/resize_images_to_resolution.py")
+OUTPUT_TOOLS = ("tools/compare_checkpoints.py",)  # a run's saved files as a checkpoint grid
 MAX_ARGS = 200
 # tqdm's bar: "... 12/40 [00:03<00:09, ...]" (the last one in the log is the current state)
 _TQDM = re.compile(r"(\d+)/(\d+) \[")
@@ -37,7 +39,7 @@ _TQDM = re.compile(r"(\d+)/(\d+) \[")
 def tools() -> list[str]:
     found = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "finetune", "*.py")))]
     found = [p for p in found if not os.path.basename(p).startswith("_")]
-    return found + [t for t in DATASET_TOOLS if os.path.isfile(os.path.join(ROOT, t))]
+    return found + [t for t in DATASET_TOOLS + OUTPUT_TOOLS if os.path.isfile(os.path.join(ROOT, t))]
 
 
 def is_tool(script: str) -> bool:

@@ -312,7 +312,7 @@ def test_tool_jobs_allow_list_and_paths(wb, allowed, tmp_path):
     c = wb.client
     listed = c.get("/api/tools").json()["tools"]
     assert {"tools/caption_edit.py", "tools/resize_images_to_resolution.py",
-            "finetune/clean_captions_and_tags.py"} <= set(listed)
+            "finetune/clean_captions_and_tags.py", "tools/compare_checkpoints.py"} <= set(listed)
     assert all(os.path.isfile(os.path.join(tool_jobs.ROOT, t)) for t in listed)
     assert "tools/make_tiny_model.py" not in listed and "train_lora.py" not in listed
     r = c.post("/api/jobs", json={"tool": "tools/make_tiny_model.py", "args": []})
@@ -401,3 +401,29 @@ def test_the_thumbnail_cache_keeps_the_recently_used(allowed, tmp_path):
     assert workbench.prune_thumbnails(cache, keep) == 1
     assert [os.path.exists(made[n]) for n in ("a.png", "b.png", "c.png")] == [True, False, True]
     assert workbench.prune_thumbnails(cache, keep) == 0
+
+
+@pytest.mark.slow  # a subprocess that imports torch and diffusers: 40-60 s on a loaded 2-core machine
+def test_compare_checkpoints_runs_as_a_tool_job(wb, allowed, tmp_path):
+    """The checkpoint grid queued from the API: its progress is the cells' bar, its grid.json lands
+    in the relative output folder inside the allowed folder; a run folder outside is refused."""
+    from tests.outputs.test_gen_img import write_lora
+
+    run = allowed / "run"
+    run.mkdir()
+    write_lora("sd15", str(run / "sks-000001.safetensors"), seed=1)
+    write_lora("sd15", str(run / "sks.safetensors"), seed=2)
+    c = wb.client
+    args = ["--ckpt", "tiny-sd15", "--prompt", "red cube", "--W", "64", "--H", "64", "--steps", "1",
+            "--outdir", "grid"]
+    r = c.post("/api/jobs", json={"tool": "tools/compare_checkpoints.py",
+                                  "args": [*args, "--lora_dir", str(tmp_path / "server")]})
+    assert r.status_code == 403 and "outside the allowed paths" in r.json()["errors"][0]["message"]
+    r = c.post("/api/jobs", json={"tool": "tools/compare_checkpoints.py", "args": [*args, "--lora_dir", str(run)]})
+    assert r.status_code == 201
+    j = wb.wait(r.json()["id"], lambda j: j["state"] in ("done", "failed"), timeout=300)
+    assert j["state"] == "done", _log_tail(wb, j["id"])
+    assert (j["step"], j["total_steps"]) == (2, 2)
+    layout = json.loads((allowed / "grid" / "grid.json").read_text())
+    assert [r["name"] for r in layout["rows"]] == ["sks-000001", "sks"]
+    assert (allowed / "grid" / "grid.png").is_file()
