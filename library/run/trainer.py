@@ -119,6 +119,7 @@ class Run:
 
         from library.data import latent_cache
         from library.models import flow_family
+        from library.outputs import class_images
         from library.training import flow_loss, network_options
 
         opts = self.opts
@@ -126,6 +127,9 @@ class Run:
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
+        # num_class_images: the reg folders' missing class images, made with the base model before
+        # the training model loads (main process; every process waits for them)
+        class_images.make_missing(opts, self.tset.class_images, acc, logger)
         if acc.device.type == "cpu":
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
