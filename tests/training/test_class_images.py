@@ -109,12 +109,15 @@ def test_made_once_reused_equal_to_gen_img(folders, train, monkeypatch, tmp_path
     assert len(now) == 4 and all(now[p] == t for p, t in first.items())
 
 
-def _planned(folders, **over):
+def _opts(folders, **over):
     values = dict(pretrained_model_name_or_path="tiny-sd15", train_data_dir=str(folders / "data"),
-                  reg_data_dir=str(folders / "reg"), resolution=(64, 64), num_class_images=3,
-                  class_image_steps=2)
-    opts = make_opts("train_dreambooth", **{**values, **over})
-    return [c.path for c in build_training_set(opts, LOG).class_images]
+                  reg_data_dir=str(folders / "reg"), output_dir=str(folders / "out"),
+                  resolution=(64, 64), max_train_steps=1, num_class_images=3, class_image_steps=2)
+    return make_opts("train_dreambooth", **{**values, **over})
+
+
+def _planned(folders, **over):
+    return [c.path for c in build_training_set(_opts(folders, **over), LOG).class_images]
 
 
 def test_key_names_every_setting(folders):
@@ -159,3 +162,17 @@ class_tokens = "cube"
     os.rename(folders / "reg" / f"1_{CLASS}", folders / "reg" / "1")
     with pytest.raises(DataError, match=r"num_class_images: reg_data_dir folder .*/1 has no class tokens"):
         _planned(folders)
+
+
+def test_memory_estimate_counts_them(folders):
+    """The estimate's cached latents include the planned class images: 2 more 64 px images are
+    2 x (4 x 8 x 8) float32 latents = 2048 bytes (a hand count of tiny SD1's latent shape)."""
+    from library.config.options import METHOD_OF_SCRIPT
+    from library.training import memory_estimate
+
+    def cached(n):
+        opts = _opts(folders, cache_latents=True, num_class_images=n)
+        tset = build_training_set(opts, LOG)
+        return memory_estimate.estimate(opts, METHOD_OF_SCRIPT["train_dreambooth"], tset, 1).cached_data
+
+    assert cached(3) - cached(0) == 2 * 4 * 8 * 8 * 4
