@@ -61,7 +61,7 @@ def model_identity(opts) -> list:
     """The base model's identity: built-in and hub names as they are, local paths by their files."""
     out = []
     for name in ("pretrained_model_name_or_path", "vae", "clip_l", "clip_g", "t5xxl", "ae"):
-        value = getattr(opts, name, None)
+        value = getattr(opts, name)
         if value and os.path.exists(os.path.expanduser(value)):
             out.append([name, _stat_identity(value)])
         elif value:

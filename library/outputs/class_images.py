@@ -24,11 +24,11 @@ def generator_args(opts, outdir: str):
     argv = ["--ckpt", opts.pretrained_model_name_or_path, "--outdir", outdir, "--prompt", "-",
             "--sampler", opts.class_image_sampler]
     for name in _MODEL_FLAGS:
-        value = getattr(opts, name, None)
+        value = getattr(opts, name)
         if value:
             argv += [f"--{name}", value]
     for name in ("v2", "v_parameterization", "xformers"):
-        if getattr(opts, name, False):
+        if getattr(opts, name):
             argv.append(f"--{name}")
     return gen_options.parse_args(argv)
 

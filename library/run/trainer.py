@@ -323,6 +323,10 @@ def run(opts, method_name: str) -> Run | None:
             if not opts.output_dir:
                 raise UserError("debug_dataset: output_dir is required (the contact sheet is "
                                 "written there)")
+            if plan.class_images_new:
+                raise UserError(f"debug_dataset: {plan.class_images_new} class image(s) of "
+                                "num_class_images are not made yet (a training run makes them "
+                                "before it loads the model); set num_class_images = 0 to see the rest")
             path = os.path.join(opts.output_dir, f"{opts.output_name}_debug_dataset.png")
             debug_dataset.write_sheet(tset, plan, opts.seed, path, logger)
             print(f"debug_dataset: wrote {path}; exiting without training", flush=True)

@@ -176,3 +176,10 @@ def test_memory_estimate_counts_them(folders):
         return memory_estimate.estimate(opts, METHOD_OF_SCRIPT["train_dreambooth"], tset, 1).cached_data
 
     assert cached(3) - cached(0) == 2 * 4 * 8 * 8 * 4
+
+
+def test_debug_dataset_before_they_exist_is_one_line(folders, run_script):
+    rc, out, err = run_script("train_dreambooth", args(folders, "--debug_dataset"))
+    assert rc == 2
+    assert "debug_dataset: 2 class image(s) of num_class_images are not made yet" in err
+    assert "Traceback" not in err and made(folders) == {}
