@@ -183,3 +183,36 @@ def test_debug_dataset_before_they_exist_is_one_line(folders, run_script):
     assert rc == 2
     assert "debug_dataset: 2 class image(s) of num_class_images are not made yet" in err
     assert "Traceback" not in err and made(folders) == {}
+
+
+def _two_process_worker(root, rank, port, queue):
+    """One process of a gloo job of two: plan, make_missing, then report what this process made
+    and which planned files it sees decodable right after the call returns."""
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from library.data.class_images import to_make
+    from library.outputs.class_images import make_missing
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        planned = build_training_set(_opts(Path(root)), LOG).class_images
+        acc = types.SimpleNamespace(is_main_process=rank == 0, wait_for_everyone=dist.barrier)
+        n = make_missing(_opts(Path(root)), planned, acc, LOG)
+        queue.put((rank, n, len(planned), len(to_make(planned))))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_main_makes_all_see_them(folders):
+    """The main process makes the 2 images, the other makes none, and when make_missing returns
+    in either process every planned file exists and decodes (the barrier)."""
+    import functools
+
+    from tests.helpers import run_with_one_spawned_process
+
+    got = run_with_one_spawned_process(functools.partial(_two_process_worker, str(folders)), 240)
+    assert sorted(got) == [(0, 2, 2, 0), (1, 0, 2, 0)]
