@@ -42,8 +42,8 @@ class TrainingSet:
     caption_templates: tuple | None = None
     total_steps: int | None = None  # the run's steps (plan): token_warmup_step below 1 is a fraction
     inpainting: bool = False  # train_inpainting: prepare() draws each sample's random mask
-    # num_class_images: the reg folders' planned class images (library/data/class_images.py),
-    # those still to be made first (library/outputs/class_images.py makes them before loading)
+    # num_class_images: every planned class image of the reg folders (library/data/class_images.py);
+    # library/outputs/class_images.py makes the missing ones before the model loads
     class_images: list = field(default_factory=list)
     # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
@@ -422,7 +422,8 @@ def _from_dataset_config(opts, log, stats, held_out, planned):
                         f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
                         "the images themselves (one subset per folder, with num_repeats and "
                         "class_tokens), or use train_data_dir")
-                log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
+                if not (sub.is_reg and opts.num_class_images):  # else filled with class images
+                    log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
             if folder:
                 folders.attach_masks(items, folder, where)
             if sub.is_reg and opts.num_class_images and not getattr(sub, "metadata_file", None):
