@@ -109,9 +109,12 @@ def plan_folder(opts, folder: str, class_tokens: str | None, have: int, num_repe
 
 def to_make(planned: list) -> list:
     """The planned images whose file is missing or does not decode (a broken file of ours is
-    made again)."""
-    out = []
+    made again), each file once (with cache_dir, reg folders of one class prompt share them)."""
+    out, seen = [], set()
     for img in planned:
+        if img.path in seen:
+            continue
+        seen.add(img.path)
         if os.path.isfile(img.path):
             try:
                 folders.check_image(img.path)
