@@ -51,6 +51,9 @@ SECTIONS = {
 
 # torch.compile backends for dynamo_backend (sd-scripts' choices that torch still has, and the GUI's "no")
 DYNAMO_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs", "no")
+# sd-scripts' sampler names (library/training/sampling.py maps them to diffusers' schedulers)
+SD_SAMPLERS = ("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
+               "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
 # library/training/optim.py build_scheduler draws each of these curves (docs/OPTIMIZERS.md)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
@@ -217,6 +220,21 @@ OPTIONS: tuple[Option, ...] = (
       "tokens). Required unless a dataset config is given.", "dataset"),
     O("reg_data_dir", "path", None, "Folder of N_concept subfolders of regularisation images (prior "
       "preservation).", "dataset", scripts=DB_LORA + TI),
+    O("num_class_images", "int", 0, "Prior preservation (diffusers' DreamBooth name): every reg folder "
+      "(reg_data_dir's N_class folders, a dataset's is_reg subsets) that holds fewer images gets the "
+      "missing ones generated with the base model before training, from its class tokens, image i "
+      "with seed + i; kept in <reg folder>/.sdcache/class_images (or cache_dir/class_images) under a "
+      "key of the model, prompt, seed, size, sampler, steps and scale, so a later run reuses them; "
+      "never written over the user's images. 0 = off. docs/FINETUNING.md.", "dataset",
+      scripts=DB_LORA + TI, min=0),
+    O("class_image_steps", "int", None, "Sampling steps of the class images (num_class_images); unset = "
+      "gen_img's default for the family (SD 50, FLUX.1 20, SD3 30).", "dataset", scripts=DB_LORA + TI,
+      min=1),
+    O("class_image_scale", "float", None, "CFG scale of the class images (num_class_images); unset = "
+      "gen_img's default for the family (7.5; FLUX.1 1.0).", "dataset", scripts=DB_LORA + TI),
+    O("class_image_sampler", "str", "ddim", "Sampler of the class images (num_class_images; SD; FLUX.1 / "
+      "SD3 use their Euler sampler): the names of sample_sampler.", "dataset", scripts=DB_LORA + TI,
+      choices=SD_SAMPLERS),
     O("in_json", "path", None, "Fine-tuning metadata instead of N_concept folders (sd-scripts' "
       "fine_tune.py): a JSON file {image: {\"caption\": ..., \"tags\": ...}} or a .jsonl file with "
       "one {\"image_path\", \"caption\", \"tags\"} per line; images are looked up in train_data_dir "
@@ -778,8 +796,7 @@ OPTIONS: tuple[Option, ...] = (
     O("sample_sampler", "str", "ddim", "Sampler of the sample images (a prompt's --ss overrides it): "
       "ddim, pndm, lms, euler, euler_a, heun, dpm_2, dpm_2_a, dpmsolver, dpmsolver++, dpmsingle "
       "(k_ names accepted).", "logging",
-      choices=("ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver",
-               "dpmsolver++", "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a")),
+      choices=SD_SAMPLERS),
     # --- LECO (train_leco.py, sd-scripts' train_leco.py / sdxl_train_leco.py) ---
     O("prompts_file", "path", None, "LECO prompt file (TOML as sd-scripts' train_leco.py, or the "
       "original LECO's YAML): [[prompts]] with target, positive, unconditional, neutral, action "

@@ -44,6 +44,10 @@ class Options:
     dynamo_backend: str = ...  # default 'inductor'
     train_data_dir: str | None = ...  # default None
     reg_data_dir: str | None = ...  # default None
+    num_class_images: int = ...  # default 0
+    class_image_steps: int | None = ...  # default None
+    class_image_scale: float | None = ...  # default None
+    class_image_sampler: str = ...  # default 'ddim'
     in_json: str | None = ...  # default None
     dataset_repeats: int = ...  # default 1
     caption_extension: str = ...  # default '.caption'

@@ -40,6 +40,8 @@ class StepPlan:
     total_steps: int
     warmup_steps: int
     bucket_sizes: dict = field(default_factory=dict)
+    class_images: int = 0       # num_class_images: of the reg images, those generated (planned)
+    class_images_new: int = 0   # of them, the ones still to be made when the plan was made
 
     def lines(self) -> list[str]:
         return [
@@ -57,7 +59,8 @@ class StepPlan:
             f"epochs: {self.epochs}",
             f"total_steps: {self.total_steps}",
             f"warmup_steps: {self.warmup_steps}",
-        ]
+        ] + ([f"class_images: {self.class_images} of the reg images ({self.class_images_new} to "
+              "generate before training)"] if self.class_images else [])
 
 
 def steps_for_buckets(bucket_sizes: dict, global_batch: int) -> int:
@@ -67,7 +70,8 @@ def steps_for_buckets(bucket_sizes: dict, global_batch: int) -> int:
 def make_plan(*, bucket_sizes: dict, images: int, repeats_total: int, reg_images: int,
               reg_samples: int, processes: int, train_batch_size: int,
               gradient_accumulation_steps: int, max_train_epochs: int | None,
-              max_train_steps: int | None, lr_warmup_steps: float | int | None) -> StepPlan:
+              max_train_steps: int | None, lr_warmup_steps: float | int | None,
+              class_images: int = 0, class_images_new: int = 0) -> StepPlan:
     """``bucket_sizes`` maps bucket resolution -> number of samples in it per epoch."""
     global_batch = train_batch_size * processes * gradient_accumulation_steps
     steps_per_epoch = steps_for_buckets(bucket_sizes, global_batch)
@@ -92,7 +96,8 @@ def make_plan(*, bucket_sizes: dict, images: int, repeats_total: int, reg_images
                     gradient_accumulation_steps=gradient_accumulation_steps,
                     global_batch=global_batch, steps_per_epoch=steps_per_epoch, epochs=epochs,
                     total_steps=total, warmup_steps=min(warmup, total),
-                    bucket_sizes=dict(bucket_sizes))
+                    bucket_sizes=dict(bucket_sizes), class_images=class_images,
+                    class_images_new=class_images_new)
 
 
 def what_if_lines(plan: StepPlan) -> list[str]:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from library.config.dataset_config import resolve_dataset_config, run_caption_options
-from library.data import buckets, color_aug, folders, inpaint_masks
+from library.data import buckets, class_images, color_aug, folders, inpaint_masks
 from library.data.held_out import split_items
 from library.data.step_plan import derive_seed
 from library.errors import DataError
@@ -42,6 +42,9 @@ class TrainingSet:
     caption_templates: tuple | None = None
     total_steps: int | None = None  # the run's steps (plan): token_warmup_step below 1 is a fraction
     inpainting: bool = False  # train_inpainting: prepare() draws each sample's random mask
+    # num_class_images: every planned class image of the reg folders (library/data/class_images.py);
+    # library/outputs/class_images.py makes the missing ones before the model loads
+    class_images: list = field(default_factory=list)
     # cached_caption's memo: each (path, caption options, caption)'s variants, computed once
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -200,13 +203,15 @@ def build_training_set(opts, log) -> TrainingSet:
     stats = folders.ScanStats()
     batch_size = None
     held_out: list = []  # validation_split: training images held out (each dataset's own share)
+    planned: list = []  # num_class_images: the class images of the reg folders
     resolution = opts.resolution
     resolutions = () if resolution is None else (tuple(resolution),)
     if opts.dataset_config:
-        train, reg, samples, batch_size, resolutions = _from_dataset_config(opts, log, stats, held_out)
+        train, reg, samples, batch_size, resolutions = _from_dataset_config(opts, log, stats, held_out,
+                                                                            planned)
         resolution = resolutions[0]
     else:
-        train, reg, samples = _from_folders(opts, log, stats, held_out)
+        train, reg, samples = _from_folders(opts, log, stats, held_out, planned)
     cache = opts.cache_latents or opts.cache_latents_to_disk
     if cache:
         for key, why in (("random_crop", "a random crop"), ("color_aug", "a color augmentation")):
@@ -225,7 +230,7 @@ def build_training_set(opts, log) -> TrainingSet:
                        resolution=resolution, resolutions=resolutions,
                        text_variants=opts.text_encoder_cache_variants, stats=stats,
                        val_items=held_out, masked=masked, caption_templates=_templates(opts),
-                       inpainting=opts.train_inpainting)
+                       inpainting=opts.train_inpainting, class_images=planned)
     if opts.script == "train_textual_inversion" and not tset.caption_templates:
         _check_token_in_captions(tset, opts.token_string)
     return tset
@@ -314,7 +319,7 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
     return folder
 
 
-def _from_folders(opts, log, stats, held_out):
+def _from_folders(opts, log, stats, held_out, planned):
     fields = _item_fields(opts)
     if opts.in_json:  # fine-tuning metadata; train_data_dir is the image folder
         train = folders.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
@@ -332,7 +337,9 @@ def _from_folders(opts, log, stats, held_out):
     if folder:
         folders.attach_masks(train, folder, "conditioning_data_dir")
     reg = []
-    if opts.reg_data_dir:
+    if opts.reg_data_dir and opts.num_class_images:
+        reg = _reg_with_class_images(opts, log, stats, fields, planned)
+    elif opts.reg_data_dir:
         reg = folders.scan_concept_dirs(opts.reg_data_dir, opts.caption_extension, is_reg=True,
                                      log=log, option="reg_data_dir", stats=stats, **fields)
     bm = _bucket_manager(opts.resolution, opts.enable_bucket, opts.min_bucket_reso,
@@ -347,7 +354,28 @@ def _from_folders(opts, log, stats, held_out):
     return train, reg, samples
 
 
-def _from_dataset_config(opts, log, stats, held_out):
+def _reg_with_class_images(opts, log, stats, fields, planned) -> list:
+    """reg_data_dir's images with each N_class folder filled up to num_class_images (an empty
+    folder too) by planned class images, after the folder's own images."""
+    root = opts.reg_data_dir
+    if not os.path.isdir(root):
+        raise DataError(f"reg_data_dir {root!r} does not exist or is not a directory")
+    found = class_images.concept_folders(root)
+    if not found:
+        raise DataError(f"reg_data_dir {root} has no N_concept folders (e.g. 1_dog)")
+    reg = []
+    for folder, repeats, tokens in found:
+        own = folders.scan_image_folder(folder, num_repeats=repeats, class_tokens=tokens,
+                                        caption_extension=opts.caption_extension, is_reg=True,
+                                        log=log, stats=stats, **fields)
+        made, plan = class_images.plan_folder(opts, folder, tokens, len(own), repeats,
+                                              opts.resolution, f"reg_data_dir folder {folder}", fields)
+        reg += own + made
+        planned += plan
+    return reg
+
+
+def _from_dataset_config(opts, log, stats, held_out, planned):
     path = opts.dataset_config_path or "the run config"
     datasets = resolve_dataset_config(opts.dataset_config, path, opts)
     for name in ("train_data_dir", "reg_data_dir"):
@@ -394,9 +422,16 @@ def _from_dataset_config(opts, log, stats, held_out):
                         f"({concept[0]}, ...) but no images: a subset's image_dir is the folder of "
                         "the images themselves (one subset per folder, with num_repeats and "
                         "class_tokens), or use train_data_dir")
-                log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
+                if not (sub.is_reg and opts.num_class_images):  # else filled with class images
+                    log.warning(f"{path}: {sub.where}: no usable images in {sub.image_dir}")
             if folder:
                 folders.attach_masks(items, folder, where)
+            if sub.is_reg and opts.num_class_images and not getattr(sub, "metadata_file", None):
+                made, plan = class_images.plan_folder(
+                    opts, sub.image_dir, sub.class_tokens, len(items), sub.num_repeats, ds.resolution,
+                    f"{path}: {sub.where}", sub_fields)
+                items += made
+                planned += plan
             (ds_reg if sub.is_reg else ds_train).extend(items)
         ds_train = bm.assign(ds_train, log, stats)
         ds_reg = bm.assign(ds_reg, log, stats)

@@ -119,6 +119,7 @@ class Run:
 
         from library.data import latent_cache
         from library.models import flow_family
+        from library.outputs import class_images
         from library.training import flow_loss, network_options
 
         opts = self.opts
@@ -126,6 +127,9 @@ class Run:
         if acc.num_processes != self.plan.processes:
             # The launcher's WORLD_SIZE and the joined job disagree: recompute so the plan is true.
             self.opts, self.tset, self.plan = plan_run(opts, acc.num_processes)
+        # num_class_images: the reg folders' missing class images, made with the base model before
+        # the training model loads (main process; every process waits for them)
+        class_images.make_missing(opts, self.tset.class_images, acc, logger)
         if acc.device.type == "cpu":
             # On the CPU the resident set is what fits: freed tensors go back to the system.
             host_memory.return_large_frees()
@@ -323,6 +327,10 @@ def run(opts, method_name: str, hub_api=None) -> Run | None:
             if not opts.output_dir:
                 raise UserError("debug_dataset: output_dir is required (the contact sheet is "
                                 "written there)")
+            if plan.class_images_new:
+                raise UserError(f"debug_dataset: {plan.class_images_new} class image(s) of "
+                                "num_class_images are not made yet (a training run makes them "
+                                "before it loads the model); set num_class_images = 0 to see the rest")
             path = os.path.join(opts.output_dir, f"{opts.output_name}_debug_dataset.png")
             debug_dataset.write_sheet(tset, plan, opts.seed, path, logger)
             print(f"debug_dataset: wrote {path}; exiting without training", flush=True)

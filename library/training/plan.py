@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from library.data import step_plan
+from library.data import class_images, step_plan
 from library.data.training_data import build_training_set
 from library.log import logger
 
@@ -42,7 +42,8 @@ def plan_for(opts, tset, processes: int):
         train_batch_size=opts.train_batch_size,
         gradient_accumulation_steps=opts.gradient_accumulation_steps,
         max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
-        lr_warmup_steps=opts.lr_warmup_steps)
+        lr_warmup_steps=opts.lr_warmup_steps, class_images=len(tset.class_images),
+        class_images_new=len(class_images.to_make(tset.class_images)))
 
 
 def print_plan(plan, main: bool):
