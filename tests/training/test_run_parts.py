@@ -15,9 +15,12 @@ import dataclasses
 import os
 import re
 
-# (file, function) that may take the run: the trainer's orchestration of its stages, the loop's
-# entry (the loop's hooks get a LoopView, not the run).
+# (file, function) that may take the run: the orchestration of its stages (a dry run's, a training
+# run's around the output lock, and inside it), the loop's entry (the loop's hooks get a LoopView,
+# not the run).
 ORCHESTRATORS = {
+    ("library/run/stages.py", "dry_run"),
+    ("library/run/stages.py", "train"),
     ("library/run/stages.py", "_train"),
     ("library/run/loop.py", "train"),
 }
