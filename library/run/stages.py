@@ -90,9 +90,9 @@ class Cached:
 
 
 class Run:
-    """One training run; its methods are the stages of ``run()``, each returning what it makes
-    (``Loaded``, ``SetUp``, ``Cached``), from which the run's ``parts`` (Components) are built
-    once. Other modules get the parts they use as parameters and write nothing into a Run."""
+    """One training run, made by library/run/trainer.py ``run()`` after the plan; its methods are
+    the stages, each returning what it makes (``Loaded``, ``SetUp``, ``Cached``), from which the
+    run's ``parts`` (Components) are built once. Other modules get the parts they use as parameters and write nothing into a Run."""
 
     __slots__ = ("opts", "method_name", "tset", "plan", "parts", "progress", "base_metadata",
                  "saved", "stop_signals", "saver", "closing")
