@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 from library import cli  # noqa: E402
 from library.data import cache_stage  # noqa: E402
-from library.run import trainer  # noqa: E402
+from library.run import stages, trainer  # noqa: E402
 from library.training.batch_loss import BatchLoss  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,7 +64,7 @@ def timed_calls() -> list[tuple[object, str, str]]:
     latents and text conditioning, the training loop."""
     return [(cache_stage, "latents", "cache_latents"), (cache_stage, "text", "cache_text"),
             (BatchLoss, "_latents", "sample_latents"), (BatchLoss, "_text", "text_conditioning"),
-            (trainer.Run, "train", "train")]
+            (stages.Run, "train", "train")]
 
 
 def write_dataset(folder: str, n: int, size: int) -> None:

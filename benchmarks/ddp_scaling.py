@@ -10,7 +10,7 @@ batch (``--batch``, default 1) in every run, plain SGD, cached latents and text-
             toolkit's trainer, launched with torchrun; one row per ``--strategies`` entry: "ddp"
             is the trainer's engine (PyTorch DistributedDataParallel over the denoiser, buckets
             all-reduced during the backward, library/distributed/ddp.py); "sum" the path before
-            it (each process backpropagates its share, then ``library.distributed.accelerator
+            it (each process backpropagates its share, then ``library.accelerator
             .sum_gradients`` all-reduces flat buckets after the backward), selected in the
             worker by ``sum_after_backward_ddp`` (this benchmark's DDP subclass; not a user option)
   bare DDP  the same U-Net in ``torch.nn.parallel.DistributedDataParallel`` (gloo), SGD, random
@@ -55,8 +55,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import sd_scripts_launch, step_timer  # noqa: E402
+from library.accelerator import free_port  # noqa: E402
 from library.distributed import strategy  # noqa: E402
-from library.distributed.accelerator import free_port  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Per gradient strategy: extra trainer options, and whether the DDP strategy runs PyTorch's

@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.accelerator import free_port  # noqa: E402
 from library.config.options import OPTIONS_BY_NAME  # noqa: E402
-from library.distributed.accelerator import free_port  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 TIME_KEYS = ("ss_training_started_at", "ss_training_finished_at", "modelspec.date", "saved_at")

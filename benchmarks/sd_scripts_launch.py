@@ -122,11 +122,10 @@ def random_weights_file(work: str, arch: str) -> str:
     path = os.path.join(work, f"{arch}-arch.safetensors")
     if not os.path.exists(path):
         # lazy: our library must not load in sd-scripts' process (the module's note above)
-        from library.models import loading
-        from library.models.sd_checkpoint import save_single_file
+        from library.models import loading, sd_checkpoint
 
         bundle = loading.load_model_bundle(f"{arch}-arch")
-        save_single_file(bundle.components(), bundle.family, path, embed_config=False)
+        sd_checkpoint.save_single_file(bundle.components(), bundle.family, path, embed_config=False)
     return path
 
 
@@ -134,14 +133,13 @@ def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
     CLIP id it looks for and the tiny T5 tokenizer under T5-XXL's, so it never goes to the hub."""
     # lazy: our library must not load in sd-scripts' process (the module's note above)
-    from library.models import t5
-    from library.models.loading import SHIPPED_TOKENIZER
+    from library.models import loading, t5
 
     cache = os.path.join(work, "sd-scripts-tokenizers")
     for model_id in SD_SCRIPTS_TOKENIZERS:
         dest = os.path.join(cache, model_id.replace("/", "_"))
         if not os.path.isdir(dest):
-            shutil.copytree(SHIPPED_TOKENIZER, dest)
+            shutil.copytree(loading.SHIPPED_TOKENIZER, dest)
     dest = os.path.join(cache, T5_TOKENIZER_ID.replace("/", "_"))
     if not os.path.isdir(dest):
         write_t5_tokenizer(t5.build_tiny_tokenizer(), dest)

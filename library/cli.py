@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import sys
 
+from library.accelerator import is_main_process, leave_process_group_at_exit, peer_failure
 from library.config.options import METHOD_OF_SCRIPT
 from library.config.parse import parse_args
-from library.distributed.accelerator import is_main_process, leave_process_group_at_exit
 from library.errors import NonFiniteStop, TrainingInterrupted, UserError
 from library.outputs import progress_stream
 
@@ -38,8 +38,6 @@ def main(script: str, argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         status, code, message = "interrupted", 130, "interrupted"
     except RuntimeError as e:  # several processes: another one ended (its own line says why)
-        from library.distributed.accelerator import peer_failure  # lazy: only after a failure
-
         line = peer_failure(e)
         if line is None:
             _end(opts, "failed", 1, f"{type(e).__name__}: {e}", None)

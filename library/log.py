@@ -20,7 +20,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(main: bool):
-    """The ``sdtk`` logger: INFO on the main process (``main``: library/distributed/accelerator.py
+    """The ``sdtk`` logger: INFO on the main process (``main``: library/accelerator.py
     ``is_main_process()``), warnings only on the others."""
     # Noise from dependencies that says nothing about this run: bitsandbytes' optional 4-bit CPU
     # kernels, and diffusers' float32-modules notice on .to() when the list is empty.

@@ -22,8 +22,8 @@ import io
 import logging
 import os
 
+from library.accelerator import free_port
 from library.config.parse import Options, options_from_values
-from library.distributed.accelerator import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -6,9 +6,11 @@ function-local alike; ``from pkg import mod`` is an edge to ``pkg.mod`` when ``m
 and:
 
 (a) every edge points to the module's own layer or a lower one (``LAYERS``, bottom -> top);
-(b) the module graph has no cycle;
+(b) the module graph has no cycle, and neither has the graph of packages (``package_of``: no two
+    packages import each other, even where the modules' graph has no cycle);
 (c) no first-party import sits inside a function, except in the ``LAZY_MODULES`` below (each
-    with its reason), and there each such import carries a ``# lazy:`` comment;
+    with its reason), and there each such import carries a ``# lazy:`` comment; at most
+    ``MAX_LAZY_IMPORTS`` such import statements in all (the others sit at the module top);
 (d) no first-party module is imported under another name (``import library.x as y``,
     ``from library.x import mod as y``): a reader sees which module is called.
 (e) no stdlib import sits inside a function without a ``# lazy:`` comment (they belong at the top);
@@ -34,12 +36,12 @@ The order, and why it is this one:
    (caption edits, metadata JSON, folder preparation, the dataset check: the data layer's image
    and caption readers, for the tools and the UI above).
 4. ``networks``: LoRA networks and the LoRA tools (they read models, never training).
-5. ``library.distributed.accelerator``: the process group's primitives (the Accelerator, the
-   bucketed gradient sum, loss sums). It sits below training, and the rest of ``distributed``
-   above it, because the code shows two things in that package: the steppers in training sum
-   through these primitives, while the strategies choose and build the stepper (and its
-   optimizer, for DeepSpeed) and so use training; splitting the package by layer keeps "how are
-   gradients summed" in the strategy without an upward edge or a factory passed around.
+5. ``library.accelerator``: the process group's primitives (the one "main process?" answer,
+   the Accelerator, the bucketed gradient sum, loss sums). It sits below training, and
+   ``library.distributed`` above it: the steppers in training sum through these primitives and
+   every layer asks ``is_main_process()``, while the strategies choose and build the stepper
+   (and its optimizer, for DeepSpeed) and so use training. It is not in the ``distributed``
+   package, so that training and distributed do not import each other (rule (b)).
 6. ``library.training``: the loop's parts (methods, losses, optimizers, steppers, EMA, guards,
    validation, samples, the progress record, the stop signals and control commands).
 7. ``library.distributed``: the strategies (single process, DDP, FSDP, DeepSpeed), which also
@@ -68,7 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("library.models",),
     ("library.data", "library.dataset_tools"),
     ("networks",),
-    ("library.distributed.accelerator",),
+    ("library.accelerator",),
     ("library.training",),
     ("library.distributed",),
     ("library.outputs",),
@@ -78,6 +80,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (),  # the entry scripts: every top-level module
 )
 
+# At most this many function-local first-party import statements in all (issue 38 item 5).
+MAX_LAZY_IMPORTS = 20
+
 # The modules that may import first-party modules inside a function, and why: each is where a
 # light path (--help, the options, the plan, the UI server) meets modules that import torch at
 # their top. Every such import carries a "# lazy:" comment (on its line or above its block).
@@ -85,8 +90,10 @@ LAZY_MODULES: dict[str, str] = {
     "library.cli": "--help and option errors must not import torch: the run is imported once the "
                    "options are parsed",
     "library.run.trainer": "a dry run prints its plan, and the checks before loading run, before "
-                           "torch is imported (tests/config/test_bad_input.py); each stage imports "
-                           "what it uses",
+                           "torch is imported (tests/config/test_bad_input.py); then it imports the "
+                           "stages (library/run/stages.py), and a resume's check the state module",
+    "library.run.stages": "the dry run's memory estimate imports fake tensors and bitsandbytes' "
+                          "optimizer types, which a training run does not need",
     "library.data.training_data": "the training set and the step plan are built without torch; "
                                   "image loading and textual inversion's tokens import it when used",
     "library.outputs.output_checks": "the output name and path checks run before the plan is "
@@ -241,15 +248,39 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
     return sorted(out)
 
 
-def violations(edges: list[Edge], layers=LAYERS, lazy=LAZY_MODULES) -> dict[str, list]:
+def package_of(module: str) -> str:
+    """The package a module belongs to for the package graph: ``library.<name>`` (a sub-package,
+    or a module directly in library/), the top package of networks/, tools/, ... , or the entry
+    script itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "library" else parts[0]
+
+
+def package_cycles(edges: list[Edge]) -> list[list[str]]:
+    """The cycles of the package graph (``package_of`` of each edge's ends)."""
+    return cycles([Edge(package_of(e.src), package_of(e.dst), e.line, e.local, e.alias)
+                   for e in edges])
+
+
+def lazy_imports(edges: list[Edge]) -> list[tuple[str, int]]:
+    """(module, line) of every function-local first-party import statement."""
+    return sorted({(e.src, e.line) for e in edges if e.local})
+
+
+def violations(edges: list[Edge], layers=LAYERS, lazy=LAZY_MODULES,
+               max_lazy=MAX_LAZY_IMPORTS) -> dict[str, list]:
     """``local``: function-local first-party imports outside the ``lazy`` modules, or without
-    their "# lazy:" comment."""
+    their "# lazy:" comment; ``too_many_lazy``: all of them, when there are more than
+    ``max_lazy``."""
     up = sorted({(e.src, e.dst, e.line) for e in edges
                  if layer_of(e.dst, layers) > layer_of(e.src, layers)})
     local = sorted({(e.src, e.dst, e.line) for e in edges
                     if e.local and (e.src not in lazy or not e.commented)})
     aliases = sorted({(e.src, e.dst, e.alias) for e in edges if e.alias})
-    return {"upward": up, "cycles": cycles(edges), "local": local, "aliases": aliases}
+    statements = lazy_imports(edges)
+    return {"upward": up, "cycles": cycles(edges), "package_cycles": package_cycles(edges),
+            "local": local, "too_many_lazy": statements if len(statements) > max_lazy else [],
+            "aliases": aliases}
 
 
 def test_layers_cycles_local_imports_and_aliases():
@@ -260,9 +291,11 @@ def test_layers_cycles_local_imports_and_aliases():
     assert len(pairs) >= 350, len(pairs)
     assert {"library.run.trainer", "library.cli", "networks.lora", "tools.cache_latents",
             "train_lora"} <= set(modules)
-    assert ("library.run.trainer", "library.distributed.strategy") in pairs
+    assert ("library.run.stages", "library.distributed.strategy") in pairs
     found = violations(edges)
-    assert found == {"upward": [], "cycles": [], "local": [], "aliases": []}
+    assert found == {"upward": [], "cycles": [], "package_cycles": [], "local": [],
+                     "too_many_lazy": [], "aliases": []}
+    assert 0 < len(lazy_imports(edges)) <= MAX_LAZY_IMPORTS
     # every module allowed lazy imports still has some (remove it here when they go)
     assert set(LAZY_MODULES) == {e.src for e in edges if e.local}
 
@@ -306,8 +339,10 @@ def test_checker_finds_a_planted_upward_import_cycle_local_import_and_alias(tmp_
     assert violations(edges, LAYERS, {"library.training.loop": "planted"}) == {
         "upward": [("library.config.options", "library.training.loop", 2)],
         "cycles": [["library.models.loading", "library.models.sd_checkpoint"]],
+        "package_cycles": [],
         "local": [("library.models.sd_checkpoint", "library.models.loading", 2),
                   ("library.training.loop", "library.models.sd_checkpoint", 11)],
+        "too_many_lazy": [],
         "aliases": [("library.models.family", "library.models.loading", "models")],
     }
     # the same tree without the faults is clean
@@ -316,11 +351,48 @@ def test_checker_finds_a_planted_upward_import_cycle_local_import_and_alias(tmp_
     _write(root, "library/models/family.py", "from library.models import loading\n")
     _write(root, "library/training/loop.py", "from library.models import loading\n")
     assert violations(import_edges(root, ("library",))[1], LAYERS, {}) == {
-        "upward": [], "cycles": [], "local": [], "aliases": []}
+        "upward": [], "cycles": [], "package_cycles": [], "local": [], "too_many_lazy": [],
+        "aliases": []}
+
+
+def test_checker_finds_a_planted_package_pair_and_too_many_lazy_imports(tmp_path):
+    """Two packages that import each other through modules that form no cycle, and which the
+    layers allow (the layout before library/accelerator.py left library/distributed/): only the
+    package check reports them. Then four commented lazy imports against limits of 4 and 3."""
+    root = str(tmp_path)
+    for pkg in ("library", "library/distributed", "library/training"):
+        _write(root, f"{pkg}/__init__.py", "")
+    _write(root, "library/distributed/accelerator.py", "MAIN = True\n")
+    _write(root, "library/training/stepper.py", "from library.distributed.accelerator import MAIN\n")
+    _write(root, "library/distributed/strategy.py", "from library.training import stepper\n")
+    layers = LAYERS[:5] + (("library.distributed.accelerator",),) + LAYERS[6:]
+    edges = import_edges(root, ("library",))[1]
+    assert cycles(edges) == []
+    assert violations(edges, layers, {}) == {
+        "upward": [], "cycles": [], "package_cycles": [["library.distributed", "library.training"]],
+        "local": [], "too_many_lazy": [], "aliases": []}
+    # four lazy imports, each with its comment, in an allowed module: fine under 4, not under 3
+    _write(root, "library/distributed/strategy.py",
+           "def a():\n    # lazy: planted\n    from library.training import stepper\n"
+           "    return stepper\n\n\ndef b():\n"
+           "    from library.training import stepper  # lazy: planted\n    return stepper\n\n\n"
+           "def c():\n    # lazy: planted\n    from library.training import stepper\n"
+           "    from library.distributed import accelerator\n    return stepper, accelerator\n")
+    _write(root, "library/training/stepper.py", "MAIN = True\n")
+    edges = import_edges(root, ("library",))[1]
+    allowed = {"library.distributed.strategy": "planted"}
+    assert lazy_imports(edges) == [("library.distributed.strategy", 3),
+                                   ("library.distributed.strategy", 8),
+                                   ("library.distributed.strategy", 14),
+                                   ("library.distributed.strategy", 15)]
+    assert violations(edges, LAYERS, allowed, max_lazy=4) == {
+        "upward": [], "cycles": [], "package_cycles": [], "local": [], "too_many_lazy": [],
+        "aliases": []}
+    assert violations(edges, LAYERS, allowed, max_lazy=3)["too_many_lazy"] == lazy_imports(edges)
 
 
 def test_layer_of_takes_the_longest_prefix():
-    assert layer_of("library.distributed.accelerator") < layer_of("library.training.stepper")
+    assert layer_of("library.accelerator") < layer_of("library.training.stepper")
     assert layer_of("library.training.stepper") < layer_of("library.distributed.strategy")
     assert layer_of("library.errors") == 0 and layer_of("library") == 0
     assert layer_of("train_lora") == len(LAYERS) - 1

@@ -22,10 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library import accelerator  # noqa: E402
 from library.config.parse import ConfigError, parse_args  # noqa: E402
 from library.data import latent_cache  # noqa: E402
 from library.data.training_data import build_training_set  # noqa: E402
-from library.distributed import accelerator  # noqa: E402
 from library.errors import UserError  # noqa: E402
 from library.log import logger, setup_logging  # noqa: E402
 from library.models import loading  # noqa: E402

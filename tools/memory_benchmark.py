@@ -154,8 +154,8 @@ def reset():
             torch.cuda.reset_peak_memory_stats()
 
 report = {"rc": None}
-from library.run import trainer
-real_train = trainer.Run.train
+from library.run import stages
+real_train = stages.Run.train
 def train(self):
     report["load"] = peaks()  # loading, setup and caching
     reset()
@@ -165,7 +165,7 @@ def train(self):
     report["steps"] = self.progress.global_step
     report["train"] = peaks()  # the training loop
     reset()
-trainer.Run.train = train
+stages.Run.train = train
 try:
     runpy.run_path(script, run_name="__main__")
     report["rc"] = 0

@@ -14,7 +14,7 @@ CUDA; one process gets a one-process group), with the trained modules (the LoRA 
 U-Net and trained text encoders) and the optimizer built from ``optimizer_type``:
 
 - Each process's loss is weighted by its share of the global batch, and the toolkit's contract is
-  that gradients are summed (library/distributed/accelerator.py); DeepSpeed averages over the processes, so
+  that gradients are summed (library/accelerator.py); DeepSpeed averages over the processes, so
   the loss handed to ``engine.backward`` is multiplied by the process count, with
   ``scale_wrt_gas=False`` (the loss is already divided by the whole global batch). The
   accumulation boundary is the loop's last micro-step, set explicitly.

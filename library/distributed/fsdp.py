@@ -42,7 +42,7 @@ import logging
 import os
 import warnings
 
-from library.distributed.accelerator import DistributedError, _is_multi_process, is_main_process
+from library.accelerator import DistributedError, _is_multi_process, is_main_process
 from library.errors import UserError
 
 logger = logging.getLogger("sdtk")

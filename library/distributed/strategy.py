@@ -9,7 +9,7 @@
 
 A strategy owns everything that differs between them: wrapping or sharding the trained modules
 (``prepare``), the stepper and how it sums the gradients across processes (``make_stepper``: the
-``grad_sum`` it passes, library/distributed/accelerator.py ``BucketedSum`` or None), the full
+``grad_sum`` it passes, library/accelerator.py ``BucketedSum`` or None), the full
 weights for a model save (``full_weights``, ``ema_weights``), where its training state lives and
 how it is written and read (``state_dir``, ``weights_sharded``, ``state_flags``,
 ``check_state``, ``save_process_state``, ``load_sharded_state`` before the stepper's state,
@@ -37,8 +37,8 @@ import logging
 import os
 from typing import ContextManager, Protocol
 
+from library.accelerator import BUCKETED_SUM
 from library.distributed import ddp, deepspeed_zero, fsdp
-from library.distributed.accelerator import BUCKETED_SUM
 from library.errors import ResumeError, first_line
 from library.training.stepper import fused_mode, make_stepper
 

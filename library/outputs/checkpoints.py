@@ -1,4 +1,4 @@
-"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/run/trainer.py).
+"""Model saves, training states and sd-scripts' rotation of old ones, for a run (library/run/stages.py).
 
     Saver(opts, record, base_metadata, saved, accelerator=, bundle=, method=, params=, named=,
           strategy=, stepper=, ema=, frozen=, uploader=)
@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 
-from library.distributed.accelerator import is_main_process
+from library.accelerator import is_main_process
 from library.files import SaveError, output_file, save_elsewhere
 from library.outputs import metadata, train_state
 from library.outputs.hub import Uploader

@@ -98,7 +98,7 @@ def save_bytes(opts, method_name: str) -> tuple[int, str]:
     from library.training import memory_estimate
 
     saved, trained_shapes = memory_estimate.saved_parameters(opts, method_name)
-    dtype_bytes = _save_dtype_bytes(opts)
+    dtype_bytes = memory_estimate.save_dtype_bytes(opts)
     model = saved * dtype_bytes
     ema = bool(opts.ema_decay)
     total, parts = model * (2 if ema else 1), [f"model {_size(model)}" + (" x2 with its EMA" if ema else "")]
@@ -119,18 +119,6 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def _save_dtype_bytes(opts) -> int:
-    # lazy: the path checks run before torch is imported
-    import torch
-
-    from library.training.methods import _dtype
-    from library.models.placement import trained_precision
-
-    # unset: as trained (a full model's frozen parts may be smaller: an upper bound)
-    dtype = _dtype(opts.save_precision) or getattr(torch, trained_precision(opts))
-    return dtype.itemsize
 
 
 def disk_free(path: str) -> int:

@@ -45,7 +45,7 @@ import numpy as np
 import toml
 from PIL import Image
 
-from library.distributed.accelerator import is_main_process
+from library.accelerator import is_main_process
 from library.errors import UserError, first_line
 from library.outputs import progress_stream
 from library.training import sampling, validation

@@ -55,11 +55,11 @@ from safetensors.torch import load_file
 from torch.optim.lr_scheduler import LambdaLR
 
 from library import safetensors_file
+from library.accelerator import _is_multi_process, is_main_process
 from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import Options
 from library.data.step_plan import StepPlan
 from library.data.training_data import TrainingSet
-from library.distributed.accelerator import _is_multi_process, is_main_process
 from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
 from library.errors import ResumeError, first_line
 from library.files import SaveError, atomic_dir, output_file, save_elsewhere

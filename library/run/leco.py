@@ -31,10 +31,10 @@ import torch
 from accelerate.utils import set_seed
 from diffusers import DDPMScheduler
 
-from library.distributed.accelerator import is_main_process
+from library import accelerator
+from library.accelerator import is_main_process
 from library.config import leco_prompts
 from library.data.step_plan import derive_seed
-from library.distributed import accelerator
 from library.errors import UserError
 from library.files import output_file
 from library.log import logger, setup_logging

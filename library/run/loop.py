@@ -20,9 +20,9 @@ import signal
 
 from tqdm.auto import tqdm
 
+from library.accelerator import is_main_process
 from library.data import step_plan
 from library.data.training_data import ImageLoader, loader_workers
-from library.distributed.accelerator import is_main_process
 from library.distributed.strategy import SKIP, ZERO_WEIGHT
 from library.errors import NonFiniteStop, TrainingInterrupted
 from library.log import seconds_since_process_start

@@ -2,7 +2,8 @@
 module's option combinations, in this order (an error names the first problem)."""
 from __future__ import annotations
 
-from library.distributed import accelerator, ddp, deepspeed_zero, fsdp
+from library import accelerator
+from library.distributed import ddp, deepspeed_zero, fsdp
 from library.models import family, inpainting, placement
 from library.outputs import metadata, tracking
 from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite, partial_text_cache

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # annotations only: the parts' modules import torch, which loads after the plan
-    # is printed (library/run/trainer.py prints it first, and imports this module at its top)
+    # is printed (library/run/trainer.py prints it first; library/run/stages.py imports this module at its top)
     import torch
     from accelerate import Accelerator
 

@@ -49,9 +49,9 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from library.config import method_kinds
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
-from library.config import method_kinds
 from library.errors import UserError, first_line
 from library.models import flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
 from library.models.families import registry
@@ -60,7 +60,7 @@ from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
 from library.training import flow_memory, partial_text_cache
 from library.training.host_memory import GIB
-from library.training.methods import make_method
+from library.training.methods import _dtype, make_method
 from library.training.offload import released_after_caching
 from library.training.optim import build_optimizer, check_optimizer
 from library.training.stepper import fused_mode, step_units
@@ -686,6 +686,13 @@ def _check_modeled(opts, method_name: str) -> None:
     if kind.trains_network and opts.dim_from_weights:
         raise EstimateUnavailable("dim_from_weights: the network's shape comes from "
                                   "network_weights, which the estimate does not read")
+
+
+def save_dtype_bytes(opts) -> int:
+    """Bytes per value of a model save: save_precision, unset as trained (a full model's frozen
+    parts may be smaller: an upper bound)."""
+    dtype = _dtype(opts.save_precision) or getattr(torch, trained_precision(opts))
+    return dtype.itemsize
 
 
 def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:

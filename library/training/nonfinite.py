@@ -23,7 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from library.distributed.accelerator import _is_multi_process
+from library.accelerator import _is_multi_process
 from library.errors import NonFiniteStop, UserError
 from networks.lora import LoRAError, load_state_dict_file
 

@@ -25,7 +25,7 @@ import os
 import tempfile
 
 from library import safetensors_file
-from library.distributed.accelerator import is_main_process
+from library.accelerator import is_main_process
 from library.training.host_memory import GIB, resident_bytes, trim_heap
 
 logger = logging.getLogger("sdtk")

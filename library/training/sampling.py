@@ -36,8 +36,8 @@ import torch
 from PIL import Image
 
 from library import text_files
+from library.accelerator import is_main_process
 from library.data import images, inpaint_masks
-from library.distributed.accelerator import is_main_process
 from library.errors import UserError
 from library.models import flow_family, inpainting
 from library.models.families import registry

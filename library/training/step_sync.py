@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from library.distributed import accelerator
+from library import accelerator
 from library.training.stop_signals import COMMANDS, StopSignals
 
 

@@ -43,7 +43,7 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from library.distributed.accelerator import BUCKETED_SUM
+from library.accelerator import BUCKETED_SUM
 from library.models.placement import trained_precision
 from library.training import fused_optim
 from library.training.fused_optim import FusedOptionError, global_state_reason
@@ -165,7 +165,7 @@ class PlainStepper:
                  precision: str = "float32", loss_scaler: LossScaler | None = None,
                  grad_sum=None, optimizer_in_state: bool = True):
         self.accelerator = accelerator
-        # grad_sum (library/distributed/accelerator.py BucketedSum, chosen by the strategy): what
+        # grad_sum (library/accelerator.py BucketedSum, chosen by the strategy): what
         # step() sums the gradients across processes with; None: nothing to sum (one process, or
         # DDP's reducer / FSDP's reduce-scatter summed them during the backward)
         self.grad_sum = grad_sum
@@ -352,7 +352,7 @@ class _HookStepper:
     ``step()``, so every unit follows the unfused run's learning-rate schedule.
 
     Several processes: a unit's gradient is the sum over the processes, made by the ``grad_sum``
-    the strategy gives (library/distributed/accelerator.py ``BucketedSum``; None: one process,
+    the strategy gives (library/accelerator.py ``BucketedSum``; None: one process,
     nothing summed). With
     ``reductions_in_flight`` k >= 1 (``fused_reductions_in_flight``) the unit's last hook only
     launches that sum (``grad_sum.launch``, ``async_op``) and the backward goes on; the unit is
@@ -674,7 +674,7 @@ def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int)
 def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
                  grad_sum=BUCKETED_SUM, optimizer_in_state: bool = True):
     """The stepper for these options: plain, fused (per parameter) or grouped. ``grad_sum``: how
-    it sums the gradients across processes (library/distributed/accelerator.py ``BucketedSum``;
+    it sums the gradients across processes (library/accelerator.py ``BucketedSum``;
     None: nothing to sum), chosen by the strategy (library/distributed/strategy.py
     ``make_stepper``); direct callers get the bucketed sum (nothing in one process).
     ``optimizer_in_state`` False: the strategy writes the optimizer state itself (FSDP's shards;

@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from library.accelerator import is_main_process
 from library.data import images, inpaint_masks, latent_cache
 from library.data.held_out import ValidationError, caption, place_in_dataset
 from library.data.step_plan import derive_seed
 from library.data.text_cache import batch as cached_batch
-from library.distributed.accelerator import is_main_process
 from library.models import inpainting
 from library.training.flow_loss import FlowLosses
 from library.training.losses import Draw

@@ -127,6 +127,13 @@ async def _send_413(send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _checks():
+    """library/ui/checks.py, the run's checks (which import torch): loaded by a form's first check."""
+    from library.ui import checks  # lazy: the server starts without torch
+
+    return checks
+
+
 def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.find("]")]
@@ -246,9 +253,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         data = await body(request)
         script, text = script_field(data), text_field(data, "config")
         processes, memory = processes_field(data), bool(data.get("memory", True))
-        from library.ui import checks  # lazy: the server starts without torch
-
-        return await asyncio.to_thread(checks.check_config, script, text, processes, memory)
+        return await asyncio.to_thread(_checks().check_config, script, text, processes, memory)
 
     @app.post("/api/import")
     async def import_(request: Request):
@@ -266,8 +271,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         if "tool" in data:
             return create_tool_job(data)
         script, text, processes = script_field(data), text_field(data, "config"), processes_field(data)
-        from library.ui import checks  # lazy: the server starts without torch
-
+        checks = _checks()
         result = await asyncio.to_thread(checks.check_config, script, text, processes, False)
         if not result["ok"]:
             return JSONResponse({"errors": result["errors"], "warnings": result["warnings"]},
@@ -441,9 +445,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         return {"deleted": job_id}
 
     def check_train_lora(text: str) -> dict:
-        from library.ui import checks  # lazy: the server starts without torch
-
-        return checks.check_config("train_lora", text, 1, False)
+        return _checks().check_config("train_lora", text, 1, False)
 
     dataset_routes.add_routes(app, settings, body, _err, check_train_lora)
     return app

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from library.distributed.accelerator import free_port
+from library.accelerator import free_port
 from library.ui import tool_jobs
 
 logger = logging.getLogger("sdtk")

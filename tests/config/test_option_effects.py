@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from library.config.parse import parse_args
 from library.config.options import OPTIONS
+from library.config.parse import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -104,7 +104,7 @@ def network(opts):
 
 
 def accelerator_timeout(opts, monkeypatch):
-    from library.distributed import accelerator as distributed
+    from library import accelerator as distributed
 
     seen = {}
     monkeypatch.setattr(distributed, "make_accelerator",

@@ -161,7 +161,7 @@ def _args(dataset, out, *extra):
 
 def test_tool_fills_the_cache_and_training_then_encodes_nothing(dataset, tmp_path, train, encode_calls,
                                                                capsys):
-    from library.run.trainer import Run
+    from library.run.stages import Run
     from tools.cache_latents import main as cache_main
 
     rc = cache_main(["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset,
@@ -255,7 +255,7 @@ def test_training_run_recomputes_for_another_vae_or_resolution(dataset, tmp_path
 def te_calls(monkeypatch):
     """Captions passed through the text encoders, and how many of them were before training."""
     from library.models import family
-    from library.run import trainer
+    from library.run import stages
 
     calls = {"captions": 0, "after_cache": None}
     for cls in (family.SD1Model, family.SDXLModel):
@@ -266,14 +266,14 @@ def te_calls(monkeypatch):
             return _real(self, token_ids, clip_skip)
 
         monkeypatch.setattr(cls, "encode", spy)
-    real_cache = trainer.Run.cache
+    real_cache = stages.Run.cache
 
     def cache(self, loaded, setup):
         cached = real_cache(self, loaded, setup)
         calls["after_cache"] = calls["captions"]
         return cached
 
-    monkeypatch.setattr(trainer.Run, "cache", cache)
+    monkeypatch.setattr(stages.Run, "cache", cache)
     return calls
 
 

@@ -63,7 +63,7 @@ class Spy:
     parameters), each sum_gradients call, and DDP's own logging data after every step."""
 
     def __init__(self, monkeypatch):
-        from library.distributed import accelerator as distributed
+        from library import accelerator as distributed
         from library.distributed import ddp
 
         self.hook_calls, self.sums, self.logging, self.ddp = [], [], [], []

@@ -68,7 +68,7 @@ def test_rank0_save_failure_ends_rank1_with_one_line(tmp_path):
 def test_peer_failure_lines(monkeypatch):
     """Which errors of a collective mean "another process ended / hung" (texts as gloo and
     NCCL raise them), and that other errors are left alone (tracebacks of real bugs stay)."""
-    from library.distributed.accelerator import peer_failure
+    from library.accelerator import peer_failure
 
     gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
                         "closed by peer [127.0.0.1]:54960. This is typically caused by a remote "

@@ -1,11 +1,11 @@
-"""An entry script's process leaves its process group at exit (library/distributed/accelerator.py):
+"""An entry script's process leaves its process group at exit (library/accelerator.py):
 a gloo group left to C++ static destruction can abort a finished run with exit -6."""
 import os
 import subprocess
 import sys
 import textwrap
 
-from library.distributed.accelerator import free_port
+from library.accelerator import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHILD = textwrap.dedent("""
     import atexit, sys
     import torch.distributed as dist
-    from library.distributed.accelerator import leave_process_group_at_exit
+    from library.accelerator import leave_process_group_at_exit
 
     atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)

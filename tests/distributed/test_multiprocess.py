@@ -555,7 +555,7 @@ def _sum_gradients_worker(rank: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from library.distributed.accelerator import sum_gradients
+    from library.accelerator import sum_gradients
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))

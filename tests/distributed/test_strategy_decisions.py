@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from library.accelerator import BUCKETED_SUM
 from library.distributed import strategy
-from library.distributed.accelerator import BUCKETED_SUM
 from library.errors import ResumeError
 from tests.conftest import FakeAccelerator
 from tests.helpers import make_opts

@@ -163,14 +163,14 @@ def test_disk_filled_during_training(dataset, small_disk, run_script, monkeypatc
     from safetensors.torch import load_file
 
     from library.outputs import output_checks
-    from library.run import trainer
+    from library.run import stages
 
     out = small_disk / "out"
     out.mkdir()
     prev = out / "last.safetensors"
     prev.write_bytes(os.urandom(8192))
     before = prev.read_bytes()
-    real_train = trainer.Run.train
+    real_train = stages.Run.train
 
     def train_then_fill(self):
         real_train(self)
@@ -182,7 +182,7 @@ def test_disk_filled_during_training(dataset, small_disk, run_script, monkeypatc
             except OSError:
                 pass
 
-    monkeypatch.setattr(trainer.Run, "train", train_then_fill)
+    monkeypatch.setattr(stages.Run, "train", train_then_fill)
     rc, _, err = run_script("train_lora", args(dataset, out))
     assert rc == 2
     line = one_error_line(err)
@@ -275,19 +275,19 @@ def test_second_run_is_refused(dataset, previous, run_script, no_weight_loading,
 
 def test_lock_of_a_dead_run_is_taken_over(dataset, previous, run_script, loading_reached,
                                           monkeypatch, capsys):
-    from library.run import trainer
+    from library.run import stages
 
     out, f, _ = previous
     gone = dead_pid()
     _lock(out, gone)
     seen = {}
-    real = trainer._train
+    real = stages._train
 
     def spy(r, *a):
         seen["lock"] = json.loads((out / ".last.lock").read_text())
         return real(r, *a)
 
-    monkeypatch.setattr(trainer, "_train", spy)
+    monkeypatch.setattr(stages, "_train", spy)
     with pytest.raises(loading_reached):
         run_script("train_lora", args(dataset, out))
     err = capsys.readouterr().err

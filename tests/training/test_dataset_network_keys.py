@@ -134,7 +134,7 @@ def capture(monkeypatch):
 
 
 def _reaccelerate(run):
-    from library.distributed.accelerator import make_accelerator
+    from library.accelerator import make_accelerator
     from tests.helpers import reaccelerate
 
     reaccelerate(run, make_accelerator("no"))

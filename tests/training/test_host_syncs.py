@@ -80,7 +80,7 @@ class HostSyncCounter:
         import torch
         import torch.distributed as dist
 
-        from library.distributed import accelerator as distributed
+        from library import accelerator as distributed
         from library.run.run_state import HOOKS
 
         def read(name):

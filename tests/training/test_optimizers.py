@@ -118,16 +118,16 @@ def test_schedule_free_saves_its_eval_iterate(train, dataset, tmp_path, monkeypa
         return real_save(self, path, dtype, metadata)
 
     self_run = []
-    from library.run import trainer
+    from library.run import stages
 
-    real_setup = trainer.Run.setup_method
+    real_setup = stages.Run.setup_method
 
     def setup(run_self, loaded):
         self_run.append(run_self)
         return real_setup(run_self, loaded)
 
     monkeypatch.setattr(NetworkMethod, "save", save)
-    monkeypatch.setattr(trainer.Run, "setup_method", setup)
+    monkeypatch.setattr(stages.Run, "setup_method", setup)
     rc, out, err, r = train("train_lora", ["--pretrained_model_name_or_path", "tiny-sd15",
                                            "--train_data_dir", dataset, "--output_dir",
                                            str(tmp_path), "--resolution", "64",

@@ -15,10 +15,13 @@ import dataclasses
 import os
 import re
 
-# (file, function) that may take the run: the trainer's orchestration of its stages, the loop's
-# entry (the loop's hooks get a LoopView, not the run).
+# (file, function) that may take the run: the orchestration of its stages (a dry run's, a training
+# run's around the output lock, and inside it), the loop's entry (the loop's hooks get a LoopView,
+# not the run).
 ORCHESTRATORS = {
-    ("library/run/trainer.py", "_train"),
+    ("library/run/stages.py", "dry_run"),
+    ("library/run/stages.py", "train"),
+    ("library/run/stages.py", "_train"),
     ("library/run/loop.py", "train"),
 }
 LAYERS = ("library/run", "library/training", "library/outputs", "library/distributed", "library/data")
@@ -127,7 +130,7 @@ def test_the_type_check_catches_a_planted_any():
 
 
 # -- one "main process" answer ----------------------------------------------------------------------
-MAIN_ANSWER = "library/distributed/accelerator.py"  # is_main_process(): the launcher's global rank 0
+MAIN_ANSWER = "library/accelerator.py"  # is_main_process(): the launcher's global rank 0
 
 
 def other_main_process_answers(source: str) -> list[int]:
@@ -155,7 +158,7 @@ def test_the_scan_finds_a_planted_main_process_decision():
                "x = self.c.accelerator.is_main_process\n")
     assert other_main_process_answers(planted) == [1, 3, 4, 5]
     fine = ("if is_main_process():\n    pass\n"
-            "from library.distributed import accelerator\naccelerator.is_main_process()\n"
+            "from library import accelerator\naccelerator.is_main_process()\n"
             "for k in ('WORLD_SIZE', 'RANK'):\n    env.pop(k, None)\n")
     assert other_main_process_answers(fine) == []
 
@@ -163,7 +166,7 @@ def test_the_scan_finds_a_planted_main_process_decision():
 def test_one_main_process_answer():
     """Every module of the toolkit (library/, tools/, networks/, the entry scripts; not the
     benchmarks' workers, which seed by rank or run inside sd-scripts) asks
-    library/distributed/accelerator.py ``is_main_process()``; only it reads the launcher's RANK
+    library/accelerator.py ``is_main_process()``; only it reads the launcher's RANK
     (to answer, and to name a process in an error line)."""
     from tests.helpers import ROOT, source_files
 
@@ -173,4 +176,4 @@ def test_one_main_process_answer():
     found = [f"{os.path.relpath(p, ROOT)}:{line}" for p in files
              if os.path.relpath(p, ROOT).replace(os.sep, "/") != MAIN_ANSWER
              for line in other_main_process_answers(open(p, encoding="utf-8").read())]
-    assert not found, "ask library.distributed.accelerator.is_main_process():\n" + "\n".join(found)
+    assert not found, "ask library.accelerator.is_main_process():\n" + "\n".join(found)

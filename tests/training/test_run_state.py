@@ -182,13 +182,13 @@ def test_the_scan_finds_access_by_name():
 
 
 def test_no_module_reads_or_writes_run_state_by_attribute_name():
-    """Outside library/run/trainer.py (which builds the parts), every module reads the run's
+    """Outside library/run/stages.py (which builds the parts), every module reads the run's
     declared parts as attributes: no probing with getattr/hasattr, no setattr, no __dict__."""
     from tests.helpers import ROOT, source_files
 
     names = _run_state_names()
     files = [p for p in source_files()
-             if os.path.relpath(p, ROOT) != os.path.join("library", "run", "trainer.py")]
+             if os.path.relpath(p, ROOT) != os.path.join("library", "run", "stages.py")]
     assert os.path.join(ROOT, "library", "run", "loop.py") in files  # sub-packages too
     found = [f"{os.path.relpath(path, ROOT)}:{line}: {code}" for path in files
              for line, code in _by_name(open(path, encoding="utf-8").read(), names)]

@@ -120,7 +120,7 @@ def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_res
             return sum(float(run.micro_step_loss(epoch, [i], None, 1))
                        for epoch in (1,) for i in range(4))
 
-    from library.distributed import accelerator as distributed
+    from library import accelerator as distributed
     from tests.conftest import reset_accelerate
     from tests.helpers import reaccelerate
 

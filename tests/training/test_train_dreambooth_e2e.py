@@ -374,7 +374,7 @@ def test_reg_sample_loss_is_weighted_by_prior_loss_weight(dataset, tmp_path, tra
                                                           "--reg_data_dir", reg,
                                                           "--prior_loss_weight", "0.25"))
     assert rc == 0, err
-    from library.distributed.accelerator import make_accelerator
+    from library.accelerator import make_accelerator
     from tests.conftest import reset_accelerate
 
     from library.training.batch_loss import BatchLoss

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from library.distributed.accelerator import free_port
+from library.accelerator import free_port
 from tests.ui.conftest import UI, tiny_config
 
 REQUIRED = os.environ.get("SDTK_BROWSER_TEST") == "required"
