@@ -158,8 +158,8 @@ def parse_args(argv: list[str]):
 
 
 # -- the grid ---------------------------------------------------------------------------------
-def _cell_name(row: int, col: int, c: Checkpoint, job, mul: float) -> str:
-    return f"r{row:03d}_c{col:03d}_{c.name}_x{mul:g}_{job.seed}.png"
+def _cell_name(row: int, col: int, ckpt: Checkpoint, job, mul: float) -> str:
+    return f"r{row:03d}_c{col:03d}_{ckpt.name}_x{mul:g}_{job.seed}.png"
 
 
 def compare(args) -> dict:
