@@ -156,7 +156,8 @@ def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no
 
 
 def test_flux_lora_with_an_sd_network_module_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):
-    rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o")))  # networks.lora
+    # an explicit SD module (unset means the family's LoRA: networks.lora_flux)
+    rc, _, err = run_script("train_lora", flux_args(dataset, str(tmp_path / "o"), "--network_module", "networks.lora"))
     assert rc != 0 and 'FLUX.1 trains with network_module = "networks.lora_flux"' in err and "Traceback" not in err
 
 
