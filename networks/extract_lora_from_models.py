@@ -23,13 +23,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from library.models.families import registry  # noqa: E402
 from library.models.loading import load_model_bundle  # noqa: E402
 from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS,  # noqa: E402
                                       IMPL_STABILITY_AI, modelspec_architecture)
 from networks import lora_svd  # noqa: E402
 from networks.lora import LoRAError, LoRANetwork  # noqa: E402
-
-FAMILY_NAMES = {"sd1": "SD1", "sd2": "SD2", "sdxl": "SDXL"}
 
 
 def text_encoder_prefix(lora_name: str) -> str:
@@ -116,7 +115,7 @@ def _parse_args(argv):
 def _check_family(option: str, family: str, args) -> None:
     for flag, expected in (("--sdxl", "sdxl"), ("--v2", "sd2")):
         if getattr(args, flag[2:]) and family != expected:
-            raise LoRAError(f"{flag} is given but {option} holds {FAMILY_NAMES[family]} weights")
+            raise LoRAError(f"{flag} is given but {option} holds {registry.get(family).title} weights")
 
 
 def run(args) -> None:
@@ -147,8 +146,8 @@ def run(args) -> None:
         org = load("--model_org", args.model_org)
         tuned = load("--model_tuned", args.model_tuned)
         if tuned.family != org.family:
-            raise LoRAError(f"--model_org is {FAMILY_NAMES[org.family]} but --model_tuned is "
-                            f"{FAMILY_NAMES[tuned.family]}")
+            raise LoRAError(f"--model_org is {registry.get(org.family).title} but --model_tuned is "
+                            f"{registry.get(tuned.family).title}")
         with_conv = args.conv_dim is not None
         modules = extract(target_modules(org, with_conv), target_modules(tuned, with_conv),
                           args.dim, args.conv_dim, args.clamp_quantile, args.min_diff, device)
