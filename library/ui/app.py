@@ -16,7 +16,8 @@ own output folder.
 
 A job is a training run (``script``, ``config``) or a dataset tool (``tool``, ``args``:
 library/ui/tool_jobs.py) in the same queue; the Dataset workbench's routes (/api/fs,
-/api/dataset/..., /api/tools) are library/ui/dataset_routes.py.
+/api/dataset/..., /api/tools) are library/ui/dataset_routes.py, the Generate page's and the
+Compare panel's (/api/generate, /api/jobs/{id}/compare, .../images) library/ui/image_routes.py.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from fastapi.staticfiles import StaticFiles
 
 from library.config.options import IMAGE_SCRIPTS, OPTIONS, SECTIONS
 from library.errors import UserError
-from library.ui import dataset_routes, gui_import, paths, tool_jobs, workbench
+from library.ui import dataset_routes, gui_import, image_routes, paths, tool_jobs, workbench
 from library.ui.jobs import FINISHED, JobStore, Runner, job_dir
 from library.ui.progress import ProgressReader
 
@@ -218,6 +219,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         p = r.update().summary(job["output_dir"])
         if tool_jobs.is_tool(job["script"]):  # a dataset tool: its progress bar in the log
             p.update(tool_jobs.log_progress(os.path.join(job_dir(settings.data_dir, job["id"]), "log.txt")))
+            p["run"] = tool_jobs.of_run(job["config"])  # a grid: the run it compares
         return {"id": job["id"], "script": job["script"], "state": job["state"],
                 "processes": job["processes"], "created": job["created"], "started": job["started"],
                 "ended": job["ended"], "output_dir": job["output_dir"],
@@ -306,17 +308,24 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         runner.tick()  # released: the next job starts now
         return queue_view()
 
-    def create_tool_job(data: dict) -> JSONResponse:
-        tool = text_field(data, "tool")
+    def queue_tool(tool: str, args, output_dir: str = "", extra: dict | None = None,
+                   before=None) -> tuple[int, dict]:
+        """A tool job queued (the allow-list and the paths checked first; then ``before()``, which
+        may write the job's inputs): (201, {"id"}) or (403 / 422, {"errors"})."""
         try:
-            config = tool_jobs.check(tool, data.get("args", []), settings.allowed_paths)
+            config = tool_jobs.check(tool, args, settings.allowed_paths, extra)
+            if before is not None:
+                before()
         except UserError as e:
             status = 403 if isinstance(e, workbench.Refused) else 422
-            return JSONResponse({"errors": [{"option": "args", "message": str(e), "suggestion": None}]},
-                                status_code=status)
-        jid = store.add(tool, config, 1, "", "")
+            return status, {"errors": [{"option": "args", "message": str(e), "suggestion": None}]}
+        jid = store.add(tool, config, 1, output_dir, "")
         runner.tick()
-        return JSONResponse({"id": jid}, status_code=201)
+        return 201, {"id": jid}
+
+    def create_tool_job(data: dict) -> JSONResponse:
+        status, answer = queue_tool(text_field(data, "tool"), data.get("args", []))
+        return JSONResponse(answer, status_code=status)
 
     @app.get("/api/jobs")
     def list_jobs():
@@ -447,7 +456,11 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
     def check_train_lora(text: str) -> dict:
         return _checks().check_config("train_lora", text, 1, False)
 
+    def run_options(job: dict):
+        return _checks().parse_config(job["script"], job["config"])
+
     dataset_routes.add_routes(app, settings, body, _err, check_train_lora)
+    image_routes.add_routes(app, settings, store, body, _err, queue_tool, run_options)
     return app
 
 

@@ -1,13 +1,15 @@
 """Dataset tools as jobs in the training queue: a tool script by its path in the checkout and its
 sd-scripts-style argument list, checked against an allow-list and ``--allowed_paths``.
 
-    tools() -> ["finetune/...py", "tools/...py"]     the allow-list: every script of finetune/
-                                  (the tagger and captioners plug in by name when they land) and the
-                                  dataset tools of tools/ and compare_checkpoints.py, those that
-                                  exist in this checkout
+    tools() -> ["finetune/...py", "tools/...py", "gen_img.py"]   the allow-list: every script of
+                                  finetune/ (the tagger and captioners plug in by name when they
+                                  land), the dataset tools of tools/, compare_checkpoints.py and
+                                  gen_img.py, those that exist in this checkout
     is_tool(script) -> bool       a job's ``script`` names a tool (an entry script has no ".py")
-    check(script, args, allowed) -> config       the stored job config (JSON: args and the working
-                                  folder), or a UserError / Refused naming the argument
+    check(script, args, allowed, extra=None) -> config   the stored job config (JSON: args, the
+                                  working folder, and ``extra``: the run a grid compares), or a
+                                  UserError / Refused naming the argument
+    of_run(config) -> int | None  the run a job's config names
     command(python, script, config) -> (argv, cwd)
     log_progress(log_path) -> {"step", "total_steps"}   the last tqdm bar ("12/40") in the log
 
@@ -30,7 +32,8 @@ from library.ui.workbench import inside
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATASET_TOOLS = ("tools/caption_edit.py", "tools/check_dataset.py", "tools/dataset_folders.py",
                  "tools/resize_images_to_resolution.py")
-OUTPUT_TOOLS = ("tools/compare_checkpoints.py",)  # a run's saved files as a checkpoint grid
+# a run's saved files as a checkpoint grid; images from a model (the UI's Generate page)
+OUTPUT_TOOLS = ("tools/compare_checkpoints.py", "gen_img.py")
 MAX_ARGS = 200
 # tqdm's bar: "... 12/40 [00:03<00:09, ...]" (the last one in the log is the current state)
 _TQDM = re.compile(r"(\d+)/(\d+) \[")
@@ -61,7 +64,7 @@ def _values(arg: str) -> list[str]:
     return [arg]
 
 
-def check(script: str, args, allowed: list[str]) -> str:
+def check(script: str, args, allowed: list[str], extra: dict | None = None) -> str:
     if script not in tools():
         raise DataError(f"tool {script!r}: not a dataset tool of this checkout (one of: {', '.join(tools())})")
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args) or len(args) > MAX_ARGS:
@@ -74,7 +77,14 @@ def check(script: str, args, allowed: list[str]) -> str:
             for value in _values(a):
                 if value and _path_like(value, cwd):
                     inside(os.path.join(cwd, os.path.expanduser(value)), allowed, "argument")
-    return json.dumps({"args": args, "cwd": cwd})
+    return json.dumps({"args": args, "cwd": cwd, **(extra or {})})
+
+
+def of_run(config: str) -> int | None:
+    try:
+        return json.loads(config).get("run")
+    except (ValueError, AttributeError):
+        return None
 
 
 def command(python: str, script: str, config: str) -> tuple[list[str], str]:

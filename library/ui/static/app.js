@@ -194,6 +194,7 @@ function route() {
   if (m) { $("page-run").hidden = false; showRun(Number(m[1])); }
   else if (h.startsWith("#/queue")) { $("page-queue").hidden = false; showQueue(); runTimer = setInterval(showQueue, 2000); }
   else if (h.startsWith("#/dataset")) { $("page-dataset").hidden = false; showWorkbench(); showDataset(); }
+  else if (h.startsWith("#/generate")) { $("page-generate").hidden = false; showGenerate(); }
   else $("page-new").hidden = false;
 }
 
@@ -292,6 +293,7 @@ async function showRun(id) {
     $("btn-save").disabled = $("btn-sample").disabled = j.state !== "running";
     $("btn-resume").disabled = !["stopped", "interrupted", "failed"].includes(j.state);
     $("btn-delete").disabled = ["running", "stopping"].includes(j.state);
+    await showCompare(j);  // images.js: a finished LoRA run's checkpoint grid
   };
   const act = (name, method = "POST", path = `/api/jobs/${id}/${name}`) => async () => {
     const r = await api(method, path);
