@@ -122,7 +122,8 @@ def find_checkpoints(folder: str, output_name: str | None = None) -> list[Checkp
 # -- options ----------------------------------------------------------------------------------
 # gen_img's flags that the grid sets itself
 _NOT_HERE = {"network_weights": [], "network_mul": [], "network_merge": False, "images_per_prompt": 1,
-             "n_iter": 1, "iter_same_seed": False, "sequential_file_name": False}
+             "n_iter": 1, "iter_same_seed": False, "sequential_file_name": False, "interactive": False,
+             "shuffle_prompts": False, "use_original_file_name": False}
 
 
 def build_parser():

@@ -20,6 +20,7 @@ are those of ``torch.Generator("cpu").manual_seed(seed)``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -28,6 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from library import text_files
+from library.data.folders import IMAGE_EXTENSIONS
 from library.errors import UserError
 from library.training import sampling
 
@@ -54,6 +56,7 @@ class Job:
     seed: int
     muls: tuple[float, ...] | None
     where: str
+    image: str | None = None    # img2img's source image (--image_path)
 
     def batch_key(self) -> tuple:
         """Images with equal keys can share a batch."""
@@ -66,16 +69,56 @@ class _Parser(argparse.ArgumentParser):
         raise GenError(message)
 
 
+# sd-scripts gen_img flags that this gen_img does not implement: refused by name, never ignored
+_NOT_HERE = {
+    "prompter module": ("a Python prompter module is not run here; give prompts with --prompt, --from_file "
+                        "or --interactive", ("from_module", "prompter_module_args")),
+    "inpainting": ("inpainting is not in gen_img here (train_inpainting's samples have it)", ("mask_path",)),
+    "SDXL size conditioning": ("SDXL's size and crop conditioning is the image's own size here (diffusers' "
+                               "default)", ("original_height", "original_width", "original_height_negative",
+                                            "original_width_negative", "crop_top", "crop_left")),
+    "VAE slices": ("sliced VAE decoding is not implemented; --vae_batch_size 1 decodes one image at a time",
+                   ("vae_slices",)),
+    "tokenizer cache": ("the CLIP tokenizers ship with the toolkit (--tokenizer_path for another)",
+                        ("tokenizer_cache_dir",)),
+    "network options": ("not implemented: --network_merge merges every network, --am sets multipliers per "
+                        "prompt", ("network_merge_n_models", "network_pre_calc",
+                                   "network_regional_mask_max_color_codes")),
+    "emphasis": ("prompt weights act as A1111's 'No norm' emphasis here; sd-scripts' normalisation modes "
+                 "are not implemented", ("emb_normalize_mode",)),
+    "ControlNet": ("ControlNet and ControlNet-LLLite are not implemented in gen_img here",
+                   ("guide_image_path", "control_net_lllite_models", "control_net_models", "control_net_preps",
+                    "control_net_multipliers", "control_net_ratios", "highres_fix_disable_control_net")),
+    "CLIP Vision": ("CLIP Vision conditioning is not implemented", ("clip_vision_strength",)),
+    "highres fix extras": ("not implemented: the highres fix here is the 1st stage, LANCZOS, then img2img",
+                           ("highres_fix_strength", "highres_fix_save_1st", "highres_fix_latents_upscaling",
+                            "highres_fix_upscaler", "highres_fix_upscaler_args")),
+    "Deep Shrink": ("Deep Shrink is not implemented", ("ds_depth_1", "ds_timesteps_1", "ds_depth_2",
+                                                       "ds_timesteps_2", "ds_ratio")),
+    "Gradual Latent": ("Gradual Latent is not implemented", (
+        "gradual_latent_timesteps", "gradual_latent_ratio", "gradual_latent_ratio_step",
+        "gradual_latent_every_n_steps", "gradual_latent_s_noise", "gradual_latent_unsharp_params")),
+    "console logging": ("console logging is not configurable here", ("console_log_level", "console_log_file",
+                                                                     "console_log_simple")),
+}
+REFUSED = {flag: why for why, flags in _NOT_HERE.values() for flag in flags}
+# sd-scripts' flags that mean what one of ours does
+ALIASES = {"diffusers_xformers": "xformers", "full_fp16": "fp16", "full_bf16": "bf16"}
+
 GEN_IMG_DESCRIPTION = ("Generate images (sd-scripts' gen_img flags) with SD1/SD2/SDXL/FLUX.1/SD3 models, "
                        "LoRAs and embeddings; docs/GENERATION.md")
 
 
 def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTION) -> argparse.ArgumentParser:
     """gen_img's flags (tools/compare_checkpoints.py adds its own to them)."""
-    p = _Parser(prog=prog, description=description)
+    p = _Parser(prog=prog, description=description, epilog=(
+        "sd-scripts' flags refused here (one line each, with the reason): "
+        + "; ".join(f"{k}: --{' --'.join(flags)}" for k, (_, flags) in _NOT_HERE.items())))
     p.add_argument("--ckpt", required=True, help="model: single file, diffusers folder, hub id or built-in name (tiny-sd15, ...)")
     p.add_argument("--vae", help="another VAE (SD1/SD2/SDXL; SD3: its autoencoder file)")
+    p.add_argument("--v1", action="store_true", help="an SD1/SD2 model (checked against the weights)")
     p.add_argument("--v2", action="store_true", help="SD2 model (checked against the weights)")
+    p.add_argument("--sdxl", action="store_true", help="an SDXL model (checked against the weights)")
     p.add_argument("--v_parameterization", action="store_true", help="v-prediction (detected from the model when it says)")
     p.add_argument("--clip_l", help="FLUX.1 / SD3: CLIP-L file")
     p.add_argument("--clip_g", help="SD3: CLIP-G file")
@@ -86,10 +129,18 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--tokenizer_path", help="CLIP tokenizer folder for a single file (default: the shipped one)")
     p.add_argument("--prompt", help="the prompt (prompt-line options allowed)")
     p.add_argument("--from_file", help="a file of prompts, one per line with prompt-line options ('#' comments)")
+    p.add_argument("--interactive", action="store_true",
+                   help="read prompt lines from standard input, each rendered as it comes, until end of input")
+    p.add_argument("--no_preview", action="store_true", help="with --interactive: show no window (none is ever shown here)")
+    p.add_argument("--shuffle_prompts", action="store_true", help="each iteration takes the prompts in a shuffled order")
+    p.add_argument("--image_path", help="img2img (SD1/SD2/SDXL): a source image, or a folder of them (used in turn)")
+    p.add_argument("--use_original_file_name", action="store_true", help="img2img: each file name starts with its source image's")
     p.add_argument("--outdir", required=True, help="folder for the images")
     p.add_argument("--images_per_prompt", type=int, default=1)
     p.add_argument("--n_iter", type=int, default=1, help="times the prompts are repeated")
     p.add_argument("--batch_size", type=int, default=1)
+    p.add_argument("--vae_batch_size", type=float,
+                   help="images the VAE decodes at once (below 1: that share of --batch_size); default: the batch")
     p.add_argument("--W", type=int, help="width (default 512 for SD1/SD2, else 1024)")
     p.add_argument("--H", type=int, help="height (default 512 for SD1/SD2, else 1024)")
     p.add_argument("--steps", type=int, help="steps (default SD 50, FLUX.1 20, SD3 30)")
@@ -98,7 +149,7 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--guidance_scale", type=float, help="FLUX.1 dev: the distilled guidance input (default 3.5)")
     p.add_argument("--shift", type=float, help="SD3: the schedule's shift (default 3.0)")
     p.add_argument("--sampler", default="ddim", help=f"SD sampler: {', '.join(SD_SAMPLERS)} (FLUX.1 / SD3: Euler)")
-    p.add_argument("--strength", type=float, help="highres fix: the 2nd stage's img2img strength (default 0.8)")
+    p.add_argument("--strength", type=float, help="img2img strength; highres fix: its 2nd stage's (default 0.8)")
     p.add_argument("--highres_fix_scale", type=float, help="highres fix: the 1st stage's size factor (< 1)")
     p.add_argument("--highres_fix_steps", type=int, default=28, help="highres fix: the 1st stage's steps")
     p.add_argument("--seed", type=int)
@@ -113,11 +164,16 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--network_weights", nargs="*", default=[])
     p.add_argument("--network_mul", type=float, nargs="*", default=[])
     p.add_argument("--network_merge", action="store_true", help="merge the networks into the weights")
+    p.add_argument("--network_show_meta", action="store_true", help="log each network file's metadata")
     p.add_argument("--network_args", nargs="*", default=[], help="per network: 'key=value;key=value' for its module")
     p.add_argument("--no_half_vae", action="store_true", help="with --fp16 / --bf16: the VAE stays float32")
     p.add_argument("--opt_channels_last", action="store_true", help="the U-Net in channels-last memory format")
     p.add_argument("--textual_inversion_embeddings", nargs="*", default=[])
     p.add_argument("--sequential_file_name", action="store_true", help="im_000001.png, ... (after the folder's last)")
+    for flag, ours in ALIASES.items():
+        p.add_argument(f"--{flag}", action="store_true", dest=ours, help=f"as --{ours}")
+    for flag in REFUSED:
+        p.add_argument(f"--{flag}", nargs="*", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -129,8 +185,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_args(args) -> None:
     """Values and combinations, before any weight loads."""
-    if (args.prompt is None) == (args.from_file is None):
-        raise GenError("give one of --prompt or --from_file")
+    for flag, why in REFUSED.items():
+        if getattr(args, flag, None) is not None:
+            raise GenError(f"--{flag}: {why}")
+    if args.interactive and (args.prompt is not None or args.from_file is not None):
+        raise GenError("--interactive reads the prompts from standard input: give no --prompt or --from_file")
+    if not args.interactive and (args.prompt is None) == (args.from_file is None):
+        raise GenError("give one of --prompt, --from_file or --interactive")
+    if args.v1 and (args.v2 or args.sdxl):
+        raise GenError("--v1 with --v2 / --sdxl: give the one the model is")
+    if args.vae_batch_size is not None and not args.vae_batch_size > 0:
+        raise GenError(f"--vae_batch_size must be above 0, got {args.vae_batch_size:g}")
+    if args.use_original_file_name and not args.image_path:
+        raise GenError("--use_original_file_name names the files after --image_path's images; no --image_path given")
+    if args.image_path and args.highres_fix_scale is not None:
+        raise GenError("--image_path with --highres_fix_scale: img2img as the highres fix's 1st stage is not implemented")
+    args.init_images = init_images(args.image_path) if args.image_path else []
     for name in ("images_per_prompt", "n_iter", "batch_size", "steps", "highres_fix_steps"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -156,6 +226,27 @@ def check_args(args) -> None:
                        f"got {args.highres_fix_scale}")
     if args.strength is not None and not 0 < args.strength <= 1:
         raise GenError(f"--strength must be in (0, 1], got {args.strength}")
+
+
+def init_images(path: str) -> list[str]:
+    """--image_path: the file, or the folder's images in name order."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise GenError(f"--image_path {path}: no such file or folder")
+    found = [os.path.join(path, f) for f in sorted(os.listdir(path))
+             if os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS]
+    if not found:
+        raise GenError(f"--image_path {path}: holds no image ({', '.join(IMAGE_EXTENSIONS)})")
+    return found
+
+
+def vae_batch(args, batch: int) -> int:
+    """sd-scripts' --vae_batch_size: a count, or below 1 a share of the batch (at least 1)."""
+    v = args.vae_batch_size
+    if v is None:
+        return batch
+    return max(1, int(batch * v)) if v < 1 else int(v)
 
 
 def network_kwargs(text: str, i: int) -> dict[str, str]:
@@ -251,8 +342,11 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
         rng = random.Random(args.seed)
         draw = lambda: rng.randint(0, MAX_SEED)  # noqa: E731
     jobs = []
+    shuffler = random.Random(args.seed)  # its own generator: the seeds drawn stay those without it
     for _ in range(args.n_iter):
         iter_seed = draw() if args.iter_same_seed else None
+        if args.shuffle_prompts:
+            parsed = shuffler.sample(parsed, len(parsed))
         for (p, own), where in parsed:
             width = _default(own.get("width"), _default(args.W, defaults["size"]))
             height = _default(own.get("height"), _default(args.H, defaults["size"]))
@@ -285,6 +379,9 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
                                                                                 defaults["guidance"])),
                                 sampler=p["sample_sampler"] or args.sampler, seed=seed, muls=muls,
                                 where=where))
+    sources = args.init_images
+    if sources:  # img2img: the source images in turn (sd-scripts)
+        jobs = [dataclasses.replace(j, image=sources[k % len(sources)]) for k, j in enumerate(jobs)]
     return jobs
 
 

@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 import time
 
 import torch
@@ -33,6 +34,7 @@ from library.models.families import registry
 from library.models.families.base import FIXED_SHIFT
 from library.outputs import content_hash, gen_options, infotext
 from library.outputs.gen_options import GenError, Job
+from library.safetensors_file import read_header
 from library.training import flow_sampling, network_options, sampling
 from networks import lora
 
@@ -138,18 +140,23 @@ class Generator:
             b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
         self.pipe = sampling.pipeline(b)
-        self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale else None
+        self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale or args.image_path else None
         self.model_hash = model_hash(b.source)
 
     def _check_family(self, args) -> None:
         family = registry.of(self.bundle)
         fam = family.title
+        if args.sdxl and registry.for_gui({"sdxl": True}) is not family:
+            raise GenError(f"--sdxl: this model is {fam}")
+        if args.v1 and (family.gui_boxes or args.v_parameterization):
+            raise GenError(f"--v1: this model is {fam}" if family.gui_boxes else "--v1 with --v_parameterization")
         if family.flow is None:
             if args.shift is not None or args.guidance_scale is not None:
                 raise GenError("--shift / --guidance_scale are FLUX.1 / SD3 options; this model is SD")
             return
-        if args.highres_fix_scale is not None:
-            raise GenError(f"--highres_fix_scale: SD1/SD2/SDXL (sd-scripts' gen_img); this model is {fam}")
+        for flag in ("highres_fix_scale", "image_path"):
+            if getattr(args, flag) is not None:
+                raise GenError(f"--{flag}: SD1/SD2/SDXL (sd-scripts' gen_img); this model is {fam}")
         if args.textual_inversion_embeddings:
             raise GenError(f"--textual_inversion_embeddings: SD1/SD2/SDXL embeddings; this model is {fam}")
         if args.clip_skip is not None:
@@ -184,6 +191,8 @@ class Generator:
             module = (mods[i] if len(mods) > 1 else mods[0]) if mods else None
             mul = args.network_mul[i] if args.network_mul else 1.0
             kwargs = args.network_kwargs[i] if i < len(args.network_kwargs) else {}
+            if args.network_show_meta:
+                show_metadata(path)
             out.append(self.load_network(path, module, mul, kwargs, args.network_merge))
             logger.info(f"network {path}: {'merged' if args.network_merge else 'applied'} at {mul}")
         return out
@@ -260,20 +269,30 @@ class Generator:
                     shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
             kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
-            if self.args.highres_fix_scale is None:
-                return sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                         width=j.width, height=j.height, steps=j.steps, scale=j.scale,
-                                         sampler=j.sampler, **kw)
-            w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
-            first = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                      width=w1, height=h1, steps=self.args.highres_fix_steps, scale=j.scale,
-                                      sampler=j.sampler, **kw)
-            up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
+            chunk = gen_options.vae_batch(self.args, len(batch))
+            if chunk < len(batch):  # --vae_batch_size: latents out, decoded in smaller batches
+                kw["output_type"] = "latent"
             strength = STRENGTH if self.args.strength is None else self.args.strength
-            return sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives,
-                                     [s + 1 for s in seeds], width=j.width, height=j.height, steps=j.steps,
-                                     scale=j.scale, sampler=j.sampler,
-                                     extra={"image": up, "strength": strength}, **kw)
+            if j.image is not None:  # img2img from --image_path (the image's size: the job's)
+                images = [load_source(x.image, x.width, x.height) for x in batch]
+                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives, seeds,
+                                        width=j.width, height=j.height, steps=j.steps, scale=j.scale,
+                                        sampler=j.sampler, extra={"image": images, "strength": strength}, **kw)
+            elif self.args.highres_fix_scale is None:
+                out = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
+                                        width=j.width, height=j.height, steps=j.steps, scale=j.scale,
+                                        sampler=j.sampler, **kw)
+            else:
+                w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
+                first = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
+                                          width=w1, height=h1, steps=self.args.highres_fix_steps, scale=j.scale,
+                                          sampler=j.sampler, **{**kw, "output_type": "pil"})
+                up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
+                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives,
+                                        [s + 1 for s in seeds], width=j.width, height=j.height, steps=j.steps,
+                                        scale=j.scale, sampler=j.sampler,
+                                        extra={"image": up, "strength": strength}, **kw)
+            return out if chunk >= len(batch) else decode(self.pipe, out, chunk)
 
     def parameters(self, job: Job) -> str:
         """A1111's ``parameters`` text of one image."""
@@ -291,11 +310,44 @@ class Generator:
                   "Clip skip": args.clip_skip,
                   "Hires upscale": None if args.highres_fix_scale is None else f"{1 / args.highres_fix_scale:g}",
                   "Hires steps": None if args.highres_fix_scale is None else job.steps,
-                  "Denoising strength": None if args.highres_fix_scale is None
+                  "Denoising strength": None if args.highres_fix_scale is None and job.image is None
                   else f"{STRENGTH if args.strength is None else args.strength:g}",
                   "Hires upscaler": None if args.highres_fix_scale is None else "Lanczos",
                   "Emphasis": None if self.flow else "No norm"}
         return infotext.parameters(job.prompt, job.negative, fields, loras)
+
+
+def load_source(path: str, width: int, height: int):
+    """An img2img source image: RGB, LANCZOS-resized to the image's size."""
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB").resize((width, height), Image.LANCZOS)
+    except (OSError, ValueError) as e:
+        raise GenError(f"--image_path {path}: cannot read it ({first_line(e)})") from None
+
+
+def decode(pipe, latents, chunk: int) -> list:
+    """Latents to PIL images, ``chunk`` at a time (--vae_batch_size), as the pipeline decodes."""
+    vae, out = pipe.vae, []
+    with torch.no_grad():
+        for i in range(0, len(latents), chunk):
+            x = vae.decode(latents[i:i + chunk].to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+            out += pipe.image_processor.postprocess(x, output_type="pil")
+    return out
+
+
+def show_metadata(path: str) -> None:
+    """--network_show_meta: the file's metadata, a line per key."""
+    if not path.lower().endswith(".safetensors"):
+        logger.info(f"metadata of {path}: none (not a .safetensors file)")
+        return
+    try:
+        md = read_header(path)[1].get("__metadata__") or {}
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise GenError(f"--network_weights {path}: not a safetensors file ({e})") from None
+    logger.info(f"metadata of {path}: {len(md)} keys")
+    for k in sorted(md):
+        logger.info(f"  {k}: {md[k]}")
 
 
 def unhook(network) -> None:
@@ -332,23 +384,66 @@ def check_before_loading(args) -> list[tuple[str, str]]:
     return prompts
 
 
+def _stdin_prompts():
+    """--interactive: (prompt line, where) per non-empty line of standard input, until its end."""
+    n = 0
+    while True:
+        if sys.stdin.isatty():
+            print("prompt> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        n += 1
+        if line.strip() and not line.strip().startswith("#"):
+            yield line.strip(), f"stdin:{n}"
+
+
 def generate(args) -> list[str]:
-    """The run: load, plan the images, render them batch by batch, write each PNG with its text."""
+    """The run: load, plan the images, render them batch by batch, write each PNG with its text.
+    ``--interactive``: the model loads once, then each line of standard input is planned and
+    rendered as it comes (a bad line is one error line, and the next line is read)."""
+    if args.interactive:
+        gen_options.check_output_dir(args.outdir)
+        gen, writer, written = Generator(args), _Writer(args), []
+        for prompt in _stdin_prompts():
+            try:
+                jobs = gen_options.plan_jobs(args, [prompt], gen.defaults)
+            except GenError as e:
+                print(f"error: {e}", file=sys.stderr)
+                continue
+            written += writer.render(gen, jobs)
+        return written
     prompts = check_before_loading(args)
     gen = Generator(args)
-    jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
-    n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0
-    stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
-    written, t0 = [], time.perf_counter()
-    for batch in gen_options.batches(jobs, args.batch_size):
-        for job, image in zip(batch, gen.render(batch)):
-            n = len(written) + 1
-            name = f"im_{n0 + n:06d}.png" if args.sequential_file_name else f"im_{stamp}_{n:03d}_{job.seed}.png"
-            path = os.path.join(args.outdir, name)
-            infotext.save_png(image, path, gen.parameters(job), {
-                "prompt": job.prompt, "negative-prompt": job.negative, "seed": job.seed,
-                "sampler": job.sampler, "steps": job.steps, "scale": job.scale,
-                **({} if job.negative_scale is None else {"negative-scale": job.negative_scale})})
-            written.append(path)
+    t0 = time.perf_counter()
+    written = _Writer(args).render(gen, gen_options.plan_jobs(args, prompts, gen.defaults))
     logger.info(f"{len(written)} images in {args.outdir} ({time.perf_counter() - t0:.1f} s)")
     return written
+
+
+class _Writer:
+    """Names and writes a run's PNGs: ``im_<time>_<n>_<seed>.png``, sd-scripts' sequential
+    ``im_000001.png`` (after the folder's last), with ``--use_original_file_name`` the source
+    image's name first."""
+
+    def __init__(self, args):
+        self.args, self.n = args, 0
+        self.n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0
+        self.stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
+
+    def render(self, gen: Generator, jobs: list[Job]) -> list[str]:
+        written = []
+        for batch in gen_options.batches(jobs, self.args.batch_size):
+            for job, image in zip(batch, gen.render(batch)):
+                self.n += 1
+                name = f"im_{self.n0 + self.n:06d}.png" if self.args.sequential_file_name \
+                    else f"im_{self.stamp}_{self.n:03d}_{job.seed}.png"
+                if self.args.use_original_file_name:
+                    name = f"{os.path.splitext(os.path.basename(job.image))[0]}-{name}"
+                path = os.path.join(self.args.outdir, name)
+                infotext.save_png(image, path, gen.parameters(job), {
+                    "prompt": job.prompt, "negative-prompt": job.negative, "seed": job.seed,
+                    "sampler": job.sampler, "steps": job.steps, "scale": job.scale,
+                    **({} if job.negative_scale is None else {"negative-scale": job.negative_scale})})
+                written.append(path)
+        return written
