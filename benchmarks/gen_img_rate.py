@@ -7,6 +7,12 @@ per family, on this machine's CPU (torch threads as given, default 1).
 The model loads once per family (not timed); one warm-up image, then ``--images`` images at
 ``--size`` px with ``--steps`` steps (SD: euler; FLUX.1 / SD3: their Euler sampler), rendered in
 batches of ``--batch_size``, decoded, not written. docs/MEASUREMENTS.md quotes it.
+
+``gpu_row(name, dry)``: benchmarks/gpu.py's generation rows (GPU_CASES: SD1.5 at 512 px and SDXL at
+1024 px on the full-size random-weight architectures, bf16, 30 steps, euler, CFG 7.5, batch 1):
+images/s and peak CUDA memory of gen_img's renderer, next to diffusers' own pipeline called on
+the same components and scheduler with the same prompts (its own text encoding); ``dry``: the
+tiny model at 64 px, 2 steps, one image, on the CPU.
 """
 from __future__ import annotations
 
@@ -36,6 +42,47 @@ def rate(model: str, images: int, steps: int, size: int, batch_size: int) -> flo
     for batch in gen_options.batches(jobs, batch_size):
         gen.render(batch)
     return images / (time.perf_counter() - t0)
+
+
+GPU_CASES = {"sd15-gen-512": ("sd15-arch", "tiny-sd15", 512), "sdxl-gen-1024": ("sdxl-arch", "tiny-sdxl", 1024)}
+GPU_STEPS, GPU_IMAGES, PROMPT, NEGATIVE = 30, 4, "a red cube", "blurry"
+
+
+def _timed(render, n: int, cuda: bool) -> tuple[float, float | None]:
+    """(images/s over n renders after one warm-up, peak allocated GiB)."""
+    render()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        render()
+    if cuda:
+        torch.cuda.synchronize()
+    rate_ = n / (time.perf_counter() - t0)
+    return rate_, (torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None)
+
+
+def gpu_row(name: str, dry: bool) -> dict:
+    full, tiny, size = GPU_CASES[name]
+    model, size, steps, n = (tiny, 64, 2, 1) if dry else (full, size, GPU_STEPS, GPU_IMAGES)
+    cuda = torch.cuda.is_available()
+    args = gen_options.parse_args(["--ckpt", model, "--outdir", os.devnull, "--prompt", f"{PROMPT} --n {NEGATIVE}",
+                                   "--W", str(size), "--H", str(size), "--steps", str(steps), "--sampler", "euler",
+                                   "--scale", "7.5", "--seed", "1", *([] if dry else ["--bf16"])])
+    gen = generation.Generator(args)
+    [job] = gen_options.plan_jobs(args, gen_options.read_prompts(args), gen.defaults)
+    ours, ours_peak = _timed(lambda: gen.render([job]), n, cuda)
+    pipe = gen.pipe  # diffusers' pipeline over the same components, with the scheduler just used
+    pipe.set_progress_bar_config(disable=True)
+
+    def diffusers_image():
+        with torch.no_grad():
+            pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=size, width=size, num_inference_steps=steps,
+                 guidance_scale=7.5, generator=torch.Generator("cpu").manual_seed(1))
+    theirs, theirs_peak = _timed(diffusers_image, n, cuda)
+    return {"case": name, "model": model, "size": size, "steps": steps, "images": n, "images_s": ours,
+            "peak_alloc_gib": ours_peak, "diffusers_images_s": theirs, "diffusers_peak_alloc_gib": theirs_peak}
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,9 @@ outputs, each eager and with ``torch_compile`` (inductor):
   flux-full-swap-b1    train_dreambooth, the whole FLUX.1 dev transformer at 1024 px, batch 1,
                        full_bf16, Adafactor with fused_backward_pass, blocks_to_swap 8 (sd-scripts'
                        full fine-tune in 24 GB)
+  sd15-gen-512 / sdxl-gen-1024   gen_img's renderer, SD1.5 at 512 px / SDXL at 1024 px, bf16, 30
+                       steps, batch 1: images/s and peak memory next to diffusers' own pipeline on
+                       the same components (benchmarks/gen_img_rate.py ``gpu_row``)
 The FLUX.1 cases run on random full-size weight files written once into the working folder
 (benchmarks/flux_weights.py, about 34 GB, bf16), text-encoder outputs cached as the SD cases.
 For each: it/s over the steps after ``--warmup`` (the first steps compile and allocate), peak
@@ -60,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import flux_weights, sd_scripts_launch, step_timer  # noqa: E402
+from benchmarks import flux_weights, gen_img_rate, sd_scripts_launch, step_timer  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
@@ -232,6 +235,12 @@ def format_table(rows: list, peak: float | None) -> list[str]:
         tf = f"{f / 1e9:10.1f}" if f else "       n/a"
         lines.append(f"{r['case']:<17} {'yes' if r['compile'] else 'no':<7} {r['it_s']:7.2f} "
                      f"{r['first_step_s']:10.1f} {alloc} {resv} {tf} {util}")
+    gib = lambda v: "n/a" if v is None else f"{v:.2f} GiB"  # noqa: E731
+    for r in rows:
+        if "images_s" in r:
+            lines.append(f"{r['case']:<17} gen_img {r['images_s']:.3f} images/s, peak {gib(r['peak_alloc_gib'])}; "
+                         f"diffusers' pipeline {r['diffusers_images_s']:.3f} images/s, peak "
+                         f"{gib(r['diffusers_peak_alloc_gib'])} ({r['size']} px, {r['steps']} steps)")
     for r in rows:
         if "error" in r:
             lines.append(f"{r['case']:<17} {'yes' if r['compile'] else 'no':<7} {r['error']}")
@@ -252,7 +261,8 @@ def build_parser():
     p.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, 1 step per case")
     p.add_argument("--steps", type=int, default=12, help="timed steps per case (after --warmup)")
     p.add_argument("--warmup", type=int, default=4, help="steps not timed (compile, allocation)")
-    p.add_argument("--only", nargs="*", choices=sorted(CASES), help="run only these cases")
+    p.add_argument("--only", nargs="*", choices=sorted(CASES) + sorted(gen_img_rate.GPU_CASES),
+                   help="run only these cases")
     p.add_argument("--no-compile", action="store_true", help="skip the torch_compile runs")
     p.add_argument("--sd-scripts", metavar="PATH", help="a kohya-ss/sd-scripts checkout")
     p.add_argument("--sd-scripts-python", metavar="PYTHON",
@@ -283,7 +293,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     steps, warmup = (1, 0) if args.dry_run else (args.steps + args.warmup, args.warmup)
-    names = args.only or list(CASES)
+    names = args.only or list(CASES) + list(gen_img_rate.GPU_CASES)
 
     work = args.work or tempfile.mkdtemp(prefix="sdtk-gpu-bench-")
     device = torch.cuda.get_device_name() if cuda else "cpu (dry run)"
@@ -293,6 +303,11 @@ def main(argv=None) -> int:
     data = {}
     rows = []
     for i, name in enumerate(names):
+        if name in gen_img_rate.GPU_CASES:  # generation: ours next to diffusers' pipeline
+            rows.append(gen_img_rate.gpu_row(name, args.dry_run))
+            print(f"  {name}: {rows[-1]['images_s']:.3f} images/s (diffusers' pipeline "
+                  f"{rows[-1]['diffusers_images_s']:.3f})", flush=True)
+            continue
         arch = CASES[name][1]
         if arch == "flux" and not args.dry_run and not all(map(os.path.exists, flux_weights.paths(work).values())):
             print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
@@ -313,7 +328,7 @@ def main(argv=None) -> int:
             print(f"  {name} compile={compiled}: {rows[-1]['it_s']:.2f} it/s", flush=True)
         if args.sd_scripts:
             rows.append(sd_scripts_case(name, args.sd_scripts, python, data[size], work, steps, warmup))
-            if arch != "flux" and all(CASES[n][1] != arch for n in names[i + 1:]):
+            if arch != "flux" and all(n not in CASES or CASES[n][1] != arch for n in names[i + 1:]):
                 # sd-scripts' copy of the SD weights: its disk goes to the FLUX.1 rows' 58 GB
                 sd_scripts_launch.remove_random_weights_file(work, arch)
     print("\n".join(format_table(rows, peak)))
