@@ -10,6 +10,7 @@ it), which makes that a failure. SDTK_UI_SCREENSHOTS=<folder> writes the pages' 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -185,4 +186,66 @@ def test_dataset_workbench_opens_a_folder_and_saves_a_caption(server, tmp_path):
         assert (folder / "d.png").read_bytes() == (folder / "a.png").read_bytes()
         if shots:
             page.screenshot(path=os.path.join(shots, "dataset.png"))
+        b.close()
+
+
+def test_compare_panel_and_generate_page(server, tmp_path):
+    """A finished tiny run's page queues its checkpoint grid (2 saved files x 2 multipliers) and
+    shows the grid image with its labels and the single images; the Generate page renders one
+    image with its A1111 text."""
+    from playwright.sync_api import expect, sync_playwright
+    from tools.make_sample_dataset import make_sample_dataset
+
+    ui, url, browser = server
+    expect.set_options(timeout=60000)
+    data = str(tmp_path / "data")
+    make_sample_dataset(data, n_images=2, size=64, repeats=1)
+    out = tmp_path / "out"
+    import httpx
+
+    r = httpx.post(url + "api/jobs", json={"script": "train_lora", "config": tiny_config(
+        data, str(out), steps=2, save_every_n_steps=1, output_name="sks")}, timeout=120)
+    assert r.status_code == 201, r.text
+    run = r.json()["id"]
+    shots = os.environ.get("SDTK_UI_SCREENSHOTS")
+    with sync_playwright() as p:
+        b, page = open_page(p, browser, url + f"#/run/{run}")
+        expect(page.locator("#run-state")).to_have_text("done", timeout=180000)
+        expect(page.locator("#compare")).to_be_visible()
+        page.fill("#cmp-prompts", "a red circle")
+        page.fill("#cmp-muls", "0 1")
+        for k, v in (("steps", "2"), ("width", "64"), ("height", "64")):
+            page.fill(f"#cmp-{k}", v)
+        page.click("#cmp-queue")
+        expect(page.locator("#cmp-state")).to_contain_text("done", timeout=240000)
+        page.wait_for_function("document.querySelector('#cmp-grid-img') && "
+                               "document.querySelector('#cmp-grid-img').naturalWidth > 128")
+        cells = page.locator("#cmp-cells")
+        expect(cells.locator("tr")).to_have_count(3)  # the header and one row per saved file
+        # row labels: the file and its ss_epoch / ss_steps (a step save records the epoch it ran in,
+        # counted from 0 as sd-scripts does)
+        expect(cells.locator("tr").nth(1).locator("td").first).to_have_text(re.compile(r"^sks-step00000001, epoch \d+, step 1$"))
+        expect(cells.locator("tr").nth(2).locator("td").first).to_have_text(re.compile(r"^sks, epoch \d+, step 2$"))
+        expect(cells.locator("th").nth(1)).to_have_text("prompt 1, x0")
+        expect(cells.locator("th").nth(2)).to_have_text("prompt 1, x1")
+        expect(cells.locator("img.cell")).to_have_count(4)
+        page.wait_for_function("[...document.querySelectorAll('#cmp-cells img')].every(i => i.naturalWidth === 64)")
+        grids = os.listdir(out / "compare")
+        assert len(grids) == 1 and (out / "compare" / grids[0] / "grid.png").is_file()
+        if shots:
+            page.locator("#compare").screenshot(path=os.path.join(shots, "compare.png"))
+        page.goto(url + "#/generate")
+        page.fill("#gen-model", "tiny-sd15")
+        page.fill("#gen-prompt", "a blue square")
+        page.fill("#gen-negative", "blurry")
+        for k, v in (("seed", "3"), ("steps", "2"), ("width", "64"), ("height", "64")):
+            page.fill(f"#gen-{k}", v)
+        page.click("#gen-start")
+        expect(page.locator("#gen-state")).to_have_text("done", timeout=240000)
+        expect(page.locator("#gen-images figure")).to_have_count(1)
+        page.wait_for_function("document.querySelector('#gen-images img').naturalWidth === 64")
+        text = page.locator("#gen-images pre.infotext")
+        expect(text).to_contain_text("a blue square\nNegative prompt: blurry\nSteps: 2, Sampler: DDIM, CFG scale: 7.5, Seed: 3, Size: 64x64")
+        if shots:
+            page.screenshot(path=os.path.join(shots, "generate.png"))
         b.close()
