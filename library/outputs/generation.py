@@ -327,12 +327,20 @@ def load_source(path: str, width: int, height: int):
 
 
 def decode(pipe, latents, chunk: int) -> list:
-    """Latents to PIL images, ``chunk`` at a time (--vae_batch_size), as the pipeline decodes."""
-    vae, out = pipe.vae, []
-    with torch.no_grad():
-        for i in range(0, len(latents), chunk):
-            x = vae.decode(latents[i:i + chunk].to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-            out += pipe.image_processor.postprocess(x, output_type="pil")
+    """Latents to PIL images, ``chunk`` at a time (--vae_batch_size), as the pipeline decodes (an
+    SDXL pipeline's float16 VAE with ``force_upcast`` decodes in float32, as diffusers' does)."""
+    vae, out, dtype = pipe.vae, [], pipe.vae.dtype
+    upcast = dtype == torch.float16 and getattr(vae.config, "force_upcast", False) and hasattr(pipe, "upcast_vae")
+    if upcast:
+        vae.to(torch.float32)
+    try:
+        with torch.no_grad():
+            for i in range(0, len(latents), chunk):
+                z = latents[i:i + chunk].to(vae.dtype) / vae.config.scaling_factor
+                out += pipe.image_processor.postprocess(vae.decode(z, return_dict=False)[0], output_type="pil")
+    finally:
+        if upcast:
+            vae.to(dtype)
     return out
 
 

@@ -4,7 +4,7 @@ queue; no second generator), and a job's images are read back with their A1111 t
 
     generate_job(form, allowed, default_parent) -> ImageJob    gen_img.py: a model (path or
                                 built-in name), LoRAs with weights, prompt, negative prompt, seed,
-                                steps, size, sampler, scale
+                                steps, size, sampler, scale, images
     run_model(opts, output_dir, output_name) -> RunModel    a finished run's model flags (from
                                 its config's Options) and saved files
     compare_job(form, run) -> ImageJob          compare_checkpoints.py over the run's saved files
@@ -32,7 +32,7 @@ from library.ui.workbench import inside
 
 GEN_IMG, COMPARE = "gen_img.py", "tools/compare_checkpoints.py"
 PROMPT_FILE, PROMPTS_FILE = "prompt.txt", "prompts.txt"
-MAX_LORAS, MAX_PROMPTS, MAX_MULTIPLIERS = 8, 16, 8
+MAX_LORAS, MAX_PROMPTS, MAX_MULTIPLIERS, MAX_IMAGES = 8, 16, 8, 16
 MAX_SIZE, MAX_STEPS, MAX_SEED = 4096, 1000, 2 ** 32 - 1
 
 
@@ -172,6 +172,9 @@ def generate_job(form: dict, allowed: list[str], default_parent: str) -> ImageJo
     outdir = fresh_folder(inside(parent, allowed, "outdir"), "gen")
     prompt_file = os.path.join(outdir, PROMPT_FILE)
     args = ["--ckpt", model, "--outdir", outdir, "--from_file", prompt_file, *_sampling_args(form)]
+    images = _int(form, "images", 1, MAX_IMAGES)
+    if images is not None:
+        args += ["--images_per_prompt", str(images)]
     if paths:
         args += ["--network_weights", *paths, "--network_mul", *(f"{w:g}" for w in weights)]
     line = prompt + (f" --n {negative}" if negative else "")

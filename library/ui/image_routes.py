@@ -7,7 +7,7 @@ library/ui/image_jobs.py; the jobs are tool jobs in the training queue.
         config (library/ui/checks.py, off the event loop)
 
     POST /api/generate {"model", "loras": [{"path", "weight"}], "prompt", "negative_prompt",
-                        "seed", "steps", "width", "height", "sampler", "scale", "outdir"}
+                        "seed", "steps", "width", "height", "sampler", "scale", "images", "outdir"}
     POST /api/jobs/{id}/compare {"prompts", "multipliers", "seed", "steps", "width", "height",
                                  "sampler", "scale"}           a finished LoRA run's grid
     GET  /api/jobs/{id}/images   {"images": [{"name", "parameters"}], "grid"}

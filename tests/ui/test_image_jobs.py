@@ -48,7 +48,7 @@ def test_generate_queues_gen_img_with_the_forms_flags(held, allowed):
         "model": "tiny-sd15", "prompt": "a red cube", "negative_prompt": "blurry",
         "loras": [{"path": str(allowed / "a.safetensors"), "weight": 0.5},
                   {"path": "b.safetensors", "weight": "-1"}],
-        "seed": 7, "steps": "3", "width": 64, "height": 96, "sampler": "euler_a", "scale": 5})
+        "seed": 7, "steps": "3", "width": 64, "height": 96, "sampler": "euler_a", "scale": 5, "images": 2})
     assert r.status_code == 201, r.text
     jid, outdir = r.json()["id"], r.json()["outdir"]
     job = held.store.get(jid)
@@ -59,7 +59,7 @@ def test_generate_queues_gen_img_with_the_forms_flags(held, allowed):
     assert _config(held, jid) == {"cwd": os.path.realpath(allowed), "args": [
         "--ckpt", "tiny-sd15", "--outdir", outdir, "--from_file", prompt_file, "--seed", "7",
         "--steps", "3", "--W", "64", "--H", "96", "--sampler", "euler_a", "--scale", "5",
-        "--network_weights", str(allowed / "a.safetensors"), "b.safetensors", "--network_mul", "0.5", "-1"]}
+        "--images_per_prompt", "2", "--network_weights", str(allowed / "a.safetensors"), "b.safetensors", "--network_mul", "0.5", "-1"]}
     # the prompt line: the negative prompt as its --n (gen_img's prompt-line option)
     with open(prompt_file, encoding="utf-8") as f:
         assert f.read() == "a red cube --n blurry\n"
@@ -75,6 +75,7 @@ def test_generate_queues_gen_img_with_the_forms_flags(held, allowed):
     ({"model": "tiny-sd15", "prompt": "x", "seed": -1}, 422, "seed: an integer from 0 to 4294967295 is required, got -1"),
     ({"model": "tiny-sd15", "prompt": "x", "steps": 1.5}, 422, "steps: an integer from 1 to 1000 is required, got 1.5"),
     ({"model": "tiny-sd15", "prompt": "x", "scale": "high"}, 422, "scale: a number is required, got 'high'"),
+    ({"model": "tiny-sd15", "prompt": "x", "images": 17}, 422, "images: an integer from 1 to 16 is required, got 17"),
     ({"model": "tiny-sd15", "prompt": "x", "sampler": "ddim; rm"}, 422, "sampler: 'ddim; rm' is not a sampler name"),
     ({"model": "tiny-sd15", "prompt": "x", "loras": [{"weight": 1}]}, 422, "path: required"),
     ({"model": "--help", "prompt": "x"}, 422, "model: '--help' is not a model path or name"),

@@ -65,7 +65,7 @@ $("gen-start").addEventListener("click", async () => {
   const loras = [...document.querySelectorAll("#gen-loras .lora")].map((r) => ({
     path: r.querySelector(".lora-path").value, weight: Number(r.querySelector(".lora-weight").value) }));
   const body = { model: $("gen-model").value, prompt: $("gen-prompt").value, negative_prompt: $("gen-negative").value,
-    loras, outdir: $("gen-outdir").value, ...samplingValues("gen") };
+    loras, outdir: $("gen-outdir").value, images: Number($("gen-images-n").value), ...samplingValues("gen") };
   const r = await api("POST", "/api/generate", body);
   if (r.status !== 201) { $("gen-msg").textContent = r.data.error; return; }
   $("gen-start").disabled = true;
