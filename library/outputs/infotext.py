@@ -21,9 +21,12 @@ from library.files import atomic_path
 
 VERSION = "sdtk"
 # sd-scripts' gen_img sampler names -> A1111's (modules/sd_samplers_*.py labels)
+# A1111's names where one of its samplers is the same method; sd-scripts' dpmsolver (DPM-Solver,
+# not ++) and dpmsingle (DPM++ single-step, not ancestral) have none, so their names say what ran
+# instead of claiming an A1111 sampler ("DPM++ 2S a" is ancestral).
 A1111_SAMPLERS = {"ddim": "DDIM", "pndm": "PLMS", "lms": "LMS", "euler": "Euler", "euler_a": "Euler a",
-                  "heun": "Heun", "dpm_2": "DPM2", "dpm_2_a": "DPM2 a", "dpmsolver": "DPM2M",
-                  "dpmsolver++": "DPM++ 2M", "dpmsingle": "DPM++ 2S", "flow_euler": "Euler"}
+                  "heun": "Heun", "dpm_2": "DPM2", "dpm_2_a": "DPM2 a", "dpmsolver": "DPM-Solver 2M",
+                  "dpmsolver++": "DPM++ 2M", "dpmsingle": "DPM++ 2S (single-step)", "flow_euler": "Euler"}
 
 
 def _value(v) -> str:
