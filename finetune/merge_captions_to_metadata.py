@@ -17,7 +17,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.dataset_tools import metadata_json  # noqa: E402
-from library.dataset_tools.entry import run_tool  # noqa: E402
+from library.errors import run_tool  # noqa: E402
 
 
 def parse_args(argv=None, *, field: str = "caption", default_extension: str = ".caption"):

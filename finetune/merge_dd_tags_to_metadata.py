@@ -16,7 +16,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from finetune import merge_captions_to_metadata  # noqa: E402
-from library.dataset_tools.entry import run_tool  # noqa: E402
+from library.errors import run_tool  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,27 +1,36 @@
 """The one base class of errors caused by the user's input (options, files, data), and the errors
-that lower layers raise and the entry glue answers (the bottom layer: it imports nothing of ours).
+that lower layers raise and the entry glue answers (the bottom layer: it imports only the log).
 
 Entry scripts print such an error as one line, without a traceback, and exit with status 2
-(``tool_main`` for the tools); ``NonFiniteStop`` exits with 3, ``TrainingInterrupted`` with 128 +
+(``run_tool`` / ``tool_main`` for the LoRA and dataset tools); ``NonFiniteStop`` exits with 3, ``TrainingInterrupted`` with 128 +
 the signal.
 """
 import signal
 import sys
+
+from library.log import setup_logging
 
 
 class UserError(Exception):
     """An error in what the user gave us; its message is one line naming the option or file."""
 
 
-def tool_main(parse_args, run, argv=None) -> int:
-    """A tool's main: parse the flags, run, and print a user error as one line (exit 2)."""
-    args = parse_args(argv)
+def run_tool(work, *args, **kwargs) -> int:
+    """Every tool's main around its work: the ``sdtk`` log on stderr, then ``work(*args,
+    **kwargs)``. Exit status: 2 on a UserError (printed as one line, no traceback), the work's
+    int result where it returns one (check_dataset: 1 when it found problems), else 0."""
+    setup_logging(True)
     try:
-        run(args)
+        result = work(*args, **kwargs)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def tool_main(parse_args, run, argv=None) -> int:
+    """A tool's main from its flag parser: ``run(parse_args(argv))`` through ``run_tool``."""
+    return run_tool(run, parse_args(argv))
 
 
 def first_line(e: BaseException, *, typed: bool = False) -> str:

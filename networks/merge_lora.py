@@ -40,7 +40,7 @@ import math  # noqa: E402
 
 import torch  # noqa: E402
 
-from library.errors import ModelError, UserError  # noqa: E402
+from library.errors import ModelError, run_tool  # noqa: E402
 from library.models.loading import load_model_bundle  # noqa: E402
 from library.models.sd_checkpoint import save_diffusers, save_single_file  # noqa: E402
 from networks import lora_blocks, lora_names, lora_svd  # noqa: E402
@@ -276,13 +276,7 @@ def run_model_merge(args, only_sdxl: bool = False) -> None:
 
 
 def main(argv=None, only_sdxl: bool = False) -> int:
-    args = _parse_args(argv, only_sdxl)
-    try:
-        run(args, only_sdxl)
-    except (LoRAError, ModelError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_tool(run, _parse_args(argv, only_sdxl), only_sdxl)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ only what its unit reads. End-to-end tests use parse_args with an argv instead.
 ``source_files()`` lists the toolkit's own Python files, for the tests that scan the code.
 ``load_lora_logged(pipe, path)`` runs diffusers' ``load_lora_weights`` and returns what diffusers
 logged meanwhile (lower case), for the tests that every key of a file is taken.
+``assert_same_unet_function(ref, unet)``: two U-Nets of the same weights in other layouts (1x1
+conv or Linear projections) give the same output up to float32 rounding.
 ``single_token_self_attention(unet)`` finds the LoRA targets whose gradient is zero in exact
 arithmetic (a test must not assert what float noise does there).
 """
@@ -145,3 +147,17 @@ def load_lora_logged(pipe, path: str) -> str:
         diffusers_logging.get_logger("diffusers").removeHandler(handler)
         diffusers_logging.set_verbosity_warning()
     return buf.getvalue().lower()
+
+
+def assert_same_unet_function(ref, unet) -> None:
+    """``unet`` computes what ``ref`` computes on one random input: the same products by another
+    kernel (a 1x1 convolution against a Linear layer), so float32 rounding only (1e-5 of the
+    output's largest magnitude)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, ref.config.in_channels, 16, 16, generator=g)
+    ctx = torch.randn(1, 7, ref.config.cross_attention_dim, generator=g)
+    with torch.no_grad():
+        want, got = ref(x, 10, ctx).sample, unet(x, 10, ctx).sample
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -36,3 +36,74 @@ def test_no_module_cuts_a_message_by_hand():
                     with open(os.path.join(dirpath, n), encoding="utf-8") as f:
                         found += [f"{n}: {x}" for x in _by_hand(f.read())]
     assert files > 50 and not found, found
+
+
+def test_run_tool_exit_codes(capsys):
+    """The one tool main: 0 when the work returns, its int result (check_dataset's 1), 2 and one
+    line for a UserError; any other exception is a bug and keeps its traceback."""
+    import pytest
+
+    from library.errors import UserError, run_tool, tool_main
+
+    assert run_tool(lambda: None) == 0
+    assert run_tool(lambda: 1) == 1
+    assert run_tool(lambda x, y=0: x + y, 1, y=2) == 3
+    assert run_tool(lambda: True) == 0  # a bool says nothing about the exit status
+    assert run_tool(lambda: "done") == 0
+
+    def bad(*_):
+        raise UserError("--in_json x.json: no such file")
+
+    assert run_tool(bad) == 2
+    assert capsys.readouterr().err == "error: --in_json x.json: no such file\n"
+    seen = []
+    assert tool_main(lambda argv: argv, seen.append, ["a"]) == 0 and seen == [["a"]]
+    assert tool_main(lambda argv: argv, bad, ["a"]) == 2
+    assert capsys.readouterr().err == "error: --in_json x.json: no such file\n"
+    with pytest.raises(ZeroDivisionError):
+        run_tool(lambda: 1 / 0)
+
+
+def _tool_main(path):
+    import importlib
+
+    return importlib.import_module(path.replace("/", ".")[:-3]).main
+
+
+def test_tools_answer_a_user_error_with_one_line_and_2(tmp_path, capsys):
+    """LoRA tools and dataset tools through the shared main: a missing input is exit 2 and one
+    line naming it; check_dataset's problems are exit 1."""
+    missing = str(tmp_path / "missing.safetensors")
+    cases = {
+        "networks/check_lora_weights.py": [missing],
+        "networks/resize_lora.py": ["--model", missing, "--save_to", str(tmp_path / "o.safetensors")],
+        "networks/merge_lora.py": ["--models", missing, "--save_to", str(tmp_path / "o.safetensors")],
+        "finetune/clean_captions_and_tags.py": [str(tmp_path / "missing.json"), str(tmp_path / "o.json")],
+        "tools/check_dataset.py": [str(tmp_path / "no_folder")],
+        "finetune/make_captions_vlm.py": [str(tmp_path / "no_folder"), "--model", "m"],
+    }
+    for tool, argv in cases.items():
+        assert _tool_main(tool)(argv) == 2, tool
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (tool, err)
+        assert "missing" in err[0] or "no_folder" in err[0], (tool, err)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.png").write_bytes(b"not a png")
+    assert _tool_main("tools/check_dataset.py")([str(tmp_path / "data")]) == 1
+
+
+def test_every_tool_main_goes_through_the_shared_helper():
+    """No LoRA or dataset tool answers a UserError by hand (the scan finds the old pattern)."""
+    hand = re.compile(r"except \([^)]*UserError[^)]*\)|except UserError")
+    tools = [os.path.join("networks", n) for n in os.listdir(os.path.join(ROOT, "networks"))]
+    tools += [os.path.join("finetune", n) for n in os.listdir(os.path.join(ROOT, "finetune"))]
+    tools += ["tools/caption_edit.py", "tools/check_dataset.py", "tools/dataset_folders.py",
+              "tools/resize_images_to_resolution.py", "library/dataset_tools/caption_cli.py"]
+    found = []
+    for t in tools:
+        if t.endswith(".py"):
+            with open(os.path.join(ROOT, t), encoding="utf-8") as f:
+                text = f.read()
+            if "def main" in text and hand.search(text):
+                found.append(t)
+    assert len(tools) > 20 and not found, found

@@ -17,7 +17,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.dataset_tools import dataset_check  # noqa: E402
-from library.dataset_tools.entry import run_tool  # noqa: E402
+from library.errors import run_tool  # noqa: E402
 
 
 def run(a) -> int:

@@ -19,7 +19,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.dataset_tools import resize_images  # noqa: E402
-from library.dataset_tools.entry import run_tool  # noqa: E402
+from library.errors import run_tool  # noqa: E402
 
 
 def setup_parser() -> argparse.ArgumentParser:

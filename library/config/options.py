@@ -335,7 +335,8 @@ OPTIONS: tuple[Option, ...] = (
       "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya. "
       "Unset: the model family's LoRA (networks.lora; FLUX.1 networks.lora_flux, SD3 networks.lora_sd3).", "network",
       scripts=LORA),
-    O("network_dim", "int", 4, "LoRA rank.", "network", scripts=LORA, min=1),
+    O("network_dim", "int", 4, "LoRA rank. Unset: the network module's default (networks.lora 4; "
+      "networks.oft_v2 block size 32).", "network", scripts=LORA, min=1),
     O("network_alpha", "float", 1.0, "LoRA alpha; the update is scaled by alpha / rank.", "network",
       scripts=LORA, min=0),
     O("network_dropout", "float", None, "Dropout on the LoRA down-projection output (neurons) each "

@@ -544,14 +544,21 @@ class ImageLoader:
     def __init__(self, tset: TrainingSet, workers: int, persistent: bool, pin: bool):
         # lazy: the dry run's plan loads this module before torch; torch is imported when __init__()
         # runs
+        import torch
         from torch.utils.data import DataLoader
 
         self.dataset = _SampleImages(tset)
         self._keys = _EpochKeys()
         self.workers = workers
+        # every iter() of a DataLoader draws its workers' base seed from its generator; with none,
+        # from torch's global one, which network dropout draws from and a resume restores: a
+        # resumed run starts its epoch's iterator at another point of the stream and its dropout
+        # masks would differ. The augmentation is keyed per sample, so the workers' seeds need
+        # no other source.
         self.loader = DataLoader(self.dataset, sampler=self._keys, batch_size=None,
                                  collate_fn=_as_is, num_workers=workers, pin_memory=pin,
-                                 persistent_workers=persistent and workers > 0)
+                                 persistent_workers=persistent and workers > 0,
+                                 generator=torch.Generator().manual_seed(0))
 
     def epoch(self, epoch: int, batches: list):
         """An iterator over the ``ImageBatch`` of each of ``batches`` (lists of sample indices)."""

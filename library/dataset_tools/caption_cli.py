@@ -5,14 +5,13 @@ line (exit 2)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
 from library.dataset_tools import captioning
-from library.errors import UserError
-from library.log import logger, setup_logging
+from library.errors import run_tool
+from library.log import logger
 
 
 def whole(text: str) -> int:
@@ -68,7 +67,6 @@ def main(p: argparse.ArgumentParser, build: Callable[[argparse.Namespace], capti
     """Parse, check the job (before the model loads), ``build(args)`` the captioner unless there
     is nothing to caption, run."""
     args = p.parse_args(argv)
-    setup_logging(True)
     bar = None
 
     def progress(done, total, path):
@@ -77,19 +75,20 @@ def main(p: argparse.ArgumentParser, build: Callable[[argparse.Namespace], capti
             bar = tqdm(total=total, unit="image", smoothing=0.0)
         bar.update(1)
 
-    try:
+    def work():
         the_job = job(args)
         captioning.check_job(the_job)
         idle = captioning.nothing_to_do(the_job)
         if idle:
             logger.warning(idle)
-            return 0
+            return
         summary = captioning.run(the_job, build(args), progress)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if bar is not None:
+            bar.close()
+        logger.info(summary.line())
+
+    try:
+        return run_tool(work)
     finally:
         if bar is not None:
             bar.close()
-    logger.info(summary.line())
-    return 0

@@ -133,12 +133,37 @@ def load(source: str, option: str, model_class: str, *, device: str | None = Non
 
     dev, dtype = placement(device, precision)
     cls = getattr(transformers, model_class)
-    processor = _loaded(option, source, "processor",
-                        lambda: transformers.AutoProcessor.from_pretrained(source))
+    processor = _loaded(option, source, "processor", lambda: _processor(source, option))
     if check_processor is not None:
         check_processor(processor)
     model = _loaded(option, source, "weights", lambda: cls.from_pretrained(source, dtype=dtype))
     return Loaded(model.to(dev).eval(), processor, dev, dtype, pin_memory)
+
+
+def _processor(source: str, option: str):
+    """transformers' processor of ``source``; without torchvision, a processor whose video part
+    needs it (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: transformers builds their video processor only with
+    torchvision) is built without that part: its image processor (the PIL backend, which
+    transformers picks when torchvision is missing), tokenizer and chat template, all captioning
+    uses. What needs torchvision for images too still fails, with ``_loaded``'s one line."""
+    import transformers  # lazy: as in load
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES  # lazy: as above
+
+    if importlib.util.find_spec("torchvision") is None:
+        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type(source, option)) or "", None)
+        if cls is not None and "video_processor" in cls.get_attributes():
+            return _images_only(cls).from_pretrained(source)
+    return transformers.AutoProcessor.from_pretrained(source)
+
+
+def _images_only(cls):
+    """``cls`` (a processor of images, text and video) without its video processor: transformers
+    takes a processor's parts from its ``__init__`` signature, so this one loads and calls only
+    the image processor and the tokenizer."""
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        kwargs.pop("video_processor", None)
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": _images_only.__doc__})
 
 
 def is_florence(source: str, option: str) -> bool:

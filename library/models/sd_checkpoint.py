@@ -23,6 +23,7 @@ from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, unet_layout
+from library.models.families import registry
 
 logger = logging.getLogger("sdtk")
 
@@ -151,7 +152,8 @@ def original_state_dict(components: dict, family: str) -> dict:
     """All weights of a model in the original SD/SDXL single-file layout."""
     if family not in ARCH_OF_FAMILY:
         raise ModelError(f"family: unknown model family {family!r}; expected sd1, sd2 or sdxl")
-    sd = unet_to_original(components["unet"].state_dict(), dict(components["unet"].config))
+    sd = projections_as(unet_to_original(components["unet"].state_dict(), dict(components["unet"].config)),
+                        registry.get(family).linear_projections)
     sd.update(vae_to_original(components["vae"].state_dict(), dict(components["vae"].config)))
     te = components["text_encoder"]
     if family == "sd2":
@@ -164,6 +166,23 @@ def original_state_dict(components: dict, family: str) -> dict:
         sd.update(openclip_to_original(components["text_encoder_2"], TE_PREFIX[(family, "text_encoder_2")],
                                        dummy_last_layer=False))
     return sd
+
+
+_PROJECTIONS = ("proj_in.weight", "proj_out.weight")
+
+
+def projections_as(unet_sd: dict, linear: bool) -> dict:
+    """The transformer blocks' proj_in / proj_out weights of an original-layout U-Net state dict
+    in the family's single-file form, whatever the diffusers model held: 2-D Linear weights
+    (``linear``: SD2 and SDXL files, as A1111, ComfyUI and sd-scripts read them) or 4-D 1x1
+    convolutions (SD1). The same numbers either way."""
+    def form(key, v):
+        if not key.endswith(_PROJECTIONS):
+            return v
+        if linear and v.ndim == 4:
+            return v.flatten(1)
+        return v[:, :, None, None] if not linear and v.ndim == 2 else v
+    return {k: form(k, v) for k, v in unet_sd.items()}
 
 
 # --- architecture description carried in the file's metadata ---------------------------------
@@ -188,6 +207,8 @@ def architecture_record(components: dict, family: str) -> dict:
             rec[name] = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     if components.get("scheduler") is not None:
         rec["scheduler"] = dict(components["scheduler"].config)
+    if "unet" in rec and "use_linear_projection" in rec["unet"]:  # the file's form (projections_as)
+        rec["unet"]["use_linear_projection"] = registry.get(family).linear_projections
     for cfg in rec.values():
         # diffusers lists the defaulted keys in set order, which varies with the process's
         # string-hash seed: sorted, the same model writes the same bytes in every run

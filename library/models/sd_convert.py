@@ -196,8 +196,6 @@ def convert(req: Request) -> str:
         if req.unet_use_linear_projection:
             logger.warning("--unet_use_linear_projection: no effect when saving a single file (the original "
                            "layout's projections are the family's: SD2 and SDXL Linear, SD1 1x1 convolutions)")
-        if registry.get(bundle.family).linear_projections:  # SD2 files hold Linear ones (A1111 and ComfyUI expect them)
-            components["unet"] = with_linear_projection(components["unet"])
         metadata = dict(req.metadata)
         if req.epoch or req.global_step:
             metadata |= {"epoch": str(req.epoch), "global_step": str(req.global_step)}

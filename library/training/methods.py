@@ -128,8 +128,11 @@ class NetworkMethod:
                     opts.network_multiplier, opts.network_weights, b.vae, self._te_arg(), b.unet,
                     weights_sd=self._read_weights(opts.network_weights), **kwargs)
             else:
+                # network_dim unset reaches the module as None, as in sd-scripts, so that the module
+                # applies its own default (networks.lora 4, networks.oft_v2's block size 32)
+                dim = opts.network_dim if "network_dim" in opts.given else None
                 network = self.module.create_network(
-                    opts.network_multiplier, opts.network_dim, opts.network_alpha, b.vae,
+                    opts.network_multiplier, dim, opts.network_alpha, b.vae,
                     self._te_arg(), b.unet, neuron_dropout=opts.network_dropout, **kwargs)
         except UserError:
             raise

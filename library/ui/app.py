@@ -286,8 +286,8 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
             return JSONResponse({"errors": [{"option": "processes", "suggestion": None, "message":
                                  f"processes {processes}: the queue has {len(runner.devices)} "
                                  f"device(s) ({', '.join(runner.devices)})"}]}, status_code=422)
-        jid = store.add(script, checks.snapshot(text, opts), processes,
-                        os.path.abspath(opts.output_dir), opts.output_name)
+        jid = runner.add(script, checks.snapshot(text, opts), processes,
+                         os.path.abspath(opts.output_dir), opts.output_name, checks.secrets(opts))
         runner.tick()
         return JSONResponse({"id": jid}, status_code=201)
 
@@ -450,6 +450,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         job_or_404(job_id)
         if not store.delete_if(job_id, ("queued",) + FINISHED):
             return _err(409, f"job {job_id} is {store.get(job_id)['state']}: stop it first")
+        runner.forget_secrets(job_id)
         readers.pop(job_id, None)
         return {"deleted": job_id}
 

@@ -22,7 +22,7 @@ import tomllib
 
 import toml
 
-from library.config.options import IMAGE_SCRIPTS, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
+from library.config.options import IMAGE_SCRIPTS, METHOD_OF_SCRIPT, OPTIONS_BY_NAME, SECRET_OPTIONS
 from library.config.parse import parse_args
 from library.distributed import deepspeed_zero
 from library.errors import UserError
@@ -78,15 +78,26 @@ def parse_config(script: str, text: str, extra: list | None = None):
 def snapshot(text: str, opts) -> str:
     """The TOML a job keeps: ``text`` itself, or, when it names a ``dataset_config`` file, the
     same run with that file's [general] / [[datasets]] tables in place of the key, so that editing
-    the file later does not change a queued job."""
-    if not opts.dataset_config_path or "dataset_config" not in opts.given:
+    the file later does not change a queued job; never a secret (``secrets``: SECRET_OPTIONS reach
+    the run through its environment, not through the stored snapshot)."""
+    bundled = opts.dataset_config_path and "dataset_config" in opts.given
+    if not bundled and not secrets(opts):
         return text
     data = tomllib.loads(text)
     for table in [data] + [v for v in data.values() if isinstance(v, dict)]:
-        table.pop("dataset_config", None)
-    with open(opts.dataset_config_path, "rb") as f:
-        data.update(tomllib.load(f))
+        for name in SECRET_OPTIONS:
+            table.pop(name, None)
+        if bundled:
+            table.pop("dataset_config", None)
+    if bundled:
+        with open(opts.dataset_config_path, "rb") as f:
+            data.update(tomllib.load(f))
     return toml.dumps(data)
+
+
+def secrets(opts) -> dict[str, str]:
+    """The secret options (SECRET_OPTIONS: the Hub token, the wandb key) a config sets."""
+    return {name: getattr(opts, name) for name in SECRET_OPTIONS if getattr(opts, name)}
 
 
 def plan_dict(p) -> dict:

@@ -37,6 +37,8 @@ def add_routes(app, settings, body, err, check) -> None:
                 return err(409, str(e), current=e.current, current_hash=e.current_hash)
             except workbench.Exists as e:
                 return err(409, str(e))
+            except workbench.Undecodable as e:
+                return err(422, str(e), reason=e.reason)
             except UserError as e:
                 return err(422, str(e))
         return wrapped

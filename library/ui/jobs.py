@@ -44,6 +44,10 @@ STATES = ("queued", "running", "stopping", "stopped", "done", "failed", "interru
 FINISHED = ("stopped", "done", "failed", "interrupted")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# a job's secret options reach its process as the variables their libraries read (huggingface_hub
+# HF_TOKEN, wandb WANDB_API_KEY), never through the stored config (library/ui/checks.py snapshot)
+SECRET_ENV = {"huggingface_token": "HF_TOKEN", "wandb_api_key": "WANDB_API_KEY"}
+
 _COLUMNS = ("id", "script", "config", "processes", "state", "position", "created", "started",
             "ended", "exit_code", "error", "output_dir", "output_name", "pid", "resume", "devices")
 
@@ -235,6 +239,39 @@ class Runner:
                 self.tick(start_new=False)
 
     # -- the queue -----------------------------------------------------------------------------
+    def add(self, script: str, config: str, processes: int, output_dir: str, output_name: str,
+            secrets: dict[str, str] | None = None) -> int:
+        """Queue a job; its ``secrets`` (SECRET_ENV's options) go to a file of its own (0600, in a
+        0700 folder outside the job folders the API serves) read at each start, and removed when
+        the job is done or deleted; a stopped or failed job keeps them for its resume."""
+        with self._lock:  # the loop's tick cannot start the job before its secrets are written
+            jid = self.store.add(script, config, processes, output_dir, output_name)
+            if secrets:
+                folder = os.path.join(self.data_dir, "secrets")
+                os.makedirs(folder, mode=0o700, exist_ok=True)
+                path = self._secrets_path(jid)
+                fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(secrets, f)
+                os.replace(path + ".tmp", path)
+            return jid
+
+    def _secrets_path(self, jid: int) -> str:
+        return os.path.join(self.data_dir, "secrets", f"{jid}.json")
+
+    def _secret_env(self, jid: int) -> dict[str, str]:
+        try:
+            with open(self._secrets_path(jid), encoding="utf-8") as f:
+                return {SECRET_ENV[k]: v for k, v in json.load(f).items() if k in SECRET_ENV}
+        except FileNotFoundError:
+            return {}
+
+    def forget_secrets(self, jid: int) -> None:
+        try:
+            os.remove(self._secrets_path(jid))
+        except FileNotFoundError:
+            pass
+
     def tick(self, start_new: bool = True) -> None:
         with self._lock:
             for jid, (p, devs, log) in list(self.procs.items()):
@@ -292,6 +329,7 @@ class Runner:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devs)
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
+        env.update(self._secret_env(job["id"]))
         log = None
         try:
             os.makedirs(folder, exist_ok=True)
@@ -328,6 +366,8 @@ class Runner:
             state = "failed"
             error = last_error(os.path.join(folder, "log.txt")) or end.get("message") or f"exit code {rc}"
         self.store.update(jid, state=state, exit_code=rc, error=error, ended=time.time(), pid=None)
+        if state == "done":
+            self.forget_secrets(jid)
 
     # -- requests ------------------------------------------------------------------------------
     @staticmethod

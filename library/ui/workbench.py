@@ -49,6 +49,24 @@ class Exists(UserError):
     """The target exists and is kept (HTTP 409)."""
 
 
+class Undecodable(DataError):
+    """An image that cannot be decoded (HTTP 422): the message names the file once; ``reason`` is
+    the rest, for a tile that already shows the file's name."""
+
+    def __init__(self, path: str, reason: str):
+        self.reason = f"cannot decode it ({reason})"
+        super().__init__(f"image {path}: {self.reason}")
+
+
+def _without_path(message: str, *paths: str) -> str:
+    """A library's message without the file names it quotes (PIL: "cannot identify image file
+    '/a/b.png'"): the caller names the file once."""
+    for p in paths:
+        for form in (repr(p), f'"{p}"', p):
+            message = message.replace(form, "")
+    return " ".join(message.split()).rstrip(" :") or "unknown error"
+
+
 def text_hash(text: str | None) -> str:
     """What a client sends back with an edit: the SHA-256 of the caption it edited ("" for none)."""
     return "" if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -163,8 +181,8 @@ def _image(path: str, allowed: list[str]) -> str:
 def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_SIZE) -> str:
     """The image's thumbnail (longest side ``size``, EXIF orientation applied, alpha on white,
     JPEG), made once and kept in ``cache_dir`` under a key of its real path, modification time
-    and byte size: an edited image gets a new one. A file that cannot be decoded is a DataError
-    naming it."""
+    and byte size: an edited image gets a new one. A file that cannot be decoded is an
+    Undecodable naming it once."""
     real = _image(path, allowed)
     st = os.stat(real)
     key = hashlib.sha256(f"{THUMB_VERSION}\0{size}\0{real}\0{st.st_mtime_ns}\0{st.st_size}".encode()).hexdigest()
@@ -185,7 +203,7 @@ def thumbnail(path: str, allowed: list[str], cache_dir: str, size: int = THUMB_S
             img.thumbnail((size, size))
             rgba = img.convert("RGBA")
     except Exception as e:  # PIL raises many types for a bad file
-        raise DataError(f"image {path}: cannot decode it ({first_line(e)})") from None
+        raise Undecodable(path, _without_path(first_line(e), real, path)) from None
     flat = Image.new("RGB", rgba.size, (255, 255, 255))
     flat.paste(rgba, mask=rgba.getchannel("A"))
     with files.atomic_path(out) as tmp:

@@ -1,7 +1,8 @@
-"""The captioning scripts on tiny BLIP, GIT, Florence-2, LLaVA and Qwen2-VL models built offline:
+"""The captioning scripts on tiny BLIP, GIT, Florence-2, LLaVA, Qwen2-VL and Qwen2.5-VL models built offline:
 every caption written equals the caption transformers' own ``generate`` makes, called here on the
 same model and image with the settings the flags stand for (one image at a time, where the script
 ran batches). Each check first makes sure the flag matters: the reference without it differs."""
+import importlib.machinery
 import importlib.util
 import os
 import subprocess
@@ -25,16 +26,54 @@ class Tiny:
     model: object
 
 
+class QwenReference:
+    """Qwen2-VL's processor by hand from transformers' parts, where transformers cannot build its
+    own (without torchvision): the chat template through the tokenizer, the pixels from the image
+    processor, and each image's ``<|image_pad|>`` repeated t * h * w / merge_size**2 times
+    (Qwen2VLProcessor.replace_image_token), image tokens marked 1 in ``mm_token_type_ids``."""
+    IMAGE = "<|image_pad|>"
+
+    def __init__(self, folder):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
+        with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as f:
+            self.template = f.read()
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, **kwargs)
+
+    def __call__(self, images, text, return_tensors=None):
+        pixels = self.image_processor(images=images, return_tensors="pt")
+        texts = [text] if isinstance(text, str) else list(text)
+        assert len(texts) == len(images) and all(t.count(self.IMAGE) == 1 for t in texts)
+        counts = [int(g.prod()) // self.image_processor.merge_size ** 2 for g in pixels["image_grid_thw"]]
+        enc = self.tokenizer([t.replace(self.IMAGE, self.IMAGE * n) for t, n in zip(texts, counts)],
+                             return_tensors=return_tensors)
+        image_id = self.tokenizer.convert_tokens_to_ids(self.IMAGE)
+        if return_tensors == "pt":
+            enc["mm_token_type_ids"] = (enc["input_ids"] == image_id).long()
+        return {**enc, **pixels}
+
+    def decode(self, ids, **kwargs):
+        return self.tokenizer.decode(ids, **kwargs)
+
+
 def _tiny(tmp_path_factory, name, model_class) -> Tiny:
     folder = str(tmp_path_factory.mktemp(name))
     getattr(tiny, f"build_{name}")(folder)
-    processor = transformers.AutoProcessor.from_pretrained(folder)
+    if name.startswith("qwen") and importlib.util.find_spec("torchvision") is None:
+        processor = QwenReference(folder)
+    else:
+        processor = transformers.AutoProcessor.from_pretrained(folder)
     return Tiny(folder, processor, getattr(transformers, model_class).from_pretrained(folder).eval())
 
 
 MODEL_CLASSES = {"blip": "BlipForConditionalGeneration", "git": "GitForCausalLM",
                  "florence2": "Florence2ForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
-                 "llava_next": "LlavaNextForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+                 "llava_next": "LlavaNextForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +243,14 @@ def test_chat_vlm_sampling(built, images, tmp_path):
 
 @pytest.mark.parametrize("name, image_token", [
     ("llava_next", "<image>"),
-    pytest.param("qwen2_vl", "<|vision_start|><|image_pad|><|vision_end|>", marks=pytest.mark.skipif(
-        importlib.util.find_spec("torchvision") is None,
-        reason="transformers builds Qwen2-VL's processor (its video part) only with torchvision")),
+    ("qwen2_vl", "<|vision_start|><|image_pad|><|vision_end|>"),
+    ("qwen2_5_vl", "<|vision_start|><|image_pad|><|vision_end|>"),
 ])
 def test_chat_vlm_batch_of_different_token_counts_is_padded_on_the_left(built, name, image_token, images, tmp_path):
-    """LLaVA-NeXT and Qwen2-VL give each image as many tokens as its shape asks: the batch's
-    prompts differ in length, and each reply must still equal the image's own, unpadded one."""
+    """LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL give each image as many tokens as its shape asks: the
+    batch's prompts differ in length, and each reply must still equal the image's own, unpadded
+    one. Without torchvision the script builds Qwen's processors without their video part, and
+    the reference's processor is made by hand from transformers' parts (QwenReference)."""
     vlm = built(name)
     assert len({len(vlm.processor(images=[rgb(p)], text=image_token)["input_ids"][0]) for p in images}) == 3
     rc = make_captions_vlm.main([str(tmp_path), "--model", vlm.folder, "--prompt", "describe this image .",
@@ -284,11 +324,20 @@ def test_model_folder_of_the_wrong_layout(built, images, tmp_path, capsys):
     assert rc == 2 and len(errors) == 1 and errors[0].startswith(f"error: --caption_weights {broken}: cannot load its")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
-def test_qwen2_vl_without_torchvision_is_one_line(tmp_path, images, capsys):
-    folder = tiny.build_qwen2_vl(str(tmp_path / "qwen"))
-    rc, errors = run_main(capsys, make_captions_vlm.main, [str(tmp_path), "--model", folder])
-    assert rc == 2 and errors == [f"error: --model {folder}: cannot load its processor: it needs torchvision, "
+def test_a_processor_that_needs_torchvision_is_one_line(built, images, tmp_path, capsys, monkeypatch):
+    """What really needs torchvision (a processor whose image part has no PIL backend) stays a
+    one-line refusal when torchvision is missing."""
+    llava = built("llava")
+
+    def needs_torchvision(*_, **__):
+        raise ImportError("\nSomeImageProcessorFast requires the Torchvision library but it was not found in your "
+                          "environment.\nCheck out the instructions ...")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", needs_torchvision)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchvision" else
+                        importlib.machinery.PathFinder.find_spec(name))
+    rc, errors = run_main(capsys, make_captions_vlm.main, [str(tmp_path), "--model", llava.folder])
+    assert rc == 2 and errors == [f"error: --model {llava.folder}: cannot load its processor: it needs torchvision, "
                                   "which is not installed (install the build matching your torch)"]
 
 

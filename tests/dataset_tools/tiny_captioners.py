@@ -169,11 +169,25 @@ def build_llava_next(folder: str) -> str:
 def build_qwen2_vl(folder: str) -> str:
     """A Qwen2-VL chat model. Its processor holds a video processor, which needs torchvision:
     without it the processor's parts and processor_config.json are written one by one, as a hub
-    repository holds them (transformers then cannot load it)."""
+    repository holds them (transformers' AutoProcessor then cannot load it)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return _build_qwen(folder, "Qwen2VLProcessor", Qwen2VLForConditionalGeneration, qwen2_vl_config)
+
+
+def build_qwen2_5_vl(folder: str) -> str:
+    """A Qwen2.5-VL chat model (windowed vision attention, an output projection), written as
+    build_qwen2_vl writes its folder."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return _build_qwen(folder, "Qwen2_5_VLProcessor", Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config)
+
+
+def _build_qwen(folder: str, processor_class: str, model_class, config) -> str:
     import importlib.util
     import json
 
-    from transformers import Qwen2VLForConditionalGeneration
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     specials = ["<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -183,19 +197,19 @@ def build_qwen2_vl(folder: str) -> str:
                                                patch_size=8, temporal_patch_size=2, merge_size=2)
     template = _chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     if importlib.util.find_spec("torchvision") is not None:
-        from transformers import Qwen2VLProcessor
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-        Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
-                         chat_template=template).save_pretrained(folder)
+        getattr(transformers, processor_class)(image_processor=image_processor, tokenizer=tok,
+                                               video_processor=Qwen2VLVideoProcessor(),
+                                               chat_template=template).save_pretrained(folder)
     else:
         tok.save_pretrained(folder)
         image_processor.save_pretrained(folder)
         with open(f"{folder}/processor_config.json", "w") as f:
-            json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+            json.dump({"processor_class": processor_class}, f)
         with open(f"{folder}/chat_template.jinja", "w") as f:
             f.write(template)
-    _scrambled(Qwen2VLForConditionalGeneration, qwen2_vl_config(v), 7).save_pretrained(folder)
+    _scrambled(model_class, config(v), 7).save_pretrained(folder)
     return folder
 
 
@@ -210,6 +224,18 @@ def qwen2_vl_config(v: dict):
                          bos_token_id=None, eos_token_id=v["<|im_end|>"], pad_token_id=v["<|endoftext|>"],
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
         image_token_id=v["<|image_pad|>"], video_token_id=v["<|video_pad|>"],
+        vision_start_token_id=v["<|vision_start|>"], vision_end_token_id=v["<|vision_end|>"])
+
+
+def qwen2_5_vl_config(v: dict):
+    from transformers import Qwen2_5_VLConfig
+
+    text = qwen2_vl_config(v).text_config.to_dict()
+    return Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=8,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=16, window_size=32,
+                           fullatt_block_indexes=[1]),
+        text_config=text, image_token_id=v["<|image_pad|>"], video_token_id=v["<|video_pad|>"],
         vision_start_token_id=v["<|vision_start|>"], vision_end_token_id=v["<|vision_end|>"])
 
 

@@ -210,3 +210,46 @@ def test_the_same_model_writes_the_same_bytes_under_any_string_hash_seed(tmp_pat
         subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=root, check=True)
         files.append(path.read_bytes())
     assert files[0] == files[1]
+
+
+def _with_projections(unet, linear: bool):
+    """The same U-Net with 1x1-conv (``linear`` False) or Linear proj_in / proj_out (diffusers'
+    two forms; sd-scripts writes SD2 folders with convs)."""
+    from diffusers import UNet2DConditionModel
+
+    out = UNet2DConditionModel.from_config(dict(unet.config) | {"use_linear_projection": linear})
+    shape = (lambda v: v.flatten(1)) if linear else (lambda v: v[:, :, None, None])
+    out.load_state_dict({k: shape(v) if k.endswith(("proj_in.weight", "proj_out.weight")) and v.ndim != (2 if linear else 4)
+                         else v for k, v in unet.state_dict().items()})
+    return out.eval()
+
+
+@pytest.mark.parametrize("arch", ["sd2", "sd15"])
+def test_a_training_save_writes_the_familys_projections(arch, tmp_path):
+    """A full-model training save (single file) of a diffusers folder whose projections have the
+    other form: SD2 files hold 2-D Linear proj_in / proj_out (A1111, sd-scripts), SD1 files 4-D 1x1
+    convs; the file loads back to the same function. Reference: the folder's own U-Net forward
+    (the same products, another kernel: float32 rounding only)."""
+    from safetensors.torch import load_file
+
+    from library.config.parse import options_from_values
+    from library.training.methods import FullMethod
+    from tests.helpers import assert_same_unet_function
+
+    comps = build_tiny_components(arch)
+    linear = arch == "sd2"  # the family's form; the folder holds the other
+    other = _with_projections(comps["unet"], not linear)
+    folder = tmp_path / "folder"
+    sdc.save_diffusers(comps | {"unet": other}, FAMILY_OF_ARCH[arch], str(folder))
+    bundle = loading.load_model_bundle(str(folder))
+    assert bundle.unet.config.use_linear_projection is (not linear)
+    opts = options_from_values("train_dreambooth", {"pretrained_model_name_or_path": str(folder),
+                                                    "output_dir": str(tmp_path)})
+    FullMethod(opts, bundle).save(str(tmp_path / "out.safetensors"), None, {})
+    sd = load_file(str(tmp_path / "out.safetensors"))
+    proj = [k for k in sd if k.startswith("model.diffusion_model.") and k.endswith(("proj_in.weight", "proj_out.weight"))]
+    assert proj and {sd[k].ndim for k in proj} == {2 if linear else 4}
+    assert sd["first_stage_model.decoder.mid.attn_1.proj_out.weight"].ndim == 4  # the VAE's stay convs
+    back = loading.load_model_bundle(str(tmp_path / "out.safetensors")).unet.eval()
+    assert back.config.use_linear_projection is linear
+    assert_same_unet_function(other, back)

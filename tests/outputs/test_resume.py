@@ -5,7 +5,7 @@ A run interrupted mid-epoch (by SIGINT, in this process and in a subprocess, or 
 thread, set by conftest): the same weights, the same loss and learning rate at every step
 (cosine with warmup: the schedule continues, never restarts), the same counters. LoRA runs use
 AdamW (optimizer state) and network dropout (global generator state), so both must be restored
-for bit identity; DreamBooth runs the uncached DataLoader path.
+for bit identity; DreamBooth and one LoRA run (with dropout) take the uncached DataLoader path.
 """
 from __future__ import annotations
 
@@ -136,6 +136,23 @@ def test_lora_lengthened_twice_resumes_bit_identical(data, tmp_path_factory):
     assert rc == 0 and r.progress.global_step == 6, err[-2000:]
     rc, err, r = train("train_lora", [*parts_args, "--max_train_steps", 9, "--resume",
                                       os.path.join(parts, "last-state")])
+    assert rc == 0, err[-2000:]
+    assert_same_run({"run": r, "file": os.path.join(parts, "last.safetensors")},
+                    {"run": u, "file": os.path.join(whole, "last.safetensors")})
+
+
+def test_lora_dropout_without_cached_latents_resumes_bit_identical(data, tmp_path_factory):
+    """Images loaded per step (no cache_latents) with network dropout: the DataLoader's epoch
+    iterators, made at other points of a resumed run, must not draw from the global generator
+    that the dropout masks come from. Stopped mid-epoch, resumed across an epoch boundary."""
+    base = [a for a in LORA if a != "--cache_latents"] + ["--train_data_dir", data]
+    whole, parts = str(tmp_path_factory.mktemp("whole")), str(tmp_path_factory.mktemp("parts"))
+    rc, err, u = train("train_lora", [*base, "--output_dir", whole, "--max_train_steps", 6])
+    assert rc == 0, err[-2000:]
+    parts_args = [*base, "--output_dir", parts, "--save_state_on_train_end"]
+    rc, err, _ = train("train_lora", [*parts_args, "--max_train_steps", 2])
+    assert rc == 0, err[-2000:]
+    rc, err, r = train("train_lora", [*parts_args, "--max_train_steps", 6, "--resume", "latest"])
     assert rc == 0, err[-2000:]
     assert_same_run({"run": r, "file": os.path.join(parts, "last.safetensors")},
                     {"run": u, "file": os.path.join(whole, "last.safetensors")})

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.models.tiny_models import build_tiny_components
+from tests.helpers import assert_same_unet_function
 from tools import convert_diffusers20_original_sd as tool
 
 PARTS = {"tiny-sd15": ("sd15", ["unet", "vae", "text_encoder"]),
@@ -96,12 +97,7 @@ def test_unet_use_linear_projection_keeps_the_function(tmp_path):
     assert unet.state_dict()["down_blocks.0.attentions.0.proj_in.weight"].ndim == 2
     ref = build_tiny_components("sd15")["unet"]
     assert not ref.config.use_linear_projection
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, ref.config.in_channels, 16, 16, generator=g)
-    ctx = torch.randn(1, 7, ref.config.cross_attention_dim, generator=g)
-    with torch.no_grad():
-        want, got = ref(x, 10, ctx).sample, unet(x, 10, ctx).sample
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_same_unet_function(ref, unet)
 
 
 def test_an_sd2_folder_with_conv_projections_becomes_a_single_file_with_linear_ones(tmp_path):

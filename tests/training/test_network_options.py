@@ -4,6 +4,7 @@ dim_from_weights, base_weights, SDXL block_lr, and LyCORIS file names on SDXL.
 Every expectation is computed here by hand: block indices from explicit tables of the tiny
 models' blocks, learning rates from the documented formulas, norms and merged weights in float64.
 """
+import copy
 import math
 import os
 import re
@@ -536,3 +537,28 @@ def test_option_forms_in_toml_and_on_the_command_line(tmp_path):
                                         "--output_dir", "o", "--resolution", "64", "--max_train_steps", "1",
                                         "--block_lr", "1e-6,2e-6", "3e-6"])
     assert o.block_lr == [1e-6, 2e-6, 3e-6]
+
+
+def test_unset_network_dim_leaves_the_module_its_default(tmp_path):
+    """network_dim unset reaches create_network as None (sd-scripts' default), so networks.oft_v2
+    takes its block size 32 (sd-scripts' oft_v2._create_network_args), networks.lora its rank 4;
+    a given network_dim is the block size / rank."""
+    from library.models.loading import load_model_bundle
+    from library.training.methods import NetworkMethod
+    from tests.helpers import options_from_values
+
+    bundle = load_model_bundle("tiny-sd15")
+
+    def network(**values):  # on a copy of the model: setup applies the network to it
+        opts = options_from_values("train_lora", dict(pretrained_model_name_or_path="tiny-sd15",
+                                                      output_dir=str(tmp_path), **values))
+        method = NetworkMethod(opts, copy.deepcopy(bundle))
+        method.setup()
+        return method.network
+
+    def sizes(net):  # block size of the layers whose inputs 32 and 8 both divide
+        return {m.block_size for m in net.unet_loras if m.n_blocks * m.block_size % 32 == 0}
+
+    assert sizes(network(network_module="networks.oft_v2")) == {32}
+    assert sizes(network(network_module="networks.oft_v2", network_dim=8)) == {8}
+    assert {m.lora_dim for m in network(network_module="networks.lora").unet_loras} == {4}

@@ -513,3 +513,45 @@ def test_dataset_view_shows_caption_weights():
     assert c["weights"] == [["a ", 1.0], ["red", 1.2], [" ", 1.0], ["big", pytest.approx(1.21)],
                             [" circle", 1.0]]
     assert "weights" not in checks._caption("a.png", "a (red:1.2)", weighted=False)
+
+
+def test_secrets_stay_out_of_the_stored_job_and_reach_the_run(ui, data, tmp_path):
+    """huggingface_token / wandb_api_key: not in the SQLite snapshot, the API's view or the job's
+    config.toml; the run gets them in its environment (HF_TOKEN, which huggingface_hub's HfApi
+    reads when given no token; WANDB_API_KEY, which wandb reads), from a 0600 file outside the
+    served job folders that is removed once the job is done."""
+    import stat
+
+    from library.ui.jobs import job_dir
+
+    token, key = "hf_SECRETtoken123", "wandbSECRETkey456"
+    seen = tmp_path / "seen.json"
+    fake = tmp_path / "python"  # the job's interpreter: records what the run would get
+    fake.write_text(f"#!{sys.executable}\nimport json, os\nfrom huggingface_hub import get_token\n"
+                    f"json.dump({{'hub': get_token(), 'wandb': os.environ.get('WANDB_API_KEY')}}, "
+                    f"open({str(seen)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    ui.runner.python = str(fake)
+    ui.client.post("/api/queue", json={"held": True})
+    text = tiny_config(data, str(tmp_path / "out")) + \
+        f'[hub]\nhuggingface_repo_id = "me/run"\nhuggingface_token = "{token}"\nwandb_api_key = "{key}"\n'
+    r = ui.client.post("/api/jobs", json={"script": "train_lora", "config": text})
+    assert r.status_code == 201, r.text
+    jid = r.json()["id"]
+    snap = ui.store.get(jid)["config"]
+    assert token not in snap and key not in snap and 'huggingface_repo_id = "me/run"' in snap
+    assert token not in ui.client.get(f"/api/jobs/{jid}").text
+    secret_file = os.path.join(ui.data_dir, "secrets", f"{jid}.json")
+    assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+    assert not secret_file.startswith(job_dir(ui.data_dir, jid) + os.sep)  # not among the served files
+    ui.client.post("/api/queue", json={"held": False})
+    ui.wait(jid, lambda j: j["state"] == "done")
+    assert json.loads(seen.read_text()) == {"hub": token, "wandb": key}
+    assert not os.path.exists(secret_file)  # done: removed
+    stored = [ui.db] + [os.path.join(d, n) for d, _, names in os.walk(ui.data_dir) for n in names]
+    for path in stored:
+        with open(path, "rb") as f:
+            body = f.read()
+        assert token.encode() not in body and key.encode() not in body, path
+    with open(os.path.join(job_dir(ui.data_dir, jid), "config.toml"), encoding="utf-8") as f:
+        assert "huggingface_token" not in f.read()

@@ -168,7 +168,9 @@ def test_dataset_workbench_opens_a_folder_and_saves_a_caption(server, tmp_path):
         expect(page.locator("#ds-folder")).to_have_value(str(folder))
         # (the first answer may wait for the server's first import of the trainer's checks)
         expect(page.locator("#ds-grid .tile")).to_have_count(3, timeout=120000)
-        expect(page.locator('.tile[data-name="c.png"] .broken')).to_contain_text("cannot decode it")
+        # the tile names the file once (its label) and the box says why, without the path
+        expect(page.locator('.tile[data-name="c.png"] .broken')).to_have_text(
+            "cannot decode it (cannot identify image file)")
         page.wait_for_function("document.querySelector('.tile[data-name=\"a.png\"] img').naturalWidth === 96")
         expect(page.locator("#ds-tags")).to_contain_text("sks cat")
         expect(page.locator("#ds-trained")).to_contain_text("sks cat, red", timeout=120000)

@@ -130,8 +130,11 @@ def test_thumbnails_cached_by_content_and_a_corrupt_image(wb, allowed):
     (allowed / "5_sks dog" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
     r = c.get("/api/dataset/thumb", params={"path": str(allowed / "5_sks dog" / "bad.png")})
     assert r.status_code == 422
-    err = r.json()["error"]
-    assert err.startswith(f"image {allowed / '5_sks dog' / 'bad.png'}: cannot decode it (") and "\n" not in err
+    err, reason = r.json()["error"], r.json()["reason"]
+    # the path once (PIL's message quotes it too), then why; the tile, which shows the name, shows the reason
+    bad = str(allowed / "5_sks dog" / "bad.png")
+    assert err == f"image {bad}: {reason}" and err.count("bad.png") == 1 and "\n" not in err
+    assert reason == "cannot decode it (cannot identify image file)"
 
 
 def test_caption_edit_undo_and_a_stale_edit(wb, allowed):

@@ -80,7 +80,9 @@ function tile(img) {
   const pic = el("img", { src: "/api/dataset/thumb?" + qs({ path: img.path }), alt: img.name, loading: "lazy" });
   pic.addEventListener("error", async () => {
     const r = await api("GET", "/api/dataset/thumb?" + qs({ path: img.path }));
-    pic.replaceWith(el("div", { class: "broken", text: r.data && r.data.error ? r.data.error : "cannot show this image" }));
+    // the tile names the file below: the box says why (the path is in the API's error only)
+    const why = r.data && (r.data.reason || r.data.error);
+    pic.replaceWith(el("div", { class: "broken", text: why || "cannot show this image" }));
   });
   const ta = el("textarea", { spellcheck: "false", placeholder: "no caption" });
   ta.value = img.caption ?? "";
