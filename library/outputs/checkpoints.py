@@ -34,13 +34,15 @@ class Saver:
     full weights, the ``stepper``'s eval mode and state, and the ``frozen`` parts a full model's
     file needs. ``record``: what a state records of the run (train_state.RunRecord); ``saved``:
     the list the model files written are appended to; ``uploader`` (main process, hub.Uploader):
-where each saved file (and, with save_state_to_huggingface, each state) is uploaded."""
+    where each saved file (and, with save_state_to_huggingface, each state) is uploaded.
+    ``record`` None: a run that keeps no training state (train_leco, which cannot resume);
+    ``epochs`` False: a run without epochs (train_leco: no ss_epoch)."""
 
     def __init__(self, opts, record, base_metadata: dict, saved: list, *, accelerator, bundle,
                  method, params: list, named: list, strategy, stepper, ema, frozen,
-                 uploader: Uploader | None = None):
+                 uploader: Uploader | None = None, epochs: bool = True):
         self.opts, self.record, self.base_metadata, self.saved = opts, record, base_metadata, saved
-        self.uploader = uploader
+        self.uploader, self.epochs = uploader, epochs
         self.accelerator, self.bundle, self.method = accelerator, bundle, method
         self.params, self.named, self.ema = params, named, ema
         self.strategy, self.stepper, self.frozen = strategy, stepper, frozen
@@ -55,7 +57,8 @@ where each saved file (and, with save_state_to_huggingface, each state) is uploa
     def _save_model(self, progress, *, epoch=None, step=None) -> None:
         opts, acc = self.opts, self.accelerator
         acc.wait_for_everyone()
-        meta = metadata.step_metadata(self.base_metadata, epoch=epoch or progress.epochs_done,
+        meta = metadata.step_metadata(self.base_metadata,
+                                      epoch=(epoch or progress.epochs_done) if self.epochs else None,
                                       step=progress.global_step, finished_at=time.time())
         ext = self.method.extension()
         # fsdp: every process joins the gather of the full weights; the main process writes them.
@@ -135,10 +138,12 @@ where each saved file (and, with save_state_to_huggingface, each state) is uploa
                                 named=self.named, ema=self.ema, stepper=self.stepper,
                                 strategy=self.strategy, accelerator=self.accelerator)
 
-    def state_of_this_step(self, progress) -> str:
+    def state_of_this_step(self, progress) -> str | None:
         """``<output_name>-step<N>-state`` after the last completed step, written unless a save
-        of this step wrote it already; returns its folder."""
+        of this step wrote it already; returns its folder (None: the run keeps no state)."""
         opts = self.opts
+        if self.record is None:
+            return None
         path = train_state.state_dir(opts.output_dir, opts.output_name, step=progress.global_step)
         if progress.last_state != (path, progress.global_step):
             self.write_state(progress, path)

@@ -195,17 +195,20 @@ def train(run) -> None:
 def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver: Saver) -> None:
     """A non-finite loss or gradient norm in step global_step + 1, before its update (every
     process alike). ``action`` (on_nonfinite) ``stop``: write the state of the last good step
-    and raise NonFiniteStop; ``skip``: drop the update and warn (library/training/nonfinite.py)."""
+    and raise NonFiniteStop; ``skip``: drop the update and warn (library/training/nonfinite.py).
+    ``bar`` (the progress bar) and ``reporter``: None where the run has none (train_leco)."""
     step = progress.global_step + 1
     partial = stepper.partial_update
-    reporter.nonfinite(what, step, action)
+    if reporter is not None:
+        reporter.nonfinite(what, step, action)
     if action == "skip":
         stepper.skip()
         logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"
                        + ("; some parameters had already been stepped in the backward pass"
                           if partial else ""))
         return
-    bar.close()
+    if bar is not None:
+        bar.close()
     msg = f"non-finite {what} at step {step}: training stopped"
     if partial:
         # the hooks had stepped parameters before the bad gradient appeared: no state of
@@ -216,6 +219,9 @@ def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
     path = saver.state_of_this_step(progress)
+    if path is None:  # a run that keeps no training state (train_leco)
+        raise NonFiniteStop(f"{msg} before its update; the files saved before it are kept "
+                            "(e.g. lower learning_rate or max_grad_norm)")
     raise NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")
