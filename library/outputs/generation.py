@@ -154,7 +154,8 @@ class Generator:
             raise GenError(f"--textual_inversion_embeddings: SD1/SD2/SDXL embeddings; this model is {fam}")
         if args.clip_skip is not None:
             raise GenError(f"--clip_skip: an SD option; this model is {fam}")
-        if args.shift is not None and registry.of(self.bundle).flow.sample_schedule != FIXED_SHIFT:
+        flow = registry.of(self.bundle).flow
+        if args.shift is not None and flow is not None and flow.sample_schedule != FIXED_SHIFT:
             raise GenError("--shift is SD3's; FLUX.1's schedule is shifted by the image's size")
         if args.guidance_scale is not None and self.defaults["guidance"] is None:
             raise GenError(f"--guidance_scale is FLUX.1 dev's guidance input; this {fam} model has none")
@@ -339,7 +340,8 @@ def generate(args) -> list[str]:
     jobs = gen_options.plan_jobs(args, prompts, gen.defaults)
     n0 = _sequential_start(args.outdir) if args.sequential_file_name else 0
     stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
-    written, t0 = [], time.perf_counter()
+    written: list[str] = []
+    t0 = time.perf_counter()
     for batch in gen_options.batches(jobs, args.batch_size):
         for job, image in zip(batch, gen.render(batch)):
             n = len(written) + 1

@@ -10,11 +10,16 @@ import json
 import mimetypes
 import os
 from collections import Counter
+from typing import TYPE_CHECKING
 
+from library.config.parse import required
 from library.errors import UserError
 from library.models.families import registry
 from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
                                       modelspec_architecture)
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 def tag_frequency(items) -> dict:
@@ -29,12 +34,12 @@ def tag_frequency(items) -> dict:
     return {k: dict(v) for k, v in freq.items()}
 
 
-def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str | None,
+def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adapter: str | None,
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
-                   network_info: dict | None = None, variant: str | None = None) -> dict:
+                   network_info: dict | None = None, variant: str = "") -> dict:
     """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields)."""
-    w, h = opts.resolution
+    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields; "" for the SD families)."""
+    w, h = required(opts.resolution, "resolution")
     md = _run_fields(opts, family, started_at)
     md.update({
         "ss_text_encoder_lr": str(opts.text_encoder_lr),
@@ -83,7 +88,7 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
     return _user_fields(md, opts, network_info)
 
 
-def leco_metadata(opts, *, family: str, v_parameterization: bool, network_info: dict,
+def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, network_info: dict,
                   settings: list, started_at: float) -> dict:
     """train_leco's static metadata: train_lora's run keys and modelspec fields (a U-Net LoRA),
     and sd-scripts' ss_leco_* keys for the prompt ``settings`` (library/config/leco_prompts.py)."""
@@ -92,7 +97,7 @@ def leco_metadata(opts, *, family: str, v_parameterization: bool, network_info: 
     md.update({
         "ss_optimizer": str(opts.optimizer_type),
         "ss_leco_prompt_count": str(len(settings)),
-        "ss_leco_prompts_file": os.path.basename(opts.prompts_file),
+        "ss_leco_prompts_file": os.path.basename(required(opts.prompts_file, "prompts_file")),
         "ss_leco_max_denoising_steps": str(opts.max_denoising_steps),
         "ss_leco_denoise_guidance_scale": str(opts.leco_denoise_guidance_scale),
         "ss_leco_preview": json.dumps(
@@ -104,7 +109,7 @@ def leco_metadata(opts, *, family: str, v_parameterization: bool, network_info: 
     return _user_fields(md, opts, network_info)
 
 
-def _run_fields(opts, family: str, started_at: float) -> dict:
+def _run_fields(opts: Options, family: str, started_at: float) -> dict:
     """The run's keys every training script writes."""
     return {
         "ss_training_started_at": str(started_at),
@@ -121,7 +126,7 @@ def _run_fields(opts, family: str, started_at: float) -> dict:
     }
 
 
-def _modelspec(opts, family: str, v_parameterization: bool, adapter: str | None,
+def _modelspec(opts: Options, family: str, v_parameterization: bool, adapter: str | None,
                started_at: float, resolution: str) -> dict:
     """SAI's modelspec.* fields of a run's file (``resolution``: "WxH")."""
     return {
@@ -135,7 +140,7 @@ def _modelspec(opts, family: str, v_parameterization: bool, adapter: str | None,
     }
 
 
-def _user_fields(md: dict, opts, network_info: dict | None) -> dict:
+def _user_fields(md: dict, opts: Options, network_info: dict | None) -> dict:
     """The metadata_* options' modelspec fields, training_comment and the network's own keys."""
     md.update(model_spec_fields(opts))
     if opts.training_comment is not None:
@@ -154,7 +159,7 @@ class MetadataError(UserError, ValueError):
     pass
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads: a metadata_thumbnail file must exist (sd-scripts skips a missing
     one with a warning; a silently missing thumbnail is what we avoid)."""
     thumb = opts.metadata_thumbnail
@@ -162,7 +167,7 @@ def check_options(opts) -> None:
         raise MetadataError(f"metadata_thumbnail: no such file: {thumb}")
 
 
-def model_spec_fields(opts) -> dict:
+def model_spec_fields(opts: Options) -> dict:
     """modelspec.<field> for every metadata_<field> that is set; a thumbnail file becomes a
     data: URL (base64 of the file, MIME type from its name), as sd-scripts embeds it."""
     out = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import set_seed
@@ -32,6 +33,7 @@ from diffusers import DDPMScheduler
 from library import accelerator
 from library.accelerator import is_main_process
 from library.config import leco_prompts
+from library.config.parse import required
 from library.data.step_plan import derive_seed
 from library.errors import UserError
 from library.distributed.strategy import SingleProcess
@@ -40,11 +42,14 @@ from library.models import family, inpainting, loading, placement
 from library.models.families import registry
 from library.models.family import TextConditioning
 from library.outputs import metadata, output_checks, train_state
-from library.outputs.checkpoints import Saver
+from library.outputs.checkpoints import SaveTargets, Saver
 from library.run import loop
 from library.training import losses, methods, nonfinite, offload, optim, step_sync
 from library.training.progress import Progress
 from library.training.stepper import make_stepper
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 class LecoError(UserError, ValueError):
@@ -61,7 +66,7 @@ class LecoRun:
     saved: list
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads."""
     if accelerator.launched_world_size() > 1:
         raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
@@ -74,12 +79,12 @@ def check_options(opts) -> None:
                         "prompts, once): network_train_unet_only = false cannot apply")
 
 
-def run(opts) -> LecoRun:
+def run(opts: Options) -> LecoRun:
     setup_logging(is_main_process())
     started = time.time()
     check_options(opts)
-    settings = leco_prompts.read_prompt_file(opts.prompts_file)
-    total = opts.max_train_steps
+    settings = leco_prompts.read_prompt_file(required(opts.prompts_file, "prompts_file"))
+    total = required(opts.max_train_steps, "max_train_steps")  # LECO has no epochs
     warmup = optim.steps_of(opts.lr_warmup_steps, total)
     optim.check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                           learning_rate=opts.learning_rate)
@@ -119,14 +124,15 @@ def run(opts) -> LecoRun:
         stepper = make_stepper(acc, opts, groups, method.trainable_parameters(),
                                warmup_steps=warmup, total_steps=total, grad_sum=None)
         sampler = make_sampler(b)
-        progress, saved = Progress(), []
+        progress = Progress()
+        saved: list[str] = []  # the files written, in order
         base_md = metadata.leco_metadata(opts, family=b.family, v_parameterization=b.v_parameterization,
                                          network_info=method.info, settings=settings, started_at=started)
-        saver = Saver(opts, None, base_md,
-                      saved, accelerator=acc, bundle=b, method=method,
-                      params=method.trainable_parameters(), named=train_state.named_trainable(method, b),
-                      strategy=SingleProcess(acc), stepper=stepper, ema=None,
-                      frozen=offload.Frozen(device, keep_on_device=True), epochs=False)
+        targets = SaveTargets(bundle=b, method=method, params=method.trainable_parameters(),
+                              named=train_state.named_trainable(method, b), ema=None,
+                              frozen=offload.Frozen(device, keep_on_device=True))  # nothing released
+        saver = Saver(opts, None, base_md, saved, targets=targets, accelerator=acc,
+                      strategy=SingleProcess(acc), stepper=stepper, epochs=False)
         for step in range(total):
             d = draw(opts, settings, step)
             with acc.autocast():
@@ -176,17 +182,17 @@ def _repeat(cond, n: int):
 @dataclasses.dataclass
 class Draw:
     """The random choices of one step (keyed by (seed, step))."""
-    setting: object
+    setting: leco_prompts.PromptSetting
     stop: int          # denoising steps taken, in [1, max_denoising_steps - 1]
     height: int
     width: int
-    noise: object      # (batch, 4, h/8, w/8) float32, before the initial sigma
-    offset: object     # (batch, 4, 1, 1) noise_offset's per-channel noise, or None
+    noise: torch.Tensor  # (batch, 4, h/8, w/8) float32, before the initial sigma
+    offset: torch.Tensor | None  # (batch, 4, 1, 1) noise_offset's per-channel noise
     size_cond: tuple   # SDXL (original h, w, crop top, left, target h, w)
     denoise_seed: int  # the sampler's own noise (DDPM steps add some) during the partial denoising
 
 
-def draw(opts, settings, step: int) -> Draw:
+def draw(opts: Options, settings, step: int) -> Draw:
     """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
     g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
     s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
@@ -248,7 +254,7 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
     return x
 
 
-def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts):
+def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts: Options):
     """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
     positive, neutral, unconditional, target, prediction}."""
     s = d.setting

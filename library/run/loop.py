@@ -54,7 +54,7 @@ def train(run) -> None:
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
                disable=not is_main_process(), desc="steps", dynamic_ncols=True)
     done, stop = False, 0
-    norm_postfix = {}  # scale_weight_norms' bar entries, as last read
+    norm_postfix: dict[str, str] = {}  # scale_weight_norms' bar entries, as last read
     images_in = None  # without cached latents: decoded and augmented per step
     if c.caches.latents is None:
         images_in = ImageLoader(run.tset, loader_workers(opts.max_data_loader_n_workers,
@@ -90,7 +90,7 @@ def train(run) -> None:
                 zero_weight = part == ZERO_WEIGHT
                 if zero_weight:
                     idx = [gb.indices[0]]
-                    if loader is not None:
+                    if images_in is not None:  # (the loader's)
                         images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(view, epoch, idx)
                 with strategy.micro_step(last):  # DDP: no_sync() but in the last micro-step
@@ -218,10 +218,10 @@ def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
-    path = saver.state_of_this_step(progress)
-    if path is None:  # a run that keeps no training state (train_leco)
+    if not saver.keeps_state:  # train_leco
         raise NonFiniteStop(f"{msg} before its update; the files saved before it are kept "
                             "(e.g. lower learning_rate or max_grad_norm)")
+    path = saver.state_of_this_step(progress)
     raise NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "
         f"(continue with --resume {path}; on_nonfinite skip passes over such steps)")

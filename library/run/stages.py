@@ -25,7 +25,7 @@ from library.log import logger
 from library.models import family, flow_family, inpainting, loading, placement
 from library.models.families import registry
 from library.outputs import class_images, hub, metadata, output_checks, progress_stream, tracking, train_state
-from library.outputs.checkpoints import Saver
+from library.outputs.checkpoints import SaveTargets, Saver
 from library.run import loop, run_checks
 from library.run.run_state import Caches, Components
 from library.training import (block_swap, ema, flow_loss, host_memory, network_options, offload,
@@ -97,11 +97,10 @@ class Run:
     __slots__ = ("opts", "method_name", "tset", "plan", "parts", "progress", "base_metadata",
                  "saved", "stop_signals", "saver", "closing")
 
-    def __init__(self, opts: Options, method_name: str):
+    def __init__(self, opts: Options, method_name: str, tset: TrainingSet, plan: StepPlan):
         self.opts = opts
         self.method_name = method_name
-        self.tset: TrainingSet | None = None  # plan_run
-        self.plan: StepPlan | None = None
+        self.tset, self.plan = tset, plan  # plan_run's (Run.load plans again for the joined job)
         self.parts: Components | None = None  # when every stage has made its parts
         self.progress = Progress()          # a resume replaces it with the saved one
         self.base_metadata: dict = {}
@@ -244,15 +243,15 @@ class Run:
         batch_loss = BatchLoss(opts, self.tset, accelerator=acc, bundle=b, family_model=fm,
                                losses=loaded.losses, placement=setup.placement,
                                method=setup.method, strategy=setup.strategy, caches=cached.caches)
+        evaluated = validation.Evaluated(accelerator=acc, bundle=b, method=setup.method,
+                                         family_model=fm, stepper=setup.stepper,
+                                         strategy=setup.strategy)
         validate = functools.partial(
-            validation.run_validation, setup.validation, accelerator=acc, losses=loaded.losses,
-            bundle=b, method=setup.method, family_model=fm, stepper=setup.stepper,
-            strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text,
+            validation.run_validation, setup.validation, model=evaluated, losses=loaded.losses,
+            batch_loss=batch_loss, text_cache=cached.caches.text,
             text_partial=cached.caches.text_partial)
-        sample = functools.partial(
-            sampling.sample_images, opts, accelerator=acc, bundle=b, method=setup.method,
-            family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen,
-            placement=setup.placement)
+        sample = functools.partial(sampling.sample_images, opts, model=evaluated,
+                                   frozen=cached.frozen, placement=setup.placement)
         reporter = tracking.Reporter(opts, self.plan, self.tset, setup.stream, setup.method, b,
                                      validate=validate, sample=sample)
         return Components(
@@ -265,6 +264,8 @@ class Run:
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int,
                         step: int | None = None):
         """Sum over this process's samples of weight * loss, divided by the global batch size."""
+        if self.parts is None:
+            raise RuntimeError("micro_step_loss: the run's parts are not assembled yet")
         return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
@@ -298,7 +299,7 @@ def train(r: Run, started: float, resume, hub_api=None) -> Run:
             part.close()
 
 
-def _train(r: Run, opts, started: float, resume, hub_api) -> Run:
+def _train(r: Run, opts: Options, started: float, resume, hub_api) -> Run:
     loaded = r.load()
     print_plan(r.plan, is_main_process())
     setup = r.setup_method(loaded)
@@ -307,19 +308,20 @@ def _train(r: Run, opts, started: float, resume, hub_api) -> Run:
     named = train_state.named_trainable(c.method, c.bundle)
     if resume:
         # again: the joined job's plan may differ from the launcher's
-        resume = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
+        path, info = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
         r.progress = train_state.load_state(
-            *resume, logger, accelerator=c.accelerator, named=named, ema=c.ema,
+            path, info, logger, accelerator=c.accelerator, named=named, ema=c.ema,
             stepper=c.stepper, strategy=c.strategy, network_dropout=r.opts.network_dropout)
     r.base_metadata = metadata.build_metadata(
         opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
-        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else None)
+        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else "")
+    targets = SaveTargets(bundle=c.bundle, method=c.method, params=c.params, named=named,
+                          ema=c.ema, frozen=c.frozen)
     r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),
-                    r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
-                    method=c.method, params=c.params, named=named, strategy=c.strategy,
-                    stepper=c.stepper, ema=c.ema, frozen=c.frozen,
+                    r.base_metadata, r.saved, targets=targets, accelerator=c.accelerator,
+                    strategy=c.strategy, stepper=c.stepper,
                     uploader=hub.uploader_for(r.opts, hub_api) if is_main_process() else None)
     if r.saver.uploader is not None:
         r.closing.append(r.saver.uploader)  # its uploads finished before the run ends, however

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+from typing import TYPE_CHECKING, Any
 
 import diffusers
 import toml
@@ -37,11 +38,15 @@ from PIL import Image
 
 from library import text_files
 from library.accelerator import is_main_process
+from library.config.parse import required
 from library.data import images, inpaint_masks
 from library.errors import UserError
 from library.models import flow_family, inpainting
 from library.models.families import registry
 from library.training import flow_sampling, validation
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -81,7 +86,7 @@ class SamplingError(UserError):
 
 
 def _prompt(raw: dict, where: str) -> dict:
-    p = dict(DEFAULTS)
+    p: dict[str, Any] = dict(DEFAULTS)
     for k, v in raw.items():
         if k not in TYPES:
             raise SamplingError(f"{where}: unknown key {k!r} (one of {', '.join(TYPES)})")
@@ -165,7 +170,7 @@ def load_prompts(path: str) -> list[dict]:
     return prompts
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     when = opts.sample_every_n_steps or opts.sample_every_n_epochs or opts.sample_at_first
     if when and not opts.sample_prompts:
         raise SamplingError("sample_every_n_steps / sample_every_n_epochs / sample_at_first need "
@@ -193,13 +198,18 @@ def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
     return bool(o.sample_every_n_epochs) and epoch % o.sample_every_n_epochs == 0
 
 
-def prompt_seed(opts, prompt: dict, index: int) -> int:
+def prompt_seed(opts: Options, prompt: dict, index: int) -> int:
     """The prompt's --d, else seed + prompt index (sd-scripts)."""
     return prompt["seed"] if prompt["seed"] is not None else opts.seed + index
 
 
-def image_path(opts, step: int, index: int, seed: int) -> str:
-    return os.path.join(opts.output_dir, "sample", f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
+def image_path(opts: Options, step: int, index: int, seed: int) -> str:
+    return os.path.join(sample_folder(opts), f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
+
+
+def sample_folder(opts: Options) -> str:
+    """``<output_dir>/sample``: where the sample images go."""
+    return os.path.join(required(opts.output_dir, "output_dir"), "sample")
 
 
 def sampler_config(bundle) -> dict:
@@ -230,6 +240,8 @@ def _pipeline(b, kind: str):
     comps = b.components()
     comps.pop("scheduler")
     fam = registry.of(b)
+    if fam.pipelines is None:  # a flow family samples through library/training/flow_sampling.py
+        raise ValueError(f"{fam.name}: no diffusers pipelines")
     cls = getattr(diffusers, fam.pipelines[PIPELINE_KINDS.index(kind)])
     if fam.size_conditioning:  # SDXL's pipelines: a watermarker, no safety checker
         pipe = cls(**comps, scheduler=None, add_watermarker=False)
@@ -398,19 +410,19 @@ def _warn_unused(bundle, p: dict, i: int) -> None:
                        "with its flow-matching Euler sampler (ignored)")
 
 
-def sample_images(opts, step: int, *, accelerator, bundle, method, family_model, stepper, strategy,
-                  frozen, placement) -> list[str]:
-    """Render this process's prompts (the ``strategy``'s share) at global step ``step`` with the
-    model ``bundle`` and ``method``'s network, in the ``stepper``'s eval mode, the ``frozen``
+def sample_images(opts: Options, step: int, model: validation.Evaluated, *, frozen, placement) -> list[str]:
+    """Render this process's prompts (the model's strategy's share) at global step ``step`` with
+    ``model`` (the bundle and the method's network, in the stepper's eval mode), the ``frozen``
     parts back, the transformer's inputs in ``placement``'s dtype (FLUX.1 / SD3); returns the
     files written."""
-    acc = accelerator
-    prompts = load_prompts(opts.sample_prompts)
+    acc, bundle, family_model = model.accelerator, model.bundle, model.family_model
+    stepper, strategy = model.stepper, model.strategy
+    prompts = load_prompts(required(opts.sample_prompts, "sample_prompts"))
     written = []
-    mods = validation.modules(bundle, method)
+    mods = model.modules()
     modes = {m: m.training for root in mods for m in root.modules()}
     devices = [acc.device] if acc.device.type == "cuda" else []
-    os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
+    os.makedirs(sample_folder(opts), exist_ok=True)
     dtype = placement.input_dtype(placement.unet)
     try:
         # the VAE and text encoders, released after caching, are back for the samples
@@ -454,5 +466,5 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
     acc.wait_for_everyone()
     if is_main_process():
         logger.info(f"sample images at step {step}: {len(prompts)} in "
-                    f"{os.path.join(opts.output_dir, 'sample')}")
+                    f"{sample_folder(opts)}")
     return written
