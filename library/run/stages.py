@@ -28,8 +28,8 @@ from library.outputs import class_images, hub, metadata, output_checks, progress
 from library.outputs.checkpoints import SaveTargets, Saver
 from library.run import loop, run_checks
 from library.run.run_state import Caches, Components
-from library.training import (block_swap, ema, flow_loss, host_memory, network_options, offload,
-                              partial_text_cache, sampling, validation)
+from library.training import (block_swap, ema, flow_loss, host_memory, model_setup, network_options,
+                              offload, partial_text_cache, sampling, validation)
 from library.training.batch_loss import BatchLoss, check_multiplier
 from library.training.compile_unet import compile_unet
 from library.training.methods import make_method
@@ -150,23 +150,10 @@ class Run:
         b, acc = loaded.bundle, loaded.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
         method = make_method(self.method_name, opts, b)
-        # The dtypes of every part (library/models/placement.py, shared with the memory estimate): the
-        # trained weights float32, or with full_bf16 / full_fp16 bf16 / fp16 (the stepper updates
-        # them in float32 and rounds back); the frozen parts the mixed-precision dtype, or with
-        # fp8_base / fp8_base_unet float8. Placed before the network hooks the modules, so its
-        # hooks call the fp8 forward; after the load (and any merge of base weights into it).
-        pl = placement.dtype_placement(opts, self.method_name, method.train_text_encoder,
-                                       len(b.text_encoders))
-        if opts.blocks_to_swap:  # FLUX.1 / SD3: those blocks stay on the host, streamed in
-            # (a fused step updates them on the device, inside their backward: copied home after)
-            block_swap.install(b.unet, opts.blocks_to_swap, acc.device, storage=pl.unet,
-                               compute=pl.compute, write_back=fused_mode(opts) is not None)
-            logger.info(f"blocks_to_swap {opts.blocks_to_swap}: {b.unet.block_swap.describe()}")
-        else:
-            placement.place(b.unet, pl.unet, pl.compute, acc.device)
-        for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
-            placement.place(te, te_dtype, pl.compute, acc.device)
-        groups = method.setup()
+        # the dtypes, the parts stored in them, the method's groups, its network stored (the one
+        # path of the memory estimate too: library/training/model_setup.py)
+        made = model_setup.set_up_method(opts, self.method_name, method, b, _DevicePlacer(opts, acc.device))
+        pl, groups = made.placement, made.groups
         # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
         family_model = flow_family.family_model_for(b, opts, rewrite=method.prompt_rewrite())
         if opts.enable_scaled_pos_embed:  # SD3 (flow_loss.check_options): every forward uses them
@@ -174,8 +161,6 @@ class Run:
         if not any(p.requires_grad for g in groups for p in g["params"]):
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        if method.network is not None:
-            method.network.to(acc.device, dtype=pl.network)
         if opts.gradient_checkpointing or opts.cpu_offload_checkpointing:
             b.unet.enable_gradient_checkpointing()
             if opts.cpu_offload_checkpointing:  # FLUX.1 / SD3 (block_swap.check_options)
@@ -273,6 +258,31 @@ class Run:
 
     def save(self, *, epoch=None, step=None, final=False):
         self.saver.save(self.progress, epoch=epoch, step=step, final=final)
+
+
+class _DevicePlacer:
+    """The trainer's way to store a module (model_setup.Placer): ``placement.place`` on the
+    device; with blocks_to_swap (FLUX.1 / SD3) the transformer's swapped blocks stay on the host
+    and are streamed in (a fused step updates them on the device, inside their backward: copied
+    home after)."""
+
+    def __init__(self, opts: Options, device: torch.device):
+        self.opts, self.device = opts, device
+
+    def unet(self, module: torch.nn.Module, storage: torch.dtype,
+             compute: torch.dtype) -> dict[int, torch.nn.Parameter]:
+        n = self.opts.blocks_to_swap
+        if not n:
+            return self.module(module, storage, compute)
+        swap = block_swap.install(module, n, self.device, storage=storage, compute=compute,
+                                  write_back=fused_mode(self.opts) is not None)
+        logger.info(f"blocks_to_swap {n}: {swap.describe()}")
+        return {}
+
+    def module(self, module: torch.nn.Module, storage: torch.dtype,
+               compute: torch.dtype) -> dict[int, torch.nn.Parameter]:
+        placement.place(module, storage, compute, self.device)
+        return {}  # the same Parameters, their data stored anew
 
 
 def dry_run(r: Run, main: bool) -> None:

@@ -3,9 +3,12 @@
 Nothing is loaded: the model is built from its configuration under torch's ``FakeTensorMode``
 (tensors with shapes, dtypes and a "cpu" device but no storage), from the same sources the
 trainer loads (built-in names, diffusers folders, single files read only up to their safetensors
-header). The run's own method then sets up over that fake model (``NetworkMethod`` creates the
-real network modules, ``FullMethod`` picks the trained parts), with the trainer's dtype rules,
-so the parameter counts are those of the run, not a table.
+header). The trainer's own set-up of the model (library/training/model_setup.py
+``set_up_method``: the dtypes, the parts stored in them, the method's set-up, its network stored)
+then runs over that fake model (``NetworkMethod`` creates the real network modules,
+``FullMethod`` picks the trained parts), so the parameter counts are those of the run, not a
+table; the release after caching, the partial text cache and the stepper's units are the run's
+own rules too (offload, partial_text_cache, stepper.step_units).
 
 The peak of the training loop (one process, steady state: the optimizer state exists) is
 
@@ -60,7 +63,7 @@ from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
-from library.training import flow_memory, partial_text_cache
+from library.training import flow_memory, model_setup, partial_text_cache
 from library.training.host_memory import GIB
 from library.training.methods import _dtype, make_method
 from library.training.offload import released_after_caching
@@ -546,10 +549,20 @@ def _cast_module(module, dtype, compute=None) -> dict:
     return new
 
 
+class _FakePlacer:
+    """model_setup.Placer on fake tensors: new parameters in the trainer's dtypes."""
+
+    def unet(self, module, storage, compute):
+        return _cast_module(module, storage, compute)
+
+    def module(self, module, storage, compute):
+        return _cast_module(module, storage, compute)
+
+
 @dataclass
 class _Bundle:
     family: str
-    unet: object
+    unet: torch.nn.Module
     text_encoders: list
     tokenizers: list
     vae: object = None
@@ -737,21 +750,12 @@ def estimate(opts: Options, method_name: str, tset=None, processes: int = 1) -> 
     with mode, _quiet():
         family, comps, bundle = _fake_bundle(opts)
         method = _fake_method(opts, method_name, bundle)
-        # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
-        # cast before the method picks its parameters, the network after it is built
-
         trained_dtype = getattr(torch, trained_precision(opts))
         frozen_dtype = compute_dtype(opts.mixed_precision)
-        pl = placement.dtype_placement(opts, method_name, method.train_text_encoder,
-                                       len(bundle.text_encoders))
-        _cast_module(comps["vae"], vae_dtype(opts))
-        _cast_module(comps["unet"], pl.unet, pl.compute)
-        for te, te_dtype in zip(bundle.text_encoders, pl.text_encoders):
-            _cast_module(te, te_dtype, pl.compute)
-        groups = method.setup()
-        if method.network is not None:
-            new = _cast_module(method.network, pl.network)
-            groups = [{**g, "params": [new.get(id(p), p) for p in g["params"]]} for g in groups]
+        _cast_module(comps["vae"], vae_dtype(opts))  # Run.load's VAE dtype
+        # the trainer's own set-up of the model (library/training/model_setup.py): the parts in
+        # their dtypes, the method's groups, its network in its dtype
+        groups = model_setup.set_up_method(opts, method_name, method, bundle, _FakePlacer()).groups
     trained = [p for p in method.trainable_parameters() if p.requires_grad]
     trained_ids = {id(p) for p in trained}
 
