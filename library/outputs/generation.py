@@ -16,6 +16,7 @@ to the size, then diffusers' img2img pipeline at ``strength`` (0.8) from seed + 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -252,29 +253,29 @@ class Generator:
         """The PIL images of one batch (equal settings, gen_options.batches)."""
         j = batch[0]
         self._set_multipliers(j.muls)
-        prompts, negatives, seeds = [x.prompt for x in batch], [x.negative for x in batch], [x.seed for x in batch]
+        images = sampling.PromptBatch([x.prompt for x in batch], [x.negative for x in batch],
+                                      [x.seed for x in batch], width=j.width, height=j.height,
+                                      steps=j.steps, scale=j.scale)
         with torch.no_grad():
             if self.flow:
                 latents = sampling.flow_batch(
-                    self.bundle, self.family_model, prompts, negatives, seeds, width=j.width, height=j.height,
-                    steps=j.steps, scale=j.scale, guidance=j.guidance, device=self.device, dtype=self.dtype,
-                    shift=self.args.shift, packed_draw=False)
+                    self.bundle, self.family_model, images, guidance=j.guidance, device=self.device,
+                    dtype=self.dtype, shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
             kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
             if self.args.highres_fix_scale is None:
-                return sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                         width=j.width, height=j.height, steps=j.steps, scale=j.scale,
+                return sampling.sd_batch(self.bundle, self.family_model, self.pipe, images,
                                          sampler=j.sampler, **kw)
             w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
-            first = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                      width=w1, height=h1, steps=self.args.highres_fix_steps, scale=j.scale,
+            first = sampling.sd_batch(self.bundle, self.family_model, self.pipe,
+                                      dataclasses.replace(images, width=w1, height=h1,
+                                                          steps=self.args.highres_fix_steps),
                                       sampler=j.sampler, **kw)
             up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
             strength = STRENGTH if self.args.strength is None else self.args.strength
-            return sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives,
-                                     [s + 1 for s in seeds], width=j.width, height=j.height, steps=j.steps,
-                                     scale=j.scale, sampler=j.sampler,
-                                     extra={"image": up, "strength": strength}, **kw)
+            return sampling.sd_batch(self.bundle, self.family_model, self.img2img,
+                                     dataclasses.replace(images, seeds=[s + 1 for s in images.seeds]),
+                                     sampler=j.sampler, extra={"image": up, "strength": strength}, **kw)
 
     def parameters(self, job: Job) -> str:
         """A1111's ``parameters`` text of one image."""
