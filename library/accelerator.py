@@ -23,8 +23,12 @@ import os
 import socket
 import sys
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from library.errors import UserError, first_line
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 # Seconds a collective may wait for a peer before it fails (torch's own default for gloo).
 DEFAULT_TIMEOUT_S = 1800
@@ -51,7 +55,7 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def accelerator_precision(opts) -> str:
+def accelerator_precision(opts: Options) -> str:
     """The mixed precision the run's Accelerator gets; a UserError where it cannot work here
     (checked again by make_accelerator; Run.validate calls this before any folder or weight)."""
     # lazy: --help, the dry run's plan and the UI server's start load this module before torch;
@@ -78,7 +82,7 @@ def check_mixed_precision(mixed_precision: str) -> None:
                         "fp16 autocast nor loss scaling); use bf16 (CPU autocast) or no")
 
 
-def accelerator_for(opts):
+def accelerator_for(opts: Options):
     """The run's Accelerator from its options (used by the trainer and the caching tool alike)."""
     return make_accelerator(accelerator_precision(opts),
                             timeout_s=opts.ddp_timeout * 60 if opts.ddp_timeout else None)
@@ -110,7 +114,7 @@ def make_accelerator(mixed_precision: str, timeout_s: float | None = None):
         # accelerate is imported when make_accelerator() runs
         from accelerate.utils import InitProcessGroupKwargs
 
-        kw = {"timeout": timedelta(seconds=float(timeout_s or DEFAULT_TIMEOUT_S))}
+        kw: dict[str, object] = {"timeout": timedelta(seconds=float(timeout_s or DEFAULT_TIMEOUT_S))}
         if cpu:
             kw["backend"] = "gloo"  # not MPI, even where torch was built with it
         handlers.append(InitProcessGroupKwargs(**kw))
@@ -131,7 +135,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_LEAVE_REGISTERED = []
+_LEAVE_REGISTERED: list[bool] = []
 
 
 def leave_process_group_at_exit(finished: bool) -> None:

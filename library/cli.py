@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from library.accelerator import is_main_process, leave_process_group_at_exit, peer_failure
 from library.config.options import METHOD_OF_SCRIPT
 from library.config.parse import parse_args
 from library.errors import NonFiniteStop, TrainingInterrupted, UserError
 from library.outputs import progress_stream
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
@@ -50,7 +54,7 @@ def main(script: str, argv: list[str] | None = None) -> int:
     return code
 
 
-def _end(opts, status: str, code: int, message: str, state: str | None) -> None:
+def _end(opts: Options | None, status: str, code: int, message: str, state: str | None) -> None:
     """The progress stream's last line (progress_file, main process; not for a dry run)."""
     if opts is None or not opts.progress_file or opts.dry_run or not is_main_process():
         return

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from io import BytesIO
+from typing import IO
 from typing import Any, Optional
 
 import torch
@@ -140,7 +141,7 @@ def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
 
 # --- hashes exactly as sd-scripts' train_util (sd-webui-additional-networks' model hashes) ------
 
-def addnet_hash_safetensors(b: BytesIO) -> str:
+def addnet_hash_safetensors(b: IO[bytes]) -> str:
     """SHA-256 of everything after the safetensors header."""
     h = hashlib.sha256()
     b.seek(0)
@@ -151,7 +152,7 @@ def addnet_hash_safetensors(b: BytesIO) -> str:
     return h.hexdigest()
 
 
-def addnet_hash_legacy(b: BytesIO) -> str:
+def addnet_hash_legacy(b: IO[bytes]) -> str:
     """First 8 hex digits of the SHA-256 of the 64 KiB at offset 1 MiB."""
     h = hashlib.sha256()
     b.seek(0x100000)

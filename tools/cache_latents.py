@@ -54,8 +54,7 @@ def cache_latents(opts, log):
         entries = latent_cache.encode_latents(
             vae, tset.train_items + tset.reg_items, batch_size=max(1, opts.vae_batch_size),
             dtype=dtype, device=acc.device, vae_identity=bundle.vae_identity, log=log,
-            to_disk=True, process_index=acc.process_index, num_processes=acc.num_processes,
-            barrier=acc.wait_for_everyone)
+            to_disk=True, processes=latent_cache.ProcessShare.of(acc))
     acc.wait_for_everyone()
     return acc, len(entries), sum(calls), time.perf_counter() - started
 

@@ -26,9 +26,13 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from library.config.parse import _Bad, _to_resolution
 from library.errors import DataError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 # key -> (type, default when no level and no run option sets it)
 SUBSET_KEYS: dict[str, tuple[str, object]] = {
@@ -210,7 +214,7 @@ def _convert(kind: str, v):
 
 
 class _Resolver:
-    def __init__(self, path: str, opts):
+    def __init__(self, path: str, opts: Options):
         self.path = path
         self.opts = opts
 
@@ -283,7 +287,7 @@ class _Resolver:
         return (SUBSET_KEYS.get(key) or DATASET_KEYS[key])[1]
 
 
-def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetConfig]:
+def resolve_dataset_config(raw: dict, path: str | None, opts: Options) -> list[DatasetConfig]:
     """Validate ``opts.dataset_config`` (raw {"general", "datasets"}) and resolve every key."""
     path = path or "the run config"
     r = _Resolver(path, opts)
@@ -334,7 +338,8 @@ def resolve_dataset_config(raw: dict, path: str | None, opts) -> list[DatasetCon
     return out
 
 
-def run_caption_options(opts) -> CaptionOptions:
+def run_caption_options(opts: Options) -> CaptionOptions:
     """The caption settings of the run options (folder mode: train_data_dir / reg_data_dir)."""
-    return CaptionOptions(**{k: getattr(opts, k) if getattr(opts, k) is not None
-                             else SUBSET_KEYS[k][1] for k in CAPTION_FIELDS})
+    values: dict = {k: getattr(opts, k) if getattr(opts, k) is not None else SUBSET_KEYS[k][1]
+                    for k in CAPTION_FIELDS}
+    return CaptionOptions(**values)

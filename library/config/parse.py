@@ -32,7 +32,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from library import text_files
 from library.config.options import (ALIASES, GUI_ONLY, OPTIONS, OPTIONS_BY_NAME, Option, SCRIPTS,
@@ -48,6 +48,17 @@ _SD_DEST = "sdscripts:"  # argparse dest prefix of sd-scripts names we do not im
 
 class ConfigError(UserError):
     """Bad options or config file. The message is one line naming the file/key/option."""
+
+
+T = TypeVar("T")
+
+
+def required(value: T | None, name: str) -> T:
+    """The value of option ``name`` where the run needs it set (the parser's checks and the
+    plan set it before; a direct caller that did not gets one line naming the option)."""
+    if value is None:
+        raise ConfigError(f"{name} is required here")
+    return value
 
 
 class _Bad(Exception):
@@ -123,7 +134,7 @@ class _OptionsMethods:
 
 
 def _fields() -> list:
-    fs = [("script", str),
+    fs: list[tuple] = [("script", str),
           ("given", frozenset[str], dataclasses.field(default=frozenset())),
           ("dataset_config_path", str | None, dataclasses.field(default=None)),
           ("ignored", dict[str, Any], dataclasses.field(default_factory=dict))]
@@ -354,7 +365,7 @@ def _to_kv(v, cli, literal: bool, name: str = ""):
                 raise _Bad(f"expected key=value, got {item!r}")
             x = x.strip()
             pairs.append((k.strip(), _literal(x) if literal else x))
-    out = {}
+    out: dict[str, object] = {}
     for k, x in pairs:
         if k in out and out[k] != x:
             logger.warning("%s: key %r given twice (%r, then %r): the last value wins, as in "
@@ -531,7 +542,7 @@ def build_parser(script: str) -> argparse.ArgumentParser:
                        "supported yet, are listed in docs/OPTIONS.md.")
     groups = {sec: p.add_argument_group(title) for sec, title in SECTIONS.items()}
     for o in options_for(script):
-        kw = dict(dest=o.name, default=argparse.SUPPRESS, help=_help_text(o, script))
+        kw: dict[str, object] = dict(dest=o.name, default=argparse.SUPPRESS, help=_help_text(o, script))
         if o.type == "bool":
             kw.update(nargs="?", const="true", metavar="BOOL")
         elif o.type in ("kv_literal", "kv_str"):
@@ -542,13 +553,15 @@ def build_parser(script: str) -> argparse.ArgumentParser:
             kw.update(nargs="*", metavar={"path_list": "PATH", "str_list": "WORD"}.get(o.type, "X"))
         else:
             kw.update(metavar=_METAVAR[o.type])
-        groups[o.section].add_argument(f"--{o.name}", *(f"--{a}" for a in o.aliases), **kw)
+        groups[o.section].add_argument(f"--{o.name}", *(f"--{a}" for a in o.aliases),
+                                       **kw)  # type: ignore[arg-type]  # argparse's keywords, by name
     for n in SD_SCRIPTS_NAMES:  # accepted for compatibility, hidden from --help
         nargs = {"flag": "?", "value": None, "list": "*"}[n.kind]
-        kw = dict(dest=_SD_DEST + n.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, nargs=nargs)
+        sd_kw: dict[str, object] = dict(dest=_SD_DEST + n.name, default=argparse.SUPPRESS,
+                                        help=argparse.SUPPRESS, nargs=nargs)
         if n.kind == "flag":
-            kw["const"] = "true"
-        p.add_argument(f"--{n.name}", **kw)
+            sd_kw["const"] = "true"
+        p.add_argument(f"--{n.name}", **sd_kw)  # type: ignore[arg-type]  # argparse's keywords, by name
     return p
 
 
@@ -593,7 +606,10 @@ def _load_run_file(path: str, script: str):
     if not os.path.exists(path) and not path.endswith(".toml") and os.path.exists(path + ".toml"):
         path += ".toml"  # sd-scripts appends .toml to --config_file
     text, data = _read_toml(path, "config")
-    values, sd_names, gui_names, dataset = {}, {}, {}, {}
+    values: dict[str, object] = {}
+    sd_names: dict[str, object] = {}
+    gui_names: dict[str, object] = {}
+    dataset: dict[str, object] = {}
 
     def add(key, raw, table):
         src = _Src(path, _find_line(text, key, table), key, table)

@@ -59,7 +59,7 @@ class BucketManager:
         self.max_area = self.resolution[0] * self.resolution[1]
 
         if not enable_bucket:
-            self.reso_steps = None
+            self.reso_steps = 0  # no buckets: one resolution, nothing rounded to steps
             self.resos = [self.resolution]
         else:
             if reso_steps % 8:

@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from library.data import held_out, latent_cache, text_cache
 from library.data.latent_cache import latent_slot
 from library.models.loading import path_identity
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
+
 logger = logging.getLogger("sdtk")
 
 
-def latents(opts, tset, acc, b) -> tuple[dict, dict]:
+def latents(opts: Options, tset, acc, b) -> tuple[dict, dict]:
     """The latent cache of ``tset``'s images, encoded by the bundle ``b``'s VAE (the processes of
     ``acc`` split it) -> (entries, latent-cache key of each (item, flip) slot)."""
     items = tset.train_items + tset.reg_items
@@ -32,8 +36,7 @@ def latents(opts, tset, acc, b) -> tuple[dict, dict]:
     entries = latent_cache.encode_latents(
         vae, items, batch_size=max(1, opts.vae_batch_size), dtype=vae.dtype,
         device=acc.device, vae_identity=b.vae_identity, log=logger,
-        to_disk=opts.cache_latents_to_disk, process_index=acc.process_index,
-        num_processes=acc.num_processes, barrier=acc.wait_for_everyone)
+        to_disk=opts.cache_latents_to_disk, processes=latent_cache.ProcessShare.of(acc))
     # Keys hash the image bytes: compute each once, not per step. Looked up by what tells
     # two items apart (one image may be in two datasets at different sizes) and the flip.
     key = {latent_slot(it, flipped): latent_cache.item_cache_key(it, flipped, b.vae_identity, vae.dtype)
@@ -41,7 +44,7 @@ def latents(opts, tset, acc, b) -> tuple[dict, dict]:
     return entries, key
 
 
-def text(opts, tset, acc, b, family_model, placement, frozen_only: bool = False) -> dict:
+def text(opts: Options, tset, acc, b, family_model, placement, frozen_only: bool = False) -> dict:
     """The text-encoder outputs of every caption variant of ``tset`` (and validation's
     captions), encoded by ``family_model`` in the text encoders' dtype of ``placement``;
     ``frozen_only``: a partial cache, the part of the frozen encoders (library/data/text_cache.py)."""
@@ -68,7 +71,7 @@ def cached_captions(tset) -> dict:
     return wanted
 
 
-def text_identity(opts, b, family_model, placement, frozen_only: bool = False) -> str:
+def text_identity(opts: Options, b, family_model, placement, frozen_only: bool = False) -> str:
     """The encoder part of the text-encoder cache's keys (text_cache.encoder_identity)."""
     # float8 with fp8_base: its outputs differ; a partial cache's: the frozen encoder's dtype (an
     # SD3 model without T5 caches zeros: the first encoder's, as a full cache's key)
@@ -82,7 +85,7 @@ def text_identity(opts, b, family_model, placement, frozen_only: bool = False) -
                                        with_model=not (frozen_only and opts.t5xxl))
 
 
-def _family_parts(opts, family_model, frozen_only: bool = False) -> dict:
+def _family_parts(opts: Options, family_model, frozen_only: bool = False) -> dict:
     """The family model's own key parts and the identities of separate text-encoder files
     (FLUX.1 / SD3's clip_l, clip_g, t5xxl: another T5 file is another encoding). A partial
     cache's key names the encoders it holds (its entries are not a full cache's) and leaves out

@@ -22,9 +22,13 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from library.data import folders
 from library.errors import DataError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 FOLDER = "class_images"
 
@@ -57,7 +61,7 @@ def _stat_identity(path: str) -> list:
     return out
 
 
-def model_identity(opts) -> list:
+def model_identity(opts: Options) -> list:
     """The base model's identity: built-in and hub names as they are, local paths by their files."""
     out = []
     for name in ("pretrained_model_name_or_path", "vae", "clip_l", "clip_g", "t5xxl", "ae"):
@@ -81,7 +85,7 @@ def cache_folder(folder: str, cache_dir: str | None) -> str:
     return os.path.join(cache_dir or os.path.join(folder, ".sdcache"), FOLDER)
 
 
-def plan_folder(opts, folder: str, class_tokens: str | None, have: int, num_repeats: int,
+def plan_folder(opts: Options, folder: str, class_tokens: str | None, have: int, num_repeats: int,
                 resolution, where: str, fields: dict) -> tuple[list, list]:
     """The missing class images of one reg folder holding ``have`` images: (ImageItems, the
     ClassImages to make). Files that exist and decode are reused; the others are to be made."""

@@ -72,7 +72,7 @@ def hue_shift(rgb: np.ndarray, shift: float) -> np.ndarray:
 def rgb_to_hsv8(rgb: np.ndarray):
     """OpenCV's 8-bit RGB -> HSV: H in 0..179 (degrees / 2), S and V in 0..255 (float arrays of
     integers)."""
-    x = rgb.astype(np.float64)
+    x: np.ndarray = rgb.astype(np.float64)
     r, g, b = x[..., 0], x[..., 1], x[..., 2]
     v = x.max(axis=-1)
     diff = v - x.min(axis=-1)

@@ -378,7 +378,7 @@ def expand_repeats(items: list[ImageItem]) -> list[ImageItem]:
 
 
 # -- fine-tuning metadata files (in_json, a subset's metadata_file) -----------------------------
-def _metadata_entries(path: str, option: str) -> list[tuple[str, object]]:
+def _metadata_entries(path: str, option: str) -> list[tuple[str, dict]]:
     """(image key, entry) of a metadata file: JSON ``{key: {"caption", "tags"}}`` (sd-scripts'
     format) or JSONL, one ``{"image_path", "caption", "tags"}`` object per line."""
     if not os.path.isfile(path):

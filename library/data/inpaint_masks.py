@@ -63,7 +63,7 @@ def cloud_mask(width: int, height: int, coverage: float, rng: random.Random, oct
     import numpy as np
     from PIL import Image
 
-    noise = np.zeros((height, width), dtype=np.float32)
+    noise: np.ndarray = np.zeros((height, width), dtype=np.float32)
     amplitude, scale = 1.0, base_scale
     g = np.random.default_rng(rng.getrandbits(63))
     for _ in range(octaves):

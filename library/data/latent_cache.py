@@ -31,6 +31,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors import safe_open
@@ -41,6 +42,9 @@ from library.data.images import latent_mask, load_for_item, prepare_image
 from library.errors import NonFiniteStop, first_line
 from library.files import atomic_path, remove_stale_temporaries
 from library.models.placement import compute_dtype
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +136,7 @@ def item_cache_key(item: ImageItem, flip: bool, vae_identity: str, dtype: torch.
                      mask=mask_source(item))
 
 
-def vae_dtype(opts) -> torch.dtype:
+def vae_dtype(opts: Options) -> torch.dtype:
     """The dtype the VAE encodes in, part of every cache key: float32 with no_half_vae, else the
     mixed-precision dtype. The trainer and tools/cache_latents.py both use it, so keys match."""
     return torch.float32 if opts.no_half_vae else compute_dtype(opts.mixed_precision)
@@ -200,17 +204,31 @@ def load_entry(path: str, key: str, shape: tuple[int, int, int], masked: bool = 
         raise CorruptEntry(f"latent shape {tuple(entry.latents.shape)}, expected {tuple(shape)}")
     if not torch.isfinite(entry.latents).all():
         raise CorruptEntry("non-finite values")
-    if masked and (tuple(mask.shape) != tuple(shape[1:]) or not torch.isfinite(mask).all()
-                   or mask.min() < 0 or mask.max() > 1):
+    if mask is not None and (tuple(mask.shape) != tuple(shape[1:]) or not torch.isfinite(mask).all()
+                             or mask.min() < 0 or mask.max() > 1):
         raise CorruptEntry(f"mask of shape {tuple(mask.shape)} or values outside [0, 1]")
     return entry
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessShare:
+    """The processes that split a cache between them: this one's ``index`` of ``count``, and
+    the ``barrier`` all of them call (None: one process)."""
+
+    index: int = 0
+    count: int = 1
+    barrier: Callable[[], None] | None = None
+
+    @classmethod
+    def of(cls, accelerator) -> "ProcessShare":
+        """The processes of an Accelerate ``accelerator``."""
+        return cls(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
 
 
 def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dtype | str,
                    device: torch.device | str, flip: bool = False, log: logging.Logger = logger,
                    vae_identity: str | None = None, to_disk: bool = False,
-                   process_index: int = 0, num_processes: int = 1,
-                   barrier=None) -> dict[str, LatentEntry]:
+                   processes: ProcessShare = ProcessShare()) -> dict[str, LatentEntry]:
     """Encode every distinct item (center crop) into a dict keyed by ``cache_key``.
 
     Items must have ``bucket``/``resized_size`` set. Batches hold images of one bucket only.
@@ -221,7 +239,7 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
     ``to_disk``: entries are read from ``entry_path`` (``<image_dir>/.sdcache/<key>.safetensors``
     or ``cache_dir``) when present and valid, without running the VAE; missing ones are encoded
     and written atomically; an unreadable, truncated or mismatched file is recomputed with a
-    warning naming it. With several processes (``barrier`` = a function all of them call) the
+    warning naming it. With several ``processes`` (ProcessShare: a barrier all of them call) the
     missing entries are split across processes, each encodes and writes its share, then all
     read the others' files.
     """
@@ -259,19 +277,21 @@ def encode_latents(vae, items: list[ImageItem], batch_size: int, dtype: torch.dt
             remove_stale_temporaries(folder, log)
     missing = [k for k in wanted if not (to_disk and try_load(k))]
     loaded = len(wanted) - len(missing)
-    split = to_disk and num_processes > 1 and barrier is not None
-    if split:
+    num_processes = processes.count
+    # the missing entries split across the processes (on disk only), None: encoded here
+    barrier = processes.barrier if to_disk and num_processes > 1 else None
+    if barrier is not None:
         barrier()  # every process has listed the missing entries before any is written
-        mine = missing[process_index::num_processes]
+        mine = missing[processes.index::num_processes]
     else:
         mine = missing
     n_images = len({wanted[k][0].path for k in mine})
     log.info(f"latent cache: {len(wanted)} entr{'y' if len(wanted) == 1 else 'ies'}"
              + (f", {loaded} loaded from disk" if to_disk else "")
              + f", encoding {len(mine)} ({n_images} image(s))"
-             + (f" on this process of {num_processes}" if split else ""))
+             + (f" on this process of {num_processes}" if barrier is not None else ""))
     _encode(vae, [(k, *wanted[k]) for k in mine], batch_size, out, to_disk)
-    if split:
+    if barrier is not None:
         barrier()  # every share is on disk
         rest = [k for k in missing if k not in out and not try_load(k)]
         if rest:

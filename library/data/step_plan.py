@@ -80,9 +80,11 @@ def make_plan(*, bucket_sizes: dict, images: int, repeats_total: int, reg_images
     if max_train_epochs:
         epochs = int(max_train_epochs)
         total = epochs * steps_per_epoch
-    else:
+    elif max_train_steps:
         total = int(max_train_steps)
         epochs = math.ceil(total / steps_per_epoch)
+    else:
+        raise ValueError("max_train_epochs or max_train_steps must be set")
     warm = lr_warmup_steps or 0
     if isinstance(warm, float) and 0 < warm < 1:
         warmup = int(round(warm * total))

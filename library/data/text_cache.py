@@ -114,8 +114,8 @@ def encode_captions(family_model, wanted: dict[str, str | None], identity: str, 
     missing = []
     loaded = 0
     if to_disk:  # the temporaries of a run killed mid-write (kill -9, SIGTERM while caching)
-        for folder in sorted({f for f in wanted.values() if f is not None}):
-            remove_stale_temporaries(folder, log)
+        for stale in sorted({f for f in wanted.values() if f is not None}):
+            remove_stale_temporaries(stale, log)
     for caption, folder in wanted.items():
         key = text_key(caption, identity)
         if to_disk and folder is not None:

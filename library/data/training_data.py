@@ -11,6 +11,7 @@ batch 1 see the same captions and pixels.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 import dataclasses
 import os
 import random
@@ -18,10 +19,14 @@ import re
 from dataclasses import dataclass, field
 
 from library.config.dataset_config import resolve_dataset_config, run_caption_options
+from library.config.parse import required
 from library.data import buckets, class_images, color_aug, folders, inpaint_masks
 from library.data.held_out import split_items
 from library.data.step_plan import derive_seed
 from library.errors import DataError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 @dataclass
@@ -197,7 +202,7 @@ def _bucket_manager(resolution, enable_bucket, min_reso, max_reso, steps, no_ups
         raise DataError(f"{where}: {e}") from None
 
 
-def build_training_set(opts, log) -> TrainingSet:
+def build_training_set(opts: Options, log) -> TrainingSet:
     """Scan the images (dataset config or train_data_dir/reg_data_dir), assign buckets, balance
     the reg images per dataset (sd-scripts' rule) and expand repeats into the epoch's list."""
     stats = folders.ScanStats()
@@ -236,7 +241,7 @@ def build_training_set(opts, log) -> TrainingSet:
     return tset
 
 
-def _check_network_keys(opts, items: list) -> None:
+def _check_network_keys(opts: Options, items: list) -> None:
     """Dataset keys that act on the network (network_multiplier, diff_output_preservation) need
     a network to act on; token warmup changes a caption every step, which a text-encoder cache
     cannot hold (sd-scripts refuses both too)."""
@@ -271,7 +276,7 @@ def _check_token_in_captions(tset: TrainingSet, token: str | None) -> None:
                              "use_object_template / use_style_template")
 
 
-def _templates(opts) -> tuple | None:
+def _templates(opts: Options) -> tuple | None:
     """sd-scripts' template captions of textual inversion, with the token string filled in."""
     if opts.script != "train_textual_inversion":
         return None
@@ -285,7 +290,7 @@ def _templates(opts) -> tuple | None:
     return tuple(t.format(opts.token_string) for t in chosen)
 
 
-def _check_masks(opts, items: list) -> bool:
+def _check_masks(opts: Options, items: list) -> bool:
     """Masked loss: whether some image has a mask; ``masked_loss`` with no mask source is an
     error (it would change nothing). ``alpha_mask`` implies the masked loss, as in sd-scripts."""
     masked = any(it.alpha_mask or it.mask_path for it in items)
@@ -296,7 +301,7 @@ def _check_masks(opts, items: list) -> bool:
     return masked
 
 
-def _item_fields(opts) -> dict:
+def _item_fields(opts: Options) -> dict:
     captions = run_caption_options(opts)
     return dict(captions=None if captions.is_identity else captions,
                 flip_aug=opts.flip_aug,
@@ -306,7 +311,7 @@ def _item_fields(opts) -> dict:
                 alpha_mask=opts.alpha_mask)
 
 
-def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str | None:
+def _mask_folder(opts: Options, alpha_mask: bool, folder: str | None, where: str) -> str | None:
     """conditioning_data_dir of a set of images, checked: it needs masked_loss (as sd-scripts,
     where the key otherwise means ControlNet conditioning images) and excludes alpha_mask."""
     if not folder:
@@ -319,7 +324,7 @@ def _mask_folder(opts, alpha_mask: bool, folder: str | None, where: str) -> str 
     return folder
 
 
-def _from_folders(opts, log, stats, held_out, planned):
+def _from_folders(opts: Options, log, stats, held_out, planned):
     fields = _item_fields(opts)
     if opts.in_json:  # fine-tuning metadata; train_data_dir is the image folder
         train = folders.scan_metadata(opts.in_json, opts.train_data_dir, num_repeats=opts.dataset_repeats,
@@ -328,7 +333,7 @@ def _from_folders(opts, log, stats, held_out, planned):
         if opts.dataset_repeats != 1:
             raise DataError("dataset_repeats applies to in_json metadata only; N_concept "
                                  "folders give their repeats in the folder name")
-        train = folders.scan_concept_dirs(opts.train_data_dir, opts.caption_extension, is_reg=False,
+        train = folders.scan_concept_dirs(required(opts.train_data_dir, "train_data_dir"), opts.caption_extension, is_reg=False,
                                        log=log, option="train_data_dir", stats=stats, **fields)
     # conditioning_data_dir (a run option): masks of the training images, looked up by stem;
     # regularisation images are trained unmasked
@@ -354,10 +359,10 @@ def _from_folders(opts, log, stats, held_out, planned):
     return train, reg, samples
 
 
-def _reg_with_class_images(opts, log, stats, fields, planned) -> list:
+def _reg_with_class_images(opts: Options, log, stats, fields, planned) -> list:
     """reg_data_dir's images with each N_class folder filled up to num_class_images (an empty
     folder too) by planned class images, after the folder's own images."""
-    root = opts.reg_data_dir
+    root = required(opts.reg_data_dir, "reg_data_dir")
     if not os.path.isdir(root):
         raise DataError(f"reg_data_dir {root!r} does not exist or is not a directory")
     found = class_images.concept_folders(root)
@@ -375,9 +380,9 @@ def _reg_with_class_images(opts, log, stats, fields, planned) -> list:
     return reg
 
 
-def _from_dataset_config(opts, log, stats, held_out, planned):
+def _from_dataset_config(opts: Options, log, stats, held_out, planned):
     path = opts.dataset_config_path or "the run config"
-    datasets = resolve_dataset_config(opts.dataset_config, path, opts)
+    datasets = resolve_dataset_config(required(opts.dataset_config, "dataset_config"), path, opts)
     for name in ("train_data_dir", "reg_data_dir"):
         if getattr(opts, name):
             log.warning(f"{name} is ignored: the dataset config in {path} lists the images")
@@ -392,10 +397,11 @@ def _from_dataset_config(opts, log, stats, held_out, planned):
     for ds in datasets:
         bm = _bucket_manager(ds.resolution, ds.enable_bucket, ds.min_bucket_reso, ds.max_bucket_reso,
                              ds.bucket_reso_steps, ds.bucket_no_upscale, where=f"{path}: {ds.where}")
-        ds_train, ds_reg = [], []
+        ds_train: list[folders.ImageItem] = []
+        ds_reg: list[folders.ImageItem] = []
         for sub in ds.subsets:
             caps = sub.captions
-            sub_fields = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
+            sub_fields: dict[str, Any] = dict(captions=None if caps.is_identity else caps, flip_aug=sub.flip_aug,
                               random_crop=sub.random_crop, color_aug=sub.color_aug,
                               cache_dir=opts.cache_dir,
                               alpha_mask=sub.alpha_mask,
@@ -404,7 +410,7 @@ def _from_dataset_config(opts, log, stats, held_out, planned):
             where = f"{path}: {sub.where}.conditioning_data_dir"
             folder = _mask_folder(opts, sub.alpha_mask, sub.conditioning_data_dir, where)
             if getattr(sub, "metadata_file", None):  # a fine-tuning subset
-                items = folders.scan_metadata(sub.metadata_file, sub.image_dir,
+                items = folders.scan_metadata(str(sub.metadata_file), sub.image_dir,
                                            num_repeats=sub.num_repeats, is_reg=sub.is_reg,
                                            option=f"{path}: {sub.where}.metadata_file", log=log,
                                            stats=stats, **sub_fields)
@@ -446,7 +452,7 @@ def _from_dataset_config(opts, log, stats, held_out, planned):
     return train, reg, samples, sizes.pop(), tuple(tuple(ds.resolution) for ds in datasets)
 
 
-def _hold_out(items: list, opts, held_out: list, where: str) -> list:
+def _hold_out(items: list, opts: Options, held_out: list, where: str) -> list:
     """validation_split: move this dataset's held-out images to ``held_out``; returns the rest."""
     if not opts.validation_split:
         return items
@@ -456,7 +462,7 @@ def _hold_out(items: list, opts, held_out: list, where: str) -> list:
     return train
 
 
-def _validation_seed(opts) -> int:
+def _validation_seed(opts: Options) -> int:
     v = opts.validation_seed
     return opts.seed if v is None else v
 

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,8 +99,8 @@ def model_type(source: str, option: str) -> str:
 @dataclass
 class Loaded:
     """A model, its processor and where they run."""
-    model: object
-    processor: object
+    model: Any  # a transformers model (imported when a captioner loads)
+    processor: Any
     device: torch.device
     dtype: torch.dtype
     pin_memory: bool = False

@@ -205,9 +205,10 @@ def _write(path: str, text: str | None) -> None:
             f.write(text)
 
 
-def _write_all(pairs: list[tuple[str, str, str]]) -> None:
-    """Write each (path, before, after)'s after; on a failure put back what was written."""
-    done = []
+def _write_all(pairs: list[tuple[str, str | None, str | None]]) -> None:
+    """Write each (path, before, after)'s after (None: no file); on a failure put back what was
+    written."""
+    done: list[tuple[str, str | None, str | None]] = []
     for path, before, after in pairs:
         try:
             _write(path, after)
@@ -224,7 +225,7 @@ def edit_captions(folder: str, paths: list[str], edit: Callable[[str], str], ope
     in ``folder``; files whose text does not change are not written. A path without a file is
     edited from "" and written only when the edit gives text (undo removes it again)."""
     with folder_lock(folder):
-        pairs = []
+        pairs: list[tuple[str, str | None, str | None]] = []
         for path in paths:
             before = read_text(path) if os.path.lexists(path) else None
             after = edit(before or "")
@@ -272,7 +273,7 @@ def undo(folder: str) -> EditResult:
         except (ValueError, KeyError, TypeError):
             raise DataError(f"undo journal {journal}: not a journal this tool wrote") from None
         result = EditResult(journal=journal)
-        pairs = []
+        pairs: list[tuple[str, str | None, str | None]] = []
         for path, before, after in entries:
             current = read_text(path) if os.path.isfile(path) else None
             if current == after:

@@ -45,7 +45,8 @@ def check_dataset(folder: str, caption_extension: str = ".caption") -> list[Prob
     (duplicates last, one line per group)."""
     if not os.path.isdir(folder):
         raise DataError(f"{folder}: no such folder")
-    problems, by_hash = [], {}
+    problems: list[Problem] = []
+    by_hash: dict[str, list[str]] = {}
     for path in _walk(folder):
         ext = os.path.splitext(path)[1].lower()
         if ext in IMAGE_EXTENSIONS:

@@ -148,8 +148,8 @@ def plan_balance(folder: str, steps: float, *, insecure: bool = False,
         m = WEIGHT.match(name)
         rest = name[m.end():] if m else name
         repeats = balanced_repeats(steps, images, float(m.group(1)) if m else 1.0)
-        r = REPEATS.match(rest)
-        new = f"{repeats}_{rest[r.end():] if r else rest}"
+        counted = REPEATS.match(rest)
+        new = f"{repeats}_{rest[counted.end():] if counted else rest}"
         plan.append(Rename(name, new, images, repeats))
     targets = [r.new for r in plan]
     for r in plan:

@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -198,7 +199,7 @@ def providers(available: list[str]) -> list[str]:
 class TaggerModel:
     """A loaded tagger: ``scores(images)`` maps a batch of preprocessed images (N, size, size, 3,
     float32 BGR 0..255) to per-label probabilities (N, labels)."""
-    session: object
+    session: Any  # onnxruntime.InferenceSession (imported when a model loads)
     input_name: str
     layout: Layout
     labels: Labels

@@ -123,7 +123,7 @@ def _loaded(paths: list[str], size: int, workers: int | None):
     if not workers:
         yield from map(one, paths)
         return
-    window = collections.deque()
+    window: collections.deque = collections.deque()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for path in paths:
             window.append(pool.submit(one, path))
@@ -187,7 +187,9 @@ def tag_folder(folder: str, model: TaggerModel, tags: wd_tags.TagOptions, out: O
     assemble = (wd_tags.tags_of_mapping_layout if model.layout.logits
                 else wd_tags.tags_of_csv_layout)
     sep = tags.caption_separator
-    summary, metadata, pending = Summary(images=len(paths)), {}, []
+    summary = Summary(images=len(paths))
+    metadata: dict[str, dict] = {}
+    pending: list = []
 
     def run_batch():
         probs = model.scores(np.stack([img for _, img, _ in pending]))

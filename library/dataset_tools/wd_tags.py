@@ -169,7 +169,7 @@ def tags_of_csv_layout(prob: np.ndarray, labels: Labels, opts: TagOptions) -> Ta
     ratings = [i for i, c in enumerate(labels.categories) if c == "Rating"]
     if (opts.use_rating_tags or opts.use_rating_tags_as_last_tag) and ratings:
         rating = labels.names[ratings[int(np.argmax(prob[ratings]))]]
-        if rating not in undesired:
+        if rating is not None and rating not in undesired:
             out.rating = rating
             out.counted.append(rating)
             out.tags.insert(0, rating) if opts.use_rating_tags else out.tags.append(rating)
@@ -186,7 +186,8 @@ def tags_of_mapping_layout(prob: np.ndarray, labels: Labels, opts: TagOptions) -
     lowest = min(opts.threshold(c) for c in ("General", "Character", "Copyright", "Meta", "Model",
                                               "Artist"))
     lowest = min(lowest, opts.thresh)
-    scored, characters = [], []
+    scored: list[tuple] = []
+    characters: list[tuple] = []
     best = {"Rating": (-1.0, None), "Quality": (-1.0, None)}
     for i in np.where(prob >= lowest)[0]:
         name, cat, p = labels.names[i], labels.categories[i], prob[i]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,20 +44,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from library.errors import UserError
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
+
 logger = logging.getLogger("sdtk")
 
 class DDPOptionError(UserError, ValueError):
     pass
 
 
-def _other_engine(opts) -> str | None:
+def _other_engine(opts: Options) -> str | None:
     """The option whose engine reduces the gradients instead of DDP, or None."""
     return ("fsdp" if opts.fsdp else "deepspeed" if opts.deepspeed else
             "fused_backward_pass" if opts.fused_backward_pass else
             "fused_optimizer_groups" if opts.fused_optimizer_groups else None)
 
 
-def check_options(opts, processes: int) -> None:
+def check_options(opts: Options, processes: int) -> None:
     """Before any weight loads: ddp_comm_hook only where DDP reduces the gradients, and
     ddp_static_graph not with gradient accumulation on several processes. The other ddp_*
     options are speed settings: where DDP does not run they have no effect (a warning at set-up
@@ -133,7 +137,7 @@ def _no_buffer_sync() -> dict:
     return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": False}
 
 
-def wrap(module, opts, accelerator, first: bool = True):
+def wrap(module, opts: Options, accelerator, first: bool = True):
     """``module`` (a Denoiser) in DistributedDataParallel with the run's ddp_* options, or None
     when nothing in it trains (e.g. after stop_text_encoder_training froze the only trained
     part: nothing left to reduce). ``first``: DDP checks the trained parameters' shapes across
@@ -159,7 +163,7 @@ def wrap(module, opts, accelerator, first: bool = True):
     return ddp
 
 
-def describe(opts, processes: int) -> str:
+def describe(opts: Options, processes: int) -> str:
     """The log line of the engine."""
     parts = [f"bucket {opts.ddp_bucket_cap_mb} MB"]
     if opts.ddp_gradient_as_bucket_view:
@@ -175,7 +179,7 @@ def describe(opts, processes: int) -> str:
             f"backward pass ({', '.join(parts)})")
 
 
-def speed_options_given(opts) -> list[str]:
+def speed_options_given(opts: Options) -> list[str]:
     """The ddp_* speed options this run sets (for the no-effect warning where DDP does not run)."""
     out = []
     if opts.ddp_gradient_as_bucket_view:

@@ -46,11 +46,15 @@ import json
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from library.config.options import OPTIONS_BY_NAME
 from library.distributed.fsdp import trained_roots
 from library.errors import UserError
 from library.training.optim import build_optimizer, resolve_optimizer_class
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -63,7 +67,7 @@ class DeepSpeedError(UserError, ValueError):
     pass
 
 
-def enabled(opts) -> bool:
+def enabled(opts: Options) -> bool:
     return opts.deepspeed
 
 
@@ -94,12 +98,12 @@ def _read_config_file(path: str) -> dict:
     return cfg
 
 
-def resolve_options(opts):
+def resolve_options(opts: Options):
     """Fold an Accelerate DeepSpeed launch (its environment) and a DeepSpeed JSON
     (``deepspeed_config_file``, from the options or the launch) into the run's options: returns
     them with those values (the options are frozen; the run holds the returned copy). A value
     set differently in two places is an error naming both."""
-    changes = {}
+    changes: dict[str, object] = {}
     launch = launched_with_deepspeed()
     env_path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "") if launch else ""
     path = opts.deepspeed_config_file
@@ -177,7 +181,7 @@ def elementwise_reason(cls) -> str | None:
            "parameter's shape and of the other parameters"
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Combinations that cannot work with deepspeed (and its options without it), before any
     weight is loaded."""
     if not enabled(opts):
@@ -263,7 +267,7 @@ def _import_deepspeed():
     return deepspeed
 
 
-def ds_config(opts, processes: int) -> dict:
+def ds_config(opts: Options, processes: int) -> dict:
     """DeepSpeed's config for this run (``deepspeed_config_file``'s other ZeRO settings kept)."""
     stage = opts.zero_stage if opts.zero_stage is not None else 2
     zero = {}
@@ -333,7 +337,7 @@ def trained_modules(b, method) -> list[tuple[str, object]]:
     return trained_roots(b, method)
 
 
-def make_stepper(opts, acc, plan, modules: list[tuple[str, object]], groups: list[dict]):
+def make_stepper(opts: Options, acc, plan, modules: list[tuple[str, object]], groups: list[dict]):
     """The DeepSpeed engine over the trained ``modules`` and the run's optimizer, as a stepper."""
     # lazy: its options are resolved before the plan, without torch
     import torch

@@ -41,9 +41,14 @@ import contextlib
 import logging
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from library.accelerator import DistributedError, _is_multi_process, is_main_process
 from library.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: torch is imported when a function runs
+    from library.config.parse import Options
+    from torch.nn import Module
 
 logger = logging.getLogger("sdtk")
 
@@ -52,11 +57,11 @@ class FSDPError(UserError, ValueError):
     pass
 
 
-def enabled(opts) -> bool:
+def enabled(opts: Options) -> bool:
     return opts.fsdp
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Combinations that cannot work with fsdp, and launcher configs the toolkit does not use;
     before any weight is loaded."""
     check_launch_environment()
@@ -106,7 +111,7 @@ def _blocks(root, kind: str) -> list:
     return list(encoder.layers)
 
 
-def trained_roots(b, method) -> list[tuple[str, object]]:
+def trained_roots(b, method) -> list[tuple[str, Module]]:
     """(name, module) of the modules a full fine-tune trains (named as in the training state)."""
     out = []
     if method.train_unet:
@@ -119,7 +124,7 @@ def trained_roots(b, method) -> list[tuple[str, object]]:
     return out
 
 
-def shard(acc, roots: list[tuple[str, object]], groups: list[dict]) -> list[tuple[str, object]]:
+def shard(acc, roots: list[tuple[str, Module]], groups: list[dict]) -> list[tuple[str, Module]]:
     """Shard the trained modules ``roots`` across the processes and re-point ``groups`` (the
     optimizer's param groups, also the method's) at the sharded parameters; returns the sharded
     roots (none on one process)."""
@@ -193,7 +198,7 @@ def _plain_copy(module, full: dict):
 
 
 @contextlib.contextmanager
-def full_weights(b, roots: list[tuple[str, object]], acc):
+def full_weights(b, roots: list[tuple[str, Module]], acc):
     """Inside: on the main process, the bundle ``b`` holds unsharded copies of the sharded
     modules ``roots`` (for a model save). Every process must enter it (the gather is a
     collective). A no-op when nothing is sharded."""

@@ -35,12 +35,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import ContextManager, Protocol
+from typing import TYPE_CHECKING, ContextManager, Protocol
 
 from library.accelerator import BUCKETED_SUM
 from library.distributed import ddp, deepspeed_zero, fsdp
 from library.errors import ResumeError, first_line
 from library.training.stepper import fused_mode, make_stepper
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -70,7 +73,7 @@ class Strategy(Protocol):
 
     def micro_step(self, last: bool) -> ContextManager: ...
 
-    def make_stepper(self, opts, groups: list[dict], params: list, plan): ...
+    def make_stepper(self, opts: Options, groups: list[dict], params: list, plan): ...
 
     def full_weights(self, bundle, params: list) -> ContextManager: ...
 
@@ -103,7 +106,7 @@ class SingleProcess:
     # empty share): DDP's reducer all-reduces in that backward
     last_micro_step_in_every_process = False
     weights_sharded = False
-    state_dir = None
+    state_dir: str | None = None  # where its part of a training state lives (None: nowhere)
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -136,7 +139,7 @@ class SingleProcess:
         """The context of one micro-step's forward and backward."""
         return contextlib.nullcontext()
 
-    def make_stepper(self, opts, groups: list[dict], params: list, plan):
+    def make_stepper(self, opts: Options, groups: list[dict], params: list, plan):
         """Plain, fused_backward_pass or fused_optimizer_groups: optimizer(s) and scheduler(s),
         summing nothing (one process)."""
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
@@ -204,17 +207,17 @@ class DDP(SingleProcess):
 
     name = "data parallel"
 
-    def __init__(self, accelerator, opts):
+    def __init__(self, accelerator, opts: Options):
         super().__init__(accelerator)
         self.opts = opts
         self.engine = self.uses_reducer(opts)
         # DDP's reducer all-reduces in the last micro-step's backward of every process
         self.last_micro_step_in_every_process = self.engine
-        self.denoiser = None   # the wrapped module (None: not wrapped)
+        self.denoiser: ddp.Denoiser | None = None  # the wrapped module (None: not wrapped)
         self.ddp = None        # its DistributedDataParallel (None: nothing trains in it)
-        self._trained = None   # the trained parameters it was built over
+        self._trained: list | None = None  # the trained parameters it was built over
 
-    def uses_reducer(self, opts) -> bool:
+    def uses_reducer(self, opts: Options) -> bool:
         """Whether DistributedDataParallel's reducer sums the gradients: with the plain stepper;
         the fused steppers reduce each unit in their hooks."""
         return fused_mode(opts) is None
@@ -244,7 +247,7 @@ class DDP(SingleProcess):
         """Earlier micro-steps under ``no_sync`` (gradients accumulate locally); the last one
         reduces. A change of the trained parameters (stop_text_encoder_training,
         stop_pivotal_training: the same step in every process) rebuilds the wrapper first."""
-        if self.denoiser is not None:
+        if self.denoiser is not None and self._trained is not None:  # wrapped
             if not all(p.requires_grad for p in self._trained):
                 self._wrap()
                 logger.info(f"DistributedDataParallel rebuilt over the {len(self._trained)} "
@@ -255,7 +258,7 @@ class DDP(SingleProcess):
         with self.ddp.no_sync():
             yield
 
-    def make_stepper(self, opts, groups: list[dict], params: list, plan):
+    def make_stepper(self, opts: Options, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing when DDP's reducer sums during the backward; else
         (the fused steppers' units, or no reducer) the bucketed sum (``BucketedSum``)."""
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
@@ -272,7 +275,7 @@ class FSDP(SingleProcess):
 
     name = "fsdp"
     weights_sharded = True
-    state_dir = SHARDED_DIR
+    state_dir: str | None = SHARDED_DIR
 
     def __init__(self, accelerator):
         super().__init__(accelerator)
@@ -286,7 +289,7 @@ class FSDP(SingleProcess):
         self.modules = fsdp.trained_roots(bundle, method)
         self.roots = fsdp.shard(self.accelerator, self.modules, groups)
 
-    def make_stepper(self, opts, groups: list[dict], params: list, plan):
+    def make_stepper(self, opts: Options, groups: list[dict], params: list, plan):
         """The plain stepper summing nothing (FSDP's reduce-scatter sums the gradients during
         the backward) and without the optimizer in its state (written with the shards)."""
         self.stepper = make_stepper(self.accelerator, opts, groups, params,
@@ -319,12 +322,12 @@ class FSDP(SingleProcess):
 
     def save_process_state(self, path: str, named: list, ema) -> None:
         fsdp.save_sharded(self.modules, self.stepper.optimizer, ema,
-                          os.path.join(path, self.state_dir), named)
+                          os.path.join(path, SHARDED_DIR), named)
 
     def load_sharded_state(self, path: str, named: list, ema) -> None:
         try:
             fsdp.load_sharded(self.modules, self.stepper.optimizer, ema,
-                              os.path.join(path, self.state_dir), named)
+                              os.path.join(path, SHARDED_DIR), named)
         except (KeyError, ValueError, RuntimeError) as e:
             raise ResumeError(f"resume: {path}: the sharded weights or optimizer "
                               "state do not fit this run "
@@ -339,7 +342,7 @@ class DeepSpeed(SingleProcess):
     # the partitioned gradient in the last one: every process runs every micro-step (a
     # zero-weight one for an empty share), even alone (a partial global batch)
     forward_in_every_process = True
-    state_dir = DEEPSPEED_DIR
+    state_dir: str | None = DEEPSPEED_DIR
 
     def __init__(self, accelerator):
         super().__init__(accelerator)
@@ -348,7 +351,7 @@ class DeepSpeed(SingleProcess):
     def prepare(self, bundle, method, groups: list[dict]) -> None:
         self.modules = deepspeed_zero.trained_modules(bundle, method)  # what the engine wraps
 
-    def make_stepper(self, opts, groups: list[dict], params: list, plan):
+    def make_stepper(self, opts: Options, groups: list[dict], params: list, plan):
         self.stepper = deepspeed_zero.make_stepper(opts, self.accelerator, plan, self.modules, groups)
         return self.stepper
 
@@ -370,17 +373,17 @@ class DeepSpeed(SingleProcess):
                 f"{self.accelerator.num_processes} process(es)")
 
     def save_process_state(self, path: str, named: list, ema) -> None:
-        self.stepper.save_partitions(os.path.join(path, self.state_dir))  # ZeRO's optimizer state
+        self.stepper.save_partitions(os.path.join(path, DEEPSPEED_DIR))  # ZeRO's optimizer state
 
     def load_process_state(self, path: str, named: list, ema) -> None:
-        self.stepper.load_partitions(os.path.join(path, self.state_dir))
+        self.stepper.load_partitions(os.path.join(path, DEEPSPEED_DIR))
 
     def close(self) -> None:
         if self.stepper is not None:
             self.stepper.close()  # the engine (and the process group made for it)
 
 
-def for_run(opts, accelerator) -> Strategy:
+def for_run(opts: Options, accelerator) -> Strategy:
     if (opts.deepspeed or opts.fsdp) and accelerator.num_processes > 1:
         given = ddp.speed_options_given(opts)
         if given:

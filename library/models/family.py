@@ -32,11 +32,14 @@ token's hidden state by its weight (sd-scripts' ``encode_tokens_with_weights``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from library.errors import UserError
 from library.models import prompt_weights
 from library.models.families import registry
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 MAX_TOKENS = 77  # one CLIP window: BOS + 75 tokens + EOS
 CHUNK = MAX_TOKENS - 2
@@ -254,7 +257,7 @@ class SDXLModel(FamilyModel):
         return self.unet(noisy_latents, timesteps, cond.hidden_states.to(dtype), added_cond_kwargs=added).sample
 
 
-def check_token_padding(opts, family_before_loading) -> None:
+def check_token_padding(opts: Options, family_before_loading) -> None:
     """no_token_padding's combinations, before any weight loads (``family_before_loading``: the
     model's family from its configuration, or None when only the weights tell)."""
     if not opts.no_token_padding:

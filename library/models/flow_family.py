@@ -23,16 +23,20 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from library.config.options import OPTIONS_BY_NAME
+from library.config.parse import required
 from library.errors import UserError
 from library.models.family import FamilyModel, TextConditioning
 from library.models.family import family_model_for as sd_family_model_for
 from library.models import (flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, t5,
                             tiny_flux)
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -84,12 +88,12 @@ def family_before_loading(name_or_path: str | None) -> str | None:
         return None
 
 
-def _is_set(opts, name: str) -> bool:
+def _is_set(opts: Options, name: str) -> bool:
     value = getattr(opts, name)
     return value not in (None, False, 0, 0.0, "", (), []) and value != OPTIONS_BY_NAME[name].default
 
 
-def load_from_options(opts) -> loading.ModelBundle:
+def load_from_options(opts: Options) -> loading.ModelBundle:
     """The run's model: a FLUX.1 source as a bundle over its FluxModel, any other through the SD
     loader (library/models/loading.py)."""
 
@@ -99,7 +103,7 @@ def load_from_options(opts) -> loading.ModelBundle:
         return _load_sd3(opts)
     if fam != "flux":
         return loading.load_from_options(opts)
-    m = flux_loading.load_flux(src, clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
+    m = flux_loading.load_flux(required(src, "pretrained_model_name_or_path"), clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
     for part in (m.transformer, m.clip_l, m.t5, m.ae):
         part.eval()
     return loading.ModelBundle(family="flux", unet=m.transformer, vae=m.ae,
@@ -109,18 +113,18 @@ def load_from_options(opts) -> loading.ModelBundle:
                                vae_identity=m.ae_identity, flow=m)
 
 
-def sd3_ae_file(opts) -> str | None:
+def sd3_ae_file(opts: Options) -> str | None:
     """SD3's separate autoencoder file: sd-scripts' SD3 scripts take it as ``vae``; ``ae``
     (FLUX.1's name) is accepted too (flow_loss.check_options refuses two different files)."""
     return opts.ae or opts.vae
 
 
-def _load_sd3(opts) -> loading.ModelBundle:
+def _load_sd3(opts: Options) -> loading.ModelBundle:
 
     src = opts.pretrained_model_name_or_path
     ae = sd3_ae_file(opts)
     with loading.quiet_progress():
-        m = sd3_checkpoint.load_sd3(src, clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=ae,
+        m = sd3_checkpoint.load_sd3(required(src, "pretrained_model_name_or_path"), clip_l=opts.clip_l, clip_g=opts.clip_g, t5xxl=opts.t5xxl, ae=ae,
                                     t5_loader=t5.model_from_state_dict, allow_pickle=opts.allow_pickle)
     for part in (m.mmdit, m.clip_l, m.clip_g, m.vae):
         part.eval()
@@ -324,7 +328,7 @@ class SD3FamilyModel(FamilyModel):
                          cond.hidden_states.to(dev, dtype), pos_embed=pos)
 
 
-def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
+def family_model_for(bundle, opts: Options, *, rewrite=None) -> FamilyModel:
     """The run's family model: FLUX.1's, SD3's, or the SD family's (library/models/family.py)."""
     if bundle.family == "sd3":
         return SD3FamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,

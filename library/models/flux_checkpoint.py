@@ -261,7 +261,8 @@ def read_transformer(path: str, dtype: torch.dtype | None = torch.float32) -> Tr
         sub = os.path.join(path, "transformer")
         folder = sub if os.path.isdir(sub) else path
         return _read_diffusers_folder(folder, dtype)
-    sd, meta = {}, {}
+    sd: dict = {}
+    meta: dict = {}
     for f in shard_files(path):
         part, part_meta = read_state_dict(f)
         sd.update(part)

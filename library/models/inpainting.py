@@ -16,8 +16,13 @@ onto that inpainting model.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from library.config import method_kinds
 from library.errors import UserError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 LATENT_CHANNELS = 4
 IN_CHANNELS = 9  # noisy latents + mask + masked-image latents
@@ -38,7 +43,7 @@ def is_inpainting(unet) -> bool:
     return int(unet.config.in_channels) == IN_CHANNELS
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads: what cannot be combined with train_inpainting. (The validation
     loss takes each held-out image's mask, library/training/validation.py; sample images a
     prompt's --i image and a random mask, library/training/sampling.py.)"""
@@ -52,7 +57,7 @@ def check_options(opts) -> None:
                 "(as sd-scripts, which refuses the same); turn one of them off")
 
 
-def prepare_unet(unet, opts, method_name: str, log) -> None:
+def prepare_unet(unet, opts: Options, method_name: str, log) -> None:
     """After loading: the model and train_inpainting must agree. A 9-channel model needs
     train_inpainting; train_inpainting on a 4-channel model widens its first convolution to 9
     input channels (the new 5 zero, so the model starts as it was: sd-scripts'

@@ -20,12 +20,16 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from library import symlinks
+from library.config.parse import required
 from library.errors import ModelError, UserError, first_line
 from library.models import inpainting, sd_checkpoint, tiny_models
 from library.models.sd_checkpoint import quiet_progress
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -53,7 +57,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 class ModelSource:
     kind: str  # "builtin" | "diffusers" | "single_file" | "hub"
     location: str  # absolute path, builtin name or hub id
-    arch: str | None = None  # sd15 / sd2 / sdxl, for builtins
+    arch: str = ""  # sd15 / sd2 / sdxl, for builtins ("" for the other kinds)
 
 
 def resolve_model_source(name_or_path: str) -> ModelSource:
@@ -415,9 +419,10 @@ def load_vae(vae: str, family: str, base_vae_config: dict):
 
 # --- entry point -----------------------------------------------------------------------------
 
-def load_from_options(opts) -> "ModelBundle":
+def load_from_options(opts: Options) -> "ModelBundle":
     """load_model_bundle with the run options that select and shape the model."""
-    return load_model_bundle(opts.pretrained_model_name_or_path, vae=opts.vae, v2=opts.v2,
+    return load_model_bundle(required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"),
+                             vae=opts.vae, v2=opts.v2,
                              v_parameterization=opts.v_parameterization,
                              tokenizer_path=opts.tokenizer_path, allow_pickle=opts.allow_pickle)
 
@@ -468,7 +473,7 @@ def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path,
                        scheduler_config=dict(sched))
 
 
-def set_attention(b, opts) -> None:
+def set_attention(b, opts: Options) -> None:
     """The bundle's attention: SDPA (default), xformers, or with --sdpa=false the plain math
     attention."""
     if opts.xformers:

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from library.config import method_kinds
 from library.errors import UserError
 from library.models import fp8
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 class Fp8OptionError(UserError, ValueError):
@@ -46,7 +50,7 @@ FULL_TRAINING_SCRIPTS = {None: "train_db, fine_tune and sdxl_train", "flux": "fl
                          "sd3": "sd3_train.py"}
 
 
-def check_options(opts, family: str | None = None) -> None:
+def check_options(opts: Options, family: str | None = None) -> None:
     """fp8_base / fp8_base_unet combinations, before any weight is loaded (sd-scripts' rule:
     fp8 needs a mixed-precision compute dtype); ``family``: "flux" / "sd3" for a FLUX.1 / SD3
     model, None for an SD one (the warning names that family's sd-scripts scripts)."""
@@ -79,7 +83,7 @@ def compute_dtype(mixed_precision: str):
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
-def trained_precision(opts) -> str:
+def trained_precision(opts: Options) -> str:
     """The dtype of the trained weights: "bfloat16" (full_bf16), "float16" (full_fp16) or
     "float32"."""
     if opts.full_bf16:
@@ -89,7 +93,7 @@ def trained_precision(opts) -> str:
     return "float32"
 
 
-def dtype_placement(opts, method_name: str, train_text_encoder: bool, n_text_encoders: int) -> Placement:
+def dtype_placement(opts: Options, method_name: str, train_text_encoder: bool, n_text_encoders: int) -> Placement:
     """The dtypes of this run's U-Net, text encoders and network."""
     compute = compute_dtype(opts.mixed_precision)
     trained = getattr(torch, trained_precision(opts))

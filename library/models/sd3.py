@@ -336,7 +336,7 @@ class MMDiT(nn.Module):
         self.cpu_offload_checkpointing = False
         # enable_scaled_pos_embed: the tables per resolution (sd3_positions.ScaledPosEmbed), used
         # instead of pos_embed by every forward; None: the saved table
-        self.scaled_pos_embed = None
+        self.scaled_pos_embed: sd3_positions.ScaledPosEmbed | None = None
 
     def enable_scaled_pos_embed(self, latent_sizes) -> None:
         """sd-scripts' enable_scaled_pos_embed(True, latent_sizes): a scaled table per latent size

@@ -390,7 +390,7 @@ def _load_file(path: str, t5_loader, allow_pickle: bool, separate: dict) -> SD3M
     if t5_part and not separate.get("t5xxl"):
         _set_t5(model, t5_part, path, t5_loader, in_source=True)
         model.in_source = model.in_source | {"t5xxl"}
-        if (record or {}).get("tokenizer_t5"):
+        if record and record.get("tokenizer_t5"):
             model.tokenizer_t5 = t5.tokenizer_of_record({"tokenizer": record["tokenizer_t5"]})
     _replace_separate(model, separate, record, t5_loader, allow_pickle)
     for which, option in (("clip_l", "clip_l"), ("clip_g", "clip_g"), ("vae", "ae")):

@@ -124,7 +124,7 @@ def encode_t5(tokens: SD3Tokens, t5: Callable | None, *, apply_t5_attn_mask: boo
     if t5 is None or tokens.t5_ids is None:
         return None
     device = _device_of(t5, tokens.t5_ids.device)
-    mask = tokens.t5_mask.to(device) if apply_t5_attn_mask else None
+    mask = tokens.t5_mask.to(device) if apply_t5_attn_mask and tokens.t5_mask is not None else None
     return _states(t5(tokens.t5_ids.to(device), mask))
 
 

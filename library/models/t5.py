@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 import torch
 from transformers import T5Config, T5EncoderModel, T5Tokenizer
@@ -33,7 +34,7 @@ META_CONFIG_KEY = "sdtk.t5_config"  # config and tokenizer of t5 files this tool
 TINY_SEED = 20240603
 
 # T5 v1.1 XXL (the encoder FLUX.1 and SD3 ship as t5xxl_*.safetensors).
-T5XXL_CONFIG = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+T5XXL_CONFIG: dict[str, Any] = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
                     feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6, dropout_rate=0.0,
                     pad_token_id=PAD_ID, eos_token_id=EOS_ID, tie_word_embeddings=False, is_encoder_decoder=False)

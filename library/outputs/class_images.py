@@ -8,20 +8,25 @@ from __future__ import annotations
 import gc
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from library.config.parse import required
 from library.data.class_images import to_make
 from library.errors import UserError, first_line
 from library.outputs import gen_options, generation, infotext
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 # the model options gen_img takes under the same name (its --ckpt is pretrained_model_name_or_path)
 _MODEL_FLAGS = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path")
 
 
-def generator_args(opts, outdir: str):
+def generator_args(opts: Options, outdir: str):
     """gen_img's arguments for the run's base model (float32, one image per batch)."""
-    argv = ["--ckpt", opts.pretrained_model_name_or_path, "--outdir", outdir, "--prompt", "-",
+    argv = ["--ckpt", required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"), "--outdir", outdir, "--prompt", "-",
             "--sampler", opts.class_image_sampler]
     for name in _MODEL_FLAGS:
         value = getattr(opts, name)
@@ -42,7 +47,7 @@ def jobs(planned: list, defaults: dict, sampler: str) -> list:
             for c in planned]
 
 
-def make_missing(opts, planned: list, accelerator, log) -> int:
+def make_missing(opts: Options, planned: list, accelerator, log) -> int:
     """Render the planned class images whose file is missing (main process), then a barrier.
     Returns the number made here."""
     todo = to_make(planned) if accelerator.is_main_process else []

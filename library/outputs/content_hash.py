@@ -24,10 +24,14 @@ import hashlib
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from library.data.latent_cache import file_sha256
 from library.errors import ResumeError
 from library.files import atomic_path
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -113,7 +117,7 @@ def weight_files(path: str) -> list[str]:
     return out
 
 
-def model_inputs(opts) -> list[tuple[str, str]]:
+def model_inputs(opts: Options) -> list[tuple[str, str]]:
     """(role, path) of every weights input of a run: the model (if it is a path), vae,
     network_weights, base_weights."""
     out = []
@@ -136,7 +140,7 @@ def _digest_or_missing(fn, path: str) -> str:
         return f"unreadable: {e.strerror or e}"
 
 
-def fingerprint(opts, tset) -> list[list[str]]:
+def fingerprint(opts: Options, tset) -> list[list[str]]:
     """[role, absolute path, sha256] of every model file, image and mask of the run."""
     out = []
     for role, path in model_inputs(opts):
@@ -154,7 +158,7 @@ _WHAT = {"model": "model weights file", "vae": "vae file", "network_weights": "n
          "base_weights": "base_weights file", "image": "image", "mask": "mask file"}
 
 
-def check(saved: list | None, opts, tset, state: str, log=None) -> None:
+def check(saved: list | None, opts: Options, tset, state: str, log=None) -> None:
     """Raise ResumeError naming the first file whose content differs from the state's record;
     a state written before content hashes were kept resumes with a warning (``log``)."""
     if saved is None:

@@ -26,6 +26,7 @@ import os
 import random
 import re
 import sys
+from typing import Any
 from dataclasses import dataclass
 
 from library import text_files
@@ -293,7 +294,8 @@ def _numbers(value: str, kind, what: str, where: str) -> list:
 def parse_prompt_line(line: str, where: str) -> tuple[dict, dict]:
     """(the samples' prompt dict, gen_img's own values: seeds, muls, width, height, negative_scale)."""
     parts = line.split(" --")
-    rest, own = [parts[0]], {}
+    rest: list[str] = [parts[0]]
+    own: dict[str, Any] = {}
     for part in parts[1:]:
         m = _OWN.match(part.strip())
         if m is None:
@@ -364,7 +366,7 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
                     raise GenError(f"{where}: --am needs unmerged networks; drop --network_merge")
                 muls = tuple((own["muls"] + [own["muls"][-1]] * n)[:n])
             seeds = list(own.get("seeds", []))
-            seed = None
+            seed = 0  # set for the first image: --d's first seed, else drawn
             for _ in range(args.images_per_prompt):
                 if seeds:
                     seed = seeds.pop(0)

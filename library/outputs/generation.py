@@ -16,6 +16,7 @@ to the size, then diffusers' img2img pipeline at ``strength`` (0.8) from seed + 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -161,7 +162,8 @@ class Generator:
             raise GenError(f"--textual_inversion_embeddings: SD1/SD2/SDXL embeddings; this model is {fam}")
         if args.clip_skip is not None:
             raise GenError(f"--clip_skip: an SD option; this model is {fam}")
-        if args.shift is not None and registry.of(self.bundle).flow.sample_schedule != FIXED_SHIFT:
+        flow = registry.of(self.bundle).flow
+        if args.shift is not None and flow is not None and flow.sample_schedule != FIXED_SHIFT:
             raise GenError("--shift is SD3's; FLUX.1's schedule is shifted by the image's size")
         if args.guidance_scale is not None and self.defaults["guidance"] is None:
             raise GenError(f"--guidance_scale is FLUX.1 dev's guidance input; this {fam} model has none")
@@ -260,13 +262,14 @@ class Generator:
         """The PIL images of one batch (equal settings, gen_options.batches)."""
         j = batch[0]
         self._set_multipliers(j.muls)
-        prompts, negatives, seeds = [x.prompt for x in batch], [x.negative for x in batch], [x.seed for x in batch]
+        images = sampling.PromptBatch([x.prompt for x in batch], [x.negative for x in batch],
+                                      [x.seed for x in batch], width=j.width, height=j.height,
+                                      steps=j.steps, scale=j.scale)
         with torch.no_grad():
             if self.flow:
                 latents = sampling.flow_batch(
-                    self.bundle, self.family_model, prompts, negatives, seeds, width=j.width, height=j.height,
-                    steps=j.steps, scale=j.scale, guidance=j.guidance, device=self.device, dtype=self.dtype,
-                    shift=self.args.shift, packed_draw=False)
+                    self.bundle, self.family_model, images, guidance=j.guidance, device=self.device,
+                    dtype=self.dtype, shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
             kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
             chunk = gen_options.vae_batch(self.args, len(batch))
@@ -274,24 +277,21 @@ class Generator:
                 kw["output_type"] = "latent"
             strength = STRENGTH if self.args.strength is None else self.args.strength
             if j.image is not None:  # img2img from --image_path (the image's size: the job's)
-                images = [load_source(x.image, x.width, x.height) for x in batch]
-                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives, seeds,
-                                        width=j.width, height=j.height, steps=j.steps, scale=j.scale,
-                                        sampler=j.sampler, extra={"image": images, "strength": strength}, **kw)
+                sources = [load_source(x.image, x.width, x.height) for x in batch]
+                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, images,
+                                        sampler=j.sampler, extra={"image": sources, "strength": strength}, **kw)
             elif self.args.highres_fix_scale is None:
-                out = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                        width=j.width, height=j.height, steps=j.steps, scale=j.scale,
-                                        sampler=j.sampler, **kw)
+                out = sampling.sd_batch(self.bundle, self.family_model, self.pipe, images, sampler=j.sampler, **kw)
             else:
                 w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
-                first = sampling.sd_batch(self.bundle, self.family_model, self.pipe, prompts, negatives, seeds,
-                                          width=w1, height=h1, steps=self.args.highres_fix_steps, scale=j.scale,
+                first = sampling.sd_batch(self.bundle, self.family_model, self.pipe,
+                                          dataclasses.replace(images, width=w1, height=h1,
+                                                              steps=self.args.highres_fix_steps),
                                           sampler=j.sampler, **{**kw, "output_type": "pil"})
                 up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
-                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, prompts, negatives,
-                                        [s + 1 for s in seeds], width=j.width, height=j.height, steps=j.steps,
-                                        scale=j.scale, sampler=j.sampler,
-                                        extra={"image": up, "strength": strength}, **kw)
+                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img,
+                                        dataclasses.replace(images, seeds=[s + 1 for s in images.seeds]),
+                                        sampler=j.sampler, extra={"image": up, "strength": strength}, **kw)
             return out if chunk >= len(batch) else decode(self.pipe, out, chunk)
 
     def parameters(self, job: Job) -> str:

@@ -37,8 +37,12 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from library.errors import ResumeError, first_line
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -52,7 +56,7 @@ class HubTarget:
     token: str | None
 
     @staticmethod
-    def of(opts) -> HubTarget | None:
+    def of(opts: Options) -> HubTarget | None:
         if not opts.huggingface_repo_id:
             return None
         return HubTarget(opts.huggingface_repo_id, opts.huggingface_repo_type,
@@ -76,7 +80,7 @@ class Uploader:
         self.target, self.api, self.async_upload = target, api, async_upload
         self._repo_checked = False
         self._pending: dict[str, threading.Event] = {}
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue = queue.Queue()  # (path, done) for the thread; None: stop
         self._thread: threading.Thread | None = None
 
     def upload(self, path: str) -> None:
@@ -85,7 +89,6 @@ class Uploader:
             return
         done = self._pending[os.path.abspath(path)] = threading.Event()
         if self._thread is None:
-            self._queue = queue.Queue()
             # not a daemon: an interpreter that exits without close() still finishes the uploads
             self._thread = threading.Thread(target=self._work, name="sdtk-hub-upload")
             self._thread.start()
@@ -152,7 +155,7 @@ class Uploader:
         logger.info(f"uploaded {path} to {t.repo_id}/{dest}")
 
 
-def uploader_for(opts, api=None) -> Uploader | None:
+def uploader_for(opts: Options, api=None) -> Uploader | None:
     """The run's uploader (main process), or None when huggingface_repo_id is unset."""
     target = HubTarget.of(opts)
     if target is None:

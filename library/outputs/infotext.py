@@ -53,9 +53,9 @@ def parameters(prompt: str, negative: str, fields: dict, loras: list[tuple[str, 
     return "\n".join(lines)
 
 
-def save_png(image, path: str, text: str, extra: dict[str, str]) -> None:
+def save_png(image, path: str, text: str, extra: dict[str, object]) -> None:
     """``image`` as a PNG at ``path`` (atomically) with the tEXt chunk ``parameters`` = ``text``
-    and ``extra`` (sd-scripts' gen_img keys: prompt, seed, sampler, ...)."""
+    and ``extra`` (sd-scripts' gen_img keys: prompt, seed, sampler, ...; each written as text)."""
     info = PngInfo()
     info.add_text("parameters", text)
     for k, v in extra.items():

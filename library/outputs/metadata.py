@@ -10,11 +10,16 @@ import json
 import mimetypes
 import os
 from collections import Counter
+from typing import TYPE_CHECKING
 
+from library.config.parse import required
 from library.errors import UserError
 from library.models.families import registry
 from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
                                       modelspec_architecture)
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 def tag_frequency(items) -> dict:
@@ -29,49 +34,33 @@ def tag_frequency(items) -> dict:
     return {k: dict(v) for k, v in freq.items()}
 
 
-def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str | None,
+def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adapter: str | None,
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
-                   network_info: dict | None = None, variant: str | None = None) -> dict:
+                   network_info: dict | None = None, variant: str = "") -> dict:
     """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields)."""
-    w, h = opts.resolution
-    md = {
-        "ss_training_started_at": str(started_at),
-        "ss_output_name": opts.output_name,
-        "ss_learning_rate": str(opts.learning_rate),
-        "ss_unet_lr": str(opts.unet_lr),
+    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields; "" for the SD families)."""
+    w, h = required(opts.resolution, "resolution")
+    md = _run_fields(opts, family, started_at)
+    md.update({
         "ss_text_encoder_lr": str(opts.text_encoder_lr),
         "ss_num_train_images": str(num_train_images),
         "ss_num_reg_images": str(num_reg_images),
-        "ss_max_train_steps": str(opts.max_train_steps),
         "ss_lr_warmup_steps": str(opts.lr_warmup_steps),
-        "ss_lr_scheduler": str(opts.lr_scheduler),
         "ss_optimizer": str(opts.optimizer_type) + (
             "(" + ",".join(f"{k}={v}" for k, v in opts.optimizer_args.items()) + ")"
             if opts.optimizer_args else ""),
-        "ss_mixed_precision": str(opts.mixed_precision),
-        "ss_seed": str(opts.seed),
         "ss_gradient_checkpointing": str(opts.gradient_checkpointing),
         "ss_gradient_accumulation_steps": str(opts.gradient_accumulation_steps),
         "ss_max_grad_norm": str(opts.max_grad_norm),
         "ss_clip_skip": str(opts.clip_skip),
         "ss_max_token_length": str(opts.max_token_length),
         "ss_resolution": str((w, h)),
-        "ss_v2": str(registry.get(family).v2_metadata),
-        "ss_base_model_version": BASE_MODEL_VERSION[family],
-        "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_tag_frequency": json.dumps(tag_frequency(train_items)),
         "ss_caption_extension": str(opts.caption_extension),
         "ss_enable_bucket": str(opts.enable_bucket),
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
-        "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
-        "modelspec.resolution": f"{w}x{h}",
-        "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
-        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
-    }
+    })
+    md.update(_modelspec(opts, family, v_parameterization, adapter, started_at, f"{w}x{h}"))
     # sd-scripts records the noise and loss settings under these names.
     for key, name in (("ss_noise_offset", "noise_offset"),
                       ("ss_noise_offset_random_strength", "noise_offset_random_strength"),
@@ -93,12 +82,69 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
         md.update({f"ss_{name}": str(getattr(opts, name)) for name in flow.metadata_options})
-    md.update(model_spec_fields(opts))
-    if opts.training_comment is not None:
-        md["ss_training_comment"] = opts.training_comment
     if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
         md["ss_fp8_base"] = str(opts.fp8_base)
         md["ss_fp8_base_unet"] = str(opts.fp8_base_unet)
+    return _user_fields(md, opts, network_info)
+
+
+def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, network_info: dict,
+                  settings: list, started_at: float) -> dict:
+    """train_leco's static metadata: train_lora's run keys and modelspec fields (a U-Net LoRA),
+    and sd-scripts' ss_leco_* keys for the prompt ``settings`` (library/config/leco_prompts.py)."""
+    h, w = settings[0].resolution
+    md = _run_fields(opts, family, started_at)
+    md.update({
+        "ss_optimizer": str(opts.optimizer_type),
+        "ss_leco_prompt_count": str(len(settings)),
+        "ss_leco_prompts_file": os.path.basename(required(opts.prompts_file, "prompts_file")),
+        "ss_leco_max_denoising_steps": str(opts.max_denoising_steps),
+        "ss_leco_denoise_guidance_scale": str(opts.leco_denoise_guidance_scale),
+        "ss_leco_preview": json.dumps(
+            [{"target": p.target, "positive": p.positive, "unconditional": p.unconditional,
+              "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
+              "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
+    })
+    md.update(_modelspec(opts, family, v_parameterization, "lora", started_at, f"{w}x{h}"))
+    return _user_fields(md, opts, network_info)
+
+
+def _run_fields(opts: Options, family: str, started_at: float) -> dict:
+    """The run's keys every training script writes."""
+    return {
+        "ss_training_started_at": str(started_at),
+        "ss_output_name": opts.output_name,
+        "ss_learning_rate": str(opts.learning_rate),
+        "ss_unet_lr": str(opts.unet_lr),
+        "ss_max_train_steps": str(opts.max_train_steps),
+        "ss_lr_scheduler": str(opts.lr_scheduler),
+        "ss_mixed_precision": str(opts.mixed_precision),
+        "ss_seed": str(opts.seed),
+        "ss_v2": str(registry.get(family).v2_metadata),
+        "ss_base_model_version": BASE_MODEL_VERSION[family],
+        "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
+    }
+
+
+def _modelspec(opts: Options, family: str, v_parameterization: bool, adapter: str | None,
+               started_at: float, resolution: str) -> dict:
+    """SAI's modelspec.* fields of a run's file (``resolution``: "WxH")."""
+    return {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
+        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
+        "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
+        "modelspec.resolution": resolution,
+        "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
+        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
+    }
+
+
+def _user_fields(md: dict, opts: Options, network_info: dict | None) -> dict:
+    """The metadata_* options' modelspec fields, training_comment and the network's own keys."""
+    md.update(model_spec_fields(opts))
+    if opts.training_comment is not None:
+        md["ss_training_comment"] = opts.training_comment
     if network_info:
         md.update({k: str(v) for k, v in network_info.items()})
     return md
@@ -113,7 +159,7 @@ class MetadataError(UserError, ValueError):
     pass
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads: a metadata_thumbnail file must exist (sd-scripts skips a missing
     one with a warning; a silently missing thumbnail is what we avoid)."""
     thumb = opts.metadata_thumbnail
@@ -121,7 +167,7 @@ def check_options(opts) -> None:
         raise MetadataError(f"metadata_thumbnail: no such file: {thumb}")
 
 
-def model_spec_fields(opts) -> dict:
+def model_spec_fields(opts: Options) -> dict:
     """modelspec.<field> for every metadata_<field> that is set; a thumbnail file becomes a
     data: URL (base64 of the file, MIME type from its name), as sd-scripts embeds it."""
     out = {}
@@ -137,9 +183,11 @@ def model_spec_fields(opts) -> dict:
     return out
 
 
-def step_metadata(base: dict, *, epoch: int, step: int, finished_at: float) -> dict:
+def step_metadata(base: dict, *, epoch: int | None, step: int, finished_at: float) -> dict:
+    """``base`` with a save's values; ``epoch`` None: a run without epochs (train_leco)."""
     md = dict(base)
-    md["ss_epoch"] = str(epoch)
+    if epoch is not None:
+        md["ss_epoch"] = str(epoch)
     md["ss_steps"] = str(step)
     md["ss_training_finished_at"] = str(finished_at)
     return md

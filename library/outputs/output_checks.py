@@ -20,10 +20,15 @@ import shutil
 import socket
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
+from library.config.parse import required
 from library.errors import UserError
 from library.files import pid_alive, remove_stale_temporaries
 from library.models import loading
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 class OutputPathError(UserError):
@@ -80,7 +85,7 @@ def _at(e: OSError, p: str) -> str:
     return f": {e.filename}" if e.filename and os.path.abspath(str(e.filename)) != p else ""
 
 
-def check_paths(opts) -> None:
+def check_paths(opts: Options) -> None:
     """Every folder the run writes, and the output name (run() calls this before loading)."""
     check_name(opts.output_name)
     for option in ("output_dir", "cache_dir", "logging_dir"):
@@ -90,7 +95,7 @@ def check_paths(opts) -> None:
 
 
 # -- free space ----------------------------------------------------------------------------------
-def save_bytes(opts, method_name: str) -> tuple[int, str]:
+def save_bytes(opts: Options, method_name: str) -> tuple[int, str]:
     """(bytes, what) one save writes at once: the model file (or network), its EMA twin, and with
     save_state a state (trained weights in float32, the EMA copy, the optimizer state). From the
     run's parameter counts (memory_estimate.saved_parameters: the model built on fake tensors)."""
@@ -133,11 +138,12 @@ TINY_MODEL_BYTES = 40 * 1024 ** 2
 SAVE_BOUND_FACTOR = 10
 
 
-def quick_upper_bound(opts) -> int | None:
+def quick_upper_bound(opts: Options) -> int | None:
     """A bound on ``save_bytes`` from the size of the model on disk, without building anything
     (None when unknown: the full-size built-ins, hub ids). A file holds at least one byte per
     parameter (fp8), so four times its size bounds its float32 size."""
-    src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
+    src = loading.resolve_model_source(required(opts.pretrained_model_name_or_path,
+                                                "pretrained_model_name_or_path"))
     if src.kind == "builtin":
         tiny = src.location in loading.TINY_BUILTINS or src.location in loading.FLOW_BUILTINS
         base = TINY_MODEL_BYTES if tiny else None
@@ -151,7 +157,7 @@ def quick_upper_bound(opts) -> int | None:
     return None if base is None else SAVE_BOUND_FACTOR * base + 64 * 1024 ** 2
 
 
-def check_free_space(opts, method_name: str, log) -> None:
+def check_free_space(opts: Options, method_name: str, log) -> None:
     """output_dir has room for one save; the previous file stays until the new one is complete,
     so an overwrite needs the full size too. An estimate that cannot be made is logged, not fatal.
     When the free space exceeds a bound from the model's size on disk, the exact count (which
@@ -159,7 +165,7 @@ def check_free_space(opts, method_name: str, log) -> None:
     # lazy: the path checks run before torch is imported
     from library.training.memory_estimate import EstimateUnavailable
 
-    have = disk_free(os.path.abspath(os.path.expanduser(opts.output_dir)))
+    have = disk_free(os.path.abspath(os.path.expanduser(required(opts.output_dir, "output_dir"))))
     bound = quick_upper_bound(opts)
     if bound is not None and have > bound:
         return
@@ -242,7 +248,7 @@ class OutputLock:
         return False
 
 
-def prepare(opts, method_name: str, main: bool, log):
+def prepare(opts: Options, method_name: str, main: bool, log):
     """The folders the run writes (every process: each writes caches or shards), then on the main
     process only the free space, stale temporaries and the output lock (returned, to hold)."""
     check_paths(opts)

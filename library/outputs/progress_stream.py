@@ -25,9 +25,13 @@ import json
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 from library.errors import UserError
 from library.training.stop_signals import COMMANDS
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -55,7 +59,7 @@ class ProgressStream:
         self._f.close()
 
 
-def open_stream(opts, main: bool) -> ProgressStream | None:
+def open_stream(opts: Options, main: bool) -> ProgressStream | None:
     """The run's stream: the main process's, when ``progress_file`` is set."""
     return ProgressStream(opts.progress_file) if main and opts.progress_file else None
 
@@ -122,7 +126,7 @@ class ControlChannel:
         return out
 
 
-def control_channel(opts, main: bool) -> ControlChannel:
+def control_channel(opts: Options, main: bool) -> ControlChannel:
     """``control_file``, read by the main process only: the commands it reads go into the step's
     read, which every process agrees on (library/training/step_sync.py), so that all processes
     save, sample or stop after the same step; the others hold an empty channel."""

@@ -39,17 +39,21 @@ import atexit
 import logging
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import toml
 from PIL import Image
 
 from library.accelerator import is_main_process
+from library.config.parse import required
 from library.errors import UserError, first_line
 from library.outputs import progress_stream
 from library.training import sampling, validation
 from library.training.network_options import max_norm_scalars
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -58,7 +62,7 @@ class TrackingError(UserError):
     pass
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight is loaded: the tracker exists and is installed."""
     validation.check_options(opts)
     sampling.check_options(opts)
@@ -87,11 +91,11 @@ def check_options(opts) -> None:
                 logger.warning("option %s has no effect here (log_with is not wandb or all)", name)
 
 
-def uses_tensorboard(opts) -> bool:
+def uses_tensorboard(opts: Options) -> bool:
     return bool(opts.logging_dir) and opts.log_with in (None, "tensorboard", "all")
 
 
-def uses_wandb(opts) -> bool:
+def uses_wandb(opts: Options) -> bool:
     return opts.log_with in ("wandb", "all")
 
 
@@ -99,7 +103,7 @@ WANDB_PROJECTS = {"train_lora": "network_train", "train_dreambooth": "dreambooth
                   "finetune": "finetuning", "train_textual_inversion": "textual_inversion"}  # sd-scripts' default log_tracker_name per script
 
 
-def wandb_init_kwargs(opts) -> dict:
+def wandb_init_kwargs(opts: Options) -> dict:
     """The keyword arguments of ``wandb.init`` (without ``dir``): project, name, and the
     ``[wandb]`` table of log_tracker_config (which wins, as sd-scripts' init_kwargs)."""
     kwargs = {"project": opts.log_tracker_name or WANDB_PROJECTS.get(opts.script,
@@ -127,9 +131,9 @@ def wandb_init_kwargs(opts) -> dict:
     return kwargs
 
 
-def run_folder(opts, now: float | None = None) -> str:
+def run_folder(opts: Options, now: float | None = None) -> str:
     stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(now))
-    return os.path.join(opts.logging_dir, (opts.log_prefix or "") + stamp)
+    return os.path.join(required(opts.logging_dir, "logging_dir"), (opts.log_prefix or "") + stamp)
 
 
 def group_names(method, bundle) -> list[str]:
@@ -146,7 +150,8 @@ def group_names(method, bundle) -> list[str]:
                 names.append("unet")
             else:
                 names.append("textencoder" if len(tes) == 1 else f"textencoder{i + 1}")
-    out, seen = [], {}
+    out: list[str] = []
+    seen: dict[str, int] = {}
     for n in names:  # duplicates (should a module repeat a description) get a suffix
         seen[n] = seen.get(n, 0) + 1
         out.append(n if seen[n] == 1 else f"{n}{seen[n]}")
@@ -177,7 +182,7 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, opts, folder: str | None):
+    def __init__(self, opts: Options, folder: str | None):
         # lazy: optional dependency (wandb: pip install -e ".[wandb]"), imported when used
         import wandb
 
@@ -208,13 +213,14 @@ class _Wandb:
 class Tracker:
     """The main process's trackers (TensorBoard and/or wandb), written to with the same tags."""
 
-    def __init__(self, opts, method, bundle):
+    def __init__(self, opts: Options, method, bundle):
         self.folder = run_folder(opts) if opts.logging_dir else None
-        self.backends = []
+        self.backends: list[_TensorBoard | _Wandb] = []
         self._closed = False
         if uses_tensorboard(opts):
-            os.makedirs(self.folder, exist_ok=True)
-            self.backends.append(_TensorBoard(self.folder))
+            folder = required(self.folder, "logging_dir")
+            os.makedirs(folder, exist_ok=True)
+            self.backends.append(_TensorBoard(folder))
         if uses_wandb(opts):
             self.backends.append(_Wandb(opts, self.folder))
         atexit.register(self.close)  # an interrupted run (SIGINT/SIGTERM state) still flushes
@@ -255,7 +261,7 @@ class Reporter:
     """What the loop reports, in every process: validation and samples when due (every
     process), scalars and images to the main process's trackers."""
 
-    def __init__(self, opts, plan, tset, stream: progress_stream.ProgressStream | None, method,
+    def __init__(self, opts: Options, plan, tset, stream: progress_stream.ProgressStream | None, method,
                  bundle, *, validate: Callable, sample: Callable):
         """``stream``: progress_file's (main process; None: none); ``method`` and ``bundle``:
         the trackers' names of the learning rates; ``validate(progress, label) -> loss`` and
@@ -357,7 +363,7 @@ class Reporter:
         self.sampled_at = step
         o = self.opts
         files = [sampling.image_path(o, step, i, sampling.prompt_seed(o, p, i))
-                 for i, p in enumerate(sampling.load_prompts(o.sample_prompts))]
+                 for i, p in enumerate(sampling.load_prompts(required(o.sample_prompts, "sample_prompts")))]
         if self.stream is not None:
             self.stream.event("samples", step=step, files=files)
         t = self._tracker()

@@ -58,6 +58,7 @@ from library import safetensors_file
 from library.accelerator import _is_multi_process, is_main_process
 from library.config.options import METHOD_OF_SCRIPT, OPTIONS_BY_NAME
 from library.config.parse import Options
+from library.config.parse import required
 from library.data.step_plan import StepPlan
 from library.data.training_data import TrainingSet
 from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
@@ -213,7 +214,7 @@ def _torch_file_problem(path: str) -> str | None:
 def list_states(output_dir: str, damaged: list | None = None) -> list[tuple[int, float, str]]:
     """(global step, mtime, path) of every complete state folder in ``output_dir``; the others
     as (mtime, path, ResumeError) into ``damaged``."""
-    out = []
+    out: list[tuple[int, float, str]] = []
     if not os.path.isdir(output_dir):
         return out
     for entry in os.listdir(output_dir):
@@ -281,7 +282,7 @@ def _json(v):
     return json.loads(json.dumps(v))
 
 
-def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
+def check_resumable(info: dict, path: str, opts: Options, plan, tset) -> None:
     """Raise ResumeError naming the first thing that differs between the state and this run."""
     saved, now = info["config"], _json(opts.to_dict())
     for key in sorted(set(saved) | set(now)):
@@ -322,11 +323,11 @@ def check_resumable(info: dict, path: str, opts, plan, tset) -> None:
             f"{plan.total_steps} steps; raise {length} to train further")
 
 
-def check_resume(opts, method_name: str, plan, tset, log) -> tuple[str, dict]:
+def check_resume(opts: Options, method_name: str, plan, tset, log) -> tuple[str, dict]:
     """The state ``opts.resume`` names, found and checked against this run (its script, options,
     plan, data and content) before weights load; -> (path, info). ``log`` None: checked again
     quietly (after the load, when the joined job's plan may differ from the launcher's)."""
-    path = resolve(opts.resume, opts.output_dir, log)
+    path = resolve(required(opts.resume, "resume"), opts.output_dir, log)
     info = read_info(path)
     saved_method = info.get("method")
     if saved_method and saved_method != method_name:  # before the option diff, which would
@@ -373,7 +374,7 @@ def named_trainable(method, b) -> list[tuple[str, object]]:
     roots.append(("unet", b.unet))
     for i, te in enumerate(b.text_encoders):
         roots.append(("text_encoder" if i == 0 else f"text_encoder_{i + 1}", te))
-    names = {}
+    names: dict[int, str] = {}
     for prefix, module in roots:
         for n, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), f"{prefix}.{n}")
@@ -397,7 +398,7 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    st["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+    st["numpy"] = {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                    "has_gauss": int(has_gauss), "gauss": float(gauss)}
     return st
 

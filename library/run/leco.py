@@ -22,10 +22,9 @@ The noise and sampler are the model's own (its prediction type: a v-prediction m
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
-import os
+import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import set_seed
@@ -34,15 +33,23 @@ from diffusers import DDPMScheduler
 from library import accelerator
 from library.accelerator import is_main_process
 from library.config import leco_prompts
+from library.config.parse import required
 from library.data.step_plan import derive_seed
 from library.errors import UserError
-from library.files import output_file
+from library.distributed.strategy import SingleProcess
 from library.log import logger, setup_logging
-from library.models import family, inpainting, loading, modelspec, placement
+from library.models import family, inpainting, loading, placement
 from library.models.families import registry
 from library.models.family import TextConditioning
-from library.outputs import metadata, output_checks
-from library.training import losses, methods, optim
+from library.outputs import metadata, output_checks, train_state
+from library.outputs.checkpoints import SaveTargets, Saver
+from library.run import loop
+from library.training import losses, methods, nonfinite, offload, optim, step_sync
+from library.training.progress import Progress
+from library.training.stepper import make_stepper
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 class LecoError(UserError, ValueError):
@@ -59,7 +66,7 @@ class LecoRun:
     saved: list
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads."""
     if accelerator.launched_world_size() > 1:
         raise LecoError("train_leco runs as one process (its steps draw prompts, not a dataset to "
@@ -72,12 +79,12 @@ def check_options(opts) -> None:
                         "prompts, once): network_train_unet_only = false cannot apply")
 
 
-def run(opts) -> LecoRun:
+def run(opts: Options) -> LecoRun:
     setup_logging(is_main_process())
     started = time.time()
     check_options(opts)
-    settings = leco_prompts.read_prompt_file(opts.prompts_file)
-    total = opts.max_train_steps
+    settings = leco_prompts.read_prompt_file(required(opts.prompts_file, "prompts_file"))
+    total = required(opts.max_train_steps, "max_train_steps")  # LECO has no epochs
     warmup = optim.steps_of(opts.lr_warmup_steps, total)
     optim.check_optimizer(opts.optimizer_type, opts.optimizer_args, probe=True,
                           learning_rate=opts.learning_rate)
@@ -113,47 +120,43 @@ def run(opts) -> LecoRun:
             b.unet.enable_gradient_checkpointing()
         b.unet.train()
         net.train()
-        optimizer = optim.build_optimizer(opts.optimizer_type, opts.optimizer_args, groups,
-                                          opts.learning_rate)
-        scheduler = optim.build_scheduler(
-            optim.schedule_spec(opts, warmup_steps=warmup, total_steps=total), optimizer)
+        # the common stepper (one process: nothing to sum), the saver and the metadata writer
+        stepper = make_stepper(acc, opts, groups, method.trainable_parameters(),
+                               warmup_steps=warmup, total_steps=total, grad_sum=None)
         sampler = make_sampler(b)
-        params = method.trainable_parameters()
-        base_md = leco_metadata(opts, b, method, settings, started)
-        losses, saved = [], []
-        ext = method.extension()
+        progress = Progress()
+        saved: list[str] = []  # the files written, in order
+        base_md = metadata.leco_metadata(opts, family=b.family, v_parameterization=b.v_parameterization,
+                                         network_info=method.info, settings=settings, started_at=started)
+        targets = SaveTargets(bundle=b, method=method, params=method.trainable_parameters(),
+                              named=train_state.named_trainable(method, b), ema=None,
+                              frozen=offload.Frozen(device, keep_on_device=True))  # nothing released
+        saver = Saver(opts, None, base_md, saved, targets=targets, accelerator=acc,
+                      strategy=SingleProcess(acc), stepper=stepper, epochs=False)
         for step in range(total):
             d = draw(opts, settings, step)
             with acc.autocast():
                 loss, _ = leco_loss(b, family_model, net, sampler, prompts, d, opts)
-            loss.backward()
-            if opts.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-            if not torch.isfinite(torch.tensor(losses[-1])):
-                raise LecoError(f"step {step + 1}: the loss is not finite; nothing was saved "
-                                "(lower learning_rate or guidance_scale)")
-            logger.info(f"step {step + 1}/{total}: loss {losses[-1]:.6f} ({d.setting.action} "
+            stepper.backward(loss)
+            # the step's one read decides before any update (library/training/nonfinite.py): a
+            # non-finite loss or gradient norm leaves the weights as they were
+            read = stepper.step(functools.partial(step_sync.agree, None, device,
+                                                  step_sync.add_loss(None, loss)))
+            bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
+            bad = bad or stepper.nonfinite
+            if bad is not None:
+                loop.on_nonfinite(bad, None, opts.on_nonfinite, progress, stepper, None, saver)
+            progress.global_step += 1
+            progress.loss_log.append(read.loss)
+            logger.info(f"step {step + 1}/{total}: loss {read.loss:.6f} ({d.setting.action} "
                         f"{d.setting.target!r}, multiplier {d.setting.multiplier})")
             n = opts.save_every_n_steps
             if n and (step + 1) % n == 0 and step + 1 < total:
-                saved.append(_save(method, opts, base_md, output_file(
-                    opts.output_dir, opts.output_name, ext, step=step + 1), step + 1))
-        saved.append(_save(method, opts, base_md, output_file(opts.output_dir, opts.output_name, ext),
-                           total))
-    print(f"done: steps {total}, loss first {losses[0]:.4f} last {losses[-1]:.4f}", flush=True)
-    return LecoRun(b, method, losses, saved)
-
-
-def _save(method, opts, base_md: dict, path: str, step: int) -> str:
-    md = dict(base_md, ss_steps=str(step), ss_training_finished_at=str(time.time()))
-    os.makedirs(opts.output_dir, exist_ok=True)
-    method.save(path, opts.save_precision, md)
-    logger.info(f"saved {path}")
-    return path
+                saver.save(progress, step=step + 1)
+        saver.save(progress, final=True)
+    step_losses = progress.loss_log
+    print(f"done: steps {total}, loss first {step_losses[0]:.4f} last {step_losses[-1]:.4f}", flush=True)
+    return LecoRun(b, method, step_losses, saved)
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -179,17 +182,17 @@ def _repeat(cond, n: int):
 @dataclasses.dataclass
 class Draw:
     """The random choices of one step (keyed by (seed, step))."""
-    setting: object
+    setting: leco_prompts.PromptSetting
     stop: int          # denoising steps taken, in [1, max_denoising_steps - 1]
     height: int
     width: int
-    noise: object      # (batch, 4, h/8, w/8) float32, before the initial sigma
-    offset: object     # (batch, 4, 1, 1) noise_offset's per-channel noise, or None
+    noise: torch.Tensor  # (batch, 4, h/8, w/8) float32, before the initial sigma
+    offset: torch.Tensor | None  # (batch, 4, 1, 1) noise_offset's per-channel noise
     size_cond: tuple   # SDXL (original h, w, crop top, left, target h, w)
     denoise_seed: int  # the sampler's own noise (DDPM steps add some) during the partial denoising
 
 
-def draw(opts, settings, step: int) -> Draw:
+def draw(opts: Options, settings, step: int) -> Draw:
     """Step ``step``'s choices, as sd-scripts draws them, from one generator keyed by (seed, step)."""
     g = torch.Generator().manual_seed(derive_seed("leco", opts.seed, step))
     s = settings[int(torch.randint(0, len(settings), (1,), generator=g))]
@@ -251,7 +254,7 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
     return x
 
 
-def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts):
+def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts: Options):
     """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
     positive, neutral, unconditional, target, prediction}."""
     s = d.setting
@@ -286,45 +289,3 @@ def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, op
     parts = dict(latents=x, timestep=int(t), positive=pos, neutral=neu, unconditional=unc,
                  target=target, prediction=pred)
     return loss, parts
-
-
-# -- metadata -------------------------------------------------------------------------------------
-
-def leco_metadata(opts, bundle, method, settings, started: float) -> dict:
-    """train_lora's ss_* network keys and modelspec fields, and sd-scripts' ss_leco_* keys."""
-    h, w = settings[0].resolution
-    out = {
-        "ss_training_started_at": str(started),
-        "ss_output_name": opts.output_name,
-        "ss_learning_rate": str(opts.learning_rate),
-        "ss_unet_lr": str(opts.unet_lr),
-        "ss_max_train_steps": str(opts.max_train_steps),
-        "ss_lr_scheduler": str(opts.lr_scheduler),
-        "ss_optimizer": str(opts.optimizer_type),
-        "ss_seed": str(opts.seed),
-        "ss_mixed_precision": str(opts.mixed_precision),
-        "ss_base_model_version": modelspec.BASE_MODEL_VERSION[bundle.family],
-        "ss_v2": str(registry.of(bundle).v2_metadata),
-        "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
-        "ss_leco_prompt_count": str(len(settings)),
-        "ss_leco_prompts_file": os.path.basename(opts.prompts_file),
-        "ss_leco_max_denoising_steps": str(opts.max_denoising_steps),
-        "ss_leco_denoise_guidance_scale": str(opts.leco_denoise_guidance_scale),
-        "ss_leco_preview": json.dumps(
-            [{"target": p.target, "positive": p.positive, "unconditional": p.unconditional,
-              "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
-              "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": modelspec.modelspec_architecture(bundle.family, bundle.v_parameterization,
-                                                            "lora"),
-        "modelspec.implementation": modelspec.IMPL.get(bundle.family, modelspec.IMPL_DIFFUSERS),
-        "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
-        "modelspec.resolution": f"{w}x{h}",
-        "modelspec.date": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "modelspec.prediction_type": "v" if bundle.v_parameterization else "epsilon",
-    }
-    out.update(metadata.model_spec_fields(opts))
-    if opts.training_comment is not None:
-        out["ss_training_comment"] = opts.training_comment
-    out.update({k: str(v) for k, v in method.info.items()})
-    return out

@@ -54,7 +54,7 @@ def train(run) -> None:
     bar = tqdm(total=plan.total_steps, initial=progress.global_step,
                disable=not is_main_process(), desc="steps", dynamic_ncols=True)
     done, stop = False, 0
-    norm_postfix = {}  # scale_weight_norms' bar entries, as last read
+    norm_postfix: dict[str, str] = {}  # scale_weight_norms' bar entries, as last read
     images_in = None  # without cached latents: decoded and augmented per step
     if c.caches.latents is None:
         images_in = ImageLoader(run.tset, loader_workers(opts.max_data_loader_n_workers,
@@ -90,7 +90,7 @@ def train(run) -> None:
                 zero_weight = part == ZERO_WEIGHT
                 if zero_weight:
                     idx = [gb.indices[0]]
-                    if loader is not None:
+                    if images_in is not None:  # (the loader's)
                         images = images_in.load(epoch, idx)
                 HOOKS.before_micro_step(view, epoch, idx)
                 with strategy.micro_step(last):  # DDP: no_sync() but in the last micro-step
@@ -195,17 +195,20 @@ def train(run) -> None:
 def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver: Saver) -> None:
     """A non-finite loss or gradient norm in step global_step + 1, before its update (every
     process alike). ``action`` (on_nonfinite) ``stop``: write the state of the last good step
-    and raise NonFiniteStop; ``skip``: drop the update and warn (library/training/nonfinite.py)."""
+    and raise NonFiniteStop; ``skip``: drop the update and warn (library/training/nonfinite.py).
+    ``bar`` (the progress bar) and ``reporter``: None where the run has none (train_leco)."""
     step = progress.global_step + 1
     partial = stepper.partial_update
-    reporter.nonfinite(what, step, action)
+    if reporter is not None:
+        reporter.nonfinite(what, step, action)
     if action == "skip":
         stepper.skip()
         logger.warning(f"non-finite {what} at step {step}: update skipped (on_nonfinite skip)"
                        + ("; some parameters had already been stepped in the backward pass"
                           if partial else ""))
         return
-    bar.close()
+    if bar is not None:
+        bar.close()
     msg = f"non-finite {what} at step {step}: training stopped"
     if partial:
         # the hooks had stepped parameters before the bad gradient appeared: no state of
@@ -215,6 +218,9 @@ def on_nonfinite(what: str, bar, action: str, progress, stepper, reporter, saver
             "(fused_backward_pass / fused_optimizer_groups), so no state was written; resume "
             "from an earlier save_state state, e.g. with a lower learning rate or "
             "max_grad_norm")
+    if not saver.keeps_state:  # train_leco
+        raise NonFiniteStop(f"{msg} before its update; the files saved before it are kept "
+                            "(e.g. lower learning_rate or max_grad_norm)")
     path = saver.state_of_this_step(progress)
     raise NonFiniteStop(
         f"{msg} before its update; the state after step {progress.global_step} is in {path} "

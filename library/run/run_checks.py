@@ -2,6 +2,8 @@
 module's option combinations, in this order (an error names the first problem)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from library import accelerator
 from library.distributed import ddp, deepspeed_zero, fsdp
 from library.models import family, inpainting, placement
@@ -13,14 +15,17 @@ from library.training.methods import make_method
 from library.training.optim import check_optimizer, check_scheduler
 from library.training.stepper import check_stepper_options
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
-def resolve_options(opts, method_name: str):
+
+def resolve_options(opts: Options, method_name: str):
     """The options as the run holds them, with what the model decides before loading: an unset
     network_module means the family's LoRA (flow_loss.with_family_network)."""
     return flow_loss.with_family_network(opts, method_name)
 
 
-def check_before_loading(opts, method_name: str, plan) -> None:
+def check_before_loading(opts: Options, method_name: str, plan) -> None:
     """Checks that need imports but no weights: optimizer, scheduler, network module, and the
     combinations of every module's options."""
     fam = flow_loss.check_options(opts, method_name)  # FLUX.1 / SD3 options, or none with an SD model

@@ -25,11 +25,11 @@ from library.log import logger
 from library.models import family, flow_family, inpainting, loading, placement
 from library.models.families import registry
 from library.outputs import class_images, hub, metadata, output_checks, progress_stream, tracking, train_state
-from library.outputs.checkpoints import Saver
+from library.outputs.checkpoints import SaveTargets, Saver
 from library.run import loop, run_checks
 from library.run.run_state import Caches, Components
-from library.training import (block_swap, ema, flow_loss, host_memory, network_options, offload,
-                              partial_text_cache, sampling, validation)
+from library.training import (block_swap, ema, flow_loss, host_memory, model_setup, network_options,
+                              offload, partial_text_cache, sampling, validation)
 from library.training.batch_loss import BatchLoss, check_multiplier
 from library.training.compile_unet import compile_unet
 from library.training.methods import make_method
@@ -97,11 +97,10 @@ class Run:
     __slots__ = ("opts", "method_name", "tset", "plan", "parts", "progress", "base_metadata",
                  "saved", "stop_signals", "saver", "closing")
 
-    def __init__(self, opts: Options, method_name: str):
+    def __init__(self, opts: Options, method_name: str, tset: TrainingSet, plan: StepPlan):
         self.opts = opts
         self.method_name = method_name
-        self.tset: TrainingSet | None = None  # plan_run
-        self.plan: StepPlan | None = None
+        self.tset, self.plan = tset, plan  # plan_run's (Run.load plans again for the joined job)
         self.parts: Components | None = None  # when every stage has made its parts
         self.progress = Progress()          # a resume replaces it with the saved one
         self.base_metadata: dict = {}
@@ -151,23 +150,10 @@ class Run:
         b, acc = loaded.bundle, loaded.accelerator
         torch.manual_seed(opts.seed)  # network init is part of the seeded run
         method = make_method(self.method_name, opts, b)
-        # The dtypes of every part (library/models/placement.py, shared with the memory estimate): the
-        # trained weights float32, or with full_bf16 / full_fp16 bf16 / fp16 (the stepper updates
-        # them in float32 and rounds back); the frozen parts the mixed-precision dtype, or with
-        # fp8_base / fp8_base_unet float8. Placed before the network hooks the modules, so its
-        # hooks call the fp8 forward; after the load (and any merge of base weights into it).
-        pl = placement.dtype_placement(opts, self.method_name, method.train_text_encoder,
-                                       len(b.text_encoders))
-        if opts.blocks_to_swap:  # FLUX.1 / SD3: those blocks stay on the host, streamed in
-            # (a fused step updates them on the device, inside their backward: copied home after)
-            block_swap.install(b.unet, opts.blocks_to_swap, acc.device, storage=pl.unet,
-                               compute=pl.compute, write_back=fused_mode(opts) is not None)
-            logger.info(f"blocks_to_swap {opts.blocks_to_swap}: {b.unet.block_swap.describe()}")
-        else:
-            placement.place(b.unet, pl.unet, pl.compute, acc.device)
-        for te, te_dtype in zip(b.text_encoders, pl.text_encoders):
-            placement.place(te, te_dtype, pl.compute, acc.device)
-        groups = method.setup()
+        # the dtypes, the parts stored in them, the method's groups, its network stored (the one
+        # path of the memory estimate too: library/training/model_setup.py)
+        made = model_setup.set_up_method(opts, self.method_name, method, b, _DevicePlacer(opts, acc.device))
+        pl, groups = made.placement, made.groups
         # tokenize / encode / U-Net forward of the family; new tokens' N-vector expansion
         family_model = flow_family.family_model_for(b, opts, rewrite=method.prompt_rewrite())
         if opts.enable_scaled_pos_embed:  # SD3 (flow_loss.check_options): every forward uses them
@@ -175,8 +161,6 @@ class Run:
         if not any(p.requires_grad for g in groups for p in g["params"]):
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        if method.network is not None:
-            method.network.to(acc.device, dtype=pl.network)
         if opts.gradient_checkpointing or opts.cpu_offload_checkpointing:
             b.unet.enable_gradient_checkpointing()
             if opts.cpu_offload_checkpointing:  # FLUX.1 / SD3 (block_swap.check_options)
@@ -244,15 +228,15 @@ class Run:
         batch_loss = BatchLoss(opts, self.tset, accelerator=acc, bundle=b, family_model=fm,
                                losses=loaded.losses, placement=setup.placement,
                                method=setup.method, strategy=setup.strategy, caches=cached.caches)
+        evaluated = validation.Evaluated(accelerator=acc, bundle=b, method=setup.method,
+                                         family_model=fm, stepper=setup.stepper,
+                                         strategy=setup.strategy)
         validate = functools.partial(
-            validation.run_validation, setup.validation, accelerator=acc, losses=loaded.losses,
-            bundle=b, method=setup.method, family_model=fm, stepper=setup.stepper,
-            strategy=setup.strategy, batch_loss=batch_loss, text_cache=cached.caches.text,
+            validation.run_validation, setup.validation, model=evaluated, losses=loaded.losses,
+            batch_loss=batch_loss, text_cache=cached.caches.text,
             text_partial=cached.caches.text_partial)
-        sample = functools.partial(
-            sampling.sample_images, opts, accelerator=acc, bundle=b, method=setup.method,
-            family_model=fm, stepper=setup.stepper, strategy=setup.strategy, frozen=cached.frozen,
-            placement=setup.placement)
+        sample = functools.partial(sampling.sample_images, opts, model=evaluated,
+                                   frozen=cached.frozen, placement=setup.placement)
         reporter = tracking.Reporter(opts, self.plan, self.tset, setup.stream, setup.method, b,
                                      validate=validate, sample=sample)
         return Components(
@@ -265,6 +249,8 @@ class Run:
     def micro_step_loss(self, epoch: int, idx: list[int], loaded_images, n_global: int,
                         step: int | None = None):
         """Sum over this process's samples of weight * loss, divided by the global batch size."""
+        if self.parts is None:
+            raise RuntimeError("micro_step_loss: the run's parts are not assembled yet")
         return self.parts.batch_loss.training(epoch, idx, loaded_images, n_global, step)
 
     def train(self):
@@ -272,6 +258,31 @@ class Run:
 
     def save(self, *, epoch=None, step=None, final=False):
         self.saver.save(self.progress, epoch=epoch, step=step, final=final)
+
+
+class _DevicePlacer:
+    """The trainer's way to store a module (model_setup.Placer): ``placement.place`` on the
+    device; with blocks_to_swap (FLUX.1 / SD3) the transformer's swapped blocks stay on the host
+    and are streamed in (a fused step updates them on the device, inside their backward: copied
+    home after)."""
+
+    def __init__(self, opts: Options, device: torch.device):
+        self.opts, self.device = opts, device
+
+    def unet(self, module: torch.nn.Module, storage: torch.dtype,
+             compute: torch.dtype) -> dict[int, torch.nn.Parameter]:
+        n = self.opts.blocks_to_swap
+        if not n:
+            return self.module(module, storage, compute)
+        swap = block_swap.install(module, n, self.device, storage=storage, compute=compute,
+                                  write_back=fused_mode(self.opts) is not None)
+        logger.info(f"blocks_to_swap {n}: {swap.describe()}")
+        return {}
+
+    def module(self, module: torch.nn.Module, storage: torch.dtype,
+               compute: torch.dtype) -> dict[int, torch.nn.Parameter]:
+        placement.place(module, storage, compute, self.device)
+        return {}  # the same Parameters, their data stored anew
 
 
 def dry_run(r: Run, main: bool) -> None:
@@ -298,7 +309,7 @@ def train(r: Run, started: float, resume, hub_api=None) -> Run:
             part.close()
 
 
-def _train(r: Run, opts, started: float, resume, hub_api) -> Run:
+def _train(r: Run, opts: Options, started: float, resume, hub_api) -> Run:
     loaded = r.load()
     print_plan(r.plan, is_main_process())
     setup = r.setup_method(loaded)
@@ -307,19 +318,20 @@ def _train(r: Run, opts, started: float, resume, hub_api) -> Run:
     named = train_state.named_trainable(c.method, c.bundle)
     if resume:
         # again: the joined job's plan may differ from the launcher's
-        resume = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
+        path, info = train_state.check_resume(r.opts, r.method_name, r.plan, r.tset, None)
         r.progress = train_state.load_state(
-            *resume, logger, accelerator=c.accelerator, named=named, ema=c.ema,
+            path, info, logger, accelerator=c.accelerator, named=named, ema=c.ema,
             stepper=c.stepper, strategy=c.strategy, network_dropout=r.opts.network_dropout)
     r.base_metadata = metadata.build_metadata(
         opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
         adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
-        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else None)
+        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else "")
+    targets = SaveTargets(bundle=c.bundle, method=c.method, params=c.params, named=named,
+                          ema=c.ema, frozen=c.frozen)
     r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),
-                    r.base_metadata, r.saved, accelerator=c.accelerator, bundle=c.bundle,
-                    method=c.method, params=c.params, named=named, strategy=c.strategy,
-                    stepper=c.stepper, ema=c.ema, frozen=c.frozen,
+                    r.base_metadata, r.saved, targets=targets, accelerator=c.accelerator,
+                    strategy=c.strategy, stepper=c.stepper,
                     uploader=hub.uploader_for(r.opts, hub_api) if is_main_process() else None)
     if r.saver.uploader is not None:
         r.closing.append(r.saver.uploader)  # its uploads finished before the run ends, however

@@ -22,10 +22,11 @@ from library.outputs import hub, output_checks
 from library.training.plan import plan_run, print_plan
 
 if TYPE_CHECKING:  # annotations only: the stages import torch, after the plan is printed
+    from library.config.parse import Options
     from library.run.stages import Run
 
 
-def run(opts, method_name: str, hub_api=None) -> Run | None:
+def run(opts: Options, method_name: str, hub_api=None) -> Run | None:
     """Plan, then (unless --dry_run) load, train and save. Returns the Run for tests.
     ``hub_api``: the Hugging Face Hub client the run uploads to and resumes from (None:
     huggingface_hub's HfApi with huggingface_token, made when the options ask for the Hub)."""
@@ -62,8 +63,7 @@ def run(opts, method_name: str, hub_api=None) -> Run | None:
     # lazy: the plan and the checks before loading come before torch is imported
     from library.run import stages
 
-    r = stages.Run(opts, method_name)
-    r.tset, r.plan = tset, plan
+    r = stages.Run(opts, method_name, tset, plan)
     if opts.dry_run:
         stages.dry_run(r, main)
         return None

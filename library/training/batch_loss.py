@@ -23,6 +23,8 @@ Two dataset-config keys act on the network here, as in sd-scripts' train_network
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from library.data import images, latent_cache, step_plan, text_cache
@@ -32,8 +34,11 @@ from library.models import inpainting
 from library.models.families import registry
 from library.models.family import TextConditioning
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
-def check_multiplier(opts, tset, method) -> None:
+
+def check_multiplier(opts: Options, tset, method) -> None:
     """network_multiplier per dataset and diff_output_preservation switch the ``method``'s
     network's multiplier: a network without ``set_multiplier()`` is refused (at set-up)."""
     acts = any(s.dop or s.network_multiplier is not None for s in tset.samples)
@@ -48,7 +53,7 @@ class BatchLoss:
     """The loss of a run's batches: reads the losses, family model, placement, bundle, method,
     accelerator, strategy (its training forward) and caches it is given, writes nothing."""
 
-    def __init__(self, opts, tset, *, accelerator, bundle, family_model, losses, placement, method,
+    def __init__(self, opts: Options, tset, *, accelerator, bundle, family_model, losses, placement, method,
                  strategy, caches):
         self.opts, self.tset = opts, tset
         self.accelerator, self.bundle, self.family_model = accelerator, bundle, family_model

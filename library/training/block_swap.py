@@ -38,6 +38,7 @@ bytes resident on the compute device are the parameters not pointing at a host c
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from library.errors import UserError
 from library.models import flow_family, flux, fp8, placement, sd3
 from library.models.families import registry
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
+
 logger = logging.getLogger("sdtk")
 
 
@@ -53,7 +57,7 @@ class BlockSwapError(UserError, ValueError):
     """A blocks_to_swap value the model cannot take; one line."""
 
 
-def check_options(opts, processes: int) -> None:
+def check_options(opts: Options, processes: int) -> None:
     """blocks_to_swap / cpu_offload_checkpointing / blockwise_fused_optimizers: FLUX.1 and SD3
     only, and the combinations the swap cannot run (before any weight loads)."""
     n = opts.blocks_to_swap or 0
@@ -172,8 +176,8 @@ class BlockSwap:
                      for i in self.swapped}
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.pending = {}   # index -> (device copies, event): copies started ahead of use
-        self.inside = set()  # swapped blocks whose tensors are on the device now
+        self.pending: dict[int, tuple] = {}  # index -> (device copies, event): copies started ahead of use
+        self.inside: set[int] = set()  # swapped blocks whose tensors are on the device now
 
     def swapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for i in self.swapped for *_, t in self.home[i])
@@ -197,7 +201,7 @@ class BlockSwap:
         if i in self.inside or i in self.pending:
             return
         tensors = self.home[i]
-        if self.cuda:
+        if self.stream is not None:  # CUDA
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # a write-back before
             with torch.cuda.stream(self.stream):
                 data = [t.to(self.device, non_blocking=True) for *_, t in tensors]

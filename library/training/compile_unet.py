@@ -35,8 +35,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from library.errors import UserError, first_line
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 
 
@@ -44,7 +48,7 @@ class CompileError(UserError, ValueError):
     pass
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """torch_compile's combinations, before any weight loads."""
     if not opts.torch_compile:
         return
@@ -80,6 +84,7 @@ class _Compiled:
         self.log = log
         self.on_break = on_break  # called with the error instead of running eagerly
         self.state = "new"  # -> "compiled" or "eager"
+        self.blocks: list | None = None  # the U-Net's: its blocks' own _Compiled, once made
 
     def __call__(self, *args, **kwargs):
         if self.state == "eager":
@@ -165,7 +170,6 @@ def compile_unet(unet, backend: str, log=None, per_block: bool = False):
         return whole.eager(*args, **kwargs)
 
     whole = _Compiled(unet, what, backend, log, on_break=fallback)
-    whole.blocks = None
     if per_block:
         whole.state = "eager"  # the U-Net's own forward; its blocks are the graphs
         compile_blocks()

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from library.errors import ResumeError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -82,7 +86,7 @@ class EMA:
                 e.copy_(tensors[n].to(e.device, e.dtype))
 
 
-def for_params(opts, params):
+def for_params(opts: Options, params):
     """The run's EMA (``ema_decay`` set) over the trainable ``params``, or None."""
     decay = opts.ema_decay
     if decay is None:

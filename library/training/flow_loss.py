@@ -13,15 +13,20 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from library.config import method_kinds
+from library.config.parse import required
 from library.models import flow_family
 from library.models.families import registry
 from library.models.families.base import SHIFTED_BOUNDED
 from library.training import flow_matching, network_options
 from library.training.losses import Draw, Losses, apply_masked_loss, elementwise_loss
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -30,10 +35,10 @@ logger = logging.getLogger("sdtk")
 class FlowDraw(Draw):
     """Draw plus the (B,) float32 noise levels; ``timesteps`` is the model's timestep input."""
 
-    sigmas: object = None
+    sigmas: torch.Tensor | None = None
 
 
-def losses_for(opts, bundle):
+def losses_for(opts: Options, bundle):
     """The run's losses: flow matching for a FLUX.1 bundle, else the DDPM noise schedule's."""
     if registry.of(bundle).flow is not None:
         return FlowLosses(opts, flow_options(opts, bundle.family))
@@ -45,7 +50,7 @@ class FlowLosses:
 
     v_prediction = False
 
-    def __init__(self, opts, flow: flow_matching.FlowOptions):
+    def __init__(self, opts: Options, flow: flow_matching.FlowOptions):
         flow_matching.check_flow_options(flow)
         self.opts = opts
         self.flow = flow
@@ -124,7 +129,7 @@ class FlowLosses:
         return loss if weight is None else loss * weight.to(loss.device, loss.dtype)
 
 
-def flow_options(opts, family: str):
+def flow_options(opts: Options, family: str):
     """The run's FlowOptions (library/training/flow_matching.py)."""
     # SD3 reads the timestep bounds (FLUX.1 ignores them)
     sd3 = flow_matching.flow_spec(family).training_draw == SHIFTED_BOUNDED
@@ -155,7 +160,7 @@ NO_EFFECT = {
     "adaptive_noise_scale": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
     "multires_noise_iterations": "sd-scripts' FLUX.1 / SD3 trainers draw plain Gaussian noise",
 }
-def with_family_network(opts, method_name: str):
+def with_family_network(opts: Options, method_name: str):
     """train_lora with network_module unset on a FLUX.1 / SD3 model: the family's own LoRA module
     (train_lora.py is one entry for every family, as sd-scripts' flux_train_network.py /
     sd3_train_network.py default to theirs); an explicit module stays as given (check_options
@@ -172,11 +177,11 @@ def with_family_network(opts, method_name: str):
     return opts
 
 
-def check_options(opts, method_name: str) -> str | None:
+def check_options(opts: Options, method_name: str) -> str | None:
     """Before any weight loads: with an SD model no FLUX option may be given; with a FLUX.1
     model every option the run sets must be one this family honours. Returns the family (None:
     SD, decided when the weights load)."""
-    src = opts.pretrained_model_name_or_path
+    src = required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path")
     fam = flow_family.family_before_loading(src)
     kind = method_kinds.get(method_name)
     if fam is None:
@@ -185,8 +190,8 @@ def check_options(opts, method_name: str) -> str | None:
                 raise flow_family.FlowFamilyError(f"{name}: an option of {registry.titles(flow=True)} models; {src} is not one")
         if kind.trains_network:
             if opts.network_module in network_options.DIT_NETWORK_MODULES:
-                f, kind, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
-                raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the {kind} of "
+                f, what, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
+                raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the {what} of "
                                                   f"{registry.get(f).title} models; {src} is not one")
         return None
     family = registry.get(fam)
@@ -237,7 +242,7 @@ def check_options(opts, method_name: str) -> str | None:
     return fam
 
 
-def _check_sd3_ae(opts) -> None:
+def _check_sd3_ae(opts: Options) -> None:
     """SD3's autoencoder file is sd-scripts' vae (ae, FLUX.1's name, is accepted too): one file."""
     if opts.vae and not os.path.isfile(os.path.expanduser(opts.vae)):
         raise flow_family.FlowFamilyError(f"vae: no such file: {opts.vae} (SD3's autoencoder file)")
@@ -246,7 +251,7 @@ def _check_sd3_ae(opts) -> None:
                                           "autoencoder file; give one")
 
 
-def _check_network(opts, fam: str, src: str) -> None:
+def _check_network(opts: Options, fam: str, src: str) -> None:
     """train_lora on a FLUX.1 / SD3 model: a network module that trains its transformer (the
     family's LoRA, FLUX.1's OFT, LyCORIS, as sd-scripts' flux_train_network.py /
     sd3_train_network.py train them), and train_t5xxl only where the run trains the text encoders

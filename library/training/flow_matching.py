@@ -83,8 +83,8 @@ class FlowOptions:
 class FlowTimesteps:
     """(B,) float32 noise levels in [0, 1] and the (B,) float32 timestep input of the model."""
 
-    sigmas: object
-    model_timesteps: object
+    sigmas: torch.Tensor
+    model_timesteps: torch.Tensor
 
 
 def flow_spec(family: str) -> FlowSpec:

@@ -35,16 +35,21 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+from library.config.parse import required
 from library.models import (clip_l_file, embedded_config, flow_family, flux, flux_checkpoint, loading, sd3,
                             sd3_builtins, sd3_checkpoint, sd3_vae, t5, tiny_flux)
 from library.models.families import registry
 from library.models.family import TextConditioning
 from library.training import block_swap
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 LATENT_CHANNELS = 16  # both families' autoencoders
 SD3_CLIP_TOKENS = 77
@@ -115,18 +120,20 @@ def _clip_l_of_file(path: str, header) -> nn.Module:
     return CLIPTextModel(clip_l_file.clip_l_config(meta, path))
 
 
-def _flux_file(opts, src: str, path: str, header) -> dict:
+def _flux_file(opts: Options, src: str, path: str, header) -> dict:
     shapes, meta = header(path)
     keys = {k: _Shape(s) for k, s in shapes.items()}
     if flux_checkpoint.layout_of(keys) != "bfl":
         raise Unavailable(f"{src}: only BFL-layout FLUX.1 files are estimated (and diffusers folders)")
     cfg = flux_checkpoint.config_from_bfl(keys, path, flux_checkpoint._meta_config(meta, path))
-    return {"unet": flux.Flux(cfg), "vae": Counted(_header_numel(opts.ae, "ae", header), "ae"),
-            "text_encoder": _clip_l_of_file(opts.clip_l, header),
-            "text_encoder_2": _t5_file(opts.t5xxl, header, "a single-file FLUX.1 transformer")}
+    return {"unet": flux.Flux(cfg),
+            "vae": Counted(_header_numel(required(opts.ae, "ae"), "ae", header), "ae"),
+            "text_encoder": _clip_l_of_file(required(opts.clip_l, "clip_l"), header),
+            "text_encoder_2": _t5_file(required(opts.t5xxl, "t5xxl"), header,
+                                       "a single-file FLUX.1 transformer")}
 
 
-def _flux_folder(opts, folder: str, header) -> dict:
+def _flux_folder(opts: Options, folder: str, header) -> dict:
     """A diffusers FLUX.1 folder, as flux_loading._folder loads it (clip_l / t5xxl / ae files replace its parts)."""
     cfg_path = os.path.join(folder, "transformer", "config.json")
     if not os.path.isfile(cfg_path):
@@ -144,7 +151,7 @@ def _flux_folder(opts, folder: str, header) -> dict:
     return {"unet": flux.Flux(cfg), "vae": Counted(ae_n, "ae"), "text_encoder": clip, "text_encoder_2": t5_model}
 
 
-def _sd3_separate(opts, which: str, header, record: dict | None):
+def _sd3_separate(opts: Options, which: str, header, record: dict | None):
     """The part a ``clip_l`` / ``clip_g`` / ``t5xxl`` file given replaces, as
     sd3_checkpoint._replace_separate builds it (``record``: the model source's config record);
     None when no such file is given."""
@@ -162,7 +169,7 @@ def _sd3_separate(opts, which: str, header, record: dict | None):
     return CLIPTextModelWithProjection(CLIPTextConfig(**sd3_checkpoint._clip_config(which, part, record, path)))
 
 
-def _sd3_folder(opts, folder: str, header) -> dict:
+def _sd3_folder(opts: Options, folder: str, header) -> dict:
     """A diffusers SD3 folder, as sd3_checkpoint._load_folder loads it: the transformer's weights
     (here meta tensors of the header's shapes) converted to SAI's layout and the MMDiT built from
     their shapes; the clip_l / clip_g / t5xxl / ae files replace its parts."""
@@ -193,7 +200,7 @@ def _sd3_folder(opts, folder: str, header) -> dict:
     return comps
 
 
-def _sd3_file(opts, path: str, header) -> dict:
+def _sd3_file(opts: Options, path: str, header) -> dict:
     """An SD3 single file in SAI's layout, as sd3_checkpoint._load_file loads it: what the file
     lacks from the clip_l / clip_g / t5xxl / ae files (which replace the file's own parts)."""
     shapes, meta = header(path)
@@ -210,8 +217,9 @@ def _sd3_file(opts, path: str, header) -> dict:
                 raise Unavailable(f"{path}: holds no {which} weights; give the {which} file (--{which})")
             config = sd3_checkpoint._clip_config(which, part, record, path)
             comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**config))
-    if flow_family.sd3_ae_file(opts):
-        ae_n = _header_numel(flow_family.sd3_ae_file(opts), "ae", header, "an SD3 file")
+    ae_file = flow_family.sd3_ae_file(opts)
+    if ae_file:
+        ae_n = _header_numel(ae_file, "ae", header, "an SD3 file")
     else:
         ae_n = sum(int(torch.Size(v.shape).numel()) for k, v in keys.items() if k.startswith(sd3_vae.PREFIX))
         if not ae_n:
@@ -227,7 +235,7 @@ def _sd3_file(opts, path: str, header) -> dict:
     return comps
 
 
-def fake_components(opts, family: str, header) -> dict:
+def fake_components(opts: Options, family: str, header) -> dict:
     """{unet, vae, text_encoder, text_encoder_2[, text_encoder_3]} on fake tensors; ``header(path)
     -> ({name: shape}, metadata)`` reads a safetensors header."""
     if family not in _FAKES:
@@ -236,8 +244,8 @@ def fake_components(opts, family: str, header) -> dict:
     return _FAKES[family](opts, header)
 
 
-def _flux_fakes(opts, header) -> dict:
-    src = opts.pretrained_model_name_or_path
+def _flux_fakes(opts: Options, header) -> dict:
+    src = required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path")
     path = os.path.expanduser(str(src))
     if src in tiny_flux.TINY_FLUX_NAMES and not os.path.exists(path):
         p = tiny_flux.build_tiny_flux(tiny_flux.TINY_FLUX_NAMES[src])
@@ -251,7 +259,7 @@ def _flux_fakes(opts, header) -> dict:
                       "models are estimated")
 
 
-def _sd3_fakes(opts, header) -> dict:
+def _sd3_fakes(opts: Options, header) -> dict:
     src = opts.pretrained_model_name_or_path
     path = os.path.expanduser(str(src))
     if src in {**sd3_builtins.NAMES, **sd3_builtins.ARCH_NAMES} and not os.path.exists(path):
@@ -282,7 +290,7 @@ def latent_shape(bucket) -> tuple:
     return (LATENT_CHANNELS, h // 8, w // 8)
 
 
-def text_tokens(opts, unet, with_t5: bool) -> tuple[int, int, int]:
+def text_tokens(opts: Options, unet, with_t5: bool) -> tuple[int, int, int]:
     """(tokens, token width, pooled width) of the transformer's text input (FLUX.1: T5's
     t5xxl_max_token_length, by default dev's 512 or schnell's 256; SD3: CLIP's 77 and, ``with_t5``,
     T5's t5xxl_max_token_length (default 256), else 77 zero tokens: sd3_text.condition)."""
@@ -295,7 +303,7 @@ def text_tokens(opts, unet, with_t5: bool) -> tuple[int, int, int]:
     return tokens, unet.config.context_dim, unet.config.adm_in_channels
 
 
-def forward(opts, unet, noisy, dtype, with_t5: bool):
+def forward(opts: Options, unet, noisy, dtype, with_t5: bool):
     """The transformer's forward of one micro-step, as the family model calls it."""
     b = noisy.shape[0]
     tokens, width, pooled = text_tokens(opts, unet, with_t5)
@@ -309,7 +317,7 @@ def forward(opts, unet, noisy, dtype, with_t5: bool):
     return fm.unet_forward(noisy, t * 1000, TextConditioning(hidden, vec))
 
 
-def family_model(opts, unet, text_encoders: list):
+def family_model(opts: Options, unet, text_encoders: list):
     """The run's family model over the fake transformer (no tokenizers: the estimate encodes no text)."""
     if isinstance(unet, flux.Flux):
         return flow_family.FluxFamilyModel(unet, text_encoders, [], t5_max_length=text_tokens(opts, unet, True)[0],
@@ -332,7 +340,7 @@ def t5_output_bytes(t5_model) -> int:
     return t5_model.encoder.final_layer_norm.weight.element_size()
 
 
-def text_entry_bytes(opts, comps, text_dtype_bytes: int, partial: bool) -> int:
+def text_entry_bytes(opts: Options, comps, text_dtype_bytes: int, partial: bool) -> int:
     """One caption's entry in the text-encoder cache (library/data/text_cache.py), as the family
     model's ``encode`` (full) or ``encode_frozen_part`` (``partial``) makes it.
     FLUX.1: T5's states (tokens x width, in T5's output dtype) and its attention mask (int64),
@@ -353,7 +361,7 @@ def text_entry_bytes(opts, comps, text_dtype_bytes: int, partial: bool) -> int:
     return (tokens - SD3_CLIP_TOKENS) * width * t5_output_bytes(comps["text_encoder_3"])
 
 
-def swap_line(opts, unet) -> str | None:
+def swap_line(opts: Options, unet) -> str | None:
     """What blocks_to_swap keeps off the compute device: the swapped blocks' weights, less the
     two-block window (library/training/block_swap.py)."""
     n = opts.blocks_to_swap or 0

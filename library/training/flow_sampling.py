@@ -44,10 +44,12 @@ def settings(prompt: dict, family: str) -> tuple[int, float, float | None]:
     """(steps, CFG scale, FLUX's distilled guidance or None) of a prompt: its values, else
     sd-scripts' defaults of the family."""
     spec = flow_matching.flow_spec(family)  # sd-scripts' defaults of a prompt line, per family
-    d = {"sample_steps": spec.sample_steps, "scale": spec.sample_scale, "guidance_scale": spec.sample_guidance}
-    pick = [prompt.get(k) if prompt.get(k) is not None else d[k]
-            for k in ("sample_steps", "scale", "guidance_scale")]
-    return int(pick[0]), float(pick[1]), (None if pick[2] is None else float(pick[2]))
+    def pick(key, default):
+        return prompt[key] if prompt.get(key) is not None else default
+
+    guidance = pick("guidance_scale", spec.sample_guidance)
+    return (int(pick("sample_steps", spec.sample_steps)), float(pick("scale", spec.sample_scale)),
+            None if guidance is None else float(guidance))
 
 
 def image_size(prompt: dict, family: str) -> tuple[int, int]:
@@ -77,7 +79,10 @@ def schedule(family: str, steps: int, latent_hw: tuple[int, int], shift: float |
     if spec.sample_schedule == SEQUENCE_SHIFT:
         return flow_matching.flux_schedule(steps, flow_matching.flux_image_seq_len(*latent_hw))
     if spec.sample_schedule == FIXED_SHIFT:
-        return flow_matching.sd3_schedule(steps, spec.sample_shift if shift is None else shift)
+        shift = spec.sample_shift if shift is None else shift
+        if shift is None:
+            raise ValueError(f"{family}: a fixed-shift sample schedule without sample_shift")
+        return flow_matching.sd3_schedule(steps, shift)
     raise ValueError(f"{family}: unknown sample_schedule {spec.sample_schedule!r}")
 
 

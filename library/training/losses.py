@@ -39,10 +39,14 @@ import copy
 import logging
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from library.errors import UserError
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -51,7 +55,7 @@ class LossOptionError(UserError):
     """An impossible combination of noise / loss options; one line naming the options."""
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Combinations that fail whatever the model is: errors before any weight is loaded; options
     set explicitly that have no effect in this combination: one warning each."""
     if opts.adaptive_noise_scale is not None and not opts.noise_offset:
@@ -88,15 +92,15 @@ class Draw:
     to the latents (the target noise plus the input perturbation of ip_noise_gamma), (B,) long
     timesteps."""
 
-    noise: object
-    input_noise: object
-    timesteps: object
+    noise: torch.Tensor
+    input_noise: torch.Tensor
+    timesteps: torch.Tensor
 
 
 class Losses:
     """The noise schedule, noise sampling and loss of one run."""
 
-    def __init__(self, opts, noise_scheduler, v_parameterization: bool):
+    def __init__(self, opts: Options, noise_scheduler, v_parameterization: bool):
         self.opts = opts
         self.v_prediction = bool(v_parameterization)
         n = noise_scheduler.config.num_train_timesteps
@@ -112,7 +116,7 @@ class Losses:
         ac = noise_scheduler.alphas_cumprod.to(torch.float32)
         self.all_snr = (torch.sqrt(ac) / torch.sqrt(1.0 - ac)) ** 2  # sd-scripts' all_snr
 
-    def _check_model(self, opts, n: int) -> None:
+    def _check_model(self, opts: Options, n: int) -> None:
         v = self.v_prediction
         if self.min_timestep >= n:
             raise LossOptionError(f"min_timestep ({self.min_timestep}) must be below the model's "

@@ -3,9 +3,12 @@
 Nothing is loaded: the model is built from its configuration under torch's ``FakeTensorMode``
 (tensors with shapes, dtypes and a "cpu" device but no storage), from the same sources the
 trainer loads (built-in names, diffusers folders, single files read only up to their safetensors
-header). The run's own method then sets up over that fake model (``NetworkMethod`` creates the
-real network modules, ``FullMethod`` picks the trained parts), with the trainer's dtype rules,
-so the parameter counts are those of the run, not a table.
+header). The trainer's own set-up of the model (library/training/model_setup.py
+``set_up_method``: the dtypes, the parts stored in them, the method's set-up, its network stored)
+then runs over that fake model (``NetworkMethod`` creates the real network modules,
+``FullMethod`` picks the trained parts), so the parameter counts are those of the run, not a
+table; the release after caching, the partial text cache and the stepper's units are the run's
+own rules too (offload, partial_text_cache, stepper.step_units).
 
 The peak of the training loop (one process, steady state: the optimizer state exists) is
 
@@ -42,6 +45,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from bitsandbytes.optim.optimizer import Optimizer2State
@@ -50,6 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 from library.config import method_kinds
+from library.config.parse import required
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
@@ -58,12 +63,15 @@ from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
 from library.models.placement import compute_dtype, trained_precision
-from library.training import flow_memory, partial_text_cache
+from library.training import flow_memory, model_setup, partial_text_cache
 from library.training.host_memory import GIB
 from library.training.methods import _dtype, make_method
 from library.training.offload import released_after_caching
 from library.training.optim import build_optimizer, check_optimizer
 from library.training.stepper import fused_mode, step_units
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -177,7 +185,7 @@ def _single_file_components(path: str) -> tuple[str, dict]:
     return family, _from_config_dir(os.path.join(SHIPPED_CONFIGS, ARCH_OF_FAMILY[family]), family)
 
 
-def fake_components(opts) -> tuple[str, dict]:
+def fake_components(opts: Options) -> tuple[str, dict]:
     """(family, {unet, vae, text_encoder[, text_encoder_2]}) with fake tensors, from the model's
     configuration; must be called inside a FakeTensorMode. FLUX.1 / SD3: library/training/flow_memory.py."""
     flow = flow_family.family_before_loading(opts.pretrained_model_name_or_path)
@@ -186,7 +194,8 @@ def fake_components(opts) -> tuple[str, dict]:
             return flow, flow_memory.fake_components(opts, flow, safetensors_header)
         except flow_memory.Unavailable as e:
             raise EstimateUnavailable(str(e)) from None
-    src = loading.resolve_model_source(opts.pretrained_model_name_or_path)
+    src = loading.resolve_model_source(required(opts.pretrained_model_name_or_path,
+                                                "pretrained_model_name_or_path"))
     if src.kind == "builtin":
         family = loading.FAMILY_OF_ARCH[src.arch]
         if src.location in loading.TINY_BUILTINS:
@@ -327,7 +336,7 @@ class OptimizerRule:
         return 0
 
 
-def optimizer_rule(opts) -> OptimizerRule:
+def optimizer_rule(opts: Options) -> OptimizerRule:
     """The state rule of the run's optimizer (resolved as the trainer resolves it)."""
     cls, fixed, args = check_optimizer(opts.optimizer_type, opts.optimizer_args)
     kwargs = {**fixed, **args}
@@ -431,7 +440,7 @@ class ActivationCount:
     latent: tuple
 
 
-def count_activations(opts, family, comps, method, mode, bucket, batch: int) -> ActivationCount:
+def count_activations(opts: Options, family, comps, method, mode, bucket, batch: int) -> ActivationCount:
     """One micro-step's forward over fake tensors, as ``Run.micro_step_loss`` does it."""
     unet = comps["unet"]
     tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
@@ -540,16 +549,26 @@ def _cast_module(module, dtype, compute=None) -> dict:
     return new
 
 
+class _FakePlacer:
+    """model_setup.Placer on fake tensors: new parameters in the trainer's dtypes."""
+
+    def unet(self, module, storage, compute):
+        return _cast_module(module, storage, compute)
+
+    def module(self, module, storage, compute):
+        return _cast_module(module, storage, compute)
+
+
 @dataclass
 class _Bundle:
     family: str
-    unet: object
+    unet: torch.nn.Module
     text_encoders: list
     tokenizers: list
     vae: object = None
 
 
-def _fake_bundle(opts) -> tuple[str, dict, _Bundle]:
+def _fake_bundle(opts: Options) -> tuple[str, dict, _Bundle]:
     """The run's model on fake tensors (inside ``_fake_mode``), as a ModelBundle-like record."""
     family, comps = fake_components(opts)
     tes = [comps[n] for n in TEXT_ENCODERS if n in comps]
@@ -626,7 +645,7 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _cached_data_bytes(opts, tset, comps, flow: bool, scale: int, text_dtype_bytes: int, tokens: int,
+def _cached_data_bytes(opts: Options, tset, comps, flow: bool, scale: int, text_dtype_bytes: int, tokens: int,
                        partial_text: bool) -> int:
     """Latents (float32, each flip its own) and one text-encoder cache entry per caption the cache
     stage encodes (cache_stage.cached_captions); ``partial_text``: FLUX.1 / SD3's partial cache,
@@ -664,7 +683,7 @@ def _quiet():
         logger.disabled = previous
 
 
-def _without_weights(opts):
+def _without_weights(opts: Options):
     """The options a fake network is built from: no network_weights (the estimate reads no
     weights), and no pivotal tuning's few embedding rows (the fake model has no tokenizer)."""
     return opts.replace(network_weights=None, pivotal_tokens=None, pivotal_init_words=None,
@@ -672,14 +691,14 @@ def _without_weights(opts):
                         stop_pivotal_training=None)
 
 
-def _fake_method(opts, method_name: str, bundle):
+def _fake_method(opts: Options, method_name: str, bundle):
     """The run's method over the fake bundle; a network's shape comes from the options (no
     network_weights read)."""
     kind = method_kinds.get(method_name)
     return make_method(method_name, _without_weights(opts) if kind.trains_network else opts, bundle)
 
 
-def _check_modeled(opts, method_name: str) -> None:
+def _check_modeled(opts: Options, method_name: str) -> None:
     kind = method_kinds.get(method_name)
     if kind.memory_estimate is not None:
         raise EstimateUnavailable(kind.memory_estimate)
@@ -688,14 +707,14 @@ def _check_modeled(opts, method_name: str) -> None:
                                   "network_weights, which the estimate does not read")
 
 
-def save_dtype_bytes(opts) -> int:
+def save_dtype_bytes(opts: Options) -> int:
     """Bytes per value of a model save: save_precision, unset as trained (a full model's frozen
     parts may be smaller: an upper bound)."""
     dtype = _dtype(opts.save_precision) or getattr(torch, trained_precision(opts))
     return dtype.itemsize
 
 
-def saved_parameters(opts, method_name: str) -> tuple[int, list[tuple]]:
+def saved_parameters(opts: Options, method_name: str) -> tuple[int, list[tuple]]:
     """(numel of what a model save writes, shapes of the trained parameters), from the model
     built on fake tensors: a LoRA save writes its network, a full save every component."""
     _check_modeled(opts, method_name)
@@ -718,7 +737,7 @@ def fused_gradient_bytes(unit_bytes: list[int], alive: int) -> int:
     return sum(sorted(unit_bytes, reverse=True)[:alive])
 
 
-def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
+def estimate(opts: Options, method_name: str, tset=None, processes: int = 1) -> Estimate:
     """The memory estimate of this run (one process); raises EstimateUnavailable or UserError."""
     _check_modeled(opts, method_name)
     if opts.deepspeed:
@@ -731,21 +750,12 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     with mode, _quiet():
         family, comps, bundle = _fake_bundle(opts)
         method = _fake_method(opts, method_name, bundle)
-        # the trainer's dtypes (Run.load, Run.setup_method); the frozen and full-model parts are
-        # cast before the method picks its parameters, the network after it is built
-
         trained_dtype = getattr(torch, trained_precision(opts))
         frozen_dtype = compute_dtype(opts.mixed_precision)
-        pl = placement.dtype_placement(opts, method_name, method.train_text_encoder,
-                                       len(bundle.text_encoders))
-        _cast_module(comps["vae"], vae_dtype(opts))
-        _cast_module(comps["unet"], pl.unet, pl.compute)
-        for te, te_dtype in zip(bundle.text_encoders, pl.text_encoders):
-            _cast_module(te, te_dtype, pl.compute)
-        groups = method.setup()
-        if method.network is not None:
-            new = _cast_module(method.network, pl.network)
-            groups = [{**g, "params": [new.get(id(p), p) for p in g["params"]]} for g in groups]
+        _cast_module(comps["vae"], vae_dtype(opts))  # Run.load's VAE dtype
+        # the trainer's own set-up of the model (library/training/model_setup.py): the parts in
+        # their dtypes, the method's groups, its network in its dtype
+        groups = model_setup.set_up_method(opts, method_name, method, bundle, _FakePlacer()).groups
     trained = [p for p in method.trainable_parameters() if p.requires_grad]
     trained_ids = {id(p) for p in trained}
 
@@ -898,7 +908,7 @@ def estimate(opts, method_name: str, tset=None, processes: int = 1) -> Estimate:
     return est
 
 
-def report(opts, method_name: str, tset=None, processes: int = 1, main: bool = True):
+def report(opts: Options, method_name: str, tset=None, processes: int = 1, main: bool = True):
     """Print the estimate (main process); an estimate that cannot be made is said, never fatal."""
     if not main:
         return None

@@ -16,10 +16,11 @@ import importlib
 import json
 import logging
 import os
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
+from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
 from library.models import embeddings, flow_family, sd3, sd_checkpoint
@@ -29,6 +30,9 @@ from library.training import block_lr
 from library.training.network_options import MaxNormStats, base_multipliers, is_lycoris, network_module_for
 from networks import lora_names
 from networks.lora import load_state_dict_file, write_weights
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -77,17 +81,17 @@ class NetworkMethod:
 
     adapter = "lora"
     saves_full_model = False
-    network = None  # the kohya network module, built by setup()
+    network: Any = None  # the kohya network module (any kohya-interface class), built by setup()
     group_names = None  # one name per optimizer parameter group, when setup() knows them
     network_params: list = []  # the network's trained parameters, fixed by setup()
 
-    def __init__(self, opts, bundle):
+    def __init__(self, opts: Options, bundle):
         self.opts = opts
         self.bundle = bundle
         self.train_unet = not opts.network_train_text_encoder_only
         self.train_text_encoder = not opts.network_train_unet_only
         self.pivotal = _pivotal_specs(opts)  # pivotal tuning: new tokens trained with the network
-        self.tokens = None
+        self.tokens: embeddings.NewTokens | None = None  # installed by setup()
         self.stop_pivotal_at = opts.stop_pivotal_training
         try:
             # lycoris.kohya's algo=full trains through our module (networks/lycoris_full.py)
@@ -314,7 +318,7 @@ class NetworkMethod:
         return EXTENSIONS[fmt]
 
 
-def _db_implies_text_encoder(opts) -> bool:
+def _db_implies_text_encoder(opts: Options) -> bool:
     """train_dreambooth without an explicit train_text_encoder, given a text-encoder learning
     rate or a stop step: sd-scripts' train_db.py would train the (SD1/SD2) text encoder."""
     if opts.script != "train_dreambooth" or "train_text_encoder" in opts.given:
@@ -363,7 +367,7 @@ class FullMethod:
     group_names = None  # one name per optimizer parameter group, when setup() knows them
     te_lrs: tuple = ()  # one learning rate per text encoder, set by setup()
 
-    def __init__(self, opts, bundle):
+    def __init__(self, opts: Options, bundle):
         self.opts = opts
         self.bundle = bundle
         self.train_unet = bool(opts.learning_rate)
@@ -397,7 +401,8 @@ class FullMethod:
         if self.block_lr is not None:
             block_lr.check_count(self.block_lr)
             if bundle is None:  # the validate stage: the family now where the config tells it
-                family = block_lr.family_before_loading(opts.pretrained_model_name_or_path)
+                family = block_lr.family_before_loading(
+                    required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"))
                 if family is not None:
                     block_lr.check_family(family)
             # sd-scripts: learning_rate 0 still freezes the U-Net; else the blocks' own rates
@@ -577,7 +582,7 @@ class FullMethod:
                                            metadata=metadata)
 
 
-def _pivotal_specs(opts) -> list:
+def _pivotal_specs(opts: Options) -> list:
     """pivotal_tokens with their init words and vector counts (one value, or one per token),
     checked before any weight loads."""
     tokens = opts.pivotal_tokens or []
@@ -629,7 +634,7 @@ class TextualInversionMethod:
     network = None  # no adapter network: the new embedding rows train
     group_names = None  # one name per optimizer parameter group, when setup() knows them
 
-    def __init__(self, opts, bundle):
+    def __init__(self, opts: Options, bundle):
         self.opts = opts
         self.bundle = bundle
         if not opts.token_string:
@@ -646,7 +651,7 @@ class TextualInversionMethod:
                               "config turned it on): launch without a DeepSpeed config")
         self.train_unet = False
         self.train_text_encoder = True  # with gradients, to reach the rows; its weights are frozen
-        self.tokens = None
+        self.tokens: embeddings.NewTokens | None = None  # installed by setup()
 
     def setup(self):
         opts, b = self.opts, self.bundle
@@ -688,6 +693,8 @@ class TextualInversionMethod:
         return EXTENSIONS[self.opts.save_model_as or "safetensors"]
 
     def save(self, path: str, dtype_name, metadata: dict):
+        if self.tokens is None:
+            raise RuntimeError("save() before setup(): no embedding to write")
         write_embedding_file(path, self.tokens.file_tensors(self.spec, self.bundle.family),
                                         _dtype(dtype_name), metadata)
 
@@ -705,7 +712,7 @@ def hooked_module_ids(loras) -> set[int]:
     return {id(m[0] if isinstance(m, list) else m) for m in (lora.org_module for lora in loras)}
 
 
-def make_method(method_name: str, opts, bundle):
+def make_method(method_name: str, opts: Options, bundle):
     """The method of a run (bundle None: the checks before loading)."""
     return METHODS[method_name](opts, bundle)
 

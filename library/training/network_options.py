@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from library.models.families import registry
 from networks import lora, lora_flux, lora_names, lora_sd3, oft_flux
 from networks.adapter_weights import file_kinds
 from networks.merge_lora import merge_lora_into
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 # sd-scripts' network modules of the transformers (which family each targets: the family's
 # ``network_modules``) -> (kind, module); LyCORIS (lycoris.kohya) trains them too (its targets
@@ -106,7 +110,7 @@ def check_lycoris_algo(network_module: str, network_args: dict, network_dropout=
                                      "(it would be ignored); leave network_dropout out")
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads."""
     if opts.script != "train_lora":
         return
@@ -133,12 +137,12 @@ def check_options(opts) -> None:
                                  "weights would undo the rescaling); drop one of them")
 
 
-def base_multipliers(opts) -> list[float]:
+def base_multipliers(opts: Options) -> list[float]:
     files = list(opts.base_weights or [])
     return list(opts.base_weights_multiplier) if opts.base_weights_multiplier is not None else [1.0] * len(files)
 
 
-def merge_base_weights(bundle, opts, log) -> None:
+def merge_base_weights(bundle, opts: Options, log) -> None:
     """Merge each base_weights file, with its multiplier, into the loaded model (in place)."""
     if not opts.base_weights:
         return

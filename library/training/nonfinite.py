@@ -19,6 +19,7 @@ step count and the data) and warns.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ import torch.distributed as dist
 from library.accelerator import _is_multi_process
 from library.errors import NonFiniteStop, UserError
 from networks.lora import LoRAError, load_state_dict_file
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 MODES = ("stop", "skip")
 
@@ -37,7 +41,8 @@ class NonFiniteInput(UserError, ValueError):
 def first_nonfinite(named) -> str | None:
     """The name of the first tensor of ``named`` ((name, tensor) pairs) holding NaN or inf, or
     None. One ``isfinite(...).all()`` per tensor and a single host synchronisation per device."""
-    names, flags = [], {}
+    names: list[str] = []
+    flags: dict[torch.device, list] = {}
     for n, t in named:
         if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             continue
@@ -45,7 +50,7 @@ def first_nonfinite(named) -> str | None:
         t = local() if callable(local) else t
         names.append(n)
         flags.setdefault(t.device, []).append((len(names) - 1, torch.isfinite(t).all()))
-    bad = []
+    bad: list[int] = []
     for items in flags.values():
         ok = torch.stack([f for _, f in items]).cpu()  # one sync per device
         bad.extend(i for (i, _), good in zip(items, ok.tolist()) if not good)
@@ -64,7 +69,7 @@ def check_file(path: str, what: str) -> None:
                              "finite weights file (e.g. an earlier save)")
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     """Before any weight loads: ``on_nonfinite`` combinations, and the weights files the run
     starts from (``network_weights``, ``base_weights``) must be finite."""
     if opts.on_nonfinite == "skip" and opts.deepspeed:

@@ -23,10 +23,14 @@ import json
 import logging
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from library import safetensors_file
 from library.accelerator import is_main_process
 from library.training.host_memory import GIB, resident_bytes, trim_heap
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -45,7 +49,8 @@ def _tensors(module) -> dict:
 def _ties(module) -> list:
     """(module, name, owner, owner's name) for each parameter that is also reachable under an
     earlier name: moving to and from the meta device makes new parameters, which must be re-tied."""
-    first, out = {}, []
+    first: dict[int, tuple] = {}
+    out: list[tuple] = []
     for mod in module.modules():
         for name, p in mod._parameters.items():
             if p is None:
@@ -229,7 +234,7 @@ def released_after_caching(*, latents_cached: bool, text_cached: bool,
     for the run (``release_after_caching``) and the memory estimate."""
     if highvram:
         return ()
-    out = ("vae",) if latents_cached else ()
+    out: tuple[str, ...] = ("vae",) if latents_cached else ()
     if text_cached and partial_text:  # the CLIP encoders run every step
         out += ("cached_text_encoders",)
     elif text_cached and not text_encoders_trained:
@@ -237,7 +242,7 @@ def released_after_caching(*, latents_cached: bool, text_cached: bool,
     return out
 
 
-def release_after_caching(opts, device, b, method, caches, log: logging.Logger = logger,
+def release_after_caching(opts: Options, device, b, method, caches, log: logging.Logger = logger,
                           partial_encoders: tuple[int, ...] = ()) -> Frozen:
     """Release from ``device`` what the rest of the run does not need of the bundle ``b`` (its
     VAE, text encoders), given the ``caches`` made and what the ``method`` trains (see the

@@ -8,9 +8,13 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from library.config.options import LR_SCHEDULERS
 from library.errors import UserError, first_line
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -96,12 +100,12 @@ def resolve_optimizer_class(optimizer_type: str):
         package, fixed = module.split(".")[0], {}
     else:
         # sd-scripts takes any other bare name from torch.optim (there case-sensitively)
-        attr = _torch_optim_name(optimizer_type)
-        if attr is None:
+        torch_name = _torch_optim_name(optimizer_type)
+        if torch_name is None:
             raise OptimizerError(f"optimizer_type: unknown optimizer {optimizer_type!r}; known: "
                                  f"{', '.join(NAMES)}, a torch.optim class (SGD, RMSprop, ...), "
                                  "or a dotted path such as torch.optim.AdamW")
-        module, package, fixed = "torch.optim", "torch", {}
+        module, attr, package, fixed = "torch.optim", torch_name, "torch", {}
     if module == "torch.optim" and attr in _TORCH_UNSUPPORTED:
         raise OptimizerError(f"optimizer_type {optimizer_type}: torch.optim.{attr} cannot be used: "
                              f"{_TORCH_UNSUPPORTED[attr]}")
@@ -291,7 +295,7 @@ class ScheduleSpec:
     initial_lr: float = 0.0  # adafactor: the lr reported before the first step (learning_rate)
 
 
-def schedule_spec(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpec:
+def schedule_spec(opts: Options, *, warmup_steps: int, total_steps: int) -> ScheduleSpec:
     """The run's schedule from its options (lr_scheduler and the lr_* options)."""
     return ScheduleSpec(
         name=opts.lr_scheduler, warmup_steps=warmup_steps, total_steps=total_steps,
@@ -303,7 +307,7 @@ def schedule_spec(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpec:
         initial_lr=opts.learning_rate or 0.0)
 
 
-def check_scheduler(opts, *, warmup_steps: int, total_steps: int) -> ScheduleSpec:
+def check_scheduler(opts: Options, *, warmup_steps: int, total_steps: int) -> ScheduleSpec:
     """Everything about the schedule that can be wrong, before any weight loads: the spec is
     built over the run's optimizer class on one dummy parameter (so the same code as the run
     raises); options that have no effect with this schedule are announced."""
@@ -358,8 +362,9 @@ def _scheduler_class(path: str):
     return cls
 
 
-def _custom_scheduler(spec: ScheduleSpec, optimizer):
-    cls = _scheduler_class(spec.scheduler_type)
+def _custom_scheduler(spec: ScheduleSpec, path: str, optimizer):
+    """lr_scheduler_type ``path`` (spec.scheduler_type) over ``optimizer``."""
+    cls = _scheduler_class(path)
     if spec.warmup_steps:
         raise OptimizerError(f"lr_scheduler_type {spec.scheduler_type}: lr_warmup_steps cannot be "
                              "used with a scheduler class (sd-scripts refuses it too): set it to 0")
@@ -417,7 +422,7 @@ def build_scheduler(spec: ScheduleSpec, optimizer):
             raise OptimizerError(f"lr_scheduler_type {spec.scheduler_type} cannot schedule Adafactor "
                                  "with relative_step=True (it has no learning rate to scale): drop "
                                  "lr_scheduler_type or set optimizer_args relative_step=False")
-        return _custom_scheduler(spec, optimizer)
+        return _custom_scheduler(spec, spec.scheduler_type, optimizer)
     name, w, n = spec.name, spec.warmup_steps, max(spec.total_steps, 1)
     if name not in SCHEDULERS:
         raise OptimizerError(f"lr_scheduler: unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}")

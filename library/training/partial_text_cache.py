@@ -23,11 +23,15 @@ text encoders train, as sd-scripts decides it.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from library.config import method_kinds
 from library.errors import UserError
 from library.models.families import registry
 from library.training import methods, network_options
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -36,11 +40,11 @@ class TextCacheError(UserError, ValueError):
     """A text-encoder cache that cannot hold what the run needs; one line naming the options."""
 
 
-def caching(opts) -> bool:
+def caching(opts: Options) -> bool:
     return bool(opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk)
 
 
-def check_options(opts, method_name: str, family: str | None, method) -> None:
+def check_options(opts: Options, method_name: str, family: str | None, method) -> None:
     """Before loading: the combinations of the cache with trained text encoders that cannot
     work (``family``: "flux" / "sd3", or None for a model whose family is known only once it loads; ``method``: the run's method as
     the checks build it, which knows whether its network module trains text encoders: sd-scripts'

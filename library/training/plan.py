@@ -4,17 +4,21 @@ the dataset config decides. No torch import."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from library.data import class_images, step_plan
 from library.data.training_data import build_training_set
 from library.log import logger
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
-def plan_run(opts, processes: int):
+
+def plan_run(opts: Options, processes: int):
     """-> (opts, training set, step plan). The options come back with what the dataset config
     decides (its batch size and resolution): they are frozen, so the run holds the copy."""
     tset = build_training_set(opts, logger)
-    resolved = {}
+    resolved: dict[str, object] = {}
     if tset.batch_size is not None and tset.batch_size != opts.train_batch_size:
         # The dataset config's batch_size (dataset -> [general] -> train_batch_size) is the
         # per-process batch, as sd-scripts; every dataset has the same one (checked).
@@ -33,7 +37,7 @@ def plan_run(opts, processes: int):
     return opts, tset, plan
 
 
-def plan_for(opts, tset, processes: int):
+def plan_for(opts: Options, tset, processes: int):
     """The step plan of a planned run's options and training set at ``processes`` processes."""
     return step_plan.make_plan(
         bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),

@@ -29,6 +29,8 @@ import json
 import logging
 import os
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import diffusers
 import toml
@@ -37,11 +39,15 @@ from PIL import Image
 
 from library import text_files
 from library.accelerator import is_main_process
+from library.config.parse import required
 from library.data import images, inpaint_masks
 from library.errors import UserError
 from library.models import flow_family, inpainting
 from library.models.families import registry
 from library.training import flow_sampling, validation
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -81,7 +87,7 @@ class SamplingError(UserError):
 
 
 def _prompt(raw: dict, where: str) -> dict:
-    p = dict(DEFAULTS)
+    p: dict[str, Any] = dict(DEFAULTS)
     for k, v in raw.items():
         if k not in TYPES:
             raise SamplingError(f"{where}: unknown key {k!r} (one of {', '.join(TYPES)})")
@@ -165,7 +171,7 @@ def load_prompts(path: str) -> list[dict]:
     return prompts
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     when = opts.sample_every_n_steps or opts.sample_every_n_epochs or opts.sample_at_first
     if when and not opts.sample_prompts:
         raise SamplingError("sample_every_n_steps / sample_every_n_epochs / sample_at_first need "
@@ -193,13 +199,18 @@ def due(o, *, epoch: int | None = None, step: int | None = None) -> bool:
     return bool(o.sample_every_n_epochs) and epoch % o.sample_every_n_epochs == 0
 
 
-def prompt_seed(opts, prompt: dict, index: int) -> int:
+def prompt_seed(opts: Options, prompt: dict, index: int) -> int:
     """The prompt's --d, else seed + prompt index (sd-scripts)."""
     return prompt["seed"] if prompt["seed"] is not None else opts.seed + index
 
 
-def image_path(opts, step: int, index: int, seed: int) -> str:
-    return os.path.join(opts.output_dir, "sample", f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
+def image_path(opts: Options, step: int, index: int, seed: int) -> str:
+    return os.path.join(sample_folder(opts), f"{opts.output_name}_{step:06d}_{index:02d}_{seed}.png")
+
+
+def sample_folder(opts: Options) -> str:
+    """``<output_dir>/sample``: where the sample images go."""
+    return os.path.join(required(opts.output_dir, "output_dir"), "sample")
 
 
 def sampler_config(bundle) -> dict:
@@ -230,6 +241,8 @@ def _pipeline(b, kind: str):
     comps = b.components()
     comps.pop("scheduler")
     fam = registry.of(b)
+    if fam.pipelines is None:  # a flow family samples through library/training/flow_sampling.py
+        raise ValueError(f"{fam.name}: no diffusers pipelines")
     cls = getattr(diffusers, fam.pipelines[PIPELINE_KINDS.index(kind)])
     if fam.size_conditioning:  # SDXL's pipelines: a watermarker, no safety checker
         pipe = cls(**comps, scheduler=None, add_watermarker=False)
@@ -289,23 +302,39 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
                           sampler=sampler, pipe=pipe, output_type="latent")
     steps, scale, guidance = settings(p, bundle.family)
     h, w = flow_sampling.image_size(p, bundle.family)
-    return flow_batch(bundle, family_model, [p["prompt"]], [p["negative_prompt"]], [seed], width=w,
-                      height=h, steps=steps, scale=scale, guidance=guidance, device=device, dtype=dtype)
+    batch = PromptBatch([p["prompt"]], [p["negative_prompt"]], [seed], width=w, height=h,
+                        steps=steps, scale=scale)
+    return flow_batch(bundle, family_model, batch, guidance=guidance, device=device, dtype=dtype)
 
 
-def flow_batch(bundle, family_model, prompts: list[str], negatives: list[str], seeds: list[int], *,
-               width: int, height: int, steps: int, scale: float, guidance: float | None, device,
+@dataclass(frozen=True, slots=True)
+class PromptBatch:
+    """A batch of images: image i from ``prompts[i]`` against ``negatives[i]``, from the noise
+    of ``seeds[i]``; every image ``width`` x ``height``, ``steps`` sampler steps, guidance
+    ``scale``."""
+
+    prompts: list[str]
+    negatives: list[str]
+    seeds: list[int]
+    width: int
+    height: int
+    steps: int
+    scale: float
+
+
+def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | None, device,
                dtype=None, shift: float | None = None, packed_draw: bool = True):
-    """A batch of FLUX.1 / SD3 final latents (B, 16, h/8, w/8): image i from ``prompts[i]`` /
-    ``negatives[i]`` and the noise of seed ``seeds[i]`` (flow_sampling.initial_noise, as for a
-    batch of one; ``packed_draw``: FLUX's noise drawn as sd-scripts, else as diffusers), the
-    family's Euler schedule (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the
-    in-run samples and gen_img."""
-    pos, neg = (prompt_conditioning(family_model, device, None, texts) for texts in (prompts, negatives))
-    noise = torch.cat([flow_sampling.initial_noise(bundle.family, height, width, s, packed_draw)
-                       for s in seeds]).to(device)
-    sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]), shift=shift)
-    return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=scale,
+    """A batch of FLUX.1 / SD3 final latents (B, 16, h/8, w/8): image i of ``batch`` from the
+    noise of its seed (flow_sampling.initial_noise, as for a batch of one; ``packed_draw``:
+    FLUX's noise drawn as sd-scripts, else as diffusers), the family's Euler schedule
+    (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the in-run samples and
+    gen_img."""
+    pos, neg = (prompt_conditioning(family_model, device, None, texts)
+                for texts in (batch.prompts, batch.negatives))
+    noise = torch.cat([flow_sampling.initial_noise(bundle.family, batch.height, batch.width, s, packed_draw)
+                       for s in batch.seeds]).to(device)
+    sigmas = flow_sampling.schedule(bundle.family, batch.steps, tuple(noise.shape[2:]), shift=shift)
+    return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=batch.scale,
                                 guidance=guidance, dtype=dtype)
 
 
@@ -313,8 +342,9 @@ def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, s
                output_type: str, inpaint_kw=None):
     """An SD family's sample through its diffusers pipeline: latents or PIL images."""
     steps, scale, _ = settings(p, bundle.family)
-    return sd_batch(bundle, family_model, pipe, [p["prompt"]], [p["negative_prompt"]], [seed],
-                    width=p["width"], height=p["height"], steps=steps, scale=scale,
+    batch = PromptBatch([p["prompt"]], [p["negative_prompt"]], [seed], width=p["width"],
+                        height=p["height"], steps=steps, scale=scale)
+    return sd_batch(bundle, family_model, pipe, batch,
                     sampler=p["sample_sampler"] or _sampler_name(sampler, ""), device=device,
                     clip_skip=clip_skip, output_type=output_type, extra=inpaint_kw)
 
@@ -346,26 +376,26 @@ class NegativeScale:
         return (torch.cat([(guided - s * e_p) / (1 - s), e_p]),)
 
 
-def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str], seeds: list[int], *,
-             width: int, height: int, steps: int, scale: float, sampler: str, device, clip_skip,
+def sd_batch(bundle, family_model, pipe, batch: PromptBatch, *, sampler: str, device, clip_skip,
              output_type: str = "pil", extra=None, negative_scale: float | None = None):
     """A batch of SD images (or latents) through the diffusers ``pipe`` (``pipeline``), image i
-    from ``prompts[i]`` / ``negatives[i]`` (the family model's conditioning) and the initial
-    latents (and ancestral noise) of ``torch.Generator("cpu").manual_seed(seeds[i])``, as
+    of ``batch`` from its prompt and negative (the family model's conditioning) and the initial
+    latents (and ancestral noise) of ``torch.Generator("cpu").manual_seed(seed)``, as
     diffusers' pipeline draws them for a batch of one: the one SD path of the in-run samples and
     gen_img (library/outputs/generation.py). ``extra``: more pipeline arguments (inpainting's
     image and mask, img2img's image and strength); ``negative_scale``: sd-scripts' separate scale
     of the negative prompt, the empty prompt then the unconditional one (``NegativeScale``)."""
     pipe.scheduler = make_scheduler(sampler, sampler_config(bundle))
+    prompts, width, height, scale = batch.prompts, batch.width, batch.height, batch.scale
     pos, neg = (prompt_conditioning(family_model, device, clip_skip, texts)
-                for texts in (prompts, negatives))
+                for texts in (prompts, batch.negatives))
     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
     if registry.of(bundle).size_conditioning:
         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
     kw.update(extra or {})
     if "image" not in kw or "mask_image" in kw:  # img2img takes no size: its image's
         kw.update(height=height, width=width)
-    gens = [torch.Generator("cpu").manual_seed(int(s)) for s in seeds]
+    gens = [torch.Generator("cpu").manual_seed(int(s)) for s in batch.seeds]
     unet = pipe.unet
     if negative_scale is not None and scale > 1:
         # not pipe.unet = ...: a pipeline registers what is assigned to it in its config
@@ -374,7 +404,7 @@ def sd_batch(bundle, family_model, pipe, prompts: list[str], negatives: list[str
     # a VAE in another dtype than the U-Net (gen_img's --no_half_vae): decoded here, in its dtype
     own_decode = output_type == "pil" and pipe.vae.dtype != unet.dtype
     try:
-        out = pipe(num_inference_steps=steps, guidance_scale=scale, generator=gens[0] if len(gens) == 1 else gens,
+        out = pipe(num_inference_steps=batch.steps, guidance_scale=scale, generator=gens[0] if len(gens) == 1 else gens,
                    output_type="latent" if own_decode else output_type, **kw).images
     finally:
         object.__setattr__(pipe, "unet", unet)
@@ -398,19 +428,19 @@ def _warn_unused(bundle, p: dict, i: int) -> None:
                        "with its flow-matching Euler sampler (ignored)")
 
 
-def sample_images(opts, step: int, *, accelerator, bundle, method, family_model, stepper, strategy,
-                  frozen, placement) -> list[str]:
-    """Render this process's prompts (the ``strategy``'s share) at global step ``step`` with the
-    model ``bundle`` and ``method``'s network, in the ``stepper``'s eval mode, the ``frozen``
+def sample_images(opts: Options, step: int, model: validation.Evaluated, *, frozen, placement) -> list[str]:
+    """Render this process's prompts (the model's strategy's share) at global step ``step`` with
+    ``model`` (the bundle and the method's network, in the stepper's eval mode), the ``frozen``
     parts back, the transformer's inputs in ``placement``'s dtype (FLUX.1 / SD3); returns the
     files written."""
-    acc = accelerator
-    prompts = load_prompts(opts.sample_prompts)
+    acc, bundle, family_model = model.accelerator, model.bundle, model.family_model
+    stepper, strategy = model.stepper, model.strategy
+    prompts = load_prompts(required(opts.sample_prompts, "sample_prompts"))
     written = []
-    mods = validation.modules(bundle, method)
+    mods = model.modules()
     modes = {m: m.training for root in mods for m in root.modules()}
     devices = [acc.device] if acc.device.type == "cuda" else []
-    os.makedirs(os.path.join(opts.output_dir, "sample"), exist_ok=True)
+    os.makedirs(sample_folder(opts), exist_ok=True)
     dtype = placement.input_dtype(placement.unet)
     try:
         # the VAE and text encoders, released after caching, are back for the samples
@@ -454,5 +484,5 @@ def sample_images(opts, step: int, *, accelerator, bundle, method, family_model,
     acc.wait_for_everyone()
     if is_main_process():
         logger.info(f"sample images at step {step}: {len(prompts)} in "
-                    f"{os.path.join(opts.output_dir, 'sample')}")
+                    f"{sample_folder(opts)}")
     return written

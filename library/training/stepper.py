@@ -39,16 +39,20 @@ import contextlib
 import inspect
 import logging
 import math
-from typing import ContextManager, Protocol
+from typing import TYPE_CHECKING, ContextManager, Protocol
 
 import torch
 
 from library.accelerator import BUCKETED_SUM
+from library.config.parse import required
 from library.models.placement import trained_precision
 from library.training import fused_optim
 from library.training.fused_optim import FusedOptionError, global_state_reason
 from library.training.nonfinite import describe
 from library.training.optim import build_optimizer, build_scheduler, check_optimizer, schedule_spec
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
@@ -184,8 +188,8 @@ class PlainStepper:
         # time (fused_optim.step_optimizer), bf16 with stochastic rounding; fp16 with loss scaling.
         self.precision = precision
         self.loss_scaler = loss_scaler
-        self.nonfinite = None  # why the last step() made no update (non-finite), or None
-        self._generator = None
+        self.nonfinite: str | None = None  # why the last step() made no update (non-finite)
+        self._generator: torch.Generator | None = None
         if precision != "float32":
             self._generator = fused_optim.stochastic_round_generator(params[0].device)
 
@@ -229,6 +233,7 @@ class PlainStepper:
                                             state["optimizer"])
             if "rounding_generator" not in state:
                 raise ValueError("the saved state was not trained with full_bf16/full_fp16")
+            assert self._generator is not None  # made with the low precision
             self._generator.set_state(state["rounding_generator"].cpu())
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
@@ -388,7 +393,7 @@ class _HookStepper:
         # The non-finite guard: a unit whose summed gradient is non-finite is not stepped, nor is
         # any later unit of that step (``nonfinite`` says why); ``partial_update``: units before
         # it had already been stepped in that backward pass.
-        self.nonfinite = None
+        self.nonfinite: str | None = None
         self.partial_update = False
         self._final = False
         self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
@@ -396,7 +401,7 @@ class _HookStepper:
         self.reductions_in_flight = reductions_in_flight
         self.grad_sum = grad_sum               # BucketedSum, or None: nothing to sum
         self._overlap = False                # this backward launches sums asynchronously
-        self._in_flight = collections.deque()  # (unit, UnitReduction), oldest first
+        self._in_flight: collections.deque = collections.deque()  # (unit, UnitReduction), oldest first
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     # the trainer keeps these names
@@ -565,7 +570,7 @@ class GroupedStepper(_HookStepper):
 
 
 # -- checks and construction ------------------------------------------------------------------
-def fused_mode(opts) -> str | None:
+def fused_mode(opts: Options) -> str | None:
     """The option that makes the stepper step inside backward, or None."""
     fused = opts.fused_backward_pass
     groups = opts.fused_optimizer_groups or 0
@@ -581,7 +586,7 @@ def fused_mode(opts) -> str | None:
     return None
 
 
-def check_stepper_options(opts) -> None:
+def check_stepper_options(opts: Options) -> None:
     """Combinations that cannot be fused, rejected before any weight is loaded."""
     check_precision_options(opts)
     mode = fused_mode(opts)
@@ -603,7 +608,7 @@ def check_stepper_options(opts) -> None:
                                "Adafactor, Lion, SGDNesterov, 8-bit ones) or drop the option")
 
 
-def check_precision_options(opts) -> None:
+def check_precision_options(opts: Options) -> None:
     """full_bf16 / full_fp16 combinations, before any weight is loaded."""
     bf16, fp16 = opts.full_bf16, opts.full_fp16
     if bf16 and fp16:
@@ -628,7 +633,9 @@ def _split_contiguous(params, n: int) -> list[list]:
     """``params`` (backward order) in ``n`` contiguous chunks of about equal element counts."""
     n = max(1, min(n, len(params)))
     total = sum(p.numel() for p in params)
-    chunks, cur, acc = [], [], 0
+    chunks: list[list] = []
+    cur: list = []
+    acc = 0
     for i, p in enumerate(params):
         cur.append(p)
         acc += p.numel()
@@ -662,16 +669,18 @@ def step_units(param_groups, params, mode: str | None, n_groups: int | None):
         units = [[p for p in reversed(g["params"]) if id(p) in trainable and group_of[id(p)] == gi]
                  for gi, g in reversed(list(enumerate(param_groups)))]
         return unique, group_of, [u for u in units if u]
+    if n_groups is None:
+        raise ValueError(f"{mode}: no group count (fused_optimizer_groups)")
     return unique, group_of, _split_contiguous(backward_order, n_groups)
 
 
-def build_run_scheduler(opts, optimizer, *, warmup_steps: int, total_steps: int):
+def build_run_scheduler(opts: Options, optimizer, *, warmup_steps: int, total_steps: int):
     """The run's learning-rate scheduler (``lr_scheduler`` and its options) over ``optimizer``."""
     return build_scheduler(schedule_spec(opts, warmup_steps=warmup_steps, total_steps=total_steps),
                            optimizer)
 
 
-def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, total_steps: int,
+def make_stepper(accelerator, opts: Options, param_groups, params, *, warmup_steps: int, total_steps: int,
                  grad_sum=BUCKETED_SUM, optimizer_in_state: bool = True):
     """The stepper for these options: plain, fused (per parameter) or grouped. ``grad_sum``: how
     it sums the gradients across processes (library/accelerator.py ``BucketedSum``;
@@ -708,11 +717,12 @@ def make_stepper(accelerator, opts, param_groups, params, *, warmup_steps: int, 
     check_stepper_options(opts)
     unique, group_of, units = step_units(param_groups, params, mode, opts.fused_optimizer_groups)
     if mode == "fused_optimizer_groups":
-        n = opts.fused_optimizer_groups
+        n = required(opts.fused_optimizer_groups, "fused_optimizer_groups")
         if len(units) < n:
             logger.warning(f"fused_optimizer_groups {n}: only {len(units)} trainable parameters, "
                            f"using {len(units)} groups")
-    optimizers, schedulers = [], []
+    optimizers: list = []
+    schedulers: list = []
     for unit in units:
         ids = {id(p) for p in unit}
         groups = []

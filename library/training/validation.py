@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,24 +50,36 @@ from library.models import inpainting
 from library.training.flow_loss import FlowLosses
 from library.training.losses import Draw
 
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
+    from accelerate import Accelerator
+
+    from library.models.family import FamilyModel
+    from library.models.loading import ModelBundle
+    from library.training.methods import Method
+    from library.training.stepper import Stepper
+
 logger = logging.getLogger("sdtk")
 
 TIMESTEPS = 4  # evaluations per image, at fixed timesteps spread over the training range
 
 
-def check_options(opts) -> None:
+def check_options(opts: Options) -> None:
     if (opts.validate_every_n_steps or opts.validate_every_n_epochs) and not opts.validation_split:
         name = "validate_every_n_steps" if opts.validate_every_n_steps else "validate_every_n_epochs"
         raise ValidationError(f"{name} needs validation_split (the fraction of the training images "
                               "held out for the validation loss)")
 
 
-def due(opts, tset, *, epoch: int | None = None, step: int | None = None) -> bool:
+def due(opts: Options, tset, *, epoch: int | None = None, step: int | None = None) -> bool:
     """After a step (``step``) or at the end of an epoch (``epoch``)."""
     if not tset.val_items:
         return False
     if step is not None:
-        return bool(opts.validate_every_n_steps) and step % opts.validate_every_n_steps == 0
+        n = opts.validate_every_n_steps
+        return n is not None and n > 0 and step % n == 0
+    if epoch is None:
+        raise ValueError("validation.due: an epoch or a step")
     return epoch % (opts.validate_every_n_epochs or 1) == 0
 
 
@@ -87,7 +101,7 @@ def timesteps(losses) -> list[int]:
     return [min(hi - 1, lo + int((k + 0.5) * (hi - lo) / TIMESTEPS)) for k in range(TIMESTEPS)]
 
 
-def _seed(opts) -> int:
+def _seed(opts: Options) -> int:
     return opts.seed if opts.validation_seed is None else opts.validation_seed
 
 
@@ -95,19 +109,39 @@ def _key(item) -> tuple:
     return (item.path, tuple(item.bucket), tuple(item.resized_size))  # one image, two datasets
 
 
-def modules(bundle, method) -> list:
-    """The modules that run in eval mode while validating or sampling: the model ``bundle``'s
-    and the ``method``'s network."""
-    mods = [bundle.unet, *bundle.text_encoders]
-    if method.network is not None:  # a method with a network module (LoRA)
-        mods.append(method.network)
-    return mods
+class Shares(Protocol):
+    """What evaluation asks of the run's strategy (library/distributed/strategy.py)."""
+
+    def share(self, n: int) -> list[tuple[int, bool]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """The model under training as validation and the samples evaluate it: the ``bundle`` with
+    the ``method``'s trained parts, its ``family_model`` (tokenize, encode, forward), on the
+    ``accelerator``'s device and processes, in the ``stepper``'s eval mode (schedule-free
+    optimizers' averaged weights), each process doing the ``strategy``'s share."""
+
+    accelerator: Accelerator
+    bundle: ModelBundle
+    method: Method
+    family_model: FamilyModel
+    stepper: Stepper
+    strategy: Shares
+
+    def modules(self) -> list:
+        """The modules that run in eval mode while validating or sampling: the model's and the
+        method's network."""
+        mods = [self.bundle.unet, *self.bundle.text_encoders]
+        if self.method.network is not None:  # a method with a network module (LoRA)
+            mods.append(self.method.network)
+        return mods
 
 
 class Validation:
     """The held-out images of a run and their latents (encoded once, in the cache stage)."""
 
-    def __init__(self, opts, tset):
+    def __init__(self, opts: Options, tset):
         self.opts, self.tset = opts, tset
         self.items = tset.val_items
         self._latents: dict = {}  # key -> (latent (C,h,w) float32, size conditioning (6,))
@@ -157,17 +191,17 @@ class Validation:
             m = torch.ones(tuple(latent_hw))
         return m.expand(n, *m.shape).unsqueeze(1).to(device)
 
-    def loss(self, *, accelerator, losses, bundle, method, family_model, stepper, strategy,
-             batch_loss, text_cache, text_partial: bool = False) -> float:
-        """The mean validation loss over every held-out image and timestep (all processes):
-        the batch loss of training (library/training/batch_loss.py) at fixed timesteps of
-        ``losses``, with the ``stepper``'s eval mode and the ``strategy``'s share; captions from
-        ``text_cache`` (None: encoded with ``family_model``; ``text_partial``: its frozen
-        encoders' part, the trained encoders run now)."""
-        acc, opts, items = accelerator, self.opts, self.items
+    def loss(self, model: Evaluated, *, losses, batch_loss, text_cache,
+             text_partial: bool = False) -> float:
+        """The mean validation loss of ``model`` over every held-out image and timestep (all
+        processes): the batch loss of training (library/training/batch_loss.py) at fixed
+        timesteps of ``losses``; captions from ``text_cache`` (None: encoded with the model's
+        family model; ``text_partial``: its frozen encoders' part, the trained encoders run now)."""
+        acc, opts, items = model.accelerator, self.opts, self.items
+        bundle, family_model, stepper, strategy = model.bundle, model.family_model, model.stepper, model.strategy
         n = TIMESTEPS
         mine = torch.zeros(len(items), dtype=torch.float64)
-        mods = modules(bundle, method)
+        mods = model.modules()
         modes = {m: m.training for root in mods for m in root.modules()}
         devices = [acc.device] if acc.device.type == "cuda" else []
         try:
@@ -211,14 +245,12 @@ def _derive(*key) -> int:
     return derive_seed(*key)
 
 
-def run_validation(validation: Validation, progress, label: str, *, accelerator, losses, bundle,
-                   method, family_model, stepper, strategy, batch_loss, text_cache,
-                   text_partial: bool = False) -> float:
-    """Compute (``validation.loss`` over the parts given), print (main process) and record
+def run_validation(validation: Validation, progress, label: str, model: Evaluated, *, losses,
+                   batch_loss, text_cache, text_partial: bool = False) -> float:
+    """Compute (``validation.loss`` of ``model``), print (main process) and record
     (``progress.val_log``) the validation loss."""
-    value = validation.loss(accelerator=accelerator, losses=losses, bundle=bundle, method=method,
-                            family_model=family_model, stepper=stepper, strategy=strategy,
-                            batch_loss=batch_loss, text_cache=text_cache, text_partial=text_partial)
+    value = validation.loss(model, losses=losses, batch_loss=batch_loss, text_cache=text_cache,
+                            text_partial=text_partial)
     progress.val_log.append((progress.global_step, value))
     if is_main_process():
         tqdm.write(f"validation loss {value:.6f} at step {progress.global_step}{label} "

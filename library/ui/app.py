@@ -411,7 +411,7 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
             do()
         except ValueError as e:
             return _err(409, str(e))
-        return JSONResponse(view(store.get(job_id)))
+        return JSONResponse(view(job_or_404(job_id)))
 
     @app.post("/api/jobs/{job_id}/stop")
     def stop(job_id: int):
@@ -443,13 +443,13 @@ def create_app(settings: Settings, store: JobStore, runner: Runner) -> FastAPI:
         if job["state"] != "queued":
             return _err(409, f"job {job_id} is {job['state']}: only a queued job can be moved")
         store.move(job_id, index)
-        return view(store.get(job_id))
+        return view(job_or_404(job_id))
 
     @app.delete("/api/jobs/{job_id}")
     def delete(job_id: int):
         job_or_404(job_id)
         if not store.delete_if(job_id, ("queued",) + FINISHED):
-            return _err(409, f"job {job_id} is {store.get(job_id)['state']}: stop it first")
+            return _err(409, f"job {job_id} is {job_or_404(job_id)['state']}: stop it first")
         runner.forget_secrets(job_id)
         readers.pop(job_id, None)
         return {"deleted": job_id}

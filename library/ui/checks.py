@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import tempfile
+from typing import TYPE_CHECKING, Any
 import threading
 import tomllib
 
@@ -31,6 +32,9 @@ from library.outputs import output_checks, train_state
 from library.run import run_checks
 from library.training import memory_estimate
 from library.training.plan import plan_for, plan_run
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 PROCESS_COUNTS = (1, 2, 4, 8)
 CONFIG_NAME = "config"
@@ -75,7 +79,7 @@ def parse_config(script: str, text: str, extra: list | None = None):
             raise type(e)(str(e).replace(path, CONFIG_NAME)) from None
 
 
-def snapshot(text: str, opts) -> str:
+def snapshot(text: str, opts: Options) -> str:
     """The TOML a job keeps: ``text`` itself, or, when it names a ``dataset_config`` file, the
     same run with that file's [general] / [[datasets]] tables in place of the key, so that editing
     the file later does not change a queued job; never a secret (``secrets``: SECRET_OPTIONS reach
@@ -138,15 +142,15 @@ def dataset_dict(tset, weighted: bool = False, captions: int = 6) -> dict:
 
 
 def _caption(image: str, caption: str, weighted: bool) -> dict:
-    out = {"image": image, "caption": caption}
+    out: dict[str, object] = {"image": image, "caption": caption}
     if weighted:
         out["weights"] = [[piece, weight] for piece, weight in prompt_weights.parse(caption)]
     return out
 
 
 def check_config(script: str, text: str, processes: int = 1, memory: bool = True) -> dict:
-    out = {"ok": False, "errors": [], "warnings": [], "plan": None, "plans": {}, "memory": None,
-           "dataset": None}
+    out: dict[str, Any] = {"ok": False, "errors": [], "warnings": [], "plan": None, "plans": {},
+                           "memory": None, "dataset": None}  # the page's JSON
     handler = _Collect()
     logger = logging.getLogger("sdtk")
     with _LOCK:

@@ -285,10 +285,10 @@ def import_config(text: str, script: str) -> tuple[str, list[str]]:
                 what = "no effect here" if entry.action == "ignore" else "not supported yet"
                 notes.append(f"{key}: dropped; {what} ({entry.why})")
         elif key in GUI_ONLY:
-            entry = GUI_ONLY[key]
+            gui_only = GUI_ONLY[key]
             if not _unset(value) and not (isinstance(value, (int, float)) and value == 0):
-                what = "no effect" if entry.action == "ignore" else "cannot be used here"
-                notes.append(f"{key}: dropped; {what} ({entry.why})")
+                what = "no effect" if gui_only.action == "ignore" else "cannot be used here"
+                notes.append(f"{key}: dropped; {what} ({gui_only.why})")
         else:
             if from_json and (_unset(value) or value == 0):
                 continue  # a GUI form field left empty (the GUI's JSON holds every field)

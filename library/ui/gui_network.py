@@ -65,7 +65,7 @@ def loaded(fields: dict) -> dict:
     """The values the GUI holds once it has loaded ``fields`` (a null field keeps the default; a
     number field given as a string holds the number, an empty one its default; update_my_data
     renames the old LoRA_type "LoCon")."""
-    d = dict(DEFAULTS)
+    d: dict = dict(DEFAULTS)
     d.update({k: v for k, v in fields.items() if v is not None})
     for k, default in DEFAULTS.items():
         if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(d[k], str):

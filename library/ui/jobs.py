@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO
 
 from library.accelerator import free_port
 from library.ui import tool_jobs
@@ -81,11 +82,20 @@ class JobStore:
                 "INSERT INTO jobs (script, config, processes, state, position, created, output_dir, "
                 "output_name) VALUES (?, ?, ?, 'queued', ?, ?, ?, ?)",
                 (script, config, processes, pos, time.time(), output_dir, output_name))
+            if cur.lastrowid is None:
+                raise sqlite3.DatabaseError("the job's INSERT made no row")
             return cur.lastrowid
 
     def get(self, job_id: int) -> dict | None:
         rows = self._rows("SELECT * FROM jobs WHERE id = ?", (job_id,))
         return rows[0] if rows else None
+
+    def require(self, job_id: int) -> dict:
+        """The job, or ValueError (the API answers it as a conflict)."""
+        job = self.get(job_id)
+        if job is None:
+            raise ValueError(f"no job {job_id}")
+        return job
 
     def all(self) -> list[dict]:
         return self._rows("SELECT * FROM jobs ORDER BY id")
@@ -187,7 +197,7 @@ class Runner:
         self.held = held  # no queued job starts while held (set by the API's /api/queue)
         self.python, self.poll_s = python, poll_s
         self.env = dict(os.environ if env is None else env)
-        self.procs: dict[int, tuple[subprocess.Popen, list[str], object]] = {}
+        self.procs: dict[int, tuple[subprocess.Popen, list[str], IO]] = {}  # process, devices, log
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._quit = threading.Event()
@@ -386,14 +396,14 @@ class Runner:
                 return "stopping"
             if self.store.set_state_if(jid, ("queued",), state="stopped", ended=time.time()):
                 return "stopped"
-            job = self.store.get(jid)
+            job = self.store.require(jid)
             raise ValueError(f"job {jid} is {job['state']}: only a queued or running job can be stopped")
 
     def control(self, jid: int, command: str) -> None:
         """save_now / sample_now: appended to the running job's control file (read by its main
         process; with several processes all take it after the same step)."""
         with self._lock:
-            job = self.store.get(jid)
+            job = self.store.require(jid)
             if job["state"] != "running" or jid not in self.procs:
                 raise ValueError(f"job {jid} is {job['state']}: {command} needs a running job")
             if tool_jobs.is_tool(job["script"]):
@@ -404,6 +414,6 @@ class Runner:
     def resume(self, jid: int) -> None:
         if not self.store.set_state_if(jid, ("stopped", "interrupted", "failed"), state="queued",
                                        resume=1, error=None, exit_code=None):
-            job = self.store.get(jid)
+            job = self.store.require(jid)
             raise ValueError(f"job {jid} is {job['state']}: only a stopped, interrupted or failed "
                              "job can be resumed")

@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from library.config.options import OPTIONS
 from library.models.tiny_models import TINY_NAMES
+
+if TYPE_CHECKING:  # annotations only
+    from library.config.parse import Options
 
 # built-in models selected by name (library/models/loading.py): no path to check
 _BUILTIN = set(TINY_NAMES) | {"sd15-arch", "sdxl-arch"}
@@ -30,7 +34,7 @@ def _inside(path: str, roots: list[str]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
-def _run_paths(opts) -> list[tuple[str, str]]:
+def _run_paths(opts: Options) -> list[tuple[str, str]]:
     out = []
     for o in OPTIONS:
         if o.name in _NOT_CHECKED or o.type not in ("path", "path_list"):
@@ -59,7 +63,7 @@ def _run_paths(opts) -> list[tuple[str, str]]:
     return out
 
 
-def outside_allowed(opts, allowed: list[str] | None) -> list[dict]:
+def outside_allowed(opts: Options, allowed: list[str] | None) -> list[dict]:
     if not allowed:
         return []
     roots = [os.path.realpath(a) for a in allowed]

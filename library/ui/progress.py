@@ -15,6 +15,10 @@ ETA_WINDOW = 20  # steps whose pace estimates the time left
 class ProgressReader:
     def __init__(self, path: str):
         self.path = path
+        self._reset()
+
+    def _reset(self) -> None:
+        """Nothing read yet (a new file at the path starts over)."""
         self._offset = 0
         self.plan: dict | None = None
         self.last_step: dict | None = None
@@ -30,7 +34,7 @@ class ProgressReader:
         except OSError:
             return self
         if size < self._offset:  # a new file
-            self.__init__(self.path)
+            self._reset()
         if size == self._offset:
             return self
         with open(self.path, "rb") as f:

@@ -108,7 +108,7 @@ def browse(path: str | None, allowed: list[str]) -> dict:
         names = sorted(os.listdir(real))
     except OSError as e:
         raise DataError(f"folder {path}: cannot list it ({e.strerror or e})") from None
-    entries = []
+    entries: list[dict] = []
     for n in names:
         if n.startswith("."):
             continue
@@ -117,7 +117,7 @@ def browse(path: str | None, allowed: list[str]) -> dict:
         entries.append({"name": n, "path": p, "dir": is_dir,
                         "size": None if is_dir else os.path.getsize(p) if os.path.isfile(p) else None})
     entries.sort(key=lambda e: (not e["dir"], e["name"].lower()))
-    parent = os.path.dirname(real)
+    parent: str | None = os.path.dirname(real)
     if parent == real or (allowed and real in roots(allowed)):
         parent = None
     return {"path": real, "parent": parent, "entries": entries}

@@ -8,6 +8,9 @@
   the mean squared error of the network-on prediction (zero LoRA at step 1: the base model's).
 - The result is an ordinary LoRA file (U-Net keys only) that diffusers' kohya loader consumes.
 - Options that make no sense for LECO are refused by name; several processes are refused.
+- The common stepper's non-finite guard: a step whose loss is NaN updates nothing (the weights
+  stay those of the step before, bit for bit), the run stops with exit code 3 and the file saved
+  before it is kept.
 """
 from __future__ import annotations
 
@@ -201,3 +204,30 @@ def test_partial_denoising_follows_the_guidance_and_the_step_count():
     s = DDPMScheduler()
     s.set_timesteps(6)
     assert calls == [int(t) for t in s.timesteps[:4]] and len(set(calls)) == 4
+
+
+def test_a_nonfinite_step_updates_nothing_and_stops(tmp_path, run_script, monkeypatch):
+    real = leco.leco_loss
+    before = {}
+
+    def poisoned(bundle, family_model, network, sampler, prompts, d, opts):
+        loss, parts = real(bundle, family_model, network, sampler, prompts, d, opts)
+        calls.append(network)
+        if len(calls) == 2:  # step 2: the weights as step 1 left them, then a NaN loss
+            before.update({k: v.detach().clone() for k, v in network.state_dict().items()})
+            loss = loss * float("nan")
+        return loss, parts
+
+    calls = []
+    monkeypatch.setattr(leco, "leco_loss", poisoned)
+    rc, out, err = run_script("train_leco", _args(tmp_path, "tiny-sd15", "--save_every_n_steps", "1",
+                                                  "--max_grad_norm", "0"))
+    assert rc == 3, err
+    assert "non-finite loss NaN at step 2: training stopped before its update" in err, err
+    after = calls[-1].state_dict()
+    assert before and after.keys() == before.keys()
+    for k, v in before.items():  # not one element moved (the old loop stepped, then checked)
+        assert torch.equal(after[k], v), k
+    # step 1 had changed the weights: the guard, not a frozen network, kept them
+    assert any(float(v.abs().max()) > 0 for k, v in before.items() if "lora_up" in k)
+    assert sorted(os.listdir(tmp_path / "out")) == ["last-step00000001.safetensors"]
