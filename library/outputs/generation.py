@@ -277,7 +277,7 @@ class Generator:
                 kw["output_type"] = "latent"
             strength = STRENGTH if self.args.strength is None else self.args.strength
             if j.image is not None:  # img2img from --image_path (the image's size: the job's)
-                sources = [load_source(x.image, x.width, x.height) for x in batch]
+                sources = [load_source(parse.required(x.image, "--image_path"), x.width, x.height) for x in batch]
                 out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, images,
                                         sampler=j.sampler, extra={"image": sources, "strength": strength}, **kw)
             elif self.args.highres_fix_scale is None:
@@ -446,7 +446,7 @@ class _Writer:
                 self.n += 1
                 name = f"im_{self.n0 + self.n:06d}.png" if self.args.sequential_file_name \
                     else f"im_{self.stamp}_{self.n:03d}_{job.seed}.png"
-                if self.args.use_original_file_name:
+                if self.args.use_original_file_name and job.image is not None:  # checked: img2img
                     name = f"{os.path.splitext(os.path.basename(job.image))[0]}-{name}"
                 path = os.path.join(self.args.outdir, name)
                 infotext.save_png(image, path, gen.parameters(job), {

@@ -24,7 +24,7 @@ import tomllib
 import toml
 
 from library.config.options import IMAGE_SCRIPTS, METHOD_OF_SCRIPT, OPTIONS_BY_NAME, SECRET_OPTIONS
-from library.config.parse import parse_args
+from library.config.parse import parse_args, required
 from library.distributed import deepspeed_zero
 from library.errors import UserError
 from library.models import prompt_weights
@@ -94,7 +94,7 @@ def snapshot(text: str, opts: Options) -> str:
         if bundled:
             table.pop("dataset_config", None)
     if bundled:
-        with open(opts.dataset_config_path, "rb") as f:
+        with open(required(opts.dataset_config_path, "dataset_config"), "rb") as f:
             data.update(tomllib.load(f))
     return toml.dumps(data)
 
