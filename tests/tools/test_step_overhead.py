@@ -1,0 +1,49 @@
+"""benchmarks/step_overhead.py: the interleaving plan, the medians and ratio it prints, and its bare
+step (a plain SGD step on the run's U-Net that leaves ours' gradients as they were), on known
+answers. The timed runs themselves take minutes (docs/PERFORMANCE.md)."""
+from __future__ import annotations
+
+import torch
+
+from benchmarks import step_overhead
+from library.models import tiny_models
+
+
+def test_schedule_by_hand():
+    # warmup 2, 2 rounds of 1 timed step: bare after step 2; 3 dropped, 4 timed, bare; 5, 6
+    plan = step_overhead.schedule(2, 2, 1)
+    assert plan == {1: ("warmup", False), 2: ("warmup", True), 3: ("first", False),
+                    4: ("timed", True), 5: ("first", False), 6: ("timed", False)}
+    assert step_overhead.total_steps(2, 2, 1) == 6
+    plan = step_overhead.schedule(1, 3, 2)
+    assert [s for s, (_, bare) in plan.items() if bare] == [1, 4, 7]  # one bare block per round
+    assert sum(kind == "timed" for kind, _ in plan.values()) == 6
+
+
+def test_summary_medians_and_ratio():
+    r = step_overhead.summary("full1", {"ours": [[1.0, 3.0], [2.0, 10.0]], "bare": [[2.0], [2.0, 1.0]],
+                                        "params": 7, "model": "m"})
+    assert r["ours"] == 2.5 and r["bare"] == 2.0 and r["ratio"] == 1.25
+    assert r["trained"] == 7
+    lines = step_overhead.format_rows([r], type("A", (), {"rounds": 2, "block": 2})())
+    assert any("1.250" in line and "full1" in line for line in lines)
+
+
+def test_bare_block_is_plain_sgd_and_keeps_ours_gradients():
+    torch.manual_seed(0)
+    unet = tiny_models.build_tiny_components("sd15")["unet"].train()
+    params = list(unet.parameters())
+    ours = [torch.full_like(p, 3.0) for p in params]
+    for p, g in zip(params, ours):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    bare = step_overhead.Bare(unet, params, world=1)
+    # the reference gradient, taken here on the same inputs (plain autograd, not the class)
+    ref = torch.nn.functional.mse_loss(unet(bare.x, bare.t, bare.cond).sample, bare.x)
+    grads = torch.autograd.grad(ref, params, allow_unused=True)
+    times = bare.block(1)
+    assert len(times) == 1 and times[0] > 0
+    for p, b, g, mine in zip(params, before, grads, ours):
+        assert p.grad is mine  # ours' gradients back in place
+        expect = b if g is None else b - 1e-4 * g
+        torch.testing.assert_close(p.detach(), expect, rtol=0, atol=1e-7)
