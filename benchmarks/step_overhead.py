@@ -27,7 +27,9 @@ Interleaving: after ``--warmup`` steps of ours, ``--rounds`` rounds of one bare 
 ours block of ``--block`` timed steps each; the first step of every block is dropped (it meets a
 freshly built DDP, or memory the other side just released). Load from other jobs then falls on
 both sides alike. Printed per mode: the median step of each side, their ratio (ours / bare;
-1.00 means no overhead), and every timed step. ``--profile DIR``: cProfile of ours' timed steps
+1.00 means no overhead), in wall-clock time and in the process's CPU time (all its threads; it
+leaves out time spent waiting for a core, so it is steadier on a loaded machine, but also the
+waits for the other process under DDP), and every timed step. ``--profile DIR``: cProfile of ours' timed steps
 (and of bare's) written there (``.prof`` files, rank 0).
 """
 from __future__ import annotations
@@ -84,6 +86,16 @@ def _shrink_unet() -> None:
     loading._build_arch = build
 
 
+def clock() -> tuple[float, float]:
+    """(wall clock, this process's CPU time: every thread's, user and system)."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> list[float]:
+    now = clock()
+    return [now[0] - start[0], now[1] - start[1]]
+
+
 def total_steps(warmup: int, rounds: int, block: int) -> int:
     return warmup + rounds * (block + 1)
 
@@ -124,12 +136,12 @@ class Bare:
         for i in range(n):
             if profiler is not None and i > 0:
                 profiler.enable()
-            start = time.perf_counter()
+            start = clock()
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(self.x, self.t, self.cond).sample, self.x)
             loss.backward()
             opt.step()
-            times.append(time.perf_counter() - start)
+            times.append(since(start))
             if profiler is not None:
                 profiler.disable()
         opt.zero_grad(set_to_none=True)
@@ -164,7 +176,7 @@ def worker(a) -> dict:
     state = {"last": None, "bare": None, "params": 0}
 
     def after_step(view, loss, lr):
-        now = time.perf_counter()
+        now = clock()
         if prof:
             prof["ours"].disable()
         step = view.progress.global_step
@@ -172,14 +184,14 @@ def worker(a) -> dict:
         if kind == "first":
             ours.append([])
         elif kind == "timed":
-            ours[-1].append(now - state["last"])
+            ours[-1].append([now[0] - state["last"][0], now[1] - state["last"][1]])
         if bare_after:
             if state["bare"] is None:
                 params = [p for p in view.parts.params if p.requires_grad]
                 state["params"] = sum(p.numel() for p in params)
                 state["bare"] = Bare(view.parts.bundle.unet, params, world)
             bare.append(state["bare"].block(a.block + 1, prof.get("bare"))[1:])
-        state["last"] = time.perf_counter()
+        state["last"] = clock()
         if prof and plan.get(step + 1, ("", False))[0] == "timed":
             prof["ours"].enable()
 
@@ -218,22 +230,30 @@ def launch(a, mode: str, data: str, work: str) -> dict:
 
 
 def summary(mode: str, r: dict) -> dict:
-    ours = [t for b in r["ours"] for t in b]
-    bare = [t for b in r["bare"] for t in b]
-    o, b = step_timer.median(ours), step_timer.median(bare)
-    return {"mode": mode, "model": r["model"], "trained": r["params"], "ours": o, "bare": b,
-            "ratio": o / b, "ours_steps": r["ours"], "bare_steps": r["bare"]}
+    """Medians of the timed steps (wall clock and CPU time) of each side, and ours / bare."""
+    out = {"mode": mode, "model": r["model"], "trained": r["params"],
+           "ours_steps": r["ours"], "bare_steps": r["bare"]}
+    for i, clock_name in enumerate(("wall", "cpu")):
+        o = step_timer.median([t[i] for b in r["ours"] for t in b])
+        b = step_timer.median([t[i] for blk in r["bare"] for t in blk])
+        out.update({f"ours_{clock_name}": o, f"bare_{clock_name}": b, f"ratio_{clock_name}": o / b})
+    return out
 
 
 def format_rows(rows: list, a) -> list[str]:
     lines = [f"\nper-step medians, {a.rounds} rounds of {a.block} timed steps per side "
-             f"(ours / bare interleaved), 1 thread per process",
-             f"{'mode':<6} {'model':<26} {'trained':>12} {'ours s':>8} {'bare s':>8} {'ours/bare':>9}"]
+             f"(ours / bare interleaved), 1 thread per process; wall clock, and CPU time of the "
+             f"process (less sensitive to other jobs, blind to waits for the other process)",
+             f"{'mode':<6} {'model':<26} {'trained':>12} {'ours s':>8} {'bare s':>8} {'ratio':>6} "
+             f"{'ours cpu':>9} {'bare cpu':>9} {'ratio':>6}"]
     for r in rows:
-        lines.append(f"{r['mode']:<6} {r['model']:<26} {r['trained']:12,d} {r['ours']:8.3f} "
-                     f"{r['bare']:8.3f} {r['ratio']:9.3f}")
+        lines.append(f"{r['mode']:<6} {r['model']:<26} {r['trained']:12,d} {r['ours_wall']:8.3f} "
+                     f"{r['bare_wall']:8.3f} {r['ratio_wall']:6.3f} {r['ours_cpu']:9.3f} "
+                     f"{r['bare_cpu']:9.3f} {r['ratio_cpu']:6.3f}")
+    lines.append("(ratio = ours / bare; steps below as wall/cpu seconds, blocks separated by |)")
     for r in rows:
-        fmt = lambda blocks: " | ".join(" ".join(f"{t:.3f}" for t in b) for b in blocks)  # noqa: E731
+        def fmt(blocks):
+            return " | ".join(" ".join(f"{w:.2f}/{c:.2f}" for w, c in b) for b in blocks)
         lines.append(f"{r['mode']}: ours {fmt(r['ours_steps'])}")
         lines.append(f"{r['mode']}: bare {fmt(r['bare_steps'])}")
     return lines
@@ -274,7 +294,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             rows.append(summary(mode, launch(a, mode, data, work)))
             r = rows[-1]
-            print(f"  {mode}: ours {r['ours']:.3f} s, bare {r['bare']:.3f} s, ratio {r['ratio']:.3f} "
+            print(f"  {mode}: ours {r['ours_wall']:.3f} s, bare {r['bare_wall']:.3f} s, ratio "
+                  f"{r['ratio_wall']:.3f}; CPU time ratio {r['ratio_cpu']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         print("\n".join(format_rows(rows, a)))
         if a.json:

@@ -21,9 +21,12 @@ def test_schedule_by_hand():
 
 
 def test_summary_medians_and_ratio():
-    r = step_overhead.summary("full1", {"ours": [[1.0, 3.0], [2.0, 10.0]], "bare": [[2.0], [2.0, 1.0]],
+    # (wall, cpu) per step, in blocks
+    r = step_overhead.summary("full1", {"ours": [[[1.0, 1.0], [3.0, 2.0]], [[2.0, 1.0], [10.0, 3.0]]],
+                                        "bare": [[[2.0, 1.0]], [[2.0, 2.0], [1.0, 1.0]]],
                                         "params": 7, "model": "m"})
-    assert r["ours"] == 2.5 and r["bare"] == 2.0 and r["ratio"] == 1.25
+    assert (r["ours_wall"], r["bare_wall"], r["ratio_wall"]) == (2.5, 2.0, 1.25)
+    assert (r["ours_cpu"], r["bare_cpu"], r["ratio_cpu"]) == (1.5, 1.0, 1.5)
     assert r["trained"] == 7
     lines = step_overhead.format_rows([r], type("A", (), {"rounds": 2, "block": 2})())
     assert any("1.250" in line and "full1" in line for line in lines)
@@ -42,7 +45,7 @@ def test_bare_block_is_plain_sgd_and_keeps_ours_gradients():
     ref = torch.nn.functional.mse_loss(unet(bare.x, bare.t, bare.cond).sample, bare.x)
     grads = torch.autograd.grad(ref, params, allow_unused=True)
     times = bare.block(1)
-    assert len(times) == 1 and times[0] > 0
+    assert len(times) == 1 and times[0][0] > 0 and times[0][1] > 0  # wall, cpu
     for p, b, g, mine in zip(params, before, grads, ours):
         assert p.grad is mine  # ours' gradients back in place
         expect = b if g is None else b - 1e-4 * g
