@@ -24,8 +24,9 @@ would not fit in memory), built for each block and dropped after it; LoRA: the r
 parameters, the frozen U-Net under them. Inputs have ours' shapes (4x8x8 latents, 77 tokens).
 
 Interleaving: after ``--warmup`` steps of ours, ``--rounds`` rounds of one bare block and one
-ours block of ``--block`` timed steps each; the first step of every block is dropped (it meets a
-freshly built DDP, or memory the other side just released). Load from other jobs then falls on
+ours block of ``--block`` timed steps each; the first step of every block is dropped (it meets
+memory the other side just released), and under DDP bare's second too (a new wrapper rebuilds its
+buckets there). Load from other jobs then falls on
 both sides alike. Printed per mode: the median step of each side, their ratio (ours / bare;
 1.00 means no overhead), in wall-clock time and in the process's CPU time (all its threads; it
 leaves out time spent waiting for a core, so it is steadier on a loaded machine, but also the
@@ -123,7 +124,10 @@ class Bare:
         self.cond = torch.randn(1, 77, unet.config.cross_attention_dim, generator=g)
         self.t = torch.randint(0, 1000, (1,), generator=g)
 
-    def block(self, n: int, profiler=None) -> list[float]:
+    def block(self, n: int, profiler=None) -> list[list[float]]:
+        """``n`` timed steps ((wall, cpu) each) after the untimed ones: one, and under DDP two
+        (DDP rebuilds its buckets in the second iteration of a new wrapper)."""
+        skip = 2 if self.world > 1 else 1
         saved = [p.grad for p in self.params]  # ours' gradients (or None), set aside
         for p in self.params:
             p.grad = None
@@ -133,8 +137,8 @@ class Bare:
                                                               gradient_as_bucket_view=True)
         opt = torch.optim.SGD(self.params, lr=1e-4)
         times = []
-        for i in range(n):
-            if profiler is not None and i > 0:
+        for i in range(skip + n):
+            if profiler is not None and i >= skip:
                 profiler.enable()
             start = clock()
             opt.zero_grad(set_to_none=True)
@@ -148,7 +152,7 @@ class Bare:
         del model, opt
         for p, g in zip(self.params, saved):
             p.grad = g
-        return times
+        return times[skip:]
 
 
 def worker(a) -> dict:
@@ -190,7 +194,7 @@ def worker(a) -> dict:
                 params = [p for p in view.parts.params if p.requires_grad]
                 state["params"] = sum(p.numel() for p in params)
                 state["bare"] = Bare(view.parts.bundle.unet, params, world)
-            bare.append(state["bare"].block(a.block + 1, prof.get("bare"))[1:])
+            bare.append(state["bare"].block(a.block, prof.get("bare")))
         state["last"] = clock()
         if prof and plan.get(step + 1, ("", False))[0] == "timed":
             prof["ours"].enable()
