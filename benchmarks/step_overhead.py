@@ -46,6 +46,7 @@ import tempfile
 import time
 
 import torch
+from diffusers import UNet2DConditionModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -77,7 +78,6 @@ def _shrink_unet() -> None:
 
     def build(arch):
         out = real(arch)
-        from diffusers import UNet2DConditionModel
         cfg = dict(out["unet"].config, block_out_channels=QUICK_WIDTHS)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(loading.ARCH_SEED)
