@@ -32,6 +32,12 @@ both sides alike. Printed per mode: the median step of each side, their ratio (o
 leaves out time spent waiting for a core, so it is steadier on a loaded machine, but also the
 waits for the other process under DDP), and every timed step. ``--profile DIR``: cProfile of ours' timed steps
 (and of bare's) written there (``.prof`` files, rank 0).
+
+``--sd-scripts PATH [--sd-scripts-python PYTHON]``: sd-scripts' train_network.py on the lora
+mode's training (sd15-arch, so not with ``--quick``), run after ours through
+benchmarks/sd_scripts_launch.py with benchmarks/ddp_scaling.py's command line plus
+``--max_grad_norm 0`` (its venv: docs/PERFORMANCE.md, "sd-scripts side by side"); its median step
+and ours / sd-scripts are printed under the table. Not interleaved: it runs in its own venv.
 """
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import step_timer  # noqa: E402
+from benchmarks import ddp_scaling, sd_scripts_launch, step_timer  # noqa: E402
 from library import cli  # noqa: E402
 from library.accelerator import free_port  # noqa: E402
 from library.models import loading  # noqa: E402
@@ -263,6 +269,38 @@ def format_rows(rows: list, a) -> list[str]:
     return lines
 
 
+def sd_scripts_lora(a, data: str, work: str) -> list[float]:
+    """sd-scripts' train_network.py on the lora mode's training (sd15-arch written as a single
+    file, rank 16, U-Net only, SGD at 1e-4, 64 px, cached latents, max_grad_norm 0: ddp_scaling's
+    command line), 1 process: its step times after as many warm-up steps as ours had, with the
+    same number of timed steps (benchmarks/sd_scripts_launch.py marks them)."""
+    python = a.sd_scripts_python or sys.executable
+    missing = sd_scripts_launch.missing_modules(python)
+    if missing:
+        raise RuntimeError(f"missing {', '.join(missing)} in {python}")
+    timed = a.rounds * a.block
+    same = argparse.Namespace(batch=1, warmup=a.warmup + 1, steps=timed)
+    model = sd_scripts_launch.random_weights_file(work, "sd15")
+    out = os.path.join(work, "sd-lora")
+    args = ddp_scaling.sd_scripts_args("lora", model, sd_scripts_launch.tokenizer_cache(work), data, out,
+                                       same) + ["--max_grad_norm", "0"]
+    cmd = sd_scripts_launch.command(python, a.sd_scripts, "train_network.py", args, 1, free_port())
+    r = sd_scripts_launch.run(cmd, cwd=a.sd_scripts,
+                              env=sd_scripts_launch.clean_env({"OMP_NUM_THREADS": "1"}))
+    return r["times"][a.warmup:]  # its list starts at step 2
+
+
+def sd_scripts_rows(a, data: str, work: str, lora: dict) -> list[str]:
+    try:
+        times = sd_scripts_lora(a, data, work)
+    except (RuntimeError, sd_scripts_launch.SdScriptsError) as e:
+        return [f"lora: sd-scripts train_network.py not run: {e}"]
+    m = step_timer.median(times)
+    return [f"lora: sd-scripts train_network.py {m:.3f} s/step (wall, median of {len(times)}; "
+            f"run after ours, not interleaved: its own venv); ours / sd-scripts "
+            f"{lora['ours_wall'] / m:.3f}", "lora: sd-scripts " + " ".join(f"{t:.2f}" for t in times)]
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller U-Net (iterating), tiny-sd15 LoRA")
@@ -272,6 +310,10 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=2, help="ours' steps before the first block")
     p.add_argument("--profile", metavar="DIR", help="cProfile of the timed steps (rank 0) into DIR")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--sd-scripts", metavar="PATH",
+                   help="a kohya-ss/sd-scripts checkout: its train_network.py beside the lora mode")
+    p.add_argument("--sd-scripts-python", metavar="PYTHON",
+                   help="the Python that runs sd-scripts (its own venv; default: this one)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -288,6 +330,15 @@ def main(argv=None) -> int:
             with open(a.result, "w", encoding="utf-8") as f:
                 json.dump(result, f)
         return 0
+    try:
+        sd_scripts_launch.check_paths(a.sd_scripts, a.sd_scripts_python, "train_network.py")
+        if a.sd_scripts and (a.quick or "lora" not in a.modes):
+            raise sd_scripts_launch.SdScriptsError(
+                "--sd-scripts compares the lora mode on sd15-arch: not with --quick (sd-scripts "
+                "cannot load the tiny models), and the lora mode must be among --modes")
+    except sd_scripts_launch.SdScriptsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="sdtk-overhead-")
     try:
         n = 2 * (a.warmup + a.rounds * (a.block + 1))
@@ -301,7 +352,10 @@ def main(argv=None) -> int:
             print(f"  {mode}: ours {r['ours_wall']:.3f} s, bare {r['bare_wall']:.3f} s, ratio "
                   f"{r['ratio_wall']:.3f}; CPU time ratio {r['ratio_cpu']:.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        print("\n".join(format_rows(rows, a)))
+        lines = format_rows(rows, a)
+        if a.sd_scripts:
+            lines += sd_scripts_rows(a, data, work, next(r for r in rows if r["mode"] == "lora"))
+        print("\n".join(lines))
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump(rows, f, indent=1)

@@ -56,3 +56,10 @@ def test_bare_block_is_plain_sgd_and_keeps_ours_gradients():
     for p, q, mine in zip(params, ref_params, ours):
         assert p.grad is mine  # ours' gradients back in place
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+
+
+def test_sd_scripts_refused_with_quick(tmp_path, capsys):
+    (tmp_path / "train_network.py").write_text("")  # looks like a checkout
+    assert step_overhead.main(["--quick", "--sd-scripts", str(tmp_path)]) == 2
+    assert "not with --quick" in capsys.readouterr().err
+    assert step_overhead.main(["--modes", "full1", "--sd-scripts", str(tmp_path)]) == 2
