@@ -69,14 +69,6 @@ MODES = {"full1": ("train_dreambooth", 1), "full2": ("train_dreambooth", 2), "lo
 QUICK_WIDTHS = [64, 128, 256, 256]
 
 
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 # -- the worker (each process of one mode) -----------------------------------------------------
 def _shrink_unet() -> None:
     """--quick: sd15-arch's U-Net at smaller block widths (this worker process only)."""
@@ -230,7 +222,7 @@ def launch(a, mode: str, data: str, work: str) -> dict:
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
            *map(str, wargs)]
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        p = subprocess.run(cmd, cwd=ROOT, env=ddp_scaling.worker_env(), capture_output=True, text=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)  # a full save is a 3.4 GB file
     if p.returncode != 0:
@@ -314,11 +306,9 @@ def build_parser():
                    help="a kohya-ss/sd-scripts checkout: its train_network.py beside the lora mode")
     p.add_argument("--sd-scripts-python", metavar="PYTHON",
                    help="the Python that runs sd-scripts (its own venv; default: this one)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", help=argparse.SUPPRESS)
-    p.add_argument("--data", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a launched process
+    for internal in ("--mode", "--data", "--out", "--result"):
+        p.add_argument(internal, help=argparse.SUPPRESS)
     return p
 
 
