@@ -67,7 +67,9 @@ METHOD_SCRIPT = {"dreambooth": "train_dreambooth", "lora": "train_lora"}
 SD_SCRIPTS_ENTRY = {"dreambooth": "train_db.py", "lora": "train_network.py"}
 
 
-def _env() -> dict:
+def worker_env() -> dict:
+    """A launched worker's environment: one thread, offline, this checkout first, no parent's
+    distributed variables (benchmarks/step_overhead.py's workers too)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -80,7 +82,7 @@ def launch(procs: int, worker_args: list, result: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
            "--worker", *map(str, worker_args), "--result", result]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"worker failed ({' '.join(map(str, worker_args))}, {procs} processes):\n"
                          + p.stderr[-3000:])
