@@ -1,0 +1,147 @@
+"""LoRA for Anima in kohya's layout (the ``network_module`` of sd-scripts' ``networks/lora_anima.py``).
+
+Names are ``lora_unet_`` + the DiT's module path (library/models/families/anima/model.py, the
+released file's names without ``net.``), dots as underscores, as ComfyUI reads them:
+``lora_unet_blocks_N_{self_attn,cross_attn}_{q,k,v,output}_proj``, ``lora_unet_blocks_N_mlp_layer{1,2}``,
+and with ``train_llm_adapter`` ``lora_unet_llm_adapter_blocks_N_{self_attn,cross_attn}_{q,k,v,o}_proj``
+and ``..._mlp_{0,2}``.
+
+Targets, as sd-scripts: every Linear inside the modules of class Block, PatchEmbed,
+TimestepEmbedding and FinalLayer (and LLMAdapterTransformerBlock with ``train_llm_adapter``), less
+the paths its default exclude pattern ``.*(_modulation|_norm|_embedder|final_layer).*`` matches
+(fully) and the user's ``exclude_patterns``, unless an ``include_patterns`` entry matches. Qwen3
+is never trained (sd-scripts' Anima trainer keeps it frozen), so a file holds no ``lora_te_`` key.
+network_args: ``train_llm_adapter``, ``exclude_patterns``, ``include_patterns`` (Python list
+literals of regular expressions, or one string), ``network_reg_dims`` ("regex=rank, ..."), and
+LoRA's ``rank_dropout``, ``module_dropout``, ``loraplus_*``, ``verbose``.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any, Optional
+
+from networks import lora_dit
+from networks.lora import LoRAError, load_state_dict_file
+from networks.lora_dit import Target
+
+NETWORK_MODULE = "networks.lora_anima"
+PREFIX = "lora_unet"
+TARGET_CLASSES = ("Block", "PatchEmbed", "TimestepEmbedding", "FinalLayer")
+ADAPTER_CLASSES = ("LLMAdapterTransformerBlock",)
+DEFAULT_EXCLUDE = r".*(_modulation|_norm|_embedder|final_layer).*"
+KNOWN_NETWORK_ARGS = ("train_llm_adapter", "exclude_patterns", "include_patterns", "network_reg_dims", "verbose",
+                      "rank_dropout", "module_dropout", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                      "loraplus_text_encoder_lr_ratio")
+UNSUPPORTED = {"network_reg_lrs": "per-module learning rates by regular expression"}
+NO_EFFECT = ("conv_dim", "conv_alpha")
+
+
+def _patterns(key: str, value: Any) -> list[re.Pattern]:
+    """A list literal of regular expressions (sd-scripts' ast.literal_eval), or one pattern."""
+    items = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            items = ast.literal_eval(text) if text.startswith("[") else text
+        except (ValueError, SyntaxError):
+            raise LoRAError(f"network_args: {key} for {NETWORK_MODULE} is not a list of patterns: {value!r}") from None
+    items = [items] if isinstance(items, str) else list(items)
+    out = []
+    for p in items:
+        try:
+            out.append(re.compile(str(p)))
+        except re.error as e:
+            raise LoRAError(f"network_args: {key} for {NETWORK_MODULE}: bad regular expression {p!r} ({e})") from None
+    return out
+
+
+def _reg_dims(value: Any) -> list[tuple[re.Pattern, int]]:
+    """sd-scripts' "regex=rank, regex=rank" (first match wins)."""
+    out = []
+    for pair in str(value).split(","):
+        pair = pair.strip()
+        if not pair:
+            continue
+        if "=" not in pair:
+            raise LoRAError(f"network_args: network_reg_dims for {NETWORK_MODULE}: {pair!r} is not regex=rank")
+        pattern, rank = (s.strip() for s in pair.split("=", 1))
+        out.append((_patterns("network_reg_dims", [pattern])[0], lora_dit.parse_dim(NETWORK_MODULE, "network_reg_dims",
+                                                                                   rank)))
+    return out
+
+
+def parse_network_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """network_args of networks.lora_anima -> checked values; one LoRAError line naming the arg."""
+    m = NETWORK_MODULE
+    lora_dit.check_known(m, kwargs, KNOWN_NETWORK_ARGS, UNSUPPORTED, NO_EFFECT)
+    out = lora_dit.common_args(m, kwargs)
+    for key in ("train_llm_adapter", "verbose"):
+        out[key] = lora_dit.parse_switch(m, key, kwargs[key]) if kwargs.get(key) is not None else False
+    out["exclude_patterns"] = _patterns("exclude_patterns", kwargs.get("exclude_patterns") or [])
+    out["include_patterns"] = _patterns("include_patterns", kwargs.get("include_patterns") or [])
+    out["network_reg_dims"] = _reg_dims(kwargs["network_reg_dims"]) if kwargs.get("network_reg_dims") else []
+    return out
+
+
+def check_network_args(kwargs: dict[str, Any]) -> None:
+    """Before any weight loads (the trainer calls it when network_module is networks.lora_anima)."""
+    parse_network_args(dict(kwargs))
+
+
+def transformer_targets(dit, args: dict[str, Any], dim: int, alpha: float) -> list[Target]:
+    """Every Linear LoRA may go on in the DiT, with its rank (0: excluded)."""
+    classes = TARGET_CLASSES + (ADAPTER_CLASSES if args.get("train_llm_adapter") else ())
+    exclude = [re.compile(DEFAULT_EXCLUDE), *args.get("exclude_patterns", [])]
+    include = args.get("include_patterns", [])
+    out, seen = [], set()
+    for name, module in dit.named_modules():
+        if module.__class__.__name__ not in classes:
+            continue
+        for child_name, child in module.named_modules():
+            if child.__class__.__name__ != "Linear":
+                continue
+            path = f"{name}.{child_name}" if name else child_name
+            if path in seen:
+                continue
+            seen.add(path)
+            excluded = any(p.fullmatch(path) for p in exclude) and not any(p.fullmatch(path) for p in include)
+            d = 0 if excluded else next((r for p, r in args.get("network_reg_dims", []) if p.fullmatch(path)), dim)
+            out.append(Target(f"{PREFIX}_{path.replace('.', '_')}", child, d, alpha))
+    return out
+
+
+def all_targets(text_encoders, dit, args: dict[str, Any], dim: int, alpha: float) -> tuple[list[Target], list[Target]]:
+    """(text-encoder targets: none, Qwen3 stays frozen; the DiT's targets)."""
+    return [], transformer_targets(dit, args, dim, alpha)
+
+
+def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
+                   text_encoders, dit, neuron_dropout: Optional[float] = None, **kwargs) -> lora_dit.DiTLoRANetwork:
+    """sd-scripts' create_network of networks.lora_anima (dit: library.models.families.anima.model.Anima)."""
+    return lora_dit.build_network(all_targets, NETWORK_MODULE, multiplier, network_dim, network_alpha,
+                                  text_encoders, dit, neuron_dropout, parse_network_args(kwargs))
+
+
+def create_network_from_weights(multiplier: float, file: Optional[str], vae, text_encoders, dit, weights_sd=None,
+                                for_inference: bool = False, **kwargs):
+    """A network shaped like the file (rank and alpha per module, the adapter when the file has it);
+    weights are not loaded here. A file of another family names a module this DiT lacks: one line."""
+    if weights_sd is None:
+        weights_sd = load_state_dict_file(file)
+    te = sorted(k for k in weights_sd if k.startswith("lora_te"))
+    if te:
+        raise LoRAError(f"LoRA weights {file or '(state dict)'}: {te[0].split('.')[0]} is a text-encoder module; "
+                        "an Anima LoRA trains the DiT alone (wrong base model?)")
+    args = {**parse_network_args(kwargs), "train_llm_adapter": True,
+            "exclude_patterns": [], "include_patterns": [re.compile(".*")], "network_reg_dims": []}
+    _, targets = all_targets(text_encoders, dit, args, 1, 1.0)
+    chosen = lora_dit.from_weights(targets, weights_sd, file)
+    network = lora_dit.DiTLoRANetwork([], chosen, multiplier, 4, 1.0)
+    lora_dit.set_loraplus(network, args)
+    return network, weights_sd
+
+
+def file_metadata() -> dict[str, str]:
+    """The family's keys of an Anima LoRA file (sd-scripts' NetworkTrainer writes ss_network_module)."""
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False"}
