@@ -23,6 +23,10 @@ import sys
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+from transformers import Qwen3Config, Qwen3Model  # noqa: E402
+
+from library.models.families.anima import model  # noqa: E402
 from networks import lora_svd  # noqa: E402
 from networks.lora import LoRAError, load_state_dict_file, write_weights  # noqa: E402
 
@@ -34,18 +38,12 @@ WEIGHTS = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight
 def _leaf_paths() -> dict[str, dict[str, str]]:
     """{underscored: dotted} of the Linear layers of a DiT block, an adapter block, the DiT outside
     its blocks, and a Qwen3 layer, from the models' module names (meta tensors: no weights)."""
-    # lazy: torch and the model code load only when a file is converted (--help stays fast)
-    import torch
-    from transformers import Qwen3Config, Qwen3Model
-
-    from library.models.families.anima import model as anima_model
-
     def linears(module, skip=()) -> dict[str, str]:
         return {n.replace(".", "_"): n for n, m in module.named_modules()
                 if isinstance(m, torch.nn.Linear) and not n.startswith(skip)}
 
     with torch.device("meta"):
-        dit = anima_model.Anima(anima_model.TINY)
+        dit = model.Anima(model.TINY)
         qwen = Qwen3Model(Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                       num_attention_heads=1, num_key_value_heads=1, head_dim=8))
     return {"blocks": linears(dit.blocks[0]), "llm_adapter.blocks": linears(dit.llm_adapter.blocks[0]),

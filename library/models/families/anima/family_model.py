@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 from library.models import loading
 from library.models.families.anima import parts, tiny, weights
@@ -74,6 +77,35 @@ class AnimaFamilyModel(FamilyModel):
                          cond.qwen3_attn_mask.to(dev))
 
 
+class LatentVAE(torch.nn.Module):
+    """The Qwen-Image VAE behind the interface the shared latent code uses (``encode(pixels)
+    .latent_dist.mode()``, ``decode(z).sample``, ``config.scaling_factor``): images (B, 3, H, W),
+    latents (B, 16, H/8, W/8) already normalised per channel ((z - mean) / std, parts.encode_images),
+    so the scale is 1 and there is no shift."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+        self.config = SimpleNamespace(scaling_factor=1.0, latent_channels=vae.config.z_dim,
+                                      block_out_channels=(0, 0, 0, 0))  # 8x down, as a 4-level SD VAE
+
+    @property
+    def device(self):
+        return next(self.vae.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.vae.parameters()).dtype
+
+    def encode(self, pixels):
+        z = parts.encode_images(self.vae, pixels)
+        return SimpleNamespace(latent_dist=SimpleNamespace(mode=lambda: z, sample=lambda generator=None: z))
+
+    def decode(self, latents, return_dict: bool = True):
+        x = parts.decode_latents(self.vae, latents)
+        return SimpleNamespace(sample=x) if return_dict else (x,)
+
+
 @dataclass
 class AnimaModel:
     """The loaded parts (what ModelBundle.flow holds for Anima)."""
@@ -84,6 +116,7 @@ class AnimaModel:
     t5_tokenizer: Any
     identity: str
     vae_identity: str
+    variant: str = "preview"  # sd-scripts' Anima model is "anima-preview"
 
 
 def is_source(name_or_path: str | None) -> bool:

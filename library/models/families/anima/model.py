@@ -1,5 +1,5 @@
 """Anima's transformer: the MiniTrainDiT of NVIDIA's Cosmos-Predict2 (sd-scripts: ``Anima`` in
-library/anima_models.py) with the LLM adapter that maps Qwen3-0.6B's states into the T5-compatible
+its anima_models.py) with the LLM adapter that maps Qwen3-0.6B's states into the T5-compatible
 cross-attention space.
 
 Module names are those of the released single file (and sd-scripts' loader, after it strips

@@ -18,7 +18,7 @@ from library.models import t5
 from library.models.families.anima.model import LATENT_CHANNELS, AnimaModelError
 from library.models.families.anima.weights import header_shapes
 
-# Qwen3-0.6B (its config.json; sd-scripts ships it as configs/qwen3_06b)
+# Qwen3-0.6B (its config.json; sd-scripts ships it as its qwen3_06b config)
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, use_cache=False)
@@ -109,7 +109,7 @@ def encode_qwen3(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -
 
 def load_t5_tokenizer(path: str | None):
     """``t5_tokenizer_path``: a folder with T5's tokenizer files; None: T5 v1.1's (sd-scripts'
-    configs/t5_old), from the local Hugging Face cache."""
+    bundled t5_old), from the local Hugging Face cache."""
     return t5.load_t5_tokenizer(os.path.expanduser(path) if path else None)
 
 

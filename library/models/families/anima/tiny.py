@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
 
 from library.models import t5
-from library.models.families.anima import model as anima_model
+from library.models.families.anima import model
 
 NAME = "tiny-anima"
 SEED = 20260207
@@ -55,8 +55,8 @@ def qwen3_config(vocab_size: int) -> Qwen3Config:
                        tie_word_embeddings=True, use_cache=False)
 
 
-def tiny_config(t5_vocab: int) -> anima_model.AnimaConfig:
-    return replace(anima_model.TINY, adapter=replace(anima_model.TINY_ADAPTER, vocab_size=t5_vocab))
+def tiny_config(t5_vocab: int) -> model.AnimaConfig:
+    return replace(model.TINY, adapter=replace(model.TINY_ADAPTER, vocab_size=t5_vocab))
 
 
 def vae_config() -> dict:
@@ -71,7 +71,7 @@ def build() -> dict:
     out = {"qwen3_tokenizer": q_tok, "t5_tokenizer": t5_tok}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        dit = anima_model.Anima(tiny_config(len(t5_tok)))
+        dit = model.Anima(tiny_config(len(t5_tok)))
         # sd-scripts zero-initialises the modulation outputs; random ones make the blocks matter
         # in tests (a zero gate would hide every sub-layer)
         with torch.no_grad():
