@@ -126,3 +126,38 @@ def test_other_family_lora_and_methods_are_refused(dataset, tmp_path, run_script
                                            "--output_dir", str(tmp_path / "g"), "--qwen3", str(tmp_path),
                                            "--max_train_steps", "1", "--resolution", "64"])
     assert rc == 2 and "qwen3: not with the FLUX.1 model tiny-flux: an Anima option" in err, err
+
+
+def test_anima_trains_from_files_and_its_text_lengths_matter(dataset, tmp_path, train):
+    """The DiT file without its adapter + llm_adapter_path + a qwen3 folder + a diffusers VAE folder +
+    t5_tokenizer_path train exactly as tiny-anima (same weights); qwen3_max_token_length and
+    t5_max_token_length change what the DiT sees (the first loss)."""
+    m = tiny.build()
+    from library.models.families.anima import weights
+
+    weights.save_dit(m["dit"], str(tmp_path / "full.safetensors"))
+    sd = load_file(str(tmp_path / "full.safetensors"))
+    save_file({k[4:]: v for k, v in sd.items() if not k.startswith("net.llm_adapter.")}, str(tmp_path / "dit.safetensors"))
+    save_file({k[len("net.llm_adapter."):]: v for k, v in sd.items() if k.startswith("net.llm_adapter.")},
+              str(tmp_path / "adapter.safetensors"))
+    for name in ("qwen3", "qwen3_tokenizer"):
+        m[name].save_pretrained(tmp_path / "qwen3")
+    m["vae"].save_pretrained(tmp_path / "vae")
+    m["t5_tokenizer"].save_pretrained(tmp_path / "t5")
+    lengths = ["--qwen3_max_token_length", "16", "--t5_max_token_length", "12", "--max_train_steps", "1"]
+    rc, _, err, a = train("train_lora", anima_args(dataset, str(tmp_path / "a"), *lengths))
+    assert rc == 0, err
+    files = anima_args(dataset, str(tmp_path / "b"), *lengths, "--llm_adapter_path", str(tmp_path / "adapter.safetensors"),
+                       "--qwen3", str(tmp_path / "qwen3"), "--vae", str(tmp_path / "vae"),
+                       "--t5_tokenizer_path", str(tmp_path / "t5"))
+    files[1] = str(tmp_path / "dit.safetensors")
+    rc, _, err, b = train("train_lora", files)
+    assert rc == 0, err
+    # same weights; a loaded Qwen3 may attend with another kernel than a built one (float32 ulps)
+    assert b.progress.loss_log == pytest.approx(a.progress.loss_log, rel=1e-5)
+    for opt in ("--qwen3_max_token_length", "--t5_max_token_length"):
+        other = list(lengths)
+        other[other.index(opt) + 1] = "4"
+        rc, _, err, c = train("train_lora", anima_args(dataset, str(tmp_path / opt[2:]), *other))
+        assert rc == 0, err
+        assert c.progress.loss_log != a.progress.loss_log, opt

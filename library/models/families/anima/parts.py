@@ -89,13 +89,13 @@ def load_qwen3(path: str, config: dict | None = None) -> tuple[Qwen3Model, objec
     with torch.device("meta"):
         model = Qwen3Model(cfg)
     model.load_state_dict(sd, strict=True, assign=True)
-    model.rotary_emb.inv_freq = _rope_inv_freq(model)  # a non-persistent buffer: rebuilt, not loaded
+    with torch.device("cpu"):  # its RoPE tables are non-persistent buffers: rebuilt, not loaded
+        model.rotary_emb = type(model.rotary_emb)(config=model.config)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise AnimaModelError(f"qwen3: {path}: buffers not rebuilt ({left[0]}); this transformers version's Qwen3 "
+                              "has buffers this loader does not know")
     return model.eval().requires_grad_(False), tokenizer
-
-
-def _rope_inv_freq(model) -> torch.Tensor:
-    with torch.device("cpu"):
-        return type(model.rotary_emb)(config=model.config).inv_freq
 
 
 def encode_qwen3(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
