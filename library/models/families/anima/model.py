@@ -88,7 +88,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, the statistic in float32 (sd-scripts' DiT norm; eps 1e-6 where used)."""
+    """x / rms(x) * weight, the statistic in float32 (sd-scripts' DiT norm; eps 1e-6 where used).
+    Not sd3.RMSNorm: that one multiplies in the input's dtype, sd-scripts' Anima norm by the weight
+    as it is (a float32 weight keeps a bf16 input's product in float32)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -148,21 +150,27 @@ def _attention(q, k, v, mask=None):
 
 # --- the DiT --------------------------------------------------------------------------------
 
+def _projections(m: nn.Module, query_dim: int, context_dim: int, n_heads: int, head_dim: int, norm, out: str):
+    """q / k / v projections without bias, per-head q / k norms, and the output projection named
+    ``out`` (the DiT's ``output_proj``, the adapter's ``o_proj``)."""
+    inner = n_heads * head_dim
+    m.n_heads, m.head_dim = n_heads, head_dim
+    m.q_proj = nn.Linear(query_dim, inner, bias=False)
+    m.q_norm = norm(head_dim)
+    m.k_proj = nn.Linear(context_dim, inner, bias=False)
+    m.k_norm = norm(head_dim)
+    m.v_proj = nn.Linear(context_dim, inner, bias=False)
+    setattr(m, out, nn.Linear(inner, query_dim, bias=False))
+
+
 class Attention(nn.Module):
     """Self- (context None, RoPE) or cross-attention with per-head RMS q/k norms, no biases."""
 
     def __init__(self, query_dim: int, context_dim: int | None, n_heads: int, head_dim: int):
         super().__init__()
         self.is_selfattn = context_dim is None
-        context_dim = query_dim if context_dim is None else context_dim
-        inner = n_heads * head_dim
-        self.n_heads, self.head_dim = n_heads, head_dim
-        self.q_proj = nn.Linear(query_dim, inner, bias=False)
-        self.q_norm = RMSNorm(head_dim)
-        self.k_proj = nn.Linear(context_dim, inner, bias=False)
-        self.k_norm = RMSNorm(head_dim)
-        self.v_proj = nn.Linear(context_dim, inner, bias=False)
-        self.output_proj = nn.Linear(inner, query_dim, bias=False)
+        _projections(self, query_dim, query_dim if context_dim is None else context_dim, n_heads, head_dim,
+                     RMSNorm, "output_proj")
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -377,14 +385,7 @@ def _adapter_rope(head_dim: int, length: int, device, dtype) -> tuple[torch.Tens
 class LLMAdapterAttention(nn.Module):
     def __init__(self, query_dim: int, context_dim: int, n_heads: int, head_dim: int):
         super().__init__()
-        inner = n_heads * head_dim
-        self.n_heads, self.head_dim = n_heads, head_dim
-        self.q_proj = nn.Linear(query_dim, inner, bias=False)
-        self.q_norm = LLMAdapterRMSNorm(head_dim)
-        self.k_proj = nn.Linear(context_dim, inner, bias=False)
-        self.k_norm = LLMAdapterRMSNorm(head_dim)
-        self.v_proj = nn.Linear(context_dim, inner, bias=False)
-        self.o_proj = nn.Linear(inner, query_dim, bias=False)
+        _projections(self, query_dim, context_dim, n_heads, head_dim, LLMAdapterRMSNorm, "o_proj")
 
     def forward(self, x, mask, context, rope_q, rope_k):
         b = x.shape[0]
