@@ -2,7 +2,7 @@
 (64 px): the LoRA file in sd-scripts' layout and metadata with both caches on disk, exact resume,
 Anima's flow rules against float64 formulas (its own defaults: sigmoid draws, shift 1, the raw
 velocity; the DiT takes sigma; the samples' shifted linear schedule), and the refusals before any
-weight loads."""
+weight loads; a sample image."""
 from __future__ import annotations
 
 import os
@@ -33,9 +33,14 @@ def _expected_names() -> set[str]:
 
 def test_anima_lora_trains_with_caches_and_writes_sd_scripts_layout(dataset, tmp_path, train):
     out = str(tmp_path / "out")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red shape --w 64 --h 64 --s 3 --l 2.0 --d 5 --n blurry\n")
     rc, _, err, run = train("train_lora", anima_args(dataset, out, "--cache_latents_to_disk",
-                                                     "--cache_text_encoder_outputs_to_disk"))
+                                                     "--cache_text_encoder_outputs_to_disk",
+                                                     "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"))
     assert rc == 0, err
+    # a sample with CFG on the shifted linear schedule, decoded by the Qwen-Image VAE
+    assert len([f for f in os.listdir(os.path.join(out, "sample")) if f.endswith(".png")]) == 1
     sd, meta = read(os.path.join(out, "last.safetensors"))
     assert {k.split(".")[0] for k in sd} == _expected_names()
     assert all(float(sd[k].abs().max()) > 0 for k in sd if k.endswith("lora_up.weight"))  # every module trained
