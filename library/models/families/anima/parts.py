@@ -1,8 +1,9 @@
 """Anima's other parts, as sd-scripts' anima_utils reads them: the Qwen3-0.6B text encoder (a
 Hugging Face folder, or one ``.safetensors`` file with the tokenizer files beside it), the T5
 tokenizer of the LLM adapter (``t5_tokenizer_path``, default T5 v1.1's), and the Qwen-Image VAE
-(a diffusers folder, or one ``.safetensors`` / ``.pth`` file in diffusers' or the original Wan
-layout). Each file is checked against the part's shapes before a weight loads: one line naming
+(a diffusers folder, or one ``.safetensors`` / ``.pth`` file in diffusers' layout or in the
+original Wan / ComfyUI layout, renamed by diffusers' ``convert_wan_vae_to_diffusers``; the shapes
+are checked after the renaming, so a file it does not map is refused in one line). Each file is checked against the part's shapes before a weight loads: one line naming
 the file and the key.
 """
 from __future__ import annotations
