@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3Model  # noqa: E402
-
-from library.models.families.anima import model  # noqa: E402
 from networks import lora_svd  # noqa: E402
+from networks.lora_anima import dotted, module_paths  # noqa: E402
 from networks.lora import LoRAError, load_state_dict_file, write_weights  # noqa: E402
 
 COMFY_DIT, COMFY_TE = "diffusion_model.", "text_encoder.qwen3."
@@ -35,34 +31,8 @@ KOHYA_DIT, KOHYA_TE = "lora_unet_", "lora_te_"
 WEIGHTS = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight", "alpha": "alpha"}
 
 
-def _leaf_paths() -> dict[str, dict[str, str]]:
-    """{underscored: dotted} of the Linear layers of a DiT block, an adapter block, the DiT outside
-    its blocks, and a Qwen3 layer, from the models' module names (meta tensors: no weights)."""
-    def linears(module, skip=()) -> dict[str, str]:
-        return {n.replace(".", "_"): n for n, m in module.named_modules()
-                if isinstance(m, torch.nn.Linear) and not n.startswith(skip)}
-
-    with torch.device("meta"):
-        dit = model.Anima(model.TINY)
-        qwen = Qwen3Model(Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                                      num_attention_heads=1, num_key_value_heads=1, head_dim=8))
-    return {"blocks": linears(dit.blocks[0]), "llm_adapter.blocks": linears(dit.llm_adapter.blocks[0]),
-            "": linears(dit, skip=("blocks.", "llm_adapter.blocks.")), "layers": linears(qwen.layers[0])}
-
-
-def dotted(name: str, text_encoder: bool, tables: dict) -> str | None:
-    """``blocks_3_self_attn_q_proj`` -> ``blocks.3.self_attn.q_proj`` (None: not a module of Anima's
-    DiT, or with ``text_encoder`` of its Qwen3)."""
-    stacks = ("layers",) if text_encoder else ("llm_adapter.blocks", "blocks")
-    for stack in stacks:
-        m = re.fullmatch(re.escape(stack.replace(".", "_")) + r"_(\d+)_(.+)", name)
-        if m and m.group(2) in tables[stack]:
-            return f"{stack}.{m.group(1)}.{tables[stack][m.group(2)]}"
-    return None if text_encoder else tables[""].get(name)
-
-
 def to_comfy(sd: dict, source: str) -> dict:
-    tables = _leaf_paths()
+    tables = module_paths()
     out = {}
     for key, value in sd.items():
         module, _, weight = key.partition(".")

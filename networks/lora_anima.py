@@ -18,9 +18,15 @@ LoRA's ``rank_dropout``, ``module_dropout``, ``loraplus_*``, ``verbose``.
 from __future__ import annotations
 
 import ast
+import os
 import re
 from typing import Any, Optional
 
+import torch
+from transformers import Qwen3Config, Qwen3Model
+
+from library import safetensors_file
+from library.models.families.anima import model
 from networks import lora_dit
 from networks.lora import LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -141,6 +147,46 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
     network = lora_dit.DiTLoRANetwork([], chosen, multiplier, 4, 1.0)
     lora_dit.set_loraplus(network, args)
     return network, weights_sd
+
+
+def module_paths() -> dict[str, dict[str, str]]:
+    """{underscored: dotted} of the Linear layers of a DiT block, an adapter block, the DiT outside
+    its blocks, and a Qwen3 layer, from the models' module names (meta tensors: no weights)."""
+    def linears(module, skip=()) -> dict[str, str]:
+        return {n.replace(".", "_"): n for n, m in module.named_modules()
+                if isinstance(m, torch.nn.Linear) and not n.startswith(skip)}
+
+    with torch.device("meta"):
+        dit = model.Anima(model.TINY)
+        qwen = Qwen3Model(Qwen3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                      num_attention_heads=1, num_key_value_heads=1, head_dim=8))
+    return {"blocks": linears(dit.blocks[0]), "llm_adapter.blocks": linears(dit.llm_adapter.blocks[0]),
+            "": linears(dit, skip=("blocks.", "llm_adapter.blocks.")), "layers": linears(qwen.layers[0])}
+
+
+def dotted(name: str, text_encoder: bool, tables: dict) -> str | None:
+    """``blocks_3_self_attn_q_proj`` -> ``blocks.3.self_attn.q_proj`` (None: not a module of Anima's
+    DiT, or with ``text_encoder`` of its Qwen3)."""
+    stacks = ("layers",) if text_encoder else ("llm_adapter.blocks", "blocks")
+    for stack in stacks:
+        m = re.fullmatch(re.escape(stack.replace(".", "_")) + r"_(\d+)_(.+)", name)
+        if m and m.group(2) in tables[stack]:
+            return f"{stack}.{m.group(1)}.{tables[stack][m.group(2)]}"
+    return None if text_encoder else tables[""].get(name)
+
+
+def check_network_weights(path: str) -> None:
+    """Before any weight loads (the trainer calls it for network_weights): every module a
+    safetensors file names, read from its header, is one an Anima LoRA can have; a LoRA of another
+    family is one line naming its first foreign module."""
+    if not path.lower().endswith(".safetensors") or not os.path.isfile(path):
+        return  # read (and refused if foreign) when the network is built
+    _, header = safetensors_file.read_header(path)
+    tables = module_paths()
+    for name in sorted({k.split(".")[0] for k in header if k != "__metadata__"}):
+        if not name.startswith(PREFIX + "_") or dotted(name[len(PREFIX) + 1:], False, tables) is None:
+            raise LoRAError(f"network_weights {path}: {name} is no module of an Anima LoRA (a LoRA of another "
+                            "family?); it was not loaded")
 
 
 def file_metadata() -> dict[str, str]:

@@ -121,6 +121,7 @@ def test_comfy_layout_round_trip(m, tmp_path):
     net.apply_to(None, dit, apply_text_encoder=False)
     src = str(tmp_path / "k.safetensors")
     net.save_weights(src, None, {"ss_network_module": lora_anima.NETWORK_MODULE})
+    lora_anima.check_network_weights(src)  # every module (adapter, x_embedder, final_layer) is Anima's
     dst, back = str(tmp_path / "c.safetensors"), str(tmp_path / "b.safetensors")
     assert conv.main([src, dst]) == 0
     comfy = load_file(dst)
