@@ -5,6 +5,7 @@ velocity; the DiT takes sigma; the samples' shifted linear schedule), and the re
 weight loads; a sample image."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -94,10 +95,17 @@ def test_anima_flow_rules_against_float64():
     drawn = flow_matching.sample_timesteps(o, [torch.Generator().manual_seed(s) for s in (3, 4, 5)], (8, 8))
     base = 1 / (1 + torch.exp(-1.5 * n))
     assert torch.allclose(drawn.sigmas.double(), 3 * base / (1 + 2 * base), rtol=0, atol=1e-7)
-    # raw prediction: the velocity against noise - x0, no weight
+    # raw prediction: the velocity against noise - x0, weight 1 (weighting_scheme uniform)
     x0, noise, out = torch.randn(2, 16, 2, 2), torch.randn(2, 16, 2, 2), torch.randn(2, 16, 2, 2)
     pred, target, weight = flow_matching.prediction_and_target(o, out, None, x0, noise, torch.tensor([0.3, 0.6]))
-    assert torch.equal(pred, out) and torch.equal(target, noise - x0) and weight is None
+    assert torch.equal(pred, out) and torch.equal(target, noise - x0) and torch.equal(weight, torch.ones(2))
+    # weighting_scheme weights the raw loss (sd-scripts' compute_loss_weighting_for_anima): cosmap
+    o = flow_loss.flow_options(make_opts("train_lora", pretrained_model_name_or_path="tiny-anima",
+                                         weighting_scheme="cosmap"), "anima")
+    s = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    _, _, weight = flow_matching.prediction_and_target(o, out, None, x0, noise, s.float())
+    assert torch.allclose(weight.double(), 2 / (math.pi * (1 - 2 * s + 2 * s * s)), rtol=1e-6, atol=0)
+    assert ("weighting_scheme" not in dict(flow_matching.ignored_options(o)))
     # samples: linspace(1, 0, steps + 1) shifted by 3 (sd-scripts' do_sample), ends kept
     sig = flow_sampling.schedule("anima", 4, (8, 8))
     t = [1 - i / 4 for i in range(5)]
