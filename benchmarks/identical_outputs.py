@@ -15,6 +15,7 @@ bytes and equal metadata. The runs:
   sdxl_fused_finetune finetune, tiny-sdxl, fused_backward_pass
   flux_lora           train_lora, tiny-flux, networks.lora_flux
   sd3_finetune        finetune, tiny-sd3
+  anima_lora          train_lora, tiny-anima, networks.lora_anima
   sd1_dreambooth      train_dreambooth, tiny-sd15, its text encoder too
   ti                  train_textual_inversion, tiny-sd15, 2 vectors
   leco                train_leco, tiny-sd15, the shipped configs/leco/prompts.toml (erase, slider)
@@ -59,6 +60,8 @@ def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[
         "flux_lora": ("train_lora.py", [*model("tiny-flux"), *folder, *lora, "--network_module",
                                         "networks.lora_flux"]),
         "sd3_finetune": ("finetune.py", [*model("tiny-sd3"), *folder, *full]),
+        "anima_lora": ("train_lora.py", [*model("tiny-anima"), *folder, *lora, "--network_module",
+                                         "networks.lora_anima"]),
         "sd1_dreambooth": ("train_dreambooth.py", [*model("tiny-sd15"), *folder, *full, "--train_text_encoder"]),
         "ti": ("train_textual_inversion.py", [*model("tiny-sd15"), *folder, "--token_string", "mytok",
                                               "--init_word", "shape", "--caption_prefix", "mytok",

@@ -176,6 +176,19 @@ OPTIONS: tuple[Option, ...] = (
       "transformer (sd-scripts' --ae).", "model", scripts=NOT_TI),
     O("t5xxl_max_token_length", "int", None, "FLUX.1 / SD3: T5 prompt length in tokens; unset = "
       "sd-scripts' default (FLUX.1 dev 512, schnell 256; SD3 256).", "model", scripts=NOT_TI, min=1),
+    # Anima's sources and text options (sd-scripts' anima_train_utils; library/models/families/anima/)
+    O("qwen3", "path", None, "Anima: the Qwen3-0.6B text encoder, a Hugging Face folder or one "
+      ".safetensors file with its tokenizer files beside it (sd-scripts' --qwen3).", "model",
+      scripts=NOT_TI),
+    O("llm_adapter_path", "path", None, "Anima: the LLM adapter's weights in their own file; unset = "
+      "the adapter inside the DiT file (sd-scripts' --llm_adapter_path).", "model", scripts=NOT_TI),
+    O("t5_tokenizer_path", "path", None, "Anima: folder of the T5 tokenizer whose ids the LLM adapter "
+      "embeds; unset = T5 v1.1's from the local Hugging Face cache (sd-scripts' bundled t5_old).",
+      "model", scripts=NOT_TI),
+    O("qwen3_max_token_length", "int", None, "Anima: Qwen3 prompt length in tokens; unset = 512 "
+      "(sd-scripts' default).", "model", scripts=NOT_TI, min=1),
+    O("t5_max_token_length", "int", None, "Anima: T5 token ids the LLM adapter reads; unset = 512 "
+      "(sd-scripts' default).", "model", scripts=NOT_TI, min=1),
     O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
       "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
     O("apply_t5_attn_mask", "bool", False, "FLUX.1 / SD3: pass the T5 padding mask to T5 (FLUX.1: "
@@ -922,6 +935,10 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
        "is loaded and run as the other text encoders are"),
     _n("t5xxl_device", "value", _IGN, "marked [DOES NOT WORK] in sd-scripts, which ignores it; T5-XXL "
        "is placed as the other text encoders are"),
+    # sd-scripts' Anima scripts (anima_train_network.py, anima_train.py; docs/MODELS.md "Anima")
+    *(_n(k, "value", _REJ, "Anima's per-part learning rate of full fine-tuning (sd-scripts' anima_train.py), "
+         "which is not built here (train_lora trains an Anima LoRA at learning_rate / unet_lr)")
+      for k in ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")),
 )
 
 SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NAMES}
@@ -1062,8 +1079,9 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *(GuiKey(n, "l", "option") for n in "enable_scaled_pos_embed pos_emb_random_crop_rate".split()),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
     GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
-    *_gui_family("attn_mode split_attn qwen3 qwen3_max_token_length llm_adapter_path "
-                 "t5_tokenizer_path t5_max_token_length vae_disable_cache "
+    *(GuiKey(n, "lf", "option") for n in  # Anima: library/models/families/anima/
+      "qwen3 qwen3_max_token_length llm_adapter_path t5_tokenizer_path t5_max_token_length".split()),
+    *_gui_family("attn_mode split_attn vae_disable_cache "
                  "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
                  "lf", "Anima"),

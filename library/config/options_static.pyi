@@ -30,6 +30,11 @@ class Options:
     t5xxl: str | None = ...  # default None
     ae: str | None = ...  # default None
     t5xxl_max_token_length: int | None = ...  # default None
+    qwen3: str | None = ...  # default None
+    llm_adapter_path: str | None = ...  # default None
+    t5_tokenizer_path: str | None = ...  # default None
+    qwen3_max_token_length: int | None = ...  # default None
+    t5_max_token_length: int | None = ...  # default None
     apply_lg_attn_mask: bool = ...  # default False
     apply_t5_attn_mask: bool = ...  # default False
     clip_l_dropout_rate: float = ...  # default 0.0

@@ -34,12 +34,15 @@ from library.models.family import FamilyModel, TextConditioning
 from library.models.family import family_model_for as sd_family_model_for
 from library.models import (flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, t5,
                             tiny_flux)
+from library.models.families.anima import family_model
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
 
 logger = logging.getLogger("sdtk")
 
+# the options only an Anima run reads (refused with another family: registry's unsupported tables)
+ANIMA_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
 # the options only a FLUX.1 (or SD3) run reads: refused with an SD model
 FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "model_prediction_type",
                 "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
@@ -47,7 +50,7 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
-                "use_t5xxl_cache_only", "num_last_block_to_freeze")
+                "use_t5xxl_cache_only", "num_last_block_to_freeze", *ANIMA_OPTIONS)
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -78,6 +81,11 @@ def family_before_loading(name_or_path: str | None) -> str | None:
     if not name_or_path:
         return None
     path = os.path.expanduser(str(name_or_path))
+    try:
+        if family_model.is_source(name_or_path):
+            return "anima"
+    except UserError:  # an unreadable file: the SD loader names the problem
+        return None
     if not os.path.exists(path) and name_or_path in tiny_flux.TINY_FLUX_NAMES:
         return "flux"
     if os.path.exists(path) and flux_loading.is_flux_source(path):
@@ -101,6 +109,8 @@ def load_from_options(opts: Options) -> loading.ModelBundle:
     fam = family_before_loading(src)
     if fam == "sd3":
         return _load_sd3(opts)
+    if fam == "anima":
+        return _load_anima(opts)
     if fam != "flux":
         return loading.load_from_options(opts)
     m = flux_loading.load_flux(required(src, "pretrained_model_name_or_path"), clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
@@ -145,6 +155,19 @@ def _load_sd3(opts: Options) -> loading.ModelBundle:
                                tokenizers=tokenizers, noise_scheduler=None,
                                v_parameterization=False, source=str(src), identity=ident,
                                vae_identity=ae_ident, flow=m)
+
+
+def _load_anima(opts) -> loading.ModelBundle:
+    if opts.script != "train_lora":
+        raise FlowFamilyError(f"{opts.pretrained_model_name_or_path} is an Anima model: train_lora trains it; "
+                              f"{opts.script} (sd-scripts' anima_train.py) does not train Anima here yet")
+    m = family_model.load_anima(opts.pretrained_model_name_or_path, qwen3=opts.qwen3, vae=opts.vae,
+                                llm_adapter_path=opts.llm_adapter_path, t5_tokenizer_path=opts.t5_tokenizer_path)
+    return loading.ModelBundle(family="anima", unet=m.dit, vae=family_model.LatentVAE(m.vae),
+                               text_encoders=[m.qwen3], tokenizers=[m.qwen3_tokenizer, m.t5_tokenizer],
+                               noise_scheduler=None, v_parameterization=False,
+                               source=str(opts.pretrained_model_name_or_path), identity=m.identity,
+                               vae_identity=m.vae_identity, flow=m)
 
 
 @dataclass
@@ -338,6 +361,10 @@ def family_model_for(bundle, opts: Options, *, rewrite=None) -> FamilyModel:
                               dropout_rates=(opts.clip_l_dropout_rate, opts.clip_g_dropout_rate,
                                              opts.t5_dropout_rate),
                               pos_emb_random_crop_rate=opts.pos_emb_random_crop_rate, rewrite=rewrite)
+    if bundle.family == "anima":
+        return family_model.AnimaFamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
+                                             qwen3_max_length=opts.qwen3_max_token_length,
+                                             t5_max_length=opts.t5_max_token_length, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)

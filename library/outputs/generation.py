@@ -32,7 +32,7 @@ from library.config import parse
 from library.errors import UserError, first_line
 from library.models import embeddings, flow_family, loading
 from library.models.families import registry
-from library.models.families.base import FIXED_SHIFT
+from library.models.families.base import SHIFTED_SCHEDULES
 from library.outputs import content_hash, gen_options, infotext
 from library.outputs.gen_options import GenError, Job
 from library.safetensors_file import read_header
@@ -163,7 +163,7 @@ class Generator:
         if args.clip_skip is not None:
             raise GenError(f"--clip_skip: an SD option; this model is {fam}")
         flow = registry.of(self.bundle).flow
-        if args.shift is not None and flow is not None and flow.sample_schedule != FIXED_SHIFT:
+        if args.shift is not None and flow is not None and flow.sample_schedule not in SHIFTED_SCHEDULES:
             raise GenError("--shift is SD3's; FLUX.1's schedule is shifted by the image's size")
         if args.guidance_scale is not None and self.defaults["guidance"] is None:
             raise GenError(f"--guidance_scale is FLUX.1 dev's guidance input; this {fam} model has none")

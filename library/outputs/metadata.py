@@ -81,7 +81,7 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
         md.update(flow_fields(family, variant, adapter))
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
-        md.update({f"ss_{name}": str(getattr(opts, name)) for name in flow.metadata_options})
+        md.update({f"ss_{name}": str(registry.flow_option(opts, family, name)) for name in flow.metadata_options})
     if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
         md["ss_fp8_base"] = str(opts.fp8_base)
         md["ss_fp8_base_unet"] = str(opts.fp8_base_unet)

@@ -65,7 +65,7 @@ from library.distributed.strategy import DEEPSPEED_DIR, SHARDED_DIR
 from library.errors import ResumeError, first_line
 from library.files import SaveError, atomic_dir, output_file, save_elsewhere
 from library.outputs import content_hash
-from library.training import nonfinite
+from library.training import flow_loss, nonfinite
 from library.training.ema import STATE_FILE
 from library.training.nonfinite import first_nonfinite
 from library.training.progress import Progress
@@ -337,7 +337,8 @@ def check_resume(opts: Options, method_name: str, plan, tset, log) -> tuple[str,
             f"resume: the state in {path} was written by {script.get(saved_method, saved_method)}"
             f".py ({saved_method}), this is {script.get(method_name, method_name)}.py; resume it "
             "with the script that wrote it")
-    check_resumable(info, path, opts, plan, tset)
+    # the options as the run resolves them (an unset network_module is the family's LoRA, as saved)
+    check_resumable(info, path, flow_loss.with_family_network(opts, method_name), plan, tset)
 
     # the content of the model files and images (after the data check has named any new path)
     content_hash.check(info.get("content"), opts, tset, path, log)

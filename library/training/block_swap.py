@@ -67,7 +67,8 @@ def check_options(opts: Options, processes: int) -> None:
     name = "blocks_to_swap" if n else ("cpu_offload_checkpointing" if opts.cpu_offload_checkpointing
                                        else "blockwise_fused_optimizers")
     if flow_family.family_before_loading(src) is None:
-        raise BlockSwapError(f"{name}: an option of {registry.titles(flow=True)} transformers; {src} is not one")
+        raise BlockSwapError(f"{name}: an option of {registry.titles(flow=True, option=name)} transformers; {src} is "
+                             "not one")
     if n and opts.cpu_offload_checkpointing:
         raise BlockSwapError("blocks_to_swap and cpu_offload_checkpointing cannot be combined "
                              "(as in sd-scripts)")

@@ -133,9 +133,12 @@ def flow_options(opts: Options, family: str):
     """The run's FlowOptions (library/training/flow_matching.py)."""
     # SD3 reads the timestep bounds (FLUX.1 ignores them)
     sd3 = flow_matching.flow_spec(family).training_draw == SHIFTED_BOUNDED
-    return flow_matching.FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
-                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
-                       model_prediction_type=opts.model_prediction_type,
+    def value(name):
+        return registry.flow_option(opts, family, name)
+
+    return flow_matching.FlowOptions(family=family, timestep_sampling=value("timestep_sampling"),
+                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=value("discrete_flow_shift"),
+                       model_prediction_type=value("model_prediction_type"),
                        weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
                        logit_std=opts.logit_std, mode_scale=opts.mode_scale,
                        training_shift=opts.training_shift,
@@ -187,7 +190,8 @@ def check_options(opts: Options, method_name: str) -> str | None:
     if fam is None:
         for name in flow_family.FLOW_OPTIONS:
             if name in opts.given and flow_family._is_set(opts, name):
-                raise flow_family.FlowFamilyError(f"{name}: an option of {registry.titles(flow=True)} models; {src} is not one")
+                raise flow_family.FlowFamilyError(f"{name}: an option of {registry.titles(flow=True, option=name)} "
+                                                  f"models; {src} is not one")
         if kind.trains_network:
             if opts.network_module in network_options.DIT_NETWORK_MODULES:
                 f, what, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
@@ -216,7 +220,7 @@ def check_options(opts: Options, method_name: str) -> str | None:
     if not opts.sdpa and not opts.xformers:  # (xformers turns sdpa off: warned above)
         logger.warning("option sdpa = false has no effect with the %s model (the transformer attends "
                        "with SDPA, as sd-scripts' FLUX.1 / SD3 models, which ignore it)", what)
-    if family.autoencoder_option == "vae":  # SD3's file, ae accepted too
+    if family.autoencoder_option == "vae" and "ae" not in family.unsupported:  # SD3's file, ae accepted too
         _check_sd3_ae(opts)
     if opts.loss_type in ("huber", "smooth_l1") and opts.huber_schedule not in flow_family.HUBER_SCHEDULES:
         raise flow_family.FlowFamilyError(
@@ -274,6 +278,9 @@ def _check_network(opts: Options, fam: str, src: str) -> None:
                 "are CLIP's and mT5's layer classes), so T5 would not train; drop train_t5xxl")
         return
     args = network_options.DIT_NETWORK_MODULES[module][2].parse_network_args(dict(opts.network_args or {}))
+    check_weights = getattr(network_options.DIT_NETWORK_MODULES[module][2], "check_network_weights", None)
+    if check_weights is not None and opts.network_weights:  # the file's header, before any weight loads
+        check_weights(os.path.expanduser(opts.network_weights))
     if args.get("train_t5xxl"):
         if opts.network_train_unet_only:
             raise flow_family.FlowFamilyError("network_args: train_t5xxl trains a LoRA on T5, a text encoder; "

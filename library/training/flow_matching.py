@@ -156,7 +156,7 @@ def ignored_options(o: FlowOptions) -> list[tuple[str, str]]:
         if o.timestep_sampling not in ("shift", "sigma"):
             out.append(("discrete_flow_shift", f"timestep_sampling is {o.timestep_sampling}, not "
                                                "shift or sigma"))
-        if not density and o.model_prediction_type != "sigma_scaled":
+        if not density and o.model_prediction_type != "sigma_scaled" and not flow_spec(o.family).weights_raw_loss:
             out.append(("weighting_scheme", f"timestep_sampling is {o.timestep_sampling} and "
                                             f"model_prediction_type {o.model_prediction_type}"))
     if not (density and o.weighting_scheme == "logit_normal"):
@@ -310,7 +310,8 @@ def flow_target(latents, noise):
 def prediction_and_target(o: FlowOptions, model_output, noisy, latents, noise, sigmas):
     """(prediction, target, (B,) weight or None) that the loss compares, by family and
     model_prediction_type:
-      FLUX raw          output,                   noise - x0, no weight
+      FLUX raw          output,                   noise - x0, no weight (Anima: loss_weighting,
+                                                              FlowSpec.weights_raw_loss)
       FLUX additive     output + x_t,             noise - x0, no weight (sd-scripts' formula)
       FLUX sigma_scaled x_t - sigma * output,     x0,         loss_weighting(weighting_scheme)
       SD3               x_t - sigma * output,     x0,         loss_weighting(weighting_scheme)
@@ -322,7 +323,8 @@ def prediction_and_target(o: FlowOptions, model_output, noisy, latents, noise, s
         return model_output * (-s) + noisy, latents, loss_weighting(o.weighting_scheme, sigmas)
     if o.model_prediction_type == "additive":
         return model_output + noisy, flow_target(latents, noise), None
-    return model_output, flow_target(latents, noise), None
+    weight = loss_weighting(o.weighting_scheme, sigmas) if flow_spec(o.family).weights_raw_loss else None
+    return model_output, flow_target(latents, noise), weight
 
 
 # -- sampling -------------------------------------------------------------------------------------
@@ -345,6 +347,12 @@ def sd3_schedule(num_steps: int, shift: float = SD3_SAMPLE_SHIFT) -> list[float]
     lowest = shift_sigmas(1 / NUM_TRAIN_TIMESTEPS, shift)
     t = torch.linspace(1, lowest, num_steps, dtype=torch.float64)
     return shift_sigmas(t, shift).tolist() + [0.0]
+
+
+def linear_shift_schedule(num_steps: int, shift: float) -> list[float]:
+    """num_steps + 1 noise levels: linspace(1, 0), each shifted (sd-scripts' anima_train_utils
+    do_sample: the ends stay 1 and 0)."""
+    return shift_sigmas(torch.linspace(1, 0, num_steps + 1, dtype=torch.float64), shift).tolist()
 
 
 def euler_sample(model_fn, x, sigmas, *, family: str, guidance: float | None = None,

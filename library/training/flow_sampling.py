@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 
 from library.models import flux
-from library.models.families.base import FIXED_SHIFT, SEQUENCE_SHIFT
+from library.models.families.base import FIXED_SHIFT, LINEAR_SHIFT, SEQUENCE_SHIFT
 from library.training import flow_matching
 
 MIN_SIZE = 64  # sd-scripts: max(64, size - size % multiple)
@@ -73,16 +73,18 @@ def initial_noise(family: str, height: int, width: int, seed: int, packed_draw: 
 
 def schedule(family: str, steps: int, latent_hw: tuple[int, int], shift: float | None = None) -> list[float]:
     """The steps + 1 noise levels from 1 to 0: FLUX's shifted by the packed sequence length of
-    this image (dev and schnell alike, as sd-scripts), SD3's with ``shift`` (default: the
-    family's sample_shift, 3.0)."""
+    this image (dev and schnell alike, as sd-scripts), SD3's and Anima's with ``shift`` (default:
+    the family's sample_shift, 3.0)."""
     spec = flow_matching.flow_spec(family)
     if spec.sample_schedule == SEQUENCE_SHIFT:
         return flow_matching.flux_schedule(steps, flow_matching.flux_image_seq_len(*latent_hw))
-    if spec.sample_schedule == FIXED_SHIFT:
+    if spec.sample_schedule in (FIXED_SHIFT, LINEAR_SHIFT):
         shift = spec.sample_shift if shift is None else shift
         if shift is None:
-            raise ValueError(f"{family}: a fixed-shift sample schedule without sample_shift")
-        return flow_matching.sd3_schedule(steps, shift)
+            raise ValueError(f"{family}: a shifted sample schedule without sample_shift")
+        if spec.sample_schedule == FIXED_SHIFT:
+            return flow_matching.sd3_schedule(steps, shift)
+        return flow_matching.linear_shift_schedule(steps, shift)
     raise ValueError(f"{family}: unknown sample_schedule {spec.sample_schedule!r}")
 
 

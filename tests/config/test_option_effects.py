@@ -223,6 +223,11 @@ REFERENCE = {
     "apply_t5_attn_mask": T + "training/test_flux_train.py::test_flux_text_and_guidance_options_change_the_prediction",
     "clip_l": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "t5xxl": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
+    "qwen3": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "llm_adapter_path": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "t5_tokenizer_path": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "qwen3_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "t5_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
     "ae": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
     "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",

@@ -87,8 +87,8 @@ def problems(fam: base.Family) -> list[str]:
     if flow is not None:
         if flow.training_draw not in base.TRAINING_DRAWS or flow.sample_schedule not in base.SAMPLE_SCHEDULES:
             out.append(f"{fam.name}: unknown training_draw / sample_schedule")
-        if (flow.sample_shift is None) != (flow.sample_schedule != base.FIXED_SHIFT):
-            out.append(f"{fam.name}: sample_shift goes with the fixed-shift schedule")
+        if (flow.sample_shift is None) == (flow.sample_schedule in base.SHIFTED_SCHEDULES):
+            out.append(f"{fam.name}: sample_shift goes with the shifted schedules")
         if flow.t5_component not in fam.text_encoder_components:
             out.append(f"{fam.name}: t5_component {flow.t5_component} is not one of its text encoders")
         if not set(flow.metadata_options) <= set(OPTIONS_BY_NAME):

@@ -23,9 +23,12 @@ TRAINING_DRAWS = (TIMESTEP_SAMPLING, SHIFTED_BOUNDED)
 # FlowSpec.sample_schedule: the sample images' noise levels (library/training/flow_matching.py)
 #   SEQUENCE_SHIFT  FLUX.1's: time_shift by the packed image sequence length (flux_schedule)
 #   FIXED_SHIFT     SD3's: a fixed shift (sample_shift) of the 1000-step table (sd3_schedule)
+#   LINEAR_SHIFT    Anima's: linspace(1, 0) shifted by sample_shift (linear_shift_schedule)
 SEQUENCE_SHIFT = "sequence_shift"
 FIXED_SHIFT = "fixed_shift"
-SAMPLE_SCHEDULES = (SEQUENCE_SHIFT, FIXED_SHIFT)
+LINEAR_SHIFT = "linear_shift"
+SAMPLE_SCHEDULES = (SEQUENCE_SHIFT, FIXED_SHIFT, LINEAR_SHIFT)
+SHIFTED_SCHEDULES = (FIXED_SHIFT, LINEAR_SHIFT)  # the schedules that read sample_shift
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class FlowSpec:
     training_draw: str          # one of TRAINING_DRAWS
     input_perturbation: bool    # ip_noise_gamma perturbs the noisy input (sd-scripts: FLUX.1 only)
     sample_schedule: str        # one of SAMPLE_SCHEDULES
-    sample_shift: float | None  # FIXED_SHIFT's shift (None otherwise)
+    sample_shift: float | None  # FIXED_SHIFT's / LINEAR_SHIFT's shift (None otherwise)
     sample_steps: int           # a sample prompt's defaults (sd-scripts' prompt-line defaults)
     sample_scale: float
     sample_guidance: float | None  # the distilled guidance input's default (None: the model has none)
@@ -44,6 +47,11 @@ class FlowSpec:
     packed_noise: bool          # sample noise drawn in the 2x2-packed layout (sd-scripts' FLUX.1)
     t5_component: str           # the T5-XXL's component name (memory estimate, partial cache)
     metadata_options: tuple[str, ...]  # recorded as ss_<option> (sd-scripts' update_metadata)
+    weights_raw_loss: bool      # weighting_scheme also weights the raw velocity loss (sd-scripts'
+                                # Anima trainer); FLUX.1's weights only the sigma-scaled prediction
+    option_defaults: tuple[tuple[str, object], ...]  # flow options whose default differs for this
+                                # family ((name, value); sd-scripts' per-script defaults): an unset
+                                # option (or one the family refuses) takes this value
 
 
 @dataclass(frozen=True)

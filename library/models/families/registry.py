@@ -5,15 +5,17 @@
     registry.of(bundle)           the Family of a loaded model bundle
     registry.FAMILIES             name -> Family, in the order messages list them
     registry.FLOW_FAMILIES        the names of the rectified-flow families
-    registry.titles()             "SD1, SD2, SDXL, FLUX.1 and SD3" for messages
+    registry.titles()             "SD1, SD2, SDXL, FLUX.1, SD3 and Anima" for messages
+    registry.flow_option(opts, family, name)   a flow option with the family's own default
 """
 from __future__ import annotations
 
-from library.models.families import flux, sd1, sd2, sd3, sdxl
+from library.models.families import anima, flux, sd1, sd2, sd3, sdxl
 from library.models.families.base import Family
 
 # one registration per family: its folder's FAMILY
-FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY,
+                                                       anima.FAMILY)}
 FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
 
 
@@ -33,10 +35,23 @@ def is_flow(name: str | None) -> bool:
     return name is not None and get(name).flow is not None
 
 
-def titles(flow: bool | None = None) -> str:
-    """The families' titles joined for a message ("SD1, SD2, SDXL, FLUX.1 and SD3"); ``flow``:
-    only the flow families (True) or only the others (False)."""
-    names = [f.title for f in FAMILIES.values() if flow is None or (f.flow is not None) == flow]
+def flow_option(opts, name: str, option: str):
+    """A flow option's value for family ``name``: the family's own default (FlowSpec.option_defaults,
+    sd-scripts' per-script defaults) where the run leaves it unset or the family refuses it, else
+    the run's value."""
+    fam = get(name)
+    own = dict(fam.flow.option_defaults) if fam.flow is not None else {}
+    if option in own and (option not in opts.given or option in fam.unsupported):
+        return own[option]
+    return getattr(opts, option)
+
+
+def titles(flow: bool | None = None, option: str | None = None) -> str:
+    """The families' titles joined for a message ("SD1, SD2, SDXL, FLUX.1, SD3 and Anima"); ``flow``:
+    only the flow families (True) or only the others (False); ``option``: only the families that
+    do not refuse that option (their ``unsupported`` table)."""
+    names = [f.title for f in FAMILIES.values() if (flow is None or (f.flow is not None) == flow)
+             and (option is None or option not in f.unsupported)]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 

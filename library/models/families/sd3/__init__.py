@@ -10,6 +10,8 @@ from library.models.families.base import FIXED_SHIFT, SHIFTED_BOUNDED, Family, F
 _OLD_SWAP = "sd-scripts' deprecated FLUX.1 block-swap name; give blocks_to_swap"
 _NO_PERTURBATION = ("sd-scripts' SD3 trainers add no input perturbation (sd3_train_utils draws the noisy input "
                     "from the plain noise)")
+_ANIMA = "an Anima option (sd-scripts' anima scripts)"
+_ANIMA_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
 
 FLOW = FlowSpec(
     timestep_scale=1000.0,  # the MMDiT takes 1000 sigma
@@ -19,6 +21,7 @@ FLOW = FlowSpec(
     size_multiple=8, packed_noise=False, t5_component="text_encoder_3",
     metadata_options=("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale"),
+    weights_raw_loss=False, option_defaults=(),
 )
 
 FAMILY = Family(
@@ -32,7 +35,8 @@ FAMILY = Family(
     lora_module="networks.lora_sd3", network_modules=("networks.lora_sd3",),
     gui_boxes=("sd3_checkbox",), gui_rank=1, gui_script="sd3_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     unsupported={"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
-                 **{name: _OLD_SWAP for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
+                 **{name: _OLD_SWAP for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")},
+                 **{name: _ANIMA for name in _ANIMA_OPTIONS}},
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
     native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large", "sd3-arch", "sd3.5-medium-arch",
                  "sd3.5-large-arch"),
