@@ -13,8 +13,7 @@ from collections import Counter
 
 from library.errors import UserError
 from library.models.families import registry
-from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
-                                      modelspec_architecture)
+from library.models.modelspec import BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, modelspec_architecture
 
 
 def tag_frequency(items) -> dict:
@@ -33,8 +32,16 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
                    network_info: dict | None = None, variant: str | None = None) -> dict:
     """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields)."""
+    a flow family's model's (its home's ``metadata_fields``)."""
     w, h = opts.resolution
+    fam = registry.get(family)
+    if fam.home is None:  # the SD families' strings (library/models/modelspec.py)
+        names = {"ss_base_model_version": BASE_MODEL_VERSION[family],
+                 "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
+                 "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
+                 "modelspec.prediction_type": "v" if v_parameterization else "epsilon"}
+    else:  # a flow family's, from its home (sd-scripts' values; FLUX.1 writes no prediction_type)
+        names = registry.home(family).metadata_fields(variant, adapter)
     md = {
         "ss_training_started_at": str(started_at),
         "ss_output_name": opts.output_name,
@@ -58,19 +65,19 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
         "ss_max_token_length": str(opts.max_token_length),
         "ss_resolution": str((w, h)),
         "ss_v2": str(registry.get(family).v2_metadata),
-        "ss_base_model_version": BASE_MODEL_VERSION[family],
+        "ss_base_model_version": names["ss_base_model_version"],
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
         "ss_tag_frequency": json.dumps(tag_frequency(train_items)),
         "ss_caption_extension": str(opts.caption_extension),
         "ss_enable_bucket": str(opts.enable_bucket),
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
+        "modelspec.architecture": names["modelspec.architecture"],
+        "modelspec.implementation": names["modelspec.implementation"],
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": f"{w}x{h}",
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
-        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
+        "modelspec.prediction_type": names.get("modelspec.prediction_type"),
     }
     # sd-scripts records the noise and loss settings under these names.
     for key, name in (("ss_noise_offset", "noise_offset"),
@@ -86,10 +93,11 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name))
-    flow = registry.get(family).flow
+    if md["modelspec.prediction_type"] is None:
+        del md["modelspec.prediction_type"]
+    md.update({k: v for k, v in names.items() if k not in md})  # a family's own keys (Chroma's ss_model_type)
+    flow = fam.flow
     if flow is not None:
-        del md["modelspec.prediction_type"]  # FLUX.1 writes none; SD3's comes with flow_fields
-        md.update(flow_fields(family, variant, adapter))
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
         md.update({f"ss_{name}": str(getattr(opts, name)) for name in flow.metadata_options})

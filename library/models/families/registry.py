@@ -6,8 +6,11 @@
     registry.FAMILIES             name -> Family, in the order messages list them
     registry.FLOW_FAMILIES        the names of the rectified-flow families
     registry.titles()             "SD1, SD2, SDXL, FLUX.1 and SD3" for messages
+    registry.home(name)           the family's hooks module (base.HOOKS), imported on first use
 """
 from __future__ import annotations
+
+import importlib
 
 from library.models.families import flux, sd1, sd2, sd3, sdxl
 from library.models.families.base import Family
@@ -21,6 +24,15 @@ def get(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; registered: {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def home(name: str):
+    """The module of a family's hooks (``Family.home``; base.HOOKS), imported on first use: it
+    loads torch and the model code, which the light paths (--help, option checks) never need."""
+    fam = get(name)
+    if fam.home is None:
+        raise ValueError(f"{fam.title} has no hooks module: it loads through library/models/loading.py")
+    return importlib.import_module(fam.home)
 
 
 def of(bundle) -> Family:
@@ -42,7 +54,9 @@ def titles(flow: bool | None = None) -> str:
 
 def for_gui(fields: dict) -> Family | None:
     """The family whose kohya_ss GUI box is ticked in the GUI's saved ``fields`` (several: the
-    lowest ``gui_rank``, as the GUI's train_model picks the script); None: the GUI's SD model type
-    (SD1 / SD2, told apart by the model itself)."""
+    one the GUI's model_type field names, else the lowest ``gui_rank``, as the GUI's train_model
+    picks the script); None: the GUI's SD model type (SD1 / SD2, told apart by the model itself)."""
     ticked = [f for f in FAMILIES.values() if any(fields.get(k) for k in f.gui_boxes)]
-    return min(ticked, key=lambda f: f.gui_rank, default=None)
+    # families sharing a box (FLUX.1 and its derivatives) are told apart by the GUI's model_type
+    typed = [f for f in ticked if f.model_type and f.model_type == fields.get("model_type")]
+    return min(typed or ticked, key=lambda f: f.gui_rank, default=None)

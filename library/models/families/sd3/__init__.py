@@ -30,10 +30,10 @@ FAMILY = Family(
     full_trains_text_encoders=True, separate_t5_rate=True, saves_text_encoders=True,
     autoencoder_option="vae", single_file_parts=(), linear_projections=False,
     lora_module="networks.lora_sd3", network_modules=("networks.lora_sd3",),
-    gui_boxes=("sd3_checkbox",), gui_rank=1, gui_script="sd3_train.py", gui_te_rates=(), gui_db_text_encoder=False,
+    model_type=None, gui_boxes=("sd3_checkbox",), gui_rank=1, gui_script="sd3_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     unsupported={"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
                  **{name: _OLD_SWAP for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")}},
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
-    native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large", "sd3-arch", "sd3.5-medium-arch",
-                 "sd3.5-large-arch"),
+    native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large"), arch_models=("sd3-arch", "sd3.5-medium-arch", "sd3.5-large-arch"),
+    home="library.models.families.sd3.home",
 )
