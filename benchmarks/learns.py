@@ -71,14 +71,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from diffusers import UNet2DConditionModel  # noqa: E402
 from PIL import Image  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from library.config import parse  # noqa: E402
 from library.data import images  # noqa: E402
 from library.data import latent_cache  # noqa: E402
 from library.models import family  # noqa: E402
 from library.models import flow_family  # noqa: E402
-from library.models import flux_checkpoint  # noqa: E402
 from library.models import loading  # noqa: E402
+from library.models.families import registry  # noqa: E402
 from library.models import sd3_checkpoint  # noqa: E402
 from library.models import sd_checkpoint  # noqa: E402
 from library.models import tiny_models  # noqa: E402
@@ -126,6 +127,7 @@ FAMILIES = {
     # rectified flow: sampled with their own Euler sampler (FLUX.1 dev: 20 steps, guidance
     # input 3.5; SD3: 30 steps, shift 3), no CFG
     "flux": Family("tiny-flux"),
+    "chroma": Family("tiny-chroma"),  # FLUX.1's sampler without a guidance input; --l 1: no CFG
     "sd3": Family("tiny-sd3", steps=1000),  # 400: ratio 0.53, every sample its own caption's
 }
 
@@ -133,7 +135,7 @@ FAMILIES = {
 # --- the model -------------------------------------------------------------------------------
 
 def flow_of(model: str) -> str | None:
-    """"flux" / "sd3" for a FLUX.1 / SD3 model, None for SD."""
+    """The flow family of a model ("flux", "sd3", "chroma"), None for SD."""
     return flow_family.family_before_loading(model)
 
 
@@ -146,9 +148,8 @@ def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
     if flow == "sd3":  # the saved file is a whole SD3 model (MMDiT, CLIPs, VAE)
         return flow_family.load_from_options(flow_options(weights or fam.model))
     bundle = flow_family.load_from_options(flow_options(fam.model, ae=vae))
-    if weights:  # FLUX.1 saves the transformer alone (BFL layout)
-        trained, _ = flux_checkpoint.load_transformer(weights)
-        bundle.unet.load_state_dict(trained.state_dict())
+    if weights:  # FLUX.1 and Chroma save the transformer alone, in its original layout: the module's names
+        bundle.unet.load_state_dict(load_file(weights))
     return bundle
 
 
@@ -188,7 +189,7 @@ def model_args(fam: Family, vae: str | None) -> tuple[str, ...]:
     flow = flow_of(fam.model)
     if flow == "sd3" or vae is None:
         return ()
-    return ("--ae" if flow == "flux" else "--vae", vae)
+    return ("--" + (registry.get(flow).autoencoder_option if flow else "vae"), vae)
 
 
 # --- the metric ------------------------------------------------------------------------------

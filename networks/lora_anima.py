@@ -32,6 +32,7 @@ from networks.lora import LoRAError, load_state_dict_file
 from networks.lora_dit import Target
 
 NETWORK_MODULE = "networks.lora_anima"
+KIND = "LoRA"  # what library/training/network_options.py calls it in messages
 TRAINS_TEXT_ENCODERS = False  # Qwen3 stays frozen (sd-scripts' AnimaNetworkTrainer.is_train_text_encoder)
 PREFIX = "lora_unet"
 TARGET_CLASSES = ("Block", "PatchEmbed", "TimestepEmbedding", "FinalLayer")

@@ -25,6 +25,7 @@ from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dic
 from networks.lora_dit import Target
 
 NETWORK_MODULE = "networks.lora_flux"
+KIND = "LoRA"  # what library/training/network_options.py calls it in messages
 PREFIX_CLIP_L, PREFIX_T5 = "lora_te1", "lora_te3"  # sd-scripts (lora_te3 for T5: ComfyUI maps it)
 IN_LAYERS = ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")  # in_dims order
 TYPE_DIM_ARGS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",

@@ -23,6 +23,7 @@ from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dic
 from networks.lora_dit import Target
 
 NETWORK_MODULE = "networks.lora_sd3"
+KIND = "LoRA"  # what library/training/network_options.py calls it in messages
 PREFIXES = ("lora_te1", "lora_te2", "lora_te3")  # CLIP-L, CLIP-G, T5-XXL
 EMB_LAYERS = ("context_embedder", "t_embedder", "x_embedder", "y_embedder", "final_layer.adaLN_modulation",
               "final_layer.linear")  # emb_dims order

@@ -40,6 +40,7 @@ logger = logging.getLogger("sdtk")
 TRAINS_TEXT_ENCODERS = False
 
 NETWORK_MODULE = "networks.oft_flux"
+KIND = "OFT"  # what library/training/network_options.py calls it in messages
 PREFIX = "oft_unet"
 ATTN_ONLY = ("SelfAttention",)
 ALL_LINEAR = ("DoubleStreamBlock", "SingleStreamBlock")

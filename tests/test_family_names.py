@@ -28,7 +28,6 @@ FAMILY_NAMES = frozenset(registry.FAMILIES)
 METHOD_NAMES = frozenset(method_kinds.KINDS)  # lora, dreambooth, finetune, textual_inversion, leco
 # one family's code not yet moved into its folder (path -> the family folder it belongs in)
 NOT_YET_HOME = {
-    "library/models/flow_family.py": "flux / sd3 (loaders, family models, saves)",
     "library/models/loading.py": "sd1 / sd2 / sdxl (the diffusers and single-file loader)",
     "library/models/sd_checkpoint.py": "sd1 / sd2 / sdxl (single-file layouts)",
     "library/models/modelspec.py": "every family's metadata strings",

@@ -134,10 +134,9 @@ OPTIONS: tuple[Option, ...] = (
       "(sd-scripts opens a window instead).", "config"),
     # --- model ---
     O("pretrained_model_name_or_path", "str", None, "Base model: a diffusers folder, a single-file "
-      ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model: tiny-sd15, tiny-sd2, "
-      "tiny-sdxl, sd15-arch, sdxl-arch, tiny-flux, tiny-flux-schnell (FLUX.1: train_dreambooth / "
-      "finetune). A FLUX.1 transformer file (BFL layout) or diffusers FLUX folder is detected from "
-      "its keys. Required.", "model"),
+      ".safetensors/.ckpt checkpoint, a hub id (online only) or a built-in model (each family's tiny "
+      "models, e.g. tiny-sd15, tiny-sdxl, tiny-flux; docs/MODELS.md lists them). The family comes "
+      "from the weights (a transformer file or diffusers folder is told from its keys). Required.", "model"),
     O("v2", "bool", False, "The base model is Stable Diffusion 2.x (normally detected from the weights).",
       "model"),
     O("v_parameterization", "bool", False, "Train with the v-prediction target (SD 2.x 768-v models; "
@@ -214,6 +213,10 @@ OPTIONS: tuple[Option, ...] = (
       "patches whose centre s / 2 patches span the positions of 16 patches; a latent takes the "
       "table of its area (the midpoints between the sizes' areas divide them), also in samples "
       "and validation.", "model", scripts=NOT_TI),
+    O("model_type", "str", None, "sd-scripts' flux_train_network.py --model_type (\"flux\", "
+      "\"chroma\"; the kohya_ss GUI's FLUX.1 model type): the family the weights must be. The family "
+      "comes from the weights; a given model_type that differs stops before any weight loads. Unset: "
+      "any family (each family's model_type: docs/MODELS.md).", "model", scripts=NOT_TI),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -344,9 +347,9 @@ OPTIONS: tuple[Option, ...] = (
     O("network_module", "str", "networks.lora", "Python module with the kohya network interface "
       "(create_network, create_network_from_weights): networks.lora, sd-scripts' networks.loha, "
       "networks.lokr, networks.dylora, networks.lora_fa, networks.oft, networks.oft_v2, networks.boft, or "
-      "lycoris.kohya; FLUX.1: "
-      "networks.lora_flux, networks.oft_flux or lycoris.kohya; SD3: networks.lora_sd3 or lycoris.kohya. "
-      "Unset: the model family's LoRA (networks.lora; FLUX.1 networks.lora_flux, SD3 networks.lora_sd3).", "network",
+      "lycoris.kohya; a transformer family's own modules (FLUX.1: networks.lora_flux, networks.oft_flux; "
+      "SD3: networks.lora_sd3; docs/MODELS.md names each family's) or lycoris.kohya. "
+      "Unset: the model family's LoRA (networks.lora for SD; each family's own).", "network",
       scripts=LORA),
     O("network_dim", "int", 4, "LoRA rank. Unset: the network module's default (networks.lora 4; "
       "networks.oft_v2 block size 32).", "network", scripts=LORA, min=1),
@@ -922,8 +925,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
     _n("fp16_master_weights_and_gradients", "flag", _REJ, "changes the computation"),
     # sd-scripts' FLUX.1 / SD3 scripts (flux_train_network.py, flux_train.py, sd3_train_network.py,
     # sd3_train.py; the audit: tests/config/sd_scripts_flow_options.json)
-    _n("model_type", "value", _REJ, "only \"flux\": Chroma (sd-scripts' model_type = \"chroma\") is "
-       "another transformer, not built here", off=(None, "", "flux")),
     _n("controlnet_model_name_or_path", "value", _IGN, "read only by sd-scripts' separate "
        "flux_train_control_net.py; flux_train.py and flux_train_network.py ignore it too"),
     _n("skip_latents_validity_check", "flag", _IGN, "sd-scripts' deprecated name of skip_cache_check: "
@@ -1072,7 +1073,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
         "discrete_flow_shift model_prediction_type timestep_sampling clip_g logit_mean logit_std "
         "mode_scale weighting_scheme").split()),
     *(GuiKey(n, "ldf", "option") for n in "split_mode single_blocks_to_swap double_blocks_to_swap".split()),
-    *(GuiKey(n, "ldf", "sd") for n in "model_type save_clip save_t5xxl t5xxl_dtype t5xxl_device".split()),
+    GuiKey("model_type", "ldf", "option"),  # written for Chroma only (library/ui/gui_import.py)
+    *(GuiKey(n, "ldf", "sd") for n in "save_clip save_t5xxl t5xxl_dtype t5xxl_device".split()),
     *_gui_family("train_blocks", "df", "FLUX.1", trained=True),
     GuiKey("text_encoder_batch_size", "ldf", "option"),
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),

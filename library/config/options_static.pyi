@@ -42,6 +42,7 @@ class Options:
     t5_dropout_rate: float = ...  # default 0.0
     pos_emb_random_crop_rate: float = ...  # default 0.0
     enable_scaled_pos_embed: bool = ...  # default False
+    model_type: str | None = ...  # default None
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False

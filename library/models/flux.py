@@ -269,8 +269,15 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img: Tensor, txt: Tensor, vec: Tensor, pe: tuple[Tensor, Tensor],
                 attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
+        return self.modulated(img, txt, self.img_mod(vec), self.txt_mod(vec), pe, attn_mask)
+
+    def modulated(self, img: Tensor, txt: Tensor, img_mod: list[Tensor], txt_mod: list[Tensor],
+                  pe: tuple[Tensor, Tensor], attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The block given its modulations (shift, scale, gate of the attention, then of the MLP,
+        each (B, 1, hidden), per stream): FLUX.1's from ``img_mod`` / ``txt_mod``, Chroma's from
+        its approximator."""
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = img_mod
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = txt_mod
         img_q, img_k, img_v = self._qkv(img, self.img_norm1, i_shift1, i_scale1, self.img_attn)
         txt_q, txt_k, txt_v = self._qkv(txt, self.txt_norm1, t_shift1, t_scale1, self.txt_attn)
         attn = attention(torch.cat((txt_q, img_q), dim=2), torch.cat((txt_k, img_k), dim=2),
@@ -301,7 +308,12 @@ class SingleStreamBlock(nn.Module):
         self.modulation = Modulation(hidden_size, double=False)
 
     def forward(self, x: Tensor, vec: Tensor, pe: tuple[Tensor, Tensor], attn_mask: Tensor | None = None) -> Tensor:
-        shift, scale, gate = self.modulation(vec)
+        return self.modulated(x, self.modulation(vec), pe, attn_mask)
+
+    def modulated(self, x: Tensor, mod: list[Tensor], pe: tuple[Tensor, Tensor],
+                  attn_mask: Tensor | None = None) -> Tensor:
+        """The block given its modulation (shift, scale, gate, each (B, 1, hidden))."""
+        shift, scale, gate = mod
         qkv, mlp = torch.split(self.linear1((1 + scale) * self.pre_norm(x) + shift),
                                [3 * self.hidden_size, self.mlp_hidden_dim], dim=-1)
         q, k, v = _split_heads(qkv, self.num_heads)
@@ -319,7 +331,11 @@ class LastLayer(nn.Module):
 
     def forward(self, x: Tensor, vec: Tensor) -> Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)  # BFL order: shift first
-        return self.linear((1 + scale[:, None, :]) * self.norm_final(x) + shift[:, None, :])
+        return self.modulated(x, shift[:, None, :], scale[:, None, :])
+
+    def modulated(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """The output projection given its modulation (shift, scale, each (B, 1, hidden))."""
+        return self.linear((1 + scale) * self.norm_final(x) + shift)
 
 
 class Flux(nn.Module):

@@ -331,8 +331,9 @@ def _read_config(cfg_path: str) -> FluxConfig:
         raise ModelError(f"{cfg_path}: cannot read ({first_line(e, typed=True)})") from None
 
 
-def _read_diffusers_folder(folder: str, dtype: torch.dtype | None) -> TransformerWeights:
-    cfg = _read_config(os.path.join(folder, "config.json"))
+def read_diffusers_weights(folder: str, dtype: torch.dtype | None, what: str) -> dict:
+    """A diffusers model folder's tensors (one file, or the shards its index names), floating
+    ones in ``dtype``; ``what`` names the weights in messages."""
     index = os.path.join(folder, DIFFUSERS_INDEX)
     if os.path.isfile(index):
         try:
@@ -346,9 +347,14 @@ def _read_diffusers_folder(folder: str, dtype: torch.dtype | None) -> Transforme
     for name in files:
         p = os.path.join(folder, name)
         if not os.path.isfile(p):
-            raise ModelError(f"{folder}: no {name} (diffusers FLUX transformer weights)")
+            raise ModelError(f"{folder}: no {name} ({what})")
         sd.update(read_state_dict(p)[0])
-    sd = fp8_storage.load_dtype(sd, dtype, folder)
+    return fp8_storage.load_dtype(sd, dtype, folder)
+
+
+def _read_diffusers_folder(folder: str, dtype: torch.dtype | None) -> TransformerWeights:
+    cfg = _read_config(os.path.join(folder, "config.json"))
+    sd = read_diffusers_weights(folder, dtype, "diffusers FLUX transformer weights")
     return TransformerWeights(diffusers_to_bfl(sd, cfg), cfg, "diffusers", variant_of(sd.keys()))
 
 

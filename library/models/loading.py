@@ -26,6 +26,7 @@ from library import symlinks
 from library.config.parse import required
 from library.errors import ModelError, UserError, first_line
 from library.models import inpainting, sd_checkpoint, tiny_models
+from library.models.families import registry
 from library.models.sd_checkpoint import quiet_progress
 
 if TYPE_CHECKING:  # annotations only
@@ -41,13 +42,11 @@ TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
                  # inpainting models (9-channel U-Net input): library/models/inpainting.py
                  "tiny-sd15-inpaint": "sd15", "tiny-sd2-inpaint": "sd2", "tiny-sdxl-inpaint": "sdxl"}
 ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
-# FLUX.1's, SD3's and Anima's built-ins (library/models/tiny_flux.py, sd3_builtins.py), loaded by
-# library/models/flow_family.py
-FLOW_BUILTINS = {"tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-sd3": "sd3",
-                 "tiny-sd3.5-medium": "sd3", "tiny-sd3.5-large": "sd3",
-                 "tiny-anima": "anima"}  # library/models/families/anima/tiny.py
+# the flow families' tiny built-ins (each family's ``tiny_models``), loaded by their homes
+# (library/models/flow_family.py)
+FLOW_BUILTINS = {n: f.name for f in registry.FAMILIES.values() if f.home is not None for n in f.tiny_models}
 BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS, **FLOW_BUILTINS}
-FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", "flux": "flux", "sd3": "sd3", "anima": "anima"}
+FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", **{n: n for n in registry.FLOW_FAMILIES}}
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 ARCH_SEED = 20240602
@@ -443,7 +442,8 @@ def load_model_bundle(name_or_path: str, *, vae: str | None = None, v2: bool = F
 
 def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path, allow_pickle) -> ModelBundle:
     if src.location in FLOW_BUILTINS:
-        raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is a FLUX.1 / SD3 model; it loads "
+        raise ModelError(f"pretrained_model_name_or_path: {name_or_path} is a "
+                         f"{registry.get(FLOW_BUILTINS[src.location]).title} model; it loads "
                          "through library/models/flow_family.py (train_dreambooth / finetune)")
     if src.kind == "builtin":
         comps, family, sched, ident, vae_ident = _load_builtin(src, tokenizer_path)

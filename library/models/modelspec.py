@@ -3,9 +3,9 @@ family (used by library/outputs/metadata.py for a run's files and by the LoRA to
 from __future__ import annotations
 
 ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base", "flux": "flux-1-dev",
-        "sd3": "stable-diffusion-3-medium", "anima": "stable-diffusion-v1"}  # anima: anima_fields
+        "sd3": "stable-diffusion-3-medium"}
 BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0", "flux": "flux1",
-                      "sd3": "sd3", "anima": "anima"}
+                      "sd3": "sd3"}
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
 IMPL_FLUX = "https://github.com/black-forest-labs/flux"
@@ -24,22 +24,11 @@ def modelspec_architecture(family: str, v_parameterization: bool, adapter: str |
     return f"{arch}/{adapter}" if adapter else arch
 
 
-def anima_fields(adapter: str | None) -> dict[str, str]:
-    """What sd-scripts writes for Anima: its get_sai_model_spec gets no model type for Anima, so an
-    Anima LoRA says SD1's architecture, Stability AI's implementation and "epsilon"; the base
-    model version is the trainer's model type, "anima"."""
-    arch = "stable-diffusion-v1"
-    return {"ss_base_model_version": "anima", "modelspec.implementation": IMPL_STABILITY_AI,
-            "modelspec.prediction_type": "epsilon", "modelspec.architecture": f"{arch}/{adapter}" if adapter else arch}
-
-
 def flow_fields(family: str, variant: str, adapter: str | None) -> dict[str, str]:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type of a
     FLUX.1 ("dev" / "schnell") or SD3 (MMDiTConfig.variant) file, as sd-scripts writes them
     (library/sai_model_spec.py): FLUX.1 has no prediction_type; an SD3 LoRA says "diffusers" and
-    "epsilon" (its SD1 defaults), an SD3 checkpoint Stability AI's implementation; Anima: anima_fields."""
-    if family == "anima":
-        return anima_fields(adapter)
+    "epsilon" (its SD1 defaults), an SD3 checkpoint Stability AI's implementation."""
     table = FLUX_ARCH if family == "flux" else SD3_MODEL_TYPE
     if variant not in table:
         raise ValueError(f"{family} variant {variant!r}; expected {', '.join(table)}")

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from library.config.parse import required
 from library.errors import UserError
 from library.models.families import registry
-from library.models.modelspec import (BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, flow_fields,
-                                      modelspec_architecture)
+from library.models.modelspec import BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, modelspec_architecture
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
@@ -38,9 +37,10 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
                    network_info: dict | None = None, variant: str = "") -> dict:
     """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a FLUX.1 or SD3 model's (library/models/modelspec.py flow_fields; "" for the SD families)."""
+    a flow family's model's (its home's ``metadata_fields``; "" for the SD families)."""
     w, h = required(opts.resolution, "resolution")
-    md = _run_fields(opts, family, started_at)
+    names = _family_fields(family, v_parameterization, adapter, variant)
+    md = _run_fields(opts, family, started_at, names)
     md.update({
         "ss_text_encoder_lr": str(opts.text_encoder_lr),
         "ss_num_train_images": str(num_train_images),
@@ -60,7 +60,7 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
         "ss_enable_bucket": str(opts.enable_bucket),
         "ss_prior_loss_weight": str(opts.prior_loss_weight),
     })
-    md.update(_modelspec(opts, family, v_parameterization, adapter, started_at, f"{w}x{h}"))
+    md.update(_modelspec(opts, names, started_at, f"{w}x{h}"))
     # sd-scripts records the noise and loss settings under these names.
     for key, name in (("ss_noise_offset", "noise_offset"),
                       ("ss_noise_offset_random_strength", "noise_offset_random_strength"),
@@ -75,10 +75,9 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
                       ("ss_loss_type", "loss_type"), ("ss_huber_schedule", "huber_schedule"),
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name))
+    md.update({k: v for k, v in names.items() if k not in md})  # a family's own keys (Chroma's ss_model_type)
     flow = registry.get(family).flow
     if flow is not None:
-        del md["modelspec.prediction_type"]  # FLUX.1 writes none; SD3's comes with flow_fields
-        md.update(flow_fields(family, variant, adapter))
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
         md.update({f"ss_{name}": str(registry.flow_option(opts, family, name)) for name in flow.metadata_options})
@@ -93,7 +92,8 @@ def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, netwo
     """train_leco's static metadata: train_lora's run keys and modelspec fields (a U-Net LoRA),
     and sd-scripts' ss_leco_* keys for the prompt ``settings`` (library/config/leco_prompts.py)."""
     h, w = settings[0].resolution
-    md = _run_fields(opts, family, started_at)
+    names = _family_fields(family, v_parameterization, "lora", "")
+    md = _run_fields(opts, family, started_at, names)
     md.update({
         "ss_optimizer": str(opts.optimizer_type),
         "ss_leco_prompt_count": str(len(settings)),
@@ -105,12 +105,23 @@ def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, netwo
               "neutral": p.neutral, "action": p.action, "multiplier": p.multiplier,
               "weight": p.weight} for p in settings[:16]], ensure_ascii=False),
     })
-    md.update(_modelspec(opts, family, v_parameterization, "lora", started_at, f"{w}x{h}"))
+    md.update(_modelspec(opts, names, started_at, f"{w}x{h}"))
     return _user_fields(md, opts, network_info)
 
 
-def _run_fields(opts: Options, family: str, started_at: float) -> dict:
-    """The run's keys every training script writes."""
+def _family_fields(family: str, v_parameterization: bool, adapter: str | None, variant: str) -> dict:
+    """ss_base_model_version and modelspec architecture / implementation / prediction_type (absent:
+    the family writes none, as FLUX.1), and a family's own keys (Chroma's ss_model_type)."""
+    if registry.get(family).home is None:  # the SD families' strings (library/models/modelspec.py)
+        return {"ss_base_model_version": BASE_MODEL_VERSION[family],
+                "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
+                "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
+                "modelspec.prediction_type": "v" if v_parameterization else "epsilon"}
+    return registry.home(family).metadata_fields(variant, adapter)  # sd-scripts' values, from its home
+
+
+def _run_fields(opts: Options, family: str, started_at: float, names: dict) -> dict:
+    """The run's keys every training script writes (``names``: _family_fields)."""
     return {
         "ss_training_started_at": str(started_at),
         "ss_output_name": opts.output_name,
@@ -121,23 +132,24 @@ def _run_fields(opts: Options, family: str, started_at: float) -> dict:
         "ss_mixed_precision": str(opts.mixed_precision),
         "ss_seed": str(opts.seed),
         "ss_v2": str(registry.get(family).v2_metadata),
-        "ss_base_model_version": BASE_MODEL_VERSION[family],
+        "ss_base_model_version": names["ss_base_model_version"],
         "ss_sd_model_name": os.path.basename(str(opts.pretrained_model_name_or_path)),
     }
 
 
-def _modelspec(opts: Options, family: str, v_parameterization: bool, adapter: str | None,
-               started_at: float, resolution: str) -> dict:
-    """SAI's modelspec.* fields of a run's file (``resolution``: "WxH")."""
-    return {
+def _modelspec(opts: Options, names: dict, started_at: float, resolution: str) -> dict:
+    """SAI's modelspec.* fields of a run's file (``names``: _family_fields; ``resolution``: "WxH")."""
+    md = {
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-        "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
+        "modelspec.architecture": names["modelspec.architecture"],
+        "modelspec.implementation": names["modelspec.implementation"],
         "modelspec.title": opts.metadata_title if opts.metadata_title is not None else opts.output_name,
         "modelspec.resolution": resolution,
         "modelspec.date": datetime.datetime.fromtimestamp(started_at).isoformat(timespec="seconds"),
-        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
     }
+    if "modelspec.prediction_type" in names:
+        md["modelspec.prediction_type"] = names["modelspec.prediction_type"]
+    return md
 
 
 def _user_fields(md: dict, opts: Options, network_info: dict | None) -> dict:

@@ -187,6 +187,8 @@ def check_options(opts: Options, method_name: str) -> str | None:
     src = required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path")
     fam = flow_family.family_before_loading(src)
     kind = method_kinds.get(method_name)
+    if opts.model_type:
+        _check_model_type(opts.model_type, fam, src)
     if fam is None:
         for name in flow_family.FLOW_OPTIONS:
             if name in opts.given and flow_family._is_set(opts, name):
@@ -194,9 +196,10 @@ def check_options(opts: Options, method_name: str) -> str | None:
                                                   f"models; {src} is not one")
         if kind.trains_network:
             if opts.network_module in network_options.DIT_NETWORK_MODULES:
-                f, what, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
+                fams, what, _ = network_options.DIT_NETWORK_MODULES[opts.network_module]
+                titles = " / ".join(registry.get(f).title for f in fams)
                 raise flow_family.FlowFamilyError(f"network_module {opts.network_module}: the {what} of "
-                                                  f"{registry.get(f).title} models; {src} is not one")
+                                                  f"{titles} models; {src} is not one")
         return None
     family = registry.get(fam)
     what = family.title
@@ -244,6 +247,20 @@ def check_options(opts: Options, method_name: str) -> str | None:
         if name in opts.given and name not in warned:
             logger.warning("option %s has no effect here (%s)", name, why)
     return fam
+
+
+def _check_model_type(model_type: str, fam: str | None, src: str) -> None:
+    """sd-scripts' model_type names the family the weights must be (one line before loading)."""
+    types = {f.model_type: f for f in registry.FAMILIES.values() if f.model_type}
+    if model_type not in types:
+        raise flow_family.FlowFamilyError(f"model_type {model_type}: not a model type of this toolkit "
+                                          f"({', '.join(types)})")
+    want = types[model_type]
+    if fam is None:
+        raise flow_family.FlowFamilyError(f"model_type {model_type}: {src} is not a {want.title} model")
+    if fam != want.name:
+        raise flow_family.FlowFamilyError(f"model_type {model_type}: {src} is a {registry.get(fam).title} model, "
+                                          f"not {want.title} (the family comes from the weights)")
 
 
 def _check_sd3_ae(opts: Options) -> None:

@@ -58,7 +58,7 @@ from library.config.parse import required
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
-from library.models import flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models import fake_parts, flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
 from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
@@ -192,7 +192,7 @@ def fake_components(opts: Options) -> tuple[str, dict]:
     if flow is not None:
         try:
             return flow, flow_memory.fake_components(opts, flow, safetensors_header)
-        except flow_memory.Unavailable as e:
+        except fake_parts.Unavailable as e:
             raise EstimateUnavailable(str(e)) from None
     src = loading.resolve_model_source(required(opts.pretrained_model_name_or_path,
                                                 "pretrained_model_name_or_path"))
@@ -485,8 +485,7 @@ def count_activations(opts: Options, family, comps, method, mode, bucket, batch:
             latents = torch.zeros(batch, *latent)
             dt = next(unet.parameters()).dtype
             with outer.hooks(), autocast:
-                pred = flow_memory.forward(opts, unet, latents.to(dtype if dt == fp8.FP8 else dt), dtype,
-                                           "text_encoder_3" in comps)
+                pred = flow_memory.forward(opts, family, comps, latents.to(dtype if dt == fp8.FP8 else dt), dtype)
             with outer.hooks():
                 loss = ((pred.float() - latents) ** 2).mean()
             del loss
@@ -645,8 +644,8 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _cached_data_bytes(opts: Options, tset, comps, flow: bool, scale: int, text_dtype_bytes: int, tokens: int,
-                       partial_text: bool) -> int:
+def _cached_data_bytes(opts: Options, tset, family: str, comps, flow: bool, scale: int, text_dtype_bytes: int,
+                       tokens: int, partial_text: bool) -> int:
     """Latents (float32, each flip its own) and one text-encoder cache entry per caption the cache
     stage encodes (cache_stage.cached_captions); ``partial_text``: FLUX.1 / SD3's partial cache,
     the frozen T5's part only (flow_memory.text_entry_bytes); ``flow``: a FLUX.1 / SD3 model."""
@@ -663,7 +662,7 @@ def _cached_data_bytes(opts: Options, tset, comps, flow: bool, scale: int, text_
             total += (2 if it.flip_aug else 1) * c * h * w * 4
     if opts.cache_text_encoder_outputs or opts.cache_text_encoder_outputs_to_disk:
         if flow:
-            entry = flow_memory.text_entry_bytes(opts, comps, text_dtype_bytes, partial_text)
+            entry = flow_memory.text_entry_bytes(opts, family, comps, text_dtype_bytes, partial_text)
         else:
             d = comps["unet"].config.cross_attention_dim
             pooled = comps["text_encoder_2"].config.projection_dim if "text_encoder_2" in comps else 0
@@ -770,7 +769,7 @@ def estimate(opts: Options, method_name: str, tset=None, processes: int = 1) -> 
     if cached_text and registry.get(family).partial_cache:
         with _quiet():
             partial_text = partial_text_cache.is_partial(
-                method, bundle.text_encoders, flow_memory.family_model(opts, comps["unet"], bundle.text_encoders),
+                method, bundle.text_encoders, flow_memory.family_model(opts, family, comps, bundle.text_encoders),
                 logger, t5_only=opts.use_t5xxl_cache_only)
     flow = registry.get(family).flow
     t5_name = None if flow is None else flow.t5_component
@@ -865,7 +864,7 @@ def estimate(opts: Options, method_name: str, tset=None, processes: int = 1) -> 
 
     n_chunks = chunk_count(opts.max_token_length)
     tokens = n_chunks * CHUNK + 2 if n_chunks > 1 else MAX_TOKENS
-    est.cached_data = _cached_data_bytes(opts, tset, comps, flow is not None, scale,
+    est.cached_data = _cached_data_bytes(opts, tset, family, comps, flow is not None, scale,
                                          frozen_dtype.itemsize, tokens, partial_text)
     est.runtime = RUNTIME_BYTES
     if processes > 1 and fmode is None and not opts.fsdp:

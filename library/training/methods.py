@@ -147,6 +147,11 @@ class NetworkMethod:
             raise MethodError(f"network_args for {opts.network_module}: {e}") from None
         if network is None:
             raise MethodError(f"network_module {opts.network_module}: create_network returned None")
+        if self.train_text_encoder and not self.pivotal and getattr(network, "text_encoder_loras", None) == []:
+            # no module on any text encoder (Chroma's T5 under networks.lora_flux): they stay frozen
+            # and in eval mode, as with network_train_unet_only
+            logger.info(f"{opts.network_module}: no module on the text encoders; they stay frozen")
+            self.train_text_encoder = False
         if opts.scale_weight_norms is not None and not hasattr(network, "apply_max_norm_regularization"):
             raise MethodError(f"scale_weight_norms: the network of {opts.network_module} has no "
                               "apply_max_norm_regularization; drop scale_weight_norms")

@@ -17,24 +17,22 @@ import torch
 
 from library.errors import UserError
 from library.models.families import registry
-from networks import lora, lora_anima, lora_flux, lora_names, lora_sd3, oft_flux
+from networks import lora, lora_names
 from networks.adapter_weights import file_kinds
 from networks.merge_lora import merge_lora_into
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
 
-# sd-scripts' network modules of the transformers (which family each targets: the family's
-# ``network_modules``) -> (kind, module); LyCORIS (lycoris.kohya) trains them too (its targets
-# include their block classes)
-_DIT_KINDS = {m.__name__: (kind, m) for kind, m in (("LoRA", lora_flux), ("OFT", oft_flux), ("LoRA", lora_sd3),
-                                                                     ("LoRA", lora_anima))}
-# name -> (family, kind, module)
-DIT_NETWORK_MODULES = {name: (f.name, *_DIT_KINDS[name]) for f in registry.FAMILIES.values() if f.flow is not None
-                       for name in f.network_modules}
+# sd-scripts' network modules of the transformers, each named in its family's ``network_modules``
+# and saying its kind (``KIND``: "LoRA", "OFT"); LyCORIS (lycoris.kohya) trains them too (its
+# targets include their block classes). name -> (the families it targets, kind, module)
+DIT_NETWORK_MODULES = {name: (tuple(f.name for f in registry.FAMILIES.values() if name in f.network_modules),
+                              importlib.import_module(name).KIND, importlib.import_module(name))
+                       for f in registry.FAMILIES.values() if f.flow is not None for name in f.network_modules}
 FAMILY_NETWORK_MODULES = {name: registry.get(name).network_modules for name in registry.FLOW_FAMILIES}
-# the LoRA of a FLUX.1 / SD3 model (sd-scripts' networks/lora_flux.py / lora_sd3.py): it also
-# reads their base_weights
+# the LoRA of a flow family's model (its ``lora_module``, e.g. sd-scripts' networks/lora_flux.py):
+# it also reads their base_weights
 FAMILY_LORA_MODULES = {name: DIT_NETWORK_MODULES[registry.get(name).lora_module][2] for name in registry.FLOW_FAMILIES}
 # sd-scripts' network modules of SD: they target the SD U-Net's block classes
 SD_NETWORK_MODULES = tuple(dict.fromkeys(m for f in registry.FAMILIES.values() if f.flow is None
@@ -63,11 +61,11 @@ def is_lycoris(network_module: str) -> bool:
 
 
 def why_not_for(network_module: str, fam: str) -> str:
-    """Why ``network_module`` does not train a ``fam`` ("flux" / "sd3") transformer here (a true
+    """Why ``network_module`` does not train a ``fam`` (a flow family's) transformer here (a true
     statement about what it would do)."""
     if network_module in DIT_NETWORK_MODULES:
-        f, kind, _ = DIT_NETWORK_MODULES[network_module]
-        return f"it is the {kind} of {registry.get(f).title} models, whose layer names it targets"
+        fams, kind, _ = DIT_NETWORK_MODULES[network_module]
+        return f"it is the {kind} of {' / '.join(registry.get(f).title for f in fams)} models, whose layer names it targets"
     if network_module in SD_NETWORK_MODULES:
         return ("it puts its modules in the SD U-Net's block classes (Transformer2DModel, ResnetBlock2D, ...), "
                 f"which the {registry.get(fam).title} transformer does not have (sd-scripts would train none of the "

@@ -103,6 +103,15 @@ def _unset(v) -> bool:
     return v is None or v is False or v == ""
 
 
+def _written_model_type(value) -> bool:
+    """The GUI writes model_type only for a family its box does not select by default (kohya_gui's
+    lora_gui.py: Chroma beside FLUX.1 on the flux1 box, "only emit for chroma"): the value is the
+    model_type of a family that shares a box with a lower-ranked one."""
+    fam = next((f for f in registry.FAMILIES.values() if f.model_type and f.model_type == value), None)
+    return fam is not None and any(g.gui_rank < fam.gui_rank and set(g.gui_boxes) & set(fam.gui_boxes)
+                                   for g in registry.FAMILIES.values())
+
+
 def _model_type_fields(d: dict) -> None:
     """The fields of one model type (FLUX.1, SD3, SDXL, and the families not trained here): the GUI
     writes each, under its TOML key, only with that type checked (lora_gui.py config_toml_data,
@@ -116,7 +125,7 @@ def _model_type_fields(d: dict) -> None:
             continue
         if key in OR_KEYS:
             d[key] = bool(d.get(key)) or bool(pulled[src])
-        elif src != "model_type" or pulled[src] == "chroma":  # written for Chroma only
+        elif src != "model_type" or _written_model_type(pulled[src]):
             d[key] = pulled[src]
     for k in [k for k in d if k.startswith(OTHER_FAMILY_PREFIXES) and k not in OTHER_FAMILY_BOXES]:
         del d[k]  # the fields of HunyuanImage / Anima / Lumina (their checkbox is noted)

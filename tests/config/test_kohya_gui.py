@@ -238,8 +238,7 @@ def test_gui_only_keys_warn_or_reject(tmp_path, caplog):
     assert "option epoch has no effect" in caplog.text
     assert "vae_chunk_size" not in caplog.text  # the GUI's unset value: silent
     assert _parse(tmp_path, "train_inpainting = true\n").train_inpainting  # an option now
-    with pytest.raises(ConfigError, match="option model_type is not supported yet .*Chroma"):
-        _parse(tmp_path, 'model_type = "chroma"\n')
+    assert _parse(tmp_path, 'model_type = "flux"\n').model_type == "flux"  # an option (flow_loss checks it)
     with pytest.raises(ConfigError, match="unknown option 'epochs'"):  # a typo is still an error
         _parse(tmp_path, "epochs = 10\n")
     with pytest.raises(ConfigError, match="unknown option 'epoch'"):  # GUI keys are file keys only

@@ -100,10 +100,20 @@ def test_names_sdtk_does_not_take_are_one_line_on_the_command_line(entry, name, 
     assert name in str(e.value) and "\n" not in str(e.value)
 
 
-def test_model_type_flux_is_accepted_and_chroma_refused():
-    assert parse_args("train_lora", BASE + ["--model_type", "flux"]).ignored == {}
-    with pytest.raises(ConfigError, match="model_type is not supported yet .*Chroma"):
-        parse_args("train_lora", BASE + ["--model_type", "chroma"])
+def test_model_type_names_the_family_the_weights_must_be():
+    """sd-scripts' model_type is an option; before loading, a value no family has, or one that is
+    not the weights' family, stops with one line (library/training/flow_loss.py)."""
+    from library.training import flow_loss
+
+    opts = parse_args("train_lora", BASE + ["--model_type", "flux"])
+    assert opts.model_type == "flux" and opts.ignored == {}
+    assert flow_loss.check_options(opts.replace(pretrained_model_name_or_path="tiny-flux"), "dreambooth") == "flux"
+    with pytest.raises(flow_loss.flow_family.FlowFamilyError, match=r"^model_type flux: tiny-sd3 is a SD3 model, not FLUX.1"):
+        flow_loss.check_options(opts.replace(pretrained_model_name_or_path="tiny-sd3"), "dreambooth")
+    with pytest.raises(flow_loss.flow_family.FlowFamilyError, match=r"^model_type flux: tiny-sd15 is not a FLUX.1 model$"):
+        flow_loss.check_options(opts.replace(pretrained_model_name_or_path="tiny-sd15"), "dreambooth")
+    with pytest.raises(flow_loss.flow_family.FlowFamilyError, match=r"^model_type dev: not a model type"):
+        flow_loss.check_options(opts.replace(model_type="dev", pretrained_model_name_or_path="tiny-flux"), "dreambooth")
 
 
 def test_flow_refusal_and_no_effect_tables_name_options():

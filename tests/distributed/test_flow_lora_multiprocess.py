@@ -1,5 +1,5 @@
-"""A FLUX.1 LoRA (transformer and CLIP-L), an SD3 LoRA (transformer, CLIP-L and CLIP-G) and an Anima
-LoRA (the DiT), each
+"""A FLUX.1 LoRA (transformer and CLIP-L), an SD3 LoRA (transformer, CLIP-L and CLIP-G), a Chroma
+LoRA (transformer) and an Anima LoRA (the DiT), each
 trained as 2 processes x batch 1 (one gloo launch of this file's worker, which runs both through
 tests/distributed/test_multiprocess.py's worker, one after the other in the same job), 1 process x
 batch 1 x accumulation 2 and 1 process x batch 2, in this process: the same plan, samples and
@@ -21,7 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # family -> (model, sd-scripts' LoRA module)
 FAMILIES = {"flux": ("tiny-flux", "networks.lora_flux"), "sd3": ("tiny-sd3", "networks.lora_sd3"),
-            "anima": ("tiny-anima", "networks.lora_anima")}
+            "chroma": ("tiny-chroma", "networks.lora_flux"), "anima": ("tiny-anima", "networks.lora_anima")}
 
 
 def flow_lora_args(family: str, data: str, out: str, *extra) -> list[str]:
@@ -98,6 +98,7 @@ def family_runs(launch, family, tmp_path_factory):
 
 @pytest.mark.parametrize("family, te_prefix, block_prefix", [
     ("flux", "lora_te1_", "lora_unet_single_"), ("sd3", "lora_te2_", "lora_unet_joint_"),
+    ("chroma", None, "lora_unet_single_"),  # Chroma: T5 alone, no text-encoder LoRA
     ("anima", "lora_unet_blocks_0_", "lora_unet_blocks_1_")])  # Anima: no text-encoder LoRA
 def test_flow_lora_1x2_2x1_and_accumulation_2_train_the_same(launch, tmp_path_factory, family, te_prefix,
                                                                block_prefix):
@@ -123,7 +124,8 @@ def test_flow_lora_1x2_2x1_and_accumulation_2_train_the_same(launch, tmp_path_fa
     w0, w1 = runs["rank_weights"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)  # both ranks took the same steps
     two, acc2, bs2 = runs["tensors"], refs["acc2"]["tensors"], refs["bs2"]["tensors"]
-    assert any(k.startswith(te_prefix) for k in two) and any(k.startswith(block_prefix) for k in two)
+    assert (te_prefix is None or any(k.startswith(te_prefix) for k in two)) and any(k.startswith(block_prefix)
+                                                                                  for k in two)
     assert two.keys() == acc2.keys() and [k for k in two if not torch.equal(two[k], acc2[k])] == []
     worst, key = max_rel_diff(two, bs2, floor=NORM_FLOOR)
     assert worst <= ISSUE_TOL, f"{key}: {worst:.2e}"

@@ -14,7 +14,7 @@ import torch
 
 from library.config import method_kinds
 from library.config.options import GUI_KEYS_BY_NAME, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
-from library.models import loading, sd3_builtins
+from library.models import loading
 from library.models.families import base, registry
 from library.run import run_checks
 from library.training import flow_matching, flow_sampling, methods
@@ -23,9 +23,12 @@ from tests.helpers import make_opts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOMES = os.path.join(ROOT, "library", "models", "families")
-# every built-in model -> its family, from the loaders' own tables (not from the registry)
-BUILTIN_FAMILY = {**{n: loading.FAMILY_OF_ARCH[a] for n, a in loading.BUILTINS.items()},
-                  **{n: "sd3" for n in sd3_builtins.ARCH_NAMES}}
+# every built-in model -> its family, from the loaders' own tables (not from the registry): the SD
+# loader's, and each home's BUILTIN_NAMES (the names its builders take)
+BUILTIN_FAMILY = {**{n: loading.FAMILY_OF_ARCH[a] for t in (loading.TINY_BUILTINS, loading.ARCH_BUILTINS)
+                     for n, a in t.items()},
+                  **{n: f.name for f in registry.FAMILIES.values() if f.home is not None
+                     for n in importlib.import_module(f.home).BUILTIN_NAMES}}
 MODEL_TYPE_BOXES = {b for boxes, _, _ in gui_import.MODEL_TYPE_FIELDS for b in boxes.split()}
 
 
@@ -81,8 +84,24 @@ def problems(fam: base.Family) -> list[str]:
     # the GUI's model-type boxes: a family's first box selects its fields in the GUI import
     if fam.gui_boxes and fam.gui_boxes[0] not in MODEL_TYPE_BOXES:
         out.append(f"{fam.name}: GUI box {fam.gui_boxes[0]!r} selects no model-type fields (gui_import)")
-    if not fam.tiny_models or any(BUILTIN_FAMILY.get(n) != fam.name for n in fam.tiny_models):
-        out.append(f"{fam.name}: tiny_models {fam.tiny_models} are not all its built-in models")
+    if not fam.tiny_models or any(BUILTIN_FAMILY.get(n) != fam.name for n in (*fam.tiny_models, *fam.arch_models)):
+        out.append(f"{fam.name}: tiny_models {fam.tiny_models} / arch_models {fam.arch_models} are not all its "
+                   "built-in models")
+    # its hooks (base.HOOKS): a flow family has a home providing every one; an SD family loads
+    # through the SD loader
+    if (fam.home is None) != (fam.flow is None):
+        out.append(f"{fam.name}: a flow family has a home module (hooks), an SD family none")
+    if fam.home is not None:
+        try:
+            mod = importlib.import_module(fam.home)
+        except ImportError:
+            out.append(f"{fam.name}: home {fam.home} cannot be imported")
+        else:
+            for hook in base.HOOKS:
+                if not callable(getattr(mod, hook, None)):
+                    out.append(f"{fam.name}: its home {fam.home} has no hook {hook}")
+            if not isinstance(getattr(mod, "BUILTIN_NAMES", None), tuple):
+                out.append(f"{fam.name}: its home {fam.home} has no BUILTIN_NAMES")
     flow = fam.flow
     if flow is not None:
         if flow.training_draw not in base.TRAINING_DRAWS or flow.sample_schedule not in base.SAMPLE_SCHEDULES:
@@ -108,7 +127,7 @@ def test_every_folder_is_one_registered_family():
     for name in folders:
         assert importlib.import_module(f"library.models.families.{name}").FAMILY is registry.get(name)
     # every built-in model belongs to a registered family, and each family lists its own
-    assert sorted(BUILTIN_FAMILY) == sorted(n for f in registry.FAMILIES.values() for n in f.tiny_models)
+    assert sorted(BUILTIN_FAMILY) == sorted(n for f in registry.FAMILIES.values() for n in (*f.tiny_models, *f.arch_models))
 
 
 def test_flow_families_are_written_once():
@@ -126,6 +145,8 @@ def test_flow_families_are_written_once():
     dict(tiny_models=("tiny-sdxl",)),                   # another family's built-in
     dict(gui_boxes=("flux2_checkbox",)),
     dict(partial_cache="yes"),                          # a capability of the wrong type
+    dict(home=None),                                    # a flow family without hooks
+    dict(home="library.models.families.flux"),          # a module without the hooks
 ])
 def test_the_walk_reports_a_planted_bad_family(change):
     planted = dataclasses.replace(registry.get("flux"), **change)

@@ -1,5 +1,5 @@
 """The SD trainer's features on the flow-matching families (FLUX.1 and SD3 full fine-tuning on
-tiny-flux / tiny-sd3, 64 px, one thread):
+tiny-flux / tiny-sd3, 64 px, one thread; EMA and resume also on tiny-chroma):
 
 - masked loss: an image's alpha channel (or its conditioning_data_dir mask), averaged over each
   8x8 pixel block under a latent element, multiplies the elementwise loss of the unpacked
@@ -35,7 +35,7 @@ from tests.training.test_ema import close, expected_ema, recorder  # noqa: F401 
 from tests.training.test_faults_nonfinite import assert_all_finite, assert_one_error_line, inject
 from tests.training import test_flux_train, test_sd3_train
 
-MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3"}
+MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3", "chroma": "tiny-chroma"}
 # what the references of test_flux_train / test_sd3_train compute
 LOSS_ARGS = {"flux": ["--model_prediction_type", "raw"], "sd3": []}
 REFERENCE = {"flux": test_flux_train._reference_loss, "sd3": test_sd3_train._reference_loss}
@@ -111,12 +111,12 @@ def _sd3_mmdit(path):
 
 def _transformer(family, path):
     """The saved transformer's weights under the training module's parameter names."""
-    if family == "flux":
+    if family in ("flux", "chroma"):  # their original layouts are the modules' own names
         return load_file(path)
     return _sd3_mmdit(path)
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "chroma"])
 def test_ema_and_sigint_resume(family, dataset, tmp_path, recorder):
     rec = recorder
     base = flow_args(family, dataset, tmp_path / "whole", "--max_train_steps", "4", "--ema_decay", "0.5",

@@ -116,7 +116,7 @@ def _ok(train, args):
 def test_text_encoder_batch_size_sets_the_caching_batches(dataset, tmp_path, train, monkeypatch):
     """text_encoder_batch_size (sd-scripts' option): the captions are encoded for the cache in
     batches of that many; unset, in batches of vae_batch_size (1); the entries are the same."""
-    from library.models.flow_family import SD3FamilyModel
+    from library.models.families.sd3.home import SD3FamilyModel
 
     sizes = []
     real = SD3FamilyModel.encode

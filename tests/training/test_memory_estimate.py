@@ -454,7 +454,7 @@ def test_flow_fake_forward_saves_what_the_real_forward_saves(model, gc):
     fm = flow_family.family_model_for(real, opts)
     with torch.no_grad():
         cond = fm.encode(fm.tokenize(["a photo"]), None)
-    assert flow_memory.text_tokens(opts, real.unet, "text_encoder_3" in comps)[0] == cond.hidden_states.shape[1]
+    assert flow_memory.text_tokens(opts, real.family, comps)[0] == cond.hidden_states.shape[1]
     method = FullMethod(opts, real)
     method.setup()
     counted = me.count_activations(opts, real.family, comps, method, contextlib.nullcontext(),

@@ -201,7 +201,7 @@ def test_the_partial_key_names_what_is_cached_and_not_the_trained_encoders(tmp_p
     from types import SimpleNamespace
 
     from library.data import cache_stage
-    from library.models.flow_family import SD3FamilyModel
+    from library.models.families.sd3.home import SD3FamilyModel
 
     files = {}
     for name in ("clip_l", "clip_g", "t5xxl"):
@@ -361,7 +361,8 @@ def test_the_joined_conditioning_is_encode_s_bit_for_bit(family, with_t5):
     operations on the same inputs (an SD3 model without T5: the 77 zero tokens cached), and the
     frozen part is what the MMDiT / transformer reads of T5."""
     from library.models import sd3_builtins, tiny_flux
-    from library.models.flow_family import FluxFamilyModel, SD3FamilyModel
+    from library.models.families.flux.home import FluxFamilyModel
+    from library.models.families.sd3.home import SD3FamilyModel
 
     if family == "flux":
         p = tiny_flux.build_tiny_flux("dev")

@@ -142,10 +142,10 @@ def test_import_a_gui_preset_with_notes(ui, data, tmp_path):
                                               "memory": False}).json()
     assert v["ok"], v["errors"]
     # the TOML the GUI writes: kept as is, a LyCORIS type noted, other family keys noted when set
-    toml_text = '[model]\nnetwork_dim = 4\nmodel_type = "dev"\nnetwrk_alpha = 1\n'
+    toml_text = '[model]\nnetwork_dim = 4\nsave_clip = true\nnetwrk_alpha = 1\n'
     out = ui.client.post("/api/import", json={"script": "train_lora", "text": toml_text}).json()
     assert tomllib.loads(out["config"]) == {"network_dim": 4}
-    assert any(n.startswith("model_type: dropped; not supported") and "Chroma" in n for n in out["notes"]), out["notes"]
+    assert any(n.startswith("save_clip: dropped;") for n in out["notes"]), out["notes"]
     assert "netwrk_alpha: dropped; unknown key (did you mean network_alpha?)" in out["notes"]
     lyco = dict(GUI_PRESET, LoRA_type="LyCORIS/LoHa", conv_dim=4)  # (tests/ui/test_gui_import_network.py)
     out = ui.client.post("/api/import", json={"script": "train_lora", "text": json.dumps(lyco)}).json()

@@ -29,6 +29,21 @@ FIXED_SHIFT = "fixed_shift"
 LINEAR_SHIFT = "linear_shift"
 SAMPLE_SCHEDULES = (SEQUENCE_SHIFT, FIXED_SHIFT, LINEAR_SHIFT)
 SHIFTED_SCHEDULES = (FIXED_SHIFT, LINEAR_SHIFT)  # the schedules that read sample_shift
+# What a home module (``Family.home``) provides, each a module-level function (docs/FAMILIES.md):
+#   claims(path) -> bool                   an existing file / folder is one of its kind (keys,
+#                                          configs; no weights read)
+#   load(opts) -> ModelBundle              the run's model (library/models/loading.py's record)
+#   family_model(bundle, opts, rewrite)    its FamilyModel (library/models/family.py)
+#   save_full(bundle, path, dtype, metadata, trained_encoders)   a full fine-tune's save
+#   metadata_fields(variant, adapter)      ss_base_model_version, modelspec.architecture /
+#                                          implementation (/ prediction_type) of its files
+#   memory_parts(opts, header) -> dict     the memory estimate's components on fake tensors
+#   memory_family_model(opts, comps, text_encoders), memory_conditioning(opts, comps, batch, dtype),
+#   memory_text_tokens(opts, comps), memory_text_entry_bytes(opts, comps, dtype_bytes, partial)
+#                                          one micro-step's forward and a text-cache entry's size
+# and the constant BUILTIN_NAMES: the built-in names it builds (its tiny_models and arch_models)
+HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memory_parts", "memory_family_model",
+         "memory_conditioning", "memory_text_tokens", "memory_text_entry_bytes")
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,8 @@ class Family:
                                 # (SD2, SDXL; SD1: 1x1 convolutions): a conversion to it flattens them
     lora_module: str            # the network_module an unset one means (train_lora)
     network_modules: tuple[str, ...]  # the network modules that can target it (LyCORIS aside)
+    model_type: str | None      # sd-scripts' --model_type value that names it (flux_train_network.py:
+                                # "flux", "chroma"); None: the option does not apply
     gui_boxes: tuple[str, ...]  # the kohya_ss GUI keys whose ticked box selects it (none: its
                                 # default SD model type)
     gui_rank: int               # with several boxes ticked, the GUI's train_model runs the lowest rank's
@@ -93,3 +110,7 @@ class Family:
     no_effect: dict             # option -> why it is accepted with a "no effect" warning
     native_size: int            # the side of its training images, gen_img's default size
     tiny_models: tuple[str, ...]  # built-in tiny models (pretrained_model_name_or_path)
+    arch_models: tuple[str, ...]  # built-in full-size models with random weights (memory checks)
+    home: str | None            # the module of its hooks (HOOKS: detection, loading, family model,
+                                # save, memory fakes), imported when a run needs it; None: loaded
+                                # by the SD loader (library/models/loading.py, family.py)

@@ -5,17 +5,21 @@
     registry.of(bundle)           the Family of a loaded model bundle
     registry.FAMILIES             name -> Family, in the order messages list them
     registry.FLOW_FAMILIES        the names of the rectified-flow families
-    registry.titles()             "SD1, SD2, SDXL, FLUX.1, SD3 and Anima" for messages
+    registry.titles()             "SD1, SD2, SDXL, Chroma, FLUX.1, SD3 and Anima" for messages
     registry.flow_option(opts, family, name)   a flow option with the family's own default
+    registry.home(name)           the family's hooks module (base.HOOKS), imported on first use
 """
 from __future__ import annotations
 
-from library.models.families import anima, flux, sd1, sd2, sd3, sdxl
+import importlib
+
+from library.models.families import anima, chroma, flux, sd1, sd2, sd3, sdxl
 from library.models.families.base import Family
 
-# one registration per family: its folder's FAMILY
-FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY,
-                                                       anima.FAMILY)}
+# one registration per family: its folder's FAMILY; detection asks the homes in this order, so a
+# FLUX.1 derivative (Chroma, whose files hold FLUX.1's blocks) comes before FLUX.1
+FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, chroma.FAMILY, flux.FAMILY,
+                                                   sd3.FAMILY, anima.FAMILY)}
 FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
 
 
@@ -23,6 +27,15 @@ def get(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"unknown model family {name!r}; registered: {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def home(name: str):
+    """The module of a family's hooks (``Family.home``; base.HOOKS), imported on first use: it
+    loads torch and the model code, which the light paths (--help, option checks) never need."""
+    fam = get(name)
+    if fam.home is None:
+        raise ValueError(f"{fam.title} has no hooks module: it loads through library/models/loading.py")
+    return importlib.import_module(fam.home)
 
 
 def of(bundle) -> Family:
@@ -47,9 +60,9 @@ def flow_option(opts, name: str, option: str):
 
 
 def titles(flow: bool | None = None, option: str | None = None) -> str:
-    """The families' titles joined for a message ("SD1, SD2, SDXL, FLUX.1, SD3 and Anima"); ``flow``:
-    only the flow families (True) or only the others (False); ``option``: only the families that
-    do not refuse that option (their ``unsupported`` table)."""
+    """The families' titles joined for a message ("SD1, SD2, SDXL, Chroma, FLUX.1, SD3 and
+    Anima"); ``flow``: only the flow families (True) or only the others (False); ``option``: only
+    the families that do not refuse that option (their ``unsupported`` table)."""
     names = [f.title for f in FAMILIES.values() if (flow is None or (f.flow is not None) == flow)
              and (option is None or option not in f.unsupported)]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -57,7 +70,9 @@ def titles(flow: bool | None = None, option: str | None = None) -> str:
 
 def for_gui(fields: dict) -> Family | None:
     """The family whose kohya_ss GUI box is ticked in the GUI's saved ``fields`` (several: the
-    lowest ``gui_rank``, as the GUI's train_model picks the script); None: the GUI's SD model type
-    (SD1 / SD2, told apart by the model itself)."""
+    one the GUI's model_type field names, else the lowest ``gui_rank``, as the GUI's train_model
+    picks the script); None: the GUI's SD model type (SD1 / SD2, told apart by the model itself)."""
     ticked = [f for f in FAMILIES.values() if any(fields.get(k) for k in f.gui_boxes)]
-    return min(ticked, key=lambda f: f.gui_rank, default=None)
+    # families sharing a box (FLUX.1 and its derivatives) are told apart by the GUI's model_type
+    typed = [f for f in ticked if f.model_type and f.model_type == fields.get("model_type")]
+    return min(typed or ticked, key=lambda f: f.gui_rank, default=None)

@@ -3,7 +3,7 @@ conditioned by Qwen3-0.6B's states mapped through the 6-layer LLM adapter into t
 cross-attention space (T5's tokenizer feeds the adapter; no T5 model runs); rectified flow with
 sd-scripts' timestep_sampling rule (the DiT takes sigma), CFG samples on a shifted linear schedule;
 anima_train.py / anima_train_network.py.
-Model code: this folder (model.py, weights.py, parts.py, family_model.py, tiny.py); its network:
+Model code: this folder (model.py, weights.py, parts.py, family_model.py, tiny.py; home.py the hooks); its network:
 networks/lora_anima.py (ComfyUI's layout: networks/convert_anima_lora_to_comfy.py)."""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ FAMILY = Family(
     autoencoder_option="vae", single_file_parts=("qwen3", "vae"), linear_projections=False,
     lora_module="networks.lora_anima", network_modules=("networks.lora_anima",),
     # the kohya_ss GUI's Anima presets are not imported yet (gui_import answers "not trained here")
-    gui_boxes=(), gui_rank=3, gui_script="anima_train.py", gui_te_rates=(), gui_db_text_encoder=False,
+    model_type=None, gui_boxes=(), gui_rank=4, gui_script="anima_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     unsupported={
         "apply_t5_attn_mask": _T5, "t5xxl": _T5, "t5xxl_max_token_length": _T5, "train_t5xxl": _T5,
         "learning_rate_te3": _T5, "use_t5xxl_cache_only": _T5, "t5_dropout_rate": _T5,
@@ -63,5 +63,6 @@ FAMILY = Family(
     },
     no_effect={"min_timestep": _BOUNDS, "max_timestep": _BOUNDS,
                "train_text_encoder": "sd-scripts' Anima scripts keep Qwen3 frozen"},
-    native_size=1024, tiny_models=("tiny-anima",),
+    native_size=1024, tiny_models=("tiny-anima",), arch_models=(),
+    home="library.models.families.anima.home",
 )

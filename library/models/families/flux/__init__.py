@@ -35,7 +35,7 @@ FAMILY = Family(
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
     autoencoder_option="ae", single_file_parts=("clip_l", "t5xxl", "ae"), linear_projections=False,
     lora_module="networks.lora_flux", network_modules=("networks.lora_flux", "networks.oft_flux"),
-    gui_boxes=("flux1_checkbox",), gui_rank=2, gui_script="flux_train.py", gui_te_rates=(), gui_db_text_encoder=False,
+    model_type="flux", gui_boxes=("flux1_checkbox",), gui_rank=2, gui_script="flux_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     # what only SD3 honours (SD3's sampling is weighting_scheme with training_shift and the timestep
     # bounds; FLUX.1 has none)
     unsupported={
@@ -59,5 +59,6 @@ FAMILY = Family(
                               "kohya_ss GUI's fine-tune tab writes it true",
         "min_timestep": _BOUNDS, "max_timestep": _BOUNDS,
     },
-    native_size=1024, tiny_models=("tiny-flux", "tiny-flux-schnell"),
+    native_size=1024, tiny_models=("tiny-flux", "tiny-flux-schnell"), arch_models=(),
+    home="library.models.families.flux.home",
 )

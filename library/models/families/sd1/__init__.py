@@ -17,6 +17,7 @@ FAMILY = Family(
     full_trains_text_encoders=True, separate_t5_rate=False, saves_text_encoders=True,
     autoencoder_option="vae", single_file_parts=(), linear_projections=False,
     lora_module="networks.lora", network_modules=SD_NETWORK_MODULES,
-    gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
-    unsupported={}, no_effect={}, native_size=512, tiny_models=("tiny-sd15", "tiny-sd15-inpaint", "sd15-arch"),
+    model_type=None, gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
+    unsupported={}, no_effect={}, native_size=512, tiny_models=("tiny-sd15", "tiny-sd15-inpaint"), arch_models=("sd15-arch",),
+    home=None,
 )

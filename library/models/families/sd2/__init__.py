@@ -9,5 +9,6 @@ from library.models.families import sd1
 
 FAMILY = dataclasses.replace(
     sd1.FAMILY, name="sd2", title="SD2", text_encoder_names=("OpenCLIP-H",), v2_metadata=True, linear_projections=True,
-    tiny_models=("tiny-sd2", "tiny-sd2-inpaint", "sd2-arch"),
+    tiny_models=("tiny-sd2", "tiny-sd2-inpaint"), arch_models=("sd2-arch",),
+    home=None,
 )

@@ -18,7 +18,8 @@ FAMILY = Family(
     separate_t5_rate=False, saves_text_encoders=True,
     autoencoder_option="vae", single_file_parts=(), linear_projections=True,
     lora_module="networks.lora", network_modules=sd1.SD_NETWORK_MODULES,
-    gui_boxes=("sdxl", "sdxl_checkbox"), gui_rank=0, gui_script="sdxl_train.py",
+    model_type=None, gui_boxes=("sdxl", "sdxl_checkbox"), gui_rank=0, gui_script="sdxl_train.py",
     gui_te_rates=("learning_rate_te1", "learning_rate_te2"), gui_db_text_encoder=True,
-    unsupported={}, no_effect={}, native_size=1024, tiny_models=("tiny-sdxl", "tiny-sdxl-inpaint", "sdxl-arch"),
+    unsupported={}, no_effect={}, native_size=1024, tiny_models=("tiny-sdxl", "tiny-sdxl-inpaint"), arch_models=("sdxl-arch",),
+    home=None,
 )
