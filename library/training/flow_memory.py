@@ -46,7 +46,10 @@ def forward(opts, family: str, comps: dict, noisy, dtype):
     b = noisy.shape[0]
     home = registry.home(family)
     cond = home.memory_conditioning(opts, comps, b, dtype)
-    t = torch.full((b,), 0.5) * registry.get(family).flow.timestep_scale
+    spec = registry.get(family).flow
+    if spec is None:
+        raise ValueError(f"{family}: not a flow family")
+    t = torch.full((b,), 0.5) * spec.timestep_scale
     return home.memory_family_model(opts, comps, []).unet_forward(noisy, t, cond)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -192,7 +193,8 @@ def read_transformer(path: str, dtype: torch.dtype | None = torch.float32) -> Tr
     if DIFFUSERS_MARKER in sd:  # a lone diffusers-layout file (this toolkit's, with its record)
         if record is None:
             raise ModelError(f"{path}: a diffusers-layout Chroma file without its config.json; give its folder")
-        cfg = ChromaConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        cfg = ChromaConfig(**fields)
         return TransformerWeights(from_diffusers(sd, cfg, path), cfg, "diffusers")
     return TransformerWeights(sd, config_from_original(sd, path, record), "original")
 

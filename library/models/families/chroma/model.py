@@ -140,6 +140,8 @@ class Chroma(flux.Flux):
     A ``flux.Flux`` for the shared machinery (gradient checkpointing, blocks_to_swap over its
     double and single blocks), with its own modules and forward."""
 
+    config: ChromaConfig  # type: ignore[assignment]  # its own shape record, not FluxConfig
+
     def __init__(self, config: ChromaConfig):
         nn.Module.__init__(self)
         config.check()
@@ -177,9 +179,9 @@ class Chroma(flux.Flux):
         x = self.approximator_input(timesteps)
         return self.distilled_guidance_layer(x.to(self.img_in.weight.dtype if x.is_floating_point() else x.dtype))
 
-    def forward(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, timesteps: Tensor,
-                txt_attention_mask: Tensor | None = None) -> Tensor:
-        """img (B, N, in_channels) packed latents; img_ids (B, N, 3); txt (B, L, context_in_dim) T5's
+    def forward(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor,  # type: ignore[override]
+                timesteps: Tensor, txt_attention_mask: Tensor | None = None) -> Tensor:
+        """No pooled vector or guidance input (FLUX.1's y, guidance). img (B, N, in_channels) packed latents; img_ids (B, N, 3); txt (B, L, context_in_dim) T5's
         states; txt_ids (B, L, 3); timesteps (B,) in [0, 1]; txt_attention_mask (B, L): T5's mask
         (1 = a real token; Chroma's rule adds the first padding token), or None: every token."""
         if img.ndim != 3 or txt.ndim != 3:

@@ -295,8 +295,9 @@ def _sd3_file(opts, path: str, header) -> dict:
                 raise Unavailable(f"{path}: holds no {which} weights; give the {which} file (--{which})")
             config = sd3_checkpoint._clip_config(which, part, record, path)
             comps[name] = CLIPTextModelWithProjection(CLIPTextConfig(**config))
-    if sd3_ae_file(opts):
-        ae_n = fake_parts.header_numel(sd3_ae_file(opts), "ae", header, "an SD3 file")
+    ae_file = sd3_ae_file(opts)
+    if ae_file:
+        ae_n = fake_parts.header_numel(ae_file, "ae", header, "an SD3 file")
     else:
         ae_n = sum(int(torch.Size(v.shape).numel()) for k, v in keys.items() if k.startswith(sd3_vae.PREFIX))
         if not ae_n:
