@@ -228,6 +228,7 @@ REFERENCE = {
     "t5_tokenizer_path": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
     "qwen3_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
     "t5_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "model_type": T + "config/test_sd_scripts_flow_options.py::test_model_type_names_the_family_the_weights_must_be",
     "ae": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
     "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
