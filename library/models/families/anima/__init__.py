@@ -14,6 +14,10 @@ _T5 = "FLUX.1 / SD3's T5-XXL; Anima runs no T5 (its LLM adapter reads T5 token i
 _CLIP = "FLUX.1 / SD3's CLIP; Anima's text encoder is Qwen3 (the qwen3 option)"
 _SD3 = "an SD3 option (sd-scripts' anima scripts do not define it)"
 _SWAP = "block swapping is not built for Anima's DiT here (sd-scripts' blocks_to_swap)"
+# the options only Anima reads (library/config/options.py); the other flow families refuse them
+# with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
+OWN_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
+REFUSED_ELSEWHERE = {name: "an Anima option (sd-scripts' anima scripts)" for name in OWN_OPTIONS}
 _BOUNDS = "Anima draws its noise level by timestep_sampling (sd-scripts' Anima trainer ignores the timestep bounds)"
 
 FLOW = FlowSpec(

@@ -5,13 +5,12 @@ Model code: library/models/flux*.py, flow_family.py, t5.py, clip_l_file.py, tiny
 its networks: networks/lora_flux.py, networks/oft_flux.py."""
 from __future__ import annotations
 
+from library.models.families import anima
 from library.models.families.base import SEQUENCE_SHIFT, TIMESTEP_SAMPLING, Family, FlowSpec
 
 _TE_DROPOUT = "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
 _POS_EMB = "SD3's position-embedding table; FLUX.1 has rotary positions"
 _BOUNDS = "FLUX.1 draws its noise level by timestep_sampling (sd-scripts' FLUX.1 trainers ignore the timestep bounds)"
-_ANIMA = "an Anima option (sd-scripts' anima scripts)"
-_ANIMA_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
 
 FLOW = FlowSpec(
     timestep_scale=1.0,  # the transformer takes sigma itself (sd-scripts: (1000 sigma) / 1000)
@@ -50,7 +49,7 @@ FAMILY = Family(
         "use_t5xxl_cache_only": "SD3's sd3_train.py option (flux_train.py trains the transformer alone; a "
                                 "FLUX.1 LoRA training CLIP-L caches T5's outputs alone)",
         **{name: _POS_EMB for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")},
-        **{name: _ANIMA for name in _ANIMA_OPTIONS},
+        **anima.REFUSED_ELSEWHERE,
     },
     # the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
     no_effect={
