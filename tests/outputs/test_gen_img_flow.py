@@ -1,5 +1,6 @@
-"""gen_img.py on the tiny FLUX.1 (dev) and SD3 models: the image equals diffusers' own FluxPipeline /
-StableDiffusion3Pipeline (guidance, shift, the seed's latents drawn as diffusers draws them) on
+"""gen_img.py on the tiny FLUX.1 (dev), SD3 and Chroma models: the image equals diffusers' own FluxPipeline /
+StableDiffusion3Pipeline / ChromaPipeline (guidance, shift, true CFG, the seed's latents drawn as diffusers
+draws them) on
 weights with the LoRA fused by hand in float64; hooked equals merged; flow-specific bad input.
 
 Both sides decode the final latents with the same VAE and the same pixel formula
@@ -16,6 +17,7 @@ import torch
 
 from library.config import parse
 from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
+from library.models.families.chroma import checkpoint as chroma_checkpoint
 from library.training import flow_sampling
 from networks import lora_flux, lora_sd3
 from networks.lora import write_weights
@@ -115,6 +117,40 @@ def test_sd3_equals_sd3_pipeline_with_shift_cfg_and_the_lora_fused(tmp_path):
                    guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(8), output_type="latent").images
     close(pixels(ours), np.asarray(flow_sampling.decode_image(m.vae, lat)).astype(int),
           "gen_img SD3 vs StableDiffusion3Pipeline + fused LoRA")
+
+
+def test_chroma_equals_chroma_pipeline_with_true_cfg_and_the_lora_fused(tmp_path):
+    """Chroma: T5 with its attention mask, FLUX.1's autoencoder, the shifted sequence schedule of
+    FLUX.1 (diffusers: dynamic shifting with FLUX.1's constants), true CFG with a negative prompt."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    b = _bundle("tiny-chroma")
+    path = str(tmp_path / "c.safetensors")
+    sd = _lora(lora_flux, b, path)
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-chroma", "--prompt", "red cube --n blue --d 9 --w 64 "
+                                           "--h 96 --s 4 --l 4"], ["--network_weights", path, "--network_mul", "0.8"])
+
+    _fuse_float64(b.unet, sd, 0.8)
+    m = b.flow
+    cfg = {k: v for k, v in chroma_checkpoint.diffusers_config(m.config).items() if k != "_class_name"}
+    tr = ChromaTransformer2DModel(**cfg).eval()
+    tr.load_state_dict(chroma_checkpoint.to_diffusers(b.unet.state_dict(), m.config))
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5,
+                                                                    max_shift=1.15, base_image_seq_len=256,
+                                                                    max_image_seq_len=4096),
+                          vae=m.ae, text_encoder=m.t5, tokenizer=m.t5_tokenizer, transformer=tr)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        # diffusers makes the prompt masks float 0/1 (encode_prompt's dtype), which SDPA adds as a bias
+        # instead of masking (1.0 on real keys, 0.0 on padding: padding keeps e^-1 of its weight); given
+        # as booleans they mask, as Chroma was trained (sd-scripts, ComfyUI, ours)
+        emb, _, mask, neg, _, neg_mask = pipe.encode_prompt("red cube", "blue", do_classifier_free_guidance=True,
+                                                            max_sequence_length=m.t5_max_length)
+        lat = pipe(prompt_embeds=emb, prompt_attention_mask=mask.bool(), negative_prompt_embeds=neg,
+                   negative_prompt_attention_mask=neg_mask.bool(), height=96, width=64, num_inference_steps=4,
+                   guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(9), output_type="latent").images
+        ref = flow_sampling.decode_image(m.ae, flux.unpack_latents(lat, 6, 4))
+    close(pixels(ours), np.asarray(ref).astype(int), "gen_img Chroma vs ChromaPipeline + fused LoRA")
 
 
 def test_flow_bad_input(capsys, tmp_path):
