@@ -200,7 +200,7 @@ def test_prompt_file_seeds_multipliers_and_batches(tmp_path):
 # diffusers' FluxPipeline (docs/GENERATION.md, "Seeds")
 @pytest.mark.parametrize("model,module", [("tiny-sd15", "networks.lora"),
                                           pytest.param("tiny-sdxl", "networks.lora", marks=pytest.mark.slow),
-                                          ("tiny-sd3", "networks.lora_sd3")])
+                                          ("tiny-sd3", "networks.lora_sd3"), ("tiny-anima", "networks.lora_anima")])
 def test_equals_the_in_run_sample_of_the_same_step(model, module, train, dataset, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("sks shape, red --n blurry --w 64 --h 64 --d 11 --s 3 --l 5 --ss euler_a\n")

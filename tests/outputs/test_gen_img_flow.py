@@ -19,7 +19,7 @@ from library.config import parse
 from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
 from library.models.families.chroma import checkpoint as chroma_checkpoint
 from library.training import flow_sampling
-from networks import lora_flux, lora_sd3
+from networks import lora_anima, lora_flux, lora_sd3
 from networks.lora import write_weights
 from tests.outputs.test_gen_img import _fails, close, pixels, run
 
@@ -151,6 +151,15 @@ def test_chroma_equals_chroma_pipeline_with_true_cfg_and_the_lora_fused(tmp_path
                    guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(9), output_type="latent").images
         ref = flow_sampling.decode_image(m.ae, flux.unpack_latents(lat, 6, 4))
     close(pixels(ours), np.asarray(ref).astype(int), "gen_img Chroma vs ChromaPipeline + fused LoRA")
+
+
+def test_anima_network_merge_equals_hooked(tmp_path):
+    """Anima has no diffusers pipeline: its gen_img image equals the in-run sample
+    (tests/outputs/test_gen_img.py), and merged equals hooked here."""
+    path = str(tmp_path / "a.safetensors")
+    _lora(lora_anima, _bundle("tiny-anima"), path)
+    _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-anima", "--prompt", "red cube --n blue --d 5 --w 64 --h 64 --s 4"],
+                         ["--network_weights", path, "--network_mul", "0.8"])
 
 
 def test_flow_bad_input(capsys, tmp_path):
