@@ -196,8 +196,8 @@ def test_prompt_file_seeds_multipliers_and_batches(tmp_path):
     assert [os.path.basename(f) for f in again][-1] == "im_000005.png" and len(again) == 5
 
 
-# FLUX.1 is not here: its in-run samples draw the seed's noise packed, as sd-scripts, gen_img as
-# diffusers' FluxPipeline (docs/GENERATION.md, "Seeds")
+# FLUX.1 and Chroma are not here: their in-run samples draw the seed's noise packed, as sd-scripts,
+# gen_img as diffusers' FluxPipeline / ChromaPipeline (docs/GENERATION.md, "Seeds")
 @pytest.mark.parametrize("model,module", [("tiny-sd15", "networks.lora"),
                                           pytest.param("tiny-sdxl", "networks.lora", marks=pytest.mark.slow),
                                           ("tiny-sd3", "networks.lora_sd3"), ("tiny-anima", "networks.lora_anima")])
