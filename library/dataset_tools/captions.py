@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -164,7 +165,7 @@ def folder_lock(folder: str):
     for _ in range(2):
         try:
             os.makedirs(jdir, exist_ok=True)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create_with_pid(lock)
             break
         except FileExistsError:
             try:
@@ -182,12 +183,24 @@ def folder_lock(folder: str):
     else:
         raise DataError(f"{folder}: cannot take the edit lock {lock}; nothing was changed")
     try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(lock)
+
+
+def _create_with_pid(lock: str) -> None:
+    """The lock file, holding this process's pid from the moment it exists (FileExistsError:
+    held). Written beside it and hard-linked into place: a lock created empty and written after
+    would let another taker read no pid in between, take it for a dead writer's and remove it,
+    and both edits would run."""
+    tmp = f"{lock}.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(os.getpid()))
+    try:
+        os.link(tmp, lock)
+    finally:
+        os.remove(tmp)
 
 
 def _write(path: str, text: str | None) -> None:
