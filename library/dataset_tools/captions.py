@@ -199,6 +199,12 @@ def _create_with_pid(lock: str) -> None:
         f.write(str(os.getpid()))
     try:
         os.link(tmp, lock)
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links (exFAT, some network shares): create, then write
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
     finally:
         os.remove(tmp)
 
