@@ -72,7 +72,7 @@ TINY = NextDiTConfig(dim=64, n_layers=2, n_refiner_layers=1, n_heads=4, n_kv_hea
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 (sd-scripts' RMSNorm)."""
+    """x / rms(x) * weight, computed in float32 at least (sd-scripts' RMSNorm)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -80,8 +80,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        xf = x.to(_at_least_float32(x.dtype))
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def timestep_embedding(t: Tensor, dim: int = TIME_FREQ_DIM, max_period: float = 10_000.0) -> Tensor:
@@ -105,7 +109,7 @@ def rope_tables(axes_dims, axes_lens, theta: float = ROPE_THETA) -> list[Tensor]
 
 def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     """x (B, L, H, D): consecutive feature pairs as complex numbers times freqs (B, L, D/2)."""
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    xc = torch.view_as_complex(x.to(_at_least_float32(x.dtype)).reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * freqs.unsqueeze(2)).flatten(3).to(x.dtype)
 
 
