@@ -95,6 +95,9 @@ def _transformer_config(path: str) -> NextDiTConfig:
         return layout.config_from_diffusers(cfg, ffn, path)
     shapes, meta = _header(path)
     names = layout.original_keys(shapes)
+    if names is None:
+        raise ModelError(f"pretrained_model_name_or_path: {path} is not a Lumina 2 transformer (no "
+                         f"{layout.MARKER} or x_embedder.weight)")
     record = embedded_config.read_record(meta, META_CONFIG_KEY, path)
     return layout.config_from_shapes({k: shapes[v] for k, v in names.items()}, path, record)
 

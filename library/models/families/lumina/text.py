@@ -139,14 +139,14 @@ def config_of_header(path: str) -> dict:
     shapes = {k: tuple(header[v]["shape"]) for k, v in names.items()}
     config = record["config"] if record else GEMMA2_2B
     expect = expected_shapes(config)
-    missing = sorted(set(expect) - set(shapes))
+    for k, shape in expect.items():  # a Gemma-2 of another size first shows in a shape
+        if k in shapes and shapes[k] != shape:
+            raise ModelError(f"gemma2: {path} is not a Gemma-2 2B text encoder: {k} is {list(shapes[k])}, "
+                             f"Gemma-2 2B's is {list(shape)}")
+    missing = [k for k in expect if k not in shapes]
     if missing:
         raise ModelError(f"gemma2: {path} is not a Gemma-2 2B text encoder (no {missing[0]}"
                          f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''})")
-    for k, shape in expect.items():
-        if shapes[k] != shape:
-            raise ModelError(f"gemma2: {path} is not a Gemma-2 2B text encoder: {k} is {list(shapes[k])}, "
-                             f"Gemma-2 2B's is {list(shape)}")
     return record or {"config": GEMMA2_2B}
 
 
@@ -159,7 +159,9 @@ def expected_shapes(config: dict) -> dict[str, tuple]:
         out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                     p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i)})
+                    p + "mlp.down_proj.weight": (h, i),
+                    **{p + norm + ".weight": (h,) for norm in ("input_layernorm", "post_attention_layernorm",
+                                                               "pre_feedforward_layernorm", "post_feedforward_layernorm")}})
     return out
 
 
@@ -193,7 +195,8 @@ def load_gemma2(path: str, dtype: torch.dtype = torch.float32, tokenizer_locatio
 
 def gemma2_file_metadata(model, tokenizer) -> dict[str, str]:
     """The record a tiny / custom Gemma-2 file carries so that it reloads offline."""
-    cfg = {k: model.config.to_dict()[k] for k in GEMMA2_2B}
+    cfg = {k: v for k, v in model.config.to_dict().items()
+           if not k.startswith("_") and k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
     return {META_CONFIG_KEY: json.dumps({"config": cfg, "tokenizer": embedded_config.tokenizer_files(tokenizer)})}
 
 
