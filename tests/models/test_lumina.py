@@ -115,3 +115,38 @@ def test_system_prompt_and_mask_by_hand():
     want = [vocab["<bos>"], vocab["a"], vocab["r"], vocab["e"], vocab["▁<Prompt"], vocab["▁Start>"],
             vocab["▁a"], vocab["▁dog"]]
     assert ids[1, :8].tolist() == want and mask[1].sum() == 8
+
+
+def test_attention_options_refused_without_the_kernel():
+    from library.models.families.lumina import attention
+
+    assert attention.check(False, False, cuda=False) is None
+    for flags, match in (((True, False), "use_flash_attn: flash_attn's kernels run on CUDA only"),
+                         ((False, True), "use_sage_attn: sageattention's kernels run on CUDA only"),
+                         ((True, True), "choose one attention kernel")):
+        with pytest.raises(attention.AttentionError, match=match) as e:
+            attention.check(*flags, cuda=False)
+        assert "\n" not in str(e.value)
+
+
+def test_per_sample_kernel_path_equals_masked_sdpa():
+    """The flash / sage path runs each sample over its own tokens: with SDPA as the kernel it gives
+    the masked attention on every kept row (padding rows zero, dropped by the transformer)."""
+    from library.models.families.lumina import attention
+
+    model = _random_model()
+    x, t, cap, mask = _inputs(lens=(9, 5))
+
+    def sdpa_kernel(q, k, v, m, scale):
+        def run(qi, ki, vi):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale=scale).transpose(0, 1)
+        return attention._varlen(q, k, v, m, run)
+
+    with torch.no_grad():
+        want = model(x, t, cap, mask)
+        for module in model.modules():
+            if hasattr(module, "qkv"):
+                module.kernel = sdpa_kernel
+        got = model(x, t, cap, mask)
+    assert torch.allclose(got, want, atol=1e-6 * want.abs().max(), rtol=1e-5)

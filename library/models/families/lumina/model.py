@@ -1,0 +1,86 @@
+"""Lumina 2 as the trainer runs it: the model bundle over a LuminaModel and the family model
+(tokenize with the system prompt, encode with Gemma-2, the transformer's forward in the shared
+flow convention), and sd-scripts' Lumina defaults of the flow options.
+
+The shared losses and sampler (library/training/flow_matching.py) speak FLUX.1's convention: the
+timestep input is sigma (FlowSpec.timestep_scale 1) and the model predicts d x / d sigma =
+noise - x0. Lumina's transformer takes t = 1 - sigma and predicts d x / d t = x0 - noise, so
+``unet_forward`` hands it 1 - sigma and negates its output. Consequences, by model_prediction_type:
+raw compares output with x0 - noise, exactly sd-scripts' Lumina loss; sigma_scaled compares the
+clean latent the velocity implies (x_t + sigma output) with x0 (sd-scripts' Lumina formula reuses
+FLUX.1's x_t - sigma output against x0 - noise, which has no consistent minimiser);
+additive is FLUX.1's formula on the negated output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from library.models.families.lumina import loading, text
+from library.models.family import FamilyModel, TextConditioning
+
+# sd-scripts' lumina_train_util defaults where they differ from FLUX.1's (used for options the run
+# does not set)
+FLOW_DEFAULTS = {"timestep_sampling": "shift", "discrete_flow_shift": 6.0, "model_prediction_type": "raw"}
+
+
+@dataclass
+class LuminaTextConditioning(TextConditioning):
+    """Gemma-2's penultimate states (hidden_states) and the token mask (1 = token)."""
+
+    mask: Any = None
+
+    def to(self, *args, **kwargs) -> "LuminaTextConditioning":
+        return LuminaTextConditioning(self.hidden_states.to(*args, **kwargs), None, self.mask)
+
+
+class LuminaFamilyModel(FamilyModel):
+    """tokenize -> [ids (B, L), mask (B, L)] of the caption behind the system prompt; encode ->
+    Gemma-2's penultimate states and the mask; unet_forward -> - NextDiT(x, 1 - sigma, states, mask)."""
+
+    family = "lumina"
+    conditioning_type = LuminaTextConditioning
+
+    def __init__(self, transformer, text_encoders, tokenizers, *, max_length: int = text.MAX_LENGTH,
+                 system_prompt: str = "", rewrite=None):
+        super().__init__(transformer, text_encoders, tokenizers, None, False, rewrite)
+        self.gemma2_max_length = max_length
+        self.system_prompt = system_prompt or ""
+
+    def tokenize(self, captions: list[str], pad: bool = True) -> list:
+        if self.rewrite is not None:
+            captions = [self.rewrite(c) for c in captions]
+        texts = [text.with_system_prompt(c, self.system_prompt) for c in captions]
+        ids, mask = text.tokenize(self.tokenizers[0], texts, self.gemma2_max_length)
+        return [ids, mask]
+
+    def cache_identity(self, partial: bool = False) -> dict:
+        return {"gemma2_max_length": text.padded_length(self.gemma2_max_length), "system_prompt": self.system_prompt}
+
+    def encode(self, token_ids: list, clip_skip: int | None) -> LuminaTextConditioning:
+        ids, mask = token_ids
+        states = text.encode(self.text_encoders[0], ids, mask)
+        return LuminaTextConditioning(states, None, mask.to(states.device))
+
+    def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None, sample_seeds=None):
+        dev, dtype = noisy_latents.device, noisy_latents.dtype
+        t = 1 - timesteps.to(dev, torch.float32)
+        out = self.unet(noisy_latents, t.to(dtype), cond.hidden_states.to(dev, dtype), cond.mask.to(dev))
+        return -out
+
+
+def family_model_for(bundle, opts, *, rewrite=None) -> LuminaFamilyModel:
+    return LuminaFamilyModel(bundle.unet, bundle.text_encoders, bundle.tokenizers,
+                             max_length=opts.gemma2_max_token_length or text.MAX_LENGTH,
+                             system_prompt=opts.system_prompt or "", rewrite=rewrite)
+
+
+def load_bundle(opts, model_bundle_cls):
+    """The run's ModelBundle (``model_bundle_cls``: library/models/loading.py's) over a LuminaModel."""
+    m = loading.load_lumina(opts.pretrained_model_name_or_path, gemma2=opts.gemma2, ae=opts.ae)
+    return model_bundle_cls(family="lumina", unet=m.transformer, vae=m.ae, text_encoders=[m.gemma2],
+                            tokenizers=[m.tokenizer], noise_scheduler=None, v_parameterization=False,
+                            source=str(opts.pretrained_model_name_or_path), identity=m.identity,
+                            vae_identity=m.ae_identity, flow=m)
