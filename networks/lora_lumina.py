@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from library.models import modelspec
 from networks import lora_dit
 from networks.lora import LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -134,11 +135,7 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
     return network, weights_sd
 
 
-IMPLEMENTATION = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
-
-
 def file_metadata() -> dict[str, str]:
     """The family's keys of a Lumina 2 LoRA file, as sd-scripts writes them (lumina_train_network.py,
     library/sai_model_spec.py: architecture lumina-2, Alpha-VLLM's implementation)."""
-    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", "ss_base_model_version": "lumina2",
-            "modelspec.architecture": "lumina-2/lora", "modelspec.implementation": IMPLEMENTATION}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("lumina", "lumina2", "lora")}

@@ -33,6 +33,7 @@ from library.models.family import FamilyModel, TextConditioning
 from library.models.family import family_model_for as sd_family_model_for
 from library.models import (flux, flux_checkpoint, flux_loading, flux_text, loading, sd3_checkpoint, sd3_text, t5,
                             tiny_flux)
+from library.models.families.lumina import run_model
 
 logger = logging.getLogger("sdtk")
 
@@ -43,7 +44,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
-                "use_t5xxl_cache_only", "num_last_block_to_freeze")
+                "use_t5xxl_cache_only", "num_last_block_to_freeze", "gemma2", "gemma2_max_token_length",
+                "system_prompt", "use_flash_attn", "use_sage_attn")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -78,10 +80,19 @@ def family_before_loading(name_or_path: str | None) -> str | None:
         return "flux"
     if os.path.exists(path) and flux_loading.is_flux_source(path):
         return "flux"
+    if run_model.is_source(str(name_or_path)):
+        return "lumina"
     try:
         return "sd3" if sd3_checkpoint.detect_source(str(name_or_path)) is not None else None
     except UserError:  # an unreadable file: the SD loader names the problem
         return None
+
+
+def check_sources(opts, family: str) -> None:
+    """The family's checks of its parts before any weight loads (Lumina 2: the transformer, gemma2
+    and ae headers, the attention kernel)."""
+    if family == "lumina":
+        run_model.check_sources(opts)
 
 
 def _is_set(opts, name: str) -> bool:
@@ -97,6 +108,8 @@ def load_from_options(opts) -> loading.ModelBundle:
     fam = family_before_loading(src)
     if fam == "sd3":
         return _load_sd3(opts)
+    if fam == "lumina":
+        return run_model.load_bundle(opts, loading.ModelBundle)
     if fam != "flux":
         return loading.load_from_options(opts)
     m = flux_loading.load_flux(src, clip_l=opts.clip_l, t5xxl=opts.t5xxl, ae=opts.ae)
@@ -334,6 +347,8 @@ def family_model_for(bundle, opts, *, rewrite=None) -> FamilyModel:
                               dropout_rates=(opts.clip_l_dropout_rate, opts.clip_g_dropout_rate,
                                              opts.t5_dropout_rate),
                               pos_emb_random_crop_rate=opts.pos_emb_random_crop_rate, rewrite=rewrite)
+    if bundle.family == "lumina":
+        return run_model.family_model_for(bundle, opts, rewrite=rewrite)
     if bundle.family != "flux":
         return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
                                           weighted=opts.weighted_captions, rewrite=rewrite)
@@ -360,6 +375,9 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
     even when they came from separate files (sd-scripts' save_sd3_model with the trained ones)."""
 
     m = bundle.flow
+    if bundle.family == "lumina":  # the transformer alone, in its source's layout (sd-scripts' lumina_train.py)
+        run_model.save_full(bundle, path, dtype, metadata)
+        return
     if bundle.family == "sd3":  # the source's layout and components (and the trained encoders),
         # the trained MMDiT in them (bundle.unet: under fsdp the gathered copy
         # library/distributed/fsdp.py puts there)

@@ -40,9 +40,10 @@ ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
 # FLUX.1's and SD3's built-ins (library/models/tiny_flux.py, sd3_builtins.py), loaded by
 # library/models/flow_family.py
 FLOW_BUILTINS = {"tiny-flux": "flux", "tiny-flux-schnell": "flux", "tiny-sd3": "sd3",
-                 "tiny-sd3.5-medium": "sd3", "tiny-sd3.5-large": "sd3"}
+                 "tiny-sd3.5-medium": "sd3", "tiny-sd3.5-large": "sd3", "tiny-lumina": "lumina"}
 BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS, **FLOW_BUILTINS}
-FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", "flux": "flux", "sd3": "sd3"}
+FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", "flux": "flux", "sd3": "sd3",
+                  "lumina": "lumina"}
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 ARCH_SEED = 20240602

@@ -16,14 +16,15 @@ import torch
 
 from library.errors import UserError
 from library.models.families import registry
-from networks import lora, lora_flux, lora_names, lora_sd3, oft_flux
+from networks import lora, lora_flux, lora_lumina, lora_names, lora_sd3, oft_flux
 from networks.adapter_weights import file_kinds
 from networks.merge_lora import merge_lora_into
 
 # sd-scripts' network modules of the transformers (which family each targets: the family's
 # ``network_modules``) -> (kind, module); LyCORIS (lycoris.kohya) trains them too (its targets
 # include their block classes)
-_DIT_KINDS = {m.__name__: (kind, m) for kind, m in (("LoRA", lora_flux), ("OFT", oft_flux), ("LoRA", lora_sd3))}
+_DIT_KINDS = {m.__name__: (kind, m) for kind, m in (("LoRA", lora_flux), ("OFT", oft_flux), ("LoRA", lora_sd3),
+                                                                  ("LoRA", lora_lumina))}
 # name -> (family, kind, module)
 DIT_NETWORK_MODULES = {name: (f.name, *_DIT_KINDS[name]) for f in registry.FAMILIES.values() if f.flow is not None
                        for name in f.network_modules}

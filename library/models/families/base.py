@@ -44,6 +44,8 @@ class FlowSpec:
     packed_noise: bool          # sample noise drawn in the 2x2-packed layout (sd-scripts' FLUX.1)
     t5_component: str           # the T5-XXL's component name (memory estimate, partial cache)
     metadata_options: tuple[str, ...]  # recorded as ss_<option> (sd-scripts' update_metadata)
+    option_defaults: dict       # flow options whose sd-scripts default differs for this family: the
+                                # value an option the run does not set takes (and records)
 
 
 @dataclass(frozen=True)

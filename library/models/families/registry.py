@@ -9,11 +9,12 @@
 """
 from __future__ import annotations
 
-from library.models.families import flux, sd1, sd2, sd3, sdxl
+from library.models.families import flux, lumina, sd1, sd2, sd3, sdxl
 from library.models.families.base import Family
 
 # one registration per family: its folder's FAMILY
-FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, flux.FAMILY, sd3.FAMILY,
+                                                       lumina.FAMILY)}
 FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
 
 

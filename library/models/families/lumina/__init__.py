@@ -2,7 +2,8 @@
 Gemma-2 2B's penultimate states behind sd-scripts' system prompt, rectified flow with Lumina's time
 running opposite to sigma; lumina_train.py / lumina_train_network.py.
 Model code: this folder (nextdit.py the transformer, layout.py its file layouts, text.py Gemma-2 and
-the system prompt, loading.py the sources and checks, tiny.py tiny-lumina); its network:
+the system prompt, loading.py the sources and checks, tiny.py tiny-lumina, attention.py the kernels,
+run_model.py the bundle and family model); its network:
 networks/lora_lumina.py."""
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ FLOW = FlowSpec(
     size_multiple=16, packed_noise=False, t5_component="text_encoder",
     metadata_options=("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                       "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift"),
+    # lumina_train_util's defaults where they differ from FLUX.1's
+    option_defaults={"timestep_sampling": "shift", "discrete_flow_shift": 6.0, "model_prediction_type": "raw"},
 )
 
 FAMILY = Family(
@@ -33,7 +36,9 @@ FAMILY = Family(
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
     autoencoder_option="ae", single_file_parts=("gemma2", "ae"), linear_projections=False,
     lora_module="networks.lora_lumina", network_modules=("networks.lora_lumina",),
-    gui_boxes=("lumina_checkbox",), gui_rank=3, gui_script="lumina_train.py", gui_te_rates=(),
+    # the kohya_ss GUI's Lumina type is not imported yet (library/ui/gui_network.py still notes its
+    # lumina_checkbox as a family not trained here): no box selects this family
+    gui_boxes=(), gui_rank=3, gui_script="lumina_train.py", gui_te_rates=(),
     gui_db_text_encoder=False,
     unsupported={
         "vae": "Lumina 2's autoencoder (FLUX.1's) is the ae option (sd-scripts' lumina scripts read ae)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ META_CONFIG_KEY = "sdtk.lumina_config"
 @dataclass
 class LuminaModel:
     layout: str  # "original" or "diffusers": where the transformer came from (saved back in it)
+    variant = "lumina2"  # sd-scripts' MODEL_VERSION_LUMINA_V2 (library/models/modelspec.py)
     config: NextDiTConfig
     transformer: NextDiT
     gemma2: Any  # transformers Gemma2Model
@@ -64,7 +66,7 @@ def _header(path: str) -> tuple[dict, dict]:
     """(name -> shape, metadata) of a .safetensors file; ({}, {}) when it is not one."""
     try:
         _, header = safetensors_file.read_header(path)
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, struct.error):  # (a JSON or Unicode error is a ValueError)
         return {}, {}
     meta = header.pop("__metadata__", None) or {}
     return {k: tuple(v["shape"]) for k, v in header.items()}, meta

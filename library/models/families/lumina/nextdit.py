@@ -1,6 +1,6 @@
 """The Lumina Image 2.0 transformer (Next-DiT) in the original module layout.
 
-Module names are those of Alpha-VLLM's Lumina-Image-2.0 and sd-scripts' ``library/lumina_models.py``
+Module names are those of Alpha-VLLM's Lumina-Image-2.0 and sd-scripts' ``lumina_models.NextDiT``
 (``lumina-image-2.safetensors``, ComfyUI's ``lumina_2_model_bf16.safetensors`` with the
 ``model.diffusion_model.`` prefix): ``x_embedder``, ``t_embedder.mlp.{0,2}``, ``cap_embedder.{0,1}``,
 ``{context_refiner,noise_refiner,layers}.N.{attention.{qkv,out,q_norm,k_norm},feed_forward.{w1,w2,w3},

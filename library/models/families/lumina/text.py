@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import torch
 from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
@@ -131,8 +132,8 @@ def config_of_header(path: str) -> dict:
     record, else Gemma-2 2B's after checking every shape; one line naming the file otherwise."""
     try:
         _, header = read_header(path)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"gemma2: cannot read {path} as safetensors: {first_line(e)}") from None
+    except (OSError, ValueError, struct.error) as e:  # (a JSON or Unicode error is a ValueError)
+        raise ModelError(f"gemma2: cannot read {path} as safetensors: {first_line(e) or 'too short'}") from None
     meta = header.pop("__metadata__", None) or {}
     record = embedded_config.read_record(meta, META_CONFIG_KEY, path)
     _, names = _strip(header)

@@ -1,6 +1,6 @@
 """Lumina 2 as the trainer runs it: the model bundle over a LuminaModel and the family model
 (tokenize with the system prompt, encode with Gemma-2, the transformer's forward in the shared
-flow convention), and sd-scripts' Lumina defaults of the flow options.
+flow convention).
 
 The shared losses and sampler (library/training/flow_matching.py) speak FLUX.1's convention: the
 timestep input is sigma (FlowSpec.timestep_scale 1) and the model predicts d x / d sigma =
@@ -18,12 +18,9 @@ from typing import Any
 
 import torch
 
-from library.models.families.lumina import loading, text
+from library.models.families.lumina import attention, loading, text
 from library.models.family import FamilyModel, TextConditioning
 
-# sd-scripts' lumina_train_util defaults where they differ from FLUX.1's (used for options the run
-# does not set)
-FLOW_DEFAULTS = {"timestep_sampling": "shift", "discrete_flow_shift": 6.0, "model_prediction_type": "raw"}
 
 
 @dataclass
@@ -77,9 +74,26 @@ def family_model_for(bundle, opts, *, rewrite=None) -> LuminaFamilyModel:
                              system_prompt=opts.system_prompt or "", rewrite=rewrite)
 
 
+def is_source(name_or_path) -> bool:
+    return loading.is_lumina_source(name_or_path)
+
+
+def check_sources(opts) -> None:
+    """Before any weight loads: the transformer, gemma2 and ae headers, the attention kernel."""
+    loading.check_sources(opts.pretrained_model_name_or_path, opts.gemma2, opts.ae)
+    attention.check(opts.use_flash_attn, opts.use_sage_attn)
+
+
+def save_full(bundle, path: str, dtype, metadata: dict) -> None:
+    """The trained transformer alone, in its source's layout (sd-scripts' lumina_train.py)."""
+    loading.save_transformer(path, bundle.flow, bundle.unet.state_dict(), metadata, dtype)
+
+
 def load_bundle(opts, model_bundle_cls):
-    """The run's ModelBundle (``model_bundle_cls``: library/models/loading.py's) over a LuminaModel."""
+    """The run's ModelBundle (``model_bundle_cls``: library/models/loading.py's) over a LuminaModel,
+    the attention kernel of use_flash_attn / use_sage_attn set."""
     m = loading.load_lumina(opts.pretrained_model_name_or_path, gemma2=opts.gemma2, ae=opts.ae)
+    attention.set_kernel(m.transformer, attention.check(opts.use_flash_attn, opts.use_sage_attn))
     return model_bundle_cls(family="lumina", unet=m.transformer, vae=m.ae, text_encoders=[m.gemma2],
                             tokenizers=[m.tokenizer], noise_scheduler=None, v_parameterization=False,
                             source=str(opts.pretrained_model_name_or_path), identity=m.identity,
