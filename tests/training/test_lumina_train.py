@@ -156,3 +156,28 @@ def test_family_model_reverses_time_and_velocity():
         got = fm.unet_forward(x, sigma, cond)
         want = -parts["transformer"](x, torch.tensor([0.7]), cond.hidden_states, mask)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_text_options_change_the_encoding():
+    """system_prompt puts "<system_prompt> <Prompt Start> " before the caption (its tokens first, then
+    the caption's), gemma2_max_token_length sets the padded length (rounded up to 8)."""
+    class Bundle:
+        parts = tiny.build_tiny_lumina()
+        unet, text_encoders, tokenizers = parts["transformer"], [parts["gemma2"]], [parts["tokenizer"]]
+
+    def model(**values):
+        return run_model.family_model_for(Bundle, options_from_values("train_lora", {
+            "pretrained_model_name_or_path": "tiny-lumina", **values}))
+
+    plain, with_system = model().tokenize(["a dog"]), model(system_prompt="are").tokenize(["a dog"])
+    tok = Bundle.tokenizers[0]
+    assert plain[0].shape == (1, 256) and plain[1].sum() == 3  # BOS, "a", " dog"
+    n = int(with_system[1].sum())
+    assert with_system[0][0, :n].tolist() == tok("are <Prompt Start> a dog").input_ids
+    assert int(with_system[0][0, n - 1]) == int(plain[0][0, 2])  # " dog" last (the caption follows)
+    short = model(gemma2_max_token_length=20).tokenize(["a dog"])
+    assert short[0].shape == (1, 24)
+    with torch.no_grad():
+        a = model().encode(plain, None).hidden_states
+        b = model(system_prompt="are").encode(with_system, None).hidden_states
+    assert not torch.allclose(a[0, :3], b[0, :3])
