@@ -126,12 +126,7 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
     args = {**parse_network_args(kwargs), "split_qkv": False, "embedder_dims": [1] * len(EMBEDDERS),
             "train_blocks": "all"}
     args = {k: v for k, v in args.items() if k not in TYPE_DIM_ARGS}
-    te_targets, tr_targets = all_targets(text_encoders, lumina, args, 1, 1.0)
-    chosen = lora_dit.from_weights(te_targets + tr_targets, weights_sd, file)
-    te_names = {t.name for t in te_targets}
-    network = lora_dit.DiTLoRANetwork([t for t in chosen if t.name in te_names],
-                                      [t for t in chosen if t.name not in te_names], multiplier, 4, 1.0)
-    lora_dit.set_loraplus(network, args)
+    network = lora_dit.network_from_weights(all_targets, text_encoders, lumina, args, weights_sd, file, multiplier)
     return network, weights_sd
 
 

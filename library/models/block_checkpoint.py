@@ -6,6 +6,8 @@ wait in host memory until the backward (pinned when the block runs on CUDA).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -19,3 +21,33 @@ def call(block: nn.Module, args: tuple, *, checkpointing: bool, offload: bool):
                 return checkpoint(block, *args, use_reentrant=False)
         return checkpoint(block, *args, use_reentrant=False)
     return block(*args)
+
+
+class CheckpointedBlocks:
+    """The switches of a transformer whose blocks run through ``run`` (mixed into the nn.Module,
+    which sets gradient_checkpointing, cpu_offload_checkpointing and block_swap)."""
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each block's activations in the backward (in training mode with grad)."""
+        self.gradient_checkpointing = True
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.gradient_checkpointing = False
+
+    def _run(self, block: nn.Module, *args):
+        return run(self, block, *args)
+
+
+def run(model: nn.Module, block: nn.Module, *args):
+    """``block(*args)`` under ``model``'s settings: ``gradient_checkpointing`` (in training mode),
+    ``cpu_offload_checkpointing``, and ``block_swap`` (library/training/block_swap.py's streamer,
+    or None)."""
+    checkpointed = functools.partial(_checkpointed, model, block)
+    if model.block_swap is not None:
+        return model.block_swap.run(block, checkpointed, *args)
+    return checkpointed(*args)
+
+
+def _checkpointed(model: nn.Module, block: nn.Module, *args):
+    return call(block, args, checkpointing=model.gradient_checkpointing and model.training,
+                offload=model.cpu_offload_checkpointing)

@@ -15,18 +15,12 @@ from library.models.families.lumina import nextdit, tiny
 from networks import lora_dit, lora_lumina
 from networks.lora import LoRAError
 from tests.client_key_tables import comfy_dit_shapes
+from tests.networks.test_lora_sd3 import _randomize
 
 
 @pytest.fixture(scope="module")
 def parts():
     return tiny.build_tiny_lumina()
-
-
-def _randomize(network, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in network.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
 
 
 def test_default_targets_by_hand(parts):

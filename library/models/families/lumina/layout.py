@@ -107,6 +107,14 @@ def config_from_shapes(shapes: dict[str, tuple], path: str, meta_config: dict | 
     return config
 
 
+def _block_key(key: str, layout_name: str) -> tuple[str, str, str]:
+    """(block prefix "layers.3.", the key after it, the block kind) of a per-block key."""
+    m = _BLOCK.match(key)
+    if m is None:
+        raise ModelError(f"{layout_name}: unexpected key {key}")
+    return f"{m.group(1)}.{m.group(2)}.", m.group(3), m.group(1)
+
+
 def to_diffusers(sd: dict, config: NextDiTConfig) -> dict:
     """Original-layout tensors -> diffusers' Lumina2Transformer2DModel keys (qkv split)."""
     hd = config.head_dim
@@ -118,15 +126,12 @@ def to_diffusers(sd: dict, config: NextDiTConfig) -> dict:
         if key in _TOP_RENAMES:
             out[_TOP_RENAMES[key]] = t
             continue
-        m = _BLOCK.match(key)
-        if m is None:
-            raise ModelError(f"Lumina transformer: unexpected key {key}")
-        prefix, rest = f"{m.group(1)}.{m.group(2)}.", m.group(3)
+        prefix, rest, kind = _block_key(key, "Lumina transformer")
         if rest == "attention.qkv.weight":
             for name, part in zip(("to_q", "to_k", "to_v"), t.split(sizes, dim=0)):
                 out[f"{prefix}attn.{name}.weight"] = part
         elif rest == "attention_norm1.weight":
-            out[prefix + ("norm1.weight" if m.group(1) == "context_refiner" else "norm1.norm.weight")] = t
+            out[prefix + ("norm1.weight" if kind == "context_refiner" else "norm1.norm.weight")] = t
         elif rest in _BLOCK_RENAMES:
             out[prefix + _BLOCK_RENAMES[rest]] = t
         else:
@@ -147,10 +152,7 @@ def from_diffusers(sd: dict, config: NextDiTConfig, norm_final=None) -> dict:
         if key in back_top:
             out[back_top[key]] = t
             continue
-        m = _BLOCK.match(key)
-        if m is None:
-            raise ModelError(f"diffusers Lumina2 transformer: unexpected key {key}")
-        prefix, rest = f"{m.group(1)}.{m.group(2)}.", m.group(3)
+        prefix, rest, _ = _block_key(key, "diffusers Lumina2 transformer")
         if rest in ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight"):
             qkv.setdefault(prefix, {})[rest[5:9]] = t
         elif rest in ("norm1.weight", "norm1.norm.weight"):

@@ -16,7 +16,6 @@ tokens, then the image tokens, zero-padded to the batch's longest (as sd-scripts
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -208,7 +207,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), self.adaLN_modulation(temb)))
 
 
-class NextDiT(nn.Module):
+class NextDiT(block_checkpoint.CheckpointedBlocks, nn.Module):
     def __init__(self, config: NextDiTConfig):
         super().__init__()
         config.check()
@@ -230,21 +229,6 @@ class NextDiT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.x_embedder.weight.dtype
-
-    def enable_gradient_checkpointing(self) -> None:
-        self.gradient_checkpointing = True
-
-    def disable_gradient_checkpointing(self) -> None:
-        self.gradient_checkpointing = False
-
-    def _call(self, block: nn.Module, *args):
-        return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing and self.training,
-                                     offload=self.cpu_offload_checkpointing)
-
-    def _run(self, block: nn.Module, *args):
-        if self.block_swap is not None:
-            return self.block_swap.run(block, functools.partial(self._call, block), *args)
-        return self._call(block, *args)
 
     def _freqs(self, ids: Tensor) -> Tensor:
         """(B, L, 3) integer positions -> (B, L, head_dim/2) complex rotations."""
