@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not os.path.isfile(os.path.join(a.sd_scripts, "library", "lumina_models.py")):
         print(f"error: --sd-scripts {a.sd_scripts}: not a kohya-ss/sd-scripts checkout with Lumina 2 "
-              "(no library/lumina_models.py)", file=sys.stderr)
+              "(its library folder has no lumina_models.py)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="sdtk-lumina-check-") as tmp:
         work = os.path.abspath(a.work or tmp)
