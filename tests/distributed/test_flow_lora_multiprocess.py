@@ -1,4 +1,5 @@
-"""A FLUX.1 LoRA (transformer and CLIP-L) and an SD3 LoRA (transformer, CLIP-L and CLIP-G), each
+"""A FLUX.1 LoRA (transformer and CLIP-L), an SD3 LoRA (transformer, CLIP-L and CLIP-G) and a Lumina 2
+LoRA (transformer and Gemma-2), each
 trained as 2 processes x batch 1 (one gloo launch of this file's worker, which runs both through
 tests/distributed/test_multiprocess.py's worker, one after the other in the same job), 1 process x
 batch 1 x accumulation 2 and 1 process x batch 2, in this process: the same plan, samples and
@@ -19,7 +20,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # family -> (model, sd-scripts' LoRA module)
-FAMILIES = {"flux": ("tiny-flux", "networks.lora_flux"), "sd3": ("tiny-sd3", "networks.lora_sd3")}
+FAMILIES = {"flux": ("tiny-flux", "networks.lora_flux"), "sd3": ("tiny-sd3", "networks.lora_sd3"),
+            "lumina": ("tiny-lumina", "networks.lora_lumina")}
 
 
 def flow_lora_args(family: str, data: str, out: str, *extra) -> list[str]:
@@ -95,7 +97,8 @@ def family_runs(launch, family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family, te_prefix, block_prefix", [
-    ("flux", "lora_te1_", "lora_unet_single_"), ("sd3", "lora_te2_", "lora_unet_joint_")])
+    ("flux", "lora_te1_", "lora_unet_single_"), ("sd3", "lora_te2_", "lora_unet_joint_"),
+    ("lumina", "lora_te_", "lora_unet_layers_")])
 def test_flow_lora_1x2_2x1_and_accumulation_2_train_the_same(launch, tmp_path_factory, family, te_prefix,
                                                                block_prefix):
     runs = family_runs(launch, family, tmp_path_factory)

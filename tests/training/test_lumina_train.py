@@ -181,3 +181,14 @@ def test_text_options_change_the_encoding():
         a = model().encode(plain, None).hidden_states
         b = model(system_prompt="are").encode(with_system, None).hidden_states
     assert not torch.allclose(a[0, :3], b[0, :3])
+
+
+def test_negative_prompts_have_no_system_prompt():
+    """sd-scripts' samples tokenize the negative prompt without the system prompt (is_negative)."""
+    parts = tiny.build_tiny_lumina()
+    fm = run_model.LuminaFamilyModel(parts["transformer"], [parts["gemma2"]], [parts["tokenizer"]],
+                                     system_prompt=SYSTEM)
+    neg = fm.for_negative_prompts()
+    assert fm.system_prompt == SYSTEM and neg.system_prompt == ""
+    assert neg.tokenize(["blurry"])[0][0].tolist() == parts["tokenizer"](
+        "blurry", padding="max_length", max_length=256).input_ids

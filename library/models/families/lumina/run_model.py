@@ -13,6 +13,7 @@ additive is FLUX.1's formula on the negated output.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,12 @@ class LuminaFamilyModel(FamilyModel):
         texts = [text.with_system_prompt(c, self.system_prompt) for c in captions]
         ids, mask = text.tokenize(self.tokenizers[0], texts, self.gemma2_max_length)
         return [ids, mask]
+
+    def for_negative_prompts(self) -> "LuminaFamilyModel":
+        """sd-scripts tokenizes a sample's negative prompt without the system prompt (is_negative)."""
+        plain = copy.copy(self)
+        plain.system_prompt = ""
+        return plain
 
     def cache_identity(self, partial: bool = False) -> dict:
         return {"gemma2_max_length": text.padded_length(self.gemma2_max_length), "system_prompt": self.system_prompt}
