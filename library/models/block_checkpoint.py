@@ -24,8 +24,10 @@ def call(block: nn.Module, args: tuple, *, checkpointing: bool, offload: bool):
 
 
 class CheckpointedBlocks:
-    """The switches of a transformer whose blocks run through ``run`` (mixed into the nn.Module,
-    which sets gradient_checkpointing, cpu_offload_checkpointing and block_swap)."""
+    """The switches of a transformer whose blocks run through ``_run`` (mixed into the nn.Module,
+    which sets gradient_checkpointing, cpu_offload_checkpointing and block_swap: library/training/
+    block_swap.py's streamer or None). ``_call`` is one block's call under checkpointing; the
+    memory estimate replaces it on the instance (library/training/flow_memory.py)."""
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each block's activations in the backward (in training mode with grad)."""
@@ -34,20 +36,11 @@ class CheckpointedBlocks:
     def disable_gradient_checkpointing(self) -> None:
         self.gradient_checkpointing = False
 
+    def _call(self, block: nn.Module, *args):
+        return call(block, args, checkpointing=self.gradient_checkpointing and self.training,
+                    offload=self.cpu_offload_checkpointing)
+
     def _run(self, block: nn.Module, *args):
-        return run(self, block, *args)
-
-
-def run(model: nn.Module, block: nn.Module, *args):
-    """``block(*args)`` under ``model``'s settings: ``gradient_checkpointing`` (in training mode),
-    ``cpu_offload_checkpointing``, and ``block_swap`` (library/training/block_swap.py's streamer,
-    or None)."""
-    checkpointed = functools.partial(_checkpointed, model, block)
-    if model.block_swap is not None:
-        return model.block_swap.run(block, checkpointed, *args)
-    return checkpointed(*args)
-
-
-def _checkpointed(model: nn.Module, block: nn.Module, *args):
-    return call(block, args, checkpointing=model.gradient_checkpointing and model.training,
-                offload=model.cpu_offload_checkpointing)
+        if self.block_swap is not None:
+            return self.block_swap.run(block, functools.partial(self._call, block), *args)
+        return self._call(block, *args)
