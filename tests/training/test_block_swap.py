@@ -252,7 +252,9 @@ def test_transformer_memory_options_refused_with_an_sd_model(dataset, tmp_path, 
     rc, _, err = run_script("train_dreambooth", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
         str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", *option])
-    assert rc != 0 and f"{option[0][2:]}: an option of FLUX.1 and SD3 transformers" in err
+    from library.models.families import registry
+
+    assert rc != 0 and f"{option[0][2:]}: an option of {registry.titles(flow=True)} transformers" in err
 
 
 def test_sd3_finetune_with_block_swap_equals_without(dataset, tmp_path, train):

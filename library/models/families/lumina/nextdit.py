@@ -264,12 +264,13 @@ class NextDiT(block_checkpoint.CheckpointedBlocks, nn.Module):
             cap_freqs[i, :n] = freqs[i, :n]
             img_freqs[i] = freqs[i, n:n + n_img]
 
+        # the refiners stay on the device under blocks_to_swap (it swaps the joint layers)
         for block in self.context_refiner:
-            cap = self._run(block, cap, cap_mask, cap_freqs)
+            cap = self._call(block, cap, cap_mask, cap_freqs)
         img = x.view(b, ch, gh, p, gw, p).permute(0, 2, 4, 3, 5, 1).reshape(b, n_img, p * p * ch)
         img = self.x_embedder(img)
         for block in self.noise_refiner:
-            img = self._run(block, img, None, img_freqs, temb)
+            img = self._call(block, img, None, img_freqs, temb)
 
         joint = img.new_zeros(b, longest, c.dim)
         mask = torch.zeros(b, longest, dtype=torch.bool, device=dev)
