@@ -211,3 +211,14 @@ def test_block_swap_equals_without(dataset, tmp_path, train):
     initial = tiny.build_tiny_lumina()["transformer"].state_dict()
     assert not torch.equal(plain["layers.1.attention.qkv.weight"], initial["layers.1.attention.qkv.weight"])
     assert all(torch.equal(plain[k], swapped[k]) for k in plain)
+
+
+def test_gen_img_renders_tiny_lumina(tmp_path, monkeypatch):
+    """gen_img.py through the family registry: a Lumina 2 image with a negative prompt (CFG)."""
+    out = tmp_path / "gen"
+    monkeypatch.setattr(sys, "argv", ["gen_img.py", "--ckpt", "tiny-lumina", "--prompt", "a dog --n blurry",
+                                      "--W", "64", "--H", "64", "--steps", "2", "--outdir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path("gen_img.py", run_name="__main__")
+    assert e.value.code in (0, None)
+    assert [f for f in os.listdir(out) if f.endswith(".png")]
