@@ -31,7 +31,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "training_shift", "apply_lg_attn_mask", "clip_l_dropout_rate", "clip_g_dropout_rate",
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
-                "use_t5xxl_cache_only", "num_last_block_to_freeze")
+                "use_t5xxl_cache_only", "num_last_block_to_freeze", "gemma2", "gemma2_max_token_length",
+                "system_prompt", "use_flash_attn", "use_sage_attn")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -69,6 +70,14 @@ def family_before_loading(name_or_path: str | None) -> str | None:
         if fam.home is not None and registry.home(fam.name).claims(path):
             return fam.name
     return None
+
+
+def check_sources(opts, family: str) -> None:
+    """The family's own checks of its parts before any weight loads: its home's optional
+    ``check_sources(opts)`` (base.OPTIONAL_HOOKS), where it has one."""
+    check = getattr(registry.home(family), "check_sources", None)
+    if check is not None:
+        check(opts)
 
 
 def _is_set(opts, name: str) -> bool:

@@ -100,7 +100,9 @@ def build_metadata(*, opts, family: str, v_parameterization: bool, adapter: str 
     if flow is not None:
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
-        md.update({f"ss_{name}": str(getattr(opts, name)) for name in flow.metadata_options})
+        own = flow.option_defaults  # the family's sd-scripts defaults of unset options
+        md.update({f"ss_{name}": str(own[name] if name in own and name not in opts.given else getattr(opts, name))
+                   for name in flow.metadata_options})
     md.update(model_spec_fields(opts))
     if opts.training_comment is not None:
         md["ss_training_comment"] = opts.training_comment

@@ -44,6 +44,7 @@ from torch import nn
 
 from library.errors import UserError
 from library.models import flow_family, flux, fp8, placement, sd3
+from library.models.families.lumina import nextdit
 from library.models.families import registry
 
 logger = logging.getLogger("sdtk")
@@ -92,7 +93,9 @@ def _lists(model: nn.Module) -> list:
         return [model.double_blocks, model.single_blocks]
     if isinstance(model, sd3.MMDiT):
         return [model.joint_blocks]
-    raise BlockSwapError(f"blocks_to_swap: a FLUX.1 or SD3 transformer option, not for {type(model).__name__}")
+    if isinstance(model, nextdit.NextDiT):  # Lumina 2: its joint layers (sd-scripts' has no block swap)
+        return [model.layers]
+    raise BlockSwapError(f"blocks_to_swap: a FLUX.1, SD3 or Lumina 2 transformer option, not for {type(model).__name__}")
 
 
 def counts(model: nn.Module, n: int) -> list[int]:

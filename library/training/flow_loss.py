@@ -125,12 +125,16 @@ class FlowLosses:
 
 
 def flow_options(opts, family: str):
-    """The run's FlowOptions (library/training/flow_matching.py)."""
+    """The run's FlowOptions (library/training/flow_matching.py); an option the run does not set
+    takes the family's sd-scripts default where it has its own (FlowSpec.option_defaults)."""
     # SD3 reads the timestep bounds (FLUX.1 ignores them)
     sd3 = flow_matching.flow_spec(family).training_draw == SHIFTED_BOUNDED
-    return flow_matching.FlowOptions(family=family, timestep_sampling=opts.timestep_sampling,
-                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=opts.discrete_flow_shift,
-                       model_prediction_type=opts.model_prediction_type,
+    own = flow_matching.flow_spec(family).option_defaults
+    value = {n: own[n] if n in own and n not in opts.given else getattr(opts, n)
+             for n in ("timestep_sampling", "discrete_flow_shift", "model_prediction_type")}
+    return flow_matching.FlowOptions(family=family, timestep_sampling=value["timestep_sampling"],
+                       sigmoid_scale=opts.sigmoid_scale, discrete_flow_shift=value["discrete_flow_shift"],
+                       model_prediction_type=value["model_prediction_type"],
                        weighting_scheme=opts.weighting_scheme, logit_mean=opts.logit_mean,
                        logit_std=opts.logit_std, mode_scale=opts.mode_scale,
                        training_shift=opts.training_shift,
@@ -232,6 +236,7 @@ def check_options(opts, method_name: str) -> str | None:
                                       f"({src}); give the {name} file")
             if not os.path.exists(os.path.expanduser(value)):
                 raise flow_family.FlowFamilyError(f"{name}: no such file or directory: {value}")
+    flow_family.check_sources(opts, fam)
     flow = flow_options(opts, fam)
     flow_matching.check_flow_options(flow)
     for name, why in flow_matching.ignored_options(flow):

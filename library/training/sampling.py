@@ -301,7 +301,8 @@ def flow_batch(bundle, family_model, prompts: list[str], negatives: list[str], s
     batch of one; ``packed_draw``: FLUX's noise drawn as sd-scripts, else as diffusers), the
     family's Euler schedule (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the
     in-run samples and gen_img."""
-    pos, neg = (prompt_conditioning(family_model, device, None, texts) for texts in (prompts, negatives))
+    pos = prompt_conditioning(family_model, device, None, prompts)
+    neg = prompt_conditioning(family_model.for_negative_prompts(), device, None, negatives)
     noise = torch.cat([flow_sampling.initial_noise(bundle.family, height, width, s, packed_draw)
                        for s in seeds]).to(device)
     sigmas = flow_sampling.schedule(bundle.family, steps, tuple(noise.shape[2:]), shift=shift)

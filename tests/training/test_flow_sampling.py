@@ -286,6 +286,6 @@ def test_flow_prompt_warnings(train, dataset, tmp_path, caplog):
                                                       "--max_train_steps", "1", "--sample_sampler", "euler"))
     assert rc == 0, err
     text = caplog.text + err
-    assert "option sample_sampler has no effect here (FLUX.1 and SD3 sample with their" in text
+    assert "option sample_sampler has no effect here (FLUX.1, SD3 and Lumina 2 sample with their" in text
     assert "--g is FLUX.1 dev's guidance input" in text
     assert "--ss euler_a: sd3 samples with its flow-matching Euler sampler" in text

@@ -41,6 +41,10 @@ SAMPLE_SCHEDULES = (SEQUENCE_SHIFT, FIXED_SHIFT)
 # and the constant BUILTIN_NAMES: the built-in names it builds (its tiny_models and arch_models)
 HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memory_parts", "memory_family_model",
          "memory_conditioning", "memory_text_tokens", "memory_text_entry_bytes")
+# and, where a family has them:
+#   check_sources(opts)                    its own checks of its parts before any weight loads
+#                                          (headers, kernels), one line each
+OPTIONAL_HOOKS = ("check_sources",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class FlowSpec:
     packed_noise: bool          # sample noise drawn in the 2x2-packed layout (sd-scripts' FLUX.1)
     t5_component: str           # the T5-XXL's component name (memory estimate, partial cache)
     metadata_options: tuple[str, ...]  # recorded as ss_<option> (sd-scripts' update_metadata)
+    option_defaults: dict       # flow options whose sd-scripts default differs for this family: the
+                                # value an option the run does not set takes (and records)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ FLOW = FlowSpec(
     metadata_options=("apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
+    option_defaults={},
 )
 
 FAMILY = Family(

@@ -19,6 +19,7 @@ FLOW = FlowSpec(
     size_multiple=8, packed_noise=False, t5_component="text_encoder_3",
     metadata_options=("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale"),
+    option_defaults={},
 )
 
 FAMILY = Family(
