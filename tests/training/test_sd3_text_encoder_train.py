@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from library.models.families import registry
 from library.run.run_state import HOOKS
 
 LRS = {"learning_rate": 1e-3, "clip_l": 0.5, "clip_g": 0.25, "t5xxl": 0.125}
@@ -138,7 +139,7 @@ def test_sd3_text_encoder_refusals_are_one_line(dataset, tmp_path, run_script, e
 @pytest.mark.parametrize("model, extra, message", [
     ("tiny-flux", ["--train_t5xxl"], "train_t5xxl: not with the FLUX.1 model tiny-flux"),
     ("tiny-flux", ["--learning_rate_te3", "1e-4"], "learning_rate_te3: not with the FLUX.1 model tiny-flux"),
-    ("tiny-sdxl", ["--train_text_encoder", "--train_t5xxl"], "train_t5xxl: an option of FLUX.1, SD3 and Lumina 2 models"),
+    ("tiny-sdxl", ["--train_text_encoder", "--train_t5xxl"], f"train_t5xxl: an option of {registry.titles(flow=True)} models"),
     ("tiny-flux", ["--weighted_captions"], "weighted_captions: not with the FLUX.1 model tiny-flux: sd-scripts' "
                                             "FLUX.1 / SD3 text encodings have no prompt weighting"),
     ("tiny-sd3", ["--weighted_captions"], "weighted_captions: not with the SD3 model tiny-sd3: sd-scripts' "
