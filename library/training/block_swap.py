@@ -44,7 +44,6 @@ from torch import nn
 
 from library.errors import UserError
 from library.models import flow_family, flux, fp8, placement, sd3
-from library.models.families.lumina import nextdit
 from library.models.families import registry
 
 logger = logging.getLogger("sdtk")
@@ -93,9 +92,11 @@ def _lists(model: nn.Module) -> list:
         return [model.double_blocks, model.single_blocks]
     if isinstance(model, sd3.MMDiT):
         return [model.joint_blocks]
-    if isinstance(model, nextdit.NextDiT):  # Lumina 2: its joint layers (sd-scripts' has no block swap)
-        return [model.layers]
-    raise BlockSwapError(f"blocks_to_swap: a FLUX.1, SD3 or Lumina 2 transformer option, not for {type(model).__name__}")
+    own = getattr(model, "swap_block_lists", None)  # a family's transformer that names its own lists
+    if own is not None:
+        return own()
+    raise BlockSwapError(f"blocks_to_swap: an option of {registry.titles(flow=True)} transformers, "
+                         f"not for {type(model).__name__}")
 
 
 def counts(model: nn.Module, n: int) -> list[int]:

@@ -230,6 +230,11 @@ class NextDiT(block_checkpoint.CheckpointedBlocks, nn.Module):
     def dtype(self) -> torch.dtype:
         return self.x_embedder.weight.dtype
 
+    def swap_block_lists(self) -> list:
+        """What blocks_to_swap swaps (library/training/block_swap.py): the joint layers; the refiners
+        stay on the device (sd-scripts' Lumina trainer has no block swap)."""
+        return [self.layers]
+
     def _freqs(self, ids: Tensor) -> Tensor:
         """(B, L, 3) integer positions -> (B, L, head_dim/2) complex rotations."""
         parts = [table.to(ids.device)[ids[..., i].long()] for i, table in enumerate(self._rope)]
