@@ -227,6 +227,8 @@ REFERENCE = {
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
     "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
     "apply_lg_attn_mask": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
+    # sd-scripts' --model_type: checked against the weights' family before loading
+    "model_type": T + "config/test_sd_scripts_flow_options.py::test_model_type_names_the_family_the_weights_must_be",
     # Lumina 2
     "gemma2": T + "models/test_lumina_loading.py::test_single_file_with_gemma2_and_ae",
     "gemma2_max_token_length": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
