@@ -7,6 +7,7 @@ wait in host memory until the backward (pinned when the block runs on CUDA).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,11 @@ class CheckpointedBlocks:
     which sets gradient_checkpointing, cpu_offload_checkpointing and block_swap: library/training/
     block_swap.py's streamer or None). ``_call`` is one block's call under checkpointing; the
     memory estimate replaces it on the instance (library/training/flow_memory.py)."""
+
+    training: bool  # nn.Module's
+    gradient_checkpointing: bool
+    cpu_offload_checkpointing: bool
+    block_swap: Any
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute each block's activations in the backward (in training mode with grad)."""

@@ -7,11 +7,16 @@ home.py the hooks: detection, checks, bundle, family model, save); its network:
 networks/lora_lumina.py."""
 from __future__ import annotations
 
+from library.models.families import anima
 from library.models.families.base import FIXED_SHIFT, TIMESTEP_SAMPLING, Family, FlowSpec
 
 _POS_EMB = "SD3's position-embedding table; Lumina 2 has rotary positions"
 _TE_DROPOUT = "SD3's text-encoder dropout (sd-scripts has none for Lumina 2)"
 _NOT_T5 = "Lumina 2's only text encoder is Gemma-2 (the gemma2 option); it has no {}"
+# the options only Lumina 2 reads (library/config/options.py); FLUX.1 (so Chroma) and SD3 refuse
+# them with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
+OWN_OPTIONS = ("gemma2", "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+REFUSED_ELSEWHERE = {name: "a Lumina 2 option (sd-scripts' lumina scripts)" for name in OWN_OPTIONS}
 
 FLOW = FlowSpec(
     # the family model hands the transformer 1 - sigma (Lumina's t) and negates its velocity, so the
@@ -57,6 +62,7 @@ FAMILY = Family(
         **{name: _POS_EMB for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")},
         **{name: "FLUX.1's block-swap split; Lumina 2 has one stack of blocks"
            for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")},
+        **anima.REFUSED_ELSEWHERE,
     },
     no_effect={
         "train_text_encoder": "sd-scripts' lumina_train.py trains the transformer alone (Gemma-2 stays frozen)",

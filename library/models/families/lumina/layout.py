@@ -19,6 +19,7 @@ per block ``attention.qkv`` -> ``attn.to_q|to_k|to_v`` (rows split n_heads : n_k
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from library.errors import ModelError
 from library.models.families.lumina.nextdit import NextDiTConfig
@@ -79,7 +80,8 @@ def config_from_shapes(shapes: dict[str, tuple], path: str, meta_config: dict | 
     wins); one line naming ``path`` when the tensors are not a Lumina 2 transformer's."""
     if meta_config is not None:
         try:
-            return NextDiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta_config.items()})
+            fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in meta_config.items()}
+            return NextDiTConfig(**fields)
         except TypeError as e:
             raise ModelError(f"{path}: its Lumina config record is not valid ({e})") from None
     try:
@@ -147,7 +149,8 @@ def from_diffusers(sd: dict, config: NextDiTConfig, norm_final=None) -> dict:
 
     back_top = {v: k for k, v in _TOP_RENAMES.items()}
     back_block = {v: k for k, v in _BLOCK_RENAMES.items()}
-    out, qkv = {}, {}
+    out: dict = {}
+    qkv: dict = {}
     for key, t in sd.items():
         if key in back_top:
             out[back_top[key]] = t

@@ -89,7 +89,8 @@ def is_lumina_source(name_or_path: str | None) -> bool:
 def _transformer_config(path: str) -> NextDiTConfig:
     if os.path.isdir(path):
         cfg = _diffusers_config(path)
-        shapes = {}
+        assert cfg is not None, path  # check_sources read it
+        shapes: dict[str, tuple] = {}
         for name in sorted(os.listdir(os.path.join(path, "transformer"))):
             if name.endswith(".safetensors"):
                 shapes.update(_header(os.path.join(path, "transformer", name))[0])
@@ -172,6 +173,7 @@ def load_lumina(name_or_path: str, *, gemma2: str | None = None, ae: str | None 
     for k in ("gemma2", "ae"):
         # nn.Module.to directly: diffusers' override only adds a warning about fp32-kept modules (none here)
         parts[k] = torch.nn.Module.to(parts[k], dtype).eval()
+    assert ae_ident is not None  # check_sources refused a single file without ae
     return LuminaModel(kind, config, transformer.to(dtype).eval(), parts["gemma2"], parts["tokenizer"], parts["ae"],
                        ident, ae_ident)
 
@@ -191,6 +193,7 @@ def _build(config: NextDiTConfig, sd: dict, path: str, dtype: torch.dtype) -> Ne
 def _file_transformer(path: str, config: NextDiTConfig, dtype: torch.dtype) -> NextDiT:
     sd, _ = read_state_dict(path)
     names = layout.original_keys(sd)
+    assert names is not None, path  # check_sources read its header
     return _build(config, {k: sd[v] for k, v in names.items()}, path, dtype)
 
 
