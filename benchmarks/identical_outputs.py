@@ -1,10 +1,10 @@
-"""Nothing changes for the five families: fixed tiny runs of every family and method write the same
+"""Nothing changes for the families: fixed tiny runs of every family and method write the same
 files before and after a redesign (issue 38; the family / method registry).
 
     python benchmarks/identical_outputs.py run --out /tmp/same-before [--only sd1_lora leco]
     python benchmarks/identical_outputs.py compare /tmp/same-before/manifest.json /tmp/same-after/manifest.json
 
-``run`` trains ten fixed runs, each in its own process with one CPU thread and seed 7 (64 px
+``run`` trains twelve fixed runs, each in its own process with one CPU thread and seed 7 (64 px
 generated images, 2 steps, the final save), and prints one SHA-256 per output file; ``manifest.json``
 holds what benchmarks/identity.py compares (every tensor's dtype, shape and SHA-256 of its bytes,
 and the metadata without its time stamps ss_training_started_at / modelspec.date, which no two
@@ -16,6 +16,7 @@ bytes and equal metadata. The runs:
   flux_lora           train_lora, tiny-flux, networks.lora_flux
   sd3_finetune        finetune, tiny-sd3
   anima_lora          train_lora, tiny-anima, networks.lora_anima
+  lumina_lora         train_lora, tiny-lumina, networks.lora_lumina, a system prompt
   sd1_dreambooth      train_dreambooth, tiny-sd15, its text encoder too
   ti                  train_textual_inversion, tiny-sd15, 2 vectors
   leco                train_leco, tiny-sd15, the shipped configs/leco/prompts.toml (erase, slider)
@@ -62,6 +63,8 @@ def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[
         "sd3_finetune": ("finetune.py", [*model("tiny-sd3"), *folder, *full]),
         "anima_lora": ("train_lora.py", [*model("tiny-anima"), *folder, *lora, "--network_module",
                                          "networks.lora_anima"]),
+        "lumina_lora": ("train_lora.py", [*model("tiny-lumina"), *folder, *lora, "--network_module",
+                                          "networks.lora_lumina", "--system_prompt", "You are an assistant"]),
         "sd1_dreambooth": ("train_dreambooth.py", [*model("tiny-sd15"), *folder, *full, "--train_text_encoder"]),
         "ti": ("train_textual_inversion.py", [*model("tiny-sd15"), *folder, "--token_string", "mytok",
                                               "--init_word", "shape", "--caption_prefix", "mytok",

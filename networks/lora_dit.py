@@ -258,6 +258,20 @@ def from_weights(targets: list[Target], weights_sd: dict[str, torch.Tensor], fil
     return [Target(t.name, t.module, dims[t.name], float(alphas[t.name])) for t in targets if t.name in dims]
 
 
+def network_from_weights(all_targets, text_encoders, model, args: dict[str, Any], weights_sd, file,
+                         multiplier: float, network_class: type | None = None) -> "DiTLoRANetwork":
+    """A network of the modules a LoRA file names, with its ranks and alphas: ``all_targets`` as in
+    build_network, over ``args`` that give every candidate a rank; weights are not loaded here."""
+    te_targets, tr_targets = all_targets(text_encoders, model, args, 1, 1.0)
+    chosen = from_weights(te_targets + tr_targets, weights_sd, file)
+    te_names = {t.name for t in te_targets}
+    network = (network_class or DiTLoRANetwork)([t for t in chosen if t.name in te_names],
+                                                [t for t in chosen if t.name not in te_names], multiplier=multiplier,
+                                                lora_dim=4, alpha=1.0)
+    set_loraplus(network, args)
+    return network
+
+
 def log_modules(network: LoRANetwork, module: str, args: dict[str, Any]) -> None:
     """The module count, and with network_args verbose=True every module's rank and alpha (sd-scripts' listing)."""
     logger.info(f"{module}: {len(network.text_encoder_loras)} text encoder and {len(network.unet_loras)} "

@@ -156,12 +156,7 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
     args = {**args, "split_qkv": False, "train_t5xxl": any(k.startswith(PREFIX_T5 + "_") for k in weights_sd),
             "in_dims": [1] * len(IN_LAYERS), "train_blocks": "all", "train_double_block_indices": "all",
             "train_single_block_indices": "all"}
-    te_targets, tr_targets = all_targets(text_encoders, flux, args, 1, 1.0)
-    chosen = lora_dit.from_weights(te_targets + tr_targets, weights_sd, file)
-    te_names = {t.name for t in te_targets}
-    network = lora_dit.DiTLoRANetwork([t for t in chosen if t.name in te_names],
-                                      [t for t in chosen if t.name not in te_names], multiplier, 4, 1.0)
-    lora_dit.set_loraplus(network, args)
+    network = lora_dit.network_from_weights(all_targets, text_encoders, flux, args, weights_sd, file, multiplier)
     return network, weights_sd
 
 

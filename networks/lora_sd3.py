@@ -142,12 +142,8 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae, tex
         weights_sd = load_state_dict_file(file)
     args = {**parse_network_args(kwargs), "split_qkv": False, "emb_dims": [1] * len(EMB_LAYERS),
             "train_t5xxl": any(k.startswith(PREFIXES[2] + "_") for k in weights_sd), "train_block_indices": "all"}
-    te_targets, tr_targets = all_targets(text_encoders, mmdit, args, 1, 1.0)
-    chosen = lora_dit.from_weights(te_targets + tr_targets, weights_sd, file)
-    te_names = {t.name for t in te_targets}
-    network = SD3LoRANetwork([t for t in chosen if t.name in te_names],
-                                      [t for t in chosen if t.name not in te_names], multiplier, 4, 1.0)
-    lora_dit.set_loraplus(network, args)
+    network = lora_dit.network_from_weights(all_targets, text_encoders, mmdit, args, weights_sd, file, multiplier,
+                                            SD3LoRANetwork)
     return network, weights_sd
 
 

@@ -217,6 +217,19 @@ OPTIONS: tuple[Option, ...] = (
       "\"chroma\"; the kohya_ss GUI's FLUX.1 model type): the family the weights must be. The family "
       "comes from the weights; a given model_type that differs stops before any weight loads. Unset: "
       "any family (each family's model_type: docs/MODELS.md).", "model", scripts=NOT_TI),
+    # Lumina 2 (sd-scripts' lumina_train_util; library/models/families/lumina/)
+    O("gemma2", "path", None, "Lumina 2: the Gemma-2 2B text encoder (a .safetensors file or a transformers "
+      "folder) beside a single-file transformer (sd-scripts' --gemma2); replaces a diffusers folder's own.",
+      "model", scripts=NOT_TI),
+    O("gemma2_max_token_length", "int", None, "Lumina 2: Gemma-2 prompt length in tokens, rounded up to a "
+      "multiple of 8; unset = sd-scripts' 256.", "model", scripts=NOT_TI, min=1),
+    O("system_prompt", "str", "", "Lumina 2: text put before every caption and sample prompt as "
+      "\"<system_prompt> <Prompt Start> <caption>\" (sd-scripts' --system_prompt; empty: none).", "model",
+      scripts=NOT_TI),
+    O("use_flash_attn", "bool", False, "Lumina 2: the transformer attends with flash_attn's kernels "
+      "(CUDA, the flash-attn package).", "model", scripts=NOT_TI),
+    O("use_sage_attn", "bool", False, "Lumina 2: sageattention's kernel in no-grad forwards (samples, "
+      "validation; it has no backward pass, so training forwards use SDPA).", "model", scripts=NOT_TI),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -663,7 +676,7 @@ OPTIONS: tuple[Option, ...] = (
     # flow matching (FLUX.1): library/training/flow_matching.py, docs/FLOW_MATCHING.md
     O("timestep_sampling", "str", "sigma", "FLUX.1: how a sample's noise level sigma is drawn "
       "(sd-scripts' names and default; its docs recommend shift or flux_shift).", "loss",
-      scripts=NOT_TI, choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift")),
+      scripts=NOT_TI, choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift", "nextdit_shift")),
     O("sigmoid_scale", "float", 1.0, "FLUX.1: scale of the normal draw inside the sigmoid of "
       "timestep_sampling sigmoid, shift and flux_shift.", "loss", scripts=NOT_TI),
     O("discrete_flow_shift", "float", 3.0, "FLUX.1: the shift s of timestep_sampling shift and of "
@@ -1087,8 +1100,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
                  "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
                  "lf", "Anima"),
-    *_gui_family("gemma2 gemma2_max_token_length system_prompt use_flash_attn use_sage_attn", "lf",
-                 "Lumina"),
+    *(GuiKey(n, "lf", "option") for n in  # Lumina 2: library/models/families/lumina/
+      "gemma2 gemma2_max_token_length system_prompt use_flash_attn use_sage_attn".split()),
 )
 
 # Keys the textual-inversion tab (t) writes (kohya_gui/textual_inversion_gui.py config_toml_data);

@@ -43,6 +43,11 @@ class Options:
     pos_emb_random_crop_rate: float = ...  # default 0.0
     enable_scaled_pos_embed: bool = ...  # default False
     model_type: str | None = ...  # default None
+    gemma2: str | None = ...  # default None
+    gemma2_max_token_length: int | None = ...  # default None
+    system_prompt: str = ...  # default ''
+    use_flash_attn: bool = ...  # default False
+    use_sage_attn: bool = ...  # default False
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False

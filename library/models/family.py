@@ -184,6 +184,11 @@ class FamilyModel:
         partial cache's part alone."""
         return {}
 
+    def for_negative_prompts(self) -> "FamilyModel":
+        """The family model that encodes samples' negative prompts: this one, except where the
+        family encodes them differently (Lumina 2: without the system prompt)."""
+        return self
+
     def drop_encoders(self, cond: TextConditioning, seeds: list[int]) -> TextConditioning:
         """A training batch's conditioning with per-sample text-encoder dropout (``seeds``: one
         per sample); only SD3 has one (clip_l / clip_g / t5_dropout_rate)."""

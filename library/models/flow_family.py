@@ -37,7 +37,8 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
                 "use_t5xxl_cache_only", "num_last_block_to_freeze", "qwen3", "llm_adapter_path",
-                "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
+                "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "gemma2",
+                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -75,6 +76,14 @@ def family_before_loading(name_or_path: str | None) -> str | None:
         if fam.home is not None and registry.home(fam.name).claims(path):
             return fam.name
     return None
+
+
+def check_sources(opts: Options, family: str) -> None:
+    """The family's own checks of its parts before any weight loads: its home's optional
+    ``check_sources(opts)`` (base.OPTIONAL_HOOKS), where it has one."""
+    check = getattr(registry.home(family), "check_sources", None)
+    if check is not None:
+        check(opts)
 
 
 def _is_set(opts: Options, name: str) -> bool:

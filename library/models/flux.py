@@ -17,7 +17,6 @@ attention as keys, as sd-scripts does; they still attend as queries.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -338,7 +337,7 @@ class LastLayer(nn.Module):
         return self.linear((1 + scale) * self.norm_final(x) + shift)
 
 
-class Flux(nn.Module):
+class Flux(block_checkpoint.CheckpointedBlocks, nn.Module):
     """The FLUX.1 flow-matching transformer; forward returns the velocity prediction per packed
     image token."""
 
@@ -366,22 +365,6 @@ class Flux(nn.Module):
         # cpu_offload_checkpointing: with gradient checkpointing, what each checkpoint keeps
         # (the block's inputs) is held in host memory until the backward (sd-scripts' option)
         self.cpu_offload_checkpointing = False
-
-    def enable_gradient_checkpointing(self) -> None:
-        """Recompute each block's activations in the backward (in training mode with grad)."""
-        self.gradient_checkpointing = True
-
-    def disable_gradient_checkpointing(self) -> None:
-        self.gradient_checkpointing = False
-
-    def _call(self, block: nn.Module, *args):
-        return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing and self.training,
-                                     offload=self.cpu_offload_checkpointing)
-
-    def _run(self, block: nn.Module, *args):
-        if self.block_swap is not None:
-            return self.block_swap.run(block, functools.partial(self._call, block), *args)
-        return self._call(block, *args)
 
     def forward(self, img: Tensor, img_ids: Tensor, txt: Tensor, txt_ids: Tensor, timesteps: Tensor, y: Tensor,
                 guidance: Tensor | None = None, txt_attention_mask: Tensor | None = None) -> Tensor:

@@ -97,7 +97,11 @@ def _lists(model: nn.Module) -> list:
         return [model.double_blocks, model.single_blocks]
     if isinstance(model, sd3.MMDiT):
         return [model.joint_blocks]
-    raise BlockSwapError(f"blocks_to_swap: a FLUX.1 or SD3 transformer option, not for {type(model).__name__}")
+    own = getattr(model, "swap_block_lists", None)  # a family's transformer that names its own lists
+    if own is not None:
+        return own()
+    raise BlockSwapError(f"blocks_to_swap: an option of {registry.titles(flow=True)} transformers, "
+                         f"not for {type(model).__name__}")
 
 
 def counts(model: nn.Module, n: int) -> list[int]:

@@ -241,6 +241,7 @@ def check_options(opts: Options, method_name: str) -> str | None:
                                       f"({src}); give the {name} file")
             if not os.path.exists(os.path.expanduser(value)):
                 raise flow_family.FlowFamilyError(f"{name}: no such file or directory: {value}")
+    flow_family.check_sources(opts, fam)
     flow = flow_options(opts, fam)
     flow_matching.check_flow_options(flow)
     for name, why in flow_matching.ignored_options(flow):

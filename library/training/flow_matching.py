@@ -37,7 +37,8 @@ from library.models.families import registry
 from library.models.families.base import SHIFTED_BOUNDED, TIMESTEP_SAMPLING, FlowSpec
 
 FAMILIES = registry.FLOW_FAMILIES
-TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
+TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift", "nextdit_shift")
+NEXTDIT_MIN_SIGMA = 1e-7  # nextdit_shift's clamp of its uniform draw (sd-scripts' lumina_train_util)
 MODEL_PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
 # "uniform" (sd-scripts' default) and "none" are the same: uniform density, weight 1
 WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
@@ -229,7 +230,7 @@ def variate_kind(o: FlowOptions) -> str:
     flux = not _bounded(o)
     if flux and o.timestep_sampling in ("sigmoid", "shift", "flux_shift"):
         return "normal"
-    if flux and o.timestep_sampling == "uniform":
+    if flux and o.timestep_sampling in ("uniform", "nextdit_shift"):
         return "uniform"
     return "normal" if o.weighting_scheme == "logit_normal" else "uniform"
 
@@ -243,6 +244,8 @@ def sigmas_from_variates(o: FlowOptions, v, image_seq_len: int):
         ts = o.timestep_sampling
         if ts == "uniform":
             sigmas = v
+        elif ts == "nextdit_shift":  # Lumina 2's: the uniform draw, time-shifted by the sequence's mu
+            sigmas = time_shift(flux_mu(image_seq_len), torch.clamp(v, min=NEXTDIT_MIN_SIGMA))
         else:
             sigmas = torch.sigmoid(o.sigmoid_scale * v)
             if ts == "shift":

@@ -329,8 +329,8 @@ def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | No
     FLUX's noise drawn as sd-scripts, else as diffusers), the family's Euler schedule
     (``shift``: SD3's, default sd-scripts' 3.0); the one flow path of the in-run samples and
     gen_img."""
-    pos, neg = (prompt_conditioning(family_model, device, None, texts)
-                for texts in (batch.prompts, batch.negatives))
+    pos = prompt_conditioning(family_model, device, None, batch.prompts)
+    neg = prompt_conditioning(family_model.for_negative_prompts(), device, None, batch.negatives)
     noise = torch.cat([flow_sampling.initial_noise(bundle.family, batch.height, batch.width, s, packed_draw)
                        for s in batch.seeds]).to(device)
     sigmas = flow_sampling.schedule(bundle.family, batch.steps, tuple(noise.shape[2:]), shift=shift)

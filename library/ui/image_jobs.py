@@ -68,10 +68,10 @@ def _absolute(path: str) -> str:
 def run_model(opts, output_dir: str, output_name: str) -> RunModel:
     flags: list[str] = []
     for name in _MODEL_FILES:
-        v = getattr(opts, name, None)
+        v = getattr(opts, name)
         if v:
             flags += [f"--{name}", _absolute(v)]
-    flags += [f"--{name}" for name in ("v2", "v_parameterization") if getattr(opts, name, False)]
+    flags += [f"--{name}" for name in ("v2", "v_parameterization") if getattr(opts, name)]
     module = opts.network_module if "network_module" in opts.given else None
     return RunModel(_absolute(opts.pretrained_model_name_or_path), output_dir, output_name,
                     tuple(flags), module)

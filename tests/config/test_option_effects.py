@@ -233,6 +233,14 @@ REFERENCE = {
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
     "training_shift": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
     "apply_lg_attn_mask": T + "training/test_sd3_train.py::test_sd3_options_change_the_loss_or_the_encoding",
+    # sd-scripts' --model_type: checked against the weights' family before loading
+    "model_type": T + "config/test_sd_scripts_flow_options.py::test_model_type_names_the_family_the_weights_must_be",
+    # Lumina 2
+    "gemma2": T + "models/test_lumina_loading.py::test_single_file_with_gemma2_and_ae",
+    "gemma2_max_token_length": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
+    "system_prompt": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
+    "use_flash_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
+    "use_sage_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
     # SD3's text-encoder dropout (flow-te)
     "clip_l_dropout_rate": T + "training/test_sd3_train.py::test_sd3_text_encoder_dropout_against_a_seeded_hand_computation",
     "clip_g_dropout_rate": T + "training/test_sd3_train.py::test_sd3_every_encoder_dropped_trains_on_zero_text",

@@ -561,6 +561,26 @@ def test_sd_scripts_flux_check_without_sd_scripts(tmp_path, capsys):
     assert set(check.expected_values("sdxl-lora-b4")) <= set(check.expected_values("flux-lora-b1"))
 
 
+def test_sd_scripts_lumina_check_without_sd_scripts(tmp_path, capsys):
+    """benchmarks/sd_scripts_lumina_check.py: a folder that is not an sd-scripts checkout is one line
+    and exit 2; our side's files load back (the transformer strict, the outputs of both forwards)."""
+    from safetensors.torch import load_file
+
+    from library.models.families.lumina import nextdit
+
+    check = _load("sd_scripts_lumina_check")
+    assert check.main(["--sd-scripts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sd-scripts") and "\n" not in err
+    config = check.write_inputs(str(tmp_path))
+    model = nextdit.NextDiT(nextdit.NextDiTConfig(**{k: v for k, v in config.items()}))
+    model.load_state_dict(load_file(str(tmp_path / "transformer.safetensors")), strict=True)
+    io = load_file(str(tmp_path / "io.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(model(io["x"], io["t"], io["cap"], io["mask"]), io["out"])
+    assert not torch.allclose(io["out"], io["out_lora"])
+
+
 def test_text_cache_rate_encodes_every_caption(capsys):
     from benchmarks import text_cache_rate
 

@@ -253,8 +253,8 @@ def test_transformer_memory_options_refused_with_an_sd_model(dataset, tmp_path, 
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
         str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", *option])
     # the flow families that do not refuse it (Anima has no block swap; its DiT offloads checkpoints)
-    titles = ("Chroma, FLUX.1, SD3 and Anima" if option[0] == "--cpu_offload_checkpointing"
-              else "Chroma, FLUX.1 and SD3")
+    titles = ("Chroma, FLUX.1, SD3, Anima and Lumina 2" if option[0] == "--cpu_offload_checkpointing"
+              else "Chroma, FLUX.1, SD3 and Lumina 2")
     assert rc != 0 and f"{option[0][2:]}: an option of {titles} transformers" in err
 
 

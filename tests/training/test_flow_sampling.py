@@ -21,6 +21,7 @@ from PIL import Image
 
 from library.config import parse
 from library.models import flow_family, flux, sd3_checkpoint
+from library.models.families import registry
 from library.training import flow_matching, flow_sampling, sampling
 
 
@@ -286,6 +287,6 @@ def test_flow_prompt_warnings(train, dataset, tmp_path, caplog):
                                                       "--max_train_steps", "1", "--sample_sampler", "euler"))
     assert rc == 0, err
     text = caplog.text + err
-    assert "option sample_sampler has no effect here (Chroma, FLUX.1, SD3 and Anima sample with their" in text
+    assert f"option sample_sampler has no effect here ({registry.titles(flow=True)} sample with their" in text
     assert "--g is FLUX.1 dev's guidance input" in text
     assert "--ss euler_a: sd3 samples with its flow-matching Euler sampler" in text

@@ -152,7 +152,7 @@ def test_flux_options_refused_with_an_sd_model(dataset, tmp_path, run_script, no
     rc, _, err = run_script("train_dreambooth", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
         str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", "--guidance_scale", "1.0"])
-    assert rc != 0 and "guidance_scale: an option of FLUX.1 models" in err
+    assert rc != 0 and "guidance_scale: an option of Chroma and FLUX.1 models" in err
 
 
 def test_flux_lora_with_an_sd_network_module_refused_in_one_line(dataset, tmp_path, run_script, no_flux_loading):

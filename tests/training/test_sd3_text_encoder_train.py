@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from library.models.families import registry
 from library.run.run_state import HOOKS
 
 LRS = {"learning_rate": 1e-3, "clip_l": 0.5, "clip_g": 0.25, "t5xxl": 0.125}

@@ -44,6 +44,10 @@ SHIFTED_SCHEDULES = (FIXED_SHIFT, LINEAR_SHIFT)  # the schedules that read sampl
 # and the constant BUILTIN_NAMES: the built-in names it builds (its tiny_models and arch_models)
 HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memory_parts", "memory_family_model",
          "memory_conditioning", "memory_text_tokens", "memory_text_entry_bytes")
+# and, where a family has them:
+#   check_sources(opts)                    its own checks of its parts before any weight loads
+#                                          (headers, kernels), one line each
+OPTIONAL_HOOKS = ("check_sources",)
 
 
 @dataclass(frozen=True)

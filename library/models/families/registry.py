@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import importlib
 
-from library.models.families import anima, chroma, flux, sd1, sd2, sd3, sdxl
+from library.models.families import anima, chroma, flux, lumina, sd1, sd2, sd3, sdxl
 from library.models.families.base import Family
 
 # one registration per family: its folder's FAMILY; detection asks the homes in this order, so a
 # FLUX.1 derivative (Chroma, whose files hold FLUX.1's blocks) comes before FLUX.1
 FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, chroma.FAMILY, flux.FAMILY,
-                                                   sd3.FAMILY, anima.FAMILY)}
+                                                   sd3.FAMILY, anima.FAMILY, lumina.FAMILY)}
 FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
 
 

@@ -5,7 +5,7 @@ Model code: library/models/flux*.py, flow_family.py, t5.py, clip_l_file.py, tiny
 its networks: networks/lora_flux.py, networks/oft_flux.py."""
 from __future__ import annotations
 
-from library.models.families import anima
+from library.models.families import anima, lumina
 from library.models.families.base import SEQUENCE_SHIFT, TIMESTEP_SAMPLING, Family, FlowSpec
 
 _TE_DROPOUT = "SD3's text-encoder dropout (sd-scripts has none for FLUX.1)"
@@ -49,7 +49,7 @@ FAMILY = Family(
         "use_t5xxl_cache_only": "SD3's sd3_train.py option (flux_train.py trains the transformer alone; a "
                                 "FLUX.1 LoRA training CLIP-L caches T5's outputs alone)",
         **{name: _POS_EMB for name in ("pos_emb_random_crop_rate", "enable_scaled_pos_embed")},
-        **anima.REFUSED_ELSEWHERE,
+        **anima.REFUSED_ELSEWHERE, **lumina.REFUSED_ELSEWHERE,
     },
     # the GUI writes max_timestep = 1000 for FLUX.1 too; sd-scripts' FLUX.1 trainers ignore the bounds
     no_effect={

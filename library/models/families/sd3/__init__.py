@@ -5,7 +5,7 @@ Model code: library/models/sd3*.py, flow_family.py (SD3FamilyModel), t5.py; its 
 networks/lora_sd3.py."""
 from __future__ import annotations
 
-from library.models.families import anima
+from library.models.families import anima, lumina
 from library.models.families.base import FIXED_SHIFT, SHIFTED_BOUNDED, Family, FlowSpec
 
 _OLD_SWAP = "sd-scripts' deprecated FLUX.1 block-swap name; give blocks_to_swap"
@@ -35,7 +35,7 @@ FAMILY = Family(
     model_type=None, gui_boxes=("sd3_checkbox",), gui_rank=1, gui_script="sd3_train.py", gui_te_rates=(), gui_db_text_encoder=False,
     unsupported={"guidance_scale": "FLUX.1 dev's guidance input; SD3 has none",
                  **{name: _OLD_SWAP for name in ("split_mode", "double_blocks_to_swap", "single_blocks_to_swap")},
-                 **anima.REFUSED_ELSEWHERE},
+                 **anima.REFUSED_ELSEWHERE, **lumina.REFUSED_ELSEWHERE},
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
     native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large"), arch_models=("sd3-arch", "sd3.5-medium-arch", "sd3.5-large-arch"),
     home="library.models.families.sd3.home",
