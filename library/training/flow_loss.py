@@ -212,7 +212,7 @@ def check_options(opts: Options, method_name: str) -> str | None:
     if "CLIP-G" not in family.text_encoder_names and opts.clip_g:
         raise flow_family.FlowFamilyError(f"clip_g: SD3's CLIP-G; {src} is a {what} model "
                                           f"({' and '.join(family.text_encoder_names)})")
-    for name, why in {**flow_family.UNSUPPORTED, **family.unsupported}.items():
+    for name, why in {**flow_family.UNSUPPORTED, **registry.foreign_options(family), **family.unsupported}.items():
         if flow_family._is_set(opts, name):
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
     warned = set()  # one "no effect" line per option

@@ -116,6 +116,9 @@ def test_anima_flow_rules_against_float64():
     (["--fp8_base"], "fp8_base: not with the Anima model tiny-anima: sd-scripts' Anima trainer does not support"),
     (["--apply_t5_attn_mask"], "apply_t5_attn_mask: not with the Anima model tiny-anima: FLUX.1 / SD3's T5-XXL"),
     (["--model_prediction_type", "raw"], "model_prediction_type: not with the Anima model"),
+    # another family's own option (Lumina 2's), though Anima's folder names no other family
+    (["--gemma2", "g.safetensors"], "gemma2: not with the Anima model tiny-anima: a Lumina 2 option"),
+    (["--system_prompt", "x"], "system_prompt: not with the Anima model tiny-anima: a Lumina 2 option"),
 ])
 def test_anima_refusals_are_one_line(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("train_lora", anima_args(dataset, str(tmp_path / "o"), *extra))

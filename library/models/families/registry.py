@@ -21,6 +21,18 @@ from library.models.families.base import Family
 FAMILIES: dict[str, Family] = {f.name: f for f in (sd1.FAMILY, sd2.FAMILY, sdxl.FAMILY, chroma.FAMILY, flux.FAMILY,
                                                    sd3.FAMILY, anima.FAMILY, lumina.FAMILY)}
 FLOW_FAMILIES: tuple[str, ...] = tuple(name for name, f in FAMILIES.items() if f.flow is not None)
+# the options a family's folder declares as its own (REFUSED_ELSEWHERE: option -> the reason every
+# other family refuses it); read here, so that no family imports another to refuse its options
+_OWNED: dict[str, dict[str, str]] = {m.FAMILY.name: getattr(m, "REFUSED_ELSEWHERE", {})
+                                     for m in (sd1, sd2, sdxl, chroma, flux, sd3, anima, lumina)}
+
+
+def foreign_options(fam: Family) -> dict[str, str]:
+    """The options other families own, each with the reason ``fam`` refuses it (its own
+    ``unsupported`` table may say more)."""
+    own = _OWNED[fam.name]
+    return {k: why for name, owned in _OWNED.items() if name != fam.name
+            for k, why in owned.items() if k not in own}
 
 
 def get(name: str) -> Family:
