@@ -14,6 +14,7 @@ bytes and equal metadata. The runs:
   sd2v_lora           train_lora, tiny-sd2 (v-prediction)
   sdxl_fused_finetune finetune, tiny-sdxl, fused_backward_pass
   flux_lora           train_lora, tiny-flux, networks.lora_flux
+  chroma_lora         train_lora, tiny-chroma, networks.lora_flux
   sd3_finetune        finetune, tiny-sd3
   anima_lora          train_lora, tiny-anima, networks.lora_anima
   lumina_lora         train_lora, tiny-lumina, networks.lora_lumina, a system prompt
@@ -60,6 +61,8 @@ def runs(data: str, prompts: str, dop_config: str) -> dict[str, tuple[str, list[
                                                 "--max_grad_norm", "0"]),
         "flux_lora": ("train_lora.py", [*model("tiny-flux"), *folder, *lora, "--network_module",
                                         "networks.lora_flux"]),
+        "chroma_lora": ("train_lora.py", [*model("tiny-chroma"), *folder, *lora, "--network_module",
+                                          "networks.lora_flux"]),
         "sd3_finetune": ("finetune.py", [*model("tiny-sd3"), *folder, *full]),
         "anima_lora": ("train_lora.py", [*model("tiny-anima"), *folder, *lora, "--network_module",
                                          "networks.lora_anima"]),

@@ -222,6 +222,7 @@ def test_state_and_ema_saves_on_a_full_disk_are_rescued(saved, small_disk, monke
     prev_ema.write_bytes(b"previous")
     _fill(small_disk)
     monkeypatch.setattr(run.saver, "opts", run.opts.replace(output_dir=str(out)))
+    monkeypatch.setattr(run.saver, "output_dir", str(out))  # the Saver keeps it beside its options
 
     with pytest.raises(SaveError) as e:
         run.saver.write_state(run.progress, str(prev_state))
