@@ -111,8 +111,8 @@ def write_inputs(work: str) -> dict:
         out_lora = model(x, t, cap, mask)
     save_file({"x": x, "t": t, "cap": cap, "mask": mask, "out": out, "out_lora": out_lora},
               os.path.join(work, "io.safetensors"))
-    c = nextdit.TINY
-    return {k: getattr(c, k) for k in ("dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+    cfg = nextdit.TINY
+    return {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                                        "cap_feat_dim", "axes_dims", "axes_lens")}
 
 
