@@ -360,16 +360,23 @@ def _read_diffusers_folder(folder: str, dtype: torch.dtype | None) -> Transforme
 
 def build_transformer(weights: TransformerWeights):
     """A Flux module holding the weights (built on the meta device, then assigned: no second copy)."""
+    return build_assigned(Flux, weights, "FLUX transformer")
+
+
+def build_assigned(cls, weights, title: str):
+    """A ``cls(weights.config)`` module holding ``weights.state_dict`` (its config checked, the
+    module built on the meta device and the tensors assigned: no second copy); a config that
+    does not hold or a tensor missing or left over is one ModelError naming ``title``."""
     try:
         weights.config.check()
     except ValueError as e:
         raise ModelError(str(e)) from None
     with torch.device("meta"):
-        model = Flux(weights.config)
+        model = cls(weights.config)
     missing, unexpected = model.load_state_dict(weights.state_dict, strict=False, assign=True)
     if missing or unexpected:
         name = (missing or unexpected)[0]
-        raise ModelError(f"FLUX transformer: {'missing' if missing else 'unexpected'} tensor {name}")
+        raise ModelError(f"{title}: {'missing' if missing else 'unexpected'} tensor {name}")
     return model.eval()
 
 

@@ -211,17 +211,7 @@ def _read_folder(path: str, dtype) -> TransformerWeights:
 
 def build(weights: TransformerWeights) -> Chroma:
     """A Chroma module holding the weights (built on the meta device, then assigned)."""
-    try:
-        weights.config.check()
-    except ValueError as e:
-        raise ModelError(str(e)) from None
-    with torch.device("meta"):
-        model = Chroma(weights.config)
-    missing, unexpected = model.load_state_dict(weights.state_dict, strict=False, assign=True)
-    if missing or unexpected:
-        name = (missing or unexpected)[0]
-        raise ModelError(f"Chroma transformer: {'missing' if missing else 'unexpected'} tensor {name}")
-    return model.eval()
+    return flux_checkpoint.build_assigned(Chroma, weights, "Chroma transformer")
 
 
 # --- writing ---------------------------------------------------------------------------------
