@@ -668,6 +668,54 @@ def _load_dataset_file(path: str) -> dict:
     return _check_dataset_shape(data, path)
 
 
+def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the last ``--name value`` / ``--name=value`` of ``names`` in ``argv``."""
+    out = None
+    for i, tok in enumerate(argv):
+        name, eq, value = tok.partition("=")
+        if name.lstrip("-") in names and name.startswith("--"):
+            out = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return out
+
+
+def _run_file_key(data: dict, key: str):
+    """``key`` of a run file, at the top or in a free-form grouping table."""
+    if key in data:
+        return data[key]
+    return next((v[key] for k, v in data.items() if isinstance(v, dict) and k not in DATASET_KEYS and key in v), None)
+
+
+def fine_tuning_data(argv: list[str]) -> bool:
+    """Whether sd-scripts' full-training scripts that take both kinds of dataset (sdxl_train.py,
+    sd3_train.py, flux_train.py, lumina_train.py) train as fine_tune.py: ``in_json`` given (flag or
+    run file), or a dataset subset with a ``metadata_file`` (sd-scripts: ``use_dreambooth_method =
+    args.in_json is None``, the subsets' own kind with a dataset config); else as train_db.py. A file
+    that cannot be read answers False: parse_args then names it."""
+    if _flag(argv, ("in_json",)):
+        return True
+    run_file = _flag(argv, ("config", "config_file"))
+    data: dict = {}
+    if run_file:
+        if not os.path.exists(run_file) and os.path.exists(run_file + ".toml"):
+            run_file += ".toml"
+        try:
+            data = _read_toml(run_file, "config")[1]
+        except ConfigError:
+            return False
+        if _run_file_key(data, "in_json"):
+            return True
+    dataset_file = _flag(argv, ("dataset_config",)) or _run_file_key(data, "dataset_config")
+    if dataset_file:
+        try:
+            data = _read_toml(str(dataset_file), "dataset_config")[1]
+        except ConfigError:
+            return False
+    datasets = data.get("datasets")
+    return isinstance(datasets, list) and any(
+        isinstance(sub, dict) and sub.get("metadata_file")
+        for ds in datasets if isinstance(ds, dict) for sub in ds.get("subsets", []) or [])
+
+
 # ----------------------------------------------------------------------------------------------
 # the entry point
 

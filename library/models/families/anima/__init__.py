@@ -69,4 +69,5 @@ FAMILY = Family(
                "train_text_encoder": "sd-scripts' Anima scripts keep Qwen3 frozen"},
     native_size=1024, tiny_models=("tiny-anima",), arch_models=(),
     home="library.models.families.anima.home",
+    sd_scripts=("anima_train_network.py", "anima_train.py"),
 )

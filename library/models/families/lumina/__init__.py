@@ -71,4 +71,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-lumina",), arch_models=(),
     home="library.models.families.lumina.home",
+    sd_scripts=("lumina_train_network.py", "lumina_train.py"),
 )
