@@ -566,30 +566,23 @@ def _dit_keys(d: dict, tab: str, out: dict) -> dict:
         "timestep_sampling": d["lumina_timestep_sampling"] if lumina else d["anima_timestep_sampling"],
         "sigmoid_scale": float(d["lumina_sigmoid_scale"] if lumina else d["anima_sigmoid_scale"]),
         "attn_mode": d["anima_attn_mode"] if anima and d["anima_attn_mode"] != "torch" else None,
-        "split_attn": d["anima_split_attn"] if anima else None,
         "vae_chunk_size": int(d["anima_vae_chunk_size"]) if anima and d["anima_vae_chunk_size"] else None,
-        "qwen3": d["anima_qwen3"] if anima else None,
         "llm_adapter_path": d["anima_llm_adapter_path"] if anima and d["anima_llm_adapter_path"] else None,
         "t5_tokenizer_path": d["anima_t5_tokenizer_path"] if anima and d["anima_t5_tokenizer_path"] else None,
         "qwen3_max_token_length": int(d["anima_qwen3_max_token_length"]) if anima else None,
         "t5_max_token_length": int(d["anima_t5_max_token_length"]) if anima else None,
-        "vae_disable_cache": d["anima_vae_disable_cache"] if anima else None,
-        "unsloth_offload_checkpointing": d["anima_unsloth_offload_checkpointing"] if anima else None,
-        "qwen_image_vae_2d": d["anima_qwen_image_vae_2d"] if anima else None,
-        "compile": d["anima_compile"] if anima else None,
-        "torch_compile": d["anima_torch_compile"] if anima else None,
-        "compile_backend": d["anima_compile_backend"] if compile_on else None,
-        "compile_mode": d["anima_compile_mode"] if compile_on else None,
+        # `anima_<key> if anima_checkbox`, the compile settings `if anima_checkbox and anima_compile`
+        **{k: d[f"anima_{k}"] if anima else None for k in (
+            "qwen3", "split_attn", "vae_disable_cache", "unsloth_offload_checkpointing", "qwen_image_vae_2d",
+            "compile", "torch_compile")},
+        **{k: d[f"anima_{k}"] if compile_on else None for k in ("compile_backend", "compile_mode", "compile_fullgraph")},
         "compile_dynamic": d["anima_compile_dynamic"] if compile_on and d["anima_compile_dynamic"] != "auto" else None,
-        "compile_fullgraph": d["anima_compile_fullgraph"] if compile_on else None,
         "compile_cache_size_limit": (int(d["anima_compile_cache_size_limit"])
                                      if compile_on and d["anima_compile_cache_size_limit"] else None),
-        "gemma2": d["lumina_gemma2"] if lumina else None,
+        **{k: d[f"lumina_{k}"] if lumina else None for k in ("gemma2", "use_flash_attn", "use_sage_attn")},
         "gemma2_max_token_length": (int(d["lumina_gemma2_max_token_length"])
                                     if lumina and d["lumina_gemma2_max_token_length"] else None),
         "system_prompt": d["lumina_system_prompt"] if lumina and d["lumina_system_prompt"] else None,
-        "use_flash_attn": d["lumina_use_flash_attn"] if lumina else None,
-        "use_sage_attn": d["lumina_use_sage_attn"] if lumina else None,
     }
     if lumina:
         new.update(ae=d["lumina_ae"], model_prediction_type=d["lumina_model_prediction_type"])

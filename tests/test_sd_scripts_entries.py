@@ -24,6 +24,8 @@ CASES = {
     "sdxl_train_network.py": ("lora", {"sdxl": True}, "tiny-sdxl"),
     "flux_train_network.py": ("lora", {"flux1_checkbox": True, "LoRA_type": "Flux1"}, "tiny-flux"),
     "sd3_train_network.py": ("lora", {"sd3_checkbox": True}, "tiny-sd3"),
+    "lumina_train_network.py": ("lora", {"lumina_checkbox": True, "LoRA_type": "Lumina"}, "tiny-lumina"),
+    "lumina_train.py": ("finetune", {"lumina_checkbox": True}, "tiny-lumina"),  # in_json: fine-tuning
     "train_db.py": ("dreambooth", {}, "tiny-sd15"),
     "sdxl_train.py": ("dreambooth", {"sdxl": True}, "tiny-sdxl"),
     "flux_train.py": ("dreambooth", {"flux1_checkbox": True}, "tiny-flux"),
@@ -57,7 +59,7 @@ def test_every_family_script_is_at_the_root():
 
 
 def test_help_of_every_script():
-    for script in sorted({*CASES, "lumina_train.py", "lumina_train_network.py"}):
+    for script in sorted(CASES):
         r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True,
                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
         assert r.returncode == 0 and "--pretrained_model_name_or_path" in r.stdout, (script, r.stderr[-500:])

@@ -257,3 +257,17 @@ def test_network_fields_held_as_strings_are_numbers_and_a_bad_one_is_one_line(tm
     assert set(cfg["network_args"]) == {"conv_dim=4", "conv_alpha=2.5", "factor=8"}
     with pytest.raises(UserError, match=r"^conv_dim: expected a number .* got 'x'$"):
         _imported({"LoRA_type": "LyCORIS/LoKr", "conv_dim": "x"})
+
+
+def test_anima_and_lumina_defaults_write_only_what_the_gui_writes():
+    """At class_anima.py's defaults the GUI writes no attn_mode ("torch") and no compile setting
+    (anima_compile off), and neither model type writes clip_skip / max_token_length: no note for
+    them, and the model fields under their keys."""
+    cfg, notes = _imported(gui.normalize({"LoRA_type": "Anima", "anima_checkbox": True, "clip_skip": 2}, "lora"))
+    assert not [n for n in notes if n.split(":")[0] in ("attn_mode", "compile_mode", "compile_backend",
+                                                         "compile_dynamic", "clip_skip", "max_token_length")], notes
+    assert (cfg["qwen3_max_token_length"], cfg["timestep_sampling"], cfg["network_module"]) == \
+        (512, "sigmoid", "networks.lora_anima") and "clip_skip" not in cfg and "max_token_length" not in cfg
+    cfg, notes = _imported(gui.normalize({"LoRA_type": "Lumina", "lumina_checkbox": True, "ae": "/flux/ae.sft",
+                                          "lumina_ae": "/lumina/ae.sft", "discrete_flow_shift": 3.1}, "lora"))
+    assert (cfg["ae"], cfg["discrete_flow_shift"], cfg["model_prediction_type"]) == ("/lumina/ae.sft", 6.0, "raw")
