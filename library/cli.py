@@ -24,7 +24,7 @@ def main(script: str, argv: list[str] | None = None, entry: str | None = None) -
     opts = None
     status, code, message, state = "done", 0, "", None
     try:
-        opts = parse_args(script, sys.argv[1:] if argv is None else argv)
+        opts = parse_args(script, sys.argv[1:] if argv is None else argv, entry)
         if entry is not None:
             script_family.check(entry, opts.pretrained_model_name_or_path)
         if script in PROMPT_ONLY_SCRIPTS:

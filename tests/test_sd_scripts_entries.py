@@ -63,6 +63,7 @@ def test_help_of_every_script():
         r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True,
                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
         assert r.returncode == 0 and "--pretrained_model_name_or_path" in r.stdout, (script, r.stderr[-500:])
+        assert r.stdout.startswith(f"usage: {script} "), r.stdout[:200]
 
 
 @pytest.mark.parametrize("script", sorted(CASES))

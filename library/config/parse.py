@@ -530,12 +530,14 @@ _METAVAR = {"int": "N", "float": "X", "path": "PATH", "str": "TEXT", "resolution
             "steps_or_fraction": "N|FRACTION"}
 
 
-def build_parser(script: str) -> argparse.ArgumentParser:
-    """The argparse parser of one entry script. Every default is SUPPRESS, so the parsed
-    namespace holds exactly the options given on the command line."""
-    p = _Parser(prog=f"{script}.py", allow_abbrev=False,
-                usage=f"{script}.py [-h] [--config RUN.toml] [--OPTION VALUE ...]",
-                description=f"{script}: options by sd-scripts' names. A run TOML (--config) may set "
+def build_parser(script: str, entry: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of one entry script (``entry``: the sd-scripts script name it runs as,
+    which --help shows). Every default is SUPPRESS, so the parsed namespace holds exactly the
+    options given on the command line."""
+    prog = entry or f"{script}.py"
+    p = _Parser(prog=prog, allow_abbrev=False,
+                usage=f"{prog} [-h] [--config RUN.toml] [--OPTION VALUE ...]",
+                description=f"{prog}{f' (runs {script}.py)' if entry else ''}: options by sd-scripts' names. A run TOML (--config) may set "
                             "any of them; command-line flags override it. Boolean flags take an "
                             "optional value: --flag, --flag=false.",
                 epilog="sd-scripts option names that are accepted with no effect, or rejected as not "
@@ -720,13 +722,13 @@ def fine_tuning_data(argv: list[str]) -> bool:
 # the entry point
 
 
-def parse_args(script: str, argv: list[str] | None = None) -> Options:
+def parse_args(script: str, argv: list[str] | None = None, entry: str | None = None) -> Options:
     """Parse the command line (and the run/dataset TOML it names) of `script` into Options.
     `--help` prints the generated help and exits (SystemExit 0). Raises ConfigError."""
     if script not in SCRIPTS:
         raise ConfigError(f"unknown script {script!r} (expected one of: {', '.join(SCRIPTS)})")
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns, rest = build_parser(script).parse_known_args(argv)
+    ns, rest = build_parser(script, entry).parse_known_args(argv)
     for tok in rest:
         if tok.startswith("-"):
             name = tok.lstrip("-").split("=", 1)[0]
