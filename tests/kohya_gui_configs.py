@@ -537,8 +537,8 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
                 "cache_text_encoder_outputs_to_disk": None,
                 "max_bucket_reso": int(d["max_bucket_reso"]),
                 "optimizer_args": opt_args,
+                # (finetune_gui.py writes vae and vae_chunk_size only with its Anima box: _dit_keys)
                 "train_text_encoder": d["train_text_encoder"], "vae": None,
-                "vae_chunk_size": int(d["vae_chunk_size"]),
             })
         keep = _db_ft_keeps
     out.update(_flow_keys(d, tab, sdxl))
