@@ -51,13 +51,9 @@ def model_family(source: str) -> str | None:
     if fam is not None:
         return fam
     src = loading.resolve_model_source(source)
-    if src.kind == "builtin":
-        return loading.FAMILY_OF_ARCH[src.arch]
-    if src.kind == "diffusers":
-        return loading._family_of_folder(src.location)
     if src.kind == "single_file":
         return _single_file_family(src.location)
-    return None
+    return loading.configured_family(source)
 
 
 def families_of(entry: str) -> list[str]:
