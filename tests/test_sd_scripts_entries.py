@@ -119,3 +119,25 @@ def test_full_scripts_pick_the_method_as_sd_scripts(tmp_path):
     ds.write_text('[[datasets]]\n[[datasets.subsets]]\nimage_dir = "x"\n')
     assert not fine_tuning_data(["--config_file", str(run)])
     assert not fine_tuning_data(["--config_file", str(tmp_path / "missing.toml")])
+
+
+def test_a_single_file_family_is_read_from_its_tensor_names(tmp_path, dataset, monkeypatch, capsys):
+    """An SD single file: the family from its tensor names alone (a file with the names and no real
+    weights is refused as SDXL's, which only a check before loading can do), also as a .ckpt."""
+    import torch
+    from safetensors.torch import save_file
+
+    from library.models import script_family
+
+    names = {"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(1),
+             "conditioner.embedders.1.model.ln_final.weight": torch.zeros(1)}
+    sft, ckpt = str(tmp_path / "xl.safetensors"), str(tmp_path / "xl.ckpt")
+    save_file(names, sft)
+    torch.save({"state_dict": names}, ckpt)
+    assert script_family.model_family(sft) == script_family.model_family(ckpt) == "sdxl"
+    for path in (sft, ckpt):
+        rc = _run_entry("train_network.py", ["--pretrained_model_name_or_path", path, "--train_data_dir", dataset,
+                                             "--output_dir", str(tmp_path / "o"), "--resolution", "64",
+                                             "--max_train_steps", "1"], monkeypatch)
+        err = capsys.readouterr().err
+        assert rc == 2 and f"the model {path} is of the SDXL family (train it with sdxl_train_network.py)" in err, err
