@@ -187,3 +187,16 @@ def test_imported_finetune_config_trains_two_steps(tmp_path, dataset, run_script
     assert (cfg["in_json"], cfg["dataset_repeats"], cfg["text_encoder_lr"]) == \
         (f"{tmp_path / 'meta'}/meta_cap.json", 1, 1e-5), notes
     _train("finetune", text, tmp_path, run_script)
+
+
+def test_the_tab_runs_the_first_ticked_model_types_script():
+    """finetune_gui.py train_model's order (kohya_ss v26): sdxl_train.py, sd3_train.py,
+    flux_train.py, anima_train.py, lumina_train.py, else fine_tune.py; with two boxes ticked the
+    earlier one's script runs."""
+    order = [("sdxl_checkbox", "sdxl_train.py"), ("sd3_checkbox", "sd3_train.py"), ("flux1_checkbox", "flux_train.py"),
+             ("anima_checkbox", "anima_train.py"), ("lumina_checkbox", "lumina_train.py")]
+    for i, (box, script) in enumerate(order):
+        assert registry.for_gui({box: True}).gui_script == script
+        for later, _ in order[i + 1:]:
+            assert registry.for_gui({box: True, later: True}).gui_script == script, (box, later)
+    assert registry.for_gui({}) is None
