@@ -23,7 +23,7 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, sd3, sd_checkpoint
+from library.models import embeddings, flow_family, loading, sd3, sd_checkpoint
 from library.models.families import registry
 from library.models.placement import trained_precision
 from library.training import block_lr
@@ -406,7 +406,7 @@ class FullMethod:
         if self.block_lr is not None:
             block_lr.check_count(self.block_lr)
             if bundle is None:  # the validate stage: the family now where the config tells it
-                family = block_lr.family_before_loading(
+                family = loading.configured_family(
                     required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"))
                 if family is not None:
                     block_lr.check_family(family)
