@@ -182,3 +182,26 @@ def test_part_rates_warn_with_a_lora_and_are_refused_elsewhere(dataset, tmp_path
                                                  dataset, "--output_dir", str(tmp_path / "f"), "--mod_lr", "1e-4",
                                                  "--max_train_steps", "1", "--resolution", "64"])
     assert rc == 2 and "mod_lr: not with the FLUX.1 model" in err and "Traceback" not in err, err
+
+
+def test_memory_options_reach_the_model_and_keep_the_loss(dataset, tmp_path, train):
+    """split_attn, vae_chunk_size, vae_disable_cache and attn_mode torch through the entry script (a
+    LoRA, latents encoded by the chunked VAE): set on the loaded parts, the same losses as without
+    them (float32: the latents and attention agree to a few ulps, so the losses to 1e-5 relative)."""
+    from tests.training.test_anima_lora import anima_args
+
+    def run(out, *extra):
+        rc, _, err, r = train("train_lora", anima_args(dataset, str(tmp_path / out), *extra))
+        assert rc == 0, err
+        return r
+
+    plain = run("plain")
+    tuned = run("tuned", "--split_attn", "--vae_chunk_size", "6", "--vae_disable_cache", "--attn_mode", "sdpa")
+    blocks = tuned.parts.bundle.unet.blocks
+    assert all(b.self_attn.split and b.cross_attn.split and b.self_attn.kernel is None for b in blocks)
+    vae = tuned.parts.bundle.flow.vae
+    assert {m.chunk_rows for m in vae.modules() if hasattr(m, "chunk_rows")} == {6}
+    assert vae._feat_map is None
+    a, b = plain.progress.loss_log, tuned.progress.loss_log
+    assert len(a) == len(b) == 2
+    assert all(abs(float(x) - float(y)) <= 1e-5 * abs(float(x)) for x, y in zip(a, b)), (a, b)
