@@ -17,7 +17,8 @@ from library.models.families.anima import home, tiny, weights
 from tests.conftest import reset_accelerate
 from tests.helpers import options_from_values
 
-RATES = {"learning_rate": 1e-2, "self_attn_lr": 2e-2, "mlp_lr": 0.0, "mod_lr": 5e-3, "llm_adapter_lr": 0.0}
+RATES = {"learning_rate": 1e-2, "self_attn_lr": 2e-2, "cross_attn_lr": 1.5e-2, "mlp_lr": 0.0, "mod_lr": 5e-3,
+         "llm_adapter_lr": 0.0}
 
 
 def full_args(data, out, *extra):
@@ -100,7 +101,7 @@ def test_two_sgd_steps_are_plain_sgd_per_part(dataset, tmp_path, train, monkeypa
     assert len(rec.steps) == 2
     dit, w0 = run.parts.bundle.unet, tiny.build()["dit"].state_dict()
     parts = _expected_parts(dit)
-    lr = {"base": 1e-2, "self_attn": 2e-2, "cross_attn": 1e-2, "mod": 5e-3}
+    lr = {"base": 1e-2, "self_attn": 2e-2, "cross_attn": 1.5e-2, "mod": 5e-3}
     eps = torch.finfo(torch.float32).eps
     for name, p in dit.named_parameters():
         w2, start = p.detach().double(), w0[name].double()

@@ -45,7 +45,7 @@ class ChunkedConv2d(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.chunk_rows:
             return super().forward(x)
-        ph, pw = self.padding  # type: ignore[misc]  # a tuple: configure refuses "same" / "valid"
+        ph, pw = self.padding  # a tuple: configure refuses "same" / "valid"
         xp = F.pad(x, (pw, pw, ph, ph))
         return _banded(lambda t: F.conv2d(t, self.weight, self.bias, self.stride, 0, self.dilation, self.groups),
                        xp, 2, self.kernel_size[0], self.stride[0], self.chunk_rows)
