@@ -29,12 +29,9 @@ Prints one line per check (``ok`` or what failed) and the notes, exits 1 if a ch
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 from safetensors.torch import save_file
@@ -53,18 +50,11 @@ RATES = {"learning_rate": 1e-2, "self_attn_lr": 2e-2, "cross_attn_lr": None, "ml
          "llm_adapter_lr": 3e-3}
 
 SD_SIDE = r"""
-import importlib.util, json, os, sys
-sys.path = ["."] + [p for p in sys.path if p and not os.path.isfile(os.path.join(p, "networks", "__init__.py"))]
-spec = importlib.util.spec_from_file_location("sdtk_launch", sys.argv[1])
-launch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(launch)
-launch._declare_missing_torchvision_ops()
 import torch
 from safetensors.torch import load_file
 from library import anima_models, anima_train_utils, sai_model_spec
 from networks import lora_anima
 
-work, cfg = sys.argv[2], json.loads(sys.argv[3])
 torch.set_num_threads(1)
 a = cfg["adapter"]
 
@@ -209,29 +199,8 @@ class _Rates:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sd-scripts", required=True, metavar="PATH", help="a kohya-ss/sd-scripts checkout")
-    p.add_argument("--sd-scripts-python", metavar="PYTHON", default=sys.executable)
-    p.add_argument("--work", metavar="DIR", help="where the files go (default: a temporary folder)")
-    a = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.sd_scripts, "library", "anima_models.py")):
-        print(f"error: --sd-scripts {a.sd_scripts}: not a kohya-ss/sd-scripts checkout with Anima "
-              "(its library folder has no anima_models.py)", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="sdtk-anima-check-") as tmp:
-        work = os.path.abspath(a.work or tmp)
-        os.makedirs(work, exist_ok=True)
-        config = write_inputs(work)
-        code = SD_SIDE.replace("TOL", repr(TOLERANCE))
-        env = sd_scripts_launch.clean_env({"OMP_NUM_THREADS": "1"})
-        r = subprocess.run([a.sd_scripts_python, "-c", code, sd_scripts_launch.__file__, work, json.dumps(config)],
-                           cwd=a.sd_scripts, capture_output=True, text=True, env=env)
-        lines = [line for line in r.stdout.splitlines() if line.startswith(("ok", "FAILED", "note"))]
-        print("\n".join(lines))
-        if r.returncode != 0:
-            print("FAILED sd-scripts' side stopped: " + (r.stderr.strip().splitlines() or ["?"])[-1])
-        checks = [line for line in lines if not line.startswith("note")]
-        return 0 if r.returncode == 0 and checks and all(line.startswith("ok") for line in checks) else 1
+    return sd_scripts_launch.run_check(argv, __doc__, "Anima", "anima_models.py", write_inputs,
+                                       SD_SIDE.replace("TOL", repr(TOLERANCE)))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ The LLM adapter keeps SDPA with its masks whatever attn_mode says (sd-scripts' a
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from library.errors import UserError
+from library.models import kernels
 
 PACKAGES = {"flash": ("flash_attn", "flash-attn"), "xformers": ("xformers", "xformers")}
 
@@ -34,12 +33,7 @@ def kernel(mode: str | None, cuda: bool | None = None) -> str | None:
         raise AttentionError("attn_mode sageattn: sageattention has no backward pass (sd-scripts: inference "
                              "only), so it cannot train; use attn_mode torch, flash or xformers")
     package, pip = PACKAGES[mode]
-    if not (torch.cuda.is_available() if cuda is None else cuda):
-        raise AttentionError(f"attn_mode {mode}: {package}'s kernels run on CUDA only; this run has no CUDA "
-                             "device (attn_mode torch uses SDPA)")
-    if importlib.util.find_spec(package) is None:
-        raise AttentionError(f"attn_mode {mode}: the {package} package is not installed (pip install {pip}), "
-                             "or use attn_mode torch (SDPA)")
+    kernels.require(f"attn_mode {mode}", package, pip, "attn_mode torch uses SDPA", AttentionError, cuda)
     return mode
 
 
