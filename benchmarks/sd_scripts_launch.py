@@ -37,6 +37,7 @@ runs (``runpy``, as ``__main__``, its folder first on ``sys.path``):
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.util
 import json
@@ -46,6 +47,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -129,9 +131,6 @@ def run_check(argv, doc: str, family: str, models_file: str, write_inputs, sd_si
     ``models_file``), ``--sd-scripts-python``, ``--work``; our side's ``write_inputs(work) -> config``,
     then CHECK_PRELUDE + ``sd_side`` in sd-scripts' process. Prints its ``ok`` / ``FAILED`` / ``note``
     lines; 0 when every check is ok, 1 otherwise, 2 for a folder that is not such a checkout."""
-    import argparse
-    import tempfile
-
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--sd-scripts", required=True, metavar="PATH", help="a kohya-ss/sd-scripts checkout")
     p.add_argument("--sd-scripts-python", metavar="PYTHON", default=sys.executable)
