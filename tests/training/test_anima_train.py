@@ -153,16 +153,21 @@ def test_resume_is_bit_identical(dataset, tmp_path, train):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def run_entry(script: str, argv: list, monkeypatch) -> None:
+    """Run an entry script as ``python script argv`` in-process; it must exit 0."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    reset_accelerate()
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(script, run_name="__main__")
+    reset_accelerate()
+    assert e.value.code == 0
+
+
 def test_anima_train_py_saves_the_released_layout(dataset, tmp_path, monkeypatch):
     """anima_train.py (folders: train_dreambooth) writes net.* keys and sd-scripts' metadata; the file
     loads back as an Anima DiT."""
     out = tmp_path / "script"
-    monkeypatch.setattr(sys, "argv", ["anima_train.py", *full_args(dataset, str(out), "--learning_rate", "1e-3")])
-    reset_accelerate()
-    with pytest.raises(SystemExit) as e:
-        runpy.run_path("anima_train.py", run_name="__main__")
-    reset_accelerate()
-    assert e.value.code == 0
+    run_entry("anima_train.py", full_args(dataset, str(out), "--learning_rate", "1e-3"), monkeypatch)
     path = str(out / "last.safetensors")
     from library import safetensors_file
     _, header = safetensors_file.read_header(path)
@@ -206,3 +211,13 @@ def test_memory_options_reach_the_model_and_keep_the_loss(dataset, tmp_path, tra
     a, b = plain.progress.loss_log, tuned.progress.loss_log
     assert len(a) == len(b) == 2
     assert all(abs(float(x) - float(y)) <= 1e-5 * abs(float(x)) for x, y in zip(a, b)), (a, b)
+
+
+def test_anima_train_network_py_is_train_lora(dataset, tmp_path, monkeypatch):
+    """anima_train_network.py: sd-scripts' name for an Anima LoRA (train_lora.py; networks.lora_anima)."""
+    from tests.training.test_anima_lora import anima_args
+
+    out = tmp_path / "alias"
+    run_entry("anima_train_network.py", anima_args(dataset, str(out), "--max_train_steps", "1"), monkeypatch)
+    sd = load_file(str(out / "last.safetensors"))
+    assert "lora_unet_blocks_0_self_attn_q_proj.lora_down.weight" in sd
