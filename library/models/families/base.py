@@ -47,7 +47,9 @@ HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memo
 # and, where a family has them:
 #   check_sources(opts)                    its own checks of its parts before any weight loads
 #                                          (headers, kernels), one line each
-OPTIONAL_HOOKS = ("check_sources",)
+#   param_groups(unet, opts)               a full fine-tune's optimizer groups and their names,
+#                                          by the family's own rates (Anima's per-part rates)
+OPTIONAL_HOOKS = ("check_sources", "param_groups")
 
 
 @dataclass(frozen=True)
