@@ -561,11 +561,12 @@ OPTIONS: tuple[Option, ...] = (
     O("fp8_base_unet", "bool", False, "As fp8_base, for the U-Net only: the text encoders stay in the "
       "mixed-precision dtype (with fp8_base too, as in sd-scripts).", "training", scripts=NOT_TI),
     # --- FLUX.1 / SD3 transformer memory (library/training/block_swap.py) ---
-    O("blocks_to_swap", "int", None, "FLUX.1 / SD3: keep this many transformer blocks in host "
+    O("blocks_to_swap", "int", None, "FLUX.1 / SD3 / Lumina 2 / Anima: keep this many transformer blocks in host "
       "memory and copy each to the device just ahead of its use (a side stream overlapped with "
       "compute on CUDA), and home again after it, in the forward and the backward pass. FLUX.1 "
       "counts in double blocks as sd-scripts: n // 2 double and (n - n // 2) x 2 single blocks; "
-      "SD3: n joint blocks; the last ones of each list. The same weights as without it; a plain "
+      "SD3: n joint blocks; Lumina 2 and Anima: n of their blocks (Anima: at most the block count "
+      "- 2, as sd-scripts); the last ones of each list. The same weights as without it; a plain "
       "optimizer steps the swapped blocks on the host, fused_backward_pass on the device. One "
       "process; not with fused_optimizer_groups, cpu_offload_checkpointing, ema_decay or "
       "torch_compile. 0 / unset = off.", "training", scripts=NOT_TI, min=0),

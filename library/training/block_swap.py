@@ -3,7 +3,10 @@ just ahead of their use (sd-scripts' and OneTrainer's block swap, for FLUX.1 and
 
 Which blocks: sd-scripts' counts. FLUX.1: ``n // 2`` double blocks and ``(n - n // 2) * 2``
 single blocks (a single block holds about half a double block's weights), the last ones of each
-list; SD3: the last ``n`` joint blocks. Every other part of the transformer stays on the device.
+list; SD3: the last ``n`` joint blocks; a family's transformer that names its own list
+(``swap_block_lists``: Lumina 2's joint layers, Anima's blocks) the last ``n`` of it, at most
+``swap_block_limit()`` where it defines one (Anima: num_blocks - 2, sd-scripts' limit). Every
+other part of the transformer stays on the device.
 
 How (``BlockSwap``): a swapped block's tensors live in host memory (pinned on CUDA), their
 "home". The model calls ``BlockSwap.run(block, fn, *args)`` for every block (``Flux._run``,
@@ -31,7 +34,7 @@ bytes resident on the compute device are the parameters not pointing at a host c
 
     check_options(opts, processes)           before any weight loads: one line per conflict (also
                                              blockwise_fused_optimizers: FLUX.1 / SD3 only)
-    blocks_for(model, n)                     the swapped blocks of a FLUX.1 / SD3 transformer
+    blocks_for(model, n)                     the swapped blocks of a transformer
     install(model, n, device, ...)           places the swapped blocks home, returns the BlockSwap
     device_bytes(model, swap)                the model's bytes resident on the compute device
 """
@@ -111,10 +114,13 @@ def counts(model: nn.Module, n: int) -> list[int]:
         want = [n // 2, (n - n // 2) * 2]
     else:
         want = [n]
-    for lst, k, name in zip(lists, want, ("double", "single") if len(lists) == 2 else ("joint",)):
-        if k > len(lst):
-            most = len(lst) if len(lists) == 1 else _flux_max(len(lists[0]), len(lists[1]))
-            raise BlockSwapError(f"blocks_to_swap {n}: asks for {k} of the model's {len(lst)} {name} "
+    limit = getattr(model, "swap_block_limit", None)  # a family's own cap (sd-scripts' Anima: N - 2)
+    names = ("double ", "single ") if len(lists) == 2 else ("joint ",) if isinstance(model, sd3.MMDiT) else ("",)
+    for lst, k, name in zip(lists, want, names):
+        cap = limit() if limit is not None else len(lst)
+        if k > cap:
+            most = cap if len(lists) == 1 else _flux_max(len(lists[0]), len(lists[1]))
+            raise BlockSwapError(f"blocks_to_swap {n}: asks for {k} of the model's {len(lst)} {name}"
                                  f"blocks (at most {most} here)")
     return want
 

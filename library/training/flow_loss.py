@@ -217,7 +217,7 @@ def check_options(opts: Options, method_name: str) -> str | None:
             raise flow_family.FlowFamilyError(f"{name}: not with the {what} model {src}: {why}")
     warned = set()  # one "no effect" line per option
     for name, why in {**NO_EFFECT, **family.no_effect}.items():
-        if flow_family._is_set(opts, name):
+        if flow_family._is_set(opts, name) and name not in family.honours:
             logger.warning("option %s has no effect with the %s model (%s)", name, what, why)
             warned.add(name)
     if not opts.sdpa and not opts.xformers:  # (xformers turns sdpa off: warned above)

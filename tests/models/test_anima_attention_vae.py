@@ -56,6 +56,36 @@ def test_attn_mode_kernels_and_refusals():
             attention.kernel(mode, cuda=False)
 
 
+def test_generic_xformers_switch_is_attn_mode_xformers(monkeypatch):
+    """sd-scripts' anima_train_network.py: --xformers means attn_mode xformers unless attn_mode is
+    given (which wins, sdpa being torch); the refusal names the switch in one line."""
+    assert attention.run_kernel(None, False) is None
+    for given in ("torch", "sdpa"):  # attn_mode wins over the switch
+        assert attention.run_kernel(given, True, cuda=False) is None
+    with pytest.raises(attention.AttentionError, match=r"^xformers \(attn_mode xformers for Anima, as sd-scripts\): "
+                                                       r"xformers's kernels run on CUDA only[^\n]*$"):
+        attention.run_kernel(None, True, cuda=False)
+    # with CUDA and the packages present the kernel is chosen (no package is installed on this machine)
+    monkeypatch.setattr(attention.kernels.importlib.util, "find_spec", lambda name: object())
+    assert attention.run_kernel(None, True, cuda=True) == "xformers"
+    assert attention.run_kernel("flash", True, cuda=True) == "flash"
+    assert attention.run_kernel("sdpa", True, cuda=True) is None
+
+
+def test_loaded_dit_attends_with_the_switch_kernel(monkeypatch):
+    """home.load configures every DiT attention with the kernel the switch chose (the kernel check
+    stubbed: CUDA and xformers are not here)."""
+    from library.models.families.anima import home
+    from tests.helpers import make_opts
+
+    monkeypatch.setattr(attention.kernels, "require", lambda *a, **k: None)
+    for values, want in (({"xformers": True}, "xformers"), ({"xformers": True, "attn_mode": "torch"}, None),
+                         ({}, None)):
+        dit = home.load(make_opts("train_lora", pretrained_model_name_or_path="tiny-anima", **values)).unet
+        got = {a.kernel for b in dit.blocks for a in (b.self_attn, b.cross_attn)}
+        assert got == {want}, values
+
+
 @pytest.fixture
 def vae():
     v = tiny.build()["vae"].double()

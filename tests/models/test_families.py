@@ -73,6 +73,9 @@ def problems(fam: base.Family) -> list[str]:
         for name, why in getattr(fam, table).items():
             if name not in OPTIONS_BY_NAME or not why:
                 out.append(f"{fam.name}: {table} names {name!r}, not an option with a reason")
+    for name in fam.honours:
+        if name not in OPTIONS_BY_NAME or name in fam.unsupported or name in fam.no_effect:
+            out.append(f"{fam.name}: honours {name!r}, not an option it reads")
     if set(fam.unsupported) & set(fam.no_effect):
         out.append(f"{fam.name}: an option both refused and warned")
     for opt in (fam.autoencoder_option, *fam.single_file_parts):

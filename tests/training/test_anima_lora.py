@@ -133,6 +133,31 @@ def test_anima_refusals_are_one_line(dataset, tmp_path, run_script, extra, messa
     assert len([ln for ln in err.splitlines() if ln.startswith("error")]) == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="xformers' kernel may run here")
+def test_generic_xformers_switch_on_anima(dataset, tmp_path, run_script, monkeypatch):
+    """--xformers is Anima's attn_mode xformers (sd-scripts' anima_train_network.py), never a "no
+    effect" line: without the package the parser keeps SDPA with its warning (as for every model);
+    with the package but no CUDA device, one line naming the switch, exit 2, before any weight loads;
+    attn_mode given wins over it."""
+    from library.config import parse
+
+    def dry(out, *extra):
+        return run_script("train_lora", anima_args(dataset, str(tmp_path / out), "--dry_run", "--xformers", *extra))
+
+    if importlib.util.find_spec("xformers") is None:
+        rc, _, err = dry("a")
+        assert rc == 0 and "the xformers package is not installed; using SDPA" in err, err
+        assert "option xformers has no effect" not in err
+    real = parse.find_spec
+    monkeypatch.setattr(parse, "find_spec", lambda name: object() if name == "xformers" else real(name))
+    rc, _, err = dry("b")
+    assert rc == 2 and "xformers (attn_mode xformers for Anima, as sd-scripts): xformers's kernels run on CUDA " \
+        "only" in err, err
+    assert len([ln for ln in err.splitlines() if ln.startswith("error")]) == 1 and "Traceback" not in err
+    rc, _, err = dry("c", "--attn_mode", "torch")
+    assert rc == 0 and "xformers" not in err, err
+
+
 def test_other_family_lora_and_methods_are_refused(dataset, tmp_path, run_script):
     flux = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(4, 64),
             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(192, 4),

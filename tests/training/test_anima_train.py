@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.models.families.anima import home, tiny, weights
+from library.models.families.anima import home, model, tiny, weights
 from tests.conftest import reset_accelerate
 from tests.helpers import options_from_values
 
@@ -151,6 +152,39 @@ def test_resume_is_bit_identical(dataset, tmp_path, train):
     assert r.progress.global_step == 4 and r.progress.loss_log == u.progress.loss_log
     a, b = load_file(os.path.join(whole, "last.safetensors")), load_file(os.path.join(resumed, "last.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_block_swap_trains_the_same_weights(dataset, tmp_path, train, run_script):
+    """blocks_to_swap through the entry script on a 4-block Anima DiT file (with Qwen3, VAE and T5
+    tokenizer folders): two AdamW steps of a full fine-tune with the last 2 blocks on the host equal
+    the run without them, bit for bit (one thread). tiny-anima's 2 blocks can swap none
+    (sd-scripts' limit, num_blocks - 2): one line, exit 2."""
+    m = tiny.build()
+    torch.manual_seed(5)
+    dit = tiny.randomise(model.Anima(replace(tiny.tiny_config(len(m["t5_tokenizer"])), num_blocks=4)))
+    weights.save_dit(dit, str(tmp_path / "dit4.safetensors"))
+    for name in ("qwen3", "qwen3_tokenizer"):
+        m[name].save_pretrained(tmp_path / "qwen3")
+    m["vae"].save_pretrained(tmp_path / "vae")
+    m["t5_tokenizer"].save_pretrained(tmp_path / "t5")
+    files = ["--qwen3", str(tmp_path / "qwen3"), "--vae", str(tmp_path / "vae"), "--t5_tokenizer_path",
+             str(tmp_path / "t5"), "--optimizer_type", "AdamW", "--max_grad_norm", "0", "--learning_rate", "1e-3"]
+
+    def weights_of(out, *extra):
+        argv = full_args(dataset, str(tmp_path / out), *files, *extra)
+        argv[1] = str(tmp_path / "dit4.safetensors")
+        rc, _, err, run = train("train_dreambooth", argv)
+        assert rc == 0, err
+        return {k: v.detach().clone() for k, v in run.parts.bundle.unet.state_dict().items()}, err
+
+    (plain, _), (swapped, err) = weights_of("a"), weights_of("b", "--blocks_to_swap", "2")
+    assert "blocks_to_swap 2: 2 of the transformer's 4 blocks" in err, err
+    w0 = dit.state_dict()
+    assert not torch.equal(plain["blocks.3.mlp.layer1.weight"], w0["blocks.3.mlp.layer1.weight"])
+    assert plain.keys() == swapped.keys() and all(torch.equal(plain[k], swapped[k]) for k in plain)
+    rc, _, err = run_script("train_dreambooth", full_args(dataset, str(tmp_path / "c"), "--blocks_to_swap", "1"))
+    assert rc == 2 and "blocks_to_swap 1: asks for 1 of the model's 2 blocks (at most 0 here)" in err, err
+    assert "Traceback" not in err
 
 
 def run_entry(script: str, argv: list, monkeypatch) -> None:

@@ -16,11 +16,14 @@ FLUX.1 and SD3 transformers, on the CPU (one thread: bit for bit).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from library.models import flux, sd3
+from library.models.families.anima import model as anima_model
+from library.models.families.anima import tiny as anima_tiny
 from library.training import block_swap
 from tests.training.test_flux_train import build_initial, flux_args, no_flux_loading  # noqa: F401
 
@@ -88,6 +91,50 @@ def test_sd3_swap_trains_the_same_weights(checkpointing):
     swapped = _train(m, _sd3_inputs(cfg))
     for k in plain:
         assert torch.equal(plain[k], swapped[k]), k
+
+
+def _anima(blocks=4):
+    """tiny-anima's DiT widths with ``blocks`` blocks and no LLM adapter (the context given)."""
+    torch.manual_seed(0)
+    return anima_tiny.randomise(anima_model.Anima(replace(anima_model.TINY, num_blocks=blocks, adapter=None)))
+
+
+def _anima_inputs(batch=2):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(batch, 16, 8, 8, generator=g), torch.rand(batch, generator=g),
+            torch.randn(batch, 6, anima_model.TINY.crossattn_dim, generator=g))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_anima_swap_trains_the_same_weights(checkpointing):
+    """Anima's DiT: blocks_to_swap 2 (the last two of its four blocks on the host) trains the same
+    weights bit for bit, with and without gradient checkpointing."""
+    base = _anima()
+    plain = _train(copy.deepcopy(base), _anima_inputs())
+    m = copy.deepcopy(base)
+    if checkpointing:
+        m.enable_gradient_checkpointing()
+    swap = block_swap.install(m, 2, "cpu", storage=torch.float32, compute=torch.float32)
+    assert swap.swapped == [2, 3]
+    swapped = _train(m, _anima_inputs())
+    assert plain.keys() == swapped.keys()
+    for k in plain:
+        assert not torch.equal(plain[k], base.state_dict()[k]) or "pos_embedder" in k, k
+        assert torch.equal(plain[k], swapped[k]), k
+    assert swap.inside == set() and swap.pending == {}
+
+
+def test_anima_swap_limit_is_sd_scripts():
+    """sd-scripts' Anima.enable_block_swap: at most num_blocks - 2 (26 of the released 28 blocks);
+    one line beyond it."""
+    with torch.device("meta"):
+        full = anima_model.Anima(replace(anima_model.FULL, adapter=None))
+    assert block_swap.counts(full, 26) == [26]
+    with pytest.raises(block_swap.BlockSwapError,
+                       match=r"^blocks_to_swap 27: asks for 27 of the model.s 28 blocks \(at most 26 here\)$"):
+        block_swap.counts(full, 27)
+    with pytest.raises(block_swap.BlockSwapError, match=r"asks for 1 of the model.s 2 blocks \(at most 0 here\)"):
+        block_swap.counts(_anima(2), 1)
 
 
 def _linear(i, o, bias=True):
@@ -256,9 +303,9 @@ def test_transformer_memory_options_refused_with_an_sd_model(dataset, tmp_path, 
     rc, _, err = run_script("train_dreambooth", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", dataset, "--output_dir",
         str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "2", *option])
-    # the flow families that do not refuse it (Anima has no block swap; its DiT offloads checkpoints)
-    titles = ("Chroma, FLUX.1, SD3, Anima and Lumina 2" if option[0] == "--cpu_offload_checkpointing"
-              else "Chroma, FLUX.1, SD3 and Lumina 2")
+    # the flow families that do not refuse it (Anima has no per-block optimizers)
+    titles = ("Chroma, FLUX.1, SD3 and Lumina 2" if option[0] == "--blockwise_fused_optimizers"
+              else "Chroma, FLUX.1, SD3, Anima and Lumina 2")
     assert rc != 0 and f"{option[0][2:]}: an option of {titles} transformers" in err
 
 

@@ -120,6 +120,8 @@ class Family:
     home: str | None            # the module of its hooks (HOOKS: detection, loading, family model,
                                 # save, memory fakes), imported when a run needs it; None: loaded
                                 # by the SD loader (library/models/loading.py, family.py)
+    honours: tuple[str, ...] = ()  # generic options flow_loss.NO_EFFECT warns "no effect" about
+                                # that this family reads (Anima: xformers, its attn_mode xformers)
     sd_scripts: tuple[str, ...] = ()  # sd-scripts' family-specific entry scripts that train it
                                 # (sdxl_train_network.py, flux_train.py, ...; those at the root
                                 # here refuse a model of another family: library/models/script_family.py)

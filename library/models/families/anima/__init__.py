@@ -13,7 +13,7 @@ _T5 = "FLUX.1 / SD3's T5-XXL; Anima runs no T5 (its LLM adapter reads T5 token i
       "t5_max_token_length)"
 _CLIP = "FLUX.1 / SD3's CLIP; Anima's text encoder is Qwen3 (the qwen3 option)"
 _SD3 = "an SD3 option (sd-scripts' anima scripts do not define it)"
-_SWAP = "block swapping is not built for Anima's DiT here (sd-scripts' blocks_to_swap)"
+_SWAP = "FLUX.1's block-swap split; Anima has one stack of blocks (blocks_to_swap)"
 # the options only Anima reads (library/config/options.py); the other flow families refuse them
 # with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
 PART_RATES = ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")  # anima_train.py's
@@ -63,14 +63,15 @@ FAMILY = Family(
         "model_prediction_type": "FLUX.1's option; sd-scripts' Anima trainer compares the raw velocity",
         "training_shift": _SD3, "pos_emb_random_crop_rate": _SD3, "enable_scaled_pos_embed": _SD3,
         "num_last_block_to_freeze": _SD3,
-        "blocks_to_swap": _SWAP, "split_mode": _SWAP, "double_blocks_to_swap": _SWAP,
-        "single_blocks_to_swap": _SWAP,
+        "split_mode": _SWAP, "double_blocks_to_swap": _SWAP, "single_blocks_to_swap": _SWAP,
         "blockwise_fused_optimizers": "FLUX.1 / SD3's per-block optimizers (sd-scripts' anima_train.py has none)",
         "weighted_captions": "weights CLIP token states; Anima's Qwen3 prompts are not weighted (sd-scripts has "
                              "no weighted captions for Anima)",
     },
     no_effect={"min_timestep": _BOUNDS, "max_timestep": _BOUNDS,
                "train_text_encoder": "sd-scripts' Anima scripts keep Qwen3 frozen"},
+    # sd-scripts' anima_train_network.py: --xformers is attn_mode xformers (attention.run_kernel)
+    honours=("xformers",),
     native_size=1024, tiny_models=("tiny-anima",), arch_models=(),
     home="library.models.families.anima.home",
     sd_scripts=("anima_train_network.py", "anima_train.py"),

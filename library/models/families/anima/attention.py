@@ -5,6 +5,12 @@ any weight loads.
   ``flash_attn``'s ``flash_attn_func``; xformers: ``xformers.ops.memory_efficient_attention``; each on
   CUDA with its package installed, refused in one line otherwise. sageattn is refused: it has no
   backward pass (sd-scripts: "sageattn does not support training").
+- the generic ``xformers`` switch: ``attn_mode xformers`` when attn_mode is unset (sd-scripts'
+  anima_train_network.py: attn_mode wins over it; ``sdpa`` is not read, SDPA being the default).
+  Here it applies to anima_train.py's place too (train_dreambooth / finetune; sd-scripts'
+  anima_train.py ignores it). Without the xformers package the option parser has already turned
+  it off with a warning (library/config/parse.py, the GUI's default attention), so it reaches
+  here only with the package installed: on a machine without CUDA, one line.
 - ``split_attn``: the attention one sample at a time (the DiT's attentions have no mask, so each
   sample's rows are exactly what the batched call computes for it).
 
@@ -25,16 +31,25 @@ class AttentionError(UserError, ValueError):
     """An attn_mode this machine cannot honour; one line."""
 
 
-def kernel(mode: str | None, cuda: bool | None = None) -> str | None:
-    """attn_mode's kernel: "flash", "xformers" or None (SDPA); one line where it cannot run here."""
+def kernel(mode: str | None, cuda: bool | None = None, option: str | None = None) -> str | None:
+    """attn_mode's kernel: "flash", "xformers" or None (SDPA); one line (starting with ``option``,
+    by default "attn_mode <mode>") where it cannot run here."""
     if mode in (None, "torch", "sdpa"):
         return None
     if mode == "sageattn":
         raise AttentionError("attn_mode sageattn: sageattention has no backward pass (sd-scripts: inference "
                              "only), so it cannot train; use attn_mode torch, flash or xformers")
     package, pip = PACKAGES[mode]
-    kernels.require(f"attn_mode {mode}", package, pip, "attn_mode torch uses SDPA", AttentionError, cuda)
+    kernels.require(option or f"attn_mode {mode}", package, pip, "attn_mode torch uses SDPA", AttentionError, cuda)
     return mode
+
+
+def run_kernel(attn_mode: str | None, xformers: bool, cuda: bool | None = None) -> str | None:
+    """The kernel a run's DiT attends with: ``attn_mode`` when given, else xformers' when the
+    generic ``xformers`` switch is on (sd-scripts' anima_train_network.py), else SDPA (None)."""
+    if attn_mode is None and xformers:
+        return kernel("xformers", cuda, option="xformers (attn_mode xformers for Anima, as sd-scripts)")
+    return kernel(attn_mode, cuda)
 
 
 def sdpa(q, k, v):

@@ -35,9 +35,10 @@ def claims(path: str) -> bool:
 
 
 def check_sources(opts) -> None:
-    """Before any weight loads: the attention kernel (attn_mode), and the per-part rates a LoRA
-    does not read (sd-scripts' anima_train_network.py parses and ignores them: a warning)."""
-    attention.kernel(opts.attn_mode)
+    """Before any weight loads: the attention kernel (attn_mode, or the generic xformers switch), and
+    the per-part rates a LoRA does not read (sd-scripts' anima_train_network.py parses and ignores
+    them: a warning)."""
+    attention.run_kernel(opts.attn_mode, opts.xformers)
     given = [name for name in PART_RATES if getattr(opts, name) is not None]
     if given and method_kinds.get(METHOD_OF_SCRIPT[opts.script]).trains_network:
         logger.warning(f"option {', '.join(given)} has no effect with an Anima network: the per-part learning "
@@ -48,7 +49,7 @@ def load(opts) -> loading.ModelBundle:
     src = opts.pretrained_model_name_or_path
     m = load_anima(src, qwen3=opts.qwen3, vae=opts.vae, llm_adapter_path=opts.llm_adapter_path,
                                       t5_tokenizer_path=opts.t5_tokenizer_path)
-    attention.configure(m.dit, attention.kernel(opts.attn_mode), split=opts.split_attn)
+    attention.configure(m.dit, attention.run_kernel(opts.attn_mode, opts.xformers), split=opts.split_attn)
     vae_memory.configure(m.vae, chunk_rows=opts.vae_chunk_size or None, cache=not opts.vae_disable_cache)
     return loading.ModelBundle(family="anima", unet=m.dit, vae=LatentVAE(m.vae),
                                text_encoders=[m.qwen3], tokenizers=[m.qwen3_tokenizer, m.t5_tokenizer],

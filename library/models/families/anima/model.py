@@ -294,8 +294,10 @@ class FinalLayer(nn.Module):
         return self.linear(self.layer_norm(x) * (1 + scale) + shift)
 
 
-class Anima(nn.Module):
-    """The MiniTrainDiT (with its LLM adapter when the config has one)."""
+class Anima(block_checkpoint.CheckpointedBlocks, nn.Module):
+    """The MiniTrainDiT (with its LLM adapter when the config has one). Its ``blocks`` run through
+    ``_run``: gradient checkpointing and blocks_to_swap (library/training/block_swap.py, which asks
+    ``swap_block_lists`` and ``swap_block_limit``)."""
 
     def __init__(self, cfg: AnimaConfig):
         super().__init__()
@@ -313,6 +315,15 @@ class Anima(nn.Module):
         self.t_embedding_norm = RMSNorm(cfg.model_channels)
         self.gradient_checkpointing = False
         self.cpu_offload_checkpointing = False
+        self.block_swap = None  # library/training/block_swap.py's streamer, or None
+
+    def swap_block_lists(self) -> list:
+        """What blocks_to_swap swaps: the DiT's blocks (the LLM adapter stays on the device)."""
+        return [self.blocks]
+
+    def swap_block_limit(self) -> int:
+        """sd-scripts' Anima.enable_block_swap: at most num_blocks - 2 blocks swapped."""
+        return max(len(self.blocks) - 2, 0)
 
     def enable_gradient_checkpointing(self, cpu_offload: bool = False):
         self.gradient_checkpointing, self.cpu_offload_checkpointing = True, cpu_offload
@@ -351,9 +362,7 @@ class Anima(nn.Module):
         emb = self.t_embedding_norm(emb.to(hidden.dtype))
         emb, adaln_lora = emb[:, None, :], adaln_lora[:, None, :].to(hidden.dtype)
         for block in self.blocks:
-            hidden = block_checkpoint.call(block, (hidden, emb, adaln_lora, context, rope),
-                                           checkpointing=self.gradient_checkpointing,
-                                           offload=self.cpu_offload_checkpointing)
+            hidden = self._run(block, hidden, emb, adaln_lora, context, rope)
         out = self.final_layer(hidden, emb, adaln_lora)  # (B, L, p*p*C) as (p1 p2 C)
         c = self.config.out_channels
         out = out.reshape(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)

@@ -64,6 +64,21 @@ def vae_config() -> dict:
             "temperal_downsample": [False, True, True]}
 
 
+def randomise(dit: model.Anima) -> model.Anima:
+    """Every weight of ``dit`` drawn from torch's generator: sd-scripts zero-initialises the
+    modulation outputs; random ones make the blocks matter in tests (a zero gate would hide every
+    sub-layer)."""
+    with torch.no_grad():
+        for name, p in dit.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif p.ndim == 1:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return dit
+
+
 def build() -> dict:
     """{dit, qwen3, vae, qwen3_tokenizer, t5_tokenizer} of tiny-anima."""
     t5_tok = t5.build_tiny_tokenizer()
@@ -71,18 +86,7 @@ def build() -> dict:
     out = {"qwen3_tokenizer": q_tok, "t5_tokenizer": t5_tok}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        dit = model.Anima(tiny_config(len(t5_tok)))
-        # sd-scripts zero-initialises the modulation outputs; random ones make the blocks matter
-        # in tests (a zero gate would hide every sub-layer)
-        with torch.no_grad():
-            for name, p in dit.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.1)
-                elif p.ndim == 1:
-                    p.normal_(0.0, 0.1)
-                else:
-                    p.normal_(0.0, p.shape[1] ** -0.5)
-        out["dit"] = dit.eval()
+        out["dit"] = randomise(model.Anima(tiny_config(len(t5_tok)))).eval()
         torch.manual_seed(SEED + 1)
         out["qwen3"] = Qwen3Model(qwen3_config(len(q_tok))).eval()
         torch.manual_seed(SEED + 2)
