@@ -585,6 +585,11 @@ OPTIONS: tuple[Option, ...] = (
       "activations kept at each transformer block's input wait in host memory until the "
       "backward (sd-scripts' option; turns gradient_checkpointing on, as sd-scripts). Not with "
       "blocks_to_swap.", "training", scripts=NOT_TI),
+    O("unsloth_offload_checkpointing", "bool", False, "Anima: with gradient checkpointing, each DiT "
+      "block's input hidden state waits in host memory until the backward, copied there and back "
+      "without blocking (sd-scripts' faster form of cpu_offload_checkpointing; the inputs every block "
+      "shares stay on the device); the same gradients. Turns gradient_checkpointing on, as sd-scripts; "
+      "not with cpu_offload_checkpointing or blocks_to_swap (as sd-scripts).", "training", scripts=NOT_TI),
     O("blockwise_fused_optimizers", "bool", False, "FLUX.1 / SD3 full fine-tune: one optimizer per "
       "transformer block (and one for the other parameters, one per trained text encoder), each "
       "stepped inside the backward pass as soon as its block's gradients are complete, then its "
@@ -1116,7 +1121,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *(GuiKey(n, "lf", "option") for n in  # Anima: library/models/families/anima/
       "qwen3 qwen3_max_token_length llm_adapter_path t5_tokenizer_path t5_max_token_length".split()),
     *(GuiKey(n, "lf", "option") for n in "attn_mode split_attn vae_disable_cache".split()),  # Anima
-    *_gui_family("unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
+    GuiKey("unsloth_offload_checkpointing", "lf", "option"),  # Anima
+    *_gui_family("qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
                  "lf", "Anima", trained=True),
     *(GuiKey(n, "lf", "option") for n in  # Lumina 2: library/models/families/lumina/

@@ -167,6 +167,7 @@ class Options:
     double_blocks_to_swap: int | None = ...  # default None
     single_blocks_to_swap: int | None = ...  # default None
     cpu_offload_checkpointing: bool = ...  # default False
+    unsloth_offload_checkpointing: bool = ...  # default False
     blockwise_fused_optimizers: bool = ...  # default False
     ddp_timeout: int | None = ...  # default None
     ddp_gradient_as_bucket_view: bool = ...  # default False

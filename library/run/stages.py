@@ -161,10 +161,12 @@ class Run:
         if not any(p.requires_grad for g in groups for p in g["params"]):
             raise UserError("nothing to train: no trainable parameter has a non-zero learning rate "
                             "(check learning_rate, unet_lr, text_encoder_lr and network_train_*_only)")
-        if opts.gradient_checkpointing or opts.cpu_offload_checkpointing:
+        if opts.gradient_checkpointing or opts.cpu_offload_checkpointing or opts.unsloth_offload_checkpointing:
             b.unet.enable_gradient_checkpointing()
-            if opts.cpu_offload_checkpointing:  # FLUX.1 / SD3 (block_swap.check_options)
+            if opts.cpu_offload_checkpointing:  # the flow transformers (block_swap.check_options)
                 b.unet.cpu_offload_checkpointing = True
+            if opts.unsloth_offload_checkpointing:  # Anima (its home's check_sources)
+                b.unet.unsloth_offload_checkpointing = True
             if method.train_text_encoder:
                 for te in b.text_encoders:
                     (getattr(te, "activation_checkpointing_enable", None)

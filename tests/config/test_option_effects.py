@@ -232,6 +232,8 @@ REFERENCE = {
     "split_attn": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
     "vae_chunk_size": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
     "vae_disable_cache": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
+    "unsloth_offload_checkpointing": T + "training/test_block_swap.py::"
+                                         "test_anima_unsloth_offload_same_weights_only_hidden_state_on_host",
     **{name: T + "training/test_anima_train.py::test_two_sgd_steps_are_plain_sgd_per_part"
        for name in ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")},
     "model_type": T + "config/test_sd_scripts_flow_options.py::test_model_type_names_the_family_the_weights_must_be",

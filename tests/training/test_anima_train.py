@@ -187,6 +187,27 @@ def test_block_swap_trains_the_same_weights(dataset, tmp_path, train, run_script
     assert "Traceback" not in err
 
 
+def test_unsloth_offload_checkpointing_through_the_entry_script(dataset, tmp_path, train, run_script):
+    """sd-scripts' unsloth_offload_checkpointing (anima_train.py / anima_train_network.py): turns
+    gradient checkpointing on with a warning and reaches the DiT; with cpu_offload_checkpointing or
+    blocks_to_swap one line before any weight loads (sd-scripts' asserts); another family refuses it."""
+    rc, _, err, run = train("train_dreambooth", full_args(dataset, str(tmp_path / "a"), "--max_train_steps", "1",
+                                                          "--unsloth_offload_checkpointing"))
+    assert rc == 0, err
+    assert "unsloth_offload_checkpointing turns gradient_checkpointing on" in err
+    dit = run.parts.bundle.unet
+    assert dit.gradient_checkpointing and dit.unsloth_offload_checkpointing and not dit.cpu_offload_checkpointing
+    for other in (["--cpu_offload_checkpointing"], ["--blocks_to_swap", "1"]):
+        rc, _, err = run_script("train_lora", full_args(dataset, str(tmp_path / "b"), "--dry_run",
+                                                        "--unsloth_offload_checkpointing", *other))
+        assert rc == 2 and f"unsloth_offload_checkpointing and {other[0][2:]} cannot be combined" in err, err
+        assert "Traceback" not in err
+    rc, _, err = run_script("train_dreambooth", ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir",
+                                                 dataset, "--output_dir", str(tmp_path / "f"), "--resolution", "64",
+                                                 "--max_train_steps", "1", "--unsloth_offload_checkpointing"])
+    assert rc == 2 and "unsloth_offload_checkpointing: not with the FLUX.1 model" in err, err
+
+
 def run_entry(script: str, argv: list, monkeypatch) -> None:
     """Run an entry script as ``python script argv`` in-process; it must exit 0."""
     monkeypatch.setattr(sys, "argv", [script, *argv])

@@ -240,6 +240,32 @@ def test_cpu_offload_checkpointing_same_gradients_inputs_held_on_host(monkeypatc
         assert torch.equal(plain[k], offloaded[k]), k
 
 
+def test_anima_unsloth_offload_same_weights_only_hidden_state_on_host(monkeypatch):
+    """Anima's unsloth_offload_checkpointing: each checkpointed block's input hidden state (and
+    nothing else: not the time embedding, text context or RoPE every block shares) is copied to
+    the host once per block and forward, and read back in the backward; the weights trained are
+    those of no checkpointing, bit for bit."""
+    from library.models import block_checkpoint
+
+    base = _anima()
+    plain = _train(copy.deepcopy(base), _anima_inputs())
+    m = copy.deepcopy(base)
+    m.enable_gradient_checkpointing()
+    m.unsloth_offload_checkpointing = True
+    real, copied = block_checkpoint._to_host, []
+
+    def spy(t):
+        copied.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(block_checkpoint, "_to_host", spy)
+    offloaded = _train(m, _anima_inputs())
+    hidden = (2, 16, anima_model.TINY.model_channels)  # (batch, 4 x 4 patches, width)
+    assert copied == [hidden] * (2 * 4)  # 2 steps x 4 blocks, the hidden state alone
+    for k in plain:
+        assert torch.equal(plain[k], offloaded[k]), k
+
+
 def _weights(train, dataset, out, *extra):
     rc, _, err, run = train("train_dreambooth", flux_args(
         dataset, out, "--optimizer_type", "AdamW", "--max_grad_norm", "0", *extra))

@@ -18,7 +18,8 @@ _SWAP = "FLUX.1's block-swap split; Anima has one stack of blocks (blocks_to_swa
 # with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
 PART_RATES = ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")  # anima_train.py's
 OWN_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length",
-               "attn_mode", "split_attn", "vae_chunk_size", "vae_disable_cache", *PART_RATES)
+               "attn_mode", "split_attn", "vae_chunk_size", "vae_disable_cache", "unsloth_offload_checkpointing",
+               *PART_RATES)
 REFUSED_ELSEWHERE = {name: "an Anima option (sd-scripts' anima scripts)" for name in OWN_OPTIONS}
 _BOUNDS = "Anima draws its noise level by timestep_sampling (sd-scripts' Anima trainer ignores the timestep bounds)"
 

@@ -35,10 +35,16 @@ def claims(path: str) -> bool:
 
 
 def check_sources(opts) -> None:
-    """Before any weight loads: the attention kernel (attn_mode, or the generic xformers switch), and
-    the per-part rates a LoRA does not read (sd-scripts' anima_train_network.py parses and ignores
-    them: a warning)."""
+    """Before any weight loads: the attention kernel (attn_mode, or the generic xformers switch),
+    unsloth_offload_checkpointing's combinations, and the per-part rates a LoRA does not read
+    (sd-scripts' anima_train_network.py parses and ignores them: a warning)."""
     attention.run_kernel(opts.attn_mode, opts.xformers)
+    if opts.unsloth_offload_checkpointing:  # sd-scripts' anima scripts' asserts and warning
+        for other in ("cpu_offload_checkpointing", "blocks_to_swap"):
+            if getattr(opts, other):
+                raise UserError(f"unsloth_offload_checkpointing and {other} cannot be combined (as in sd-scripts)")
+        if not opts.gradient_checkpointing:
+            logger.warning("unsloth_offload_checkpointing turns gradient_checkpointing on (as sd-scripts)")
     given = [name for name in PART_RATES if getattr(opts, name) is not None]
     if given and method_kinds.get(METHOD_OF_SCRIPT[opts.script]).trains_network:
         logger.warning(f"option {', '.join(given)} has no effect with an Anima network: the per-part learning "

@@ -329,7 +329,7 @@ class Anima(block_checkpoint.CheckpointedBlocks, nn.Module):
         self.gradient_checkpointing, self.cpu_offload_checkpointing = True, cpu_offload
 
     def disable_gradient_checkpointing(self):
-        self.gradient_checkpointing = self.cpu_offload_checkpointing = False
+        self.gradient_checkpointing = self.cpu_offload_checkpointing = self.unsloth_offload_checkpointing = False
 
     def text_context(self, qwen3_states, t5_input_ids, t5_attn_mask=None, qwen3_attn_mask=None):
         """The cross-attention context: the adapter's output, zero at T5's padding."""
