@@ -9,15 +9,12 @@ Parsing only: no model is built."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import pytest
 
-from library.config.options import SD_SCRIPTS_BY_NAME
-from library.config.parse import ConfigError, parse_args
 from library.models.families import registry
-from tests.config.test_sd_scripts_flow_options import verdict
+from tests.config.test_sd_scripts_flow_options import assert_one_line, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = json.load(open(os.path.join(HERE, "sd_scripts_anima_options.json")))
@@ -63,29 +60,10 @@ def test_anima_only_options_are_options_anima_does_not_refuse():
             assert name not in fam.unsupported and name not in fam.no_effect, name
 
 
-def _value(name: str) -> list:
-    entry = SD_SCRIPTS_BY_NAME.get(name)
-    if entry is not None and entry.kind == "flag":
-        return [f"--{name}"]
-    return [f"--{name}", "1"]
-
-
 @pytest.mark.parametrize("entry, name", sorted({(e, n) for _, e, n in PAIRS
                                                 if verdict(e, n) in ("ignore", "reject", "other script")}))
 def test_names_sdtk_does_not_take_are_one_line_with_anima(entry, name, caplog):
-    """A no-effect name parses with one warning naming it; a refused one stops with one line naming
-    it (never argparse's usage dump or a traceback)."""
-    caplog.set_level(logging.WARNING)
-    argv = BASE + _value(name)
-    if verdict(entry, name) == "ignore":
-        opts = parse_args(entry, argv)
-        assert name in opts.ignored
-        lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
-        assert len(lines) == 1 and "no effect" in lines[0], lines
-        return
-    with pytest.raises(ConfigError) as e:
-        parse_args(entry, argv)
-    assert name in str(e.value) and "\n" not in str(e.value)
+    assert_one_line(entry, name, BASE, caplog)
 
 
 def test_every_sd_scripts_anima_network_arg_is_known():

@@ -85,10 +85,14 @@ def _value(name: str) -> list:
 @pytest.mark.parametrize("entry, name", sorted({(e, n) for _, e, n in PAIRS
                                                 if verdict(e, n) in ("ignore", "reject", "other script")}))
 def test_names_sdtk_does_not_take_are_one_line_on_the_command_line(entry, name, caplog):
+    assert_one_line(entry, name, BASE, caplog)
+
+
+def assert_one_line(entry: str, name: str, base: list, caplog) -> None:
     """A no-effect name parses with one warning naming it; a refused one stops with one line
     naming it (never argparse's usage dump or a traceback)."""
     caplog.set_level(logging.WARNING)
-    argv = BASE + _value(name)
+    argv = base + _value(name)
     if verdict(entry, name) == "ignore":
         opts = parse_args(entry, argv)
         assert name in opts.ignored
