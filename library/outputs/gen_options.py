@@ -124,7 +124,17 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--clip_l", help="FLUX.1 / SD3: CLIP-L file")
     p.add_argument("--clip_g", help="SD3: CLIP-G file")
     p.add_argument("--t5xxl", help="FLUX.1 / SD3: T5-XXL file")
-    p.add_argument("--ae", help="FLUX.1: autoencoder file")
+    p.add_argument("--ae", "--ae_path", dest="ae", help="FLUX.1 / Chroma / Lumina 2: autoencoder file")
+    p.add_argument("--qwen3", help="Anima: the Qwen3 text encoder (a Hugging Face folder or one .safetensors file)")
+    p.add_argument("--llm_adapter_path", help="Anima: the LLM adapter's weights in their own file")
+    p.add_argument("--t5_tokenizer_path", help="Anima: folder of the T5 tokenizer the LLM adapter reads")
+    p.add_argument("--qwen3_max_token_length", type=int, help="Anima: Qwen3 tokens (the training default)")
+    p.add_argument("--t5_max_token_length", type=int, help="Anima: T5 tokens (the training default)")
+    p.add_argument("--gemma2", "--gemma2_path", dest="gemma2",
+                   help="Lumina 2: the Gemma-2 2B text encoder (a .safetensors file or a transformers folder)")
+    p.add_argument("--gemma2_max_token_length", type=int, help="Lumina 2: Gemma-2 tokens (default 256)")
+    p.add_argument("--system_prompt", help="Lumina 2: text before every prompt, as in training (sd-scripts' "
+                   "--system_prompt; give the run's)")
     p.add_argument("--apply_t5_attn_mask", action="store_true", help="FLUX.1 / SD3: mask T5's padding")
     p.add_argument("--t5xxl_max_token_length", type=int, help="FLUX.1 / SD3: T5 tokens (the model's default)")
     p.add_argument("--tokenizer_path", help="CLIP tokenizer folder for a single file (default: the shipped one)")

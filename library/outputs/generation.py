@@ -58,24 +58,61 @@ def family_defaults(family: str, flux_guided: bool) -> dict:
             "guidance": None, "grid": 8, "flow": False, "network_module": lora}
 
 
+# gen_img's flags that are one family's parts or text options (the training options of the same
+# names): a family that does not read one refuses it in one line, before any weight loads
+PART_FLAGS = ("clip_l", "clip_g", "t5xxl", "ae", "apply_t5_attn_mask", "t5xxl_max_token_length", "qwen3",
+              "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "gemma2",
+              "gemma2_max_token_length", "system_prompt")
+
+
+def _refusal(family, flag: str) -> str | None:
+    """Why ``family`` does not read ``flag`` (None: it does): a flow family's own tables (another
+    family's options, its ``unsupported``), for SD every flow family's option."""
+    if family.flow is None:
+        if flag not in flow_family.FLOW_OPTIONS:
+            return None
+        readers = [f.title for f in registry.FAMILIES.values() if f.flow is not None and _refusal(f, flag) is None]
+        return f"an option of {', '.join(readers)}"
+    return {**registry.foreign_options(family), **family.unsupported}.get(flag)
+
+
+def _check_part_flags(args, family) -> None:
+    for flag in PART_FLAGS:
+        if getattr(args, flag, None) not in (None, False, ""):
+            why = _refusal(family, flag)
+            if why is not None:
+                raise GenError(f"--{flag}: {why}; this model is {family.title}")
+
+
 def _load_options(args):
-    """The training options record the model loaders read (library/models/flow_family.py)."""
+    """The training options record the model loaders read (library/models/flow_family.py); a
+    part flag the model's family does not read is refused here, before any weight loads."""
     values = {"pretrained_model_name_or_path": args.ckpt, "v2": args.v2,
               "v_parameterization": args.v_parameterization, "tokenizer_path": args.tokenizer_path,
-              "xformers": args.xformers, "weighted_captions": True, "clip_l": args.clip_l,
-              "clip_g": args.clip_g, "t5xxl": args.t5xxl, "ae": args.ae,
-              "apply_t5_attn_mask": args.apply_t5_attn_mask,
-              "t5xxl_max_token_length": args.t5xxl_max_token_length,
+              "xformers": args.xformers, "weighted_captions": True,
+              **{flag: getattr(args, flag) for flag in PART_FLAGS if getattr(args, flag) not in (None, False)},
               "max_token_length": None if (args.max_embeddings_multiples or 1) == 1
               else 75 * args.max_embeddings_multiples}
     fam = flow_family.family_before_loading(args.ckpt)
+    family = registry.get(fam or "sd1")
+    _check_part_flags(args, family)
     if fam is None:
         values["vae"] = args.vae
-    elif registry.get(fam).autoencoder_option == "vae":  # SD3: its VAE is the flow loader's ae
-        values["ae"] = args.ae or args.vae
+    elif family.autoencoder_option == "vae":
+        if "ae" in family.unsupported:  # Anima: its loader reads vae
+            values["vae"] = args.vae
+        else:  # SD3: its VAE is the flow loader's ae
+            values["ae"] = args.ae or args.vae
     elif args.vae:
-        raise GenError("--vae: a FLUX.1 model's autoencoder is --ae")
+        raise GenError(f"--vae: a {family.title} model's autoencoder is --ae")
     return parse.options_from_values("train_lora", values)
+
+
+def _flag_message(e: UserError) -> str:
+    """A loader's one line, with the training option it names as gen_img's flag."""
+    msg = str(e).replace("pretrained_model_name_or_path", "--ckpt")
+    name = msg.partition(":")[0]
+    return f"--{msg}" if name in (*PART_FLAGS, "vae") else msg
 
 
 def _file_hash(path: str) -> str:
@@ -119,7 +156,7 @@ class Generator:
         try:
             self.bundle = b = flow_family.load_from_options(opts)
         except UserError as e:  # a one-line error of the loaders, which name the training option
-            raise GenError(str(e).replace("pretrained_model_name_or_path", "--ckpt")) from None
+            raise GenError(_flag_message(e)) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None
         self.flow = sampling.is_flow(b)

@@ -3,8 +3,9 @@ or tools/compare_checkpoints.py's argument list (the command-line scripts themse
 queue; no second generator), and a job's images are read back with their A1111 text.
 
     generate_job(form, allowed, default_parent) -> ImageJob    gen_img.py: a model (path or
-                                built-in name), LoRAs with weights, prompt, negative prompt, seed,
-                                steps, size, sampler, scale, images
+                                built-in name) and its separate parts (``parts``: --vae, --ae,
+                                --qwen3, --gemma2, ...; ``system_prompt``), LoRAs with weights,
+                                prompt, negative prompt, seed, steps, size, sampler, scale, images
     run_model(opts, output_dir, output_name) -> RunModel    a finished run's model flags (from
                                 its config's Options) and saved files
     compare_job(form, run) -> ImageJob          compare_checkpoints.py over the run's saved files
@@ -55,7 +56,12 @@ class RunModel:
     network_module: str | None
 
 
-_MODEL_FILES = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path")
+# a model's separate parts (gen_img's flags, the training options of the same names): a finished
+# run's, and the Generate page's "model parts" fields
+_MODEL_FILES = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path", "qwen3", "llm_adapter_path",
+                "t5_tokenizer_path", "gemma2")
+# a run's text options gen_img takes under the same names (Lumina 2's system prompt: images as trained)
+_TEXT_OPTIONS = ("system_prompt",)
 
 
 def _absolute(path: str) -> str:
@@ -72,6 +78,9 @@ def run_model(opts, output_dir: str, output_name: str) -> RunModel:
         if v:
             flags += [f"--{name}", _absolute(v)]
     flags += [f"--{name}" for name in ("v2", "v_parameterization") if getattr(opts, name)]
+    for name in _TEXT_OPTIONS:
+        if getattr(opts, name):
+            flags += [f"--{name}={getattr(opts, name)}"]  # one argument, whatever the text starts with
     module = opts.network_module if "network_module" in opts.given else None
     return RunModel(_absolute(opts.pretrained_model_name_or_path), output_dir, output_name,
                     tuple(flags), module)
@@ -138,6 +147,28 @@ def _sampling_args(form: dict) -> list[str]:
     return out
 
 
+def _part_args(form: dict) -> list[str]:
+    """The form's ``parts`` ({flag name: path}: a single-file model's separate files) and text
+    options as gen_img's flags; an unknown name or a value that reads as a flag is one line."""
+    parts = form.get("parts") or {}
+    if not isinstance(parts, dict):
+        raise DataError("parts: an object of {name: path} is required")
+    out = []
+    for name, value in parts.items():
+        if name not in _MODEL_FILES:
+            raise DataError(f"parts: unknown part {name!r} (one of {', '.join(_MODEL_FILES)})")
+        path = _text(parts, name)
+        if path.startswith("-"):
+            raise DataError(f"{name}: {path!r} is not a file or folder name")
+        if path:
+            out += [f"--{name}", path]
+    for name in _TEXT_OPTIONS:
+        text = _one_line(_text(form, name), name)
+        if text:
+            out += [f"--{name}={text}"]  # one argument: a text starting with '-' is not a flag
+    return out
+
+
 def fresh_folder(parent: str, prefix: str) -> str:
     """``<parent>/<prefix>-<UTC time>`` (with ``-2``, ``-3``, ... when taken); not created."""
     base = os.path.join(parent, f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
@@ -172,6 +203,7 @@ def generate_job(form: dict, allowed: list[str], default_parent: str) -> ImageJo
     outdir = fresh_folder(inside(parent, allowed, "outdir"), "gen")
     prompt_file = os.path.join(outdir, PROMPT_FILE)
     args = ["--ckpt", model, "--outdir", outdir, "--from_file", prompt_file, *_sampling_args(form)]
+    args += _part_args(form)
     images = _int(form, "images", 1, MAX_IMAGES)
     if images is not None:
         args += ["--images_per_prompt", str(images)]

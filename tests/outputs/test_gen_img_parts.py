@@ -1,0 +1,82 @@
+"""gen_img.py with a single-file Anima / Lumina 2 backbone and its parts in their own files
+(sd-scripts' --qwen3, --llm_adapter_path, --t5_tokenizer_path, --vae; --gemma2, --ae): the image is
+the built-in model's, bit for bit (the same weights, one thread); a part flag of another family is
+one line before any weight loads."""
+from __future__ import annotations
+
+import numpy as np
+from safetensors.torch import load_file, save_file
+
+from library.models import flux_ae
+from library.models.families.anima import tiny as anima_tiny, weights as anima_weights
+from library.models.families.lumina import loading as lumina_loading, text as lumina_text, tiny as lumina_tiny
+from tests.outputs.test_gen_img import _fails, pixels, run
+
+PROMPT = "red cube --n blue --d 11 --w 64 --h 48 --s 3 --l 4"
+
+
+def test_anima_from_separate_files_equals_the_builtin(tmp_path):
+    m = anima_tiny.build()
+    whole = str(tmp_path / "whole.safetensors")
+    anima_weights.save_dit(m["dit"], whole)
+    sd = load_file(whole)
+    # the DiT without its adapter (sd-scripts' layout without net.), the adapter in its own file
+    save_file({k[4:]: v for k, v in sd.items() if not k.startswith(("net.llm_adapter.", "net.pos_embedder."))},
+              str(tmp_path / "dit.safetensors"))
+    save_file({k[len("net.llm_adapter."):]: v for k, v in sd.items() if k.startswith("net.llm_adapter.")},
+              str(tmp_path / "adapter.safetensors"))
+    m["qwen3"].save_pretrained(tmp_path / "qwen3")
+    m["qwen3_tokenizer"].save_pretrained(tmp_path / "qwen3")
+    m["vae"].save_pretrained(tmp_path / "vae")
+    m["t5_tokenizer"].save_pretrained(tmp_path / "t5")
+
+    [builtin] = run(tmp_path, "builtin", "--ckpt", "tiny-anima", "--prompt", PROMPT)
+    [files] = run(tmp_path, "files", "--ckpt", tmp_path / "dit.safetensors", "--llm_adapter_path",
+                  tmp_path / "adapter.safetensors", "--qwen3", tmp_path / "qwen3", "--vae", tmp_path / "vae",
+                  "--t5_tokenizer_path", tmp_path / "t5", "--prompt", PROMPT)
+    assert np.array_equal(pixels(files), pixels(builtin))
+    assert pixels(builtin).std() > 1  # an image, not a blank
+
+
+def _lumina_files(tmp_path) -> dict:
+    parts = lumina_tiny.build_tiny_lumina()
+    cfg = lumina_tiny.nextdit.TINY
+    m = lumina_loading.LuminaModel("original", cfg, parts["transformer"], parts["gemma2"], parts["tokenizer"],
+                                   parts["ae"], "x", "y")
+    out = {k: str(tmp_path / f"{k}.safetensors") for k in ("lumina", "gemma2", "ae")}
+    lumina_loading.save_transformer(out["lumina"], m, parts["transformer"].state_dict(), {})
+    save_file({"model." + k: v.contiguous() for k, v in parts["gemma2"].state_dict().items()}, out["gemma2"],
+              lumina_text.gemma2_file_metadata(parts["gemma2"], parts["tokenizer"]))
+    save_file({k: v.contiguous() for k, v in flux_ae.ae_state_dict(parts["ae"]).items()}, out["ae"],
+              flux_ae.ae_file_metadata(parts["ae"]))
+    return out
+
+
+def test_lumina_from_separate_files_equals_the_builtin(tmp_path):
+    f = _lumina_files(tmp_path)
+    system = ["--system_prompt", "You are an assistant"]
+    [builtin] = run(tmp_path, "builtin", "--ckpt", "tiny-lumina", "--prompt", PROMPT, *system)
+    # sd-scripts' lumina_minimal_inference spells them --gemma2_path / --ae_path
+    [files] = run(tmp_path, "files", "--ckpt", f["lumina"], "--gemma2", f["gemma2"], "--ae_path", f["ae"],
+                  "--prompt", PROMPT, *system)
+    assert np.array_equal(pixels(files), pixels(builtin))
+    [plain] = run(tmp_path, "plain", "--ckpt", "tiny-lumina", "--prompt", PROMPT)
+    assert np.abs(pixels(plain) - pixels(builtin)).max() > 0  # the system prompt reaches Gemma-2
+
+
+def test_a_part_flag_of_another_family_is_one_line(capsys, tmp_path):
+    f = _lumina_files(tmp_path)
+    lumina = ["--ckpt", "tiny-lumina", "--prompt", "x", "--steps", "1"]
+    assert "--qwen3: an Anima option" in _fails(capsys, tmp_path, *lumina, "--qwen3", tmp_path)
+    assert "--t5xxl: Lumina 2's only text encoder is Gemma-2" in _fails(capsys, tmp_path, *lumina, "--t5xxl", f["ae"])
+    assert "--vae: a Lumina 2 model's autoencoder is --ae" in _fails(capsys, tmp_path, *lumina, "--vae", f["ae"])
+    anima = ["--ckpt", "tiny-anima", "--prompt", "x", "--steps", "1"]
+    assert "--gemma2: a Lumina 2 option" in _fails(capsys, tmp_path, *anima, "--gemma2", f["gemma2"])
+    assert "--ae: Anima's autoencoder is the vae option" in _fails(capsys, tmp_path, *anima, "--ae", f["ae"])
+    msg = _fails(capsys, tmp_path, "--ckpt", "tiny-sd15", "--prompt", "x", "--system_prompt", "hi")
+    assert "--system_prompt: an option of Lumina 2; this model is SD1" in msg
+    # a single-file Lumina 2 transformer without its parts, a Gemma-2 that is not one: the loader's line, as flags
+    assert "--gemma2: required with a single-file Lumina 2 transformer" in _fails(
+        capsys, tmp_path, "--ckpt", f["lumina"], "--ae", f["ae"], "--prompt", "x")
+    assert f"--gemma2: {f['ae']} is not a Gemma-2 2B text encoder" in _fails(
+        capsys, tmp_path, "--ckpt", f["lumina"], "--ae", f["ae"], "--gemma2", f["ae"], "--prompt", "x")
