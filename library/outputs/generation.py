@@ -52,10 +52,12 @@ def family_defaults(family: str, flux_guided: bool) -> dict:
         spec = fam.flow
         return {"size": fam.native_size, "steps": spec.sample_steps, "scale": spec.sample_scale,
                 "guidance": spec.sample_guidance if flux_guided else None,
+                "cfg_trunc_ratio": spec.sample_cfg_trunc_ratio, "renorm_cfg": spec.sample_renorm_cfg,
                 "grid": spec.size_multiple, "flow": True,
                 "network_module": network_options.FAMILY_LORA_MODULES[family]}
     return {"size": registry.get(family).native_size, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
-            "guidance": None, "grid": 8, "flow": False, "network_module": lora}
+            "guidance": None, "cfg_trunc_ratio": None, "renorm_cfg": None, "grid": 8, "flow": False,
+            "network_module": lora}
 
 
 # gen_img's flags that are one family's parts or text options (the training options of the same
@@ -301,7 +303,8 @@ class Generator:
         self._set_multipliers(j.muls)
         images = sampling.PromptBatch([x.prompt for x in batch], [x.negative for x in batch],
                                       [x.seed for x in batch], width=j.width, height=j.height,
-                                      steps=j.steps, scale=j.scale)
+                                      steps=j.steps, scale=j.scale, cfg_trunc_ratio=j.cfg_trunc_ratio,
+                                      renorm_cfg=j.renorm_cfg)
         with torch.no_grad():
             if self.flow:
                 latents = sampling.flow_batch(
@@ -344,6 +347,8 @@ class Generator:
                   "Model": os.path.splitext(os.path.basename(os.path.normpath(self.bundle.source)))[0],
                   "Distilled CFG Scale": None if job.guidance is None else f"{job.guidance:g}",
                   "Shift": None if args.shift is None else f"{args.shift:g}",
+                  "CFG truncation": None if job.cfg_trunc_ratio is None else f"{job.cfg_trunc_ratio:g}",
+                  "CFG renorm": None if job.renorm_cfg is None else f"{job.renorm_cfg:g}",
                   "Clip skip": args.clip_skip,
                   "Hires upscale": None if args.highres_fix_scale is None else f"{1 / args.highres_fix_scale:g}",
                   "Hires steps": None if args.highres_fix_scale is None else job.steps,

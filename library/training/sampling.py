@@ -71,15 +71,20 @@ SAMPLER_CHOICES = tuple(SAMPLERS) + tuple(ALIASES)
 
 # sd-scripts' defaults of a prompt line; steps and scale (None) are the family's (settings)
 DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": None, "scale": None,
-            "seed": None, "sample_sampler": None, "image": None, "guidance_scale": None}
+            "seed": None, "sample_sampler": None, "image": None, "guidance_scale": None,
+            "cfg_trunc_ratio": None, "renorm_cfg": None}
 SD_STEPS, SD_SCALE = 30, 7.5  # SD's; FLUX's and SD3's: library/training/flow_sampling.py
 # --x flags of a .txt line -> keys (also the keys of .toml / .json prompts)
 # --i: the source image of an inpainting model's sample (sd-scripts' train_inpainting)
 # --g: FLUX.1 dev's distilled guidance input (sd-scripts' guidance_scale of a prompt)
+# --ctr / --rcfg: Lumina 2's CFG truncation ratio and renorm factor (sd-scripts' cfg_trunc_ratio,
+# renorm_cfg; flow_sampling.cfg_shaping)
 FLAGS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps",
-         "l": "scale", "ss": "sample_sampler", "i": "image", "g": "guidance_scale"}
+         "l": "scale", "ss": "sample_sampler", "i": "image", "g": "guidance_scale", "ctr": "cfg_trunc_ratio",
+         "rcfg": "renorm_cfg"}
 TYPES = {"negative_prompt": str, "width": int, "height": int, "seed": int, "sample_steps": int,
-         "scale": float, "sample_sampler": str, "prompt": str, "image": str, "guidance_scale": float}
+         "scale": float, "sample_sampler": str, "prompt": str, "image": str, "guidance_scale": float,
+         "cfg_trunc_ratio": float, "renorm_cfg": float}
 
 
 class SamplingError(UserError):
@@ -102,6 +107,9 @@ def _prompt(raw: dict, where: str) -> dict:
         if p[k] < 8:
             raise SamplingError(f"{where}: {k} must be at least 8, got {p[k]}")
         p[k] -= p[k] % 8  # the VAE's factor
+    for k, flag in (("cfg_trunc_ratio", "--ctr"), ("renorm_cfg", "--rcfg")):
+        if p[k] is not None and not p[k] >= 0:
+            raise SamplingError(f"{where}: {flag} ({k}) must be at least 0, got {p[k]}")
     if p["sample_steps"] is not None and p["sample_steps"] < 1:
         raise SamplingError(f"{where}: sample steps must be at least 1, got {p['sample_steps']}")
     s = p["sample_sampler"]
@@ -302,8 +310,9 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
                           sampler=sampler, pipe=pipe, output_type="latent")
     steps, scale, guidance = settings(p, bundle.family)
     h, w = flow_sampling.image_size(p, bundle.family)
+    ctr, rcfg = flow_sampling.cfg_shaping(p, bundle.family)
     batch = PromptBatch([p["prompt"]], [p["negative_prompt"]], [seed], width=w, height=h,
-                        steps=steps, scale=scale)
+                        steps=steps, scale=scale, cfg_trunc_ratio=ctr, renorm_cfg=rcfg)
     return flow_batch(bundle, family_model, batch, guidance=guidance, device=device, dtype=dtype)
 
 
@@ -320,6 +329,8 @@ class PromptBatch:
     height: int
     steps: int
     scale: float
+    cfg_trunc_ratio: float | None = None  # a flow family's CFG shaping (flow_sampling.cfg_shaping)
+    renorm_cfg: float | None = None
 
 
 def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | None, device,
@@ -335,7 +346,8 @@ def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | No
                        for s in batch.seeds]).to(device)
     sigmas = flow_sampling.schedule(bundle.family, batch.steps, tuple(noise.shape[2:]), shift=shift)
     return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=batch.scale,
-                                guidance=guidance, dtype=dtype)
+                                guidance=guidance, dtype=dtype, cfg_trunc_ratio=batch.cfg_trunc_ratio,
+                                renorm_cfg=batch.renorm_cfg)
 
 
 def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, sampler: str, pipe,
@@ -423,6 +435,10 @@ def _warn_unused(bundle, p: dict, i: int) -> None:
     if not guided and p["guidance_scale"] is not None:
         logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
                        "none (ignored)")
+    if (flow is None or flow.sample_cfg_trunc_ratio is None) and \
+            (p["cfg_trunc_ratio"] is not None or p["renorm_cfg"] is not None):
+        logger.warning(f"sample prompt {i}: --ctr / --rcfg shape Lumina 2's CFG; this model's CFG has no "
+                       "truncation or renorm (ignored)")
     if is_flow(bundle) and p["sample_sampler"] is not None:
         logger.warning(f"sample prompt {i}: --ss {p['sample_sampler']}: {bundle.family} samples "
                        "with its flow-matching Euler sampler (ignored)")

@@ -80,3 +80,33 @@ def test_a_part_flag_of_another_family_is_one_line(capsys, tmp_path):
         capsys, tmp_path, "--ckpt", f["lumina"], "--ae", f["ae"], "--prompt", "x")
     assert f"--gemma2: {f['ae']} is not a Gemma-2 2B text encoder" in _fails(
         capsys, tmp_path, "--ckpt", f["lumina"], "--ae", f["ae"], "--gemma2", f["ae"], "--prompt", "x")
+
+
+def test_lumina_cfg_shaping_flags_equal_the_prompt_line_and_the_in_run_sample(capsys, tmp_path):
+    """--cfg_trunc_ratio / --renorm_cfg (lumina_minimal_inference's flags) mean the line's --ctr /
+    --rcfg; the image is the in-run sample's of the same line and seed (library/training/sampling.py,
+    whose formula tests/training/test_lumina_sampling.py checks against float64)."""
+    import torch
+
+    from library.config import parse
+    from library.models import flow_family
+    from library.training import flow_sampling, sampling
+
+    line = "red cube --n blue --d 11 --w 64 --h 80 --s 3 --l 4"
+    [by_line] = run(tmp_path, "line", "--ckpt", "tiny-lumina", "--prompt", line + " --ctr 0.6 --rcfg 1.1")
+    [by_flag] = run(tmp_path, "flag", "--ckpt", "tiny-lumina", "--prompt", line, "--cfg_trunc_ratio", "0.6",
+                    "--renorm_cfg", "1.1")
+    [default] = run(tmp_path, "default", "--ckpt", "tiny-lumina", "--prompt", line)
+    assert np.array_equal(pixels(by_line), pixels(by_flag))
+    assert np.abs(pixels(default) - pixels(by_line)).max() > 0
+    opts = parse.options_from_values("train_lora", {"pretrained_model_name_or_path": "tiny-lumina"})
+    b = flow_family.load_from_options(opts)
+    p = sampling.parse_line(line + " --ctr 0.6 --rcfg 1.1", "test")
+    with torch.no_grad():
+        sample = flow_sampling.decode_image(b.vae, sampling.sample_latents(
+            b, flow_family.family_model_for(b, opts), p, 11, device=torch.device("cpu")))
+    assert np.array_equal(pixels(by_line), np.asarray(sample).astype(int))
+    capsys.readouterr()  # the runs' log lines
+    flux = ["--ckpt", "tiny-flux", "--steps", "1", "--W", "64", "--H", "64"]
+    assert "--ctr / --cfg_trunc_ratio shape Lumina 2's CFG" in _fails(capsys, tmp_path, *flux, "--prompt", "x --ctr 0.5")
+    assert "--renorm_cfg must be at least 0" in _fails(capsys, tmp_path, *flux, "--prompt", "x", "--renorm_cfg", "-1")

@@ -32,6 +32,7 @@ FLOW = FlowSpec(
     weights_raw_loss=False,  # lumina_train_util weights the prediction as FLUX.1's
     option_defaults=(("timestep_sampling", "shift"), ("discrete_flow_shift", 6.0),
                      ("model_prediction_type", "raw")),
+    sample_cfg_trunc_ratio=0.25, sample_renorm_cfg=1.0,  # lumina_train_util's prompt defaults (ctr, rcfg)
 )
 
 FAMILY = Family(
