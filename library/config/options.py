@@ -230,6 +230,10 @@ OPTIONS: tuple[Option, ...] = (
       "(CUDA, the flash-attn package).", "model", scripts=NOT_TI),
     O("use_sage_attn", "bool", False, "Lumina 2: sageattention's kernel in no-grad forwards (samples, "
       "validation; it has no backward pass, so training forwards use SDPA).", "model", scripts=NOT_TI),
+    O("sample_batch_size", "int", None, "Lumina 2: sample prompts rendered together, up to this many "
+      "consecutive ones with the same size, steps, scale and CFG shaping, each image from its own seed's "
+      "noise (sd-scripts' lumina --sample_batch_size); unset = train_batch_size.", "logging", scripts=NOT_TI,
+      min=1),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),

@@ -38,7 +38,7 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
                 "use_t5xxl_cache_only", "num_last_block_to_freeze", "qwen3", "llm_adapter_path",
                 "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "gemma2",
-                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn", "sample_batch_size")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",

@@ -380,10 +380,10 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
             shaping = {}
             for key, flag in (("cfg_trunc_ratio", "--ctr"), ("renorm_cfg", "--rcfg")):
                 given = _default(p[key], getattr(args, key))
-                if given is not None and defaults[key] is None:
+                if given is not None and defaults.get(key) is None:
                     raise GenError(f"{where}: {flag} / --{key} shape Lumina 2's CFG; this model's has no "
                                    "truncation or renorm")
-                shaping[key] = _default(given, defaults[key])
+                shaping[key] = _default(given, defaults.get(key))
             muls = None
             if "muls" in own:
                 n = len(args.network_weights)

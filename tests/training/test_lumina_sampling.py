@@ -107,3 +107,27 @@ def test_renorm_caps_each_sample_by_its_own_conditional_norm():
         assert torch.allclose(out[i], want, rtol=1e-6, atol=1e-6)
     assert float(out[0].norm()) == pytest.approx(float(1.5 * vc[0].double().norm()), rel=1e-6)
     assert torch.allclose(out[1], (vu[1] + 3.0 * (vc[1] - vu[1])).double(), rtol=1e-6)
+
+
+def test_sample_batch_size_groups_like_prompts_and_keeps_each_images_seed(lumina):
+    """sample_batch_size (unset: train_batch_size) batches consecutive prompts of equal settings;
+    a batched image equals the same prompt rendered alone up to float32 summation order (its noise is
+    its own seed's; the Next-DiT attends each caption's own tokens), 1e-5 of the latents' scale."""
+    from tests.helpers import options_from_values
+
+    b, fm = lumina
+    lines = ["a red dog --d 1 --w 64 --h 64 --s 3", "a cat --n blue --d 2 --w 64 --h 64 --s 3",
+             "a dog --d 3 --w 64 --h 64 --s 3", "a dog --w 64 --h 80 --s 3", "a cat --w 64 --h 80 --s 3 --ctr 1"]
+    prompts = [sampling.parse_line(x, "test") for x in lines]
+    share = [(i, True) for i in range(5)]
+    assert sampling.sample_groups(share, prompts, "lumina", 2) == [[(0, True), (1, True)], [(2, True)], [(3, True)],
+                                                                  [(4, True)]]
+    assert sampling.sample_groups(share, prompts, "lumina", 1) == [[x] for x in share]
+    opts = options_from_values("train_lora", {"pretrained_model_name_or_path": "tiny-lumina", "train_batch_size": 3})
+    assert sampling.sample_batch_size(opts, b) == 3
+    assert sampling.sample_batch_size(opts.replace(sample_batch_size=2), b) == 2
+    with torch.no_grad():
+        both = sampling.flow_group_latents(b, fm, [(prompts[0], 1), (prompts[1], 2)], device=torch.device("cpu"))
+        for k in range(2):
+            alone = sampling.flow_group_latents(b, fm, [(prompts[k], k + 1)], device=torch.device("cpu"))
+            assert ((both[k:k + 1] - alone).abs().max() / alone.abs().max()) < 1e-5

@@ -74,8 +74,8 @@ class FlowSpec:
     # CFG shaping of its samples (sd-scripts' Lumina 2 sampler; None: plain CFG at every step):
     # guidance only while 1 - sigma < sample_cfg_trunc_ratio, then the guided velocity's norm
     # capped at sample_renorm_cfg x the conditional one's (0: no cap); a prompt's --ctr / --rcfg
-    sample_cfg_trunc_ratio: float | None = None
-    sample_renorm_cfg: float | None = None
+    sample_cfg_trunc_ratio: float | None
+    sample_renorm_cfg: float | None
 
 
 @dataclass(frozen=True)
