@@ -42,22 +42,10 @@ def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def load_dtype(state_dict: dict, dtype: torch.dtype | None, path: str) -> dict:
-    """Every floating tensor in ``dtype`` (float8-stored ones up-cast; None: as stored), each
-    ``aligned``. ComfyUI's *scaled* fp8
+    """Every floating tensor in ``dtype`` (float8-stored ones up-cast; None: as stored). ComfyUI's *scaled* fp8
     files (each weight times a ``scale_weight``) are refused by name: read as plain fp8 their
     weights would be wrong."""
     if "scaled_fp8" in state_dict or any(k.endswith(".scale_weight") for k in state_dict):
         raise ModelError(f"{path}: a scaled-fp8 checkpoint (scale_weight tensors); use an unscaled one "
                          "(fp16, bf16 or plain float8_e4m3fn)")
-    return {k: aligned(cast_floating(v, dtype)) for k, v in state_dict.items()}
-
-
-ALIGNMENT = 64  # bytes
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, copied into its own storage when its data is not 64-byte aligned (a safetensors
-    file's tensors sit at the file's offsets): CPU matrix kernels take other code paths, with other
-    rounding, on unaligned data, so that a model loaded from a file would compute what the same
-    weights built in memory compute only up to the last bits."""
-    return t.clone() if t.data_ptr() % ALIGNMENT else t
+    return {k: cast_floating(v, dtype) for k, v in state_dict.items()}

@@ -176,6 +176,8 @@ class Generator:
             for m in [b.unet, *b.text_encoders, *(n.network for n in self.networks if not n.merged)]:
                 m.to(self.device, self.dtype)
             b.vae.to(self.device, torch.float32 if args.no_half_vae else self.dtype)
+        if self.device.type == "cpu":  # a file's weights compute the built-in model's image bit for bit
+            loading.align_for_cpu(*(m for m in (b.unet, *b.text_encoders, b.vae) if isinstance(m, torch.nn.Module)))
         if args.opt_channels_last:
             b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)

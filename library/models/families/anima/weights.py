@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from library import safetensors_file
 from library.files import atomic_path
-from library.models import fp8_storage
 from library.models.families.anima.model import (PREFIX, ROPE_BUFFERS, AdapterConfig, Anima, AnimaConfig,
                                                 AnimaModelError, rope_tables)
 
@@ -147,7 +146,7 @@ def load_dit(path: str, llm_adapter_path: str | None = None, dtype: torch.dtype 
     with torch.device("meta"):
         model = Anima(cfg)
     sd.update({k: v for k, v in rope_tables(cfg).items() if k not in sd})  # a file may leave them out
-    model.load_state_dict({k: fp8_storage.aligned(v) for k, v in sd.items()}, strict=True, assign=True)
+    model.load_state_dict(sd, strict=True, assign=True)
     if dtype is not None:
         model.to(dtype)
     return model.eval()
