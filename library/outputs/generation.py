@@ -73,8 +73,7 @@ def _refusal(family, flag: str) -> str | None:
     if family.flow is None:
         if flag not in flow_family.FLOW_OPTIONS:
             return None
-        readers = [f.title for f in registry.FAMILIES.values() if f.flow is not None and _refusal(f, flag) is None]
-        return f"an option of {', '.join(readers)}"
+        return f"an option of {registry.titles(flow=True, option=flag)}"
     return {**registry.foreign_options(family), **family.unsupported}.get(flag)
 
 
