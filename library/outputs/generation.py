@@ -77,12 +77,12 @@ def _refusal(family, flag: str) -> str | None:
     return {**registry.foreign_options(family), **family.unsupported}.get(flag)
 
 
-def _check_part_flags(args, family) -> None:
+def _check_part_flags(args, family, title: str) -> None:
     for flag in PART_FLAGS:
         if getattr(args, flag, None) not in (None, False, ""):
             why = _refusal(family, flag)
             if why is not None:
-                raise GenError(f"--{flag}: {why}; this model is {family.title}")
+                raise GenError(f"--{flag}: {why}; this model is {title}")
 
 
 def _load_options(args):
@@ -95,8 +95,9 @@ def _load_options(args):
               "max_token_length": None if (args.max_embeddings_multiples or 1) == 1
               else 75 * args.max_embeddings_multiples}
     fam = flow_family.family_before_loading(args.ckpt)
-    family = registry.get(fam or "sd1")
-    _check_part_flags(args, family)
+    family = registry.get(fam or "sd1")  # the SD families read the same parts (told apart once loaded)
+    _check_part_flags(args, family, family.title if fam else
+                      "/".join(f.title for f in registry.FAMILIES.values() if f.flow is None))
     if fam is None:
         values["vae"] = args.vae
     elif family.autoencoder_option == "vae":

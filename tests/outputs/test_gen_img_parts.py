@@ -74,7 +74,7 @@ def test_a_part_flag_of_another_family_is_one_line(capsys, tmp_path):
     assert "--gemma2: a Lumina 2 option" in _fails(capsys, tmp_path, *anima, "--gemma2", f["gemma2"])
     assert "--ae: Anima's autoencoder is the vae option" in _fails(capsys, tmp_path, *anima, "--ae", f["ae"])
     msg = _fails(capsys, tmp_path, "--ckpt", "tiny-sd15", "--prompt", "x", "--system_prompt", "hi")
-    assert "--system_prompt: an option of Lumina 2; this model is SD1" in msg
+    assert "--system_prompt: an option of Lumina 2; this model is SD1/SD2/SDXL" in msg
     # a single-file Lumina 2 transformer without its parts, a Gemma-2 that is not one: the loader's line, as flags
     assert "--gemma2: required with a single-file Lumina 2 transformer" in _fails(
         capsys, tmp_path, "--ckpt", f["lumina"], "--ae", f["ae"], "--prompt", "x")
