@@ -27,6 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from library.config.options import GEN_IMG_PARTS, gen_img_flags
 from library.errors import DataError
 from library.files import atomic_path
 from library.ui.workbench import inside
@@ -56,12 +57,6 @@ class RunModel:
     network_module: str | None
 
 
-# a model's separate parts (gen_img's flags, the training options of the same names): a finished
-# run's, and the Generate page's "model parts" fields
-_MODEL_FILES = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path", "qwen3", "llm_adapter_path",
-                "t5_tokenizer_path", "gemma2")
-# a run's text options gen_img takes under the same names (Lumina 2's system prompt: images as trained)
-_TEXT_OPTIONS = ("system_prompt",)
 
 
 def _absolute(path: str) -> str:
@@ -72,15 +67,7 @@ def _absolute(path: str) -> str:
 
 
 def run_model(opts, output_dir: str, output_name: str) -> RunModel:
-    flags: list[str] = []
-    for name in _MODEL_FILES:
-        v = getattr(opts, name)
-        if v:
-            flags += [f"--{name}", _absolute(v)]
-    flags += [f"--{name}" for name in ("v2", "v_parameterization") if getattr(opts, name)]
-    for name in _TEXT_OPTIONS:
-        if getattr(opts, name):
-            flags += [f"--{name}={getattr(opts, name)}"]  # one argument, whatever the text starts with
+    flags = gen_img_flags(opts, _absolute)  # the run's parts, text settings and prediction type
     module = opts.network_module if "network_module" in opts.given else None
     return RunModel(_absolute(opts.pretrained_model_name_or_path), output_dir, output_name,
                     tuple(flags), module)
@@ -155,17 +142,16 @@ def _part_args(form: dict) -> list[str]:
         raise DataError("parts: an object of {name: path} is required")
     out = []
     for name, value in parts.items():
-        if name not in _MODEL_FILES:
-            raise DataError(f"parts: unknown part {name!r} (one of {', '.join(_MODEL_FILES)})")
+        if name not in GEN_IMG_PARTS:
+            raise DataError(f"parts: unknown part {name!r} (one of {', '.join(GEN_IMG_PARTS)})")
         path = _text(parts, name)
         if path.startswith("-"):
             raise DataError(f"{name}: {path!r} is not a file or folder name")
         if path:
             out += [f"--{name}", path]
-    for name in _TEXT_OPTIONS:
-        text = _one_line(_text(form, name), name)
-        if text:
-            out += [f"--{name}={text}"]  # one argument: a text starting with '-' is not a flag
+    text = _one_line(_text(form, "system_prompt"), "system_prompt")
+    if text:
+        out.append(f"--system_prompt={text}")  # one argument: a text starting with '-' is not a flag
     return out
 
 

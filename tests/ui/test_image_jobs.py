@@ -93,7 +93,7 @@ def test_a_runs_model_flags_carry_its_parts_and_system_prompt(tmp_path):
     opts = options_from_values("train_lora", {"pretrained_model_name_or_path": "tiny-lumina",
                                               "gemma2": str(tmp_path / "g.safetensors"), "system_prompt": "Be good"})
     m = image_jobs.run_model(opts, str(tmp_path), "sks")
-    assert m.flags == ("--gemma2", str(tmp_path / "g.safetensors"), "--system_prompt=Be good")
+    assert m.flags == (f"--gemma2={tmp_path / 'g.safetensors'}", "--system_prompt=Be good")
 
 
 @pytest.mark.parametrize("form, status, message", [
@@ -215,3 +215,16 @@ def test_generate_and_compare_jobs_render_what_the_command_line_renders(held, al
     assert [r["name"] for r in got["grid"]["rows"]] == ["sks-000001", "sks"]
     assert [col["label"] for col in got["grid"]["columns"]] == [["prompt 1", "x0"], ["prompt 1", "x1"]]
     assert len(got["images"]) == 4 and c.get(f"/api/jobs/{k['id']}/files/grid.png").status_code == 200
+
+
+def test_the_generate_pages_part_fields_are_the_part_flags():
+    """The page's "model parts" inputs (images.js GEN_PARTS) are GEN_IMG_PARTS, each once."""
+    import re
+
+    from library.config.options import GEN_IMG_PARTS
+
+    with open(os.path.join(os.path.dirname(image_jobs.__file__), "static", "images.js"), encoding="utf-8") as f:
+        js = f.read()
+    block = js[js.index("const GEN_PARTS = ["):js.index("];", js.index("const GEN_PARTS = ["))]
+    names = re.findall(r'\["(\w+)", "', block)
+    assert sorted(names) == sorted(GEN_IMG_PARTS) and len(set(names)) == len(names)

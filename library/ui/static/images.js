@@ -52,7 +52,7 @@ function showImages(box, id, images) {
 }
 
 let generateReady = false;
-// gen_img's flags for a model's separate parts (library/ui/image_jobs.py _MODEL_FILES)
+// gen_img's flags for a model's separate parts (library/config/options.py GEN_IMG_PARTS)
 const GEN_PARTS = [["vae", "SD VAE; SD3 / Anima autoencoder"], ["ae", "FLUX.1 / Chroma / Lumina 2 autoencoder"],
   ["clip_l", "FLUX.1 / SD3"], ["clip_g", "SD3"], ["t5xxl", "FLUX.1 / SD3 / Chroma"], ["tokenizer_path", "SD CLIP tokenizer"],
   ["qwen3", "Anima"], ["llm_adapter_path", "Anima"], ["t5_tokenizer_path", "Anima"], ["gemma2", "Lumina 2"]];
