@@ -137,6 +137,9 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--gemma2_max_token_length", type=int, help="Lumina 2: Gemma-2 tokens (default 256)")
     p.add_argument("--system_prompt", help="Lumina 2: text before every prompt, as in training (sd-scripts' "
                    "--system_prompt; give the run's)")
+    p.add_argument("--add_system_prompt_to_negative_prompt", action="store_true",
+                   help="Lumina 2: the system prompt before the negative prompt too (sd-scripts' "
+                   "lumina_minimal_inference; training's samples leave it out)")
     p.add_argument("--apply_t5_attn_mask", action="store_true", help="FLUX.1 / SD3: mask T5's padding")
     p.add_argument("--t5xxl_max_token_length", type=int, help="FLUX.1 / SD3: T5 tokens (the model's default)")
     p.add_argument("--tokenizer_path", help="CLIP tokenizer folder for a single file (default: the shipped one)")

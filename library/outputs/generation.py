@@ -181,6 +181,11 @@ class Generator:
         if args.opt_channels_last:
             b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
+        if args.add_system_prompt_to_negative_prompt:
+            if not hasattr(self.family_model, "negative_system_prompt"):
+                raise GenError(f"--add_system_prompt_to_negative_prompt: Lumina 2's system prompt; this model is "
+                               f"{self.family_name}")
+            self.family_model.negative_system_prompt = True
         self.pipe = sampling.pipeline(b)
         self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale or args.image_path else None
         self.model_hash = model_hash(b.source)

@@ -110,3 +110,20 @@ def test_lumina_cfg_shaping_flags_equal_the_prompt_line_and_the_in_run_sample(ca
     flux = ["--ckpt", "tiny-flux", "--steps", "1", "--W", "64", "--H", "64"]
     assert "--ctr / --cfg_trunc_ratio shape Lumina 2's CFG" in _fails(capsys, tmp_path, *flux, "--prompt", "x --ctr 0.5")
     assert "--renorm_cfg must be at least 0" in _fails(capsys, tmp_path, *flux, "--prompt", "x", "--renorm_cfg", "-1")
+
+
+def test_system_prompt_before_the_negative_prompt_too(capsys, tmp_path):
+    """--add_system_prompt_to_negative_prompt (lumina_minimal_inference's flag): the same image as
+    both texts written out with sd-scripts' format and no system prompt."""
+    line = "--d 4 --w 64 --h 64 --s 3 --l 4"
+    [ours] = run(tmp_path, "ours", "--ckpt", "tiny-lumina", "--system_prompt", "You are an assistant",
+                 "--add_system_prompt_to_negative_prompt", "--prompt", f"red cube --n blue {line}")
+    [spelt] = run(tmp_path, "spelt", "--ckpt", "tiny-lumina", "--prompt", "You are an assistant <Prompt Start> red cube "
+                  f"--n You are an assistant <Prompt Start> blue {line}")
+    [default] = run(tmp_path, "default", "--ckpt", "tiny-lumina", "--system_prompt", "You are an assistant",
+                    "--prompt", f"red cube --n blue {line}")
+    assert np.array_equal(pixels(ours), pixels(spelt))
+    assert np.abs(pixels(default) - pixels(ours)).max() > 0
+    capsys.readouterr()
+    assert "--add_system_prompt_to_negative_prompt: Lumina 2's system prompt; this model is Anima" in _fails(
+        capsys, tmp_path, "--ckpt", "tiny-anima", "--prompt", "x", "--add_system_prompt_to_negative_prompt")
