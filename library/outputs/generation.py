@@ -182,7 +182,7 @@ class Generator:
             b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
         if args.add_system_prompt_to_negative_prompt:
-            if not hasattr(self.family_model, "negative_system_prompt"):
+            if _refusal(registry.of(b), "system_prompt") is not None:  # a family without a system prompt
                 raise GenError(f"--add_system_prompt_to_negative_prompt: Lumina 2's system prompt; this model is "
                                f"{self.family_name}")
             self.family_model.negative_system_prompt = True
