@@ -40,7 +40,7 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "attn_mode", "split_attn",
                 "vae_chunk_size", "vae_disable_cache", "llm_adapter_lr", "self_attn_lr", "cross_attn_lr",
                 "mlp_lr", "mod_lr", "gemma2",
-                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn", "sample_batch_size")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",

@@ -73,6 +73,11 @@ class FlowSpec:
     option_defaults: tuple[tuple[str, object], ...]  # flow options whose default differs for this
                                 # family ((name, value); sd-scripts' per-script defaults): an unset
                                 # option (or one the family refuses) takes this value
+    # CFG shaping of its samples (sd-scripts' Lumina 2 sampler; None: plain CFG at every step):
+    # guidance only while 1 - sigma < sample_cfg_trunc_ratio, then the guided velocity's norm
+    # capped at sample_renorm_cfg x the conditional one's (0: no cap); a prompt's --ctr / --rcfg
+    sample_cfg_trunc_ratio: float | None
+    sample_renorm_cfg: float | None
 
 
 @dataclass(frozen=True)
