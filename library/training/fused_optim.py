@@ -14,6 +14,9 @@ written back with stochastic rounding (unbiased: the expected stored value is th
 result), as sd-scripts' fused Adafactor does, instead of round-to-nearest, which drops updates
 smaller than half a bf16 ulp.
 
+``step_masked`` steps an optimizer and keeps the update only where a device flag says so (the
+non-finite guard of the fused steps, with no host read per unit).
+
 ``full_bf16`` / ``full_fp16`` weights are stepped by ``step_low_precision`` (any optimizer without
 global state, one parameter at a time in float32, float32 state, written back with stochastic
 rounding for bf16), from the plain stepper as from the fused ones; ``grad_factor`` carries the
@@ -21,7 +24,9 @@ loss-scale removal and the clipping factor onto the float32 gradient.
 """
 from __future__ import annotations
 
+import copy
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -234,6 +239,89 @@ def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> N
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
+
+
+class Undo(NamedTuple):
+    """What ``step_masked`` could not take back on the device, for ``undo`` after the read."""
+    optimizer: object
+    param: torch.Tensor
+    fresh: bool      # the parameter had no optimizer state before the step (made by it)
+    host: dict       # state entries as they were, which the device flag cannot restore
+
+
+def step_masked(optimizer, ok, generator=None) -> list[Undo]:
+    """Step ``optimizer`` (through ``step_optimizer``) one parameter at a time, and keep each
+    parameter's update only where ``ok`` (a 0-d bool device tensor) is true: before a parameter
+    is stepped, it and its optimizer state's tensors on the same device are copied, and after
+    the step ``torch.where(ok, new, old)`` is written back in place, so with ``ok`` true the
+    weights and the state are exactly the step's (bit for bit) and with ``ok`` false exactly
+    what they were, with no host read. One parameter's copies exist at a time. What the device
+    flag cannot restore (a state made by this step, Python values such as Adafactor's step
+    count, tensors on another device such as torch's CPU step counters) is returned, for
+    ``undo`` once the flag has been read. Each parameter stepped alone is the same update as in
+    the group: only optimizers with per-parameter state are stepped this way
+    (``global_state_reason``)."""
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    undo: list[Undo] = []
+    try:
+        with torch.no_grad():
+            for g in groups:
+                g["params"] = []
+            for gi, params in enumerate(saved):
+                for p in params:
+                    if p.grad is None:
+                        continue  # no update (torch's optimizers skip it too)
+                    groups[gi]["params"] = [p]
+                    try:
+                        undo.append(_step_one_masked(optimizer, p, ok, generator))
+                    finally:
+                        groups[gi]["params"] = []
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"] = params
+    # what torch's LR scheduler wrapper of optimizer.step() records (as step_optimizer does for
+    # Adafactor), also where no parameter had a gradient and nothing was stepped
+    optimizer._opt_called = True
+    return undo
+
+
+def _same_kind(a, b) -> bool:
+    return torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def _step_one_masked(optimizer, p, ok, generator) -> Undo:
+    if ok.device != p.device:  # (not in the fused steps: they step parameters on the device)
+        ok = ok.to(p.device)
+    state = optimizer.state.get(p)
+    fresh = not state
+    old_p = p.detach().clone()
+    on_device: dict = {}
+    host: dict = {}
+    for k, v in (state or {}).items():
+        if torch.is_tensor(v) and v.device == p.device:
+            on_device[k] = v.detach().clone()
+        else:
+            host[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+    step_optimizer(optimizer, generator)
+    w = p.detach()
+    torch.where(ok, w, old_p, out=w)
+    now = optimizer.state.get(p) or {}
+    for k, old in on_device.items():
+        cur = now.get(k)
+        if _same_kind(cur, old):
+            torch.where(ok, cur, old, out=cur)
+        else:  # replaced by another kind of value: restored after the read
+            host[k] = old
+    return Undo(optimizer, p, fresh, host)
+
+
+def undo(record: Undo) -> None:
+    """Take back, on the host, what ``step_masked`` left of a parameter's masked update."""
+    if record.fresh:
+        record.optimizer.state.pop(record.param, None)
+        return
+    record.optimizer.state[record.param].update(record.host)
 
 
 def restore_float_state(optimizer, saved: dict) -> None:
