@@ -429,13 +429,14 @@ class _HookStepper:
         no loss to check, e.g. a direct caller)."""
         self._pending = [0] * len(self.units)     # hooks fired in the final backward, per unit
         self._stepped = [False] * len(self.units)
-        self._order: list[int] = []               # units stepped (masked), in order
-        self._undo: list[list] = []               # their fused_optim.Undo records, in that order
-        self._rounding: list = []                 # the rounding generator's state before each
+        # per unit stepped, in stepping order: its fused_optim.Undo records, the guard's flag
+        # after it (device), its gradient norm (device), the rounding generator's state before it
+        self._undo: list[list] = []
+        self._oks: list = []
+        self._norms: list = []
+        self._rounding: list = []
         self._ok = torch.ones((), dtype=torch.bool, device=self._device) if loss_finite is None \
             else loss_finite.to(self._device)     # the guard's running device flag
-        self._kept = torch.zeros((), dtype=torch.int64, device=self._device)  # units updated
-        self._bad_norm = torch.zeros((), dtype=torch.float32, device=self._device)
 
     def backward(self, loss, last_micro_step: bool = True, loss_finite=None) -> None:
         if last_micro_step:
@@ -492,22 +493,31 @@ class _HookStepper:
         ok = self._ok
         if grads:
             # the summed gradient: every process gets the same norm and the same flag
-            norm = torch.nn.utils.get_total_norm(grads)
-            finite = torch.isfinite(norm)  # a NaN/inf element, or an overflowing norm
-            self._bad_norm = torch.where(ok & ~finite, norm.to(torch.float32), self._bad_norm)
-            ok = ok & finite
+            total = torch.nn.utils.get_total_norm(grads)
+            ok = ok & torch.isfinite(total)  # a NaN/inf element, or an overflowing norm
             if self.max_grad_norm and self.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
-                                                     self.max_grad_norm, norm)
+                                                     self.max_grad_norm, total)
+            norm = total.to(torch.float32)
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=self._device)
         if self._low:  # full_bf16: where the rounding stream stood, should this unit be taken back
             self._rounding.append(self._generator.get_state())
         self._undo.append(fused_optim.step_masked(self.optimizers[u], ok, self._generator))
-        self._kept += ok
+        self._oks.append(ok)
+        self._norms.append(norm)
         self._ok = ok
         for p in params:
             p.grad = None
         self._stepped[u] = True
-        self._order.append(u)
+
+    def _flags(self):
+        """(units that kept their update, the first non-finite unit norm) as one device vector."""
+        if not self._oks:
+            return torch.zeros(2, dtype=torch.float32, device=self._device)
+        norms = torch.stack(self._norms)
+        first_bad = torch.argmax((~torch.isfinite(norms)).to(torch.int32))
+        return torch.stack([torch.stack(self._oks).sum().to(torch.float32), norms[first_bad]])
 
     def step(self, read=None):
         # Units whose hooks did not all fire (a parameter outside this step's graph) are stepped
@@ -515,7 +525,8 @@ class _HookStepper:
         for u in range(len(self.units)):
             if not self._stepped[u]:
                 self._step_unit(u)
-        flags = torch.stack([self._kept.to(torch.float32), self._bad_norm])
+        self.nonfinite, self.partial_update = None, False
+        flags = self._flags()
         if read is None:  # outside the loop: the flags read here
             got, loss_ok = None, True
             kept_f, bad = flags.tolist()

@@ -215,3 +215,23 @@ def test_a_nonfinite_loss_updates_nothing(kind):
         assert torch.equal(v, weights[k]), (kind, k)
     for o, st in zip(_optimizers(stepper), states):
         _assert_state_equal(o.state_dict(), st)
+
+
+def test_memory_estimate_counts_the_masked_steps_copies():
+    """--dry_run's estimate: a fused step copies the parameter it steps and its optimizer state
+    (fused_optim.step_masked, one parameter at a time): AdamW's two float32 moments and float32
+    step, so 4 + 8 bytes per element and 4 bytes for the largest parameter (by hand)."""
+    from library.config.parse import parse_args
+    from library.models import loading
+    from library.training import memory_estimate as me
+
+    def est(*extra):
+        return me.estimate(parse_args("train_dreambooth", [
+            "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", "unused",
+            "--resolution", "64", "--max_train_steps", "1", "--dry_run", "--optimizer_type",
+            "AdamW", *extra]), "dreambooth")
+
+    unet = loading.load_model_bundle("tiny-sd15").unet
+    largest = max(p.numel() for p in unet.parameters())
+    plain, fused = est(), est("--fused_backward_pass")
+    assert fused.step_temporaries - plain.step_temporaries == 12 * largest + 4
