@@ -101,15 +101,16 @@ def train(run) -> None:
                 if zero_weight:
                     loss = loss * 0.0
                 loss_sum = step_sync.add_loss(loss_sum, loss)
+                loss_finite = None
                 if last:
                     # the step's one collective (library/training/step_sync.py): before the
                     # last backward, so that a stepper updating inside it (hooks) gates every
                     # update on the summed loss's finiteness, a device flag, alike in every
                     # process (library/training/nonfinite.py)
                     pending = step_sync.gather(signals, acc.device, loss_sum, requested=requested)
+                    loss_finite = pending.loss_finite
                 with strategy.micro_step(last):  # the backward of that forward, alike
-                    stepper.backward(loss, last_micro_step=last,
-                                     loss_finite=pending.loss_finite if last else None)
+                    stepper.backward(loss, last_micro_step=last, loss_finite=loss_finite)
             step_lr = stepper.current_lr()
             if pending is None:  # this process's last micro-step was an empty share, skipped
                 pending = step_sync.gather(signals, acc.device,

@@ -24,6 +24,7 @@ loss-scale removal and the clipping factor onto the float32 gradient.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import NamedTuple
@@ -208,34 +209,42 @@ def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> N
     That is why optimizers whose update of one parameter depends on the others (Prodigy,
     D-Adaptation, schedule-free) are rejected with full_bf16/full_fp16 (``global_state_reason``).
     """
+    with torch.no_grad(), _groups_emptied(optimizer) as pairs:
+        for group, params in pairs:
+            for p in params:
+                if p.grad is None:
+                    continue
+                q = p.detach().to(torch.float32, copy=True)
+                q.grad = p.grad.to(torch.float32, copy=True)
+                if grad_factor != 1.0:
+                    q.grad.mul_(grad_factor)
+                if p in optimizer.state:
+                    optimizer.state[q] = optimizer.state.pop(p)
+                group["params"] = [q]
+                try:
+                    optimizer.step()
+                finally:
+                    group["params"] = []
+                    if q in optimizer.state:
+                        optimizer.state[p] = optimizer.state.pop(q)
+                if p.dtype == torch.bfloat16:
+                    copy_stochastic_(p, q, generator)
+                else:
+                    p.copy_(q)
+                del q
+
+
+@contextlib.contextmanager
+def _groups_emptied(optimizer):
+    """The optimizer with every param group's parameter list empty (the caller puts one
+    parameter at a time back in its group): yields (group, its parameters) pairs; the lists are
+    restored afterwards, also after an error."""
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
+    for g in groups:
+        g["params"] = []
     try:
-        with torch.no_grad():
-            for g in groups:
-                g["params"] = []
-            for gi, params in enumerate(saved):
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    q = p.detach().to(torch.float32, copy=True)
-                    q.grad = p.grad.to(torch.float32, copy=True)
-                    if grad_factor != 1.0:
-                        q.grad.mul_(grad_factor)
-                    if p in optimizer.state:
-                        optimizer.state[q] = optimizer.state.pop(p)
-                    groups[gi]["params"] = [q]
-                    try:
-                        optimizer.step()
-                    finally:
-                        groups[gi]["params"] = []
-                        if q in optimizer.state:
-                            optimizer.state[p] = optimizer.state.pop(q)
-                    if p.dtype == torch.bfloat16:
-                        copy_stochastic_(p, q, generator)
-                    else:
-                        p.copy_(q)
-                    del q
+        yield list(zip(groups, saved))
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
@@ -243,7 +252,7 @@ def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> N
 
 class Undo(NamedTuple):
     """What ``step_masked`` could not take back on the device, for ``undo`` after the read."""
-    optimizer: object
+    optimizer: torch.optim.Optimizer
     param: torch.Tensor
     fresh: bool      # the parameter had no optimizer state before the step (made by it)
     host: dict       # state entries as they were, which the device flag cannot restore
@@ -261,25 +270,17 @@ def step_masked(optimizer, ok, generator=None) -> list[Undo]:
     ``undo`` once the flag has been read. Each parameter stepped alone is the same update as in
     the group: only optimizers with per-parameter state are stepped this way
     (``global_state_reason``)."""
-    groups = optimizer.param_groups
-    saved = [g["params"] for g in groups]
     undo: list[Undo] = []
-    try:
-        with torch.no_grad():
-            for g in groups:
-                g["params"] = []
-            for gi, params in enumerate(saved):
-                for p in params:
-                    if p.grad is None:
-                        continue  # no update (torch's optimizers skip it too)
-                    groups[gi]["params"] = [p]
-                    try:
-                        undo.append(_step_one_masked(optimizer, p, ok, generator))
-                    finally:
-                        groups[gi]["params"] = []
-    finally:
-        for g, params in zip(groups, saved):
-            g["params"] = params
+    with torch.no_grad(), _groups_emptied(optimizer) as pairs:
+        for group, params in pairs:
+            for p in params:
+                if p.grad is None:
+                    continue  # no update (torch's optimizers skip it too)
+                group["params"] = [p]
+                try:
+                    undo.append(_step_one_masked(optimizer, p, ok, generator))
+                finally:
+                    group["params"] = []
     # what torch's LR scheduler wrapper of optimizer.step() records (as step_optimizer does for
     # Adafactor), also where no parameter had a gradient and nothing was stepped
     optimizer._opt_called = True
