@@ -258,19 +258,37 @@ class Undo(NamedTuple):
     host: dict       # state entries as they were, which the device flag cannot restore
 
 
-def step_masked(optimizer, ok, generator=None) -> list[Undo]:
+class Scratch:
+    """Buffers ``step_masked`` copies into, kept from one parameter (and step) to the next: a
+    fresh allocation per copy costs more than the copy (page faults on the CPU), measured."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def copy(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in buffer ``slot`` (valid until that slot is used again)."""
+        key = (slot, t.dtype, t.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < t.numel():
+            buf = self._buffers[key] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+        return buf[:t.numel()].view(t.shape).copy_(t)
+
+
+def step_masked(optimizer, ok, generator=None, scratch: Scratch | None = None) -> list[Undo]:
     """Step ``optimizer`` (through ``step_optimizer``) one parameter at a time, and keep each
     parameter's update only where ``ok`` (a 0-d bool device tensor) is true: before a parameter
     is stepped, it and its optimizer state's tensors on the same device are copied, and after
     the step ``torch.where(ok, new, old)`` is written back in place, so with ``ok`` true the
     weights and the state are exactly the step's (bit for bit) and with ``ok`` false exactly
-    what they were, with no host read. One parameter's copies exist at a time. What the device
+    what they were, with no host read. The copies go to ``scratch`` (one parameter's at a time,
+    reused; a new one when None). What the device
     flag cannot restore (a state made by this step, Python values such as Adafactor's step
     count, tensors on another device such as torch's CPU step counters) is returned, for
     ``undo`` once the flag has been read. Each parameter stepped alone is the same update as in
     the group: only optimizers with per-parameter state are stepped this way
     (``global_state_reason``)."""
     undo: list[Undo] = []
+    scratch = Scratch() if scratch is None else scratch
     with torch.no_grad(), _groups_emptied(optimizer) as pairs:
         for group, params in pairs:
             for p in params:
@@ -278,7 +296,7 @@ def step_masked(optimizer, ok, generator=None) -> list[Undo]:
                     continue  # no update (torch's optimizers skip it too)
                 group["params"] = [p]
                 try:
-                    undo.append(_step_one_masked(optimizer, p, ok, generator))
+                    undo.append(_step_one_masked(optimizer, p, ok, generator, scratch))
                 finally:
                     group["params"] = []
     # what torch's LR scheduler wrapper of optimizer.step() records (as step_optimizer does for
@@ -291,17 +309,17 @@ def _same_kind(a, b) -> bool:
     return torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-def _step_one_masked(optimizer, p, ok, generator) -> Undo:
+def _step_one_masked(optimizer, p, ok, generator, scratch: Scratch) -> Undo:
     if ok.device != p.device:  # (not in the fused steps: they step parameters on the device)
         ok = ok.to(p.device)
     state = optimizer.state.get(p)
     fresh = not state
-    old_p = p.detach().clone()
+    old_p = scratch.copy(0, p.detach())
     on_device: dict = {}
     host: dict = {}
     for k, v in (state or {}).items():
         if torch.is_tensor(v) and v.device == p.device:
-            on_device[k] = v.detach().clone()
+            on_device[k] = scratch.copy(1 + len(on_device), v.detach())
         else:
             host[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
     step_optimizer(optimizer, generator)
@@ -313,7 +331,7 @@ def _step_one_masked(optimizer, p, ok, generator) -> Undo:
         if _same_kind(cur, old):
             torch.where(ok, cur, old, out=cur)
         else:  # replaced by another kind of value: restored after the read
-            host[k] = old
+            host[k] = old.clone()  # (out of the scratch buffer, which the next parameter reuses)
     return Undo(optimizer, p, fresh, host)
 
 

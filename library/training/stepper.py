@@ -397,6 +397,7 @@ class _HookStepper:
                 if any(q is first_param for q in g["params"]):
                     self._lr_group = gi
         self._generator = fused_optim.stochastic_round_generator(self.params[0].device)
+        self._scratch = fused_optim.Scratch()  # step_masked's copies, reused
         # The non-finite guard: a unit whose summed gradient is non-finite keeps no update, nor
         # does any later unit of that step (``nonfinite`` says why); ``partial_update``: units
         # before it kept theirs.
@@ -503,7 +504,8 @@ class _HookStepper:
             norm = torch.zeros((), dtype=torch.float32, device=self._device)
         if self._low:  # full_bf16: where the rounding stream stood, should this unit be taken back
             self._rounding.append(self._generator.get_state())
-        self._undo.append(fused_optim.step_masked(self.optimizers[u], ok, self._generator))
+        self._undo.append(fused_optim.step_masked(self.optimizers[u], ok, self._generator,
+                                                  self._scratch))
         self._oks.append(ok)
         self._norms.append(norm)
         self._ok = ok
