@@ -1,6 +1,6 @@
 """LoRA for FLUX.1 in kohya's layout (the ``network_module`` of sd-scripts' ``networks/lora_flux.py``).
 
-Names are ``lora_unet_`` + the BFL module path (library/models/flux.py), dots as underscores, as
+Names are ``lora_unet_`` + the BFL module path (library/models/families/flux/flux.py), dots as underscores, as
 ComfyUI, Forge and diffusers' kohya converter read them; CLIP-L is ``lora_te1_text_model_...``,
 T5-XXL (``train_t5xxl``) ``lora_te3_encoder_block_...``.
 
@@ -135,7 +135,7 @@ def all_targets(text_encoders, flux, args: dict[str, Any], dim: int, alpha: floa
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], ae,
                    text_encoders, flux, neuron_dropout: Optional[float] = None, **kwargs) -> lora_dit.DiTLoRANetwork:
     """sd-scripts' create_network of networks.lora_flux: text_encoders [CLIP-L, T5-XXL], flux the
-    BFL-layout transformer (library.models.flux.Flux)."""
+    BFL-layout transformer (library.models.families.flux.flux.Flux)."""
     return build_network(multiplier, network_dim, network_alpha, text_encoders, flux, neuron_dropout,
                          parse_network_args(kwargs))
 

@@ -23,7 +23,8 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, sd3, sd_checkpoint
+from library.models import embeddings, flow_family, sd_checkpoint
+from library.models.families.sd3 import sd3
 from library.models.families import registry
 from library.models.placement import trained_precision
 from library.training import block_lr

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from library.config import parse
-from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
+from library.models import flow_family
+from library.models.families.flux import flux, flux_checkpoint
+from library.models.families.sd3 import sd3_checkpoint
 from library.models.families.chroma import checkpoint as chroma_checkpoint
 from library.training import flow_sampling
 from networks import lora_anima, lora_flux, lora_sd3

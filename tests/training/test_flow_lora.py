@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.models import flux_checkpoint, flux_saving, sd3_builtins, tiny_flux
+from library.models.families.flux import flux_checkpoint, flux_saving, tiny_flux
+from library.models.families.sd3 import sd3_builtins
 from tests.client_key_tables import comfy_dit_shapes
 from tests.conftest import read
 from tests.helpers import load_lora_logged
@@ -290,7 +291,9 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
 ])
 def test_lora_network_modules_and_args_that_do_not_apply_fail_before_loading(
         dataset, tmp_path, run_script, no_weight_loading, monkeypatch, model, extra, message):
-    from library.models import flow_family, flux_loading, sd3_checkpoint
+    from library.models import flow_family
+    from library.models.families.flux import flux_loading
+    from library.models.families.sd3 import sd3_checkpoint
 
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the options were checked")

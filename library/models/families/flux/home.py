@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from library.models import (clip_l_file, fake_parts, flux, flux_checkpoint, flux_loading, flux_text, loading,
-                            modelspec, t5, tiny_flux)
+from library.models import clip_l_file, fake_parts, loading, modelspec, t5
+from library.models.families.flux import flux, flux_checkpoint, flux_loading, flux_text, tiny_flux
 from library.models.family import FamilyModel, TextConditioning
 from library.models.fake_parts import Counted, Unavailable
 
@@ -76,7 +76,7 @@ class FluxTextConditioning(TextConditioning):
 
 class FluxFamilyModel(FamilyModel):
     """tokenize -> [CLIP ids (B, 77), T5 ids (B, L), T5 mask (B, L)]; encode -> T5 states, CLIP-L
-    pooled, mask (library/models/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
+    pooled, mask (library/models/families/flux/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
     2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity.
     A partial text-encoder cache holds T5's states and mask; CLIP-L's pooled output is computed
     at each step (``encode_frozen_part`` / ``encode_with_frozen_part``)."""
