@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from library.models import modelspec
+from library.models.families.flux import home
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -163,4 +163,4 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
 def file_metadata(variant: str) -> dict[str, str]:
     """The family's keys of a FLUX.1 LoRA file, as sd-scripts writes them (flux_train_network.py,
     library/sai_model_spec.py): variant "dev" or "schnell"."""
-    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("flux", variant, "lora")}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **home.metadata_fields(variant, "lora")}

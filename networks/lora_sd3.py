@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from library.models import modelspec
+from library.models.families.sd3 import home
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -152,4 +152,4 @@ def file_metadata(variant: str) -> dict[str, str]:
     library/sai_model_spec.py): variant "sd3", "sd3.5-medium" or "sd3.5-large" (MMDiTConfig.variant).
     sd-scripts' modelspec for an SD3 LoRA says implementation "diffusers" and prediction type
     "epsilon" (its SD1 defaults); written the same so that tools reading them agree."""
-    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("sd3", variant, "lora")}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **home.metadata_fields(variant, "lora")}

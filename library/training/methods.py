@@ -23,7 +23,7 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, sd_checkpoint
+from library.models import embeddings, flow_family
 from library.models.families.sd3 import sd3
 from library.models.families import registry
 from library.models.placement import trained_precision
@@ -575,17 +575,11 @@ class FullMethod:
 
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
-        if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
-            trained = self.trained_encoder_names() if registry.of(self.bundle).saves_text_encoders else ()
-            flow_family.save_full(self.bundle, path, dtype, metadata, trained)
-            return
-        comps = self.bundle.components()
-        fmt = self.opts.save_model_as or "safetensors"
-        if fmt.startswith("diffusers"):
-            sd_checkpoint.save_diffusers(comps, self.bundle.family, path, dtype=dtype)
-        else:
-            sd_checkpoint.save_single_file(comps, self.bundle.family, path, dtype=dtype,
-                                           metadata=metadata)
+        # the family's home saves in its layout (an SD family: one file, or a diffusers folder for
+        # the extension-less path of save_model_as diffusers)
+        fam = registry.of(self.bundle)
+        trained = self.trained_encoder_names() if fam.flow is not None and fam.saves_text_encoders else ()
+        flow_family.save_full(self.bundle, path, dtype, metadata, trained)
 
 
 def _pivotal_specs(opts: Options) -> list:

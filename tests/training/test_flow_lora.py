@@ -309,16 +309,17 @@ def test_lora_network_modules_and_args_that_do_not_apply_fail_before_loading(
 
 def test_family_fields_are_sd_scripts_strings():
     """library/sai_model_spec.py's architecture / implementation and sd3_utils' model_type."""
-    from library.models.modelspec import flow_fields
+    from library.models.families.flux import home as flux_home
+    from library.models.families.sd3 import home as sd3_home
 
-    assert flow_fields("flux", "schnell", "lora") == {
+    assert flux_home.metadata_fields("schnell", "lora") == {
         "ss_base_model_version": "flux1", "modelspec.implementation": FLUX_IMPL,
         "modelspec.architecture": "flux-1-schnell/lora"}
-    assert flow_fields("flux", "dev", None)["modelspec.architecture"] == "flux-1-dev"
-    assert flow_fields("sd3", "sd3.5-large", "lora") == {
+    assert flux_home.metadata_fields("dev", None)["modelspec.architecture"] == "flux-1-dev"
+    assert sd3_home.metadata_fields("sd3.5-large", "lora") == {
         "ss_base_model_version": "5-large", "modelspec.implementation": "diffusers",
         "modelspec.prediction_type": "epsilon", "modelspec.architecture": "stable-diffusion-3-5-large/lora"}
-    assert flow_fields("sd3", "sd3.5-medium", None) == {
+    assert sd3_home.metadata_fields("sd3.5-medium", None) == {
         "ss_base_model_version": "5-medium", "modelspec.prediction_type": "epsilon",
         "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
         "modelspec.architecture": "stable-diffusion-3-5-medium"}

@@ -369,7 +369,7 @@ def test_estimate_of_one_configuration_is_pinned():
     text-encoder outputs cached. The parameter, gradient and optimizer parts are derived here from
     the model's layers; the total (activations, runtime and the peak rule included) is pinned."""
     from library.config.parse import parse_args
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     opts = parse_args("train_lora", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", ".", "--resolution",

@@ -16,11 +16,15 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from library.errors import UserError
-from library.models import embedded_config, fake_parts, flow_family, loading, modelspec, t5
+from library.models import embedded_config, fake_parts, flow_family, loading, t5
 from library.models.families.sd3 import sd3, sd3_builtins, sd3_checkpoint, sd3_text, sd3_vae
 from library.models.fake_parts import Counted, Unavailable
 from library.models.family import FamilyModel, TextConditioning
+from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, with_adapter
 
+# sd-scripts' SD3 model_type (sd3_utils.analyze_state_dict_state) per MMDiTConfig.variant: its
+# ss_base_model_version and the suffix of modelspec.architecture "stable-diffusion-3-<type>"
+MODEL_TYPE = {"sd3": "medium", "sd3.5-medium": "5-medium", "sd3.5-large": "5-large"}
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 CLIP_TOKENS = sd3_text.CLIP_LENGTH  # 77
 TOKENS_WITHOUT_T5 = 2 * CLIP_TOKENS  # without T5: 77 zero tokens in its place (sd3_text.condition)
@@ -203,8 +207,14 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
 
 def metadata_fields(variant: str, adapter: str | None) -> dict[str, str]:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type of an
-    SD3 file (MMDiTConfig.variant), as sd-scripts writes them."""
-    return modelspec.flow_fields("sd3", variant, adapter)
+    SD3 file (MMDiTConfig.variant), as sd-scripts writes them (library/sai_model_spec.py): a LoRA
+    says "diffusers" and "epsilon" (its SD1 defaults), a checkpoint Stability AI's implementation."""
+    if variant not in MODEL_TYPE:
+        raise ValueError(f"sd3 variant {variant!r}; expected {', '.join(MODEL_TYPE)}")
+    t = MODEL_TYPE[variant]
+    return {"ss_base_model_version": t, "modelspec.prediction_type": "epsilon",
+            "modelspec.implementation": IMPL_DIFFUSERS if adapter else IMPL_STABILITY_AI,
+            "modelspec.architecture": with_adapter(f"stable-diffusion-3-{t}", adapter)}
 
 
 # --- the memory estimate's fakes (library/training/flow_memory.py) ----------------------------

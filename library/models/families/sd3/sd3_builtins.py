@@ -22,7 +22,8 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-from library.models import t5, tiny_models
+from library.models import t5
+from library.models.families.sd_common import tiny_models
 from library.models.families.sd3 import sd3, sd3_text, sd3_vae
 
 NAMES = {"tiny-sd3": "sd3", "tiny-sd3.5-medium": "sd3.5-medium", "tiny-sd3.5-large": "sd3.5-large"}
