@@ -30,7 +30,6 @@ METHOD_NAMES = frozenset(method_kinds.KINDS)  # lora, dreambooth, finetune, text
 NOT_YET_HOME = {
     "library/models/loading.py": "sd1 / sd2 / sdxl (the diffusers and single-file loader)",
     "library/models/sd_checkpoint.py": "sd1 / sd2 / sdxl (single-file layouts)",
-    "library/models/embeddings.py": "sd1 / sdxl (embedding file keys)",
 }
 
 

@@ -23,7 +23,8 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family
+from library.models import flow_family
+from library.models.families.sd_common import embeddings
 from library.models.families.sd3 import sd3
 from library.models.families import registry
 from library.models.placement import trained_precision
@@ -229,7 +230,7 @@ class NetworkMethod:
         return self.opts.learning_rate if lr is None else lr
 
     def _setup_pivotal(self) -> dict:
-        """New tokens in the tokenizers and text encoders (library/models/embeddings.py), their rows one
+        """New tokens in the tokenizers and text encoders (library/models/families/sd_common/embeddings.py), their rows one
         more optimizer group. The text encoders then run with gradients (to reach the rows) even
         when the network trains only the U-Net: apply_to has already used the network's choice."""
         b = self.bundle
@@ -621,7 +622,7 @@ def _pivotal_specs(opts: Options) -> list:
 
 class TextualInversionMethod:
     """Textual inversion: only the new tokens' embedding rows train (SDXL: in both text encoders);
-    the U-Net, VAE and text encoders are frozen and stay bit-identical (library/models/embeddings.py:
+    the U-Net, VAE and text encoders are frozen and stay bit-identical (library/models/families/sd_common/embeddings.py:
     the rows are a parameter of their own, the loaded matrices are not in the optimizer).
 
     The text encoders run with autograd every step (gradients flow through them to the rows),

@@ -269,7 +269,7 @@ def test_bad_settings_are_one_line_errors_before_loading(script, extra, message,
 def test_multi_vector_token_is_one_tag_for_shuffling():
     """The N-vector expansion happens at tokenization, after caption shuffling and tag dropout:
     a whole word only (mytok1 and xmytok stay), each occurrence."""
-    from library.models.embeddings import TokenSpec, prompt_rewriter
+    from library.models.families.sd_common.embeddings import TokenSpec, prompt_rewriter
 
     rw = prompt_rewriter([TokenSpec("mytok", None, 3)])
     assert rw("a mytok, mytok1 xmytok (mytok:1.2)") == \
