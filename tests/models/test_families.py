@@ -252,3 +252,22 @@ def test_an_unset_network_module_is_the_familys_lora(model, expected):
     assert run_checks.resolve_options(given, "lora").network_module == "networks.lora"
     # full fine-tunes have no network
     assert run_checks.resolve_options(opts, "finetune").network_module == opts.network_module
+
+
+@pytest.mark.parametrize("name, prediction, expected", [
+    # sd-scripts' library/sai_model_spec.py (ARCH_SD_V1, ARCH_SD_V2_512 / _768_V, ARCH_SD_XL_V1_BASE,
+    # IMPL_*) and train_util's ss_base_model_version
+    ("sd1", "v", ("sd_v1", "stable-diffusion-v1/lora", "diffusers")),
+    ("sd2", "epsilon", ("sd_v2", "stable-diffusion-v2-512/lora", "diffusers")),
+    ("sd2", "v", ("sd_v2", "stable-diffusion-v2-768-v/lora", "diffusers")),
+    ("sdxl", "epsilon", ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora",
+                         "https://github.com/Stability-AI/generative-models")),
+])
+def test_the_sd_homes_metadata_are_sd_scripts_strings(name, prediction, expected):
+    base, arch, impl = expected
+    assert registry.home(name).metadata_fields(prediction, "lora") == {
+        "ss_base_model_version": base, "modelspec.architecture": arch, "modelspec.implementation": impl,
+        "modelspec.prediction_type": prediction}
+    assert registry.home(name).metadata_fields(prediction, None)["modelspec.architecture"] == arch[:-len("/lora")]
+    with pytest.raises(ValueError, match="prediction type"):
+        registry.home(name).metadata_fields("flow", None)

@@ -1,16 +1,10 @@
 """SD1's hooks (base.HOOKS): the SD families' shared ones (library/models/families/sd_common/hooks.py,
-where their contract differs from the flow homes') and SD1's metadata strings and built-in names."""
+where their contract differs from the flow homes'), its metadata strings and built-in names."""
 from __future__ import annotations
 
 from library.models.families.sd_common import hooks
-from library.models.families.sd_common.hooks import (claims, family_model, load, memory_conditioning,  # noqa: F401
-                                                     memory_family_model, memory_parts, memory_text_entry_bytes,
-                                                     memory_text_tokens, save_full)
+from library.models.families.sd_common.hooks import *  # noqa: F403 - the hooks every SD home shares
 from library.models.modelspec import IMPL_DIFFUSERS
 
 BUILTIN_NAMES = hooks.builtin_names("sd1")
-
-
-def metadata_fields(variant: str, adapter: str | None) -> dict[str, str]:
-    """sd-scripts' values; ``variant``: the prediction type ("epsilon" / "v")."""
-    return hooks.fields("sd_v1", "stable-diffusion-v1", IMPL_DIFFUSERS, variant, adapter)
+metadata_fields = hooks.metadata_hook("sd_v1", dict.fromkeys(hooks.PREDICTIONS, "stable-diffusion-v1"), IMPL_DIFFUSERS)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from library.models import family, fake_parts, loading, modelspec, sd_checkpoint
 
+__all__ = ["claims", "load", "family_model", "save_full", "memory_parts", "memory_family_model",
+           "memory_conditioning", "memory_text_tokens", "memory_text_entry_bytes"]  # what every SD home takes
+
 PREDICTIONS = ("epsilon", "v")
 # the file suffixes a full save's path carries for a single file (save_model_as safetensors /
 # ckpt); without one (diffusers, diffusers_safetensors) the save is a diffusers folder
@@ -57,15 +60,17 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
         sd_checkpoint.save_diffusers(comps, bundle.family, path, dtype=dtype)
 
 
-def fields(base_model_version: str, architecture: str, implementation: str, prediction: str,
-           adapter: str | None) -> dict[str, str]:
-    """An SD family's ss_base_model_version and modelspec architecture / implementation /
-    prediction_type (sd-scripts' sai_model_spec)."""
-    if prediction not in PREDICTIONS:
-        raise ValueError(f"prediction type {prediction!r}; expected {' or '.join(PREDICTIONS)}")
-    return {"ss_base_model_version": base_model_version,
-            "modelspec.architecture": modelspec.with_adapter(architecture, adapter),
-            "modelspec.implementation": implementation, "modelspec.prediction_type": prediction}
+def metadata_hook(base_model_version: str, architectures: dict[str, str], implementation: str):
+    """An SD family's ``metadata_fields(variant, adapter)`` hook from its strings (sd-scripts'
+    sai_model_spec): ss_base_model_version and modelspec architecture (``architectures``: by
+    prediction type) / implementation / prediction_type; ``variant`` is the prediction type."""
+    def metadata_fields(variant: str, adapter: str | None) -> dict[str, str]:
+        if variant not in PREDICTIONS:
+            raise ValueError(f"prediction type {variant!r}; expected {' or '.join(PREDICTIONS)}")
+        return {"ss_base_model_version": base_model_version,
+                "modelspec.architecture": modelspec.with_adapter(architectures[variant], adapter),
+                "modelspec.implementation": implementation, "modelspec.prediction_type": variant}
+    return metadata_fields
 
 
 def memory_parts(opts, header) -> dict:
