@@ -271,3 +271,15 @@ def test_the_sd_homes_metadata_are_sd_scripts_strings(name, prediction, expected
     assert registry.home(name).metadata_fields(prediction, None)["modelspec.architecture"] == arch[:-len("/lora")]
     with pytest.raises(ValueError, match="prediction type"):
         registry.home(name).metadata_fields("flow", None)
+
+
+def test_any_sd_home_loads_the_family_the_weights_say():
+    """The SD homes claim nothing before loading: SD's loader tells the family from the model, so
+    SD2's home given SD1 weights loads an SD1 bundle, and its family model is SD1's."""
+    from library.models import flow_family
+
+    opts = make_opts("train_lora", pretrained_model_name_or_path="tiny-sd15")
+    assert flow_family.family_before_loading("tiny-sd15") is None
+    bundle = registry.home("sd2").load(opts)
+    assert bundle.family == "sd1" and len(bundle.text_encoders) == 1
+    assert type(flow_family.family_model_for(bundle, opts)).__name__ == "SD1Model"
