@@ -985,7 +985,7 @@ _OTHER_FAMILY = ("an option of the GUI's {} training, a model family this toolki
                  "(the GUI writes it only with that model type checked)")
 
 
-# a key of the GUI's FLUX.1 / SD3 training that has no counterpart here yet
+# a key of the GUI's FLUX.1 / SD3 / Anima training that has no counterpart here yet
 _FLOW_NOT_YET = ("an option of the GUI's {} training that this toolkit does not support yet "
                  "(the GUI writes it only with that model type checked)")
 
@@ -1076,8 +1076,9 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("noise_offset_type", "ldf", "ignore", "chooses which noise keys the GUI writes "
            "(noise_offset / adaptive_noise_scale for Original, multires_noise_* for Multires), and "
            "those keys are honoured; sd-scripts defines no such option"),
-    GuiKey("vae_chunk_size", "lf", "ignore", "Anima's VAE chunking (the fine-tune tab writes it "
-           "for every model); sd-scripts' SD scripts do not define it"),
+    GuiKey("vae_chunk_size", "lf", "ignore", "Anima's VAE chunk size (written with the Anima box, "
+           "when not 0): memory only in sd-scripts, the same latents; the VAE encodes whole images "
+           "here"),
     GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
            "sd-scripts' SD scripts do not define it"),
     GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
@@ -1093,13 +1094,13 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     *(GuiKey(n, "l", "option") for n in "clip_g_dropout_rate clip_l_dropout_rate t5_dropout_rate".split()),
     *(GuiKey(n, "l", "option") for n in "enable_scaled_pos_embed pos_emb_random_crop_rate".split()),
     *_gui_family("byt5 text_encoder fp8_scaled fp8_vl text_encoder_cpu", "l", "HunyuanImage-2.1"),
-    GuiKey("sigmoid_scale", "lf", "option"),  # written by the Anima tabs; FLUX.1's option here
+    GuiKey("sigmoid_scale", "lf", "option"),  # written with the Anima and Lumina boxes
     *(GuiKey(n, "lf", "option") for n in  # Anima: library/models/families/anima/
       "qwen3 qwen3_max_token_length llm_adapter_path t5_tokenizer_path t5_max_token_length".split()),
     *_gui_family("attn_mode split_attn vae_disable_cache "
                  "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
-                 "lf", "Anima"),
+                 "lf", "Anima", trained=True),
     *(GuiKey(n, "lf", "option") for n in  # Lumina 2: library/models/families/lumina/
       "gemma2 gemma2_max_token_length system_prompt use_flash_attn use_sage_attn".split()),
 )

@@ -262,6 +262,17 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
 
 # --- diffusers folders -----------------------------------------------------------------------
 
+def configured_family(name_or_path: str) -> str | None:
+    """The family of a built-in model or diffusers folder from its configuration (no weights);
+    None for the other sources (their family is known once they load)."""
+    src = resolve_model_source(name_or_path)
+    if src.kind == "builtin":
+        return FAMILY_OF_ARCH[src.arch]
+    if src.kind == "diffusers":
+        return _family_of_folder(src.location)
+    return None
+
+
 def _family_of_folder(folder: str) -> str:
     index = read_json(os.path.join(folder, "model_index.json")) if os.path.isfile(
         os.path.join(folder, "model_index.json")) else {}

@@ -23,7 +23,7 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import flow_family
+from library.models import flow_family, loading
 from library.models.families.sd_common import embeddings
 from library.models.families.sd3 import sd3
 from library.models.families import registry
@@ -408,7 +408,7 @@ class FullMethod:
         if self.block_lr is not None:
             block_lr.check_count(self.block_lr)
             if bundle is None:  # the validate stage: the family now where the config tells it
-                family = block_lr.family_before_loading(
+                family = loading.configured_family(
                     required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"))
                 if family is not None:
                     block_lr.check_family(family)

@@ -106,7 +106,7 @@ class Family:
     gui_boxes: tuple[str, ...]  # the kohya_ss GUI keys whose ticked box selects it (none: its
                                 # default SD model type)
     gui_rank: int               # with several boxes ticked, the GUI's train_model runs the lowest rank's
-                                # script (kohya_gui run_cmd order: sdxl 0, sd3 1, flux 2)
+                                # script (kohya_gui run_cmd order: sdxl 0, sd3 1, flux 2, anima 4, lumina 5)
     gui_script: str             # the sd-scripts script the GUI's fine-tune / DreamBooth tab runs
     gui_te_rates: tuple[str, ...]  # the GUI's text-encoder rate fields that script reads
     gui_db_text_encoder: bool   # the DreamBooth tab writes train_text_encoder (from the rates)
@@ -118,3 +118,6 @@ class Family:
     home: str                   # the module of its hooks (HOOKS: detection, loading, family model,
                                 # save, metadata, memory fakes), imported when a run needs it (the
                                 # SD families': their home.py over sd_common/hooks.py)
+    sd_scripts: tuple[str, ...] = ()  # sd-scripts' family-specific entry scripts that train it
+                                # (sdxl_train_network.py, flux_train.py, ...; those at the root
+                                # here refuse a model of another family: library/models/script_family.py)

@@ -45,8 +45,10 @@ FAMILY = Family(
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
     autoencoder_option="vae", single_file_parts=("qwen3", "vae"), linear_projections=False,
     lora_module="networks.lora_anima", network_modules=("networks.lora_anima",),
-    # the kohya_ss GUI's Anima presets are not imported yet (gui_import answers "not trained here")
-    model_type=None, gui_boxes=(), gui_rank=4, gui_script="anima_train.py", gui_te_rates=(), gui_db_text_encoder=False,
+    # the kohya_ss GUI's Anima box (its LoRA and fine-tune tabs; train_model picks its script after
+    # SDXL's, FLUX.1's and SD3's, before Lumina's)
+    model_type=None, gui_boxes=("anima_checkbox",), gui_rank=4, gui_script="anima_train.py", gui_te_rates=(),
+    gui_db_text_encoder=False,
     unsupported={
         "apply_t5_attn_mask": _T5, "t5xxl": _T5, "t5xxl_max_token_length": _T5, "train_t5xxl": _T5,
         "learning_rate_te3": _T5, "use_t5xxl_cache_only": _T5, "t5_dropout_rate": _T5,
@@ -69,4 +71,5 @@ FAMILY = Family(
                "train_text_encoder": "sd-scripts' Anima scripts keep Qwen3 frozen"},
     native_size=1024, tiny_models=("tiny-anima",), arch_models=(),
     home="library.models.families.anima.home",
+    sd_scripts=("anima_train_network.py", "anima_train.py"),
 )

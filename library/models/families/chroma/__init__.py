@@ -50,4 +50,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-chroma",), arch_models=(),
     home="library.models.families.chroma.home",
+    sd_scripts=("flux_train_network.py",),
 )

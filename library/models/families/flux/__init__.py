@@ -60,4 +60,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-flux", "tiny-flux-schnell"), arch_models=(),
     home="library.models.families.flux.home",
+    sd_scripts=("flux_train_network.py", "flux_train.py"),
 )

@@ -43,9 +43,9 @@ FAMILY = Family(
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
     autoencoder_option="ae", single_file_parts=("gemma2", "ae"), linear_projections=False,
     lora_module="networks.lora_lumina", network_modules=("networks.lora_lumina",),
-    # the kohya_ss GUI's Lumina type is not imported yet (library/ui/gui_network.py still notes its
-    # lumina_checkbox as a family not trained here): no box selects this family
-    model_type=None, gui_boxes=(), gui_rank=3, gui_script="lumina_train.py", gui_te_rates=(),
+    # the kohya_ss GUI's Lumina box (its LoRA and fine-tune tabs; train_model picks its script last,
+    # after Anima's)
+    model_type=None, gui_boxes=("lumina_checkbox",), gui_rank=5, gui_script="lumina_train.py", gui_te_rates=(),
     gui_db_text_encoder=False,
     unsupported={
         "vae": "Lumina 2's autoencoder (FLUX.1's) is the ae option (sd-scripts' lumina scripts read ae)",
@@ -71,4 +71,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-lumina",), arch_models=(),
     home="library.models.families.lumina.home",
+    sd_scripts=("lumina_train_network.py", "lumina_train.py"),
 )

@@ -39,4 +39,5 @@ FAMILY = Family(
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
     native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large"), arch_models=("sd3-arch", "sd3.5-medium-arch", "sd3.5-large-arch"),
     home="library.models.families.sd3.home",
+    sd_scripts=("sd3_train_network.py", "sd3_train.py"),
 )
