@@ -486,6 +486,21 @@ def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path,
                        scheduler_config=dict(sched))
 
 
+ALIGNMENT = 64  # bytes
+
+
+def align_for_cpu(*modules) -> None:
+    """Each parameter and buffer of ``modules`` whose data is not 64-byte aligned, copied into its
+    own storage (safetensors hands out tensors at the file's byte offsets): CPU matrix kernels take
+    other code paths, with other rounding, on unaligned data, so a model loaded from a file would
+    compute what the same weights built in memory compute only up to the last bits. For CPU runs
+    (a GPU gets its own aligned copy of the weights anyway); it costs a copy of the unaligned ones."""
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.data_ptr() % ALIGNMENT:
+                t.data = t.data.clone()
+
+
 def set_attention(b, opts: Options) -> None:
     """The bundle's attention: SDPA (default), xformers, or with --sdpa=false the plain math
     attention."""

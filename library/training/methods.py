@@ -505,6 +505,8 @@ class FullMethod:
             # FLUX.1 / SD3 (block_swap.check_options): one group per transformer block and one
             # for the rest, each its own optimizer (stepper.step_units), as sd-scripts' flux_train.py
             groups += [{"params": ps, "lr": opts.learning_rate} for ps in block_param_lists(b.unet)]
+        elif self.train_unet and (own := flow_family.full_param_groups(b, opts)) is not None:
+            groups, self.group_names = own  # the family's own rule (Anima: sd-scripts' per-part rates)
         elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
         if opts.num_last_block_to_freeze and self.train_unet:  # SD3 (flow_loss.check_options)

@@ -47,7 +47,9 @@ HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memo
 # and, where a family has them:
 #   check_sources(opts)                    its own checks of its parts before any weight loads
 #                                          (headers, kernels), one line each
-OPTIONAL_HOOKS = ("check_sources",)
+#   param_groups(unet, opts)               a full fine-tune's optimizer groups and their names,
+#                                          by the family's own rates (Anima's per-part rates)
+OPTIONAL_HOOKS = ("check_sources", "param_groups")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class FlowSpec:
     option_defaults: tuple[tuple[str, object], ...]  # flow options whose default differs for this
                                 # family ((name, value); sd-scripts' per-script defaults): an unset
                                 # option (or one the family refuses) takes this value
+    # CFG shaping of its samples (sd-scripts' Lumina 2 sampler; None: plain CFG at every step):
+    # guidance only while 1 - sigma < sample_cfg_trunc_ratio, then the guided velocity's norm
+    # capped at sample_renorm_cfg x the conditional one's (0: no cap); a prompt's --ctr / --rcfg
+    sample_cfg_trunc_ratio: float | None
+    sample_renorm_cfg: float | None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ FLOW = FlowSpec(
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(

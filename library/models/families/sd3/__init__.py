@@ -21,6 +21,7 @@ FLOW = FlowSpec(
     metadata_options=("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(
