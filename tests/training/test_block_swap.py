@@ -21,9 +21,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from library.models import flux, sd3
 from library.models.families.anima import model as anima_model
 from library.models.families.anima import tiny as anima_tiny
+from library.models.families.flux import flux
+from library.models.families.sd3 import sd3
 from library.training import block_swap
 from tests.training.test_flux_train import build_initial, flux_args, no_flux_loading  # noqa: F401
 
