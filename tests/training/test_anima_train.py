@@ -156,8 +156,8 @@ def test_resume_is_bit_identical(dataset, tmp_path, train):
 
 def test_block_swap_trains_the_same_weights(dataset, tmp_path, train, run_script):
     """blocks_to_swap through the entry script on a 4-block Anima DiT file (with Qwen3, VAE and T5
-    tokenizer folders): two AdamW steps of a full fine-tune with the last 2 blocks on the host equal
-    the run without them, bit for bit (one thread). tiny-anima's 2 blocks can swap none
+    tokenizer folders): two AdamW steps of a full fine-tune, and of a LoRA, with the last 2 blocks
+    on the host equal the runs without them, bit for bit (one thread). tiny-anima's 2 blocks can swap none
     (sd-scripts' limit, num_blocks - 2): one line, exit 2."""
     m = tiny.build()
     torch.manual_seed(5)
@@ -182,6 +182,20 @@ def test_block_swap_trains_the_same_weights(dataset, tmp_path, train, run_script
     w0 = dit.state_dict()
     assert not torch.equal(plain["blocks.3.mlp.layer1.weight"], w0["blocks.3.mlp.layer1.weight"])
     assert plain.keys() == swapped.keys() and all(torch.equal(plain[k], swapped[k]) for k in plain)
+    # a LoRA over the swapped blocks (its modules stay on the device, the blocks' weights stream)
+    from tests.training.test_anima_lora import anima_args
+
+    def lora_of(out, *extra):
+        argv = anima_args(dataset, str(tmp_path / out), *files[:6], "--optimizer_type", "AdamW", *extra)
+        argv[1] = str(tmp_path / "dit4.safetensors")
+        rc, _, err = run_script("train_lora", argv)
+        assert rc == 0, err
+        return load_file(str(tmp_path / out / "last.safetensors"))
+
+    lora, lora_swapped = lora_of("l"), lora_of("m", "--blocks_to_swap", "2")
+    assert "lora_unet_blocks_3_mlp_layer1.lora_up.weight" in lora
+    assert float(lora["lora_unet_blocks_3_mlp_layer1.lora_up.weight"].abs().max()) > 0  # trained (up starts at 0)
+    assert lora.keys() == lora_swapped.keys() and all(torch.equal(lora[k], lora_swapped[k]) for k in lora)
     rc, _, err = run_script("train_dreambooth", full_args(dataset, str(tmp_path / "c"), "--blocks_to_swap", "1"))
     assert rc == 2 and "blocks_to_swap 1: asks for 1 of the model's 2 blocks (at most 0 here)" in err, err
     assert "Traceback" not in err
