@@ -45,6 +45,11 @@ def test_single_file_with_gemma2_and_ae(files):
     assert m.layout == "original" and m.config == tiny.nextdit.TINY
     assert _same(m.transformer, p["transformer"]) and _same(m.gemma2, p["gemma2"]) and _same(m.ae, p["ae"])
     assert m.tokenizer("a dog").input_ids == p["tokenizer"]("a dog").input_ids
+    # its non-persistent buffers (RoPE tables, embedding scale) are rebuilt, not left on the meta
+    # device: the loaded Gemma-2 moves and encodes as the built one
+    assert not [n for n, b in m.gemma2.named_buffers() if b.is_meta]
+    ids, mask = text.tokenize(m.tokenizer, ["a dog"], 16)
+    assert torch.equal(text.encode(m.gemma2.to("cpu"), ids, mask), text.encode(p["gemma2"], ids, mask))
 
 
 def test_comfyui_prefix_and_diffusers_folder_round_trip(files, tmp_path):

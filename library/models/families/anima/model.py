@@ -317,6 +317,12 @@ class Anima(nn.Module):
     def disable_gradient_checkpointing(self):
         self.gradient_checkpointing = self.cpu_offload_checkpointing = False
 
+    def _call(self, block: nn.Module, *args):
+        """One block's call under gradient checkpointing (the memory estimate replaces it on the
+        instance: library/training/flow_memory.py)."""
+        return block_checkpoint.call(block, args, checkpointing=self.gradient_checkpointing,
+                                     offload=self.cpu_offload_checkpointing)
+
     def text_context(self, qwen3_states, t5_input_ids, t5_attn_mask=None, qwen3_attn_mask=None):
         """The cross-attention context: the adapter's output, zero at T5's padding."""
         ctx = self.llm_adapter(qwen3_states, t5_input_ids, t5_attn_mask, qwen3_attn_mask)
@@ -348,9 +354,7 @@ class Anima(nn.Module):
         emb = self.t_embedding_norm(emb.to(hidden.dtype))
         emb, adaln_lora = emb[:, None, :], adaln_lora[:, None, :].to(hidden.dtype)
         for block in self.blocks:
-            hidden = block_checkpoint.call(block, (hidden, emb, adaln_lora, context, rope),
-                                           checkpointing=self.gradient_checkpointing,
-                                           offload=self.cpu_offload_checkpointing)
+            hidden = self._call(block, hidden, emb, adaln_lora, context, rope)
         out = self.final_layer(hidden, emb, adaln_lora)  # (B, L, p*p*C) as (p1 p2 C)
         c = self.config.out_channels
         out = out.reshape(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
