@@ -301,3 +301,49 @@ def test_estimate_against_a_measured_cpu_peak(case, tmp_path):
     est = me.estimate(parse_args(script, [*argv, "--dry_run"]), "lora" if script == "train_lora" else "dreambooth")
     print(json.dumps({"case": case, "estimate": est.total / me.GIB, "measured": measured}))
     assert abs(est.total / me.GIB - measured) <= TINY_PEAK_TOLERANCE_GIB, (est.total / me.GIB, measured)
+
+
+def _llm_adapter_params(vocab=32128, d=1024, source=1024, layers=6, heads=16, mlp=4096) -> int:
+    """Anima's LLM adapter counted by hand: the T5 embedding; per block a self- and a cross-attention
+    (q, k, v, o without bias, per-head q / k norms), three RMS norms and a biased 2-layer MLP; the
+    biased output projection and its norm (no input projection: the model width is the target's)."""
+    head = d // heads
+    attention = 2 * d * d + 2 * source * d + 2 * head  # the cross-attention's k / v read Qwen3's width
+    self_attention = 4 * d * d + 2 * head
+    block = self_attention + attention + 3 * d + (d * mlp + mlp) + (mlp * d + d)
+    return vocab * d + layers * block + (d * d + d) + d
+
+
+def test_full_size_anima_counts_as_diffusers_cosmos(tmp_path, monkeypatch):
+    """Anima at its released shapes (header-only DiT, Qwen3-0.6B and Qwen-Image VAE files): the DiT
+    the estimate builds has the parameters of diffusers' CosmosTransformer3DModel at
+    Cosmos-Predict2 2B's config plus the LLM adapter counted by hand; Qwen3 is Qwen3-0.6B's."""
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from library.config.parse import parse_args
+    from library.models.families.anima import model as anima_model
+    from library.models.families.anima import parts
+
+    with torch.device("meta"):
+        dit = anima_model.Anima(anima_model.FULL)
+        cosmos = CosmosTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=16,
+                                          attention_head_dim=128, num_layers=28, mlp_ratio=4.0, text_embed_dim=1024,
+                                          adaln_lora_dim=256, patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0),
+                                          concat_padding_mask=True, extra_pos_embed_type=None)
+        qwen3 = Qwen3Model(Qwen3Config(**parts.QWEN3_06B))
+        vae_shapes = _meta_shapes(AutoencoderKLQwenImage())
+    model = _header_only_file(str(tmp_path / "anima.safetensors"), _meta_shapes(dit, "net."))
+    qwen3_file = _header_only_file(str(tmp_path / "qwen3.safetensors"), _meta_shapes(qwen3, "model."))
+    vae_file = _header_only_file(str(tmp_path / "vae.safetensors"), vae_shapes)
+    refuse_tensor_reads(monkeypatch, "anima")
+    opts = parse_args("train_lora", [
+        "--pretrained_model_name_or_path", model, "--qwen3", qwen3_file, "--vae", vae_file, "--train_data_dir", "unused",
+        "--resolution", "1024", "--max_train_steps", "1", "--mixed_precision", "bf16", *ANIMA_LORA,
+        "--cache_latents", "--cache_text_encoder_outputs", "--dry_run"])
+    est = me.estimate(opts, "lora")
+    got = {(line.component, line.trained): line.numel for line in est.params}
+    assert got[("unet", False)] == sum(p.numel() for p in cosmos.parameters()) + _llm_adapter_params()
+    assert got[("text_encoder", False)] == sum(p.numel() for p in qwen3.parameters())
+    assert got[("vae", False)] == sum(int(torch.Size(s).numel()) for s in vae_shapes.values())
+    assert 2.0e9 < got[("unet", False)] < 2.2e9 and got[("network", True)] > 0
