@@ -1,12 +1,14 @@
-"""Random-weight Anima and Lumina 2 files for benchmarks/gpu.py, in the layouts the trainer (and
-sd-scripts' anima / lumina loaders) read, so that the rows run at full size with nothing downloaded:
+"""Random-weight Anima and Lumina 2 files for benchmarks/gpu.py, in layouts the trainer reads, so
+that the rows run at full size with nothing downloaded (whether sd-scripts' anima / lumina loaders
+read the same files is not checked: no sd-scripts counterpart is wired for these rows yet):
 
 - Anima: the DiT with its LLM adapter (``net.``-prefixed keys, the released file's layout; the RoPE
   tables left out, as the loader rebuilds them), a Qwen3-0.6B folder (config.json, the offline tiny
   Qwen3 tokenizer, the weights), the Qwen-Image VAE as a diffusers folder, and the tiny T5
   tokenizer's folder for ``t5_tokenizer_path`` (its ids stay below T5's 32128);
-- Lumina 2: the Next-DiT 2B in the original layout (with this toolkit's config record), Gemma-2 2B (``model.``-prefixed, carrying the
-  tiny Gemma tokenizer and its config in its metadata) and FLUX.1's autoencoder in BFL names.
+- Lumina 2: the Next-DiT 2B in the original layout (with this toolkit's config record), Gemma-2 2B
+  (``model.``-prefixed, carrying the tiny Gemma tokenizer and its config in its metadata) and
+  FLUX.1's autoencoder in BFL names.
 
 Weights are N(0, 0.02) from fixed seeds (benchmarks/flux_weights.py's values), bf16; the Anima
 files take about 5.7 GB, Lumina's about 10.6 GB.
@@ -29,11 +31,8 @@ from transformers import Gemma2Config, Gemma2Model, Qwen3Config, Qwen3Model  # n
 
 from benchmarks.flux_weights import _cast, _random_values, _save  # noqa: E402
 from library.models import flux_ae, t5  # noqa: E402
-from library.models.families.anima import model as anima_model  # noqa: E402
-from library.models.families.anima import parts as anima_parts  # noqa: E402
-from library.models.families.anima import tiny as anima_tiny  # noqa: E402
-from library.models.families.lumina import loading as lumina_loading  # noqa: E402
-from library.models.families.lumina import nextdit, text  # noqa: E402
+from library.models.families.anima import model, parts, tiny  # noqa: E402
+from library.models.families.lumina import loading, nextdit, text  # noqa: E402
 
 # the option each file or folder goes to, and its name under the working folder
 NAMES = {"anima": {"pretrained_model_name_or_path": "anima-random.safetensors", "qwen3": "qwen3-random",
@@ -43,7 +42,7 @@ NAMES = {"anima": {"pretrained_model_name_or_path": "anima-random.safetensors", 
 SEEDS = {"pretrained_model_name_or_path": 11, "qwen3": 12, "vae": 13, "gemma2": 14, "ae": 15}
 # full size: Anima's DiT (2B, its adapter), Qwen3-0.6B, the Qwen-Image VAE; Lumina 2's 2B Next-DiT,
 # Gemma-2 2B, FLUX.1's autoencoder
-FULL = {"anima": {"dit": anima_model.FULL, "qwen3": anima_parts.QWEN3_06B, "vae": {}},
+FULL = {"anima": {"dit": model.FULL, "qwen3": parts.QWEN3_06B, "vae": {}},
         "lumina": {"transformer": nextdit.LUMINA2_2B, "gemma2": text.GEMMA2_2B, "ae": flux_ae.FLUX_AE_CONFIG}}
 
 
@@ -55,9 +54,9 @@ def _states(family: str, configs: dict, dtype: torch.dtype) -> dict:
     """{option: tensors on the meta device, as the file holds them}."""
     with torch.device("meta"):
         if family == "anima":
-            dit = anima_model.Anima(configs["dit"]).state_dict()
-            return {"pretrained_model_name_or_path": _cast({anima_model.PREFIX + k: v for k, v in dit.items()
-                                                             if k not in anima_model.ROPE_BUFFERS}, dtype),
+            dit = model.Anima(configs["dit"]).state_dict()
+            return {"pretrained_model_name_or_path": _cast({model.PREFIX + k: v for k, v in dit.items()
+                                                             if k not in model.ROPE_BUFFERS}, dtype),
                     "qwen3": _cast(Qwen3Model(Qwen3Config(**configs["qwen3"])).state_dict(), dtype),
                     "vae": _cast(AutoencoderKLQwenImage(**configs["vae"]).state_dict(), dtype)}
         gemma = Gemma2Model(Gemma2Config(**configs["gemma2"])).state_dict()
@@ -91,7 +90,7 @@ def write_files(work: str, family: str, configs: dict | None = None, dtype: torc
             os.makedirs(path + ".tmp", exist_ok=True)
             if option == "qwen3":
                 Qwen3Config(**configs["qwen3"]).save_pretrained(path + ".tmp")
-                anima_tiny.build_qwen3_tokenizer().save_pretrained(path + ".tmp")
+                tiny.build_qwen3_tokenizer().save_pretrained(path + ".tmp")
                 _save(values, os.path.join(path + ".tmp", "model.safetensors"), None)
             else:
                 with torch.device("meta"):
@@ -99,8 +98,8 @@ def write_files(work: str, family: str, configs: dict | None = None, dtype: torc
                 _save(values, os.path.join(path + ".tmp", "diffusion_pytorch_model.safetensors"), None)
             os.replace(path + ".tmp", path)
         elif family == "lumina" and option == "pretrained_model_name_or_path":  # with its config record
-            record = lumina_loading.LuminaModel("original", configs["transformer"], None, None, None, None, "", "")
-            lumina_loading.save_transformer(path, record, values, {})
+            record = loading.LuminaModel("original", configs["transformer"], None, None, None, None, "", "")
+            loading.save_transformer(path, record, values, {})
         else:
             _save(values, path, meta)
         del values
