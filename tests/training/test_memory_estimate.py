@@ -420,20 +420,25 @@ FLOW_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(FLOW_CASES))
-def test_flow_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path):
-    """The FLUX.1 / SD3 estimate's parameters (per component, trained or frozen, dtype),
-    gradients and optimizer state against the run's own; the released autoencoder uncounted."""
+def estimate_and_run(train, dataset, tmp_path, script: str, model: str, extra: list) -> tuple:
+    """(the --dry_run estimate, the Run of a real 1-step run) of a flow case: 64 px, latents cached."""
     from library.config.options import METHOD_OF_SCRIPT
     from library.config.parse import parse_args
 
-    script, model, extra = FLOW_CASES[case]
     argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", dataset,
             "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
             "--learning_rate", "1e-3", "--max_grad_norm", "0", "--cache_latents", *extra]
     est = me.estimate(parse_args(script, [*argv, "--dry_run"]), METHOD_OF_SCRIPT[script])
     rc, out, err, run = train(script, argv)
     assert rc == 0, err
+    return est, run
+
+
+@pytest.mark.parametrize("case", sorted(FLOW_CASES))
+def test_flow_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path):
+    """The FLUX.1 / SD3 estimate's parameters (per component, trained or frozen, dtype),
+    gradients and optimizer state against the run's own; the released autoencoder uncounted."""
+    est, run = estimate_and_run(train, dataset, tmp_path, *FLOW_CASES[case])
     assert_estimate_counts_the_run(est, run, _stepping(case))
     for line in est.params:
         assert line.resident == (line.component != "vae"), line

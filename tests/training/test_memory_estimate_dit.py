@@ -9,8 +9,8 @@ import torch
 
 from library.training import memory_estimate as me
 from tests.training.test_memory_estimate import (TINY_PEAK_TOLERANCE_GIB, _nbytes, _optimizers, _stepping,
-                                                 assert_estimate_counts_the_run, measured_train_peak,
-                                                 refuse_tensor_reads)
+                                                 assert_estimate_counts_the_run, estimate_and_run,
+                                                 measured_train_peak, refuse_tensor_reads)
 
 ANIMA_LORA = ["--network_module", "networks.lora_anima", "--network_dim", "4"]
 LUMINA_LORA = ["--network_module", "networks.lora_lumina", "--network_dim", "4"]
@@ -36,16 +36,8 @@ UNSTEPPED = {"lumina-full-fused-adafactor-gc-swap": lambda name: name == "norm_f
 def test_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path):
     """Parameters per component (trained or frozen, dtype), gradients and optimizer state against
     the run's own; what the run released after caching uncounted."""
-    from library.config.options import METHOD_OF_SCRIPT
-    from library.config.parse import parse_args
-
     script, model, extra = CASES[case]
-    argv = ["--pretrained_model_name_or_path", model, "--train_data_dir", dataset,
-            "--output_dir", str(tmp_path / "o"), "--resolution", "64", "--max_train_steps", "1",
-            "--learning_rate", "1e-3", "--max_grad_norm", "0", "--cache_latents", *extra]
-    est = me.estimate(parse_args(script, [*argv, "--dry_run"]), METHOD_OF_SCRIPT[script])
-    rc, out, err, run = train(script, argv)
-    assert rc == 0, err
+    est, run = estimate_and_run(train, dataset, tmp_path, script, model, extra)
     # trained parameters that never get a gradient, for which the run's optimizer keeps no state
     # (the estimate counts it): Lumina's norm_final (in the released weights, never used) in a
     # full fine-tune, and a LoRA's modules on Gemma-2's last layer (the penultimate states are read)
@@ -55,7 +47,7 @@ def test_estimate_counts_what_the_run_holds(case, train, dataset, tmp_path):
     unused = [p for p in run.parts.params if p.requires_grad and id(p) not in stepped]
     expected = UNSTEPPED.get(case, lambda n: False)
     assert unused == [] if case not in UNSTEPPED else unused and all(expected(names[id(p)]) for p in unused)
-    rule = me.optimizer_rule(parse_args(script, [*argv, "--dry_run"]))
+    rule = me.optimizer_rule(run.opts)
     unstepped = sum(rule.param_bytes(tuple(p.shape)) for p in unused)
     assert_estimate_counts_the_run(est, run, _stepping(case), unstepped)
     released = {"vae"} | ({"text_encoder"} if "--cache_text_encoder_outputs" in extra else set())
@@ -173,17 +165,11 @@ def _lumina_file(tmp_path) -> tuple[str, list]:
 
 def _lumina_folder(tmp_path) -> tuple[str, list]:
     """tiny-lumina as a diffusers folder (transformer/ by our saver, the rest by transformers / diffusers)."""
-    from library.models.families.lumina import loading, tiny
+    from library.models.families.lumina import tiny
+    from tests.models.test_lumina_loading import write_diffusers_folder
 
-    p = tiny.build_tiny_lumina()
-    folder = tmp_path / "pipe"
-    m = loading.LuminaModel("diffusers", tiny.nextdit.TINY, p["transformer"], p["gemma2"], p["tokenizer"], p["ae"],
-                            "x", "y")
-    loading.save_transformer(str(folder / "transformer"), m, p["transformer"].state_dict(), {})
-    p["gemma2"].save_pretrained(str(folder / "text_encoder"))
-    p["tokenizer"].save_pretrained(str(folder / "tokenizer"))
-    p["ae"].save_pretrained(str(folder / "vae"))
-    return str(folder), [*LUMINA_LORA, "--network_train_unet_only"]
+    return str(write_diffusers_folder(tiny.build_tiny_lumina(), tmp_path / "pipe")), [
+        *LUMINA_LORA, "--network_train_unet_only"]
 
 
 SOURCES = {"anima-file": (_anima_files, "anima"), "lumina-file": (_lumina_file, "lumina"),
