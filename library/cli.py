@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 
 from library.accelerator import is_main_process, leave_process_group_at_exit, peer_failure
 from library.config.options import METHOD_OF_SCRIPT
-from library.config.parse import parse_args
+from library.config.parse import fine_tuning_data, parse_args
 from library.errors import NonFiniteStop, TrainingInterrupted, UserError
+from library.models import script_family
 from library.outputs import progress_stream
 
 if TYPE_CHECKING:  # annotations only
@@ -16,11 +17,16 @@ if TYPE_CHECKING:  # annotations only
 PROMPT_ONLY_SCRIPTS = ("train_leco",)  # no dataset: library/run/leco.py runs them
 
 
-def main(script: str, argv: list[str] | None = None) -> int:
+def main(script: str, argv: list[str] | None = None, entry: str | None = None) -> int:
+    """Run ``script`` (a name of library/config/options.py SCRIPTS). ``entry``: the sd-scripts
+    family-specific script it runs as (sdxl_train_network.py, ...), whose model must be of a family
+    naming it (library/models/script_family.py)."""
     opts = None
     status, code, message, state = "done", 0, "", None
     try:
-        opts = parse_args(script, sys.argv[1:] if argv is None else argv)
+        opts = parse_args(script, sys.argv[1:] if argv is None else argv, entry)
+        if entry is not None:
+            script_family.check(entry, opts.pretrained_model_name_or_path)
         if script in PROMPT_ONLY_SCRIPTS:
             from library.run import leco  # lazy: --help and option errors must not import torch
 
@@ -52,6 +58,13 @@ def main(script: str, argv: list[str] | None = None) -> int:
     _end(opts, status, code, message, state)
     leave_process_group_at_exit(finished=code == 0)
     return code
+
+
+def full_training_script(argv: list[str] | None = None) -> str:
+    """The script a full-training entry that takes both kinds of dataset runs (sd-scripts'
+    sdxl_train.py, sd3_train.py, flux_train.py, lumina_train.py): finetune with a metadata file
+    (in_json, or a subset's metadata_file), else train_dreambooth (image folders)."""
+    return "finetune" if fine_tuning_data(sys.argv[1:] if argv is None else argv) else "train_dreambooth"
 
 
 def _end(opts: Options | None, status: str, code: int, message: str, state: str | None) -> None:

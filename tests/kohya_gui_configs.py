@@ -3,8 +3,8 @@ test paths and a tiny built-in model.
 
 Our own code following the GUI's mapping (kohya_gui/{lora,dreambooth,finetune,textual_inversion}_gui.py
 `train_model`: the `config_toml_data` dict and its filter, common_gui.update_my_data for old
-preset fields), for the SD1/SD2/SDXL, FLUX.1 and SD3 model types (the GUI's other families'
-presets are skipped by the caller). Test-only changes, on top of what the GUI writes: the paths,
+preset fields), for the SD1/SD2/SDXL, FLUX.1, SD3, Anima and Lumina model types (the GUI's
+other families' presets are skipped by the caller). Test-only changes, on top of what the GUI writes: the paths,
 the model, 64 px, two steps.
 """
 from __future__ import annotations
@@ -91,9 +91,9 @@ _NUMBER_FIELDS = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "tr
                   "rank_dropout", "module_dropout", "max_token_length", "dataset_repeats")
 
 
-OTHER_FAMILIES = {"hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
-                  "lumina_checkbox": "Lumina"}
-FLOW_FAMILIES = {"flux1_checkbox": "flux", "sd3_checkbox": "sd3"}
+OTHER_FAMILIES = {"hunyuan_image_checkbox": "HunyuanImage-2.1"}
+FLOW_FAMILIES = {"flux1_checkbox": "flux", "sd3_checkbox": "sd3", "anima_checkbox": "anima",
+                 "lumina_checkbox": "lumina"}
 
 # The GUI's FLUX.1 / SD3 field defaults (kohya_gui/class_flux1.py, class_sd3.py `config.get`)
 FLOW_DEFAULTS = dict(
@@ -114,6 +114,25 @@ FLOW_DEFAULTS = dict(
     enable_scaled_pos_embed=False, pos_emb_random_crop_rate=0.0, enable_all_linear=False,
 )
 FLOW_FILES = ("ae", "clip_l", "clip_g", "t5xxl")  # the preset's own model files
+# The GUI's Anima / Lumina fields, as its saved JSON names them, with their defaults
+# (kohya_gui/class_anima.py, class_lumina.py `config.get("anima.<name>", default)`)
+DIT_DEFAULTS = dict(
+    anima_checkbox=False, anima_qwen3="", anima_vae="", anima_llm_adapter_path="", anima_t5_tokenizer_path="",
+    anima_discrete_flow_shift=1.0, anima_timestep_sampling="sigmoid", anima_sigmoid_scale=1.0,
+    anima_qwen3_max_token_length=512, anima_t5_max_token_length=512, anima_attn_mode="torch",
+    anima_split_attn=False, anima_vae_chunk_size=0, anima_vae_disable_cache=False, anima_qwen_image_vae_2d=False,
+    anima_cache_text_encoder_outputs=False, anima_cache_text_encoder_outputs_to_disk=False,
+    anima_unsloth_offload_checkpointing=False, anima_compile=False, anima_torch_compile=False,
+    anima_compile_backend="inductor", anima_compile_mode="default", anima_compile_dynamic="auto",
+    anima_compile_fullgraph=False, anima_compile_cache_size_limit=0,
+    lumina_checkbox=False, lumina_gemma2="", lumina_ae="", lumina_discrete_flow_shift=6.0,
+    lumina_model_prediction_type="raw", lumina_timestep_sampling="shift", lumina_sigmoid_scale=1.0,
+    lumina_gemma2_max_token_length=256, lumina_system_prompt="", lumina_use_flash_attn=False,
+    lumina_use_sage_attn=False, lumina_cache_text_encoder_outputs=False,
+    lumina_cache_text_encoder_outputs_to_disk=False,
+)
+DIT_FILES = ("anima_qwen3", "anima_vae", "anima_llm_adapter_path", "anima_t5_tokenizer_path", "lumina_gemma2",
+             "lumina_ae")
 
 
 def other_family(preset: dict) -> str | None:
@@ -122,13 +141,13 @@ def other_family(preset: dict) -> str | None:
 
 
 def flow_family(preset: dict) -> str | None:
-    """'flux' or 'sd3' for a FLUX.1 / SD3 preset, else None."""
+    """'flux' / 'sd3' / 'anima' / 'lumina' for a preset of that model type, else None."""
     return next((name for box, name in FLOW_FAMILIES.items() if preset.get(box)), None)
 
 
 def family_of(preset: dict) -> str | None:
-    """'sd1' / 'sd2' / 'sdxl' / 'flux' / 'sd3', or None for a model type this toolkit does not
-    train."""
+    """'sd1' / 'sd2' / 'sdxl' / 'flux' / 'sd3' / 'anima' / 'lumina', or None for a model type this
+    toolkit does not train."""
     if other_family(preset):
         return None
     if flow_family(preset):
@@ -150,7 +169,7 @@ def _number(v):
 
 def normalize(preset: dict, tab: str) -> dict:
     """The GUI's field values once it has loaded the preset (update_my_data) over its defaults."""
-    d = {**COMMON_DEFAULTS, **TAB_DEFAULTS[tab], **FLOW_DEFAULTS}
+    d = {**COMMON_DEFAULTS, **TAB_DEFAULTS[tab], **FLOW_DEFAULTS, **DIT_DEFAULTS}
     if tab == "finetune":
         d["sdxl"] = False
     p = dict(preset)
@@ -197,7 +216,7 @@ LORA_TYPES = ("Anima", "Flux1", "Flux1 OFT", "HunyuanImage-2.1", "Kohya DyLoRA",
               "Kohya LoKr", "LoRA-FA", "Lumina", "LyCORIS/iA3", "LyCORIS/BOFT", "LyCORIS/Diag-OFT",
               "LyCORIS/DyLoRA", "LyCORIS/GLoRA", "LyCORIS/LoCon", "LyCORIS/LoHa", "LyCORIS/LoKr",
               "LyCORIS/Native Fine-Tuning", "Standard")
-OTHER_FAMILY_TYPES = {"Anima": "Anima", "HunyuanImage-2.1": "HunyuanImage-2.1", "Lumina": "Lumina"}
+OTHER_FAMILY_TYPES = {"HunyuanImage-2.1": "HunyuanImage-2.1"}
 # the types the GUI allows with its Flux1 checkbox besides the LyCORIS ones (lora_gui.py: "LoRA type
 # must be set to 'Flux1', 'Flux1 OFT' or 'LyCORIS' if Flux1 checkbox is checked")
 FLUX_TYPES = ("Flux1", "Flux1 OFT")
@@ -304,6 +323,12 @@ def _lora_network_by_type(d: dict) -> tuple[str, str]:
             if d[k] is not None and float(d[k]) > 0:
                 args += f" {k}={d[k]}"
         return "networks.lora_flux", args
+    if t in ("Anima", "Lumina"):
+        # lora_gui.py: networks.lora_anima / networks.lora_lumina with the rank / module dropouts
+        for k in ("rank_dropout", "module_dropout"):
+            if d[k] is not None and float(d[k]) > 0:
+                args += f" {k}={d[k]}"
+        return f"networks.lora_{t.lower()}", args
     if t == "Flux1 OFT":
         # lora_gui.py: network_args are the set values of its list, which holds enable_all_linear only
         return "networks.oft_flux", " enable_all_linear=True" if d.get("enable_all_linear") else ""
@@ -336,7 +361,7 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
     preset_weights = bool(d.get("network_weights"))
     d.update(train_data_dir=data_dir, output_dir=output_dir, pretrained_model_name_or_path=model)
     for k in ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
-              "log_tracker_config", "in_json", "wandb_api_key", *FLOW_FILES):
+              "log_tracker_config", "in_json", "wandb_api_key", *FLOW_FILES, *DIT_FILES):
         d[k] = ""  # the preset's own paths do not exist here (the tiny models hold their encoders)
     if preset_weights:
         d["network_weights"] = network_weights
@@ -512,12 +537,61 @@ def gui_toml(preset: dict, tab: str, *, model: str, data_dir: str, output_dir: s
                 "cache_text_encoder_outputs_to_disk": None,
                 "max_bucket_reso": int(d["max_bucket_reso"]),
                 "optimizer_args": opt_args,
+                # (finetune_gui.py writes vae and vae_chunk_size only with its Anima box: _dit_keys)
                 "train_text_encoder": d["train_text_encoder"], "vae": None,
-                "vae_chunk_size": int(d["vae_chunk_size"]),
             })
         keep = _db_ft_keeps
     out.update(_flow_keys(d, tab, sdxl))
+    out.update(_dit_keys(d, tab, out))
     return dict(sorted((k, v) for k, v in out.items() if keep(v)))
+
+
+def _dit_keys(d: dict, tab: str, out: dict) -> dict:
+    """The Anima / Lumina keys the LoRA and fine-tune tabs write (lora_gui.py, finetune_gui.py
+    config_toml_data: each None unless its model type is checked; where FLUX.1 writes the same key,
+    `lumina_x if lumina_checkbox else anima_x if anima_checkbox else x if flux1_checkbox`)."""
+    anima, lumina = bool(d.get("anima_checkbox")), bool(d.get("lumina_checkbox"))
+    if not (anima or lumina) or tab not in ("lora", "finetune"):
+        return {}
+    compile_on = anima and d["anima_compile"]
+    new = {
+        "clip_skip": None, "max_token_length": None,
+        "cache_text_encoder_outputs": bool(out.get("cache_text_encoder_outputs")) or
+        (anima and d["anima_cache_text_encoder_outputs"]) or (lumina and d["lumina_cache_text_encoder_outputs"]),
+        "cache_text_encoder_outputs_to_disk": bool(out.get("cache_text_encoder_outputs_to_disk")) or
+        (anima and d["anima_cache_text_encoder_outputs_to_disk"]) or
+        (lumina and d["lumina_cache_text_encoder_outputs_to_disk"]),
+        "blocks_to_swap": d["blocks_to_swap"],
+        "discrete_flow_shift": float(d["lumina_discrete_flow_shift"] if lumina else d["anima_discrete_flow_shift"]),
+        "timestep_sampling": d["lumina_timestep_sampling"] if lumina else d["anima_timestep_sampling"],
+        "sigmoid_scale": float(d["lumina_sigmoid_scale"] if lumina else d["anima_sigmoid_scale"]),
+        "attn_mode": d["anima_attn_mode"] if anima and d["anima_attn_mode"] != "torch" else None,
+        "vae_chunk_size": int(d["anima_vae_chunk_size"]) if anima and d["anima_vae_chunk_size"] else None,
+        "llm_adapter_path": d["anima_llm_adapter_path"] if anima and d["anima_llm_adapter_path"] else None,
+        "t5_tokenizer_path": d["anima_t5_tokenizer_path"] if anima and d["anima_t5_tokenizer_path"] else None,
+        "qwen3_max_token_length": int(d["anima_qwen3_max_token_length"]) if anima else None,
+        "t5_max_token_length": int(d["anima_t5_max_token_length"]) if anima else None,
+        # `anima_<key> if anima_checkbox`, the compile settings `if anima_checkbox and anima_compile`
+        **{k: d[f"anima_{k}"] if anima else None for k in (
+            "qwen3", "split_attn", "vae_disable_cache", "unsloth_offload_checkpointing", "qwen_image_vae_2d",
+            "compile", "torch_compile")},
+        **{k: d[f"anima_{k}"] if compile_on else None for k in ("compile_backend", "compile_mode", "compile_fullgraph")},
+        "compile_dynamic": d["anima_compile_dynamic"] if compile_on and d["anima_compile_dynamic"] != "auto" else None,
+        "compile_cache_size_limit": (int(d["anima_compile_cache_size_limit"])
+                                     if compile_on and d["anima_compile_cache_size_limit"] else None),
+        **{k: d[f"lumina_{k}"] if lumina else None for k in ("gemma2", "use_flash_attn", "use_sage_attn")},
+        "gemma2_max_token_length": (int(d["lumina_gemma2_max_token_length"])
+                                    if lumina and d["lumina_gemma2_max_token_length"] else None),
+        "system_prompt": d["lumina_system_prompt"] if lumina and d["lumina_system_prompt"] else None,
+    }
+    if lumina:
+        new.update(ae=d["lumina_ae"], model_prediction_type=d["lumina_model_prediction_type"])
+    if anima:
+        new["vae"] = d["anima_vae"]  # lora_gui.py: `anima_vae if anima_checkbox else ... vae`
+    if tab == "lora":  # the LoRA tab's filter: `value not in ["", False, None]`
+        for k in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
+            new[k] = True if new[k] else None
+    return new
 
 
 def _flow_keys(d: dict, tab: str, sdxl: bool) -> dict:
@@ -639,7 +713,7 @@ def presets(tab: str) -> list[tuple[str, dict]]:
 
 def tiny_model(family: str) -> str:
     return {"sd1": "tiny-sd15", "sd2": "tiny-sd2", "sdxl": "tiny-sdxl", "flux": "tiny-flux",
-            "sd3": "tiny-sd3"}[family]
+            "sd3": "tiny-sd3", "anima": "tiny-anima", "lumina": "tiny-lumina"}[family]
 
 
 def write_toml(path: str, data: dict) -> str:

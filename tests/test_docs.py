@@ -41,6 +41,9 @@ NOT_OPTIONS = {
     "conv_in", "conv_out", "mid_block", "time_embed", "label_emb", "reverse_linear",
     # sample prompt-file options (`--n` negative prompt, `--w` width, ...; sd-scripts' syntax)
     "n", "w", "h", "d", "s", "l", "ss", "i", "g",
+    # Lumina 2's (`--ctr` CFG truncation ratio, `--rcfg` renorm factor) and diffusers' Lumina2Pipeline
+    # argument that differs from the latter
+    "ctr", "rcfg", "cfg_normalization",
     # gen_img's own prompt-line options (`--am` network multipliers, `--nl` negative scale)
     "am", "nl",
     # textual inversion's names of a multi-vector token's extra tokens

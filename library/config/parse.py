@@ -530,12 +530,14 @@ _METAVAR = {"int": "N", "float": "X", "path": "PATH", "str": "TEXT", "resolution
             "steps_or_fraction": "N|FRACTION"}
 
 
-def build_parser(script: str) -> argparse.ArgumentParser:
-    """The argparse parser of one entry script. Every default is SUPPRESS, so the parsed
-    namespace holds exactly the options given on the command line."""
-    p = _Parser(prog=f"{script}.py", allow_abbrev=False,
-                usage=f"{script}.py [-h] [--config RUN.toml] [--OPTION VALUE ...]",
-                description=f"{script}: options by sd-scripts' names. A run TOML (--config) may set "
+def build_parser(script: str, entry: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser of one entry script (``entry``: the sd-scripts script name it runs as,
+    which --help shows). Every default is SUPPRESS, so the parsed namespace holds exactly the
+    options given on the command line."""
+    prog = entry or f"{script}.py"
+    p = _Parser(prog=prog, allow_abbrev=False,
+                usage=f"{prog} [-h] [--config RUN.toml] [--OPTION VALUE ...]",
+                description=f"{prog}{f' (runs {script}.py)' if entry else ''}: options by sd-scripts' names. A run TOML (--config) may set "
                             "any of them; command-line flags override it. Boolean flags take an "
                             "optional value: --flag, --flag=false.",
                 epilog="sd-scripts option names that are accepted with no effect, or rejected as not "
@@ -668,17 +670,65 @@ def _load_dataset_file(path: str) -> dict:
     return _check_dataset_shape(data, path)
 
 
+def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the last ``--name value`` / ``--name=value`` of ``names`` in ``argv``."""
+    out = None
+    for i, tok in enumerate(argv):
+        name, eq, value = tok.partition("=")
+        if name.lstrip("-") in names and name.startswith("--"):
+            out = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return out
+
+
+def _run_file_key(data: dict, key: str):
+    """``key`` of a run file, at the top or in a free-form grouping table."""
+    if key in data:
+        return data[key]
+    return next((v[key] for k, v in data.items() if isinstance(v, dict) and k not in DATASET_KEYS and key in v), None)
+
+
+def fine_tuning_data(argv: list[str]) -> bool:
+    """Whether sd-scripts' full-training scripts that take both kinds of dataset (sdxl_train.py,
+    sd3_train.py, flux_train.py, lumina_train.py) train as fine_tune.py: ``in_json`` given (flag or
+    run file), or a dataset subset with a ``metadata_file`` (sd-scripts: ``use_dreambooth_method =
+    args.in_json is None``, the subsets' own kind with a dataset config); else as train_db.py. A file
+    that cannot be read answers False: parse_args then names it."""
+    if _flag(argv, ("in_json",)):
+        return True
+    run_file = _flag(argv, ("config", "config_file"))
+    data: dict = {}
+    if run_file:
+        if not os.path.exists(run_file) and os.path.exists(run_file + ".toml"):
+            run_file += ".toml"
+        try:
+            data = _read_toml(run_file, "config")[1]
+        except ConfigError:
+            return False
+        if _run_file_key(data, "in_json"):
+            return True
+    dataset_file = _flag(argv, ("dataset_config",)) or _run_file_key(data, "dataset_config")
+    if dataset_file:
+        try:
+            data = _read_toml(str(dataset_file), "dataset_config")[1]
+        except ConfigError:
+            return False
+    datasets = data.get("datasets")
+    return isinstance(datasets, list) and any(
+        isinstance(sub, dict) and sub.get("metadata_file")
+        for ds in datasets if isinstance(ds, dict) for sub in ds.get("subsets", []) or [])
+
+
 # ----------------------------------------------------------------------------------------------
 # the entry point
 
 
-def parse_args(script: str, argv: list[str] | None = None) -> Options:
+def parse_args(script: str, argv: list[str] | None = None, entry: str | None = None) -> Options:
     """Parse the command line (and the run/dataset TOML it names) of `script` into Options.
     `--help` prints the generated help and exits (SystemExit 0). Raises ConfigError."""
     if script not in SCRIPTS:
         raise ConfigError(f"unknown script {script!r} (expected one of: {', '.join(SCRIPTS)})")
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns, rest = build_parser(script).parse_known_args(argv)
+    ns, rest = build_parser(script, entry).parse_known_args(argv)
     for tok in rest:
         if tok.startswith("-"):
             name = tok.lstrip("-").split("=", 1)[0]

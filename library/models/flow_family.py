@@ -37,8 +37,10 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5_dropout_rate", "train_t5xxl", "learning_rate_te3", "pos_emb_random_crop_rate",
                 "enable_scaled_pos_embed", "split_mode", "double_blocks_to_swap", "single_blocks_to_swap",
                 "use_t5xxl_cache_only", "num_last_block_to_freeze", "qwen3", "llm_adapter_path",
-                "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "gemma2",
-                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+                "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "attn_mode", "split_attn",
+                "vae_chunk_size", "vae_disable_cache", "llm_adapter_lr", "self_attn_lr", "cross_attn_lr",
+                "mlp_lr", "mod_lr", "gemma2",
+                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn", "sample_batch_size")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -84,6 +86,16 @@ def check_sources(opts: Options, family: str) -> None:
     check = getattr(registry.home(family), "check_sources", None)
     if check is not None:
         check(opts)
+
+
+def full_param_groups(bundle, opts: Options) -> tuple[list[dict], list[str]] | None:
+    """A full fine-tune's optimizer groups of the backbone and their names by the family's own rule:
+    its home's optional ``param_groups(unet, opts)`` (base.OPTIONAL_HOOKS; Anima's per-part rates);
+    None where it has none (one group at learning_rate)."""
+    if registry.of(bundle).home is None:
+        return None
+    hook = getattr(registry.home(bundle.family), "param_groups", None)
+    return None if hook is None else hook(bundle.unet, opts)
 
 
 def _is_set(opts: Options, name: str) -> bool:

@@ -261,6 +261,17 @@ def _load_builtin(src: ModelSource, tokenizer_path: str | None) -> tuple[dict, s
 
 # --- diffusers folders -----------------------------------------------------------------------
 
+def configured_family(name_or_path: str) -> str | None:
+    """The family of a built-in model or diffusers folder from its configuration (no weights);
+    None for the other sources (their family is known once they load)."""
+    src = resolve_model_source(name_or_path)
+    if src.kind == "builtin":
+        return FAMILY_OF_ARCH[src.arch]
+    if src.kind == "diffusers":
+        return _family_of_folder(src.location)
+    return None
+
+
 def _family_of_folder(folder: str) -> str:
     index = read_json(os.path.join(folder, "model_index.json")) if os.path.isfile(
         os.path.join(folder, "model_index.json")) else {}
@@ -472,6 +483,21 @@ def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path,
                        noise_scheduler=_noise_scheduler(sched, v_param), v_parameterization=v_param,
                        source=str(name_or_path), identity=ident, vae_identity=vae_ident,
                        scheduler_config=dict(sched))
+
+
+ALIGNMENT = 64  # bytes
+
+
+def align_for_cpu(*modules) -> None:
+    """Each parameter and buffer of ``modules`` whose data is not 64-byte aligned, copied into its
+    own storage (safetensors hands out tensors at the file's byte offsets): CPU matrix kernels take
+    other code paths, with other rounding, on unaligned data, so a model loaded from a file would
+    compute what the same weights built in memory compute only up to the last bits. For CPU runs
+    (a GPU gets its own aligned copy of the weights anyway); it costs a copy of the unaligned ones."""
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.data_ptr() % ALIGNMENT:
+                t.data = t.data.clone()
 
 
 def set_attention(b, opts: Options) -> None:

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 from library import accelerator
 from library.distributed import ddp, deepspeed_zero, fsdp
-from library.models import family, inpainting, placement
+from library.models import family, inpainting, loading, placement
 from library.outputs import metadata, tracking
-from library.training import block_lr, block_swap, flow_loss, network_options, nonfinite, partial_text_cache
+from library.training import block_swap, flow_loss, network_options, nonfinite, partial_text_cache
 from library.training.compile_unet import check_options as check_compile
 from library.training.losses import check_options as check_loss_options
 from library.training.methods import make_method
@@ -47,7 +47,7 @@ def check_before_loading(opts: Options, method_name: str, plan) -> None:
     metadata.check_options(opts)  # metadata_thumbnail exists
 
     check_compile(opts)  # torch_compile / dynamo_backend combinations
-    family.check_token_padding(opts, block_lr.family_before_loading)  # no_token_padding
+    family.check_token_padding(opts, loading.configured_family)  # no_token_padding
     nonfinite.check_options(opts)  # on_nonfinite; network_weights / base_weights finite
     accelerator.accelerator_precision(opts)  # fp16 needs CUDA (after the combinations naming it)
     method = make_method(method_name, opts, None)  # e.g. nothing to train: fail before loading weights

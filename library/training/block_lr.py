@@ -9,7 +9,7 @@ whose rate is 0 is not trained (no gradient, not in the optimizer).
 from __future__ import annotations
 
 from library.errors import UserError
-from library.models import loading, unet_layout
+from library.models import unet_layout
 from library.models.families import registry
 
 NUM_BLOCKS = 23
@@ -29,17 +29,6 @@ def check_family(family: str) -> None:
     if not registry.get(family).block_lr:
         raise BlockLrError(f"block_lr is for SDXL's U-Net (sd-scripts' sdxl_train.py); this model is "
                            f"{family}: use learning_rate")
-
-
-def family_before_loading(name_or_path: str) -> str | None:
-    """The family of a built-in model or diffusers folder from its configuration (no weights);
-    None for the other sources (their family is known once they load)."""
-    src = loading.resolve_model_source(name_or_path)
-    if src.kind == "builtin":
-        return loading.FAMILY_OF_ARCH[src.arch]
-    if src.kind == "diffusers":
-        return loading._family_of_folder(src.location)
-    return None
 
 
 def block_of(original_name: str) -> int:

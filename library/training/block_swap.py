@@ -113,7 +113,7 @@ def counts(model: nn.Module, n: int) -> list[int]:
         want = [n]
     for lst, k, name in zip(lists, want, ("double", "single") if len(lists) == 2 else ("joint",)):
         if k > len(lst):
-            most = len(lists[0]) * 2 if len(lists) == 1 else _flux_max(len(lists[0]), len(lists[1]))
+            most = len(lst) if len(lists) == 1 else _flux_max(len(lists[0]), len(lists[1]))
             raise BlockSwapError(f"blocks_to_swap {n}: asks for {k} of the model's {len(lst)} {name} "
                                  f"blocks (at most {most} here)")
     return want

@@ -23,7 +23,7 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, sd3, sd_checkpoint
+from library.models import embeddings, flow_family, loading, sd3, sd_checkpoint
 from library.models.families import registry
 from library.models.placement import trained_precision
 from library.training import block_lr
@@ -406,7 +406,7 @@ class FullMethod:
         if self.block_lr is not None:
             block_lr.check_count(self.block_lr)
             if bundle is None:  # the validate stage: the family now where the config tells it
-                family = block_lr.family_before_loading(
+                family = loading.configured_family(
                     required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"))
                 if family is not None:
                     block_lr.check_family(family)
@@ -503,6 +503,8 @@ class FullMethod:
             # FLUX.1 / SD3 (block_swap.check_options): one group per transformer block and one
             # for the rest, each its own optimizer (stepper.step_units), as sd-scripts' flux_train.py
             groups += [{"params": ps, "lr": opts.learning_rate} for ps in block_param_lists(b.unet)]
+        elif self.train_unet and (own := flow_family.full_param_groups(b, opts)) is not None:
+            groups, self.group_names = own  # the family's own rule (Anima: sd-scripts' per-part rates)
         elif self.train_unet:
             groups.append({"params": list(b.unet.parameters()), "lr": opts.learning_rate})
         if opts.num_last_block_to_freeze and self.train_unet:  # SD3 (flow_loss.check_options)

@@ -18,12 +18,16 @@ when it writes the TOML (kohya_gui/lora_gui.py ``train_model``, kohya_ss v26):
   ``xformers`` as a choice, ``lora_network_weights``);
 - ``LoRA_type`` with its LyCORIS / LoRA / FLUX.1 fields (LyCORIS_preset, conv_dim, factor,
   use_tucker, dropouts, block dims, LoRA+ ratios, split_qkv, img_attn_dim, ...) ->
-  ``network_module`` and ``network_args`` (library/ui/gui_network.py); a type of a model family
-  not trained here (Anima, Lumina, HunyuanImage-2.1) is a note;
-- the FLUX.1 / SD3 / SDXL fields, each written under its TOML key only with its model type
-  checked (``sd3_clip_l`` -> ``clip_l``, ``flux1_cache_text_encoder_outputs`` ->
-  ``cache_text_encoder_outputs``, ...); the model checkboxes themselves are dropped (the family
-  is read from the weights);
+  ``network_module`` and ``network_args`` (library/ui/gui_network.py; Anima -> networks.lora_anima,
+  Lumina -> networks.lora_lumina); a type of a model family not trained here (HunyuanImage-2.1)
+  is a note;
+- the FLUX.1 / SD3 / SDXL / Anima / Lumina fields, each written under its TOML key only with its
+  model type checked (``sd3_clip_l`` -> ``clip_l``, ``flux1_cache_text_encoder_outputs`` ->
+  ``cache_text_encoder_outputs``, ``anima_qwen3`` -> ``qwen3``, ``lumina_ae`` -> ``ae``, ...; where
+  several types write one key, Lumina's value wins over Anima's over FLUX.1's, as the GUI's
+  conditionals); the keys the GUI leaves out for Anima and Lumina (``clip_skip``,
+  ``max_token_length``) are dropped; the model checkboxes themselves are dropped (the family is
+  read from the weights);
 - the LoRA tab's text encoder / U-Net / T5-XXL rates -> ``text_encoder_lr`` (one per encoder),
   ``unet_lr``, ``network_train_unet_only`` / ``network_train_text_encoder_only``;
 - the DreamBooth / fine-tune tab's own rules for ``train_dreambooth`` / ``finetune``
@@ -73,8 +77,36 @@ MODEL_TYPE_FIELDS = tuple(
                          "sd3_fused_backward_pass:fused_backward_pass "
                          "sd3_cache_text_encoder_outputs:cache_text_encoder_outputs "
                          "sd3_cache_text_encoder_outputs_to_disk:cache_text_encoder_outputs_to_disk"),
-        ("flux1_checkbox sd3_checkbox", "blocks_to_swap show_timesteps show_timesteps_resolution"),
+        ("flux1_checkbox sd3_checkbox anima_checkbox lumina_checkbox",
+         "blocks_to_swap show_timesteps show_timesteps_resolution"),
         ("sdxl", "sdxl_cache_text_encoder_outputs:cache_text_encoder_outputs sdxl_no_half_vae:no_half_vae"),
+        # class_anima.py's fields (lora_gui.py / finetune_gui.py: ``anima_vae if anima_checkbox``
+        # replaces the general vae field; attn_mode only when not "torch", the compile settings only
+        # with anima_compile, compile_dynamic only when not "auto": _anima_fields)
+        ("anima_checkbox", "anima_qwen3:qwen3 anima_vae:vae anima_llm_adapter_path:llm_adapter_path "
+                           "anima_t5_tokenizer_path:t5_tokenizer_path anima_discrete_flow_shift:discrete_flow_shift "
+                           "anima_timestep_sampling:timestep_sampling anima_sigmoid_scale:sigmoid_scale "
+                           "anima_qwen3_max_token_length:qwen3_max_token_length "
+                           "anima_t5_max_token_length:t5_max_token_length anima_attn_mode:attn_mode "
+                           "anima_split_attn:split_attn anima_vae_chunk_size:vae_chunk_size "
+                           "anima_vae_disable_cache:vae_disable_cache "
+                           "anima_unsloth_offload_checkpointing:unsloth_offload_checkpointing "
+                           "anima_qwen_image_vae_2d:qwen_image_vae_2d anima_compile:compile "
+                           "anima_torch_compile:torch_compile anima_compile_backend:compile_backend "
+                           "anima_compile_mode:compile_mode anima_compile_dynamic:compile_dynamic "
+                           "anima_compile_fullgraph:compile_fullgraph "
+                           "anima_compile_cache_size_limit:compile_cache_size_limit "
+                           "anima_cache_text_encoder_outputs:cache_text_encoder_outputs "
+                           "anima_cache_text_encoder_outputs_to_disk:cache_text_encoder_outputs_to_disk"),
+        # class_lumina.py's fields (after Anima's: the GUI's `lumina_... if lumina_checkbox else anima_...`)
+        ("lumina_checkbox", "lumina_gemma2:gemma2 lumina_ae:ae lumina_discrete_flow_shift:discrete_flow_shift "
+                            "lumina_model_prediction_type:model_prediction_type "
+                            "lumina_timestep_sampling:timestep_sampling lumina_sigmoid_scale:sigmoid_scale "
+                            "lumina_gemma2_max_token_length:gemma2_max_token_length "
+                            "lumina_system_prompt:system_prompt lumina_use_flash_attn:use_flash_attn "
+                            "lumina_use_sage_attn:use_sage_attn "
+                            "lumina_cache_text_encoder_outputs:cache_text_encoder_outputs "
+                            "lumina_cache_text_encoder_outputs_to_disk:cache_text_encoder_outputs_to_disk"),
     )
     for src, _, key in (n.partition(":") for n in names.split()))
 # lora_gui.py's DEFAULT_TEXT_ENCODER_LR, DEFAULT_UNET_LR and its T5-XXL rate's default
@@ -91,7 +123,14 @@ SCRIPT_TABS = {"train_dreambooth": "dreambooth", "finetune": "finetune"}
 TAB_LETTERS = {"dreambooth": "d", "finetune": "f"}  # GuiKey.tabs
 NUMBER_TYPES = ("int", "float", "float_or_list", "steps_or_fraction")
 OR_KEYS = ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "fused_backward_pass")
-OTHER_FAMILY_PREFIXES = ("hunyuan_", "anima_", "lumina_")
+OTHER_FAMILY_PREFIXES = ("hunyuan_",)
+# keys the LoRA and fine-tune tabs leave out with these model types checked (lora_gui.py,
+# finetune_gui.py config_toml_data: `clip_skip if ... not anima_checkbox and not lumina_checkbox`)
+GUI_OMITTED = (("anima_checkbox lumina_checkbox", "clip_skip max_token_length"),)
+# class_anima.py: written only when set off these values (attn_mode "torch", compile_dynamic "auto")
+# or with anima_compile on (the compile_* settings)
+ANIMA_UNWRITTEN = (("attn_mode", "torch"), ("compile_dynamic", "auto"))
+ANIMA_COMPILE = ("compile_backend", "compile_mode", "compile_dynamic", "compile_fullgraph", "compile_cache_size_limit")
 
 
 class ImportError_(UserError):
@@ -127,8 +166,25 @@ def _model_type_fields(d: dict) -> None:
             d[key] = bool(d.get(key)) or bool(pulled[src])
         elif src != "model_type" or _written_model_type(pulled[src]):
             d[key] = pulled[src]
+    for boxes, keys in GUI_OMITTED:
+        if any(bool(d.get(b)) for b in boxes.split()):
+            for k in keys.split():
+                d.pop(k, None)
+    if d.get("anima_checkbox"):
+        _anima_fields(d)
     for k in [k for k in d if k.startswith(OTHER_FAMILY_PREFIXES) and k not in OTHER_FAMILY_BOXES]:
-        del d[k]  # the fields of HunyuanImage / Anima / Lumina (their checkbox is noted)
+        del d[k]  # the fields of HunyuanImage (its checkbox is noted)
+
+
+def _anima_fields(d: dict) -> None:
+    """The Anima keys the GUI writes only when they differ from class_anima.py's defaults or with
+    its per-block compile on."""
+    for k, default in ANIMA_UNWRITTEN:
+        if d.get(k) == default:
+            del d[k]
+    if not d.get("compile"):
+        for k in ANIMA_COMPILE:
+            d.pop(k, None)
 
 
 def _gui_number(text: str):

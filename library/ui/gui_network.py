@@ -40,9 +40,11 @@ NETWORK_FIELDS = tuple(k for k in DEFAULTS if k not in (
     "anima_checkbox", "lumina_checkbox"))
 
 # LoRA types of model families this toolkit does not train -> the GUI's model type
-OTHER_FAMILY_TYPES = {"HunyuanImage-2.1": "HunyuanImage-2.1", "Anima": "Anima", "Lumina": "Lumina"}
-OTHER_FAMILY_BOXES = {"hunyuan_image_checkbox": "HunyuanImage-2.1", "anima_checkbox": "Anima",
-                      "lumina_checkbox": "Lumina"}
+OTHER_FAMILY_TYPES = {"HunyuanImage-2.1": "HunyuanImage-2.1"}
+OTHER_FAMILY_BOXES = {"hunyuan_image_checkbox": "HunyuanImage-2.1"}
+# the LoRA types of one model type and the network module the GUI writes for each (lora_gui.py:
+# rank / module dropout only)
+FAMILY_LORA_TYPES = {"Anima": "networks.lora_anima", "Lumina": "networks.lora_lumina"}
 # LyCORIS algorithms the GUI offers that stop here before any weight loads (the reason is in
 # library/training/network_options.py LYCORIS_UNSUPPORTED, which the run's check reports: the
 # supported lycoris-lora's kohya wrapper has no ia3). "LyCORIS/Native Fine-Tuning" (algo=full)
@@ -171,6 +173,8 @@ def _module_and_args(d: dict) -> tuple[str | None, str]:
         return "networks.lora_flux", _flux1(d)
     if t == "Flux1 OFT":
         return "networks.oft_flux", _set_vars(d, ("enable_all_linear",))
+    if t in FAMILY_LORA_TYPES:
+        return FAMILY_LORA_TYPES[t], _dropouts(d)
     if t in KOHYA_LOHA_LOKR:
         return ("networks.lokr" if t == "Kohya LoKr" else "networks.loha"), _native_loha_lokr(d, t == "Kohya LoKr")
     if t in ("Standard", "Kohya LoCon"):
@@ -190,8 +194,13 @@ def _gui_refusal(d: dict) -> str | None:
     t = d["LoRA_type"]
     if d["flux1_checkbox"] and t not in ("Flux1", "Flux1 OFT") and "LyCORIS" not in t:
         return "the GUI requires LoRA type Flux1, Flux1 OFT or a LyCORIS type with its Flux1 checkbox"
-    if t in KOHYA_LOHA_LOKR and (d["flux1_checkbox"] or d["sd3_checkbox"]):
-        return "the GUI runs it with SDXL or Anima only, not with Flux1 or SD3"
+    if t in KOHYA_LOHA_LOKR and (d["flux1_checkbox"] or d["sd3_checkbox"] or d["lumina_checkbox"]):
+        return "the GUI runs it with SDXL or Anima only, not with Flux1, SD3 or Lumina"
+    if d["anima_checkbox"] != (t == "Anima") and t not in KOHYA_LOHA_LOKR:
+        return ("the GUI requires LoRA type Anima (or Kohya LoHa / LoKr) with its Anima checkbox, and that "
+                "checkbox with LoRA type Anima")
+    if d["lumina_checkbox"] != (t == "Lumina"):
+        return "the GUI requires LoRA type Lumina with its Lumina checkbox, and that checkbox with LoRA type Lumina"
     return None
 
 

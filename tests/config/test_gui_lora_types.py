@@ -1,4 +1,5 @@
-"""Every LoRA_type of the kohya_ss GUI's dropdown (lora_gui.py) for SD1/SD2/SDXL and FLUX.1,
+"""Every LoRA_type of the kohya_ss GUI's dropdown (lora_gui.py) for SD1/SD2/SDXL and FLUX.1 (Anima's
+and Lumina's: tests/config/test_kohya_gui.py),
 converted with the GUI's own mapping (tests/kohya_gui_configs.py), trains two steps on the tiny
 model or stops with one line that says why; the file it writes has the kind's keys (docs/KOHYA_GUI.md, table
 "LoRA types")."""
@@ -43,9 +44,19 @@ FLUX_CASES = {
 }
 
 
+# the Anima and Lumina types train in tests/config/test_kohya_gui.py (the LoRA tab's defaults with
+# that model type: lora/GUI defaults anima, lora/GUI defaults lumina)
+DIT_TYPES = {"Anima": "anima", "Lumina": "lumina"}
+
+
 def test_every_dropdown_type_is_covered():
-    assert {c.split(",")[0] for c in SD_TYPES} | set(gui.OTHER_FAMILY_TYPES) | set(gui.FLUX_TYPES) == \
-        set(gui.LORA_TYPES)
+    from tests.config.test_kohya_gui import CASES
+
+    assert {c.split(",")[0] for c in SD_TYPES} | set(gui.OTHER_FAMILY_TYPES) | set(gui.FLUX_TYPES) | \
+        set(DIT_TYPES) == set(gui.LORA_TYPES)
+    ids = {c.values[2]: c.values[1] for c in CASES}
+    for t, fam in DIT_TYPES.items():
+        assert ids[f"lora/GUI defaults {fam}"]["LoRA_type"] == t
     assert set(gui.FLUX_TYPES) <= {c.split(",")[0] for c in FLUX_CASES}
     assert "Kohya DyLoRA" in SD_TYPES and len(gui.LORA_TYPES) == 20
 

@@ -1,10 +1,12 @@
-"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL, FLUX.1 and SD3 loads and trains.
+"""Every config the kohya_ss GUI writes for SD1/SD2/SDXL, FLUX.1, SD3, Anima and Lumina loads and
+trains.
 
 tests/kohya_gui_configs.py turns each GUI preset (bmaltais/kohya_ss presets/{lora,dreambooth,
 finetune}/*.json, stored in tests/config/kohya_gui_presets.json by tools/update_gui_presets.py)
 and the GUI's own defaults into the run TOML the GUI would write; here each one
 runs with --dry_run and trains two steps on the tiny model of its family (the textual-inversion
-tab has no presets: its defaults, for SD1 and SDXL).
+tab has no presets: its defaults, for SD1 and SDXL; the GUI ships no Anima or Lumina preset: the
+defaults of its LoRA and fine-tune tabs with that model type, the only tabs that offer them).
 """
 import os
 
@@ -24,8 +26,8 @@ REJECTED = {
     "lora/iA3-Prodigy-sd15": "algo=ia3",
     "lora/ia3-sd15": "algo=ia3",
 }
-# Presets that load but cannot train with the installed packages: the run stops with one line.
-TRAIN_REJECTED = {}
+# Presets that load but cannot train here: the run stops with one line (none today).
+TRAIN_REJECTED: dict[str, str] = {}
 
 
 def _cases():
@@ -43,6 +45,9 @@ def _cases():
         # (the LoRA tab trains FLUX.1 with its Flux1 type: its default type writes networks.lora)
         flux = {"flux1_checkbox": True, **({"LoRA_type": "Flux1"} if tab == "lora" else {})}
         flow = (("flux", flux), ("sd3", {"sd3_checkbox": True}))
+        if tab in ("lora", "finetune"):  # the tabs with the Anima and Lumina model types
+            flow += tuple((fam, {f"{fam}_checkbox": True, **({"LoRA_type": fam.title()} if tab == "lora" else {})})
+                          for fam in ("anima", "lumina"))
         for fam, flags in (("sd1", {}), ("sdxl", {"sdxl": True}),
                            *(flow if tab != "textual_inversion" else ())):
             if tab == "finetune" and fam == "sdxl":

@@ -166,6 +166,10 @@ def test_full_size_swap_counts_match_sd_scripts():
     assert sum(p.numel() for b in blocks for p in b.parameters()) == 9 * double + 18 * single
     with pytest.raises(block_swap.BlockSwapError, match=r"blocks_to_swap 40: asks for 20 of the model.s 19 double blocks \(at most 38 here\)"):
         block_swap.counts(dev, 40)
+    # one block list: n blocks of it, so at most all of them (SD3.5 large has 38)
+    assert block_swap.counts(large, 38) == [38]
+    with pytest.raises(block_swap.BlockSwapError, match=r"asks for 39 of the model.s 38 joint blocks \(at most 38 here\)"):
+        block_swap.counts(large, 39)
 
 
 def test_cpu_offload_checkpointing_same_gradients_inputs_held_on_host(monkeypatch):

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from tests import kohya_gui_configs as gui
 
-from library.config.options import OPTIONS_BY_NAME
+from library.config.options import GUI_ONLY, OPTIONS_BY_NAME
 from library.config.parse import parse_args
 from library.errors import UserError
 from library.ui.gui_import import MODEL_TYPE_FIELDS, import_config
@@ -55,7 +55,8 @@ def _imported(fields: dict) -> tuple[dict, list]:
 
 
 def _case(t: str, extra: dict) -> dict:
-    return {"LoRA_type": t, "flux1_checkbox": t in gui.FLUX_TYPES, **extra}
+    return {"LoRA_type": t, "flux1_checkbox": t in gui.FLUX_TYPES, "anima_checkbox": t == "Anima",
+            "lumina_checkbox": t == "Lumina", **extra}
 
 
 @pytest.mark.parametrize("extra", [{}, NON_DEFAULT], ids=["defaults", "every-field-set"])
@@ -124,13 +125,29 @@ TRAIN_CASES = {
     "sdxl Kohya LoKr": ("sdxl", "Kohya LoKr", {"factor": 4, "conv_dim": 4}, ".lokr_w1"),
     "flux Flux1": ("flux", "Flux1", {"split_qkv": True, "img_attn_dim": "2", "train_double_block_indices": "0",
                                      "train_single_block_indices": "none"}, "double_blocks_0_img_attn_qkv.lora_down.weight"),
+    # the Anima / Lumina fields of the saved JSON reach the run (a shift the run logs, the system prompt)
+    "anima Anima": ("anima", "Anima", {"anima_timestep_sampling": "shift", "anima_discrete_flow_shift": 2.5,
+                                       "anima_qwen3_max_token_length": 64, "rank_dropout": 0.1},
+                    "lora_unet_blocks_0_self_attn_q_proj.lora_down.weight"),
+    "lumina Lumina": ("lumina", "Lumina", {"lumina_system_prompt": "You are a painter.", "lumina_timestep_sampling": "sigmoid",
+                                           "lumina_sigmoid_scale": 1.5, "lumina_cache_text_encoder_outputs": True,
+                                           "text_encoder_lr": 0},  # cached Gemma-2: the GUI's rate 0 (unet only)
+                      "lora_unet_layers_0_attention_qkv.lora_down.weight"),
 }
+# what of those fields the saved LoRA records (sd-scripts' ss_* keys of the family's flow options)
+TRAIN_METADATA = {"anima Anima": {"ss_timestep_sampling": "shift", "ss_discrete_flow_shift": "2.5"},
+                  "lumina Lumina": {"ss_timestep_sampling": "sigmoid", "ss_sigmoid_scale": "1.5"}}
+# and the keys the import writes for them
+TRAIN_KEYS = {"anima Anima": {"qwen3_max_token_length": 64, "network_args": ["rank_dropout=0.1"]},
+              "lumina Lumina": {"system_prompt": "You are a painter.", "cache_text_encoder_outputs": True,
+                                "network_train_unet_only": True}}
 
 
 @pytest.mark.parametrize("case", sorted(TRAIN_CASES))
 def test_imported_config_trains_two_steps(case, tmp_path, dataset, run_script):
     fam, lora_type, extra, key = TRAIN_CASES[case]
     saved = gui.normalize({"LoRA_type": lora_type, "sdxl": fam == "sdxl", "flux1_checkbox": fam == "flux",
+                           "anima_checkbox": fam == "anima", "lumina_checkbox": fam == "lumina",
                            "network_dim": 4, "network_alpha": 2, "mixed_precision": "no", "xformers": "none",
                            "max_resolution": "64,64", "max_train_steps": 2, "bucket_reso_steps": 8,
                            "min_bucket_reso": 64, "max_bucket_reso": 128, "lr_warmup": 0, **extra}, "lora")
@@ -149,28 +166,50 @@ def test_imported_config_trains_two_steps(case, tmp_path, dataset, run_script):
         meta = f.metadata()
     assert any(k.endswith(key) for k in keys), sorted(keys)[:5]
     assert meta["ss_network_module"] == tomllib.loads(text)["network_module"]
+    assert {k: meta.get(k) for k in TRAIN_METADATA.get(case, {})} == TRAIN_METADATA.get(case, {})
+    assert {k: tomllib.loads(text).get(k) for k in TRAIN_KEYS.get(case, {})} == TRAIN_KEYS.get(case, {})
 
 
-@pytest.mark.parametrize("box", ["sdxl", "flux1_checkbox", "sd3_checkbox", None])
+# the Anima / Lumina fields set off the GUI's defaults (the compile settings with anima_compile)
+DIT_FIELDS = dict(anima_timestep_sampling="shift", anima_discrete_flow_shift=2.0, anima_sigmoid_scale=0.5,
+                  anima_qwen3_max_token_length=128, anima_t5_max_token_length=64, anima_attn_mode="sdpa",
+                  anima_split_attn=True, anima_vae_chunk_size=16, anima_vae_disable_cache=True,
+                  anima_cache_text_encoder_outputs_to_disk=True, anima_compile=True, anima_compile_dynamic="true",
+                  anima_compile_cache_size_limit=8, lumina_timestep_sampling="nextdit_shift",
+                  lumina_discrete_flow_shift=3.0, lumina_model_prediction_type="sigma_scaled",
+                  lumina_sigmoid_scale=2.0, lumina_gemma2_max_token_length=128, lumina_system_prompt="Draw.",
+                  lumina_use_sage_attn=True, lumina_cache_text_encoder_outputs=True)
+BOX_TYPES = {"flux1_checkbox": "Flux1", "anima_checkbox": "Anima", "lumina_checkbox": "Lumina"}
+
+
+@pytest.mark.parametrize("box", ["sdxl", "flux1_checkbox", "sd3_checkbox", "anima_checkbox", "lumina_checkbox", None])
 def test_model_type_fields_are_written_only_with_their_type(box, tmp_path):
-    """A saved JSON holds the FLUX.1 / SD3 / SDXL fields of every model type; the GUI writes each
-    (under its TOML key) only with its type checked, as the reference does."""
+    """A saved JSON holds the FLUX.1 / SD3 / SDXL / Anima / Lumina fields of every model type; the
+    GUI writes each (under its TOML key) only with its type checked, as the reference does."""
 
-    lora_type = "Flux1" if box == "flux1_checkbox" else "Standard"
+    lora_type = BOX_TYPES.get(box, "Standard")
     preset = {"LoRA_type": lora_type, "sdxl_cache_text_encoder_outputs": True, "sdxl_no_half_vae": True,
               "flux1_cache_text_encoder_outputs": True, "sd3_cache_text_encoder_outputs": True,
               "sd3_cache_text_encoder_outputs_to_disk": True, "apply_t5_attn_mask": True, "blocks_to_swap": 4,
-              "weighting_scheme": "mode", "clip_l_dropout_rate": 0.1, **({box: True} if box else {})}
+              "weighting_scheme": "mode", "clip_l_dropout_rate": 0.1, "clip_skip": 2, "max_token_length": 150,
+              **DIT_FIELDS, **({box: True} if box else {})}
     saved = gui.normalize(preset, "lora")
     saved["sd3_clip_l_dropout_rate"] = saved.pop("clip_l_dropout_rate")  # the GUI's field name
-    cfg, _ = _imported(saved)
+    cfg, notes = _imported(saved)
     ref = _gui_writes(preset, tmp_path)
     # the options of train_lora among them (the others are dropped with a note); not the model
     # files, which the reference blanks
     keys = {key for _, _, key in MODEL_TYPE_FIELDS if key in OPTIONS_BY_NAME and
-            "train_lora" in OPTIONS_BY_NAME[key].scripts} - {"ae", "clip_l", "t5xxl", "clip_g"}
-    assert len(keys) > 20
-    assert {k: cfg.get(k) for k in keys} == {k: ref.get(k) for k in keys}
+            "train_lora" in OPTIONS_BY_NAME[key].scripts} - {"ae", "clip_l", "t5xxl", "clip_g", "vae", "qwen3", "gemma2"}
+    assert len(keys) > 30
+    assert {k: cfg.get(k) for k in keys | {"clip_skip", "max_token_length"}} == \
+        {k: ref.get(k) for k in keys | {"clip_skip", "max_token_length"}}
+    # the GUI-only keys (Anima's attention, VAE and compile settings: refused here, as a run
+    # refuses them by name) are dropped with a note exactly where the GUI writes them
+    gui_only = {key for _, _, key in MODEL_TYPE_FIELDS if key in GUI_ONLY}
+    assert len(gui_only) >= 10
+    assert {k for k in gui_only if any(n.startswith(f"{k}: dropped") for n in notes)} == \
+        {k for k in gui_only if ref.get(k) not in (None, False, 0)}
     assert ("weighting_scheme" in cfg) == (box == "sd3_checkbox") and ("guidance_scale" in cfg) == (box == "flux1_checkbox")
 
 
@@ -218,3 +257,17 @@ def test_network_fields_held_as_strings_are_numbers_and_a_bad_one_is_one_line(tm
     assert set(cfg["network_args"]) == {"conv_dim=4", "conv_alpha=2.5", "factor=8"}
     with pytest.raises(UserError, match=r"^conv_dim: expected a number .* got 'x'$"):
         _imported({"LoRA_type": "LyCORIS/LoKr", "conv_dim": "x"})
+
+
+def test_anima_and_lumina_defaults_write_only_what_the_gui_writes():
+    """At class_anima.py's defaults the GUI writes no attn_mode ("torch") and no compile setting
+    (anima_compile off), and neither model type writes clip_skip / max_token_length: no note for
+    them, and the model fields under their keys."""
+    cfg, notes = _imported(gui.normalize({"LoRA_type": "Anima", "anima_checkbox": True, "clip_skip": 2}, "lora"))
+    assert not [n for n in notes if n.split(":")[0] in ("attn_mode", "compile_mode", "compile_backend",
+                                                         "compile_dynamic", "clip_skip", "max_token_length")], notes
+    assert (cfg["qwen3_max_token_length"], cfg["timestep_sampling"], cfg["network_module"]) == \
+        (512, "sigmoid", "networks.lora_anima") and "clip_skip" not in cfg and "max_token_length" not in cfg
+    cfg, notes = _imported(gui.normalize({"LoRA_type": "Lumina", "lumina_checkbox": True, "ae": "/flux/ae.sft",
+                                          "lumina_ae": "/lumina/ae.sft", "discrete_flow_shift": 3.1}, "lora"))
+    assert (cfg["ae"], cfg["discrete_flow_shift"], cfg["model_prediction_type"]) == ("/lumina/ae.sft", 6.0, "raw")

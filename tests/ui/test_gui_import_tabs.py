@@ -12,6 +12,7 @@ import pytest
 
 from tests import kohya_gui_configs as gui
 
+from library.models.families import registry
 from library.ui.gui_import import import_config
 
 SCRIPT = {"dreambooth": "train_dreambooth", "finetune": "finetune"}
@@ -28,7 +29,7 @@ TAB_KEYS = {"learning_rate_te": "text_encoder_lr", "learning_rate_te1": "learnin
             **{k: k for k in ("max_grad_norm", "lr_scheduler_num_cycles", "lr_scheduler_power", "prior_loss_weight",
                               "reg_data_dir", "no_token_padding", "block_lr")}}
 PATHS = ("reg_data_dir", "logging_dir", "vae", "network_weights", "resume", "dataset_config",
-         "log_tracker_config", "in_json", "wandb_api_key", *gui.FLOW_FILES)
+         "log_tracker_config", "in_json", "wandb_api_key", *gui.FLOW_FILES, *gui.DIT_FILES)
 
 
 def _saved(preset: dict, tab: str, data: str, out: str) -> dict:
@@ -54,6 +55,8 @@ def _compare(preset: dict, tab: str, tmp_path) -> list:
     if gui.flow_family(preset):  # the GUI writes it, sd3_train.py / flux_train.py do not read it
         assert want["text_encoder_lr"] is not None
         want["text_encoder_lr"] = None
+    if tab == "finetune" and not registry.get(gui.family_of(preset)).full_trains_text_encoders:
+        want["train_text_encoder"] = None  # written by the GUI, not read by flux_train.py / lumina_train.py (a note)
     # (the tabs' filter drops every False; a false here is the option's default, unset)
     assert {ours: None if cfg.get(ours) is False else cfg.get(ours) for ours in TAB_KEYS.values()} == want, notes
     return notes
@@ -84,6 +87,9 @@ RULES = {
     "ft sdxl caption json": ("finetune", dict(sdxl_checkbox=True, use_latent_files="No", learning_rate_te1=1e-6,
                                               caption_metadata_filename="caps.json", sdxl_no_half_vae=True)),
     "ft sd3": ("finetune", dict(sd3_checkbox=True, sd3_cache_text_encoder_outputs=True)),
+    "ft anima": ("finetune", dict(anima_checkbox=True, anima_cache_text_encoder_outputs=True, vae="/sd/vae.safetensors")),
+    "ft lumina": ("finetune", dict(lumina_checkbox=True, lumina_cache_text_encoder_outputs_to_disk=True,
+                                   learning_rate_te=1e-5)),
     "ft defaults": ("finetune", {}),
 }
 
@@ -181,3 +187,16 @@ def test_imported_finetune_config_trains_two_steps(tmp_path, dataset, run_script
     assert (cfg["in_json"], cfg["dataset_repeats"], cfg["text_encoder_lr"]) == \
         (f"{tmp_path / 'meta'}/meta_cap.json", 1, 1e-5), notes
     _train("finetune", text, tmp_path, run_script)
+
+
+def test_the_tab_runs_the_first_ticked_model_types_script():
+    """finetune_gui.py train_model's order (kohya_ss v26): sdxl_train.py, sd3_train.py,
+    flux_train.py, anima_train.py, lumina_train.py, else fine_tune.py; with two boxes ticked the
+    earlier one's script runs."""
+    order = [("sdxl_checkbox", "sdxl_train.py"), ("sd3_checkbox", "sd3_train.py"), ("flux1_checkbox", "flux_train.py"),
+             ("anima_checkbox", "anima_train.py"), ("lumina_checkbox", "lumina_train.py")]
+    for i, (box, script) in enumerate(order):
+        assert registry.for_gui({box: True}).gui_script == script
+        for later, _ in order[i + 1:]:
+            assert registry.for_gui({box: True, later: True}).gui_script == script, (box, later)
+    assert registry.for_gui({}) is None

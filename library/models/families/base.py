@@ -47,7 +47,9 @@ HOOKS = ("claims", "load", "family_model", "save_full", "metadata_fields", "memo
 # and, where a family has them:
 #   check_sources(opts)                    its own checks of its parts before any weight loads
 #                                          (headers, kernels), one line each
-OPTIONAL_HOOKS = ("check_sources",)
+#   param_groups(unet, opts)               a full fine-tune's optimizer groups and their names,
+#                                          by the family's own rates (Anima's per-part rates)
+OPTIONAL_HOOKS = ("check_sources", "param_groups")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class FlowSpec:
     option_defaults: tuple[tuple[str, object], ...]  # flow options whose default differs for this
                                 # family ((name, value); sd-scripts' per-script defaults): an unset
                                 # option (or one the family refuses) takes this value
+    # CFG shaping of its samples (sd-scripts' Lumina 2 sampler; None: plain CFG at every step):
+    # guidance only while 1 - sigma < sample_cfg_trunc_ratio, then the guided velocity's norm
+    # capped at sample_renorm_cfg x the conditional one's (0: no cap); a prompt's --ctr / --rcfg
+    sample_cfg_trunc_ratio: float | None
+    sample_renorm_cfg: float | None
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ class Family:
     gui_boxes: tuple[str, ...]  # the kohya_ss GUI keys whose ticked box selects it (none: its
                                 # default SD model type)
     gui_rank: int               # with several boxes ticked, the GUI's train_model runs the lowest rank's
-                                # script (kohya_gui run_cmd order: sdxl 0, sd3 1, flux 2)
+                                # script (kohya_gui run_cmd order: sdxl 0, sd3 1, flux 2, anima 4, lumina 5)
     gui_script: str             # the sd-scripts script the GUI's fine-tune / DreamBooth tab runs
     gui_te_rates: tuple[str, ...]  # the GUI's text-encoder rate fields that script reads
     gui_db_text_encoder: bool   # the DreamBooth tab writes train_text_encoder (from the rates)
@@ -118,3 +125,6 @@ class Family:
     home: str | None            # the module of its hooks (HOOKS: detection, loading, family model,
                                 # save, memory fakes), imported when a run needs it; None: loaded
                                 # by the SD loader (library/models/loading.py, family.py)
+    sd_scripts: tuple[str, ...] = ()  # sd-scripts' family-specific entry scripts that train it
+                                # (sdxl_train_network.py, flux_train.py, ...; those at the root
+                                # here refuse a model of another family: library/models/script_family.py)

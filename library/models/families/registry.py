@@ -74,9 +74,10 @@ def flow_option(opts, name: str, option: str):
 def titles(flow: bool | None = None, option: str | None = None) -> str:
     """The families' titles joined for a message ("SD1, SD2, SDXL, Chroma, FLUX.1, SD3 and
     Anima"); ``flow``: only the flow families (True) or only the others (False); ``option``: only
-    the families that do not refuse that option (their ``unsupported`` table)."""
+    the families that do not refuse that option (their ``unsupported`` table, another family's own
+    options)."""
     names = [f.title for f in FAMILIES.values() if (flow is None or (f.flow is not None) == flow)
-             and (option is None or option not in f.unsupported)]
+             and (option is None or (option not in f.unsupported and option not in foreign_options(f)))]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 

@@ -24,6 +24,7 @@ FLOW = FlowSpec(
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(
@@ -50,4 +51,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-chroma",), arch_models=(),
     home="library.models.families.chroma.home",
+    sd_scripts=("flux_train_network.py",),
 )

@@ -22,6 +22,7 @@ FLOW = FlowSpec(
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(
@@ -60,4 +61,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-flux", "tiny-flux-schnell"), arch_models=(),
     home="library.models.families.flux.home",
+    sd_scripts=("flux_train_network.py", "flux_train.py"),
 )

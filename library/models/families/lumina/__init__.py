@@ -15,7 +15,8 @@ _TE_DROPOUT = "SD3's text-encoder dropout (sd-scripts has none for Lumina 2)"
 _NOT_T5 = "Lumina 2's only text encoder is Gemma-2 (the gemma2 option); it has no {}"
 # the options only Lumina 2 reads (library/config/options.py); FLUX.1 (so Chroma) and SD3 refuse
 # them with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
-OWN_OPTIONS = ("gemma2", "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+OWN_OPTIONS = ("gemma2", "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn",
+               "sample_batch_size")
 REFUSED_ELSEWHERE = {name: "a Lumina 2 option (sd-scripts' lumina scripts)" for name in OWN_OPTIONS}
 
 FLOW = FlowSpec(
@@ -32,6 +33,7 @@ FLOW = FlowSpec(
     weights_raw_loss=False,  # lumina_train_util weights the prediction as FLUX.1's
     option_defaults=(("timestep_sampling", "shift"), ("discrete_flow_shift", 6.0),
                      ("model_prediction_type", "raw")),
+    sample_cfg_trunc_ratio=0.25, sample_renorm_cfg=1.0,  # lumina_train_util's prompt defaults (ctr, rcfg)
 )
 
 FAMILY = Family(
@@ -43,9 +45,9 @@ FAMILY = Family(
     full_trains_text_encoders=False, separate_t5_rate=False, saves_text_encoders=False,
     autoencoder_option="ae", single_file_parts=("gemma2", "ae"), linear_projections=False,
     lora_module="networks.lora_lumina", network_modules=("networks.lora_lumina",),
-    # the kohya_ss GUI's Lumina type is not imported yet (library/ui/gui_network.py still notes its
-    # lumina_checkbox as a family not trained here): no box selects this family
-    model_type=None, gui_boxes=(), gui_rank=3, gui_script="lumina_train.py", gui_te_rates=(),
+    # the kohya_ss GUI's Lumina box (its LoRA and fine-tune tabs; train_model picks its script last,
+    # after Anima's)
+    model_type=None, gui_boxes=("lumina_checkbox",), gui_rank=5, gui_script="lumina_train.py", gui_te_rates=(),
     gui_db_text_encoder=False,
     unsupported={
         "vae": "Lumina 2's autoencoder (FLUX.1's) is the ae option (sd-scripts' lumina scripts read ae)",
@@ -71,4 +73,5 @@ FAMILY = Family(
     },
     native_size=1024, tiny_models=("tiny-lumina",), arch_models=(),
     home="library.models.families.lumina.home",
+    sd_scripts=("lumina_train_network.py", "lumina_train.py"),
 )

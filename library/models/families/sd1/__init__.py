@@ -20,4 +20,5 @@ FAMILY = Family(
     model_type=None, gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
     unsupported={}, no_effect={}, native_size=512, tiny_models=("tiny-sd15", "tiny-sd15-inpaint"), arch_models=("sd15-arch",),
     home=None,
+    sd_scripts=("train_network.py", "train_db.py", "fine_tune.py"),
 )

@@ -21,6 +21,7 @@ FLOW = FlowSpec(
     metadata_options=("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(
@@ -39,4 +40,5 @@ FAMILY = Family(
     no_effect={name: _NO_PERTURBATION for name in ("ip_noise_gamma", "ip_noise_gamma_random_strength")},
     native_size=1024, tiny_models=("tiny-sd3", "tiny-sd3.5-medium", "tiny-sd3.5-large"), arch_models=("sd3-arch", "sd3.5-medium-arch", "sd3.5-large-arch"),
     home="library.models.families.sd3.home",
+    sd_scripts=("sd3_train_network.py", "sd3_train.py"),
 )

@@ -22,4 +22,5 @@ FAMILY = Family(
     gui_te_rates=("learning_rate_te1", "learning_rate_te2"), gui_db_text_encoder=True,
     unsupported={}, no_effect={}, native_size=1024, tiny_models=("tiny-sdxl", "tiny-sdxl-inpaint"), arch_models=("sdxl-arch",),
     home=None,
+    sd_scripts=("sdxl_train_network.py", "sdxl_train.py", "sdxl_train_textual_inversion.py"),
 )
