@@ -21,6 +21,9 @@ CASES = {
         "--t5_max_token_length", "16"]),
     "anima-lora-lion-bf16-gc": ("train_lora", "tiny-anima", [
         *ANIMA_LORA, "--optimizer_type", "Lion", "--mixed_precision", "bf16", "--gradient_checkpointing"]),
+    # anima_train.py's per-part rates: the MLPs frozen (mlp_lr 0), the others in their groups
+    "anima-full-adamw-mlp-frozen": ("train_dreambooth", "tiny-anima", ["--optimizer_type", "AdamW", "--mlp_lr", "0",
+                                                                        "--mod_lr", "1e-4"]),
     "lumina-lora-te-adamw": ("train_lora", "tiny-lumina", [*LUMINA_LORA, "--optimizer_type", "AdamW"]),
     "lumina-full-fused-adafactor-gc-swap": ("train_dreambooth", "tiny-lumina", [
         "--optimizer_type", "Adafactor", "--fused_backward_pass", "--gradient_checkpointing",
