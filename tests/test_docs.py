@@ -235,7 +235,7 @@ def test_paths_named_in_the_code_exist():
 
 def test_the_module_map_names_every_module():
     """docs/INTERNALS.md's module map names every module of library/ and networks/: by its path,
-    or by its file name in a row that names its folder (`library/models/flux_ae.py`, `t5.py`)."""
+    or by its file name in a row that names its folder (`library/models/t5.py`, `clip_l_file.py`)."""
     with open(os.path.join(ROOT, "docs", "INTERNALS.md"), encoding="utf-8") as fh:
         lines = fh.read().splitlines()
     missing = []

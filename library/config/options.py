@@ -214,7 +214,7 @@ OPTIONS: tuple[Option, ...] = (
       "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
     O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
       "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
-    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/sd3.py)
+    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/families/sd3/sd3.py)
     O("pos_emb_random_crop_rate", "float", 0.0, "SD3: probability that a training sample's "
       "position embedding is a random crop of the table (every offset alike) instead of its "
       "centre, drawn per sample and epoch (sd-scripts' --pos_emb_random_crop_rate, meant for "

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from library import symlinks
 from library.config.parse import required
 from library.errors import ModelError, UserError, first_line
-from library.models import inpainting, sd_checkpoint, tiny_models
+from library.models import inpainting, sd_checkpoint
+from library.models.families.sd_common import tiny_models
 from library.models.families import registry
 from library.models.sd_checkpoint import quiet_progress
 
@@ -44,7 +45,7 @@ TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
 ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
 # the flow families' tiny built-ins (each family's ``tiny_models``), loaded by their homes
 # (library/models/flow_family.py)
-FLOW_BUILTINS = {n: f.name for f in registry.FAMILIES.values() if f.home is not None for n in f.tiny_models}
+FLOW_BUILTINS = {n: f.name for f in registry.FAMILIES.values() if f.flow is not None for n in f.tiny_models}
 BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS, **FLOW_BUILTINS}
 FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", **{n: n for n in registry.FLOW_FAMILIES}}
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}

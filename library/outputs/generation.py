@@ -30,7 +30,8 @@ from PIL import Image
 
 from library.config import parse
 from library.errors import UserError, first_line
-from library.models import embeddings, flow_family, loading
+from library.models import flow_family, loading
+from library.models.families.sd_common import embeddings
 from library.models.families import registry
 from library.models.families.base import SHIFTED_SCHEDULES
 from library.outputs import content_hash, gen_options, infotext

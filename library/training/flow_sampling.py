@@ -32,7 +32,7 @@ import copy
 import torch
 from PIL import Image
 
-from library.models import flux
+from library.models.families.flux import flux
 from library.models.families.base import FIXED_SHIFT, LINEAR_SHIFT, SEQUENCE_SHIFT
 from library.training import flow_matching
 

@@ -58,7 +58,8 @@ from library.config.parse import required
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
-from library.models import fake_parts, flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models import fake_parts, flow_family, fp8, loading, placement, sd_checkpoint
+from library.models.families.sd_common import tiny_models
 from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS

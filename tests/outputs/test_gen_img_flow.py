@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from library.config import parse
-from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
+from library.models import flow_family
+from library.models.families.flux import flux, flux_checkpoint
+from library.models.families.sd3 import sd3_checkpoint
 from library.models.families.chroma import checkpoint as chroma_checkpoint
 from library.models.families.lumina import layout as lumina_layout
 from library.training import flow_matching, flow_sampling

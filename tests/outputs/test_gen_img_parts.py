@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from safetensors.torch import load_file, save_file
 
-from library.models import flux_ae
+from library.models.families.flux import flux_ae
 from library.models.families.anima import tiny as anima_tiny, weights as anima_weights
 from library.models.families.lumina import loading as lumina_loading, text as lumina_text, tiny as lumina_tiny
 from tests.outputs.test_gen_img import _fails, pixels, run

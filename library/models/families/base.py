@@ -122,9 +122,9 @@ class Family:
     native_size: int            # the side of its training images, gen_img's default size
     tiny_models: tuple[str, ...]  # built-in tiny models (pretrained_model_name_or_path)
     arch_models: tuple[str, ...]  # built-in full-size models with random weights (memory checks)
-    home: str | None            # the module of its hooks (HOOKS: detection, loading, family model,
-                                # save, memory fakes), imported when a run needs it; None: loaded
-                                # by the SD loader (library/models/loading.py, family.py)
+    home: str                   # the module of its hooks (HOOKS: detection, loading, family model,
+                                # save, metadata, memory fakes), imported when a run needs it (the
+                                # SD families': their home.py over sd_common/hooks.py)
     sd_scripts: tuple[str, ...] = ()  # sd-scripts' family-specific entry scripts that train it
                                 # (sdxl_train_network.py, flux_train.py, ...; those at the root
                                 # here refuse a model of another family: library/models/script_family.py)

@@ -44,10 +44,7 @@ def get(name: str) -> Family:
 def home(name: str):
     """The module of a family's hooks (``Family.home``; base.HOOKS), imported on first use: it
     loads torch and the model code, which the light paths (--help, option checks) never need."""
-    fam = get(name)
-    if fam.home is None:
-        raise ValueError(f"{fam.title} has no hooks module: it loads through library/models/loading.py")
-    return importlib.import_module(fam.home)
+    return importlib.import_module(get(name).home)
 
 
 def of(bundle) -> Family:
