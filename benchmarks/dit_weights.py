@@ -30,7 +30,8 @@ from diffusers import AutoencoderKL, AutoencoderKLQwenImage  # noqa: E402
 from transformers import Gemma2Config, Gemma2Model, Qwen3Config, Qwen3Model  # noqa: E402
 
 from benchmarks.flux_weights import _cast, _random_values, _save  # noqa: E402
-from library.models import flux_ae, t5  # noqa: E402
+from library.models import t5  # noqa: E402
+from library.models.families.flux import flux_ae  # noqa: E402
 from library.models.families.anima import model, parts, tiny  # noqa: E402
 from library.models.families.lumina import loading, nextdit, text  # noqa: E402
 

@@ -153,7 +153,7 @@ def test_dit_benchmark_weights_load(tmp_path):
     files (original-layout transformer, a gemma2 file carrying its tokenizer, the ae) load through
     the trainer's loaders with the configs written; at full size the defaults are Anima's 2.09 B DiT
     and Lumina 2's 2.61 B Next-DiT."""
-    from library.models import flux_ae
+    from library.models.families.flux import flux_ae
     from library.models.families.anima import family_model, tiny
     from library.models.families.anima import model as anima_model
     from library.models.families.lumina import loading, nextdit, text

@@ -150,7 +150,7 @@ def _lumina_file(tmp_path) -> tuple[str, list]:
     """tiny-lumina as an original-layout transformer file with gemma2 and ae files."""
     from safetensors.torch import save_file
 
-    from library.models import flux_ae
+    from library.models.families.flux import flux_ae
     from library.models.families.lumina import loading, text, tiny
 
     p = tiny.build_tiny_lumina()
@@ -234,7 +234,7 @@ def test_full_size_lumina_counts_as_diffusers_model(tmp_path, monkeypatch):
     from transformers import Gemma2Config, Gemma2Model
 
     from library.config.parse import parse_args
-    from library.models import flux_ae
+    from library.models.families.flux import flux_ae
     from library.models.families.lumina import nextdit, text
 
     with torch.device("meta"):
