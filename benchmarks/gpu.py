@@ -17,11 +17,17 @@ outputs, each eager and with ``torch_compile`` (inductor):
   flux-full-swap-b1    train_dreambooth, the whole FLUX.1 dev transformer at 1024 px, batch 1,
                        full_bf16, Adafactor with fused_backward_pass, blocks_to_swap 8 (sd-scripts'
                        full fine-tune in 24 GB)
+  anima-lora-b1        train_lora, Anima (DiT 2B with its LLM adapter, Qwen3-0.6B, Qwen-Image VAE) at
+                       1024 px, batch 1, rank 16 (networks.lora_anima), AdamW
+  lumina-lora-b1       train_lora, Lumina Image 2.0 (Next-DiT 2B, Gemma-2 2B, FLUX.1's autoencoder) at
+                       1024 px, batch 1, rank 16 (networks.lora_lumina), AdamW
   sd15-gen-512 / sdxl-gen-1024   gen_img's renderer, SD1.5 at 512 px / SDXL at 1024 px, bf16, 30
                        steps, batch 1: images/s and peak memory next to diffusers' own pipeline on
                        the same components (benchmarks/gen_img_rate.py ``gpu_row``)
 The FLUX.1 cases run on random full-size weight files written once into the working folder
-(benchmarks/flux_weights.py, about 34 GB, bf16), text-encoder outputs cached as the SD cases.
+(benchmarks/flux_weights.py, about 34 GB, bf16), text-encoder outputs cached as the SD cases; the
+Anima and Lumina 2 cases likewise (benchmarks/dit_weights.py, about 5.7 and 10.6 GB), without an
+sd-scripts counterpart wired yet (anima_train_network.py / lumina_train_network.py).
 For each: it/s over the steps after ``--warmup`` (the first steps compile and allocate), peak
 allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
@@ -63,7 +69,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks import flux_weights, gen_img_rate, sd_scripts_launch, step_timer  # noqa: E402
+from benchmarks import dit_weights, flux_weights, gen_img_rate, sd_scripts_launch, step_timer  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
@@ -80,7 +86,11 @@ CASES = {
     "sdxl-full-b1": ("train_dreambooth", "sdxl", 1024, 1),
     "flux-lora-b1": ("train_lora", "flux", 1024, 1),
     "flux-full-swap-b1": ("train_dreambooth", "flux", 1024, 1),
+    "anima-lora-b1": ("train_lora", "anima", 1024, 1),
+    "lumina-lora-b1": ("train_lora", "lumina", 1024, 1),
 }
+# the families whose random full-size files benchmarks/dit_weights.py writes
+DIT_ARCHS = tuple(dit_weights.NAMES)
 FLUX_BLOCKS_TO_SWAP = 8
 # FLUX.1's flow-matching settings, stated on both sides (sd-scripts' defaults, which are ours too):
 # a changed default on either side cannot make the two rows train differently.
@@ -107,6 +117,9 @@ def training_options(name: str, dry: bool) -> list:
         args += FLUX_FLOW
     if flux and not lora:  # tiny-flux (2 double, 2 single blocks) swaps at most 2
         args += ["--blocks_to_swap", 2 if dry else FLUX_BLOCKS_TO_SWAP]
+    if lora and arch in DIT_ARCHS:  # the family's own LoRA module (sd-scripts' networks.lora_anima / _lumina)
+        return args + ["--network_module", f"networks.lora_{arch}", "--network_dim", 16, "--network_alpha", 16,
+                       "--network_train_unet_only", "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
     if lora:
         return args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
                        "--network_dim", 16, "--network_alpha", 16, "--network_train_unet_only",
@@ -122,10 +135,15 @@ def case_args(name: str, data: str, out: str, steps: int, dry: bool, work: str =
     flux = arch == "flux"
     if dry:
         model = f"tiny-{arch}"
+    elif arch in DIT_ARCHS:
+        model = dit_weights.paths(work, arch)["pretrained_model_name_or_path"]
     else:
         model = flux_weights.paths(work)["model"] if flux else f"{arch}-arch"
     args = ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
             "--max_train_steps", steps, *training_options(name, dry), "--save_model_as", "safetensors"]
+    if arch in DIT_ARCHS and not dry:  # the parts beside the DiT: qwen3 / vae / t5_tokenizer_path, gemma2 / ae
+        args += [a for option, path in dit_weights.paths(work, arch).items()
+                 if option != "pretrained_model_name_or_path" for a in (f"--{option}", path)]
     if flux and not dry:
         files = flux_weights.paths(work)
         args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
@@ -312,6 +330,9 @@ def main(argv=None) -> int:
         if arch == "flux" and not args.dry_run and not all(map(os.path.exists, flux_weights.paths(work).values())):
             print("writing random full-size FLUX.1 files (once per working folder) ...", flush=True)
             flux_weights.write_flux_files(work)
+        if arch in DIT_ARCHS and not args.dry_run and not all(map(os.path.exists, dit_weights.paths(work, arch).values())):
+            print(f"writing random full-size {arch} files (once per working folder) ...", flush=True)
+            dit_weights.write_files(work, arch)
         size = 64 if args.dry_run else CASES[name][2]
         if size not in data:  # 4 images: batch 4 fits one step
             data[size] = os.path.dirname(make_sample_dataset(os.path.join(work, f"data{size}"),

@@ -1,7 +1,7 @@
 """Proof that training learns, per family: a tiny model trained on four distinct patterns samples
 latents near its training latents; untrained weights and noise do not.
 
-    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v flux sd3] [--images docs/images]
+    python benchmarks/learns.py [--families sd15 sd2 sdxl sd15-v flux chroma sd3 lumina anima] [--images docs/images]
                                 [--k 2] [--steps N] [--lr X] [--size PX] [--batch B] [--norm_groups G]
                                 [--train_args "--min_snr_gamma 5"] [--out DIR [--reuse]]
 
@@ -56,6 +56,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -84,6 +85,7 @@ from library.models.families.sd3 import sd3_checkpoint  # noqa: E402
 from library.models import sd_checkpoint  # noqa: E402
 from library.models.families.sd_common import tiny_models  # noqa: E402
 from library.training import flow_matching  # noqa: E402
+from library.training import network_options  # noqa: E402
 from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402
 
@@ -129,6 +131,15 @@ FAMILIES = {
     "flux": Family("tiny-flux"),
     "chroma": Family("tiny-chroma"),  # FLUX.1's sampler without a guidance input; --l 1: no CFG
     "sd3": Family("tiny-sd3", steps=1000),  # 400: ratio 0.53, every sample its own caption's
+    # Lumina 2: its whole Next-DiT (lumina_train.py's fine-tune), its sampler (shift 6, 36 steps), no CFG
+    "lumina": Family("tiny-lumina"),
+    # Anima trains as a LoRA here (no anima_train.py yet): rank 64, the width of the tiny DiT, on
+    # every Linear of the DiT (include_patterns .*: also the modulations, embedders and final layer
+    # sd-scripts' default leaves out; with the default targets: ratio 0.98, hits 1.00), so every one
+    # can take any update; its samples: shift 3, 30 steps, no CFG
+    "anima": Family("tiny-anima", script="train_lora.py",
+                    args=("--network_module", "networks.lora_anima", "--network_dim", "64", "--network_alpha", "64",
+                          "--network_args", "include_patterns=.*")),
 }
 
 
@@ -147,8 +158,12 @@ def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
         return loading.load_model_bundle(weights or fam.model, vae=vae, v_parameterization=fam.v_parameterization)
     if flow == "sd3":  # the saved file is a whole SD3 model (MMDiT, CLIPs, VAE)
         return flow_family.load_from_options(flow_options(weights or fam.model))
-    bundle = flow_family.load_from_options(flow_options(fam.model, ae=vae))
-    if weights:  # FLUX.1 and Chroma save the transformer alone, in its original layout: the module's names
+    script = os.path.splitext(fam.script)[0]
+    opts = flow_options(fam.model, script, **{registry.get(flow).autoencoder_option: vae})
+    bundle = flow_family.load_from_options(opts)
+    if weights and script == "train_lora":  # a LoRA: merged into the model, as base_weights are
+        network_options.merge_base_weights(bundle, opts.replace(base_weights=[weights]), logging.getLogger("learns"))
+    elif weights:  # FLUX.1, Chroma, Lumina 2 save the transformer alone, in its original layout
         bundle.unet.load_state_dict(load_file(weights))
     return bundle
 
@@ -173,8 +188,8 @@ def builtin_groups(model: str) -> int | None:
     return tiny_models.unet_config(loading.resolve_model_source(model).arch)["norm_num_groups"]
 
 
-def flow_options(model: str, **values):
-    return parse.options_from_values("train_dreambooth", {"pretrained_model_name_or_path": model, **values})
+def flow_options(model: str, script: str = "train_dreambooth", **values):
+    return parse.options_from_values(script, {"pretrained_model_name_or_path": model, **values})
 
 
 def family_model_of(bundle):
@@ -281,6 +296,23 @@ def write_unit_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
     unit.register_to_config(scaling_factor=factor)
     unit.save_pretrained(folder)
     return folder, factor
+
+
+def write_unit_qwen_vae(vae, folder: str, size: int = SIZE) -> tuple[str, float]:
+    """Anima's Qwen-Image VAE (behind family_model.LatentVAE, which normalises each channel by the
+    config's latents_mean / latents_std, the real VAE's latent statistics) as a diffusers folder
+    whose latents_mean / latents_std are the training latents' own per-channel statistics, so that
+    they are zero-mean and unit-variance per channel: the random tiny VAE's channels have offsets
+    much larger than what tells the patterns apart (with its scale alone the noise baseline lies
+    0.15 from the training latents). Returns the folder and the mean scale factor (1 / the std)."""
+    lat = training_latents(vae, size).double()
+    m, s = lat.mean(dim=(0, 2, 3)), lat.std(dim=(0, 2, 3))
+    unit = copy.deepcopy(vae.vae)
+    mean, std = (torch.tensor(unit.config.latents_mean, dtype=torch.float64),
+                 torch.tensor(unit.config.latents_std, dtype=torch.float64))
+    unit.register_to_config(latents_mean=(mean + m * std).tolist(), latents_std=(std * s).tolist())
+    unit.save_pretrained(folder)
+    return folder, float((1 / s).mean())
 
 
 def write_unit_sd3(bundle, path: str, size: int = SIZE) -> tuple[str, float]:
@@ -479,6 +511,8 @@ def run_family(name: str, work: str, k: int = 2, images_dir: str | None = None,
     if flow_of(fam.model) == "sd3":  # the autoencoder's factor is in the model file's record
         source, factor = write_unit_sd3(base, os.path.join(work, "initial.safetensors"), fam.size)
         fam, vae = dataclasses.replace(fam, model=source), None
+    elif flow_of(fam.model) == "anima":  # its VAE normalises per channel: no scaling factor
+        vae, factor = write_unit_qwen_vae(base.vae, os.path.join(work, "vae"), fam.size)
     else:
         vae, factor = write_unit_vae(base.vae, os.path.join(work, "vae"), fam.size)
     model_path, times = train(fam, data, vae, os.path.join(work, name), steps, lr, batch, extra, reuse)

@@ -402,11 +402,13 @@ class _SavedCounter:
         self.param_shapes = param_shapes
         self.activations: dict = {}
         self.weight_copies: dict = {}
+        self.kept: list = []  # the counted storages, alive while counting: a freed one's key could be reused
 
     def pack(self, t):
         st = t.untyped_storage()
         key = st._cdata
         if key not in self.param_keys:
+            self.kept.append(st)
             copy = self.param_shapes is not None and tuple(t.shape) in self.param_shapes
             where = self.weight_copies if copy else self.activations
             where[key] = max(where.get(key, 0), st.nbytes())

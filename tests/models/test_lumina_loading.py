@@ -45,6 +45,11 @@ def test_single_file_with_gemma2_and_ae(files):
     assert m.layout == "original" and m.config == tiny.nextdit.TINY
     assert _same(m.transformer, p["transformer"]) and _same(m.gemma2, p["gemma2"]) and _same(m.ae, p["ae"])
     assert m.tokenizer("a dog").input_ids == p["tokenizer"]("a dog").input_ids
+    # its non-persistent buffers (RoPE tables, embedding scale) are rebuilt, not left on the meta
+    # device: the loaded Gemma-2 moves and encodes as the built one
+    assert not [n for n, b in m.gemma2.named_buffers() if b.is_meta]
+    ids, mask = text.tokenize(m.tokenizer, ["a dog"], 16)
+    assert torch.equal(text.encode(m.gemma2.to("cpu"), ids, mask), text.encode(p["gemma2"], ids, mask))
 
 
 def test_comfyui_prefix_and_diffusers_folder_round_trip(files, tmp_path):
@@ -55,14 +60,7 @@ def test_comfyui_prefix_and_diffusers_folder_round_trip(files, tmp_path):
               {loading.META_CONFIG_KEY: open_record(files["transformer"])})
     m = loading.load_lumina(comfy, gemma2=files["gemma2"], ae=files["ae"])
     assert _same(m.transformer, p["transformer"])
-    # a diffusers folder: the transformer written by our saver in diffusers' layout, the rest by diffusers
-    folder = tmp_path / "pipe"
-    dm = loading.LuminaModel("diffusers", tiny.nextdit.TINY, p["transformer"], p["gemma2"], p["tokenizer"], p["ae"],
-                             "x", "y")
-    loading.save_transformer(str(folder / "transformer"), dm, p["transformer"].state_dict(), {})
-    p["gemma2"].save_pretrained(str(folder / "text_encoder"))
-    p["tokenizer"].save_pretrained(str(folder / "tokenizer"))
-    p["ae"].save_pretrained(str(folder / "vae"))
+    folder = write_diffusers_folder(p, tmp_path / "pipe")
     from diffusers import Lumina2Transformer2DModel
     ref = Lumina2Transformer2DModel.from_pretrained(str(folder / "transformer"))  # diffusers reads our folder
     assert ref.config.num_kv_heads == 2
@@ -70,6 +68,18 @@ def test_comfyui_prefix_and_diffusers_folder_round_trip(files, tmp_path):
     m = loading.load_lumina(str(folder))
     assert m.layout == "diffusers" and _same(m.transformer, p["transformer"]) and _same(m.gemma2, p["gemma2"])
     assert _same(m.ae, p["ae"])
+
+
+def write_diffusers_folder(p: dict, folder):
+    """tiny-lumina's parts ``p`` as a diffusers folder: the transformer written by our saver in
+    diffusers' layout, the rest by transformers / diffusers."""
+    dm = loading.LuminaModel("diffusers", tiny.nextdit.TINY, p["transformer"], p["gemma2"], p["tokenizer"], p["ae"],
+                             "x", "y")
+    loading.save_transformer(str(folder / "transformer"), dm, p["transformer"].state_dict(), {})
+    p["gemma2"].save_pretrained(str(folder / "text_encoder"))
+    p["tokenizer"].save_pretrained(str(folder / "tokenizer"))
+    p["ae"].save_pretrained(str(folder / "vae"))
+    return folder
 
 
 def open_record(path):

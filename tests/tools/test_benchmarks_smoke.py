@@ -78,6 +78,10 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
     flux_files = gpu.flux_weights.paths(str(tmp_path))
     for path in flux_files.values():  # the options name them; their content is not read here
         open(path, "wb").close()
+    dit_files = {arch: gpu.dit_weights.paths(str(tmp_path), arch) for arch in gpu.DIT_ARCHS}
+    for files in dit_files.values():
+        for option, path in files.items():
+            os.makedirs(path) if option in ("qwen3", "vae", "t5_tokenizer_path") else open(path, "wb").close()
     for name in gpu.CASES:
         for dry in (True, False):
             script, args = gpu.case_args(name, str(tmp_path), str(tmp_path / "o"), 3, dry, str(tmp_path))
@@ -90,6 +94,12 @@ def test_gpu_benchmark_dry_run(capsys, tmp_path):
                 assert (opts.clip_l, opts.t5xxl, opts.ae) == (flux_files["clip_l"], flux_files["t5xxl"],
                                                               flux_files["ae"])
                 assert opts.fp8_base == (name == "flux-lora-b1")
+            arch = gpu.CASES[name][1]
+            if arch in gpu.DIT_ARCHS:  # the family's LoRA; full size: the random files of dit_weights
+                assert opts.network_module == f"networks.lora_{arch}" and opts.network_train_unet_only
+                given = {o: getattr(opts, o) for o in dit_files[arch]}
+                assert given == (dit_files[arch] if not dry else
+                                 {o: (f"tiny-{arch}" if o == "pretrained_model_name_or_path" else None) for o in given})
     out = tmp_path / "rows.json"
     assert gpu.main(["--dry-run", "--no-compile", "--only", "sd15-lora-b1", "flux-full-swap-b1",
                      "--json", str(out), "--work", str(tmp_path / "w")]) == 0
@@ -135,6 +145,37 @@ def test_flux_benchmark_weights_load(tmp_path):
         assert written == {k: (list(v.shape), dtypes[v.dtype]) for k, v in state.items()}, name
     with torch.device("meta"):  # the full-size default: FLUX.1 dev's 11.9 B transformer parameters
         assert sum(p.numel() for p in flux.Flux(flux.FLUX_DEV).parameters()) == 11_901_408_320
+
+
+def test_dit_benchmark_weights_load(tmp_path):
+    """benchmarks/dit_weights.py at tiny widths: the Anima files (DiT with its adapter, a Qwen3
+    folder with its tokenizer, a Qwen-Image VAE folder, the T5 tokenizer folder) and the Lumina 2
+    files (original-layout transformer, a gemma2 file carrying its tokenizer, the ae) load through
+    the trainer's loaders with the configs written; at full size the defaults are Anima's 2.09 B DiT
+    and Lumina 2's 2.61 B Next-DiT."""
+    from library.models.families.flux import flux_ae
+    from library.models.families.anima import family_model, tiny
+    from library.models.families.anima import model as anima_model
+    from library.models.families.lumina import loading, nextdit, text
+
+    weights = _load("dit_weights")
+    t5_vocab = len(tiny.t5.build_tiny_tokenizer())
+    qwen3 = tiny.qwen3_config(len(tiny.build_qwen3_tokenizer())).to_dict()
+    a = weights.write_files(str(tmp_path / "a"), "anima", {"dit": tiny.tiny_config(t5_vocab), "qwen3": qwen3,
+                                                           "vae": tiny.vae_config()})
+    m = family_model.load_anima(a["pretrained_model_name_or_path"], qwen3=a["qwen3"], vae=a["vae"],
+                                t5_tokenizer_path=a["t5_tokenizer_path"])
+    assert m.dit.config == tiny.tiny_config(t5_vocab) and m.qwen3.config.hidden_size == 32
+    assert m.vae.config.base_dim == 16 and len(m.t5_tokenizer) == t5_vocab
+    gemma = text.tiny_config(len(text.build_tiny_tokenizer()), nextdit.TINY.cap_feat_dim)
+    lum = weights.write_files(str(tmp_path / "l"), "lumina", {"transformer": nextdit.TINY, "gemma2": gemma,
+                                                               "ae": flux_ae.TINY_AE_CONFIG})
+    m = loading.load_lumina(lum["pretrained_model_name_or_path"], gemma2=lum["gemma2"], ae=lum["ae"])
+    assert m.config == nextdit.TINY and m.gemma2.config.num_hidden_layers == 3
+    assert len(m.tokenizer) == len(text.build_tiny_tokenizer())
+    with torch.device("meta"):
+        assert sum(p.numel() for p in anima_model.Anima(anima_model.FULL).parameters()) == 2_091_068_928
+        assert sum(p.numel() for p in nextdit.NextDiT(nextdit.LUMINA2_2B).parameters()) == 2_609_771_456
 
 
 def test_flux_benchmark_weights_full_size_headers():

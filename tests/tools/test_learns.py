@@ -259,15 +259,16 @@ def test_grouped_model_is_the_builtin_with_other_groups(learns, tmp_path, name):
     assert grouped.noise_scheduler.config.prediction_type == "epsilon"
 
 
-@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3", "tiny-lumina", "tiny-anima"])
 def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     """The benchmark's own sampling (the sample-image pipeline or the flow families' Euler
     sampler, 2 steps) and its x0 diagnosis on the untrained tiny models: the shapes, one label per
     sample, the same latents from the same seeds and other latents from other seeds (SDXL: its
     pooled embedding and size conditioning)."""
-    bundle = learns.load_bundle(learns.Family(name), None)
+    fam = next((f for f in learns.FAMILIES.values() if f.model == name), learns.Family(name))  # Anima: train_lora
+    bundle = learns.load_bundle(fam, None)
     lat, labels = learns.sample_latents(bundle, 1, "--l 1 --s 2")
-    channels = 16 if name in ("tiny-flux", "tiny-sd3") else 4
+    channels = 4 if name in ("tiny-sd15", "tiny-sdxl") else 16
     assert lat.shape == (4, channels, 8, 8) and labels == [0, 1, 2, 3] and torch.isfinite(lat).all()
     again, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2")
     other, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2", seed=7)
@@ -275,6 +276,28 @@ def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     train = learns.training_latents(bundle.vae)
     err = learns.x0_error_by_t(bundle, train, timesteps=(999, 1))
     assert set(err) == {999, 1} and all(math.isfinite(e) and e > 0 for e in err.values())
+
+
+def test_anima_unit_latents_and_lora_merge(learns, tmp_path):
+    """Anima's VAE written with the training latents' own per-channel statistics gives them mean 0
+    and std 1 in every channel (float64), and a LoRA file the entry script would save is merged
+    into the loaded DiT as W + up down alpha / rank (an independent float64 product)."""
+    from safetensors.torch import save_file
+
+    fam = learns.FAMILIES["anima"]
+    base = learns.load_bundle(fam, None)
+    folder, _ = learns.write_unit_qwen_vae(base.vae, str(tmp_path / "vae"))
+    lat = learns.training_latents(learns.load_bundle(fam, folder).vae).double()
+    assert torch.allclose(lat.mean(dim=(0, 2, 3)), torch.zeros(16, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(lat.std(dim=(0, 2, 3)), torch.ones(16, dtype=torch.float64), atol=1e-5)
+    w = base.unet.blocks[0].mlp.layer1.weight.detach().double()
+    g = torch.Generator().manual_seed(0)
+    down, up = torch.randn(4, w.shape[1], generator=g), torch.randn(w.shape[0], 4, generator=g)
+    name = "lora_unet_blocks_0_mlp_layer1"
+    save_file({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(2.0)},
+              str(tmp_path / "lora.safetensors"))
+    merged = learns.load_bundle(fam, folder, str(tmp_path / "lora.safetensors")).unet.blocks[0].mlp.layer1.weight
+    assert torch.allclose(merged.double(), w + up.double() @ down.double() * 2.0 / 4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -122,18 +122,6 @@ def test_refusals_are_one_line(dataset, tmp_path, run_script):
     assert rc == 2 and "use_flash_attn" in err and "Traceback" not in err, err
 
 
-def test_dry_run_says_the_memory_estimate_is_not_available(dataset, tmp_path, run_script):
-    """Lumina 2's home has no memory fakes: the dry run prints its plan and one "not available"
-    line (no traceback, no estimate made up from another family's parts) and exits 0."""
-    rc, out, err = run_script("train_lora", args("tiny-lumina", dataset, str(tmp_path / "o"), "--dry_run"))
-    text = out + err
-    lines = [line for line in text.splitlines() if line.startswith("memory estimate:")]
-    assert rc == 0 and "total_steps: 2" in text, text
-    assert lines == ["memory estimate: not available (Lumina 2: the memory estimate does not cover this "
-                     "family yet)"], text
-    assert "Traceback" not in text and not (tmp_path / "o").exists()
-
-
 def test_nextdit_shift_and_defaults_against_float64():
     """nextdit_shift: sigma = e^mu u / (e^mu u + 1 - u), u ~ U[0, 1) clamped to 1e-7, mu linear in the
     2x2-patch count through (256, 0.5) and (4096, 1.15) (sd-scripts' lumina_train_util)."""

@@ -1,8 +1,7 @@
 """Lumina 2's hooks (docs/FAMILIES.md "The hooks a home provides"): detection before loading, the
 checks of its parts (the optional ``check_sources``), the model bundle over a LuminaModel, the
 family model (tokenize with the system prompt, encode with Gemma-2, the transformer's forward in the
-shared flow convention), the full save, metadata; the memory estimate has no Lumina fakes yet (its
-hooks say "not available" in one line, library/models/fake_parts.py's Unavailable).
+shared flow convention), the full save, metadata and the memory estimate's fakes.
 
 The shared losses and sampler (library/training/flow_matching.py) speak FLUX.1's convention: the
 timestep input is sigma (FlowSpec.timestep_scale 1) and the model predicts d x / d sigma =
@@ -16,14 +15,18 @@ additive is FLUX.1's formula on the negated output.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import Gemma2Config, Gemma2Model
 
+from library.models import fake_parts
 from library.models.loading import ModelBundle
-from library.models.fake_parts import Unavailable
+from library.models.fake_parts import Counted
 from library.models.families.lumina import attention, loading, text, tiny
+from library.models.families.lumina.nextdit import NextDiT
 from library.models.family import FamilyModel, TextConditioning
 
 BUILTIN_NAMES = tiny.TINY_NAMES
@@ -48,10 +51,13 @@ class LuminaFamilyModel(FamilyModel):
     conditioning_type = LuminaTextConditioning
 
     def __init__(self, transformer, text_encoders, tokenizers, *, max_length: int = text.MAX_LENGTH,
-                 system_prompt: str = "", rewrite=None):
+                 system_prompt: str = "", rewrite=None, full_captions: bool = False):
         super().__init__(transformer, text_encoders, tokenizers, None, False, rewrite)
         self.gemma2_max_length = max_length
         self.system_prompt = system_prompt or ""
+        # every caption fills its mask (the memory estimate's conditioning): the lengths are known
+        # without reading the mask, which fake tensors cannot
+        self.full_captions = full_captions
 
     def tokenize(self, captions: list[str], pad: bool = True) -> list:
         if self.rewrite is not None:
@@ -82,7 +88,8 @@ class LuminaFamilyModel(FamilyModel):
     def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None, sample_seeds=None):
         dev, dtype = noisy_latents.device, noisy_latents.dtype
         t = 1 - timesteps.to(dev, torch.float32)
-        out = self.unet(noisy_latents, t.to(dtype), cond.hidden_states.to(dev, dtype), cond.mask.to(dev))
+        lens = [cond.mask.shape[1]] * noisy_latents.shape[0] if self.full_captions else None
+        out = self.unet(noisy_latents, t.to(dtype), cond.hidden_states.to(dev, dtype), cond.mask.to(dev), lens)
         return -out
 
 
@@ -126,26 +133,70 @@ def metadata_fields(variant: str | None, adapter: str | None) -> dict[str, str]:
             "modelspec.architecture": f"lumina-2/{adapter}" if adapter else "lumina-2"}
 
 
-# --- the memory estimate's fakes: none yet -------------------------------------------------------
+# --- the memory estimate's fakes (library/training/flow_memory.py) ----------------------------
 
-_NO_ESTIMATE = "Lumina 2: the memory estimate does not cover this family yet"
+def _gemma2(path: str) -> torch.nn.Module:
+    """Gemma-2 as text.load_gemma2 builds it: a folder's config.json, else the file's config record
+    or Gemma-2 2B's (checked against the header's shapes)."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        return Gemma2Model(Gemma2Config.from_pretrained(path, local_files_only=True))
+    return Gemma2Model(Gemma2Config(**text.config_of_header(path)["config"]))
+
+
+def _ae_numel(path: str, header) -> int:
+    """FLUX.1's autoencoder's parameters: an ``ae`` file's header, or a diffusers folder's ``vae/``."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        return fake_parts.folder_numel(os.path.join(path, "vae") if os.path.isdir(os.path.join(path, "vae"))
+                                       else path, header)
+    return fake_parts.header_numel(path, "ae", header, "Lumina 2")
 
 
 def memory_parts(opts, header) -> dict:
-    raise Unavailable(_NO_ESTIMATE)
+    """{unet, vae, text_encoder} on fake tensors: tiny-lumina built whole; a transformer file or a
+    diffusers folder from its header's shapes or config (loading.check_sources, which reads no
+    weight), Gemma-2 from the folder's config or the ``gemma2`` file's record or Gemma-2 2B's, the
+    autoencoder counted from its headers; ``gemma2`` / ``ae`` replace a source's parts as in the loader."""
+    src = opts.pretrained_model_name_or_path
+    config = loading.check_sources(src, opts.gemma2, opts.ae)
+    path = os.path.expanduser(str(src))
+    if not os.path.exists(path):  # the built-in (check_sources refused any other name)
+        m = tiny.build_tiny_lumina()
+        comps = {"unet": m["transformer"], "vae": m["ae"], "text_encoder": m["gemma2"]}
+    else:
+        comps = {"unet": NextDiT(config)}
+        if os.path.isdir(path):
+            comps["vae"] = Counted(_ae_numel(path, header), "ae")
+            comps["text_encoder"] = _gemma2(os.path.join(path, "text_encoder"))
+    if opts.gemma2:
+        comps["text_encoder"] = _gemma2(opts.gemma2)
+    if opts.ae:
+        comps["vae"] = Counted(_ae_numel(opts.ae, header), "ae")
+    return comps
 
 
-def memory_text_tokens(opts, comps: dict):
-    raise Unavailable(_NO_ESTIMATE)
+def memory_text_tokens(opts, comps: dict) -> tuple[int, int, int]:
+    """(tokens, token width, pooled width 0) of the transformer's text input: Gemma-2's states at
+    the padded gemma2_max_token_length."""
+    return text.padded_length(opts.gemma2_max_token_length or text.MAX_LENGTH), comps["unet"].config.cap_feat_dim, 0
 
 
-def memory_family_model(opts, comps: dict, text_encoders: list):
-    raise Unavailable(_NO_ESTIMATE)
+def memory_family_model(opts, comps: dict, text_encoders: list) -> LuminaFamilyModel:
+    return LuminaFamilyModel(comps["unet"], text_encoders, [], max_length=memory_text_tokens(opts, comps)[0],
+                             system_prompt=opts.system_prompt or "", full_captions=True)
 
 
-def memory_conditioning(opts, comps: dict, batch: int, dtype):
-    raise Unavailable(_NO_ESTIMATE)
+def memory_conditioning(opts, comps: dict, batch: int, dtype) -> LuminaTextConditioning:
+    """One micro-step's text input: Gemma-2's states of zeros, every token real (the longest joint
+    sequence: the most attention)."""
+    tokens, width, _ = memory_text_tokens(opts, comps)
+    return LuminaTextConditioning(torch.zeros(batch, tokens, width, dtype=dtype), None,
+                                  torch.ones(batch, tokens, dtype=torch.long))
 
 
 def memory_text_entry_bytes(opts, comps: dict, text_dtype_bytes: int, partial: bool) -> int:
-    raise Unavailable(_NO_ESTIMATE)
+    """One caption's text-cache entry, as ``encode`` makes it: Gemma-2's penultimate states (in its
+    weights' dtype: its residual stream's) and the mask (int64)."""
+    tokens, width, _ = memory_text_tokens(opts, comps)
+    return tokens * width * comps["text_encoder"].norm.weight.element_size() + tokens * 8

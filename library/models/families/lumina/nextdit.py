@@ -240,7 +240,10 @@ class NextDiT(block_checkpoint.CheckpointedBlocks, nn.Module):
         parts = [table.to(ids.device)[ids[..., i].long()] for i, table in enumerate(self._rope)]
         return torch.cat(parts, dim=-1)
 
-    def forward(self, x: Tensor, t: Tensor, cap_feats: Tensor, cap_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, cap_feats: Tensor, cap_mask: Tensor,
+                cap_lens: list[int] | None = None) -> Tensor:
+        """``cap_lens``: each caption's token count where the caller knows it without reading
+        ``cap_mask`` (the memory estimate's fake tensors hold no values); None: from the mask."""
         b, ch, h, w = x.shape
         c, p = self.config, self.config.patch_size
         if h % p or w % p:
@@ -249,7 +252,8 @@ class NextDiT(block_checkpoint.CheckpointedBlocks, nn.Module):
         n_img, n_cap, dev = gh * gw, cap_feats.shape[1], x.device
         temb = self.t_embedder(t)
         cap = self.cap_embedder(cap_feats)
-        cap_lens = [int(n) for n in cap_mask.sum(dim=1).tolist()]
+        if cap_lens is None:
+            cap_lens = [int(n) for n in cap_mask.sum(dim=1).tolist()]
         lengths = [n + n_img for n in cap_lens]
         longest = max(lengths)
 

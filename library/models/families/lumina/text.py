@@ -188,6 +188,7 @@ def load_gemma2(path: str, dtype: torch.dtype = torch.float32, tokenizer_locatio
     with accelerate.init_empty_weights(include_buffers=False):
         model = Gemma2Model(Gemma2Config(**record["config"]))
     model.load_state_dict(sd, strict=True, assign=True)
+    _rebuild_buffers(model, path)
     model = model.to(dtype).eval()
     tok = None
     if record.get("tokenizer"):
@@ -195,6 +196,20 @@ def load_gemma2(path: str, dtype: torch.dtype = torch.float32, tokenizer_locatio
     elif tokenizer_location:
         tok = load_tokenizer(tokenizer_location)
     return model, tok
+
+
+def _rebuild_buffers(model, path: str) -> None:
+    """The non-persistent buffers a file does not hold, built on the CPU (a meta-device build left
+    them without data): the RoPE tables and the embedding's scale."""
+    with torch.device("cpu"):
+        model.rotary_emb = type(model.rotary_emb)(config=model.config)
+    emb = model.embed_tokens
+    if getattr(emb, "embed_scale", None) is not None and emb.embed_scale.is_meta:
+        emb.embed_scale = torch.tensor(emb.scalar_embed_scale)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise ModelError(f"gemma2: {path}: buffers not rebuilt ({left[0]}); this transformers version's Gemma-2 "
+                         "has buffers this loader does not know")
 
 
 def gemma2_file_metadata(model, tokenizer) -> dict[str, str]:
