@@ -1,4 +1,4 @@
-"""The validation loss of FLUX.1 and SD3 full fine-tuning (validation_split): logged at its steps,
+"""The validation loss of FLUX.1, SD3 and Lumina 2 full fine-tuning (validation_split): logged at its steps,
 bit-identical across runs, and equal to its definition recomputed in float64 (the flow loss of
 the held-out images at the fixed noise levels of flow_loss.FlowLosses.fixed_draw, with the
 validation's fixed noise)."""
@@ -13,7 +13,8 @@ from library.data.step_plan import derive_seed
 from tests.training.test_flow_sampling import _flux_velocity
 
 # FLUX: sigma = (k + 1/2) / 4; SD3: the midpoint timesteps of [0, 1000), sigma = t / 1000
-LEVELS = {"tiny-flux": (0.125, 0.375, 0.625, 0.875), "tiny-sd3": (0.125, 0.375, 0.625, 0.875)}
+LEVELS = {"tiny-flux": (0.125, 0.375, 0.625, 0.875), "tiny-sd3": (0.125, 0.375, 0.625, 0.875),
+          "tiny-lumina": (0.125, 0.375, 0.625, 0.875)}  # Lumina 2: FLUX.1's rule
 
 
 @pytest.fixture
@@ -33,7 +34,8 @@ def _args(model, data, out):
 
 def reference_validation_loss(run, seed, levels):
     """Mean over held-out images i and levels sigma_k of MSE(x_t - sigma_k v, x0) (the default
-    sigma-scaled prediction, weight 1), x_t = (1 - sigma_k) x0 + sigma_k n_ik, n_ik ~ N(0, 1) from
+    sigma-scaled prediction, weight 1; Lumina 2's default is raw: MSE(v, n_ik - x0) with
+    v = -NextDiT(x_t, 1 - sigma_k)), x_t = (1 - sigma_k) x0 + sigma_k n_ik, n_ik ~ N(0, 1) from
     derive_seed("val", seed, i, k); the autoencoder and transformer in float64 (cast in place and
     back: exact), the captions' conditioning the trainer's."""
     from library.config import parse
@@ -58,6 +60,11 @@ def reference_validation_loss(run, seed, levels):
                     n = torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(
                         derive_seed("val", seed, i, k)))[None].double()
                     xt = (1 - s) * x0 + s * n
+                    if b.family == "lumina":
+                        v = -b.unet(xt, torch.tensor([1 - s], dtype=torch.float64), cond.hidden_states.double(),
+                                    cond.mask)
+                        losses.append(float(((v - (n - x0)) ** 2).mean()))
+                        continue
                     if flux_family:
                         v = _flux_velocity(b.unet, xt, s, cond, 3.5)
                     else:
@@ -69,7 +76,7 @@ def reference_validation_loss(run, seed, levels):
     return sum(losses) / len(losses)
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-lumina"])
 def test_flow_validation_loss(train, four_images, tmp_path, model):
     runs = []
     for name in ("a", "b"):
