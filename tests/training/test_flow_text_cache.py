@@ -3,7 +3,7 @@ a cached run trains the same weights as an uncached one (SGD, one thread; the ca
 step would compute: FLUX.1's T5 states, CLIP-L pooled and T5 mask, SD3's context and pooled); a
 second run over the same data loads every entry from disk; changing t5xxl_max_token_length (or
 apply_t5_attn_mask) misses, and the entries then hold the new length. The same for Anima (LoRA)
-and Lumina 2 (fine-tune) with their own length options."""
+and Lumina 2 (fine-tune) with their own length options, their latents cached on disk beside."""
 from __future__ import annotations
 
 import glob
@@ -208,7 +208,7 @@ def test_anima_and_lumina_cached_runs_equal_uncached_and_the_disk_cache_is_keyed
         return {n: p.detach().clone() for n, p in named_trainable(r.parts.method, r.parts.bundle)}, r, lines
 
     plain, p_run, _ = run("plain")
-    disk = ["--cache_text_encoder_outputs_to_disk", "--cache_dir", cache]
+    disk = ["--cache_text_encoder_outputs_to_disk", "--cache_latents_to_disk", "--cache_dir", cache]
     cached, c_run, _ = run("cached", *disk)
     assert p_run.parts.caches.text is None and c_run.parts.caches.text is not None
     assert plain.keys() == cached.keys() and plain
@@ -216,6 +216,7 @@ def test_anima_and_lumina_cached_runs_equal_uncached_and_the_disk_cache_is_keyed
         assert float((plain[k] - cached[k]).norm()) / max(float(cached[k].norm()), 1e-4) <= 1e-5, k
     first = sorted(glob.glob(os.path.join(cache, "te-*.safetensors")))
     assert len(first) == 2  # make_sample_dataset's two captions
+    assert len([f for f in os.listdir(cache) if not f.startswith("te-")]) == 2  # and its images' latents
     one_step, _, lines = run("again", *disk, "--max_train_steps", "1")
     assert lines == ["text-encoder cache: 2 caption(s), 2 loaded from disk, encoding 0"]
     assert any(not torch.equal(one_step[k], cached[k]) for k in cached)  # the compared runs trained
