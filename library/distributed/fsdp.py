@@ -6,7 +6,8 @@ data parallelism, and the toolkit never hands its model to ``accelerator.prepare
 
 - ``shard(accelerator, modules, groups)`` (set-up, by the FSDP strategy of library/distributed/strategy.py,
   before the optimizer exists): ``fully_shard`` on each
-  U-Net block (down, mid, up; FLUX.1's double/single-stream blocks; SD3's joint blocks), then on
+  U-Net block (down, mid, up; FLUX.1's double/single-stream blocks; SD3's joint blocks; Lumina 2's
+  refiners and joint layers), then on
   the U-Net (transformer) itself; for each trained text encoder on each
   transformer layer, then on the encoder. The mesh is one dimension over the run's process group
   (gloo on CPU, NCCL on CUDA). Every parameter becomes a ``DTensor`` sharded on dim 0 (each
