@@ -129,6 +129,8 @@ FAMILIES = {
     "flux": Family("tiny-flux"),
     "chroma": Family("tiny-chroma"),  # FLUX.1's sampler without a guidance input; --l 1: no CFG
     "sd3": Family("tiny-sd3", steps=1000),  # 400: ratio 0.53, every sample its own caption's
+    # Lumina 2's fine-tune (lumina_train.py): its Euler sampler, 36 steps over the shift-6 schedule
+    "lumina": Family("tiny-lumina", script="lumina_train.py"),
 }
 
 

@@ -264,7 +264,7 @@ def test_grouped_model_is_the_builtin_with_other_groups(learns, tmp_path, name):
     assert grouped.noise_scheduler.config.prediction_type == "epsilon"
 
 
-@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-flux", "tiny-sd3", "tiny-lumina"])
 def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     """The benchmark's own sampling (the sample-image pipeline or the flow families' Euler
     sampler, 2 steps) and its x0 diagnosis on the untrained tiny models: the shapes, one label per
@@ -272,7 +272,7 @@ def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     pooled embedding and size conditioning)."""
     bundle = learns.load_bundle(learns.Family(name), None)
     lat, labels = learns.sample_latents(bundle, 1, "--l 1 --s 2")
-    channels = 16 if name in ("tiny-flux", "tiny-sd3") else 4
+    channels = 16 if name in ("tiny-flux", "tiny-sd3", "tiny-lumina") else 4
     assert lat.shape == (4, channels, 8, 8) and labels == [0, 1, 2, 3] and torch.isfinite(lat).all()
     again, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2")
     other, _ = learns.sample_latents(bundle, 1, "--l 1 --s 2", seed=7)
