@@ -37,6 +37,7 @@ runs (``runpy``, as ``__main__``, its folder first on ``sys.path``):
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.util
 import json
@@ -46,6 +47,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -107,6 +109,50 @@ def clean_env(extra: dict) -> dict:
                         "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1", **extra)
     return env
+
+
+# The start of a side-by-side check's code in sd-scripts' process (sd_scripts_lumina_check.py,
+# sd_scripts_anima_check.py): argv = this file's path, the work folder, the model config as JSON.
+# sd-scripts' networks/ is a namespace package: a regular one elsewhere on the path (this toolkit's,
+# installed editable) would win, so those entries go; then torchvision's missing ops are declared.
+CHECK_PRELUDE = r"""
+import importlib.util, json, os, sys
+sys.path = ["."] + [p for p in sys.path if p and not os.path.isfile(os.path.join(p, "networks", "__init__.py"))]
+spec = importlib.util.spec_from_file_location("sdtk_launch", sys.argv[1])
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+launch._declare_missing_torchvision_ops()
+work, cfg = sys.argv[2], json.loads(sys.argv[3])
+"""
+
+
+def run_check(argv, doc: str, family: str, models_file: str, write_inputs, sd_side: str) -> int:
+    """The main of a side-by-side check: ``--sd-scripts`` (a checkout whose library has
+    ``models_file``), ``--sd-scripts-python``, ``--work``; our side's ``write_inputs(work) -> config``,
+    then CHECK_PRELUDE + ``sd_side`` in sd-scripts' process. Prints its ``ok`` / ``FAILED`` / ``note``
+    lines; 0 when every check is ok, 1 otherwise, 2 for a folder that is not such a checkout."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--sd-scripts", required=True, metavar="PATH", help="a kohya-ss/sd-scripts checkout")
+    p.add_argument("--sd-scripts-python", metavar="PYTHON", default=sys.executable)
+    p.add_argument("--work", metavar="DIR", help="where the files go (default: a temporary folder)")
+    a = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.sd_scripts, "library", models_file)):
+        print(f"error: --sd-scripts {a.sd_scripts}: not a kohya-ss/sd-scripts checkout with {family} "
+              f"(its library folder has no {models_file})", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="sdtk-check-") as tmp:
+        work = os.path.abspath(a.work or tmp)
+        os.makedirs(work, exist_ok=True)
+        config = write_inputs(work)
+        r = subprocess.run([a.sd_scripts_python, "-c", CHECK_PRELUDE + sd_side, os.path.abspath(__file__), work,
+                            json.dumps(config)], cwd=a.sd_scripts, capture_output=True, text=True,
+                           env=clean_env({"OMP_NUM_THREADS": "1"}))
+        lines = [line for line in r.stdout.splitlines() if line.startswith(("ok", "FAILED", "note"))]
+        print("\n".join(lines))
+        if r.returncode != 0:
+            print("FAILED sd-scripts' side stopped: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+        checks = [line for line in lines if not line.startswith("note")]
+        return 0 if r.returncode == 0 and checks and all(line.startswith("ok") for line in checks) else 1
 
 
 def remove_random_weights_file(work: str, arch: str) -> None:

@@ -6,8 +6,8 @@ Our side writes tiny-lumina's transformer (every tensor random, so no zero-initi
 hides a path), its Gemma-2 (a transformers folder), a LoRA file of networks.lora_lumina on both
 (embedder_dims too, random ups) and inputs (latents, t, caption states with two caption lengths)
 with our outputs, without and with the LoRA. sd-scripts' side runs in a subprocess (cwd its
-checkout, its ``library`` and ``networks``; torchvision, which only its logging helper imports,
-stubbed when absent):
+checkout, its ``library`` and ``networks``; benchmarks/sd_scripts_launch.py's torchvision
+workaround first):
 
 1. forward: ``lumina_models.NextDiT`` with tiny-lumina's shape loads our transformer file
    (strict: every key and shape) and its output equals ours;
@@ -19,11 +19,8 @@ Prints one line per check (``ok`` or what failed), exits 1 if any failed.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks import sd_scripts_launch  # noqa: E402
 from library.models.families.lumina import nextdit, tiny  # noqa: E402
 from networks import lora_lumina  # noqa: E402
 
@@ -40,28 +38,17 @@ from networks import lora_lumina  # noqa: E402
 TOLERANCE = 1e-3
 
 SD_SIDE = r"""
-import os, sys, types
-# sd-scripts' networks/ is a namespace package: a regular one elsewhere on the path (this toolkit's,
-# installed editable) would win, so those entries go
-sys.path = ["."] + [p for p in sys.path if p and not os.path.isfile(os.path.join(p, "networks", "__init__.py"))]
 import torch
 from safetensors.torch import load_file
-from transformers import CLIPTextModel, Gemma2Model  # before any torchvision stub (they probe for it)
-from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL  # noqa: F401
-try:
-    import torchvision  # noqa: F401
-except Exception:  # only library.utils' image helpers use it
-    tv = types.ModuleType("torchvision"); tv.transforms = types.ModuleType("torchvision.transforms")
-    sys.modules["torchvision"] = tv; sys.modules["torchvision.transforms"] = tv.transforms
+from transformers import Gemma2Model
 from library import lumina_models
 from networks import lora_lumina
 
-work, c = sys.argv[1], dict(eval(sys.argv[2]))
 torch.set_num_threads(1)
-dit = lumina_models.NextDiT(patch_size=2, in_channels=16, dim=c["dim"], n_layers=c["n_layers"],
-                            n_refiner_layers=c["n_refiner_layers"], n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"],
-                            multiple_of=c["ffn_hidden"], qk_norm=True, cap_feat_dim=c["cap_feat_dim"],
-                            axes_dims=list(c["axes_dims"]), axes_lens=list(c["axes_lens"])).eval()
+dit = lumina_models.NextDiT(patch_size=2, in_channels=16, dim=cfg["dim"], n_layers=cfg["n_layers"],
+                            n_refiner_layers=cfg["n_refiner_layers"], n_heads=cfg["n_heads"], n_kv_heads=cfg["n_kv_heads"],
+                            multiple_of=cfg["ffn_hidden"], qk_norm=True, cap_feat_dim=cfg["cap_feat_dim"],
+                            axes_dims=list(cfg["axes_dims"]), axes_lens=list(cfg["axes_lens"])).eval()
 info = dit.load_state_dict(load_file(work + "/transformer.safetensors"), strict=True)
 io = load_file(work + "/io.safetensors")
 with torch.no_grad():
@@ -117,27 +104,8 @@ def write_inputs(work: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sd-scripts", required=True, metavar="PATH", help="a kohya-ss/sd-scripts checkout")
-    p.add_argument("--sd-scripts-python", metavar="PYTHON", default=sys.executable)
-    p.add_argument("--work", metavar="DIR", help="where the files go (default: a temporary folder)")
-    a = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.sd_scripts, "library", "lumina_models.py")):
-        print(f"error: --sd-scripts {a.sd_scripts}: not a kohya-ss/sd-scripts checkout with Lumina 2 "
-              "(its library folder has no lumina_models.py)", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="sdtk-lumina-check-") as tmp:
-        work = os.path.abspath(a.work or tmp)
-        os.makedirs(work, exist_ok=True)
-        config = write_inputs(work)
-        code = SD_SIDE.replace("TOL", repr(TOLERANCE))
-        r = subprocess.run([a.sd_scripts_python, "-c", code, work, repr(config)], cwd=a.sd_scripts,
-                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        lines = [line for line in r.stdout.splitlines() if line.startswith(("ok", "FAILED"))]
-        print("\n".join(lines))
-        if r.returncode != 0:
-            print("FAILED sd-scripts' side stopped: " + (r.stderr.strip().splitlines() or ["?"])[-1])
-        return 0 if r.returncode == 0 and lines and all(line.startswith("ok") for line in lines) else 1
+    return sd_scripts_launch.run_check(argv, __doc__, "Lumina 2", "lumina_models.py", write_inputs,
+                                       SD_SIDE.replace("TOL", repr(TOLERANCE)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ CASES = {
     "sd3_train_network.py": ("lora", {"sd3_checkbox": True}, "tiny-sd3"),
     "lumina_train_network.py": ("lora", {"lumina_checkbox": True, "LoRA_type": "Lumina"}, "tiny-lumina"),
     "lumina_train.py": ("finetune", {"lumina_checkbox": True}, "tiny-lumina"),  # in_json: fine-tuning
+    "anima_train_network.py": ("lora", {"anima_checkbox": True, "LoRA_type": "Anima"}, "tiny-anima"),
+    "anima_train.py": ("dreambooth", {"anima_checkbox": True}, "tiny-anima"),
     "train_db.py": ("dreambooth", {}, "tiny-sd15"),
     "sdxl_train.py": ("dreambooth", {"sdxl": True}, "tiny-sdxl"),
     "flux_train.py": ("dreambooth", {"flux1_checkbox": True}, "tiny-flux"),
@@ -37,7 +39,8 @@ CASES = {
 # the scripts whose family is fixed, with a model of another family
 MISMATCH = {"train_network.py": "tiny-sdxl", "sdxl_train_network.py": "tiny-sd15", "flux_train.py": "tiny-chroma",
             "sd3_train_network.py": "tiny-flux", "lumina_train_network.py": "tiny-sd3", "train_db.py": "tiny-lumina",
-            "sdxl_train.py": "tiny-sd2", "fine_tune.py": "tiny-sdxl", "sdxl_train_textual_inversion.py": "tiny-sd15"}
+            "sdxl_train.py": "tiny-sd2", "fine_tune.py": "tiny-sdxl", "sdxl_train_textual_inversion.py": "tiny-sd15",
+            "anima_train.py": "tiny-lumina"}
 
 
 def _run_entry(script: str, argv: list[str], monkeypatch) -> int:
@@ -50,12 +53,11 @@ def _run_entry(script: str, argv: list[str], monkeypatch) -> int:
 
 
 def test_every_family_script_is_at_the_root():
-    """Each script a family names (its ``sd_scripts``) is an entry at the repository root, but for
-    the ones another change adds (anima_*)."""
+    """Each script a family names (its ``sd_scripts``) is an entry at the repository root."""
     named = {s for f in registry.FAMILIES.values() for s in f.sd_scripts}
     assert set(CASES) - {"train_textual_inversion.py"} <= named
     for script in named:
-        assert os.path.isfile(os.path.join(ROOT, script)) or script.startswith("anima_"), script
+        assert os.path.isfile(os.path.join(ROOT, script)), script
 
 
 def test_help_of_every_script():

@@ -188,6 +188,19 @@ OPTIONS: tuple[Option, ...] = (
       "(sd-scripts' default).", "model", scripts=NOT_TI, min=1),
     O("t5_max_token_length", "int", None, "Anima: T5 token ids the LLM adapter reads; unset = 512 "
       "(sd-scripts' default).", "model", scripts=NOT_TI, min=1),
+    O("attn_mode", "str", None, "Anima: the DiT's attention kernel (sd-scripts' --attn_mode): torch or "
+      "sdpa = PyTorch's SDPA (the default); flash = flash_attn's kernel, xformers = xformers' "
+      "memory-efficient attention (each on CUDA with its package installed, refused in one line "
+      "otherwise); sageattn is refused (no backward pass: sd-scripts' inference-only kernel).", "model",
+      scripts=NOT_TI, choices=("torch", "sdpa", "flash", "xformers", "sageattn")),
+    O("split_attn", "bool", False, "Anima: the DiT's attention one sample at a time instead of over the "
+      "whole batch (sd-scripts' --split_attn): less peak memory, the same result.", "model", scripts=NOT_TI),
+    O("vae_chunk_size", "int", None, "Anima: the Qwen-Image VAE's convolutions in row chunks of this many "
+      "output rows (sd-scripts' --vae_chunk_size), for encoding (latent caching) and decoding (samples): "
+      "less peak memory, the same latents; unset or 0 = whole images.", "model", scripts=NOT_TI, min=0),
+    O("vae_disable_cache", "bool", False, "Anima: run the Qwen-Image VAE without its causal feature cache "
+      "(sd-scripts' --vae_disable_cache); for single images the latents are the same.", "model",
+      scripts=NOT_TI),
     O("apply_lg_attn_mask", "bool", False, "SD3: pass the CLIP-L / CLIP-G padding masks to the "
       "encoders (sd-scripts' --apply_lg_attn_mask).", "model", scripts=NOT_TI),
     O("apply_t5_attn_mask", "bool", False, "FLUX.1 / SD3: pass the T5 padding mask to T5 (FLUX.1: "
@@ -201,7 +214,7 @@ OPTIONS: tuple[Option, ...] = (
       "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
     O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
       "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
-    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/sd3.py)
+    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/families/sd3/sd3.py)
     O("pos_emb_random_crop_rate", "float", 0.0, "SD3: probability that a training sample's "
       "position embedding is a random crop of the table (every offset alike) instead of its "
       "centre, drawn per sample and epoch (sd-scripts' --pos_emb_random_crop_rate, meant for "
@@ -230,6 +243,10 @@ OPTIONS: tuple[Option, ...] = (
       "(CUDA, the flash-attn package).", "model", scripts=NOT_TI),
     O("use_sage_attn", "bool", False, "Lumina 2: sageattention's kernel in no-grad forwards (samples, "
       "validation; it has no backward pass, so training forwards use SDPA).", "model", scripts=NOT_TI),
+    O("sample_batch_size", "int", None, "Lumina 2: sample prompts rendered together, up to this many "
+      "consecutive ones with the same size, steps, scale and CFG shaping, each image from its own seed's "
+      "noise (sd-scripts' lumina --sample_batch_size); unset = train_batch_size.", "logging", scripts=NOT_TI,
+      min=1),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -461,6 +478,16 @@ OPTIONS: tuple[Option, ...] = (
       "input block 0), 10-12: middle block, 13-21: output blocks 0-8, 22: the output layers); a "
       "block at 0 is not trained. Replaces learning_rate for the U-Net.", "optimizer", scripts=FULL,
       min=0),
+    *(O(k, "float", None, f"Anima full fine-tuning (anima_train.py): learning rate of {what} "
+        "(sd-scripts' --" + k + "); unset = learning_rate, 0 = frozen (no gradient, not in the "
+        "optimizer). A LoRA does not read it (sd-scripts' anima_train_network.py neither).", "optimizer",
+        scripts=NOT_TI, min=0)
+      for k, what in (("llm_adapter_lr", "the LLM adapter (every llm_adapter.* tensor)"),
+                      ("self_attn_lr", "the blocks' self-attention (blocks.N.self_attn.*)"),
+                      ("cross_attn_lr", "the blocks' cross-attention (blocks.N.cross_attn.*)"),
+                      ("mlp_lr", "the blocks' MLPs (blocks.N.mlp.*)"),
+                      ("mod_lr", "the AdaLN modulation (every *.adaln_modulation* tensor, the final "
+                                 "layer's too)"))),
     O("lr_scheduler", "str", "constant", "Learning-rate schedule (curves in docs/OPTIMIZERS.md). "
       "adafactor needs optimizer_type Adafactor with relative_step=True (its default), which "
       "uses it whatever lr_scheduler says; ignored when "
@@ -868,6 +895,30 @@ OPTIONS = tuple(replace(o, scripts=o.scripts + LECO) if o.name in LECO_OPTIONS e
                 for o in OPTIONS)
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# The run options gen_img.py takes under the same names: the model's separate parts, its text
+# settings and prediction type. A run's images (the UI's Compare panel, class images) pass the run's
+# own (``gen_img_flags``); the Generate page's "model parts" are the path-typed ones.
+GEN_IMG_RUN_OPTIONS = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path", "qwen3", "llm_adapter_path",
+                       "t5_tokenizer_path", "gemma2", "apply_t5_attn_mask", "t5xxl_max_token_length",
+                       "qwen3_max_token_length", "t5_max_token_length", "gemma2_max_token_length", "system_prompt",
+                       "v2", "v_parameterization")
+GEN_IMG_PARTS = tuple(n for n in GEN_IMG_RUN_OPTIONS if OPTIONS_BY_NAME[n].type == "path")
+
+
+def gen_img_flags(opts, path=lambda p: p) -> list[str]:
+    """gen_img.py's flags for the run options ``GEN_IMG_RUN_OPTIONS`` that ``opts`` sets: a switch
+    as ``--name``, a value as one ``--name=value`` argument (a text starting with '-' stays a value),
+    a path through ``path``."""
+    out = []
+    for name in GEN_IMG_RUN_OPTIONS:
+        value = getattr(opts, name)
+        if value is True:
+            out.append(f"--{name}")
+        elif value not in (None, False, ""):
+            out.append(f"--{name}={path(value) if OPTIONS_BY_NAME[name].type == 'path' else value}")
+    return out
+
+
 # Secrets: set for this process only, never written (saved config, state, metadata) nor shown
 SECRET_OPTIONS = ("wandb_api_key", "huggingface_token")
 ALIASES: dict[str, str] = {a: o.name for o in OPTIONS for a in o.aliases}
@@ -949,10 +1000,6 @@ SD_SCRIPTS_NAMES: tuple[SdScriptsName, ...] = (
        "is loaded and run as the other text encoders are"),
     _n("t5xxl_device", "value", _IGN, "marked [DOES NOT WORK] in sd-scripts, which ignores it; T5-XXL "
        "is placed as the other text encoders are"),
-    # sd-scripts' Anima scripts (anima_train_network.py, anima_train.py; docs/MODELS.md "Anima")
-    *(_n(k, "value", _REJ, "Anima's per-part learning rate of full fine-tuning (sd-scripts' anima_train.py), "
-         "which is not built here (train_lora trains an Anima LoRA at learning_rate / unet_lr)")
-      for k in ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")),
 )
 
 SD_SCRIPTS_BY_NAME: dict[str, SdScriptsName] = {n.name: n for n in SD_SCRIPTS_NAMES}
@@ -1076,9 +1123,7 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("noise_offset_type", "ldf", "ignore", "chooses which noise keys the GUI writes "
            "(noise_offset / adaptive_noise_scale for Original, multires_noise_* for Multires), and "
            "those keys are honoured; sd-scripts defines no such option"),
-    GuiKey("vae_chunk_size", "lf", "ignore", "Anima's VAE chunk size (written with the Anima box, "
-           "when not 0): memory only in sd-scripts, the same latents; the VAE encodes whole images "
-           "here"),
+    GuiKey("vae_chunk_size", "lf", "option"),  # Anima's (the GUI writes it with its Anima box)
     GuiKey("show_timesteps", "ldf", "ignore", "displays the FLUX/SD3 timestep distribution; "
            "sd-scripts' SD scripts do not define it"),
     GuiKey("show_timesteps_resolution", "ldf", "ignore", "see show_timesteps"),
@@ -1097,8 +1142,8 @@ GUI_KEYS: tuple[GuiKey, ...] = (
     GuiKey("sigmoid_scale", "lf", "option"),  # written with the Anima and Lumina boxes
     *(GuiKey(n, "lf", "option") for n in  # Anima: library/models/families/anima/
       "qwen3 qwen3_max_token_length llm_adapter_path t5_tokenizer_path t5_max_token_length".split()),
-    *_gui_family("attn_mode split_attn vae_disable_cache "
-                 "unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
+    *(GuiKey(n, "lf", "option") for n in "attn_mode split_attn vae_disable_cache".split()),  # Anima
+    *_gui_family("unsloth_offload_checkpointing qwen_image_vae_2d compile compile_backend "
                  "compile_mode compile_dynamic compile_fullgraph compile_cache_size_limit",
                  "lf", "Anima", trained=True),
     *(GuiKey(n, "lf", "option") for n in  # Lumina 2: library/models/families/lumina/

@@ -35,6 +35,10 @@ class Options:
     t5_tokenizer_path: str | None = ...  # default None
     qwen3_max_token_length: int | None = ...  # default None
     t5_max_token_length: int | None = ...  # default None
+    attn_mode: str | None = ...  # default None
+    split_attn: bool = ...  # default False
+    vae_chunk_size: int | None = ...  # default None
+    vae_disable_cache: bool = ...  # default False
     apply_lg_attn_mask: bool = ...  # default False
     apply_t5_attn_mask: bool = ...  # default False
     clip_l_dropout_rate: float = ...  # default 0.0
@@ -48,6 +52,7 @@ class Options:
     system_prompt: str = ...  # default ''
     use_flash_attn: bool = ...  # default False
     use_sage_attn: bool = ...  # default False
+    sample_batch_size: int | None = ...  # default None
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False
@@ -129,6 +134,11 @@ class Options:
     learning_rate_te2: float | None = ...  # default None
     learning_rate_te3: float | None = ...  # default None
     block_lr: list[float] | None = ...  # default None
+    llm_adapter_lr: float | None = ...  # default None
+    self_attn_lr: float | None = ...  # default None
+    cross_attn_lr: float | None = ...  # default None
+    mlp_lr: float | None = ...  # default None
+    mod_lr: float | None = ...  # default None
     lr_scheduler: str = ...  # default 'constant'
     lr_warmup_steps: int | float = ...  # default 0
     lr_decay_steps: int | float = ...  # default 0

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from library.config.parse import required
 from library.errors import UserError
 from library.models.families import registry
-from library.models.modelspec import BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, modelspec_architecture
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
@@ -37,7 +36,8 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
                    num_train_images: int, num_reg_images: int, train_items, started_at: float,
                    network_info: dict | None = None, variant: str = "") -> dict:
     """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a flow family's model's (its home's ``metadata_fields``; "" for the SD families)."""
+    a flow family's model's (its home's ``metadata_fields``; "" for the SD families, whose homes take
+    the prediction type from ``v_parameterization``)."""
     w, h = required(opts.resolution, "resolution")
     names = _family_fields(family, v_parameterization, adapter, variant)
     md = _run_fields(opts, family, started_at, names)
@@ -112,12 +112,10 @@ def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, netwo
 def _family_fields(family: str, v_parameterization: bool, adapter: str | None, variant: str) -> dict:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type (absent:
     the family writes none, as FLUX.1), and a family's own keys (Chroma's ss_model_type)."""
-    if registry.get(family).home is None:  # the SD families' strings (library/models/modelspec.py)
-        return {"ss_base_model_version": BASE_MODEL_VERSION[family],
-                "modelspec.architecture": modelspec_architecture(family, v_parameterization, adapter),
-                "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
-                "modelspec.prediction_type": "v" if v_parameterization else "epsilon"}
-    return registry.home(family).metadata_fields(variant, adapter)  # sd-scripts' values, from its home
+    # sd-scripts' values, from its home; a DDPM model's "variant" is its prediction type
+    if registry.get(family).flow is None:
+        variant = "v" if v_parameterization else "epsilon"
+    return registry.home(family).metadata_fields(variant, adapter)
 
 
 def _run_fields(opts: Options, family: str, started_at: float, names: dict) -> dict:

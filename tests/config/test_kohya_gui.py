@@ -26,9 +26,8 @@ REJECTED = {
     "lora/iA3-Prodigy-sd15": "algo=ia3",
     "lora/ia3-sd15": "algo=ia3",
 }
-# Presets that load but cannot train here: the run stops with one line. Anima's full fine-tune
-# (sd-scripts' anima_train.py, which the fine-tune tab runs) is not built yet.
-TRAIN_REJECTED = {"finetune/GUI defaults anima": "does not train Anima here yet"}
+# Presets that load but cannot train here: the run stops with one line (none today).
+TRAIN_REJECTED: dict[str, str] = {}
 
 
 def _cases():

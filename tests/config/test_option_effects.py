@@ -228,6 +228,12 @@ REFERENCE = {
     "t5_tokenizer_path": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
     "qwen3_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
     "t5_max_token_length": T + "training/test_anima_lora.py::test_anima_trains_from_files_and_its_text_lengths_matter",
+    "attn_mode": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
+    "split_attn": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
+    "vae_chunk_size": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
+    "vae_disable_cache": T + "training/test_anima_train.py::test_memory_options_reach_the_model_and_keep_the_loss",
+    **{name: T + "training/test_anima_train.py::test_two_sgd_steps_are_plain_sgd_per_part"
+       for name in ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")},
     "model_type": T + "config/test_sd_scripts_flow_options.py::test_model_type_names_the_family_the_weights_must_be",
     "ae": T + "training/test_flux_train.py::test_flux_trains_from_single_files",
     "clip_g": T + "training/test_flux_train.py::test_flux_unsupported_options_fail_before_loading",  # refused for FLUX
@@ -239,6 +245,7 @@ REFERENCE = {
     "gemma2": T + "models/test_lumina_loading.py::test_single_file_with_gemma2_and_ae",
     "gemma2_max_token_length": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
     "system_prompt": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
+    "sample_batch_size": T + "training/test_lumina_sampling.py::test_sample_batch_size_groups_like_prompts_and_keeps_each_images_seed",
     "use_flash_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
     "use_sage_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
     # SD3's text-encoder dropout (flow-te)

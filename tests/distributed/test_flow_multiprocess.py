@@ -154,7 +154,7 @@ def _close(a: dict, b: dict, what: str):
 def _moved(family: str, w: dict) -> int:
     """How many tensors the run moved from the initial weights."""
     if family == "flux":
-        from library.models.tiny_flux import build_tiny_flux
+        from library.models.families.flux.tiny_flux import build_tiny_flux
 
         start = build_tiny_flux("dev")["transformer"].state_dict()
     elif family == "lumina":
@@ -162,7 +162,7 @@ def _moved(family: str, w: dict) -> int:
 
         start = tiny.build_tiny_lumina()["transformer"].state_dict()
     else:
-        from library.models import sd3_builtins
+        from library.models.families.sd3 import sd3_builtins
 
         start = sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
     return sum(not torch.equal(start[k.removeprefix("unet.")], v) for k, v in w.items())
@@ -179,8 +179,8 @@ def test_one_gloo_job_of_two_processes(flow_job):
     steps = {s for s, _, _ in flow_job["ranks"]["sd3"][0]["micro_steps"]}
     assert steps == {0, 1, 2}
     # one FSDP unit per transformer block, and the transformer
-    from library.models import sd3_builtins
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.sd3 import sd3_builtins
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     flux = build_tiny_flux("dev")["transformer"]
     from library.models.families.lumina import tiny
@@ -227,7 +227,7 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
     if family in ("flux", "lumina"):  # the transformer's own key layout
         saved = read(path)[0]
     else:
-        from library.models import sd3_checkpoint
+        from library.models.families.sd3 import sd3_checkpoint
 
         saved = dict(sd3_checkpoint.load_sd3(path).mmdit.named_parameters())
     assert {f"unet.{k}" for k in saved} == set(w)

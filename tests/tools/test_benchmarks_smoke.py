@@ -114,7 +114,9 @@ def test_flux_benchmark_weights_load(tmp_path):
     FLUX.1 dev's shapes."""
     from safetensors import safe_open
 
-    from library.models import flux, flux_ae, flux_loading, t5, tiny_models
+    from library.models import t5
+    from library.models.families.sd_common import tiny_models
+    from library.models.families.flux import flux, flux_ae, flux_loading
 
     weights = _load("flux_weights")
     configs = dict(transformer=flux.TINY_FLUX_DEV, clip_config=tiny_models.text_encoder_configs("sd15")[0],
@@ -579,6 +581,33 @@ def test_sd_scripts_lumina_check_without_sd_scripts(tmp_path, capsys):
     with torch.no_grad():
         assert torch.equal(model(io["x"], io["t"], io["cap"], io["mask"]), io["out"])
     assert not torch.allclose(io["out"], io["out_lora"])
+
+
+def test_sd_scripts_anima_check_without_sd_scripts(tmp_path, capsys):
+    """benchmarks/sd_scripts_anima_check.py: a folder that is not an sd-scripts checkout is one line
+    and exit 2; our side's files load back (the DiT strict from the released layout, the outputs of
+    both forwards, the groups of the rates sent, the metadata of our LoRA file)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from library.models.families.anima import weights
+
+    check = _load("sd_scripts_anima_check")
+    assert check.main(["--sd-scripts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sd-scripts") and "\n" not in err
+    config = check.write_inputs(str(tmp_path))
+    dit = weights.load_dit(str(tmp_path / "dit.safetensors"))
+    assert (dit.config.model_channels, dit.config.adapter.vocab_size) == (config["model_channels"],
+                                                                   config["adapter"]["vocab_size"])
+    io = load_file(str(tmp_path / "io.safetensors"))
+    with torch.no_grad():
+        out = dit(io["x"], io["sigma"], io["states"], io["t5_ids"], io["t5_mask"], io["q_mask"])
+    assert torch.equal(out, io["out"]) and not torch.allclose(io["out"], io["out_lora"])
+    groups = json.loads((tmp_path / "groups.json").read_text())
+    assert set(groups["lr"].values()) == {1e-2, 2e-2, 5e-3, 3e-3} and all(".mlp." in n for n in groups["frozen"])
+    assert json.loads((tmp_path / "metadata.json").read_text())["modelspec.architecture"] == "anima-preview/lora"
 
 
 def test_text_cache_rate_encodes_every_caption(capsys):

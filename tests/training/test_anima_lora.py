@@ -5,6 +5,7 @@ velocity; the DiT takes sigma; the samples' shifted linear schedule), and the re
 weight loads; a sample image."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -47,8 +48,10 @@ def test_anima_lora_trains_with_caches_and_writes_sd_scripts_layout(dataset, tmp
     assert all(float(sd[k].abs().max()) > 0 for k in sd if k.endswith("lora_up.weight"))  # every module trained
     assert (meta["ss_network_module"], meta["ss_base_model_version"], meta["modelspec.architecture"],
             meta["ss_timestep_sampling"], meta["ss_discrete_flow_shift"]) == \
-        ("networks.lora_anima", "anima", "stable-diffusion-v1/lora", "sigmoid", "1.0")
+        ("networks.lora_anima", "anima", "anima-preview/lora", "sigmoid", "1.0")
     assert "ss_model_prediction_type" not in meta  # sd-scripts' Anima trainer records none
+    assert (meta["modelspec.implementation"], meta["modelspec.prediction_type"]) == \
+        ("https://huggingface.co/circlestone-labs/Anima", "epsilon")  # sd-scripts 48d368fa's sai_model_spec
     # Qwen3 frozen, the caches on disk beside the images
     assert not any(p.requires_grad for p in run.parts.bundle.text_encoders[0].parameters())
     cache = os.path.join(dataset, "2_sks shape", ".sdcache")
@@ -119,6 +122,10 @@ def test_anima_flow_rules_against_float64():
     # another family's own option (Lumina 2's), though Anima's folder names no other family
     (["--gemma2", "g.safetensors"], "gemma2: not with the Anima model tiny-anima: a Lumina 2 option"),
     (["--system_prompt", "x"], "system_prompt: not with the Anima model tiny-anima: a Lumina 2 option"),
+    # attn_mode's kernels: sageattn cannot train; flash / xformers need CUDA and their package
+    (["--attn_mode", "sageattn"], "attn_mode sageattn: sageattention has no backward pass"),
+    pytest.param(["--attn_mode", "flash"], "attn_mode flash: ", marks=pytest.mark.skipif(
+        torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None, reason="flash_attn runs here")),
 ])
 def test_anima_refusals_are_one_line(dataset, tmp_path, run_script, extra, message):
     rc, _, err = run_script("train_lora", anima_args(dataset, str(tmp_path / "o"), *extra))
@@ -136,10 +143,11 @@ def test_other_family_lora_and_methods_are_refused(dataset, tmp_path, run_script
     # refused from the file's header, before the model loads
     assert rc == 2 and "lora_unet_double_blocks_0_img_attn_qkv is no module of an Anima LoRA" in err, err
     assert "network_module: unset" in err and "transformer LoRA modules" not in err
-    rc, _, err = run_script("finetune", ["--pretrained_model_name_or_path", "tiny-anima", "--train_data_dir", dataset,
-                                         "--output_dir", str(tmp_path / "f"), "--resolution", "64",
-                                         "--max_train_steps", "1"])
-    assert rc == 2 and "train_lora trains it" in err, err
+    rc, _, err = run_script("train_textual_inversion", ["--pretrained_model_name_or_path", "tiny-anima",
+                                                        "--train_data_dir", dataset, "--output_dir", str(tmp_path / "f"),
+                                                        "--resolution", "64", "--max_train_steps", "1",
+                                                        "--token_string", "sks", "--init_word", "shape"])
+    assert rc == 2 and "does not train Anima" in err, err
     rc, _, err = run_script("train_lora", ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
                                            "--output_dir", str(tmp_path / "g"), "--qwen3", str(tmp_path),
                                            "--max_train_steps", "1", "--resolution", "64"])

@@ -16,7 +16,9 @@ _SD3 = "an SD3 option (sd-scripts' anima scripts do not define it)"
 _SWAP = "block swapping is not built for Anima's DiT here (sd-scripts' blocks_to_swap)"
 # the options only Anima reads (library/config/options.py); the other flow families refuse them
 # with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
-OWN_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length")
+PART_RATES = ("llm_adapter_lr", "self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr")  # anima_train.py's
+OWN_OPTIONS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length",
+               "attn_mode", "split_attn", "vae_chunk_size", "vae_disable_cache", *PART_RATES)
 REFUSED_ELSEWHERE = {name: "an Anima option (sd-scripts' anima scripts)" for name in OWN_OPTIONS}
 _BOUNDS = "Anima draws its noise level by timestep_sampling (sd-scripts' Anima trainer ignores the timestep bounds)"
 
@@ -34,6 +36,7 @@ FLOW = FlowSpec(
     # velocity (sd-scripts' Anima trainer has no model_prediction_type)
     option_defaults=(("timestep_sampling", "sigmoid"), ("discrete_flow_shift", 1.0),
                      ("model_prediction_type", "raw")),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(
@@ -63,7 +66,7 @@ FAMILY = Family(
         "num_last_block_to_freeze": _SD3,
         "blocks_to_swap": _SWAP, "split_mode": _SWAP, "double_blocks_to_swap": _SWAP,
         "single_blocks_to_swap": _SWAP,
-        "blockwise_fused_optimizers": "full fine-tuning's per-block optimizers; Anima trains as a LoRA here",
+        "blockwise_fused_optimizers": "FLUX.1 / SD3's per-block optimizers (sd-scripts' anima_train.py has none)",
         "weighted_captions": "weights CLIP token states; Anima's Qwen3 prompts are not weighted (sd-scripts has "
                              "no weighted captions for Anima)",
     },

@@ -117,6 +117,7 @@ class AnimaModel:
     identity: str
     vae_identity: str
     variant: str = "preview"  # sd-scripts' Anima model is "anima-preview"
+    layout: str = "single_file"  # a full fine-tune saves the released single file (home.save_full)
 
 
 def is_source(name_or_path: str | None) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 
 from library.errors import ModelError
 from library.models import block_checkpoint
+from library.models.families.anima import attention
 
 PREFIX = "net."  # the DiT's keys in the released file (ComfyUI's layout); sd-scripts strips it
 LATENT_CHANNELS = 16
@@ -169,6 +170,8 @@ class Attention(nn.Module):
     def __init__(self, query_dim: int, context_dim: int | None, n_heads: int, head_dim: int):
         super().__init__()
         self.is_selfattn = context_dim is None
+        self.kernel: str | None = None  # attn_mode's kernel, split_attn (attention.configure)
+        self.split = False
         _projections(self, query_dim, query_dim if context_dim is None else context_dim, n_heads, head_dim,
                      RMSNorm, "output_proj")
 
@@ -183,7 +186,7 @@ class Attention(nn.Module):
             cos, sin = (r[None, :, None, :].to(q.dtype) for r in rope)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        out = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = attention.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kernel, self.split)
         return self.output_proj(out.transpose(1, 2).reshape(b, -1, self.n_heads * self.head_dim))
 
 

@@ -10,12 +10,11 @@ Without the package or CUDA the option is refused with one line.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from library.errors import UserError
+from library.models import kernels
 
 
 class AttentionError(UserError, ValueError):
@@ -31,12 +30,7 @@ def check(use_flash_attn: bool, use_sage_attn: bool, cuda: bool | None = None) -
                                      (use_sage_attn, "sage", "sageattention", "sageattention")):
         if not flag:
             continue
-        if not cuda:
-            raise AttentionError(f"use_{name}_attn: {package}'s kernels run on CUDA only; this run has no CUDA "
-                                 "device (drop the option: SDPA is used)")
-        if importlib.util.find_spec(package) is None:
-            raise AttentionError(f"use_{name}_attn: the {package} package is not installed (pip install {pip}), "
-                                 "or drop the option (SDPA is used)")
+        kernels.require(f"use_{name}_attn", package, pip, "drop the option: SDPA is used", AttentionError, cuda)
         return name
     return None
 
