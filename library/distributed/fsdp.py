@@ -6,7 +6,8 @@ data parallelism, and the toolkit never hands its model to ``accelerator.prepare
 
 - ``shard(accelerator, modules, groups)`` (set-up, by the FSDP strategy of library/distributed/strategy.py,
   before the optimizer exists): ``fully_shard`` on each
-  U-Net block (down, mid, up; FLUX.1's double/single-stream blocks; SD3's joint blocks), then on
+  U-Net block (down, mid, up; FLUX.1's double/single-stream blocks; SD3's joint blocks; Lumina 2's
+  refiners and joint layers), then on
   the U-Net (transformer) itself; for each trained text encoder on each
   transformer layer, then on the encoder. The mesh is one dimension over the run's process group
   (gloo on CPU, NCCL on CUDA). Every parameter becomes a ``DTensor`` sharded on dim 0 (each
@@ -96,8 +97,11 @@ def check_launch_environment() -> None:
 
 # -- sharding -------------------------------------------------------------------------------------
 # the FSDP units of a flow-matching transformer: FLUX.1's double- and single-stream blocks, SD3's
-# joint blocks (library/models/families/flux/flux.py, library/models/families/sd3/sd3.py); the embedders and final layer stay in the root unit
-TRANSFORMER_BLOCKS = ("double_blocks", "single_blocks", "joint_blocks")
+# joint blocks (library/models/families/flux/flux.py, library/models/families/sd3/sd3.py), Lumina 2's
+# refiners and joint layers (its nextdit.py), Anima's DiT blocks (its model.py); the embedders and
+# final layer stay in the root unit
+TRANSFORMER_BLOCKS = ("double_blocks", "single_blocks", "joint_blocks", "noise_refiner", "context_refiner",
+                      "layers", "blocks")
 def _blocks(root, kind: str) -> list:
     """The submodules that become FSDP units of one root (U-Net or text encoder), in order."""
     if kind == "unet" and not hasattr(root, "down_blocks"):  # FLUX.1's / SD3's transformer

@@ -1,7 +1,7 @@
-"""FLUX.1 and SD3 full fine-tuning on two CPU processes (gloo), one launch for all of it.
+"""FLUX.1, SD3, Lumina 2 and Anima full fine-tuning on two CPU processes (gloo), one launch for all of it.
 
 One ``accelerate launch --multi_gpu --num_processes 2`` of this file's worker runs, in the same
-job, seven 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
+job, nine 3-step fine-tunes of batch 1 per process (3 images, global batch 2: the second step of
 each epoch has one sample, so rank 1 has an empty share and runs a zero-weight forward where the
 strategy needs every process):
 
@@ -12,6 +12,9 @@ strategy needs every process):
                 gradient checkpointing (each block's recompute all-gathers it again)
     sd3_zero2   ``deepspeed`` ZeRO stage 2 (the run's own options on a plain launch)
     flux_zero2  likewise for FLUX.1
+    lumina_fsdp ``fsdp`` on Lumina 2 (lumina_train.py): one unit per refiner and joint layer, then
+                the transformer; EMA
+    anima_fsdp  ``fsdp`` on Anima (anima_train.py): one unit per DiT block, then the DiT; EMA
 
 Each rank reports its world size, logs and (gathered) weights. The tests check: one gloo job of
 world size 2; SD3 2 processes x batch 1 bit-identical to 1 process x batch 1 x accumulation 2 and
@@ -32,7 +35,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODELS = {"sd3": "tiny-sd3", "flux": "tiny-flux"}
+MODELS = {"sd3": "tiny-sd3", "flux": "tiny-flux", "lumina": "tiny-lumina", "anima": "tiny-anima"}
 # name -> (family, strategy options)
 EMA = ["--ema_decay", "0.5"]
 RUNS = {"sd3": ("sd3", ["--save_every_n_steps", "2", "--save_state"]),
@@ -40,7 +43,8 @@ RUNS = {"sd3": ("sd3", ["--save_every_n_steps", "2", "--save_state"]),
         "flux": ("flux", []), "sd3_fsdp": ("sd3", ["--fsdp", *EMA]),
         "flux_fsdp": ("flux", ["--fsdp", *EMA, "--gradient_checkpointing"]),
         "sd3_zero2": ("sd3", ["--deepspeed", "--zero_stage", "2"]),
-        "flux_zero2": ("flux", ["--deepspeed", "--zero_stage", "2"])}
+        "flux_zero2": ("flux", ["--deepspeed", "--zero_stage", "2"]),
+        "lumina_fsdp": ("lumina", ["--fsdp", *EMA]), "anima_fsdp": ("anima", ["--fsdp", *EMA])}
 
 
 def flow_args(family: str, data: str, out: str, *extra) -> list[str]:
@@ -133,7 +137,9 @@ def flow_job(tmp_path_factory):
     refs = {}
     for name, family, split in (("sd3_bs2", "sd3", ["--train_batch_size", "2", *EMA]),
                                 ("sd3_ga2", "sd3", ["--gradient_accumulation_steps", "2"]),
-                                ("flux_bs2", "flux", ["--train_batch_size", "2", *EMA])):
+                                ("flux_bs2", "flux", ["--train_batch_size", "2", *EMA]),
+                                ("lumina_bs2", "lumina", ["--train_batch_size", "2", *EMA]),
+                                ("anima_bs2", "anima", ["--train_batch_size", "2", *EMA])):
         ref_out = str(tmp_path_factory.mktemp(name))
         ref = train_in_process(flow_args(family, data, ref_out, *split), script="finetune")
         refs[name] = {"run": ref["run"], "weights": _weights(ref["run"]), "out": ref_out}
@@ -153,6 +159,14 @@ def _moved(family: str, w: dict) -> int:
         from library.models.families.flux.tiny_flux import build_tiny_flux
 
         start = build_tiny_flux("dev")["transformer"].state_dict()
+    elif family == "lumina":
+        from library.models.families.lumina import tiny
+
+        start = tiny.build_tiny_lumina()["transformer"].state_dict()
+    elif family == "anima":
+        from library.models.families.anima import tiny as anima_tiny
+
+        start = anima_tiny.build()["dit"].state_dict()
     else:
         from library.models.families.sd3 import sd3_builtins
 
@@ -175,8 +189,14 @@ def test_one_gloo_job_of_two_processes(flow_job):
     from library.models.families.flux.tiny_flux import build_tiny_flux
 
     flux = build_tiny_flux("dev")["transformer"]
-    units = {len(sd3_builtins.build_builtin("tiny-sd3")["mmdit"].joint_blocks) + 1,
-             len(flux.double_blocks) + len(flux.single_blocks) + 1}
+    from library.models.families.anima import tiny as anima_tiny
+    from library.models.families.lumina import tiny
+
+    lumina = tiny.build_tiny_lumina()["transformer"]
+    units = [len(sd3_builtins.build_builtin("tiny-sd3")["mmdit"].joint_blocks) + 1,
+             len(flux.double_blocks) + len(flux.single_blocks) + 1,
+             len(lumina.noise_refiner) + len(lumina.context_refiner) + len(lumina.layers) + 1,
+             len(anima_tiny.build()["dit"].blocks) + 1]
     for n in units:
         assert f"fsdp: unet sharded across 2 processes ({n} FSDP units" in flow_job["stderr"], n
     assert "ZeRO stage 2 over 2 process(es)" in flow_job["stderr"]
@@ -196,7 +216,7 @@ def test_sd3_two_processes_equal_accumulation_and_batch_2(flow_job):
         assert ranks[0]["loss_log"] == pytest.approx(ref.progress.loss_log, rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "lumina", "anima"])
 def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
     name, ref = f"{family}_fsdp", flow_job["refs"][f"{family}_bs2"]
     r0, r1 = (r["shards"] for r in flow_job["ranks"][name])
@@ -212,8 +232,15 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
     assert _moved(family, w) > len(w) // 2
     # the saved file: gathered from the shards, in the family's layout, equal to the weights
     path = os.path.join(flow_job["out"], name, "last.safetensors")
-    if family == "flux":
+    if family in ("flux", "lumina"):  # the transformer's own key layout
         saved = read(path)[0]
+    elif family == "anima":  # the released layout: the DiT's keys under net., its buffers too
+        from library.models.families.anima import tiny as anima_tiny
+
+        saved = {k.removeprefix("net."): v for k, v in read(path)[0].items()}
+        buffers = {k for k in saved if f"unet.{k}" not in w}
+        assert buffers and buffers <= set(dict(anima_tiny.build()["dit"].named_buffers())), buffers
+        saved = {k: v for k, v in saved.items() if k not in buffers}
     else:
         from library.models.families.sd3 import sd3_checkpoint
 

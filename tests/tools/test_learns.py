@@ -170,7 +170,11 @@ class _ExactFlow:
 
     def __init__(self, family, mu, sign=1.0, unit=None):
         self.family, self.mu, self.sign = family, mu, sign
-        self.unit = unit if unit is not None else (1.0 if family == "flux" else 1000.0)
+        if unit is None:  # the family's timestep input: sigma times FlowSpec.timestep_scale
+            from library.models.families import registry
+
+            unit = registry.get(family).flow.timestep_scale
+        self.unit = unit
 
     def unet_forward(self, x, t, cond):
         sigma = (t.double() / self.unit).clamp(1e-6, 1.0).view(-1, 1, 1, 1)
@@ -180,10 +184,11 @@ class _ExactFlow:
         return (self.sign * (x.double() - x0) / sigma).to(x.dtype)
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "anima", "lumina"])
 def test_flow_exact_velocity_passes_and_planted_errors_fail(learns, setup, family):
     """The benchmark's verdict over the flow families' own sampler (flow_sampling: FLUX's shifted
-    20-step schedule, SD3's shift-3 30 steps) with the exact velocity of known data: it passes;
+    20-step schedule, SD3's shift-3 30 steps, Anima's shifted linear 30 steps, Lumina 2's shift-6 36
+    steps) with the exact velocity of known data: it passes;
     a negated velocity (a sign in the sampler or the target) fails, and so does FLUX's timestep
     input read as SD3's (sigma / 1000). Measured, not asserted: d 0.072 (FLUX) and 0.068 (SD3)
     exact; SD3's input read as FLUX's (1000 sigma as sigma, clamped at 1: the velocity toward the
@@ -205,8 +210,9 @@ def test_flow_exact_velocity_passes_and_planted_errors_fail(learns, setup, famil
     d, ok = run()
     assert ok and d < 2 * SPREAD, d
     assert not run(sign=-1.0)[1]
-    wrong_unit = run(unit=1000.0 if family == "flux" else 1.0)
-    if family == "flux":  # sigma read as a thousandth of itself: v = 0, the samples stay noise
+    sigma_input = registry.get(family).flow.timestep_scale == 1  # FLUX.1, Anima, Lumina 2 take sigma
+    wrong_unit = run(unit=1000.0 if sigma_input else 1.0)
+    if sigma_input:  # sigma read as a thousandth of itself: v = 0, the samples stay noise
         assert not wrong_unit[1]
 
 
@@ -301,12 +307,12 @@ def test_anima_unit_latents_and_lora_merge(learns, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "lumina"])
 def test_tiny_flow_models_learn(learns, tmp_path, name):
-    """The whole chain on tiny-flux (dev: guidance input 3.5; 400 steps) and tiny-sd3 (1000
-    steps), sampled with their own Euler sampler (4 samples instead of 8). Measured with 8 samples
-    (docs/SAMPLING_VALIDATION.md): ratio 0.46 (FLUX) and 0.16 (SD3), every sample nearest its own
-    caption's latent."""
+    """The whole chain on tiny-flux (dev: guidance input 3.5; 400 steps), tiny-sd3 (1000
+    steps) and tiny-lumina (lumina_train.py, 400 steps), sampled with their own Euler sampler (4
+    samples instead of 8). Measured (docs/SAMPLING_VALIDATION.md): ratio 0.46 (FLUX) and 0.16 (SD3)
+    with 8 samples, 0.457 (Lumina 2) with 4, every sample nearest its own caption's latent."""
     row = learns.run_family(name, str(tmp_path / name), k=1)
     print(learns.table([row]))  # shown by pytest -rA
     assert learns.learned(row["d_trained"], row["d_untrained"], row["d_noise"]), row

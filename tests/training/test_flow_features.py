@@ -16,7 +16,8 @@ tiny-flux / tiny-sd3, 64 px, one thread; EMA and resume also on tiny-chroma):
   bit-identical to the uninterrupted one: model and EMA files, and the final training state
   (weights, EMA, optimizer and scheduler state);
 - the non-finite guard: a NaN loss at step 2 stops the run (exit 3, one line), nothing
-  non-finite is written, and the state kept holds the weights after step 1.
+  non-finite is written, and the state kept holds the weights after step 1 (also Lumina 2's
+  fine-tune and Anima's LoRA).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from tests.training.test_ema import close, expected_ema, recorder  # noqa: F401 
 from tests.training.test_faults_nonfinite import assert_all_finite, assert_one_error_line, inject
 from tests.training import test_flux_train, test_sd3_train
 
-MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3", "chroma": "tiny-chroma"}
+MODELS = {"flux": "tiny-flux", "sd3": "tiny-sd3", "chroma": "tiny-chroma", "anima": "tiny-anima",
+          "lumina": "tiny-lumina"}
 # what the references of test_flux_train / test_sd3_train compute
 LOSS_ARGS = {"flux": ["--model_prediction_type", "raw"], "sd3": []}
 REFERENCE = {"flux": test_flux_train._reference_loss, "sd3": test_sd3_train._reference_loss}
@@ -157,16 +159,17 @@ def test_ema_and_sigint_resume(family, dataset, tmp_path, recorder):
             _same_stepper_state(*(torch.load(os.path.join(d, f), weights_only=True) for d in states))
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_nan_loss_stops_with_the_state_of_the_last_good_step(family, dataset, tmp_path, train):
+@pytest.mark.parametrize("family, script", [("flux", "finetune"), ("sd3", "finetune"), ("lumina", "finetune"),
+                                            ("anima", "train_lora")])  # Anima's fine-tune: anima_train.py's tests
+def test_nan_loss_stops_with_the_state_of_the_last_good_step(family, script, dataset, tmp_path, train):
     from library.outputs.train_state import named_trainable
 
-    rc, _, err, ref = train("finetune", flow_args(family, dataset, tmp_path / "ref", "--max_train_steps", "1"))
+    rc, _, err, ref = train(script, flow_args(family, dataset, tmp_path / "ref", "--max_train_steps", "1"))
     assert rc == 0, err
     good = {n: p.detach().clone() for n, p in named_trainable(ref.parts.method, ref.parts.bundle)}
     out = str(tmp_path / "out")
     with inject(2, "nan"):
-        rc, _, err, _ = train("finetune", flow_args(family, dataset, out, "--max_train_steps", "3",
+        rc, _, err, _ = train(script, flow_args(family, dataset, out, "--max_train_steps", "3",
                                                     "--save_every_n_steps", "1"))
     state = os.path.join(out, "last-step00000001-state")
     assert rc == 3, err[-3000:]

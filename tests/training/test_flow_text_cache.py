@@ -2,7 +2,8 @@
 a cached run trains the same weights as an uncached one (SGD, one thread; the cache holds what the
 step would compute: FLUX.1's T5 states, CLIP-L pooled and T5 mask, SD3's context and pooled); a
 second run over the same data loads every entry from disk; changing t5xxl_max_token_length (or
-apply_t5_attn_mask) misses, and the entries then hold the new length."""
+apply_t5_attn_mask) misses, and the entries then hold the new length. The same for Anima (LoRA)
+and Lumina 2 (fine-tune) with their own length options, their latents cached on disk beside."""
 from __future__ import annotations
 
 import glob
@@ -174,3 +175,55 @@ def test_the_key_follows_the_separate_encoder_files_and_the_family_parts(tmp_pat
     assert text_cache.encoder_identity(sd_bundle, "float32", None, None,
                                        extra=cache_stage._family_parts(opts, SimpleNamespace(cache_identity=dict))) == \
         text_cache.encoder_identity(sd_bundle, "float32", None, None)
+
+
+# Anima (a LoRA: its fine-tune is anima_train.py's) and Lumina 2 (lumina_train.py): the text
+# length option of each, two values; every other key the same as above
+OWN_FAMILIES = {"anima": ("tiny-anima", "train_lora", "--qwen3_max_token_length", ("16", "8")),
+                "lumina": ("tiny-lumina", "finetune", "--gemma2_max_token_length", ("16", "8"))}
+
+
+def _own_args(family, data, out, length, *extra):
+    model, _, option, _ = OWN_FAMILIES[family]
+    return ["--pretrained_model_name_or_path", model, "--train_data_dir", data, "--output_dir", out,
+            "--resolution", "64", "--max_train_steps", "2", "--learning_rate", "0.5", "--optimizer_type", "SGD",
+            "--cache_latents", "--seed", "7", "--train_batch_size", "2", option, length, *extra]
+
+
+@pytest.mark.parametrize("family", list(OWN_FAMILIES))
+def test_anima_and_lumina_cached_runs_equal_uncached_and_the_disk_cache_is_keyed(family, dataset, tmp_path, train):
+    """As for FLUX.1 and SD3: the cached run trains the uncached run's weights (within float32
+    roundoff of a batch-of-2 against a batch-of-1 encoding), a second run loads every entry, and
+    the family's text length option (Anima: qwen3_max_token_length; Lumina 2:
+    gemma2_max_token_length) misses and writes entries of the new length."""
+    from library.outputs.train_state import named_trainable
+
+    _, script, _, (length, other) = OWN_FAMILIES[family]
+    cache = str(tmp_path / "cache")
+
+    def run(out, *extra, length=length):
+        rc, out_text, err, r = train(script, _own_args(family, dataset, str(tmp_path / out), length, *extra))
+        assert rc == 0, err[-2000:]
+        lines = [line[line.index("text-encoder cache:"):] for line in (out_text + err).splitlines()
+                 if "text-encoder cache:" in line]
+        return {n: p.detach().clone() for n, p in named_trainable(r.parts.method, r.parts.bundle)}, r, lines
+
+    plain, p_run, _ = run("plain")
+    disk = ["--cache_text_encoder_outputs_to_disk", "--cache_latents_to_disk", "--cache_dir", cache]
+    cached, c_run, _ = run("cached", *disk)
+    assert p_run.parts.caches.text is None and c_run.parts.caches.text is not None
+    assert plain.keys() == cached.keys() and plain
+    for k in plain:
+        assert float((plain[k] - cached[k]).norm()) / max(float(cached[k].norm()), 1e-4) <= 1e-5, k
+    first = sorted(glob.glob(os.path.join(cache, "te-*.safetensors")))
+    assert len(first) == 2  # make_sample_dataset's two captions
+    assert len([f for f in os.listdir(cache) if not f.startswith("te-")]) == 2  # and its images' latents
+    one_step, _, lines = run("again", *disk, "--max_train_steps", "1")
+    assert lines == ["text-encoder cache: 2 caption(s), 2 loaded from disk, encoding 0"]
+    assert any(not torch.equal(one_step[k], cached[k]) for k in cached)  # the compared runs trained
+    _, _, lines = run("shorter", *disk, "--max_train_steps", "1", length=other)
+    assert lines == ["text-encoder cache: 2 caption(s), 0 loaded from disk, encoding 2"]
+    files = sorted(glob.glob(os.path.join(cache, "te-*.safetensors")))
+    assert len(files) == 4 and set(first) < set(files)
+    lengths = sorted(read(f)[0]["hidden_states"].shape[0] for f in files)
+    assert lengths == [int(other)] * 2 + [int(length)] * 2

@@ -254,7 +254,8 @@ class PatchEmbed(nn.Module):
 
 
 class Timesteps(nn.Module):
-    """[cos, sin] of t * exp(-ln(10000) i / (D/2)), float32."""
+    """[cos, sin] of t * exp(-ln(10000) i / (D/2)), computed in float32 (float64 for a float64 t) and
+    returned in t's dtype (sd-scripts' Timesteps returns its input's dtype)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -262,9 +263,11 @@ class Timesteps(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = self.dim // 2
-        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-        args = t.float()[:, None] * freqs[None]
-        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=dtype, device=t.device) / half)
+        args = t.to(dtype)[:, None] * freqs[None]
+        out = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return out.to(t.dtype) if t.is_floating_point() else out
 
 
 class TimestepEmbedding(nn.Module):

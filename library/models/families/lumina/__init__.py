@@ -29,8 +29,10 @@ FLOW = FlowSpec(
     size_multiple=16, packed_noise=False, t5_component="text_encoder",
     metadata_options=("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                       "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift"),
+    # lumina_train_util.apply_model_prediction_type returns a weighting for sigma_scaled alone, as
+    # FLUX.1's (tests/training/test_lumina_train.py recomputes its loss in float64)
+    weights_raw_loss=False,
     # lumina_train_util's defaults where they differ from FLUX.1's
-    weights_raw_loss=False,  # lumina_train_util weights the prediction as FLUX.1's
     option_defaults=(("timestep_sampling", "shift"), ("discrete_flow_shift", 6.0),
                      ("model_prediction_type", "raw")),
     sample_cfg_trunc_ratio=0.25, sample_renorm_cfg=1.0,  # lumina_train_util's prompt defaults (ctr, rcfg)
