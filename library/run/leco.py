@@ -127,7 +127,7 @@ def run(opts: Options) -> LecoRun:
         denoiser = Denoiser.of(b, family_model)
         progress = Progress()
         saved: list[str] = []  # the files written, in order
-        base_md = metadata.leco_metadata(opts, family=b.family, v_parameterization=b.v_parameterization,
+        base_md = metadata.leco_metadata(opts, model=metadata.ModelKind(b.family, b.v_parameterization, "lora"),
                                          network_info=method.info, settings=settings, started_at=started)
         targets = SaveTargets(bundle=b, method=method, params=method.trainable_parameters(),
                               named=train_state.named_trainable(method, b), ema=None,
