@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from library.models import flux  # noqa: E402
+from library.models.families.flux import flux  # noqa: E402
 from library.training.host_memory import resident_bytes, return_large_frees, trim_heap  # noqa: E402
 from library.training.memory_estimate import _SavedCounter  # noqa: E402
 

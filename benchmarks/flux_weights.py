@@ -29,7 +29,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from library.models import clip_l_file, flux, flux_ae, flux_checkpoint, t5  # noqa: E402
+from library.models import clip_l_file, t5  # noqa: E402
+from library.models.families.flux import flux, flux_ae, flux_checkpoint  # noqa: E402
 from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
 
 NAMES = {"model": "flux1-dev-random.safetensors", "clip_l": "clip_l-random.safetensors",

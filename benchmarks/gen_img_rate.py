@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from library.outputs import gen_options, generation  # noqa: E402
 
-MODELS = ("tiny-sd15", "tiny-sd2", "tiny-sdxl", "tiny-flux", "tiny-sd3")
+MODELS = ("tiny-sd15", "tiny-sd2", "tiny-sdxl", "tiny-flux", "tiny-sd3", "tiny-chroma", "tiny-anima", "tiny-lumina")
 
 
 def rate(model: str, images: int, steps: int, size: int, batch_size: int) -> float:

@@ -80,9 +80,9 @@ from library.models import family  # noqa: E402
 from library.models import flow_family  # noqa: E402
 from library.models import loading  # noqa: E402
 from library.models.families import registry  # noqa: E402
-from library.models import sd3_checkpoint  # noqa: E402
+from library.models.families.sd3 import sd3_checkpoint  # noqa: E402
 from library.models import sd_checkpoint  # noqa: E402
-from library.models import tiny_models  # noqa: E402
+from library.models.families.sd_common import tiny_models  # noqa: E402
 from library.training import flow_matching  # noqa: E402
 from library.training import flow_sampling  # noqa: E402
 from library.training import sampling  # noqa: E402

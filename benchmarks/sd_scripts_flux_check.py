@@ -53,7 +53,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import flux_weights, gpu, sd_scripts_launch  # noqa: E402
-from library.models import flux, t5  # noqa: E402
+from library.models import t5  # noqa: E402
+from library.models.families.flux import flux  # noqa: E402
 from library.models.loading import SHIPPED_TOKENIZER  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 

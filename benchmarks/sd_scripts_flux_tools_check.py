@@ -28,7 +28,8 @@ if ROOT not in sys.path:  # run as a script: make the repository root importable
     sys.path.insert(0, ROOT)
 
 from benchmarks.sd_scripts_tools_check import file_tools_runner, side_by_side  # noqa: E402
-from library.models import flux_checkpoint, sd3_checkpoint, sd3_vae, tiny_flux  # noqa: E402
+from library.models.families.flux import flux_checkpoint, tiny_flux  # noqa: E402
+from library.models.families.sd3 import sd3_checkpoint, sd3_vae  # noqa: E402
 
 
 SCRIPTS = ("networks/convert_flux_lora.py", "tools/convert_diffusers_to_flux.py", "tools/merge_sd3_safetensors.py")

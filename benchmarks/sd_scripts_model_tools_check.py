@@ -32,7 +32,7 @@ if ROOT not in sys.path:  # run as a script: make the repository root importable
 from benchmarks.sd_scripts_flux_tools_check import compare  # noqa: E402
 from benchmarks.sd_scripts_tools_check import Runner, file_tools_runner, last_error_line, side_by_side  # noqa: E402
 from library.models import checkpoint_merge, sd_checkpoint  # noqa: E402
-from library.models.tiny_models import build_tiny_components  # noqa: E402
+from library.models.families.sd_common.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora, lora_blocks  # noqa: E402
 
 SCRIPTS = ("tools/merge_models.py", "tools/convert_diffusers20_original_sd.py", "networks/svd_merge_lora.py",

@@ -37,7 +37,7 @@ if ROOT not in sys.path:  # run as a script: make the repository root importable
     sys.path.insert(0, ROOT)
 
 from library.models import sd_checkpoint  # noqa: E402
-from library.models.tiny_models import build_tiny_components  # noqa: E402
+from library.models.families.sd_common.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 

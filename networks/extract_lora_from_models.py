@@ -25,8 +25,6 @@ import torch  # noqa: E402
 
 from library.models.families import registry  # noqa: E402
 from library.models.loading import load_model_bundle  # noqa: E402
-from library.models.modelspec import (BASE_MODEL_VERSION, IMPL_DIFFUSERS,  # noqa: E402
-                                      IMPL_STABILITY_AI, modelspec_architecture)
 from networks import lora_svd  # noqa: E402
 from networks.lora import LoRAError, LoRANetwork  # noqa: E402
 
@@ -154,7 +152,8 @@ def run(args) -> None:
 
     family = org.family
     v_param = bool(args.v_parameterization) or org.v_parameterization
-    metadata = {"ss_v2": str(family == "sd2"), "ss_base_model_version": BASE_MODEL_VERSION[family],
+    fields = registry.home(family).metadata_fields("v" if v_param else "epsilon", "lora")  # its own strings
+    metadata = {"ss_v2": str(registry.get(family).v2_metadata), "ss_base_model_version": fields["ss_base_model_version"],
                 "ss_network_module": "networks.lora"}
     conv = f", conv_dim {args.conv_dim}" if args.conv_dim else ""
     metadata = lora_svd.add_comment(metadata, f"extracted by SVD from {os.path.basename(str(args.model_tuned))} - "
@@ -162,9 +161,8 @@ def run(args) -> None:
                                               f"clamp_quantile {args.clamp_quantile})")
     metadata = lora_svd.rank_metadata(modules, metadata)
     if not args.no_metadata:
-        metadata.update({"modelspec.architecture": modelspec_architecture(family, v_param, "lora"),
-                         "modelspec.implementation": IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS,
-                         "modelspec.prediction_type": "v" if v_param else "epsilon"})
+        metadata.update({k: fields[k] for k in ("modelspec.architecture", "modelspec.implementation",
+                                                "modelspec.prediction_type")})
         metadata = lora_svd.lora_modelspec(metadata, args.save_to)
     dtype = lora_svd.PRECISIONS[args.save_precision or "float"]
     lora_svd.save_lora(args.save_to, modules, metadata, dtype)

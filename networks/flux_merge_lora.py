@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from library.models import flux_checkpoint  # noqa: E402
+from library.models.families.flux import flux_checkpoint  # noqa: E402
 from networks import lora_flux, lora_svd, merge_lora  # noqa: E402
 from networks.lora import LoRAError, load_state_dict_file  # noqa: E402
 

@@ -4,7 +4,7 @@ kohya's layout (networks.lora_flux, sd-scripts), as sd-scripts' networks/convert
 ai-toolkit's file: ``transformer.<diffusers module>.lora_A.weight`` (down, rank x in) and
 ``.lora_B.weight`` (up, out x rank), no alpha (scale 1), the fused BFL projections kept apart
 (``attn.to_q`` / ``to_k`` / ``to_v``, a single block's ``proj_mlp``). The module map is the one the
-model loader uses between the BFL and diffusers layouts (library/models/flux_checkpoint.py).
+model loader uses between the BFL and diffusers layouts (library/models/families/flux/flux_checkpoint.py).
 
 kohya -> ai-toolkit (sd-scripts' arithmetic): the scale alpha / rank goes into the factors
 (into lora_A, balanced by powers of two with lora_B when it is below 1/2); a fused qkv / linear1
@@ -25,7 +25,7 @@ import re
 
 import torch
 
-from library.models import flux_checkpoint
+from library.models.families.flux import flux_checkpoint
 from networks.lora import LoRAError
 from networks.lora_svd import Module
 

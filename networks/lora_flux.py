@@ -1,6 +1,6 @@
 """LoRA for FLUX.1 in kohya's layout (the ``network_module`` of sd-scripts' ``networks/lora_flux.py``).
 
-Names are ``lora_unet_`` + the BFL module path (library/models/flux.py), dots as underscores, as
+Names are ``lora_unet_`` + the BFL module path (library/models/families/flux/flux.py), dots as underscores, as
 ComfyUI, Forge and diffusers' kohya converter read them; CLIP-L is ``lora_te1_text_model_...``,
 T5-XXL (``train_t5xxl``) ``lora_te3_encoder_block_...``.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from library.models import modelspec
+from library.models.families.flux import home
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -135,7 +135,7 @@ def all_targets(text_encoders, flux, args: dict[str, Any], dim: int, alpha: floa
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], ae,
                    text_encoders, flux, neuron_dropout: Optional[float] = None, **kwargs) -> lora_dit.DiTLoRANetwork:
     """sd-scripts' create_network of networks.lora_flux: text_encoders [CLIP-L, T5-XXL], flux the
-    BFL-layout transformer (library.models.flux.Flux)."""
+    BFL-layout transformer (library.models.families.flux.flux.Flux)."""
     return build_network(multiplier, network_dim, network_alpha, text_encoders, flux, neuron_dropout,
                          parse_network_args(kwargs))
 
@@ -163,4 +163,4 @@ def create_network_from_weights(multiplier: float, file: Optional[str], ae, text
 def file_metadata(variant: str) -> dict[str, str]:
     """The family's keys of a FLUX.1 LoRA file, as sd-scripts writes them (flux_train_network.py,
     library/sai_model_spec.py): variant "dev" or "schnell"."""
-    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("flux", variant, "lora")}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **home.metadata_fields(variant, "lora")}

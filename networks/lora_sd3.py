@@ -1,6 +1,6 @@
 """LoRA for SD3 / SD3.5 in kohya's layout (the ``network_module`` of sd-scripts' ``networks/lora_sd3.py``).
 
-Names are ``lora_unet_`` + the SAI module path (library/models/sd3.py), dots as underscores, as
+Names are ``lora_unet_`` + the SAI module path (library/models/families/sd3/sd3.py), dots as underscores, as
 ComfyUI and Forge read them: ``lora_unet_joint_blocks_N_{context_block,x_block}_{attn_qkv,
 attn_proj, mlp_fc1, mlp_fc2, adaLN_modulation_1}`` (SD3.5 medium also ``x_block_attn2_*``);
 CLIP-L ``lora_te1_``, CLIP-G ``lora_te2_``, T5-XXL (``train_t5xxl``) ``lora_te3_``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from library.models import modelspec
+from library.models.families.sd3 import home
 from networks import lora_dit
 from networks.lora import TEXT_ENCODER_TARGET_MODULES, LoRAError, load_state_dict_file
 from networks.lora_dit import Target
@@ -124,7 +124,7 @@ class SD3LoRANetwork(lora_dit.DiTLoRANetwork):
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae,
                    text_encoders, mmdit, neuron_dropout: Optional[float] = None, **kwargs) -> lora_dit.DiTLoRANetwork:
     """sd-scripts' create_network of networks.lora_sd3: text_encoders [CLIP-L, CLIP-G, T5-XXL],
-    mmdit the SAI-layout transformer (library.models.sd3.MMDiT)."""
+    mmdit the SAI-layout transformer (library.models.families.sd3.sd3.MMDiT)."""
     return build_network(multiplier, network_dim, network_alpha, text_encoders, mmdit, neuron_dropout,
                          parse_network_args(kwargs))
 
@@ -152,4 +152,4 @@ def file_metadata(variant: str) -> dict[str, str]:
     library/sai_model_spec.py): variant "sd3", "sd3.5-medium" or "sd3.5-large" (MMDiTConfig.variant).
     sd-scripts' modelspec for an SD3 LoRA says implementation "diffusers" and prediction type
     "epsilon" (its SD1 defaults); written the same so that tools reading them agree."""
-    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **modelspec.flow_fields("sd3", variant, "lora")}
+    return {"ss_network_module": NETWORK_MODULE, "ss_v2": "False", **home.metadata_fields(variant, "lora")}

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from library.errors import tool_main  # noqa: F401  (the LoRA tools' main: lora_svd.tool_main)
-from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, modelspec_architecture
+from library.models.families import registry
 from library.models.placement import parse_device  # noqa: F401  (the LoRA tools' --device, re-exported)
 from networks import lora_blocks
 from networks.adapter_weights import file_kinds
@@ -210,15 +210,25 @@ def title_of(path: str, metadata: dict[str, str]) -> str:
     return metadata.get("modelspec.title") or os.path.splitext(os.path.basename(path))[0]
 
 
+def _sd_family_of(base_model_version: str) -> str | None:
+    """The SD family whose files carry this ss_base_model_version (its home's metadata), or None."""
+    for fam in registry.FAMILIES.values():
+        if fam.flow is None and \
+                registry.home(fam.name).metadata_fields("epsilon", None)["ss_base_model_version"] == base_model_version:
+            return fam.name
+    return None
+
+
 def lora_modelspec(metadata: dict[str, str], save_to: str, merged_from: list[str] | None = None) -> dict[str, str]:
     """modelspec.* for a LoRA written by a tool: title and date of the new file, architecture from
     the inputs' ss_base_model_version / modelspec when known."""
     out = dict(metadata)
-    family = {"sd_v1": "sd1", "sd_v2": "sd2", "sdxl_base_v1-0": "sdxl"}.get(metadata.get("ss_base_model_version", ""))
+    family = _sd_family_of(metadata.get("ss_base_model_version", ""))
     if family is not None and "modelspec.architecture" not in out:
-        v = out.get("modelspec.prediction_type") == "v"
-        out["modelspec.architecture"] = modelspec_architecture(family, v, "lora")
-        out["modelspec.implementation"] = IMPL_STABILITY_AI if family == "sdxl" else IMPL_DIFFUSERS
+        prediction = "v" if out.get("modelspec.prediction_type") == "v" else "epsilon"
+        fields = registry.home(family).metadata_fields(prediction, "lora")  # the family's own strings
+        out["modelspec.architecture"] = fields["modelspec.architecture"]
+        out["modelspec.implementation"] = fields["modelspec.implementation"]
     out["modelspec.sai_model_spec"] = "1.0.0"
     out["modelspec.title"] = os.path.splitext(os.path.basename(save_to))[0]
     out["modelspec.date"] = datetime.datetime.now().isoformat(timespec="seconds")

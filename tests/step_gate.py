@@ -2,8 +2,8 @@
 events (a step of the run, and a command or signal from the test) instead of racing them.
 
     hold_at(n, until, report_dir=None)
-        in this process, at its n-th step read (library/training/step_sync.agree: once per step in
-        every process, after that step's control-file poll, before its stop decision), wait until
+        in this process, at its n-th step collective (library/training/step_sync.gather: once per step
+        in every process, after that step's control-file poll, before its stop decision), wait until
         ``until(signals)`` is true (120 s at most); with ``report_dir``, first write this
         process's pid to <report_dir>/waiting (atomically)
     hold_progress_at(n, until)
@@ -71,9 +71,9 @@ def hold_progress_at(n: int, until) -> None:
 def hold_at(n: int, until, report_dir: str | None = None) -> None:
     from library.training import step_sync
 
-    real, calls = step_sync.agree, []
+    real, calls = step_sync.gather, []
 
-    def agree(signals, device, loss_sum, norm=None, **kw):
+    def gather(signals, device, loss_sum, **kw):
         calls.append(1)
         if len(calls) == n:
             if report_dir is not None:
@@ -81,9 +81,9 @@ def hold_at(n: int, until, report_dir: str | None = None) -> None:
                     f.write(str(os.getpid()))
                 os.replace(os.path.join(report_dir, "waiting.tmp"), os.path.join(report_dir, "waiting"))
             _wait(until, signals)
-        return real(signals, device, loss_sum, norm, **kw)
+        return real(signals, device, loss_sum, **kw)
 
-    step_sync.agree = agree
+    step_sync.gather = gather
 
 
 INTERPRETER = """#!{python}

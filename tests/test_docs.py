@@ -41,6 +41,9 @@ NOT_OPTIONS = {
     "conv_in", "conv_out", "mid_block", "time_embed", "label_emb", "reverse_linear",
     # sample prompt-file options (`--n` negative prompt, `--w` width, ...; sd-scripts' syntax)
     "n", "w", "h", "d", "s", "l", "ss", "i", "g",
+    # Lumina 2's (`--ctr` CFG truncation ratio, `--rcfg` renorm factor) and diffusers' Lumina2Pipeline
+    # argument that differs from the latter
+    "ctr", "rcfg", "cfg_normalization",
     # gen_img's own prompt-line options (`--am` network multipliers, `--nl` negative scale)
     "am", "nl",
     # textual inversion's names of a multi-vector token's extra tokens
@@ -232,7 +235,7 @@ def test_paths_named_in_the_code_exist():
 
 def test_the_module_map_names_every_module():
     """docs/INTERNALS.md's module map names every module of library/ and networks/: by its path,
-    or by its file name in a row that names its folder (`library/models/flux_ae.py`, `t5.py`)."""
+    or by its file name in a row that names its folder (`library/models/t5.py`, `clip_l_file.py`)."""
     with open(os.path.join(ROOT, "docs", "INTERNALS.md"), encoding="utf-8") as fh:
         lines = fh.read().splitlines()
     missing = []

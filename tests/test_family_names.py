@@ -30,12 +30,6 @@ METHOD_NAMES = frozenset(method_kinds.KINDS)  # lora, dreambooth, finetune, text
 NOT_YET_HOME = {
     "library/models/loading.py": "sd1 / sd2 / sdxl (the diffusers and single-file loader)",
     "library/models/sd_checkpoint.py": "sd1 / sd2 / sdxl (single-file layouts)",
-    "library/models/modelspec.py": "every family's metadata strings",
-    "library/models/tiny_models.py": "sd1 / sd2 / sdxl (built-in tiny models)",
-    "library/models/embeddings.py": "sd1 / sdxl (embedding file keys)",
-    "library/models/sd3.py": "sd3 (the MMDiT; its variant names)",
-    "networks/lora_svd.py": "the LoRA tools' family from ss_base_model_version",
-    "networks/extract_lora_from_models.py": "the LoRA tools' family from --sdxl / --v2",
 }
 
 

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from library.models.tiny_models import _bytes_to_unicode
+from library.models.families.sd_common.tiny_models import _bytes_to_unicode
 
 BPE_MEMBER = "open_clip/bpe_simple_vocab_16e6.txt.gz"
 # The sentence and ids the result must reproduce (CLIP ViT-L/14 tokenizer).

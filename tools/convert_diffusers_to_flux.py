@@ -7,7 +7,7 @@
 transformer's shards (``diffusion_pytorch_model-00001-of-00003.safetensors``). The output is what
 ``flux1-dev.safetensors`` is (no ``model.diffusion_model.`` prefix), loadable as
 ``pretrained_model_name_or_path`` and in ComfyUI / Forge / diffusers' single-file loader. The
-conversion is library/models/flux_convert.py (the model loader's map and writer).
+conversion is library/models/families/flux/flux_convert.py (the model loader's map and writer).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.errors import UserError  # noqa: E402
-from library.models import flux_convert, fp8_storage  # noqa: E402
+from library.models import fp8_storage  # noqa: E402
+from library.models.families.flux import flux_convert  # noqa: E402
 
 
 def _parse_args(argv):

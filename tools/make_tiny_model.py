@@ -20,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from library.models import flux_saving, sd_checkpoint, tiny_flux, tiny_models  # noqa: E402
+from library.models import sd_checkpoint  # noqa: E402
+from library.models.families.sd_common import tiny_models  # noqa: E402
+from library.models.families.flux import flux_saving, tiny_flux  # noqa: E402
 
 
 def make_tiny_model(arch: str, out: str, inpaint: bool = False) -> tuple[str, str]:

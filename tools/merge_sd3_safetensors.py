@@ -5,7 +5,7 @@ file (sd-scripts' tools/merge_sd3_safetensors.py and its flags).
         --clip_l clip_l.safetensors --clip_g clip_g.safetensors --t5xxl t5xxl_fp16.safetensors \\
         --output sd3.5_large_all_in_one.safetensors [--save_precision bf16]
 
-The keys, checks and write: library/models/sd3_merge.py. The output loads as
+The keys, checks and write: library/models/families/sd3/sd3_merge.py. The output loads as
 ``pretrained_model_name_or_path`` without the separate files, and in ComfyUI, Forge and diffusers'
 single-file loaders.
 """
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     log.setup_logging(True)  # before diffusers imports bitsandbytes, whose optional-kernel notice it quiets
     # lazy: diffusers and transformers (about 5 s) are imported once the options are parsed, not for --help
-    from library.models import sd3_merge
+    from library.models.families.sd3 import sd3_merge
 
     files = {"dit": args.dit, "vae": args.vae, "clip_l": args.clip_l, "clip_g": args.clip_g, "t5xxl": args.t5xxl}
     try:

@@ -214,7 +214,7 @@ OPTIONS: tuple[Option, ...] = (
       "--clip_g_dropout_rate).", "model", scripts=NOT_TI, min=0, max=1),
     O("t5_dropout_rate", "float", 0.0, "SD3: likewise for T5's states (sd-scripts' --t5_dropout_rate); "
       "without T5 they are zeros anyway.", "model", scripts=NOT_TI, min=0, max=1),
-    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/sd3.py)
+    # SD3.5's position-embedding options (sd-scripts' sd3_train_utils; library/models/families/sd3/sd3.py)
     O("pos_emb_random_crop_rate", "float", 0.0, "SD3: probability that a training sample's "
       "position embedding is a random crop of the table (every offset alike) instead of its "
       "centre, drawn per sample and epoch (sd-scripts' --pos_emb_random_crop_rate, meant for "
@@ -243,6 +243,10 @@ OPTIONS: tuple[Option, ...] = (
       "(CUDA, the flash-attn package).", "model", scripts=NOT_TI),
     O("use_sage_attn", "bool", False, "Lumina 2: sageattention's kernel in no-grad forwards (samples, "
       "validation; it has no backward pass, so training forwards use SDPA).", "model", scripts=NOT_TI),
+    O("sample_batch_size", "int", None, "Lumina 2: sample prompts rendered together, up to this many "
+      "consecutive ones with the same size, steps, scale and CFG shaping, each image from its own seed's "
+      "noise (sd-scripts' lumina --sample_batch_size); unset = train_batch_size.", "logging", scripts=NOT_TI,
+      min=1),
     O("guidance_scale", "float", 3.5, "FLUX.1 dev: the distilled guidance input given to the "
       "transformer in training (sd-scripts' default 3.5); schnell has no guidance input.", "model",
       scripts=NOT_TI),
@@ -891,6 +895,30 @@ OPTIONS = tuple(replace(o, scripts=o.scripts + LECO) if o.name in LECO_OPTIONS e
                 for o in OPTIONS)
 
 OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# The run options gen_img.py takes under the same names: the model's separate parts, its text
+# settings and prediction type. A run's images (the UI's Compare panel, class images) pass the run's
+# own (``gen_img_flags``); the Generate page's "model parts" are the path-typed ones.
+GEN_IMG_RUN_OPTIONS = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path", "qwen3", "llm_adapter_path",
+                       "t5_tokenizer_path", "gemma2", "apply_t5_attn_mask", "t5xxl_max_token_length",
+                       "qwen3_max_token_length", "t5_max_token_length", "gemma2_max_token_length", "system_prompt",
+                       "v2", "v_parameterization")
+GEN_IMG_PARTS = tuple(n for n in GEN_IMG_RUN_OPTIONS if OPTIONS_BY_NAME[n].type == "path")
+
+
+def gen_img_flags(opts, path=lambda p: p) -> list[str]:
+    """gen_img.py's flags for the run options ``GEN_IMG_RUN_OPTIONS`` that ``opts`` sets: a switch
+    as ``--name``, a value as one ``--name=value`` argument (a text starting with '-' stays a value),
+    a path through ``path``."""
+    out = []
+    for name in GEN_IMG_RUN_OPTIONS:
+        value = getattr(opts, name)
+        if value is True:
+            out.append(f"--{name}")
+        elif value not in (None, False, ""):
+            out.append(f"--{name}={path(value) if OPTIONS_BY_NAME[name].type == 'path' else value}")
+    return out
+
+
 # Secrets: set for this process only, never written (saved config, state, metadata) nor shown
 SECRET_OPTIONS = ("wandb_api_key", "huggingface_token")
 ALIASES: dict[str, str] = {a: o.name for o in OPTIONS for a in o.aliases}

@@ -52,6 +52,7 @@ class Options:
     system_prompt: str = ...  # default ''
     use_flash_attn: bool = ...  # default False
     use_sage_attn: bool = ...  # default False
+    sample_batch_size: int | None = ...  # default None
     guidance_scale: float = ...  # default 3.5
     sdpa: bool = ...  # default True
     xformers: bool = ...  # default False

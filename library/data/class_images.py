@@ -6,8 +6,9 @@ fewer than ``num_class_images`` images gets the missing ones generated with the 
 training (library/outputs/class_images.py, through gen_img's ``Generator``), from its class
 prompt (the folder's class tokens). Image ``i`` (0, 1, ...) of a folder is drawn with seed
 ``seed + i``; its file is ``<cache>/class_images/<key>.png`` where the key is the sha256 of the
-base model's identity (``pretrained_model_name_or_path``, ``vae`` and a flow model's files: the path with each weights
-file's size and mtime, or a built-in / hub name), the prompt, the seed, the size, the sampler,
+base model's identity (``pretrained_model_name_or_path`` and the options gen_img renders with,
+``GEN_IMG_RUN_OPTIONS``: ``vae``, a flow model's files, Lumina 2's ``system_prompt``, ...; a path by
+each weights file's size and mtime, a built-in / hub name as it is), the prompt, the seed, the size, the sampler,
 steps and CFG scale. So a second run finds the same files and generates nothing; a changed
 setting names new files (the old ones stay). ``<cache>`` is the folder's ``.sdcache`` (or
 ``cache_dir``): the user's own images are never written, and the hidden folder is not scanned
@@ -24,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from library.config.options import GEN_IMG_RUN_OPTIONS
 from library.data import folders
 from library.errors import DataError
 
@@ -62,13 +64,15 @@ def _stat_identity(path: str) -> list:
 
 
 def model_identity(opts: Options) -> list:
-    """The base model's identity: built-in and hub names as they are, local paths by their files."""
+    """The base model's identity: built-in and hub names as they are, local paths by their files,
+    with the other run options gen_img renders them with (its parts, text settings: a Lumina 2
+    run's system_prompt)."""
     out = []
-    for name in ("pretrained_model_name_or_path", "vae", "clip_l", "clip_g", "t5xxl", "ae"):
+    for name in ("pretrained_model_name_or_path", *GEN_IMG_RUN_OPTIONS):
         value = getattr(opts, name)
-        if value and os.path.exists(os.path.expanduser(value)):
+        if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
             out.append([name, _stat_identity(value)])
-        elif value:
+        elif value not in (None, False, ""):
             out.append([name, value])
     return out
 

@@ -287,7 +287,7 @@ def _templates(opts: Options) -> tuple | None:
     if opts.script != "train_textual_inversion":
         return None
     # lazy: the training set (the plan) is built without torch
-    from library.models import embeddings  # torch: only for a textual-inversion run
+    from library.models.families.sd_common import embeddings  # torch: only for a textual-inversion run
     if opts.use_object_template and opts.use_style_template:
         raise DataError("use_object_template and use_style_template exclude each other")
     if not (opts.use_object_template or opts.use_style_template):

@@ -402,7 +402,8 @@ class DeepSpeedStepper:
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def backward(self, loss, last_micro_step: bool = True) -> None:
+    def backward(self, loss, last_micro_step: bool = True, loss_finite=None) -> None:
+        # loss_finite: unused (step() reads the loss before the engine steps)
         self.engine.set_gradient_accumulation_boundary(bool(last_micro_step))
         # DeepSpeed averages over the processes; the toolkit's losses are meant to be summed
         self.engine.backward(loss * self.processes, scale_wrt_gas=False)

@@ -96,7 +96,7 @@ def check_launch_environment() -> None:
 
 # -- sharding -------------------------------------------------------------------------------------
 # the FSDP units of a flow-matching transformer: FLUX.1's double- and single-stream blocks, SD3's
-# joint blocks (library/models/flux.py, sd3.py); the embedders and final layer stay in the root unit
+# joint blocks (library/models/families/flux/flux.py, library/models/families/sd3/sd3.py); the embedders and final layer stay in the root unit
 TRANSFORMER_BLOCKS = ("double_blocks", "single_blocks", "joint_blocks")
 def _blocks(root, kind: str) -> list:
     """The submodules that become FSDP units of one root (U-Net or text encoder), in order."""

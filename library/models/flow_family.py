@@ -7,7 +7,7 @@ bundle, the family model (tokenize / encode / forward) and the full-model save.
                                              (its home's ``claims``), else None (SD's loader)
     load_from_options(opts)                  ModelBundle (the home's ``load``), else the SD
                                              loader's bundle
-    family_model_for(bundle, opts, ...)      the home's ``family_model``, else family.family_model_for
+    family_model_for(bundle, opts, ...)      the home's ``family_model``
     save_full(bundle, path, dtype, metadata) the home's ``save_full``
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from library.errors import UserError
 from library.models import loading
 from library.models.families import registry
 from library.models.family import FamilyModel
-from library.models.family import family_model_for as sd_family_model_for
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
@@ -40,7 +39,7 @@ FLOW_OPTIONS = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "mo
                 "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "attn_mode", "split_attn",
                 "vae_chunk_size", "vae_disable_cache", "llm_adapter_lr", "self_attn_lr", "cross_attn_lr",
                 "mlp_lr", "mod_lr", "gemma2",
-                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+                "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn", "sample_batch_size")
 # options of the SD trainer this family does not honour (yet): name -> why
 UNSUPPORTED = {
     "v2": "the model is not SD2",
@@ -65,17 +64,17 @@ class FlowFamilyError(UserError, ValueError):
 def family_before_loading(name_or_path: str | None) -> str | None:
     """The flow family of a source, told from names, keys or configs (no weights read): a
     family's built-in name (when no such path exists), else the first family whose home
-    ``claims`` the path; None for the SD families' sources."""
+    ``claims`` the path (the SD families' homes claim none); None for the SD families' sources."""
     if not name_or_path:
         return None
     path = os.path.expanduser(str(name_or_path))
     if not os.path.exists(path):
         for fam in registry.FAMILIES.values():
-            if fam.home is not None and name_or_path in (*fam.tiny_models, *fam.arch_models):
+            if fam.flow is not None and name_or_path in (*fam.tiny_models, *fam.arch_models):
                 return fam.name
         return None
     for fam in registry.FAMILIES.values():
-        if fam.home is not None and registry.home(fam.name).claims(path):
+        if registry.home(fam.name).claims(path):
             return fam.name
     return None
 
@@ -92,8 +91,6 @@ def full_param_groups(bundle, opts: Options) -> tuple[list[dict], list[str]] | N
     """A full fine-tune's optimizer groups of the backbone and their names by the family's own rule:
     its home's optional ``param_groups(unet, opts)`` (base.OPTIONAL_HOOKS; Anima's per-part rates);
     None where it has none (one group at learning_rate)."""
-    if registry.of(bundle).home is None:
-        return None
     hook = getattr(registry.home(bundle.family), "param_groups", None)
     return None if hook is None else hook(bundle.unet, opts)
 
@@ -113,11 +110,7 @@ def load_from_options(opts: Options) -> loading.ModelBundle:
 
 
 def family_model_for(bundle, opts: Options, *, rewrite=None) -> FamilyModel:
-    """The run's family model: the flow family's (its home's ``family_model``) or the SD
-    family's (library/models/family.py)."""
-    if registry.get(bundle.family).home is None:
-        return sd_family_model_for(bundle, max_token_length=opts.max_token_length,
-                                   weighted=opts.weighted_captions, rewrite=rewrite)
+    """The run's family model (its home's ``family_model``)."""
     return registry.home(bundle.family).family_model(bundle, opts, rewrite)
 
 
@@ -131,6 +124,7 @@ def enable_scaled_pos_embed(mmdit, resolutions, log) -> None:
 
 
 def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[str, ...] = ()) -> None:
-    """The trained backbone in the layout it was loaded from, atomically (the home's ``save_full``:
-    FLUX.1 the transformer alone, SD3 the source's components and the ``trained_encoders``)."""
+    """The trained model in the layout it was loaded from, atomically (the home's ``save_full``:
+    FLUX.1 the transformer alone, SD3 the source's components and the ``trained_encoders``, an SD
+    family the whole model as one file or a diffusers folder)."""
     registry.home(bundle.family).save_full(bundle, path, dtype, metadata, trained_encoders)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from library import symlinks
 from library.config.parse import required
 from library.errors import ModelError, UserError, first_line
-from library.models import inpainting, sd_checkpoint, tiny_models
+from library.models import inpainting, sd_checkpoint
+from library.models.families.sd_common import tiny_models
 from library.models.families import registry
 from library.models.sd_checkpoint import quiet_progress
 
@@ -44,7 +45,7 @@ TINY_BUILTINS = {"tiny-sd15": "sd15", "tiny-sd2": "sd2", "tiny-sdxl": "sdxl",
 ARCH_BUILTINS = {"sd15-arch": "sd15", "sd2-arch": "sd2", "sdxl-arch": "sdxl"}
 # the flow families' tiny built-ins (each family's ``tiny_models``), loaded by their homes
 # (library/models/flow_family.py)
-FLOW_BUILTINS = {n: f.name for f in registry.FAMILIES.values() if f.home is not None for n in f.tiny_models}
+FLOW_BUILTINS = {n: f.name for f in registry.FAMILIES.values() if f.flow is not None for n in f.tiny_models}
 BUILTINS = {**TINY_BUILTINS, **ARCH_BUILTINS, **FLOW_BUILTINS}
 FAMILY_OF_ARCH = {"sd15": "sd1", "sd2": "sd2", "sdxl": "sdxl", **{n: n for n in registry.FLOW_FAMILIES}}
 ARCH_OF_FAMILY = {v: k for k, v in FAMILY_OF_ARCH.items()}
@@ -483,6 +484,21 @@ def _load_bundle(src, name_or_path, vae, v2, v_parameterization, tokenizer_path,
                        noise_scheduler=_noise_scheduler(sched, v_param), v_parameterization=v_param,
                        source=str(name_or_path), identity=ident, vae_identity=vae_ident,
                        scheduler_config=dict(sched))
+
+
+ALIGNMENT = 64  # bytes
+
+
+def align_for_cpu(*modules) -> None:
+    """Each parameter and buffer of ``modules`` whose data is not 64-byte aligned, copied into its
+    own storage (safetensors hands out tensors at the file's byte offsets): CPU matrix kernels take
+    other code paths, with other rounding, on unaligned data, so a model loaded from a file would
+    compute what the same weights built in memory compute only up to the last bits. For CPU runs
+    (a GPU gets its own aligned copy of the weights anyway); it costs a copy of the unaligned ones."""
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.data_ptr() % ALIGNMENT:
+                t.data = t.data.clone()
 
 
 def set_attention(b, opts: Options) -> None:

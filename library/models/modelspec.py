@@ -1,43 +1,12 @@
-"""What SAI's ``modelspec.*`` and sd-scripts' ``ss_base_model_version`` metadata call each model
-family (used by library/outputs/metadata.py for a run's files and by the LoRA tools)."""
+"""What SAI's ``modelspec.*`` metadata shares across the families (used by the families' homes,
+whose ``metadata_fields`` hold each family's own ``ss_base_model_version`` and architecture
+strings, and by the LoRA tools): sd-scripts' implementation URLs and the adapter suffix."""
 from __future__ import annotations
 
-ARCH = {"sd1": "stable-diffusion-v1", "sdxl": "stable-diffusion-xl-v1-base", "flux": "flux-1-dev",
-        "sd3": "stable-diffusion-3-medium"}
-BASE_MODEL_VERSION = {"sd1": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0", "flux": "flux1",
-                      "sd3": "sd3"}
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
-IMPL_FLUX = "https://github.com/black-forest-labs/flux"
-IMPL = {"sdxl": IMPL_STABILITY_AI, "sd3": IMPL_STABILITY_AI, "flux": IMPL_FLUX}  # sd-scripts; others: IMPL_DIFFUSERS
-FLUX_ARCH = {"dev": "flux-1-dev", "schnell": "flux-1-schnell"}
-# sd-scripts' SD3 model_type (sd3_utils.analyze_state_dict_state) per MMDiTConfig.variant: its
-# ss_base_model_version and the suffix of modelspec.architecture "stable-diffusion-3-<type>"
-SD3_MODEL_TYPE = {"sd3": "medium", "sd3.5-medium": "5-medium", "sd3.5-large": "5-large"}
 
 
-def modelspec_architecture(family: str, v_parameterization: bool, adapter: str | None) -> str:
-    if family == "sd2":
-        arch = "stable-diffusion-v2-768-v" if v_parameterization else "stable-diffusion-v2-512"
-    else:
-        arch = ARCH[family]
-    return f"{arch}/{adapter}" if adapter else arch
-
-
-def flow_fields(family: str, variant: str, adapter: str | None) -> dict[str, str]:
-    """ss_base_model_version and modelspec architecture / implementation / prediction_type of a
-    FLUX.1 ("dev" / "schnell") or SD3 (MMDiTConfig.variant) file, as sd-scripts writes them
-    (library/sai_model_spec.py): FLUX.1 has no prediction_type; an SD3 LoRA says "diffusers" and
-    "epsilon" (its SD1 defaults), an SD3 checkpoint Stability AI's implementation."""
-    table = FLUX_ARCH if family == "flux" else SD3_MODEL_TYPE
-    if variant not in table:
-        raise ValueError(f"{family} variant {variant!r}; expected {', '.join(table)}")
-    if family == "flux":
-        arch, out = FLUX_ARCH[variant], {"ss_base_model_version": "flux1", "modelspec.implementation": IMPL_FLUX}
-    else:
-        t = SD3_MODEL_TYPE[variant]
-        arch = f"stable-diffusion-3-{t}"
-        out = {"ss_base_model_version": t, "modelspec.prediction_type": "epsilon",
-               "modelspec.implementation": IMPL_DIFFUSERS if adapter else IMPL_STABILITY_AI}
-    out["modelspec.architecture"] = f"{arch}/{adapter}" if adapter else arch
-    return out
+def with_adapter(architecture: str, adapter: str | None) -> str:
+    """modelspec.architecture of an adapter's file: the base architecture "/<adapter>" (sd-scripts)."""
+    return f"{architecture}/{adapter}" if adapter else architecture

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from library.config.options import gen_img_flags
 from library.config.parse import required
 from library.data.class_images import to_make
 from library.errors import UserError, first_line
@@ -20,21 +21,15 @@ from library.outputs import gen_options, generation, infotext
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
 
-# the model options gen_img takes under the same name (its --ckpt is pretrained_model_name_or_path)
-_MODEL_FLAGS = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path")
 
 
 def generator_args(opts: Options, outdir: str):
     """gen_img's arguments for the run's base model (float32, one image per batch)."""
     argv = ["--ckpt", required(opts.pretrained_model_name_or_path, "pretrained_model_name_or_path"), "--outdir", outdir, "--prompt", "-",
             "--sampler", opts.class_image_sampler]
-    for name in _MODEL_FLAGS:
-        value = getattr(opts, name)
-        if value:
-            argv += [f"--{name}", value]
-    for name in ("v2", "v_parameterization", "xformers"):
-        if getattr(opts, name):
-            argv.append(f"--{name}")
+    argv += gen_img_flags(opts)  # the run's parts and text settings (its --ckpt: pretrained_model_name_or_path)
+    if opts.xformers:
+        argv.append("--xformers")
     return gen_options.parse_args(argv)
 
 

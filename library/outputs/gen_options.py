@@ -6,7 +6,7 @@ lines, the seeds.
     jobs = plan_jobs(args, prompts, family)  one Job per image, in order, with its seed
 
 A prompt line is the in-run samples' (library/training/sampling.py ``parse_line``: ``--n``,
-``--w``, ``--h``, ``--s``, ``--l``, ``--ss``, ``--g``) plus gen_img's ``--d`` (seeds, comma-
+``--w``, ``--h``, ``--s``, ``--l``, ``--ss``, ``--g``, Lumina 2's ``--ctr`` / ``--rcfg``) plus gen_img's ``--d`` (seeds, comma-
 separated, one per image of the line) and ``--am`` (the networks' multipliers, comma-separated,
 the last repeated for the remaining networks). A size must be a multiple of the family's latent
 grid (``grid``); a bad option is one line naming the file and line.
@@ -58,11 +58,13 @@ class Job:
     muls: tuple[float, ...] | None
     where: str
     image: str | None = None    # img2img's source image (--image_path)
+    cfg_trunc_ratio: float | None = None  # Lumina 2's CFG shaping (--ctr / --rcfg)
+    renorm_cfg: float | None = None
 
     def batch_key(self) -> tuple:
         """Images with equal keys can share a batch."""
         return (self.width, self.height, self.steps, self.scale, self.negative_scale, self.guidance,
-                self.sampler, self.muls)
+                self.sampler, self.muls, self.cfg_trunc_ratio, self.renorm_cfg)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,7 +126,20 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--clip_l", help="FLUX.1 / SD3: CLIP-L file")
     p.add_argument("--clip_g", help="SD3: CLIP-G file")
     p.add_argument("--t5xxl", help="FLUX.1 / SD3: T5-XXL file")
-    p.add_argument("--ae", help="FLUX.1: autoencoder file")
+    p.add_argument("--ae", "--ae_path", dest="ae", help="FLUX.1 / Chroma / Lumina 2: autoencoder file")
+    p.add_argument("--qwen3", help="Anima: the Qwen3 text encoder (a Hugging Face folder or one .safetensors file)")
+    p.add_argument("--llm_adapter_path", help="Anima: the LLM adapter's weights in their own file")
+    p.add_argument("--t5_tokenizer_path", help="Anima: folder of the T5 tokenizer the LLM adapter reads")
+    p.add_argument("--qwen3_max_token_length", type=int, help="Anima: Qwen3 tokens (the training default)")
+    p.add_argument("--t5_max_token_length", type=int, help="Anima: T5 tokens (the training default)")
+    p.add_argument("--gemma2", "--gemma2_path", dest="gemma2",
+                   help="Lumina 2: the Gemma-2 2B text encoder (a .safetensors file or a transformers folder)")
+    p.add_argument("--gemma2_max_token_length", type=int, help="Lumina 2: Gemma-2 tokens (default 256)")
+    p.add_argument("--system_prompt", help="Lumina 2: text before every prompt, as in training (sd-scripts' "
+                   "--system_prompt; give the run's)")
+    p.add_argument("--add_system_prompt_to_negative_prompt", action="store_true",
+                   help="Lumina 2: the system prompt before the negative prompt too (sd-scripts' "
+                   "lumina_minimal_inference; training's samples leave it out)")
     p.add_argument("--apply_t5_attn_mask", action="store_true", help="FLUX.1 / SD3: mask T5's padding")
     p.add_argument("--t5xxl_max_token_length", type=int, help="FLUX.1 / SD3: T5 tokens (the model's default)")
     p.add_argument("--tokenizer_path", help="CLIP tokenizer folder for a single file (default: the shipped one)")
@@ -149,6 +164,10 @@ def build_parser(prog: str = "gen_img.py", description: str = GEN_IMG_DESCRIPTIO
     p.add_argument("--negative_scale", type=float, help="a separate scale for the negative prompt (uncond = empty prompt)")
     p.add_argument("--guidance_scale", type=float, help="FLUX.1 dev: the distilled guidance input (default 3.5)")
     p.add_argument("--shift", type=float, help="SD3: the schedule's shift (default 3.0)")
+    p.add_argument("--cfg_trunc_ratio", type=float, help="Lumina 2: guidance only while 1 - sigma is below this "
+                   "(default 0.25; a prompt's --ctr)")
+    p.add_argument("--renorm_cfg", type=float, help="Lumina 2: the guided velocity's norm capped at this times the "
+                   "conditional one's (default 1.0, 0: no cap; a prompt's --rcfg)")
     p.add_argument("--sampler", default="ddim", help=f"SD sampler: {', '.join(SD_SAMPLERS)} (FLUX.1 / SD3: Euler)")
     p.add_argument("--strength", type=float, help="img2img strength; highres fix: its 2nd stage's (default 0.8)")
     p.add_argument("--highres_fix_scale", type=float, help="highres fix: the 1st stage's size factor (< 1)")
@@ -225,6 +244,10 @@ def check_args(args) -> None:
     if args.highres_fix_scale is not None and not 0 < args.highres_fix_scale < 1:
         raise GenError(f"--highres_fix_scale must be between 0 and 1 (the 1st stage's size factor), "
                        f"got {args.highres_fix_scale}")
+    for name in ("cfg_trunc_ratio", "renorm_cfg"):
+        v = getattr(args, name)
+        if v is not None and not v >= 0:
+            raise GenError(f"--{name} must be at least 0, got {v:g}")
     if args.strength is not None and not 0 < args.strength <= 1:
         raise GenError(f"--strength must be in (0, 1], got {args.strength}")
 
@@ -357,6 +380,13 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
             if negative_scale is not None and defaults["flow"]:
                 raise GenError(f"{where}: a negative scale (--negative_scale / --nl) is sd-scripts' gen_img's, "
                                "for SD1/SD2/SDXL")
+            shaping = {}
+            for key, flag in (("cfg_trunc_ratio", "--ctr"), ("renorm_cfg", "--rcfg")):
+                given = _default(p[key], getattr(args, key))
+                if given is not None and defaults.get(key) is None:
+                    raise GenError(f"{where}: {flag} / --{key} shape Lumina 2's CFG; this model's has no "
+                                   "truncation or renorm")
+                shaping[key] = _default(given, defaults.get(key))
             muls = None
             if "muls" in own:
                 n = len(args.network_weights)
@@ -380,7 +410,7 @@ def plan_jobs(args, prompts: list[tuple[str, str]], defaults: dict) -> list[Job]
                                 guidance=_default(p["guidance_scale"], _default(args.guidance_scale,
                                                                                 defaults["guidance"])),
                                 sampler=p["sample_sampler"] or args.sampler, seed=seed, muls=muls,
-                                where=where))
+                                where=where, **shaping))
     sources = args.init_images
     if sources:  # img2img: the source images in turn (sd-scripts)
         jobs = [dataclasses.replace(j, image=sources[k % len(sources)]) for k, j in enumerate(jobs)]

@@ -30,7 +30,8 @@ from PIL import Image
 
 from library.config import parse
 from library.errors import UserError, first_line
-from library.models import embeddings, flow_family, loading
+from library.models import flow_family, loading
+from library.models.families.sd_common import embeddings
 from library.models.families import registry
 from library.models.families.base import SHIFTED_SCHEDULES
 from library.outputs import content_hash, gen_options, infotext
@@ -52,30 +53,69 @@ def family_defaults(family: str, flux_guided: bool) -> dict:
         spec = fam.flow
         return {"size": fam.native_size, "steps": spec.sample_steps, "scale": spec.sample_scale,
                 "guidance": spec.sample_guidance if flux_guided else None,
+                "cfg_trunc_ratio": spec.sample_cfg_trunc_ratio, "renorm_cfg": spec.sample_renorm_cfg,
                 "grid": spec.size_multiple, "flow": True,
                 "network_module": network_options.FAMILY_LORA_MODULES[family]}
     return {"size": registry.get(family).native_size, "steps": SD_GEN_STEPS, "scale": SD_GEN_SCALE,
-            "guidance": None, "grid": 8, "flow": False, "network_module": lora}
+            "guidance": None, "cfg_trunc_ratio": None, "renorm_cfg": None, "grid": 8, "flow": False,
+            "network_module": lora}
+
+
+# gen_img's flags that are one family's parts or text options (the training options of the same
+# names): a family that does not read one refuses it in one line, before any weight loads
+PART_FLAGS = ("clip_l", "clip_g", "t5xxl", "ae", "apply_t5_attn_mask", "t5xxl_max_token_length", "qwen3",
+              "llm_adapter_path", "t5_tokenizer_path", "qwen3_max_token_length", "t5_max_token_length", "gemma2",
+              "gemma2_max_token_length", "system_prompt")
+
+
+def _refusal(family, flag: str) -> str | None:
+    """Why ``family`` does not read ``flag`` (None: it does): a flow family's own tables (another
+    family's options, its ``unsupported``), for SD every flow family's option."""
+    if family.flow is None:
+        if flag not in flow_family.FLOW_OPTIONS:
+            return None
+        return f"an option of {registry.titles(flow=True, option=flag)}"
+    return {**registry.foreign_options(family), **family.unsupported}.get(flag)
+
+
+def _check_part_flags(args, family, title: str) -> None:
+    for flag in PART_FLAGS:
+        if getattr(args, flag, None) not in (None, False, ""):
+            why = _refusal(family, flag)
+            if why is not None:
+                raise GenError(f"--{flag}: {why}; this model is {title}")
 
 
 def _load_options(args):
-    """The training options record the model loaders read (library/models/flow_family.py)."""
+    """The training options record the model loaders read (library/models/flow_family.py); a
+    part flag the model's family does not read is refused here, before any weight loads."""
     values = {"pretrained_model_name_or_path": args.ckpt, "v2": args.v2,
               "v_parameterization": args.v_parameterization, "tokenizer_path": args.tokenizer_path,
-              "xformers": args.xformers, "weighted_captions": True, "clip_l": args.clip_l,
-              "clip_g": args.clip_g, "t5xxl": args.t5xxl, "ae": args.ae,
-              "apply_t5_attn_mask": args.apply_t5_attn_mask,
-              "t5xxl_max_token_length": args.t5xxl_max_token_length,
+              "xformers": args.xformers, "weighted_captions": True,
+              **{flag: getattr(args, flag) for flag in PART_FLAGS if getattr(args, flag) not in (None, False)},
               "max_token_length": None if (args.max_embeddings_multiples or 1) == 1
               else 75 * args.max_embeddings_multiples}
     fam = flow_family.family_before_loading(args.ckpt)
+    family = registry.get(fam or "sd1")  # the SD families read the same parts (told apart once loaded)
+    _check_part_flags(args, family, family.title if fam else
+                      "/".join(f.title for f in registry.FAMILIES.values() if f.flow is None))
     if fam is None:
         values["vae"] = args.vae
-    elif registry.get(fam).autoencoder_option == "vae":  # SD3: its VAE is the flow loader's ae
-        values["ae"] = args.ae or args.vae
+    elif family.autoencoder_option == "vae":
+        if "ae" in family.unsupported:  # Anima: its loader reads vae
+            values["vae"] = args.vae
+        else:  # SD3: its VAE is the flow loader's ae
+            values["ae"] = args.ae or args.vae
     elif args.vae:
-        raise GenError("--vae: a FLUX.1 model's autoencoder is --ae")
+        raise GenError(f"--vae: a {family.title} model's autoencoder is --ae")
     return parse.options_from_values("train_lora", values)
+
+
+def _flag_message(e: UserError) -> str:
+    """A loader's one line, with the training option it names as gen_img's flag."""
+    msg = str(e).replace("pretrained_model_name_or_path", "--ckpt")
+    name = msg.partition(":")[0]
+    return f"--{msg}" if name in (*PART_FLAGS, "vae") else msg
 
 
 def _file_hash(path: str) -> str:
@@ -119,7 +159,7 @@ class Generator:
         try:
             self.bundle = b = flow_family.load_from_options(opts)
         except UserError as e:  # a one-line error of the loaders, which name the training option
-            raise GenError(str(e).replace("pretrained_model_name_or_path", "--ckpt")) from None
+            raise GenError(_flag_message(e)) from None
         except (OSError, ValueError, RuntimeError) as e:
             raise GenError(f"--ckpt {args.ckpt}: cannot load it ({first_line(e)})") from None
         self.flow = sampling.is_flow(b)
@@ -137,9 +177,16 @@ class Generator:
             for m in [b.unet, *b.text_encoders, *(n.network for n in self.networks if not n.merged)]:
                 m.to(self.device, self.dtype)
             b.vae.to(self.device, torch.float32 if args.no_half_vae else self.dtype)
+        if self.device.type == "cpu":  # a file's weights compute the built-in model's image bit for bit
+            loading.align_for_cpu(*(m for m in (b.unet, *b.text_encoders, b.vae) if isinstance(m, torch.nn.Module)))
         if args.opt_channels_last:
             b.unet.to(memory_format=torch.channels_last)
         self.family_model = flow_family.family_model_for(b, opts, rewrite=rewrite)
+        if args.add_system_prompt_to_negative_prompt:
+            if _refusal(registry.of(b), "system_prompt") is not None:  # a family without a system prompt
+                raise GenError(f"--add_system_prompt_to_negative_prompt: Lumina 2's system prompt; this model is "
+                               f"{self.family_name}")
+            self.family_model.negative_system_prompt = True
         self.pipe = sampling.pipeline(b)
         self.img2img = sampling.pipeline(b, kind="img2img") if args.highres_fix_scale or args.image_path else None
         self.model_hash = model_hash(b.source)
@@ -264,7 +311,8 @@ class Generator:
         self._set_multipliers(j.muls)
         images = sampling.PromptBatch([x.prompt for x in batch], [x.negative for x in batch],
                                       [x.seed for x in batch], width=j.width, height=j.height,
-                                      steps=j.steps, scale=j.scale)
+                                      steps=j.steps, scale=j.scale, cfg_trunc_ratio=j.cfg_trunc_ratio,
+                                      renorm_cfg=j.renorm_cfg)
         with torch.no_grad():
             if self.flow:
                 latents = sampling.flow_batch(
@@ -308,6 +356,8 @@ class Generator:
                   "Model": os.path.splitext(os.path.basename(os.path.normpath(self.bundle.source)))[0],
                   "Distilled CFG Scale": None if job.guidance is None else f"{job.guidance:g}",
                   "Shift": None if args.shift is None else f"{args.shift:g}",
+                  "CFG truncation": None if job.cfg_trunc_ratio is None else f"{job.cfg_trunc_ratio:g}",
+                  "CFG renorm": None if job.renorm_cfg is None else f"{job.renorm_cfg:g}",
                   "Clip skip": args.clip_skip,
                   "Hires upscale": None if args.highres_fix_scale is None else f"{1 / args.highres_fix_scale:g}",
                   "Hires steps": None if args.highres_fix_scale is None else job.steps,

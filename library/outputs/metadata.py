@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from library.config.parse import required
 from library.errors import UserError
 from library.models.families import registry
-from library.models.modelspec import BASE_MODEL_VERSION, IMPL, IMPL_DIFFUSERS, modelspec_architecture
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
@@ -26,7 +25,8 @@ if TYPE_CHECKING:  # annotations only
 class ModelKind:
     """What a saved file's model is, as its metadata names it: the family, its prediction
     (``v_parameterization``), the method's adapter (None: the full model) and a flow family's
-    model variant (its home's ``metadata_fields``; "" for the SD families)."""
+    model variant (its home's ``metadata_fields``; "" for the SD families, whose homes take the
+    prediction type instead)."""
     family: str
     v_parameterization: bool
     adapter: str | None
@@ -123,13 +123,11 @@ def leco_metadata(opts: Options, *, model: ModelKind, network_info: dict, settin
 def _family_fields(model: ModelKind) -> dict:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type (absent:
     the family writes none, as FLUX.1), and a family's own keys (Chroma's ss_model_type)."""
-    family, v_param, adapter = model.family, model.v_parameterization, model.adapter
-    if registry.get(family).home is None:  # the SD families' strings (library/models/modelspec.py)
-        return {"ss_base_model_version": BASE_MODEL_VERSION[family],
-                "modelspec.architecture": modelspec_architecture(family, v_param, adapter),
-                "modelspec.implementation": IMPL.get(family, IMPL_DIFFUSERS),
-                "modelspec.prediction_type": "v" if v_param else "epsilon"}
-    return registry.home(family).metadata_fields(model.variant, adapter)  # sd-scripts' values, from its home
+    # sd-scripts' values, from its home; a DDPM model's "variant" is its prediction type
+    variant = model.variant
+    if registry.get(model.family).flow is None:
+        variant = "v" if model.v_parameterization else "epsilon"
+    return registry.home(model.family).metadata_fields(variant, model.adapter)
 
 
 def _run_fields(opts: Options, family: str, started_at: float, names: dict) -> dict:

@@ -17,7 +17,7 @@ Commands: ``save_now`` (the model, and a state when save_state is set, after thi
 ``sample_now`` (the sample images of this step's weights), ``stop`` (a resumable state after this
 step, then exit 130, as SIGINT). A line is JSON ``{"command": ...}`` or the bare word. The
 main process reads the file at each step's start; with several processes the step's read
-(step_sync.agree) carries the commands to every process, which all take them after that step.
+(step_sync.gather) carries the commands to every process, which all take them after that step.
 """
 from __future__ import annotations
 

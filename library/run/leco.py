@@ -22,7 +22,6 @@ The noise and sampler are the model's own (its prediction type: a v-prediction m
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -138,11 +137,12 @@ def run(opts: Options) -> LecoRun:
             d = draw(opts, settings, step)
             with acc.autocast():
                 loss, _ = leco_loss(b, denoiser, net, sampler, prompts, d, opts)
-            stepper.backward(loss)
-            # the step's one read decides before any update (library/training/nonfinite.py): a
-            # non-finite loss or gradient norm leaves the weights as they were
-            read = stepper.step(functools.partial(step_sync.agree, None, device,
-                                                  step_sync.add_loss(None, loss)))
+            # the step's collective and its one read, as in the loop (library/run/loop.py): the
+            # guard decides before any update (library/training/nonfinite.py), so a non-finite
+            # loss or gradient norm leaves the weights as they were
+            pending = step_sync.gather(None, device, step_sync.add_loss(None, loss))
+            stepper.backward(loss, loss_finite=pending.loss_finite)
+            read = stepper.step(pending.read)
             bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
             bad = bad or stepper.nonfinite
             if bad is not None:

@@ -9,12 +9,13 @@ reports (library/outputs/tracking.py Reporter), step saves and SIGINT/SIGTERM. W
 single process, DDP, FSDP and DeepSpeed is asked of the strategy (library/distributed/strategy.py):
 whether this process runs a micro-step of an empty share (``takes_part``) and the context of each
 micro-step (``micro_step``: DDP's ``no_sync`` in all but the last), never read from the options or
-from strategy flags; whether the step is read before the last backward is the stepper's
-(``steps_in_backward``).
+from strategy flags. Every stepper gets the step the same way: the step's one collective before
+the last backward (its loss flag gates the updates of steppers that update inside the backward),
+and ``stepper.step(read)``, in which the stepper makes the step's one host read before it
+decides (library/training/step_sync.py).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 
@@ -73,7 +74,7 @@ def train(run) -> None:
         k = 0
         for j, gb in enumerate(batches, start=skip):
             c.method.before_step(progress.global_step)  # e.g. stop_text_encoder_training
-            loss_sum, read = None, None  # loss_sum: a device tensor (no host read per micro-step)
+            loss_sum, pending = None, None  # loss_sum: a device tensor (no host read per micro-step)
             requested = tuple(control.poll())
             for a in range(A):
                 idx = list(mine[k])
@@ -100,33 +101,29 @@ def train(run) -> None:
                 if zero_weight:
                     loss = loss * 0.0
                 loss_sum = step_sync.add_loss(loss_sum, loss)
-                if last and stepper.steps_in_backward:
-                    # its hooks update parameters during this backward: the global batch's
-                    # loss is checked first (library/training/nonfinite.py), alike in every
-                    # process: the step's one read (library/training/step_sync.py)
-                    read = step_sync.agree(signals, acc.device, loss_sum, requested=requested)
-                    if not read.finite:
-                        break
+                loss_finite = None
+                if last:
+                    # the step's one collective (library/training/step_sync.py): before the
+                    # last backward, so that a stepper updating inside it (hooks) gates every
+                    # update on the summed loss's finiteness, a device flag, alike in every
+                    # process (library/training/nonfinite.py)
+                    pending = step_sync.gather(signals, acc.device, loss_sum, requested=requested)
+                    loss_finite = pending.loss_finite
                 with strategy.micro_step(last):  # the backward of that forward, alike
-                    stepper.backward(loss, last_micro_step=last)
+                    stepper.backward(loss, last_micro_step=last, loss_finite=loss_finite)
             step_lr = stepper.current_lr()
+            if pending is None:  # this process's last micro-step was an empty share, skipped
+                pending = step_sync.gather(signals, acc.device,
+                                           step_sync.zero_loss(acc.device) if loss_sum is None
+                                           else loss_sum, requested=requested)
+            # every process, every stepper, every step: step() joins the gradient sum and makes,
+            # before it decides on any update, the step's one read (the loss, the stepper's
+            # gradient norm or flags and the stop signal together), which it returns
+            read = stepper.step(pending.read)
             if read is None:
-                # every process, every step: step() joins the gradient sum, enqueues the norm
-                # and, before any update, makes the step's one read (the loss, the norm and the
-                # stop signal together), which it returns
-                if loss_sum is None:
-                    loss_sum = step_sync.zero_loss(acc.device)
-                read = stepper.step(functools.partial(step_sync.agree, signals, acc.device, loss_sum,
-                                                      requested=requested))
-                if read is None:
-                    raise RuntimeError(f"{type(stepper).__name__}.step() made no read of the step")
-                bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
-                bad = bad or stepper.nonfinite  # a non-finite gradient norm
-            else:
-                bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
-                if bad is None:
-                    stepper.step()
-                    bad = stepper.nonfinite  # a non-finite gradient norm
+                raise RuntimeError(f"{type(stepper).__name__}.step() made no read of the step")
+            bad = None if read.finite else f"loss {nonfinite.describe(read.loss)}"
+            bad = bad or stepper.nonfinite  # a non-finite gradient norm
             step_loss = read.loss
             c.batch_loss.end_step()  # a dataset's network_multiplier: back at the run's
             if bad is not None:

@@ -44,7 +44,9 @@ import torch
 from torch import nn
 
 from library.errors import UserError
-from library.models import flow_family, flux, fp8, placement, sd3
+from library.models import flow_family, fp8, placement
+from library.models.families.flux import flux
+from library.models.families.sd3 import sd3
 from library.models.families import registry
 
 if TYPE_CHECKING:  # annotations only

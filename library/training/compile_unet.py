@@ -120,7 +120,7 @@ class _Compiled:
 
 
 # the block lists compiled one by one: the U-Net's, FLUX.1's double- and single-stream blocks,
-# SD3's joint blocks (library/models/flux.py, sd3.py)
+# SD3's joint blocks (library/models/families/flux/flux.py, library/models/families/sd3/sd3.py)
 BLOCK_LISTS = ("down_blocks", "up_blocks", "double_blocks", "single_blocks", "joint_blocks")
 
 

@@ -359,7 +359,8 @@ def linear_shift_schedule(num_steps: int, shift: float) -> list[float]:
 
 
 def euler_sample(model_fn, x, sigmas, *, family: str, guidance: float | None = None,
-                 uncond_fn=None, cfg_scale: float = 1.0):
+                 uncond_fn=None, cfg_scale: float = 1.0, cfg_trunc_ratio: float | None = None,
+                 renorm_cfg: float | None = None):
     """Integrate dx/dsigma = v from sigmas[0] to sigmas[-1] with Euler steps:
     x <- x + (sigma_next - sigma) * v(x, sigma).
 
@@ -367,7 +368,8 @@ def euler_sample(model_fn, x, sigmas, *, family: str, guidance: float | None = N
     (model_timesteps), guidance (B,) filled with ``guidance`` (FLUX dev's distilled guidance
     input) or None. With cfg_scale != 1, uncond_fn (same signature, the negative prompt) is called
     too and v = v_uncond + cfg_scale * (v_cond - v_uncond) (classifier-free guidance; SD3, or FLUX
-    with a negative prompt). x is carried in float32 and handed to the model in its own dtype."""
+    with a negative prompt), shaped as ``cfg_shaped`` says (``cfg_trunc_ratio``, ``renorm_cfg``:
+    Lumina 2). x is carried in float32 and handed to the model in its own dtype."""
     if cfg_scale != 1.0 and uncond_fn is None:
         raise ValueError("cfg_scale other than 1 needs uncond_fn")
     dtype, b = x.dtype, x.shape[0]
@@ -377,8 +379,21 @@ def euler_sample(model_fn, x, sigmas, *, family: str, guidance: float | None = N
         xin = acc.to(dtype)
         t = model_timesteps(family, torch.full((b,), float(s), dtype=dtype, device=x.device))
         v = model_fn(xin, t, g).to(acc.dtype)
-        if cfg_scale != 1.0:
-            vu = uncond_fn(xin, t, g).to(acc.dtype)
-            v = vu + (v - vu) * cfg_scale
+        if cfg_scale != 1.0 and (cfg_trunc_ratio is None or 1.0 - float(s) < cfg_trunc_ratio):
+            v = cfg_shaped(v, uncond_fn(xin, t, g).to(acc.dtype), cfg_scale, renorm_cfg)
         acc = acc + (float(s_next) - float(s)) * v
     return acc.to(dtype)
+
+
+def cfg_shaped(v_cond, v_uncond, scale: float, renorm_cfg: float | None = None):
+    """Classifier-free guidance v_u + scale (v_c - v_u); with ``renorm_cfg`` > 0 each sample's
+    guided velocity is scaled down to renorm_cfg x ||v_c|| where its norm (over all its elements)
+    reaches that (sd-scripts' Lumina 2 ``renorm_cfg``; a norm is the same for the velocity and its
+    negation, so the convention of the sign does not matter)."""
+    v = v_uncond + (v_cond - v_uncond) * scale
+    if not renorm_cfg or renorm_cfg <= 0:
+        return v
+    dims = tuple(range(1, v.ndim))
+    cap = torch.linalg.vector_norm(v_cond, dim=dims, keepdim=True) * float(renorm_cfg)
+    norm = torch.linalg.vector_norm(v, dim=dims, keepdim=True)
+    return torch.where(norm >= cap, v * (cap / norm.clamp_min(torch.finfo(norm.dtype).tiny)), v)

@@ -32,7 +32,7 @@ import copy
 import torch
 from PIL import Image
 
-from library.models import flux
+from library.models.families.flux import flux
 from library.models.families.base import FIXED_SHIFT, LINEAR_SHIFT, SEQUENCE_SHIFT
 from library.training import flow_matching
 
@@ -50,6 +50,15 @@ def settings(prompt: dict, family: str) -> tuple[int, float, float | None]:
     guidance = pick("guidance_scale", spec.sample_guidance)
     return (int(pick("sample_steps", spec.sample_steps)), float(pick("scale", spec.sample_scale)),
             None if guidance is None else float(guidance))
+
+
+def cfg_shaping(prompt: dict, family: str) -> tuple[float | None, float | None]:
+    """(CFG truncation ratio, renorm factor) of a prompt: its ``--ctr`` / ``--rcfg``, else the
+    family's (Lumina 2: sd-scripts' 0.25 and 1.0; None for the families without them)."""
+    spec = flow_matching.flow_spec(family)
+    ctr, rcfg = prompt.get("cfg_trunc_ratio"), prompt.get("renorm_cfg")
+    return (spec.sample_cfg_trunc_ratio if ctr is None else float(ctr),
+            spec.sample_renorm_cfg if rcfg is None else float(rcfg))
 
 
 def image_size(prompt: dict, family: str) -> tuple[int, int]:
@@ -99,9 +108,10 @@ def with_guidance(family_model, guidance: float | None):
 
 
 def sample(family_model, cond, uncond, noise, sigmas, *, scale: float, guidance: float | None,
-           dtype=None):
+           dtype=None, cfg_trunc_ratio: float | None = None, renorm_cfg: float | None = None):
     """Integrate from ``noise`` over ``sigmas`` with the family model's velocity for the text
-    conditioning ``cond`` (``uncond``: the negative prompt's, used when scale != 1); the model
+    conditioning ``cond`` (``uncond``: the negative prompt's, used when scale != 1, while
+    ``cfg_trunc_ratio`` allows, capped by ``renorm_cfg``: cfg_shaping); the model
     input in ``dtype`` (default: the noise's), the running latents in float32. Returns
     (1, 16, h, w) float32."""
     family = family_model.family
@@ -113,7 +123,7 @@ def sample(family_model, cond, uncond, noise, sigmas, *, scale: float, guidance:
     x = noise if dtype is None else noise.to(dtype)
     out = flow_matching.euler_sample(velocity(cond), x, sigmas, family=family,
                                      uncond_fn=velocity(uncond) if scale != 1.0 else None,
-                                     cfg_scale=scale)
+                                     cfg_scale=scale, cfg_trunc_ratio=cfg_trunc_ratio, renorm_cfg=renorm_cfg)
     return out.float()
 
 

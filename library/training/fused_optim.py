@@ -14,6 +14,9 @@ written back with stochastic rounding (unbiased: the expected stored value is th
 result), as sd-scripts' fused Adafactor does, instead of round-to-nearest, which drops updates
 smaller than half a bf16 ulp.
 
+``step_masked`` steps an optimizer and keeps the update only where a device flag says so (the
+non-finite guard of the fused steps, with no host read per unit).
+
 ``full_bf16`` / ``full_fp16`` weights are stepped by ``step_low_precision`` (any optimizer without
 global state, one parameter at a time in float32, float32 state, written back with stochastic
 rounding for bf16), from the plain stepper as from the fused ones; ``grad_factor`` carries the
@@ -21,7 +24,10 @@ loss-scale removal and the clipping factor onto the float32 gradient.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -203,37 +209,138 @@ def step_low_precision(optimizer, generator=None, grad_factor: float = 1.0) -> N
     That is why optimizers whose update of one parameter depends on the others (Prodigy,
     D-Adaptation, schedule-free) are rejected with full_bf16/full_fp16 (``global_state_reason``).
     """
+    with torch.no_grad(), _groups_emptied(optimizer) as pairs:
+        for group, params in pairs:
+            for p in params:
+                if p.grad is None:
+                    continue
+                q = p.detach().to(torch.float32, copy=True)
+                q.grad = p.grad.to(torch.float32, copy=True)
+                if grad_factor != 1.0:
+                    q.grad.mul_(grad_factor)
+                if p in optimizer.state:
+                    optimizer.state[q] = optimizer.state.pop(p)
+                group["params"] = [q]
+                try:
+                    optimizer.step()
+                finally:
+                    group["params"] = []
+                    if q in optimizer.state:
+                        optimizer.state[p] = optimizer.state.pop(q)
+                if p.dtype == torch.bfloat16:
+                    copy_stochastic_(p, q, generator)
+                else:
+                    p.copy_(q)
+                del q
+
+
+@contextlib.contextmanager
+def _groups_emptied(optimizer):
+    """The optimizer with every param group's parameter list empty (the caller puts one
+    parameter at a time back in its group): yields (group, its parameters) pairs; the lists are
+    restored afterwards, also after an error."""
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
+    for g in groups:
+        g["params"] = []
     try:
-        with torch.no_grad():
-            for g in groups:
-                g["params"] = []
-            for gi, params in enumerate(saved):
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    q = p.detach().to(torch.float32, copy=True)
-                    q.grad = p.grad.to(torch.float32, copy=True)
-                    if grad_factor != 1.0:
-                        q.grad.mul_(grad_factor)
-                    if p in optimizer.state:
-                        optimizer.state[q] = optimizer.state.pop(p)
-                    groups[gi]["params"] = [q]
-                    try:
-                        optimizer.step()
-                    finally:
-                        groups[gi]["params"] = []
-                        if q in optimizer.state:
-                            optimizer.state[p] = optimizer.state.pop(q)
-                    if p.dtype == torch.bfloat16:
-                        copy_stochastic_(p, q, generator)
-                    else:
-                        p.copy_(q)
-                    del q
+        yield list(zip(groups, saved))
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
+
+
+class Undo(NamedTuple):
+    """What ``step_masked`` could not take back on the device, for ``undo`` after the read."""
+    optimizer: torch.optim.Optimizer
+    param: torch.Tensor
+    fresh: bool      # the parameter had no optimizer state before the step (made by it)
+    host: dict       # state entries as they were, which the device flag cannot restore
+
+
+class Scratch:
+    """Buffers ``step_masked`` copies into, kept from one parameter (and step) to the next: a
+    fresh allocation per copy costs more than the copy (page faults on the CPU), measured."""
+
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def copy(self, slot: int, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` in buffer ``slot`` (valid until that slot is used again)."""
+        key = (slot, t.dtype, t.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < t.numel():
+            buf = self._buffers[key] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+        return buf[:t.numel()].view(t.shape).copy_(t)
+
+
+def step_masked(optimizer, ok, generator=None, scratch: Scratch | None = None) -> list[Undo]:
+    """Step ``optimizer`` (through ``step_optimizer``) one parameter at a time, and keep each
+    parameter's update only where ``ok`` (a 0-d bool device tensor) is true: before a parameter
+    is stepped, it and its optimizer state's tensors on the same device are copied, and after
+    the step ``torch.where(ok, new, old)`` is written back in place, so with ``ok`` true the
+    weights and the state are exactly the step's (bit for bit) and with ``ok`` false exactly
+    what they were, with no host read. The copies go to ``scratch`` (one parameter's at a time,
+    reused; a new one when None). What the device
+    flag cannot restore (a state made by this step, Python values such as Adafactor's step
+    count, tensors on another device such as torch's CPU step counters) is returned, for
+    ``undo`` once the flag has been read. Each parameter stepped alone is the same update as in
+    the group: only optimizers with per-parameter state are stepped this way
+    (``global_state_reason``)."""
+    undo: list[Undo] = []
+    scratch = Scratch() if scratch is None else scratch
+    with torch.no_grad(), _groups_emptied(optimizer) as pairs:
+        for group, params in pairs:
+            for p in params:
+                if p.grad is None:
+                    continue  # no update (torch's optimizers skip it too)
+                group["params"] = [p]
+                try:
+                    undo.append(_step_one_masked(optimizer, p, ok, generator, scratch))
+                finally:
+                    group["params"] = []
+    # what torch's LR scheduler wrapper of optimizer.step() records (as step_optimizer does for
+    # Adafactor), also where no parameter had a gradient and nothing was stepped
+    optimizer._opt_called = True
+    return undo
+
+
+def _same_kind(a, b) -> bool:
+    return torch.is_tensor(a) and a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def _step_one_masked(optimizer, p, ok, generator, scratch: Scratch) -> Undo:
+    if ok.device != p.device:  # (not in the fused steps: they step parameters on the device)
+        ok = ok.to(p.device)
+    state = optimizer.state.get(p)
+    fresh = not state
+    old_p = scratch.copy(0, p.detach())
+    on_device: dict = {}
+    host: dict = {}
+    for k, v in (state or {}).items():
+        if torch.is_tensor(v) and v.device == p.device:
+            on_device[k] = scratch.copy(1 + len(on_device), v.detach())
+        else:
+            host[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+    step_optimizer(optimizer, generator)
+    w = p.detach()
+    torch.where(ok, w, old_p, out=w)
+    now = optimizer.state.get(p) or {}
+    for k, old in on_device.items():
+        cur = now.get(k)
+        if _same_kind(cur, old):
+            torch.where(ok, cur, old, out=cur)
+        else:  # replaced by another kind of value: restored after the read
+            host[k] = old.clone()  # (out of the scratch buffer, which the next parameter reuses)
+    return Undo(optimizer, p, fresh, host)
+
+
+def undo(record: Undo) -> None:
+    """Take back, on the host, what ``step_masked`` left of a parameter's masked update."""
+    if record.fresh:
+        record.optimizer.state.pop(record.param, None)
+        return
+    record.optimizer.state[record.param].update(record.host)
 
 
 def restore_float_state(optimizer, saved: dict) -> None:

@@ -58,7 +58,8 @@ from library.config.parse import required
 from library.data import cache_stage
 from library.data.latent_cache import vae_dtype
 from library.errors import UserError, first_line
-from library.models import fake_parts, flow_family, fp8, loading, placement, sd_checkpoint, tiny_models
+from library.models import fake_parts, flow_family, fp8, loading, placement, sd_checkpoint
+from library.models.families.sd_common import tiny_models
 from library.models.families import registry
 from library.models.family import CHUNK, MAX_TOKENS, TextConditioning, chunk_count, family_model_for
 from library.models.loading import ARCH_OF_FAMILY, SHIPPED_CONFIGS
@@ -843,6 +844,11 @@ def estimate(opts: Options, method_name: str, tset=None, processes: int = 1) -> 
     largest_fp32 = max((p.numel() * 4 for p in trained), default=0)
     n_tmp = STEP_TEMPORARIES.get(rule.kind, 2) + (2 if trained_dtype != torch.float32 else 0)
     est.step_temporaries = n_tmp * largest_fp32
+    if fmode is not None:
+        # the fused steps' guard (fused_optim.step_masked): a copy of the parameter being
+        # stepped and of its optimizer state, one parameter at a time
+        est.step_temporaries += max((nbytes(p) + rule.param_bytes(tuple(p.shape)) for p in trained),
+                                    default=0)
 
     # -- activations (fake forward of one micro-step at the largest bucket)
     bucket = _largest_bucket(tset, opts.resolution)

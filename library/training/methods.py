@@ -23,7 +23,9 @@ import torch
 from library.config.parse import required
 from library.errors import UserError
 from library.files import EXTENSIONS
-from library.models import embeddings, flow_family, loading, sd3, sd_checkpoint
+from library.models import flow_family, loading
+from library.models.families.sd_common import embeddings
+from library.models.families.sd3 import sd3
 from library.models.families import registry
 from library.models.placement import trained_precision
 from library.training import block_lr
@@ -228,7 +230,7 @@ class NetworkMethod:
         return self.opts.learning_rate if lr is None else lr
 
     def _setup_pivotal(self) -> dict:
-        """New tokens in the tokenizers and text encoders (library/models/embeddings.py), their rows one
+        """New tokens in the tokenizers and text encoders (library/models/families/sd_common/embeddings.py), their rows one
         more optimizer group. The text encoders then run with gradients (to reach the rows) even
         when the network trains only the U-Net: apply_to has already used the network's choice."""
         b = self.bundle
@@ -576,17 +578,11 @@ class FullMethod:
 
     def save(self, path: str, dtype_name, metadata: dict):
         dtype = _dtype(dtype_name)
-        if self.bundle.flow is not None:  # FLUX.1: the transformer in its source layout
-            trained = self.trained_encoder_names() if registry.of(self.bundle).saves_text_encoders else ()
-            flow_family.save_full(self.bundle, path, dtype, metadata, trained)
-            return
-        comps = self.bundle.components()
-        fmt = self.opts.save_model_as or "safetensors"
-        if fmt.startswith("diffusers"):
-            sd_checkpoint.save_diffusers(comps, self.bundle.family, path, dtype=dtype)
-        else:
-            sd_checkpoint.save_single_file(comps, self.bundle.family, path, dtype=dtype,
-                                           metadata=metadata)
+        # the family's home saves in its layout (an SD family: one file, or a diffusers folder for
+        # the extension-less path of save_model_as diffusers)
+        fam = registry.of(self.bundle)
+        trained = self.trained_encoder_names() if fam.flow is not None and fam.saves_text_encoders else ()
+        flow_family.save_full(self.bundle, path, dtype, metadata, trained)
 
 
 def _pivotal_specs(opts: Options) -> list:
@@ -628,7 +624,7 @@ def _pivotal_specs(opts: Options) -> list:
 
 class TextualInversionMethod:
     """Textual inversion: only the new tokens' embedding rows train (SDXL: in both text encoders);
-    the U-Net, VAE and text encoders are frozen and stay bit-identical (library/models/embeddings.py:
+    the U-Net, VAE and text encoders are frozen and stay bit-identical (library/models/families/sd_common/embeddings.py:
     the rows are a parameter of their own, the loaded matrices are not in the optimizer).
 
     The text encoders run with autograd every step (gradients flow through them to the rows),

@@ -4,11 +4,16 @@ read (``network_weights``, ``base_weights``, resumed weights) and of everything 
 The guard looks at two things every step, both before any parameter is updated:
 
 - the global batch's loss (summed over every process; the trainer all-reduces it anyway for the
-  log), checked before the backward of the last micro-step when the stepper steps inside the
-  backward pass (fused_backward_pass / fused_optimizer_groups), otherwise before ``step()``;
+  log, before the last micro-step's backward);
 - the gradients: the plain stepper checks the global gradient norm it computes for clipping (an
   overflowing norm, inf, counts: clipping by an infinite norm would scale every update to zero);
   the hook steppers check each unit's summed gradient in its hook before stepping it.
+
+Both come to the host in the step's one read (library/training/step_sync.py), which every stepper
+makes in ``step()``. The plain stepper reads before it updates; the hook steppers update inside
+the backward, so they decide on the device: each unit's update is kept only while the loss and
+every unit's norm so far are finite (library/training/fused_optim.py ``step_masked``), and the
+read says which units kept theirs.
 
 Gradients and the loss are summed across processes before they are checked, so every process
 decides alike with no extra collective. ``stop`` (default) ends the run with ``NonFiniteStop``

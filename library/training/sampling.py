@@ -71,15 +71,20 @@ SAMPLER_CHOICES = tuple(SAMPLERS) + tuple(ALIASES)
 
 # sd-scripts' defaults of a prompt line; steps and scale (None) are the family's (settings)
 DEFAULTS = {"negative_prompt": "", "width": 512, "height": 512, "sample_steps": None, "scale": None,
-            "seed": None, "sample_sampler": None, "image": None, "guidance_scale": None}
+            "seed": None, "sample_sampler": None, "image": None, "guidance_scale": None,
+            "cfg_trunc_ratio": None, "renorm_cfg": None}
 SD_STEPS, SD_SCALE = 30, 7.5  # SD's; FLUX's and SD3's: library/training/flow_sampling.py
 # --x flags of a .txt line -> keys (also the keys of .toml / .json prompts)
 # --i: the source image of an inpainting model's sample (sd-scripts' train_inpainting)
 # --g: FLUX.1 dev's distilled guidance input (sd-scripts' guidance_scale of a prompt)
+# --ctr / --rcfg: Lumina 2's CFG truncation ratio and renorm factor (sd-scripts' cfg_trunc_ratio,
+# renorm_cfg; flow_sampling.cfg_shaping)
 FLAGS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps",
-         "l": "scale", "ss": "sample_sampler", "i": "image", "g": "guidance_scale"}
+         "l": "scale", "ss": "sample_sampler", "i": "image", "g": "guidance_scale", "ctr": "cfg_trunc_ratio",
+         "rcfg": "renorm_cfg"}
 TYPES = {"negative_prompt": str, "width": int, "height": int, "seed": int, "sample_steps": int,
-         "scale": float, "sample_sampler": str, "prompt": str, "image": str, "guidance_scale": float}
+         "scale": float, "sample_sampler": str, "prompt": str, "image": str, "guidance_scale": float,
+         "cfg_trunc_ratio": float, "renorm_cfg": float}
 
 
 class SamplingError(UserError):
@@ -102,6 +107,9 @@ def _prompt(raw: dict, where: str) -> dict:
         if p[k] < 8:
             raise SamplingError(f"{where}: {k} must be at least 8, got {p[k]}")
         p[k] -= p[k] % 8  # the VAE's factor
+    for k, flag in (("cfg_trunc_ratio", "--ctr"), ("renorm_cfg", "--rcfg")):
+        if p[k] is not None and not p[k] >= 0:
+            raise SamplingError(f"{where}: {flag} ({k}) must be at least 0, got {p[k]}")
     if p["sample_steps"] is not None and p["sample_steps"] < 1:
         raise SamplingError(f"{where}: sample steps must be at least 1, got {p['sample_steps']}")
     s = p["sample_sampler"]
@@ -312,11 +320,47 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
     if not is_flow(bundle):
         return _pipe_call(bundle, PromptEncoder(family_model, device, clip_skip), p, seed,
                           sampler=sampler, pipe=pipe, output_type="latent")
-    steps, scale, guidance = settings(p, bundle.family)
-    h, w = flow_sampling.image_size(p, bundle.family)
-    batch = PromptBatch([p["prompt"]], [p["negative_prompt"]], [seed], width=w, height=h,
-                        steps=steps, scale=scale)
+    return flow_group_latents(bundle, family_model, [(p, seed)], device=device, dtype=dtype)
+
+
+def _flow_settings(p: dict, family: str) -> tuple:
+    """What a batch of flow prompts shares: steps, scale, guidance, (height, width), CFG shaping."""
+    return (*settings(p, family), flow_sampling.image_size(p, family), flow_sampling.cfg_shaping(p, family))
+
+
+def flow_group_latents(bundle, family_model, items: list[tuple[dict, int]], *, device, dtype=None):
+    """The final latents of flow prompts [(prompt, seed)] with equal ``_flow_settings``, rendered as
+    one batch (image i from its own seed's noise)."""
+    (steps, scale, guidance, (h, w), (ctr, rcfg)) = _flow_settings(items[0][0], bundle.family)
+    batch = PromptBatch([p["prompt"] for p, _ in items], [p["negative_prompt"] for p, _ in items],
+                        [seed for _, seed in items], width=w, height=h, steps=steps, scale=scale,
+                        cfg_trunc_ratio=ctr, renorm_cfg=rcfg)
     return flow_batch(bundle, family_model, batch, guidance=guidance, device=device, dtype=dtype)
+
+
+def sample_batch_size(opts: Options, bundle) -> int:
+    """Prompts a sample batch may hold: a family that reads ``sample_batch_size`` (Lumina 2,
+    sd-scripts' lumina_train_util) renders that many together (unset: train_batch_size); the others
+    one at a time, as sd-scripts."""
+    fam = registry.of(bundle)
+    if fam.flow is None or "sample_batch_size" in {**registry.foreign_options(fam), **fam.unsupported}:
+        return 1
+    return opts.sample_batch_size or opts.train_batch_size or 1
+
+
+def sample_groups(share: list[tuple[int, bool]], prompts: list[dict], family: str, size: int) -> list[list]:
+    """This process's share [(prompt index, kept)] in batches: consecutive flow prompts with equal
+    settings (size, steps, scale, guidance, CFG shaping), at most ``size`` each (sd-scripts'
+    lumina batchify groups by the same settings; here each image keeps its own seed)."""
+    groups: list[list] = []
+    for item in share:
+        key = _flow_settings(prompts[item[0]], family) if size > 1 else None
+        if groups and len(groups[-1]) < size and key is not None and \
+                _flow_settings(prompts[groups[-1][0][0]], family) == key:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +376,8 @@ class PromptBatch:
     height: int
     steps: int
     scale: float
+    cfg_trunc_ratio: float | None = None  # a flow family's CFG shaping (flow_sampling.cfg_shaping)
+    renorm_cfg: float | None = None
 
 
 def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | None, device,
@@ -347,7 +393,8 @@ def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | No
                        for s in batch.seeds]).to(device)
     sigmas = flow_sampling.schedule(bundle.family, batch.steps, tuple(noise.shape[2:]), shift=shift)
     return flow_sampling.sample(family_model, pos, neg, noise, sigmas, scale=batch.scale,
-                                guidance=guidance, dtype=dtype)
+                                guidance=guidance, dtype=dtype, cfg_trunc_ratio=batch.cfg_trunc_ratio,
+                                renorm_cfg=batch.renorm_cfg)
 
 
 def _pipe_call(bundle, encoder: PromptEncoder, p: dict, seed: int, *, sampler: str, pipe,
@@ -433,6 +480,10 @@ def _warn_unused(bundle, p: dict, i: int) -> None:
     if not guided and p["guidance_scale"] is not None:
         logger.warning(f"sample prompt {i}: --g is FLUX.1 dev's guidance input; this model has "
                        "none (ignored)")
+    if (flow is None or flow.sample_cfg_trunc_ratio is None) and \
+            (p["cfg_trunc_ratio"] is not None or p["renorm_cfg"] is not None):
+        logger.warning(f"sample prompt {i}: --ctr / --rcfg shape Lumina 2's CFG; this model's CFG has no "
+                       "truncation or renorm (ignored)")
     if is_flow(bundle) and p["sample_sampler"] is not None:
         logger.warning(f"sample prompt {i}: --ss {p['sample_sampler']}: {bundle.family} samples "
                        "with its flow-matching Euler sampler (ignored)")
@@ -462,32 +513,35 @@ def sample_images(opts: Options, step: int, model: validation.Evaluated, *, froz
             inpaint = not is_flow(bundle) and inpainting.is_inpainting(bundle.unet)
             pipe = pipeline(bundle, inpaint)
             encoder = PromptEncoder(family_model, acc.device, opts.clip_skip)
-            for i, kept in strategy.share(len(prompts)):  # fsdp: all prompts, own ones written
-                p = prompts[i]
-                seed = prompt_seed(opts, p, i)
-                if p["image"] is not None and not inpaint:
-                    raise SamplingError(f"sample_prompts: --i {p['image']} is the source image "
-                                        "of an inpainting model's sample; this model is not one")
-                if kept:
-                    _warn_unused(bundle, p, i)
+            share = strategy.share(len(prompts))  # fsdp: all prompts, own ones written
+            for group in sample_groups(share, prompts, bundle.family, sample_batch_size(opts, bundle)):
+                items = [(prompts[i], prompt_seed(opts, prompts[i], i)) for i, _ in group]
+                for (i, kept), (p, _) in zip(group, items):
+                    if p["image"] is not None and not inpaint:
+                        raise SamplingError(f"sample_prompts: --i {p['image']} is the source image "
+                                            "of an inpainting model's sample; this model is not one")
+                    if kept:
+                        _warn_unused(bundle, p, i)
                 with acc.autocast():
                     if is_flow(bundle):
-                        image = flow_sampling.decode_image(bundle.vae, sample_latents(
-                            bundle, family_model, p, seed, device=acc.device, dtype=dtype))
+                        latents = flow_group_latents(bundle, family_model, items, device=acc.device, dtype=dtype)
+                        rendered = [flow_sampling.decode_image(bundle.vae, latents[k:k + 1]) for k in range(len(items))]
                     else:
+                        [(p, seed)] = items
                         kw = None
                         if inpaint:
                             src, mask = inpaint_inputs(p, seed)
                             kw = dict(image=src, mask_image=mask, strength=1.0)
-                        image = _pipe_call(bundle, encoder, p, seed, sampler=opts.sample_sampler,
-                                           pipe=pipe, output_type="pil", inpaint_kw=kw)[0]
-                if not kept:
-                    continue
-                path = image_path(opts, step, i, seed)
-                tmp = path + ".tmp"
-                image.save(tmp, format="PNG")
-                os.replace(tmp, path)
-                written.append(path)
+                        rendered = _pipe_call(bundle, encoder, p, seed, sampler=opts.sample_sampler,
+                                              pipe=pipe, output_type="pil", inpaint_kw=kw)[:1]
+                for (i, kept), (_, seed), image in zip(group, items, rendered):
+                    if not kept:
+                        continue
+                    path = image_path(opts, step, i, seed)
+                    tmp = path + ".tmp"
+                    image.save(tmp, format="PNG")
+                    os.replace(tmp, path)
+                    written.append(path)
     finally:
         for m, training in modes.items():
             m.training = training

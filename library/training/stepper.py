@@ -1,14 +1,14 @@
 """How one global batch's gradient becomes one optimizer update.
 
-The training loop calls ``stepper.backward(loss, last_micro_step=...)`` for each micro-step of
-this process and ``stepper.step(read)`` once per global batch (every process, every step, even
-with an empty share). For a stepper that steps after the backward (``steps_in_backward`` False)
-``read`` is the step's one host read (library/training/step_sync.py ``agree``, the loss sum
-bound): step() calls it once, with the gradient norm still on the device and before any update,
-updates only when the read loss is finite, and returns the ``StepRead``. A stepper that steps in
-the backward takes no read (the loop read the step before the last backward) and returns None;
-so does step() called with no read (the norm is then read here). ``make_stepper`` picks the
-stepper from the options:
+The training loop calls ``stepper.backward(loss, last_micro_step=..., loss_finite=...)`` for each
+micro-step of this process and ``stepper.step(read)`` once per global batch (every process, every
+step, even with an empty share), the same way for every stepper. ``loss_finite`` (last micro-step
+only) is the global batch's summed loss's finiteness as a 0-d bool device tensor, and ``read``
+the step's one host read (library/training/step_sync.py ``Pending.read``, after the step's
+collective): step() calls it once, with what it still has to decide on the device (the plain
+stepper's gradient norm, the hook steppers' flags), before any update that depends on it, and
+returns the ``StepRead``; step() called with no read reads its own values here and returns None.
+``make_stepper`` picks the stepper from the options:
 
 - ``PlainStepper`` keeps every gradient until the end of the step: sum across processes (with
   the ``grad_sum`` its strategy gives it; none where DDP's reducer or FSDP's reduce-scatter summed
@@ -17,6 +17,9 @@ stepper from the options:
   ``register_post_accumulate_grad_hook`` during the last micro-step's backward and frees its
   gradient at once, so all gradients never exist together. One optimizer (and one scheduler)
   per parameter, the same math as the unfused optimizer for optimizers without global state.
+  The non-finite guard decides on the device: every unit's update is kept only where the summed
+  loss and the summed gradient norms of this and every earlier unit are finite
+  (``fused_optim.step_masked``), and step()'s one read says which units kept theirs.
 - ``GroupedStepper`` (``fused_optimizer_groups = N``) does the same per group of parameters,
   contiguous in backward order: a group is stepped as soon as all its gradients are complete.
 
@@ -71,9 +74,9 @@ class Stepper(Protocol):
 
     def current_lr(self) -> float: ...
 
-    def backward(self, loss, last_micro_step: bool = True) -> None: ...
+    def backward(self, loss, last_micro_step: bool = True, loss_finite=None) -> None: ...
 
-    def step(self, read=None):  # read: norm tensor or None -> StepRead; returns its StepRead
+    def step(self, read=None):  # read: (norm, flags) device tensors -> StepRead; returns it
         ...
 
     def skip(self) -> None: ...
@@ -204,7 +207,8 @@ class PlainStepper:
     def close(self) -> None:
         pass
 
-    def backward(self, loss, last_micro_step: bool = True) -> None:
+    def backward(self, loss, last_micro_step: bool = True, loss_finite=None) -> None:
+        # loss_finite: unused (the step's read decides before step() updates anything)
         if self.loss_scaler is not None:
             # our scaler, not Accelerate's (whose GradScaler cannot unscale fp16 gradients)
             (loss * self.loss_scaler.scale).backward()
@@ -342,13 +346,6 @@ def _describe(value: float) -> str:
     return describe(value)
 
 
-def _unit_is_finite(norm) -> bool:
-    """Whether a fused unit's summed gradient norm (a device tensor) is finite: the fused
-    steppers' one host read per unit (the guard decides, before the unit is stepped, whether
-    it and the later units are stepped at all)."""
-    return bool(torch.isfinite(norm))
-
-
 class _HookStepper:
     """Steps units of parameters (one parameter, or one group) inside the backward pass.
 
@@ -366,9 +363,19 @@ class _HookStepper:
     the backward, at most k sums are in flight, and k + 1 units' gradients are alive (k summed
     or being summed, one being filled; one more where the backward's order crosses a unit
     boundary, as a layer's bias before its weight, which a synchronous sum meets too). The waits happen at the same hook in every
-    process (counted, never polled), so all processes step, or stop at a non-finite unit,
-    alike. The sums, the order of the unit steps and the non-finite guard are those of k = 0,
-    which sums each unit synchronously inside its hook (one process: no sums at all).
+    process (counted, never polled), so all processes step alike. The sums, the order of the
+    unit steps and the non-finite guard are those of k = 0, which sums each unit synchronously
+    inside its hook (one process: no sums at all).
+
+    The non-finite guard, with no host read inside the backward: a device flag starts as the
+    summed loss's finiteness (``loss_finite``, the same in every process) and is and-ed with
+    each unit's summed gradient norm's finiteness before the unit is stepped; the unit's update
+    is kept only where the flag is true (``fused_optim.step_masked``: the weights and optimizer
+    state written back with ``torch.where``, so a finite step is bit for bit the unmasked one).
+    So no unit is updated from a non-finite gradient, nor after one, as when each unit was read.
+    step() makes the step's one read (the loss, the number of units that kept their update and
+    the first non-finite norm) and takes back on the host what the device could not (optimizer
+    state the masked step created, Python values, the stochastic-rounding generator).
     """
 
     steps_in_backward = True
@@ -390,14 +397,16 @@ class _HookStepper:
                 if any(q is first_param for q in g["params"]):
                     self._lr_group = gi
         self._generator = fused_optim.stochastic_round_generator(self.params[0].device)
-        # The non-finite guard: a unit whose summed gradient is non-finite is not stepped, nor is
-        # any later unit of that step (``nonfinite`` says why); ``partial_update``: units before
-        # it had already been stepped in that backward pass.
+        self._scratch = fused_optim.Scratch()  # step_masked's copies, reused
+        # The non-finite guard: a unit whose summed gradient is non-finite keeps no update, nor
+        # does any later unit of that step (``nonfinite`` says why); ``partial_update``: units
+        # before it kept theirs.
         self.nonfinite: str | None = None
         self.partial_update = False
         self._final = False
-        self._pending = [0] * len(units)     # hooks fired in the final backward, per unit
-        self._stepped = [False] * len(units)
+        self._device = self.params[0].device
+        self._low = self._low_precision()
+        self._begin_step(None)
         self.reductions_in_flight = reductions_in_flight
         self.grad_sum = grad_sum               # BucketedSum, or None: nothing to sum
         self._overlap = False                # this backward launches sums asynchronously
@@ -416,7 +425,23 @@ class _HookStepper:
     def current_lr(self) -> float:
         return self.schedulers[self._lr_unit].get_last_lr()[self._lr_group]
 
-    def backward(self, loss, last_micro_step: bool = True) -> None:
+    def _begin_step(self, loss_finite) -> None:
+        """A step's bookkeeping: nothing stepped yet; the device flags (``loss_finite`` None:
+        no loss to check, e.g. a direct caller)."""
+        self._pending = [0] * len(self.units)     # hooks fired in the final backward, per unit
+        self._stepped = [False] * len(self.units)
+        # per unit stepped, in stepping order: its fused_optim.Undo records, the guard's flag
+        # after it (device), its gradient norm (device), the rounding generator's state before it
+        self._undo: list[list] = []
+        self._oks: list = []
+        self._norms: list = []
+        self._rounding: list = []
+        self._ok = torch.ones((), dtype=torch.bool, device=self._device) if loss_finite is None \
+            else loss_finite.to(self._device)     # the guard's running device flag
+
+    def backward(self, loss, last_micro_step: bool = True, loss_finite=None) -> None:
+        if last_micro_step:
+            self._begin_step(loss_finite)
         self._final = last_micro_step
         self._overlap = last_micro_step and self.reductions_in_flight > 0 \
             and self.grad_sum is not None and self.grad_sum.across_processes
@@ -435,9 +460,6 @@ class _HookStepper:
     def _hook(self, p) -> None:
         if not self._final:
             return  # an earlier micro-step: accumulate as usual
-        if self.nonfinite is not None:
-            p.grad = None  # the step is abandoned: free the gradient, as a step would
-            return
         u = self.unit_of[id(p)]
         self._pending[u] += 1
         if self._pending[u] == len(self.units[u]):
@@ -451,19 +473,11 @@ class _HookStepper:
         while ``reductions_in_flight`` of them are (first in, first stepped)."""
         while len(self._in_flight) >= self.reductions_in_flight:
             self._finish_oldest()
-        if self.nonfinite is not None:  # an older unit was non-finite: no more sums or steps
-            for p in self.units[u]:
-                p.grad = None
-            return
         self._in_flight.append((u, self.grad_sum.launch(self.units[u])))
 
     def _finish_oldest(self) -> None:
         u, reduction = self._in_flight.popleft()
         reduction.wait()  # the summed gradients are in p.grad again
-        if self.nonfinite is not None:  # launched before an older unit proved non-finite
-            for p in self.units[u]:
-                p.grad = None
-            return
         self._step_summed(u)
 
     def _step_unit(self, u: int) -> None:
@@ -473,43 +487,73 @@ class _HookStepper:
         self._step_summed(u)
 
     def _step_summed(self, u: int) -> None:
-        """Step unit ``u`` on its summed gradients (the non-finite guard first), then free them."""
+        """Step unit ``u`` on its summed gradients, kept only where the guard's flag stays true
+        (no host read), then free them."""
         params = self.units[u]
         grads = [p.grad for p in params if p.grad is not None]
+        ok = self._ok
         if grads:
-            # the summed gradient: every process gets the same norm and decides alike
-            norm = torch.nn.utils.get_total_norm(grads)
-            if not _unit_is_finite(norm):  # a NaN/inf element, or an overflowing norm
-                self.nonfinite = f"gradient norm {_describe(float(norm))}"
-                self.partial_update = any(self._stepped)
-                for p in params:
-                    p.grad = None
-                return
+            # the summed gradient: every process gets the same norm and the same flag
+            total = torch.nn.utils.get_total_norm(grads)
+            ok = ok & torch.isfinite(total)  # a NaN/inf element, or an overflowing norm
             if self.max_grad_norm and self.max_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
-                                                     self.max_grad_norm, norm)
-        fused_optim.step_optimizer(self.optimizers[u], self._generator)
+                                                     self.max_grad_norm, total)
+            norm = total.to(torch.float32)
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=self._device)
+        if self._low:  # full_bf16: where the rounding stream stood, should this unit be taken back
+            self._rounding.append(self._generator.get_state())
+        self._undo.append(fused_optim.step_masked(self.optimizers[u], ok, self._generator,
+                                                  self._scratch))
+        self._oks.append(ok)
+        self._norms.append(norm)
+        self._ok = ok
         for p in params:
             p.grad = None
         self._stepped[u] = True
 
-    def step(self, read=None) -> None:
-        if read is not None:
-            raise TypeError(f"{type(self).__name__} steps in the backward: the loop reads the step "
-                            "before the last backward, step() takes no read")
+    def _flags(self):
+        """(units that kept their update, the first non-finite unit norm) as one device vector."""
+        if not self._oks:
+            return torch.zeros(2, dtype=torch.float32, device=self._device)
+        norms = torch.stack(self._norms)
+        first_bad = torch.argmax((~torch.isfinite(norms)).to(torch.int32))
+        return torch.stack([torch.stack(self._oks).sum().to(torch.float32), norms[first_bad]])
+
+    def step(self, read=None):
         # Units whose hooks did not all fire (a parameter outside this step's graph) are stepped
         # now, in unit order; the same in every process, since all run the same graph.
         for u in range(len(self.units)):
-            if self.nonfinite is not None:
-                return  # no more updates, no scheduler step: the trainer stops or skip()s
             if not self._stepped[u]:
                 self._step_unit(u)
-        if self.nonfinite is not None:
-            return
+        self.nonfinite, self.partial_update = None, False
+        flags = self._flags()
+        if read is None:  # outside the loop: the flags read here
+            got, loss_ok = None, True
+            kept_f, bad = flags.tolist()
+        else:
+            got = read(None, flags)  # the step's one read
+            loss_ok = got.finite
+            kept_f, bad = got.flags
+        kept, undo, rounding = int(kept_f), self._undo, self._rounding
+        self._begin_step(None)
+        if kept < len(undo) or not loss_ok:
+            # the first units (in step order) kept their updates, the rest were masked on the
+            # device: take back what the device could not; no scheduler step (the trainer stops
+            # or skip()s)
+            for records in undo[kept:]:
+                for r in records:
+                    fused_optim.undo(r)
+            if kept < len(rounding):
+                self._generator.set_state(rounding[kept])
+            self.partial_update = kept > 0
+            if loss_ok:  # the loop reports a non-finite loss itself
+                self.nonfinite = f"gradient norm {_describe(bad)}"
+            return got
         for s in self.schedulers:
             s.step()
-        self._pending = [0] * len(self.units)
-        self._stepped = [False] * len(self.units)
+        return got
 
     def skip(self) -> None:
         """``on_nonfinite = "skip"``: the units not yet stepped get no update, their gradients
@@ -518,8 +562,7 @@ class _HookStepper:
             p.grad = None
         for s in self.schedulers:
             s.step()
-        self._pending = [0] * len(self.units)
-        self._stepped = [False] * len(self.units)
+        self._begin_step(None)
         self.nonfinite = None
         self.partial_update = False
 

@@ -13,7 +13,7 @@ class StopSignals:
     """While active, SIGINT and SIGTERM ask training to stop after the current step.
 
     A second signal stops at once (KeyboardInterrupt / exit 143). It carries the pending signal
-    only (``signum``): the step's one small all-reduce (library/training/step_sync.py ``agree``,
+    only (``signum``): the step's one small all-reduce (library/training/step_sync.py ``gather``,
     every process once per step) makes all processes stop after the same step even when the
     signal reached only one of them.
     """

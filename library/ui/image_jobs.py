@@ -3,8 +3,9 @@ or tools/compare_checkpoints.py's argument list (the command-line scripts themse
 queue; no second generator), and a job's images are read back with their A1111 text.
 
     generate_job(form, allowed, default_parent) -> ImageJob    gen_img.py: a model (path or
-                                built-in name), LoRAs with weights, prompt, negative prompt, seed,
-                                steps, size, sampler, scale, images
+                                built-in name) and its separate parts (``parts``: --vae, --ae,
+                                --qwen3, --gemma2, ...; ``system_prompt``), LoRAs with weights,
+                                prompt, negative prompt, seed, steps, size, sampler, scale, images
     run_model(opts, output_dir, output_name) -> RunModel    a finished run's model flags (from
                                 its config's Options) and saved files
     compare_job(form, run) -> ImageJob          compare_checkpoints.py over the run's saved files
@@ -26,6 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from library.config.options import GEN_IMG_PARTS, gen_img_flags
 from library.errors import DataError
 from library.files import atomic_path
 from library.ui.workbench import inside
@@ -55,7 +57,6 @@ class RunModel:
     network_module: str | None
 
 
-_MODEL_FILES = ("vae", "clip_l", "clip_g", "t5xxl", "ae", "tokenizer_path")
 
 
 def _absolute(path: str) -> str:
@@ -66,12 +67,7 @@ def _absolute(path: str) -> str:
 
 
 def run_model(opts, output_dir: str, output_name: str) -> RunModel:
-    flags: list[str] = []
-    for name in _MODEL_FILES:
-        v = getattr(opts, name)
-        if v:
-            flags += [f"--{name}", _absolute(v)]
-    flags += [f"--{name}" for name in ("v2", "v_parameterization") if getattr(opts, name)]
+    flags = gen_img_flags(opts, _absolute)  # the run's parts, text settings and prediction type
     module = opts.network_module if "network_module" in opts.given else None
     return RunModel(_absolute(opts.pretrained_model_name_or_path), output_dir, output_name,
                     tuple(flags), module)
@@ -138,6 +134,27 @@ def _sampling_args(form: dict) -> list[str]:
     return out
 
 
+def _part_args(form: dict) -> list[str]:
+    """The form's ``parts`` ({flag name: path}: a single-file model's separate files) and text
+    options as gen_img's flags; an unknown name or a value that reads as a flag is one line."""
+    parts = form.get("parts") or {}
+    if not isinstance(parts, dict):
+        raise DataError("parts: an object of {name: path} is required")
+    out = []
+    for name, value in parts.items():
+        if name not in GEN_IMG_PARTS:
+            raise DataError(f"parts: unknown part {name!r} (one of {', '.join(GEN_IMG_PARTS)})")
+        path = _text(parts, name)
+        if path.startswith("-"):
+            raise DataError(f"{name}: {path!r} is not a file or folder name")
+        if path:
+            out += [f"--{name}", path]
+    text = _one_line(_text(form, "system_prompt"), "system_prompt")
+    if text:
+        out.append(f"--system_prompt={text}")  # one argument: a text starting with '-' is not a flag
+    return out
+
+
 def fresh_folder(parent: str, prefix: str) -> str:
     """``<parent>/<prefix>-<UTC time>`` (with ``-2``, ``-3``, ... when taken); not created."""
     base = os.path.join(parent, f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
@@ -172,6 +189,7 @@ def generate_job(form: dict, allowed: list[str], default_parent: str) -> ImageJo
     outdir = fresh_folder(inside(parent, allowed, "outdir"), "gen")
     prompt_file = os.path.join(outdir, PROMPT_FILE)
     args = ["--ckpt", model, "--outdir", outdir, "--from_file", prompt_file, *_sampling_args(form)]
+    args += _part_args(form)
     images = _int(form, "images", 1, MAX_IMAGES)
     if images is not None:
         args += ["--images_per_prompt", str(images)]

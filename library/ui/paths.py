@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from library.config.options import OPTIONS
-from library.models.tiny_models import TINY_NAMES
+from library.models.families.sd_common.tiny_models import TINY_NAMES
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options

@@ -81,7 +81,7 @@ def test_sample_prompts_not_utf8(ext, dataset, tmp_path, run_script, no_weight_l
 def test_zero_byte_weights_file_in_a_diffusers_folder(dataset, tmp_path, run_script):
     """Was a SafetensorError traceback: now one line naming the folder and the component."""
     from library.models import sd_checkpoint
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     model = str(tmp_path / "model")
     sd_checkpoint.save_diffusers(build_tiny_components("sd15"), "sd1", model)

@@ -245,6 +245,7 @@ REFERENCE = {
     "gemma2": T + "models/test_lumina_loading.py::test_single_file_with_gemma2_and_ae",
     "gemma2_max_token_length": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
     "system_prompt": T + "training/test_lumina_train.py::test_text_options_change_the_encoding",
+    "sample_batch_size": T + "training/test_lumina_sampling.py::test_sample_batch_size_groups_like_prompts_and_keeps_each_images_seed",
     "use_flash_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
     "use_sage_attn": T + "models/test_lumina.py::test_attention_options_refused_without_the_kernel",
     # SD3's text-encoder dropout (flow-te)

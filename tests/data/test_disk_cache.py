@@ -11,7 +11,7 @@ from library.data import latent_cache
 from library.data.buckets import BucketManager
 from library.data.folders import scan_concept_dirs
 from library.data.latent_cache import encode_latents, entry_path, item_cache_key, vae_fingerprint
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from tools.make_sample_dataset import make_sample_dataset
 
 LOG = logging.getLogger("test_disk_cache")

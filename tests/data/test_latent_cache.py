@@ -10,7 +10,7 @@ from library.data.folders import ImageItem, scan_concept_dirs
 from library.data.images import load_image, prepare_image
 from library.data.latent_cache import (cache_key, encode_latents, encode_pixels, item_cache_key,
                                   vae_fingerprint)
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from tools.make_sample_dataset import make_sample_dataset
 
 

@@ -150,11 +150,11 @@ def _close(a: dict, b: dict, what: str):
 def _moved(family: str, w: dict) -> int:
     """How many tensors the run moved from the initial weights."""
     if family == "flux":
-        from library.models.tiny_flux import build_tiny_flux
+        from library.models.families.flux.tiny_flux import build_tiny_flux
 
         start = build_tiny_flux("dev")["transformer"].state_dict()
     else:
-        from library.models import sd3_builtins
+        from library.models.families.sd3 import sd3_builtins
 
         start = sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
     return sum(not torch.equal(start[k.removeprefix("unet.")], v) for k, v in w.items())
@@ -171,8 +171,8 @@ def test_one_gloo_job_of_two_processes(flow_job):
     steps = {s for s, _, _ in flow_job["ranks"]["sd3"][0]["micro_steps"]}
     assert steps == {0, 1, 2}
     # one FSDP unit per transformer block, and the transformer
-    from library.models import sd3_builtins
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.sd3 import sd3_builtins
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     flux = build_tiny_flux("dev")["transformer"]
     units = {len(sd3_builtins.build_builtin("tiny-sd3")["mmdit"].joint_blocks) + 1,
@@ -215,7 +215,7 @@ def test_fsdp_shards_each_block_and_trains_as_one_process(flow_job, family):
     if family == "flux":
         saved = read(path)[0]
     else:
-        from library.models import sd3_checkpoint
+        from library.models.families.sd3 import sd3_checkpoint
 
         saved = dict(sd3_checkpoint.load_sd3(path).mmdit.named_parameters())
     assert {f"unet.{k}" for k in saved} == set(w)

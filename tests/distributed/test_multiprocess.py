@@ -456,7 +456,7 @@ def test_dreambooth_two_processes_same_weights(dreambooth_runs):
 
     import torch
 
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     w0, w1 = dreambooth_runs["rank_weights"]
     assert w0.keys() == w1.keys()
@@ -738,7 +738,7 @@ def test_textual_inversion_two_processes_equal_one_process(data_dir, tmp_path):
     processes x batch 1 give the embedding of 1 process x batch 2 (SGD, as train_args), both
     ranks identical; the update (trained - initial rows, the init word's rows of the base
     matrix) is compared, since the rows themselves barely move relative to their norm."""
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     def args(out, batch):
         return ["--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", data_dir,

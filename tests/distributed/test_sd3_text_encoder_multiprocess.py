@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from library.models import sd3_builtins
+from library.models.families.sd3 import sd3_builtins
 from tests.distributed.test_multiprocess import launch_two_processes
 from tests.training.test_equivalence import read_file, train_in_process
 

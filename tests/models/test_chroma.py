@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from library.models import flux
+from library.models.families.flux import flux
 from library.models.families.chroma import checkpoint
 from library.models.families.chroma.model import CHROMA1, TINY_CHROMA, Chroma, chroma_mask
 from tests.models.test_flux import _split_at_width

@@ -14,7 +14,7 @@ import torch
 
 from library.config import method_kinds
 from library.config.options import GUI_KEYS_BY_NAME, METHOD_OF_SCRIPT, OPTIONS_BY_NAME
-from library.models import loading
+from library.models import fake_parts, loading
 from library.models.families import base, registry
 from library.run import run_checks
 from library.training import flow_matching, flow_sampling, methods
@@ -27,8 +27,9 @@ HOMES = os.path.join(ROOT, "library", "models", "families")
 # loader's, and each home's BUILTIN_NAMES (the names its builders take)
 BUILTIN_FAMILY = {**{n: loading.FAMILY_OF_ARCH[a] for t in (loading.TINY_BUILTINS, loading.ARCH_BUILTINS)
                      for n, a in t.items()},
-                  **{n: f.name for f in registry.FAMILIES.values() if f.home is not None
+                  **{n: f.name for f in registry.FAMILIES.values()
                      for n in importlib.import_module(f.home).BUILTIN_NAMES}}
+SHARED_FOLDERS = ("sd_common",)  # the SD families' shared hooks (each family's home.py uses them)
 MODEL_TYPE_BOXES = {b for boxes, _, _ in gui_import.MODEL_TYPE_FIELDS for b in boxes.split()}
 
 
@@ -87,21 +88,19 @@ def problems(fam: base.Family) -> list[str]:
     if not fam.tiny_models or any(BUILTIN_FAMILY.get(n) != fam.name for n in (*fam.tiny_models, *fam.arch_models)):
         out.append(f"{fam.name}: tiny_models {fam.tiny_models} / arch_models {fam.arch_models} are not all its "
                    "built-in models")
-    # its hooks (base.HOOKS): a flow family has a home providing every one; an SD family loads
-    # through the SD loader
-    if (fam.home is None) != (fam.flow is None):
-        out.append(f"{fam.name}: a flow family has a home module (hooks), an SD family none")
-    if fam.home is not None:
-        try:
-            mod = importlib.import_module(fam.home)
-        except ImportError:
-            out.append(f"{fam.name}: home {fam.home} cannot be imported")
-        else:
-            for hook in base.HOOKS:
-                if not callable(getattr(mod, hook, None)):
-                    out.append(f"{fam.name}: its home {fam.home} has no hook {hook}")
-            if not isinstance(getattr(mod, "BUILTIN_NAMES", None), tuple):
-                out.append(f"{fam.name}: its home {fam.home} has no BUILTIN_NAMES")
+    # its hooks (base.HOOKS): every family has a home providing every one
+    try:
+        mod = importlib.import_module(fam.home)
+    except (ImportError, TypeError, AttributeError):  # no module of that name, or no name
+        out.append(f"{fam.name}: home {fam.home} cannot be imported")
+    else:
+        for hook in base.HOOKS:
+            if not callable(getattr(mod, hook, None)):
+                out.append(f"{fam.name}: its home {fam.home} has no hook {hook}")
+        if not isinstance(getattr(mod, "BUILTIN_NAMES", None), tuple):
+            out.append(f"{fam.name}: its home {fam.home} has no BUILTIN_NAMES")
+        if fam.flow is None:
+            out += _ddpm_home_problems(fam, mod)
     flow = fam.flow
     if flow is not None:
         if flow.training_draw not in base.TRAINING_DRAWS or flow.sample_schedule not in base.SAMPLE_SCHEDULES:
@@ -115,6 +114,33 @@ def problems(fam: base.Family) -> list[str]:
     return out
 
 
+def _ddpm_home_problems(fam: base.Family, mod) -> list[str]:
+    """Where a DDPM family's hooks differ from the flow homes' (sd_common/hooks.py): ``claims``
+    takes nothing (the SD loader takes what no flow home claims), the memory hooks are not the
+    estimate's path (Unavailable), ``metadata_fields`` takes the prediction type."""
+    out = []
+    if mod.claims(os.path.join(ROOT, "README.md")) or mod.claims(ROOT):
+        out.append(f"{fam.name}: a DDPM home claims a path before loading")
+    for hook, args in (("memory_parts", (None, None)), ("memory_family_model", (None, {}, [])),
+                       ("memory_conditioning", (None, {}, 1, None)), ("memory_text_tokens", (None, {})),
+                       ("memory_text_entry_bytes", (None, {}, 2, False))):
+        try:
+            getattr(mod, hook)(*args)
+            out.append(f"{fam.name}: {hook} answered for a DDPM family")
+        except fake_parts.Unavailable:
+            pass
+        except Exception as e:  # noqa: BLE001 - a flow home's hook on no inputs: reported
+            out.append(f"{fam.name}: {hook} fails for a DDPM family ({type(e).__name__})")
+    for prediction in ("epsilon", "v"):
+        try:
+            given = mod.metadata_fields(prediction, None).get("modelspec.prediction_type")
+        except (ValueError, AttributeError):  # a flow home's variants; no such hook (reported above)
+            given = None
+        if given != prediction:
+            out.append(f"{fam.name}: metadata_fields does not take the prediction type {prediction!r}")
+    return out
+
+
 def test_every_family_declares_every_hook():
     assert list(registry.FAMILIES) == [f.name for f in registry.FAMILIES.values()]
     bad = [p for f in registry.FAMILIES.values() for p in problems(f)]
@@ -123,8 +149,11 @@ def test_every_family_declares_every_hook():
 
 def test_every_folder_is_one_registered_family():
     folders = sorted(d for d in os.listdir(HOMES) if os.path.isdir(os.path.join(HOMES, d)) and d != "__pycache__")
-    assert folders == sorted(registry.FAMILIES)
-    for name in folders:
+    # one folder per family, beside SHARED_FOLDERS: code several homes share, no FAMILY of its own
+    assert folders == sorted([*registry.FAMILIES, *SHARED_FOLDERS])
+    for name in SHARED_FOLDERS:
+        assert not hasattr(importlib.import_module(f"library.models.families.{name}"), "FAMILY")
+    for name in registry.FAMILIES:
         assert importlib.import_module(f"library.models.families.{name}").FAMILY is registry.get(name)
     # every built-in model belongs to a registered family, and each family lists its own
     assert sorted(BUILTIN_FAMILY) == sorted(n for f in registry.FAMILIES.values() for n in (*f.tiny_models, *f.arch_models))
@@ -145,12 +174,19 @@ def test_flow_families_are_written_once():
     dict(tiny_models=("tiny-sdxl",)),                   # another family's built-in
     dict(gui_boxes=("flux2_checkbox",)),
     dict(partial_cache="yes"),                          # a capability of the wrong type
-    dict(home=None),                                    # a flow family without hooks
+    dict(home=None),                                    # a family without hooks
     dict(home="library.models.families.flux"),          # a module without the hooks
 ])
 def test_the_walk_reports_a_planted_bad_family(change):
     planted = dataclasses.replace(registry.get("flux"), **change)
     assert problems(planted), change
+
+
+@pytest.mark.parametrize("home", ["library.models.families.flux.home",   # a DDPM family with a flow home
+                                  "library.models.families.sd_common.hooks"])  # claims / metadata fields fit, no BUILTIN_NAMES
+def test_the_walk_reports_a_planted_bad_ddpm_home(home):
+    planted = dataclasses.replace(registry.get("sd1"), home=home)
+    assert problems(planted), home
 
 
 @pytest.mark.parametrize("change", [dict(training_draw="sd3_like"), dict(sample_shift=None, sample_schedule=base.FIXED_SHIFT),
@@ -216,3 +252,34 @@ def test_an_unset_network_module_is_the_familys_lora(model, expected):
     assert run_checks.resolve_options(given, "lora").network_module == "networks.lora"
     # full fine-tunes have no network
     assert run_checks.resolve_options(opts, "finetune").network_module == opts.network_module
+
+
+@pytest.mark.parametrize("name, prediction, expected", [
+    # sd-scripts' library/sai_model_spec.py (ARCH_SD_V1, ARCH_SD_V2_512 / _768_V, ARCH_SD_XL_V1_BASE,
+    # IMPL_*) and train_util's ss_base_model_version
+    ("sd1", "v", ("sd_v1", "stable-diffusion-v1/lora", "diffusers")),
+    ("sd2", "epsilon", ("sd_v2", "stable-diffusion-v2-512/lora", "diffusers")),
+    ("sd2", "v", ("sd_v2", "stable-diffusion-v2-768-v/lora", "diffusers")),
+    ("sdxl", "epsilon", ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora",
+                         "https://github.com/Stability-AI/generative-models")),
+])
+def test_the_sd_homes_metadata_are_sd_scripts_strings(name, prediction, expected):
+    base, arch, impl = expected
+    assert registry.home(name).metadata_fields(prediction, "lora") == {
+        "ss_base_model_version": base, "modelspec.architecture": arch, "modelspec.implementation": impl,
+        "modelspec.prediction_type": prediction}
+    assert registry.home(name).metadata_fields(prediction, None)["modelspec.architecture"] == arch[:-len("/lora")]
+    with pytest.raises(ValueError, match="prediction type"):
+        registry.home(name).metadata_fields("flow", None)
+
+
+def test_any_sd_home_loads_the_family_the_weights_say():
+    """The SD homes claim nothing before loading: SD's loader tells the family from the model, so
+    SD2's home given SD1 weights loads an SD1 bundle, and its family model is SD1's."""
+    from library.models import flow_family
+
+    opts = make_opts("train_lora", pretrained_model_name_or_path="tiny-sd15")
+    assert flow_family.family_before_loading("tiny-sd15") is None
+    bundle = registry.home("sd2").load(opts)
+    assert bundle.family == "sd1" and len(bundle.text_encoders) == 1
+    assert type(flow_family.family_model_for(bundle, opts)).__name__ == "SD1Model"

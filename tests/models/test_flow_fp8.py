@@ -19,7 +19,9 @@ import copy
 import pytest
 import torch
 
-from library.models import flux, fp8, placement, sd3
+from library.models import fp8, placement
+from library.models.families.flux import flux
+from library.models.families.sd3 import sd3
 
 
 def _flux():

@@ -1,4 +1,4 @@
-"""The FLUX.1 transformer (library/models/flux.py) against diffusers' FluxTransformer2DModel loaded
+"""The FLUX.1 transformer (library/models/families/flux/flux.py) against diffusers' FluxTransformer2DModel loaded
 through diffusers' own BFL -> diffusers conversion, and the packing / position ids against hand
 tables."""
 import contextlib
@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from library.models import flux
-from library.models import flux_checkpoint
+from library.models.families.flux import flux
+from library.models.families.flux import flux_checkpoint
 
 # diffusers' convert_flux_transformer_checkpoint_to_diffusers splits a single block's linear1 with
 # FLUX.1's widths written in (3072 x 3 + 12288); at a tiny width only those sizes are replaced (by

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.errors import ModelError
-from library.models import flux, flux_ae, flux_checkpoint, flux_loading, flux_saving, t5, tiny_flux
+from library.models import t5
+from library.models.families.flux import flux, flux_ae, flux_checkpoint, flux_loading, flux_saving, tiny_flux
 from tests.models.test_flux import random_flux, reference_to_diffusers
 
 
@@ -317,7 +318,7 @@ def test_prompt_conditioning_matches_flux_pipeline(tiny_dev):
     it, T5 skips the padding (a different, finite output)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from library.models import flux_text
+    from library.models.families.flux import flux_text
 
     pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=tiny_dev["ae"],
                         text_encoder=tiny_dev["clip_l"], tokenizer=tiny_dev["clip_tokenizer"],

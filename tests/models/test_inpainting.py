@@ -103,7 +103,7 @@ def test_masks_are_keyed_to_seed_epoch_and_sample():
 
 
 def test_widen_conv_in_keeps_the_model_and_zeroes_the_new_channels():
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     unet = build_tiny_components("sd15")["unet"]
     old = unet.conv_in.weight.detach().clone()

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from library.errors import ModelError
-from library.models import flux_ae
+from library.models.families.flux import flux_ae
 from library.models.families.lumina import layout, loading, text, tiny
 
 

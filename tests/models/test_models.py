@@ -148,7 +148,7 @@ def test_missing_tokenizer_names_the_option(written, tmp_path):
 
 
 def test_vae_override(written, tmp_path):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     vae = build_tiny_components("sd15")["vae"]
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""SD3 sources and layouts (library/models/sd3_checkpoint.py): the built-in tiny models, SAI single
+"""SD3 sources and layouts (library/models/families/sd3/sd3_checkpoint.py): the built-in tiny models, SAI single
 files (all-in-one or with separate component files), diffusers folders; each saved back in its
 layout; the diffusers -> SAI key mapping against diffusers' own SAI -> diffusers conversion."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import sd3, sd3_checkpoint, sd3_text, sd3_vae, t5
+from library.models import t5
+from library.models.families.sd3 import sd3, sd3_checkpoint, sd3_text, sd3_vae
 
 COMPONENTS = ("mmdit", "clip_l", "clip_g", "vae")
 
@@ -275,7 +276,7 @@ def test_real_files_use_clips_shipped_tokenizer():
 def test_full_size_builtins_have_the_published_sizes(name, billions, tol):
     # Stability AI's announced sizes (SD3 Medium 2B, SD3.5 Medium 2.5B, SD3.5 Large 8.1B) count
     # the transformer checkpoint's tensors, the saved position table included; shapes only (meta)
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     comps = sd3_builtins.build_builtin(name, device="meta")
     n = sum(v.numel() for v in comps["mmdit"].state_dict().values())

@@ -1,4 +1,4 @@
-"""The SAI-layout MMDiT (library/models/sd3.py) against diffusers' SD3Transformer2DModel loaded from
+"""The SAI-layout MMDiT (library/models/families/sd3/sd3.py) against diffusers' SD3Transformer2DModel loaded from
 the same weights with diffusers' own single-file conversion."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from library.models import sd3
+from library.models.families.sd3 import sd3
 
 VARIANTS = ("sd3", "sd3.5-medium", "sd3.5-large")
 
@@ -162,7 +162,7 @@ def test_every_weight_reaches_the_output(variant):
     assert dead == ([f"joint_blocks.{last}.context_block.attn.ln_q.weight"] if model.config.qk_norm else []), dead
 
 
-# --- SD3.5's position-embedding options (library/models/sd3_positions.py) ----------------------
+# --- SD3.5's position-embedding options (library/models/families/sd3/sd3_positions.py) ----------------------
 
 def _hand_table(dim: int, positions: list[float]) -> torch.Tensor:
     """A float64 sin-cos table written out feature by feature: patch (r, c) holds
@@ -194,7 +194,7 @@ def _sd_scripts_positions(grid: int, sample_size: int, base: int = 16) -> list[f
 
 @pytest.mark.parametrize("grid, sample_size", [(6, 4), (12, 8), (7, 5)])
 def test_scaled_table_is_sd_scripts_formula(grid, sample_size):
-    from library.models import sd3_positions
+    from library.models.families.sd3 import sd3_positions
 
     got = sd3_positions.scaled_table(32, grid, sample_size).double()
     want = _hand_table(32, _sd_scripts_positions(grid, sample_size))
@@ -209,7 +209,7 @@ def test_scaled_table_choice_by_area():
     """sd-scripts' selection: the first size whose area limit (midpoints of consecutive areas,
     int((1.5 s)^2) for the last) holds h x w, else the largest; a side beyond that table's
     int(1.5 s) grid gets a table of max(h, w) of its own."""
-    from library.models import sd3_positions
+    from library.models.families.sd3 import sd3_positions
 
     s = sd3_positions.ScaledPosEmbed(32, [32, 16, 32])  # patched sizes; duplicates collapse
     assert s.sizes == [16, 32] and s.limits == [(16 * 16 + 32 * 32) // 2, 48 * 48]
@@ -252,7 +252,7 @@ def test_random_crop_rate_and_offsets_over_many_draws():
     (a uniform one is the centre with probability 1 / 13^2 here), the rest the centre; every
     offset in range and their mean the range's middle; rate 0 draws nothing."""
     from library.data.step_plan import derive_seed
-    from library.models import sd3_positions
+    from library.models.families.sd3 import sd3_positions
 
     size, h, w, rate, n = 16, 4, 4, 0.3, 4000
     centre = ((size - h) // 2, (size - w) // 2)

@@ -1,4 +1,4 @@
-"""SD3 text conditioning (library/models/sd3_text.py) against the encoders called directly and the
+"""SD3 text conditioning (library/models/families/sd3/sd3_text.py) against the encoders called directly and the
 layout sd-scripts' strategy_sd3 builds (CLIP-L | CLIP-G | zero padding, then T5 tokens; pooled
 CLIP-L | CLIP-G), with a small stand-in for T5."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.models import sd3_text, sd3_builtins
+from library.models.families.sd3 import sd3_builtins, sd3_text
 
 CAPTIONS = ["a photo of a sks dog", "red cat"]
 T5_LEN = 12
@@ -123,7 +123,7 @@ def test_matches_diffusers_sd3_pipeline_encode_prompt(tmp_path):
     # the same context and pooled vector (no T5: 77 zero tokens of the context width)
     from diffusers import StableDiffusion3Pipeline
 
-    from library.models import sd3_checkpoint
+    from library.models.families.sd3 import sd3_checkpoint
 
     model = sd3_checkpoint.load_sd3("tiny-sd3")
     model.layout = sd3_checkpoint.LAYOUT_DIFFUSERS

@@ -1,11 +1,11 @@
-"""SD3's 16-channel VAE (library/models/sd3_vae.py): the config read from LDM-layout weights, the
+"""SD3's 16-channel VAE (library/models/families/sd3/sd3_vae.py): the config read from LDM-layout weights, the
 LDM <-> diffusers conversion (the repository's SD one) and the latent scaling."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from library.models import sd3, sd3_vae, sd3_builtins
+from library.models.families.sd3 import sd3, sd3_builtins, sd3_vae
 
 
 def test_real_sd3_vae_config_read_back_from_its_ldm_keys():

@@ -9,7 +9,7 @@ import torch
 from library.models import loading
 from library.models import sd_checkpoint as sdc
 from library.errors import ModelError
-from library.models.tiny_models import FAMILY_OF_ARCH, build_tiny_components
+from library.models.families.sd_common.tiny_models import FAMILY_OF_ARCH, build_tiny_components
 
 ARCHS = ["sd15", "sd2", "sdxl"]
 
@@ -200,7 +200,7 @@ def test_the_same_model_writes_the_same_bytes_under_any_string_hash_seed(tmp_pat
     import sys
 
     script = ("import sys; from library.models import sd_checkpoint as s; "
-              "from library.models.tiny_models import build_tiny_components as b; "
+              "from library.models.families.sd_common.tiny_models import build_tiny_components as b; "
               "s.save_single_file(b('sd15'), 'sd1', sys.argv[1])")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from networks import (dylora, extract_lora_from_dylora, loha, lokr, lora_fa, merge_lora, oft, resize_lora,
                       svd_merge_lora)
 from tests import client_key_tables as clients

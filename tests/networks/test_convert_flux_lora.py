@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import flux_checkpoint, flux_saving, tiny_flux
+from library.models.families.flux import flux_checkpoint, flux_saving, tiny_flux
 from networks import convert_flux_lora, lora_flux
 from networks.lora import write_weights
 from tests.client_key_tables import comfy_dit_shapes

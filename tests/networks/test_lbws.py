@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from networks import lora_blocks, merge_lora, sdxl_merge_lora, svd_merge_lora
 from tests.networks.test_lora_tools import modules_in, read, ref_delta, rel
 from tests.networks.test_merge_lora import make_lora_file, tes

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.models import flux_checkpoint, flux_saving, tiny_flux
+from library.models.families.flux import flux_checkpoint, flux_saving, tiny_flux
 from networks import lora_dit, lora_flux, resize_lora
 from networks.lora import LoRAError, write_weights
 from tests.client_key_tables import comfy_dit_shapes
@@ -302,7 +302,7 @@ def test_runtime_equals_the_files_merged_weights_groups_and_max_norm(parts):
     weight; one optimizer group per text encoder; max-norm keeps split ups block-diagonal."""
     import copy
 
-    from library.models import flux
+    from library.models.families.flux import flux
 
     model = copy.deepcopy(parts["transformer"]).double()
     tes = [copy.deepcopy(parts["clip_l"]), copy.deepcopy(parts["t5"])]

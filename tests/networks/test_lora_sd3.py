@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.models import sd3_builtins, sd3_checkpoint, t5
+from library.models import t5
+from library.models.families.sd3 import sd3_builtins, sd3_checkpoint
 from networks import lora_dit, lora_sd3, resize_lora
 from networks.lora import LoRAError
 from tests.client_key_tables import comfy_dit_shapes

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from library.models import flux, sd3_builtins, t5, tiny_flux
+from library.models import t5
+from library.models.families.flux import flux, tiny_flux
+from library.models.families.sd3 import sd3_builtins
 from networks import adapter_weights, lora_names
 from tests.client_key_tables import COMFY_TYPES, comfy_dit_shapes, modules_of_file
 

@@ -161,7 +161,7 @@ def test_full_refusals_are_one_line(dataset, tmp_path, run_script):
 def test_full_on_flux_resolves_in_comfyuis_table(dataset, tmp_path, train):
     """lycoris.kohya algo=full on FLUX.1 (the GUI's Native Fine-Tuning with its Flux1 checkbox): the
     names LyCORIS makes there, each diff of the shape of the weight ComfyUI's key map patches."""
-    from library.models import tiny_flux
+    from library.models.families.flux import tiny_flux
 
     rc, _, err, _ = train("train_lora", ["--pretrained_model_name_or_path", "tiny-flux", "--train_data_dir", dataset,
                                          "--output_dir", str(tmp_path / "o"), "--resolution", "64",

@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from library.models.tiny_models import build_tiny_components  # noqa: E402
+from library.models.families.sd_common.tiny_models import build_tiny_components  # noqa: E402
 from networks import lora  # noqa: E402
 from networks.merge_lora import main, merge_lora_into  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.models import tiny_flux
+from library.models.families.flux import tiny_flux
 from networks import oft_flux
 from networks.lora import LoRAError
 from tests.client_key_tables import COMFY_TYPES, comfy_dit_shapes, modules_of_file

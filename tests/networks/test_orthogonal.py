@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from networks import boft, merge_lora, oft_v2
 from networks.lora import LoRAError
 from networks.orthogonal_modules import BOFTModule, OFTv2Module

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from library.outputs import checkpoint_grid
 from networks import lora
 from tests.outputs.test_gen_img import _tes, pixels, run, write_lora

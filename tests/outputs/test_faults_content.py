@@ -21,7 +21,7 @@ from library.errors import ResumeError
 @pytest.fixture(scope="module")
 def folder_model(tmp_path_factory):
     from library.models import sd_checkpoint
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     out = str(tmp_path_factory.mktemp("model") / "tiny15")
     sd_checkpoint.save_diffusers(build_tiny_components("sd15"), "sd1", out)

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 import gen_img
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from networks import lora
 from tests.conftest import diffusers_pipeline
 

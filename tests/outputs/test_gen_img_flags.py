@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 import gen_img
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from library.outputs import gen_options
 from tests.conftest import diffusers_pipeline
 from tests.outputs.test_gen_img import close, model_scheduler, pixels, write_lora

@@ -1,6 +1,6 @@
-"""gen_img.py on the tiny FLUX.1 (dev), SD3 and Chroma models: the image equals diffusers' own FluxPipeline /
-StableDiffusion3Pipeline / ChromaPipeline (guidance, shift, true CFG, the seed's latents drawn as diffusers
-draws them) on
+"""gen_img.py on the tiny FLUX.1 (dev), SD3, Chroma and Lumina 2 models: the image equals diffusers' own
+FluxPipeline / StableDiffusion3Pipeline / ChromaPipeline / Lumina2Pipeline (guidance, shift, true CFG,
+Lumina's CFG truncation and system prompt, the seed's latents drawn as diffusers draws them) on
 weights with the LoRA fused by hand in float64; hooked equals merged; flow-specific bad input.
 
 Both sides decode the final latents with the same VAE and the same pixel formula
@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from library.config import parse
-from library.models import flow_family, flux, flux_checkpoint, sd3_checkpoint
+from library.models import flow_family
+from library.models.families.flux import flux, flux_checkpoint
+from library.models.families.sd3 import sd3_checkpoint
 from library.models.families.chroma import checkpoint as chroma_checkpoint
-from library.training import flow_sampling
-from networks import lora_anima, lora_flux, lora_sd3
+from library.models.families.lumina import layout as lumina_layout
+from library.training import flow_matching, flow_sampling
+from networks import lora_anima, lora_flux, lora_lumina, lora_sd3
 from networks.lora import write_weights
 from tests.outputs.test_gen_img import _fails, close, pixels, run
 
@@ -151,6 +154,49 @@ def test_chroma_equals_chroma_pipeline_with_true_cfg_and_the_lora_fused(tmp_path
                    guidance_scale=4.0, generator=torch.Generator("cpu").manual_seed(9), output_type="latent").images
         ref = flow_sampling.decode_image(m.ae, flux.unpack_latents(lat, 6, 4))
     close(pixels(ours), np.asarray(ref).astype(int), "gen_img Chroma vs ChromaPipeline + fused LoRA")
+
+
+def test_lumina_equals_lumina2_pipeline_with_truncated_cfg_system_prompt_and_the_lora_fused(tmp_path):
+    """Lumina 2 against diffusers' Lumina2Pipeline, with the pipeline's inputs adjusted where it
+    differs from sd-scripts (docs/GENERATION.md): its schedule is given as ``sigmas`` (it spaces them
+    linspace(1, 1/N) before the shift; sd-scripts' and ours are the scheduler's own set_timesteps(N)),
+    its CFG truncation counts steps ((i + 1) / N <= ratio) where sd-scripts compares Lumina's time
+    1 - sigma with the ratio (the ratio given is the share of steps ours guides), and its
+    ``cfg_normalization`` (every guided velocity rescaled to the conditional norm along the last axis)
+    is not sd-scripts' ``renorm_cfg`` (a cap on the whole sample's norm): off on both sides here,
+    renorm_cfg's own formula is tests/training/test_lumina_sampling.py's."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+
+    b = _bundle("tiny-lumina")
+    path = str(tmp_path / "l.safetensors")
+    sd = _lora(lora_lumina, b, path)
+    system = "You are an assistant"
+    ours = _hooked_merged_plain(tmp_path, ["--ckpt", "tiny-lumina", "--system_prompt", system, "--prompt",
+                                           "red cube --n blue --d 9 --w 64 --h 96 --s 5 --l 4 --rcfg 0"],
+                                ["--network_weights", path, "--network_mul", "0.8"])
+
+    steps, shift = 5, 6.0
+    sigmas = flow_sampling.schedule("lumina", steps, (12, 8))
+    guided = sum(1 - s < 0.25 for s in sigmas[:-1])  # sd-scripts' default cfg_trunc_ratio
+    assert 0 < guided < steps
+    _fuse_float64(b.unet, sd, 0.8)
+    m = b.flow
+    cfg = {k: v for k, v in lumina_layout.diffusers_config(m.config).items() if k != "_class_name"}
+    tr = Lumina2Transformer2DModel(**cfg).eval()
+    tr.load_state_dict(lumina_layout.to_diffusers(b.unet.state_dict(), m.config))
+    pipe = Lumina2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=m.ae, text_encoder=m.gemma2,
+                           tokenizer=m.tokenizer, transformer=tr)
+    pipe.set_progress_bar_config(disable=True)
+    lowest = flow_matching.shift_sigmas(1 / flow_matching.NUM_TRAIN_TIMESTEPS, shift)
+    unshifted = np.linspace(1.0, float(lowest), steps)  # the scheduler shifts them: our schedule
+    with torch.no_grad():
+        lat = pipe(prompt="red cube", negative_prompt="blue", system_prompt=system, height=96, width=64,
+                   num_inference_steps=steps, sigmas=unshifted, guidance_scale=4.0,
+                   cfg_trunc_ratio=guided / steps, cfg_normalization=False,
+                   generator=torch.Generator("cpu").manual_seed(9), output_type="latent").images
+    assert np.allclose(pipe.scheduler.sigmas.numpy(), sigmas, atol=1e-6)
+    close(pixels(ours), np.asarray(flow_sampling.decode_image(m.ae, lat)).astype(int),
+          "gen_img Lumina 2 vs Lumina2Pipeline + fused LoRA")
 
 
 def test_anima_network_merge_equals_hooked(tmp_path):

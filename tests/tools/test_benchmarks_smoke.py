@@ -114,7 +114,9 @@ def test_flux_benchmark_weights_load(tmp_path):
     FLUX.1 dev's shapes."""
     from safetensors import safe_open
 
-    from library.models import flux, flux_ae, flux_loading, t5, tiny_models
+    from library.models import t5
+    from library.models.families.sd_common import tiny_models
+    from library.models.families.flux import flux, flux_ae, flux_loading
 
     weights = _load("flux_weights")
     configs = dict(transformer=flux.TINY_FLUX_DEV, clip_config=tiny_models.text_encoder_configs("sd15")[0],

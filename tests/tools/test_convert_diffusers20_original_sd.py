@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from tests.helpers import assert_same_unet_function
 from tools import convert_diffusers20_original_sd as tool
 

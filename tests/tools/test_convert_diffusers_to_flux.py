@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import flux_checkpoint, tiny_flux
+from library.models.families.flux import flux_checkpoint, tiny_flux
 from tests.conftest import ROOT
 from tests.models.test_flux import _split_at_width, reference_to_diffusers
 from tools import convert_diffusers_to_flux

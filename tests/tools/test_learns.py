@@ -94,7 +94,7 @@ def _sample(scheduler_cfg, train, labels, *, prediction: str, sign: float = 1.0,
 
 @pytest.fixture(scope="module")
 def setup(learns):
-    from library.models import tiny_models
+    from library.models.families.sd_common import tiny_models
 
     g = torch.Generator().manual_seed(7)
     train = torch.randn(4, 4, 8, 8, generator=g)  # unit-variance latents, as the benchmark's
@@ -233,7 +233,8 @@ def test_grouped_model_is_the_builtin_with_other_groups(learns, tmp_path, name):
     U-Net config with 8 GroupNorm groups (4 channels per group at width 32, where the built-in has one), the same
     initial weights (the same seed; a GroupNorm's parameters are per channel), and the built-in's
     other components; the built-in stays as it is."""
-    from library.models import loading, tiny_models
+    from library.models import loading
+    from library.models.families.sd_common import tiny_models
 
     expected = {"tiny-sd15": ("sd15", 8), "tiny-sdxl": ("sdxl", 4)}[name]
     assert learns.FAMILIES[expected[0]].norm_groups == expected[1]

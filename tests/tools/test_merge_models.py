@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from library.models import loading, sd_checkpoint
-from library.models.tiny_models import build_tiny_components
+from library.models.families.sd_common.tiny_models import build_tiny_components
 from tools import merge_models as tool
 
 EPS32 = 2.0 ** -24  # float32's unit roundoff

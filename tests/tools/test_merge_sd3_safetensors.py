@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from library.models import sd3_checkpoint, sd3_vae, t5
+from library.models import t5
+from library.models.families.sd3 import sd3_checkpoint, sd3_vae
 from tests.models.test_sd3_checkpoint import COMPONENTS, _assert_same, check_diffusers_reads_all_in_one
 from tools import merge_sd3_safetensors
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.models import tiny_flux
+from library.models.families.flux import tiny_flux
 from tests.conftest import ROOT
 from tools import convert_diffusers_to_flux
 

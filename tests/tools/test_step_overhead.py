@@ -8,7 +8,7 @@ import copy
 import torch
 
 from benchmarks import step_overhead
-from library.models import tiny_models
+from library.models.families.sd_common import tiny_models
 
 
 def test_schedule_by_hand():

@@ -20,7 +20,8 @@ import copy
 import pytest
 import torch
 
-from library.models import flux, sd3
+from library.models.families.flux import flux
+from library.models.families.sd3 import sd3
 from library.training import block_swap
 from tests.training.test_flux_train import build_initial, flux_args, no_flux_loading  # noqa: F401
 

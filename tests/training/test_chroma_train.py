@@ -21,7 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
-from library.models import flow_family, flux, flux_ae, t5
+from library.models import flow_family, t5
+from library.models.families.flux import flux, flux_ae
 from library.models.families import registry
 from library.models.families.chroma import checkpoint, sources
 from library.run.run_state import HOOKS
@@ -116,8 +117,8 @@ def test_one_euler_step_with_true_cfg_in_float64():
 
 def test_detection_before_loading_and_model_type(tmp_path):
     from library.models.families.chroma.model import TINY_CHROMA
-    from library.models import tiny_flux
-    from library.models.flux_checkpoint import save_flux_transformer
+    from library.models.families.flux import tiny_flux
+    from library.models.families.flux.flux_checkpoint import save_flux_transformer
     from library.training import flow_loss
     from tests.helpers import make_opts
 

@@ -254,7 +254,7 @@ def test_compiled_training_matches_eager(script, model, backend, tol, dataset, t
     if script == "train_lora":  # the runs trained: up weights start at zero
         assert any(float(v.abs().sum()) > 0 for k, v in eager.items() if k.endswith("lora_up.weight"))
     else:
-        from library.models.tiny_models import ARCH_OF_NAME, build_tiny_components
+        from library.models.families.sd_common.tiny_models import ARCH_OF_NAME, build_tiny_components
 
         start = dict(build_tiny_components(ARCH_OF_NAME[model])["unet"].named_parameters())
         assert any(not torch.equal(start[k], v) for k, v in eager.items())

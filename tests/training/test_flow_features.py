@@ -104,7 +104,7 @@ def test_masked_loss_is_the_mask_weighted_loss(family, source, tmp_path, train):
 
 
 def _sd3_mmdit(path):
-    from library.models import sd3_checkpoint
+    from library.models.families.sd3 import sd3_checkpoint
 
     return sd3_checkpoint.load_sd3(path).mmdit.state_dict()
 
@@ -223,7 +223,7 @@ def test_compiled_flux_matches_eager(dataset, tmp_path, train):
 
 
 def _initial_sd3():
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     return sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
 

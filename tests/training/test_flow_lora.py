@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.models import flux_checkpoint, flux_saving, sd3_builtins, tiny_flux
+from library.models.families.flux import flux_checkpoint, flux_saving, tiny_flux
+from library.models.families.sd3 import sd3_builtins
 from tests.client_key_tables import comfy_dit_shapes
 from tests.conftest import read
 from tests.helpers import load_lora_logged
@@ -290,7 +291,9 @@ def test_flow_lora_resume_is_bit_identical(dataset, tmp_path, train, model, modu
 ])
 def test_lora_network_modules_and_args_that_do_not_apply_fail_before_loading(
         dataset, tmp_path, run_script, no_weight_loading, monkeypatch, model, extra, message):
-    from library.models import flow_family, flux_loading, sd3_checkpoint
+    from library.models import flow_family
+    from library.models.families.flux import flux_loading
+    from library.models.families.sd3 import sd3_checkpoint
 
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the options were checked")
@@ -306,16 +309,17 @@ def test_lora_network_modules_and_args_that_do_not_apply_fail_before_loading(
 
 def test_family_fields_are_sd_scripts_strings():
     """library/sai_model_spec.py's architecture / implementation and sd3_utils' model_type."""
-    from library.models.modelspec import flow_fields
+    from library.models.families.flux import home as flux_home
+    from library.models.families.sd3 import home as sd3_home
 
-    assert flow_fields("flux", "schnell", "lora") == {
+    assert flux_home.metadata_fields("schnell", "lora") == {
         "ss_base_model_version": "flux1", "modelspec.implementation": FLUX_IMPL,
         "modelspec.architecture": "flux-1-schnell/lora"}
-    assert flow_fields("flux", "dev", None)["modelspec.architecture"] == "flux-1-dev"
-    assert flow_fields("sd3", "sd3.5-large", "lora") == {
+    assert flux_home.metadata_fields("dev", None)["modelspec.architecture"] == "flux-1-dev"
+    assert sd3_home.metadata_fields("sd3.5-large", "lora") == {
         "ss_base_model_version": "5-large", "modelspec.implementation": "diffusers",
         "modelspec.prediction_type": "epsilon", "modelspec.architecture": "stable-diffusion-3-5-large/lora"}
-    assert flow_fields("sd3", "sd3.5-medium", None) == {
+    assert sd3_home.metadata_fields("sd3.5-medium", None) == {
         "ss_base_model_version": "5-medium", "modelspec.prediction_type": "epsilon",
         "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
         "modelspec.architecture": "stable-diffusion-3-5-medium"}

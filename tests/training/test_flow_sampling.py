@@ -20,7 +20,9 @@ import torch
 from PIL import Image
 
 from library.config import parse
-from library.models import flow_family, flux, sd3_checkpoint
+from library.models import flow_family
+from library.models.families.flux import flux
+from library.models.families.sd3 import sd3_checkpoint
 from library.models.families import registry
 from library.training import flow_matching, flow_sampling, sampling
 
@@ -173,7 +175,7 @@ PIPELINE_ATOL = 5e-5
 def test_flux_sample_equals_diffusers_flux_pipeline(flux_parts):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    from library.models import flux_checkpoint
+    from library.models.families.flux import flux_checkpoint
 
     b, fm = flux_parts
     cfg = {k: v for k, v in flux_checkpoint.diffusers_config(b.unet.config).items() if k != "_class_name"}
@@ -259,7 +261,7 @@ def test_sample_images_during_training(train, dataset, tmp_path, model):
     # the step-0 image is FluxPipeline's from the prompt's text, with the same noise and weights
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    from library.models import flux_checkpoint
+    from library.models.families.flux import flux_checkpoint
 
     b, _ = _bundle("tiny-flux")
     cfg = {k: v for k, v in flux_checkpoint.diffusers_config(b.unet.config).items() if k != "_class_name"}

@@ -88,7 +88,8 @@ def test_sd3_vae_option_is_the_autoencoder_file(tmp_path):
     """sd-scripts' SD3 scripts load the autoencoder from --vae: the bundle's VAE is that file's."""
     from safetensors.torch import save_file
 
-    from library.models import flow_family, sd3_checkpoint, sd3_vae
+    from library.models import flow_family
+    from library.models.families.sd3 import sd3_checkpoint, sd3_vae
 
     vae = sd3_checkpoint.load_sd3("tiny-sd3").vae
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_num_last_block_to_freeze_freezes_the_last_x_block_tensors(dataset, tmp_
     the last N get no gradient. tiny-sd3 has two joint blocks; the last three such tensors of
     SAI's (and sd-scripts' SingleDiTBlock's) order attn, mlp, adaLN_modulation are written out
     here by hand."""
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     frozen = {"joint_blocks.1.x_block.adaLN_modulation.1.bias", "joint_blocks.1.x_block.adaLN_modulation.1.weight",
               "joint_blocks.1.x_block.mlp.fc2.bias"}

@@ -24,7 +24,8 @@ def _args(model, data, out, *extra):
 
 
 def _initial(family):
-    from library.models import sd3_builtins, tiny_flux
+    from library.models.families.flux import tiny_flux
+    from library.models.families.sd3 import sd3_builtins
 
     if family == "flux":
         return tiny_flux.build_tiny_flux("dev")["transformer"].state_dict()
@@ -62,7 +63,7 @@ def test_cached_run_equals_uncached_and_the_disk_cache_is_keyed(family, dataset,
         assert set(tensors) == {"hidden_states", "pooled"}
         assert tensors["hidden_states"].shape[0] == 77 + 16
         # the text encoders left memory after caching and came back for the save, bit for bit
-        from library.models import sd3_builtins, sd3_checkpoint
+        from library.models.families.sd3 import sd3_builtins, sd3_checkpoint
 
         saved, _ = read(str(tmp_path / "cached" / "last.safetensors"))
         built = sd3_builtins.build_builtin("tiny-sd3")

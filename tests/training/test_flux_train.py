@@ -30,7 +30,7 @@ def _reference_loss(run, epoch, i, mask=None):
     """The flow-matching loss of sample i in ``epoch`` with the initial weights, in float64
     (``mask``: the latent-size (h, w) mask multiplying the elementwise loss before its mean)."""
     from library.data import step_plan
-    from library.models import flux, flux_ae, flux_text, tiny_flux
+    from library.models.families.flux import flux, flux_ae, flux_text, tiny_flux
 
     parts = tiny_flux.build_tiny_flux("dev")  # the initial weights (fixed seed), a fresh copy
     model = parts["transformer"].double().eval()
@@ -62,8 +62,8 @@ def _reference_loss(run, epoch, i, mask=None):
 
 
 def test_flux_full_finetune_loss_and_saved_transformer(dataset, tmp_path, train):
-    from library.models import flux_checkpoint
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux import flux_checkpoint
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     losses = []
 
@@ -117,7 +117,7 @@ def test_flux_batch_2_equals_batch_1_with_accumulation_2(dataset, tmp_path, trai
 
 
 def build_initial():
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     return build_tiny_flux("dev")["transformer"].state_dict()
 
@@ -125,7 +125,7 @@ def build_initial():
 @pytest.fixture
 def no_flux_loading(monkeypatch, no_weight_loading):
     """Fails the test if FLUX weights (or any model's) are loaded."""
-    from library.models import flux_loading
+    from library.models.families.flux import flux_loading
 
     def refuse(*a, **k):
         raise AssertionError("FLUX weights were loaded before the options were checked")
@@ -240,8 +240,8 @@ def test_flux_text_and_guidance_options_change_the_prediction(dataset, flux_bund
 def test_flux_trains_from_single_files(dataset, tmp_path, train):
     """A BFL transformer file with sd-scripts' clip_l, t5xxl and ae files trains like the
     built-in (the same weights: the same first loss) and saves back one BFL file."""
-    from library.models import flux_saving
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux import flux_saving
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     paths = flux_saving.save_single_files(build_tiny_flux("dev"), str(tmp_path))
     losses = {}
@@ -262,7 +262,7 @@ def test_flux_trains_from_single_files(dataset, tmp_path, train):
         rc, _, err, run = train("train_dreambooth", args)
     assert rc == 0, err
     assert losses["files"] == pytest.approx(losses["builtin"], rel=1e-6)
-    from library.models import flux_checkpoint
+    from library.models.families.flux import flux_checkpoint
 
     assert flux_checkpoint.read_transformer(str(tmp_path / "b" / "last.safetensors")).layout == "bfl"
     # without the text encoder files: one line before loading
@@ -273,8 +273,8 @@ def test_flux_trains_from_single_files(dataset, tmp_path, train):
 def test_flux_diffusers_folder_saves_a_transformer_folder(dataset, tmp_path, train):
     """A diffusers FLUX folder trains and its transformer is saved back in the diffusers layout
     (a folder with config.json), reloading equal to the trained weights."""
-    from library.models import flux_checkpoint, flux_saving
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux import flux_checkpoint, flux_saving
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     src = str(tmp_path / "flux-diffusers")
     flux_saving.save_diffusers_folder(build_tiny_flux("dev"), "dev", src)
@@ -335,7 +335,7 @@ def test_flux_train_text_encoder_has_no_effect_as_in_flux_train(dataset, tmp_pat
     """flux_train.py has no train_text_encoder (the GUI's fine-tune tab writes it true; sd-scripts
     ignores a config's key): one warning, CLIP-L and T5 untouched and out of the optimizer, the
     transformer trained; learning_rate_te warned likewise."""
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     rc, _, err, run = train("train_dreambooth", flux_args(dataset, str(tmp_path / "o"), "--train_text_encoder",
                                                           "--learning_rate_te", "1e-3", "--max_train_steps", "1"))

@@ -159,9 +159,11 @@ class HostSyncCounter:
             step = run.progress.global_step + 1
             if step != self.step:
                 self.step = step
-                opt = run.parts.stepper.optimizer
-                opt = getattr(opt, "optimizer", opt)  # Accelerate's wrapper
-                self._host_steps = {id(s["step"]) for s in opt.state.values()
+                stepper = run.parts.stepper
+                # every optimizer: the fused steppers have one per unit
+                opts = getattr(stepper, "optimizers", None) or [stepper.optimizer]
+                opts = [getattr(o, "optimizer", o) for o in opts]  # Accelerate's wrapper
+                self._host_steps = {id(s["step"]) for o in opts for s in o.state.values()
                                     if isinstance(s.get("step"), torch.Tensor)
                                     and s["step"].device.type == "cpu"}
 
@@ -274,6 +276,23 @@ def test_one_host_read_per_steady_step(data, train, tmp_path):
         assert len(reads) == 2 and "tracking.py" in reads[1] and "max_norm_summary" in reads[1], \
             reads
     assert "Keys Scaled=" in err  # the bar shows them (read on the first step)
+
+
+@pytest.mark.parametrize("extra", [["--fused_backward_pass"], ["--fused_optimizer_groups", "2"]],
+                         ids=["fused_backward_pass", "fused_optimizer_groups"])
+def test_one_host_read_per_steady_step_with_a_fused_stepper(data, train, tmp_path, extra):
+    """The steppers that update inside the backward read the step once too, in the loop's
+    ``stepper.step(read)`` (no read per parameter or group: their guard decides on the device)."""
+    with HostSyncCounter() as counter:
+        rc, _, err, run = train("train_lora", lora_args(data, tmp_path / "out", "--max_grad_norm",
+                                                        "1", *extra))
+    assert rc == 0, err[-3000:]
+    assert run.parts.stepper.steps_in_backward and len(run.parts.stepper.units) > 1
+    steady = counter.steady(STEPS)
+    assert_bound(steady, reads=1, collectives=0)
+    for step, (reads, _) in steady.items():
+        assert len(reads) == 1 and "step_sync.py" in reads[0] and "stepper.py" in reads[0] \
+            and "loop.py" in reads[0], reads
 
 
 @pytest.mark.slow  # two launches of accelerate: ~25 s on 2 cores

@@ -111,7 +111,7 @@ def test_leco_target_and_loss_match_a_hand_computation(tmp_path, run_script, mon
     assert rc == 0, err
     assert os.path.isfile(tmp_path / "out" / "last.safetensors")
     assert len(seen) == 2
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     c = build_tiny_components("sd15")
     actions = set()
@@ -134,7 +134,7 @@ def test_leco_target_and_loss_match_a_hand_computation(tmp_path, run_script, mon
 def test_leco_sdxl_writes_a_lora_diffusers_loads(tmp_path, run_script):
     from safetensors.torch import load_file
 
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
     from tests.conftest import diffusers_load_problems, diffusers_pipeline
 
     pytest.importorskip("peft")

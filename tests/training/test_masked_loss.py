@@ -278,7 +278,7 @@ def test_conditioning_data_dir_masks_reach_the_loss(train, tmp_path, monkeypatch
 
 def test_cache_holds_the_mask_and_an_edited_mask_recomputes_its_entries(tmp_path):
     from library.data import latent_cache
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     vae = build_tiny_components("sd15")["vae"].eval()
     calls = []

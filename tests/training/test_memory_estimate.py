@@ -369,7 +369,7 @@ def test_estimate_of_one_configuration_is_pinned():
     text-encoder outputs cached. The parameter, gradient and optimizer parts are derived here from
     the model's layers; the total (activations, runtime and the peak rule included) is pinned."""
     from library.config.parse import parse_args
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     opts = parse_args("train_lora", [
         "--pretrained_model_name_or_path", "tiny-sd15", "--train_data_dir", ".", "--resolution",
@@ -545,8 +545,9 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     from library.config.parse import parse_args
-    from library.models import clip_l_file, flux_checkpoint
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models import clip_l_file
+    from library.models.families.flux import flux_checkpoint
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     parts = build_tiny_flux("dev")
     model = str(tmp_path / "m.safetensors")
@@ -578,8 +579,8 @@ def test_flux_single_file_is_estimated_from_headers(tmp_path, monkeypatch):
 
 
 def _flux_diffusers_folder(tmp_path) -> str:
-    from library.models import flux_saving
-    from library.models.tiny_flux import build_tiny_flux
+    from library.models.families.flux import flux_saving
+    from library.models.families.flux.tiny_flux import build_tiny_flux
 
     folder = str(tmp_path / "flux-folder")
     flux_saving.save_diffusers_folder(build_tiny_flux("dev"), "dev", folder)
@@ -588,7 +589,7 @@ def _flux_diffusers_folder(tmp_path) -> str:
 
 def _sd3_single_file(tmp_path) -> str:
     """tiny-sd3 as one SAI-layout file (MMDiT, CLIP-L, CLIP-G, T5, VAE)."""
-    from library.models import sd3_checkpoint
+    from library.models.families.sd3 import sd3_checkpoint
 
     path = str(tmp_path / "sd3.safetensors")
     sd3_checkpoint.save_sd3(sd3_checkpoint.load_sd3("tiny-sd3"), path)
@@ -600,7 +601,7 @@ def _sd3_diffusers_folder(tmp_path) -> str:
     text_encoder_2/, text_encoder_3/ (T5), vae/, written by the toolkit's own writer."""
     import dataclasses
 
-    from library.models import sd3_checkpoint
+    from library.models.families.sd3 import sd3_checkpoint
 
     folder = str(tmp_path / "sd3-folder")
     tiny = sd3_checkpoint.load_sd3("tiny-sd3.5-medium")
@@ -662,7 +663,8 @@ def test_sd3_folder_with_separate_files_is_estimated_as_the_loader_builds_it(tmp
     from transformers import T5Config, T5EncoderModel
 
     from library.config.parse import parse_args
-    from library.models import flow_family, sd3_checkpoint, t5
+    from library.models import flow_family, t5
+    from library.models.families.sd3 import sd3_checkpoint
 
     folder = _sd3_diffusers_folder(tmp_path)
     tiny = sd3_checkpoint.load_sd3("tiny-sd3.5-medium")

@@ -63,7 +63,7 @@ def delta64(sd, name):
 
 
 def comps(arch):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     return build_tiny_components(arch)
 

@@ -122,7 +122,7 @@ def test_partial_cache_trains_as_uncached_without_running_t5(case, dataset, tmp_
         assert te and all(float(b[k].abs().max()) > 0 for k in te)
         assert not any(k.startswith("lora_te3_") for k in b)  # no T5 modules
     else:
-        from library.models import sd3_builtins
+        from library.models.families.sd3 import sd3_builtins
 
         initial = sd3_builtins.build_builtin("tiny-sd3")
         for name in ("clip_l", "clip_g"):
@@ -291,7 +291,7 @@ def test_t5_leaves_memory_and_comes_back_for_samples_and_the_save(train, tmp_pat
     the CPU, as sd-scripts), and comes back for sample images and the full model's save: an SD3
     fine-tune with samples and validation writes the same file, samples and validation losses as
     with highvram (T5 kept), and the file holds T5 as built."""
-    from library.models import sd3_builtins, sd3_checkpoint
+    from library.models.families.sd3 import sd3_builtins, sd3_checkpoint
     from tools.make_sample_dataset import make_sample_dataset
 
     data = str(tmp_path / "data")
@@ -350,7 +350,7 @@ def test_use_t5xxl_cache_only_implies_a_partial_cache_even_with_frozen_clip(data
 
 
 def _initial_mmdit():
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     return sd3_builtins.build_builtin("tiny-sd3")["mmdit"].state_dict()
 
@@ -360,7 +360,8 @@ def test_the_joined_conditioning_is_encode_s_bit_for_bit(family, with_t5):
     """encode_with_frozen_part(tokens, encode_frozen_part(tokens)) is encode(tokens): the same
     operations on the same inputs (an SD3 model without T5: the 77 zero tokens cached), and the
     frozen part is what the MMDiT / transformer reads of T5."""
-    from library.models import sd3_builtins, tiny_flux
+    from library.models.families.flux import tiny_flux
+    from library.models.families.sd3 import sd3_builtins
     from library.models.families.flux.home import FluxFamilyModel
     from library.models.families.sd3.home import SD3FamilyModel
 

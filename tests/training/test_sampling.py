@@ -30,7 +30,7 @@ def test_prompt_files(tmp_path):
     a, b = load_prompts(str(txt))
     assert a == {"prompt": "sks shape, red", "negative_prompt": "blurry, dark", "width": 64,
                  "height": 64, "sample_steps": 2, "scale": 5.0, "seed": None, "sample_sampler": None,
-                 "image": None, "guidance_scale": None}
+                 "image": None, "guidance_scale": None, "cfg_trunc_ratio": None, "renorm_cfg": None}
     # steps and scale not given: the family's defaults (SD: 30, 7.5)
     assert (b["width"], b["seed"], b["sample_sampler"], b["scale"]) == (72, 123, "euler_a", None)
     assert settings(b, "sd1") == (2, 7.5, None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.models import sd3_builtins
+from library.models.families.sd3 import sd3_builtins
 from networks import lora_sd3
 from networks.lora import LoRAError
 from tests.client_key_tables import comfy_dit_shapes

@@ -31,7 +31,7 @@ PROBES = {"clip_l": "text_model.encoder.layers.0.mlp.fc1.weight",
 
 
 def test_first_step_updates_each_encoder_at_its_rate_and_the_file_holds_them(dataset, tmp_path, train):
-    from library.models import sd3_builtins, sd3_checkpoint
+    from library.models.families.sd3 import sd3_builtins, sd3_checkpoint
 
     grads, before = {}, {}
 
@@ -83,7 +83,7 @@ def test_without_train_t5xxl_t5_stays_frozen_in_eval_and_out_of_the_optimizer(da
     the optimizer, gets no gradient and stays in eval mode; the metadata lists the rates."""
     from safetensors import safe_open
 
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     out = tmp_path / "o"
     rc, _, err, run = train("finetune", ["--pretrained_model_name_or_path", "tiny-sd3", "--train_data_dir", dataset,
@@ -158,7 +158,7 @@ def test_encoders_from_separate_files_are_written_into_the_saved_file(dataset, t
     sd-scripts' save_sd3_model with the trained encoders), the VAE stays in its own file."""
     from safetensors.torch import save_file
 
-    from library.models import sd3, sd3_checkpoint, sd3_vae
+    from library.models.families.sd3 import sd3, sd3_checkpoint, sd3_vae
 
     tiny = sd3_checkpoint.load_sd3("tiny-sd3")
     main = str(tmp_path / "mmdit.safetensors")
@@ -201,7 +201,8 @@ def test_a_diffusers_folder_is_saved_as_a_folder_with_the_trained_encoders(datas
     text_encoder, text_encoder_2 and text_encoder_3 hold the trained weights. (The folder's
     tokenizers are read from tokenizer.json too: before, a folder written by transformers 5 got
     the released CLIP vocabulary, whose ids overflow a tiny model's embedding.)"""
-    from library.models import sd3_checkpoint, t5
+    from library.models import t5
+    from library.models.families.sd3 import sd3_checkpoint
 
     tiny = sd3_checkpoint.load_sd3("tiny-sd3", t5_loader=t5.model_from_state_dict)
     folder = str(tmp_path / "pipe")

@@ -26,7 +26,7 @@ def _reference_loss(run, epoch, i, text_dropped=False, mask=None, pos=None):
     and the pooled vector all zeros. ``mask``: the loss mask (masked loss). ``pos(mmdit)``: the
     position embedding (1, h*w, hidden) the MMDiT adds instead of its table's centre."""
     from library.data import step_plan
-    from library.models import sd3_builtins, sd3_text
+    from library.models.families.sd3 import sd3_builtins, sd3_text
 
     c = sd3_builtins.build_builtin("tiny-sd3")  # the initial weights (fixed seed), a fresh copy
     mmdit, vae = c["mmdit"].double().eval(), c["vae"].double()
@@ -65,7 +65,7 @@ def _reference_loss(run, epoch, i, text_dropped=False, mask=None, pos=None):
 
 
 def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
-    from library.models import sd3_checkpoint
+    from library.models.families.sd3 import sd3_checkpoint
 
     losses = []
 
@@ -84,7 +84,7 @@ def test_sd3_full_finetune_loss_and_saved_file(dataset, tmp_path, train):
     trained = run.parts.bundle.unet.state_dict()
     for k, v in m.mmdit.state_dict().items():
         assert torch.equal(v, trained[k]), k
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     initial = sd3_builtins.build_builtin("tiny-sd3")
     for k, v in m.vae.state_dict().items():
@@ -115,7 +115,7 @@ def test_sd3_batch_2_equals_batch_1_with_accumulation_2_and_resume_is_exact(data
     training state and a resumed run of the other 2, bit for bit (one thread)."""
     from safetensors.torch import load_file
 
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     def final(out, *extra):
         rc, _, err, run = train("finetune", sd3_args(dataset, str(tmp_path / out), "--optimizer_type",
@@ -254,7 +254,7 @@ def _hand_conditioning(captions, length, lg_mask, t5_mask, drops=None):
     CLIP-G penultimate states zero-padded to the context width, then T5's last states; pooled
     CLIP-L | CLIP-G. ``drops``: per caption (clip_l, clip_g, t5) booleans: that encoder's states
     and pooled part zeros."""
-    from library.models import sd3_builtins
+    from library.models.families.sd3 import sd3_builtins
 
     c = sd3_builtins.build_builtin("tiny-sd3")
     drops = drops or [(False, False, False)] * len(captions)

@@ -36,7 +36,7 @@ def _load_in_diffusers(arch, path, token):
     """A pipeline of the base model with the embedding file loaded by diffusers; returns it and
     the (n, width) rows its text encoder(s) now hold for the token (diffusers' multi-vector names
     token, token_1, ...)."""
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     pipe = diffusers_pipeline(arch, build_tiny_components(arch))
     sd, _ = read(path)
@@ -65,7 +65,7 @@ def _same_module(a, b, skip=()):
 
 def _check_frozen(run, arch):
     """Everything but the new rows is bit-identical to a fresh build of the base model."""
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     base = build_tiny_components(arch)
     b = run.parts.bundle
@@ -82,7 +82,7 @@ def _check_frozen(run, arch):
 
 def test_sd15_embedding_loads_in_diffusers_frozen_parts_identical_loss_falls_resume_exact(
         dataset, tmp_path, train):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     out = tmp_path / "out"
     rc, stdout, err, run = train("train_textual_inversion", ti_args(
@@ -188,7 +188,7 @@ def _a1111_bundled(sd):
 
 
 def test_pivotal_tuning_bundles_embeddings_a1111_layout_and_loads_in_diffusers(dataset, tmp_path, train):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     out = tmp_path / "out"
     rc, _, err, run = train("train_lora", [
@@ -269,7 +269,7 @@ def test_bad_settings_are_one_line_errors_before_loading(script, extra, message,
 def test_multi_vector_token_is_one_tag_for_shuffling():
     """The N-vector expansion happens at tokenization, after caption shuffling and tag dropout:
     a whole word only (mytok1 and xmytok stay), each occurrence."""
-    from library.models.embeddings import TokenSpec, prompt_rewriter
+    from library.models.families.sd_common.embeddings import TokenSpec, prompt_rewriter
 
     rw = prompt_rewriter([TokenSpec("mytok", None, 3)])
     assert rw("a mytok, mytok1 xmytok (mytok:1.2)") == \
@@ -316,7 +316,7 @@ def test_pivotal_tuning_on_sdxl_resumes_bit_identically(dataset, tmp_path, train
     layout), the LoRA part loads in diffusers' SDXL pipeline, and a resume from the step-2 state
     (the embeddings still training then: stop_pivotal_training 3) ends in the uninterrupted run's file, bit for
     bit: LoRA and embedding rows."""
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     def args(out, *extra):
         return ["--pretrained_model_name_or_path", "tiny-sdxl", "--train_data_dir", dataset,

@@ -59,7 +59,7 @@ EXPECTED_KEYS = {
 @pytest.mark.parametrize("arch", ["sd15", "sd2", "sdxl"])
 @pytest.mark.parametrize("source", ["builtin", "diffusers", "single_file"])
 def test_train_lora_writes_a_kohya_file(arch, source, written_models, dataset, tmp_path, run_script):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     model = ARCH_NAME[arch] if source == "builtin" else written_models[arch][source]
     out = tmp_path / "out"
@@ -100,7 +100,7 @@ def test_train_lora_writes_a_kohya_file(arch, source, written_models, dataset, t
 
 
 def test_conv_dim_adds_c3lier_modules(dataset, tmp_path, run_script):
-    from library.models.tiny_models import build_tiny_components
+    from library.models.families.sd_common.tiny_models import build_tiny_components
 
     out = tmp_path / "out"
     rc, _, err = run_script("train_lora", base_args("tiny-sdxl", dataset, out, "--network_args",

@@ -68,6 +68,34 @@ def test_generate_queues_gen_img_with_the_forms_flags(held, allowed):
     assert r2.json()["outdir"] != outdir and "--seed" not in _config(held, r2.json()["id"])["args"]
 
 
+def test_generate_passes_a_single_file_models_parts_and_system_prompt(held, allowed):
+    for name in ("lumina.safetensors", "gemma2.safetensors", "ae.safetensors"):
+        (allowed / name).write_bytes(b"x")
+    r = held.client.post("/api/generate", json={
+        "model": "lumina.safetensors", "prompt": "x", "system_prompt": "-You are an assistant",
+        "parts": {"gemma2": "gemma2.safetensors", "ae": str(allowed / "ae.safetensors"), "vae": ""}})
+    assert r.status_code == 201, r.text
+    args = _config(held, r.json()["id"])["args"]
+    i = args.index("--gemma2")
+    assert args[i:i + 5] == ["--gemma2", "gemma2.safetensors", "--ae", str(allowed / "ae.safetensors"),
+                             "--system_prompt=-You are an assistant"]  # one argument: the text is no flag
+    for form, status, message in (({"parts": {"t5": "x"}}, 422, "parts: unknown part 't5'"),
+                                  ({"parts": {"qwen3": "--help"}}, 422, "qwen3: '--help' is not a file"),
+                                  ({"parts": {"gemma2": "/etc/passwd"}}, 403, "outside the allowed paths")):
+        r = held.client.post("/api/generate", json={"model": "tiny-lumina", "prompt": "x", **form})
+        assert r.status_code == status and message in r.json()["error"], r.text
+
+
+def test_a_runs_model_flags_carry_its_parts_and_system_prompt(tmp_path):
+    from tests.helpers import options_from_values
+
+    (tmp_path / "g.safetensors").write_bytes(b"x")
+    opts = options_from_values("train_lora", {"pretrained_model_name_or_path": "tiny-lumina",
+                                              "gemma2": str(tmp_path / "g.safetensors"), "system_prompt": "Be good"})
+    m = image_jobs.run_model(opts, str(tmp_path), "sks")
+    assert m.flags == (f"--gemma2={tmp_path / 'g.safetensors'}", "--system_prompt=Be good")
+
+
 @pytest.mark.parametrize("form, status, message", [
     ({"prompt": "x"}, 422, "model: required"),
     ({"model": "tiny-sd15"}, 422, "prompt: required"),
@@ -187,3 +215,16 @@ def test_generate_and_compare_jobs_render_what_the_command_line_renders(held, al
     assert [r["name"] for r in got["grid"]["rows"]] == ["sks-000001", "sks"]
     assert [col["label"] for col in got["grid"]["columns"]] == [["prompt 1", "x0"], ["prompt 1", "x1"]]
     assert len(got["images"]) == 4 and c.get(f"/api/jobs/{k['id']}/files/grid.png").status_code == 200
+
+
+def test_the_generate_pages_part_fields_are_the_part_flags():
+    """The page's "model parts" inputs (images.js GEN_PARTS) are GEN_IMG_PARTS, each once."""
+    import re
+
+    from library.config.options import GEN_IMG_PARTS
+
+    with open(os.path.join(os.path.dirname(image_jobs.__file__), "static", "images.js"), encoding="utf-8") as f:
+        js = f.read()
+    block = js[js.index("const GEN_PARTS = ["):js.index("];", js.index("const GEN_PARTS = ["))]
+    names = re.findall(r'\["(\w+)", "', block)
+    assert sorted(names) == sorted(GEN_IMG_PARTS) and len(set(names)) == len(names)

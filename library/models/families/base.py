@@ -73,6 +73,11 @@ class FlowSpec:
     option_defaults: tuple[tuple[str, object], ...]  # flow options whose default differs for this
                                 # family ((name, value); sd-scripts' per-script defaults): an unset
                                 # option (or one the family refuses) takes this value
+    # CFG shaping of its samples (sd-scripts' Lumina 2 sampler; None: plain CFG at every step):
+    # guidance only while 1 - sigma < sample_cfg_trunc_ratio, then the guided velocity's norm
+    # capped at sample_renorm_cfg x the conditional one's (0: no cap); a prompt's --ctr / --rcfg
+    sample_cfg_trunc_ratio: float | None
+    sample_renorm_cfg: float | None
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,9 @@ class Family:
     native_size: int            # the side of its training images, gen_img's default size
     tiny_models: tuple[str, ...]  # built-in tiny models (pretrained_model_name_or_path)
     arch_models: tuple[str, ...]  # built-in full-size models with random weights (memory checks)
-    home: str | None            # the module of its hooks (HOOKS: detection, loading, family model,
-                                # save, memory fakes), imported when a run needs it; None: loaded
-                                # by the SD loader (library/models/loading.py, family.py)
+    home: str                   # the module of its hooks (HOOKS: detection, loading, family model,
+                                # save, metadata, memory fakes), imported when a run needs it (the
+                                # SD families': their home.py over sd_common/hooks.py)
     sd_scripts: tuple[str, ...] = ()  # sd-scripts' family-specific entry scripts that train it
                                 # (sdxl_train_network.py, flux_train.py, ...; those at the root
                                 # here refuse a model of another family: library/models/script_family.py)

@@ -44,10 +44,7 @@ def get(name: str) -> Family:
 def home(name: str):
     """The module of a family's hooks (``Family.home``; base.HOOKS), imported on first use: it
     loads torch and the model code, which the light paths (--help, option checks) never need."""
-    fam = get(name)
-    if fam.home is None:
-        raise ValueError(f"{fam.title} has no hooks module: it loads through library/models/loading.py")
-    return importlib.import_module(fam.home)
+    return importlib.import_module(get(name).home)
 
 
 def of(bundle) -> Family:
@@ -74,9 +71,10 @@ def flow_option(opts, name: str, option: str):
 def titles(flow: bool | None = None, option: str | None = None) -> str:
     """The families' titles joined for a message ("SD1, SD2, SDXL, Chroma, FLUX.1, SD3 and
     Anima"); ``flow``: only the flow families (True) or only the others (False); ``option``: only
-    the families that do not refuse that option (their ``unsupported`` table)."""
+    the families that do not refuse that option (their ``unsupported`` table, another family's own
+    options)."""
     names = [f.title for f in FAMILIES.values() if (flow is None or (f.flow is not None) == flow)
-             and (option is None or option not in f.unsupported)]
+             and (option is None or (option not in f.unsupported and option not in foreign_options(f)))]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 

@@ -52,11 +52,22 @@ function showImages(box, id, images) {
 }
 
 let generateReady = false;
+// gen_img's flags for a model's separate parts (library/config/options.py GEN_IMG_PARTS)
+const GEN_PARTS = [["vae", "SD VAE; SD3 / Anima autoencoder"], ["ae", "FLUX.1 / Chroma / Lumina 2 autoencoder"],
+  ["clip_l", "FLUX.1 / SD3"], ["clip_g", "SD3"], ["t5xxl", "FLUX.1 / SD3 / Chroma"], ["tokenizer_path", "SD CLIP tokenizer"],
+  ["qwen3", "Anima"], ["llm_adapter_path", "Anima"], ["t5_tokenizer_path", "Anima"], ["gemma2", "Lumina 2"]];
 function showGenerate() {
   if (generateReady) return;
   generateReady = true;
   samplingFields($("gen-sampling"), "gen");
   $("gen-model").after(pathButton($("gen-model")));
+  for (const [name, what] of GEN_PARTS) {
+    const input = el("input", { type: "text", id: `gen-part-${name}`, class: "gen-part", "data-part": name });
+    $("gen-parts").append(el("label", { for: input.id, text: `${name} (${what})` }),
+      el("span", { class: "with-pick" }, input, pathButton(input)));
+  }
+  const sp = el("input", { type: "text", id: "gen-system-prompt" });
+  $("gen-parts").append(el("label", { for: sp.id, text: "system_prompt (Lumina 2: the run's)" }), sp);
   $("gen-outdir").after(pathButton($("gen-outdir")));
 }
 $("gen-add-lora").addEventListener("click", () => loraRow());
@@ -65,6 +76,8 @@ $("gen-start").addEventListener("click", async () => {
   const loras = [...document.querySelectorAll("#gen-loras .lora")].map((r) => ({
     path: r.querySelector(".lora-path").value, weight: Number(r.querySelector(".lora-weight").value) }));
   const body = { model: $("gen-model").value, prompt: $("gen-prompt").value, negative_prompt: $("gen-negative").value,
+    parts: Object.fromEntries([...document.querySelectorAll("#gen-parts .gen-part")].filter((i) => i.value.trim())
+      .map((i) => [i.dataset.part, i.value.trim()])), system_prompt: $("gen-system-prompt").value,
     loras, outdir: $("gen-outdir").value, images: Number($("gen-images-n").value), ...samplingValues("gen") };
   const r = await api("POST", "/api/generate", body);
   if (r.status !== 201) { $("gen-msg").textContent = r.data.error; return; }

@@ -36,6 +36,7 @@ FLOW = FlowSpec(
     # velocity (sd-scripts' Anima trainer has no model_prediction_type)
     option_defaults=(("timestep_sampling", "sigmoid"), ("discrete_flow_shift", 1.0),
                      ("model_prediction_type", "raw")),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(

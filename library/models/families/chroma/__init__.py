@@ -3,7 +3,7 @@ guidance / vector inputs, its per-block modulations from the distilled-guidance 
 FLUX.1's 16-channel autoencoder and T5-XXL with its attention mask; rectified flow with sd-scripts'
 FLUX.1 rules (flux_train_network.py --model_type chroma), true CFG samples with a negative prompt.
 Model code: model.py, checkpoint.py, sources.py, home.py (the hooks) in this folder, on
-library/models/flux.py's blocks; its network: networks/lora_flux.py (kohya's FLUX-style keys)."""
+library/models/families/flux/flux.py's blocks; its network: networks/lora_flux.py (kohya's FLUX-style keys)."""
 from __future__ import annotations
 
 from library.models.families import flux
@@ -24,6 +24,7 @@ FLOW = FlowSpec(
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(

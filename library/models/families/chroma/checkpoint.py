@@ -20,7 +20,8 @@ import torch
 from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
-from library.models import embedded_config, flux_checkpoint, fp8_storage
+from library.models import embedded_config, fp8_storage
+from library.models.families.flux import flux_checkpoint
 from library.models.families.chroma.model import Chroma, ChromaConfig
 from library.models.sd_checkpoint import read_state_dict
 

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from transformers import T5Config, T5EncoderModel
 
-from library.models import embedded_config, fake_parts, flux, loading, t5
+from library.models import embedded_config, fake_parts, loading, t5
+from library.models.families.flux import flux
 from library.models.fake_parts import Counted, Unavailable
 from library.models.families.chroma import checkpoint
 from library.models.families.chroma import sources

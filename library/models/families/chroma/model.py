@@ -1,7 +1,7 @@
 """The Chroma transformer (Chroma1-Base / Chroma1-HD) in its original module layout (lodestone's
 ``flow`` repository, as sd-scripts' chroma_models.py and ComfyUI read it).
 
-FLUX.1's transformer (library/models/flux.py: the double and single blocks, RoPE, the packed 2x2
+FLUX.1's transformer (library/models/families/flux/flux.py: the double and single blocks, RoPE, the packed 2x2
 latents) without CLIP-L's vector input, the timestep and guidance embedders and the per-block
 modulation layers: every block's shift / scale / gate comes from the **distilled guidance
 approximator** ``distilled_guidance_layer``, an MLP (``in_proj``, residual ``layers.N.{in_layer,
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from library.models import flux
+from library.models.families.flux import flux
 
 GUIDANCE = 0.0  # the approximator's guidance input (Chroma was trained with 0; diffusers' ChromaPipeline)
 

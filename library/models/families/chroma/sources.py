@@ -19,7 +19,8 @@ import torch
 from transformers import T5EncoderModel, T5TokenizerFast
 
 from library.errors import ModelError, first_line
-from library.models import flux_ae, t5
+from library.models import t5
+from library.models.families.flux import flux_ae
 from library.models.families.chroma import checkpoint
 from library.models.families.chroma.model import TINY_CHROMA, Chroma, ChromaConfig
 from library.models.loading import path_identity, quiet_progress

@@ -1,7 +1,7 @@
 """FLUX.1 (dev, schnell): the BFL transformer over 2x2-packed latents of the 16-channel
 autoencoder, CLIP-L's pooled output and T5-XXL's states, rectified flow with sd-scripts'
 timestep_sampling, dev's distilled guidance input, flux_train.py / flux_train_network.py.
-Model code: library/models/flux*.py, flow_family.py, t5.py, clip_l_file.py, tiny_flux.py;
+Model code: this folder (flux.py, flux_*.py, tiny_flux.py), library/models/flow_family.py, t5.py, clip_l_file.py;
 its networks: networks/lora_flux.py, networks/oft_flux.py."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ FLOW = FlowSpec(
                       "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type",
                       "discrete_flow_shift"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(

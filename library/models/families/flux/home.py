@@ -16,10 +16,15 @@ from typing import Any
 import torch
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from library.models import (clip_l_file, fake_parts, flux, flux_checkpoint, flux_loading, flux_text, loading,
-                            modelspec, t5, tiny_flux)
+from library.models import clip_l_file, fake_parts, loading, t5
+from library.models.families.flux import flux, flux_checkpoint, flux_loading, flux_text, tiny_flux
 from library.models.family import FamilyModel, TextConditioning
 from library.models.fake_parts import Counted, Unavailable
+from library.models.modelspec import with_adapter
+
+# sd-scripts' modelspec strings (library/sai_model_spec.py) per FLUX.1 variant
+ARCHITECTURE = {"dev": "flux-1-dev", "schnell": "flux-1-schnell"}
+IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
 
 # the built-in models this home builds (the family's tiny_models and arch_models)
 BUILTIN_NAMES = tuple(tiny_flux.TINY_FLUX_NAMES)
@@ -56,8 +61,11 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
 
 def metadata_fields(variant: str, adapter: str | None) -> dict[str, str]:
     """ss_base_model_version and modelspec architecture / implementation of a FLUX.1 file ("dev" /
-    "schnell"), as sd-scripts writes them."""
-    return modelspec.flow_fields("flux", variant, adapter)
+    "schnell"), as sd-scripts writes them (library/sai_model_spec.py; no prediction_type)."""
+    if variant not in ARCHITECTURE:
+        raise ValueError(f"flux variant {variant!r}; expected {', '.join(ARCHITECTURE)}")
+    return {"ss_base_model_version": "flux1", "modelspec.implementation": IMPLEMENTATION,
+            "modelspec.architecture": with_adapter(ARCHITECTURE[variant], adapter)}
 
 
 # --- the family model ----------------------------------------------------------------------------
@@ -76,7 +84,7 @@ class FluxTextConditioning(TextConditioning):
 
 class FluxFamilyModel(FamilyModel):
     """tokenize -> [CLIP ids (B, 77), T5 ids (B, L), T5 mask (B, L)]; encode -> T5 states, CLIP-L
-    pooled, mask (library/models/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
+    pooled, mask (library/models/families/flux/flux_text.py); unet_forward packs the (B, 16, H, W) latents into
     2x2 patches with their position ids, gives dev its guidance input and unpacks the velocity.
     A partial text-encoder cache holds T5's states and mask; CLIP-L's pooled output is computed
     at each step (``encode_frozen_part`` / ``encode_with_frozen_part``)."""

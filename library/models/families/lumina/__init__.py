@@ -15,7 +15,8 @@ _TE_DROPOUT = "SD3's text-encoder dropout (sd-scripts has none for Lumina 2)"
 _NOT_T5 = "Lumina 2's only text encoder is Gemma-2 (the gemma2 option); it has no {}"
 # the options only Lumina 2 reads (library/config/options.py); FLUX.1 (so Chroma) and SD3 refuse
 # them with this reason (their ``unsupported`` tables spread REFUSED_ELSEWHERE)
-OWN_OPTIONS = ("gemma2", "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn")
+OWN_OPTIONS = ("gemma2", "gemma2_max_token_length", "system_prompt", "use_flash_attn", "use_sage_attn",
+               "sample_batch_size")
 REFUSED_ELSEWHERE = {name: "a Lumina 2 option (sd-scripts' lumina scripts)" for name in OWN_OPTIONS}
 
 FLOW = FlowSpec(
@@ -32,6 +33,7 @@ FLOW = FlowSpec(
     weights_raw_loss=False,  # lumina_train_util weights the prediction as FLUX.1's
     option_defaults=(("timestep_sampling", "shift"), ("discrete_flow_shift", 6.0),
                      ("model_prediction_type", "raw")),
+    sample_cfg_trunc_ratio=0.25, sample_renorm_cfg=1.0,  # lumina_train_util's prompt defaults (ctr, rcfg)
 )
 
 FAMILY = Family(

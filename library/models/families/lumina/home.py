@@ -60,8 +60,13 @@ class LuminaFamilyModel(FamilyModel):
         ids, mask = text.tokenize(self.tokenizers[0], texts, self.gemma2_max_length)
         return [ids, mask]
 
+    negative_system_prompt = False  # lumina_minimal_inference's --add_system_prompt_to_negative_prompt
+
     def for_negative_prompts(self) -> "LuminaFamilyModel":
-        """sd-scripts tokenizes a sample's negative prompt without the system prompt (is_negative)."""
+        """sd-scripts tokenizes a sample's negative prompt without the system prompt (is_negative),
+        unless ``negative_system_prompt`` is set."""
+        if self.negative_system_prompt:
+            return self
         plain = copy.copy(self)
         plain.system_prompt = ""
         return plain

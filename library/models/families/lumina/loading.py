@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 from library import files, safetensors_file
 from library.errors import ModelError, first_line
-from library.models import embedded_config, flux_ae, fp8_storage
+from library.models import embedded_config, fp8_storage
+from library.models.families.flux import flux_ae
 from library.models.families.lumina import layout, text, tiny
 from library.models.families.lumina.nextdit import NextDiT, NextDiTConfig
 from library.models.loading import path_identity, quiet_progress

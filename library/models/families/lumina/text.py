@@ -22,6 +22,7 @@ import json
 import os
 import struct
 
+import accelerate
 import torch
 from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
@@ -182,7 +183,9 @@ def load_gemma2(path: str, dtype: torch.dtype = torch.float32, tokenizer_locatio
     _, names = _strip(sd)
     sd = fp8_storage.load_dtype({k: sd[v] for k, v in names.items() if k in expected_shapes(record["config"])},
                                 dtype, path)
-    with torch.device("meta"):
+    # the weights on meta, the buffers built (the RoPE tables and the embedding scale are not in the
+    # file: on meta they would stay there)
+    with accelerate.init_empty_weights(include_buffers=False):
         model = Gemma2Model(Gemma2Config(**record["config"]))
     model.load_state_dict(sd, strict=True, assign=True)
     model = model.to(dtype).eval()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models import flux_ae
+from library.models.families.flux import flux_ae
 from library.models.families.lumina import nextdit, text
 
 TINY_NAMES = ("tiny-lumina",)

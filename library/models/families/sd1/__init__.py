@@ -1,6 +1,7 @@
 """SD1.x (Stable Diffusion 1.4 / 1.5 and their fine-tunes): one CLIP text encoder, the DDPM
 schedule with epsilon prediction, diffusers' StableDiffusionPipeline for samples.
-Model code: library/models/family.py (SD1Model), loading.py, sd_checkpoint.py, tiny_models.py."""
+Hooks: home.py over library/models/families/sd_common/hooks.py; model code: library/models/family.py
+(SD1Model), loading.py, sd_checkpoint.py, families/sd_common/tiny_models.py."""
 from __future__ import annotations
 
 from library.models.families.base import Family
@@ -19,6 +20,6 @@ FAMILY = Family(
     lora_module="networks.lora", network_modules=SD_NETWORK_MODULES,
     model_type=None, gui_boxes=(), gui_rank=9, gui_script="train_db.py", gui_te_rates=("learning_rate_te",), gui_db_text_encoder=False,
     unsupported={}, no_effect={}, native_size=512, tiny_models=("tiny-sd15", "tiny-sd15-inpaint"), arch_models=("sd15-arch",),
-    home=None,
+    home="library.models.families.sd1.home",
     sd_scripts=("train_network.py", "train_db.py", "fine_tune.py"),
 )

@@ -1,7 +1,7 @@
 """SD3 / SD3.5 (medium, large): the MMDiT over 16-channel latents, CLIP-L and CLIP-G (pooled and
 penultimate states) and an optional T5-XXL, rectified flow with training_shift and the timestep
 bounds, CFG samples with shift 3; sd3_train.py / sd3_train_network.py.
-Model code: library/models/sd3*.py, flow_family.py (SD3FamilyModel), t5.py; its network:
+Model code: this folder (sd3*.py; home.py holds SD3FamilyModel), library/models/flow_family.py, t5.py; its network:
 networks/lora_sd3.py."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ FLOW = FlowSpec(
     metadata_options=("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale"),
     weights_raw_loss=False, option_defaults=(),
+    sample_cfg_trunc_ratio=None, sample_renorm_cfg=None,  # plain CFG at every step
 )
 
 FAMILY = Family(

@@ -3,7 +3,7 @@ the model bundle, the family model, the full save in the source's layout and com
 memory estimate's fake model.
 
 SD3's bundle: ``text_encoders`` [CLIP-L, CLIP-G] and T5 when the model has one, ``tokenizers``
-likewise, ``flow`` the SD3 model record (library/models/sd3_checkpoint.py).
+likewise, ``flow`` the SD3 model record (library/models/families/sd3/sd3_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from library.errors import UserError
-from library.models import (embedded_config, fake_parts, flow_family, loading, modelspec, sd3, sd3_builtins,
-                            sd3_checkpoint, sd3_text, sd3_vae, t5)
+from library.models import embedded_config, fake_parts, flow_family, loading, t5
+from library.models.families.sd3 import sd3, sd3_builtins, sd3_checkpoint, sd3_text, sd3_vae
 from library.models.fake_parts import Counted, Unavailable
 from library.models.family import FamilyModel, TextConditioning
+from library.models.modelspec import IMPL_DIFFUSERS, IMPL_STABILITY_AI, with_adapter
 
+# sd-scripts' SD3 model_type (sd3_utils.analyze_state_dict_state) per MMDiTConfig.variant: its
+# ss_base_model_version and the suffix of modelspec.architecture "stable-diffusion-3-<type>"
+MODEL_TYPE = {"sd3": "medium", "sd3.5-medium": "5-medium", "sd3.5-large": "5-large"}
 SD3_T5_MAX_LENGTH = 256  # sd-scripts' t5xxl_max_token_length default for SD3
 CLIP_TOKENS = sd3_text.CLIP_LENGTH  # 77
 TOKENS_WITHOUT_T5 = 2 * CLIP_TOKENS  # without T5: 77 zero tokens in its place (sd3_text.condition)
@@ -76,7 +80,7 @@ class SD3FamilyModel(FamilyModel):
     """tokenize -> [CLIP-L ids, CLIP-G ids, their masks] (77 each), then with T5 [T5 ids, T5 mask]
     (t5_max_length each); encode -> the MMDiT's context (CLIP-L | CLIP-G penultimate states
     zero-padded to the context width, then T5's states, or 77 zero tokens without T5) and pooled
-    CLIP-L | CLIP-G (library/models/sd3_text.py); unet_forward calls the MMDiT with the timestep
+    CLIP-L | CLIP-G (library/models/families/sd3/sd3_text.py); unet_forward calls the MMDiT with the timestep
     1000 sigma (flow_matching.model_timesteps). The masks only reach the encoders (with
     apply_lg_attn_mask / apply_t5_attn_mask): sd-scripts' MMDiT attends to every token. A partial
     text-encoder cache holds the context's tokens after CLIP's 77 (T5's states, or the zeros
@@ -170,7 +174,7 @@ class SD3FamilyModel(FamilyModel):
 
     def unet_forward(self, noisy_latents, timesteps, cond, size_cond=None, sample_seeds=None):
         """``sample_seeds`` (training): each sample's pos_emb_random_crop_rate draw
-        (library/models/sd3_positions.py); without them the table's centre (samples, validation)."""
+        (library/models/families/sd3/sd3_positions.py); without them the table's centre (samples, validation)."""
         dtype, dev = noisy_latents.dtype, noisy_latents.device
         rate = self.pos_emb_random_crop_rate if sample_seeds is not None else 0.0
         # computed here, eagerly: the draws and the scaled tables stay out of a compiled forward
@@ -203,8 +207,14 @@ def save_full(bundle, path: str, dtype, metadata: dict, trained_encoders: tuple[
 
 def metadata_fields(variant: str, adapter: str | None) -> dict[str, str]:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type of an
-    SD3 file (MMDiTConfig.variant), as sd-scripts writes them."""
-    return modelspec.flow_fields("sd3", variant, adapter)
+    SD3 file (MMDiTConfig.variant), as sd-scripts writes them (library/sai_model_spec.py): a LoRA
+    says "diffusers" and "epsilon" (its SD1 defaults), a checkpoint Stability AI's implementation."""
+    if variant not in MODEL_TYPE:
+        raise ValueError(f"sd3 variant {variant!r}; expected {', '.join(MODEL_TYPE)}")
+    t = MODEL_TYPE[variant]
+    return {"ss_base_model_version": t, "modelspec.prediction_type": "epsilon",
+            "modelspec.implementation": IMPL_DIFFUSERS if adapter else IMPL_STABILITY_AI,
+            "modelspec.architecture": with_adapter(f"stable-diffusion-3-{t}", adapter)}
 
 
 # --- the memory estimate's fakes (library/training/flow_memory.py) ----------------------------

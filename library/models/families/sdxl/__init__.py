@@ -1,7 +1,7 @@
 """SDXL: two CLIP text encoders (CLIP-L, OpenCLIP-bigG: its pooled output), the U-Net's size
 conditioning, sdxl_train.py's block_lr, diffusers' StableDiffusionXLPipeline for samples.
-Model code: library/models/family.py (SDXLModel), loading.py, sd_checkpoint.py (SAI layout),
-unet_layout.py, tiny_models.py."""
+Hooks: home.py over library/models/families/sd_common/hooks.py; model code: library/models/family.py
+(SDXLModel), loading.py, sd_checkpoint.py (SAI layout), unet_layout.py, families/sd_common/tiny_models.py."""
 from __future__ import annotations
 
 from library.models.families import sd1
@@ -21,6 +21,6 @@ FAMILY = Family(
     model_type=None, gui_boxes=("sdxl", "sdxl_checkbox"), gui_rank=0, gui_script="sdxl_train.py",
     gui_te_rates=("learning_rate_te1", "learning_rate_te2"), gui_db_text_encoder=True,
     unsupported={}, no_effect={}, native_size=1024, tiny_models=("tiny-sdxl", "tiny-sdxl-inpaint"), arch_models=("sdxl-arch",),
-    home=None,
+    home="library.models.families.sdxl.home",
     sd_scripts=("sdxl_train_network.py", "sdxl_train.py", "sdxl_train_textual_inversion.py"),
 )

@@ -2,7 +2,7 @@
 sd-scripts takes, and the diffusers folder writer.
 
 Sources:
-- a built-in name: ``tiny-flux`` (dev: guidance input) or ``tiny-flux-schnell`` (library/models/tiny_flux.py);
+- a built-in name: ``tiny-flux`` (dev: guidance input) or ``tiny-flux-schnell`` (library/models/families/flux/tiny_flux.py);
 - a single transformer file in the BFL layout (``flux1-dev.safetensors``, also fp8-stored, also
   with the ``model.diffusion_model.`` prefix) with separate ``clip_l``, ``t5xxl`` and ``ae`` files;
 - a diffusers FLUX folder (``transformer/``, ``text_encoder/``, ``text_encoder_2/``, ``vae/``,
@@ -23,8 +23,9 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokeniz
 
 from library.errors import ModelError, first_line
 from library.models import clip_l_file
-from library.models import flux_ae, flux_checkpoint, t5, tiny_flux
-from library.models.flux import Flux, FluxConfig
+from library.models import t5
+from library.models.families.flux import flux_ae, flux_checkpoint, tiny_flux
+from library.models.families.flux.flux import Flux, FluxConfig
 from library.models.loading import path_identity, quiet_progress
 
 logger = logging.getLogger("sdtk")

@@ -10,7 +10,7 @@ import re
 import tempfile
 
 from library.models import sd_checkpoint
-from library.models.sd3 import SD3ModelError
+from library.models.families.sd3.sd3 import SD3ModelError
 
 SCALING_FACTOR = 1.5305
 SHIFT_FACTOR = 0.0609

@@ -1,7 +1,7 @@
 """Writing a whole FLUX.1 model: as sd-scripts' separate files (a BFL transformer file, ``clip_l``,
 ``t5xxl``, ``ae``) or as a diffusers FLUX folder that diffusers' ``FluxPipeline`` loads.
 
-``parts`` is a dict with transformer (library.models.flux.Flux), clip_l (CLIPTextModel), t5
+``parts`` is a dict with transformer (library.models.families.flux.flux.Flux), clip_l (CLIPTextModel), t5
 (T5EncoderModel), ae (AutoencoderKL), clip_tokenizer, t5_tokenizer. Files carry the configs of
 non-standard (tiny) architectures in their metadata, so they load offline.
 """
@@ -15,7 +15,8 @@ import torch
 
 from library import safetensors_file
 from library.files import atomic_dir, atomic_path
-from library.models import clip_l_file, flux_ae, flux_checkpoint, t5
+from library.models import clip_l_file, t5
+from library.models.families.flux import flux_ae, flux_checkpoint
 
 SINGLE_FILE_NAMES = {"transformer": "flux1.safetensors", "clip_l": "clip_l.safetensors",
                      "t5xxl": "t5xxl.safetensors", "ae": "ae.safetensors"}

@@ -13,7 +13,9 @@ import tempfile
 import torch
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from library.models import flux, flux_ae, t5, tiny_models
+from library.models import t5
+from library.models.families.sd_common import tiny_models
+from library.models.families.flux import flux, flux_ae
 
 TINY_FLUX_NAMES = {"tiny-flux": "dev", "tiny-flux-schnell": "schnell"}
 SEED = 20240604

@@ -2,7 +2,7 @@
 
 Sources:
 - a built-in name: `tiny-sd3`, `tiny-sd3.5-medium`, `tiny-sd3.5-large`, and the full-size random
-  `sd3-arch`, `sd3.5-medium-arch`, `sd3.5-large-arch` (library/models/sd3_builtins.py);
+  `sd3-arch`, `sd3.5-medium-arch`, `sd3.5-large-arch` (library/models/families/sd3/sd3_builtins.py);
 - an SAI single file: the transformer under `model.diffusion_model.` (or without a prefix), and
   in an all-in-one file also `text_encoders.clip_l.transformer.*`, `text_encoders.clip_g.transformer.*`,
   `text_encoders.t5xxl.transformer.*` (transformers layouts) and `first_stage_model.*` (the VAE,
@@ -44,9 +44,10 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokeni
 from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_dir, atomic_path
-from library.models import embedded_config, sd3, sd3_builtins, sd3_text, sd3_vae, sd_checkpoint, t5
+from library.models import embedded_config, sd_checkpoint, t5
+from library.models.families.sd3 import sd3, sd3_builtins, sd3_text, sd3_vae
 from library.models.loading import quiet_progress
-from library.models.sd3 import SD3ModelError
+from library.models.families.sd3.sd3 import SD3ModelError
 
 logger = logging.getLogger("sdtk")
 

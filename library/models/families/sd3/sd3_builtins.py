@@ -5,7 +5,7 @@ the extra self-attention in block 0), `tiny-sd3.5-large` (qk norm): a two-block 
 CLIP-L and CLIP-G of tiny-sdxl, a tiny 16-channel VAE and the tiny locally generated CLIP vocabulary.
 
 Full size (memory and speed measurements): `sd3-arch`, `sd3.5-medium-arch`, `sd3.5-large-arch`: the
-released architectures (library/models/sd3.py), SD3's CLIP-L, CLIP-G and VAE, CLIP's shipped
+released architectures (library/models/families/sd3/sd3.py), SD3's CLIP-L, CLIP-G and VAE, CLIP's shipped
 tokenizer.
 
 All random weights from fixed seeds (two builds are bit-identical), CLIP as
@@ -22,7 +22,9 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-from library.models import sd3, sd3_text, sd3_vae, t5, tiny_models
+from library.models import t5
+from library.models.families.sd_common import tiny_models
+from library.models.families.sd3 import sd3, sd3_text, sd3_vae
 
 NAMES = {"tiny-sd3": "sd3", "tiny-sd3.5-medium": "sd3.5-medium", "tiny-sd3.5-large": "sd3.5-large"}
 ARCH_NAMES = {"sd3-arch": sd3.SD3_MEDIUM, "sd3.5-medium-arch": sd3.SD35_MEDIUM, "sd3.5-large-arch": sd3.SD35_LARGE}

@@ -25,7 +25,7 @@ from library import safetensors_file
 from library.errors import ModelError, first_line
 from library.files import atomic_dir, atomic_path
 from library.models import embedded_config, fp8_storage
-from library.models.flux import Flux, FluxConfig
+from library.models.families.flux.flux import Flux, FluxConfig
 from library.models.sd_checkpoint import read_state_dict
 
 logger = logging.getLogger("sdtk")

@@ -1,5 +1,5 @@
 """A diffusers FLUX.1 transformer written as one BFL-layout file (tools/convert_diffusers_to_flux.py,
-sd-scripts' tool of the same name): read by the model loader (library/models/flux_checkpoint.py,
+sd-scripts' tool of the same name): read by the model loader (library/models/families/flux/flux_checkpoint.py,
 the one BFL <-> diffusers map), written by its streaming BFL writer, atomically.
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 
 from library import safetensors_file
 from library.errors import ModelError
-from library.models import flux_checkpoint, fp8_storage
+from library.models import fp8_storage
+from library.models.families.flux import flux_checkpoint
 
 
 def _inputs(source: str) -> list[str]:

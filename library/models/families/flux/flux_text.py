@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from library.models import t5
-from library.models.flux import text_ids
+from library.models.families.flux.flux import text_ids
 
 CLIP_MAX_LENGTH = 77
 

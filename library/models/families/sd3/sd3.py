@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from library.errors import ModelError, first_line
-from library.models import block_checkpoint, sd3_positions
+from library.models import block_checkpoint
+from library.models.families.sd3 import sd3_positions
 
 HEAD_DIM = 64  # SAI: hidden = 64 * depth, heads = depth
 PREFIX = "model.diffusion_model."  # the transformer's keys in an all-in-one file

@@ -5,7 +5,7 @@ Three encoders: CLIP-L and CLIP-G (transformers CLIPTextModelWithProjection) and
   the feature axis (768 + 1280 = 2048), zero-padded to T5's width (4096), then the T5 states after
   them on the token axis: (B, 77 + n_t5, 4096). Without T5, 77 zero tokens stand in for it.
 - pooled: CLIP-L's pooled output and CLIP-G's projected pooled output side by side (2048). SAI's
-  CLIP-L has no projection: its loader gives it an identity one (library/models/sd3_checkpoint).
+  CLIP-L has no projection: its loader gives it an identity one (library/models/families/sd3/sd3_checkpoint).
 - `apply_lg_attn_mask` / `apply_t5_attn_mask`: the tokenizer's attention mask (1 real token, 0
   padding) is passed to the CLIP / T5 encoders, so no token attends to padding (sd-scripts' current
   `encode_tokens`; its first SD3 version multiplied the states by the mask instead).

@@ -22,8 +22,9 @@ import torch
 from library import safetensors_file
 from library.errors import first_line
 from library.files import atomic_path
-from library.models import fp8_storage, sd3, sd3_checkpoint, sd3_vae, sd_checkpoint
-from library.models.sd3 import SD3ModelError
+from library.models import fp8_storage, sd_checkpoint
+from library.models.families.sd3 import sd3, sd3_checkpoint, sd3_vae
+from library.models.families.sd3.sd3 import SD3ModelError
 
 PREFIX = {"dit": sd3.PREFIX, "vae": sd3_vae.PREFIX, **sd3_checkpoint.TE_PREFIX}
 # what a component's keys in an all-in-one file start with (SAI's files also have e.g. text_encoders.clip_g.logit_scale)

@@ -1,0 +1,11 @@
+"""SDXL's hooks (base.HOOKS): the SD families' shared ones (library/models/families/sd_common/hooks.py,
+where their contract differs from the flow homes'), its metadata strings and built-in names."""
+from __future__ import annotations
+
+from library.models.families.sd_common import hooks
+from library.models.families.sd_common.hooks import *  # noqa: F403 - the hooks every SD home shares
+from library.models.modelspec import IMPL_STABILITY_AI
+
+BUILTIN_NAMES = hooks.builtin_names("sdxl")
+metadata_fields = hooks.metadata_hook(
+    "sdxl_base_v1-0", dict.fromkeys(hooks.PREDICTIONS, "stable-diffusion-xl-v1-base"), IMPL_STABILITY_AI)
