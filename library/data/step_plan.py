@@ -67,39 +67,69 @@ def steps_for_buckets(bucket_sizes: dict, global_batch: int) -> int:
     return sum(math.ceil(n / global_batch) for n in bucket_sizes.values() if n > 0)
 
 
-def make_plan(*, bucket_sizes: dict, images: int, repeats_total: int, reg_images: int,
-              reg_samples: int, processes: int, train_batch_size: int,
-              gradient_accumulation_steps: int, max_train_epochs: int | None,
-              max_train_steps: int | None, lr_warmup_steps: float | int | None,
-              class_images: int = 0, class_images_new: int = 0) -> StepPlan:
-    """``bucket_sizes`` maps bucket resolution -> number of samples in it per epoch."""
-    global_batch = train_batch_size * processes * gradient_accumulation_steps
-    steps_per_epoch = steps_for_buckets(bucket_sizes, global_batch)
+@dataclass(frozen=True)
+class EpochSamples:
+    """What one epoch holds, counted from the training set (``TrainingSet.epoch_samples``)."""
+    bucket_sizes: dict          # batch key -> samples of it per epoch
+    images: int
+    repeats_total: int          # samples from training images (repeats counted)
+    reg_images: int
+    reg_samples: int            # reg samples after balancing
+    class_images: int = 0       # num_class_images: of the reg images, those generated (planned)
+    class_images_new: int = 0   # of them, the ones still to be made
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How a global batch is made: ``train_batch_size`` per process, ``processes`` of them,
+    ``gradient_accumulation_steps`` micro-steps."""
+    processes: int
+    train_batch_size: int
+    gradient_accumulation_steps: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.train_batch_size * self.processes * self.gradient_accumulation_steps
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """The run's length and warmup as the options give them: ``max_train_epochs`` wins over
+    ``max_train_steps``; ``lr_warmup_steps`` below 1 (a float) is a fraction of the steps."""
+    max_train_epochs: int | None
+    max_train_steps: int | None
+    lr_warmup_steps: float | int | None
+
+
+def make_plan(samples: EpochSamples, shape: BatchShape, length: RunLength) -> StepPlan:
+    global_batch = shape.global_batch
+    steps_per_epoch = steps_for_buckets(samples.bucket_sizes, global_batch)
     if steps_per_epoch == 0:
         raise ValueError("the dataset is empty: no samples per epoch")
-    if max_train_epochs:
-        epochs = int(max_train_epochs)
+    if length.max_train_epochs:
+        epochs = int(length.max_train_epochs)
         total = epochs * steps_per_epoch
-    elif max_train_steps:
-        total = int(max_train_steps)
+    elif length.max_train_steps:
+        total = int(length.max_train_steps)
         epochs = math.ceil(total / steps_per_epoch)
     else:
         raise ValueError("max_train_epochs or max_train_steps must be set")
-    warm = lr_warmup_steps or 0
+    warm = length.lr_warmup_steps or 0
     if isinstance(warm, float) and 0 < warm < 1:
         warmup = int(round(warm * total))
     else:
         warmup = int(warm)
-    samples = sum(bucket_sizes.values())
-    micro = sum(math.ceil(n / (train_batch_size * processes)) for n in bucket_sizes.values() if n > 0)
-    return StepPlan(images=images, repeats_total=repeats_total, reg_images=reg_images,
-                    reg_samples=reg_samples, samples_per_epoch=samples, batches_per_epoch=micro,
-                    processes=processes, train_batch_size=train_batch_size,
-                    gradient_accumulation_steps=gradient_accumulation_steps,
+    per_micro = shape.train_batch_size * shape.processes
+    micro = sum(math.ceil(n / per_micro) for n in samples.bucket_sizes.values() if n > 0)
+    return StepPlan(images=samples.images, repeats_total=samples.repeats_total,
+                    reg_images=samples.reg_images, reg_samples=samples.reg_samples,
+                    samples_per_epoch=sum(samples.bucket_sizes.values()), batches_per_epoch=micro,
+                    processes=shape.processes, train_batch_size=shape.train_batch_size,
+                    gradient_accumulation_steps=shape.gradient_accumulation_steps,
                     global_batch=global_batch, steps_per_epoch=steps_per_epoch, epochs=epochs,
                     total_steps=total, warmup_steps=min(warmup, total),
-                    bucket_sizes=dict(bucket_sizes), class_images=class_images,
-                    class_images_new=class_images_new)
+                    bucket_sizes=dict(samples.bucket_sizes), class_images=samples.class_images,
+                    class_images_new=samples.class_images_new)
 
 
 def what_if_lines(plan: StepPlan) -> list[str]:

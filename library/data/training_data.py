@@ -22,7 +22,7 @@ from library.config.dataset_config import resolve_dataset_config, run_caption_op
 from library.config.parse import required
 from library.data import buckets, class_images, color_aug, folders, inpaint_masks
 from library.data.held_out import split_items
-from library.data.step_plan import derive_seed
+from library.data.step_plan import EpochSamples, derive_seed
 from library.errors import DataError
 
 if TYPE_CHECKING:  # annotations only
@@ -74,6 +74,12 @@ class TrainingSet:
             key = tuple(key)
             sizes[key] = sizes.get(key, 0) + 1
         return sizes
+
+    def epoch_samples(self) -> EpochSamples:
+        """What one epoch holds, for the step plan (class images still to make: checked now)."""
+        return EpochSamples(self.bucket_sizes(), len(self.train_items), self.repeats_total,
+                            len(self.reg_items), self.reg_samples, len(self.class_images),
+                            len(class_images.to_make(self.class_images)))
 
     def multiplier(self, idx) -> float | None:
         """The network multiplier of a batch's samples (one per batch by bucket_of): their

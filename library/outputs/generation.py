@@ -319,25 +319,26 @@ class Generator:
                     self.bundle, self.family_model, images, guidance=j.guidance, device=self.device,
                     dtype=self.dtype, shift=self.args.shift, packed_draw=False)
                 return [flow_sampling.decode_image(self.bundle.vae, latents[i:i + 1]) for i in range(len(batch))]
-            kw = dict(device=self.device, clip_skip=self.args.clip_skip, negative_scale=j.negative_scale)
+            kw: dict = dict(negative_scale=j.negative_scale)
+            encoder = sampling.PromptEncoder(self.family_model, self.device, self.args.clip_skip)
             chunk = gen_options.vae_batch(self.args, len(batch))
             if chunk < len(batch):  # --vae_batch_size: latents out, decoded in smaller batches
                 kw["output_type"] = "latent"
             strength = STRENGTH if self.args.strength is None else self.args.strength
             if j.image is not None:  # img2img from --image_path (the image's size: the job's)
                 sources = [load_source(parse.required(x.image, "--image_path"), x.width, x.height) for x in batch]
-                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img, images,
+                out = sampling.sd_batch(self.bundle, encoder, self.img2img, images,
                                         sampler=j.sampler, extra={"image": sources, "strength": strength}, **kw)
             elif self.args.highres_fix_scale is None:
-                out = sampling.sd_batch(self.bundle, self.family_model, self.pipe, images, sampler=j.sampler, **kw)
+                out = sampling.sd_batch(self.bundle, encoder, self.pipe, images, sampler=j.sampler, **kw)
             else:
                 w1, h1 = (_first_stage(v, self.args.highres_fix_scale) for v in (j.width, j.height))
-                first = sampling.sd_batch(self.bundle, self.family_model, self.pipe,
+                first = sampling.sd_batch(self.bundle, encoder, self.pipe,
                                           dataclasses.replace(images, width=w1, height=h1,
                                                               steps=self.args.highres_fix_steps),
                                           sampler=j.sampler, **{**kw, "output_type": "pil"})
                 up = [im.resize((j.width, j.height), Image.LANCZOS) for im in first]
-                out = sampling.sd_batch(self.bundle, self.family_model, self.img2img,
+                out = sampling.sd_batch(self.bundle, encoder, self.img2img,
                                         dataclasses.replace(images, seeds=[s + 1 for s in images.seeds]),
                                         sampler=j.sampler, extra={"image": up, "strength": strength}, **kw)
             return out if chunk >= len(batch) else decode(self.pipe, out, chunk)

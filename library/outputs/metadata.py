@@ -10,6 +10,7 @@ import json
 import mimetypes
 import os
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from library.config.parse import required
@@ -18,6 +19,18 @@ from library.models.families import registry
 
 if TYPE_CHECKING:  # annotations only
     from library.config.parse import Options
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a saved file's model is, as its metadata names it: the family, its prediction
+    (``v_parameterization``), the method's adapter (None: the full model) and a flow family's
+    model variant (its home's ``metadata_fields``; "" for the SD families, whose homes take the
+    prediction type instead)."""
+    family: str
+    v_parameterization: bool
+    adapter: str | None
+    variant: str = ""
 
 
 def tag_frequency(items) -> dict:
@@ -32,15 +45,12 @@ def tag_frequency(items) -> dict:
     return {k: dict(v) for k, v in freq.items()}
 
 
-def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adapter: str | None,
-                   num_train_images: int, num_reg_images: int, train_items, started_at: float,
-                   network_info: dict | None = None, variant: str = "") -> dict:
-    """Static metadata for every save; ``step_metadata`` adds the per-save values. ``variant``:
-    a flow family's model's (its home's ``metadata_fields``; "" for the SD families, whose homes take
-    the prediction type from ``v_parameterization``)."""
+def build_metadata(*, opts: Options, model: ModelKind, num_train_images: int, num_reg_images: int,
+                   train_items, started_at: float, network_info: dict | None = None) -> dict:
+    """Static metadata for every save; ``step_metadata`` adds the per-save values."""
     w, h = required(opts.resolution, "resolution")
-    names = _family_fields(family, v_parameterization, adapter, variant)
-    md = _run_fields(opts, family, started_at, names)
+    names = _family_fields(model)
+    md = _run_fields(opts, model.family, started_at, names)
     md.update({
         "ss_text_encoder_lr": str(opts.text_encoder_lr),
         "ss_num_train_images": str(num_train_images),
@@ -76,24 +86,25 @@ def build_metadata(*, opts: Options, family: str, v_parameterization: bool, adap
                       ("ss_huber_c", "huber_c"), ("ss_huber_scale", "huber_scale")):
         md[key] = str(getattr(opts, name))
     md.update({k: v for k, v in names.items() if k not in md})  # a family's own keys (Chroma's ss_model_type)
-    flow = registry.get(family).flow
+    flow = registry.get(model.family).flow
     if flow is not None:
         # the flow-matching settings sd-scripts' flux_train_network.py / sd3_train_network.py
         # record (update_metadata), each as ss_<option>
-        md.update({f"ss_{name}": str(registry.flow_option(opts, family, name)) for name in flow.metadata_options})
-    if adapter is not None:  # sd-scripts' train_network records its fp8 base settings
+        md.update({f"ss_{name}": str(registry.flow_option(opts, model.family, name))
+                   for name in flow.metadata_options})
+    if model.adapter is not None:  # sd-scripts' train_network records its fp8 base settings
         md["ss_fp8_base"] = str(opts.fp8_base)
         md["ss_fp8_base_unet"] = str(opts.fp8_base_unet)
     return _user_fields(md, opts, network_info)
 
 
-def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, network_info: dict,
-                  settings: list, started_at: float) -> dict:
+def leco_metadata(opts: Options, *, model: ModelKind, network_info: dict, settings: list,
+                  started_at: float) -> dict:
     """train_leco's static metadata: train_lora's run keys and modelspec fields (a U-Net LoRA),
     and sd-scripts' ss_leco_* keys for the prompt ``settings`` (library/config/leco_prompts.py)."""
     h, w = settings[0].resolution
-    names = _family_fields(family, v_parameterization, "lora", "")
-    md = _run_fields(opts, family, started_at, names)
+    names = _family_fields(model)
+    md = _run_fields(opts, model.family, started_at, names)
     md.update({
         "ss_optimizer": str(opts.optimizer_type),
         "ss_leco_prompt_count": str(len(settings)),
@@ -109,13 +120,14 @@ def leco_metadata(opts: Options, *, family: str, v_parameterization: bool, netwo
     return _user_fields(md, opts, network_info)
 
 
-def _family_fields(family: str, v_parameterization: bool, adapter: str | None, variant: str) -> dict:
+def _family_fields(model: ModelKind) -> dict:
     """ss_base_model_version and modelspec architecture / implementation / prediction_type (absent:
     the family writes none, as FLUX.1), and a family's own keys (Chroma's ss_model_type)."""
     # sd-scripts' values, from its home; a DDPM model's "variant" is its prediction type
-    if registry.get(family).flow is None:
-        variant = "v" if v_parameterization else "epsilon"
-    return registry.home(family).metadata_fields(variant, adapter)
+    variant = model.variant
+    if registry.get(model.family).flow is None:
+        variant = "v" if model.v_parameterization else "epsilon"
+    return registry.home(model.family).metadata_fields(variant, model.adapter)
 
 
 def _run_fields(opts: Options, family: str, started_at: float, names: dict) -> dict:

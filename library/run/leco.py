@@ -39,7 +39,7 @@ from library.distributed.strategy import SingleProcess
 from library.log import logger, setup_logging
 from library.models import family, inpainting, loading, placement
 from library.models.families import registry
-from library.models.family import TextConditioning
+from library.models.family import FamilyModel, TextConditioning
 from library.outputs import metadata, output_checks, train_state
 from library.outputs.checkpoints import SaveTargets, Saver
 from library.run import loop
@@ -123,9 +123,10 @@ def run(opts: Options) -> LecoRun:
         stepper = make_stepper(acc, opts, groups, method.trainable_parameters(),
                                warmup_steps=warmup, total_steps=total, grad_sum=None)
         sampler = make_sampler(b)
+        denoiser = Denoiser.of(b, family_model)
         progress = Progress()
         saved: list[str] = []  # the files written, in order
-        base_md = metadata.leco_metadata(opts, family=b.family, v_parameterization=b.v_parameterization,
+        base_md = metadata.leco_metadata(opts, model=metadata.ModelKind(b.family, b.v_parameterization, "lora"),
                                          network_info=method.info, settings=settings, started_at=started)
         targets = SaveTargets(bundle=b, method=method, params=method.trainable_parameters(),
                               named=train_state.named_trainable(method, b), ema=None,
@@ -135,7 +136,7 @@ def run(opts: Options) -> LecoRun:
         for step in range(total):
             d = draw(opts, settings, step)
             with acc.autocast():
-                loss, _ = leco_loss(b, family_model, net, sampler, prompts, d, opts)
+                loss, _ = leco_loss(b, denoiser, net, sampler, prompts, d, opts)
             # the step's collective and its one read, as in the loop (library/run/loop.py): the
             # guard decides before any update (library/training/nonfinite.py), so a non-finite
             # loss or gradient norm leaves the weights as they were
@@ -221,20 +222,46 @@ def make_sampler(bundle):
     return DDPMScheduler.from_config(bundle.noise_scheduler.config)
 
 
-def predict(bundle, family_model, x, t, cond, size_cond):
+@dataclasses.dataclass(frozen=True)
+class Denoiser:
+    """The model LECO predicts with: the family model's backbone, and whether it takes SDXL's
+    size conditioning (its family's); made once per run (``of``)."""
+    family_model: FamilyModel
+    size_conditioning: bool
+
+    @classmethod
+    def of(cls, bundle, family_model: FamilyModel) -> Denoiser:
+        return cls(family_model, registry.of(bundle).size_conditioning)
+
+    def __call__(self, x, t, ctx: TextConditioning, size_cond):
+        """The prediction for latents ``x`` (B,...) at timestep ``t`` on ``ctx`` (B, ...)."""
+        n = x.shape[0]
+        ts = torch.full((n,), int(t), device=x.device, dtype=torch.long)
+        sc = None
+        if self.size_conditioning:
+            sc = torch.tensor([size_cond] * n, dtype=torch.float32, device=x.device)
+        return self.family_model.unet_forward(x, ts, ctx, sc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Guidance:
+    """Classifier-free guidance of the partial denoising: the text and the unconditional
+    prompts' conditioning (1, ...) and the scale (``leco_denoise_guidance_scale``)."""
+    cond: TextConditioning
+    uncond: TextConditioning
+    scale: float
+
+
+def predict(model: Denoiser, x, t, cond, size_cond):
     """The model's prediction for latents ``x`` (B,...) at timestep ``t`` on ``cond`` (1, ...)."""
-    n = x.shape[0]
-    ts = torch.full((n,), int(t), device=x.device, dtype=torch.long)
-    sc = None
-    if registry.of(bundle).size_conditioning:
-        sc = torch.tensor([size_cond] * n, dtype=torch.float32, device=x.device)
-    return family_model.unet_forward(x, ts, _repeat(cond, n), sc)
+    return model(x, t, _repeat(cond, x.shape[0]), size_cond)
 
 
-def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, stop: int,
-                    guidance: float, size_cond, generator=None):
+def denoise_partway(model: Denoiser, sampler, x, guidance: Guidance, steps: int, stop: int,
+                    size_cond, generator=None):
     """``stop`` of ``steps`` sampler steps from ``x``, classifier-free guided (sd-scripts'
     ``diffusion``); ``generator`` (CPU): the noise a stochastic sampler step adds."""
+    cond, uncond = guidance.cond, guidance.uncond
     sampler.set_timesteps(steps, device=x.device)
     for t in sampler.timesteps[:stop]:
         both = torch.cat([x, x])
@@ -243,18 +270,14 @@ def denoise_partway(bundle, family_model, sampler, x, cond, uncond, steps: int, 
         pooled = None if cond.pooled is None else torch.cat([uncond.pooled, cond.pooled])
         ctx = TextConditioning(pair.repeat_interleave(x.shape[0], 0),
                                None if pooled is None else pooled.repeat_interleave(x.shape[0], 0))
-        ts = torch.full((model_in.shape[0],), int(t), device=x.device, dtype=torch.long)
-        sc = None
-        if registry.of(bundle).size_conditioning:
-            sc = torch.tensor([size_cond] * model_in.shape[0], dtype=torch.float32, device=x.device)
-        pred = family_model.unet_forward(model_in, ts, ctx, sc)
+        pred = model(model_in, t, ctx, size_cond)
         p_uncond, p_text = pred.chunk(2)
-        guided = p_uncond + guidance * (p_text - p_uncond)
+        guided = p_uncond + guidance.scale * (p_text - p_uncond)
         x = sampler.step(guided, t, x, generator=generator).prev_sample
     return x
 
 
-def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, opts: Options):
+def leco_loss(bundle, model: Denoiser, network, sampler, prompts: dict, d: Draw, opts: Options):
     """The step's loss and what it was made of: (loss, parts) with parts = {latents, timestep,
     positive, neutral, unconditional, target, prediction}."""
     s = d.setting
@@ -266,19 +289,19 @@ def leco_loss(bundle, family_model, network, sampler, prompts: dict, d: Draw, op
     x = x.to(dtype)
     network.set_multiplier(s.multiplier)
     with torch.no_grad():
-        x = denoise_partway(bundle, family_model, sampler, x, prompts[s.target], prompts[s.unconditional],
-                            opts.max_denoising_steps, d.stop, opts.leco_denoise_guidance_scale,
-                            d.size_cond, torch.Generator().manual_seed(d.denoise_seed))
+        guidance = Guidance(prompts[s.target], prompts[s.unconditional], opts.leco_denoise_guidance_scale)
+        x = denoise_partway(model, sampler, x, guidance, opts.max_denoising_steps, d.stop, d.size_cond,
+                            torch.Generator().manual_seed(d.denoise_seed))
     sampler.set_timesteps(1000, device=x.device)
     index = int(d.stop * 1000 / opts.max_denoising_steps)
     t = sampler.timesteps[index]
     network.set_multiplier(0.0)
     with torch.no_grad():
-        pos = predict(bundle, family_model, x, t, prompts[s.positive], d.size_cond)
-        neu = predict(bundle, family_model, x, t, prompts[s.neutral], d.size_cond)
-        unc = predict(bundle, family_model, x, t, prompts[s.unconditional], d.size_cond)
+        pos = predict(model, x, t, prompts[s.positive], d.size_cond)
+        neu = predict(model, x, t, prompts[s.neutral], d.size_cond)
+        unc = predict(model, x, t, prompts[s.unconditional], d.size_cond)
     network.set_multiplier(s.multiplier)
-    pred = predict(bundle, family_model, x, t, prompts[s.target], d.size_cond)
+    pred = predict(model, x, t, prompts[s.target], d.size_cond)
     target = s.build_target(pos.float(), neu.float(), unc.float())
     loss = torch.nn.functional.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
     if opts.min_snr_gamma:

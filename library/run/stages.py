@@ -324,11 +324,12 @@ def _train(r: Run, opts: Options, started: float, resume, hub_api) -> Run:
         r.progress = train_state.load_state(
             path, info, logger, accelerator=c.accelerator, named=named, ema=c.ema,
             stepper=c.stepper, strategy=c.strategy, network_dropout=r.opts.network_dropout)
+    model = metadata.ModelKind(c.bundle.family, c.bundle.v_parameterization, c.method.adapter,
+                               c.bundle.flow.variant if c.bundle.flow is not None else "")
     r.base_metadata = metadata.build_metadata(
-        opts=opts, family=c.bundle.family, v_parameterization=c.bundle.v_parameterization,
-        adapter=c.method.adapter, num_train_images=r.plan.repeats_total,
+        opts=opts, model=model, num_train_images=r.plan.repeats_total,
         num_reg_images=len(r.tset.reg_items), train_items=r.tset.train_items, started_at=started,
-        network_info=c.method.info, variant=c.bundle.flow.variant if c.bundle.flow is not None else "")
+        network_info=c.method.info)
     targets = SaveTargets(bundle=c.bundle, method=c.method, params=c.params, named=named,
                           ema=c.ema, frozen=c.frozen)
     r.saver = Saver(r.opts, train_state.RunRecord(r.opts, r.plan, r.tset, r.method_name),

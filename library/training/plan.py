@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from library.data import class_images, step_plan
+from library.data import step_plan
 from library.data.training_data import build_training_set
 from library.log import logger
 
@@ -40,14 +40,9 @@ def plan_run(opts: Options, processes: int):
 def plan_for(opts: Options, tset, processes: int):
     """The step plan of a planned run's options and training set at ``processes`` processes."""
     return step_plan.make_plan(
-        bucket_sizes=tset.bucket_sizes(), images=len(tset.train_items),
-        repeats_total=tset.repeats_total, reg_images=len(tset.reg_items),
-        reg_samples=tset.reg_samples, processes=processes,
-        train_batch_size=opts.train_batch_size,
-        gradient_accumulation_steps=opts.gradient_accumulation_steps,
-        max_train_epochs=opts.max_train_epochs, max_train_steps=opts.max_train_steps,
-        lr_warmup_steps=opts.lr_warmup_steps, class_images=len(tset.class_images),
-        class_images_new=len(class_images.to_make(tset.class_images)))
+        tset.epoch_samples(),
+        step_plan.BatchShape(processes, opts.train_batch_size, opts.gradient_accumulation_steps),
+        step_plan.RunLength(opts.max_train_epochs, opts.max_train_steps, opts.lr_warmup_steps))
 
 
 def print_plan(plan, main: bool):

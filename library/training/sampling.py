@@ -280,6 +280,18 @@ def prompt_conditioning(family_model, device, clip_skip, text: str | list[str]):
     return family_model.encode([t.to(device) for t in family_model.tokenize(texts)], clip_skip)
 
 
+@dataclass(frozen=True)
+class PromptEncoder:
+    """How an SD sample's prompts become conditioning: the family model's text encoders on
+    ``device``, at SD's ``clip_skip`` (``prompt_conditioning``)."""
+    family_model: Any
+    device: Any
+    clip_skip: int | None
+
+    def __call__(self, texts: list[str]):
+        return prompt_conditioning(self.family_model, self.device, self.clip_skip, texts)
+
+
 def is_flow(bundle) -> bool:
     return registry.of(bundle).flow is not None
 
@@ -306,7 +318,7 @@ def sample_latents(bundle, family_model, p: dict, seed: int, *, device, clip_ski
     ``sampler`` unless the prompt's ``--ss`` says), FLUX.1 / SD3 with their Euler sampler
     (library/training/flow_sampling.py; ``dtype`` the transformer's input dtype)."""
     if not is_flow(bundle):
-        return _pipe_call(bundle, family_model, p, seed, device=device, clip_skip=clip_skip,
+        return _pipe_call(bundle, PromptEncoder(family_model, device, clip_skip), p, seed,
                           sampler=sampler, pipe=pipe, output_type="latent")
     return flow_group_latents(bundle, family_model, [(p, seed)], device=device, dtype=dtype)
 
@@ -385,15 +397,14 @@ def flow_batch(bundle, family_model, batch: PromptBatch, *, guidance: float | No
                                 renorm_cfg=batch.renorm_cfg)
 
 
-def _pipe_call(bundle, family_model, p: dict, seed: int, *, device, clip_skip, sampler: str, pipe,
+def _pipe_call(bundle, encoder: PromptEncoder, p: dict, seed: int, *, sampler: str, pipe,
                output_type: str, inpaint_kw=None):
     """An SD family's sample through its diffusers pipeline: latents or PIL images."""
     steps, scale, _ = settings(p, bundle.family)
     batch = PromptBatch([p["prompt"]], [p["negative_prompt"]], [seed], width=p["width"],
                         height=p["height"], steps=steps, scale=scale)
-    return sd_batch(bundle, family_model, pipe, batch,
-                    sampler=p["sample_sampler"] or _sampler_name(sampler, ""), device=device,
-                    clip_skip=clip_skip, output_type=output_type, extra=inpaint_kw)
+    return sd_batch(bundle, encoder, pipe, batch, sampler=p["sample_sampler"] or _sampler_name(sampler, ""),
+                    output_type=output_type, extra=inpaint_kw)
 
 
 class NegativeScale:
@@ -423,10 +434,10 @@ class NegativeScale:
         return (torch.cat([(guided - s * e_p) / (1 - s), e_p]),)
 
 
-def sd_batch(bundle, family_model, pipe, batch: PromptBatch, *, sampler: str, device, clip_skip,
+def sd_batch(bundle, encoder: PromptEncoder, pipe, batch: PromptBatch, *, sampler: str,
              output_type: str = "pil", extra=None, negative_scale: float | None = None):
     """A batch of SD images (or latents) through the diffusers ``pipe`` (``pipeline``), image i
-    of ``batch`` from its prompt and negative (the family model's conditioning) and the initial
+    of ``batch`` from its prompt and negative (``encoder``'s conditioning) and the initial
     latents (and ancestral noise) of ``torch.Generator("cpu").manual_seed(seed)``, as
     diffusers' pipeline draws them for a batch of one: the one SD path of the in-run samples and
     gen_img (library/outputs/generation.py). ``extra``: more pipeline arguments (inpainting's
@@ -434,8 +445,7 @@ def sd_batch(bundle, family_model, pipe, batch: PromptBatch, *, sampler: str, de
     of the negative prompt, the empty prompt then the unconditional one (``NegativeScale``)."""
     pipe.scheduler = make_scheduler(sampler, sampler_config(bundle))
     prompts, width, height, scale = batch.prompts, batch.width, batch.height, batch.scale
-    pos, neg = (prompt_conditioning(family_model, device, clip_skip, texts)
-                for texts in (prompts, batch.negatives))
+    pos, neg = (encoder(texts) for texts in (prompts, batch.negatives))
     kw = dict(prompt_embeds=pos.hidden_states, negative_prompt_embeds=neg.hidden_states)
     if registry.of(bundle).size_conditioning:
         kw.update(pooled_prompt_embeds=pos.pooled, negative_pooled_prompt_embeds=neg.pooled)
@@ -446,7 +456,7 @@ def sd_batch(bundle, family_model, pipe, batch: PromptBatch, *, sampler: str, de
     unet = pipe.unet
     if negative_scale is not None and scale > 1:
         # not pipe.unet = ...: a pipeline registers what is assigned to it in its config
-        uncond = prompt_conditioning(family_model, device, clip_skip, [""] * len(prompts))
+        uncond = encoder([""] * len(prompts))
         object.__setattr__(pipe, "unet", NegativeScale(unet, uncond, scale, negative_scale))
     # a VAE in another dtype than the U-Net (gen_img's --no_half_vae): decoded here, in its dtype
     own_decode = output_type == "pil" and pipe.vae.dtype != unet.dtype
@@ -502,6 +512,7 @@ def sample_images(opts: Options, step: int, model: validation.Evaluated, *, froz
 
             inpaint = not is_flow(bundle) and inpainting.is_inpainting(bundle.unet)
             pipe = pipeline(bundle, inpaint)
+            encoder = PromptEncoder(family_model, acc.device, opts.clip_skip)
             share = strategy.share(len(prompts))  # fsdp: all prompts, own ones written
             for group in sample_groups(share, prompts, bundle.family, sample_batch_size(opts, bundle)):
                 items = [(prompts[i], prompt_seed(opts, prompts[i], i)) for i, _ in group]
@@ -521,8 +532,7 @@ def sample_images(opts: Options, step: int, model: validation.Evaluated, *, froz
                         if inpaint:
                             src, mask = inpaint_inputs(p, seed)
                             kw = dict(image=src, mask_image=mask, strength=1.0)
-                        rendered = _pipe_call(bundle, family_model, p, seed, device=acc.device,
-                                              clip_skip=opts.clip_skip, sampler=opts.sample_sampler,
+                        rendered = _pipe_call(bundle, encoder, p, seed, sampler=opts.sample_sampler,
                                               pipe=pipe, output_type="pil", inpaint_kw=kw)[:1]
                 for (i, kept), (_, seed), image in zip(group, items, rendered):
                     if not kept:

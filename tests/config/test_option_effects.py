@@ -74,7 +74,7 @@ def metadata(opts):
     from library.training.plan import plan_run
 
     opts, tset, p = plan_run(opts, 1)
-    return md.build_metadata(opts=opts, family="sd1", v_parameterization=False, adapter="lora",
+    return md.build_metadata(opts=opts, model=md.ModelKind("sd1", False, "lora"),
                              num_train_images=p.repeats_total, num_reg_images=0,
                              train_items=tset.train_items, started_at=0.0, network_info={})
 

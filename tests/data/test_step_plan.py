@@ -10,7 +10,9 @@ def plan(**kw):
                 gradient_accumulation_steps=1, max_train_epochs=2, max_train_steps=None,
                 lr_warmup_steps=0)
     base.update(kw)
-    return step_plan.make_plan(**base)
+    records = (step_plan.EpochSamples, step_plan.BatchShape, step_plan.RunLength)
+    return step_plan.make_plan(*(r(**{f: base.pop(f) for f in r.__dataclass_fields__ if f in base})
+                                 for r in records))
 
 
 def test_global_batch_and_steps_from_buckets():

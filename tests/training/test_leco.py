@@ -188,13 +188,13 @@ def test_partial_denoising_follows_the_guidance_and_the_step_count():
         calls.append(int(ts[0]))
         return 0.1 * x + ctx.hidden_states.mean(dim=(1, 2)).view(-1, 1, 1, 1)
 
-    family_model, bundle = SimpleNamespace(unet_forward=unet_forward), SimpleNamespace(family="sd1")
+    model = leco.Denoiser(SimpleNamespace(unet_forward=unet_forward), size_conditioning=False)
     text, empty = (TextConditioning(torch.full((1, 3, 8), v), None) for v in (1.0, -2.0))
     x0 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
 
     def run(cond, uncond, guidance, steps=6, stop=3):  # DDPM's added noise: keyed, the same each run
-        return leco.denoise_partway(bundle, family_model, DDPMScheduler(), x0, cond, uncond, steps, stop,
-                                    guidance, None, torch.Generator().manual_seed(1))
+        return leco.denoise_partway(model, DDPMScheduler(), x0, leco.Guidance(cond, uncond, guidance),
+                                    steps, stop, None, torch.Generator().manual_seed(1))
 
     torch.testing.assert_close(run(text, empty, 0.0), run(empty, empty, 5.0), rtol=0, atol=1e-6)
     torch.testing.assert_close(run(text, empty, 1.0), run(text, text, 5.0), rtol=0, atol=1e-6)
