@@ -1,6 +1,7 @@
-"""Random-weight Anima and Lumina 2 files for benchmarks/gpu.py, in layouts the trainer reads, so
-that the rows run at full size with nothing downloaded (whether sd-scripts' anima / lumina loaders
-read the same files is not checked: no sd-scripts counterpart is wired for these rows yet):
+"""Random-weight Anima and Lumina 2 files for benchmarks/gpu.py, in layouts the trainer and
+sd-scripts' anima_train_network.py / lumina_train_network.py both read (gpu.sd_scripts_files; the
+tokenizer folders in the format transformers 4 and 5 both load, sd_scripts_launch.write_tokenizer),
+so that the rows run at full size with nothing downloaded:
 
 - Anima: the DiT with its LLM adapter (``net.``-prefixed keys, the released file's layout; the RoPE
   tables left out, as the loader rebuilds them), a Qwen3-0.6B folder (config.json, the offline tiny
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage  # noqa: E402
 from transformers import Gemma2Config, Gemma2Model, Qwen3Config, Qwen3Model  # noqa: E402
 
+from benchmarks import sd_scripts_launch  # noqa: E402
 from benchmarks.flux_weights import _cast, _random_values, _save  # noqa: E402
 from library.models import t5  # noqa: E402
 from library.models.families.flux import flux_ae  # noqa: E402
@@ -77,7 +79,7 @@ def write_files(work: str, family: str, configs: dict | None = None, dtype: torc
         if os.path.exists(path):
             continue
         if option == "t5_tokenizer_path":
-            t5.build_tiny_tokenizer().save_pretrained(path)
+            sd_scripts_launch.write_t5_tokenizer(t5.build_tiny_tokenizer(), path)
             continue
         meta = None
         with torch.device("meta"):
@@ -91,7 +93,10 @@ def write_files(work: str, family: str, configs: dict | None = None, dtype: torc
             os.makedirs(path + ".tmp", exist_ok=True)
             if option == "qwen3":
                 Qwen3Config(**configs["qwen3"]).save_pretrained(path + ".tmp")
-                tiny.build_qwen3_tokenizer().save_pretrained(path + ".tmp")
+                tok = tiny.build_qwen3_tokenizer()  # a folder sd-scripts' transformers 4 reads too
+                sd_scripts_launch.write_tokenizer(tok, path + ".tmp", {
+                    "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
+                    "pad_token": tok.pad_token, "model_max_length": tok.model_max_length})
                 _save(values, os.path.join(path + ".tmp", "model.safetensors"), None)
             else:
                 with torch.device("meta"):

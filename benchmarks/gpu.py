@@ -26,27 +26,29 @@ outputs, each eager and with ``torch_compile`` (inductor):
                        the same components (benchmarks/gen_img_rate.py ``gpu_row``)
 The FLUX.1 cases run on random full-size weight files written once into the working folder
 (benchmarks/flux_weights.py, about 34 GB, bf16), text-encoder outputs cached as the SD cases; the
-Anima and Lumina 2 cases likewise (benchmarks/dit_weights.py, about 5.7 and 10.6 GB), without an
-sd-scripts counterpart wired yet (anima_train_network.py / lumina_train_network.py).
+Anima and Lumina 2 cases likewise (benchmarks/dit_weights.py, about 5.7 and 10.6 GB).
 For each: it/s over the steps after ``--warmup`` (the first steps compile and allocate), peak
 allocated and reserved CUDA memory, and the fraction of the GPU's peak bf16 FLOP/s reached: one
 training step's forward and backward FLOPs counted by ``torch.utils.flop_counter`` (on the eager
 run; compiled runs do the same math) x it/s / the peak (a table of known GPUs below, or
 ``--peak-tflops``). With ``--sd-scripts PATH`` every case with an sd-scripts counterpart also
 runs through it (SD1.5 / SDXL LoRA: train_network.py / sdxl_train_network.py; sdxl-full-b1:
-sdxl_train.py; flux-lora-b1:
-flux_train_network.py with networks.lora_flux; flux-full-swap-b1: flux_train.py), by
+sdxl_train.py; flux-lora-b1: flux_train_network.py with networks.lora_flux; flux-full-swap-b1:
+flux_train.py; anima-lora-b1 / lumina-lora-b1: anima_train_network.py / lumina_train_network.py with
+networks.lora_anima / networks.lora_lumina, the flow-matching settings stated on both sides), by
 ``--sd-scripts-python`` (its own venv; default: this Python) through
 benchmarks/sd_scripts_launch.py, with the same training options (training_options: one list for
-both sides), on the same random weights (SD: written once as single files; FLUX.1: the four files
-above, in the layouts sd-scripts' loaders read) and our tokenizers (the shipped CLIP one, the tiny
-T5 one) under ``--tokenizer_cache_dir`` and, for flux_train.py, which loads its tokenizers from
+both sides), on the same random weights (SD: written once as single files; FLUX.1, Anima, Lumina 2:
+the files above, in the layouts sd-scripts' loaders read: gpu.sd_scripts_files) and our tokenizers
+(the shipped CLIP one, the tiny T5 and Gemma ones) under ``--tokenizer_cache_dir`` and, for flux_train.py, which loads its tokenizers from
 the hub, a hub cache (HF_HUB_CACHE): it/s over the same steps after ``--warmup`` from the
 launcher's time stamps after each optimizer step (CUDA synchronised; fused steps at the
 scheduler's step), as ours, and its peak allocated / reserved CUDA memory over the whole run.
 What differs: SD1 sd-scripts cannot cache text-encoder outputs (it encodes the captions every
-step, frozen); SDXL and FLUX.1 cache them as ours. benchmarks/sd_scripts_flux_check.py checks
-sd-scripts' FLUX.1 side on the CPU (headers, loaders, options).
+step, frozen); SDXL, FLUX.1, Anima and Lumina 2 cache them as ours. benchmarks/sd_scripts_flux_check.py
+checks sd-scripts' FLUX.1 side on the CPU (headers, loaders, options);
+benchmarks/sd_scripts_dit_rows_check.py runs sd-scripts' Anima and Lumina 2 rows on the CPU (tiny
+files of the same writer, 2 steps).
 
 Sized to finish within 8 minutes on one H200 (the default steps, without ``--sd-scripts``); a
 bigger ``--steps`` gives steadier numbers. Disk: the FLUX.1 files take 34 GB, and each run's
@@ -96,10 +98,14 @@ FLUX_BLOCKS_TO_SWAP = 8
 # a changed default on either side cannot make the two rows train differently.
 FLUX_FLOW = ["--timestep_sampling", "sigma", "--model_prediction_type", "sigma_scaled", "--guidance_scale", 3.5,
              "--discrete_flow_shift", 3.0, "--weighting_scheme", "uniform", "--t5xxl_max_token_length", 512]
+# Anima's and Lumina 2's, likewise (the defaults of sd-scripts' anima_train_utils / lumina_train_util)
+DIT_FLOW = {"anima": ["--timestep_sampling", "sigmoid", "--sigmoid_scale", 1.0, "--discrete_flow_shift", 1.0],
+            "lumina": ["--timestep_sampling", "shift", "--discrete_flow_shift", 6.0, "--model_prediction_type", "raw"]}
 # sd-scripts' script for each (our script, architecture) it has a row for.
 SD_SCRIPTS_ENTRY = {("train_lora", "sd15"): "train_network.py", ("train_lora", "sdxl"): "sdxl_train_network.py",
                     ("train_dreambooth", "sdxl"): "sdxl_train.py", ("train_lora", "flux"): "flux_train_network.py",
-                    ("train_dreambooth", "flux"): "flux_train.py"}
+                    ("train_dreambooth", "flux"): "flux_train.py", ("train_lora", "anima"): "anima_train_network.py",
+                    ("train_lora", "lumina"): "lumina_train_network.py"}
 
 
 def training_options(name: str, dry: bool) -> list:
@@ -118,7 +124,7 @@ def training_options(name: str, dry: bool) -> list:
     if flux and not lora:  # tiny-flux (2 double, 2 single blocks) swaps at most 2
         args += ["--blocks_to_swap", 2 if dry else FLUX_BLOCKS_TO_SWAP]
     if lora and arch in DIT_ARCHS:  # the family's own LoRA module (sd-scripts' networks.lora_anima / _lumina)
-        return args + ["--network_module", f"networks.lora_{arch}", "--network_dim", 16, "--network_alpha", 16,
+        return args + DIT_FLOW[arch] + ["--network_module", f"networks.lora_{arch}", "--network_dim", 16, "--network_alpha", 16,
                        "--network_train_unet_only", "--optimizer_type", "AdamW", "--learning_rate", "1e-4"]
     if lora:
         return args + ["--network_module", "networks.lora_flux" if flux else "networks.lora",
@@ -197,11 +203,26 @@ def run_case(name, compiled, data, work, steps, warmup, dry, cuda):
     return row
 
 
-def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str, steps: int) -> tuple[str, list]:
+def sd_scripts_files(work: str, arch: str) -> dict:
+    """dit_weights' files of ``arch`` as sd-scripts' options take them: ``model`` (the DiT; Anima's
+    carries its LLM adapter, so no --llm_adapter_path), Anima's ``qwen3`` folder, ``vae`` (sd-scripts
+    reads one file: the diffusers folder's weights, whose names its Qwen-Image VAE shares) and
+    ``t5_tokenizer_path``; Lumina 2's ``gemma2`` and ``ae`` files (the Gemma tokenizer comes from
+    --tokenizer_cache_dir, sd_scripts_launch.tokenizer_cache)."""
+    files = dit_weights.paths(work, arch)
+    files["model"] = files.pop("pretrained_model_name_or_path")
+    if arch == "anima":
+        files["vae"] = os.path.join(files["vae"], "diffusion_pytorch_model.safetensors")
+    return files
+
+
+def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str, steps: int,
+                    options: list | None = None) -> tuple[str, list]:
     """sd-scripts' entry script and options for a case, the same run as case_args': ``files`` the
-    model file (``model``) and, for FLUX.1, ``clip_l``, ``t5xxl`` and ``ae`` (flux_weights.paths)."""
+    model file (``model``) and, for FLUX.1, ``clip_l``, ``t5xxl`` and ``ae`` (flux_weights.paths), for
+    Anima and Lumina 2 sd_scripts_files'; ``options`` replaces training_options (the CPU check's)."""
     script, arch, size, batch = CASES[name]
-    opts = training_options(name, dry=False)
+    opts = list(options if options is not None else training_options(name, dry=False))
     if arch == "sd15":  # SD1's train_network.py has no text-encoder output cache (it rejects the option)
         opts.remove("--cache_text_encoder_outputs")
     args = ["--pretrained_model_name_or_path", files["model"], "--tokenizer_cache_dir", tokenizers,
@@ -209,6 +230,8 @@ def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str
             "--max_data_loader_n_workers", 0]
     if arch == "flux":
         args += ["--clip_l", files["clip_l"], "--t5xxl", files["t5xxl"], "--ae", files["ae"]]
+    if arch in DIT_ARCHS:
+        args += [a for option, path in files.items() if option != "model" for a in (f"--{option}", path)]
     return SD_SCRIPTS_ENTRY[(script, arch)], args
 
 
@@ -221,6 +244,8 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
         return {"case": name, "sd_scripts": "not run (no sd-scripts counterpart wired)"}
     if arch == "flux":  # flux_train.py loads its tokenizers from the hub cache, not --tokenizer_cache_dir
         files, env = flux_weights.paths(work), {"HF_HUB_CACHE": sd_scripts_launch.hub_cache(work)}
+    elif arch in DIT_ARCHS:
+        files, env = sd_scripts_files(work, arch), {}
     else:
         files, env = {"model": sd_scripts_launch.random_weights_file(work, arch)}, {}
     out = os.path.join(work, f"sd-{name}")

@@ -355,19 +355,20 @@ def test_sd_scripts_command_lines():
     files = {"model": "/m", "clip_l": "/c", "t5xxl": "/t", "ae": "/a"}
     entries = {}
     for name, (script, arch, size, batch) in gpu.CASES.items():
-        if (script, arch) not in gpu.SD_SCRIPTS_ENTRY:
-            assert name == "sdxl-full-b1"  # the one case without an sd-scripts row
-            continue
-        entry, args = gpu.sd_scripts_args(name, files, "/tok", "/d", "/o", 16)
+        assert (script, arch) in gpu.SD_SCRIPTS_ENTRY  # every training case has an sd-scripts row
+        dit = arch in gpu.DIT_ARCHS
+        entry, args = gpu.sd_scripts_args(name, gpu.sd_scripts_files("/w", arch) if dit else files, "/tok", "/d", "/o", 16)
         entries[name] = entry
         o, ours = opts(args), opts(gpu.case_args(name, "/d", "/o", 16, False, "/w")[1])
         assert (o["--resolution"], o["--train_batch_size"], o["--max_train_steps"]) == (str(size), str(batch), "16")
         assert o["--full_bf16"] and o["--mixed_precision"] == "bf16" and o["--cache_latents"] and o["--sdpa"]
-        assert o["--pretrained_model_name_or_path"] == "/m" and o["--tokenizer_cache_dir"] == "/tok"
+        model = ours["--pretrained_model_name_or_path"] if dit else "/m"
+        assert o["--pretrained_model_name_or_path"] == model and o["--tokenizer_cache_dir"] == "/tok"
         assert ("--cache_text_encoder_outputs" in o) == (arch != "sd15")  # SD1's script has no such option
-        # every training option of ours is sd-scripts' too, with the same value
+        # every training option of ours is sd-scripts' too, with the same value (the files: own test)
         for k in set(ours) - {"--pretrained_model_name_or_path", "--output_dir", "--save_model_as", "--clip_l",
-                              "--t5xxl", "--ae", "--cache_text_encoder_outputs"}:
+                              "--t5xxl", "--ae", "--cache_text_encoder_outputs", "--qwen3", "--vae",
+                              "--t5_tokenizer_path", "--gemma2"}:
             assert o[k] == ours[k], (name, k)
         if arch == "flux":
             assert (o["--clip_l"], o["--t5xxl"], o["--ae"]) == ("/c", "/t", "/a")
@@ -375,7 +376,8 @@ def test_sd_scripts_command_lines():
                     o["--discrete_flow_shift"], o["--t5xxl_max_token_length"]) == ("sigma", "sigma_scaled", "3.5", "3.0", "512")
     assert entries == {"sd15-lora-b1": "train_network.py", "sd15-lora-b4": "train_network.py",
                        "sdxl-lora-b1": "sdxl_train_network.py", "sdxl-lora-b4": "sdxl_train_network.py",
-                       "sdxl-full-b1": "sdxl_train.py", "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py"}
+                       "sdxl-full-b1": "sdxl_train.py", "flux-lora-b1": "flux_train_network.py", "flux-full-swap-b1": "flux_train.py",
+                       "anima-lora-b1": "anima_train_network.py", "lumina-lora-b1": "lumina_train_network.py"}
     lora = opts(gpu.sd_scripts_args("flux-lora-b1", files, "/tok", "/d", "/o", 16)[1])
     assert (lora["--network_module"], lora["--network_dim"], lora["--network_alpha"]) == ("networks.lora_flux", "16", "16")
     assert lora["--fp8_base"] and lora["--network_train_unet_only"] and lora["--optimizer_type"] == "AdamW"
@@ -691,3 +693,57 @@ def test_model_tools_check_refuses_a_folder_that_is_not_sd_scripts_and_judges_by
     assert exact.startswith("relative error of the deltas: worst 0, ")
     off = mt.block_weighted_error(str(tmp_path / "a.safetensors"), [(str(tmp_path / "a.safetensors"), 1.0, weights)], False)
     assert "worst 1, " in off  # the unweighted delta is twice the half-weighted one
+
+
+def test_gpu_sd_scripts_rows_for_anima_and_lumina(tmp_path, capsys):
+    """gpu.py's sd-scripts side of anima-lora-b1 / lumina-lora-b1: anima_train_network.py /
+    lumina_train_network.py with dit_weights' files in sd-scripts' flags (Anima's VAE as the one
+    weights file its loader reads, no --llm_adapter_path: the adapter is in the DiT file), every flag
+    one sd-scripts' parser defines (its option lists at the audited commit), the row's training
+    options unchanged; the Gemma tokenizer lumina_train_network.py asks the hub for is found in
+    --tokenizer_cache_dir's hub layout offline; benchmarks/sd_scripts_dit_rows_check.py refuses a
+    folder that is not a checkout in one line."""
+    import json
+
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoTokenizer
+
+    from library.models.families.lumina import text
+
+    gpu = _load("gpu")
+    here = os.path.join(ROOT, "tests", "config")
+    parsers = {"anima": json.load(open(os.path.join(here, "sd_scripts_anima_options.json")))["scripts"],
+               "lumina": json.load(open(os.path.join(here, "sd_scripts_lumina_options.json")))["scripts"]}
+    work = str(tmp_path)
+    want = {"anima": {"--qwen3": os.path.join(work, "qwen3-random"),
+                      "--vae": os.path.join(work, "qwen-image-vae-random", "diffusion_pytorch_model.safetensors"),
+                      "--t5_tokenizer_path": os.path.join(work, "t5-tokenizer"),
+                      "--pretrained_model_name_or_path": os.path.join(work, "anima-random.safetensors")},
+            "lumina": {"--gemma2": os.path.join(work, "gemma2-random.safetensors"),
+                       "--ae": os.path.join(work, "lumina-ae-random.safetensors"),
+                       "--pretrained_model_name_or_path": os.path.join(work, "lumina2-random.safetensors")}}
+    entries = {"anima": "anima_train_network.py", "lumina": "lumina_train_network.py"}
+    for arch, name in (("anima", "anima-lora-b1"), ("lumina", "lumina-lora-b1")):
+        entry, args = gpu.sd_scripts_args(name, gpu.sd_scripts_files(work, arch), "tok", "data", "out", 5)
+        assert entry == entries[arch]
+        flags = [a for a in args if isinstance(a, str) and a.startswith("--")]
+        assert len(flags) == len(set(flags)) and "--llm_adapter_path" not in flags
+        assert {f[2:] for f in flags} <= set(parsers[arch][entry]), name
+        given = {a: args[i + 1] for i, a in enumerate(args) if a in want[arch]}
+        assert given == want[arch]
+        opts = gpu.training_options(name, dry=False)
+        start = args.index(opts[0])
+        assert args[start:start + len(opts)] == opts and "--timestep_sampling" in opts
+    cache = gpu.sd_scripts_launch.tokenizer_cache(work)
+    # the hub cache layout resolves offline (transformers 4, sd-scripts', then reads the folder; 5 would
+    # also ask for the model's config.json), and the folder is the tiny Gemma tokenizer
+    found = try_to_load_from_cache("google/gemma-2-2b", "tokenizer_config.json", cache_dir=cache)
+    assert isinstance(found, str)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(found), local_files_only=True)
+    ours = text.build_tiny_tokenizer()
+    assert tok("a photo of sks dog")["input_ids"] == ours("a photo of sks dog")["input_ids"]
+    assert (tok.bos_token, tok.pad_token, tok.eos_token) == ("<bos>", "<pad>", "<eos>")
+    check = _load("sd_scripts_dit_rows_check")
+    assert check.main(["--sd-scripts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --sd-scripts") and "\n" not in err
