@@ -72,6 +72,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks import dit_weights, flux_weights, gen_img_rate, sd_scripts_launch, step_timer  # noqa: E402
+from library.models.families.lumina import text  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets), by a substring of the device name.
@@ -94,6 +95,7 @@ CASES = {
 # the families whose random full-size files benchmarks/dit_weights.py writes
 DIT_ARCHS = tuple(dit_weights.NAMES)
 FLUX_BLOCKS_TO_SWAP = 8
+GEMMA_TOKENIZER_ID = "google/gemma-2-2b"  # the tokenizer sd-scripts' Lumina 2 strategy loads
 # FLUX.1's flow-matching settings, stated on both sides (sd-scripts' defaults, which are ours too):
 # a changed default on either side cannot make the two rows train differently.
 FLUX_FLOW = ["--timestep_sampling", "sigma", "--model_prediction_type", "sigma_scaled", "--guidance_scale", 3.5,
@@ -208,12 +210,26 @@ def sd_scripts_files(work: str, arch: str) -> dict:
     carries its LLM adapter, so no --llm_adapter_path), Anima's ``qwen3`` folder, ``vae`` (sd-scripts
     reads one file: the diffusers folder's weights, whose names its Qwen-Image VAE shares) and
     ``t5_tokenizer_path``; Lumina 2's ``gemma2`` and ``ae`` files (the Gemma tokenizer comes from
-    --tokenizer_cache_dir, sd_scripts_launch.tokenizer_cache)."""
+    --tokenizer_cache_dir, sd_scripts_tokenizers)."""
     files = dit_weights.paths(work, arch)
     files["model"] = files.pop("pretrained_model_name_or_path")
     if arch == "anima":
         files["vae"] = os.path.join(files["vae"], "diffusion_pytorch_model.safetensors")
     return files
+
+
+def sd_scripts_tokenizers(work: str) -> str:
+    """sd_scripts_launch.tokenizer_cache plus the tiny Gemma tokenizer under Gemma-2 2B's id in the
+    hub cache layout: lumina_train_network.py asks the hub for it with --tokenizer_cache_dir as
+    ``cache_dir``."""
+    cache = sd_scripts_launch.tokenizer_cache(work)
+    if not os.path.isdir(os.path.join(cache, "models--" + GEMMA_TOKENIZER_ID.replace("/", "--"))):
+        gemma = os.path.join(work, "sd-scripts-gemma-tokenizer")
+        sd_scripts_launch.write_tokenizer(text.build_tiny_tokenizer(), gemma, {
+            "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+            "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "padding_side": "right"})
+        sd_scripts_launch.hub_entry(cache, GEMMA_TOKENIZER_ID, gemma)
+    return cache
 
 
 def sd_scripts_args(name: str, files: dict, tokenizers: str, data: str, out: str, steps: int,
@@ -249,7 +265,7 @@ def sd_scripts_case(name, sd_scripts, python, data, work, steps, warmup) -> dict
     else:
         files, env = {"model": sd_scripts_launch.random_weights_file(work, arch)}, {}
     out = os.path.join(work, f"sd-{name}")
-    entry, args = sd_scripts_args(name, files, sd_scripts_launch.tokenizer_cache(work), data, out, steps)
+    entry, args = sd_scripts_args(name, files, sd_scripts_tokenizers(work), data, out, steps)
     try:
         r = sd_scripts_launch.run(sd_scripts_launch.command(python, sd_scripts, entry, args, None), cwd=sd_scripts,
                                   env=sd_scripts_launch.clean_env(env))

@@ -130,7 +130,7 @@ def run_row(family: str, sd_scripts: str, python: str, work: str, steps: int) ->
     dit_weights.write_files(files_dir, family, configs=configs, dtype=torch.float32)
     data = os.path.dirname(make_sample_dataset(os.path.join(work, "data64"), n_images=4, size=64, repeats=1))
     entry, args = gpu.sd_scripts_args(name, gpu.sd_scripts_files(files_dir, family),
-                                      sd_scripts_launch.tokenizer_cache(work), data, os.path.join(work, f"out-{family}"),
+                                      gpu.sd_scripts_tokenizers(work), data, os.path.join(work, f"out-{family}"),
                                       steps, gpu.training_options(name, dry=True))
     code = sd_scripts_launch.CHECK_PRELUDE + SD_SIDE
     launcher = os.path.abspath(sd_scripts_launch.__file__)

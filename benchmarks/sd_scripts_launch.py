@@ -68,7 +68,6 @@ SD_SCRIPTS_MODULES = ("torch", "torchvision", "accelerate", "transformers", "dif
 # and FLUX.1's / SD3's T5 one (our tiny offline T5 tokenizer, benchmarks/flux_weights.py's).
 SD_SCRIPTS_TOKENIZERS = ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k")
 T5_TOKENIZER_ID = "google/t5-v1_1-xxl"
-GEMMA_TOKENIZER_ID = "google/gemma-2-2b"
 # The snapshot name of hub_cache's folders (any 40 hex digits: nothing is fetched).
 HUB_REVISION = "0" * 40
 STEP_LINE = re.compile(r"^sdtk-step (\d+) ([0-9.]+)(?: te=([0-9.]+))?$", re.M)
@@ -178,9 +177,8 @@ def random_weights_file(work: str, arch: str) -> str:
 
 def tokenizer_cache(work: str) -> str:
     """A --tokenizer_cache_dir for sd-scripts holding our shipped CLIP tokenizer files under every
-    CLIP id it looks for, the tiny T5 tokenizer under T5-XXL's and the tiny Gemma one under Gemma-2
-    2B's (in the hub cache layout: Lumina 2's tokenize strategy passes the folder as ``cache_dir``),
-    so it never goes to the hub."""
+    CLIP id it looks for and the tiny T5 tokenizer under T5-XXL's, so it never goes to the hub
+    (gpu.sd_scripts_tokenizers adds Lumina 2's Gemma one)."""
     # lazy: our library must not load in sd-scripts' process (the module's note above)
     from library.models import loading, t5
 
@@ -192,16 +190,6 @@ def tokenizer_cache(work: str) -> str:
     dest = os.path.join(cache, T5_TOKENIZER_ID.replace("/", "_"))
     if not os.path.isdir(dest):
         write_t5_tokenizer(t5.build_tiny_tokenizer(), dest)
-    if not os.path.isdir(os.path.join(cache, "models--" + GEMMA_TOKENIZER_ID.replace("/", "--"))):
-        # lumina_train_network.py asks the hub for Gemma's tokenizer with cache_dir=--tokenizer_cache_dir
-        from library.models.families.lumina import text
-
-        gemma = os.path.join(work, "sd-scripts-gemma-tokenizer")
-        write_tokenizer(text.build_tiny_tokenizer(), gemma,
-                        {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
-                         "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
-                         "padding_side": "right"})
-        _hub_entry(cache, GEMMA_TOKENIZER_ID, gemma)
     return cache
 
 
@@ -225,7 +213,7 @@ def write_t5_tokenizer(tokenizer, dest: str) -> None:
     os.replace(tmp, dest)
 
 
-def _hub_entry(cache: str, model_id: str, source: str) -> None:
+def hub_entry(cache: str, model_id: str, source: str) -> None:
     """``source``'s files as ``model_id``'s snapshot in the hub cache layout under ``cache`` (once)."""
     repo = os.path.join(cache, "models--" + model_id.replace("/", "--"))
     snapshot = os.path.join(repo, "snapshots", HUB_REVISION)
@@ -243,7 +231,7 @@ def hub_cache(work: str) -> str:
     tokenizers = tokenizer_cache(work)
     cache = os.path.join(work, "sd-scripts-hub")
     for model_id in (*SD_SCRIPTS_TOKENIZERS, T5_TOKENIZER_ID):
-        _hub_entry(cache, model_id, os.path.join(tokenizers, model_id.replace("/", "_")))
+        hub_entry(cache, model_id, os.path.join(tokenizers, model_id.replace("/", "_")))
     return cache
 
 

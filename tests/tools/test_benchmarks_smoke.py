@@ -734,7 +734,7 @@ def test_gpu_sd_scripts_rows_for_anima_and_lumina(tmp_path, capsys):
         opts = gpu.training_options(name, dry=False)
         start = args.index(opts[0])
         assert args[start:start + len(opts)] == opts and "--timestep_sampling" in opts
-    cache = gpu.sd_scripts_launch.tokenizer_cache(work)
+    cache = gpu.sd_scripts_tokenizers(work)
     # the hub cache layout resolves offline (transformers 4, sd-scripts', then reads the folder; 5 would
     # also ask for the model's config.json), and the folder is the tiny Gemma tokenizer
     found = try_to_load_from_cache("google/gemma-2-2b", "tokenizer_config.json", cache_dir=cache)
