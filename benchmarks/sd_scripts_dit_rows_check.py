@@ -14,7 +14,7 @@ LLM adapter, the Qwen-Image VAE; Lumina 2's Next-DiT, Gemma-2's config, FLUX.1's
 parameters. Its loaders, tokenizers, caching, LoRA and training loop run as on the GPU.
 
 Prints one line per family: ``ok`` with the optimizer steps sd-scripts took (all of them), its
-trainable parameter count, its last average loss (finite) and the loaders that logged a full key
+trainable parameter count (equal to our row's LoRA on the same files), its last average loss (finite) and the loaders that logged a full key
 match (Lumina 2's three load with strict=False), or ``FAILED`` with its last error line; exits 1 if
 one failed, 2 for a folder that is not an sd-scripts checkout.
 """
@@ -36,9 +36,10 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks import dit_weights, gpu, sd_scripts_launch  # noqa: E402
-from library.models.families.anima import tiny  # noqa: E402
+from library.models.families.anima import family_model, tiny  # noqa: E402
 from library.models.families.flux import flux_ae  # noqa: E402
-from library.models.families.lumina import nextdit, text  # noqa: E402
+from library.models.families.lumina import loading, nextdit, text  # noqa: E402
+from networks import lora_anima, lora_lumina  # noqa: E402
 from tools.make_sample_dataset import make_sample_dataset  # noqa: E402
 
 ROWS = {"anima": "anima-lora-b1", "lumina": "lumina-lora-b1"}
@@ -122,12 +123,24 @@ def sd_side_config(family: str, configs: dict) -> dict:
                    "shift_factor": ae["shift_factor"]}}
 
 
+def our_trainable(family: str, files: dict) -> int:
+    """The LoRA parameters our row trains on the same files (rank 16, the transformer only)."""
+    if family == "anima":
+        dit = family_model.load_anima(files["pretrained_model_name_or_path"], qwen3=files["qwen3"], vae=files["vae"],
+                                      t5_tokenizer_path=files["t5_tokenizer_path"]).dit
+        net = lora_anima.create_network(1.0, 16, 16, None, [], dit)
+    else:
+        m = loading.load_lumina(files["pretrained_model_name_or_path"], gemma2=files["gemma2"], ae=files["ae"])
+        net = lora_lumina.create_network(1.0, 16, 16, None, [m.gemma2], m.transformer)
+    return sum(p.numel() for lora in net.unet_loras for p in lora.parameters())
+
+
 def run_row(family: str, sd_scripts: str, python: str, work: str, steps: int) -> str:
     """One family's row through sd-scripts on the CPU; the ``ok`` / ``FAILED`` line."""
     name = ROWS[family]
     files_dir = os.path.join(work, family)
     configs = tiny_configs(family)
-    dit_weights.write_files(files_dir, family, configs=configs, dtype=torch.float32)
+    files = dit_weights.write_files(files_dir, family, configs=configs, dtype=torch.float32)
     data = os.path.dirname(make_sample_dataset(os.path.join(work, "data64"), n_images=4, size=64, repeats=1))
     entry, args = gpu.sd_scripts_args(name, gpu.sd_scripts_files(files_dir, family),
                                       gpu.sd_scripts_tokenizers(work), data, os.path.join(work, f"out-{family}"),
@@ -147,9 +160,10 @@ def run_row(family: str, sd_scripts: str, python: str, work: str, steps: int) ->
     losses = LOSS.findall(p.stderr + p.stdout)
     loss = float(losses[-1]) if losses else math.nan
     matched = set(MATCHED.findall(p.stderr + p.stdout))
-    ok = done == steps and math.isfinite(loss) and FULL_MATCH[family] <= matched
+    ours = our_trainable(family, files)
+    ok = done == steps and math.isfinite(loss) and FULL_MATCH[family] <= matched and out["params"] == ours
     return (f"{'ok' if ok else 'FAILED'} {name}: sd-scripts' {entry} took {done} of {steps} optimizer steps on the "
-            f"CPU, {out['params'] or '?'} trainable parameters, last avr_loss {loss:.4g}; every key matched "
+            f"CPU, {out['params'] or '?'} trainable parameters (ours {ours}), last avr_loss {loss:.4g}; every key matched "
             f"loading {', '.join(sorted(matched)) or 'none'} (needed: {', '.join(sorted(FULL_MATCH[family]))})")
 
 
