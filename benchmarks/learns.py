@@ -82,7 +82,7 @@ from library.models import family  # noqa: E402
 from library.models import flow_family  # noqa: E402
 from library.models import loading  # noqa: E402
 from library.models.families import registry  # noqa: E402
-from library.models.families.anima import weights as anima_weights  # noqa: E402
+from library.models.families.anima.weights import load_dit  # noqa: E402
 from library.models.families.sd3 import sd3_checkpoint  # noqa: E402
 from library.models import sd_checkpoint  # noqa: E402
 from library.models.families.sd_common import tiny_models  # noqa: E402
@@ -176,7 +176,7 @@ def load_bundle(fam: Family, vae: str | None, weights: str | None = None):
         network_options.merge_base_weights(bundle, opts.replace(base_weights=[weights]), logging.getLogger("learns"))
     elif weights:  # FLUX.1, Chroma, Lumina 2, Anima save the transformer alone, in its original layout
         # (Anima's: the released file, keys under ``net.``, read by its own loader)
-        bundle.unet.load_state_dict(anima_weights.load_dit(weights).state_dict() if flow == "anima" else load_file(weights))
+        bundle.unet.load_state_dict(load_dit(weights).state_dict() if flow == "anima" else load_file(weights))
     return bundle
 
 
