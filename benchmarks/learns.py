@@ -137,8 +137,9 @@ FAMILIES = {
     "lumina": Family("tiny-lumina"),
     # Anima: its whole DiT with the LLM adapter (anima_train.py's fine-tune, sd-scripts' defaults:
     # sigmoid sigma sampling, shift 1; every per-part rate the learning rate), its sampler (shift 3,
-    # 30 steps), no CFG. (Trained before as a rank-64 LoRA on every Linear, no anima_train.py then:
-    # ratio 0.864, docs/SAMPLING_VALIDATION.md)
+    # 30 steps), no CFG. Not learned yet: ratio 0.857 (the rank-64 LoRA before it: 0.864); with
+    # "--timestep_sampling shift --discrete_flow_shift 6" 0.553, at 1000 steps 0.523
+    # (docs/SAMPLING_VALIDATION.md: sigma near 1 is drawn rarely at shift 1)
     "anima": Family("tiny-anima", script="anima_train.py"),
 }
 
