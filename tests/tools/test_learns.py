@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -271,7 +272,7 @@ def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     sampler, 2 steps) and its x0 diagnosis on the untrained tiny models: the shapes, one label per
     sample, the same latents from the same seeds and other latents from other seeds (SDXL: its
     pooled embedding and size conditioning)."""
-    fam = next((f for f in learns.FAMILIES.values() if f.model == name), learns.Family(name))  # Anima: train_lora
+    fam = next((f for f in learns.FAMILIES.values() if f.model == name), learns.Family(name))
     bundle = learns.load_bundle(fam, None)
     lat, labels = learns.sample_latents(bundle, 1, "--l 1 --s 2")
     channels = 4 if name in ("tiny-sd15", "tiny-sdxl") else 16
@@ -284,13 +285,31 @@ def test_sampling_and_diagnosis_run_on_the_tiny_models(learns, name):
     assert set(err) == {999, 1} and all(math.isfinite(e) and e > 0 for e in err.values())
 
 
-def test_anima_unit_latents_and_lora_merge(learns, tmp_path):
+def test_anima_unit_latents_fine_tune_and_lora_merge(learns, tmp_path):
     """Anima's VAE written with the training latents' own per-channel statistics gives them mean 0
-    and std 1 in every channel (float64), and a LoRA file the entry script would save is merged
-    into the loaded DiT as W + up down alpha / rank (an independent float64 product)."""
+    and std 1 in every channel (float64); the ``anima`` entry trains through anima_train.py and its
+    saved DiT (the released layout, keys under ``net.``, the adapter inside) is the one sampled; and
+    a LoRA file of the earlier ``anima-lora`` entry is merged into the loaded DiT as
+    W + up down alpha / rank (an independent float64 product)."""
     from safetensors.torch import save_file
+    from library.models.families.anima import weights
 
     fam = learns.FAMILIES["anima"]
+    assert fam.script == "anima_train.py" and fam.args == ()
+    base = learns.load_bundle(fam, None)
+    g = torch.Generator().manual_seed(1)
+    changed = {k: v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+               for k, v in base.unet.state_dict().items()}
+    base.unet.load_state_dict(changed)
+    weights.save_dit(base.unet, str(tmp_path / "full.safetensors"))
+    with safe_open(str(tmp_path / "full.safetensors"), "pt") as f:
+        assert all(k.startswith("net.") for k in f.keys()) and any(k.startswith("net.llm_adapter.") for k in f.keys())
+    loaded = learns.load_bundle(fam, None, str(tmp_path / "full.safetensors")).unet.state_dict()
+    fresh = learns.load_bundle(fam, None).unet.state_dict()  # the built-in itself, not the changed one
+    assert not torch.equal(fresh["blocks.0.mlp.layer1.weight"], changed["blocks.0.mlp.layer1.weight"])
+    assert loaded.keys() == changed.keys() and all(torch.equal(loaded[k], changed[k]) for k in changed)
+
+    fam = learns.EARLIER["anima-lora"]
     base = learns.load_bundle(fam, None)
     folder, _ = learns.write_unit_qwen_vae(base.vae, str(tmp_path / "vae"))
     lat = learns.training_latents(learns.load_bundle(fam, folder).vae).double()
