@@ -295,7 +295,7 @@ def test_anima_unit_latents_fine_tune_and_lora_merge(learns, tmp_path):
     from library.models.families.anima import weights
 
     fam = learns.FAMILIES["anima"]
-    assert fam.script == "anima_train.py" and fam.args == ()
+    assert fam.script == "anima_train.py" and fam.args == ("--timestep_sampling", "shift", "--discrete_flow_shift", "6")
     base = learns.load_bundle(fam, None)
     g = torch.Generator().manual_seed(1)
     changed = {k: v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v
